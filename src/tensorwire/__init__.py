@@ -1,0 +1,1 @@
+"""tensorwire: collective communication for distributed AI and HPC."""

@@ -1,0 +1,80 @@
+"""All `TENSORWIRE_*` settings, read in one place (see docs/configuration.md for the table).
+
+Keyword arguments of `init()` win over the environment; the environment wins over defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env_float(name, default))
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '64KiB', '1M', '2G' -> bytes (binary multiples, as nccl-tests reads them)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    if mult != 1:
+        t = t[:-1]
+    try:
+        return int(float(t) * mult)
+    except ValueError as exc:
+        raise ValueError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from exc
+
+
+@dataclass(frozen=True)
+class Config:
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any blocking call waits before raising TimeoutError (TENSORWIRE_TIMEOUT)."""
+    transport: str = "auto"
+    """'auto' (shared memory within a host, TCP across), or 'tcp' to force TCP (TENSORWIRE_TRANSPORT)."""
+    socket_ifname: str = ""
+    """NCCL-style interface filter: 'eth0,ib' prefixes, '^docker,lo' exclusions, '=eth0' exact."""
+    shm_ring_bytes: int = 4 << 20
+    """Capacity of each directed shared-memory ring (TENSORWIRE_SHM_RING)."""
+    tcp_chunk_bytes: int = 1 << 20
+    """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
+    ring_threshold_bytes: int = 256 << 10
+    """all_reduce switches from recursive doubling to ring at this size (TENSORWIRE_RING_THRESHOLD)."""
+    algo: str = ""
+    """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
+    spin_us: float = 50.0
+    """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US)."""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Config:
+        cfg = cls(
+            timeout=_env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
+            transport=os.environ.get("TENSORWIRE_TRANSPORT", "auto").strip().lower() or "auto",
+            socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
+            shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
+            tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
+            ring_threshold_bytes=parse_size(os.environ.get("TENSORWIRE_RING_THRESHOLD", str(256 << 10))),
+            algo=os.environ.get("TENSORWIRE_ALGO", ""),
+            spin_us=_env_float("TENSORWIRE_SPIN_US", 50.0),
+        )
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        cfg = replace(cfg, **clean) if clean else cfg
+        if cfg.transport not in ("auto", "tcp", "shm"):
+            raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
+        if cfg.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {cfg.timeout}")
+        if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
+            raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
+        return cfg

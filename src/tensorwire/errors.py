@@ -1,0 +1,45 @@
+"""The one exception hierarchy of tensorwire.
+
+Every message names the rank that raised it and, where there is one, the collective, its
+sequence number and what was wrong, so a log line from any rank is enough to find the fault.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+
+class TensorwireError(RuntimeError):
+    """Base of every error tensorwire raises on purpose."""
+
+
+class NotInitializedError(TensorwireError):
+    """A call needs `tensorwire.init()` first."""
+
+
+class InvalidArgumentError(TensorwireError, ValueError):
+    """Bad input detected locally before anything was sent (rank, root, buffer, op/dtype)."""
+
+
+class TimeoutError(TensorwireError, builtins.TimeoutError):  # noqa: A001 - deliberate, see hierarchy
+    """A blocking call did not finish within its timeout; the message names whom it waited for."""
+
+
+class PeerLostError(TensorwireError, ConnectionError):
+    """A peer's connection closed or its process vanished while we needed it."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class CollectiveMismatchError(TensorwireError):
+    """Ranks disagree on which collective they call, or on its count, dtype, op or root."""
+
+
+class RendezvousError(TensorwireError):
+    """Bootstrapping failed: store unreachable, port in use, wrong world size, duplicate rank."""
+
+
+class AbortedError(TensorwireError):
+    """The group was aborted (by an error detected on another rank, or by `abort()`)."""

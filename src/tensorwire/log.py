@@ -1,0 +1,61 @@
+"""NCCL-style debug logging: TENSORWIRE_DEBUG=WARN|INFO|TRACE, TENSORWIRE_DEBUG_SUBSYS=INIT,COLL,...
+
+Subsystems are child loggers of `tensorwire` (tensorwire.INIT, tensorwire.TRANSPORT, ...), so the
+standard `logging` machinery also works for users who configure it themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "ENV", "LAUNCH", "BENCH")
+_LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
+           "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG}
+_configured = False
+
+
+class _RankFilter(logging.Filter):
+    rank = "?"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.twrank = self.rank
+        return True
+
+
+_rank_filter = _RankFilter()
+
+
+def set_rank(rank: int) -> None:
+    """Stamp later log lines with this process's world rank."""
+    _rank_filter.rank = str(rank)
+
+
+def configure() -> None:
+    """Attach a stderr handler according to TENSORWIRE_DEBUG; idempotent."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    level_name = os.environ.get("TENSORWIRE_DEBUG", "").strip().upper()
+    root = logging.getLogger("tensorwire")
+    if not level_name:
+        return
+    root.setLevel(_LEVELS.get(level_name, logging.INFO))
+    handler = logging.StreamHandler()
+    host = socket.gethostname()
+    handler.setFormatter(logging.Formatter(
+        f"{host}:%(process)d:rank %(twrank)s [tensorwire %(levelname)s %(name)s] %(message)s"))
+    handler.addFilter(_rank_filter)
+    subsys = {s.strip().upper() for s in os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "ALL").split(",")}
+    if "ALL" not in subsys:
+        excluded = {s[1:] for s in subsys if s.startswith("^")}
+        included = {s for s in subsys if not s.startswith("^")} or set(SUBSYSTEMS)
+        wanted = included - excluded
+        handler.addFilter(lambda r: r.name.rsplit(".", 1)[-1] in wanted)
+    root.addHandler(handler)
+
+
+def get(subsys: str) -> logging.Logger:
+    return logging.getLogger(f"tensorwire.{subsys}")
