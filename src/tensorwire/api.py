@@ -1,0 +1,163 @@
+"""Module-level API with torch.distributed's names: `init`, `all_reduce(x)`, `new_group`, ...
+
+Every function takes `group=None` (the world) and forwards to that Group's method, so the
+module-level call and the method are one implementation.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from . import log
+from .config import Config
+from .errors import NotInitializedError
+from .group import Group
+from .rendezvous import bootstrap
+from .rendezvous.store import PrefixStore
+from .runtime import Runtime
+from .transport import netif
+from .transport.connect import connect_world
+
+_runtime: Runtime | None = None
+_generation = 0
+_lock = threading.Lock()
+_log = log.get("INIT")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def init(rank: int | None = None, world_size: int | None = None, init_method: str | None = None, *,
+         timeout: float | None = None, transport: str | None = None, socket_ifname: str | None = None,
+         store: Any = None) -> Group:
+    """Join the job and connect to every peer; returns the world group.
+
+    Without arguments, reads the launcher's environment (tensorwire run, torchrun, mpirun,
+    Slurm); `init_method` is 'tcp://host:port', 'file:///path' or 'env://'. `timeout` (seconds,
+    default TENSORWIRE_TIMEOUT or 300) bounds initialisation and every later blocking call.
+    `store` lets an integration (the torch backend) pass a store it already has.
+    """
+    global _runtime, _generation
+    log.configure()
+    with _lock:
+        if _runtime is not None:
+            raise RuntimeError(f"tensorwire is already initialized (rank {_runtime.rank}); call "
+                               f"destroy() first")
+        cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname)
+        deadline = time.monotonic() + cfg.timeout
+        info = bootstrap.detect(rank, world_size, init_method)
+        log.set_rank(info.rank)
+        _generation += 1
+        root_store = store
+        if root_store is None and info.world_size > 1:
+            root_store = bootstrap.create_store(info, cfg.timeout)
+        address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port)
+        scoped = PrefixStore(f"tw/g{_generation}", root_store) if root_store is not None else None
+        _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
+                  info.world_size, info.source, info.init_method, address, cfg.transport)
+        try:
+            engine = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id, address, deadline)
+        except BaseException:
+            if root_store is not None and store is None:
+                root_store.close()
+            raise
+        runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
+                          engine)
+        runtime.world = Group(runtime, range(info.world_size), 0, "world")
+        _runtime = runtime
+    return runtime.world  # type: ignore[return-value]
+
+
+def destroy() -> None:
+    """Close every connection and forget the world; `init()` may be called again."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is not None:
+        runtime.close()
+
+
+atexit.register(destroy)
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def _require(what: str = "this call") -> Runtime:
+    if _runtime is None:
+        raise NotInitializedError(f"{what} needs tensorwire.init() first (no process group exists)")
+    return _runtime
+
+
+def world() -> Group:
+    return _require("world()").world  # type: ignore[return-value]
+
+
+def get_rank(group: Group | None = None) -> int:
+    return world().rank if group is None else group.rank
+
+
+def get_world_size(group: Group | None = None) -> int:
+    return world().size if group is None else group.size
+
+
+def config() -> Config:
+    return _require("config()").config
+
+
+def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
+    """A group of world ranks; every process must call it (non-members get rank -1)."""
+    return _require("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
+
+
+def split(color: int | None, key: int = 0, group: Group | None = None) -> Group | None:
+    """MPI_Comm_split over `group` (default: the world)."""
+    return _group(group, "split").split(color, key)
+
+
+def _group(group: Group | None, what: str) -> Group:
+    if group is None:
+        return _require(what).world  # type: ignore[return-value]
+    _require(what)
+    return group
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    method = getattr(Group, name)
+
+    @functools.wraps(method)
+    def call(*args: Any, group: Group | None = None, **kwargs: Any) -> Any:
+        return getattr(_group(group, name), name)(*args, **kwargs)
+
+    call.__doc__ = (method.__doc__ or "") + "\n\n`group=None` means the world group."
+    return call
+
+
+all_reduce = _forward("all_reduce")
+reduce = _forward("reduce")
+broadcast = _forward("broadcast")
+all_gather = _forward("all_gather")
+all_gather_into_tensor = _forward("all_gather_into_tensor")
+all_gatherv = _forward("all_gatherv")
+gather = _forward("gather")
+gatherv = _forward("gatherv")
+scatter = _forward("scatter")
+scatterv = _forward("scatterv")
+reduce_scatter = _forward("reduce_scatter")
+reduce_scatter_tensor = _forward("reduce_scatter_tensor")
+reduce_scatterv = _forward("reduce_scatterv")
+all_to_all = _forward("all_to_all")
+all_to_all_single = _forward("all_to_all_single")
+barrier = _forward("barrier")
+send = _forward("send")
+recv = _forward("recv")
+isend = _forward("isend")
+irecv = _forward("irecv")
+all_gather_object = _forward("all_gather_object")
+gather_object = _forward("gather_object")
+broadcast_object_list = _forward("broadcast_object_list")
+scatter_object_list = _forward("scatter_object_list")

@@ -1,0 +1,238 @@
+"""Zero-copy numpy views of whatever the user hands a collective.
+
+Collectives write their results into the user's memory, so every adapter here must return a
+view that shares it; where that is impossible (non-contiguous, read-only, on a GPU) we raise
+and say what to do instead rather than silently copying and losing the result.
+torch and ml_dtypes are recognised without importing them; they are imported only when an
+object of theirs is actually passed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .ops import SUPPORTED_NUMS, check_dtype, is_supported_dtype
+
+__all__ = ["as_array", "flat", "byte_view", "like_torch", "is_torch_tensor", "torch_dtype_to_numpy"]
+
+
+def _where(rank: int, collective: str) -> str:
+    return f"rank {rank}, {collective}: "
+
+
+def as_array(obj: Any, *, writable: bool, rank: int, collective: str, name: str = "tensor") -> np.ndarray:
+    """A C-contiguous numpy view of `obj`'s memory (any shape, 0-d and empty included).
+
+    Accepts numpy arrays, CPU torch tensors, buffer-protocol objects (bytearray, memoryview,
+    array.array, ...) and DLPack producers. `writable=True` is for outputs: read-only memory
+    is refused there because the result could not reach the caller.
+    """
+    if type(obj) is np.ndarray:
+        flags = obj.flags  # the hot path: a few attribute reads, no calls
+        if flags.c_contiguous and (flags.writeable or not writable):
+            dt = obj.dtype
+            if dt.num in SUPPORTED_NUMS and dt.isnative:
+                return obj
+        arr = obj
+    elif isinstance(obj, np.ndarray):
+        arr = obj.view(np.ndarray)  # drop subclass behaviour (np.matrix, masked) without copying
+    elif is_torch_tensor(obj):
+        return _from_torch(obj, rank, collective, name)
+    else:
+        arr = _from_foreign(obj, writable, rank, collective, name)
+    if not arr.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"{_where(rank, collective)}{name} is not C-contiguous (shape {arr.shape}, "
+            f"strides {arr.strides}); pass np.ascontiguousarray(x) and, for an output, copy the result back"
+        )
+    if writable and not arr.flags.writeable:
+        raise InvalidArgumentError(
+            f"{_where(rank, collective)}{name} is read-only but {collective} writes its result into it; "
+            "pass a writable array (e.g. x.copy())"
+        )
+    if not is_supported_dtype(arr.dtype):
+        check_dtype(arr.dtype, rank=rank, collective=collective, name=name)
+    return arr
+
+
+def _from_foreign(obj: Any, writable: bool, rank: int, collective: str, name: str) -> np.ndarray:
+    """Buffer protocol first (always host memory, exact format), then DLPack."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        view = None
+    if view is not None:
+        if writable and view.readonly:
+            raise InvalidArgumentError(
+                f"{_where(rank, collective)}{name} ({type(obj).__name__}) is read-only but {collective} "
+                "writes its result into it; pass a bytearray or a writable array"
+            )
+        if not view.c_contiguous:
+            raise InvalidArgumentError(
+                f"{_where(rank, collective)}{name} ({type(obj).__name__}) is not C-contiguous"
+            )
+        try:
+            return np.asarray(view)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            raise InvalidArgumentError(
+                f"{_where(rank, collective)}{name} ({type(obj).__name__}) has buffer format "
+                f"{view.format!r} that numpy cannot read: {exc}"
+            ) from None
+    if hasattr(obj, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"{_where(rank, collective)}{name} ({type(obj).__name__}) cannot be viewed through DLPack "
+                f"as host memory ({exc}); move it to the CPU first"
+            ) from None
+        return arr
+    raise InvalidArgumentError(
+        f"{_where(rank, collective)}{name} of type {type(obj).__module__}.{type(obj).__qualname__} is not "
+        "supported (pass a numpy array, a CPU torch tensor, or an object with the buffer protocol or DLPack)"
+    )
+
+
+# --------------------------------------------------------------------------- torch
+
+def is_torch_tensor(obj: Any) -> bool:
+    """True for torch.Tensor and its subclasses (nn.Parameter, ...), without importing torch."""
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None) if torch is not None else None
+    return tensor_type is not None and isinstance(obj, tensor_type)
+
+
+# torch dtype name -> (numpy dtype torch can export, ml_dtypes name to view it as, or None)
+_TORCH_VIA: dict[str, tuple[str, str | None]] = {
+    "torch.bfloat16": ("int16", "bfloat16"),
+    "torch.float8_e4m3fn": ("uint8", "float8_e4m3fn"),
+    "torch.float8_e5m2": ("uint8", "float8_e5m2"),
+    "torch.float8_e4m3fnuz": ("uint8", "float8_e4m3fnuz"),
+    "torch.float8_e5m2fnuz": ("uint8", "float8_e5m2fnuz"),
+    "torch.float8_e8m0fnu": ("uint8", "float8_e8m0fnu"),
+}
+_TORCH_NATIVE = {
+    "torch.bool", "torch.uint8", "torch.int8", "torch.int16", "torch.int32", "torch.int64",
+    "torch.uint16", "torch.uint32", "torch.uint64", "torch.float16", "torch.float32", "torch.float64",
+    "torch.complex64", "torch.complex128",
+}
+
+
+def _ml_dtype(name: str) -> np.dtype | None:
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    scalar = getattr(ml_dtypes, name, None)
+    return None if scalar is None else np.dtype(scalar)
+
+
+def torch_dtype_to_numpy(tdtype: Any) -> np.dtype | None:
+    """The numpy dtype holding a torch dtype's values, or None when there is none."""
+    key = str(tdtype)
+    if key in _TORCH_NATIVE:
+        return np.dtype(key.removeprefix("torch."))
+    via = _TORCH_VIA.get(key)
+    return None if via is None or via[1] is None else _ml_dtype(via[1])
+
+
+def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
+    """Checks cheapest first (~2 µs in all; `.numpy()` itself is half of it)."""
+    where = _where(rank, collective)
+    if not t.is_cpu:
+        raise InvalidArgumentError(
+            f"{where}{name} is on {t.device}; tensorwire moves host memory only: pass t.cpu() and copy "
+            "the result back (or use the NCCL backend for device tensors)"
+        )
+    if not t.is_contiguous():
+        if str(t.layout) != "torch.strided":
+            raise InvalidArgumentError(f"{where}{name} has layout {t.layout}; only dense tensors work")
+        raise InvalidArgumentError(
+            f"{where}{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass "
+            "t.contiguous() and, for an output, copy the result back"
+        )
+    tdtype = t.dtype
+    via = _torch_via_cache.get(tdtype, _MISSING)
+    if via is _MISSING:
+        via = _torch_via(tdtype)
+        _torch_via_cache[tdtype] = via
+    if isinstance(via, str):
+        raise InvalidArgumentError(f"{where}{name} {via}")
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        if via is None:
+            return t.numpy()
+        return t.view(via[0]).numpy().view(via[1])
+    except (RuntimeError, TypeError) as exc:
+        if str(t.layout) != "torch.strided":
+            why = f"has layout {t.layout}; only dense (strided) tensors work"
+        elif t.is_conj() or t.is_neg():
+            why = "has a lazy conjugate/negative bit; pass t.resolve_conj().resolve_neg()"
+        else:
+            why = f"({tdtype}) cannot be viewed as numpy: {exc}"
+        raise InvalidArgumentError(f"{where}{name} {why}") from None
+
+
+_MISSING: Any = object()
+# torch dtype -> None (t.numpy() works), (torch view dtype, numpy dtype), or an error text.
+_torch_via_cache: dict[Any, Any] = {}
+
+
+def _torch_via(tdtype: Any) -> tuple[Any, np.dtype] | str | None:
+    key = str(tdtype)
+    if key in _TORCH_NATIVE:
+        return None
+    via = _TORCH_VIA.get(key)
+    if via is None:
+        return f"has unsupported torch dtype {key}"
+    np_dtype = _ml_dtype(via[1]) if via[1] is not None else None
+    if np_dtype is None:
+        return f"is {key}, which needs the ml_dtypes package (pip install ml_dtypes)"
+    import torch
+
+    return getattr(torch, via[0]), np_dtype
+
+
+def like_torch(template: Any, array: np.ndarray) -> Any:
+    """`array` as a CPU torch tensor of `template`'s dtype, sharing memory (for out-of-place results)."""
+    import torch
+
+    key = str(template.dtype)
+    if key in _TORCH_NATIVE:
+        expected = np.dtype(key.removeprefix("torch."))
+        via = None
+    else:
+        via = _TORCH_VIA.get(key)
+        expected = torch_dtype_to_numpy(template.dtype) if via is not None else None
+    if expected is None or array.dtype != expected:
+        raise InvalidArgumentError(
+            f"like_torch: cannot wrap a {array.dtype} array as {key} without a copy"
+        )
+    if via is None:
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(via[0])).view(template.dtype)
+
+
+# --------------------------------------------------------------------------- views
+
+def flat(arr: np.ndarray) -> np.ndarray:
+    """1-D view of a C-contiguous array (0-d becomes length 1); never a copy."""
+    if not arr.flags.c_contiguous:  # reshape would silently copy
+        raise InvalidArgumentError(f"flat: array with strides {arr.strides} is not C-contiguous")
+    return arr if arr.ndim == 1 else arr.reshape(-1)
+
+
+_U8 = np.dtype(np.uint8)  # viewing with a dtype object is twice as fast as with the type
+
+
+def byte_view(arr: np.ndarray) -> np.ndarray:
+    """uint8 1-D view of the same memory, which is all a transport needs to see."""
+    if not arr.flags.c_contiguous:
+        raise InvalidArgumentError(f"byte_view: array with strides {arr.strides} is not C-contiguous")
+    f = arr if arr.ndim == 1 else arr.reshape(-1)
+    return f if f.dtype is _U8 else f.view(_U8)

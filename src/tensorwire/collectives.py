@@ -1,0 +1,488 @@
+"""Every collective as a method of Group: check arguments, fingerprint, pick an algorithm, run.
+
+Arguments are checked on the calling rank before anything is sent; an error aborts the group
+so the other ranks raise it too rather than wait for a rank that will never come. Disagreements
+only visible across ranks (collective, count, dtype, op, root) travel in every message's
+fingerprint and are caught by the receiver before payload reaches a user buffer.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import tuner
+from .algorithms.base import blocks_of
+from .algorithms.direct import dissemination_barrier, direct_gather, direct_scatter, pairwise_all_to_all
+from .algorithms.ring import ring_all_gather_blocks, ring_reduce_scatter
+from .algorithms.tree import binomial_broadcast, binomial_reduce
+from .buffers import as_array, byte_view
+from .errors import InvalidArgumentError
+from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
+from .transport.wire import Coll, Fingerprint
+
+if TYPE_CHECKING:
+    from .group import CollectiveCall, Group
+
+
+class Collectives:
+    """Mixed into Group; `self` is always a Group."""
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _arr(self: Group, obj: Any, what: str, *, writable: bool, name: str = "tensor") -> np.ndarray:
+        try:
+            return as_array(obj, writable=writable, rank=self.runtime.rank, collective=what, name=name)
+        except InvalidArgumentError as exc:
+            self.fail_fast(exc)
+            raise  # unreachable: fail_fast raises
+
+    def _invalid(self: Group, what: str, message: str) -> None:
+        self.fail_fast(InvalidArgumentError(f"rank {self.runtime.rank}: {what}: {message}"))
+
+    def _root(self: Group, root: int, what: str, name: str) -> int:
+        self._check_member(what)
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            self._invalid(what, f"{name}={root} is out of range for group {self.name} of size {self.size}")
+        return int(root)
+
+    def _reduction(self: Group, op: Any, dtype: np.dtype, what: str) -> Reduction:
+        try:
+            red = as_reduction(op)
+            check_op_dtype(red, dtype, rank=self.runtime.rank, collective=what)
+        except InvalidArgumentError as exc:
+            self.fail_fast(exc)
+        except (ValueError, TypeError) as exc:
+            self.fail_fast(InvalidArgumentError(f"rank {self.runtime.rank}: {what}: {exc}"))
+        return red
+
+    def _same_dtype(self: Group, arrays: Sequence[np.ndarray], what: str) -> np.dtype:
+        dtypes = {a.dtype for a in arrays}
+        if len(dtypes) > 1:
+            self._invalid(what, f"all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        return arrays[0].dtype
+
+    def _list(self: Group, objs: Sequence[Any] | None, what: str, name: str, *, writable: bool,
+              like: np.ndarray | None = None, counts: Sequence[int] | None = None) -> list[np.ndarray]:
+        if objs is None or len(objs) != self.size:
+            got = "None" if objs is None else str(len(objs))
+            self._invalid(what, f"{name} must hold one tensor per rank ({self.size}), got {got}")
+        arrays = [self._arr(o, what, writable=writable, name=f"{name}[{i}]") for i, o in enumerate(objs)]
+        if like is not None:
+            self._same_dtype([like, *arrays], what)
+        for i, a in enumerate(arrays):
+            want = like.size if counts is None else counts[i]
+            if like is not None and a.size != want:
+                self._invalid(what, f"{name}[{i}] has {a.size} elements, expected {want}")
+        return arrays
+
+    @staticmethod
+    def _fp(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None = None, root: int = -1,
+            count: int = -1) -> Fingerprint:
+        return Fingerprint(coll, dtype_code(dtype) if dtype is not None else 0,
+                           int(op.op) if op is not None else 0, root, count)
+
+    def _go(self: Group, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
+            async_op: bool, timeout: float | None) -> Any:
+        return self._submit(fp, what, body, async_op, timeout)
+
+    # -- reductions -------------------------------------------------------------------------------
+    def all_reduce(self: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = None,
+                   async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce `tensor` over the group; in place, or into `out` leaving `tensor` untouched."""
+        what = "all_reduce"
+        self._check_member(what)
+        src = self._arr(tensor, what, writable=out is None)
+        dst = src if out is None else self._arr(out, what, writable=True, name="out")
+        if dst is not src and (dst.dtype != src.dtype or dst.size != src.size):
+            self._invalid(what, f"out has {dst.size} x {dst.dtype}, tensor {src.size} x {src.dtype}")
+        red = self._reduction(op, src.dtype, what)
+
+        def body(call: CollectiveCall) -> Any:
+            flat = dst.reshape(-1)
+            if dst is not src:
+                np.copyto(flat, src.reshape(-1))
+            if self.size > 1 and flat.size:
+                tuner.all_reduce(self.runtime.config, call, flat, red.op)
+            finalize(flat, red, self.size)
+            return out if out is not None else tensor
+
+        return self._go(self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size), what, body,
+                        async_op, timeout)
+
+    def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
+               async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce onto rank `dst` (in place, or into `out` there); other ranks' inputs are kept."""
+        what = "reduce"
+        root = self._root(dst, what, "dst")
+        src = self._arr(tensor, what, writable=out is None and self.rank == root)
+        target = src
+        if self.rank == root and out is not None:
+            target = self._arr(out, what, writable=True, name="out")
+            if target.dtype != src.dtype or target.size != src.size:
+                self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {src.size} x {src.dtype}")
+        red = self._reduction(op, src.dtype, what)
+
+        def body(call: CollectiveCall) -> Any:
+            data = src.reshape(-1)
+            acc = target.reshape(-1) if self.rank == root else np.empty_like(data)
+            binomial_reduce(call, data, acc, red.op, root)
+            if self.rank == root:
+                finalize(acc, red, self.size)
+            return out if (out is not None and self.rank == root) else tensor
+
+        return self._go(self._fp(Coll.REDUCE, src.dtype, red, root, src.size), what, body, async_op, timeout)
+
+    def reduce_scatter(self: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
+                       async_op: bool = False, timeout: float | None = None) -> Any:
+        """Rank r gets the reduction of everybody's input_list[r]."""
+        what = "reduce_scatter"
+        self._check_member(what)
+        out = self._arr(output, what, writable=True, name="output")
+        blocks = self._list(input_list, what, "input_list", writable=False, like=out)
+        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTER)
+
+    def reduce_scatter_tensor(self: Group, output: Any, input: Any, op: Any = ReduceOp.SUM, *,
+                              async_op: bool = False, timeout: float | None = None) -> Any:
+        """Single-tensor form: `input` is size x output.numel(), rank r gets block r reduced."""
+        what = "reduce_scatter_tensor"
+        self._check_member(what)
+        out = self._arr(output, what, writable=True, name="output")
+        inp = self._arr(input, what, writable=False, name="input")
+        self._same_dtype([out, inp], what)
+        if inp.size != out.size * self.size:
+            self._invalid(what, f"input has {inp.size} elements, expected size x output = "
+                                f"{self.size} x {out.size}")
+        blocks = blocks_of(inp.reshape(-1), [out.size] * self.size)
+        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTER)
+
+    def reduce_scatterv(self: Group, output: Any, input: Any, counts: Sequence[int], op: Any = ReduceOp.SUM,
+                        *, async_op: bool = False, timeout: float | None = None) -> Any:
+        """Vector form: rank r gets `counts[r]` reduced elements; `input` holds sum(counts)."""
+        what = "reduce_scatterv"
+        self._check_member(what)
+        counts = self._counts(counts, what)
+        out = self._arr(output, what, writable=True, name="output")
+        inp = self._arr(input, what, writable=False, name="input")
+        self._same_dtype([out, inp], what)
+        if inp.size != sum(counts) or out.size != counts[self.rank]:
+            self._invalid(what, f"input has {inp.size} elements (want sum(counts)={sum(counts)}), output "
+                                f"{out.size} (want counts[{self.rank}]={counts[self.rank]})")
+        blocks = blocks_of(inp.reshape(-1), counts)
+        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTERV)
+
+    def _reduce_scatter(self: Group, what: str, output: Any, out: np.ndarray, blocks: list[np.ndarray],
+                        op: Any, async_op: bool, timeout: float | None, coll: Coll) -> Any:
+        red = self._reduction(op, out.dtype, what)
+        count = out.size if coll == Coll.REDUCE_SCATTER else -1
+
+        def body(call: CollectiveCall) -> Any:
+            work = [b.reshape(-1).copy() for b in blocks]
+            ring_reduce_scatter(call, work, red.op)
+            flat = out.reshape(-1)
+            np.copyto(flat, work[self.rank])
+            finalize(flat, red, self.size)
+            return output
+
+        return self._go(self._fp(coll, out.dtype, red, count=count), what, body, async_op, timeout)
+
+    # -- data movement ------------------------------------------------------------------------------
+    def broadcast(self: Group, tensor: Any, src: int = 0, *, out: Any = None, async_op: bool = False,
+                  timeout: float | None = None) -> Any:
+        """Rank `src`'s tensor to everyone: in place, or into `out` (then `tensor` is only read)."""
+        what = "broadcast"
+        root = self._root(src, what, "src")
+        data = self._arr(tensor, what, writable=out is None and self.rank != root)
+        target = data if out is None else self._arr(out, what, writable=True, name="out")
+        if target is not data and (target.dtype != data.dtype or target.size != data.size):
+            self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {data.size} x {data.dtype}")
+
+        def body(call: CollectiveCall) -> Any:
+            if self.rank == root and target is not data:
+                np.copyto(target.reshape(-1), data.reshape(-1))
+            binomial_broadcast(call, target.reshape(-1), root)
+            return tensor if out is None else out
+
+        fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
+        return self._go(fp, what, body, async_op, timeout)
+
+    def all_gather(self: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
+                   timeout: float | None = None) -> Any:
+        """tensor_list[r] receives rank r's tensor (list form; no staging copy)."""
+        what = "all_gather"
+        self._check_member(what)
+        inp = self._arr(tensor, what, writable=False)
+        outs = self._list(tensor_list, what, "tensor_list", writable=True, like=inp)
+        return self._all_gather(what, tensor_list, inp, outs, async_op, timeout, Coll.ALL_GATHER, inp.size)
+
+    def all_gather_into_tensor(self: Group, output: Any, input: Any, *, async_op: bool = False,
+                               timeout: float | None = None) -> Any:
+        """Single-tensor form: output is size x input, rank r's input lands in block r."""
+        what = "all_gather_into_tensor"
+        self._check_member(what)
+        inp = self._arr(input, what, writable=False, name="input")
+        out = self._arr(output, what, writable=True, name="output")
+        self._same_dtype([out, inp], what)
+        if out.size != inp.size * self.size:
+            self._invalid(what, f"output has {out.size} elements, expected size x input = "
+                                f"{self.size} x {inp.size}")
+        outs = blocks_of(out.reshape(-1), [inp.size] * self.size)
+        return self._all_gather(what, output, inp, outs, async_op, timeout, Coll.ALL_GATHER, inp.size)
+
+    def all_gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False,
+                    timeout: float | None = None) -> Any:
+        """Vector form: rank r contributes counts[r] elements; output holds sum(counts)."""
+        what = "all_gatherv"
+        self._check_member(what)
+        counts = self._counts(counts, what)
+        inp = self._arr(input, what, writable=False, name="input")
+        out = self._arr(output, what, writable=True, name="output")
+        self._same_dtype([out, inp], what)
+        if inp.size != counts[self.rank] or out.size != sum(counts):
+            self._invalid(what, f"input has {inp.size} elements (want counts[{self.rank}]="
+                                f"{counts[self.rank]}), output {out.size} (want sum(counts)={sum(counts)})")
+        outs = blocks_of(out.reshape(-1), counts)
+        return self._all_gather(what, output, inp, outs, async_op, timeout, Coll.ALL_GATHERV, -1)
+
+    def _all_gather(self: Group, what: str, result: Any, inp: np.ndarray, outs: list[np.ndarray],
+                    async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
+        def body(call: CollectiveCall) -> Any:
+            mine = outs[self.rank].reshape(-1)
+            if mine.ctypes.data != inp.ctypes.data or mine.size != inp.size:
+                np.copyto(mine, inp.reshape(-1))
+            ring_all_gather_blocks(call, [o.reshape(-1) for o in outs])
+            return result
+
+        return self._go(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
+
+    def gather(self: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
+               async_op: bool = False, timeout: float | None = None) -> Any:
+        """gather_list (on rank dst only) receives every rank's tensor."""
+        what = "gather"
+        root = self._root(dst, what, "dst")
+        inp = self._arr(tensor, what, writable=False)
+        outs = None
+        if self.rank == root:
+            outs = self._list(gather_list, what, "gather_list", writable=True, like=inp)
+
+        def body(call: CollectiveCall) -> Any:
+            direct_gather(call, inp.reshape(-1), None if outs is None else [o.reshape(-1) for o in outs],
+                          root)
+            return gather_list
+
+        return self._go(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
+                        async_op, timeout)
+
+    def scatter(self: Group, tensor: Any, scatter_list: Sequence[Any] | None = None, src: int = 0, *,
+                async_op: bool = False, timeout: float | None = None) -> Any:
+        """Rank r's tensor receives scatter_list[r] of rank src."""
+        what = "scatter"
+        root = self._root(src, what, "src")
+        out = self._arr(tensor, what, writable=True)
+        ins = None
+        if self.rank == root:
+            ins = self._list(scatter_list, what, "scatter_list", writable=False, like=out)
+
+        def body(call: CollectiveCall) -> Any:
+            direct_scatter(call, None if ins is None else [i.reshape(-1) for i in ins], out.reshape(-1), root)
+            return tensor
+
+        return self._go(self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size), what, body,
+                        async_op, timeout)
+
+    def gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], dst: int = 0, *,
+                async_op: bool = False, timeout: float | None = None) -> Any:
+        """Vector gather: rank r sends counts[r] elements; `output` (rank dst) holds sum(counts)."""
+        what = "gatherv"
+        root = self._root(dst, what, "dst")
+        counts = self._counts(counts, what)
+        inp = self._arr(input, what, writable=False, name="input")
+        if inp.size != counts[self.rank]:
+            self._invalid(what, f"input has {inp.size} elements, counts[{self.rank}]={counts[self.rank]}")
+        outs = None
+        if self.rank == root:
+            out = self._arr(output, what, writable=True, name="output")
+            self._same_dtype([out, inp], what)
+            if out.size != sum(counts):
+                self._invalid(what, f"output has {out.size} elements, sum(counts)={sum(counts)}")
+            outs = blocks_of(out.reshape(-1), counts)
+
+        def body(call: CollectiveCall) -> Any:
+            direct_gather(call, inp.reshape(-1), outs, root)
+            return output
+
+        return self._go(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
+
+    def scatterv(self: Group, output: Any, input: Any, counts: Sequence[int], src: int = 0, *,
+                 async_op: bool = False, timeout: float | None = None) -> Any:
+        """Vector scatter: rank r receives counts[r] elements of rank src's `input`."""
+        what = "scatterv"
+        root = self._root(src, what, "src")
+        counts = self._counts(counts, what)
+        out = self._arr(output, what, writable=True, name="output")
+        if out.size != counts[self.rank]:
+            self._invalid(what, f"output has {out.size} elements, counts[{self.rank}]={counts[self.rank]}")
+        ins = None
+        if self.rank == root:
+            inp = self._arr(input, what, writable=False, name="input")
+            self._same_dtype([out, inp], what)
+            if inp.size != sum(counts):
+                self._invalid(what, f"input has {inp.size} elements, sum(counts)={sum(counts)}")
+            ins = blocks_of(inp.reshape(-1), counts)
+
+        def body(call: CollectiveCall) -> Any:
+            direct_scatter(call, ins, out.reshape(-1), root)
+            return output
+
+        return self._go(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
+
+    def all_to_all(self: Group, output_list: Sequence[Any], input_list: Sequence[Any], *,
+                   async_op: bool = False, timeout: float | None = None) -> Any:
+        """output_list[r] receives rank r's input_list[this rank]; sizes may differ per pair."""
+        what = "all_to_all"
+        self._check_member(what)
+        ins = self._list(input_list, what, "input_list", writable=False)
+        outs = self._list(output_list, what, "output_list", writable=True)
+        dtype = self._same_dtype(ins + outs, what)
+        return self._all_to_all(what, output_list, ins, outs, dtype, async_op, timeout, Coll.ALL_TO_ALLV, -1)
+
+    def all_to_all_single(self: Group, output: Any, input: Any,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False,
+                          timeout: float | None = None) -> Any:
+        """Split sizes count rows of dim 0 (as torch does); without them, equal blocks."""
+        what = "all_to_all_single"
+        self._check_member(what)
+        inp = self._arr(input, what, writable=False, name="input")
+        out = self._arr(output, what, writable=True, name="output")
+        dtype = self._same_dtype([inp, out], what)
+        ins = self._split(inp, input_split_sizes, what, "input")
+        outs = self._split(out, output_split_sizes, what, "output")
+        even = input_split_sizes is None and output_split_sizes is None
+        coll, count = (Coll.ALL_TO_ALL, inp.size) if even else (Coll.ALL_TO_ALLV, -1)
+        return self._all_to_all(what, output, ins, outs, dtype, async_op, timeout, coll, count)
+
+    def _split(self: Group, arr: np.ndarray, sizes: Sequence[int] | None, what: str,
+               name: str) -> list[np.ndarray]:
+        rows = arr.shape[0] if arr.ndim else 1
+        row = arr.size // rows if rows else 0
+        if sizes is None:
+            if rows % self.size:
+                self._invalid(what, f"{name} has {rows} rows, not divisible by the group size {self.size}; "
+                                    f"pass split sizes")
+            sizes = [rows // self.size] * self.size
+        sizes = self._counts(sizes, what)
+        if sum(sizes) != rows:
+            self._invalid(what, f"{name} split sizes {list(sizes)} sum to {sum(sizes)}, {name} has {rows} rows")
+        return blocks_of(arr.reshape(-1), [s * row for s in sizes])
+
+    def _all_to_all(self: Group, what: str, result: Any, ins: list[np.ndarray], outs: list[np.ndarray],
+                    dtype: np.dtype, async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
+        if ins[self.rank].size != outs[self.rank].size:
+            self._invalid(what, f"this rank sends itself {ins[self.rank].size} elements but expects "
+                                f"{outs[self.rank].size}")
+
+        def body(call: CollectiveCall) -> Any:
+            pairwise_all_to_all(call, [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs])
+            return result
+
+        return self._go(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
+
+    def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
+        """Returns once every rank of the group has entered it."""
+        self._check_member("barrier")
+        return self._go(self._fp(Coll.BARRIER), "barrier", dissemination_barrier, async_op, timeout)
+
+    def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
+        out = [int(c) for c in counts]
+        if len(out) != self.size or any(c < 0 for c in out):
+            self._invalid(what, f"counts must be {self.size} non-negative integers, got {list(counts)}")
+        return out
+
+    # -- point-to-point -----------------------------------------------------------------------------
+    def isend(self: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
+        """Non-blocking send; the returned Work completes once the data left this process's hands."""
+        peer = self._peer(dst, "send")
+        data = byte_view(as_array(tensor, writable=False, rank=self.runtime.rank, collective="send"))
+        req = self.engine.isend(peer, self._p2p_header(tag, data.nbytes), data,
+                                f"send to rank {dst} (tag {tag}) on group {self.name}")
+        return self._p2p_work(req)
+
+    def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
+        """Non-blocking receive into `tensor` (its size must equal the message's)."""
+        peer = self._peer(src, "recv")
+        data = byte_view(as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv"))
+        req = self.engine.irecv(peer, self._p2p_header(tag, data.nbytes), data, None,
+                                f"recv from rank {src} (tag {tag}) on group {self.name}")
+        return self._p2p_work(req)
+
+    def send(self: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+        self.isend(tensor, dst, tag).wait(timeout if timeout is not None else self.runtime.config.timeout)
+
+    def recv(self: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
+        self.irecv(tensor, src, tag).wait(timeout if timeout is not None else self.runtime.config.timeout)
+        return src
+
+    # -- Python objects -----------------------------------------------------------------------------
+    def _object_sizes(self: Group, payload: np.ndarray, timeout: float | None) -> list[int]:
+        sizes = np.zeros(self.size, dtype=np.int64)
+        self.all_gather_into_tensor(sizes, np.array([payload.size], dtype=np.int64), timeout=timeout)
+        return [int(s) for s in sizes]
+
+    def all_gather_object(self: Group, object_list: list[Any], obj: Any, *,
+                          timeout: float | None = None) -> list[Any]:
+        """object_list[r] = rank r's obj (pickled; the object list must have `size` slots)."""
+        payload = _pickle(obj)
+        sizes = self._object_sizes(payload, timeout)
+        buf = np.empty(sum(sizes), dtype=np.uint8)
+        self.all_gatherv(buf, payload, sizes, timeout=timeout)
+        object_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]
+        return object_list
+
+    def gather_object(self: Group, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, *,
+                      timeout: float | None = None) -> list[Any] | None:
+        payload = _pickle(obj)
+        sizes = self._object_sizes(payload, timeout)
+        buf = np.empty(sum(sizes) if self.rank == dst else 0, dtype=np.uint8)
+        self.gatherv(buf, payload, sizes, dst, timeout=timeout)
+        if self.rank == dst and object_gather_list is not None:
+            object_gather_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]
+        return object_gather_list
+
+    def broadcast_object_list(self: Group, object_list: list[Any], src: int = 0, *,
+                              timeout: float | None = None) -> list[Any]:
+        """Replace object_list's items on every rank with those of rank src."""
+        payload = _pickle(list(object_list)) if self.rank == src else np.empty(0, dtype=np.uint8)
+        size = np.array([payload.size], dtype=np.int64)
+        self.broadcast(size, src, timeout=timeout)
+        if self.rank != src:
+            payload = np.empty(int(size[0]), dtype=np.uint8)
+        self.broadcast(payload, src, timeout=timeout)
+        if self.rank != src:
+            object_list[:] = pickle.loads(payload)
+        return object_list
+
+    def scatter_object_list(self: Group, scatter_object_output_list: list[Any],
+                            scatter_object_input_list: Sequence[Any] | None = None, src: int = 0, *,
+                            timeout: float | None = None) -> list[Any]:
+        """scatter_object_output_list[0] = rank src's scatter_object_input_list[this rank]."""
+        if self.rank == src:
+            if scatter_object_input_list is None or len(scatter_object_input_list) != self.size:
+                self._invalid("scatter_object_list", f"needs {self.size} input objects on rank {src}")
+            payloads = [_pickle(o) for o in scatter_object_input_list]
+            sizes = np.array([p.size for p in payloads], dtype=np.int64)
+            buf = np.concatenate(payloads)
+        else:
+            sizes, buf = np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8)
+        self.broadcast(sizes, src, timeout=timeout)
+        mine = np.empty(int(sizes[self.rank]), dtype=np.uint8)
+        self.scatterv(mine, buf, [int(s) for s in sizes], src, timeout=timeout)
+        scatter_object_output_list[:1] = [pickle.loads(mine)]
+        return scatter_object_output_list
+
+
+def _pickle(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+

@@ -1,0 +1,258 @@
+"""Groups (communicators): rank maps, sequence numbers, ordered execution, sub-groups.
+
+Collectives of one group run in the order they were called, on every rank. A blocking call
+runs inline on the caller's thread when nothing is queued (no thread hop on the fast path);
+async calls, and blocking calls queued behind them, run on the group's worker thread.
+Any failure of a collective aborts the group on every member (as NCCL aborts a
+communicator): a group whose messages may be half-delivered is never reused silently.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import log
+from .buffers import byte_view
+from .collectives import Collectives
+from .errors import InvalidArgumentError, TensorwireError, TimeoutError
+from .ops import ReduceOp
+from .transport.requests import Request
+from .transport.wire import P2P_FINGERPRINT, Fingerprint, Header, Kind
+from .work import Work
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+_log = log.get("COLL")
+
+
+def _mix(*parts: int) -> int:
+    """A context id every rank derives identically (FNV-1a over the parts), never 0 (the world)."""
+    h = 2166136261
+    for part in parts:
+        for b in int(part).to_bytes(8, "little", signed=True):
+            h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h or 1
+
+
+class CollectiveCall:
+    """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
+
+    def __init__(self, group: Group, seq: int, fp: Fingerprint, what: str, timeout: float) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.seq = seq
+        self.fp = fp
+        self.what = what
+        self.timeout = timeout
+        self.deadline = 0.0
+
+    def start(self) -> None:
+        self.deadline = time.perf_counter() + self.timeout
+
+    def _header(self, step: int, nbytes: int) -> Header:
+        return Header(Kind.COLL, self.group.ctx, self.seq, step, nbytes, self.fp)
+
+    def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
+        payload = byte_view(data)
+        return self.group.engine.isend(self.group.ranks[peer], self._header(step, payload.nbytes),
+                                       payload, self.what)
+
+    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None) -> Request:
+        dst = data.reshape(-1) if reduce is not None else byte_view(data)
+        return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
+                                       dst, reduce, self.what)
+
+    def wait(self, *reqs: Request) -> None:
+        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx,
+                               watch=self.group.ranks, what=self.what)
+
+
+class Group(Collectives):
+    """A set of world ranks with its own context id; `rank` is -1 on processes outside it."""
+
+    def __init__(self, runtime: Runtime, ranks: Sequence[int], ctx: int, name: str) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.ranks = list(ranks)
+        self.ctx = ctx
+        self.name = name
+        self.size = len(self.ranks)
+        self._index = {w: i for i, w in enumerate(self.ranks)}
+        self.rank = self._index.get(runtime.rank, -1)
+        self._seq = 0
+        self._children = 0
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[CollectiveCall, Callable[[CollectiveCall], Any], Work]] = deque()
+        self._busy = False
+        self._worker: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"<tensorwire.Group {self.name} rank {self.rank}/{self.size} ranks={self.ranks}>"
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def world_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def group_rank(self, world_rank: int) -> int:
+        """This group's rank of a world rank, -1 if it is not a member."""
+        return self._index.get(world_rank, -1)
+
+    # -- execution ----------------------------------------------------------------------------
+    def _submit(self, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
+                async_op: bool, timeout: float | None) -> Any:
+        """Give the call its sequence number now (call order is the contract), run it in order."""
+        self._seq += 1
+        label = f"{what} #{self._seq} on group {self.name}"
+        call = CollectiveCall(self, self._seq, fp, label,
+                              self.runtime.config.timeout if timeout is None else timeout)
+        if self.ctx in self.engine.aborted:
+            raise self.engine.aborted[self.ctx]
+        with self._cv:
+            inline = not async_op and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+        if inline:
+            try:
+                return self._run(call, body)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        work = Work(label, self.runtime.rank)
+        with self._cv:
+            self._queue.append((call, body, work))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                name=f"tensorwire-group-{self.name}")
+                self._worker.start()
+            self._cv.notify_all()
+        if async_op:
+            return work
+        work.wait()
+        return work._result
+
+    def _run(self, call: CollectiveCall, body: Callable[[CollectiveCall], Any]) -> Any:
+        call.start()
+        try:
+            return body(call)
+        except TensorwireError as exc:
+            self.abort(exc)
+            raise
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._busy:
+                    self._cv.wait()
+                call, body, work = self._queue.popleft()
+                self._busy = True
+            try:
+                result = self._run(call, body)
+            except BaseException as exc:  # handed to whoever waits on the Work
+                work._finish(exc=exc)
+            else:
+                work._finish(result)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        """Fail this group here and on every member, with `error` as the reason."""
+        _log.warning("aborting group %s: %s", self.name, error)
+        self.engine.abort_group(self.ctx, self.ranks, error)
+
+    def fail_fast(self, error: InvalidArgumentError) -> None:
+        """A local argument error: abort the group so peers raise it too instead of hanging."""
+        self.abort(error)
+        raise error
+
+    # -- sub-groups ---------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
+        """Every rank of this group must call it, members or not, in the same order."""
+        ranks = list(range(self.size)) if ranks is None else [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks):
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: duplicate ranks in {ranks}")
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: ranks {bad} out of range "
+                                       f"for group {self.name} of size {self.size}")
+        self._children += 1
+        ctx = _mix(self.ctx, self._children, *ranks)
+        world = [self.ranks[r] for r in ranks]
+        return Group(self.runtime, world, ctx, name or f"{self.name}.{self._children}")
+
+    def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
+        """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).
+
+        A color of None (or negative) leaves this rank out; it gets None back."""
+        mine = np.array([-1 if color is None or color < 0 else color, key], dtype=np.int64)
+        table = np.empty((self.size, 2), dtype=np.int64)
+        self.all_gather_into_tensor(table, mine, timeout=timeout)
+        self._children += 1
+        if mine[0] < 0:
+            return None
+        members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == mine[0])
+        ranks = [self.ranks[r] for _, r in members]
+        return Group(self.runtime, ranks, _mix(self.ctx, self._children, int(mine[0])),
+                     f"{self.name}.split{self._children}c{int(mine[0])}")
+
+    # -- point-to-point -----------------------------------------------------------------------
+    def _p2p_header(self, tag: int, nbytes: int) -> Header:
+        return Header(Kind.P2P, self.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
+
+    def _peer(self, peer: int, what: str) -> int:
+        self._check_member(what)
+        if not 0 <= peer < self.size:
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: {what}: peer {peer} out of range "
+                                       f"for group {self.name} of size {self.size}")
+        return self.ranks[peer]
+
+    def _check_member(self, what: str) -> None:
+        if self.rank < 0:
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: {what}: this rank is not a member of "
+                                       f"group {self.name} (ranks {self.ranks})")
+
+    def _p2p_wait(self, req: Request, timeout: float | None) -> None:
+        t = self.runtime.config.timeout if timeout is None else timeout
+        self.engine.wait([req], deadline=time.perf_counter() + t, ctx=self.ctx, watch=(req.peer,),
+                         what=req.what)
+
+    def _p2p_work(self, req: Request) -> Work:
+        self.engine.watch_in_background(req)
+        return _P2PWork(self, req)
+
+
+class _P2PWork(Work):
+    """A point-to-point request as a Work: waiting drives the engine instead of a worker."""
+
+    def __init__(self, group: Group, req: Request) -> None:
+        super().__init__(req.what, group.runtime.rank)
+        self._group = group
+        self._req = req
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._event.is_set():
+            try:
+                self._group._p2p_wait(self._req, timeout)
+            except TimeoutError:
+                raise  # still pending: the caller may wait again
+            except BaseException as exc:
+                self._finish(exc=exc)
+                raise
+            self._finish()
+        return super().wait(0)
+
+    def is_completed(self) -> bool:
+        return self._req.done

@@ -1,0 +1,423 @@
+"""`tensorwire run`: start N ranks per node, host the rendezvous store, supervise, report.
+
+The launcher exists so that a failure is reported once, clearly, by the process that saw
+all ranks: which rank failed first, how, and its last stderr lines. The other ranks get a
+grace period to report the lost peer themselves before they are terminated, and every wait
+after a failure is bounded, so the launcher itself never hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+from tensorwire.errors import RendezvousError
+
+DEFAULT_GRACE_S = 5.0
+TERM_TO_KILL_S = 3.0
+"""After SIGTERM, how long ranks get before SIGKILL."""
+REAP_AFTER_KILL_S = 5.0
+"""After SIGKILL, how long to wait for the kernel to reap before giving up (never blocks forever)."""
+TAIL_LINES = 20
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+DESCRIPTION = """\
+Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
+rendezvous store on node rank 0, gives every rank its RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT, passes each rank's stdout through untouched and relays its
+stderr line by line. If a rank fails, the others get --grace seconds to report the lost
+peer, are then terminated, and the launcher prints which rank failed first with its last
+stderr lines and exits with that rank's exit code (128+N if it died of signal N).
+"""
+
+EPILOG = """\
+examples:
+  tensorwire run -n 4 train.py --epochs 3          4 ranks on this host
+  tensorwire run -n 2 -m mypkg.worker              run a module, like python -m
+  tensorwire run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+  tensorwire run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+environment of each rank:
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR,
+  MASTER_PORT, TENSORWIRE_STORE_HOSTED=1, TENSORWIRE_JOB_ID, PYTHONUNBUFFERED=1,
+  OMP_NUM_THREADS=1 (unless set), TENSORWIRE_TRANSPORT=tcp (--tcp), TENSORWIRE_TIMEOUT (--timeout)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of `tensorwire run` (kept apart so the CLI can show them)."""
+    parser.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
+                        help="ranks to start on this node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="K",
+                        help="number of nodes, one launcher per node (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="I",
+                        help="this node's index in 0..K-1; node 0 hosts the store (default 0)")
+    parser.add_argument("--master-addr", default="127.0.0.1", metavar="A",
+                        help="address of node 0, where the store listens; with --nnodes 1 the "
+                             "store always listens on 127.0.0.1 (default 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, default=0, metavar="P",
+                        help="port of the store; 0 picks a free one, allowed only with --nnodes 1 "
+                             "(default 0)")
+    parser.add_argument("--tcp", action="store_true",
+                        help="force the TCP transport, even between ranks on one host "
+                             "(sets TENSORWIRE_TRANSPORT=tcp)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="seconds a blocking tensorwire call waits before raising "
+                             "(sets TENSORWIRE_TIMEOUT)")
+    parser.add_argument("--grace", type=float, default=None, metavar="S",
+                        help="after a rank fails, seconds the others get to exit on their own before "
+                             f"SIGTERM, then SIGKILL {TERM_TO_KILL_S:g} s later "
+                             f"(default $TENSORWIRE_LAUNCH_GRACE or {DEFAULT_GRACE_S:g})")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="treat script_or_module as a module name and run it like python -m")
+    parser.add_argument("script", metavar="script_or_module",
+                        help="the Python script (or, with -m, the module) every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="args",
+                        help="arguments passed unchanged to the script")
+
+
+def build_parser(prog: str = "tensorwire run") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before the first child starts (validated, defaults resolved)."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    command: list[str]
+    grace: float
+    tcp: bool = False
+    timeout: float | None = None
+
+    @property
+    def bind_addr(self) -> str:
+        # A single-node job never needs to be reachable from elsewhere: keep it on loopback.
+        return self.master_addr if self.nnodes > 1 else "127.0.0.1"
+
+    def job_id(self, port: int) -> str:
+        """Same on every node (derived from what all nodes were told), unique per store."""
+        return re.sub(r"[^A-Za-z0-9_-]", "_", f"{self.bind_addr}-{port}")
+
+    def rank_env(self, local_rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
+        env = dict(base)
+        env.update({
+            "RANK": str(self.node_rank * self.nproc + local_rank),
+            "WORLD_SIZE": str(self.nnodes * self.nproc),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.bind_addr,
+            "MASTER_PORT": str(port),
+            "TENSORWIRE_STORE_HOSTED": "1",
+            "TENSORWIRE_JOB_ID": self.job_id(port),
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.tcp:
+            env["TENSORWIRE_TRANSPORT"] = "tcp"
+        if self.timeout is not None:
+            env["TENSORWIRE_TIMEOUT"] = repr(self.timeout)
+        return env
+
+
+def make_plan(args: argparse.Namespace) -> LaunchPlan:
+    """Validate the parsed options; raises ValueError with a message meant for the user."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if not 0 <= args.master_port <= 65535:
+        raise ValueError(f"--master-port must be in 0..65535, got {args.master_port}")
+    if args.nnodes > 1 and args.master_port == 0:
+        raise ValueError("--master-port 0 (pick a free port) only works with --nnodes 1: "
+                         "every node must be told the same port")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    grace = args.grace
+    if grace is None:
+        raw = os.environ.get("TENSORWIRE_LAUNCH_GRACE", "")
+        try:
+            grace = float(raw) if raw else DEFAULT_GRACE_S
+        except ValueError as exc:
+            raise ValueError(f"TENSORWIRE_LAUNCH_GRACE={raw!r} is not a number") from exc
+    if grace < 0:
+        raise ValueError(f"--grace must not be negative, got {grace}")
+    if args.module:
+        command = [sys.executable, "-m", args.script, *args.script_args]
+    else:
+        if not os.path.exists(args.script):
+            raise ValueError(f"script {args.script!r} not found")
+        command = [sys.executable, args.script, *args.script_args]
+    return LaunchPlan(nproc=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port, command=command,
+                      grace=grace, tcp=args.tcp, timeout=args.timeout)
+
+
+@dataclass(eq=False)
+class RankProcess:
+    """One child: its process, the tail of its stderr, and how it ended."""
+
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    signalled_by_launcher: str | None = None
+    reader: threading.Thread | None = None
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.proc.pid})"
+
+    def status(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            return "still running (could not be reaped)"
+        if code >= 0:
+            return f"exit code {code}"
+        return f"killed by signal {_signal_name(-code)} ({-code})"
+
+    def send(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except (ProcessLookupError, OSError):
+                pass
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell convention: a death by signal N becomes 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Launcher:
+    """Runs one node's ranks to completion; `run()` returns the launcher's exit code."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.ranks: list[RankProcess] = []
+        self._exits: queue.Queue[RankProcess] = queue.Queue()
+        self._stderr_lock = threading.Lock()
+        self._signal_received: int | None = None
+        self._signal_count = 0
+
+    # -- children -----------------------------------------------------------------------------
+
+    def _relay_stderr(self, child: RankProcess) -> None:
+        """Copy a child's stderr to ours line by line, at once, keeping the tail for the report."""
+        assert child.proc.stderr is not None
+        out = getattr(sys.stderr, "buffer", None)
+        for line in child.proc.stderr:
+            child.tail.append(line.decode(errors="replace").rstrip("\r\n"))
+            with self._stderr_lock:
+                try:
+                    if out is not None:
+                        out.write(line)
+                    else:
+                        sys.stderr.write(line.decode(errors="replace"))
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # our stderr is gone; keep draining so the child never blocks
+        child.proc.stderr.close()
+
+    def _await_exit(self, child: RankProcess) -> None:
+        child.proc.wait()
+        self._exits.put(child)
+
+    def _start(self, port: int) -> None:
+        base = dict(os.environ)
+        for local_rank in range(self.plan.nproc):
+            if self._signal_received is not None:
+                break  # interrupted while starting: don't start more
+            env = self.plan.rank_env(local_rank, port, base)
+            proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=None, stderr=subprocess.PIPE)
+            child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
+            self.ranks.append(child)
+            child.reader = threading.Thread(target=self._relay_stderr, args=(child,),
+                                            name=f"tw-stderr-{child.rank}", daemon=True)
+            child.reader.start()
+            threading.Thread(target=self._await_exit, args=(child,),
+                             name=f"tw-wait-{child.rank}", daemon=True).start()
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Forward to every rank; a second signal means "now": SIGKILL."""
+        self._signal_count += 1
+        if self._signal_received is None:
+            self._signal_received = signum
+        sig = signum if self._signal_count == 1 else signal.SIGKILL
+        for child in self.ranks:
+            if child.proc.returncode is None:
+                child.signalled_by_launcher = _signal_name(sig)
+                child.send(sig)
+
+    def _install_handlers(self) -> dict[int, object]:
+        previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous  # signal handlers can only be set from the main thread
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_handlers(previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    # -- supervision --------------------------------------------------------------------------
+
+    def _signal_all(self, sig: int, pending: set[RankProcess]) -> None:
+        for child in pending:
+            if child.proc.returncode is None:
+                child.signalled_by_launcher = child.signalled_by_launcher or _signal_name(sig)
+                child.send(sig)
+
+    def _supervise(self) -> RankProcess | None:
+        """Wait for all ranks; returns the first that failed on its own (None if none did)."""
+        pending = set(self.ranks)
+        first_failure: RankProcess | None = None
+        deadline: float | None = None  # set once something went wrong: the grace period
+        stage = "grace"
+        while pending:
+            if deadline is None and self._signal_received is not None:
+                deadline = time.monotonic() + self.plan.grace
+            wait = 0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic()))
+            try:
+                child = self._exits.get(timeout=wait)
+            except queue.Empty:
+                child = None
+            if child is not None:
+                pending.discard(child)
+                if (child.proc.returncode != 0 and first_failure is None
+                        and child.signalled_by_launcher is None and self._signal_received is None):
+                    first_failure = child
+                    if deadline is None:
+                        deadline = time.monotonic() + self.plan.grace
+                continue
+            if deadline is None or time.monotonic() < deadline or not pending:
+                continue
+            if stage == "grace":
+                self._signal_all(signal.SIGTERM, pending)
+                stage, deadline = "term", time.monotonic() + TERM_TO_KILL_S
+            elif stage == "term":
+                self._signal_all(signal.SIGKILL, pending)
+                stage, deadline = "kill", time.monotonic() + REAP_AFTER_KILL_S
+            else:
+                break  # unkillable (e.g. stuck in the kernel): report rather than hang
+        return first_failure
+
+    def run(self) -> int:
+        plan = self.plan
+        server = None
+        port = plan.master_port
+        if plan.node_rank == 0:
+            from tensorwire.rendezvous.store import TCPStoreServer
+
+            try:
+                server = TCPStoreServer(plan.bind_addr, port)
+            except (RendezvousError, OSError) as exc:
+                print(f"tensorwire run: cannot host the store on {plan.bind_addr}:{port}: {exc}",
+                      file=sys.stderr)
+                return 1
+            port = server.port
+        previous = self._install_handlers()
+        try:
+            try:
+                self._start(port)
+            except OSError as exc:
+                print(f"tensorwire run: cannot start {plan.command[0]}: {exc}", file=sys.stderr)
+                self._signal_all(signal.SIGTERM, set(self.ranks))
+                self._signal_received = self._signal_received or signal.SIGTERM
+                self._supervise()
+                return 1
+            first_failure = self._supervise()
+        finally:
+            self._restore_handlers(previous)
+            for child in self.ranks:
+                if child.reader is not None:
+                    # A grandchild may hold the pipe open; don't wait for it forever.
+                    child.reader.join(timeout=1.0)
+            if server is not None:
+                server.close()
+        return self._report(first_failure)
+
+    def _report(self, first_failure: RankProcess | None) -> int:
+        if first_failure is None and self._signal_received is None:
+            return 0
+        lines: list[str] = []
+        if first_failure is not None:
+            lines.append(f"tensorwire run: {first_failure.label} failed first: {first_failure.status()}")
+            if first_failure.tail:
+                lines.append(f"  last {len(first_failure.tail)} stderr line(s) of rank {first_failure.rank}:")
+                lines.extend(f"    {text}" for text in first_failure.tail)
+            else:
+                lines.append(f"  (rank {first_failure.rank} wrote nothing to stderr)")
+            code = exit_code_of(first_failure.proc.returncode or 1)
+        else:
+            assert self._signal_received is not None
+            name = _signal_name(self._signal_received)
+            lines.append(f"tensorwire run: received {name}, forwarded it to all ranks")
+            code = 128 + self._signal_received
+        others = [c for c in self.ranks if c is not first_failure]
+        if others:
+            lines.append("tensorwire run: other ranks:" if first_failure else "tensorwire run: ranks:")
+        for child in others:
+            text = f"  {child.label}: {child.status()}"
+            if child.signalled_by_launcher is not None and child.proc.returncode != 0:
+                text += f" (the launcher sent {child.signalled_by_launcher})"
+            elif child.proc.returncode not in (0, None) and child.tail:
+                text += f"; last stderr line: {child.tail[-1]}"
+            lines.append(text)
+        with self._stderr_lock:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "tensorwire run") -> int:
+    """Entry of `tensorwire run`; returns the exit code (that of the first failing rank)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help or a usage error: argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        plan = make_plan(args)
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return Launcher(plan).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""The process-wide state behind the API: configuration, store, engine and the world group."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import log
+from .config import Config
+from .rendezvous.bootstrap import LaunchInfo
+from .rendezvous.store import Store
+from .transport.engine import Engine
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    config: Config
+    info: LaunchInfo
+    store: Store | None
+    engine: Engine
+    started: float = field(default_factory=time.monotonic)
+    world: object = None  # the world Group, set right after construction
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.store is not None:
+            self.store.close()
+        log.get("INIT").info("rank %d shut down", self.rank)

@@ -1,0 +1,186 @@
+"""Wiring the world: one socket per pair of ranks, plus shared-memory rings between local pairs.
+
+Each rank listens on the address it advertises, publishes it in the store, connects to every
+lower rank and accepts every higher one. Pairs on the same host then offer each other a ring;
+shared memory is used only if both sides could map the other's segment and read its nonce,
+so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+from .. import log
+from ..config import Config
+from ..errors import RendezvousError, TimeoutError
+from ..rendezvous.store import Store
+from .engine import Engine
+from .shm import Ring, ShmChannel
+from .tcp import SocketStream, TcpChannel, tune_socket
+
+_log = log.get("INIT")
+_HELLO = struct.Struct("<4sIIQ")  # magic, rank, world size, job hash
+_MAGIC = b"TWv1"
+
+
+def _job_hash(job_id: str) -> int:
+    h = 1469598103934665603
+    for b in job_id.encode():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _send_msg(sock: socket.socket, obj: object) -> None:
+    raw = json.dumps(obj).encode()
+    sock.sendall(struct.pack("<I", len(raw)) + raw)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during setup")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_msg(sock: socket.socket) -> object:
+    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+    return json.loads(_recv_exact(sock, n))
+
+
+def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
+                  address: str, deadline: float) -> Engine:
+    engine = Engine(rank, world_size, cfg.spin_us)
+    if world_size == 1:
+        return engine
+    hostname = socket.gethostname()
+    try:
+        listener = socket.create_server((address, 0), backlog=max(world_size, 16))
+    except OSError as exc:
+        raise RendezvousError(f"rank {rank}: cannot listen on {address}: {exc}") from exc
+    port = listener.getsockname()[1]
+    store.set(f"tw/peer/{rank}", json.dumps({"addr": address, "port": port, "host": hostname}).encode())
+    _log.info("rank %d listening on %s:%d (host %s)", rank, address, port, hostname)
+    peers: dict[int, dict] = {}
+    for r in range(world_size):
+        if r == rank:
+            continue
+        left = deadline - time.monotonic()
+        try:
+            peers[r] = json.loads(store.get(f"tw/peer/{r}", timeout=max(left, 0.001)))
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"rank {rank}: init: rank {r} never arrived (no address published within "
+                f"{cfg.timeout:g} s); is it running with the same WORLD_SIZE={world_size} and store?"
+            ) from exc
+    socks = _connect_lower(rank, world_size, peers, job_id, deadline)
+    socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
+    listener.close()
+    local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
+    rings = _setup_rings(rank, socks, local, job_id, cfg.shm_ring_bytes)
+    for r in sorted(socks):
+        tune_socket(socks[r])
+        stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
+        if r in rings:
+            engine.add_channel(r, ShmChannel(stream, rings[r][0], rings[r][1], engine))
+        else:
+            engine.add_channel(r, TcpChannel(stream))
+    _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),
+              sorted(set(socks) - set(rings)))
+    return engine
+
+
+def _connect_lower(rank: int, world_size: int, peers: dict[int, dict], job_id: str,
+                   deadline: float) -> dict[int, socket.socket]:
+    socks = {}
+    hello = _HELLO.pack(_MAGIC, rank, world_size, _job_hash(job_id))
+    for r in range(rank):
+        addr = (peers[r]["addr"], peers[r]["port"])
+        while True:
+            try:
+                sock = socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank}: init: cannot connect to rank {r} at "
+                                       f"{addr[0]}:{addr[1]}: {exc}") from exc
+                time.sleep(0.05)
+        sock.sendall(hello)
+        socks[r] = sock
+    return socks
+
+
+def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: str,
+                   deadline: float) -> dict[int, socket.socket]:
+    socks: dict[int, socket.socket] = {}
+    want = set(range(rank + 1, world_size))
+    job = _job_hash(job_id)
+    while want - set(socks):
+        listener.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout as exc:
+            missing = ", ".join(map(str, sorted(want - set(socks))))
+            raise TimeoutError(f"rank {rank}: init: rank(s) {missing} never connected") from exc
+        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            magic, peer, size, peer_job = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        except (OSError, struct.error):
+            conn.close()
+            continue
+        if magic != _MAGIC or peer_job != job:
+            conn.close()  # a stray connection, or a rank of another job: not ours
+            continue
+        if size != world_size:
+            raise RendezvousError(f"rank {rank}: init: rank {peer} has world size {size}, this rank "
+                                  f"{world_size}")
+        if peer in socks or peer not in want:
+            raise RendezvousError(f"rank {rank}: init: two processes claim rank {peer}")
+        socks[peer] = conn
+    return socks
+
+
+def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], job_id: str,
+                 capacity: int) -> dict[int, tuple[Ring, Ring]]:
+    """Exchange ring names with local peers; keep a pair only if both sides mapped it."""
+    mine: dict[int, Ring] = {}
+    for r in sorted(local):
+        try:
+            mine[r] = Ring.create(f"tw-{job_id[:24]}-{rank}-{r}", capacity)
+        except OSError as exc:
+            _log.warning("rank %d: no shared memory toward rank %d (%s); using TCP", rank, r, exc)
+    for r in sorted(socks):
+        ring = mine.get(r)
+        _send_msg(socks[r], {"ring": ring.name if ring else "", "nonce": ring.nonce if ring else 0})
+    theirs: dict[int, Ring] = {}
+    for r in sorted(socks):
+        offer = _recv_msg(socks[r])
+        if r in mine and offer["ring"]:
+            try:
+                ring = Ring(offer["ring"], capacity, create=False)
+                if ring.nonce == offer["nonce"]:
+                    theirs[r] = ring
+                else:
+                    ring.close()
+            except OSError:
+                pass
+    for r in sorted(socks):
+        _send_msg(socks[r], {"ok": r in theirs})
+    rings = {}
+    for r in sorted(socks):
+        ok = _recv_msg(socks[r])["ok"]
+        if r in mine:
+            mine[r].unlink()  # both mapped it (or gave up): the name is no longer needed
+        if ok and r in theirs:
+            rings[r] = (mine[r], theirs[r])
+        else:
+            if r in mine:
+                mine[r].close()
+            if r in theirs:
+                theirs[r].close()
+    return rings

@@ -1,0 +1,344 @@
+"""The progress engine: message matching, request progress, waiting, and failure detection.
+
+One engine per process owns one channel per peer (world ranks) and all requests of all groups.
+Whoever waits drives progress for everybody (as in MPI), so a rank blocked in one receive still
+drains the rings and sockets that its peers need drained: no rank can deadlock another through
+full buffers. Waiting spins briefly, then yields, then sleeps on the peers' sockets; sleeping on
+the sockets is also how a closed connection, i.e. a dead peer, is noticed at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .. import log
+from ..errors import (
+    AbortedError,
+    CollectiveMismatchError,
+    PeerLostError,
+    TensorwireError,
+    TimeoutError,
+)
+from ..ops import ReduceOp, dtype_from_code, dtype_name
+from .requests import (
+    ControlSink,
+    Discard,
+    Request,
+    RecvRequest,
+    SendRequest,
+    Sink,
+    Unexpected,
+    deliver,
+)
+from .tcp import PeerClosed
+from .wire import Fingerprint, Header, Kind
+
+_log = log.get("TRANSPORT")
+_ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
+                                                AbortedError, TensorwireError)}
+
+
+def _dtype_label(code: int) -> str:
+    try:
+        return dtype_name(dtype_from_code(code))
+    except Exception:  # an unknown code is itself the finding
+        return f"dtype#{code}"
+
+
+def _op_label(code: int) -> str:
+    try:
+        return ReduceOp(code).name
+    except ValueError:
+        return f"op#{code}"
+
+
+_YIELD_S = 0.002  # after spinning, yield the CPU for this long before sleeping
+_SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
+
+
+class Engine:
+    def __init__(self, rank: int, world_size: int, spin_us: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.channels: dict[int, object] = {}
+        self.lock = threading.RLock()
+        self.posted: dict[tuple, deque[RecvRequest]] = {}
+        self.unexpected: dict[tuple, deque[Unexpected]] = {}
+        self.lost: dict[int, str] = {}
+        self.aborted: dict[int, BaseException] = {}
+        self._spin_s = spin_us * 1e-6
+        self._sockets: list = []
+        self._channel_list: list = []
+        self._tick = 0
+        self._bg: threading.Thread | None = None
+        self._bg_wakeup = threading.Condition(self.lock)
+        self._background: set[Request] = set()
+        self._closed = False
+
+    def add_channel(self, peer: int, channel) -> None:
+        self.channels[peer] = channel
+        self._channel_list = list(self.channels.values())
+        self._sockets = [c.stream.sock for c in self._channel_list]
+
+    # -- posting ----------------------------------------------------------------------------
+    def isend(self, peer: int, header: Header, payload: np.ndarray, what: str) -> SendRequest:
+        req = SendRequest(peer, header, payload, what)
+        with self.lock:
+            if peer == self.rank:
+                self._self_deliver(req)
+                return req
+            if self._fail_if_unusable(req, header.ctx):
+                return req
+            self.channels[peer].post(req)
+            self.channels[peer].progress()
+        return req
+
+    def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
+              what: str) -> RecvRequest:
+        req = RecvRequest(peer, header, dst, reduce_op, what)
+        with self.lock:
+            if self._fail_if_unusable(req, header.ctx):
+                return req
+            key = (peer, header.key)
+            queue = self.unexpected.get(key)
+            if queue:
+                msg = queue.popleft()
+                if not queue:
+                    del self.unexpected[key]
+                if self._check(req, msg.header):
+                    if msg.complete:
+                        deliver(msg, req)
+                    else:
+                        msg.waiter = req
+            else:
+                self.posted.setdefault(key, deque()).append(req)
+        return req
+
+    def _self_deliver(self, req: SendRequest) -> None:
+        """A message to oneself goes straight through matching, never through a channel."""
+        sink = self.match(self.rank, req.header)
+        if sink.nbytes:
+            sink.write(req.payload)
+        sink.finish()
+        req.sent = req.payload.nbytes
+        req.done = True
+
+    def _fail_if_unusable(self, req: Request, ctx: int) -> bool:
+        if ctx in self.aborted:
+            req.fail(self.aborted[ctx])
+        elif req.peer in self.lost:
+            req.fail(self._lost_error(req.peer))
+        return req.done
+
+    # -- matching (called by channels when a header arrives) --------------------------------
+    def match(self, peer: int, header: Header) -> Sink:
+        if header.kind == Kind.ABORT:
+            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, raw))
+        key = (peer, header.key)
+        queue = self.posted.get(key)
+        if queue:
+            req = queue.popleft()
+            if not queue:
+                del self.posted[key]
+            if self._check(req, header):
+                return req
+            return Discard(header.nbytes)
+        msg = Unexpected(header)
+        self.unexpected.setdefault(key, deque()).append(msg)
+        return msg
+
+    def _check(self, req: RecvRequest, got: Header) -> bool:
+        """Fingerprint and size of an arriving message against the posted receive."""
+        want = req.header
+        diffs = want.fp.differences(got.fp, _dtype_label, _op_label)
+        if diffs:
+            req.fail(CollectiveMismatchError(
+                f"rank {self.rank}: {req.what}: rank {req.peer} called a different collective at the "
+                f"same point: {'; '.join(diffs)} (this rank vs rank {req.peer})"))
+            return False
+        if got.nbytes != want.nbytes:
+            req.fail(CollectiveMismatchError(
+                f"rank {self.rank}: {req.what}: rank {req.peer} sent {got.nbytes} bytes where this rank "
+                f"expected {want.nbytes} (message sizes differ: check counts and dtypes on every rank)"))
+            return False
+        return True
+
+    # -- failures ---------------------------------------------------------------------------
+    def _lost_error(self, peer: int) -> PeerLostError:
+        return PeerLostError(f"rank {self.rank}: lost rank {peer}: {self.lost[peer]}", peer=peer)
+
+    def _peer_lost(self, peer: int, reason: str) -> None:
+        if peer in self.lost or self._closed:
+            return
+        self.lost[peer] = reason
+        _log.warning("lost rank %d: %s", peer, reason)
+        channel = self.channels.get(peer)
+        err = self._lost_error(peer)
+        if channel is not None:
+            for req in list(getattr(channel, "sendq", ())) + list(channel.stream.sendq):
+                req.fail(err)
+        for (p, _), queue in list(self.posted.items()):
+            if p == peer:
+                for req in queue:
+                    req.fail(err)
+
+    def abort_group(self, ctx: int, members: Iterable[int], error: BaseException) -> None:
+        """Fail everything of a group here and tell its members why, so every rank raises."""
+        with self.lock:
+            if ctx in self.aborted:
+                return
+            self.aborted[ctx] = error
+            self._fail_ctx(ctx, error)
+            text = f"{type(error).__name__}\n{error}".encode()
+            payload = np.frombuffer(text, dtype=np.uint8)
+            for peer in members:
+                if peer == self.rank or peer in self.lost or peer not in self.channels:
+                    continue
+                header = Header(Kind.ABORT, ctx, 0, 0, len(payload), Fingerprint(0))
+                self.channels[peer].post_control(SendRequest(peer, header, payload, "abort"))
+            self._poll_sockets()
+
+    def _on_abort(self, peer: int, ctx: int, raw: bytes) -> None:
+        name, _, message = raw.decode(errors="replace").partition("\n")
+        if ctx in self.aborted:
+            return
+        cls = _ERROR_CLASSES.get(name, AbortedError)
+        err = cls(f"{message} [reported by rank {peer}; seen on rank {self.rank}]")
+        self.aborted[ctx] = err
+        self._fail_ctx(ctx, err)
+
+    def _fail_ctx(self, ctx: int, err: BaseException) -> None:
+        for (_, key), queue in list(self.posted.items()):
+            if key[0] == ctx:
+                for req in queue:
+                    req.fail(err)
+        for channel in self._channel_list:
+            for q in (getattr(channel, "sendq", ()), channel.stream.sendq):
+                for req in q:
+                    if req.header.ctx == ctx and req.header.kind != Kind.ABORT:
+                        req.fail(err)
+
+    # -- progress ---------------------------------------------------------------------------
+    def progress(self) -> bool:
+        """One pass over every channel; True if any byte moved."""
+        moved = False
+        for channel in self._channel_list:
+            if channel.peer in self.lost:
+                continue
+            try:
+                if channel.progress():
+                    moved = True
+            except PeerClosed as exc:
+                self._peer_lost(channel.peer, str(exc))
+        self._tick += 1
+        if self._tick & 255 == 0:
+            self._poll_sockets()
+        return moved
+
+    def _poll_sockets(self) -> None:
+        for channel in self._channel_list:
+            if channel.peer in self.lost:
+                continue
+            try:
+                channel.poll_socket()
+            except PeerClosed as exc:
+                self._peer_lost(channel.peer, str(exc))
+
+    def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, watch: Iterable[int],
+             what: str) -> None:
+        """Drive progress until every request is done; raise the first failure.
+
+        `watch` are the world ranks whose loss dooms this wait (the group's members): a
+        collective cannot finish once any member is gone, even if we wait on someone else.
+        """
+        watch = tuple(watch)
+        pending = [r for r in reqs if not r.done]
+        idle_since = time.perf_counter()
+        sleep = 50e-6
+        while True:
+            with self.lock:
+                moved = self.progress()
+                pending = [r for r in pending if not r.done]
+                if not pending:
+                    break
+                if ctx in self.aborted:
+                    raise self.aborted[ctx]
+                for peer in watch:
+                    if peer in self.lost:
+                        raise self._lost_error(peer)
+            now = time.perf_counter()
+            if moved:
+                idle_since = now
+                sleep = 50e-6
+                continue
+            if now > deadline:
+                raise self._timeout(pending, what, deadline)
+            idle = now - idle_since
+            if idle < self._spin_s:
+                continue
+            if idle < self._spin_s + _YIELD_S:
+                os.sched_yield()
+                continue
+            with self.lock:
+                self._poll_sockets()
+            try:
+                select.select(self._sockets, [], [], min(sleep, max(0.0, deadline - now)))
+            except (OSError, ValueError):
+                time.sleep(sleep)
+            sleep = min(sleep * 2, _SLEEP_MAX_S)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+
+    def _timeout(self, pending: Sequence[Request], what: str, deadline: float) -> TimeoutError:
+        waits = sorted({r.peer for r in pending})
+        detail = "; ".join(f"rank {r.peer}: {r.progress_text()}" for r in pending[:4])
+        return TimeoutError(
+            f"rank {self.rank}: {what} timed out waiting for rank(s) {', '.join(map(str, waits))} "
+            f"({detail}). The peer is stuck, slower than the timeout, or never called this operation.")
+
+    # -- background progress for user isend/irecv --------------------------------------------
+    def watch_in_background(self, req: Request) -> None:
+        """Keep `req` progressing while nobody waits on it (async point-to-point)."""
+        with self.lock:
+            if req.done:
+                return
+            self._background.add(req)
+            if self._bg is None:
+                self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress",
+                                            daemon=True)
+                self._bg.start()
+            self._bg_wakeup.notify()
+
+    def _background_loop(self) -> None:
+        while True:
+            with self.lock:
+                self._background = {r for r in self._background if not r.done}
+                while not self._background and not self._closed:
+                    self._bg_wakeup.wait()
+                if self._closed:
+                    return
+                moved = self.progress()
+            if not moved:
+                try:
+                    select.select(self._sockets, [], [], 200e-6)
+                except (OSError, ValueError):
+                    time.sleep(200e-6)
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        with self.lock:
+            self._closed = True
+            self._bg_wakeup.notify_all()
+            for channel in self._channel_list:
+                channel.close()
+            self.channels.clear()
+            self._channel_list = []
+            self._sockets = []

@@ -1,0 +1,155 @@
+"""Send and receive requests, and the sinks a channel writes arriving payload into.
+
+A channel never knows what a payload is for: it asks the engine for a sink when a header
+arrives and then hands it byte ranges, either as a writable view of the final destination
+(zero copy, for TCP `recv_into`) or as chunks to copy or reduce (shared-memory rings, staging).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import ReduceOp, reduce_into
+from .wire import Header
+
+
+class Request:
+    """One point-to-point transfer; `done` flips once, `error` is set if it failed."""
+
+
+    def __init__(self, peer: int, header: Header, what: str) -> None:
+        self.peer = peer
+        self.header = header
+        self.done = False
+        self.error: BaseException | None = None
+        self.what = what
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done:
+            self.error = exc
+            self.done = True
+
+
+class SendRequest(Request):
+
+    def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str) -> None:
+        super().__init__(peer, header, what)
+        self.wire_header = header.pack()
+        self.payload = payload  # uint8, flat, contiguous
+        self.sent = 0  # payload bytes handed to the channel
+
+    def progress_text(self) -> str:
+        return f"send {self.sent}/{self.header.nbytes} bytes"
+
+
+class Sink:
+    """Destination of one arriving message."""
+
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.received = 0
+
+    def direct(self, nbytes: int) -> memoryview | None:
+        """A writable view of the next `nbytes` of the destination, if it can take raw bytes."""
+        return None
+
+    def write(self, data: np.ndarray) -> None:
+        """Consume the next len(data) payload bytes (uint8 view, may alias a ring)."""
+        self.received += len(data)
+
+    def advance(self, nbytes: int) -> None:
+        """Account for bytes that were written through `direct`."""
+        self.received += nbytes
+
+    @property
+    def complete(self) -> bool:
+        return self.received >= self.nbytes
+
+    def finish(self) -> None:
+        """Called once when the last byte arrived."""
+
+
+class RecvRequest(Request, Sink):
+    """A posted receive: plain copy into `dst`, or reduce into it as the payload arrives."""
+
+
+    def __init__(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
+                 what: str) -> None:
+        Request.__init__(self, peer, header, what)
+        Sink.__init__(self, header.nbytes)
+        self.dst = dst.reshape(-1)
+        self.dst_u8 = self.dst.view(np.uint8) if self.dst.dtype != np.uint8 else self.dst
+        self.reduce_op = reduce_op
+        self.itemsize = self.dst.dtype.itemsize
+
+    def direct(self, nbytes: int) -> memoryview | None:
+        if self.reduce_op is not None:
+            return None
+        return memoryview(self.dst_u8[self.received:self.received + nbytes])
+
+    def write(self, data: np.ndarray) -> None:
+        start = self.received
+        n = len(data)
+        if self.reduce_op is None:
+            self.dst_u8[start:start + n] = data
+        else:
+            i = start // self.itemsize
+            reduce_into(self.dst[i:i + n // self.itemsize], data.view(self.dst.dtype), self.reduce_op)
+        self.received = start + n
+
+    def finish(self) -> None:
+        self.done = True
+
+    def progress_text(self) -> str:
+        return f"recv {self.received}/{self.nbytes} bytes"
+
+
+class Unexpected(Sink):
+    """A message that arrived before its receive was posted; buffered until it is."""
+
+
+    def __init__(self, header: Header) -> None:
+        super().__init__(header.nbytes)
+        self.header = header
+        self.buf = np.empty(header.nbytes, dtype=np.uint8)
+        self.waiter: RecvRequest | None = None
+
+    def direct(self, nbytes: int) -> memoryview | None:
+        return memoryview(self.buf[self.received:self.received + nbytes])
+
+    def write(self, data: np.ndarray) -> None:
+        self.buf[self.received:self.received + len(data)] = data
+        self.received += len(data)
+
+    def finish(self) -> None:
+        if self.waiter is not None:
+            deliver(self, self.waiter)
+
+
+def deliver(msg: Unexpected, req: RecvRequest) -> None:
+    """Hand a fully buffered unexpected message to the receive that matched it."""
+    req.write(msg.buf)
+    req.finish()
+
+
+class Discard(Sink):
+    """Drains the payload of a message whose receive failed (e.g. a mismatch)."""
+
+
+
+class ControlSink(Sink):
+    """Collects a small control payload and calls back when it is complete."""
+
+
+    def __init__(self, nbytes: int, callback) -> None:
+        super().__init__(nbytes)
+        self.buf = bytearray()
+        self.callback = callback
+
+    def write(self, data: np.ndarray) -> None:
+        self.buf += data.tobytes()
+        self.received += len(data)
+
+    def finish(self) -> None:
+        self.callback(bytes(self.buf))

@@ -1,0 +1,179 @@
+"""Framed, non-blocking message streams over one socket per peer pair.
+
+`SocketStream` is the whole TCP channel; the shared-memory channel keeps one too, for control
+messages and because a closed socket is the fastest way to learn that a peer died.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .requests import SendRequest, Sink
+from .wire import HEADER_SIZE, Header
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
+
+
+class PeerClosed(Exception):
+    """Raised inside a channel when its socket reached EOF or broke."""
+
+
+def tune_socket(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        except OSError:
+            pass
+
+
+class SocketStream:
+    """Sends queued requests and parses arriving frames, never blocking."""
+
+    def __init__(self, sock: socket.socket, peer: int, engine: Engine, staging_bytes: int) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.peer = peer
+        self.engine = engine
+        self.sendq: deque[SendRequest] = deque()
+        self._hdr_sent = 0
+        self._hdr = bytearray(HEADER_SIZE)
+        self._hdr_view = memoryview(self._hdr)
+        self._hdr_got = 0
+        self._sink: Sink | None = None
+        self._staging = np.empty(max(staging_bytes, 64) // 64 * 64, dtype=np.uint8)
+        self._staged = 0
+
+    # -- sending ------------------------------------------------------------------------
+    def post(self, req: SendRequest) -> None:
+        self.sendq.append(req)
+
+    def push(self) -> bool:
+        """Write as much of the queue as the kernel takes now."""
+        moved = False
+        while self.sendq:
+            req = self.sendq[0]
+            try:
+                if self._hdr_sent < HEADER_SIZE:
+                    bufs = [memoryview(req.wire_header)[self._hdr_sent:]]
+                    if req.payload.nbytes:
+                        bufs.append(memoryview(req.payload[:_MAX_IO]))
+                    n = self.sock.sendmsg(bufs)
+                    head = min(n, HEADER_SIZE - self._hdr_sent)
+                    self._hdr_sent += head
+                    req.sent += n - head
+                else:
+                    n = self.sock.send(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
+                    req.sent += n
+            except (BlockingIOError, InterruptedError):
+                return moved
+            except OSError as exc:
+                raise PeerClosed(f"send failed: {exc}") from exc
+            moved = moved or n > 0
+            if self._hdr_sent == HEADER_SIZE and req.sent == req.payload.nbytes:
+                self.sendq.popleft()
+                self._hdr_sent = 0
+                req.done = True
+            elif n == 0:
+                return moved
+        return moved
+
+    # -- receiving ----------------------------------------------------------------------
+    def pull(self) -> bool:
+        """Read every frame the kernel holds now, handing payloads to their sinks."""
+        moved = False
+        while True:
+            try:
+                if self._sink is None:
+                    n = self.sock.recv_into(self._hdr_view[self._hdr_got:])
+                    if n == 0:
+                        raise PeerClosed("connection closed by peer")
+                    moved = True
+                    self._hdr_got += n
+                    if self._hdr_got < HEADER_SIZE:
+                        continue
+                    self._hdr_got = 0
+                    header = Header.unpack(self._hdr)
+                    self._sink = self.engine.match(self.peer, header)
+                    if self._sink.nbytes == 0:
+                        self._complete()
+                    continue
+                if not self._read_payload():
+                    return moved
+                moved = True
+            except (BlockingIOError, InterruptedError):
+                return moved
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return moved
+                raise PeerClosed(f"receive failed: {exc}") from exc
+
+    def _read_payload(self) -> bool:
+        sink = self._sink
+        assert sink is not None
+        want = min(sink.nbytes - sink.received - self._staged, _MAX_IO)
+        view = sink.direct(want) if self._staged == 0 else None
+        if view is not None:
+            n = self.sock.recv_into(view, want)
+            if n == 0:
+                raise PeerClosed("connection closed by peer")
+            sink.advance(n)
+        else:
+            room = min(want, len(self._staging) - self._staged)
+            n = self.sock.recv_into(memoryview(self._staging)[self._staged:self._staged + room], room)
+            if n == 0:
+                raise PeerClosed("connection closed by peer")
+            self._staged += n
+            last = sink.received + self._staged == sink.nbytes
+            if last or self._staged == len(self._staging):
+                sink.write(self._staging[:self._staged])
+                self._staged = 0
+        if sink.received == sink.nbytes:
+            self._complete()
+        return n > 0
+
+    def _complete(self) -> None:
+        sink, self._sink = self._sink, None
+        assert sink is not None
+        sink.finish()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class TcpChannel:
+    """Everything to one peer over one socket."""
+
+    kind = "tcp"
+
+    def __init__(self, stream: SocketStream) -> None:
+        self.stream = stream
+        self.peer = stream.peer
+
+    def post(self, req: SendRequest) -> None:
+        self.stream.post(req)
+
+    def post_control(self, req: SendRequest) -> None:
+        self.stream.post(req)
+
+    def progress(self) -> bool:
+        pushed = self.stream.push() if self.stream.sendq else False
+        return self.stream.pull() or pushed
+
+    def poll_socket(self) -> bool:
+        return self.progress()
+
+    def close(self) -> None:
+        self.stream.close()

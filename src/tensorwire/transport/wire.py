@@ -1,0 +1,107 @@
+"""The 64-byte message header shared by the TCP and shared-memory channels.
+
+Every message carries the matching key (context, kind, sequence, tag) and the fingerprint of
+the collective that sent it, so a receiver can tell a mismatched collective from a late message
+before a single payload byte lands in a user's buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+HEADER = struct.Struct("<BBBBIQqQQi20x")
+HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
+assert HEADER_SIZE == 64
+
+
+class Kind(IntEnum):
+    P2P = 0
+    COLL = 1
+    ABORT = 2  # payload: utf-8 "ErrorClass\nmessage"; tells every peer why a group failed
+
+
+class Coll(IntEnum):
+    """Collective codes carried in fingerprints (0 means a point-to-point message)."""
+
+    P2P = 0
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    REDUCE = 3
+    ALL_GATHER = 4
+    GATHER = 5
+    SCATTER = 6
+    REDUCE_SCATTER = 7
+    ALL_TO_ALL = 8
+    BARRIER = 9
+    ALL_GATHERV = 10
+    ALL_TO_ALLV = 11
+    GATHERV = 12
+    SCATTERV = 13
+    REDUCE_SCATTERV = 14
+    SPLIT = 15
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What every rank of one collective call must agree on; count/root of -1 are not checked."""
+
+    coll: Coll
+    dtype: int = 0
+    op: int = 0
+    root: int = -1
+    count: int = -1
+
+    def differences(self, other: Fingerprint, dtype_name, op_name) -> list[str]:
+        """Human-readable fields that differ, `self` being ours and `other` the peer's."""
+        out = []
+        if self.coll != other.coll:
+            out.append(f"collective {self.coll.label} vs {other.coll.label}")
+            return out
+        if self.dtype != other.dtype:
+            out.append(f"dtype {dtype_name(self.dtype)} vs {dtype_name(other.dtype)}")
+        if self.op != other.op:
+            out.append(f"op {op_name(self.op)} vs {op_name(other.op)}")
+        if self.root != other.root:
+            out.append(f"root {self.root} vs {other.root}")
+        if self.count != other.count and self.count >= 0 and other.count >= 0:
+            out.append(f"count {self.count} vs {other.count}")
+        return out
+
+
+P2P_FINGERPRINT = Fingerprint(Coll.P2P)
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    ctx: int
+    seq: int
+    tag: int
+    nbytes: int
+    fp: Fingerprint
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.ctx, self.kind, self.seq, self.tag)
+
+    def pack(self) -> bytes:
+        fp = self.fp
+        return HEADER.pack(self.kind, fp.coll, fp.dtype, fp.op, self.ctx, self.seq, self.tag,
+                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root)
+
+    @classmethod
+    def unpack(cls, raw) -> Header:
+        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root = HEADER.unpack(raw)
+        if count == 0xFFFFFFFFFFFFFFFF:
+            count = -1
+        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(Coll(coll), dtype, op, root, count))
+
+
+def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:
+    return Header(kind, ctx, seq, tag, nbytes, fp).pack()

@@ -1,0 +1,266 @@
+"""`tensorwire run` end to end: real launcher subprocesses running small scripts.
+
+None of these need tensorwire's collectives; they check the contract the ranks rely on
+(environment, store, args) and the failure handling users rely on (exit codes, the report,
+bounded shutdown, signals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorwire import cli, launcher
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+ENV_SCRIPT = """\
+import json, os, sys
+from tensorwire.rendezvous.store import TCPStore
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+        "MASTER_ADDR", "MASTER_PORT", "TENSORWIRE_STORE_HOSTED", "TENSORWIRE_JOB_ID",
+        "TENSORWIRE_TRANSPORT", "TENSORWIRE_TIMEOUT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=20)
+store.set(f"hello/{rank}", f"from {rank}".encode())
+seen = {r: store.get(f"hello/{r}", timeout=20).decode() for r in range(world)}
+store.close()
+out = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:], "seen": seen}
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+def _launch(args: list[str], cwd: Path, **kwargs: object) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("TENSORWIRE_LAUNCH_GRACE", None)
+    return subprocess.Popen([sys.executable, "-m", "tensorwire", "run", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 40) -> subprocess.CompletedProcess[str]:
+    proc = _launch(args, cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"launcher did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _results(directory: Path, world: int) -> dict[int, dict]:
+    return {r: json.loads((directory / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_env_contract_store_and_args(tmp_path: Path) -> None:
+    script = tmp_path / "env_rank.py"
+    script.write_text(ENV_SCRIPT)
+    res = _run(["-n", "3", "--tcp", "--timeout", "7.5", str(script), str(tmp_path), "--lr", "3",
+                "-n", "9", "--", "x y"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    results = _results(tmp_path, 3)
+    port = results[0]["env"]["MASTER_PORT"]
+    assert int(port) > 0
+    for rank, got in results.items():
+        env = got["env"]
+        assert env == {
+            "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "TENSORWIRE_STORE_HOSTED": "1", "TENSORWIRE_JOB_ID": f"127_0_0_1-{port}",
+            "TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_TIMEOUT": "7.5", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        # Options after the script belong to the script, even ones the launcher also has.
+        assert got["argv"] == [str(tmp_path), "--lr", "3", "-n", "9", "--", "x y"]
+        assert got["seen"] == {str(r): f"from {r}" for r in range(3)}
+
+
+@pytest.mark.timeout(60)
+def test_module_mode_and_stdout_stderr_pass_through(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "worker.py").write_text(textwrap.dedent("""\
+        import os, sys
+        print(f"out rank {os.environ['RANK']} args {sys.argv[1:]}")
+        print(f"err rank {os.environ['RANK']}", file=sys.stderr)
+        """))
+    res = _run(["-n", "2", "-m", "mypkg.worker", "a", "--b"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        assert f"out rank {rank} args ['a', '--b']" in res.stdout.splitlines()
+        assert f"err rank {rank}" in res.stderr.splitlines()
+    assert "tensorwire run:" not in res.stderr  # no report when everything went well
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_sets_exit_code_and_report(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""\
+        import os, signal, sys, time
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            time.sleep(0.5)
+            for i in range(30):
+                print(f"rank1 line {i}", file=sys.stderr)
+            sys.exit(3)
+        if rank == 2:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs the SIGKILL escalation
+        time.sleep(60)
+        """))
+    grace = 1.0
+    start = time.monotonic()
+    res = _run(["-n", "3", "--grace", str(grace), str(script)], tmp_path)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 3, res.stderr
+    assert elapsed < 0.5 + grace + launcher.TERM_TO_KILL_S + 4.0, elapsed
+    report = res.stderr[res.stderr.index("tensorwire run: rank 1"):]
+    assert "tensorwire run: rank 1 (local rank 1, pid " in report
+    assert "failed first: exit code 3" in report
+    tail = [line.strip() for line in report.splitlines() if line.strip().startswith("rank1 line")]
+    assert tail == [f"rank1 line {i}" for i in range(10, 30)]  # the last 20 lines
+    assert "rank 0 (local rank 0, pid" in report and "killed by signal SIGTERM (15)" in report
+    assert "rank 2 (local rank 2, pid" in report and "killed by signal SIGKILL (9)" in report
+    # Every stderr line was also relayed live, before the report.
+    assert all(f"rank1 line {i}" in res.stderr for i in range(30))
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal_is_reported(tmp_path: Path) -> None:
+    script = tmp_path / "segv.py"
+    script.write_text(textwrap.dedent("""\
+        import os, signal, sys, time
+        if os.environ["RANK"] == "0":
+            print("about to die", file=sys.stderr)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.2)
+        """))
+    res = _run(["-n", "2", "--grace", "2", str(script)], tmp_path)
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr
+    assert "rank 0 (local rank 0, pid" in res.stderr
+    assert "failed first: killed by signal SIGKILL (9)" in res.stderr
+    assert "    about to die" in res.stderr
+    # Rank 1 finished on its own within the grace period: its real status is shown.
+    assert "rank 1 (local rank 1, pid" in res.stderr and "exit code 0" in res.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_stops_all_children(tmp_path: Path, sig: signal.Signals) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent("""\
+        import os, signal, sys, time
+        rank = os.environ["RANK"]
+        if rank == "1":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+        time.sleep(60)
+        """))
+    proc = _launch(["-n", "3", "--grace", "0.5", str(script), str(tmp_path)], tmp_path)
+    pid_files = [tmp_path / f"pid{r}" for r in range(3)]
+    deadline = time.monotonic() + 20
+    while not all(p.exists() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in pid_files]
+    start = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=20)
+    assert time.monotonic() - start < 0.5 + launcher.TERM_TO_KILL_S + 3.0
+    assert proc.returncode == 128 + sig, err
+    assert f"received {sig.name}, forwarded it to all ranks" in err
+    assert "killed by signal SIGKILL (9)" in err  # rank 1 ignored the forwarded signal
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_form_one_world(tmp_path: Path) -> None:
+    script = tmp_path / "env_rank.py"
+    script.write_text(ENV_SCRIPT)
+    port = _free_port()
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    # Start node 1 first: its ranks must wait for node 0's store rather than fail.
+    node1 = _launch([*common, "--node-rank", "1", str(script), str(tmp_path)], tmp_path)
+    time.sleep(0.3)
+    node0 = _launch([*common, "--node-rank", "0", str(script), str(tmp_path)], tmp_path)
+    for proc in (node1, node0):
+        _, err = proc.communicate(timeout=40)
+        assert proc.returncode == 0, err
+    results = _results(tmp_path, 4)
+    for rank, got in results.items():
+        env = got["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["NODE_RANK"] == env["GROUP_RANK"] == str(rank // 2)
+        assert env["MASTER_PORT"] == str(port)
+        assert env["TENSORWIRE_JOB_ID"] == f"127_0_0_1-{port}"
+        assert got["seen"] == {str(r): f"from {r}" for r in range(4)}
+
+
+@pytest.mark.timeout(60)
+def test_help_texts() -> None:
+    top = subprocess.run([sys.executable, "-m", "tensorwire", "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert top.returncode == 0
+    assert "run" in top.stdout and "bench" in top.stdout and "version" in top.stdout
+    run = subprocess.run([sys.executable, "-m", "tensorwire", "run", "--help"], capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0
+    for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                   "--grace", "--tcp", "--timeout", "-m"):
+        assert option in run.stdout
+    assert "tensorwire run -n 4 train.py" in run.stdout
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("")
+    assert launcher.main(["--nnodes", "2", str(script)]) == 2
+    assert "--master-port 0" in capsys.readouterr().err
+    assert launcher.main(["--nnodes", "2", "--node-rank", "2", "--master-port", "1", str(script)]) == 2
+    assert launcher.main(["-n", "0", str(script)]) == 2
+    assert launcher.main([str(tmp_path / "missing.py")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert cli.main(["version"]) == 0
+    assert capsys.readouterr().out.startswith("tensorwire ")
+
+
+@pytest.mark.timeout(30)
+def test_port_in_use_is_reported(tmp_path: Path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        res = _run(["--master-port", str(busy.getsockname()[1]), str(script)], tmp_path)
+    assert res.returncode == 1
+    assert "cannot host the store" in res.stderr
