@@ -660,6 +660,24 @@ def test_create_store_waiting_for_missing_rank_zero_times_out() -> None:
     assert not Path(parse_init_method(init)[3] or "").exists()  # the failed store cleaned up
 
 
+@pytest.mark.timeout(30)
+def test_create_store_through_torchrun_agent_store() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    from datetime import timedelta
+
+    agent = dist.TCPStore(LOOPBACK, 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(agent.port),
+           "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    store = create_store(detect(env=env), timeout=5)
+    try:
+        assert isinstance(store, TorchStoreAdapter)
+        assert agent.get("tw/world_size") == b"1"  # our keys went into the agent's store
+        with pytest.raises(RendezvousError, match="rank 0 joined twice"):
+            create_store(detect(env=env), timeout=5)
+    finally:
+        store.close()
+
+
 # --------------------------------------------------------------------------------------------
 # netif
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import tuner
 from .algorithms.base import blocks_of
-from .algorithms.direct import dissemination_barrier, direct_gather, direct_scatter, pairwise_all_to_all
+from .algorithms.direct import direct_gather, direct_scatter, dissemination_barrier, pairwise_all_to_all
 from .algorithms.ring import ring_all_gather_blocks, ring_reduce_scatter
 from .algorithms.tree import binomial_broadcast, binomial_reduce
 from .buffers import as_array, byte_view
@@ -122,7 +122,8 @@ class Collectives:
         if self.rank == root and out is not None:
             target = self._arr(out, what, writable=True, name="out")
             if target.dtype != src.dtype or target.size != src.size:
-                self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {src.size} x {src.dtype}")
+                self._invalid(what, f"out has {target.size} x {target.dtype}, "
+                                    f"tensor {src.size} x {src.dtype}")
         red = self._reduction(op, src.dtype, what)
 
         def body(call: CollectiveCall) -> Any:
@@ -375,7 +376,8 @@ class Collectives:
             sizes = [rows // self.size] * self.size
         sizes = self._counts(sizes, what)
         if sum(sizes) != rows:
-            self._invalid(what, f"{name} split sizes {list(sizes)} sum to {sum(sizes)}, {name} has {rows} rows")
+            self._invalid(what, f"{name} split sizes {list(sizes)} sum to {sum(sizes)}, "
+                                f"{name} has {rows} rows")
         return blocks_of(arr.reshape(-1), [s * row for s in sizes])
 
     def _all_to_all(self: Group, what: str, result: Any, ins: list[np.ndarray], outs: list[np.ndarray],

@@ -8,6 +8,7 @@ so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by
 
 from __future__ import annotations
 
+import builtins
 import json
 import socket
 import struct
@@ -124,7 +125,7 @@ def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: 
         listener.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             conn, _ = listener.accept()
-        except socket.timeout as exc:
+        except builtins.TimeoutError as exc:  # socket timeouts; ours is a subclass too
             missing = ", ".join(map(str, sorted(want - set(socks))))
             raise TimeoutError(f"rank {rank}: init: rank(s) {missing} never connected") from exc
         conn.settimeout(max(0.1, deadline - time.monotonic()))

@@ -30,8 +30,8 @@ from ..ops import ReduceOp, dtype_from_code, dtype_name
 from .requests import (
     ControlSink,
     Discard,
-    Request,
     RecvRequest,
+    Request,
     SendRequest,
     Sink,
     Unexpected,
