@@ -25,6 +25,7 @@ class _RankFilter(logging.Filter):
 
 
 _rank_filter = _RankFilter()
+logging.getLogger("tensorwire").addHandler(logging.NullHandler())  # silent unless configured
 
 
 def set_rank(rank: int) -> None:

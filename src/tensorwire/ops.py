@@ -430,7 +430,7 @@ _KIND_UFUNCS["c"] = {op: u for op, u in _KIND_UFUNCS["f"].items() if op not in (
 TORCH_KERNEL_MIN_ELEMENTS = 1 << 14
 """Below this many elements the numpy ufunc is used even when torch could be (call overhead ~6 µs)."""
 
-# _TABLE[op][dtype.num] -> kernel(dst, src, out); ml_dtypes entries join when registered.
+# _TABLE[op][dtype.num] -> kernel(dst, src, out=dst); ml_dtypes entries join when registered.
 _TABLE: list[dict[int, Any]] = [{} for _ in ReduceOp]
 _TORCH_CODES = frozenset({9, 16})  # float16, bfloat16: torch's CPU kernels are much faster
 
@@ -446,7 +446,7 @@ def _torch_capable(ufunc: np.ufunc, op: ReduceOp) -> Callable[[np.ndarray, np.nd
 
     def kernel(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
         if dst.size < TORCH_KERNEL_MIN_ELEMENTS or not _torch_reduce(dst, src, op):
-            ufunc(dst, src, out)
+            ufunc(dst, src, out=out)
 
     kernel.__name__ = f"{ufunc.__name__}_or_torch"
     return kernel
@@ -538,7 +538,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
         kernel = _TABLE[op][dst.dtype.num]
     except KeyError:
         kernel = _resolve(ReduceOp(op), dst.dtype)
-    kernel(dst, src, dst)  # positional out: ~70 ns cheaper than out=
+    kernel(dst, src, out=dst)
 
 
 def _torch_scale(buf: np.ndarray, divide_by: int | None, multiply_by: float | None) -> bool:

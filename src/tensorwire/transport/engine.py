@@ -59,7 +59,7 @@ def _op_label(code: int) -> str:
         return f"op#{code}"
 
 
-_YIELD_S = 0.002  # after spinning, yield the CPU for this long before sleeping
+_YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
 
 
@@ -141,6 +141,8 @@ class Engine:
     def match(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
             return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, raw))
+        if header.kind == Kind.BYE:
+            return ControlSink(0, lambda raw: self.lost.setdefault(peer, "it left the job (destroy())"))
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -334,9 +336,19 @@ class Engine:
 
     # -- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
+        """Say goodbye to every peer (best effort, never blocking), then close the channels."""
         with self.lock:
             self._closed = True
             self._bg_wakeup.notify_all()
+            empty = np.empty(0, dtype=np.uint8)
+            for channel in self._channel_list:
+                if channel.peer not in self.lost:
+                    bye = Header(Kind.BYE, 0, 0, 0, 0, Fingerprint(0))
+                    channel.post_control(SendRequest(channel.peer, bye, empty, "goodbye"))
+                    try:
+                        channel.poll_socket()
+                    except PeerClosed:
+                        pass
             for channel in self._channel_list:
                 channel.close()
             self.channels.clear()

@@ -20,6 +20,7 @@ class Kind(IntEnum):
     P2P = 0
     COLL = 1
     ABORT = 2  # payload: utf-8 "ErrorClass\nmessage"; tells every peer why a group failed
+    BYE = 3  # the sender called destroy(): its closing socket is a goodbye, not a crash
 
 
 class Coll(IntEnum):

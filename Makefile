@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test` (each sets up what it needs).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TW     := $(VENV)/bin/tensorwire
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 exactly: the CPU build on this machine (any other spec pulls CUDA wheels)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test,bf16,bench]"
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(TW) run -n 4 examples/demo.py
+	$(TW) bench all_reduce -b 8 -e 16M -f 8 -n 10 -w 3 --np 4
+
+test: setup
+	$(VENV)/bin/ruff check src tests bench examples
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench examples
+
+bench: setup
+	$(PY) bench/compare.py --out-dir docs/benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,607 @@
+"""The bottom layer alone: op/dtype validation, reduction kernels, and zero-copy views."""
+
+from __future__ import annotations
+
+import array
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from tensorwire import ops
+from tensorwire.buffers import as_array, byte_view, flat, like_torch
+from tensorwire.errors import InvalidArgumentError
+from tensorwire.ops import (
+    ReduceOp,
+    Reduction,
+    as_reduction,
+    check_op_dtype,
+    dtype_code,
+    dtype_from_code,
+    dtype_from_name,
+    dtype_name,
+    finalize,
+    premul_sum,
+    reduce_into,
+    reference,
+)
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(60)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT8 = [
+    np.dtype(getattr(ml_dtypes, n))
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+              "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3")
+    if hasattr(ml_dtypes, n)
+]
+INTS = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)]
+FLOATS = [np.dtype(t) for t in (np.float16, np.float32, np.float64, np.longdouble)]
+COMPLEX = [np.dtype(t) for t in (np.complex64, np.complex128, np.clongdouble)]
+ALL_DTYPES = [np.dtype(np.bool_), *INTS, *FLOATS, *COMPLEX, BF16, *FLOAT8]
+PLAIN_OPS = [op for op in ReduceOp if op is not ReduceOp.PREMUL_SUM]
+
+
+def _red(op: ReduceOp) -> Reduction:
+    return premul_sum(0.5) if op is ReduceOp.PREMUL_SUM else Reduction(op)
+
+
+def _category(dt: np.dtype) -> str:
+    if dt == np.bool_:
+        return "b"
+    if dt in INTS:
+        return "i" if dt.kind == "i" else "u"
+    if dt in COMPLEX:
+        return "c"
+    return "f"
+
+
+ACCEPTED = {  # the documented table: op -> categories it is defined for
+    ReduceOp.SUM: "biufc",
+    ReduceOp.AVG: "iufc",
+    ReduceOp.PRODUCT: "biufc",
+    ReduceOp.MIN: "biuf",
+    ReduceOp.MAX: "biuf",
+    ReduceOp.BAND: "biu",
+    ReduceOp.BOR: "biu",
+    ReduceOp.BXOR: "biu",
+    ReduceOp.PREMUL_SUM: "iufc",
+}
+
+
+# --------------------------------------------------------------------------- op / dtype table
+
+@pytest.mark.parametrize("dt", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda o: o.name)
+def test_check_op_dtype_table(op: ReduceOp, dt: np.dtype) -> None:
+    if _category(dt) in ACCEPTED[op]:
+        check_op_dtype(_red(op), dt, rank=3, collective="all_reduce")
+        return
+    with pytest.raises(InvalidArgumentError) as info:
+        check_op_dtype(_red(op), dt, rank=3, collective="all_reduce")
+    msg = str(info.value)
+    assert msg.startswith("rank 3, all_reduce: "), msg
+    assert op.name in msg and dt.name in msg, msg
+
+
+def test_check_op_dtype_example_message() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: BAND is not defined for float32 "
+                                                   r"\(bitwise ops need integer or bool dtypes\)$"):
+        check_op_dtype(Reduction(ReduceOp.BAND), np.float32, rank=2, collective="all_reduce")
+
+
+@pytest.mark.parametrize("bad", [np.dtype(object), np.dtype("U3"), np.dtype("S2"), np.dtype([("a", "i4")]),
+                                 np.dtype("M8[s]"), np.dtype("m8[s]"), np.dtype(">f4"), np.dtype("V4")], ids=str)
+def test_unsupported_dtypes_rejected(bad: np.dtype) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^rank 1, reduce: tensor has unsupported dtype"):
+        check_op_dtype(Reduction(ReduceOp.SUM), bad, rank=1, collective="reduce")
+    with pytest.raises(InvalidArgumentError):
+        dtype_code(bad)
+
+
+# --------------------------------------------------------------------------- reduce_into vs numpy
+
+def _int_expected(op: ReduceOp, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Python big-int arithmetic wrapped to the dtype: independent of the ufunc under test."""
+    bits = a.dtype.itemsize * 8
+    fn = {
+        ReduceOp.SUM: lambda x, y: x + y, ReduceOp.AVG: lambda x, y: x + y,
+        ReduceOp.PREMUL_SUM: lambda x, y: x + y, ReduceOp.PRODUCT: lambda x, y: x * y,
+        ReduceOp.MIN: min, ReduceOp.MAX: max, ReduceOp.BAND: lambda x, y: x & y,
+        ReduceOp.BOR: lambda x, y: x | y, ReduceOp.BXOR: lambda x, y: x ^ y,
+    }[op]
+    out = []
+    for x, y in zip(a.ravel().tolist(), b.ravel().tolist()):
+        v = fn(x, y) % (1 << bits)
+        if a.dtype.kind == "i" and v >= 1 << (bits - 1):
+            v -= 1 << bits
+        out.append(v)
+    return np.array(out, dtype=a.dtype).reshape(a.shape)
+
+
+def _bool_expected(op: ReduceOp, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    fn = {ReduceOp.SUM: lambda x, y: x or y, ReduceOp.PRODUCT: lambda x, y: x and y,
+          ReduceOp.MIN: lambda x, y: x and y, ReduceOp.MAX: lambda x, y: x or y,
+          ReduceOp.BAND: lambda x, y: x and y, ReduceOp.BOR: lambda x, y: x or y,
+          ReduceOp.BXOR: lambda x, y: x != y}[op]
+    return np.array([fn(x, y) for x, y in zip(a.ravel().tolist(), b.ravel().tolist())],
+                    dtype=bool).reshape(a.shape)
+
+
+def _float_expected(op: ReduceOp, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Computed in (c)longdouble/float64 and rounded once to the dtype."""
+    wide = np.clongdouble if a.dtype.kind == "c" else np.longdouble
+    x, y = a.astype(wide), b.astype(wide)
+    with np.errstate(all="ignore"):
+        if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+            r = x + y
+        elif op is ReduceOp.PRODUCT:
+            r = x * y
+        elif op is ReduceOp.MIN:
+            r = np.where(np.isnan(x) | np.isnan(y), np.nan, np.where(x <= y, x, y))
+        else:
+            r = np.where(np.isnan(x) | np.isnan(y), np.nan, np.where(x >= y, x, y))
+        return r.astype(a.dtype)
+
+
+def _assert_float_close(got: np.ndarray, want: np.ndarray) -> None:
+    wide = np.clongdouble if got.dtype.kind == "c" else np.float64
+    g, w = got.astype(wide), want.astype(wide)
+    if got.dtype in (BF16, *FLOAT8) or got.dtype == np.float16:
+        rtol = 2.0 ** -6
+    elif got.dtype in (np.float32, np.complex64):
+        rtol = 2.0 ** -22
+    else:
+        rtol = 2.0 ** -50
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=0, equal_nan=True)
+
+
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6)
+
+
+def _values(dt: np.dtype, shape: tuple[int, ...]) -> st.SearchStrategy[np.ndarray]:
+    if dt in (BF16, *FLOAT8):  # every bit pattern: NaN, inf, subnormals included
+        raw = np.dtype(np.uint16) if dt.itemsize == 2 else np.dtype(np.uint8)
+        return hnp.arrays(raw, shape).map(lambda a: a.view(dt))
+    if dt in (np.longdouble, np.clongdouble):
+        base = np.float64 if dt == np.longdouble else np.complex128
+        return hnp.arrays(base, shape).map(lambda a: a.astype(dt))
+    return hnp.arrays(dt, shape)
+
+
+ACCEPTED_PAIRS = [(op, dt) for op in ReduceOp for dt in ALL_DTYPES if _category(dt) in ACCEPTED[op]]
+
+
+@pytest.mark.parametrize(("op", "dt"), ACCEPTED_PAIRS, ids=[f"{o.name}-{d}" for o, d in ACCEPTED_PAIRS])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_reduce_into_matches_numpy(op: ReduceOp, dt: np.dtype, data: st.DataObject) -> None:
+    shape = data.draw(SHAPES)
+    a = data.draw(_values(dt, shape))
+    b = data.draw(_values(dt, shape))
+    dst = a.copy()
+    reduce_into(dst, b, op)
+    assert dst.dtype == dt and dst.shape == shape
+    cat = _category(dt)
+    if cat == "b":
+        np.testing.assert_array_equal(dst, _bool_expected(op, a, b))
+    elif cat in "iu":
+        np.testing.assert_array_equal(dst, _int_expected(op, a, b))
+    else:
+        _assert_float_close(dst, _float_expected(op, a, b))
+
+
+@pytest.mark.parametrize("dt", [np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.float16), BF16], ids=str)
+def test_reduce_into_does_not_allocate(dt: np.dtype) -> None:
+    dst = np.ones(1 << 18, dt)
+    src = np.ones(1 << 18, dt)
+    reduce_into(dst[:16], src[:16], ReduceOp.SUM)  # warm the table
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        reduce_into(dst, src, ReduceOp.SUM)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, f"reduce_into allocated {peak} bytes"
+
+
+def test_reduce_into_unaligned_readonly_source() -> None:
+    """Transports hand over a slice of a received uint8 buffer: possibly unaligned and read-only."""
+    raw = np.zeros(4 * 64 + 1, np.uint8)
+    src = raw[1:].view(np.float32)
+    src_vals = np.arange(64, dtype=np.float32)
+    raw[1:] = src_vals.view(np.uint8)
+    raw.flags.writeable = False
+    dst = np.ones(64, np.float32)
+    reduce_into(dst, src, ReduceOp.SUM)
+    np.testing.assert_array_equal(dst, src_vals + 1)
+
+
+def test_reduce_into_invalid_pair_raises() -> None:
+    with pytest.raises(InvalidArgumentError, match="BAND"):
+        reduce_into(np.zeros(2, np.float32), np.zeros(2, np.float32), ReduceOp.BAND)
+    with pytest.raises(InvalidArgumentError, match="unsupported dtype"):
+        reduce_into(np.zeros(2, object), np.zeros(2, object), ReduceOp.SUM)
+
+
+# --------------------------------------------------------------------------- torch kernels for 16-bit floats
+
+@pytest.mark.parametrize("dt", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX], ids=lambda o: o.name)
+def test_torch_kernel_agrees_with_numpy(op: ReduceOp, dt: np.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(int(op) + dt.itemsize)
+    n = 3 * ops.TORCH_KERNEL_MIN_ELEMENTS
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(dt)
+    b = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(dt)
+    b.flags.writeable = False  # received data is read-only
+    fast = a.copy()
+    reduce_into(fast, b, op)
+    monkeypatch.setattr(ops, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
+    slow = a.copy()
+    with np.errstate(all="ignore"):
+        reduce_into(slow, b, op)
+    f64, s64 = fast.astype(np.float64), slow.astype(np.float64)
+    assert np.array_equal(np.isnan(f64), np.isnan(s64))
+    ok = ~np.isnan(f64)
+    if op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+        assert np.array_equal(fast.view(np.uint16)[ok], slow.view(np.uint16)[ok])
+    else:  # equal values; the sign of an equal zero may differ
+        assert np.array_equal(f64[ok], s64[ok])
+
+
+@pytest.mark.parametrize("dt", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("red", [Reduction(ReduceOp.AVG), premul_sum(1 / 3)], ids=str)
+def test_torch_finalize_agrees_with_numpy(red: Reduction, dt: np.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    base = (rng.standard_normal(2 * ops.TORCH_KERNEL_MIN_ELEMENTS) * 100).astype(dt)
+    fast = base.copy()
+    finalize(fast, red, 3)
+    monkeypatch.setattr(ops, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
+    slow = base.copy()
+    finalize(slow, red, 3)
+    assert np.array_equal(fast.view(np.uint16), slow.view(np.uint16))
+
+
+# --------------------------------------------------------------------------- finalize
+
+def test_finalize_avg_float_and_int() -> None:
+    f = np.array([3.0, -6.0, 1.0], np.float32)
+    finalize(f, Reduction(ReduceOp.AVG), 3)
+    np.testing.assert_array_equal(f, np.array([1.0, -2.0, 1 / 3], np.float32))
+    i = np.array([7, -7, 6, 0], np.int32)
+    finalize(i, Reduction(ReduceOp.AVG), 2)
+    np.testing.assert_array_equal(i, [3, -4, 3, 0])  # floor division
+    u = np.array([255, 9], np.uint8)
+    finalize(u, Reduction(ReduceOp.AVG), 300)  # group larger than the dtype's range
+    np.testing.assert_array_equal(u, [0, 0])
+    s = np.array([-5, 5], np.int8)
+    finalize(s, Reduction(ReduceOp.AVG), 1000)
+    np.testing.assert_array_equal(s, [-1, 0])
+    c = np.array([2 + 4j], np.complex64)
+    finalize(c, Reduction(ReduceOp.AVG), 2)
+    np.testing.assert_array_equal(c, [1 + 2j])
+
+
+def test_finalize_avg_low_precision_uses_float32_divisor() -> None:
+    """float16 cannot represent 3001 nor e4m3 17; the divisor must not be rounded to them."""
+    h = np.array([12004.0], np.float16)
+    h0 = np.float32(h[0])
+    finalize(h, Reduction(ReduceOp.AVG), 3001)
+    assert h[0] == np.float16(h0 / np.float32(3001))
+    assert h[0] != np.float16(h0 / np.float32(np.float16(3001)))  # what a float16 divisor would give
+    e = np.array([136.0], np.float32).astype(FLOAT8[0])
+    e0 = np.float32(e[0])
+    finalize(e, Reduction(ReduceOp.AVG), 17)
+    assert e[0] == e.dtype.type(e0 / np.float32(17))
+
+
+def test_finalize_premul_sum() -> None:
+    f = np.array([2.0, -4.0], np.float64)
+    finalize(f, premul_sum(0.25), 8)
+    np.testing.assert_array_equal(f, [0.5, -1.0])
+    i = np.array([100, -3, 127], np.int8)
+    finalize(i, premul_sum(2.0), 4)  # integral factor: exact wrapping integer multiply
+    np.testing.assert_array_equal(i, np.array([200, -6, 254]).astype(np.int8))
+    j = np.array([7, -7, 10], np.int32)
+    finalize(j, premul_sum(0.5), 4)  # fractional: float64 product truncated toward zero
+    np.testing.assert_array_equal(j, [3, -3, 5])
+    b = np.array([1.5], BF16)
+    finalize(b, premul_sum(2.0), 2)
+    assert float(b[0]) == 3.0
+
+
+def test_finalize_other_ops_noop_and_errors() -> None:
+    x = np.array([5, 6], np.int64)
+    for op in PLAIN_OPS:
+        if op is not ReduceOp.AVG:
+            finalize(x, Reduction(op), 4)
+    np.testing.assert_array_equal(x, [5, 6])
+    with pytest.raises(InvalidArgumentError):
+        finalize(np.ones(2, bool), Reduction(ReduceOp.AVG), 2)
+    with pytest.raises(InvalidArgumentError):
+        finalize(np.ones(2, np.float32), Reduction(ReduceOp.AVG), 0)
+
+
+# --------------------------------------------------------------------------- reference
+
+def test_reference_folds_in_rank_order_and_keeps_inputs() -> None:
+    arrays = [np.array([1.0, 8.0], np.float32), np.array([2.0, 2.0], np.float32), np.array([3.0, -1.0], np.float32)]
+    copies = [a.copy() for a in arrays]
+    np.testing.assert_array_equal(reference(arrays, Reduction(ReduceOp.SUM)), [6.0, 9.0])
+    np.testing.assert_array_equal(reference(arrays, Reduction(ReduceOp.AVG)), [2.0, 3.0])
+    np.testing.assert_array_equal(reference(arrays, Reduction(ReduceOp.MAX)), [3.0, 8.0])
+    np.testing.assert_array_equal(reference(arrays, premul_sum(0.5)), [3.0, 4.5])
+    for a, c in zip(arrays, copies):
+        np.testing.assert_array_equal(a, c)
+    # fold-left order is visible in float32 rounding: (1e8 + 1) + -1e8 != 1e8 + (1 + -1e8) generally
+    big = [np.array([1e8], np.float32), np.array([1.0], np.float32), np.array([-1e8], np.float32)]
+    expect = (np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8)
+    assert reference(big, Reduction(ReduceOp.SUM))[0] == expect
+
+
+def test_reference_integer_avg_and_shape_checks() -> None:
+    arrays = [np.array([[1, -2]], np.int16), np.array([[2, -3]], np.int16)]
+    out = reference(arrays, Reduction(ReduceOp.AVG))
+    assert out.shape == (1, 2) and out.dtype == np.int16
+    np.testing.assert_array_equal(out, [[1, -3]])
+    with pytest.raises(InvalidArgumentError):
+        reference([np.zeros(2), np.zeros(3)], Reduction(ReduceOp.SUM))
+    with pytest.raises(InvalidArgumentError):
+        reference([], Reduction(ReduceOp.SUM))
+    with pytest.raises(InvalidArgumentError, match="BOR"):
+        reference([np.zeros(2)], Reduction(ReduceOp.BOR))
+
+
+# --------------------------------------------------------------------------- as_reduction
+
+@pytest.mark.parametrize(("text", "op"), [("sum", ReduceOp.SUM), ("AVG", ReduceOp.AVG), ("prod", ReduceOp.PRODUCT),
+                                          ("Product", ReduceOp.PRODUCT), ("min", ReduceOp.MIN),
+                                          ("MAX", ReduceOp.MAX), ("band", ReduceOp.BAND), ("bor", ReduceOp.BOR),
+                                          ("bXor", ReduceOp.BXOR)])
+def test_as_reduction_strings(text: str, op: ReduceOp) -> None:
+    assert as_reduction(text) == Reduction(op)
+
+
+def test_as_reduction_ours_and_errors() -> None:
+    assert as_reduction(ReduceOp.MIN) == Reduction(ReduceOp.MIN)
+    r = premul_sum(0.125)
+    assert as_reduction(r) is r
+    assert as_reduction(4) == Reduction(ReduceOp.MAX)
+    with pytest.raises(InvalidArgumentError, match="premul_sum"):
+        as_reduction(ReduceOp.PREMUL_SUM, rank=1, collective="all_reduce")
+    with pytest.raises(InvalidArgumentError, match=r"^rank 1, reduce: unknown reduce op 'mean'"):
+        as_reduction("mean", rank=1, collective="reduce")
+    with pytest.raises(InvalidArgumentError):
+        as_reduction(3.5)
+    with pytest.raises(InvalidArgumentError):
+        as_reduction(True)
+    with pytest.raises(InvalidArgumentError):
+        Reduction(ReduceOp.SUM, 2.0)
+    with pytest.raises(InvalidArgumentError):
+        premul_sum(1j)  # type: ignore[arg-type]
+
+
+def test_as_reduction_torch() -> None:
+    import torch.distributed as dist
+
+    names = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRODUCT, "MIN": ReduceOp.MIN,
+             "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR, "BXOR": ReduceOp.BXOR}
+    for name, op in names.items():
+        assert as_reduction(getattr(dist.ReduceOp, name)) == Reduction(op)
+        assert as_reduction(dist.ReduceOp(getattr(dist.ReduceOp, name))) == Reduction(op)
+    assert as_reduction(dist._make_nccl_premul_sum(0.25)) == premul_sum(0.25)
+    assert as_reduction(dist._make_nccl_premul_sum(torch.tensor([0.5]))) == premul_sum(0.5)
+    with pytest.raises(InvalidArgumentError, match="PREMUL_SUM"):
+        as_reduction(dist.ReduceOp.PREMUL_SUM, rank=0, collective="all_reduce")
+
+
+# --------------------------------------------------------------------------- dtype codes and names
+
+def test_dtype_codes_unique_and_roundtrip() -> None:
+    codes = [dtype_code(dt) for dt in ALL_DTYPES]
+    assert len(set(codes)) == len(codes)
+    assert all(0 <= c < 256 for c in codes)
+    for dt, c in zip(ALL_DTYPES, codes):
+        assert dtype_from_code(c) == dt
+        assert dtype_from_name(dtype_name(dt)) == dt
+        assert dtype_from_name(dt.name) == dt
+    assert dtype_code(np.dtype("q")) == dtype_code(np.int64) == 7  # platform aliases share a code
+    with pytest.raises(InvalidArgumentError):
+        dtype_from_code(999)
+
+
+def test_dtype_names() -> None:
+    expected = {np.float32: "float", np.float64: "double", np.float16: "half", BF16: "bfloat16",
+                np.int8: "int8", np.uint8: "uint8", np.int32: "int32", np.uint32: "uint32",
+                np.int64: "int64", np.uint64: "uint64"}
+    for dt, name in expected.items():
+        assert dtype_name(dt) == name
+    assert dtype_from_name("float") == np.float32  # nccl-tests meaning, not numpy's float64
+    assert dtype_from_name("float32") == np.float32
+    assert dtype_from_name("f8") == np.float64
+    assert dtype_from_name("bf16") == BF16
+    assert dtype_from_name("torch.bfloat16") == BF16
+    assert dtype_from_name("f8e4m3") == np.dtype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(InvalidArgumentError):
+        dtype_from_name("object")
+    with pytest.raises(InvalidArgumentError):
+        dtype_from_name("nonsense")
+
+
+def test_importing_does_not_import_torch_or_ml_dtypes() -> None:
+    code = ("import sys, tensorwire.ops, tensorwire.buffers; "
+            "assert 'torch' not in sys.modules and 'ml_dtypes' not in sys.modules, "
+            "[m for m in ('torch', 'ml_dtypes') if m in sys.modules]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+# --------------------------------------------------------------------------- as_array
+
+def _view(obj: object, writable: bool = True) -> np.ndarray:
+    return as_array(obj, writable=writable, rank=2, collective="all_reduce")
+
+
+def test_as_array_numpy_zero_copy_any_shape() -> None:
+    for arr in (np.zeros((2, 3), np.float32), np.zeros((), np.int64), np.zeros((0, 4), BF16)):
+        v = _view(arr)
+        assert v is arr or np.shares_memory(v, arr) or arr.size == 0
+    m = np.asmatrix(np.zeros((2, 2)))
+    v = _view(m)
+    assert type(v) is np.ndarray
+    v[0, 0] = 3
+    assert m[0, 0] == 3
+
+
+@pytest.mark.parametrize("tdtype", ["float32", "bfloat16", "bool", "int64", "float16", "complex64", "uint8",
+                                    "float8_e4m3fn"])
+def test_as_array_torch_shares_memory(tdtype: str) -> None:
+    t = torch.zeros((2, 3), dtype=getattr(torch, tdtype))
+    v = _view(t)
+    assert v.shape == (2, 3) and v.flags.c_contiguous
+    v[1, 2] = 1
+    assert t[1, 2].item() == 1
+    assert t.float().sum().item() == 1
+    if tdtype == "bfloat16":
+        assert v.dtype == BF16
+
+
+def test_as_array_torch_scalar_empty_and_grad() -> None:
+    t = torch.zeros((), dtype=torch.bfloat16)
+    v = _view(t)
+    assert v.shape == ()
+    v[()] = 2.5
+    assert t.item() == 2.5
+    assert _view(torch.zeros(0, 5)).shape == (0, 5)
+    p = torch.nn.Parameter(torch.zeros(3))
+    v = _view(p)
+    v[0] = 4
+    assert p[0].item() == 4
+
+
+def test_as_array_buffer_protocol_zero_copy() -> None:
+    b = bytearray(8)
+    v = _view(b)
+    assert v.dtype == np.uint8
+    v[3] = 9
+    assert b[3] == 9
+    buf = bytearray(16)
+    mv = memoryview(buf).cast("i")
+    v = _view(mv)
+    assert v.dtype == np.int32 and v.shape == (4,)
+    v[1] = -2
+    assert mv[1] == -2
+    a = array.array("d", [1.0, 2.0])
+    v = _view(a)
+    assert v.dtype == np.float64
+    v[1] = 5.0
+    assert a[1] == 5.0
+    assert _view(bytearray()).shape == (0,)
+    ro = _view(b"abc", writable=False)
+    assert ro.tolist() == [97, 98, 99]
+
+
+class _DLPackOnly:
+    """A producer that offers DLPack and nothing else (no buffer protocol, not a torch tensor)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        return self._inner.__dlpack__(**kwargs)  # type: ignore[attr-defined]
+
+    def __dlpack_device__(self) -> object:
+        return self._inner.__dlpack_device__()  # type: ignore[attr-defined]
+
+
+def test_as_array_dlpack_zero_copy() -> None:
+    t = torch.arange(4, dtype=torch.int32)
+    v = _view(_DLPackOnly(t))
+    v[0] = 42
+    assert t[0].item() == 42
+    n = np.zeros(3)
+    assert np.shares_memory(_view(_DLPackOnly(n), writable=False), n)
+
+
+@pytest.mark.parametrize(
+    ("obj", "pattern"),
+    [
+        (np.zeros((4, 4))[:, 1], "not C-contiguous.*ascontiguousarray"),
+        (np.zeros(3, object), "unsupported dtype object"),
+        (np.array(["a"]), "unsupported dtype <U1"),
+        (np.zeros(2, [("a", "i4")]), "unsupported dtype"),
+        (np.zeros(2, "M8[s]"), "unsupported dtype datetime64"),
+        (np.zeros(2, ">f4"), "byte order"),
+        ([1, 2, 3], "type builtins.list is not supported"),
+        (3.0, "type builtins.float is not supported"),
+        (b"abc", "read-only"),
+        (memoryview(bytearray(4)).toreadonly(), "read-only"),
+        (array.array("u", "ab"), "unsupported dtype|cannot read"),
+    ],
+    ids=["strided", "object", "str", "structured", "datetime", "big-endian", "list", "float", "bytes",
+         "ro-memoryview", "array-u"],
+)
+def test_as_array_rejections(obj: object, pattern: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: (.|\n)*(" + pattern + ")"):
+        _view(obj)
+
+
+def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
+    a = np.zeros(3)
+    a.flags.writeable = False
+    assert _view(a, writable=False) is a
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        _view(a)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(3, 3).t(), lambda: torch.zeros(2, device="meta"),
+                                  lambda: torch.zeros(2, 2).to_sparse(),
+                                  lambda: torch.zeros(2, dtype=torch.complex64).conj(),
+                                  lambda: torch.zeros(2, dtype=torch.complex32)],
+                         ids=["non-contiguous", "other-device", "sparse", "conj", "complex32"])
+def test_as_array_torch_rejections(make: object) -> None:
+    t = make()  # type: ignore[operator]
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: tensor "):
+        _view(t)
+
+
+# --------------------------------------------------------------------------- flat / byte_view / like_torch
+
+def test_flat_and_byte_view_never_copy() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f = flat(a)
+    assert f.shape == (12,) and np.shares_memory(f, a)
+    bv = byte_view(a)
+    assert bv.dtype == np.uint8 and bv.shape == (48,) and np.shares_memory(bv, a)
+    bv[:4] = np.frombuffer(np.float32(7).tobytes(), np.uint8)
+    assert a[0, 0] == 7
+    s = np.zeros((), np.int16)
+    assert flat(s).shape == (1,) and byte_view(s).shape == (2,)
+    e = np.zeros((0, 3), BF16)
+    assert byte_view(e).shape == (0,)
+    h = np.ones(3, BF16)
+    assert byte_view(h).shape == (6,) and np.shares_memory(byte_view(h), h)
+    with pytest.raises(InvalidArgumentError):
+        flat(np.zeros((4, 4))[:, 0])
+    with pytest.raises(InvalidArgumentError):
+        byte_view(np.zeros((4, 4))[:, 0])
+
+
+@pytest.mark.parametrize("tdtype", ["float32", "bfloat16", "bool", "int64"])
+def test_like_torch_zero_copy(tdtype: str) -> None:
+    template = torch.zeros(1, dtype=getattr(torch, tdtype))
+    arr = _view(torch.zeros(4, dtype=getattr(torch, tdtype)))  # a numpy array of the matching dtype
+    out = like_torch(template, arr)
+    assert out.dtype == template.dtype and tuple(out.shape) == (4,)
+    arr[2] = 1
+    assert out[2].item() == 1
+    with pytest.raises(InvalidArgumentError):
+        like_torch(template, np.zeros(4, np.complex128))
