@@ -34,7 +34,12 @@ from tensorwire.ops import (
 ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [
+    pytest.mark.timeout(60),
+    # random bit patterns overflow and meet NaNs on purpose; numpy's warnings about it are noise here
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:.*(matrix subclass|ComplexHalf).*"),
+]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT8 = [
@@ -43,7 +48,8 @@ FLOAT8 = [
               "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3")
     if hasattr(ml_dtypes, n)
 ]
-INTS = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)]
+INTS = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                              np.uint64)]
 FLOATS = [np.dtype(t) for t in (np.float16, np.float32, np.float64, np.longdouble)]
 COMPLEX = [np.dtype(t) for t in (np.complex64, np.complex128, np.clongdouble)]
 ALL_DTYPES = [np.dtype(np.bool_), *INTS, *FLOATS, *COMPLEX, BF16, *FLOAT8]
@@ -99,7 +105,8 @@ def test_check_op_dtype_example_message() -> None:
 
 
 @pytest.mark.parametrize("bad", [np.dtype(object), np.dtype("U3"), np.dtype("S2"), np.dtype([("a", "i4")]),
-                                 np.dtype("M8[s]"), np.dtype("m8[s]"), np.dtype(">f4"), np.dtype("V4")], ids=str)
+                                 np.dtype("M8[s]"), np.dtype("m8[s]"), np.dtype(">f4"), np.dtype("V4")],
+                         ids=str)
 def test_unsupported_dtypes_rejected(bad: np.dtype) -> None:
     with pytest.raises(InvalidArgumentError, match=r"^rank 1, reduce: tensor has unsupported dtype"):
         check_op_dtype(Reduction(ReduceOp.SUM), bad, rank=1, collective="reduce")
@@ -199,7 +206,8 @@ def test_reduce_into_matches_numpy(op: ReduceOp, dt: np.dtype, data: st.DataObje
         _assert_float_close(dst, _float_expected(op, a, b))
 
 
-@pytest.mark.parametrize("dt", [np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("dt", [np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.float16), BF16],
+                         ids=str)
 def test_reduce_into_does_not_allocate(dt: np.dtype) -> None:
     dst = np.ones(1 << 18, dt)
     src = np.ones(1 << 18, dt)
@@ -236,7 +244,8 @@ def test_reduce_into_invalid_pair_raises() -> None:
 # --------------------------------------------------------------------------- torch kernels for 16-bit floats
 
 @pytest.mark.parametrize("dt", [np.dtype(np.float16), BF16], ids=str)
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX], ids=lambda o: o.name)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX],
+                         ids=lambda o: o.name)
 def test_torch_kernel_agrees_with_numpy(op: ReduceOp, dt: np.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(int(op) + dt.itemsize)
     n = 3 * ops.TORCH_KERNEL_MIN_ELEMENTS
@@ -260,7 +269,8 @@ def test_torch_kernel_agrees_with_numpy(op: ReduceOp, dt: np.dtype, monkeypatch:
 
 @pytest.mark.parametrize("dt", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("red", [Reduction(ReduceOp.AVG), premul_sum(1 / 3)], ids=str)
-def test_torch_finalize_agrees_with_numpy(red: Reduction, dt: np.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_finalize_agrees_with_numpy(red: Reduction, dt: np.dtype,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(7)
     base = (rng.standard_normal(2 * ops.TORCH_KERNEL_MIN_ELEMENTS) * 100).astype(dt)
     fast = base.copy()
@@ -334,7 +344,7 @@ def test_finalize_other_ops_noop_and_errors() -> None:
 # --------------------------------------------------------------------------- reference
 
 def test_reference_folds_in_rank_order_and_keeps_inputs() -> None:
-    arrays = [np.array([1.0, 8.0], np.float32), np.array([2.0, 2.0], np.float32), np.array([3.0, -1.0], np.float32)]
+    arrays = [np.array(v, np.float32) for v in ([1.0, 8.0], [2.0, 2.0], [3.0, -1.0])]
     copies = [a.copy() for a in arrays]
     np.testing.assert_array_equal(reference(arrays, Reduction(ReduceOp.SUM)), [6.0, 9.0])
     np.testing.assert_array_equal(reference(arrays, Reduction(ReduceOp.AVG)), [2.0, 3.0])
@@ -363,10 +373,11 @@ def test_reference_integer_avg_and_shape_checks() -> None:
 
 # --------------------------------------------------------------------------- as_reduction
 
-@pytest.mark.parametrize(("text", "op"), [("sum", ReduceOp.SUM), ("AVG", ReduceOp.AVG), ("prod", ReduceOp.PRODUCT),
-                                          ("Product", ReduceOp.PRODUCT), ("min", ReduceOp.MIN),
-                                          ("MAX", ReduceOp.MAX), ("band", ReduceOp.BAND), ("bor", ReduceOp.BOR),
-                                          ("bXor", ReduceOp.BXOR)])
+@pytest.mark.parametrize(("text", "op"), [
+    ("sum", ReduceOp.SUM), ("AVG", ReduceOp.AVG), ("prod", ReduceOp.PRODUCT), ("Product", ReduceOp.PRODUCT),
+    ("min", ReduceOp.MIN), ("MAX", ReduceOp.MAX), ("band", ReduceOp.BAND), ("bor", ReduceOp.BOR),
+    ("bXor", ReduceOp.BXOR), (" Sum ", ReduceOp.SUM),
+])
 def test_as_reduction_strings(text: str, op: ReduceOp) -> None:
     assert as_reduction(text) == Reduction(op)
 
@@ -469,7 +480,8 @@ def test_as_array_torch_shares_memory(tdtype: str) -> None:
     assert v.shape == (2, 3) and v.flags.c_contiguous
     v[1, 2] = 1
     assert t[1, 2].item() == 1
-    assert t.float().sum().item() == 1
+    wide = t.to(torch.complex128) if t.is_complex() else t.double()
+    assert torch.count_nonzero(wide).item() == 1
     if tdtype == "bfloat16":
         assert v.dtype == BF16
 

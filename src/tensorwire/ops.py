@@ -374,6 +374,8 @@ def _entry_or_raise(dtype: Any) -> _DType:
 
 def check_op_dtype(red: Reduction, dtype: Any, *, rank: int, collective: str) -> None:
     """Reject (op, dtype) pairs that have no meaning, before anything is sent."""
+    if isinstance(dtype, np.dtype) and dtype.isnative and dtype.num in _TABLE[red.op]:
+        return  # the kernel table holds exactly the valid pairs
     dt = check_dtype(dtype, rank=rank, collective=collective)
     entry = _lookup(dt)
     assert entry is not None
@@ -441,7 +443,7 @@ def _fill_table(entry: _DType, num: int) -> None:
             _TABLE[op][num] = _torch_capable(ufunc, op) if entry.code in _TORCH_CODES else ufunc
 
 
-def _torch_capable(ufunc: np.ufunc, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+def _torch_capable(ufunc: np.ufunc, op: ReduceOp) -> Callable[..., None]:
     """The ufunc, but large buffers go through torch when the application has imported it."""
 
     def kernel(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
