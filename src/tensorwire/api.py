@@ -131,7 +131,10 @@ def _forward(name: str) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def call(*args: Any, group: Group | None = None, **kwargs: Any) -> Any:
-        return getattr(_group(group, name), name)(*args, **kwargs)
+        if group is None:
+            runtime = _runtime if _runtime is not None else _require(name)
+            group = runtime.world  # type: ignore[assignment]
+        return method(group, *args, **kwargs)
 
     call.__doc__ = (method.__doc__ or "") + "\n\n`group=None` means the world group."
     return call

@@ -61,7 +61,7 @@ CHECK_CHUNK = 1 << 20
 
 EPILOG = """\
 examples:
-  tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2        sweep 8 B .. 64 MiB on 2 ranks
+  tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2        8 B, 32 B, ... (x4) up to 64 MiB, 2 ranks
   tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2 --tcp  the same over TCP
   tensorwire bench all -b 8 -e 1M --np 4 --json out.json     every collective, results as JSON
   tensorwire run -n 2 -m tensorwire.bench broadcast -r 1      under the launcher explicitly
@@ -204,7 +204,9 @@ def _dtype_list(text: str) -> list[np.dtype]:
 
 
 def _op_list(text: str) -> list[str]:
-    names = OPS if text.strip().lower() == "all" else [t.strip().lower() for t in text.split(",") if t.strip()]
+    if text.strip().lower() == "all":
+        return list(OPS)
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
     for name in names:
         if name not in OPS:
             raise ValueError(f"--op {name!r}: expected one of {', '.join(OPS)} or all")
@@ -441,7 +443,8 @@ def make_case(tw: Any, coll: str, dtype: np.dtype, op: str | None, root: int, no
     elif coll == "broadcast":
         call = (lambda: tw.broadcast(recv, root)) if inplace else (lambda: tw.broadcast(send, root, out=recv))
     elif coll == "reduce":
-        call = (lambda: tw.reduce(recv, root, red)) if inplace else (lambda: tw.reduce(send, root, red, out=recv))
+        call = ((lambda: tw.reduce(recv, root, red)) if inplace
+                else (lambda: tw.reduce(send, root, red, out=recv)))
     elif coll == "all_gather":
         call = lambda: tw.all_gather_into_tensor(recv, send)  # noqa: E731
     elif coll == "reduce_scatter":
@@ -644,7 +647,7 @@ def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
 
 
 def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
-    from .ops import check_op_dtype, dtype_name
+    from .ops import as_reduction, check_op_dtype, dtype_name
 
     rank, n = tw.get_rank(), tw.get_world_size()
     say = out if rank == 0 else (lambda _line: None)
@@ -689,8 +692,6 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
             ops_ = opts.ops if coll in _REDUCING else [None]
             for op in ops_:
                 if op is not None:
-                    from .ops import as_reduction
-
                     try:
                         check_op_dtype(as_reduction(op), dt, rank=rank, collective=coll)
                     except Exception as exc:
@@ -746,8 +747,13 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows, "avg_busbw_GBps": avg, "wrong_total": total_wrong}, f,
                       indent=1)
-    tw.barrier()
-    return 1 if total_wrong else 0
+    # Every rank exits with the same code: 1 when any element was wrong (as nccl-tests).
+    verdict = np.array([total_wrong], dtype=np.int64)
+    tw.broadcast(verdict, 0)
+    if rank == 0 and verdict[0]:
+        print(f"tensorwire bench: {int(verdict[0])} wrong value(s), see the #wrong columns",
+              file=sys.stderr, flush=True)
+    return 1 if verdict[0] else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,9 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "measure collective latency and bus bandwidth, nccl-tests style",
-        "Sweeps message sizes for a collective and prints time, algorithm bandwidth and bus bandwidth "
-        "per size. Run it under the launcher, e.g. tensorwire run -n 2 -m tensorwire bench "
-        "(see tensorwire bench --help)",
+        "Sweeps message sizes for a collective (or all of them) with nccl-tests' flags and columns: "
+        "time, algorithm bandwidth, bus bandwidth and #wrong per size, out-of-place and in-place. "
+        "--np N starts N ranks through the launcher. Example: tensorwire bench all_reduce -b 8 -e 64M "
+        "-f 4 --np 2 (see tensorwire bench --help)",
     ),
     "version": (
         "print the versions of tensorwire, Python and numpy",
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  tensorwire run -n 4 train.py --epochs 3\n"
-               "  tensorwire run -n 2 -m tensorwire bench\n"
+               "  tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2\n"
                "  tensorwire version\n",
     )
     parser.add_argument("--version", action="store_true", help="same as `tensorwire version`")

@@ -18,6 +18,15 @@ from . import tuner
 from .algorithms.base import blocks_of
 from .algorithms.direct import direct_gather, direct_scatter, dissemination_barrier, pairwise_all_to_all
 from .algorithms.ring import ring_all_gather_blocks, ring_reduce_scatter
+from .algorithms.shm_direct import (
+    direct_all_gather,
+    direct_all_reduce,
+    direct_all_to_all,
+    direct_barrier,
+    direct_broadcast,
+    direct_reduce,
+    direct_reduce_scatter,
+)
 from .algorithms.tree import binomial_broadcast, binomial_reduce
 from .buffers import as_array, byte_view
 from .errors import InvalidArgumentError
@@ -26,6 +35,10 @@ from .transport.wire import Coll, Fingerprint
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group
+
+
+_CHECKED: dict[tuple[ReduceOp, np.dtype], Reduction] = {}  # (op, dtype) pairs already validated
+_CODES: dict[np.dtype, int] = {}
 
 
 class Collectives:
@@ -49,6 +62,9 @@ class Collectives:
         return int(root)
 
     def _reduction(self: Group, op: Any, dtype: np.dtype, what: str) -> Reduction:
+        cached = _CHECKED.get((op, dtype)) if isinstance(op, ReduceOp) else None
+        if cached is not None:
+            return cached
         try:
             red = as_reduction(op)
             check_op_dtype(red, dtype, rank=self.runtime.rank, collective=what)
@@ -56,6 +72,8 @@ class Collectives:
             self.fail_fast(exc)
         except (ValueError, TypeError) as exc:
             self.fail_fast(InvalidArgumentError(f"rank {self.runtime.rank}: {what}: {exc}"))
+        if isinstance(op, ReduceOp):
+            _CHECKED[(op, dtype)] = red
         return red
 
     def _same_dtype(self: Group, arrays: Sequence[np.ndarray], what: str) -> np.dtype:
@@ -81,8 +99,12 @@ class Collectives:
     @staticmethod
     def _fp(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None = None, root: int = -1,
             count: int = -1) -> Fingerprint:
-        return Fingerprint(coll, dtype_code(dtype) if dtype is not None else 0,
-                           int(op.op) if op is not None else 0, root, count)
+        code = 0
+        if dtype is not None:
+            code = _CODES.get(dtype)
+            if code is None:
+                code = _CODES[dtype] = dtype_code(dtype)
+        return Fingerprint(coll, code, op.op if op is not None else 0, root, count)
 
     def _go(self: Group, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
             async_op: bool, timeout: float | None) -> Any:
@@ -104,7 +126,9 @@ class Collectives:
             flat = dst.reshape(-1)
             if dst is not src:
                 np.copyto(flat, src.reshape(-1))
-            if self.size > 1 and flat.size:
+            if self.direct is not None and self.direct.fits(flat.nbytes):
+                direct_all_reduce(self.direct, call, flat, red.op)
+            elif self.size > 1 and flat.size:
                 tuner.all_reduce(self.runtime.config, call, flat, red.op)
             finalize(flat, red, self.size)
             return out if out is not None else tensor
@@ -128,8 +152,11 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             data = src.reshape(-1)
-            acc = target.reshape(-1) if self.rank == root else np.empty_like(data)
-            binomial_reduce(call, data, acc, red.op, root)
+            if self.direct is not None and self.direct.fits(data.nbytes):
+                direct_reduce(self.direct, call, data, target.reshape(-1), red.op, root)
+            else:
+                acc = target.reshape(-1) if self.rank == root else np.empty_like(data)
+                binomial_reduce(call, data, acc, red.op, root)
             if self.rank == root:
                 finalize(acc, red, self.size)
             return out if (out is not None and self.rank == root) else tensor
@@ -180,10 +207,15 @@ class Collectives:
         count = out.size if coll == Coll.REDUCE_SCATTER else -1
 
         def body(call: CollectiveCall) -> Any:
-            work = [b.reshape(-1).copy() for b in blocks]
-            ring_reduce_scatter(call, work, red.op)
             flat = out.reshape(-1)
-            np.copyto(flat, work[self.rank])
+            flats = [b.reshape(-1) for b in blocks]
+            if self.direct is not None and coll == Coll.REDUCE_SCATTER and self.direct.fits(
+                    sum(b.nbytes for b in flats)):
+                direct_reduce_scatter(self.direct, call, flats, flat, red.op)
+            else:
+                work = [b.copy() for b in flats]
+                ring_reduce_scatter(call, work, red.op)
+                np.copyto(flat, work[self.rank])
             finalize(flat, red, self.size)
             return output
 
@@ -203,7 +235,10 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             if self.rank == root and target is not data:
                 np.copyto(target.reshape(-1), data.reshape(-1))
-            binomial_broadcast(call, target.reshape(-1), root)
+            if self.direct is not None and self.direct.fits(target.nbytes):
+                direct_broadcast(self.direct, call, target.reshape(-1), root)
+            else:
+                binomial_broadcast(call, target.reshape(-1), root)
             return tensor if out is None else out
 
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
@@ -250,10 +285,14 @@ class Collectives:
     def _all_gather(self: Group, what: str, result: Any, inp: np.ndarray, outs: list[np.ndarray],
                     async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
         def body(call: CollectiveCall) -> Any:
-            mine = outs[self.rank].reshape(-1)
+            flats = [o.reshape(-1) for o in outs]
+            if self.direct is not None and coll == Coll.ALL_GATHER and self.direct.fits(inp.nbytes):
+                direct_all_gather(self.direct, call, inp.reshape(-1), flats)
+                return result
+            mine = flats[self.rank]
             if mine.ctypes.data != inp.ctypes.data or mine.size != inp.size:
                 np.copyto(mine, inp.reshape(-1))
-            ring_all_gather_blocks(call, [o.reshape(-1) for o in outs])
+            ring_all_gather_blocks(call, flats)
             return result
 
         return self._go(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
@@ -387,7 +426,12 @@ class Collectives:
                                 f"{outs[self.rank].size}")
 
         def body(call: CollectiveCall) -> Any:
-            pairwise_all_to_all(call, [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs])
+            sends, recvs = [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs]
+            if self.direct is not None and coll == Coll.ALL_TO_ALL and self.direct.fits(
+                    sum(b.nbytes for b in sends)):
+                direct_all_to_all(self.direct, call, sends, recvs)
+            else:
+                pairwise_all_to_all(call, sends, recvs)
             return result
 
         return self._go(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
@@ -395,7 +439,14 @@ class Collectives:
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
         self._check_member("barrier")
-        return self._go(self._fp(Coll.BARRIER), "barrier", dissemination_barrier, async_op, timeout)
+
+        def body(call: CollectiveCall) -> None:
+            if self.direct is not None:
+                direct_barrier(self.direct, call)
+            else:
+                dissemination_barrier(call)
+
+        return self._go(self._fp(Coll.BARRIER), "barrier", body, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]

@@ -51,6 +51,8 @@ class Config:
     """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
     ring_threshold_bytes: int = 256 << 10
     """all_reduce switches from recursive doubling to ring at this size (TENSORWIRE_RING_THRESHOLD)."""
+    direct_bytes: int = 64 << 10
+    """Per-rank slot of the one-shot shared-memory path; 0 turns it off (TENSORWIRE_SHM_DIRECT)."""
     algo: str = ""
     """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
     spin_us: float = 50.0
@@ -66,6 +68,7 @@ class Config:
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             ring_threshold_bytes=parse_size(os.environ.get("TENSORWIRE_RING_THRESHOLD", str(256 << 10))),
+            direct_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_DIRECT", str(64 << 10))),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", 50.0),
         )

@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import log
+from .algorithms.recursive_doubling import recursive_doubling_all_reduce
+from .algorithms.shm_direct import DirectPath
+from .algorithms.tree import binomial_broadcast
 from .buffers import byte_view
 from .collectives import Collectives
 from .errors import InvalidArgumentError, TensorwireError, TimeoutError
 from .ops import ReduceOp
 from .transport.requests import Request
-from .transport.wire import P2P_FINGERPRINT, Fingerprint, Header, Kind
+from .transport.shm import GroupSegment
+from .transport.wire import P2P_FINGERPRINT, Coll, Fingerprint, Header, Kind
 from .work import Work
 
 if TYPE_CHECKING:
@@ -44,15 +48,24 @@ def _mix(*parts: int) -> int:
 class CollectiveCall:
     """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
 
-    def __init__(self, group: Group, seq: int, fp: Fingerprint, what: str, timeout: float) -> None:
+    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline")
+
+    def __init__(self, group: Group, seq: int, fp: Fingerprint, name: str, timeout: float) -> None:
         self.group = group
         self.rank = group.rank
         self.size = group.size
         self.seq = seq
         self.fp = fp
-        self.what = what
+        self.name = name
         self.timeout = timeout
         self.deadline = 0.0
+
+    @property
+    def what(self) -> str:
+        """The label errors use: 'all_reduce #12 on group world' (built only when needed)."""
+        return f"{self.name} #{self.seq} on group {self.group.name}"
+
+    __str__ = what.fget  # type: ignore[assignment]
 
     def start(self) -> None:
         self.deadline = time.perf_counter() + self.timeout
@@ -63,16 +76,22 @@ class CollectiveCall:
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
         payload = byte_view(data)
         return self.group.engine.isend(self.group.ranks[peer], self._header(step, payload.nbytes),
-                                       payload, self.what)
+                                       payload, self)
 
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None) -> Request:
         dst = data.reshape(-1) if reduce is not None else byte_view(data)
         return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
-                                       dst, reduce, self.what)
+                                       dst, reduce, self)
 
     def wait(self, *reqs: Request) -> None:
-        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx,
-                               watch=self.group.ranks, what=self.what)
+        direct = self.group.direct
+        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, watch=self.group.ranks,
+                               what=self, cross_check=None if direct is None else self._cross_check)
+
+    def _cross_check(self) -> None:
+        """A peer that entered this call through the shared-memory path called something else."""
+        for r, theirs in self.group.direct.published(self.seq):  # type: ignore[union-attr]
+            raise self.group.engine.mismatch_error(self.what, self.fp, theirs, self.group.ranks[r])
 
 
 class Group(Collectives):
@@ -93,6 +112,9 @@ class Group(Collectives):
         self._queue: deque[tuple[CollectiveCall, Callable[[CollectiveCall], Any], Work]] = deque()
         self._busy = False
         self._worker: threading.Thread | None = None
+        self.direct: DirectPath | None = None
+        if self.rank >= 0:
+            self._setup_direct()
 
     def __repr__(self) -> str:
         return f"<tensorwire.Group {self.name} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -113,23 +135,22 @@ class Group(Collectives):
                 async_op: bool, timeout: float | None) -> Any:
         """Give the call its sequence number now (call order is the contract), run it in order."""
         self._seq += 1
-        label = f"{what} #{self._seq} on group {self.name}"
-        call = CollectiveCall(self, self._seq, fp, label,
+        call = CollectiveCall(self, self._seq, fp, what,
                               self.runtime.config.timeout if timeout is None else timeout)
         if self.ctx in self.engine.aborted:
             raise self.engine.aborted[self.ctx]
-        with self._cv:
-            inline = not async_op and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-        if inline:
+        # Only the calling thread enqueues, and the worker marks itself busy before it pops,
+        # so an empty queue and an idle worker seen here mean nothing else can run now.
+        if not async_op and not self._queue and not self._busy:
+            self._busy = True
             try:
                 return self._run(call, body)
             finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-        work = Work(label, self.runtime.rank)
+                self._busy = False
+                if self._queue:
+                    with self._cv:
+                        self._cv.notify_all()
+        work = Work(call.what, self.runtime.rank)
         with self._cv:
             self._queue.append((call, body, work))
             if self._worker is None:
@@ -155,8 +176,8 @@ class Group(Collectives):
             with self._cv:
                 while not self._queue or self._busy:
                     self._cv.wait()
+                self._busy = True  # before the pop: see _submit
                 call, body, work = self._queue.popleft()
-                self._busy = True
             try:
                 result = self._run(call, body)
             except BaseException as exc:  # handed to whoever waits on the Work
@@ -177,6 +198,48 @@ class Group(Collectives):
         """A local argument error: abort the group so peers raise it too instead of hanging."""
         self.abort(error)
         raise error
+
+    def _internal_call(self, what: str) -> CollectiveCall:
+        """A call for the group's own bookkeeping; it takes a sequence number like any other."""
+        self._seq += 1
+        call = CollectiveCall(self, self._seq, Fingerprint(Coll.SETUP), what, self.runtime.config.timeout)
+        call.start()
+        return call
+
+    def _setup_direct(self) -> None:
+        """Collectively give a single-host group its shared segment (the one-shot small path)."""
+        cfg = self.runtime.config
+        if self.size < 2 or cfg.direct_bytes <= 0 or cfg.transport == "tcp":
+            return
+        me = self.runtime.rank
+        local = all(getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
+        verdict = np.array([local], dtype=np.uint8)
+        recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
+        if not verdict[0]:
+            return
+        offer = np.zeros(2, dtype=np.uint64)  # (name token, nonce) of the segment rank 0 made
+        seg = None
+        prefix = f"tw-{self.runtime.info.job_id[:24]}-g{self.ctx}"
+        if self.rank == 0:
+            seg = GroupSegment.create(prefix, self.size, cfg.direct_bytes)
+            offer[:] = (int(seg.name.rsplit("-", 1)[1], 16), seg.nonce)
+        binomial_broadcast(self._internal_call("shm setup"), offer, 0)
+        if seg is None:
+            try:
+                seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", self.size, cfg.direct_bytes, False)
+                if seg.nonce != int(offer[1]):
+                    seg.close()
+                    seg = None
+            except OSError:
+                seg = None
+        verdict[0] = seg is not None
+        recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
+        if seg is not None and self.rank == 0:
+            seg.unlink()  # everyone mapped it (or gave up): nothing is left in /dev/shm
+        if verdict[0] and seg is not None:
+            self.direct = DirectPath(seg, self.rank, self.engine, self.ctx, self.ranks)
+        elif seg is not None:
+            seg.close()
 
     # -- sub-groups ---------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:

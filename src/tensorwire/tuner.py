@@ -6,6 +6,8 @@ The calibrated cost model replaces the threshold later without touching callers.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import log
@@ -19,6 +21,7 @@ _log = log.get("TUNING")
 ALL_REDUCE = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce}
 
 
+@functools.lru_cache(maxsize=64)
 def parse_algo(spec: str, collective: str) -> tuple[set[str], set[str]]:
     """(forced, excluded) algorithm names for one collective from an NCCL-style spec."""
     forced: set[str] = set()

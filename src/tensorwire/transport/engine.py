@@ -9,12 +9,13 @@ the sockets is also how a closed connection, i.e. a dead peer, is noticed at onc
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from .requests import (
     deliver,
 )
 from .tcp import PeerClosed
-from .wire import Fingerprint, Header, Kind
+from .wire import Fingerprint, Header, Kind, differences
 
 _log = log.get("TRANSPORT")
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
@@ -159,11 +160,8 @@ class Engine:
     def _check(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
         want = req.header
-        diffs = want.fp.differences(got.fp, _dtype_label, _op_label)
-        if diffs:
-            req.fail(CollectiveMismatchError(
-                f"rank {self.rank}: {req.what}: rank {req.peer} called a different collective at the "
-                f"same point: {'; '.join(diffs)} (this rank vs rank {req.peer})"))
+        if want.fp != got.fp and differences(want.fp, got.fp, _dtype_label, _op_label):
+            req.fail(self.mismatch_error(req.what, want.fp, got.fp, req.peer))
             return False
         if got.nbytes != want.nbytes:
             req.fail(CollectiveMismatchError(
@@ -171,6 +169,13 @@ class Engine:
                 f"expected {want.nbytes} (message sizes differ: check counts and dtypes on every rank)"))
             return False
         return True
+
+    def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
+                       peer: int) -> CollectiveMismatchError:
+        diffs = differences(mine, theirs, _dtype_label, _op_label)
+        return CollectiveMismatchError(
+            f"rank {self.rank}: {what}: rank {peer} called a different collective at the same point: "
+            f"{'; '.join(diffs)} (this rank vs rank {peer})")
 
     # -- failures ---------------------------------------------------------------------------
     def _lost_error(self, peer: int) -> PeerLostError:
@@ -254,52 +259,49 @@ class Engine:
                 self._peer_lost(channel.peer, str(exc))
 
     def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, watch: Iterable[int],
-             what: str) -> None:
+             what: object, cross_check: Callable[[], None] | None = None) -> None:
         """Drive progress until every request is done; raise the first failure.
 
         `watch` are the world ranks whose loss dooms this wait (the group's members): a
         collective cannot finish once any member is gone, even if we wait on someone else.
+        `cross_check` runs when idle, to spot peers that entered this call another way.
         """
-        watch = tuple(watch)
         pending = [r for r in reqs if not r.done]
-        idle_since = time.perf_counter()
-        sleep = 50e-6
-        while True:
+        backoff = Backoff(self, deadline, ctx, tuple(watch), cross_check)
+        while pending:
             with self.lock:
                 moved = self.progress()
                 pending = [r for r in pending if not r.done]
-                if not pending:
-                    break
-                if ctx in self.aborted:
-                    raise self.aborted[ctx]
-                for peer in watch:
-                    if peer in self.lost:
-                        raise self._lost_error(peer)
-            now = time.perf_counter()
+            if not pending:
+                break
             if moved:
-                idle_since = now
-                sleep = 50e-6
-                continue
-            if now > deadline:
-                raise self._timeout(pending, what, deadline)
-            idle = now - idle_since
-            if idle < self._spin_s:
-                continue
-            if idle < self._spin_s + _YIELD_S:
-                os.sched_yield()
-                continue
-            with self.lock:
-                self._poll_sockets()
-            try:
-                select.select(self._sockets, [], [], min(sleep, max(0.0, deadline - now)))
-            except (OSError, ValueError):
-                time.sleep(sleep)
-            sleep = min(sleep * 2, _SLEEP_MAX_S)
+                backoff.reset()
+            else:
+                backoff.idle(functools.partial(self._timeout, pending, what))
         for r in reqs:
             if r.error is not None:
                 raise r.error
 
-    def _timeout(self, pending: Sequence[Request], what: str, deadline: float) -> TimeoutError:
+    def check_group(self, ctx: int, watch: Iterable[int]) -> None:
+        """Raise if the group was aborted or one of its members is gone."""
+        if ctx in self.aborted:
+            raise self.aborted[ctx]
+        for peer in watch:
+            if peer in self.lost:
+                raise self._lost_error(peer)
+
+    def sleep_on_sockets(self, seconds: float) -> None:
+        """Sleep until a socket is readable (data, a control message, a closed peer) or `seconds`."""
+        with self.lock:
+            self._poll_sockets()
+        try:
+            select.select(self._sockets, [], [], seconds)
+        except (OSError, ValueError):
+            time.sleep(seconds)
+        with self.lock:
+            self._poll_sockets()
+
+    def _timeout(self, pending: Sequence[Request], what: object) -> TimeoutError:
         waits = sorted({r.peer for r in pending})
         detail = "; ".join(f"rank {r.peer}: {r.progress_text()}" for r in pending[:4])
         return TimeoutError(
@@ -354,3 +356,47 @@ class Engine:
             self.channels.clear()
             self._channel_list = []
             self._sockets = []
+
+
+class Backoff:
+    """How every waiter in tensorwire waits: spin, then yield the CPU, then sleep on the sockets.
+
+    Spinning keeps the fast path fast when the peer is running on another core; yielding lets
+    an oversubscribed peer (more ranks than cores) run; sleeping on the peers' sockets stops
+    burning CPU yet wakes at once for TCP data, control messages and dead peers. The group's
+    health (lost members, abort) and the deadline are checked whenever the waiter is idle.
+    """
+
+    def __init__(self, engine: Engine, deadline: float, ctx: int, watch: tuple[int, ...],
+                 cross_check: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.deadline = deadline
+        self.ctx = ctx
+        self.watch = watch
+        self.cross_check = cross_check
+        self.spin_s = engine._spin_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.perf_counter()
+        self.sleep = 50e-6
+        self.checks = 0
+
+    def idle(self, timeout_error: Callable[[], BaseException]) -> None:
+        now = time.perf_counter()
+        idle = now - self.since
+        self.checks += 1
+        if self.checks & 63 == 0 or idle >= self.spin_s:
+            self.engine.check_group(self.ctx, self.watch)
+            if now > self.deadline:
+                raise timeout_error()
+        if idle < self.spin_s:
+            return
+        if idle < self.spin_s + _YIELD_S:
+            os.sched_yield()
+            return
+        if self.cross_check is not None:
+            self.cross_check()
+        self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
+        self.engine.check_group(self.ctx, self.watch)
+        self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

@@ -17,12 +17,16 @@ class Request:
     """One point-to-point transfer; `done` flips once, `error` is set if it failed."""
 
 
-    def __init__(self, peer: int, header: Header, what: str) -> None:
+    def __init__(self, peer: int, header: Header, label: object) -> None:
         self.peer = peer
         self.header = header
         self.done = False
         self.error: BaseException | None = None
-        self.what = what
+        self.label = label  # a str, or an object whose str() is the label (built only for errors)
+
+    @property
+    def what(self) -> str:
+        return str(self.label)
 
     def fail(self, exc: BaseException) -> None:
         if not self.done:

@@ -29,30 +29,28 @@ _HEAD, _TAIL, _NONCE = 0, 8, 16
 SHM_DIR = "/dev/shm"
 
 
-class Ring:
-    """A mapped ring; `capacity` is a multiple of 64 so records never straddle the wrap."""
+class Segment:
+    """A named /dev/shm mapping with a 4 KiB control page (word 16 holds the creator's nonce)."""
 
-    def __init__(self, name: str, capacity: int, create: bool, nonce: int = 0) -> None:
+    def __init__(self, name: str, nbytes: int, create: bool, nonce: int = 0) -> None:
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
-        self.capacity = capacity
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, _CTRL + capacity)
-            self.mm = mmap.mmap(fd, _CTRL + capacity)
+                os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         self.words = memoryview(self.mm).cast("B").cast("Q")
-        self.data = np.frombuffer(self.mm, dtype=np.uint8, count=capacity, offset=_CTRL)
+        self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
         if create:
             self.words[_NONCE] = nonce
 
-    @classmethod
-    def create(cls, prefix: str, capacity: int) -> Ring:
-        nonce = secrets.randbits(63)
-        return cls(f"{prefix}-{secrets.token_hex(4)}", capacity, True, nonce)
+    @staticmethod
+    def unique_name(prefix: str) -> str:
+        return f"{prefix}-{secrets.token_hex(4)}"
 
     @property
     def nonce(self) -> int:
@@ -66,11 +64,28 @@ class Ring:
 
     def close(self) -> None:
         self.words.release()
-        self.data = None  # type: ignore[assignment]
+        self.bytes = None  # type: ignore[assignment]
         try:
             self.mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
+
+
+class Ring(Segment):
+    """A single-writer byte ring; `capacity` is a multiple of 64 so records never straddle the wrap."""
+
+    def __init__(self, name: str, capacity: int, create: bool, nonce: int = 0) -> None:
+        super().__init__(name, _CTRL + capacity, create, nonce)
+        self.capacity = capacity
+        self.data = self.bytes[_CTRL:]
+
+    @classmethod
+    def create(cls, prefix: str, capacity: int) -> Ring:
+        return cls(cls.unique_name(prefix), capacity, True, secrets.randbits(63))
+
+    def close(self) -> None:
+        self.data = None  # type: ignore[assignment]
+        super().close()
 
 
 def _pad(n: int) -> int:
@@ -205,3 +220,32 @@ class ShmChannel:
         self.out.unlink()
         self.inn.close()
         self.out.close()
+
+
+class GroupSegment(Segment):
+    """One shared segment per single-host group for the one-shot small-message path.
+
+    Per rank: a 64-byte control line [flag, then per slot parity: seq, fp word a, fp word b] and
+    two data slots of `slot_bytes`. A rank fills its slot, writes that slot's seq/fingerprint,
+    then stores `flag = seq`; readers that see the flag see the data (x86-64 store order).
+    Slots alternate, and a rank only refills a slot after every rank has published a later
+    flag, so nobody can still be reading it: no lock and no second handshake are needed.
+    """
+
+    def __init__(self, name: str, size: int, slot_bytes: int, create: bool, nonce: int = 0) -> None:
+        ctrl = (size * 64 + 4095) // 4096 * 4096
+        super().__init__(name, _CTRL + ctrl + size * 2 * slot_bytes, create, nonce)
+        self.size = size
+        self.slot_bytes = slot_bytes
+        base = _CTRL + ctrl
+        self.slots = [[self.bytes[base + (r * 2 + p) * slot_bytes: base + (r * 2 + p + 1) * slot_bytes]
+                       for p in (0, 1)] for r in range(size)]
+        self.lines = [(_CTRL + r * 64) // 8 for r in range(size)]  # word index of each control line
+
+    @classmethod
+    def create(cls, prefix: str, size: int, slot_bytes: int) -> GroupSegment:
+        return cls(cls.unique_name(prefix), size, slot_bytes, True, secrets.randbits(63))
+
+    def close(self) -> None:
+        self.slots = []
+        super().close()

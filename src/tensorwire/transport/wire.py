@@ -8,8 +8,8 @@ before a single payload byte lands in a user's buffer.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 HEADER = struct.Struct("<BBBBIQqQQi20x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
@@ -42,44 +42,43 @@ class Coll(IntEnum):
     SCATTERV = 13
     REDUCE_SCATTERV = 14
     SPLIT = 15
+    SETUP = 16
 
     @property
     def label(self) -> str:
         return self.name.lower()
 
 
-@dataclass(frozen=True)
-class Fingerprint:
+class Fingerprint(NamedTuple):
     """What every rank of one collective call must agree on; count/root of -1 are not checked."""
 
-    coll: Coll
+    coll: int
     dtype: int = 0
     op: int = 0
     root: int = -1
     count: int = -1
 
-    def differences(self, other: Fingerprint, dtype_name, op_name) -> list[str]:
-        """Human-readable fields that differ, `self` being ours and `other` the peer's."""
-        out = []
-        if self.coll != other.coll:
-            out.append(f"collective {self.coll.label} vs {other.coll.label}")
-            return out
-        if self.dtype != other.dtype:
-            out.append(f"dtype {dtype_name(self.dtype)} vs {dtype_name(other.dtype)}")
-        if self.op != other.op:
-            out.append(f"op {op_name(self.op)} vs {op_name(other.op)}")
-        if self.root != other.root:
-            out.append(f"root {self.root} vs {other.root}")
-        if self.count != other.count and self.count >= 0 and other.count >= 0:
-            out.append(f"count {self.count} vs {other.count}")
-        return out
+
+def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
+    """Human-readable fields that differ between our fingerprint and a peer's."""
+    if mine.coll != other.coll:
+        return [f"collective {Coll(mine.coll).label} vs {Coll(other.coll).label}"]
+    out = []
+    if mine.dtype != other.dtype:
+        out.append(f"dtype {dtype_name(mine.dtype)} vs {dtype_name(other.dtype)}")
+    if mine.op != other.op:
+        out.append(f"op {op_name(mine.op)} vs {op_name(other.op)}")
+    if mine.root != other.root:
+        out.append(f"root {mine.root} vs {other.root}")
+    if mine.count != other.count and mine.count >= 0 and other.count >= 0:
+        out.append(f"count {mine.count} vs {other.count}")
+    return out
 
 
 P2P_FINGERPRINT = Fingerprint(Coll.P2P)
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     kind: int
     ctx: int
     seq: int
@@ -101,7 +100,7 @@ class Header:
         kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root = HEADER.unpack(raw)
         if count == 0xFFFFFFFFFFFFFFFF:
             count = -1
-        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(Coll(coll), dtype, op, root, count))
+        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count))
 
 
 def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:
