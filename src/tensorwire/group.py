@@ -238,6 +238,7 @@ class Group(Collectives):
             seg.unlink()  # everyone mapped it (or gave up): nothing is left in /dev/shm
         if verdict[0] and seg is not None:
             self.direct = DirectPath(seg, self.rank, self.engine, self.ctx, self.ranks)
+            self.runtime.segments.append(seg)
         elif seg is not None:
             seg.close()
 

@@ -22,9 +22,12 @@ class Runtime:
     engine: Engine
     started: float = field(default_factory=time.monotonic)
     world: object = None  # the world Group, set right after construction
+    segments: list = field(default_factory=list)  # shared segments of this process's groups
 
     def close(self) -> None:
         self.engine.close()
+        for seg in self.segments:
+            seg.close()
         if self.store is not None:
             self.store.close()
         log.get("INIT").info("rank %d shut down", self.rank)
