@@ -54,7 +54,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         root_store = store
         if root_store is None and info.world_size > 1:
             root_store = bootstrap.create_store(info, cfg.timeout)
-        address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port)
+        multi_host = 0 < info.local_world_size < info.world_size
+        address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
+                                       multi_host=multi_host)
         scoped = PrefixStore(f"tw/g{_generation}", root_store) if root_store is not None else None
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
                   info.world_size, info.source, info.init_method, address, cfg.transport)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import IO, TextIO
 
 from tensorwire.errors import RendezvousError
 
@@ -206,6 +208,15 @@ class RankProcess:
                 pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own signal forwarding still applies
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -225,28 +236,29 @@ class Launcher:
         self.plan = plan
         self.ranks: list[RankProcess] = []
         self._exits: queue.Queue[RankProcess] = queue.Queue()
-        self._stderr_lock = threading.Lock()
+        self._output_lock = threading.Lock()
         self._signal_received: int | None = None
         self._signal_count = 0
 
     # -- children -----------------------------------------------------------------------------
 
-    def _relay_stderr(self, child: RankProcess) -> None:
-        """Copy a child's stderr to ours line by line, at once, keeping the tail for the report."""
-        assert child.proc.stderr is not None
-        out = getattr(sys.stderr, "buffer", None)
-        for line in child.proc.stderr:
-            child.tail.append(line.decode(errors="replace").rstrip("\r\n"))
-            with self._stderr_lock:
+    def _relay(self, child: RankProcess, source: IO[bytes], sink: TextIO, keep_tail: bool) -> None:
+        """Copy a child's stream to ours a whole line at a time (lines of ranks never interleave
+        mid-line), keeping stderr's tail for the failure report."""
+        out = getattr(sink, "buffer", None)
+        for line in source:
+            if keep_tail:
+                child.tail.append(line.decode(errors="replace").rstrip("\r\n"))
+            with self._output_lock:
                 try:
                     if out is not None:
                         out.write(line)
                     else:
-                        sys.stderr.write(line.decode(errors="replace"))
-                    sys.stderr.flush()
+                        sink.write(line.decode(errors="replace"))
+                    sink.flush()
                 except (OSError, ValueError):
-                    pass  # our stderr is gone; keep draining so the child never blocks
-        child.proc.stderr.close()
+                    pass  # our stream is gone; keep draining so the child never blocks
+        source.close()
 
     def _await_exit(self, child: RankProcess) -> None:
         child.proc.wait()
@@ -259,10 +271,14 @@ class Launcher:
                 break  # interrupted while starting: don't start more
             env = self.plan.rank_env(local_rank, port, base)
             proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=None, stderr=subprocess.PIPE)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_die_with_parent)
             child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
             self.ranks.append(child)
-            child.reader = threading.Thread(target=self._relay_stderr, args=(child,),
+            assert proc.stdout is not None and proc.stderr is not None
+            threading.Thread(target=self._relay, args=(child, proc.stdout, sys.stdout, False),
+                             name=f"tw-stdout-{child.rank}", daemon=True).start()
+            child.reader = threading.Thread(target=self._relay, args=(child, proc.stderr, sys.stderr, True),
                                             name=f"tw-stderr-{child.rank}", daemon=True)
             child.reader.start()
             threading.Thread(target=self._await_exit, args=(child,),
@@ -344,7 +360,9 @@ class Launcher:
             from tensorwire.rendezvous.store import TCPStoreServer
 
             try:
-                server = TCPStoreServer(plan.bind_addr, port)
+                # Several nodes: listen on every interface, since MASTER_ADDR may resolve to a
+                # loopback address on this node (Debian's 127.0.1.1 hostname line).
+                server = TCPStoreServer(plan.bind_addr if plan.nnodes == 1 else "0.0.0.0", port)
             except (RendezvousError, OSError) as exc:
                 print(f"tensorwire run: cannot host the store on {plan.bind_addr}:{port}: {exc}",
                       file=sys.stderr)
@@ -398,7 +416,7 @@ class Launcher:
             elif child.proc.returncode not in (0, None) and child.tail:
                 text += f"; last stderr line: {child.tail[-1]}"
             lines.append(text)
-        with self._stderr_lock:
+        with self._output_lock:
             print("\n".join(lines), file=sys.stderr, flush=True)
         return code
 

@@ -83,10 +83,14 @@ class DirectPath:
             return
         backoff = Backoff(self.engine, call.deadline, self.ctx, self.members,
                           functools.partial(self.cross_check, call))
+        lost = self.engine.lost
         while pending:
             pending = [r for r in pending if words[lines[r]] < seq]
             if pending:
                 backoff.idle(functools.partial(self._timeout, call, pending))
+                for r in pending:
+                    if self.members[r] in lost:  # left the job without entering this call
+                        raise self.engine.lost_error(self.members[r])
 
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:
         words, line = self.seg.words, self.seg.lines[r]

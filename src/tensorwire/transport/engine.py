@@ -72,7 +72,9 @@ class Engine:
         self.lock = threading.RLock()
         self.posted: dict[tuple, deque[RecvRequest]] = {}
         self.unexpected: dict[tuple, deque[Unexpected]] = {}
-        self.lost: dict[int, str] = {}
+        self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
+        self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
+        self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
         self.aborted: dict[int, BaseException] = {}
         self._spin_s = spin_us * 1e-6
         self._sockets: list = []
@@ -105,11 +107,14 @@ class Engine:
               what: str) -> RecvRequest:
         req = RecvRequest(peer, header, dst, reduce_op, what)
         with self.lock:
-            if self._fail_if_unusable(req, header.ctx):
-                return req
             key = (peer, header.key)
             queue = self.unexpected.get(key)
-            if queue:
+            # A message that already arrived is delivered even if its sender has left since.
+            if not queue and self._fail_if_unusable(req, header.ctx):
+                return req
+            if header.ctx in self.aborted:
+                req.fail(self.aborted[header.ctx])
+            elif queue:
                 msg = queue.popleft()
                 if not queue:
                     del self.unexpected[key]
@@ -135,7 +140,7 @@ class Engine:
         if ctx in self.aborted:
             req.fail(self.aborted[ctx])
         elif req.peer in self.lost:
-            req.fail(self._lost_error(req.peer))
+            req.fail(self.lost_error(req.peer))
         return req.done
 
     # -- matching (called by channels when a header arrives) --------------------------------
@@ -143,7 +148,7 @@ class Engine:
         if header.kind == Kind.ABORT:
             return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, raw))
         if header.kind == Kind.BYE:
-            return ControlSink(0, lambda raw: self.lost.setdefault(peer, "it left the job (destroy())"))
+            return ControlSink(0, lambda raw: self.departed.add(peer))
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -178,16 +183,24 @@ class Engine:
             f"{'; '.join(diffs)} (this rank vs rank {peer})")
 
     # -- failures ---------------------------------------------------------------------------
-    def _lost_error(self, peer: int) -> PeerLostError:
+    def lost_error(self, peer: int) -> PeerLostError:
         return PeerLostError(f"rank {self.rank}: lost rank {peer}: {self.lost[peer]}", peer=peer)
 
     def _peer_lost(self, peer: int, reason: str) -> None:
+        """The peer's socket closed. After a goodbye that is an orderly exit: what it sent before
+        is still delivered, and only requests that need more of it fail. Without one it crashed,
+        which dooms every group it belongs to (see check_group)."""
         if peer in self.lost or self._closed:
             return
-        self.lost[peer] = reason
-        _log.warning("lost rank %d: %s", peer, reason)
         channel = self.channels.get(peer)
-        err = self._lost_error(peer)
+        if peer in self.departed:
+            reason = "it left the job (called destroy() or exited) before this exchange finished"
+            self._drain(channel)
+        else:
+            self.crashed.add(peer)
+            _log.warning("lost rank %d: %s", peer, reason)
+        self.lost[peer] = reason
+        err = self.lost_error(peer)
         if channel is not None:
             for req in list(getattr(channel, "sendq", ())) + list(channel.stream.sendq):
                 req.fail(err)
@@ -195,6 +208,14 @@ class Engine:
             if p == peer:
                 for req in queue:
                     req.fail(err)
+
+    def _drain(self, channel) -> None:
+        """Deliver whatever a departed peer left in its shared-memory ring."""
+        try:
+            while channel is not None and channel.progress():
+                pass
+        except PeerClosed:
+            pass
 
     def abort_group(self, ctx: int, members: Iterable[int], error: BaseException) -> None:
         """Fail everything of a group here and tell its members why, so every rank raises."""
@@ -283,12 +304,16 @@ class Engine:
                 raise r.error
 
     def check_group(self, ctx: int, watch: Iterable[int]) -> None:
-        """Raise if the group was aborted or one of its members is gone."""
+        """Raise if the group was aborted or one of its members crashed.
+
+        A member that left in order is not fatal by itself: it may have finished its part of
+        the call; if it had not, the request waiting on it fails instead."""
         if ctx in self.aborted:
             raise self.aborted[ctx]
-        for peer in watch:
-            if peer in self.lost:
-                raise self._lost_error(peer)
+        if self.crashed:
+            for peer in watch:
+                if peer in self.crashed:
+                    raise self.lost_error(peer)
 
     def sleep_on_sockets(self, seconds: float) -> None:
         """Sleep until a socket is readable (data, a control message, a closed peer) or `seconds`."""

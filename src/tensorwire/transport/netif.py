@@ -80,9 +80,13 @@ def route_source_address(toward_host: str, port: int) -> str:
                 f"no route from this host toward {toward_host} ({target[0]}:{target[1]}): {exc}") from exc
 
 
-def select_address(spec: str, toward: str | None, port: int | None) -> str:
+def select_address(spec: str, toward: str | None, port: int | None, *, multi_host: bool = False) -> str:
     """The address to advertise: the first interface matching `spec` if set, else the route
-    source toward the store host `toward`, else (single process, no store host) loopback."""
+    source toward the store host `toward`, else (single process, no store host) loopback.
+
+    When the job spans hosts, a loopback route (MASTER_ADDR naming this host through a
+    127.0.1.1 line in /etc/hosts, as Debian writes it) would be unreachable for the others:
+    then the first non-loopback interface is advertised instead."""
     if spec and spec.strip():
         interfaces = list_interfaces()
         chosen = match_ifname(spec, [name for name, _ in interfaces])
@@ -91,6 +95,14 @@ def select_address(spec: str, toward: str | None, port: int | None) -> str:
             raise RendezvousError(
                 f"no network interface matches SOCKET_IFNAME={spec!r}; available: {available}")
         return dict(interfaces)[chosen[0]]
-    if toward:
-        return route_source_address(toward, port or 1)
-    return "127.0.0.1"
+    if not toward:
+        return "127.0.0.1"
+    address = route_source_address(toward, port or 1)
+    if multi_host and address.startswith("127."):
+        external = [a for _, a in list_interfaces() if not a.startswith("127.")]
+        if not external:
+            raise RendezvousError(
+                f"the job spans several hosts but {toward} routes to loopback here and no other "
+                f"interface has an IPv4 address; set TENSORWIRE_SOCKET_IFNAME")
+        return external[0]
+    return address

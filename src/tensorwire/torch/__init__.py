@@ -1,0 +1,99 @@
+"""tensorwire as a torch.distributed backend: `import tensorwire.torch`, then
+
+    dist.init_process_group("tensorwire")            # under torchrun or tensorwire run
+    dist.new_group(ranks, backend="tensorwire")      # also on top of a Gloo world
+
+Importing this module registers the backend name "tensorwire" for CPU tensors. Every c10d
+operation of a tensorwire process group is run by tensorwire itself (see process_group.py);
+errors are tensorwire's (PeerLostError, CollectiveMismatchError, TimeoutError, ...), raised on
+every rank. See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
+
+from . import world
+from .process_group import BACKEND_NAME, ProcessGroupTensorwire
+from .work import TensorwireWork
+
+__all__ = ["BACKEND_NAME", "ProcessGroupTensorwire", "TensorwireWork", "create_backend"]
+
+
+def create_backend(opts: Any, pg_options: Any = None) -> ProcessGroupTensorwire:
+    """c10d's constructor hook (extended API): one call per torch group, on its members only."""
+    ranks = list(opts.global_ranks_in_group)
+    name = str(opts.group_id)
+    timeout = world.timeout_seconds(opts.timeout)
+    if not ranks:  # the default group: the tensorwire world
+        group = world.world_group(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    else:
+        group = world.sub_group(opts.store, ranks, name, opts.timeout)
+    if group.rank != opts.group_rank or group.size != opts.group_size:
+        raise RuntimeError(f"tensorwire backend: torch says rank {opts.group_rank} of {opts.group_size} "
+                           f"for group {name!r} (ranks {ranks}), tensorwire computed {group.rank} of "
+                           f"{group.size}")
+    return ProcessGroupTensorwire(group, timeout if timeout is not None else group.runtime.config.timeout,
+                                  name, release=world.release)
+
+
+# -- registration --------------------------------------------------------------------------------
+
+if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu"])
+
+
+# `tensorwire run` hosts a *tensorwire* store on MASTER_PORT. torch's env:// would try to host
+# or reach a torch TCPStore there, so under that launcher env:// instead starts a torch store
+# on a free port and publishes the port through the tensorwire store. Elsewhere env:// is torch's.
+_RDZV = sys.modules["torch.distributed.rendezvous"]
+_TORCH_ENV_HANDLER = _RDZV._rendezvous_handlers.get("env")
+
+
+def _under_tensorwire_run() -> bool:
+    return bool(os.environ.get("TENSORWIRE_JOB_ID")) and os.environ.get("TENSORWIRE_STORE_HOSTED") == "1"
+
+
+_env_inits = 0
+
+
+def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
+                 **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    if not _under_tensorwire_run() or _TORCH_ENV_HANDLER is None:
+        assert _TORCH_ENV_HANDLER is not None
+        yield from _TORCH_ENV_HANDLER(url, timeout=timeout, **kwargs)
+        return
+    global _env_inits
+    from ..rendezvous.store import TCPStore as TwTCPStore
+
+    query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
+    rank = int(query.get("rank", os.environ["RANK"]))
+    size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    _env_inits += 1
+    key = f"tw/torch-store/{_env_inits}"
+    seconds = timeout.total_seconds()
+    tw_store = TwTCPStore(addr, port, timeout=seconds, server=False)
+    try:
+        if rank == 0:
+            store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+            tw_store.set(key, str(store.port).encode())
+        else:
+            torch_port = int(tw_store.get(key, seconds))
+            store = dist.TCPStore(addr, torch_port, size, is_master=False, timeout=timeout)
+    finally:
+        tw_store.close()
+    yield (store, rank, size)
+    raise RuntimeError("env:// under tensorwire run cannot re-rendezvous")
+
+
+if _TORCH_ENV_HANDLER is not None and getattr(_TORCH_ENV_HANDLER, "__module__", "") != __name__:
+    _RDZV._rendezvous_handlers["env"] = _env_handler

@@ -1,0 +1,462 @@
+"""`ProcessGroupTensorwire`: every c10d operation of one torch process group, run by tensorwire.
+
+torch 2.13 lets Python subclass `ProcessGroup` (not the lower-level `Backend`): torch's Python
+functions call these methods directly, and C++ callers (DDP's reducer, functional collectives)
+reach them through the pybind trampoline. Each method translates torch's calling convention
+(lists of tensors, an options struct) into one or more calls on the tensorwire Group and wraps
+them in a `TensorwireWork`.
+
+- `opts.asyncOp` False (a plain `dist.all_reduce(t)`): the call runs inline on the caller's
+  thread (tensorwire's fast path, no thread hop) and a completed Work is returned.
+- `opts.asyncOp` True (`async_op=True`, DDP's bucket all-reduces, functional collectives): the
+  call is queued on the group's worker, so communication overlaps whatever the caller does next.
+- Tensors that are not contiguous go through a contiguous copy, copied back on completion.
+- PREMUL_SUM multiplies each rank's input by its factor before a SUM (NCCL's definition: the
+  factors may differ per rank); AVG is tensorwire's own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AbortedError, InvalidArgumentError, PeerLostError
+from ..errors import TimeoutError as TwTimeoutError
+from ..group import Group
+from ..ops import ReduceOp
+from ..transport.wire import Kind
+from ..work import Work as TwWork
+from .work import TensorwireWork, seconds
+
+BACKEND_NAME = "tensorwire"
+_SHUTDOWN_BARRIER_S = 30.0
+
+Call = Callable[[bool, "float | None"], Any]  # (async_op, timeout) -> tensorwire Work or result
+
+
+class _Staging:
+    """Contiguous stand-ins for non-contiguous tensors, and the copies back on completion."""
+
+    def __init__(self) -> None:
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def out(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer a collective may write (and read: broadcast roots, in-place reductions)."""
+        _check_cpu(t)
+        if t.is_contiguous():
+            return t
+        buf = t.contiguous()
+        self.back.append((t, buf))
+        return buf
+
+    @staticmethod
+    def inp(t: torch.Tensor) -> torch.Tensor:
+        _check_cpu(t)
+        return t if t.is_contiguous() else t.contiguous()
+
+    def finish(self) -> Callable[[], None] | None:
+        if not self.back:
+            return None
+        pairs = self.back
+
+        def copy_back() -> None:
+            for dst, src in pairs:
+                dst.copy_(src)
+
+        return copy_back
+
+
+def _check_cpu(t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"tensorwire backend: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"the tensorwire backend moves CPU tensors only, got one on {t.device}; use "
+            f"init_process_group('cpu:tensorwire,cuda:nccl') to send device tensors through NCCL")
+    if t.is_sparse:
+        raise InvalidArgumentError("the tensorwire backend does not reduce sparse tensors; pass t.to_dense()")
+
+
+def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
+    """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options."""
+    rop = getattr(opts, "reduceOp", None)
+    if rop is None:
+        return ReduceOp.SUM, None
+    code = int(getattr(rop, "op", rop))
+    op = ReduceOp(code)
+    if op is ReduceOp.PREMUL_SUM:
+        factor = getattr(rop, "factor", None)
+        if factor is None:
+            raise InvalidArgumentError("PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
+        return ReduceOp.SUM, factor
+    return op, None
+
+
+def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """factor * t as a new tensor (inputs the caller keeps must not change)."""
+    f = factor.to(t.dtype) if isinstance(factor, torch.Tensor) else factor
+    return t * f
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"tensorwire backend: {what} takes exactly one tensor per process "
+                                   f"(got {len(tensors)}); one CPU tensor per rank is all c10d passes")
+    return tensors[0]
+
+
+class ProcessGroupTensorwire(dist.ProcessGroup):
+    """One torch process group backed by one tensorwire Group (its context id on the wire)."""
+
+    def __init__(self, group: Group, timeout: float | None, group_name: str = "",
+                 release: Callable[[], None] | None = None) -> None:
+        super().__init__(group.rank, group.size)
+        self._tw = group
+        self._timeout = timeout
+        self._group_name = group_name
+        self._group_desc = ""
+        self._release = release
+        self._closed = False
+
+    # -- identity ----------------------------------------------------------------------------
+    @property
+    def tensorwire_group(self) -> Group:
+        """The tensorwire Group behind this process group (its numpy/buffer API works too)."""
+        return self._tw
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's virtual
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroupTensorwire(rank={self._tw.rank}, size={self._tw.size}, "
+                f"name={self._group_name!r}, ranks={self._tw.ranks})")
+
+    # -- running -----------------------------------------------------------------------------
+    def _timeout_of(self, opts: Any) -> float | None:
+        own = seconds(getattr(opts, "timeout", None)) if opts is not None else None
+        return own if own is not None else self._timeout
+
+    def _run(self, what: str, opts: Any, outputs: Any, calls: Sequence[Call],
+             finish: Callable[[], None] | None = None) -> TensorwireWork:
+        timeout = self._timeout_of(opts)
+        if opts is not None and not opts.asyncOp:
+            for call in calls:
+                call(False, timeout)
+            if finish is not None:
+                finish()
+            return TensorwireWork([], outputs, what)
+        parts = [call(True, timeout) for call in calls]
+        return TensorwireWork(parts, outputs, what, finish=finish, timeout=timeout)
+
+    # -- reductions --------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        op, factor = _reduction(opts)
+        st = _Staging()
+        buf = st.out(_one(tensors, "allreduce"))
+        if factor is not None:
+            buf.mul_(factor)
+        g = self._tw
+        return self._run("all_reduce", opts, tensors,
+                         [lambda a, t: g.all_reduce(buf, op, async_op=a, timeout=t)], st.finish())
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """One all-reduce per dtype over the tensors packed end to end."""
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        op, factor = _reduction(opts)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            _check_cpu(t)
+            by_dtype.setdefault(t.dtype, []).append(t)
+        calls: list[Call] = []
+        unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        g = self._tw
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else None
+            if flat is None:
+                st = _Staging()
+                buf = st.out(group[0])
+                if st.back:
+                    unpack.append((buf, group))
+            else:
+                buf = flat
+                unpack.append((flat, group))
+            if factor is not None:
+                buf.mul_(factor)
+            calls.append(lambda a, t, b=buf: g.all_reduce(b, op, async_op=a, timeout=t))
+
+        def finish() -> None:
+            for flat, group in unpack:
+                offset = 0
+                for t in group:
+                    n = t.numel()
+                    t.copy_(flat.reshape(-1)[offset:offset + n].view(t.shape))
+                    offset += n
+
+        return self._run("all_reduce_coalesced", opts, tensors, calls, finish if unpack else None)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        op, factor = _reduction(opts)
+        root = opts.rootRank
+        st = _Staging()
+        t = _one(tensors, "reduce")
+        buf = st.out(t) if self._tw.rank == root else st.inp(t)
+        g = self._tw
+        if factor is None:
+            call: Call = lambda a, tm: g.reduce(buf, root, op, async_op=a, timeout=tm)  # noqa: E731
+        else:
+            src = _scaled(buf, factor)
+            out = buf if g.rank == root else None
+            call = lambda a, tm: g.reduce(src, root, op, out=out, async_op=a, timeout=tm)  # noqa: E731
+        return self._run("reduce", opts, tensors, [call], st.finish())
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op, factor = _reduction(opts)
+        st = _Staging()
+        out = st.out(_one(output_tensors, "reduce_scatter"))
+        ins = [st.inp(t) for t in _one(input_tensors, "reduce_scatter")]
+        if factor is not None:
+            ins = [_scaled(t, factor) for t in ins]
+        g = self._tw
+        return self._run("reduce_scatter", opts, output_tensors,
+                         [lambda a, t: g.reduce_scatter(out, ins, op, async_op=a, timeout=t)], st.finish())
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op, factor = _reduction(opts)
+        st = _Staging()
+        out, inp = st.out(output), st.inp(input)
+        if factor is not None:
+            inp = _scaled(inp, factor)
+        g = self._tw
+        return self._run("reduce_scatter_tensor", opts, [output],
+                         [lambda a, t: g.reduce_scatter_tensor(out, inp, op, async_op=a, timeout=t)],
+                         st.finish())
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op, factor = _reduction(opts)
+        st = _Staging()
+        calls: list[Call] = []
+        g = self._tw
+        for output, input in zip(outputs, inputs, strict=True):
+            out, inp = st.out(output), st.inp(input)
+            if factor is not None:
+                inp = _scaled(inp, factor)
+            calls.append(lambda a, t, o=out, i=inp: g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=t))
+        return self._run("reduce_scatter_tensor_coalesced", opts, outputs, calls, st.finish())
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement -----------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        root = opts.rootRank
+        st = _Staging()
+        buf = st.out(_one(tensors, "broadcast"))
+        g = self._tw
+        return self._run("broadcast", opts, tensors,
+                         [lambda a, t: g.broadcast(buf, root, async_op=a, timeout=t)], st.finish())
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        st = _Staging()
+        outs = [st.out(t) for t in _one(output_tensors, "allgather")]
+        inp = st.inp(_one(input_tensors, "allgather"))
+        g = self._tw
+        return self._run("all_gather", opts, output_tensors,
+                         [lambda a, t: g.all_gather(outs, inp, async_op=a, timeout=t)], st.finish())
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        st = _Staging()
+        out, inp = st.out(output), st.inp(input)
+        g = self._tw
+        return self._run("all_gather_into_tensor", opts, [output],
+                         [lambda a, t: g.all_gather_into_tensor(out, inp, async_op=a, timeout=t)],
+                         st.finish())
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        st = _Staging()
+        g = self._tw
+        calls: list[Call] = []
+        for output, input in zip(outputs, inputs, strict=True):
+            out, inp = st.out(output), st.inp(input)
+            calls.append(lambda a, t, o=out, i=inp: g.all_gather_into_tensor(o, i, async_op=a, timeout=t))
+        return self._run("all_gather_into_tensor_coalesced", opts, outputs, calls, st.finish())
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        st = _Staging()
+        g = self._tw
+        calls: list[Call] = []
+        for i, input in enumerate(inputs):  # output_lists[rank][i] receives rank's inputs[i]
+            outs, inp = [st.out(per_rank[i]) for per_rank in output_lists], st.inp(input)
+            calls.append(lambda a, t, o=outs, i=inp: g.all_gather(o, i, async_op=a, timeout=t))
+        return self._run("all_gather_coalesced", opts, output_lists, calls, st.finish())
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = opts.rootRank
+        st = _Staging()
+        inp = st.inp(_one(input_tensors, "gather"))
+        outs = [st.out(t) for t in _one(output_tensors, "gather")] if self._tw.rank == root else None
+        g = self._tw
+        return self._run("gather", opts, output_tensors,
+                         [lambda a, t: g.gather(inp, outs, root, async_op=a, timeout=t)], st.finish())
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root = opts.rootRank
+        st = _Staging()
+        out = st.out(_one(output_tensors, "scatter"))
+        ins = [st.inp(t) for t in _one(input_tensors, "scatter")] if self._tw.rank == root else None
+        g = self._tw
+        return self._run("scatter", opts, output_tensors,
+                         [lambda a, t: g.scatter(out, ins, root, async_op=a, timeout=t)], st.finish())
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        st = _Staging()
+        outs = [st.out(t) for t in output_tensors]
+        ins = [st.inp(t) for t in input_tensors]
+        g = self._tw
+        return self._run("all_to_all", opts, output_tensors,
+                         [lambda a, t: g.all_to_all(outs, ins, async_op=a, timeout=t)], st.finish())
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        st = _Staging()
+        out, inp = st.out(output), st.inp(input)
+        osplit = list(output_split_sizes) or None
+        isplit = list(input_split_sizes) or None
+        g = self._tw
+        return self._run("all_to_all_single", opts, [output],
+                         [lambda a, t: g.all_to_all_single(out, inp, osplit, isplit, async_op=a, timeout=t)],
+                         st.finish())
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        g = self._tw
+        return self._run("barrier", opts, [], [lambda a, t: g.barrier(async_op=a, timeout=t)])
+
+    # -- point-to-point ------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        data = _Staging.inp(_one(tensors, "send"))
+        part = self._tw.isend(data, dst, tag)
+        return TensorwireWork([part], tensors, f"send to rank {dst}", timeout=self._timeout)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        st = _Staging()
+        buf = st.out(_one(tensors, "recv"))
+        part = self._tw.irecv(buf, src, tag)
+        return TensorwireWork([part], tensors, f"recv from rank {src}", finish=st.finish(),
+                              timeout=self._timeout, source_rank=src)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """A receive from whichever rank sends first: a helper thread finds the sender, then receives."""
+        st = _Staging()
+        buf = st.out(_one(tensors, "recv"))
+        part = TwWork(f"recv from any rank (tag {tag}) on group {self._tw.name}", self._tw.runtime.rank)
+        work = TensorwireWork([part], tensors, "recv from any rank", finish=st.finish(),
+                              timeout=self._timeout)
+
+        def find_and_receive() -> None:
+            try:
+                src = _await_any_sender(self._tw, tag, self._timeout)
+                work._source_rank_value = src
+                self._tw.irecv(buf, src, tag).wait(self._timeout)
+            except BaseException as exc:
+                part._finish(exc=exc)
+            else:
+                part._finish()
+
+        threading.Thread(target=find_and_receive, daemon=True, name="tensorwire-torch-recv-any").start()
+        return work
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        self._tw.abort(AbortedError(f"rank {self._tw.runtime.rank}: process group {self._group_name!r} "
+                                    f"was aborted (ProcessGroup.abort())"))
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Leave together: a rank that closed its connections while a peer still drains the last
+        collective's data from shared memory would turn that peer's success into PeerLostError,
+        so members first meet in a barrier (bounded; skipped on a failed group or a lost peer)."""
+        if self._closed:
+            return
+        self._closed = True
+        g = self._tw
+        if g.size > 1 and g.ctx not in g.engine.aborted:
+            try:
+                g.barrier(timeout=min(self._timeout or _SHUTDOWN_BARRIER_S, _SHUTDOWN_BARRIER_S))
+            except Exception:
+                pass  # a peer is gone or stuck: nothing left to protect
+        if self._release is not None:
+            self._release()
+
+
+def _await_any_sender(group: Group, tag: int, timeout: float | None) -> int:
+    """The group rank of the first peer whose point-to-point message with `tag` has arrived."""
+    engine = group.engine
+    key = (group.ctx, int(Kind.P2P), 0, int(tag))
+    peers = [(w, r) for r, w in enumerate(group.ranks) if r != group.rank]
+    limit = timeout if timeout is not None else group.runtime.config.timeout
+    deadline = time.monotonic() + limit
+    pause = 20e-6
+    while True:
+        with engine.lock:
+            engine.progress()
+            for world_rank, group_rank in peers:
+                if engine.unexpected.get((world_rank, key)):
+                    return group_rank
+            if group.ctx in engine.aborted:
+                raise engine.aborted[group.ctx]
+            if all(w in engine.lost for w, _ in peers):
+                raise PeerLostError(f"rank {group.runtime.rank}: recv from any rank on group {group.name}: "
+                                    f"every peer is gone")
+        if time.monotonic() > deadline:
+            raise TwTimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
+                                 f"{group.name}: no message arrived within {limit:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)

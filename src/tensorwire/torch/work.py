@@ -1,0 +1,178 @@
+"""`TensorwireWork`: a torch `dist.Work` over one or more tensorwire Work handles.
+
+One torch-level operation may be several tensorwire calls (a coalesced all-reduce of mixed
+dtypes, a non-contiguous output staged through a contiguous copy); the torch Work completes
+when all of them have, after its `finish` step (copying staged results back) has run.
+
+Errors. `wait()` re-raises tensorwire's own exception (PeerLostError, CollectiveMismatchError,
+TimeoutError, ...). The future from `get_future()` never carries a Python exception object:
+torch rethrows a future's error on whatever C++ thread waits on it (DDP's reducer, inside
+backward), and an error holding a Python object there was seen to crash the process. Instead
+the raw future always completes with the outputs and the future handed out is a `.then()` of
+it whose callback raises on failure: torch turns an exception raised in a `then` callback into
+a plain C++ error carrying the message, which is safe to rethrow anywhere. DDP then raises a
+RuntimeError with tensorwire's message out of `loss.backward()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TimeoutError as TwTimeoutError
+from ..work import Work as TwWork
+
+
+def seconds(timeout: Any) -> float | None:
+    """torch passes timedelta (0 or negative: none); Python callers may pass seconds."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
+class TensorwireWork(dist.Work):
+    """Completes when every part has; `wait()` raises tensorwire's error of the first failed part."""
+
+    def __init__(self, parts: Sequence[TwWork], outputs: Any, what: str, *,
+                 finish: Callable[[], None] | None = None, timeout: float | None = None,
+                 source_rank: int = -1) -> None:
+        super().__init__()
+        self._parts = list(parts)
+        self._outputs = outputs
+        self._what = what
+        self._finish_fn = finish
+        self._timeout = timeout
+        self._source_rank_value = source_rank
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._pending = len(self._parts)
+        self._raw_future: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        self._waiter: threading.Thread | None = None
+        if not self._parts:
+            self._complete()
+        for part in self._parts:
+            part.add_done_callback(self._part_done)
+
+    @classmethod
+    def failed(cls, exc: BaseException, outputs: Any, what: str) -> TensorwireWork:
+        work = cls([], outputs, what)
+        work._exc = exc
+        return work
+
+    # -- completion ---------------------------------------------------------------------------
+    def _part_done(self, part: TwWork) -> None:
+        with self._lock:
+            if self._exc is None and part.exception() is not None:
+                self._exc = part.exception()
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._exc is None and self._finish_fn is not None:
+            try:
+                self._finish_fn()
+            except BaseException as exc:  # handed to whoever waits
+                self._exc = exc
+        with self._lock:
+            self._done.set()
+            fut = self._raw_future
+        if fut is not None:
+            fut.set_result(self._outputs)
+
+    # -- torch's Work interface ---------------------------------------------------------------
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done; raise the operation's tensorwire error if it failed.
+
+        A timeout (timedelta or seconds) bounds this wait only: the operation stays pending.
+        """
+        limit = seconds(timeout)
+        if not self._done.is_set():
+            for part in self._parts:
+                try:
+                    # A point-to-point part progresses only while somebody waits on it.
+                    # collectives enforce their own deadline; p2p waits bound themselves here
+                    own = self._timeout if _needs_waiter(part) else None
+                    part.wait(limit if limit is not None else own)
+                except TwTimeoutError:
+                    if not part.is_completed():
+                        raise
+                except BaseException:
+                    pass  # recorded by _part_done; raised below once everything settled
+            if not self._done.wait(limit):
+                raise TwTimeoutError(f"{self._what} not complete after {limit:g} s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future whose value is the list of output tensors (what DDP's comm hooks expect)."""
+        with self._lock:
+            if self._future is None:
+                raw: torch.futures.Future = torch.futures.Future()
+                self._raw_future = raw
+                self._future = raw.then(self._check)
+                done = self._done.is_set()
+                needs_driver = not done and any(_needs_waiter(p) for p in self._parts)
+            else:
+                return self._future
+        if done:
+            raw.set_result(self._outputs)
+        elif needs_driver:
+            self._waiter = threading.Thread(target=self._drive, daemon=True,
+                                            name="tensorwire-torch-p2p-future")
+            self._waiter.start()
+        return self._future
+
+    def _check(self, fut: torch.futures.Future) -> Any:
+        if self._exc is not None:
+            raise RuntimeError(f"{type(self._exc).__name__}: {self._exc}")
+        return fut.value()
+
+    def _drive(self) -> None:
+        try:
+            self.wait()
+        except BaseException:
+            pass  # carried by the future
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._parts and all(p.is_completed() for p in self._parts):
+            self._drive()  # point-to-point parts finish their bookkeeping on wait
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def result(self) -> Any:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass  # CPU only: nothing to order against a stream
+
+    def source_rank(self) -> int:
+        return self._source_rank_value
+
+    def _source_rank(self) -> int:
+        return self._source_rank_value
+
+    def __repr__(self) -> str:
+        state = "failed" if self._exc is not None else "done" if self._done.is_set() else "pending"
+        return f"<TensorwireWork {self._what} {state}>"
+
+
+def _needs_waiter(part: TwWork) -> bool:
+    """Collective parts complete on their group's worker; point-to-point ones need a waiter."""
+    return type(part) is not TwWork

@@ -1,0 +1,257 @@
+"""Which tensorwire runtime serves torch's process groups, and which Group each one gets.
+
+One process, one runtime, one connection per pair of processes, whatever the number of torch
+groups (the transport multiplexes groups by context id):
+
+- `init_process_group("tensorwire")`: the default group's backend joins the world with
+  `tensorwire.init(store=<torch's store>)`, connecting every pair; the default group is the
+  tensorwire world and every `new_group` a tensorwire Group over the same connections.
+- a Gloo (or other) world with `new_group(..., backend="tensorwire")`: c10d constructs the
+  backend on the group's members only, so a world-wide handshake is impossible. The runtime
+  then spans torch's world ranks but connects pairs lazily: each new group's members connect
+  the pairs among themselves that are not connected yet (both ends of a pair always agree on
+  that), through the group's own store prefix.
+
+A torch group's Group needs no communication to create: its context id is a hash of torch's
+group name (identical on every member: c10d derives it from a creation counter or the ranks)
+and its global ranks, which the extended backend API hands us.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import api, log
+from ..config import Config
+from ..errors import RendezvousError, TimeoutError
+from ..group import Group
+from ..rendezvous import bootstrap
+from ..rendezvous.store import Store, TorchStoreAdapter
+from ..runtime import Runtime
+from ..transport import netif
+from ..transport.connect import _setup_rings
+from ..transport.engine import Engine
+from ..transport.shm import ShmChannel
+from ..transport.tcp import SocketStream, TcpChannel, tune_socket
+
+_log = log.get("INIT")
+_lock = threading.RLock()
+_runtime: Runtime | None = None
+_owner = ""  # "api": we called tensorwire.init; "user": they did; "links": lazily connected
+_refs = 0
+
+
+def store_location(store: Any) -> str | None:
+    """'tcp://host:port' or 'file://path' of the torch store under any PrefixStores."""
+    s = store
+    while isinstance(s, dist.PrefixStore):
+        s = s.underlying_store
+    if isinstance(s, dist.TCPStore):
+        return f"tcp://{s.host}:{s.port}"
+    if isinstance(s, dist.FileStore):
+        return f"file://{s.path}"
+    return None
+
+
+def timeout_seconds(timeout: Any) -> float | None:
+    """torch's group timeout in seconds; TENSORWIRE_TIMEOUT, when set, wins."""
+    if os.environ.get("TENSORWIRE_TIMEOUT"):
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+        return s if s > 0 else None
+    return None
+
+
+def context_id(group_name: str, ranks: list[int]) -> int:
+    """32-bit FNV-1a of the torch group's name and ranks; never 0 (the tensorwire world)."""
+    h = 2166136261
+    for b in f"torch/{group_name}/{','.join(map(str, ranks))}".encode():
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h or 1
+
+
+def _where(store: Any, size: int) -> str | None:
+    loc = store_location(store)
+    if loc is None and size > 1:
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        loc = f"tcp://{addr}:{port}" if addr and port else "tcp://127.0.0.1:1"
+    return loc
+
+
+def world_group(store: Any, rank: int, size: int, timeout: Any) -> Group:
+    """The default group's backend: the whole tensorwire world, one connection per pair."""
+    global _runtime, _owner, _refs
+    with _lock:
+        if api.is_initialized():
+            rt = api._require("torch backend")
+            if (rt.rank, rt.world_size) != (rank, size):
+                raise RendezvousError(
+                    f"tensorwire is already initialized as rank {rt.rank} of {rt.world_size}, but torch "
+                    f"asks for rank {rank} of {size}; call tensorwire.destroy() first")
+            _runtime, _owner = rt, ("user" if _owner != "api" else "api")
+        else:
+            if _runtime is not None:
+                raise RendezvousError(
+                    "a tensorwire backend of an earlier torch world is still alive; destroy its groups "
+                    "(torch.distributed.destroy_process_group()) first")
+            t = timeout_seconds(timeout)
+            adapter = TorchStoreAdapter(store, timeout=t)
+            api.init(rank=rank, world_size=size, init_method=_where(store, size) if size > 1 else None,
+                     timeout=t, store=adapter if size > 1 else None)
+            _runtime, _owner = api._require("torch backend"), "api"
+        _refs += 1
+        return _runtime.world  # type: ignore[return-value]
+
+
+def sub_group(store: Any, ranks: list[int], group_name: str, timeout: Any) -> Group:
+    """A `new_group`'s backend (members only): a Group over the process's runtime."""
+    global _runtime, _owner, _refs
+    with _lock:
+        if _runtime is None and api.is_initialized():
+            _runtime, _owner = api._require("torch backend"), "user"
+        if _runtime is None:
+            _runtime, _owner = _links_runtime(store, timeout), "links"
+            atexit.register(_close_links)
+        if _owner == "links":
+            _connect_missing(_runtime, ranks, TorchStoreAdapter(store, timeout=timeout_seconds(timeout)))
+        _refs += 1
+        return Group(_runtime, ranks, context_id(group_name, ranks), f"torch:{group_name}")
+
+
+def release() -> None:
+    """A torch group shut down; the last one closes what this module opened."""
+    global _runtime, _owner, _refs
+    with _lock:
+        _refs = max(0, _refs - 1)
+        if _refs or _runtime is None:
+            return
+        owner, rt = _owner, _runtime
+        _runtime, _owner = None, ""
+    if owner == "api":
+        api.destroy()
+    elif owner == "links":
+        rt.close()
+
+
+def _close_links() -> None:
+    global _runtime, _owner
+    with _lock:
+        if _owner != "links" or _runtime is None:
+            return
+        rt, _runtime, _owner = _runtime, None, ""
+    rt.close()
+
+
+# -- a world whose pairs connect on demand (tensorwire groups on top of another backend) ---------
+
+_LINK_HELLO = struct.Struct("<4sIQ")  # magic, rank, job hash
+_LINK_MAGIC = b"TWlk"
+
+
+def _job_hash(job_id: str) -> int:
+    h = 1469598103934665603
+    for b in job_id.encode():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _links_runtime(store: Any, timeout: Any) -> Runtime:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cfg = Config.from_env(timeout=timeout_seconds(timeout))
+    info = bootstrap.detect(rank, size, _where(store, size))
+    log.set_rank(rank)
+    _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
+              rank, size, dist.get_backend())
+    return Runtime(rank, size, cfg, info, None, Engine(rank, size, cfg.spin_us))
+
+
+def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
+    """Connect this rank to every member it has no channel to yet (they all do the same)."""
+    engine, me, cfg = rt.engine, rt.rank, rt.config
+    missing = sorted(m for m in members if m != me and m not in engine.channels)
+    if not missing:
+        return
+    deadline = time.monotonic() + cfg.timeout
+    address = netif.select_address(cfg.socket_ifname, rt.info.master_addr, rt.info.master_port)
+    listener = socket.create_server((address, 0), backlog=max(len(missing), 16))
+    try:
+        host = socket.gethostname()
+        store.set(f"tw/link/{me}", json.dumps({"addr": address, "port": listener.getsockname()[1],
+                                               "host": host}).encode())
+        peers = {}
+        for m in missing:
+            try:
+                peers[m] = json.loads(store.get(f"tw/link/{m}", timeout=max(0.001, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank {m} "
+                                   f"never published its address within {cfg.timeout:g} s") from exc
+        job = _job_hash(rt.info.job_id)
+        socks: dict[int, socket.socket] = {}
+        for m in (m for m in missing if m < me):
+            socks[m] = _dial(me, m, (peers[m]["addr"], peers[m]["port"]), job, deadline)
+        want = {m for m in missing if m > me}
+        while want - set(socks):
+            listener.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank(s) "
+                                   f"{sorted(want - set(socks))} never connected") from exc
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                magic, peer, peer_job = _LINK_HELLO.unpack(_recv_exact(conn, _LINK_HELLO.size))
+            except (OSError, struct.error):
+                conn.close()
+                continue
+            if magic != _LINK_MAGIC or peer_job != job or peer not in want or peer in socks:
+                conn.close()
+                continue
+            socks[peer] = conn
+    finally:
+        listener.close()
+    local = {m for m in missing if peers[m]["host"] == host and cfg.transport != "tcp"}
+    rings = _setup_rings(me, socks, local, rt.info.job_id, cfg.shm_ring_bytes)
+    with engine.lock:
+        for m in sorted(socks):
+            tune_socket(socks[m])
+            stream = SocketStream(socks[m], m, engine, cfg.tcp_chunk_bytes)
+            if m in rings:
+                engine.add_channel(m, ShmChannel(stream, rings[m][0], rings[m][1], engine))
+            else:
+                engine.add_channel(m, TcpChannel(stream))
+    _log.info("rank %d connected to %s (shm %s)", me, sorted(socks), sorted(rings))
+
+
+def _dial(me: int, peer: int, addr: tuple[str, int], job: int, deadline: float) -> socket.socket:
+    while True:
+        try:
+            sock = socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {me}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
+                                   f"{exc}") from exc
+            time.sleep(0.05)
+    sock.sendall(_LINK_HELLO.pack(_LINK_MAGIC, me, job))
+    return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during setup")
+        buf += chunk
+    return bytes(buf)
