@@ -1,0 +1,487 @@
+"""Multi-host tests: real jobs across emulated hosts built by scripts/netns_cluster.py.
+
+Each host is a network namespace with its own hostname (UTS namespace), joined to the others
+through a veth and a bridge; ranks on different hosts therefore talk TCP over 10.77.0.0/24,
+ranks on one host shared memory. These tests need root (CAP_NET_ADMIN + CAP_SYS_ADMIN),
+iproute2 and unshare; without them every test is skipped with the reason the probe gave.
+Every test also asserts that the testbed removed its namespaces (twtb-<pid>-*).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "netns_cluster.py"
+
+# One job script, several modes (argv[1]); written to tmp_path by the `job` fixture.
+JOB = textwrap.dedent('''\
+    import os, socket, sys, time
+    import numpy as np
+    import tensorwire as tw
+
+    SETTLE_S = 0.3  # see finish()
+
+    def say(text):
+        # One write(2) per line: under the launcher's PYTHONUNBUFFERED=1, print() writes the
+        # text and the newline separately, and lines of ranks sharing a stdout get glued.
+        sys.stdout.write(text + "\\n")
+        sys.stdout.flush()
+
+    def finish():
+        # A rank that leaves (destroy, at exit) while another still waits in the last
+        # collective makes that one fail with "lost rank R: it left the job" (a library bug,
+        # see test_leaving_after_own_part_is_done). Leave only once everyone is done.
+        tw.barrier()
+        time.sleep(SETTLE_S)
+
+    def collectives():
+        r, n = tw.get_rank(), tw.get_world_size()
+        host = socket.gethostname()
+        rng = np.random.default_rng(1234)  # same numbers on every rank; rank r uses row r
+        data = rng.standard_normal((n, 1000))
+        x = data[r].copy()
+        tw.all_reduce(x)
+        assert np.allclose(x, data.sum(axis=0)), "all_reduce small"
+        big = rng.integers(-1000, 1000, size=(n, 100_000), dtype=np.int64)  # 800 KB: ring path
+        y = big[r].copy()
+        tw.all_reduce(y)
+        assert np.array_equal(y, big.sum(axis=0)), "all_reduce large"
+        m = data[r].copy()
+        tw.all_reduce(m, op=tw.ReduceOp.MAX)
+        assert np.array_equal(m, data.max(axis=0)), "all_reduce max"
+        out = [np.empty(1000) for _ in range(n)]
+        tw.all_gather(out, data[r])
+        for i in range(n):
+            assert np.array_equal(out[i], data[i]), f"all_gather block {i}"
+        for root in sorted({0, n - 1}):
+            b = data[root].copy() if r == root else np.zeros(1000)
+            tw.broadcast(b, src=root)
+            assert np.array_equal(b, data[root]), f"broadcast from {root}"
+        k = 3
+        send = (np.arange(n * k) + 1000 * r).astype(np.float32)
+        recv = np.empty(n * k, dtype=np.float32)
+        tw.all_to_all_single(recv, send)
+        want = np.concatenate([np.arange(r * k, r * k + k) + 1000 * j for j in range(n)]).astype(np.float32)
+        assert np.array_equal(recv, want), "all_to_all_single"
+        t = time.perf_counter()
+        tw.barrier()
+        say(f"COLLECTIVES OK rank {r}/{n} host {host} barrier {time.perf_counter() - t:.4f}")
+
+    def bandwidth():
+        r = tw.get_rank()
+        nbytes = 4 << 20
+        x = np.arange(nbytes // 8, dtype=np.float64) if r == 0 else np.zeros(nbytes // 8)
+        tw.barrier()
+        t = time.perf_counter()
+        tw.broadcast(x, src=0)
+        tw.barrier()
+        dt = time.perf_counter() - t
+        assert np.array_equal(x, np.arange(nbytes // 8, dtype=np.float64)), "broadcast 4 MiB"
+        say(f"BROADCAST rank {r} {nbytes} bytes {dt:.4f} s")
+
+    def latency():
+        r = tw.get_rank()
+        x = np.ones(1)
+        times = []
+        for _ in range(21):
+            t = time.perf_counter()
+            tw.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        say(f"LATENCY rank {r} median {sorted(times)[10]:.6f} s")
+
+    def loop(seconds):
+        """Small all_reduces until rank 0 says stop (so all ranks run the same count)."""
+        r = tw.get_rank()
+        tw.barrier()
+        if r == 0:
+            say("READY")
+        x = np.ones(1 << 12)
+        stop_at = time.time() + seconds
+        try:
+            while True:
+                x[:] = 1
+                x[-1] = 1 if (r == 0 and time.time() > stop_at) else 0
+                tw.all_reduce(x)
+                if x[-1] > 0:
+                    break
+        except tw.TensorwireError as e:
+            say(f"FAILED rank {r} at {time.time():.3f} {type(e).__name__}: {e}")
+            sys.exit(3)
+        say(f"SURVIVED rank {r}")
+
+    mode = sys.argv[1]
+    tw.init()
+    if mode == "collectives":
+        collectives()
+    elif mode == "shaped":
+        collectives()
+        bandwidth()
+    elif mode == "latency":
+        collectives()
+        latency()
+    elif mode == "loop":
+        loop(float(sys.argv[2]))
+    elif mode == "fail":
+        if tw.get_rank() == 1:
+            sys.exit(7)
+        tw.barrier()
+    elif mode == "early-leave":
+        r, n = tw.get_rank(), tw.get_world_size()
+        if r == n - 1:
+            time.sleep(1.0)   # the last rank is late to the gather
+        x = np.full(4, float(r))
+        out = [np.empty(4) for _ in range(n)] if r == 0 else None
+        tw.gather(x, out, dst=0)  # rank 1's part is done once its block is sent...
+        if r == 0:
+            assert [float(o[0]) for o in out] == list(range(n))
+            say("GATHER OK")
+        tw.destroy()              # ...so it leaves at once: the others must still finish
+        sys.exit(0)
+    finish()
+''')
+
+
+@dataclass
+class BedResult:
+    code: int
+    out: str
+    pid: int
+    elapsed: float
+
+    def lines(self, pattern: str) -> list[re.Match[str]]:
+        rx = re.compile(pattern)
+        return [m for m in (rx.search(line) for line in self.out.splitlines()) if m]
+
+
+def _namespaces() -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _assert_cleaned(pid: int) -> None:
+    left = [ns for ns in _namespaces() if ns.startswith(f"twtb-{pid}-")]
+    assert not left, f"the testbed (pid {pid}) left namespaces behind: {left}"
+
+
+def _command(args: list[str], job: list[str]) -> list[str]:
+    return [sys.executable, str(SCRIPT), *args, "--", *job]
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM the testbed (it forwards it to every host and cleans up); its remaining output."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=25)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
+
+
+def run_bed(args: list[str], job: list[str], timeout: float = 60.0) -> BedResult:
+    """Run the testbed to completion; always checks that it cleaned up after itself."""
+    env = dict(os.environ, TENSORWIRE_TIMEOUT=os.environ.get("TENSORWIRE_TIMEOUT", "30"))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(_command(args, job), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = _stop(proc)
+        _assert_cleaned(proc.pid)
+        pytest.fail(f"testbed did not finish within {timeout:g} s:\n{out}")
+    except BaseException:  # e.g. pytest-timeout or Ctrl-C: never leave a testbed running
+        _stop(proc)
+        raise
+    result = BedResult(proc.returncode, out, proc.pid, time.monotonic() - t0)
+    _assert_cleaned(proc.pid)
+    assert "cleaned up: namespaces" in out, out
+    return result
+
+
+@pytest.fixture(scope="module")
+def support() -> dict[str, object]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("network namespaces are Linux only")
+    try:
+        done = subprocess.run([sys.executable, str(SCRIPT), "--check-support", "--json"],
+                              capture_output=True, text=True, timeout=60)
+        info = json.loads(done.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot probe for network namespaces: {exc}")
+    if not info.get("netns"):
+        pytest.skip(f"cannot build network namespaces here (needs root, iproute2, unshare): {info['reason']}")
+    return info
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> str:
+    path = tmp_path / "multihost_job.py"
+    path.write_text(JOB)
+    return str(path)
+
+
+def _check_collectives(res: BedResult, hosts: int, nproc: int, tcp: bool = False) -> None:
+    assert res.code == 0, res.out
+    world = hosts * nproc
+    ok = {int(m.group(1)): m.group(3) for m in res.lines(r"COLLECTIVES OK rank (\d+)/(\d+) host (\S+)")}
+    assert sorted(ok) == list(range(world)), res.out
+    for r, host in ok.items():
+        assert host == f"twhost-{r // nproc}", f"rank {r} ran on {host}"
+    # Every rank advertised its host's testbed address, never loopback.
+    adv = {int(m.group(1)): m.group(2)
+           for m in res.lines(r"rank (\d+)/\d+ from \S+, store \S+, advertising ([^,\s]+)")}
+    assert sorted(adv) == list(range(world)), res.out
+    for r, addr in adv.items():
+        assert addr == f"10.77.0.{r // nproc + 1}", f"rank {r} advertised {addr}"
+    # Shared memory exactly within a host (unless TCP is forced), TCP across hosts.
+    for m in res.lines(r"rank (\d+) connected: shm peers \[([\d, ]*)\], tcp peers \[([\d, ]*)\]"):
+        r = int(m.group(1))
+        shm = {int(v) for v in m.group(2).replace(",", " ").split()}
+        tcp_peers = {int(v) for v in m.group(3).replace(",", " ").split()}
+        same = {r // nproc * nproc + j for j in range(nproc)} - {r}
+        assert shm == (set() if tcp else same), m.group(0)
+        assert tcp_peers == set(range(world)) - {r} - shm, m.group(0)
+    assert len(res.lines(r"transport ok: rank \d+")) == world, res.out
+    assert "transport check FAILED" not in res.out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("hosts,nproc", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_collectives_across_hosts(support: dict, job: str, hosts: int, nproc: int) -> None:
+    res = run_bed(["--hosts", str(hosts), "-n", str(nproc), "--check-transport"], [job, "collectives"])
+    _check_collectives(res, hosts, nproc)
+
+
+@pytest.mark.timeout(90)
+def test_forced_tcp_and_socket_ifname(support: dict, job: str) -> None:
+    """--tcp: TCP within a host too; TENSORWIRE_SOCKET_IFNAME=eth0 picks the testbed address."""
+    res = run_bed(["--hosts", "2", "-n", "2", "--tcp", "--check-transport",
+                   "--env", "TENSORWIRE_SOCKET_IFNAME=eth0"], [job, "collectives"])
+    _check_collectives(res, 2, 2, tcp=True)
+
+
+@pytest.mark.timeout(90)
+def test_master_addr_by_name(support: dict, job: str) -> None:
+    """Every host's /etc/hosts names all hosts: --master-addr twhost-0 works like the address."""
+    res = run_bed(["--hosts", "2", "-n", "2", "--master-by-name", "--check-transport"], [job, "collectives"])
+    _check_collectives(res, 2, 2)
+    assert "store tcp://twhost-0:29500" in res.out, res.out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(reason="library bug: with '127.0.1.1 <own hostname>' in /etc/hosts (the Debian/Ubuntu "
+                          "default) and --master-addr <hostname of node 0>, node 0's launcher binds the "
+                          "store to 127.0.1.1 and its ranks advertise 127.0.0.1 (route toward loopback): the "
+                          "other nodes get 'connection refused' until the timeout", strict=False)
+def test_master_hostname_mapped_to_loopback_on_its_own_host(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--master-by-name", "--loopback-hostname", "--timeout", "5",
+                   "--job-timeout", "40", "--check-transport"], [job, "collectives"])
+    _check_collectives(res, 2, 1)
+
+
+@pytest.mark.timeout(90)
+def test_rate_limited_links(support: dict, job: str) -> None:
+    if not support.get("tbf"):
+        pytest.skip(f"no tbf qdisc here: {support.get('tbf_reason')}")
+    res = run_bed(["--hosts", "2", "-n", "1", "--rate", "100mbit", "--check-transport"], [job, "shaped"])
+    _check_collectives(res, 2, 1)
+    # 4 MiB through a 100 Mbit/s link takes >= 0.33 s (an unshaped veth: a few ms).
+    times = [float(m.group(1)) for m in res.lines(r"BROADCAST rank \d+ \d+ bytes ([\d.]+) s")]
+    assert len(times) == 2, res.out
+    assert min(times) > 0.25, f"4 MiB crossed a 100mbit link in {min(times):.3f} s: not shaped?\n{res.out}"
+    sent = [int(m.group(1))
+            for m in res.lines(r"twhost-0 \(10\.77\.0\.1\): exit code 0; tc sent (\d+) bytes")]
+    assert sent and sent[0] > 4 << 20, res.out
+
+
+@pytest.mark.timeout(90)
+def test_delayed_links(support: dict, job: str) -> None:
+    if not support.get("netem"):
+        pytest.skip(f"this kernel has no netem qdisc, so --delay cannot be emulated: "
+                    f"{support.get('netem_reason')}")
+    res = run_bed(["--hosts", "2", "-n", "1", "--rate", "100mbit", "--delay", "1ms", "--check-transport"],
+                  [job, "latency"])
+    _check_collectives(res, 2, 1)
+    medians = [float(m.group(1)) for m in res.lines(r"LATENCY rank \d+ median ([\d.]+) s")]
+    assert len(medians) == 2, res.out
+    # 2 ranks: one exchange, 1 ms each way.
+    assert min(medians) >= 0.0009, f"all_reduce took {min(medians) * 1e3:.3f} ms over a 1 ms link\n{res.out}"
+
+
+@pytest.mark.timeout(90)
+def test_host_crash_fails_the_others_with_peer_lost(support: dict, job: str) -> None:
+    """Host 1 dies (launcher and ranks SIGKILLed mid-job): the other hosts' ranks raise
+    PeerLostError naming a rank within seconds, and the testbed still cleans up."""
+    res = run_bed(["--hosts", "3", "-n", "1", "--kill-host", "1", "--kill-when", "^READY$"],
+                  [job, "loop", "40"])
+    assert res.code != 0, res.out
+    injected = res.lines(r"fault injection at t=[\d.]+ s \(wall ([\d.]+)\): twhost-1: host crash")
+    assert injected, res.out
+    t_kill = float(injected[0].group(1))
+    failed = {}
+    for line in res.out.splitlines():
+        m = re.match(r"\[(twhost-\d)\] FAILED rank (\d+) at ([\d.]+) (\w+): (.*)", line)
+        if m:
+            failed[m.group(1)] = (float(m.group(3)), m.group(4), m.group(5))
+    assert set(failed) == {"twhost-0", "twhost-2"}, res.out
+    for host, (when, kind, message) in failed.items():
+        assert kind == "PeerLostError", f"{host}: {kind}: {message}"
+        assert re.search(r"lost rank \d+", message), f"{host}: {message}"
+        assert when - t_kill < 15, f"{host} noticed the crash only after {when - t_kill:.1f} s"
+    assert "twhost-1 (10.77.0.2): killed by SIGKILL" in res.out, res.out
+    assert res.elapsed < 60, res.out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(reason="a launcher killed with SIGKILL leaves its ranks running (no PR_SET_PDEATHSIG or "
+                          "lifeline): they keep serving the job, so no peer notices the lost launcher",
+                   strict=False)
+def test_launcher_killed_alone_fails_the_job(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--kill-host", "1", "--kill-mode", "launcher",
+                   "--kill-when", "^READY$", "--job-timeout", "40"], [job, "loop", "4"])
+    assert "SURVIVED rank 1" not in res.out, res.out
+    assert res.lines(r"\[twhost-0\] FAILED rank 0 at [\d.]+ PeerLostError"), res.out
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_gives_worst_exit_code_and_cleans_up(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--grace", "2"], [job, "fail"])
+    assert res.code == 7, res.out
+    assert "twhost-1 (10.77.0.2): exit code 7" in res.out, res.out
+
+
+@pytest.mark.timeout(90)
+def test_job_timeout_terminates_every_host(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--job-timeout", "4"], [job, "loop", "60"])
+    assert res.code == 124, res.out
+    assert res.elapsed < 30, res.out
+
+
+def _start_until_ready(job: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """A 2-host x 2-rank testbed running a long job, returned once rank 0 printed READY."""
+    proc = subprocess.Popen(_command(["--hosts", "2", "-n", "2"], [job, "loop", "60"]), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 45
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "[twhost-0] READY" or time.monotonic() > deadline:
+                break
+        assert any(line.strip() == "[twhost-0] READY" for line in lines), "".join(lines)
+        mine = [ns for ns in _namespaces() if ns.startswith(f"twtb-{proc.pid}-")]
+        assert len(mine) == 3, f"expected a bridge and 2 host namespaces while running, got {mine}"
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, lines
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_cleans_up(support: dict, job: str, sig: signal.Signals) -> None:
+    """Ctrl-C (or a kill) of the testbed mid-job: hosts are stopped, namespaces removed."""
+    proc, lines = _start_until_ready(job)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        lines.append(out)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    text = "".join(lines)
+    assert proc.returncode == 128 + sig, text
+    assert took < 15, f"took {took:.1f} s to stop\n{text}"
+    _assert_cleaned(proc.pid)
+
+
+def _processes_in(ns: str) -> list[str]:
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
+    return done.stdout.split()
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_testbed_stops_its_hosts_and_cleanup_removes_the_rest(support: dict, job: str) -> None:
+    """SIGKILL cannot be caught: the launchers still get SIGTERM (parent-death signal) and stop
+    their ranks; the namespaces stay until `--cleanup`, which finds them by their dead pid."""
+    proc, _ = _start_until_ready(job)
+    prefix = f"twtb-{proc.pid}-"
+    try:
+        proc.kill()
+        proc.communicate(timeout=20)
+        mine = [ns for ns in _namespaces() if ns.startswith(prefix)]
+        assert len(mine) == 3, mine
+        deadline = time.monotonic() + 20
+        while any(_processes_in(ns) for ns in mine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_processes_in(ns) for ns in mine), "hosts kept running after the testbed died"
+        done = subprocess.run([sys.executable, str(SCRIPT), "--cleanup"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        _assert_cleaned(proc.pid)
+        etc = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+        assert not [d for d in etc if d.startswith(prefix)], etc
+    finally:
+        for ns in _namespaces():
+            if ns.startswith(prefix):
+                for pid in _processes_in(ns):
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=20)
+
+
+@pytest.mark.timeout(90)
+def test_cleanup_removes_only_dead_testbeds(support: dict) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"twtb-{dead.pid}-h0", f"twtb-{os.getpid()}-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=20)
+    try:
+        subprocess.run(["ip", "netns", "add", live], check=True, timeout=20)
+        done = subprocess.run([sys.executable, str(SCRIPT), "--cleanup"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        names = _namespaces()
+        assert stale not in names, done.stderr
+        assert live in names, done.stderr  # its owner (this process) still runs
+    finally:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_usage_errors() -> None:
+    """Bad options are refused before anything is built (no root needed)."""
+    for args in (["--hosts", "0"], ["--kill-host", "1"], ["--rate", "fast"], []):
+        done = subprocess.run([sys.executable, str(SCRIPT), *args, *(["--", "x.py"] if args else [])],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "error:" in done.stderr, (args, done.stderr)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(reason="library bug: a rank that called destroy() after finishing its part of a "
+                          "collective makes every other member's wait in it fail with 'lost rank R: it left "
+                          "the job', even when they only wait on other ranks (engine.check_group watches "
+                          "the whole group)", strict=False)
+def test_leaving_after_own_part_is_done(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "3", "-n", "1"], [job, "early-leave"])
+    assert "GATHER OK" in res.out and res.code == 0, res.out
