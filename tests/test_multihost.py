@@ -282,10 +282,6 @@ def test_master_addr_by_name(support: dict, job: str) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(reason="library bug: with '127.0.1.1 <own hostname>' in /etc/hosts (the Debian/Ubuntu "
-                          "default) and --master-addr <hostname of node 0>, node 0's launcher binds the "
-                          "store to 127.0.1.1 and its ranks advertise 127.0.0.1 (route toward loopback): the "
-                          "other nodes get 'connection refused' until the timeout", strict=False)
 def test_master_hostname_mapped_to_loopback_on_its_own_host(support: dict, job: str) -> None:
     res = run_bed(["--hosts", "2", "-n", "1", "--master-by-name", "--loopback-hostname", "--timeout", "5",
                    "--job-timeout", "40", "--check-transport"], [job, "collectives"])
@@ -346,9 +342,6 @@ def test_host_crash_fails_the_others_with_peer_lost(support: dict, job: str) -> 
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(reason="a launcher killed with SIGKILL leaves its ranks running (no PR_SET_PDEATHSIG or "
-                          "lifeline): they keep serving the job, so no peer notices the lost launcher",
-                   strict=False)
 def test_launcher_killed_alone_fails_the_job(support: dict, job: str) -> None:
     res = run_bed(["--hosts", "2", "-n", "1", "--kill-host", "1", "--kill-mode", "launcher",
                    "--kill-when", "^READY$", "--job-timeout", "40"], [job, "loop", "4"])
@@ -478,10 +471,6 @@ def test_usage_errors() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(reason="library bug: a rank that called destroy() after finishing its part of a "
-                          "collective makes every other member's wait in it fail with 'lost rank R: it left "
-                          "the job', even when they only wait on other ranks (engine.check_group watches "
-                          "the whole group)", strict=False)
 def test_leaving_after_own_part_is_done(support: dict, job: str) -> None:
     res = run_bed(["--hosts", "3", "-n", "1"], [job, "early-leave"])
     assert "GATHER OK" in res.out and res.code == 0, res.out
