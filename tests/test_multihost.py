@@ -31,20 +31,12 @@ JOB = textwrap.dedent('''\
     import numpy as np
     import tensorwire as tw
 
-    SETTLE_S = 0.3  # see finish()
 
     def say(text):
-        # One write(2) per line: under the launcher's PYTHONUNBUFFERED=1, print() writes the
-        # text and the newline separately, and lines of ranks sharing a stdout get glued.
-        sys.stdout.write(text + "\\n")
-        sys.stdout.flush()
+        print(text, flush=True)  # the launcher relays whole lines, so ranks never interleave
 
     def finish():
-        # A rank that leaves (destroy, at exit) while another still waits in the last
-        # collective makes that one fail with "lost rank R: it left the job" (a library bug,
-        # see test_leaving_after_own_part_is_done). Leave only once everyone is done.
-        tw.barrier()
-        time.sleep(SETTLE_S)
+        tw.barrier()  # leaving right after is fine: peers still get what this rank sent
 
     def collectives():
         r, n = tw.get_rank(), tw.get_world_size()
