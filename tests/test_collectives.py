@@ -9,11 +9,6 @@ calls: the ranks loop over many cases, generate every rank's input deterministic
 expected number of cases ran, so a test cannot pass by checking nothing.
 
 Functions named `rank_*` run inside the ranks (they must be module-level to be picklable).
-
-Library bugs these tests found are pinned by `xfail(strict=True)` tests (an XPASS means the bug
-was fixed: drop the marker): complex PRODUCT differs bitwise between ranks after recursive
-doubling; op errors from `as_reduction` do not name the rank/collective; the PREMUL_SUM factor
-is not part of the fingerprint; all_to_all (list form) always raises AttributeError.
 """
 
 from __future__ import annotations
@@ -446,14 +441,10 @@ def rank_complex_product(seed: int) -> dict:
     return log.result()
 
 
-def test_complex_product_identical_on_every_rank(cl, request) -> None:
+def test_complex_product_identical_on_every_rank(cl) -> None:
     """numpy's complex multiply is not bitwise commutative (a*b != b*a in ~35% of elements with
-    numpy 2.4's SIMD loops), and recursive doubling has both partners compute `mine * theirs`,
-    so the two sides of every exchange end up with different bits."""
-    if cl.size > 1:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="library bug: recursive_doubling_all_reduce reduces in rank-dependent "
-                                "operand order; complex PRODUCT results differ bitwise between ranks"))
+    numpy 2.4's SIMD loops): every algorithm must put the operands in the same order on every
+    rank, so all ranks still hold the same bits."""
     results = cl.run(rank_complex_product, 21)
     _expect(results, 4)
     _same_everywhere(results, "digests")
@@ -530,8 +521,6 @@ def rank_op_spelling_errors() -> dict:
     return log.result()
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: collectives._reduction calls as_reduction(op) "
-                                       "without rank=/collective=, so the message names neither")
 def test_unusable_op_errors_name_rank_and_collective(cl) -> None:
     _expect(cl.run(rank_op_spelling_errors), 3)
 
@@ -594,12 +583,9 @@ def rank_premul_factor_mismatch() -> dict:
     return log.result()
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: the PREMUL_SUM factor is not in the fingerprint "
-                                       "(ops.Reduction docstring requires it), so ranks passing "
-                                       "different factors silently get different results")
 def test_premul_sum_factor_mismatch_is_detected(world_spec, get_cluster) -> None:
     if world_spec[0] == 1:
-        pytest.xfail("needs two ranks")  # keeps strict xfail meaningful on size 1
+        pytest.skip("needs two ranks")
     _expect(get_cluster(*world_spec).run(rank_premul_factor_mismatch), 1)
 
 
@@ -929,9 +915,6 @@ def rank_all_to_all_list(seed: int) -> dict:
     return log.result()
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: Collectives._list evaluates like.size with like=None "
-                                       "(collectives.py, _list), so all_to_all (list form) always raises "
-                                       "AttributeError")
 def test_all_to_all_list(cl) -> None:
     _expect(cl.run(rank_all_to_all_list, 13), len(DTYPES) * len(MOVE_SHAPES))
 

@@ -9,6 +9,7 @@ fingerprint and are caught by the receiver before payload reaches a user buffer.
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,6 @@ from .algorithms.direct import direct_gather, direct_scatter, dissemination_barr
 from .algorithms.ring import ring_all_gather_blocks, ring_reduce_scatter
 from .algorithms.shm_direct import (
     direct_all_gather,
-    direct_all_reduce,
     direct_all_to_all,
     direct_barrier,
     direct_broadcast,
@@ -66,7 +66,7 @@ class Collectives:
         if cached is not None:
             return cached
         try:
-            red = as_reduction(op)
+            red = as_reduction(op, rank=self.runtime.rank, collective=what)
             check_op_dtype(red, dtype, rank=self.runtime.rank, collective=what)
         except InvalidArgumentError as exc:
             self.fail_fast(exc)
@@ -83,17 +83,17 @@ class Collectives:
         return arrays[0].dtype
 
     def _list(self: Group, objs: Sequence[Any] | None, what: str, name: str, *, writable: bool,
-              like: np.ndarray | None = None, counts: Sequence[int] | None = None) -> list[np.ndarray]:
+              like: np.ndarray | None = None) -> list[np.ndarray]:
+        """One array per rank; with `like`, each must match its dtype and element count."""
         if objs is None or len(objs) != self.size:
             got = "None" if objs is None else str(len(objs))
             self._invalid(what, f"{name} must hold one tensor per rank ({self.size}), got {got}")
         arrays = [self._arr(o, what, writable=writable, name=f"{name}[{i}]") for i, o in enumerate(objs)]
         if like is not None:
             self._same_dtype([like, *arrays], what)
-        for i, a in enumerate(arrays):
-            want = like.size if counts is None else counts[i]
-            if like is not None and a.size != want:
-                self._invalid(what, f"{name}[{i}] has {a.size} elements, expected {want}")
+            for i, a in enumerate(arrays):
+                if a.size != like.size:
+                    self._invalid(what, f"{name}[{i}] has {a.size} elements, expected {like.size}")
         return arrays
 
     @staticmethod
@@ -104,7 +104,10 @@ class Collectives:
             code = _CODES.get(dtype)
             if code is None:
                 code = _CODES[dtype] = dtype_code(dtype)
-        return Fingerprint(coll, code, op.op if op is not None else 0, root, count)
+        if op is None:
+            return Fingerprint(coll, code, 0, root, count)
+        aux = 0 if op.factor is None else struct.unpack("<Q", struct.pack("<d", op.factor))[0]
+        return Fingerprint(coll, code, op.op, root, count, aux)
 
     def _go(self: Group, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
             async_op: bool, timeout: float | None) -> Any:
@@ -126,10 +129,8 @@ class Collectives:
             flat = dst.reshape(-1)
             if dst is not src:
                 np.copyto(flat, src.reshape(-1))
-            if self.direct is not None and self.direct.fits(flat.nbytes):
-                direct_all_reduce(self.direct, call, flat, red.op)
-            elif self.size > 1 and flat.size:
-                tuner.all_reduce(self.runtime.config, call, flat, red.op)
+            if self.size > 1 and flat.size:
+                tuner.all_reduce(self, call, flat, red.op)
             finalize(flat, red, self.size)
             return out if out is not None else tensor
 
@@ -152,11 +153,11 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             data = src.reshape(-1)
-            if self.direct is not None and self.direct.fits(data.nbytes):
-                direct_reduce(self.direct, call, data, target.reshape(-1), red.op, root)
+            acc = target.reshape(-1)
+            if tuner.use_direct(self, "reduce", data.nbytes):
+                direct_reduce(self.direct, call, data, acc, red.op, root)
             else:
-                acc = target.reshape(-1) if self.rank == root else np.empty_like(data)
-                binomial_reduce(call, data, acc, red.op, root)
+                binomial_reduce(call, data, acc if self.rank == root else np.empty_like(data), red.op, root)
             if self.rank == root:
                 finalize(acc, red, self.size)
             return out if (out is not None and self.rank == root) else tensor
@@ -209,8 +210,8 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             flat = out.reshape(-1)
             flats = [b.reshape(-1) for b in blocks]
-            if self.direct is not None and coll == Coll.REDUCE_SCATTER and self.direct.fits(
-                    sum(b.nbytes for b in flats)):
+            if coll == Coll.REDUCE_SCATTER and tuner.use_direct(self, "reduce_scatter",
+                                                                 sum(b.nbytes for b in flats)):
                 direct_reduce_scatter(self.direct, call, flats, flat, red.op)
             else:
                 work = [b.copy() for b in flats]
@@ -235,7 +236,7 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             if self.rank == root and target is not data:
                 np.copyto(target.reshape(-1), data.reshape(-1))
-            if self.direct is not None and self.direct.fits(target.nbytes):
+            if tuner.use_direct(self, "broadcast", target.nbytes):
                 direct_broadcast(self.direct, call, target.reshape(-1), root)
             else:
                 binomial_broadcast(call, target.reshape(-1), root)
@@ -286,7 +287,7 @@ class Collectives:
                     async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
         def body(call: CollectiveCall) -> Any:
             flats = [o.reshape(-1) for o in outs]
-            if self.direct is not None and coll == Coll.ALL_GATHER and self.direct.fits(inp.nbytes):
+            if coll == Coll.ALL_GATHER and tuner.use_direct(self, "all_gather", inp.nbytes):
                 direct_all_gather(self.direct, call, inp.reshape(-1), flats)
                 return result
             mine = flats[self.rank]
@@ -427,8 +428,7 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             sends, recvs = [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs]
-            if self.direct is not None and coll == Coll.ALL_TO_ALL and self.direct.fits(
-                    sum(b.nbytes for b in sends)):
+            if coll == Coll.ALL_TO_ALL and tuner.use_direct(self, "all_to_all", sum(b.nbytes for b in sends)):
                 direct_all_to_all(self.direct, call, sends, recvs)
             else:
                 pairwise_all_to_all(call, sends, recvs)
@@ -441,7 +441,7 @@ class Collectives:
         self._check_member("barrier")
 
         def body(call: CollectiveCall) -> None:
-            if self.direct is not None:
+            if tuner.use_direct(self, "barrier", 0):
                 direct_barrier(self.direct, call)
             else:
                 dissemination_barrier(call)

@@ -23,7 +23,7 @@ from .algorithms.shm_direct import DirectPath
 from .algorithms.tree import binomial_broadcast
 from .buffers import byte_view
 from .collectives import Collectives
-from .errors import InvalidArgumentError, TensorwireError, TimeoutError
+from .errors import InvalidArgumentError, TimeoutError
 from .ops import ReduceOp
 from .transport.requests import Request
 from .transport.shm import GroupSegment
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 _log = log.get("COLL")
+P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
 
 
 def _mix(*parts: int) -> int:
@@ -85,7 +86,8 @@ class CollectiveCall:
 
     def wait(self, *reqs: Request) -> None:
         direct = self.group.direct
-        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, watch=self.group.ranks,
+        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, seq=self.seq,
+                               watch=self.group.ranks,
                                what=self, cross_check=None if direct is None else self._cross_check)
 
     def _cross_check(self) -> None:
@@ -137,8 +139,9 @@ class Group(Collectives):
         self._seq += 1
         call = CollectiveCall(self, self._seq, fp, what,
                               self.runtime.config.timeout if timeout is None else timeout)
-        if self.ctx in self.engine.aborted:
-            raise self.engine.aborted[self.ctx]
+        aborted = self.engine.aborted.get(self.ctx)
+        if aborted is not None and call.seq >= aborted[0]:
+            raise aborted[1]
         # Only the calling thread enqueues, and the worker marks itself busy before it pops,
         # so an empty queue and an idle worker seen here mean nothing else can run now.
         if not async_op and not self._queue and not self._busy:
@@ -167,8 +170,8 @@ class Group(Collectives):
         call.start()
         try:
             return body(call)
-        except TensorwireError as exc:
-            self.abort(exc)
+        except Exception as exc:  # whatever broke, the peers must not wait for this rank
+            self.abort(exc, call.seq)
             raise
 
     def _work_loop(self) -> None:
@@ -189,13 +192,15 @@ class Group(Collectives):
                     self._busy = False
                     self._cv.notify_all()
 
-    def abort(self, error: BaseException) -> None:
-        """Fail this group here and on every member, with `error` as the reason."""
+    def abort(self, error: BaseException, seq: int | None = None) -> None:
+        """Fail call `seq` (default: the next one) and all later calls of this group, here and
+        on every member, with `error` as the reason."""
         _log.warning("aborting group %s: %s", self.name, error)
-        self.engine.abort_group(self.ctx, self.ranks, error)
+        self.engine.abort_group(self.ctx, self._seq + 1 if seq is None else seq, self.ranks, error)
 
     def fail_fast(self, error: InvalidArgumentError) -> None:
-        """A local argument error: abort the group so peers raise it too instead of hanging."""
+        """A local argument error in the call about to be made: abort the group from that call
+        on, so peers raise it too instead of waiting for this rank."""
         self.abort(error)
         raise error
 
@@ -290,7 +295,8 @@ class Group(Collectives):
 
     def _p2p_wait(self, req: Request, timeout: float | None) -> None:
         t = self.runtime.config.timeout if timeout is None else timeout
-        self.engine.wait([req], deadline=time.perf_counter() + t, ctx=self.ctx, watch=(req.peer,),
+        self.engine.wait([req], deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
+                         watch=(req.peer,),
                          what=req.what)
 
     def _p2p_work(self, req: Request) -> Work:

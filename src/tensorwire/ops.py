@@ -625,7 +625,7 @@ def reference(arrays: Sequence[np.ndarray], red: Reduction) -> np.ndarray:
     check_op_dtype(red, first.dtype, rank=0, collective="reference")
     out = np.array(first, copy=True, order="C")
     for a in arrays[1:]:
-        reduce_into(out, np.ascontiguousarray(a), red.op)
+        reduce_into(out, np.asarray(a, order="C"), red.op)
     finalize(out, red, len(arrays))
     return out
 

@@ -1,12 +1,14 @@
 """Which algorithm runs a call: for now a size threshold, with NCCL-style forcing.
 
-TENSORWIRE_ALGO=allreduce:ring (or recursive_doubling) forces a choice; '^ring' excludes one.
+TENSORWIRE_ALGO=allreduce:ring (or recursive_doubling, direct) forces a choice; '^ring' excludes
+one; 'direct' also names the one-shot shared-memory path of every collective ('^direct' turns it off).
 The calibrated cost model replaces the threshold later without touching callers.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,8 +16,12 @@ from . import log
 from .algorithms.base import P2P
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.ring import ring_all_reduce
+from .algorithms.shm_direct import direct_all_reduce
 from .config import Config
 from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .group import Group
 
 _log = log.get("TUNING")
 ALL_REDUCE = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce}
@@ -39,17 +45,35 @@ def parse_algo(spec: str, collective: str) -> tuple[set[str], set[str]]:
     return forced, excluded
 
 
-def choose_all_reduce(cfg: Config, nbytes: int, size: int) -> str:
-    forced, excluded = parse_algo(cfg.algo, "allreduce")
-    candidates = [a for a in ALL_REDUCE if a not in excluded and (not forced or a in forced)]
+def _allowed(cfg: Config, collective: str, algo: str) -> bool:
+    forced, excluded = parse_algo(cfg.algo, collective)
+    return algo not in excluded and (not forced or algo in forced)
+
+
+def use_direct(group: Group, collective: str, nbytes: int) -> bool:
+    """The one-shot shared-memory path: single-host groups, messages that fit a slot."""
+    direct = group.direct
+    return (direct is not None and nbytes <= direct.slot_bytes
+            and _allowed(group.runtime.config, collective, "direct"))
+
+
+def choose_all_reduce(cfg: Config, nbytes: int, size: int, direct_fits: bool = False) -> str:
+    names = (["direct"] if direct_fits else []) + list(ALL_REDUCE)
+    candidates = [a for a in names if _allowed(cfg, "all_reduce", a)]
     if not candidates:
         raise ValueError(f"TENSORWIRE_ALGO={cfg.algo!r} leaves no all_reduce algorithm "
-                         f"(known: {', '.join(ALL_REDUCE)})")
+                         f"(known: direct, {', '.join(ALL_REDUCE)})")
     preferred = "recursive_doubling" if nbytes < cfg.ring_threshold_bytes else "ring"
-    choice = preferred if preferred in candidates else candidates[0]
+    choice = candidates[0] if candidates[0] == "direct" or preferred not in candidates else preferred
     _log.debug("all_reduce %d bytes over %d ranks: %s", nbytes, size, choice)
     return choice
 
 
-def all_reduce(cfg: Config, p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
-    ALL_REDUCE[choose_all_reduce(cfg, data.nbytes, p2p.size)](p2p, data, op)
+def all_reduce(group: Group, p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
+    direct = group.direct
+    fits = direct is not None and data.nbytes <= direct.slot_bytes
+    choice = choose_all_reduce(group.runtime.config, data.nbytes, p2p.size, fits)
+    if choice == "direct":
+        direct_all_reduce(direct, p2p, data, op)
+    else:
+        ALL_REDUCE[choice](p2p, data, op)

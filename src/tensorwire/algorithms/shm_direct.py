@@ -19,16 +19,17 @@ from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
 
-_MASK = 0xFFFFFFFFFFFFFFFF
-
 
 def _fp_words(fp: Fingerprint) -> tuple[int, int]:
+    """Two words; the op parameter (aux) is folded to 32 bits: enough to tell factors apart."""
     a = fp.coll | fp.dtype << 8 | fp.op << 16 | ((fp.root + 1) & 0xFFFFFF) << 24
-    return a, (fp.count + 1) & _MASK
+    aux32 = (fp.aux ^ fp.aux >> 32) & 0xFFFFFFFF
+    return a, ((fp.count + 1) & 0xFFFFFFFF) | aux32 << 32
 
 
 def _fp_from_words(a: int, b: int) -> Fingerprint:
-    return Fingerprint(a & 0xFF, a >> 8 & 0xFF, a >> 16 & 0xFF, (a >> 24 & 0xFFFFFF) - 1, b - 1)
+    return Fingerprint(a & 0xFF, a >> 8 & 0xFF, a >> 16 & 0xFF, (a >> 24 & 0xFFFFFF) - 1,
+                       (b & 0xFFFFFFFF) - 1, b >> 32)
 
 
 class DirectPath:
@@ -81,7 +82,7 @@ class DirectPath:
         pending = [r for r in ranks if words[lines[r]] < seq]
         if not pending:
             return
-        backoff = Backoff(self.engine, call.deadline, self.ctx, self.members,
+        backoff = Backoff(self.engine, call.deadline, self.ctx, call.seq, self.members,
                           functools.partial(self.cross_check, call))
         lost = self.engine.lost
         while pending:
@@ -98,7 +99,8 @@ class DirectPath:
             base = line + 1 + parity * 3
             if words[base] == call.seq:
                 theirs = _fp_from_words(words[base + 1], words[base + 2])
-                return self.engine.mismatch_error(call.what, call.fp, theirs, self.members[r])
+                mine = _fp_from_words(*_fp_words(call.fp))  # compared as stored: aux folded
+                return self.engine.mismatch_error(call.what, mine, theirs, self.members[r])
         return CollectiveMismatchError(
             f"rank {self.engine.rank}: {call.what}: group rank {r} is out of step with this rank "
             f"(it published call #{words[line]})")

@@ -23,6 +23,7 @@ from .. import log
 from ..errors import (
     AbortedError,
     CollectiveMismatchError,
+    InvalidArgumentError,
     PeerLostError,
     TensorwireError,
     TimeoutError,
@@ -43,7 +44,7 @@ from .wire import Fingerprint, Header, Kind, differences
 
 _log = log.get("TRANSPORT")
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
-                                                AbortedError, TensorwireError)}
+                                                AbortedError, InvalidArgumentError, TensorwireError)}
 
 
 def _dtype_label(code: int) -> str:
@@ -75,7 +76,7 @@ class Engine:
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
         self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
-        self.aborted: dict[int, BaseException] = {}
+        self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_s = spin_us * 1e-6
         self._sockets: list = []
         self._channel_list: list = []
@@ -112,8 +113,9 @@ class Engine:
             # A message that already arrived is delivered even if its sender has left since.
             if not queue and self._fail_if_unusable(req, header.ctx):
                 return req
-            if header.ctx in self.aborted:
-                req.fail(self.aborted[header.ctx])
+            error = self.abort_error(header)
+            if error is not None:
+                req.fail(error)
             elif queue:
                 msg = queue.popleft()
                 if not queue:
@@ -136,9 +138,18 @@ class Engine:
         req.sent = req.payload.nbytes
         req.done = True
 
+    def abort_error(self, header: Header) -> BaseException | None:
+        """The abort that covers this message: its group failed at or before its call
+        (point-to-point messages belong to no call: any abort of the group covers them)."""
+        entry = self.aborted.get(header.ctx)
+        if entry is None or (header.kind == Kind.COLL and header.seq < entry[0]):
+            return None
+        return entry[1]
+
     def _fail_if_unusable(self, req: Request, ctx: int) -> bool:
-        if ctx in self.aborted:
-            req.fail(self.aborted[ctx])
+        error = self.abort_error(req.header)
+        if error is not None:
+            req.fail(error)
         elif req.peer in self.lost:
             req.fail(self.lost_error(req.peer))
         return req.done
@@ -146,7 +157,7 @@ class Engine:
     # -- matching (called by channels when a header arrives) --------------------------------
     def match(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
-            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, raw))
+            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
         if header.kind == Kind.BYE:
             return ControlSink(0, lambda raw: self.departed.add(peer))
         key = (peer, header.key)
@@ -217,40 +228,47 @@ class Engine:
         except PeerClosed:
             pass
 
-    def abort_group(self, ctx: int, members: Iterable[int], error: BaseException) -> None:
-        """Fail everything of a group here and tell its members why, so every rank raises."""
+    def abort_group(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
+        """Fail call `seq` of a group and every later one, here and on every member.
+
+        Earlier calls are left alone: a slower member may still be finishing them, and their
+        messages may arrive after the abort, which travels on the control path."""
         with self.lock:
             if ctx in self.aborted:
                 return
-            self.aborted[ctx] = error
-            self._fail_ctx(ctx, error)
+            self.aborted[ctx] = (seq, error)
+            self._fail_ctx(ctx, seq, error)
             text = f"{type(error).__name__}\n{error}".encode()
             payload = np.frombuffer(text, dtype=np.uint8)
             for peer in members:
                 if peer == self.rank or peer in self.lost or peer not in self.channels:
                     continue
-                header = Header(Kind.ABORT, ctx, 0, 0, len(payload), Fingerprint(0))
+                header = Header(Kind.ABORT, ctx, seq, 0, len(payload), Fingerprint(0))
                 self.channels[peer].post_control(SendRequest(peer, header, payload, "abort"))
             self._poll_sockets()
 
-    def _on_abort(self, peer: int, ctx: int, raw: bytes) -> None:
+    def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
         name, _, message = raw.decode(errors="replace").partition("\n")
         if ctx in self.aborted:
             return
         cls = _ERROR_CLASSES.get(name, AbortedError)
         err = cls(f"{message} [reported by rank {peer}; seen on rank {self.rank}]")
-        self.aborted[ctx] = err
-        self._fail_ctx(ctx, err)
+        self.aborted[ctx] = (seq, err)
+        self._fail_ctx(ctx, seq, err)
 
-    def _fail_ctx(self, ctx: int, err: BaseException) -> None:
-        for (_, key), queue in list(self.posted.items()):
-            if key[0] == ctx:
-                for req in queue:
+    def _fail_ctx(self, ctx: int, seq: int, err: BaseException) -> None:
+        def covered(header: Header) -> bool:
+            return header.ctx == ctx and (header.kind == Kind.P2P or
+                                          (header.kind == Kind.COLL and header.seq >= seq))
+
+        for queue in list(self.posted.values()):
+            for req in queue:
+                if covered(req.header):
                     req.fail(err)
         for channel in self._channel_list:
             for q in (getattr(channel, "sendq", ()), channel.stream.sendq):
                 for req in q:
-                    if req.header.ctx == ctx and req.header.kind != Kind.ABORT:
+                    if covered(req.header):
                         req.fail(err)
 
     # -- progress ---------------------------------------------------------------------------
@@ -279,7 +297,7 @@ class Engine:
             except PeerClosed as exc:
                 self._peer_lost(channel.peer, str(exc))
 
-    def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, watch: Iterable[int],
+    def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, seq: int, watch: Iterable[int],
              what: object, cross_check: Callable[[], None] | None = None) -> None:
         """Drive progress until every request is done; raise the first failure.
 
@@ -288,7 +306,7 @@ class Engine:
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        backoff = Backoff(self, deadline, ctx, tuple(watch), cross_check)
+        backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check)
         while pending:
             with self.lock:
                 moved = self.progress()
@@ -303,13 +321,14 @@ class Engine:
             if r.error is not None:
                 raise r.error
 
-    def check_group(self, ctx: int, watch: Iterable[int]) -> None:
+    def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
         """Raise if the group was aborted or one of its members crashed.
 
         A member that left in order is not fatal by itself: it may have finished its part of
         the call; if it had not, the request waiting on it fails instead."""
-        if ctx in self.aborted:
-            raise self.aborted[ctx]
+        entry = self.aborted.get(ctx)
+        if entry is not None and seq >= entry[0]:
+            raise entry[1]
         if self.crashed:
             for peer in watch:
                 if peer in self.crashed:
@@ -392,11 +411,12 @@ class Backoff:
     health (lost members, abort) and the deadline are checked whenever the waiter is idle.
     """
 
-    def __init__(self, engine: Engine, deadline: float, ctx: int, watch: tuple[int, ...],
+    def __init__(self, engine: Engine, deadline: float, ctx: int, seq: int, watch: tuple[int, ...],
                  cross_check: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.deadline = deadline
         self.ctx = ctx
+        self.seq = seq
         self.watch = watch
         self.cross_check = cross_check
         self.spin_s = engine._spin_s
@@ -412,7 +432,7 @@ class Backoff:
         idle = now - self.since
         self.checks += 1
         if self.checks & 63 == 0 or idle >= self.spin_s:
-            self.engine.check_group(self.ctx, self.watch)
+            self.engine.check_group(self.ctx, self.seq, self.watch)
             if now > self.deadline:
                 raise timeout_error()
         if idle < self.spin_s:
@@ -423,5 +443,5 @@ class Backoff:
         if self.cross_check is not None:
             self.cross_check()
         self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
-        self.engine.check_group(self.ctx, self.watch)
+        self.engine.check_group(self.ctx, self.seq, self.watch)
         self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

@@ -11,7 +11,7 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
-HEADER = struct.Struct("<BBBBIQqQQi20x")
+HEADER = struct.Struct("<BBBBIQqQQiQ12x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
 assert HEADER_SIZE == 64
 
@@ -57,6 +57,7 @@ class Fingerprint(NamedTuple):
     op: int = 0
     root: int = -1
     count: int = -1
+    aux: int = 0  # op parameter bits: the PREMUL_SUM factor as a float64
 
 
 def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
@@ -72,6 +73,8 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         out.append(f"root {mine.root} vs {other.root}")
     if mine.count != other.count and mine.count >= 0 and other.count >= 0:
         out.append(f"count {mine.count} vs {other.count}")
+    if mine.aux != other.aux:
+        out.append("PREMUL_SUM factor differs")
     return out
 
 
@@ -93,14 +96,14 @@ class Header(NamedTuple):
     def pack(self) -> bytes:
         fp = self.fp
         return HEADER.pack(self.kind, fp.coll, fp.dtype, fp.op, self.ctx, self.seq, self.tag,
-                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root)
+                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root, fp.aux)
 
     @classmethod
     def unpack(cls, raw) -> Header:
-        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root = HEADER.unpack(raw)
+        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root, aux = HEADER.unpack(raw)
         if count == 0xFFFFFFFFFFFFFFFF:
             count = -1
-        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count))
+        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count, aux))
 
 
 def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:

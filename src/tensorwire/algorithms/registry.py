@@ -1,0 +1,66 @@
+"""The algorithm registry: every algorithm declares the collective it serves and its cost.
+
+The tuner prices every eligible algorithm of a collective with the α-β-γ model (Thakur,
+Rabenseifner & Gropp 2005) for the group's link tier and runs the cheapest; `tensorwire plan`
+prints the same table. An algorithm module calls `register(...)` at import for each entry.
+
+`run` signatures, by collective (arrays are flat, contiguous numpy views; `p2p` is the call):
+  all_reduce      run(p2p, data, op)                      in place
+  broadcast       run(p2p, data, root)                    in place
+  reduce          run(p2p, data, acc, op, root)           result in acc at root; data is kept
+  all_gather      run(p2p, blocks)                        blocks[rank] filled on entry
+  reduce_scatter  run(p2p, work, op)                      work: scratch copies; result in work[rank]
+  all_to_all      run(p2p, sends, recvs)
+  gather          run(p2p, send, recv_blocks | None, root)
+  scatter         run(p2p, send_blocks | None, recv, root)
+  barrier         run(p2p)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+               "gather", "scatter", "barrier")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Cost constants of one tier of links (shared memory, TCP, a hypothetical fabric)."""
+
+    name: str
+    alpha: float  # seconds per message (latency)
+    beta: float  # seconds per byte moved
+    gamma: float  # seconds per byte reduced
+
+
+CostFn = Callable[[int, int, Link], float]  # (ranks, bytes, link) -> predicted seconds
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    collective: str
+    run: Callable[..., None]
+    cost: CostFn
+    eligible: Callable[[int, int], bool] = field(default=lambda n, nbytes: True)
+    """(ranks, bytes) -> can it run (e.g. a power-of-two-only variant, a size cap)."""
+    needs_direct: bool = False
+    """Runs on the group's shared segment (single-host groups only)."""
+
+
+_REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
+
+
+def register(alg: Algorithm) -> Algorithm:
+    if alg.collective not in _REGISTRY:
+        raise ValueError(f"unknown collective {alg.collective!r} (known: {', '.join(COLLECTIVES)})")
+    if alg.name in _REGISTRY[alg.collective]:
+        raise ValueError(f"{alg.collective}: algorithm {alg.name!r} registered twice")
+    _REGISTRY[alg.collective][alg.name] = alg
+    return alg
+
+
+def algorithms_for(collective: str) -> dict[str, Algorithm]:
+    return _REGISTRY[collective]
