@@ -13,6 +13,7 @@ Functions named `rank_*` run inside the ranks (they must be module-level to be p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import math
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 import tensorwire as tw
 from cluster import Cluster
 from tensorwire import ops, tuner
+from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.transport.wire import Coll, Fingerprint
@@ -433,7 +435,7 @@ def rank_complex_product(seed: int) -> dict:
             fp = Fingerprint(Coll.ALL_REDUCE, ops.dtype_code(dt), int(ReduceOp.PRODUCT), -1, count)
             log.case()
             g._submit(fp, "recursive_doubling all_reduce",
-                      lambda call, x=x: tuner.ALL_REDUCE["recursive_doubling"](call, x, ReduceOp.PRODUCT),
+                      lambda call, x=x: _p2p_all_reduce()["recursive_doubling"](call, x, ReduceOp.PRODUCT),
                       False, None)
             log.close(f"{dt.name} PRODUCT x{count}", x, ins, Reduction(ReduceOp.PRODUCT))
             digests.append(f"recursive_doubling {dt.name} PRODUCT x{count}: {_digest(x)}")
@@ -1275,13 +1277,18 @@ def _algo_sizes(n: int) -> list[int]:
     return sorted({0, 1, max(n - 1, 1), n + 1, 2 * n + 1, 1000, 70_001})
 
 
+def _p2p_all_reduce() -> dict:
+    """The message-based all_reduce algorithms of the registry (the direct path is tested apart)."""
+    return {name: alg.run for name, alg in algorithms_for("all_reduce").items() if not alg.needs_direct}
+
+
 def rank_algorithms_direct(seed: int) -> dict:
     """Both all_reduce algorithms, called directly through the group's ordered execution."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
     digests = []
-    for name, algo in sorted(tuner.ALL_REDUCE.items()):
+    for name, algo in sorted(_p2p_all_reduce().items()):
         for pi, (dt, op) in enumerate(ALGO_PAIRS):
             red = _red(op, dt, pi)
             for count in _algo_sizes(n):
@@ -1305,47 +1312,49 @@ def rank_algorithms_direct(seed: int) -> dict:
                   False, None)
         log.same(f"{name} 5 MiB", x, sum(_pattern(count, r, np.int64) for r in range(n)).astype(np.float64))
     log.extra["digests"] = digests
-    # the default choice: recursive doubling below the threshold, ring from it on
-    cfg = tw.config()
+    # the cost model's default: a latency algorithm for 1 KiB, the ring for 8 MiB
     log.case()
-    log.check(tuner.choose_all_reduce(cfg, cfg.ring_threshold_bytes - 1, n) == "recursive_doubling"
-              and tuner.choose_all_reduce(cfg, cfg.ring_threshold_bytes, n) == "ring",
-              f"default algorithm choice (algo={cfg.algo!r}, threshold {cfg.ring_threshold_bytes})")
-    used = _count_algorithms(lambda: [tw.all_reduce(np.ones(c, np.uint8)) for c in
-                                      (cfg.ring_threshold_bytes - 1, cfg.ring_threshold_bytes)])
-    log.check(n == 1 or used == ["recursive_doubling", "ring"], f"algorithms used: {used}")
+    if n > 1:
+        small = tuner.select(g, "all_reduce", 1024).name
+        large = tuner.select(g, "all_reduce", 8 << 20).name
+        log.check(small in ("recursive_doubling", "direct") and large == "ring",
+                  f"default choice: 1 KiB -> {small}, 8 MiB -> {large}")
+        used = _count_algorithms(lambda: [tw.all_reduce(np.ones(c, np.uint8)) for c in (1024, 8 << 20)])
+        log.check(used == [small, large], f"algorithms used: {used}")
     return log.result()
 
 
 def _count_algorithms(fn) -> list[str]:
-    """Run fn with tuner.ALL_REDUCE wrapped, returning the names of the algorithms that ran."""
+    """Run fn with every all_reduce algorithm of the registry wrapped; the names that ran."""
     used: list[str] = []
-    saved = dict(tuner.ALL_REDUCE)
+    table = algorithms_for("all_reduce")
+    saved = dict(table)
 
-    def wrap(name, f):
+    def wrap(alg):
         def w(*args):
-            used.append(name)
-            return f(*args)
-        return w
+            used.append(alg.name)
+            return alg.run(*args)
+        return dataclasses.replace(alg, run=w)
 
     try:
-        for k, f in saved.items():
-            tuner.ALL_REDUCE[k] = wrap(k, f)
+        table.update({k: wrap(a) for k, a in saved.items()})
+        tw.world().choices.clear()
         fn()
     finally:
-        tuner.ALL_REDUCE.update(saved)
+        table.update(saved)
+        tw.world().choices.clear()
     return used
 
 
 def test_all_reduce_algorithms_directly(cl) -> None:
     results = cl.run(rank_algorithms_direct, 8, timeout=120)
-    _expect(results, 2 * (len(ALGO_PAIRS) * len(_algo_sizes(cl.size)) + 1) + 1)
+    _expect(results, len(_p2p_all_reduce()) * (len(ALGO_PAIRS) * len(_algo_sizes(cl.size)) + 1) + 1)
     _same_everywhere(results, "digests")
 
 
 def _forced_sizes(n: int, dt: np.dtype, cfg) -> list[int]:
-    """Both sides of the ring threshold, and fewer elements than ranks."""
-    return [1, n + 1, 1000, (cfg.ring_threshold_bytes // dt.itemsize) - 1, 70_001]
+    """Small and ring-sized messages, and fewer elements than ranks."""
+    return [1, n + 1, 1000, ((256 << 10) // dt.itemsize) - 1, 70_001]
 
 
 def rank_forced(algo: str, seed: int) -> dict:
@@ -1377,8 +1386,7 @@ def rank_forced(algo: str, seed: int) -> dict:
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("algo", ["ring", "recursive_doubling"])
 def test_forced_algorithm_env(algo: str, size: int) -> None:
-    # the one-shot shared-memory path (<= 64 KiB) bypasses the tuner: off, so the forced algorithm runs
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": f"allreduce:{algo}", "TENSORWIRE_SHM_DIRECT": "0"})
+    cluster = Cluster(size, {"TENSORWIRE_ALGO": f"allreduce:{algo}"})
     try:
         results = cluster.run(rank_forced, algo, 12, timeout=90)
     finally:

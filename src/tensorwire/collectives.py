@@ -17,17 +17,6 @@ import numpy as np
 
 from . import tuner
 from .algorithms.base import blocks_of
-from .algorithms.direct import direct_gather, direct_scatter, dissemination_barrier, pairwise_all_to_all
-from .algorithms.ring import ring_all_gather_blocks, ring_reduce_scatter
-from .algorithms.shm_direct import (
-    direct_all_gather,
-    direct_all_to_all,
-    direct_barrier,
-    direct_broadcast,
-    direct_reduce,
-    direct_reduce_scatter,
-)
-from .algorithms.tree import binomial_broadcast, binomial_reduce
 from .buffers import as_array, byte_view
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
@@ -130,7 +119,7 @@ class Collectives:
             if dst is not src:
                 np.copyto(flat, src.reshape(-1))
             if self.size > 1 and flat.size:
-                tuner.all_reduce(self, call, flat, red.op)
+                tuner.run(self, call, "all_reduce", flat.nbytes, flat, red.op)
             finalize(flat, red, self.size)
             return out if out is not None else tensor
 
@@ -154,10 +143,10 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             data = src.reshape(-1)
             acc = target.reshape(-1)
-            if tuner.use_direct(self, "reduce", data.nbytes):
-                direct_reduce(self.direct, call, data, acc, red.op, root)
-            else:
-                binomial_reduce(call, data, acc if self.rank == root else np.empty_like(data), red.op, root)
+            if self.size > 1:
+                tuner.run(self, call, "reduce", data.nbytes, data, acc, red.op, root)
+            elif acc is not data:
+                np.copyto(acc, data)
             if self.rank == root:
                 finalize(acc, red, self.size)
             return out if (out is not None and self.rank == root) else tensor
@@ -210,13 +199,8 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             flat = out.reshape(-1)
             flats = [b.reshape(-1) for b in blocks]
-            if coll == Coll.REDUCE_SCATTER and tuner.use_direct(self, "reduce_scatter",
-                                                                 sum(b.nbytes for b in flats)):
-                direct_reduce_scatter(self.direct, call, flats, flat, red.op)
-            else:
-                work = [b.copy() for b in flats]
-                ring_reduce_scatter(call, work, red.op)
-                np.copyto(flat, work[self.rank])
+            tuner.run(self, call, "reduce_scatter", sum(b.nbytes for b in flats), flats, flat, red.op,
+                      direct_ok=coll == Coll.REDUCE_SCATTER)
             finalize(flat, red, self.size)
             return output
 
@@ -236,10 +220,8 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             if self.rank == root and target is not data:
                 np.copyto(target.reshape(-1), data.reshape(-1))
-            if tuner.use_direct(self, "broadcast", target.nbytes):
-                direct_broadcast(self.direct, call, target.reshape(-1), root)
-            else:
-                binomial_broadcast(call, target.reshape(-1), root)
+            if self.size > 1:
+                tuner.run(self, call, "broadcast", target.nbytes, target.reshape(-1), root)
             return tensor if out is None else out
 
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
@@ -287,13 +269,11 @@ class Collectives:
                     async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
         def body(call: CollectiveCall) -> Any:
             flats = [o.reshape(-1) for o in outs]
-            if coll == Coll.ALL_GATHER and tuner.use_direct(self, "all_gather", inp.nbytes):
-                direct_all_gather(self.direct, call, inp.reshape(-1), flats)
-                return result
             mine = flats[self.rank]
             if mine.ctypes.data != inp.ctypes.data or mine.size != inp.size:
                 np.copyto(mine, inp.reshape(-1))
-            ring_all_gather_blocks(call, flats)
+            tuner.run(self, call, "all_gather", sum(f.nbytes for f in flats), flats,
+                      direct_ok=coll == Coll.ALL_GATHER)
             return result
 
         return self._go(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
@@ -309,8 +289,8 @@ class Collectives:
             outs = self._list(gather_list, what, "gather_list", writable=True, like=inp)
 
         def body(call: CollectiveCall) -> Any:
-            direct_gather(call, inp.reshape(-1), None if outs is None else [o.reshape(-1) for o in outs],
-                          root)
+            blocks = None if outs is None else [o.reshape(-1) for o in outs]
+            tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), blocks, root)
             return gather_list
 
         return self._go(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
@@ -327,7 +307,8 @@ class Collectives:
             ins = self._list(scatter_list, what, "scatter_list", writable=False, like=out)
 
         def body(call: CollectiveCall) -> Any:
-            direct_scatter(call, None if ins is None else [i.reshape(-1) for i in ins], out.reshape(-1), root)
+            blocks = None if ins is None else [i.reshape(-1) for i in ins]
+            tuner.run(self, call, "scatter", out.nbytes * self.size, blocks, out.reshape(-1), root)
             return tensor
 
         return self._go(self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size), what, body,
@@ -351,7 +332,7 @@ class Collectives:
             outs = blocks_of(out.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            direct_gather(call, inp.reshape(-1), outs, root)
+            tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), outs, root)
             return output
 
         return self._go(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
@@ -374,7 +355,7 @@ class Collectives:
             ins = blocks_of(inp.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            direct_scatter(call, ins, out.reshape(-1), root)
+            tuner.run(self, call, "scatter", out.nbytes * self.size, ins, out.reshape(-1), root)
             return output
 
         return self._go(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
@@ -428,10 +409,8 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             sends, recvs = [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs]
-            if coll == Coll.ALL_TO_ALL and tuner.use_direct(self, "all_to_all", sum(b.nbytes for b in sends)):
-                direct_all_to_all(self.direct, call, sends, recvs)
-            else:
-                pairwise_all_to_all(call, sends, recvs)
+            tuner.run(self, call, "all_to_all", sum(b.nbytes for b in sends), sends, recvs,
+                      direct_ok=coll == Coll.ALL_TO_ALL)
             return result
 
         return self._go(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
@@ -441,10 +420,8 @@ class Collectives:
         self._check_member("barrier")
 
         def body(call: CollectiveCall) -> None:
-            if tuner.use_direct(self, "barrier", 0):
-                direct_barrier(self.direct, call)
-            else:
-                dissemination_barrier(call)
+            if self.size > 1:
+                tuner.run(self, call, "barrier", 0)
 
         return self._go(self._fp(Coll.BARRIER), "barrier", body, async_op, timeout)
 

@@ -49,8 +49,6 @@ class Config:
     """Capacity of each directed shared-memory ring (TENSORWIRE_SHM_RING)."""
     tcp_chunk_bytes: int = 1 << 20
     """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
-    ring_threshold_bytes: int = 256 << 10
-    """all_reduce switches from recursive doubling to ring at this size (TENSORWIRE_RING_THRESHOLD)."""
     direct_bytes: int = 64 << 10
     """Per-rank slot of the one-shot shared-memory path; 0 turns it off (TENSORWIRE_SHM_DIRECT)."""
     algo: str = ""
@@ -67,7 +65,6 @@ class Config:
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
-            ring_threshold_bytes=parse_size(os.environ.get("TENSORWIRE_RING_THRESHOLD", str(256 << 10))),
             direct_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_DIRECT", str(64 << 10))),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", 50.0),

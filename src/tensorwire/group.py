@@ -114,6 +114,10 @@ class Group(Collectives):
         self._queue: deque[tuple[CollectiveCall, Callable[[CollectiveCall], Any], Work]] = deque()
         self._busy = False
         self._worker: threading.Thread | None = None
+        self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
+        me = runtime.rank
+        self.all_local = runtime.config.transport != "tcp" and all(
+            getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
         self.direct: DirectPath | None = None
         if self.rank >= 0:
             self._setup_direct()
@@ -216,9 +220,7 @@ class Group(Collectives):
         cfg = self.runtime.config
         if self.size < 2 or cfg.direct_bytes <= 0 or cfg.transport == "tcp":
             return
-        me = self.runtime.rank
-        local = all(getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
-        verdict = np.array([local], dtype=np.uint8)
+        verdict = np.array([self.all_local], dtype=np.uint8)
         recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
         if not verdict[0]:
             return

@@ -8,10 +8,13 @@ that are not bitwise commutative (complex multiplication).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ops import ReduceOp, reduce_into
 from .base import P2P
+from .registry import Algorithm, Link, register
 
 _RESULT_STEP = 1 << 20
 
@@ -52,3 +55,13 @@ def recursive_doubling_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> N
         mask <<= 1
     if r < 2 * rem:
         p2p.wait(p2p.isend(r - 1, data, _RESULT_STEP))
+
+
+def _cost(n: int, m: int, link: Link) -> float:
+    """log2(p) full exchanges, plus the fold-in and hand-back for ranks beyond a power of two."""
+    p = 1 << (n.bit_length() - 1)
+    rounds = math.log2(p) + (2 if n > p else 0)
+    return rounds * (link.alpha + m * link.beta) + (math.log2(p) + (n > p)) * m * link.gamma
+
+
+register(Algorithm("recursive_doubling", "all_reduce", recursive_doubling_all_reduce, _cost))

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..ops import ReduceOp
 from .base import P2P, blocks_of, split_counts
+from .registry import Algorithm, Link, register
 
 
 def ring_reduce_scatter_blocks(p2p: P2P, blocks: list[np.ndarray], op: ReduceOp, shift: int) -> None:
@@ -42,6 +43,28 @@ def ring_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
     ring_all_gather_blocks(p2p, rotated, step0=n)
 
 
-def ring_reduce_scatter(p2p: P2P, work: list[np.ndarray], op: ReduceOp) -> None:
-    """`work` is a scratch copy of the input blocks; on return work[rank] is the result."""
+def ring_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """Reduces scratch copies of the input blocks around the ring; block `rank` lands in `out`."""
+    work = [b.copy() for b in blocks]
     ring_reduce_scatter_blocks(p2p, work, op, shift=0)
+    np.copyto(out, work[p2p.rank])
+
+
+# Costs (Thakur, Rabenseifner & Gropp 2005), m = bytes of the collective's `size` as nccl-tests
+# counts it: the buffer for all_reduce, the whole output for all_gather, the whole input for
+# reduce_scatter.
+def _all_reduce_cost(n: int, m: int, link: Link) -> float:
+    return 2 * (n - 1) * link.alpha + (n - 1) / n * m * (2 * link.beta + link.gamma)
+
+
+def _all_gather_cost(n: int, m: int, link: Link) -> float:
+    return (n - 1) * link.alpha + (n - 1) / n * m * link.beta
+
+
+def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
+    return (n - 1) * link.alpha + (n - 1) / n * m * (link.beta + link.gamma)
+
+
+register(Algorithm("ring", "all_reduce", ring_all_reduce, _all_reduce_cost))
+register(Algorithm("ring", "all_gather", ring_all_gather_blocks, _all_gather_cost))
+register(Algorithm("ring", "reduce_scatter", ring_reduce_scatter, _reduce_scatter_cost))

@@ -18,6 +18,7 @@ from ..ops import ReduceOp, reduce_into
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
+from .registry import Algorithm, Link, register
 
 
 def _fp_words(fp: Fingerprint) -> tuple[int, int]:
@@ -144,29 +145,44 @@ def _typed(slot: np.ndarray, like: np.ndarray) -> np.ndarray:
     return slot[:like.nbytes].view(like.dtype)
 
 
-def direct_all_reduce(dp: DirectPath, call, data: np.ndarray, op: ReduceOp) -> None:
+def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> int:
+    """Enter, copy `arrays` back to back into this rank's slot, publish, wait for everyone."""
+    p = dp.enter(call)
+    mine = dp.slot(dp.rank, p, dp.slot_bytes)
+    offset = 0
+    for a in arrays:
+        _put(mine[offset:], a)
+        offset += a.nbytes
+    dp.publish(call, p)
+    dp.wait(call, p, range(dp.size))
+    return p
+
+
+def _fold(dp: DirectPath, p: int, out: np.ndarray, offset: int, op: ReduceOp) -> None:
+    """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank)."""
+    np.copyto(out, _typed(dp.slot(0, p, dp.slot_bytes)[offset:], out))
+    for r in range(1, dp.size):
+        reduce_into(out, _typed(dp.slot(r, p, dp.slot_bytes)[offset:], out), op)
+
+
+def direct_all_reduce(call, data: np.ndarray, op: ReduceOp) -> None:
+    dp = call.group.direct
+    p = _publish_all(dp, call, [data])
+    _fold(dp, p, data, 0, op)
+
+
+def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+    dp = call.group.direct
     p = dp.enter(call)
     _put(dp.slot(dp.rank, p, data.nbytes), data)
     dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
-    np.copyto(data, _typed(dp.slot(0, p, data.nbytes), data))
-    for r in range(1, dp.size):
-        reduce_into(data, _typed(dp.slot(r, p, data.nbytes), data), op)
+    if dp.rank == root:
+        dp.wait(call, p, range(dp.size))
+        _fold(dp, p, acc, 0, op)
 
 
-def direct_reduce(dp: DirectPath, call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
-    p = dp.enter(call)
-    _put(dp.slot(dp.rank, p, data.nbytes), data)
-    dp.publish(call, p)
-    if dp.rank != root:
-        return
-    dp.wait(call, p, range(dp.size))
-    np.copyto(acc, _typed(dp.slot(0, p, data.nbytes), data))
-    for r in range(1, dp.size):
-        reduce_into(acc, _typed(dp.slot(r, p, data.nbytes), data), op)
-
-
-def direct_broadcast(dp: DirectPath, call, data: np.ndarray, root: int) -> None:
+def direct_broadcast(call, data: np.ndarray, root: int) -> None:
+    dp = call.group.direct
     p = dp.enter(call)
     if dp.rank == root:
         _put(dp.slot(root, p, data.nbytes), data)
@@ -176,49 +192,60 @@ def direct_broadcast(dp: DirectPath, call, data: np.ndarray, root: int) -> None:
         np.copyto(data, _typed(dp.slot(root, p, data.nbytes), data))
 
 
-def direct_barrier(dp: DirectPath, call) -> None:
+def direct_barrier(call) -> None:
+    dp = call.group.direct
     p = dp.enter(call)
     dp.publish(call, p)
     dp.wait(call, p, range(dp.size))
 
 
-def direct_all_gather(dp: DirectPath, call, data: np.ndarray, outs: list[np.ndarray]) -> None:
-    p = dp.enter(call)
-    _put(dp.slot(dp.rank, p, data.nbytes), data)
-    dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
-    for r, out in enumerate(outs):
-        if r != dp.rank or out.ctypes.data != data.ctypes.data:
+def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
+    dp = call.group.direct
+    p = _publish_all(dp, call, [blocks[dp.rank]])
+    for r, out in enumerate(blocks):
+        if r != dp.rank:
             np.copyto(out, _typed(dp.slot(r, p, out.nbytes), out))
 
 
-def direct_reduce_scatter(dp: DirectPath, call, blocks: list[np.ndarray], out: np.ndarray,
-                          op: ReduceOp) -> None:
-    """Every rank publishes all its blocks; rank r reduces block r of every slot, in rank order."""
-    p = dp.enter(call)
-    mine = dp.slot(dp.rank, p, dp.slot_bytes)
-    offset = 0
-    for b in blocks:
-        _put(mine[offset:], b)
-        offset += b.nbytes
-    dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
-    start = sum(b.nbytes for b in blocks[:dp.rank])
-    np.copyto(out, _typed(dp.slot(0, p, dp.slot_bytes)[start:], out))
-    for r in range(1, dp.size):
-        reduce_into(out, _typed(dp.slot(r, p, dp.slot_bytes)[start:], out), op)
+def direct_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """Every rank publishes all its blocks; rank r folds block r of every slot, in rank order."""
+    dp = call.group.direct
+    p = _publish_all(dp, call, blocks)
+    _fold(dp, p, out, sum(b.nbytes for b in blocks[:dp.rank]), op)
 
 
-def direct_all_to_all(dp: DirectPath, call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
+def direct_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     """Equal blocks only: block `rank` of peer r's slot is ours."""
-    p = dp.enter(call)
-    mine = dp.slot(dp.rank, p, dp.slot_bytes)
-    offset = 0
-    for b in sends:
-        _put(mine[offset:], b)
-        offset += b.nbytes
-    dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
+    dp = call.group.direct
+    p = _publish_all(dp, call, sends)
     block = sends[0].nbytes
     for r, out in enumerate(recvs):
         np.copyto(out, _typed(dp.slot(r, p, dp.slot_bytes)[dp.rank * block:], out))
+
+
+# Cost: one flag round (α), the bytes copied into the slot and read out of slots (β), and the
+# bytes reduced (γ), as multiples of m (the collective's size as nccl-tests counts it).
+_VOLUMES = {  # collective: (copied in, read, reduced) as functions of n
+    "all_reduce": (lambda n: 1, lambda n: n, lambda n: n - 1),
+    "reduce": (lambda n: 1, lambda n: n, lambda n: n - 1),
+    "broadcast": (lambda n: 1, lambda n: 1, lambda n: 0),
+    "barrier": (lambda n: 0, lambda n: 0, lambda n: 0),
+    "all_gather": (lambda n: 1 / n, lambda n: 1, lambda n: 0),
+    "reduce_scatter": (lambda n: 1, lambda n: 1, lambda n: (n - 1) / n),
+    "all_to_all": (lambda n: 1, lambda n: 1, lambda n: 0),
+}
+_RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": direct_broadcast,
+        "barrier": direct_barrier, "all_gather": direct_all_gather,
+        "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all}
+
+
+def _cost_of(collective: str):
+    copied, read, reduced = _VOLUMES[collective]
+
+    def cost(n: int, m: int, link: Link) -> float:
+        return link.alpha + (copied(n) + read(n)) * m * link.beta + reduced(n) * m * link.gamma
+    return cost
+
+
+for _collective, _run in _RUN.items():
+    register(Algorithm("direct", _collective, _run, _cost_of(_collective), needs_direct=True))

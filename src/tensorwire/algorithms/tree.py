@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ops import ReduceOp
 from .base import P2P
+from .registry import Algorithm, Link, register
 
 
 def binomial_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:
@@ -47,3 +50,20 @@ def binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, r
         mask <<= 1
     if current is not acc:
         np.copyto(acc, current)
+
+
+def _broadcast_cost(n: int, m: int, link: Link) -> float:
+    return math.ceil(math.log2(n)) * (link.alpha + m * link.beta) if n > 1 else 0.0
+
+
+def _reduce_cost(n: int, m: int, link: Link) -> float:
+    return math.ceil(math.log2(n)) * (link.alpha + m * (link.beta + link.gamma)) if n > 1 else 0.0
+
+
+def _binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+    """Registry form: non-roots accumulate into scratch, so `acc` is written at the root only."""
+    binomial_reduce(p2p, data, acc if p2p.rank == root else np.empty_like(data), op, root)
+
+
+register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost))
+register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost))
