@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,10 +98,6 @@ class Collectives:
         aux = 0 if op.factor is None else struct.unpack("<Q", struct.pack("<d", op.factor))[0]
         return Fingerprint(coll, code, op.op, root, count, aux)
 
-    def _go(self: Group, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
-            async_op: bool, timeout: float | None) -> Any:
-        return self._submit(fp, what, body, async_op, timeout)
-
     # -- reductions -------------------------------------------------------------------------------
     def all_reduce(self: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = None,
                    async_op: bool = False, timeout: float | None = None) -> Any:
@@ -123,7 +119,7 @@ class Collectives:
             finalize(flat, red, self.size)
             return out if out is not None else tensor
 
-        return self._go(self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size), what, body,
+        return self._submit(self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size), what, body,
                         async_op, timeout)
 
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
@@ -151,7 +147,8 @@ class Collectives:
                 finalize(acc, red, self.size)
             return out if (out is not None and self.rank == root) else tensor
 
-        return self._go(self._fp(Coll.REDUCE, src.dtype, red, root, src.size), what, body, async_op, timeout)
+        fp = self._fp(Coll.REDUCE, src.dtype, red, root, src.size)
+        return self._submit(fp, what, body, async_op, timeout)
 
     def reduce_scatter(self: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -204,7 +201,7 @@ class Collectives:
             finalize(flat, red, self.size)
             return output
 
-        return self._go(self._fp(coll, out.dtype, red, count=count), what, body, async_op, timeout)
+        return self._submit(self._fp(coll, out.dtype, red, count=count), what, body, async_op, timeout)
 
     # -- data movement ------------------------------------------------------------------------------
     def broadcast(self: Group, tensor: Any, src: int = 0, *, out: Any = None, async_op: bool = False,
@@ -225,7 +222,7 @@ class Collectives:
             return tensor if out is None else out
 
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
-        return self._go(fp, what, body, async_op, timeout)
+        return self._submit(fp, what, body, async_op, timeout)
 
     def all_gather(self: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -276,7 +273,7 @@ class Collectives:
                       direct_ok=coll == Coll.ALL_GATHER)
             return result
 
-        return self._go(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
+        return self._submit(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
 
     def gather(self: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -293,7 +290,7 @@ class Collectives:
             tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), blocks, root)
             return gather_list
 
-        return self._go(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
+        return self._submit(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
                         async_op, timeout)
 
     def scatter(self: Group, tensor: Any, scatter_list: Sequence[Any] | None = None, src: int = 0, *,
@@ -311,7 +308,7 @@ class Collectives:
             tuner.run(self, call, "scatter", out.nbytes * self.size, blocks, out.reshape(-1), root)
             return tensor
 
-        return self._go(self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size), what, body,
+        return self._submit(self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size), what, body,
                         async_op, timeout)
 
     def gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], dst: int = 0, *,
@@ -335,7 +332,7 @@ class Collectives:
             tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), outs, root)
             return output
 
-        return self._go(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
+        return self._submit(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
 
     def scatterv(self: Group, output: Any, input: Any, counts: Sequence[int], src: int = 0, *,
                  async_op: bool = False, timeout: float | None = None) -> Any:
@@ -358,7 +355,7 @@ class Collectives:
             tuner.run(self, call, "scatter", out.nbytes * self.size, ins, out.reshape(-1), root)
             return output
 
-        return self._go(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
+        return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
 
     def all_to_all(self: Group, output_list: Sequence[Any], input_list: Sequence[Any], *,
                    async_op: bool = False, timeout: float | None = None) -> Any:
@@ -413,7 +410,7 @@ class Collectives:
                       direct_ok=coll == Coll.ALL_TO_ALL)
             return result
 
-        return self._go(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
+        return self._submit(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
 
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
@@ -423,7 +420,7 @@ class Collectives:
             if self.size > 1:
                 tuner.run(self, call, "barrier", 0)
 
-        return self._go(self._fp(Coll.BARRIER), "barrier", body, async_op, timeout)
+        return self._submit(self._fp(Coll.BARRIER), "barrier", body, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]

@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-
 import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
 
 from . import world

@@ -17,6 +17,7 @@ them in a `TensorwireWork`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +32,9 @@ from ..group import Group
 from ..ops import ReduceOp
 from ..transport.wire import Kind
 from ..work import Work as TwWork
-from .work import TensorwireWork, seconds
+from .work import CompletedWork, TensorwireWork, seconds
 
 BACKEND_NAME = "tensorwire"
-_SHUTDOWN_BARRIER_S = 30.0
 
 Call = Callable[[bool, "float | None"], Any]  # (async_op, timeout) -> tensorwire Work or result
 
@@ -82,13 +82,16 @@ def _check_cpu(t: Any) -> None:
         raise InvalidArgumentError("the tensorwire backend does not reduce sparse tensors; pass t.to_dense()")
 
 
+_OPS = {kind: ReduceOp(int(kind)) for kind in dist.ReduceOp.RedOpType.__members__.values()}
+
+
 def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
     """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options."""
-    rop = getattr(opts, "reduceOp", None)
-    if rop is None:
-        return ReduceOp.SUM, None
-    code = int(getattr(rop, "op", rop))
-    op = ReduceOp(code)
+    rop = opts.reduceOp
+    kind = getattr(rop, "op", rop)
+    op = _OPS.get(kind)
+    if op is None:
+        op = ReduceOp(int(kind))
     if op is ReduceOp.PREMUL_SUM:
         factor = getattr(rop, "factor", None)
         if factor is None:
@@ -150,18 +153,18 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- running -----------------------------------------------------------------------------
     def _timeout_of(self, opts: Any) -> float | None:
-        own = seconds(getattr(opts, "timeout", None)) if opts is not None else None
+        own = seconds(opts.timeout) if opts is not None else None
         return own if own is not None else self._timeout
 
     def _run(self, what: str, opts: Any, outputs: Any, calls: Sequence[Call],
-             finish: Callable[[], None] | None = None) -> TensorwireWork:
+             finish: Callable[[], None] | None = None) -> dist.Work:
         timeout = self._timeout_of(opts)
         if opts is not None and not opts.asyncOp:
             for call in calls:
                 call(False, timeout)
             if finish is not None:
                 finish()
-            return TensorwireWork([], outputs, what)
+            return CompletedWork(outputs)
         parts = [call(True, timeout) for call in calls]
         return TensorwireWork(parts, outputs, what, finish=finish, timeout=timeout)
 
@@ -169,6 +172,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         op, factor = _reduction(opts)
+        if factor is None and len(tensors) == 1 and not opts.asyncOp:
+            t = tensors[0]
+            if t.is_contiguous() and t.is_cpu:  # the plain dist.all_reduce(t): as direct as it gets
+                self._tw.all_reduce(t, op, timeout=self._timeout_of(opts))
+                return CompletedWork(tensors)
+        if len(tensors) == 1 and tensors[0].is_sparse:
+            self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
+            return CompletedWork(tensors)
         st = _Staging()
         buf = st.out(_one(tensors, "allreduce"))
         if factor is not None:
@@ -176,6 +187,31 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         g = self._tw
         return self._run("all_reduce", opts, tensors,
                          [lambda a, t: g.all_reduce(buf, op, async_op=a, timeout=t)], st.finish())
+
+    def _sparse_all_reduce(self, t: torch.Tensor, op: ReduceOp, factor: Any, timeout: float | None) -> None:
+        """SUM of sparse COO tensors (what DDP sends for sparse gradients, and all Gloo offers):
+        every rank's indices and values are gathered, summed locally and coalesced. In place
+        (the tensor's nnz changes); synchronous even when asked for async, like its result."""
+        if op is not ReduceOp.SUM or t.layout != torch.sparse_coo:
+            raise InvalidArgumentError(f"rank {self._tw.runtime.rank}: all_reduce of a sparse tensor "
+                                       f"supports SUM on COO tensors only (got {op.name}, {t.layout})")
+        g = self._tw
+        src = t.coalesce()
+        if factor is not None:
+            src = src * factor
+        sparse_dim = src.sparse_dim()
+        indices = src.indices().t().contiguous()  # (nnz, sparse_dim)
+        values = src.values().contiguous()  # (nnz, *dense shape)
+        per_value = math.prod(values.shape[1:])
+        counts = torch.zeros(g.size, dtype=torch.int64)
+        g.all_gather_into_tensor(counts, torch.tensor([indices.shape[0]], dtype=torch.int64), timeout=timeout)
+        nnz = [int(c) for c in counts]
+        all_indices = torch.empty(sum(nnz), sparse_dim, dtype=torch.int64)
+        all_values = torch.empty((sum(nnz), *values.shape[1:]), dtype=values.dtype)
+        g.all_gatherv(all_indices, indices, [c * sparse_dim for c in nnz], timeout=timeout)
+        g.all_gatherv(all_values, values, [c * per_value for c in nnz], timeout=timeout)
+        total = torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce()
+        t.copy_(total)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """One all-reduce per dtype over the tensors packed end to end."""
@@ -420,18 +456,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Leave together: a rank that closed its connections while a peer still drains the last
-        collective's data from shared memory would turn that peer's success into PeerLostError,
-        so members first meet in a barrier (bounded; skipped on a failed group or a lost peer)."""
         if self._closed:
             return
         self._closed = True
-        g = self._tw
-        if g.size > 1 and g.ctx not in g.engine.aborted:
-            try:
-                g.barrier(timeout=min(self._timeout or _SHUTDOWN_BARRIER_S, _SHUTDOWN_BARRIER_S))
-            except Exception:
-                pass  # a peer is gone or stuck: nothing left to protect
         if self._release is not None:
             self._release()
 

@@ -176,3 +176,42 @@ class TensorwireWork(dist.Work):
 def _needs_waiter(part: TwWork) -> bool:
     """Collective parts complete on their group's worker; point-to-point ones need a waiter."""
     return type(part) is not TwWork
+
+
+class CompletedWork(dist.Work):
+    """What a synchronous call returns: already done, so nothing to track (cheap to create:
+    a plain `dist.all_reduce(t)` pays for this object on every call)."""
+
+    def __init__(self, outputs: Any) -> None:
+        super().__init__()
+        self._outputs = outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._outputs)
+        return fut
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass
+
+    def source_rank(self) -> int:
+        return -1
+
+    def _source_rank(self) -> int:
+        return -1
+

@@ -64,13 +64,14 @@ def store_location(store: Any) -> str | None:
 
 
 def timeout_seconds(timeout: Any) -> float | None:
-    """torch's group timeout in seconds; TENSORWIRE_TIMEOUT, when set, wins."""
-    if os.environ.get("TENSORWIRE_TIMEOUT"):
+    """A timeout passed to init_process_group / new_group, in seconds; None for torch's default
+    (30 minutes), which leaves tensorwire's own: TENSORWIRE_TIMEOUT, else 300 s."""
+    from torch.distributed.constants import default_pg_timeout
+
+    if not isinstance(timeout, timedelta) or timeout == default_pg_timeout:
         return None
-    if isinstance(timeout, timedelta):
-        s = timeout.total_seconds()
-        return s if s > 0 else None
-    return None
+    s = timeout.total_seconds()
+    return s if s > 0 else None
 
 
 def context_id(group_name: str, ranks: list[int]) -> int:
@@ -192,7 +193,8 @@ def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
         peers = {}
         for m in missing:
             try:
-                peers[m] = json.loads(store.get(f"tw/link/{m}", timeout=max(0.001, deadline - time.monotonic())))
+                left = max(0.001, deadline - time.monotonic())
+                peers[m] = json.loads(store.get(f"tw/link/{m}", timeout=left))
             except TimeoutError as exc:
                 raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank {m} "
                                    f"never published its address within {cfg.timeout:g} s") from exc
