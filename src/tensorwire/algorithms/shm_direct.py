@@ -91,7 +91,8 @@ class DirectPath:
             if pending:
                 backoff.idle(functools.partial(self._timeout, call, pending))
                 for r in pending:
-                    if self.members[r] in lost:  # left the job without entering this call
+                    # gone, and (re-read after the loss was noticed) never entered this call
+                    if self.members[r] in lost and words[lines[r]] < seq:
                         raise self.engine.lost_error(self.members[r])
 
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:

@@ -101,7 +101,10 @@ class Engine:
             if self._fail_if_unusable(req, header.ctx):
                 return req
             self.channels[peer].post(req)
-            self.channels[peer].progress()
+            try:
+                self.channels[peer].progress()
+            except PeerClosed as exc:
+                self._peer_lost(peer, str(exc))
         return req
 
     def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
