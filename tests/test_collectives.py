@@ -1312,12 +1312,12 @@ def rank_algorithms_direct(seed: int) -> dict:
                   False, None)
         log.same(f"{name} 5 MiB", x, sum(_pattern(count, r, np.int64) for r in range(n)).astype(np.float64))
     log.extra["digests"] = digests
-    # the cost model's default: a latency algorithm for 1 KiB, the ring for 8 MiB
+    # the cost model's default: a latency algorithm for 1 KiB, a bandwidth one for 8 MiB
     log.case()
     if n > 1:
         small = tuner.select(g, "all_reduce", 1024).name
         large = tuner.select(g, "all_reduce", 8 << 20).name
-        log.check(small in ("recursive_doubling", "direct") and large == "ring",
+        log.check(small in ("recursive_doubling", "direct") and large in ("ring", "rabenseifner"),
                   f"default choice: 1 KiB -> {small}, 8 MiB -> {large}")
         used = _count_algorithms(lambda: [tw.all_reduce(np.ones(c, np.uint8)) for c in (1024, 8 << 20)])
         log.check(used == [small, large], f"algorithms used: {used}")

@@ -329,7 +329,7 @@ class Collectives:
             outs = blocks_of(out.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), outs, root)
+            tuner.run(self, call, "gather", sum(counts) * inp.itemsize, inp.reshape(-1), outs, root)
             return output
 
         return self._submit(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
@@ -352,7 +352,7 @@ class Collectives:
             ins = blocks_of(inp.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            tuner.run(self, call, "scatter", out.nbytes * self.size, ins, out.reshape(-1), root)
+            tuner.run(self, call, "scatter", sum(counts) * out.itemsize, ins, out.reshape(-1), root)
             return output
 
         return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
@@ -406,8 +406,10 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             sends, recvs = [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs]
-            tuner.run(self, call, "all_to_all", sum(b.nbytes for b in sends), sends, recvs,
-                      direct_ok=coll == Coll.ALL_TO_ALL)
+            # Uneven splits: no size every rank agrees on, so price them all alike (size 0).
+            even = coll == Coll.ALL_TO_ALL
+            tuner.run(self, call, "all_to_all", sum(b.nbytes for b in sends) if even else 0, sends, recvs,
+                      direct_ok=even)
             return result
 
         return self._submit(self._fp(coll, dtype, count=count), what, body, async_op, timeout)

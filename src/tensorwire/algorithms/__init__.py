@@ -1,3 +1,15 @@
 """Algorithm families; importing the package registers every algorithm (see registry.py)."""
 
-from . import dissemination, linear, pairwise, recursive_doubling, ring, shm_direct, tree  # noqa: F401
+from . import (  # noqa: F401
+    bruck,
+    chain,
+    dissemination,
+    linear,
+    pairwise,
+    rabenseifner,
+    recursive_doubling,
+    ring,
+    scatter_allgather,
+    shm_direct,
+    tree,
+)

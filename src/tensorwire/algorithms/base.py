@@ -43,3 +43,55 @@ def blocks_of(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
         out.append(flat[start:start + c])
         start += c
     return out
+
+
+def offsets_of(counts: list[int]) -> list[int]:
+    """Prefix sums: block i spans elements [offsets[i], offsets[i + 1]) of a packed buffer."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def contiguous_span(blocks: list[np.ndarray], writable: bool = True) -> np.ndarray | None:
+    """One flat view over `blocks` when they lie back to back in one array, else None.
+
+    The single-tensor and vector forms of a collective (all_gather_into_tensor, all_gatherv,
+    reduce_scatter_tensor) hand algorithms consecutive views of one buffer; an algorithm that
+    moves ranges of blocks as single messages can then work in that buffer instead of staging
+    through a scratch copy. Empty blocks occupy no bytes and may point anywhere.
+    """
+    ref = None
+    addr = total = 0
+    for b in blocks:
+        if b.nbytes == 0:
+            continue
+        if ref is None:
+            ref, addr = b, b.ctypes.data
+        if b.dtype != ref.dtype or not b.flags.c_contiguous or b.ctypes.data != addr + total:
+            return None
+        total += b.nbytes
+    if ref is None:
+        return blocks[0].reshape(-1)[:0]
+    owner = ref
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if not owner.flags.c_contiguous or (writable and not owner.flags.writeable):
+        return None
+    start = addr - owner.ctypes.data
+    if start < 0 or start + total > owner.nbytes:
+        return None
+    return owner.reshape(-1).view(np.uint8)[start:start + total].view(ref.dtype)
+
+
+def packed(blocks: list[np.ndarray]) -> np.ndarray:
+    """The blocks back to back in a new buffer (or the span they already form, read-only use)."""
+    span = contiguous_span(blocks, writable=False)
+    if span is not None:
+        return span
+    out = np.empty(sum(b.size for b in blocks), dtype=blocks[0].dtype)
+    start = 0
+    for b in blocks:
+        out[start:start + b.size] = b
+        start += b.size
+    return out

@@ -1,9 +1,10 @@
-"""Linear gather and scatter: the root exchanges with every other rank directly, all at once."""
+"""Linear gather, scatter and reduce: the root exchanges with every other rank directly."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ops import ReduceOp, reduce_into
 from .base import P2P
 from .registry import Algorithm, Link, register
 
@@ -31,10 +32,40 @@ def linear_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.ndar
     p2p.wait(*reqs)
 
 
+def linear_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+    """Every rank sends its buffer to the root, which folds them into `acc` strictly in rank
+    order, ((x0 op x1) op x2) ..., receiving and reducing one peer after the other: the same
+    bits as ops.reference and the rank-ordered algorithms, whatever the arrival order.
+    `data` is never written (unless it is `acc`); on non-roots `acc` is not touched."""
+    n, r = p2p.size, p2p.rank
+    if r != root:
+        p2p.wait(p2p.isend(root, data, 0))
+        return
+    own = data
+    if root != 0 and acc.size and np.may_share_memory(acc, data):
+        own = data.copy()  # acc is about to receive rank 0's buffer
+    for i in range(n):
+        if i == root:
+            if i == 0:
+                if acc is not own:
+                    np.copyto(acc, own)
+            else:
+                reduce_into(acc, own, op)
+        else:
+            p2p.wait(p2p.irecv(i, acc, 0, reduce=None if i == 0 else op))
+
+
 def _linear_cost(n: int, nbytes: int, link: Link) -> float:
-    """The root handles n-1 messages of nbytes/n each, serialised on its link."""
-    return (n - 1) * (link.alpha + nbytes / n * link.beta)
+    """The root handles n-1 messages of nbytes/n each, serialised on its link:
+    (n-1) α + (n-1)/n m β (written as tree.py's binomial cost, so that ties are exact)."""
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+
+
+def _reduce_cost(n: int, m: int, link: Link) -> float:
+    """n-1 whole buffers into the root, each reduced: (n-1) (α + m β + m γ)."""
+    return (n - 1) * (link.alpha + m * (link.beta + link.gamma))
 
 
 register(Algorithm("linear", "gather", linear_gather, _linear_cost))
 register(Algorithm("linear", "scatter", linear_scatter, _linear_cost))
+register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost))

@@ -1,10 +1,15 @@
-"""Pairwise exchange all-to-all: n-1 steps, in step s each rank sends to rank+s and
-receives from rank-s, so every step is a perfect matching and no link carries two messages."""
+"""Pairwise exchange: n-1 steps, in step s each rank sends to rank+s and receives from rank-s,
+so every step is a perfect matching and no link carries two messages.
+
+all_to_all sends block rank+s and receives block rank-s. reduce_scatter sends the input block
+owned by rank+s and reduces what rank-s sends of this rank's block into the output as it
+arrives: no scratch copy of the input, and each output element is reduced on one rank only."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ops import ReduceOp
 from .base import P2P
 from .registry import Algorithm, Link, register
 
@@ -22,4 +27,19 @@ def _pairwise_cost(n: int, nbytes: int, link: Link) -> float:
     return (n - 1) * (link.alpha + nbytes / n * link.beta)
 
 
+def pairwise_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """Step s: my copy of block rank+s to its owner; rank-s's copy of my block reduced into `out`."""
+    n, r = p2p.size, p2p.rank
+    np.copyto(out, blocks[r])
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        p2p.wait(p2p.isend(dst, blocks[dst], s), p2p.irecv(src, out, s, reduce=op))
+
+
+def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
+    """(n-1) α + (n-1)/n m (β + γ), m = the whole input."""
+    return (n - 1) * link.alpha + (n - 1) / n * m * (link.beta + link.gamma)
+
+
 register(Algorithm("pairwise", "all_to_all", pairwise_all_to_all, _pairwise_cost))
+register(Algorithm("pairwise", "reduce_scatter", pairwise_reduce_scatter, _reduce_scatter_cost))

@@ -1,19 +1,31 @@
-"""Recursive doubling: log2(n) exchange rounds of the whole buffer; latency-optimal for small data.
+"""Recursive doubling and halving: log2(n) rounds between partners at distance 1, 2, 4, ...
 
-Non-powers of two fold the first 2*(n - p) ranks pairwise onto p = 2^floor(log2 n) ranks first
-and hand the result back at the end (the usual MPICH scheme). In every combination the lower
-rank's operand is on the left, so both partners compute bitwise the same value even for ops
-that are not bitwise commutative (complex multiplication).
+all_reduce: every round exchanges the whole buffer; latency-optimal for small data. In every
+combination the lower rank's operand is on the left, so both partners compute bitwise the same
+value even for ops that are not bitwise commutative (complex multiplication).
+
+all_gather (recursive doubling): round k exchanges the 2^k blocks each partner holds, so the
+held range doubles every round. reduce_scatter (recursive halving): round k sends the half of
+the current range the partner keeps and reduces the half this rank keeps, so the range halves
+every round; each element is reduced on one rank only, so receive-and-reduce is safe.
+
+Non-powers of two fold the first 2*(n - p) ranks pairwise onto p = 2^floor(log2 n) "virtual"
+ranks first and hand the result back at the end (the usual MPICH scheme): virtual rank v < rem
+is the odd rank 2v + 1 acting for real ranks 2v and 2v + 1, virtual rank v >= rem is rank
+v + rem. Virtual ranks cover consecutive real ranks, so a range of virtual blocks is always one
+contiguous range of the packed buffer. The halving and doubling loops are shared with
+rabenseifner.py.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ..ops import ReduceOp, reduce_into
-from .base import P2P
+from .base import P2P, contiguous_span, offsets_of, packed
 from .registry import Algorithm, Link, register
 
 _RESULT_STEP = 1 << 20
@@ -65,3 +77,144 @@ def _cost(n: int, m: int, link: Link) -> float:
 
 
 register(Algorithm("recursive_doubling", "all_reduce", recursive_doubling_all_reduce, _cost))
+
+
+# -- virtual ranks, and the halving / doubling loops over them ------------------------------------
+
+def fold_shape(n: int) -> tuple[int, int]:
+    """(p, rem): the power of two the group folds onto and how many ranks are folded away."""
+    p = 1 << (n.bit_length() - 1)
+    return p, n - p
+
+
+def acting_rank(v: int, rem: int) -> int:
+    """The real rank that acts for virtual rank v (the odd rank of a folded pair)."""
+    return 2 * v + 1 if v < rem else v + rem
+
+
+def first_rank(v: int, rem: int) -> int:
+    """The first real rank virtual rank v stands for (v = p gives n: the end of the last range)."""
+    return 2 * v if v < rem else v + rem
+
+
+def halving_reduce_scatter(p2p: P2P, work: np.ndarray, bound: Callable[[int], int], vr: int, p: int,
+                           peer_of: Callable[[int], int], op: ReduceOp, step0: int) -> int:
+    """Recursive halving over p virtual ranks, in place in `work`.
+
+    Afterwards work[bound(vr):bound(vr + 1)] holds that range reduced over all virtual ranks
+    (bound(v) is the element offset where virtual block v starts). Each round sends the half
+    of the current range the partner keeps and reduces the partner's copy of the other half
+    into this rank's, as it arrives. Returns the next free step number.
+    """
+    lo, mask, step = 0, p >> 1, step0
+    while mask:
+        vpeer = vr ^ mask
+        mid = lo + mask
+        keep, give = ((lo, mid), (mid, mid + mask)) if vr < vpeer else ((mid, mid + mask), (lo, mid))
+        peer = peer_of(vpeer)
+        p2p.wait(p2p.isend(peer, work[bound(give[0]):bound(give[1])], step),
+                 p2p.irecv(peer, work[bound(keep[0]):bound(keep[1])], step, reduce=op))
+        lo = keep[0]
+        mask >>= 1
+        step += 1
+    return step
+
+
+def doubling_all_gather(p2p: P2P, buf: np.ndarray, bound: Callable[[int], int], vr: int, p: int,
+                        peer_of: Callable[[int], int], step0: int) -> int:
+    """Recursive doubling over p virtual ranks: virtual block vr of `buf` filled on entry, all
+    of `buf` on exit. Round k exchanges the 2^k blocks each partner holds. Returns the next step."""
+    mask, step = 1, step0
+    while mask < p:
+        mine = vr & ~(mask - 1)
+        theirs = mine ^ mask
+        peer = peer_of(vr ^ mask)
+        p2p.wait(p2p.isend(peer, buf[bound(mine):bound(mine + mask)], step),
+                 p2p.irecv(peer, buf[bound(theirs):bound(theirs + mask)], step))
+        mask <<= 1
+        step += 1
+    return step
+
+
+# -- all_gather -----------------------------------------------------------------------------------
+
+def recursive_doubling_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
+    """log2(p) rounds of doubling ranges; works in the output when its blocks are one buffer
+    (the single-tensor and vector forms), else through a packed scratch copy."""
+    n, r = p2p.size, p2p.rank
+    if n == 1:
+        return
+    offs = offsets_of([b.size for b in blocks])
+    buf = contiguous_span(blocks)
+    staged = buf is None
+    if buf is None:
+        buf = np.empty(offs[-1], dtype=blocks[r].dtype)
+        buf[offs[r]:offs[r + 1]] = blocks[r]
+    p, rem = fold_shape(n)
+    if r < 2 * rem and r % 2 == 0:  # folded away: hand my block over, get everything back
+        p2p.wait(p2p.isend(r + 1, buf[offs[r]:offs[r + 1]], 0))
+        p2p.wait(p2p.irecv(r + 1, buf, _RESULT_STEP))
+    else:
+        if r < 2 * rem:
+            p2p.wait(p2p.irecv(r - 1, buf[offs[r - 1]:offs[r]], 0))
+        vr = r // 2 if r < 2 * rem else r - rem
+        doubling_all_gather(p2p, buf, lambda v: offs[first_rank(v, rem)], vr, p,
+                            lambda v: acting_rank(v, rem), 1)
+        if r < 2 * rem:
+            p2p.wait(p2p.isend(r - 1, buf, _RESULT_STEP))
+    if staged:
+        for i, b in enumerate(blocks):
+            if i != r:
+                np.copyto(b, buf[offs[i]:offs[i + 1]])
+
+
+# -- reduce_scatter -------------------------------------------------------------------------------
+
+def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray,
+                                     op: ReduceOp) -> None:
+    """log2(p) rounds of halving ranges on a scratch copy of the input; block `rank` lands in `out`."""
+    n, r = p2p.size, p2p.rank
+    if n == 1:
+        np.copyto(out, blocks[0])
+        return
+    offs = offsets_of([b.size for b in blocks])
+    p, rem = fold_shape(n)
+    if r < 2 * rem and r % 2 == 0:  # folded away: my whole input to r + 1, my block back from it
+        p2p.wait(p2p.isend(r + 1, packed(blocks), 0), p2p.irecv(r + 1, out, _RESULT_STEP))
+        return
+    work = np.empty(offs[-1], dtype=out.dtype)
+    for i, b in enumerate(blocks):
+        work[offs[i]:offs[i + 1]] = b
+    if r < 2 * rem:
+        p2p.wait(p2p.irecv(r - 1, work, 0, reduce=op))
+    vr = r // 2 if r < 2 * rem else r - rem
+    halving_reduce_scatter(p2p, work, lambda v: offs[first_rank(v, rem)], vr, p,
+                           lambda v: acting_rank(v, rem), op, 1)
+    np.copyto(out, work[offs[r]:offs[r + 1]])
+    if r < 2 * rem:
+        p2p.wait(p2p.isend(r - 1, work[offs[r - 1]:offs[r]], _RESULT_STEP))
+
+
+# Costs (Thakur, Rabenseifner & Gropp 2005) with m = the whole output (all_gather) or the whole
+# input (reduce_scatter). A non-power of two adds the fold: all_gather one block in (α + m/n β)
+# and the whole result back (α + m β); reduce_scatter the whole input in (α + m β + m γ) and
+# one block back (α + m/n β).
+def _all_gather_cost(n: int, m: int, link: Link) -> float:
+    p, rem = fold_shape(n)
+    cost = math.log2(p) * link.alpha + (p - 1) / p * m * link.beta
+    if rem:
+        cost += 2 * link.alpha + (1 / n + 1) * m * link.beta
+    return cost
+
+
+def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
+    p, rem = fold_shape(n)
+    cost = math.log2(p) * link.alpha + (p - 1) / p * m * (link.beta + link.gamma)
+    if rem:
+        cost += 2 * link.alpha + (1 + 1 / n) * m * link.beta + m * link.gamma
+    return cost
+
+
+register(Algorithm("recursive_doubling", "all_gather", recursive_doubling_all_gather, _all_gather_cost))
+register(Algorithm("recursive_halving", "reduce_scatter", recursive_halving_reduce_scatter,
+                   _reduce_scatter_cost))

@@ -9,7 +9,7 @@ prints the same table. An algorithm module calls `register(...)` at import for e
   broadcast       run(p2p, data, root)                    in place
   reduce          run(p2p, data, acc, op, root)           result in acc at root; data is kept
   all_gather      run(p2p, blocks)                        blocks[rank] filled on entry
-  reduce_scatter  run(p2p, work, op)                      work: scratch copies; result in work[rank]
+  reduce_scatter  run(p2p, blocks, out, op)               blocks: the input, kept; block rank -> out
   all_to_all      run(p2p, sends, recvs)
   gather          run(p2p, send, recv_blocks | None, root)
   scatter         run(p2p, send_blocks | None, recv, root)
