@@ -173,6 +173,10 @@ class Group(Collectives):
     def _run(self, call: CollectiveCall, body: Callable[[CollectiveCall], Any]) -> Any:
         call.start()
         try:
+            self.engine.enter_call(self.ctx, call)
+            aborted = self.engine.aborted.get(self.ctx)
+            if aborted is not None and call.seq >= aborted[0]:
+                raise aborted[1]  # entering revealed a mismatch with an earlier or this call
             return body(call)
         except Exception as exc:  # whatever broke, the peers must not wait for this rank
             self.abort(exc, call.seq)

@@ -46,16 +46,29 @@ class DirectPath:
         self.slot_bytes = seg.slot_bytes
         self.parity = 1
         self.prev_seq = 0
+        self.prev_fp = (0, 0)
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
 
     # -- the protocol -----------------------------------------------------------------------------
     def enter(self, call) -> int:
-        """Take the next slot parity, once every rank is past the call that last used it."""
+        """Take the next slot parity, once every rank is past the call that last used it.
+
+        Every rank published that previous call, so its fingerprints are checked here too: a
+        rank that returned without waiting (a broadcast root) learns of a mismatch now."""
         self.parity ^= 1
         if self.prev_seq:
             self._wait(call, range(self.size), self.prev_seq)
+            words, lines = self.seg.words, self.seg.lines
+            base = 1 + (self.parity ^ 1) * 3
+            for r in range(self.size):
+                line = lines[r] + base
+                if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
+                    theirs = _fp_from_words(words[line + 1], words[line + 2])
+                    raise self.engine.mismatch_error(
+                        f"{call.group.name} call #{self.prev_seq} (found at {call.what})",
+                        _fp_from_words(*self.prev_fp), theirs, self.members[r])
         return self.parity
 
     def publish(self, call, parity: int) -> None:
@@ -67,6 +80,7 @@ class DirectPath:
         words[base + 2] = b
         words[line] = call.seq  # last: publishes the data and the fingerprint above
         self.prev_seq = call.seq
+        self.prev_fp = (a, b)
 
     def wait(self, call, parity: int, ranks) -> None:
         """Wait for `ranks` to publish this call, then check they called the same thing."""

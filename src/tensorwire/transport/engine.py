@@ -28,7 +28,7 @@ from ..errors import (
     TensorwireError,
     TimeoutError,
 )
-from ..ops import ReduceOp, dtype_from_code, dtype_name
+from ..ops import ReduceOp, dtype_from_code
 from .requests import (
     ControlSink,
     Discard,
@@ -40,7 +40,7 @@ from .requests import (
     deliver,
 )
 from .tcp import PeerClosed
-from .wire import Fingerprint, Header, Kind, differences
+from .wire import Coll, Fingerprint, Header, Kind, differences
 
 _log = log.get("TRANSPORT")
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
@@ -49,7 +49,7 @@ _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLos
 
 def _dtype_label(code: int) -> str:
     try:
-        return dtype_name(dtype_from_code(code))
+        return str(dtype_from_code(code))
     except Exception:  # an unknown code is itself the finding
         return f"dtype#{code}"
 
@@ -76,6 +76,8 @@ class Engine:
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
         self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
+        self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
+        self._deferred_aborts: list[tuple] = []
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_s = spin_us * 1e-6
         self._sockets: list = []
@@ -174,7 +176,40 @@ class Engine:
             return Discard(header.nbytes)
         msg = Unexpected(header)
         self.unexpected.setdefault(key, deque()).append(msg)
+        if header.kind == Kind.COLL:
+            call = self.current.get(header.ctx)
+            if call is not None and header.seq <= call.seq:
+                self._vet(peer, header, call)
         return msg
+
+    def _vet(self, peer: int, header: Header, call) -> None:
+        """A message for the call this rank is in must carry its fingerprint, whatever its step;
+        one for an earlier call arrived after this rank finished it, so that call differed."""
+        if header.seq == call.seq:
+            if header.fp == call.fp or not differences(call.fp, header.fp, _dtype_label, _op_label):
+                return
+            error = self.mismatch_error(call.what, call.fp, header.fp, peer)
+        else:
+            error = CollectiveMismatchError(
+                f"rank {self.rank}: rank {peer} sent data for call #{header.seq} on group "
+                f"{call.group.name} ({Coll(header.fp.coll).label}) that this rank finished without "
+                f"needing it: the ranks called different collectives or roots there (this rank is now "
+                f"at {call.what})")
+        self._deferred_aborts.append((header.ctx, call.seq, tuple(call.group.ranks), error))
+
+    def enter_call(self, ctx: int, call) -> None:
+        """Note the call a group is running, and vet what already arrived for it or before it."""
+        with self.lock:
+            self.current[ctx] = call
+            for (peer, key), queue in list(self.unexpected.items()):
+                if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
+                    self._vet(peer, queue[0].header, call)
+            self._run_deferred_aborts()
+
+    def _run_deferred_aborts(self) -> None:
+        while self._deferred_aborts:
+            ctx, seq, members, error = self._deferred_aborts.pop(0)
+            self.abort_group(ctx, seq, members, error)
 
     def _check(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
@@ -193,7 +228,7 @@ class Engine:
                        peer: int) -> CollectiveMismatchError:
         diffs = differences(mine, theirs, _dtype_label, _op_label)
         return CollectiveMismatchError(
-            f"rank {self.rank}: {what}: rank {peer} called a different collective at the same point: "
+            f"rank {self.rank}: {what}: rank {peer} made a different call at the same point: "
             f"{'; '.join(diffs)} (this rank vs rank {peer})")
 
     # -- failures ---------------------------------------------------------------------------
@@ -289,6 +324,8 @@ class Engine:
         self._tick += 1
         if self._tick & 255 == 0:
             self._poll_sockets()
+        if self._deferred_aborts:  # found inside a channel's read: act on it outside of it
+            self._run_deferred_aborts()
         return moved
 
     def _poll_sockets(self) -> None:
