@@ -47,6 +47,7 @@ class DirectPath:
         self.parity = 1
         self.prev_seq = 0
         self.prev_fp = (0, 0)
+        self.prev_call = None
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
@@ -67,7 +68,7 @@ class DirectPath:
                 if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
                     theirs = _fp_from_words(words[line + 1], words[line + 2])
                     raise self.engine.mismatch_error(
-                        f"{call.group.name} call #{self.prev_seq} (found at {call.what})",
+                        f"{self.prev_call.what} (found at {call.what})",
                         _fp_from_words(*self.prev_fp), theirs, self.members[r])
         return self.parity
 
@@ -81,6 +82,7 @@ class DirectPath:
         words[line] = call.seq  # last: publishes the data and the fingerprint above
         self.prev_seq = call.seq
         self.prev_fp = (a, b)
+        self.prev_call = call
 
     def wait(self, call, parity: int, ranks) -> None:
         """Wait for `ranks` to publish this call, then check they called the same thing."""

@@ -61,6 +61,7 @@ def _op_label(code: int) -> str:
         return f"op#{code}"
 
 
+_EMPTY = np.empty(0, dtype=np.uint8)
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
 
@@ -165,6 +166,10 @@ class Engine:
             return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
         if header.kind == Kind.BYE:
             return ControlSink(0, lambda raw: self.departed.add(peer))
+        if header.kind == Kind.QUERY:
+            return ControlSink(0, lambda raw: self._answer_query(peer, header.ctx))
+        if header.kind == Kind.STATE:
+            return ControlSink(0, lambda raw: self._on_state(peer, header))
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -196,6 +201,27 @@ class Engine:
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
         self._deferred_aborts.append((header.ctx, call.seq, tuple(call.group.ranks), error))
+
+    def query_peers(self, ctx: int, members: Iterable[int]) -> None:
+        """Ask the members which call of group `ctx` they are in; the answers are vetted like
+        arriving messages. This catches disagreements in which no message ever crosses (a
+        reduce to different roots), so they end as a mismatch instead of a timeout."""
+        with self.lock:
+            for peer in members:
+                if peer != self.rank and peer not in self.lost and peer in self.channels:
+                    header = Header(Kind.QUERY, ctx, 0, 0, 0, Fingerprint(0))
+                    self.channels[peer].post_control(SendRequest(peer, header, _EMPTY, "query"))
+
+    def _answer_query(self, peer: int, ctx: int) -> None:
+        call = self.current.get(ctx)
+        seq, fp = (call.seq, call.fp) if call is not None else (0, Fingerprint(0))
+        self.channels[peer].post_control(SendRequest(peer, Header(Kind.STATE, ctx, seq, 0, 0, fp), _EMPTY,
+                                                     "state"))
+
+    def _on_state(self, peer: int, header: Header) -> None:
+        call = self.current.get(header.ctx)
+        if call is not None and header.seq == call.seq:
+            self._vet(peer, header, call)
 
     def enter_call(self, ctx: int, call) -> None:
         """Note the call a group is running, and vet what already arrived for it or before it."""
@@ -466,6 +492,7 @@ class Backoff:
         self.since = time.perf_counter()
         self.sleep = 50e-6
         self.checks = 0
+        self.queried = False
 
     def idle(self, timeout_error: Callable[[], BaseException]) -> None:
         now = time.perf_counter()
@@ -482,6 +509,9 @@ class Backoff:
             return
         if self.cross_check is not None:
             self.cross_check()
+        if not self.queried:
+            self.queried = True
+            self.engine.query_peers(self.ctx, self.watch)
         self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
         self.engine.check_group(self.ctx, self.seq, self.watch)
         self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

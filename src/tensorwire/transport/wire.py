@@ -21,6 +21,8 @@ class Kind(IntEnum):
     COLL = 1
     ABORT = 2  # payload: utf-8 "ErrorClass\nmessage"; tells every peer why a group failed
     BYE = 3  # the sender called destroy(): its closing socket is a goodbye, not a crash
+    QUERY = 4  # "which call of this group are you in?" (sent by a waiter that has been idle a while)
+    STATE = 5  # the answer: the sequence number and fingerprint of the replier's current call
 
 
 class Coll(IntEnum):
