@@ -60,7 +60,9 @@ def _rank_main(rank: int, size: int, port: int, env: dict[str, str], conn: Conne
 class Cluster:
     def __init__(self, size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0) -> None:
         self.size = size
-        self.env = {"TENSORWIRE_TIMEOUT": "30", **(env or {})}
+        # Calibration off: the tuner's choices come from the default constants, so every run of
+        # the suite exercises the same algorithms (test_tuner covers calibration itself).
+        self.env = {"TENSORWIRE_TIMEOUT": "30", "TENSORWIRE_CALIBRATE": "0", **(env or {})}
         self.broken = False
         ctx = mp.get_context("spawn")
         port = free_port()

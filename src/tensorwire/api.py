@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import log
+from . import calibrate, log, tuner
 from .config import Config
 from .errors import NotInitializedError
 from .group import Group
@@ -32,13 +32,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def init(rank: int | None = None, world_size: int | None = None, init_method: str | None = None, *,
          timeout: float | None = None, transport: str | None = None, socket_ifname: str | None = None,
-         store: Any = None) -> Group:
+         store: Any = None, deterministic: bool | None = None) -> Group:
     """Join the job and connect to every peer; returns the world group.
 
     Without arguments, reads the launcher's environment (tensorwire run, torchrun, mpirun,
     Slurm); `init_method` is 'tcp://host:port', 'file:///path' or 'env://'. `timeout` (seconds,
     default TENSORWIRE_TIMEOUT or 300) bounds initialisation and every later blocking call.
     `store` lets an integration (the torch backend) pass a store it already has.
+    `deterministic=True` (or TENSORWIRE_DETERMINISTIC=1) makes floating-point reductions
+    bitwise reproducible: every element is folded in rank order, whatever algorithm runs.
     """
     global _runtime, _generation
     log.configure()
@@ -46,10 +48,12 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         if _runtime is not None:
             raise RuntimeError(f"tensorwire is already initialized (rank {_runtime.rank}); call "
                                f"destroy() first")
-        cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname)
+        cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname,
+                              deterministic=deterministic)
         deadline = time.monotonic() + cfg.timeout
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
+        tuner.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
         _generation += 1
         root_store = store
         if root_store is None and info.world_size > 1:
@@ -64,11 +68,21 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             engine = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id, address, deadline)
         except BaseException:
             if root_store is not None and store is None:
+                if getattr(root_store, "server", None) is not None:
+                    # This process hosts the store: serve a little longer, so the other ranks
+                    # hit their own timeout and name the rank that is really missing, rather
+                    # than report a lost store.
+                    time.sleep(min(3.0, cfg.timeout))
                 root_store.close()
             raise
         runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
                           engine)
         runtime.world = Group(runtime, range(info.world_size), 0, "world")
+        try:
+            calibrate.at_init(runtime.world)  # collective: link constants every rank agrees on
+        except BaseException:
+            runtime.close()
+            raise
         _runtime = runtime
     return runtime.world  # type: ignore[return-value]
 

@@ -31,6 +31,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "--np N starts N ranks through the launcher. Example: tensorwire bench all_reduce -b 8 -e 64M "
         "-f 4 --np 2 (see tensorwire bench --help)",
     ),
+    "plan": (
+        "predict each algorithm's time for a collective with the cost model",
+        "Prints the α-β-γ prediction of every algorithm and the sizes where the cheapest one changes, "
+        "on this host's calibrated links (shm, tcp) or on hypothetical ones (nvlink, pcie, ib-ndr, "
+        "eth25g). Example: tensorwire plan all_reduce 64MiB --np 16 --tier shm,ib-ndr "
+        "(see tensorwire plan --help)",
+    ),
     "version": (
         "print the versions of tensorwire, Python and numpy",
         "Example: tensorwire version",
@@ -91,6 +98,12 @@ def _bench(argv: list[str]) -> int:
     return int(result or 0)
 
 
+def _plan(argv: list[str]) -> int:
+    from tensorwire import plan
+
+    return plan.main(argv)
+
+
 def _version(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: tensorwire version\n\nPrint the versions of tensorwire, Python and numpy.")
@@ -99,7 +112,8 @@ def _version(argv: list[str]) -> int:
     return 0
 
 
-HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": _run, "bench": _bench, "version": _version}
+HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": _run, "bench": _bench, "plan": _plan,
+                                                   "version": _version}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

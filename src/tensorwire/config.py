@@ -25,6 +25,20 @@ def _env_int(name: str, default: int) -> int:
     return int(_env_float(name, default))
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+_CALIBRATE_ALIASES = {"": "1", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0"}
+
+
 def parse_size(text: str) -> int:
     """'8', '64K', '64KiB', '1M', '2G' -> bytes (binary multiples, as nccl-tests reads them)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -55,6 +69,14 @@ class Config:
     """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
     spin_us: float = 50.0
     """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US)."""
+    deterministic: bool = False
+    """Bitwise-reproducible reductions: every element folded in rank order (TENSORWIRE_DETERMINISTIC)."""
+    calibrate: str = "1"
+    """Link calibration at init: '0' skip, '1' probe unless cached, 'force' (TENSORWIRE_CALIBRATE)."""
+    tuning_file: str = ""
+    """JSON file of per-tier alpha/beta/gamma that override the measured ones (TENSORWIRE_TUNING_FILE)."""
+    cache_dir: str = ""
+    """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -68,11 +90,19 @@ class Config:
             direct_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_DIRECT", str(64 << 10))),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", 50.0),
+            deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
+            calibrate=_CALIBRATE_ALIASES.get(os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower(),
+                                             os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),
+            tuning_file=os.environ.get("TENSORWIRE_TUNING_FILE", "").strip(),
+            cache_dir=os.environ.get("TENSORWIRE_CACHE_DIR", "").strip(),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
         if cfg.transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
+        if cfg.calibrate not in ("0", "1", "force"):
+            raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
+                             f"cached) or force (probe and rewrite the cache)")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:

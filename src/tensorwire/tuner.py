@@ -1,25 +1,50 @@
 """Which algorithm runs a call: the cheapest eligible one under the α-β-γ cost model.
 
-Every algorithm in the registry declares its cost formula; the tuner prices them for the
-group's link tier (shared memory within a host, TCP otherwise) and the call's size, and runs
-the cheapest. TENSORWIRE_ALGO forces or excludes names, NCCL-style: `allreduce:ring`,
-`broadcast:binomial,allreduce:^direct`, `^ring` (every collective). With
-TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its table.
+Every algorithm in the registry declares its cost formula; the tuner prices them with the link
+constants of the group's tier (shared memory within a host, TCP otherwise) and runs the
+cheapest. The constants are measured at init by `calibrate` (or read from its cache, or from
+TENSORWIRE_TUNING_FILE) and installed here; until then, and for runtimes that never calibrate,
+the round defaults below apply.
+
+TENSORWIRE_ALGO forces or excludes names, NCCL-style: `allreduce:ring`, `broadcast:binomial`,
+`allreduce:^direct`, `^recursive_doubling` (every collective), `allreduce:ring|direct` (either);
+clauses are separated by `,` or `;`. An unqualified forced name applies to the collectives that
+have an algorithm of that name and leaves the others alone. Unknown collectives or names are
+an error at init that lists the known ones.
+
+Deterministic mode (TENSORWIRE_DETERMINISTIC=1) leaves only rank-ordered reductions eligible
+for all_reduce, reduce and reduce_scatter (DETERMINISTIC: the one-shot shared-memory path,
+the rank_ordered message algorithm, the linear reduce), which fold every element in rank
+order and so produce the same bits whatever was chosen.
+
+The one-shot shared-memory path is priced with constants of its own (a flag round, a memory
+copy) where calibration measured them; everything else with its tier's.
+
+With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
+cost table and the link constants behind it (and where they came from).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import log
-from .algorithms.registry import Algorithm, Link, algorithms_for
+from .algorithms import rank_ordered
+from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for
 from .config import Config
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from .group import Group
+    from .runtime import Runtime
 
 _log = log.get("TUNING")
+
+TIERS = ("shm", "tcp")
+"""The link tiers tensorwire runs on: shared memory within a host, TCP across hosts."""
 
 # Link constants until calibration measures them: round figures for this class of machine
 # (shared-memory flag round trip ~1 µs from Python, memcpy ~9 GB/s, a += b ~7.5 GB/s; TCP
@@ -29,49 +54,226 @@ DEFAULT_LINKS = {
     "tcp": Link("tcp", alpha=30e-6, beta=1 / 3e9, gamma=1 / 7.5e9),
 }
 
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
+"""Collectives whose result depends on the order of the reduction (floating point)."""
+DETERMINISTIC = {
+    "all_reduce": frozenset({"direct", rank_ordered.NAME}),
+    "reduce": frozenset({"direct", rank_ordered.NAME, "linear"}),
+    "reduce_scatter": frozenset({"direct", rank_ordered.NAME}),
+}
+"""Per reduction, the algorithms that fold every element in rank order, ((x0 op x1) op x2) ...:
+the same bits whichever of them runs. (An algorithm can also declare `deterministic=True`.)"""
+ALIASES = {"tree": "binomial"}
+"""Family names accepted in TENSORWIRE_ALGO where no algorithm has that exact name."""
+
+
+# -- link constants ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinkTable:
+    """The link constants of one runtime, per tier, and where each came from."""
+
+    links: dict[str, Link]
+    sources: dict[str, str]
+    """Per tier: 'calibrated', 'cached', 'file', 'default', or 'file+<origin>' for a partial override."""
+    probe_s: float = 0.0
+    """Seconds the probe took at this init (0 when nothing was measured)."""
+    setup_s: float = 0.0
+    """Seconds the whole tuning setup took at init (agreement, cache, probe)."""
+    cache_path: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def link(self, tier: str) -> Link:
+        return self.links.get(tier) or DEFAULT_LINKS.get(tier) or DEFAULT_LINKS["shm"]
+
+    def describe(self, tier: str) -> str:
+        return f"{describe_link(self.link(tier))}; {self.sources.get(tier, 'default')}"
+
+
+def describe_link(link: Link) -> str:
+    """'α 2.0 us, β 9.00 GB/s, γ 7.50 GB/s': latency, and β and γ as rates."""
+    return (f"α {link.alpha * 1e6:.3g} us, β {_rate(link.beta)}, γ {_rate(link.gamma)}")
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.3g} GB/s" if seconds_per_byte > 0 else "inf GB/s"
+
+
+def default_table() -> LinkTable:
+    return LinkTable(dict(DEFAULT_LINKS), {t: "default" for t in DEFAULT_LINKS})
+
+
+_installed: tuple[weakref.ref, LinkTable] | None = None
+_fallbacks: dict[str, LinkTable] = {}
+
+
+def install(runtime: Runtime, table: LinkTable) -> None:
+    """Make `table` the constants of `runtime`'s groups (done once, at init)."""
+    global _installed
+    _installed = (weakref.ref(runtime), table)
+
+
+def table_for(runtime: Runtime) -> LinkTable:
+    """The runtime's installed constants; runtimes that never calibrated (a torch backend on
+    top of another backend's world) get the defaults, overridden by their tuning file."""
+    if _installed is not None and _installed[0]() is runtime:
+        return _installed[1]
+    path = runtime.config.tuning_file
+    table = _fallbacks.get(path)
+    if table is None:
+        from .calibrate import apply_overrides, load_tuning_file
+
+        table = apply_overrides(default_table(), load_tuning_file(path)) if path else default_table()
+        _fallbacks[path] = table
+    return table
+
+
+def tier_of(group: Group) -> str:
+    """The tier a group's collectives run over: its slowest link."""
+    return "shm" if group.all_local else "tcp"
+
+
+def link_of(group: Group) -> Link:
+    return table_for(group.runtime).link(tier_of(group))
+
+
+# -- TENSORWIRE_ALGO ----------------------------------------------------------------------------
 
 def _norm(name: str) -> str:
-    return name.replace("_", "").lower()
+    return name.replace("_", "").replace("-", "").strip().lower()
+
+
+_COLLECTIVE_BY_NORM = {_norm(c): c for c in COLLECTIVES}
+
+
+@functools.lru_cache(maxsize=64)
+def parse_spec(spec: str) -> tuple[tuple[str | None, tuple[str, ...], tuple[str, ...]], ...]:
+    """Clauses (collective or None, forced names, excluded names), names normalized; raises
+    InvalidArgumentError for syntax errors and unknown collectives (names are checked by
+    `check_algo`, which knows the registry)."""
+    clauses = []
+    for part in filter(None, (p.strip() for p in spec.replace(";", ",").split(","))):
+        coll_text, colon, names_text = part.rpartition(":")
+        coll = None
+        if colon:
+            coll = _COLLECTIVE_BY_NORM.get(_norm(coll_text))
+            if coll is None:
+                raise InvalidArgumentError(
+                    f"TENSORWIRE_ALGO={spec!r}: unknown collective {coll_text.strip()!r} "
+                    f"(known: {', '.join(COLLECTIVES)})")
+        forced, excluded = [], []
+        for name in names_text.replace("+", "|").split("|"):
+            name = name.strip()
+            if name.startswith("^"):
+                if not _norm(name[1:]):
+                    raise InvalidArgumentError(f"TENSORWIRE_ALGO={spec!r}: '^' without a name in {part!r}")
+                excluded.append(_norm(name[1:]))
+            elif _norm(name):
+                forced.append(_norm(name))
+        if not forced and not excluded:
+            raise InvalidArgumentError(f"TENSORWIRE_ALGO={spec!r}: no algorithm named in {part!r}")
+        clauses.append((coll, tuple(forced), tuple(excluded)))
+    return tuple(clauses)
+
+
+def _registered(collective: str) -> dict[str, str]:
+    """Normalized name -> registered name, aliases included, for one collective."""
+    names = {_norm(n): n for n in algorithms_for(collective)}
+    for alias, target in ALIASES.items():
+        if alias not in names and _norm(target) in names:
+            names[alias] = names[_norm(target)]
+    return names
 
 
 @functools.lru_cache(maxsize=256)
 def parse_algo(spec: str, collective: str) -> tuple[frozenset[str], frozenset[str]]:
-    """(forced, excluded) algorithm names for one collective from an NCCL-style spec."""
+    """(forced, excluded) registered names for one collective; forced empty means 'any'."""
+    known = _registered(collective)
     forced: set[str] = set()
     excluded: set[str] = set()
-    for part in filter(None, (p.strip() for p in spec.replace(";", ",").split(","))):
-        coll, _, names = part.rpartition(":")
-        if coll and _norm(coll) != _norm(collective):
+    for coll, f, x in parse_spec(spec):
+        if coll is not None and coll != collective:
             continue
-        for name in names.replace("+", "|").split("|"):
-            name = name.strip().lower()
-            if name.startswith("^"):
-                excluded.add(_norm(name[1:]))
-            elif name:
-                forced.add(_norm(name))
+        excluded.update(known[n] for n in x if n in known)
+        for n in f:
+            if n in known:
+                forced.add(known[n])
+            elif coll is not None:  # unknown here: matches nothing (check_algo reports it at init)
+                forced.add(n)
+            # an unqualified forced name only binds the collectives that have it
     return frozenset(forced), frozenset(excluded)
 
 
 def allowed(cfg: Config, collective: str, name: str) -> bool:
+    if not cfg.algo and not cfg.deterministic:
+        return True
     forced, excluded = parse_algo(cfg.algo, collective)
-    key = _norm(name)
-    return key not in excluded and (not forced or key in forced)
+    if name in excluded or (forced and name not in forced):
+        return False
+    return not (cfg.deterministic and not is_deterministic(algorithms_for(collective)[name]))
 
 
-def link_of(group: Group) -> Link:
-    """The tier a group's collectives run over: its slowest link."""
-    return DEFAULT_LINKS["shm" if group.all_local else "tcp"]
+def is_deterministic(alg: Algorithm) -> bool:
+    """Folds in rank order (data movement without reduction is deterministic anyway)."""
+    if alg.collective not in REDUCTIONS:
+        return True
+    return bool(getattr(alg, "deterministic", False)) or alg.name in DETERMINISTIC[alg.collective]
 
+
+def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) -> None:
+    """Raise InvalidArgumentError naming the known algorithms if `spec` names an unknown
+    collective or algorithm, or leaves deterministic mode without a reduction algorithm."""
+    where = f"rank {rank}: " if rank is not None else ""
+    try:
+        clauses = parse_spec(spec) if spec else ()
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}{exc}") from None
+    every = sorted({n for c in COLLECTIVES for n in algorithms_for(c)})
+    for coll, forced, excluded in clauses:
+        for name in forced + excluded:
+            if coll is not None:
+                if name not in _registered(coll):
+                    raise InvalidArgumentError(
+                        f"{where}TENSORWIRE_ALGO={spec!r}: {coll} has no algorithm {name!r} "
+                        f"(known for {coll}: {', '.join(sorted(algorithms_for(coll)))})")
+            elif not any(name in _registered(c) for c in COLLECTIVES):
+                raise InvalidArgumentError(
+                    f"{where}TENSORWIRE_ALGO={spec!r}: no collective has an algorithm {name!r} "
+                    f"(known: {', '.join(every)})")
+    if deterministic:
+        for coll in REDUCTIONS:
+            forced, excluded = parse_algo(spec, coll)
+            ordered = sorted(n for n, a in algorithms_for(coll).items() if is_deterministic(a))
+            # the shared-memory path only takes small messages on one host: something else must remain
+            left = [n for n, a in algorithms_for(coll).items() if is_deterministic(a) and not a.needs_direct
+                    and n not in excluded and (not forced or n in forced)]
+            if not left:
+                raise InvalidArgumentError(
+                    f"{where}TENSORWIRE_ALGO={spec!r} leaves deterministic mode no {coll} algorithm for "
+                    f"every size: only {', '.join(ordered)} reduce in rank order (unset "
+                    f"TENSORWIRE_DETERMINISTIC, or allow {rank_ordered.NAME})")
+
+
+# -- the choice ------------------------------------------------------------------------------------
 
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
     direct = group.direct
+    cfg = group.runtime.config
     out = []
     for alg in algorithms_for(collective).values():
         if alg.needs_direct and (not direct_ok or direct is None or nbytes > direct.slot_bytes):
             continue
-        if alg.eligible(group.size, nbytes) and allowed(group.runtime.config, collective, alg.name):
+        if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
             out.append(alg)
     return out
+
+
+def price(algs: list[Algorithm], n: int, nbytes: int, link: Link,
+          direct: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+    """(predicted seconds, name, algorithm), cheapest first (ties broken by name). The one-shot
+    shared-memory path is priced with its own constants (`direct`) where they were measured."""
+    return sorted((alg.cost(n, nbytes, direct if alg.needs_direct and direct else link), alg.name, alg)
+                  for alg in algs)
 
 
 def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm:
@@ -80,18 +282,29 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     choice = group.choices.get(key)
     if choice is not None:
         return choice
+    cfg = group.runtime.config
     options = candidates(group, collective, nbytes, direct_ok)
     if not options:
         known = ", ".join(algorithms_for(collective))
-        raise ValueError(f"TENSORWIRE_ALGO={group.runtime.config.algo!r} leaves no {collective} algorithm "
-                         f"for {nbytes} bytes on {group.size} ranks (known: {known})")
-    link = link_of(group)
-    priced = sorted((alg.cost(group.size, nbytes, link), alg.name, alg) for alg in options)
+        mode = " in deterministic mode" if cfg.deterministic and collective in REDUCTIONS else ""
+        raise InvalidArgumentError(
+            f"rank {group.runtime.rank}: TENSORWIRE_ALGO={cfg.algo!r} leaves no {collective} algorithm{mode} "
+            f"for {nbytes} bytes on {group.size} ranks (known: {known})")
+    tier = tier_of(group)
+    table = table_for(group.runtime)
+    link = table.link(tier)
+    direct = table.links.get("direct") if group.direct is not None else None
+    priced = price(options, group.size, nbytes, link, direct)
     choice = priced[0][2]
     if _log.isEnabledFor(20):
-        table = ", ".join(f"{name} {t * 1e6:.1f} us" for t, name, _ in priced)
-        _log.info("%s %d B on %d ranks (%s link): %s -> %s", collective, nbytes, group.size, link.name,
-                  table, choice.name)
+        costs = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in priced)
+        shown = f"{tier} ({table.describe(tier)})"
+        if direct is not None and any(a.needs_direct for a in options):
+            shown += f", direct path ({table.describe('direct')})"
+        _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,
+                  group.size, group.name, shown,
+                  " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else "",
+                  costs, choice.name)
     if len(group.choices) < 4096:
         group.choices[key] = choice
     return choice
@@ -99,3 +312,11 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
 
 def run(group: Group, call: Any, collective: str, nbytes: int, *args: Any, direct_ok: bool = True) -> None:
     select(group, collective, nbytes, direct_ok).run(call, *args)
+
+
+def format_seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"

@@ -1,0 +1,515 @@
+"""Link calibration: α and β of every tier a job uses and γ of this host, measured at init.
+
+`at_init(world)` runs collectively on the world group right after it exists, through internal
+calls (they take sequence numbers like any collective, so every rank runs them at the same
+point and under the same timeout):
+
+1. agreement: every rank contributes its host, its lowest shared-memory and TCP peers and a
+   digest of the settings that steer algorithm choice (ranks that disagree on TENSORWIRE_ALGO
+   or TENSORWIRE_DETERMINISTIC would pick different schedules and hang; they fail here with
+   a clear error instead);
+2. verdict: rank 0 looks the topology up in its cache and reads its tuning file, and
+   broadcasts either the final constants or "probe";
+3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
+   few small exchanges (α) and 1 MiB exchanges (β); on one host every rank takes part in a
+   few barriers through the group's shared segment (α of the one-shot path); rank 0 times a
+   copy (that path's β) and a numpy add (γ). The maximum over ranks of what was measured
+   becomes everybody's constants, and rank 0 (with the lowest rank of every other host)
+   writes the cache.
+
+Every rank therefore installs the same table. The cache lives in TENSORWIRE_CACHE_DIR (default
+$XDG_CACHE_HOME/tensorwire or ~/.cache/tensorwire), one JSON file per (hosts, tiers, world
+size). TENSORWIRE_CALIBRATE=0 skips cache and probe (defaults), 1 probes on a miss, force
+probes and rewrites. TENSORWIRE_TUNING_FILE overrides any constant; see docs/tuning.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import log, tuner
+from .algorithms.recursive_doubling import recursive_doubling_all_reduce
+from .algorithms.registry import Link
+from .algorithms.shm_direct import direct_barrier
+from .algorithms.tree import binomial_broadcast
+from .errors import InvalidArgumentError
+from .ops import ReduceOp
+from .tuner import DEFAULT_LINKS, TIERS, LinkTable
+
+LINKS = (*TIERS, "direct")
+"""What the probe measures: the message path of each tier, and the one-shot shared-memory
+path (its α is a flag round through the group segment, its β a memory copy)."""
+
+if TYPE_CHECKING:
+    from .group import CollectiveCall, Group
+
+_log = log.get("TUNING")
+
+PROBE_VERSION = 2
+"""Bump when the probe changes what it measures: older cache entries are then ignored."""
+# Short batches, best one kept: on a busy machine a batch that was not preempted is likelier
+# the shorter it is, and the constants describe the links, not the neighbours' load.
+ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best batch's mean is α
+BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best one gives β
+BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time
+GAMMA_BYTES, GAMMA_ROUNDS = 1 << 20, 5  # numpy add of 1 MiB float32: the best one gives γ
+DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # barriers through the shared segment: α of the direct path
+FIELDS = ("alpha", "beta", "gamma")
+BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
+
+_STATUS_PROBE, _STATUS_FINAL, _STATUS_ERROR = 0.0, 1.0, 2.0
+_SOURCE_CODES = {"default": 0.0, "cached": 1.0, "calibrated": 2.0}
+_SOURCE_NAMES = {v: k for k, v in _SOURCE_CODES.items()}
+
+
+# -- the tuning file --------------------------------------------------------------------------------
+
+_UNITS = {  # accepted key -> (field, factor to SI, is a rate)
+    "alpha": ("alpha", 1.0, False), "alpha_us": ("alpha", 1e-6, False),
+    "beta": ("beta", 1.0, False), "bandwidth_gbps": ("beta", 1e9, True),
+    "gamma": ("gamma", 1.0, False), "reduce_gbps": ("gamma", 1e9, True),
+}
+
+
+def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
+    """{tier: {field: SI value}} from a tuning document (see docs/tuning.md for the format)."""
+    if isinstance(doc, Mapping) and "links" in doc:
+        doc = doc["links"]  # a cache file works as a tuning file
+    if not isinstance(doc, Mapping):
+        raise InvalidArgumentError(f"{where}: expected a JSON object of tiers, e.g. "
+                                   f'{{"tcp": {{"alpha_us": 50, "bandwidth_GBps": 1.2}}}}')
+    out: dict[str, dict[str, float]] = {}
+    for tier, fields in doc.items():
+        if not isinstance(fields, Mapping):
+            raise InvalidArgumentError(f"{where}: tier {tier!r} must map to an object of constants")
+        values: dict[str, float] = {}
+        for key, raw in fields.items():
+            unit = _UNITS.get(str(key).lower())
+            if unit is None:
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: unknown key {key!r} (known: alpha, "
+                                           f"alpha_us, beta, bandwidth_GBps, gamma, reduce_GBps)")
+            name, factor, is_rate = unit
+            number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+            if not number or not math.isfinite(raw) or raw <= 0:
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a positive number, "
+                                           f"got {raw!r}")
+            if name in values:
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {name} given twice")
+            values[name] = 1.0 / (raw * factor) if is_rate else raw * factor
+        out[str(tier)] = values
+    return out
+
+
+def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
+    where = f"TENSORWIRE_TUNING_FILE={path!r}"
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise InvalidArgumentError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{where}: not valid JSON ({exc})") from None
+    return parse_tuning(doc, where)
+
+
+def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float]]) -> LinkTable:
+    """The table with the file's constants in place; tiers the file adds are kept too."""
+    links, sources = dict(table.links), dict(table.sources)
+    for tier, values in overrides.items():
+        base = links.get(tier) or DEFAULT_LINKS.get(tier) or Link(tier, **{f: math.nan for f in FIELDS})
+        merged = {f: values.get(f, getattr(base, f)) for f in FIELDS}
+        if any(math.isnan(v) for v in merged.values()):
+            continue  # a new tier needs all three constants; plan reports it as incomplete
+        links[tier] = Link(tier, **merged)
+        origin = sources.get(tier, "default")
+        sources[tier] = "file" if len(values) == len(FIELDS) else f"file+{origin}"
+    return LinkTable(links, sources, table.probe_s, table.setup_s, table.cache_path, dict(table.extra))
+
+
+# -- the cache -----------------------------------------------------------------------------------
+
+def cache_dir(configured: str = "") -> str:
+    if configured:
+        return os.path.expanduser(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tensorwire")
+
+
+def host_hash(hostname: str | None = None) -> int:
+    """63 bits of the host name: enough to tell hosts apart, and it fits an int64 slot."""
+    raw = hashlib.sha256((hostname or socket.gethostname()).encode()).digest()
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+def cache_key(hosts: list[int], tiers: list[str], world_size: int) -> str:
+    text = json.dumps({"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
+                       "world_size": world_size}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(directory: str, key: str) -> str:
+    return os.path.join(directory, f"links-{key}.json")
+
+
+def read_cache(path: str, tiers: list[str]) -> dict[str, Link] | None:
+    """The cached links of every tier in `tiers`, or None (missing, unreadable, stale, partial,
+    or measured on a busy host that has calmed down since: then it is measured again)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("version") != PROBE_VERSION:
+            return None
+        links = parse_tuning(doc["links"], path)
+        out = {t: Link(t, **{f: links[t][f] for f in FIELDS}) for t in tiers}
+    except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError):
+        return None
+    then, now = doc.get("load_per_cpu", 0.0), host_load()
+    if isinstance(then, (int, float)) and then > BUSY_LOAD and now < then / 2:
+        _log.info("re-measuring: %s was measured with %.1f runnable tasks per CPU, now %.1f", path, then, now)
+        return None
+    return out
+
+
+def host_load() -> float:
+    """Runnable tasks per CPU over the last minute (0 where the platform does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None:
+    """Atomically (rename) write one entry; a cache that cannot be written is only logged."""
+    doc = {"version": PROBE_VERSION, **meta,
+           "links": {t: {f: getattr(link, f) for f in FIELDS} for t, link in links.items()}}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".links-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _log.info("cannot write the calibration cache %s: %s", path, exc)
+
+
+def cached_entries(directory: str) -> list[dict[str, Any]]:
+    """Every readable cache entry of `directory`, newest first (for `tensorwire plan`)."""
+    out = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith("links-") and name.endswith(".json")):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            if doc.get("version") == PROBE_VERSION:
+                doc["links"] = parse_tuning(doc["links"], path)
+                doc["path"] = path
+                out.append(doc)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, InvalidArgumentError):
+            continue
+    return sorted(out, key=lambda d: d.get("created", 0), reverse=True)
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> float:
+    """Seconds per byte of an in-place float32 sum (the reduction kernel's bread and butter)."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    b = np.full_like(a, 0.5)
+    np.add(a, b, out=a)  # first touch
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.add(a, b, out=a)
+        best = min(best, time.perf_counter() - t0)
+    return max(best / a.nbytes, 1e-13)
+
+
+def measure_copy(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> float:
+    """Seconds per byte of a plain copy (what the one-shot path does with every byte)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return max(best / nbytes, 1e-13)
+
+
+def measure_direct(world: Group) -> float:
+    """α of the one-shot shared-memory path: a barrier through the group segment's flags
+    (every rank of the world takes part), the best batch mean."""
+    best = math.inf
+    for _ in range(DIRECT_BATCHES):
+        t0 = time.perf_counter()
+        for _ in range(DIRECT_ROUNDS):
+            direct_barrier(world._internal_call("calibration probe"))
+        best = min(best, (time.perf_counter() - t0) / DIRECT_ROUNDS)
+    return max(best, 1e-8)
+
+
+def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
+    call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
+
+
+def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:
+    """(α, β) over the link to `peer`, which runs the same function toward this rank.
+
+    α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
+    step does), the best batch mean; β comes from the best of a few 1 MiB exchanges."""
+    small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
+    step = step0
+    for _ in range(2):  # both sides are here (start together), and the path is warm
+        _exchange(call, peer, small_out, small_in, step)
+        step += 1
+    alpha = math.inf
+    for _ in range(ALPHA_BATCHES):
+        t0 = time.perf_counter()
+        for _ in range(ALPHA_ROUNDS):
+            _exchange(call, peer, small_out, small_in, step)
+            step += 1
+        alpha = min(alpha, (time.perf_counter() - t0) / ALPHA_ROUNDS)
+    big, spent = math.inf, 0.0
+    for i in range(BETA_ROUNDS):  # fewer on a slow link: the probe stays well under a second
+        # the first byte says whether this side wants another round; both sides see both
+        # flags, so they stop after the same exchange
+        big_out[0] = i + 1 < BETA_ROUNDS and spent < BETA_BUDGET_S
+        t0 = time.perf_counter()
+        _exchange(call, peer, big_out, big_in, step)
+        step += 1
+        took = time.perf_counter() - t0
+        big, spent = min(big, took), spent + took
+        if not (big_out[0] and big_in[0]):
+            break
+    # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
+    # and subtracting it whole would make the link look faster than memory
+    beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
+    return max(alpha, 1e-8), beta
+
+
+# -- the collective setup at init ---------------------------------------------------------------
+
+def settings_digest(cfg: Any) -> int:
+    text = f"deterministic={bool(cfg.deterministic)}|algo={cfg.algo.strip()}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _lowest_peers(group: Group) -> tuple[int, int]:
+    """(lowest shared-memory peer, lowest TCP peer) of this rank, -1 where there is none."""
+    me = group.runtime.rank
+    shm = tcp = -1
+    for peer in sorted(group.engine.channels):
+        if peer == me:
+            continue
+        if getattr(group.engine.channels[peer], "kind", "") == "shm":
+            shm = peer if shm < 0 else shm
+        else:
+            tcp = peer if tcp < 0 else tcp
+    return shm, tcp
+
+
+def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
+    """tier -> (a, b): the lowest rank joined to a peer by that tier, and its lowest such peer."""
+    pairs = {}
+    for col, tier in ((1, "shm"), (2, "tcp")):
+        for r in range(len(info)):
+            if info[r, col]:
+                pairs[tier] = (r, int(info[r, col]) - 1)
+                break
+    return pairs
+
+
+# The verdict rank 0 broadcasts: status, then per link of LINKS its constants, the source of
+# each, and the tuning file's overrides (NaN: not set).
+_BASE, _SRC = 1, 1 + 3 * len(LINKS)
+_FILE = _SRC + len(LINKS)
+_VERDICT_LEN = _FILE + 3 * len(LINKS)
+
+
+def at_init(world: Group) -> LinkTable:
+    """Agree on the settings, then install link constants (cached, probed, from the file or
+    defaults) that are the same on every rank. Collective over the world group."""
+    t0 = time.perf_counter()
+    cfg = world.runtime.config
+    n, me = world.size, world.rank
+    if n < 2:
+        table = default_table_with_file(cfg)
+        tuner.install(world.runtime, table)
+        return table
+    # 1. agreement and topology
+    info = np.zeros((n, 4), dtype=np.uint64)
+    shm_peer, tcp_peer = _lowest_peers(world)
+    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg))
+    recursive_doubling_all_reduce(world._internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
+    differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
+    if differ:
+        raise InvalidArgumentError(
+            f"rank {world.runtime.rank}: init: rank(s) {', '.join(map(str, differ))} run with other "
+            f"TENSORWIRE_ALGO or TENSORWIRE_DETERMINISTIC settings than rank 0 (this rank has "
+            f"algo={cfg.algo!r}, deterministic={cfg.deterministic}); every rank must use the same")
+    pairs = _probe_pairs(info)
+    direct = world.direct is not None  # the same on every rank: its setup was collective
+    links_used = sorted([*pairs, *(["direct"] if direct else [])])
+    hosts = [int(h) for h in info[:, 0]]
+    key = cache_key(hosts, links_used, n)
+    path = cache_path(cache_dir(cfg.cache_dir), key)
+    # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
+    verdict = np.full(_VERDICT_LEN, math.nan)
+    error: BaseException | None = None
+    if me == 0:
+        try:
+            _verdict(verdict, cfg, path, links_used)
+        except InvalidArgumentError as exc:
+            verdict[0], error = _STATUS_ERROR, exc
+    binomial_broadcast(world._internal_call("tuning setup"), verdict, 0)
+    if verdict[0] == _STATUS_ERROR:
+        raise error if error is not None else InvalidArgumentError(
+            f"rank {world.runtime.rank}: init: rank 0 could not read its tuning file "
+            f"(TENSORWIRE_TUNING_FILE={cfg.tuning_file!r}); see rank 0's error")
+    base: dict[str, Link] = {}
+    sources: dict[str, str] = {}
+    for i, name in enumerate(LINKS):
+        a, b, g = (float(v) for v in verdict[_BASE + 3 * i: _BASE + 3 * i + 3])
+        if not math.isnan(a):
+            base[name] = Link(name, a, b, g)
+            sources[name] = _SOURCE_NAMES.get(float(verdict[_SRC + i]), "default")
+    probe_s = 0.0
+    # 3. the probe
+    if verdict[0] == _STATUS_PROBE:
+        t1 = time.perf_counter()
+        measured = _probe(world, pairs, direct)
+        probe_s = time.perf_counter() - t1
+        gamma = float(measured["gamma"])
+        for tier in TIERS:
+            if tier in pairs:
+                base[tier] = Link(tier, measured[tier][0], measured[tier][1], gamma)
+                sources[tier] = "calibrated"
+            else:  # not in this job: its defaults, with this host's γ
+                base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
+        if direct:
+            base["direct"] = Link("direct", measured["direct"][0], measured["direct"][1], gamma)
+            sources["direct"] = "calibrated"
+        leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
+        if leaders.get(hosts[me]) == me:
+            write_cache(path, {t: base[t] for t in links_used},
+                        {"created": time.time(), "world_size": n, "tiers": links_used,
+                         "hosts": sorted({format(h, "016x") for h in hosts}),
+                         "hostname": socket.gethostname(), "probe_seconds": round(probe_s, 6),
+                         "load_per_cpu": round(host_load(), 2)})
+    overrides: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(LINKS):
+        vals = {f: float(v) for f, v in zip(FIELDS, verdict[_FILE + 3 * i: _FILE + 3 * i + 3])
+                if not math.isnan(v)}
+        if vals:
+            overrides[name] = vals
+    table = apply_overrides(LinkTable(base, sources), overrides)
+    used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
+    table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
+                      path if used_cache else "", {"tiers": links_used, "key": key})
+    tuner.install(world.runtime, table)
+    _log.info("link constants (setup %.1f ms%s): %s", table.setup_s * 1e3,
+              f", probe {probe_s * 1e3:.1f} ms" if probe_s else "",
+              "; ".join(f"{t} {table.describe(t)}" + ("" if t in links_used else ", not used by this job")
+                        for t in table.links))
+    return table
+
+
+def default_table_with_file(cfg: Any) -> LinkTable:
+    table = tuner.default_table()
+    return apply_overrides(table, load_tuning_file(cfg.tuning_file)) if cfg.tuning_file else table
+
+
+def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) -> None:
+    """Rank 0 fills the verdict: status, base constants with their sources, file overrides."""
+    overrides = load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
+    cached = read_cache(path, links_used) if cfg.calibrate == "1" else None
+    probe = cfg.calibrate == "force" or (cfg.calibrate == "1" and cached is None)
+    # a file that sets every constant of every link in use makes the probe pointless
+    if probe and all(len(overrides.get(t, {})) == len(FIELDS) for t in links_used):
+        probe = False
+    verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
+    gamma = next(iter(cached.values())).gamma if cached else None  # this host's, as a probe would
+    for i, name in enumerate(LINKS):
+        link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
+        if link is not None and gamma is not None and name not in cached:
+            link = Link(name, link.alpha, link.beta, gamma)
+        if link is not None:
+            verdict[_BASE + 3 * i: _BASE + 3 * i + 3] = (link.alpha, link.beta, link.gamma)
+            verdict[_SRC + i] = _SOURCE_CODES["cached" if cached and name in cached else "default"]
+        for j, f in enumerate(FIELDS):
+            if f in overrides.get(name, {}):
+                verdict[_FILE + 3 * i + j] = overrides[name][f]
+    if cached is not None and not probe:
+        _log.info("link constants from the cache %s", path)
+
+
+def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dict[str, Any]:
+    """Measure the direct path on everyone, every tier on its pair, and the copy rate and γ
+    on rank 0; the maximum over ranks of each, the same everywhere.
+
+    Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
+    spinning: on a host with more ranks than cores a spinning bystander would be measured
+    along with the link."""
+    me = world.rank
+    measured = np.zeros(2 * len(TIERS) + 4, dtype=np.float64)  # (α, β) per tier, direct α, copy β, γ
+    if direct:
+        measured[-3] = measure_direct(world)  # first: it needs every rank anyway
+    call = world._internal_call("calibration probe")
+    for i, tier in enumerate(TIERS):
+        pair = pairs.get(tier)
+        if pair is not None and me in pair:
+            peer = pair[1] if me == pair[0] else pair[0]
+            measured[2 * i: 2 * i + 2] = measure_pair(call, peer, step0=i * 1000)
+    if me == 0:
+        measured[-2] = measure_copy()
+        measured[-1] = measure_gamma()
+        parts = np.zeros((world.size, len(measured)))
+        parts[0] = measured
+        _wait_politely(world, call, [call.irecv(r, parts[r], _RESULTS) for r in range(1, world.size)])
+        measured[:] = parts.max(axis=0)
+        _wait_politely(world, call, [call.isend(r, measured, _RESULTS + 1) for r in range(1, world.size)])
+    else:
+        _wait_politely(world, call, [call.isend(0, measured, _RESULTS)])
+        _wait_politely(world, call, [call.irecv(0, measured, _RESULTS + 1)])
+    out: dict[str, Any] = {t: (float(measured[2 * i]), float(measured[2 * i + 1]))
+                           for i, t in enumerate(TIERS)}
+    out["direct"] = (float(measured[-3]), float(measured[-2]))
+    out["gamma"] = float(measured[-1])
+    return out
+
+
+_RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
+_POLITE_SLEEP_S = 0.0005
+
+
+def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
+    """call.wait without the busy phase: poll, then sleep on the sockets (which wake at once
+    for TCP data or a peer that went away; shared-memory data is seen at the next poll)."""
+    engine = world.engine
+    while not all(r.done for r in reqs):
+        with engine.lock:
+            engine.progress()
+        if all(r.done for r in reqs):
+            break
+        engine.check_group(world.ctx, call.seq, world.ranks)  # aborted, or a member crashed
+        if time.perf_counter() > call.deadline:
+            break  # call.wait raises the TimeoutError naming whom it waited for
+        engine.sleep_on_sockets(_POLITE_SLEEP_S)
+    call.wait(*reqs)

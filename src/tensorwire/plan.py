@@ -1,0 +1,355 @@
+"""`tensorwire plan`: price a collective with the cost model, on this host's links or others.
+
+    tensorwire plan all_reduce 64MiB --np 16 --tier shm,tcp,nvlink,ib-ndr
+
+For every tier asked for (default: the local ones, shared memory and TCP) it prints the link
+constants and where they came from, the predicted time of every algorithm of the collective
+and the message sizes at which the cheapest algorithm changes. Local tiers use this host's
+calibration cache, running the probe (two local ranks per tier, about a second) when there is
+none; the named hypothetical tiers use the latency and bandwidth commonly cited for that
+hardware (docs/tuning.md gives the sources), so a collective can be priced on a machine one
+does not have. Sizes count as in nccl-tests and `tensorwire bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from . import calibrate, tuner
+from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for
+from .config import Config, parse_size
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Hypothetical:
+    label: str
+    alpha: float  # seconds
+    bandwidth: float  # bytes per second, one direction
+
+
+HYPOTHETICAL = {  # α and one-direction bandwidth as commonly cited (docs/tuning.md, "Sources")
+    "nvlink": Hypothetical("NVLink, GPU to GPU within a server", 1e-6, 300e9),
+    "pcie": Hypothetical("PCIe 4.0 x16 through the host", 2e-6, 25e9),
+    "ib-ndr": Hypothetical("InfiniBand NDR, 400 Gb/s per port", 3e-6, 50e9),
+    "eth25g": Hypothetical("Ethernet 25 Gb/s", 30e-6, 3.1e9),
+}
+LOCAL = tuner.TIERS
+SWEEP = (1, 1 << 40)  # sizes searched for crossovers
+
+
+@dataclass
+class Tier:
+    name: str
+    link: Link | None
+    origin: str
+    direct_ok: bool = False  # the one-shot shared-memory path exists on this tier
+    direct: Link | None = None  # ... and its own constants, where they were measured
+
+    def cost(self, alg: Algorithm, n: int, m: int) -> float:
+        link = self.direct if alg.needs_direct and self.direct is not None else self.link
+        return alg.cost(n, m, link)
+
+
+# -- link constants ----------------------------------------------------------------------------
+
+def local_links(cfg: Config, probe: bool, out: Callable[[str], None]) -> dict[str, tuple[Link, str]]:
+    """The newest calibration of each local tier on this host alone, probing what is missing."""
+    found = _from_cache(cfg)
+    missing = [t for t in LOCAL if t not in found]
+    if "shm" not in missing and "direct" not in found and cfg.direct_bytes > 0:
+        missing.append("shm")  # calibrated before the one-shot path had its own constants
+    if missing and probe:
+        out(f"# no calibration of {', '.join(missing)} on this host in {calibrate.cache_dir(cfg.cache_dir)}; "
+            f"probing with 2 local ranks ...")
+        probe_locally(missing, cfg.cache_dir)
+        found = _from_cache(cfg)
+    return found
+
+
+def _from_cache(cfg: Config) -> dict[str, tuple[Link, str]]:
+    me = format(calibrate.host_hash(), "016x")
+    found: dict[str, tuple[Link, str]] = {}
+    for entry in calibrate.cached_entries(calibrate.cache_dir(cfg.cache_dir)):
+        if entry.get("hosts") != [me]:
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
+        for tier, values in entry["links"].items():
+            if tier in calibrate.LINKS and tier not in found and len(values) == len(calibrate.FIELDS):
+                origin = f"cached {when}, {entry.get('world_size', '?')}-rank probe, {entry['path']}"
+                found[tier] = (Link(tier, **values), origin)
+    return found
+
+
+def _probe_child(rank: int, ports: dict[str, int], tiers: list[str], cache_dir: str) -> None:
+    os.environ["TENSORWIRE_CALIBRATE"] = "1"
+    if cache_dir:
+        os.environ["TENSORWIRE_CACHE_DIR"] = cache_dir
+    import tensorwire as tw
+
+    for tier in tiers:
+        tw.init(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{ports[tier]}",
+                transport="tcp" if tier == "tcp" else "auto", timeout=60)
+        tw.destroy()
+
+
+def probe_locally(tiers: list[str], cache_dir: str = "", timeout: float = 120.0) -> None:
+    """Start two local ranks per tier whose init calibrates it and writes the cache."""
+    import socket
+
+    ports = {}
+    for tier in tiers:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[tier] = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_probe_child, args=(r, ports, tiers, cache_dir), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def parse_tiers(specs: list[str]) -> list[str]:
+    names: list[str] = []
+    for spec in specs or ["local"]:
+        for name in filter(None, (s.strip().lower() for s in spec.split(","))):
+            if name == "local":
+                names.extend(LOCAL)
+            elif name == "all":
+                names.extend([*LOCAL, *HYPOTHETICAL])
+            else:
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
+            out: Callable[[str], None]) -> list[Tier]:
+    file = calibrate.load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
+    local = local_links(cfg, probe, out) if any(n in LOCAL for n in names) else {}
+    if gamma is None:
+        gamma = next((link.gamma for link, _ in local.values()), None)
+        if gamma is None:
+            gamma = _from_cache(cfg).get("shm", (tuner.DEFAULT_LINKS["shm"], ""))[0].gamma
+    tiers = []
+    for name in names:
+        custom = _custom(name)
+        if custom is not None:
+            tiers.append(Tier(custom.name, Link(custom.name, custom.alpha, custom.beta, gamma),
+                              "given on the command line"))
+            continue
+        if name in LOCAL:
+            link, origin = local.get(name, (tuner.DEFAULT_LINKS[name], "default: no calibration found"))
+        elif name in HYPOTHETICAL:
+            h = HYPOTHETICAL[name]
+            link = Link(name, h.alpha, 1 / h.bandwidth, gamma)
+            origin = f"hypothetical: {h.label}; γ of this host"
+        elif name in file:
+            link, origin = None, ""
+        else:
+            known = ", ".join([*LOCAL, *HYPOTHETICAL, *(t for t in file if t not in LOCAL)])
+            raise InvalidArgumentError(f"tensorwire plan: unknown tier {name!r} (known: {known}, local, all, "
+                                       f"or NAME=ALPHA_US:GBPS)")
+        if name in file:
+            values = file[name]
+            base = {f: getattr(link, f) if link else values.get(f, gamma if f == "gamma" else math.nan)
+                    for f in calibrate.FIELDS}
+            base.update(values)
+            if any(math.isnan(v) for v in base.values()):
+                raise InvalidArgumentError(f"tensorwire plan: tier {name!r} of {cfg.tuning_file} needs alpha "
+                                           f"and beta (or alpha_us and bandwidth_GBps)")
+            link = Link(name, **base)
+            origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
+        direct = local.get("direct", (None, ""))[0] if name == "shm" else None
+        if name == "shm" and "direct" in file and direct is not None:
+            direct = Link("direct", **{**{f: getattr(direct, f) for f in calibrate.FIELDS}, **file["direct"]})
+        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct))
+    return tiers
+
+
+def _custom(name: str) -> Link | None:
+    """'myfabric=5:12.5' -> α 5 us, 12.5 GB/s."""
+    if "=" not in name:
+        return None
+    label, _, rest = name.partition("=")
+    try:
+        alpha_us, _, gbps = rest.partition(":")
+        alpha, rate = float(alpha_us) * 1e-6, float(gbps) * 1e9
+        if not label or alpha < 0 or rate <= 0 or math.isinf(rate):
+            raise ValueError
+        return Link(label, alpha, 1 / rate, 0.0)
+    except ValueError:
+        raise InvalidArgumentError(f"tensorwire plan: cannot read tier {name!r} (use NAME=ALPHA_US:GBPS, "
+                                   f"e.g. roce=4:23)") from None
+
+
+# -- pricing ---------------------------------------------------------------------------------------
+
+def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Config,
+            direct_bytes: int) -> str:
+    """'' if `alg` can run this call on this tier, else the reason it cannot."""
+    if alg.needs_direct:
+        if not tier.direct_ok:
+            return "one-host shared-memory path only"
+        if m > direct_bytes:
+            return f"shared-memory path holds <= {_size(direct_bytes)}"
+    if not alg.eligible(n, m):
+        return f"not for {n} ranks at this size"
+    if cfg.algo and not tuner.allowed(replace(cfg, deterministic=False), collective, alg.name):
+        return "excluded by TENSORWIRE_ALGO"
+    if cfg.deterministic and collective in tuner.REDUCTIONS and not tuner.is_deterministic(alg):
+        return "not rank-ordered (deterministic mode)"
+    return ""
+
+
+def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
+             direct_bytes: int) -> str | None:
+    ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
+    return tuner.price(ok, n, m, tier.link, tier.direct)[0][1] if ok else None
+
+
+def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
+               direct_bytes: int) -> list[tuple[int, str | None, str | None]]:
+    """(size, winner below, winner from there on) for every change of the cheapest algorithm."""
+    def best(m: int) -> str | None:
+        return cheapest(algs, collective, n, m, tier, cfg, direct_bytes)
+
+    grid = {int(round(2 ** (k / 8))) for k in range(8 * 40 + 1)}  # 1 B .. 1 TiB, 8 steps per doubling
+    samples = sorted(grid | {direct_bytes, direct_bytes + 1})
+    out = []
+    i, prev_m, prev = 1, samples[0], best(samples[0])
+    while i < len(samples):
+        m = samples[i]
+        if best(m) == prev:
+            prev_m, i = m, i + 1
+            continue
+        lo, hi = prev_m, m  # best(lo) == prev != best(hi): find the first size that differs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if best(mid) == prev:
+                lo = mid
+            else:
+                hi = mid
+        out.append((hi, prev, best(hi)))
+        prev_m, prev = hi, best(hi)  # and look again at the same sample: another change may follow
+    return out
+
+
+def _size(m: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if m >= 1 << shift:
+            v = m / (1 << shift)
+            return f"{v:.3g} {unit}" if v != int(v) else f"{int(v)} {unit}"
+    return f"{m} B"
+
+
+def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, direct_bytes: int,
+           out: Callable[[str], None]) -> None:
+    algs = list(algorithms_for(collective).values())
+    mode = ", deterministic mode" if cfg.deterministic else ""
+    out(f"{collective} of {_size(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
+    for tier in tiers:
+        if tier.link is None:
+            continue
+        out("")
+        out(f"  tier {tier.name}: {tuner.describe_link(tier.link)}  [{tier.origin}]")
+        if tier.direct is not None:
+            out(f"    one-shot shared-memory path: {tuner.describe_link(tier.direct)}")
+        rows = []
+        for alg in algs:
+            reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)
+            rows.append((tier.cost(alg, n, m) if not reason else math.inf, alg.name, reason))
+        rows.sort()
+        width = max(len(a.name) for a in algs)
+        for i, (t, name, reason) in enumerate(rows):
+            if reason:
+                out(f"    {name:<{width}}  {'-':>10}  ({reason})")
+            else:
+                mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
+                out(f"    {name:<{width}}  {tuner.format_seconds(t):>10}{mark}")
+        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes)
+        if changes:
+            text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {_size(s)}" for s, a, b in changes)
+            out(f"    crossover: {text}")
+        else:
+            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes)
+            out(f"    crossover: none between {_size(SWEEP[0])} and {_size(SWEEP[1])} "
+                f"({only or 'no algorithm'} is cheapest throughout)")
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tensorwire plan",
+        description="Predict the time of every algorithm of a collective with the α-β-γ cost model, "
+                    "and the sizes where the cheapest one changes, on this host's measured links "
+                    "(shm, tcp) or on hypothetical ones (nvlink, pcie, ib-ndr, eth25g).",
+        epilog="examples:\n  tensorwire plan all_reduce 64MiB --np 16\n"
+               "  tensorwire plan all_reduce 1M --np 64 --tier ib-ndr,eth25g\n"
+               "  tensorwire plan broadcast 4K --np 8 --tier all\n"
+               "  tensorwire plan all_gather 256M --np 8 --tier roce=4:23",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("collective", metavar="COLL", help=f"one of {', '.join(COLLECTIVES)}, or all")
+    p.add_argument("size", metavar="SIZE", nargs="?", default="64M",
+                   help="message size as nccl-tests counts it: 8, 64K, 64MiB, 1G (default 64M)")
+    p.add_argument("--np", type=int, default=8, metavar="N", help="number of ranks (default 8)")
+    p.add_argument("--tier", action="append", default=[], metavar="TIER",
+                   help="shm, tcp (this host, measured), nvlink, pcie, ib-ndr, eth25g (hypothetical), "
+                        "local, all, NAME=ALPHA_US:GBPS, or a tier of the tuning file; repeat or use "
+                        "commas (default: local)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="only the rank-ordered reductions (as TENSORWIRE_DETERMINISTIC=1)")
+    p.add_argument("--gamma", type=float, metavar="GBPS",
+                   help="reduction rate for hypothetical tiers in GB/s (default: this host's)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not probe missing local tiers; use the defaults")
+    p.add_argument("--tuning-file", metavar="PATH", help="constants that override (default: "
+                   "TENSORWIRE_TUNING_FILE)")
+    return p
+
+
+def main(argv: list[str], out: Callable[[str], None] = print) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = Config.from_env()
+        if args.deterministic:
+            cfg = replace(cfg, deterministic=True)
+        if args.tuning_file is not None:
+            cfg = replace(cfg, tuning_file=args.tuning_file)
+        tuner.check_algo(cfg.algo, cfg.deterministic)
+        name = args.collective.strip().lower()
+        if name == "all":
+            colls = [c for c in COLLECTIVES if c != "barrier"]
+        else:
+            coll = {c.replace("_", ""): c for c in COLLECTIVES}.get(name.replace("_", "").replace("-", ""))
+            if coll is None:
+                raise InvalidArgumentError(f"tensorwire plan: unknown collective {args.collective!r} "
+                                           f"(known: {', '.join(COLLECTIVES)}, all)")
+            colls = [coll]
+        m = parse_size(args.size)
+        if args.np < 1 or m < 0:
+            raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
+        gamma = 1 / (args.gamma * 1e9) if args.gamma else None
+        tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out)
+    except (InvalidArgumentError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    for i, coll in enumerate(colls):
+        if i:
+            out("")
+        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_bytes, out)
+    return 0

@@ -1,0 +1,493 @@
+"""The tuner: TENSORWIRE_ALGO, the cost model's choice, calibration and its cache, the tuning
+file, the TUNING log and `tensorwire plan`.
+
+Multi-process tests start their own small worlds with a private cache directory, so they
+neither read nor disturb ~/.cache/tensorwire. Functions named `rank_*` run inside the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import tensorwire as tw
+from cluster import Cluster, RankFailure, free_port
+from tensorwire import calibrate, cli, plan, tuner
+from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
+from tensorwire.config import Config
+from tensorwire.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _bcast_tree() -> str:
+    """What 'broadcast:tree' means: a registered 'tree', else the alias for the binomial tree."""
+    return "tree" if "tree" in algorithms_for("broadcast") else "binomial"
+
+
+# ============================================================================ TENSORWIRE_ALGO
+
+@pytest.mark.parametrize("spec, collective, forced, excluded", [
+    ("allreduce:ring,broadcast:tree", "all_reduce", {"ring"}, set()),
+    ("allreduce:ring,broadcast:tree", "broadcast", {_bcast_tree()}, set()),
+    ("allreduce:ring,broadcast:tree", "reduce", set(), set()),
+    ("^recursive_doubling", "all_reduce", set(), {"recursive_doubling"}),
+    ("^recursive_doubling", "broadcast", set(), set()),
+    ("allreduce:^direct", "all_reduce", set(), {"direct"}),
+    ("allreduce:^direct", "barrier", set(), set()),
+    ("allreduce:ring|recursive_doubling", "all_reduce", {"ring", "recursive_doubling"}, set()),
+    ("allreduce:ring+recursive_doubling", "all_reduce", {"ring", "recursive_doubling"}, set()),
+    ("AllReduce:Recursive_Doubling", "all_reduce", {"recursive_doubling"}, set()),
+    ("all_reduce:recursivedoubling", "all_reduce", {"recursive_doubling"}, set()),
+    ("allreduce:ring;allgather:^ring", "all_gather", set(), {"ring"}),
+    ("allreduce:ring;allgather:^ring", "all_reduce", {"ring"}, set()),
+    # an unqualified name forces the collectives that have it and leaves the others alone
+    ("ring", "all_reduce", {"ring"}, set()),
+    ("ring", "all_gather", {"ring"}, set()),
+    ("ring", "broadcast", set(), set()),
+    # NCCL's comma list after one collective reads the same way
+    ("allreduce:ring,recursive_doubling", "all_reduce", {"ring", "recursive_doubling"}, set()),
+    ("", "all_reduce", set(), set()),
+])
+def test_parse_algo(spec: str, collective: str, forced: set, excluded: set) -> None:
+    tuner.check_algo(spec)
+    assert tuner.parse_algo(spec, collective) == (frozenset(forced), frozenset(excluded))
+
+
+def test_allowed_follows_the_spec() -> None:
+    cfg = Config(algo="allreduce:ring|direct,^binomial")
+    assert tuner.allowed(cfg, "all_reduce", "ring") and tuner.allowed(cfg, "all_reduce", "direct")
+    assert not tuner.allowed(cfg, "all_reduce", "recursive_doubling")
+    assert not tuner.allowed(cfg, "broadcast", "binomial") and tuner.allowed(cfg, "broadcast", "direct")
+    assert tuner.allowed(Config(), "all_reduce", "recursive_doubling")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("allreduce:rign", ["all_reduce has no algorithm 'rign'", "ring", "recursive_doubling", "direct"]),
+    ("^rign", ["no collective has an algorithm 'rign'", "ring", "binomial", "dissemination"]),
+    ("alreduce:ring", ["unknown collective 'alreduce'", *COLLECTIVES]),
+    ("allreduce:", ["no algorithm named"]),
+    ("allreduce:^", ["'^' without a name"]),
+    ("broadcast:ring", ["broadcast has no algorithm 'ring'", "binomial"]),
+])
+def test_unknown_names_are_errors_naming_the_known(spec: str, words: list[str]) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        tuner.check_algo(spec, rank=3)
+    text = str(info.value)
+    assert text.startswith("rank 3: TENSORWIRE_ALGO="), text
+    for w in words:
+        assert w in text, f"{w!r} missing from: {text}"
+
+
+def test_deterministic_mode_rejects_specs_that_leave_no_ordered_reduction() -> None:
+    for spec in ("allreduce:ring", "^rank_ordered", "allreduce:direct", "reducescatter:ring"):
+        with pytest.raises(InvalidArgumentError, match="deterministic mode"):
+            tuner.check_algo(spec, deterministic=True)
+    for spec in ("", "allreduce:rank_ordered", "allreduce:^direct", "broadcast:binomial", "^ring"):
+        tuner.check_algo(spec, deterministic=True)
+    cfg = Config(deterministic=True)
+    assert not tuner.allowed(cfg, "all_reduce", "ring")
+    assert tuner.allowed(cfg, "all_reduce", "rank_ordered") and tuner.allowed(cfg, "all_reduce", "direct")
+    assert tuner.allowed(cfg, "broadcast", "binomial")  # data movement is deterministic anyway
+
+
+def test_a_bad_spec_fails_init_before_connecting() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        Cluster(2, {"TENSORWIRE_ALGO": "allreduce:rign", "TENSORWIRE_TIMEOUT": "20"}, start_timeout=30)
+    assert "all_reduce has no algorithm 'rign'" in str(info.value)
+    assert set(info.value.errors) == {0, 1}
+    assert time.monotonic() - t0 < 20, "the error came from a timeout, not from the check"
+
+
+# ============================================================================ the cost model's choice
+
+class _Runtime:  # weak-referenceable stand-in for a Runtime
+    def __init__(self, cfg: Config) -> None:
+        self.config = cfg
+        self.rank = 0
+
+
+class _Group:
+    def __init__(self, size: int, tier: str, cfg: Config | None = None) -> None:
+        self.size, self.all_local, self.direct, self.name = size, tier == "shm", None, "fake"
+        self.runtime = _Runtime(cfg or Config())
+        self.choices: dict = {}
+
+
+def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
+    tier = plan.Tier(link.name, link, "test")
+    changes = plan.crossovers(list(algorithms_for(collective).values()), collective, n, tier, Config(), 0)
+    assert changes, f"no crossover for {collective} on {n} ranks over {link}"
+    size, below, above = changes[0]
+    return size, below, above
+
+
+@pytest.mark.parametrize("tier", ["shm", "tcp"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_choice_on_both_sides_of_a_crossover(tier: str, n: int) -> None:
+    link = tuner.DEFAULT_LINKS[tier]
+    size, below, above = _first_crossover("all_reduce", n, link)
+    g = _Group(n, tier)
+    tuner.install(g.runtime, tuner.LinkTable({tier: link}, {tier: "test"}))
+    assert tuner.select(g, "all_reduce", size - 1).name == below
+    assert tuner.select(g, "all_reduce", size).name == above
+    # the latency-bound side has fewer messages, the bandwidth-bound side fewer bytes per rank
+    costs = {a.name: a for a in algorithms_for("all_reduce").values()}
+    assert costs[below].cost(n, 1, link) <= costs[above].cost(n, 1, link)
+    assert costs[above].cost(n, 1 << 30, link) <= costs[below].cost(n, 1 << 30, link)
+
+
+def test_choice_is_cached_per_group_and_size() -> None:
+    g = _Group(4, "tcp")
+    first = tuner.select(g, "all_reduce", 1 << 20)
+    assert g.choices[("all_reduce", 1 << 20, True)] is first
+    assert tuner.select(g, "all_reduce", 1 << 20) is first
+
+
+def test_no_algorithm_left_is_a_clear_error() -> None:
+    g = _Group(4, "tcp", Config(algo="allreduce:direct"))  # no shared-memory path on TCP
+    with pytest.raises(InvalidArgumentError, match="leaves no all_reduce algorithm.*known: "):
+        tuner.select(g, "all_reduce", 1024)
+
+
+def rank_choice_at(sizes: list[int]) -> dict:
+    """Which all_reduce algorithm actually runs at each size (the registry wrapped to record)."""
+    import dataclasses
+
+    table = algorithms_for("all_reduce")
+    saved = dict(table)
+    used: list[str] = []
+
+    def wrap(alg):
+        def run(*args):
+            used.append(alg.name)
+            return alg.run(*args)
+        return dataclasses.replace(alg, run=run)
+
+    g = tw.world()
+    out = {}
+    try:
+        table.update({k: wrap(a) for k, a in saved.items()})
+        g.choices.clear()
+        for m in sizes:
+            used.clear()
+            x = np.ones(m, dtype=np.uint8)
+            tw.all_reduce(x)
+            assert (x == g.size).all()
+            out[m] = used[0]
+    finally:
+        table.update(saved)
+        g.choices.clear()
+    return out
+
+
+def _table_summary() -> dict:
+    t = tuner.table_for(tw.world().runtime)
+    return {"links": {k: (v.alpha, v.beta, v.gamma) for k, v in t.links.items()}, "sources": t.sources,
+            "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path}
+
+
+def rank_table() -> dict:
+    return _table_summary()
+
+
+def rank_crossover_end_to_end() -> dict:
+    """The first crossover of the installed constants below 4 MiB, and what runs on each side."""
+    g = tw.world()
+    t = tuner.table_for(g.runtime)
+    tier = tuner.tier_of(g)
+    changes = plan.crossovers(list(algorithms_for("all_reduce").values()), "all_reduce", g.size,
+                              plan.Tier(tier, t.link(tier), "", direct_ok=g.direct is not None,
+                                        direct=t.links.get("direct") if g.direct else None),
+                              g.runtime.config, g.direct.slot_bytes if g.direct else 0)
+    size, below, above = next((c for c in changes if c[0] <= 4 << 20), (0, None, None))
+    if not size:  # measured constants without a crossover below 4 MiB: check two sizes instead
+        sizes = [1024, 1 << 20]
+        predicted = {m: tuner.select(g, "all_reduce", m).name for m in sizes}
+        g.choices.clear()
+    else:
+        sizes, predicted = [size - 1, size], {size - 1: below, size: above}
+    return {"predicted": predicted, "ran": rank_choice_at(sizes), "crossovers": changes}
+
+
+def test_choice_flips_at_the_predicted_crossover_end_to_end(tmp_path) -> None:
+    cluster = Cluster(3, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})
+    try:
+        results = cluster.run(rank_crossover_end_to_end)
+    finally:
+        cluster.close()
+    for res in results:
+        assert res["ran"] == res["predicted"], res
+    assert len({str(r["predicted"]) for r in results}) == 1
+
+
+# ============================================================================ calibration and its cache
+
+def rank_reinit(port: int, env: dict[str, str]) -> dict:
+    """Leave the world and join a new one (another job, as far as the cache can tell)."""
+    g = tw.world()
+    rank, size = g.rank, g.size
+    os.environ.update(env)
+    tw.destroy()
+    t0 = time.perf_counter()
+    tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{port}")
+    out = _table_summary()
+    out["init_s"] = time.perf_counter() - t0
+    x = np.arange(4, dtype=np.float32)
+    tw.all_reduce(x)  # and the world works
+    out["ok"] = bool(np.array_equal(x, np.arange(4, dtype=np.float32) * size))
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
+    tier = "shm" if transport == "shm" else "tcp"
+    other = "tcp" if tier == "shm" else "shm"
+    env = {"TENSORWIRE_TRANSPORT": "auto" if transport == "shm" else "tcp",
+           "TENSORWIRE_CACHE_DIR": str(tmp_path)}
+    cluster = Cluster(2, env)
+    try:
+        first = cluster.run(rank_table)
+        _as_if_quiet(first[0]["cache_path"])
+        second = cluster.run(rank_reinit, free_port(), {})
+        forced = cluster.run(rank_reinit, free_port(), {"TENSORWIRE_CALIBRATE": "force"})
+        _as_if_quiet(first[0]["cache_path"])
+        skipped = cluster.run(rank_reinit, free_port(), {"TENSORWIRE_CALIBRATE": "0"})
+        again = cluster.run(rank_reinit, free_port(), {"TENSORWIRE_CALIBRATE": "1"})
+    finally:
+        cluster.close()
+    for results in (first, second, forced, skipped, again):  # every rank installed the same table
+        assert all(r["links"] == results[0]["links"] and r["sources"] == results[0]["sources"]
+                   for r in results), results
+    # the first init probed the tier in use (and on one host the one-shot shared-memory path)
+    # and wrote the cache
+    used = [tier, "direct"] if tier == "shm" else [tier]
+    assert first[0]["sources"] == {**{t: "calibrated" for t in used}, other: "default"}, first[0]
+    assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
+    alpha, beta, gamma = first[0]["links"][tier]
+    assert 1e-8 <= alpha < 0.05 and 1e-13 <= beta < 1e-6 and 1e-13 <= gamma < 1e-6, first[0]
+    # a second world on the same hosts and topology reads the cache: no probe
+    assert all(second[0]["sources"][t] == "cached" for t in used), second[0]
+    assert second[0]["probe_s"] == 0.0
+    assert second[0]["links"] == first[0]["links"]
+    assert second[0]["ok"]
+    # force probes again (and rewrites the cache); 0 skips cache and probe
+    assert forced[0]["sources"][tier] == "calibrated" and forced[0]["probe_s"] > 0
+    assert skipped[0]["sources"] == {"shm": "default", "tcp": "default"} and skipped[0]["probe_s"] == 0
+    assert skipped[0]["links"][tier] == tuple(getattr(tuner.DEFAULT_LINKS[tier], f) for f in calibrate.FIELDS)
+    assert again[0]["sources"][tier] == "cached" and again[0]["links"][tier] == forced[0]["links"][tier]
+    with open(first[0]["cache_path"]) as f:
+        entry = json.load(f)
+    assert entry["tiers"] == sorted(used) and set(entry["links"]) == set(used) and entry["world_size"] == 2
+    # what the probe costs, and what a cached init costs on top of connecting
+    print(f"\n{transport}: probe {first[0]['probe_s'] * 1e3:.1f} ms (forced {forced[0]['probe_s'] * 1e3:.1f} "
+          f"ms); tuning setup on a cache hit {second[0]['setup_s'] * 1e3:.2f} ms; constants "
+          f"{first[0]['links'][tier]}")
+    assert first[0]["probe_s"] < 1.0 and second[0]["setup_s"] < 0.5
+
+
+def _as_if_quiet(path: str) -> None:
+    """Mark a cache entry as measured on a quiet host, so that the load on this machine calming
+    down between two inits cannot make the second one measure again (see the next test)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc["load_per_cpu"] = 0.0
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def test_a_calibration_from_a_busy_host_is_measured_again_once_it_calms_down(tmp_path, monkeypatch) -> None:
+    path = calibrate.cache_path(str(tmp_path), "k")
+    calibrate.write_cache(path, {"shm": Link("shm", 1e-5, 1e-9, 1e-10)}, {"load_per_cpu": 6.0})
+    monkeypatch.setattr(calibrate, "host_load", lambda: 5.0)
+    assert calibrate.read_cache(path, ["shm"]) == {"shm": Link("shm", 1e-5, 1e-9, 1e-10)}
+    monkeypatch.setattr(calibrate, "host_load", lambda: 0.5)
+    assert calibrate.read_cache(path, ["shm"]) is None  # taken at 6 per CPU, now 0.5: measure again
+    _as_if_quiet(path)
+    assert calibrate.read_cache(path, ["shm"]) is not None
+    assert calibrate.read_cache(path, ["shm", "tcp"]) is None  # a tier it does not have
+
+
+def _mismatch_rank(rank: int, port: int, env: dict, q) -> None:
+    os.environ.update(env)
+    try:
+        tw.init(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=20)
+        q.put((rank, "ok"))
+        tw.destroy()
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+
+
+def test_ranks_with_different_settings_fail_at_init(tmp_path) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    envs = [{"TENSORWIRE_DETERMINISTIC": "1"}, {"TENSORWIRE_DETERMINISTIC": "0"}]
+    procs = [ctx.Process(target=_mismatch_rank, daemon=True,
+                         args=(r, port, {**envs[r], "TENSORWIRE_CACHE_DIR": str(tmp_path)}, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=40) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for rank, text in got.items():
+        assert "TENSORWIRE_DETERMINISTIC settings than rank 0" in text, (rank, text)
+
+
+# ============================================================================ the tuning file
+
+def rank_choice_and_table(m: int) -> dict:
+    return {"table": _table_summary(), "choice": rank_choice_at([m])[m]}
+
+
+def test_tuning_file_overrides_and_flips_the_choice(tmp_path, capfd) -> None:
+    """Constants are per tier, so 'make the ring absurdly expensive' means a huge α: the ring's
+    2(n-1) steps then cost more than recursive doubling's log2(n), even at 8 MiB."""
+    m, n = 8 << 20, 4
+    env = {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "0"}
+    tuning = tmp_path / "tuning.json"
+    tuning.write_text(json.dumps({"tcp": {"alpha": 1.0}}))
+    plain = Cluster(n, env)
+    try:
+        before = plain.run(rank_choice_and_table, m)
+    finally:
+        plain.close()
+    capfd.readouterr()
+    tuned = Cluster(n, {**env, "TENSORWIRE_TUNING_FILE": str(tuning), "TENSORWIRE_DEBUG": "INFO",
+                        "TENSORWIRE_DEBUG_SUBSYS": "TUNING"})
+    try:
+        after = tuned.run(rank_choice_and_table, m)
+    finally:
+        tuned.close()
+    err = capfd.readouterr().err
+    link = Link("tcp", *after[0]["table"]["links"]["tcp"])
+    assert link.alpha == 1.0 and after[0]["table"]["sources"]["tcp"] == "file+default"
+    assert link.beta == tuner.DEFAULT_LINKS["tcp"].beta  # fields the file does not set are kept
+    expected = min(tuner.candidates(_Group(n, "tcp"), "all_reduce", m),
+                   key=lambda a: (a.cost(n, m, link), a.name))
+    assert {r["choice"] for r in after} == {expected.name}
+    assert before[0]["choice"] != expected.name, "the file changed nothing"
+    assert before[0]["choice"] != "recursive_doubling" and expected.name == "recursive_doubling"
+    # the TUNING log shows the table, the constants and where they came from
+    line = next((ln for ln in err.splitlines() if f"all_reduce {m} B on {n} ranks" in ln), "")
+    assert "file+default" in line and "α 1e+06 us" in line and f"-> {expected.name}" in line, err[-2000:]
+    for name in ("ring", "recursive_doubling"):
+        assert f"{name} " in line
+    assert "link constants" in err
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["not valid JSON"]),
+    ('{"tcp": {"alpha": -1}}', ["positive number"]),
+    ('{"tcp": {"latency": 1}}', ["unknown key 'latency'", "alpha_us"]),
+    ('["tcp"]', ["JSON object of tiers"]),
+])
+def test_bad_tuning_files_are_clear_errors(tmp_path, content: str, words: list[str]) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(InvalidArgumentError) as info:
+        calibrate.load_tuning_file(str(path))
+    for w in words:
+        assert w in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"shm": {"alpha_us": 5, "bandwidth_GBps": 2, "reduce_GBps": 4},
+                                "tcp": {"beta": 1e-9}, "roce": {"alpha_us": 4, "bandwidth_GBps": 23}}))
+    over = calibrate.load_tuning_file(str(path))
+    assert over["shm"] == pytest.approx({"alpha": 5e-6, "beta": 0.5e-9, "gamma": 0.25e-9})
+    table = calibrate.apply_overrides(tuner.default_table(), over)
+    assert table.sources == {"shm": "file", "tcp": "file+default"}  # roce lacks γ: not a runtime tier
+    assert table.link("tcp").alpha == tuner.DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
+
+
+def test_a_bad_tuning_file_fails_init_on_every_rank(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text('{"shm": {"alpha": "fast"}}')
+    with pytest.raises(RankFailure) as info:
+        Cluster(2, {"TENSORWIRE_TUNING_FILE": str(path), "TENSORWIRE_CACHE_DIR": str(tmp_path)})
+    assert set(info.value.errors) == {0, 1}
+    assert "positive number" in info.value.errors[0] and "rank 0" in info.value.errors[1]
+
+
+# ============================================================================ tensorwire plan
+
+def _seed_cache(directory: str) -> None:
+    """A calibration of both local tiers on this host, as an init would have written it."""
+    me = format(calibrate.host_hash(), "016x")
+    for tier, link in (("shm", Link("shm", 5e-6, 1 / 4e9, 1 / 10e9)),
+                       ("tcp", Link("tcp", 40e-6, 1 / 2e9, 1 / 10e9))):
+        key = calibrate.cache_key([calibrate.host_hash()], [tier], 2)
+        calibrate.write_cache(calibrate.cache_path(directory, key), {tier: link},
+                              {"created": time.time(), "world_size": 2, "tiers": [tier], "hosts": [me]})
+
+
+def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
+    monkeypatch.delenv("TENSORWIRE_ALGO", raising=False)
+    _seed_cache(str(tmp_path))
+    assert cli.main(["plan", "all_reduce", "64MiB", "--np", "16", "--tier", "shm,tcp", "--tier", "nvlink",
+                     "--tier", "pcie,ib-ndr,eth25g", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce of 64 MiB on 16 ranks" in out
+    for tier in ("shm", "tcp", "nvlink", "pcie", "ib-ndr", "eth25g"):
+        assert f"tier {tier}:" in out
+    assert "α 5 us, β 4 GB/s, γ 10 GB/s" in out and "cached" in out  # the local tiers come from the cache
+    assert "α 1 us, β 300 GB/s" in out  # NVLink as commonly cited
+    blocks = out.split("  tier ")[1:]
+    for block in blocks:
+        for name in algorithms_for("all_reduce"):
+            assert f"    {name} " in block, f"{name} missing in {block}"
+        assert "    crossover: " in block and "<- cheapest" in block
+    # the cheapest at 64 MiB is what the tuner picks with those constants
+    link = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9)
+    best = min(tuner.candidates(_Group(16, "shm"), "all_reduce", 64 << 20),
+               key=lambda a: (a.cost(16, 64 << 20, link), a.name))
+    assert f"{best.name} " in blocks[0].splitlines()[1] and "<- cheapest" in blocks[0].splitlines()[1]
+
+
+def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    _seed_cache(str(tmp_path))
+    assert cli.main(["plan", "all", "1M", "--np", "4", "--tier", "shm,roce=4:23", "--deterministic",
+                     "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    for coll in COLLECTIVES:
+        if coll != "barrier":
+            assert f"{coll} of 1 MiB on 4 ranks, deterministic mode" in out
+    assert "tier roce: α 4 us, β 23 GB/s" in out
+    assert "not rank-ordered (deterministic mode)" in out
+    assert cli.main(["plan", "all_reduce", "1M", "--tier", "warp-drive"]) == 2
+    assert "unknown tier 'warp-drive'" in capsys.readouterr().err
+    assert cli.main(["plan", "allreduse"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_plan_probes_when_nothing_is_cached(tmp_path) -> None:
+    env = {**os.environ, "TENSORWIRE_CACHE_DIR": str(tmp_path)}
+    env.pop("TENSORWIRE_TUNING_FILE", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "plan", "all_reduce", "1M", "--np", "4"],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "probing with 2 local ranks" in proc.stdout
+    assert proc.stdout.count("cached ") == 2 and "default: no calibration" not in proc.stdout, proc.stdout
+    assert len(calibrate.cached_entries(str(tmp_path))) == 2
+    print(f"\nplan with a probe of both tiers: {time.monotonic() - t0:.1f} s")
