@@ -253,7 +253,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     tier = "shm" if transport == "shm" else "tcp"
     other = "tcp" if tier == "shm" else "shm"
     env = {"TENSORWIRE_TRANSPORT": "auto" if transport == "shm" else "tcp",
-           "TENSORWIRE_CACHE_DIR": str(tmp_path)}
+           "TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
     cluster = Cluster(2, env)
     try:
         first = cluster.run(rank_table)

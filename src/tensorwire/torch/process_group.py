@@ -40,23 +40,26 @@ Call = Callable[[bool, "float | None"], Any]  # (async_op, timeout) -> tensorwir
 
 
 class _Staging:
-    """Contiguous stand-ins for non-contiguous tensors, and the copies back on completion."""
+    """Contiguous stand-ins for non-contiguous tensors, and the copies back on completion.
 
-    def __init__(self) -> None:
+    `group` None: a bad tensor raises on this rank only (point-to-point: nobody else waits on
+    a collective), else it fails the group on every member."""
+
+    def __init__(self, group: Group | None) -> None:
+        self.group = group
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer a collective may write (and read: broadcast roots, in-place reductions)."""
-        _check_cpu(t)
+        _check_cpu(t, self.group)
         if t.is_contiguous():
             return t
         buf = t.contiguous()
         self.back.append((t, buf))
         return buf
 
-    @staticmethod
-    def inp(t: torch.Tensor) -> torch.Tensor:
-        _check_cpu(t)
+    def inp(self, t: torch.Tensor) -> torch.Tensor:
+        _check_cpu(t, self.group)
         return t if t.is_contiguous() else t.contiguous()
 
     def finish(self) -> Callable[[], None] | None:
@@ -71,15 +74,22 @@ class _Staging:
         return copy_back
 
 
-def _check_cpu(t: Any) -> None:
+def _invalid(group: Group | None, message: str) -> None:
+    """A local argument error: fail the group everywhere (peers raise it too, nobody waits)."""
+    if group is None:
+        raise InvalidArgumentError(message)
+    group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {message}"))
+
+
+def _check_cpu(t: Any, group: Group | None) -> None:
     if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"tensorwire backend: expected a torch.Tensor, got {type(t).__name__}")
+        _invalid(group, f"tensorwire backend: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise InvalidArgumentError(
-            f"the tensorwire backend moves CPU tensors only, got one on {t.device}; use "
-            f"init_process_group('cpu:tensorwire,cuda:nccl') to send device tensors through NCCL")
+        _invalid(group, f"the tensorwire backend moves CPU tensors only, got one on {t.device}; use "
+                        f"init_process_group('cpu:tensorwire,cuda:nccl') to send device tensors through NCCL")
     if t.is_sparse:
-        raise InvalidArgumentError("the tensorwire backend does not reduce sparse tensors; pass t.to_dense()")
+        _invalid(group, "the tensorwire backend takes sparse tensors in all_reduce (SUM) only; "
+                        "pass t.to_dense() here")
 
 
 _OPS = {kind: ReduceOp(int(kind)) for kind in dist.ReduceOp.RedOpType.__members__.values()}
@@ -106,10 +116,10 @@ def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
     return t * f
 
 
-def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+def _one(tensors: Sequence[torch.Tensor], what: str, group: Group | None) -> torch.Tensor:
     if len(tensors) != 1:
-        raise InvalidArgumentError(f"tensorwire backend: {what} takes exactly one tensor per process "
-                                   f"(got {len(tensors)}); one CPU tensor per rank is all c10d passes")
+        _invalid(group, f"tensorwire backend: {what} takes exactly one tensor per process (got "
+                        f"{len(tensors)}); one CPU tensor per rank is all c10d passes")
     return tensors[0]
 
 
@@ -170,7 +180,12 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- reductions --------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllreduceOptions()
+        if isinstance(tensors, torch.Tensor):  # the pybind convenience form: allreduce(t, op)
+            tensors = [tensors]
+        if opts is None or not hasattr(opts, "asyncOp"):
+            op, opts = opts, dist.AllreduceOptions()
+            if op is not None:
+                opts.reduceOp = op
         op, factor = _reduction(opts)
         if factor is None and len(tensors) == 1 and not opts.asyncOp:
             t = tensors[0]
@@ -180,8 +195,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if len(tensors) == 1 and tensors[0].is_sparse:
             self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
             return CompletedWork(tensors)
-        st = _Staging()
-        buf = st.out(_one(tensors, "allreduce"))
+        st = _Staging(self._tw)
+        buf = st.out(_one(tensors, "allreduce", self._tw))
         if factor is not None:
             buf.mul_(factor)
         g = self._tw
@@ -219,7 +234,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         op, factor = _reduction(opts)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
-            _check_cpu(t)
+            _check_cpu(t, self._tw)
             by_dtype.setdefault(t.dtype, []).append(t)
         calls: list[Call] = []
         unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -227,7 +242,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else None
             if flat is None:
-                st = _Staging()
+                st = _Staging(self._tw)
                 buf = st.out(group[0])
                 if st.back:
                     unpack.append((buf, group))
@@ -252,8 +267,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         op, factor = _reduction(opts)
         root = opts.rootRank
-        st = _Staging()
-        t = _one(tensors, "reduce")
+        st = _Staging(self._tw)
+        t = _one(tensors, "reduce", self._tw)
         buf = st.out(t) if self._tw.rank == root else st.inp(t)
         g = self._tw
         if factor is None:
@@ -268,9 +283,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                        opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging()
-        out = st.out(_one(output_tensors, "reduce_scatter"))
-        ins = [st.inp(t) for t in _one(input_tensors, "reduce_scatter")]
+        st = _Staging(self._tw)
+        out = st.out(_one(output_tensors, "reduce_scatter", self._tw))
+        ins = [st.inp(t) for t in _one(input_tensors, "reduce_scatter", self._tw)]
         if factor is not None:
             ins = [_scaled(t, factor) for t in ins]
         g = self._tw
@@ -281,7 +296,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                               opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging()
+        st = _Staging(self._tw)
         out, inp = st.out(output), st.inp(input)
         if factor is not None:
             inp = _scaled(inp, factor)
@@ -296,7 +311,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                                         opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging()
+        st = _Staging(self._tw)
         calls: list[Call] = []
         g = self._tw
         for output, input in zip(outputs, inputs, strict=True):
@@ -310,10 +325,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- data movement -----------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        if isinstance(tensors, torch.Tensor):  # the pybind convenience form: broadcast(t, root)
+            tensors = [tensors]
+        if opts is None or not hasattr(opts, "asyncOp"):
+            root, opts = opts, dist.BroadcastOptions()
+            opts.rootRank = int(root or 0)
         root = opts.rootRank
-        st = _Staging()
-        buf = st.out(_one(tensors, "broadcast"))
+        st = _Staging(self._tw)
+        buf = st.out(_one(tensors, "broadcast", self._tw))
         g = self._tw
         return self._run("broadcast", opts, tensors,
                          [lambda a, t: g.broadcast(buf, root, async_op=a, timeout=t)], st.finish())
@@ -321,16 +340,16 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging()
-        outs = [st.out(t) for t in _one(output_tensors, "allgather")]
-        inp = st.inp(_one(input_tensors, "allgather"))
+        st = _Staging(self._tw)
+        outs = [st.out(t) for t in _one(output_tensors, "allgather", self._tw)]
+        inp = st.inp(_one(input_tensors, "allgather", self._tw))
         g = self._tw
         return self._run("all_gather", opts, output_tensors,
                          [lambda a, t: g.all_gather(outs, inp, async_op=a, timeout=t)], st.finish())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging()
+        st = _Staging(self._tw)
         out, inp = st.out(output), st.inp(input)
         g = self._tw
         return self._run("all_gather_into_tensor", opts, [output],
@@ -342,7 +361,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging()
+        st = _Staging(self._tw)
         g = self._tw
         calls: list[Call] = []
         for output, input in zip(outputs, inputs, strict=True):
@@ -355,7 +374,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging()
+        st = _Staging(self._tw)
         g = self._tw
         calls: list[Call] = []
         for i, input in enumerate(inputs):  # output_lists[rank][i] receives rank's inputs[i]
@@ -367,9 +386,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.GatherOptions()
         root = opts.rootRank
-        st = _Staging()
-        inp = st.inp(_one(input_tensors, "gather"))
-        outs = [st.out(t) for t in _one(output_tensors, "gather")] if self._tw.rank == root else None
+        st = _Staging(self._tw)
+        inp = st.inp(_one(input_tensors, "gather", self._tw))
+        outs = None
+        if self._tw.rank == root:
+            outs = [st.out(t) for t in _one(output_tensors, "gather", self._tw)]
         g = self._tw
         return self._run("gather", opts, output_tensors,
                          [lambda a, t: g.gather(inp, outs, root, async_op=a, timeout=t)], st.finish())
@@ -378,9 +399,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ScatterOptions()
         root = opts.rootRank
-        st = _Staging()
-        out = st.out(_one(output_tensors, "scatter"))
-        ins = [st.inp(t) for t in _one(input_tensors, "scatter")] if self._tw.rank == root else None
+        st = _Staging(self._tw)
+        out = st.out(_one(output_tensors, "scatter", self._tw))
+        ins = None
+        if self._tw.rank == root:
+            ins = [st.inp(t) for t in _one(input_tensors, "scatter", self._tw)]
         g = self._tw
         return self._run("scatter", opts, output_tensors,
                          [lambda a, t: g.scatter(out, ins, root, async_op=a, timeout=t)], st.finish())
@@ -388,7 +411,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        st = _Staging()
+        st = _Staging(self._tw)
         outs = [st.out(t) for t in output_tensors]
         ins = [st.inp(t) for t in input_tensors]
         g = self._tw
@@ -399,7 +422,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        st = _Staging()
+        st = _Staging(self._tw)
         out, inp = st.out(output), st.inp(input)
         osplit = list(output_split_sizes) or None
         isplit = list(input_split_sizes) or None
@@ -417,21 +440,21 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- point-to-point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        data = _Staging.inp(_one(tensors, "send"))
+        data = _Staging(None).inp(_one(tensors, "send", None))
         part = self._tw.isend(data, dst, tag)
         return TensorwireWork([part], tensors, f"send to rank {dst}", timeout=self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        st = _Staging()
-        buf = st.out(_one(tensors, "recv"))
+        st = _Staging(None)
+        buf = st.out(_one(tensors, "recv", None))
         part = self._tw.irecv(buf, src, tag)
         return TensorwireWork([part], tensors, f"recv from rank {src}", finish=st.finish(),
                               timeout=self._timeout, source_rank=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """A receive from whichever rank sends first: a helper thread finds the sender, then receives."""
-        st = _Staging()
-        buf = st.out(_one(tensors, "recv"))
+        st = _Staging(None)
+        buf = st.out(_one(tensors, "recv", None))
         part = TwWork(f"recv from any rank (tag {tag}) on group {self._tw.name}", self._tw.runtime.rank)
         work = TensorwireWork([part], tensors, "recv from any rank", finish=st.finish(),
                               timeout=self._timeout)

@@ -100,7 +100,7 @@ def world_group(store: Any, rank: int, size: int, timeout: Any) -> Group:
                 raise RendezvousError(
                     f"tensorwire is already initialized as rank {rt.rank} of {rt.world_size}, but torch "
                     f"asks for rank {rank} of {size}; call tensorwire.destroy() first")
-            _runtime, _owner = rt, ("user" if _owner != "api" else "api")
+            _runtime, _owner = rt, "user"  # theirs: torch's shutdown leaves it alone
         else:
             if _runtime is not None:
                 raise RendezvousError(
