@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", type=int, default=1024, help="input/output width (default 1024)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=8, help="timed DDP steps per row and round")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP(gradient_as_bucket_view=True): gradients live in DDP's buckets (no copies)")
     p.add_argument("--latency-iters", type=int, default=2000, help="timed 8 B all_reduces per round")
     p.add_argument("--bw-iters", type=int, default=11, help="timed 64 MiB all_reduces per round")
     p.add_argument("--retries", type=int, default=2, help="re-measure a contaminated row this often")
@@ -125,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     replicas = {}
     for name, group in groups.items():
         model = make_model()
-        ddp = DDP(model, process_group=group)
+        ddp = DDP(model, process_group=group, gradient_as_bucket_view=args.bucket_view)
         replicas[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
     n_params = sum(p.numel() for p in replicas["gloo"][0].parameters())
     gen = torch.Generator().manual_seed(rank)
@@ -134,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
     small, large = torch.ones(2), torch.ones(16 << 20)
 
     def step(ddp, opt, sync: bool) -> None:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         if sync:
             F.mse_loss(ddp(x), y).backward()
         else:
@@ -231,7 +233,8 @@ def report(args: argparse.Namespace, results: dict, n_params: int, size: int) ->
     print(f"tensorwire vs Gloo through torch.distributed: {size} ranks, torch {_torch_version()}, "
           f"{args.rounds} interleaved rounds")
     print(f"model: MLP {args.features}-{args.width}-{args.width}-{args.features}, {n_params / 1e6:.1f}M "
-          f"parameters ({n_params * 4 / 2**20:.0f} MiB of float32 gradients), batch {args.batch}")
+          f"parameters ({n_params * 4 / 2**20:.0f} MiB of float32 gradients), batch {args.batch}, "
+          f"SGD, DDP defaults{' + gradient_as_bucket_view' if args.bucket_view else ''}")
     print()
     print(f"| {'row':<24} | {'tensorwire':>12} | {'gloo':>12} | gloo / tensorwire (per round) |")
     print(f"|{'-' * 26}|{'-' * 14}|{'-' * 14}|{'-' * 31}|")

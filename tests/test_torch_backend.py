@@ -1,0 +1,702 @@
+"""torch.distributed end to end on the tensorwire backend: every c10d operation a user can call.
+
+Starting a torch process costs seconds here, so each test launches one set of real processes
+that run this file as a script (`python tests/test_torch_backend.py SCENARIO`); a scenario runs
+many checks on every rank and raises on the first wrong result. Results are compared with the
+same call on a Gloo group over the same processes and, where Gloo has no such op (AVG,
+PREMUL_SUM), with a reference computed locally (every rank's input is a known function of its rank).
+
+The other test_torch_*.py files reuse `launch` and `assert_all_ok` from here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+
+
+# ------------------------------------------------------------------------------------ launching
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    rc: int
+    out: str
+    err: str
+
+    def tail(self, n: int = 40) -> str:
+        lines = (self.out + self.err).splitlines()
+        return "\n".join(lines[-n:])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "TENSORWIRE_", "OMPI_", "PMI", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                         "MASTER_PORT", "GROUP_RANK", "NODE_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TENSORWIRE_TIMEOUT="60")
+    env.update(extra)
+    return env
+
+
+def run_command(argv: list[str], *, env: dict[str, str], timeout: float, cwd: Path = REPO) -> RankResult:
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout:g} s:\n{out}\n{err}") from None
+    return RankResult(0, proc.returncode, out, err)
+
+
+def launch(scenario: str, nprocs: int, *, script: Path = HERE, args: tuple[str, ...] = (),
+           timeout: float = 100.0, **env: str) -> list[RankResult]:
+    """Run `script scenario *args` as `nprocs` ranks (env:// variables set); wait for all."""
+    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs),
+                     LOCAL_WORLD_SIZE=str(nprocs), **env)
+    procs = []
+    for rank in range(nprocs):
+        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, str(script), scenario, *args], env=rank_env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    hung = False
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        results.append(RankResult(rank, proc.returncode, out, err))
+    if hung:
+        text = "\n".join(f"--- rank {r.rank} (rc {r.rc}) ---\n{r.tail()}" for r in results)
+        raise AssertionError(f"{scenario}: ranks hung past {timeout:g} s\n{text}")
+    return results
+
+
+def assert_all_ok(results: list[RankResult], scenario: str) -> None:
+    bad = [r for r in results if r.rc != 0 or f"{scenario} OK" not in r.out]
+    if bad:
+        text = "\n".join(f"--- rank {r.rank} (rc {r.rc}) ---\n{r.tail()}" for r in results)
+        raise AssertionError(f"{scenario} failed on rank(s) {[r.rank for r in bad]}:\n{text}")
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+@pytest.mark.timeout(120)
+def test_every_op_two_ranks() -> None:
+    """Every c10d collective, point-to-point and object op, sync and async, all ReduceOps."""
+    assert_all_ok(launch("ops", 2), "ops")
+
+
+@pytest.mark.timeout(120)
+def test_every_op_four_ranks_and_sub_groups() -> None:
+    """Four ranks: the ops again, then overlapping `new_group`s; then a Gloo world whose
+    `new_group(backend="tensorwire")` groups connect their pairs on demand."""
+    assert_all_ok(launch("four", 4, timeout=110), "four")
+
+
+# ------------------------------------------------------------------------------------ scenarios
+# Everything below runs inside the launched ranks.
+
+def _data(rank: int, n: int, dtype, salt: int = 0):
+    """Small integer-valued tensors (exact sums and products in any order), one per rank."""
+    import torch
+
+    base = (torch.arange(n, dtype=torch.int64) * (rank + 3) + salt + rank) % 5 + 1
+    if dtype == torch.bool:
+        return base % 2 == 0
+    return base.to(dtype)
+
+
+def _reference(inputs, op):
+    import torch
+    import torch.distributed as dist
+
+    stack = torch.stack([t.to(torch.float64) if t.is_floating_point() else t for t in inputs])
+    if op == dist.ReduceOp.SUM:
+        out = stack.sum(0)
+    elif op == dist.ReduceOp.PRODUCT:
+        out = stack.prod(0)
+    elif op == dist.ReduceOp.MIN:
+        out = stack.min(0).values
+    elif op == dist.ReduceOp.MAX:
+        out = stack.max(0).values
+    elif op == dist.ReduceOp.AVG:
+        out = stack.sum(0) / len(inputs)
+    else:
+        fn = {dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+              dist.ReduceOp.BXOR: torch.bitwise_xor}[op]
+        out = inputs[0]
+        for t in inputs[1:]:
+            out = fn(out, t)
+    return out.to(inputs[0].dtype)
+
+
+class _Checker:
+    def __init__(self, gloo) -> None:
+        import torch.distributed as dist
+
+        from tensorwire.torch import ProcessGroupTensorwire
+
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.gloo = gloo
+        self.count = 0
+        pg = dist.distributed_c10d._get_default_group()
+        assert isinstance(pg, ProcessGroupTensorwire), type(pg)
+        assert dist.get_backend() == "tensorwire"
+        self.tw = pg.tensorwire_group
+
+    def equal(self, what: str, got, want) -> None:
+        import torch
+
+        if isinstance(got, (list, tuple)):
+            assert len(got) == len(want), f"{what}: {len(got)} results, want {len(want)}"
+            for i, (g, w) in enumerate(zip(got, want)):
+                self.equal(f"{what}[{i}]", g, w)
+            return
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got} vs {want}"
+        if got.is_floating_point() and got.dtype in (torch.float16, torch.bfloat16):
+            ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        elif got.is_floating_point() or got.is_complex():
+            ok = torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            ok = torch.equal(got, want)
+        assert ok, f"rank {self.rank}: {what}: got {got}, want {want}"
+        self.count += 1
+
+    def same_as_gloo(self, what: str, fn) -> None:
+        """fn(group) -> output tensors; run on tensorwire (default group) and on Gloo, compare."""
+        before = self.tw._seq
+        got = fn(None)
+        assert self.tw._seq > before, f"{what}: tensorwire's group did not run it"
+        want = fn(self.gloo)
+        self.equal(f"{what} vs gloo", got, want)
+
+
+def _check_reductions(c: _Checker) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r, n = c.rank, c.size
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+    bitwise = [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+    cases = [(dt, ops) for dt in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16,
+                                  torch.bfloat16)]
+    cases += [(torch.uint8, ops + bitwise), (torch.int64, bitwise)]
+    for dtype, dtype_ops in cases:
+        for op in dtype_ops:
+            def all_reduce(group, dtype=dtype, op=op):
+                t = _data(r, 13, dtype)
+                dist.all_reduce(t, op=op, group=group)
+                return t
+
+            c.same_as_gloo(f"all_reduce {dtype} {op}", all_reduce)
+            c.equal(f"all_reduce {dtype} {op} vs reference", all_reduce(None),
+                    _reference([_data(k, 13, dtype) for k in range(n)], op))
+    # ops Gloo does not have
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        t = _data(r, 9, dtype)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        c.equal(f"all_reduce AVG {dtype}", t, _reference([_data(k, 9, dtype) for k in range(n)],
+                                                         dist.ReduceOp.AVG))
+    for factor in (0.5, torch.tensor([0.25])):
+        t = _data(r, 9, torch.float32)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+        f = float(factor)
+        c.equal(f"all_reduce PREMUL_SUM({f})", t, f * sum(_data(k, 9, torch.float32) for k in range(n)))
+    # PREMUL_SUM with a different factor on every rank: sum(f_r * x_r), NCCL's definition
+    t = _data(r, 5, torch.float64)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(float(r + 1)))
+    c.equal("all_reduce PREMUL_SUM per-rank factors", t,
+            sum((k + 1) * _data(k, 5, torch.float64) for k in range(n)))
+    # bool through the bitwise-or of MAX, complex through SUM (torch views it as real)
+    def bool_max(group):
+        t = _data(r, 8, torch.bool)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    c.same_as_gloo("all_reduce bool MAX", bool_max)
+
+    def complex_sum(group):
+        t = torch.complex(_data(r, 6, torch.float32), _data(r, 6, torch.float32, salt=2))
+        dist.all_reduce(t, group=group)
+        return t
+
+    c.same_as_gloo("all_reduce complex64 SUM", complex_sum)
+
+    # sparse COO tensors (SUM: what DDP sends for sparse gradients; nnz differs per rank)
+    def sparse(group):
+        idx = torch.tensor([[0, 1 + r, 3, r], [2, 0, 1, r]])
+        t = torch.sparse_coo_tensor(idx, _data(r, 4, torch.float32), (4 + n, 3 + n))
+        dist.all_reduce(t, group=group)
+        return t.to_dense()
+
+    c.same_as_gloo("all_reduce sparse", sparse)
+
+    # shapes: 0-d, empty, 2-D, non-contiguous (through a staging copy)
+    for shape in ((), (0,), (3, 5)):
+        def shaped(group, shape=shape):
+            t = _data(r, max(1, int(torch.tensor(shape).prod().item()) if shape else 1), torch.float32)
+            t = t[: int(torch.tensor(shape).prod().item()) if shape else 1].reshape(shape)
+            dist.all_reduce(t, group=group)
+            return t
+
+        c.same_as_gloo(f"all_reduce shape {shape}", shaped)
+
+    def strided(group):
+        base = _data(r, 24, torch.float32).reshape(4, 6)
+        view = base.t()  # not contiguous
+        dist.all_reduce(view, group=group)
+        return base
+
+    c.same_as_gloo("all_reduce non-contiguous", strided)
+
+    # reduce to every root, every op; non-roots keep their input
+    for root in range(n):
+        for op in ops:
+            def reduce(group, root=root, op=op):
+                t = _data(r, 11, torch.float32, salt=root)
+                dist.reduce(t, dst=root, op=op, group=group)
+                return t if r == root else _data(r, 11, torch.float32, salt=root)
+
+            c.same_as_gloo(f"reduce root {root} {op}", reduce)
+        t = _data(r, 4, torch.float32)
+        dist.reduce(t, dst=root, op=dist._make_nccl_premul_sum(2.0))
+        if r == root:
+            c.equal("reduce PREMUL_SUM", t, 2.0 * sum(_data(k, 4, torch.float32) for k in range(n)))
+        else:
+            c.equal("reduce keeps non-root input", t, _data(r, 4, torch.float32))
+
+    # coalesced all-reduce: the deprecated list API and the coalescing manager
+    def coalesced(group):
+        ts = [_data(r, 5, torch.float32), _data(r, 3, torch.float32, salt=2),
+              _data(r, 7, torch.float32, salt=1)]
+        dist.all_reduce_coalesced(ts, group=group)
+        return ts
+
+    c.same_as_gloo("all_reduce_coalesced", coalesced)
+    # mixed dtypes straight through the process group (torch's wrapper insists on one dtype)
+    ts = [_data(r, 5, torch.float32), _data(r, 3, torch.float64), _data(r, 7, torch.int64).reshape(7, 1)]
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    dist.distributed_c10d._get_default_group().allreduce_coalesced(ts, opts).wait()
+    c.equal("allreduce_coalesced mixed dtypes", ts,
+            [_reference([_data(k, 5, torch.float32) for k in range(n)], dist.ReduceOp.MAX),
+             _reference([_data(k, 3, torch.float64) for k in range(n)], dist.ReduceOp.MAX),
+             _reference([_data(k, 7, torch.int64) for k in range(n)], dist.ReduceOp.MAX).reshape(7, 1)])
+    ts = [_data(r, 6, torch.float32, salt=s) for s in range(3)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    c.equal("coalescing manager", ts, [sum(_data(k, 6, torch.float32, salt=s) for k in range(n))
+                                       for s in range(3)])
+
+    # reduce_scatter: list form, tensor form, single form, AVG and PREMUL_SUM, non-contiguous output
+    for op in ops:
+        def reduce_scatter(group, op=op):
+            out = torch.zeros(4)
+            ins = [_data(r, 4, torch.float32, salt=k) for k in range(n)]
+            dist.reduce_scatter(out, ins, op=op, group=group)
+            return out
+
+        c.same_as_gloo(f"reduce_scatter {op}", reduce_scatter)
+
+        def reduce_scatter_tensor(group, op=op):
+            out = torch.zeros(3, 2)
+            inp = _data(r, 6 * n, torch.float32).reshape(3 * n, 2)
+            dist.reduce_scatter_tensor(out, inp, op=op, group=group)
+            return out
+
+        c.same_as_gloo(f"reduce_scatter_tensor {op}", reduce_scatter_tensor)
+    out = torch.zeros(5)
+    dist.reduce_scatter_tensor(out, _data(r, 5 * n, torch.float32), op=dist.ReduceOp.AVG)
+    c.equal("reduce_scatter_tensor AVG", out,
+            (sum(_data(k, 5 * n, torch.float32) for k in range(n)) / n)[5 * r: 5 * r + 5])
+    out = torch.zeros(5)
+    inp = _data(r, 5 * n, torch.float32)
+    dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.5))
+    c.equal("reduce_scatter_tensor PREMUL_SUM", out,
+            (0.5 * sum(_data(k, 5 * n, torch.float32) for k in range(n)))[5 * r: 5 * r + 5])
+    c.equal("reduce_scatter_tensor keeps its input", inp, _data(r, 5 * n, torch.float32))
+    if hasattr(dist, "reduce_scatter_single"):
+        out = torch.zeros(2)
+        dist.reduce_scatter_single(out, _data(r, 2 * n, torch.float32))
+        total = sum(_data(k, 2 * n, torch.float32) for k in range(n))
+        c.equal("reduce_scatter_single", out, total[2 * r: 2 * r + 2])
+
+    # (Gloo writes a non-contiguous output in storage order, not element order: compare with the
+    # reference instead)
+    out = torch.zeros(4, 2).t()  # (2, 4), not contiguous
+    dist.reduce_scatter(out, [_data(r, 8, torch.float32, salt=k).reshape(2, 4) for k in range(n)])
+    c.equal("reduce_scatter non-contiguous output", out,
+            sum(_data(k, 8, torch.float32, salt=r).reshape(2, 4) for k in range(n)))
+
+
+def _check_data_movement(c: _Checker) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r, n = c.rank, c.size
+    for root in range(n):
+        for dtype in (torch.float32, torch.int64, torch.bool, torch.bfloat16):
+            def broadcast(group, root=root, dtype=dtype):
+                t = _data(r, 10, dtype, salt=root)
+                dist.broadcast(t, src=root, group=group)
+                return t
+
+            c.same_as_gloo(f"broadcast root {root} {dtype}", broadcast)
+
+    def all_gather(group):
+        outs = [torch.zeros(3, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(outs, _data(r, 3, torch.int64), group=group)
+        return outs
+
+    c.same_as_gloo("all_gather", all_gather)
+
+    def all_gather_strided(group):
+        out = torch.zeros(3, n)
+        dist.all_gather(list(out.unbind(1)), _data(r, 3, torch.float32), group=group)  # strided views
+        return out
+
+    c.same_as_gloo("all_gather into non-contiguous views", all_gather_strided)
+
+    def all_gather_into_tensor(group):
+        flat = torch.zeros(4 * n, 3)
+        dist.all_gather_into_tensor(flat, _data(r, 12, torch.float32).reshape(4, 3), group=group)
+        return flat
+
+    c.same_as_gloo("all_gather_into_tensor", all_gather_into_tensor)
+    stacked = torch.zeros(n, 2, 2)  # the stacked output shape (Gloo refuses it)
+    dist.all_gather_into_tensor(stacked, _data(r, 4, torch.float32, salt=1).reshape(2, 2))
+    c.equal("all_gather_into_tensor stacked", stacked,
+            torch.stack([_data(k, 4, torch.float32, salt=1).reshape(2, 2) for k in range(n)]))
+    if hasattr(dist, "all_gather_single"):
+        out = torch.zeros(2 * n)
+        dist.all_gather_single(out, _data(r, 2, torch.float32))
+        c.equal("all_gather_single", out, torch.cat([_data(k, 2, torch.float32) for k in range(n)]))
+    # in place: the input is this rank's slice of the output (what FSDP does)
+    out = torch.zeros(3 * n)
+    out[3 * r: 3 * r + 3] = _data(r, 3, torch.float32)
+    dist.all_gather_into_tensor(out, out[3 * r: 3 * r + 3])
+    c.equal("all_gather_into_tensor in place", out, torch.cat([_data(k, 3, torch.float32) for k in range(n)]))
+    def all_gather_coalesced(group):
+        outs = [[torch.zeros(2), torch.zeros(3)] for _ in range(n)]  # [rank][input index]
+        dist.all_gather_coalesced(outs, [_data(r, 2, torch.float32), _data(r, 3, torch.float32, salt=4)],
+                                  group=group)
+        return [t for lst in outs for t in lst]
+
+    c.same_as_gloo("all_gather_coalesced", all_gather_coalesced)
+
+    for root in range(n):
+        def gather(group, root=root):
+            outs = [torch.zeros(4) for _ in range(n)] if r == root else None
+            dist.gather(_data(r, 4, torch.float32), outs, dst=root, group=group)
+            return outs if r == root else [torch.zeros(1)]
+
+        c.same_as_gloo(f"gather root {root}", gather)
+
+        def scatter(group, root=root):
+            out = torch.zeros(3)
+            ins = [_data(k, 3, torch.float32, salt=root) for k in range(n)] if r == root else None
+            dist.scatter(out, ins, src=root, group=group)
+            return out
+
+        c.same_as_gloo(f"scatter root {root}", scatter)
+
+    def all_to_all(group):
+        ins = [_data(r, 3, torch.float32, salt=10 * r + k) for k in range(n)]
+        outs = [torch.zeros(3) for _ in range(n)]
+        dist.all_to_all(outs, ins, group=group)
+        return outs
+
+    c.same_as_gloo("all_to_all", all_to_all)
+    ins = [_data(r, k + 1, torch.float32, salt=10 * r + k) for k in range(n)]  # uneven (Gloo refuses)
+    outs = [torch.zeros(r + 1) for _ in range(n)]
+    dist.all_to_all(outs, ins)
+    c.equal("all_to_all uneven", outs, [_data(k, r + 1, torch.float32, salt=10 * k + r) for k in range(n)])
+
+    def all_to_all_single(group):
+        even_out = torch.zeros(2 * n, 3)
+        dist.all_to_all_single(even_out, _data(r, 6 * n, torch.float32).reshape(2 * n, 3), group=group)
+        in_splits = [k + 1 for k in range(n)]  # rank r sends k+1 rows to rank k
+        out_splits = [r + 1] * n
+        split_out = torch.zeros(sum(out_splits), 2)
+        dist.all_to_all_single(split_out, _data(r, 2 * sum(in_splits), torch.float32).reshape(-1, 2),
+                               output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+        return [even_out, split_out]
+
+    c.same_as_gloo("all_to_all_single (even and with splits)", all_to_all_single)
+
+    before = c.tw._seq
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+    assert c.tw._seq == before + 2, "barrier did not run on tensorwire"
+
+
+def _check_async(c: _Checker) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r, n = c.rank, c.size
+    t = _data(r, 1000, torch.float32)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    assert work.wait() is True
+    value = fut.wait()
+    assert isinstance(value, list) and value[0] is t or torch.equal(value[0], t), value
+    assert work.is_completed() and work.is_success() and work.exception() is None
+    c.equal("async all_reduce", t, sum(_data(k, 1000, torch.float32) for k in range(n)))
+    # many in flight at once, completed in order, futures chained with then()
+    ts = [_data(r, 50, torch.float32, salt=s) for s in range(8)]
+    works = [dist.all_reduce(x, async_op=True) for x in ts]
+    chained = works[-1].get_future().then(lambda f: f.value()[0] * 2)
+    for w in works:
+        w.wait()
+    c.equal("eight async all_reduces", ts, [sum(_data(k, 50, torch.float32, salt=s) for k in range(n))
+                                             for s in range(8)])
+    c.equal("future.then", chained.wait(), 2 * ts[-1])
+    for make in (lambda: dist.broadcast(_data(r, 4, torch.float32), src=0, async_op=True),
+                 lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], torch.ones(2), async_op=True),
+                 lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.ones(n), async_op=True),
+                 lambda: dist.all_to_all_single(torch.zeros(n), torch.ones(n), async_op=True),
+                 lambda: dist.barrier(async_op=True)):
+        w = make()
+        w.get_future().wait()
+        assert w.is_completed()
+
+
+def _check_p2p(c: _Checker) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r, n = c.rank, c.size
+    right, left = (r + 1) % n, (r - 1) % n
+    # blocking, alternating order so nobody deadlocks
+    got = torch.zeros(5)
+    if r % 2 == 0:
+        dist.send(_data(r, 5, torch.float32), dst=right)
+        dist.recv(got, src=left)
+    else:
+        dist.recv(got, src=left)
+        dist.send(_data(r, 5, torch.float32), dst=right)
+    c.equal("send/recv ring", got, _data(left, 5, torch.float32))
+    # isend/irecv with tags, received in the opposite order of sending
+    a, b = torch.zeros(3), torch.zeros(3)
+    reqs = [dist.irecv(b, src=left, tag=2), dist.irecv(a, src=left, tag=1),
+            dist.isend(_data(r, 3, torch.float32, salt=1), dst=right, tag=1),
+            dist.isend(_data(r, 3, torch.float32, salt=2), dst=right, tag=2)]
+    for q in reqs:
+        q.wait()
+    c.equal("isend/irecv tags", [a, b], [_data(left, 3, torch.float32, salt=1),
+                                          _data(left, 3, torch.float32, salt=2)])
+    # batch_isend_irecv in both directions
+    from_left, from_right = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
+           dist.P2POp(dist.isend, _data(r, 4, torch.int64), right),
+           dist.P2POp(dist.isend, _data(r, 4, torch.int64), left)]
+    for q in dist.batch_isend_irecv(ops):
+        q.wait()
+    c.equal("batch_isend_irecv", [from_left, from_right],
+            [_data(left, 4, torch.int64), _data(right, 4, torch.int64)])
+    # a receive from any source (src=None); the sender's rank comes back
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            t = torch.zeros(2)
+            src = dist.recv(t, tag=7)
+            c.equal("recv from any source", t, _data(src, 2, torch.float32))
+            seen.add(src)
+        assert seen == set(range(1, n)), seen
+    else:
+        dist.send(_data(r, 2, torch.float32), dst=0, tag=7)
+    # a future on a point-to-point Work completes without anybody calling wait()
+    t = torch.zeros(2)
+    req = dist.irecv(t, src=left, tag=9)
+    dist.isend(_data(r, 2, torch.float32), dst=right, tag=9).get_future().wait()
+    req.get_future().wait()
+    c.equal("p2p future", t, _data(left, 2, torch.float32))
+    dist.barrier()
+
+
+def _check_objects(c: _Checker) -> None:
+    import torch.distributed as dist
+
+    r, n = c.rank, c.size
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "payload": "x" * (100 * r)})
+    assert objs == [{"rank": k, "payload": "x" * (100 * k)} for k in range(n)], objs
+    gathered = [None] * n if r == 0 else None
+    dist.gather_object(("from", r), gathered, dst=0)
+    if r == 0:
+        assert gathered == [("from", k) for k in range(n)], gathered
+    lst = [f"root {n - 1}", {1, 2}] if r == n - 1 else [None, None]
+    dist.broadcast_object_list(lst, src=n - 1)
+    assert lst == [f"root {n - 1}", {1, 2}], lst
+    out = [None]
+    dist.scatter_object_list(out, [k * 10 for k in range(n)] if r == 0 else None, src=0)
+    assert out == [r * 10], out
+    c.count += 4
+
+
+def _check_functional_and_mesh(c: _Checker) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r, n = c.rank, c.size
+    mesh = init_device_mesh("cpu", (n,))
+    assert mesh.get_group().group_name == dist.distributed_c10d._get_default_group().group_name
+    x = _data(r, 4 * n, torch.float32)
+    c.equal("funcol all_reduce", funcol.all_reduce(x, "sum", mesh).wait(), sum(_data(k, 4 * n, torch.float32)
+                                                                               for k in range(n)))
+    c.equal("funcol all_gather_tensor", funcol.all_gather_tensor(x, 0, mesh).wait(),
+            torch.cat([_data(k, 4 * n, torch.float32) for k in range(n)]))
+    c.equal("funcol reduce_scatter_tensor", funcol.reduce_scatter_tensor(x, "sum", 0, mesh).wait(),
+            sum(_data(k, 4 * n, torch.float32) for k in range(n))[4 * r: 4 * r + 4])
+    c.equal("funcol all_to_all_single", funcol.all_to_all_single(x, None, None, mesh).wait(),
+            torch.cat([_data(k, 4 * n, torch.float32)[4 * r: 4 * r + 4] for k in range(n)]))
+    c.equal("funcol broadcast", funcol.broadcast(x, n - 1, mesh).wait(), _data(n - 1, 4 * n, torch.float32))
+    # by group name, as compiled code calls them
+    name = dist.distributed_c10d._get_default_group().group_name
+    y = torch.ops._c10d_functional.all_reduce(x, "avg", name)
+    y = torch.ops._c10d_functional.wait_tensor(y)
+    c.equal("c10d_functional all_reduce avg", y, sum(_data(k, 4 * n, torch.float32) for k in range(n)) / n)
+
+
+def scenario_ops() -> None:
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    c = _Checker(dist.new_group(backend="gloo"))
+    for check in (_check_reductions, _check_data_movement, _check_async, _check_p2p, _check_objects,
+                  _check_functional_and_mesh):
+        check(c)
+    print(f"rank {c.rank}: {c.count} checks passed")
+    dist.destroy_process_group()
+
+
+def scenario_four() -> None:
+    """Four ranks: the ops on a tensorwire world and its sub-groups, then tensorwire groups
+    created with new_group(backend="tensorwire") on top of a Gloo world."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorwire.torch  # noqa: F401
+    from tensorwire.torch import ProcessGroupTensorwire
+
+    dist.init_process_group("tensorwire")
+    c = _Checker(dist.new_group(backend="gloo"))
+    r = c.rank
+    _check_reductions(c)
+    _check_data_movement(c)
+    _check_p2p(c)
+    # sub-groups: overlapping, created in the same order everywhere; non-members get nothing
+    subsets = [[0, 1], [1, 2, 3], [3, 0], [2], [0, 1, 2, 3]]
+    groups = [dist.new_group(s) for s in subsets]
+    gloos = [dist.new_group(s, backend="gloo") for s in subsets]
+    for ranks, g, gg in zip(subsets, groups, gloos):
+        ranks = sorted(ranks)  # torch orders a group's ranks
+        if r not in ranks:
+            assert g == dist.GroupMember.NON_GROUP_MEMBER
+            continue
+        assert isinstance(g, ProcessGroupTensorwire), g
+        assert dist.get_process_group_ranks(g) == ranks
+        me = ranks.index(r)
+        t, u = _data(r, 6, torch.float32), _data(r, 6, torch.float32)
+        dist.all_reduce(t, group=g)
+        dist.all_reduce(u, group=gg)
+        c.equal(f"all_reduce on {ranks}", t, u)
+        outs = [torch.zeros(2) for _ in ranks]
+        dist.all_gather(outs, _data(r, 2, torch.float32), group=g)
+        c.equal(f"all_gather on {ranks}", outs, [_data(k, 2, torch.float32) for k in ranks])
+        b = _data(r, 3, torch.float32)
+        dist.broadcast(b, src=ranks[-1], group=g)  # global rank, as torch takes it
+        c.equal(f"broadcast on {ranks}", b, _data(ranks[-1], 3, torch.float32))
+        if len(ranks) > 1:
+            got = torch.zeros(2)
+            nxt, prv = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+            reqs = [dist.isend(_data(r, 2, torch.float32), dst=nxt, group=g),
+                    dist.irecv(got, src=prv, group=g)]
+            for q in reqs:
+                q.wait()
+            c.equal(f"isend/irecv on {ranks}", got, _data(prv, 2, torch.float32))
+    # a 2-D DeviceMesh: its dimensions are tensorwire sub-groups; functional collectives on each
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = _data(r, 4, torch.float32)
+    for i, dim in enumerate(("dp", "tp")):
+        members = dist.get_process_group_ranks(mesh.get_group(dim))
+        assert isinstance(mesh.get_group(dim), ProcessGroupTensorwire)
+        c.equal(f"mesh {dim} all_reduce", funcol.all_reduce(x, "sum", (mesh, i)).wait(),
+                sum(_data(k, 4, torch.float32) for k in members))
+        c.equal(f"mesh {dim} all_gather", funcol.all_gather_tensor(x, 0, mesh[dim]).wait(),
+                torch.cat([_data(k, 4, torch.float32) for k in members]))
+    dist.destroy_process_group()
+
+    # Phase 2: a Gloo world (fresh store), tensorwire only for some groups; pairs connect on demand.
+    import tensorwire.torch.world as tw_world
+
+    assert tw_world._runtime is None, "the tensorwire world was not shut down with torch's"
+    port = int(os.environ["MASTER_PORT"]) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=4)
+    for ranks in ([0, 1], [2, 3], [1, 2], [0, 1, 2, 3], [0, 3]):
+        g = dist.new_group(ranks, backend="tensorwire")
+        if r not in ranks:
+            continue
+        assert isinstance(g, ProcessGroupTensorwire) and dist.get_backend(g) == "tensorwire"
+        t = _data(r, 5, torch.float32)
+        dist.all_reduce(t, group=g)
+        c.equal(f"tensorwire group {ranks} on a gloo world", t,
+                sum(_data(k, 5, torch.float32) for k in ranks))
+        outs = [torch.zeros(5) for _ in ranks]
+        dist.all_gather(outs, _data(r, 5, torch.float32), group=g)
+        c.equal(f"all_gather {ranks} on a gloo world", outs, [_data(k, 5, torch.float32) for k in ranks])
+    engine = tw_world._runtime.engine
+    # one connection per pair, whatever the number of groups: 3 peers at most
+    assert len(engine.channels) <= 3 and r not in engine.channels, sorted(engine.channels)
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the gloo world still works beside them
+    assert torch.equal(t, torch.full((3,), 4.0))
+    dist.destroy_process_group()
+    assert tw_world._runtime is None
+    print(f"rank {r}: {c.count} checks passed")
+
+
+if __name__ == "__main__":
+    _scenario = sys.argv[1]
+    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
+    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)

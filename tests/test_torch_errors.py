@@ -1,0 +1,220 @@
+"""Failures through torch.distributed: tensorwire's errors, raised on every rank, never a hang.
+
+torch's own debug wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) does not cover Python backends, so
+these checks are the only ones a tensorwire process group has: mismatched collectives (count,
+op, kind), bad arguments, timeouts, a failure inside DDP's backward, and a peer that dies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_torch_backend import assert_all_ok, launch
+
+pytest.importorskip("torch")
+
+_SELF = Path(__file__).resolve()
+
+
+@pytest.mark.timeout(120)
+def test_mismatch_invalid_timeout_and_ddp_failure() -> None:
+    assert_all_ok(launch("errors", 2, script=_SELF), "errors")
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_inside_ddp() -> None:
+    results = launch("dead_peer", 2, script=_SELF, timeout=90)
+    survivor, dead = results
+    assert dead.rc == 17, dead.tail()
+    assert survivor.rc == 0 and "dead_peer OK" in survivor.out, survivor.tail()
+
+
+# ------------------------------------------------------------------------------------ scenarios
+
+def _expect(exc_types, fn, *, contains: str = "", within: float | None = None):
+    """Run fn; it must raise one of exc_types (message containing `contains`) within `within` s."""
+    start = time.monotonic()
+    try:
+        fn()
+    except exc_types as exc:
+        elapsed = time.monotonic() - start
+        assert contains in str(exc), f"{type(exc).__name__} without {contains!r}: {exc}"
+        assert within is None or elapsed < within, f"raised after {elapsed:.1f} s (limit {within} s)"
+        return exc
+    raise AssertionError(f"{fn} did not raise {exc_types}")
+
+
+def _ddp_step(ddp, opt, gen):
+    import torch
+    import torch.nn.functional as F
+
+    x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+    loss = F.mse_loss(ddp(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def scenario_errors() -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import tensorwire.torch  # noqa: F401
+    from tensorwire import CollectiveMismatchError, InvalidArgumentError, TensorwireError
+    from tensorwire import TimeoutError as TwTimeoutError
+
+    dist.init_process_group("tensorwire")
+    rank = dist.get_rank()
+
+    # count mismatch: both ranks raise, naming the collective and the difference
+    g = dist.new_group()
+    exc = _expect(CollectiveMismatchError, lambda: dist.all_reduce(torch.ones(4 + rank), group=g),
+                  contains="all_reduce", within=10)
+    assert "count" in str(exc) and f"rank {rank}" in str(exc), exc
+    # the failed group stays failed (its messages may be half-delivered); the world still works
+    _expect(CollectiveMismatchError, lambda: dist.all_reduce(torch.ones(4), group=g), within=1)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), 2.0))
+
+    # op mismatch and collective mismatch
+    g = dist.new_group()
+    op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+    _expect(CollectiveMismatchError, lambda: dist.all_reduce(torch.ones(4), op=op, group=g), contains="op",
+            within=10)
+    g = dist.new_group()
+
+    def different_collectives():
+        if rank == 0:
+            dist.all_reduce(torch.ones(4), group=g)
+        else:
+            dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.ones(2), group=g)
+
+    _expect(CollectiveMismatchError, different_collectives, within=10)
+
+    # an async collective: wait() raises tensorwire's error; its future carries the message
+    g = dist.new_group()
+    work = dist.all_reduce(torch.ones(8 * (rank + 1)), group=g, async_op=True)
+    _expect(CollectiveMismatchError, work.wait, within=10)
+    assert work.is_completed() and not work.is_success()
+    _expect(RuntimeError, work.get_future().wait, contains="CollectiveMismatchError")
+
+    # a bad argument on one rank: it raises InvalidArgumentError, the other rank does not hang
+    g = dist.new_group()
+    if rank == 0:
+        _expect(InvalidArgumentError, lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND, group=g),
+                contains="BAND", within=5)
+    else:
+        _expect(TensorwireError, lambda: dist.all_reduce(torch.ones(4), group=g), contains="BAND", within=10)
+
+    # a tensor tensorwire cannot move (not on the CPU): the same, found by the torch layer
+    g = dist.new_group()
+    if rank == 0:
+        _expect(InvalidArgumentError, lambda: dist.all_reduce(torch.empty(4, device="meta"), group=g),
+                contains="CPU tensors only", within=5)
+    else:
+        _expect(TensorwireError, lambda: dist.all_reduce(torch.ones(4), group=g), contains="CPU tensors only",
+                within=10)
+
+    # a rank that never arrives: the other raises TimeoutError after the group's timeout
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    if rank == 0:
+        exc = _expect(TwTimeoutError, lambda: dist.all_reduce(torch.ones(4), group=g), contains="timed out",
+                      within=15)
+        assert isinstance(exc, TimeoutError)  # the builtin one too
+    dist.barrier()  # rank 1 only now calls, long after rank 0 gave up: it learns why at once
+    if rank == 1:
+        _expect(TwTimeoutError, lambda: dist.all_reduce(torch.ones(4), group=g), within=5)
+    # a timeout passed per call (barrier(timeout=...))
+    g = dist.new_group()
+    if rank == 0:
+        _expect(TwTimeoutError, lambda: dist.barrier(group=g, timeout=timedelta(seconds=1)), within=10)
+    dist.barrier()
+
+    # inside DDP's backward: rank 1 issues an extra all-reduce first (the size of DDP's one bucket,
+    # with MAX), so the bucket all-reduces disagree. Every rank gets a Python exception out of
+    # backward(): no crash, no hang. (Same size on purpose: a disagreement that makes the ranks
+    # pick different algorithms is still caught only by the timeout, a known core limitation.)
+    from test_torch_training import _mlp
+
+    g = dist.new_group()
+    model = _mlp()
+    ddp = DDP(model, process_group=g)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # DDP rebuilds its buckets (a broadcast) in the second step: get past it
+        _ddp_step(ddp, opt, gen)
+    n = sum(p.numel() for p in model.parameters())
+    assert n * 4 < 1 << 20, n  # one bucket (DDP's first is 1 MiB)
+    if rank == 1:
+        dist.all_reduce(torch.ones(n), op=dist.ReduceOp.MAX, group=g, async_op=True)
+    exc = _expect((RuntimeError,), lambda: _ddp_step(ddp, opt, gen), within=20)
+    assert "CollectiveMismatchError" in f"{type(exc).__name__}: {exc}", exc
+    # the next step fails at once too (the group is aborted), and the world still works
+    _expect((RuntimeError,), lambda: _ddp_step(ddp, opt, gen), within=5)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), 2.0))
+
+    # a rank that stalls inside training: the other one's backward raises TimeoutError after the
+    # group's timeout, and the staller's own backward then raises the same error at once
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    ddp = DDP(_mlp(), process_group=g)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(2):
+        _ddp_step(ddp, opt, gen)
+    if rank == 0:
+        exc = _expect((RuntimeError,), lambda: _ddp_step(ddp, opt, gen), contains="timed out", within=15)
+    else:
+        time.sleep(5)
+        # rank 0's half may already be waiting for it, so this step can still succeed; then the
+        # next one raises at once (the group is aborted)
+        def two_steps():
+            _ddp_step(ddp, opt, gen)
+            _ddp_step(ddp, opt, gen)
+
+        exc = _expect((RuntimeError,), two_steps, contains="timed out", within=5)
+    assert "TimeoutError" in f"{type(exc).__name__}: {exc}", exc
+    dist.destroy_process_group()
+
+
+def scenario_dead_peer() -> None:
+    import torch
+    import torch.distributed as dist
+    from test_torch_training import _mlp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import tensorwire.torch  # noqa: F401
+    from tensorwire import PeerLostError
+
+    dist.init_process_group("tensorwire")
+    rank = dist.get_rank()
+    ddp = DDP(_mlp())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    _ddp_step(ddp, opt, gen)
+    dist.barrier()
+    if rank == 1:
+        os._exit(17)  # dies without a word: no destroy, no goodbye
+    # rank 0: the next backward raises (noticed through the closed socket, not a timeout)
+    exc = _expect((RuntimeError,), lambda: _ddp_step(ddp, opt, gen), contains="lost rank 1", within=20)
+    assert "PeerLostError" in f"{type(exc).__name__}: {exc}", exc
+    _expect(PeerLostError, lambda: dist.all_reduce(torch.ones(2)), within=5)
+    # shutting down with a dead peer neither hangs nor raises
+    start = time.monotonic()
+    dist.destroy_process_group()
+    assert time.monotonic() - start < 10
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(_SELF.parent))
+    _scenario = sys.argv[1]
+    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
+    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)

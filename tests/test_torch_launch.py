@@ -1,0 +1,119 @@
+"""Starting the tensorwire backend every way torch users do: torchrun, `tensorwire run`, and the
+env://, tcp:// and file:// init methods (with destroy and re-init in one process), a single
+process, the 'cpu:tensorwire' device syntax; and examples/ddp_train.py under both launchers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from test_torch_backend import REPO, assert_all_ok, clean_env, free_port, launch, run_command
+
+pytest.importorskip("torch")
+
+_SELF = Path(__file__).resolve()
+BIN = Path(sys.executable).parent
+EXAMPLE = REPO / "examples" / "ddp_train.py"
+
+
+def _check_example(result, what: str) -> None:
+    text = result.out + result.err
+    assert result.rc == 0, f"{what} exited {result.rc}:\n{text[-4000:]}"
+    assert "parameters identical on every rank: True" in result.out, text[-4000:]
+    assert "step   0" in result.out, text[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_example_under_torchrun() -> None:
+    argv = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+            str(EXAMPLE), "--steps", "6"]
+    _check_example(run_command(argv, env=clean_env(), timeout=100), "torchrun")
+
+
+@pytest.mark.timeout(120)
+def test_example_under_tensorwire_run() -> None:
+    argv = [str(BIN / "tensorwire"), "run", "-n", "2", str(EXAMPLE), "--steps", "6"]
+    _check_example(run_command(argv, env=clean_env(), timeout=100), "tensorwire run")
+
+
+@pytest.mark.timeout(120)
+def test_init_methods_and_reinit() -> None:
+    assert_all_ok(launch("init_methods", 2, script=_SELF, args=(str(free_port()),)), "init_methods")
+
+
+# ------------------------------------------------------------------------------------ scenarios
+
+def scenario_init_methods(tcp_port: str) -> None:
+    import tempfile
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire as tw
+    import tensorwire.torch  # noqa: F401
+    from tensorwire.torch import ProcessGroupTensorwire
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def exercise(tag: str) -> None:
+        assert isinstance(dist.distributed_c10d._get_default_group(), ProcessGroupTensorwire), tag
+        assert "tensorwire" in dist.get_backend(), (tag, dist.get_backend())
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((5,), float(size * (size + 1) // 2))), (tag, t)
+        sub = dist.new_group([0, 1])
+        outs = [torch.zeros(2) for _ in range(2)]
+        dist.all_gather(outs, torch.full((2,), float(rank)), group=sub)
+        assert [o[0].item() for o in outs] == [0.0, 1.0], (tag, outs)
+        # tensorwire's own API runs on the same world, over the same connections
+        x = np.full(3, rank + 1, dtype=np.int64)
+        tw.all_reduce(x)
+        assert x.tolist() == [3, 3, 3], (tag, x)
+        dist.destroy_process_group()
+        assert not tw.is_initialized(), f"{tag}: tensorwire still initialized after destroy"
+
+    # env:// (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE), the default init method
+    dist.init_process_group("tensorwire")
+    exercise("env://")
+    # tcp:// with explicit rank and size, and the device-map syntax
+    dist.init_process_group("cpu:tensorwire", init_method=f"tcp://127.0.0.1:{tcp_port}", rank=rank,
+                            world_size=size)
+    exercise("tcp://")
+    # file:// (a fresh file both ranks agree on)
+    path = os.path.join(tempfile.gettempdir(), f"tw-torch-filestore-{tcp_port}")
+    dist.init_process_group("tensorwire", init_method=f"file://{path}", rank=rank, world_size=size)
+    exercise("file://")
+    # an explicit store object
+    store = dist.TCPStore("127.0.0.1", int(tcp_port) + 1, size, is_master=rank == 0)
+    dist.init_process_group("tensorwire", store=store, rank=rank, world_size=size)
+    exercise("store=")
+    # a user who initialized tensorwire first: torch's world reuses it instead of a second one
+    tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{int(tcp_port) + 2}")
+    store = dist.TCPStore("127.0.0.1", int(tcp_port) + 3, size, is_master=rank == 0)
+    dist.init_process_group("tensorwire", store=store, rank=rank, world_size=size)
+    pg = dist.distributed_c10d._get_default_group()
+    assert pg.tensorwire_group is tw.world()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(size)))
+    dist.destroy_process_group()
+    assert tw.is_initialized(), "torch must not destroy a tensorwire world it did not create"
+    tw.destroy()
+    if rank == 0:  # a world of one process
+        dist.init_process_group("tensorwire", init_method=f"tcp://127.0.0.1:{int(tcp_port) + 4}", rank=0,
+                                world_size=1)
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.barrier()
+        assert torch.equal(t, torch.ones(2))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(_SELF.parent))
+    _scenario = sys.argv[1]
+    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
+    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)
