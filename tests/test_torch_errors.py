@@ -140,8 +140,7 @@ def scenario_errors() -> None:
 
     # inside DDP's backward: rank 1 issues an extra all-reduce first (the size of DDP's one bucket,
     # with MAX), so the bucket all-reduces disagree. Every rank gets a Python exception out of
-    # backward(): no crash, no hang. (Same size on purpose: a disagreement that makes the ranks
-    # pick different algorithms is still caught only by the timeout, a known core limitation.)
+    # backward(): no crash, no hang.
     from test_torch_training import _mlp
 
     g = dist.new_group()
@@ -162,6 +161,16 @@ def scenario_errors() -> None:
     t = torch.ones(2)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((2,), 2.0))
+    # the same with a small extra all-reduce, which the ranks run with a different algorithm
+    g = dist.new_group()
+    ddp = DDP(_mlp(), process_group=g)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(2):
+        _ddp_step(ddp, opt, gen)
+    if rank == 1:
+        dist.all_reduce(torch.ones(7), group=g, async_op=True)
+    exc = _expect((RuntimeError,), lambda: _ddp_step(ddp, opt, gen), within=20)
+    assert "CollectiveMismatchError" in f"{type(exc).__name__}: {exc}", exc
 
     # a rank that stalls inside training: the other one's backward raises TimeoutError after the
     # group's timeout, and the staller's own backward then raises the same error at once
