@@ -39,10 +39,8 @@ from ..rendezvous import bootstrap
 from ..rendezvous.store import Store, TorchStoreAdapter
 from ..runtime import Runtime
 from ..transport import netif
-from ..transport.connect import _setup_rings
+from ..transport.connect import _setup_rings, dial, install_channels, recv_exact
 from ..transport.engine import Engine
-from ..transport.shm import ShmChannel
-from ..transport.tcp import SocketStream, TcpChannel, tune_socket
 
 _log = log.get("INIT")
 _lock = threading.RLock()
@@ -212,7 +210,7 @@ def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
                                    f"{sorted(want - set(socks))} never connected") from exc
             conn.settimeout(max(0.1, deadline - time.monotonic()))
             try:
-                magic, peer, peer_job = _LINK_HELLO.unpack(_recv_exact(conn, _LINK_HELLO.size))
+                magic, peer, peer_job = _LINK_HELLO.unpack(recv_exact(conn, _LINK_HELLO.size))
             except (OSError, struct.error):
                 conn.close()
                 continue
@@ -225,35 +223,11 @@ def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
     local = {m for m in missing if peers[m]["host"] == host and cfg.transport != "tcp"}
     rings = _setup_rings(me, socks, local, rt.info.job_id, cfg.shm_ring_bytes)
     with engine.lock:
-        for m in sorted(socks):
-            tune_socket(socks[m])
-            stream = SocketStream(socks[m], m, engine, cfg.tcp_chunk_bytes)
-            if m in rings:
-                engine.add_channel(m, ShmChannel(stream, rings[m][0], rings[m][1], engine))
-            else:
-                engine.add_channel(m, TcpChannel(stream))
+        install_channels(engine, socks, rings, cfg)
     _log.info("rank %d connected to %s (shm %s)", me, sorted(socks), sorted(rings))
 
 
 def _dial(me: int, peer: int, addr: tuple[str, int], job: int, deadline: float) -> socket.socket:
-    while True:
-        try:
-            sock = socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
-            break
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {me}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
-                                   f"{exc}") from exc
-            time.sleep(0.05)
+    sock = dial(addr, deadline, f"rank {me}", peer)
     sock.sendall(_LINK_HELLO.pack(_LINK_MAGIC, me, job))
     return sock
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection during setup")
-        buf += chunk
-    return bytes(buf)

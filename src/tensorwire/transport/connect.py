@@ -39,7 +39,7 @@ def _send_msg(sock: socket.socket, obj: object) -> None:
     sock.sendall(struct.pack("<I", len(raw)) + raw)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -50,8 +50,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _recv_msg(sock: socket.socket) -> object:
-    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
-    return json.loads(_recv_exact(sock, n))
+    (n,) = struct.unpack("<I", recv_exact(sock, 4))
+    return json.loads(recv_exact(sock, n))
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
@@ -84,6 +84,15 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     listener.close()
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = _setup_rings(rank, socks, local, job_id, cfg.shm_ring_bytes)
+    install_channels(engine, socks, rings, cfg)
+    _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),
+              sorted(set(socks) - set(rings)))
+    return engine
+
+
+def install_channels(engine: Engine, socks: dict[int, socket.socket],
+                     rings: dict[int, tuple[Ring, Ring]], cfg: Config) -> None:
+    """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
         tune_socket(socks[r])
         stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
@@ -91,9 +100,6 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
             engine.add_channel(r, ShmChannel(stream, rings[r][0], rings[r][1], engine))
         else:
             engine.add_channel(r, TcpChannel(stream))
-    _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),
-              sorted(set(socks) - set(rings)))
-    return engine
 
 
 def _connect_lower(rank: int, world_size: int, peers: dict[int, dict], job_id: str,
@@ -101,19 +107,21 @@ def _connect_lower(rank: int, world_size: int, peers: dict[int, dict], job_id: s
     socks = {}
     hello = _HELLO.pack(_MAGIC, rank, world_size, _job_hash(job_id))
     for r in range(rank):
-        addr = (peers[r]["addr"], peers[r]["port"])
-        while True:
-            try:
-                sock = socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as exc:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {rank}: init: cannot connect to rank {r} at "
-                                       f"{addr[0]}:{addr[1]}: {exc}") from exc
-                time.sleep(0.05)
-        sock.sendall(hello)
-        socks[r] = sock
+        socks[r] = dial((peers[r]["addr"], peers[r]["port"]), deadline, f"rank {rank}: init", r)
+        socks[r].sendall(hello)
     return socks
+
+
+def dial(addr: tuple[str, int], deadline: float, who: str, peer: int) -> socket.socket:
+    """Connect, retrying until `deadline` (the peer may not be listening yet)."""
+    while True:
+        try:
+            return socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{who}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
+                                   f"{exc}") from exc
+            time.sleep(0.05)
 
 
 def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: str,
@@ -130,7 +138,7 @@ def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: 
             raise TimeoutError(f"rank {rank}: init: rank(s) {missing} never connected") from exc
         conn.settimeout(max(0.1, deadline - time.monotonic()))
         try:
-            magic, peer, size, peer_job = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            magic, peer, size, peer_job = _HELLO.unpack(recv_exact(conn, _HELLO.size))
         except (OSError, struct.error):
             conn.close()
             continue
