@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _CHECKED: dict[tuple[ReduceOp, np.dtype], Reduction] = {}  # (op, dtype) pairs already validated
 _CODES: dict[np.dtype, int] = {}
+_FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more than finding one
 
 
 class Collectives:
@@ -88,15 +89,24 @@ class Collectives:
     @staticmethod
     def _fp(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None = None, root: int = -1,
             count: int = -1) -> Fingerprint:
+        key = (coll, dtype, root, count) if op is None else (coll, dtype, root, count, op.op, op.factor)
+        fp = _FINGERPRINTS.get(key)
+        if fp is not None:
+            return fp
         code = 0
         if dtype is not None:
             code = _CODES.get(dtype)
             if code is None:
                 code = _CODES[dtype] = dtype_code(dtype)
         if op is None:
-            return Fingerprint(coll, code, 0, root, count)
-        aux = 0 if op.factor is None else struct.unpack("<Q", struct.pack("<d", op.factor))[0]
-        return Fingerprint(coll, code, op.op, root, count, aux)
+            fp = Fingerprint(coll, code, 0, root, count)
+        else:
+            aux = 0 if op.factor is None else struct.unpack("<Q", struct.pack("<d", op.factor))[0]
+            fp = Fingerprint(coll, code, op.op, root, count, aux)
+        if len(_FINGERPRINTS) >= 4096:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[key] = fp
+        return fp
 
     # -- reductions -------------------------------------------------------------------------------
     def all_reduce(self: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = None,

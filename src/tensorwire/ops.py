@@ -543,6 +543,15 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     kernel(dst, src, out=dst)
 
 
+def reduction_kernel(op: ReduceOp, dtype: np.dtype) -> Any:
+    """The kernel `reduce_into` applies, called as kernel(a, b, out=dst); a numpy ufunc (which
+    also takes three distinct arrays) unless a faster path serves the dtype."""
+    try:
+        return _TABLE[op][dtype.num]
+    except KeyError:
+        return _resolve(ReduceOp(op), dtype)
+
+
 def _torch_scale(buf: np.ndarray, divide_by: int | None, multiply_by: float | None) -> bool:
     torch = sys.modules.get("torch")
     if torch is None or buf.size < TORCH_KERNEL_MIN_ELEMENTS:

@@ -14,11 +14,14 @@ import functools
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp, reduction_kernel
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
 from .registry import Algorithm, Link, register
+
+_CACHED = 64  # views and fingerprint words kept per group (cleared when full)
+_PRESPIN = 200  # flag polls before the first health check (~20 us)
 
 
 def _fp_words(fp: Fingerprint) -> tuple[int, int]:
@@ -40,75 +43,115 @@ class DirectPath:
         self.seg = seg
         self.rank = rank
         self.size = seg.size
+        self.everyone = tuple(range(self.size))
         self.engine = engine
         self.ctx = ctx
         self.members = tuple(members)
         self.slot_bytes = seg.slot_bytes
+        self.words = seg.words
+        self.flags = tuple(seg.lines)  # word index of each rank's flag (its control line)
         self.parity = 1
         self.prev_seq = 0
         self.prev_fp = (0, 0)
         self.prev_call = None
+        self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
+        self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
+        self._views: dict[tuple[np.dtype, int, int], tuple[tuple[np.ndarray, ...], ...]] = {}
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
+
+    def views(self, dtype: np.dtype, count: int, offset: int = 0) -> tuple[tuple[np.ndarray, ...], ...]:
+        """Per parity, every rank's slot as `count` elements of `dtype` from byte `offset`.
+
+        Cached: making a numpy view costs about as much as a whole small all_reduce's copy."""
+        key = (dtype, count, offset)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _CACHED:
+                self._views.clear()
+            end = offset + count * dtype.itemsize
+            views = self._views[key] = tuple(
+                tuple(self.seg.slots[r][p][offset:end].view(dtype) for r in self.everyone) for p in (0, 1))
+        return views
 
     # -- the protocol -----------------------------------------------------------------------------
     def enter(self, call) -> int:
         """Take the next slot parity, once every rank is past the call that last used it.
 
-        Every rank published that previous call, so its fingerprints are checked here too: a
-        rank that returned without waiting (a broadcast root) learns of a mismatch now."""
+        Unless this rank already saw everyone publish the previous call (then it is settled),
+        that call's fingerprints are checked here too: a rank that returned without waiting
+        (a broadcast root) learns of a mismatch now."""
         self.parity ^= 1
-        if self.prev_seq:
-            self._wait(call, range(self.size), self.prev_seq)
-            words, lines = self.seg.words, self.seg.lines
+        if not self.settled:
+            self._wait(call, self.everyone, self.prev_seq)
+            words, flags = self.words, self.flags
             base = 1 + (self.parity ^ 1) * 3
-            for r in range(self.size):
-                line = lines[r] + base
+            for r in self.everyone:
+                line = flags[r] + base
                 if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
                     theirs = _fp_from_words(words[line + 1], words[line + 2])
                     raise self.engine.mismatch_error(
                         f"{self.prev_call.what} (found at {call.what})",
                         _fp_from_words(*self.prev_fp), theirs, self.members[r])
+            self.settled = True
         return self.parity
 
     def publish(self, call, parity: int) -> None:
-        words, line = self.seg.words, self.seg.lines[self.rank]
-        a, b = _fp_words(call.fp)
+        fp = call.fp
+        ab = self._fp_words.get(fp)
+        if ab is None:
+            if len(self._fp_words) >= _CACHED:
+                self._fp_words.clear()
+            ab = self._fp_words[fp] = _fp_words(fp)
+        words, line, seq = self.words, self.flags[self.rank], call.seq
         base = line + 1 + parity * 3
-        words[base] = call.seq
-        words[base + 1] = a
-        words[base + 2] = b
-        words[line] = call.seq  # last: publishes the data and the fingerprint above
-        self.prev_seq = call.seq
-        self.prev_fp = (a, b)
+        words[base] = seq
+        words[base + 1] = ab[0]
+        words[base + 2] = ab[1]
+        words[line] = seq  # last: publishes the data and the fingerprint above
+        self.prev_seq = seq
+        self.prev_fp = ab
         self.prev_call = call
+        self.settled = False
 
-    def wait(self, call, parity: int, ranks) -> None:
-        """Wait for `ranks` to publish this call, then check they called the same thing."""
-        self._wait(call, ranks, call.seq)
-        words, lines = self.seg.words, self.seg.lines
-        a, b = _fp_words(call.fp)
+    def wait(self, call, parity: int, ranks: tuple[int, ...]) -> None:
+        """Wait for `ranks` to publish this call (published by this rank first), then check
+        they called the same thing."""
+        seq = call.seq
+        self._wait(call, ranks, seq)
+        words, flags = self.words, self.flags
+        a, b = self.prev_fp
+        off = 1 + parity * 3
         for r in ranks:
-            base = lines[r] + 1 + parity * 3
-            if words[base] != call.seq or words[base + 1] != a or words[base + 2] != b:
+            base = flags[r] + off
+            if words[base] != seq or words[base + 1] != a or words[base + 2] != b:
                 raise self._mismatch_with(call, r)
+        if len(ranks) == self.size:
+            self.settled = True
 
-    def _wait(self, call, ranks, seq: int) -> None:
-        words, lines = self.seg.words, self.seg.lines
-        pending = [r for r in ranks if words[lines[r]] < seq]
-        if not pending:
+    def _wait(self, call, ranks: tuple[int, ...], seq: int) -> None:
+        words, flags = self.words, self.flags
+        spins = _PRESPIN  # poll flags only, no bookkeeping: a running peer is a microsecond away
+        for r in ranks:
+            line = flags[r]
+            while words[line] < seq and spins:
+                spins -= 1
+            if words[line] < seq:
+                break
+        else:
             return
+        pending = [r for r in ranks if words[flags[r]] < seq]
         backoff = Backoff(self.engine, call.deadline, self.ctx, call.seq, self.members,
                           functools.partial(self.cross_check, call))
         lost = self.engine.lost
         while pending:
-            pending = [r for r in pending if words[lines[r]] < seq]
+            pending = [r for r in pending if words[flags[r]] < seq]
             if pending:
                 backoff.idle(functools.partial(self._timeout, call, pending))
                 for r in pending:
                     # gone, and (re-read after the loss was noticed) never entered this call
-                    if self.members[r] in lost and words[lines[r]] < seq:
+                    if self.members[r] in lost and words[flags[r]] < seq:
                         raise self.engine.lost_error(self.members[r])
 
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:
@@ -149,95 +192,99 @@ class DirectPath:
                     out.append((r, _fp_from_words(words[base + 1], words[base + 2])))
         return out
 
-    def slot(self, r: int, parity: int, nbytes: int) -> np.ndarray:
-        return self.seg.slots[r][parity][:nbytes]
-
-
-def _put(slot: np.ndarray, data: np.ndarray) -> None:
-    if data.nbytes:
-        slot[:data.nbytes] = data.reshape(-1).view(np.uint8)
-
-
-def _typed(slot: np.ndarray, like: np.ndarray) -> np.ndarray:
-    return slot[:like.nbytes].view(like.dtype)
-
-
-def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> int:
-    """Enter, copy `arrays` back to back into this rank's slot, publish, wait for everyone."""
-    p = dp.enter(call)
-    mine = dp.slot(dp.rank, p, dp.slot_bytes)
-    offset = 0
-    for a in arrays:
-        _put(mine[offset:], a)
-        offset += a.nbytes
-    dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
-    return p
-
-
-def _fold(dp: DirectPath, p: int, out: np.ndarray, offset: int, op: ReduceOp) -> None:
+def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, op: ReduceOp) -> None:
     """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank)."""
-    np.copyto(out, _typed(dp.slot(0, p, dp.slot_bytes)[offset:], out))
-    for r in range(1, dp.size):
-        reduce_into(out, _typed(dp.slot(r, p, dp.slot_bytes)[offset:], out), op)
+    kernel = reduction_kernel(op, out.dtype)
+    if type(kernel) is np.ufunc:  # the first two slots in one call, no copy first
+        kernel(views[0], views[1], out=out)
+        rest = views[2:]
+    else:
+        np.copyto(out, views[0])
+        rest = views[1:]
+    for v in rest:
+        kernel(out, v, out=out)
+
+
+def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:
+    """Enter, copy `arrays` (one dtype) back to back into this rank's slot, publish, wait for
+    everyone; the slots of this call as one typed view each."""
+    p = dp.enter(call)
+    dtype = arrays[0].dtype
+    views = dp.views(dtype, sum(a.size for a in arrays))[p]
+    mine = views[dp.rank]
+    if len(arrays) == 1:
+        mine[...] = arrays[0]
+    else:
+        offset = 0
+        for a in arrays:
+            mine[offset:offset + a.size] = a
+            offset += a.size
+    dp.publish(call, p)
+    dp.wait(call, p, dp.everyone)
+    return p, views
 
 
 def direct_all_reduce(call, data: np.ndarray, op: ReduceOp) -> None:
     dp = call.group.direct
-    p = _publish_all(dp, call, [data])
-    _fold(dp, p, data, 0, op)
+    _, views = _publish_all(dp, call, [data])
+    _fold(views, data, op)
 
 
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
     dp = call.group.direct
     p = dp.enter(call)
-    _put(dp.slot(dp.rank, p, data.nbytes), data)
+    views = dp.views(data.dtype, data.size)[p]
+    views[dp.rank][...] = data
     dp.publish(call, p)
     if dp.rank == root:
-        dp.wait(call, p, range(dp.size))
-        _fold(dp, p, acc, 0, op)
+        dp.wait(call, p, dp.everyone)
+        _fold(views, acc, op)
 
 
 def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     dp = call.group.direct
     p = dp.enter(call)
+    view = dp.views(data.dtype, data.size)[p][root]
     if dp.rank == root:
-        _put(dp.slot(root, p, data.nbytes), data)
+        view[...] = data
     dp.publish(call, p)
     if dp.rank != root:
         dp.wait(call, p, (root,))
-        np.copyto(data, _typed(dp.slot(root, p, data.nbytes), data))
+        data[...] = view
 
 
 def direct_barrier(call) -> None:
     dp = call.group.direct
     p = dp.enter(call)
     dp.publish(call, p)
-    dp.wait(call, p, range(dp.size))
+    dp.wait(call, p, dp.everyone)
 
 
 def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _publish_all(dp, call, [blocks[dp.rank]])
+    _, views = _publish_all(dp, call, [blocks[dp.rank]])
     for r, out in enumerate(blocks):
         if r != dp.rank:
-            np.copyto(out, _typed(dp.slot(r, p, out.nbytes), out))
+            out[...] = views[r]
 
 
 def direct_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     """Every rank publishes all its blocks; rank r folds block r of every slot, in rank order."""
     dp = call.group.direct
-    p = _publish_all(dp, call, blocks)
-    _fold(dp, p, out, sum(b.nbytes for b in blocks[:dp.rank]), op)
+    p, _ = _publish_all(dp, call, blocks)
+    offset = sum(b.nbytes for b in blocks[:dp.rank])
+    _fold(dp.views(out.dtype, out.size, offset)[p], out, op)
 
 
 def direct_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     """Equal blocks only: block `rank` of peer r's slot is ours."""
     dp = call.group.direct
-    p = _publish_all(dp, call, sends)
-    block = sends[0].nbytes
+    p, _ = _publish_all(dp, call, sends)
+    block = sends[0].size
+    views = dp.views(sends[0].dtype, block * dp.size)[p]
+    start = dp.rank * block
     for r, out in enumerate(recvs):
-        np.copyto(out, _typed(dp.slot(r, p, dp.slot_bytes)[dp.rank * block:], out))
+        out[...] = views[r][start:start + block]
 
 
 # Cost: one flag round (α), the bytes copied into the slot and read out of slots (β), and the

@@ -225,8 +225,10 @@ class Engine:
 
     def enter_call(self, ctx: int, call) -> None:
         """Note the call a group is running, and vet what already arrived for it or before it."""
+        self.current[ctx] = call
+        if not self.unexpected and not self._deferred_aborts:
+            return  # the common case, without the lock: whatever arrives next is vetted on arrival
         with self.lock:
-            self.current[ctx] = call
             for (peer, key), queue in list(self.unexpected.items()):
                 if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
                     self._vet(peer, queue[0].header, call)
