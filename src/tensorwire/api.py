@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import calibrate, log, tuner
+from . import calibrate, log, memory, tuner
 from .config import Config
 from .errors import NotInitializedError
 from .group import Group
@@ -51,6 +51,8 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname,
                               deterministic=deterministic)
         deadline = time.monotonic() + cfg.timeout
+        if cfg.keep_memory:
+            memory.keep_freed_memory()
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
         tuner.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting

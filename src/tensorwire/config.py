@@ -77,6 +77,8 @@ class Config:
     """JSON file of per-tier alpha/beta/gamma that override the measured ones (TENSORWIRE_TUNING_FILE)."""
     cache_dir: str = ""
     """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
+    keep_memory: bool = True
+    """Keep freed memory in the process, so temporaries reuse warm pages (TENSORWIRE_KEEP_MEMORY)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -95,6 +97,7 @@ class Config:
                                              os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),
             tuning_file=os.environ.get("TENSORWIRE_TUNING_FILE", "").strip(),
             cache_dir=os.environ.get("TENSORWIRE_CACHE_DIR", "").strip(),
+            keep_memory=_env_bool("TENSORWIRE_KEEP_MEMORY", True),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
