@@ -30,6 +30,15 @@ class P2P(Protocol):
     def wait(self, *reqs: Request) -> None: ...
 
 
+def exchange(p2p: P2P, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
+             reduce: ReduceOp | None = None) -> None:
+    """One step: `send` to dst, `recv` from src (reduced into it with `reduce`). The receive is
+    posted first, so the peer's bytes go straight from the ring or socket into `recv`: posted
+    after the send (whose progress already drains the channel) they would often arrive
+    unexpected and take a detour through a fresh buffer and a second copy."""
+    p2p.wait(p2p.irecv(src, recv, step, reduce), p2p.isend(dst, send, step))
+
+
 def split_counts(total: int, parts: int) -> list[int]:
     """Near-equal split: the first `total % parts` parts get one more element."""
     base, extra = divmod(total, parts)

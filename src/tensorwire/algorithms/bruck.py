@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from ..transport.wire import Coll
-from .base import P2P, offsets_of
+from .base import P2P, exchange, offsets_of
 from .pairwise import pairwise_all_to_all
 from .registry import Algorithm, Link, register
 
@@ -45,8 +45,7 @@ def bruck_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
     dist, step = 1, 0
     while dist < n:
         c = min(dist, n - dist)
-        p2p.wait(p2p.isend((r - dist) % n, buf[:offs[c]], step),
-                 p2p.irecv((r + dist) % n, buf[offs[dist]:offs[dist + c]], step))
+        exchange(p2p, (r - dist) % n, buf[:offs[c]], (r + dist) % n, buf[offs[dist]:offs[dist + c]], step)
         dist <<= 1
         step += 1
     for j in range(1, n):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .base import P2P
+from .base import P2P, exchange
 from .registry import Algorithm, Link, register
 
 
@@ -16,7 +16,7 @@ def dissemination_barrier(p2p: P2P) -> None:
     empty = np.empty(0, dtype=np.uint8)
     dist, step = 1, 0
     while dist < n:
-        p2p.wait(p2p.isend((r + dist) % n, empty, step), p2p.irecv((r - dist) % n, empty, step))
+        exchange(p2p, (r + dist) % n, empty, (r - dist) % n, empty, step)
         dist <<= 1
         step += 1
 

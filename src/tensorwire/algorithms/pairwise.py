@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import ReduceOp
-from .base import P2P
+from .base import P2P, exchange
 from .registry import Algorithm, Link, register
 
 
@@ -20,7 +20,7 @@ def pairwise_all_to_all(p2p: P2P, send_blocks: list[np.ndarray], recv_blocks: li
     np.copyto(recv_blocks[r], send_blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
-        p2p.wait(p2p.isend(dst, send_blocks[dst], s), p2p.irecv(src, recv_blocks[src], s))
+        exchange(p2p, dst, send_blocks[dst], src, recv_blocks[src], s)
 
 
 def _pairwise_cost(n: int, nbytes: int, link: Link) -> float:
@@ -33,7 +33,7 @@ def pairwise_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray,
     np.copyto(out, blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
-        p2p.wait(p2p.isend(dst, blocks[dst], s), p2p.irecv(src, out, s, reduce=op))
+        exchange(p2p, dst, blocks[dst], src, out, s, reduce=op)
 
 
 def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..ops import ReduceOp, reduce_into
-from .base import P2P, contiguous_span, offsets_of, packed
+from .base import P2P, contiguous_span, exchange, offsets_of, packed
 from .registry import Algorithm, Link, register
 
 _RESULT_STEP = 1 << 20
@@ -55,14 +55,14 @@ def recursive_doubling_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> N
         vr = r // 2
     else:
         vr = r - rem
-    snapshot = np.empty_like(data)
     mask, step = 1, 0
     while mask < p:
         step += 1
         vpeer = vr ^ mask
         peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
-        np.copyto(snapshot, data)
-        p2p.wait(p2p.isend(peer, snapshot, step), p2p.irecv(peer, incoming, step))
+        # a send is done once its bytes are in the ring or the socket: `data` is free again
+        # when both are done, and only then is the partner's half combined into it
+        exchange(p2p, peer, data, peer, incoming, step)
         _combine(data, incoming, op, mine_first=vr < vpeer)
         mask <<= 1
     if r < 2 * rem:
@@ -112,8 +112,8 @@ def halving_reduce_scatter(p2p: P2P, work: np.ndarray, bound: Callable[[int], in
         mid = lo + mask
         keep, give = ((lo, mid), (mid, mid + mask)) if vr < vpeer else ((mid, mid + mask), (lo, mid))
         peer = peer_of(vpeer)
-        p2p.wait(p2p.isend(peer, work[bound(give[0]):bound(give[1])], step),
-                 p2p.irecv(peer, work[bound(keep[0]):bound(keep[1])], step, reduce=op))
+        exchange(p2p, peer, work[bound(give[0]):bound(give[1])], peer, work[bound(keep[0]):bound(keep[1])],
+                 step, reduce=op)
         lo = keep[0]
         mask >>= 1
         step += 1
@@ -129,8 +129,8 @@ def doubling_all_gather(p2p: P2P, buf: np.ndarray, bound: Callable[[int], int], 
         mine = vr & ~(mask - 1)
         theirs = mine ^ mask
         peer = peer_of(vr ^ mask)
-        p2p.wait(p2p.isend(peer, buf[bound(mine):bound(mine + mask)], step),
-                 p2p.irecv(peer, buf[bound(theirs):bound(theirs + mask)], step))
+        ours, other = buf[bound(mine):bound(mine + mask)], buf[bound(theirs):bound(theirs + mask)]
+        exchange(p2p, peer, ours, peer, other, step)
         mask <<= 1
         step += 1
     return step

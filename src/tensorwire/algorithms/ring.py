@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import ReduceOp
-from .base import P2P, blocks_of, split_counts
+from .base import P2P, blocks_of, exchange, split_counts
 from .registry import Algorithm, Link, register
 
 
@@ -20,7 +20,7 @@ def ring_reduce_scatter_blocks(p2p: P2P, blocks: list[np.ndarray], op: ReduceOp,
     for s in range(n - 1):
         send_i = (r - s + shift - 1) % n
         recv_i = (r - s + shift - 2) % n
-        p2p.wait(p2p.isend(right, blocks[send_i], s), p2p.irecv(left, blocks[recv_i], s, reduce=op))
+        exchange(p2p, right, blocks[send_i], left, blocks[recv_i], s, reduce=op)
 
 
 def ring_all_gather_blocks(p2p: P2P, blocks: list[np.ndarray], step0: int = 0) -> None:
@@ -28,8 +28,7 @@ def ring_all_gather_blocks(p2p: P2P, blocks: list[np.ndarray], step0: int = 0) -
     n, r = p2p.size, p2p.rank
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
-        p2p.wait(p2p.isend(right, blocks[(r - s) % n], step0 + s),
-                 p2p.irecv(left, blocks[(r - s - 1) % n], step0 + s))
+        exchange(p2p, right, blocks[(r - s) % n], left, blocks[(r - s - 1) % n], step0 + s)
 
 
 def ring_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
