@@ -268,9 +268,9 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     for results in (first, second, forced, skipped, again):  # every rank installed the same table
         assert all(r["links"] == results[0]["links"] and r["sources"] == results[0]["sources"]
                    for r in results), results
-    # the first init probed the tier in use (and on one host the one-shot shared-memory path)
-    # and wrote the cache
-    used = [tier, "direct"] if tier == "shm" else [tier]
+    # the first init probed the tier in use (and on one host the one-shot shared-memory path),
+    # every rank busy at once, and wrote the cache
+    used = [tier, "direct", "busy"] if tier == "shm" else [tier, "busy"]
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, other: "default"}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
     alpha, beta, gamma = first[0]["links"][tier]

@@ -11,11 +11,14 @@ point and under the same timeout):
 2. verdict: rank 0 looks the topology up in its cache and reads its tuning file, and
    broadcasts either the final constants or "probe";
 3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
-   few small exchanges (α) and 1 MiB exchanges (β); on one host every rank takes part in a
-   few barriers through the group's shared segment (α of the one-shot path); rank 0 times a
-   copy (that path's β) and a numpy add (γ). The maximum over ranks of what was measured
-   becomes everybody's constants, and rank 0 (with the lowest rank of every other host)
-   writes the cache.
+   few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once
+   with a partner over the world's tier, and a numpy add: the "busy" link, what a step costs
+   when every rank works (on a host with more ranks than cores they take turns, which the
+   lone pair never sees); on one host every rank takes part in a few 8-byte all_reduces
+   through the group's shared segment (α of the one-shot path); rank 0 times a copy (that
+   path's β) and a numpy add (γ). The maximum over ranks of what was measured becomes
+   everybody's constants, and rank 0 (with the lowest rank of every other host) writes the
+   cache.
 
 Every rank therefore installs the same table. The cache lives in TENSORWIRE_CACHE_DIR (default
 $XDG_CACHE_HOME/tensorwire or ~/.cache/tensorwire), one JSON file per (hosts, tiers, world
@@ -30,6 +33,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Mapping
@@ -39,31 +43,32 @@ import numpy as np
 
 from . import log, tuner
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
-from .algorithms.registry import Link
-from .algorithms.shm_direct import direct_barrier
+from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct")
-"""What the probe measures: the message path of each tier, and the one-shot shared-memory
-path (its α is a flag round through the group segment, its β a memory copy)."""
+LINKS = (*TIERS, "direct", "busy")
+"""What the probe measures: the message path of each tier, the one-shot shared-memory path
+(its α is a small all_reduce through the group segment, its β a memory copy), and the world's
+tier with every rank exchanging at once (`busy`: the tuner's bound on an algorithm's work)."""
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
-# Short batches, best one kept: on a busy machine a batch that was not preempted is likelier
-# the shorter it is, and the constants describe the links, not the neighbours' load.
-ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best batch's mean is α
-BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best one gives β
-BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time
+# Short batches, best one kept for a link's α: on a busy machine a batch that was not preempted
+# is likelier the shorter it is, and those constants describe the links, not the neighbours'
+# load. The busy link's α and every β take the median (see measure_pair).
+ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
+BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the median one gives β
+BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least three)
 GAMMA_BYTES, GAMMA_ROUNDS = 1 << 20, 5  # numpy add of 1 MiB float32: the best one gives γ
-DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # barriers through the shared segment: α of the direct path
+DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # 8-byte all_reduces through the shared segment: direct α
 FIELDS = ("alpha", "beta", "gamma")
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
@@ -253,51 +258,59 @@ def measure_copy(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> float
 
 
 def measure_direct(world: Group) -> float:
-    """α of the one-shot shared-memory path: a barrier through the group segment's flags
-    (every rank of the world takes part), the best batch mean."""
-    best = math.inf
+    """α of the one-shot shared-memory path: an 8-byte all_reduce through the group segment
+    (every rank of the world takes part), the median batch mean: every rank works in it, so
+    like the busy link it is taken as it typically is, contention included. Not a bare
+    barrier: the copy in and the fold cost as much as the flag round when ranks share cores."""
+    run = algorithms_for("all_reduce")["direct"].run
+    data = np.ones(2, dtype=np.float32)
+    batches = []
     for _ in range(DIRECT_BATCHES):
         t0 = time.perf_counter()
         for _ in range(DIRECT_ROUNDS):
-            direct_barrier(world._internal_call("calibration probe"))
-        best = min(best, (time.perf_counter() - t0) / DIRECT_ROUNDS)
-    return max(best, 1e-8)
+            run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
+        batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
+    return max(statistics.median(batches), 1e-8)
 
 
 def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:
+def measure_pair(call: CollectiveCall, peer: int, step0: int, typical: bool = False) -> tuple[float, float]:
     """(α, β) over the link to `peer`, which runs the same function toward this rank.
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
-    step does), the best batch mean; β comes from the best of a few 1 MiB exchanges."""
+    step does), and β comes from a few 1 MiB exchanges: the best ones, or with `typical` the
+    median ones (the busy link, whose point is the contention). The first two 1 MiB exchanges
+    only count for the median: they may ride a shaper's burst allowance (tc tbf lets 10 ms of
+    traffic through at line rate), which a long transfer does not get."""
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
     step = step0
     for _ in range(2):  # both sides are here (start together), and the path is warm
         _exchange(call, peer, small_out, small_in, step)
         step += 1
-    alpha = math.inf
+    batches = []
     for _ in range(ALPHA_BATCHES):
         t0 = time.perf_counter()
         for _ in range(ALPHA_ROUNDS):
             _exchange(call, peer, small_out, small_in, step)
             step += 1
-        alpha = min(alpha, (time.perf_counter() - t0) / ALPHA_ROUNDS)
-    big, spent = math.inf, 0.0
+        batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
+    alpha = statistics.median(batches) if typical else min(batches)
+    bigs: list[float] = []
     for i in range(BETA_ROUNDS):  # fewer on a slow link: the probe stays well under a second
         # the first byte says whether this side wants another round; both sides see both
         # flags, so they stop after the same exchange
-        big_out[0] = i + 1 < BETA_ROUNDS and spent < BETA_BUDGET_S
+        big_out[0] = i + 1 < BETA_ROUNDS and (i < 2 or sum(bigs) < BETA_BUDGET_S)
         t0 = time.perf_counter()
         _exchange(call, peer, big_out, big_in, step)
         step += 1
-        took = time.perf_counter() - t0
-        big, spent = min(big, took), spent + took
+        bigs.append(time.perf_counter() - t0)
         if not (big_out[0] and big_in[0]):
             break
+    big = statistics.median(bigs) if typical else min(bigs[2:])
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
@@ -366,8 +379,9 @@ def at_init(world: Group) -> LinkTable:
             f"algo={cfg.algo!r}, deterministic={cfg.deterministic}); every rank must use the same")
     pairs = _probe_pairs(info)
     direct = world.direct is not None  # the same on every rank: its setup was collective
-    links_used = sorted([*pairs, *(["direct"] if direct else [])])
     hosts = [int(h) for h in info[:, 0]]
+    busy_tier = tuner.tier_of(world)
+    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy"])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -394,7 +408,7 @@ def at_init(world: Group) -> LinkTable:
     # 3. the probe
     if verdict[0] == _STATUS_PROBE:
         t1 = time.perf_counter()
-        measured = _probe(world, pairs, direct)
+        measured = _probe(world, pairs, direct, busy_partner(hosts, me, busy_tier))
         probe_s = time.perf_counter() - t1
         gamma = float(measured["gamma"])
         for tier in TIERS:
@@ -406,6 +420,8 @@ def at_init(world: Group) -> LinkTable:
         if direct:
             base["direct"] = Link("direct", measured["direct"][0], measured["direct"][1], gamma)
             sources["direct"] = "calibrated"
+        base["busy"] = Link("busy", *measured["busy"])
+        sources["busy"] = "calibrated"
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             write_cache(path, {t: base[t] for t in links_used},
@@ -422,7 +438,7 @@ def at_init(world: Group) -> LinkTable:
     table = apply_overrides(LinkTable(base, sources), overrides)
     used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
     table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
-                      path if used_cache else "", {"tiers": links_used, "key": key})
+                      path if used_cache else "", {"tiers": links_used, "key": key, "busy_tier": busy_tier})
     tuner.install(world.runtime, table)
     _log.info("link constants (setup %.1f ms%s): %s", table.setup_s * 1e3,
               f", probe {probe_s * 1e3:.1f} ms" if probe_s else "",
@@ -445,7 +461,8 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
     if probe and all(len(overrides.get(t, {})) == len(FIELDS) for t in links_used):
         probe = False
     verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
-    gamma = next(iter(cached.values())).gamma if cached else None  # this host's, as a probe would
+    # this host's γ, as a probe would give it (the busy link's is measured under contention)
+    gamma = next((lk.gamma for t, lk in cached.items() if t != "busy"), None) if cached else None
     for i, name in enumerate(LINKS):
         link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
         if link is not None and gamma is not None and name not in cached:
@@ -460,15 +477,33 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         _log.info("link constants from the cache %s", path)
 
 
-def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dict[str, Any]:
-    """Measure the direct path on everyone, every tier on its pair, and the copy rate and γ
-    on rank 0; the maximum over ranks of each, the same everywhere.
+def busy_partner(hosts: list[int], me: int, tier: str) -> int:
+    """Whom this rank exchanges with while every rank is busy (-1: nobody, an odd rank out):
+    its neighbour r ^ 1 on one host; across hosts, the rank half the world away in host
+    order, so that the pairs use the TCP tier the world's collectives run over."""
+    n = len(hosts)
+    if tier == "shm" or len(set(hosts)) == 1:
+        return me ^ 1 if me ^ 1 < n else -1
+    order = sorted(range(n), key=lambda r: (hosts[r], r))
+    half = n // 2
+    i = order.index(me)
+    if i >= 2 * half:
+        return -1
+    return order[i + half] if i < half else order[i - half]
+
+
+def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, partner: int) -> dict[str, Any]:
+    """Measure the direct path on everyone, every tier on its pair, every rank at once with
+    its partner (the busy link), and the copy rate and γ on rank 0; the maximum over ranks of
+    each, the same everywhere.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    measured = np.zeros(2 * len(TIERS) + 4, dtype=np.float64)  # (α, β) per tier, direct α, copy β, γ
+    # (α, β) per tier, busy (α, β, γ), direct α, copy β, γ
+    measured = np.zeros(2 * len(TIERS) + 6, dtype=np.float64)
+    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 3)
     if direct:
         measured[-3] = measure_direct(world)  # first: it needs every rank anyway
     call = world._internal_call("calibration probe")
@@ -477,6 +512,10 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
         if pair is not None and me in pair:
             peer = pair[1] if me == pair[0] else pair[0]
             measured[2 * i: 2 * i + 2] = measure_pair(call, peer, step0=i * 1000)
+    _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
+    if partner >= 0:
+        measured[busy.start: busy.start + 2] = measure_pair(call, partner, len(TIERS) * 1000, typical=True)
+    measured[busy.stop - 1] = measure_gamma()
     if me == 0:
         measured[-2] = measure_copy()
         measured[-1] = measure_gamma()
@@ -491,10 +530,24 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
     out: dict[str, Any] = {t: (float(measured[2 * i]), float(measured[2 * i + 1]))
                            for i, t in enumerate(TIERS)}
     out["direct"] = (float(measured[-3]), float(measured[-2]))
+    out["busy"] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[-1])
     return out
 
 
+def _sync_politely(world: Group, call: CollectiveCall) -> None:
+    """Everyone arrives at rank 0, which then releases everyone; waiting without spinning."""
+    token = np.zeros(1, dtype=np.uint8)
+    others = range(1, world.size)
+    if world.rank == 0:
+        _wait_politely(world, call, [call.irecv(r, np.zeros(1, np.uint8), _SYNC) for r in others])
+        _wait_politely(world, call, [call.isend(r, token, _SYNC + 1) for r in others])
+    else:
+        _wait_politely(world, call, [call.isend(0, token, _SYNC)])
+        _wait_politely(world, call, [call.irecv(0, token, _SYNC + 1)])
+
+
+_SYNC = 40_000
 _RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
 _POLITE_SLEEP_S = 0.0005
 

@@ -26,8 +26,10 @@ cost table and the link constants behind it (and where they came from).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +187,12 @@ def _registered(collective: str) -> dict[str, str]:
     return names
 
 
+def resolve(collective: str, name: str) -> str | None:
+    """The registered algorithm of `collective` that `name` means (case, `_`, `-` and the
+    aliases ignored as in TENSORWIRE_ALGO), or None."""
+    return _registered(collective).get(_norm(name))
+
+
 @functools.lru_cache(maxsize=256)
 def parse_algo(spec: str, collective: str) -> tuple[frozenset[str], frozenset[str]]:
     """(forced, excluded) registered names for one collective; forced empty means 'any'."""
@@ -268,23 +276,43 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     return out
 
 
-def price(algs: list[Algorithm], n: int, nbytes: int, link: Link,
-          direct: Link | None = None) -> list[tuple[float, str, Algorithm]]:
-    """(predicted seconds, name, algorithm), cheapest first (ties broken by name). The one-shot
-    shared-memory path is priced with its own constants (`direct`) where they were measured."""
-    return sorted((alg.cost(n, nbytes, direct if alg.needs_direct and direct else link), alg.name, alg)
-                  for alg in algs)
+def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
+            busy: Link | None = None) -> float:
+    """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
+    constants (`direct`) where they were measured; a message algorithm's time is bounded below
+    by its work at the constants measured with every rank busy (`busy`), where those exist."""
+    if alg.needs_direct:
+        return alg.cost(n, nbytes, direct or link)
+    t = alg.cost(n, nbytes, link)
+    return t if busy is None else max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
-def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm:
-    """The cheapest eligible algorithm (cached per group, collective and size)."""
-    key = (collective, nbytes, direct_ok)
-    choice = group.choices.get(key)
-    if choice is not None:
-        return choice
-    cfg = group.runtime.config
+def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
+          busy: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+    """(predicted seconds, name, algorithm), cheapest first (ties broken by name)."""
+    return sorted((predict(alg, n, nbytes, link, direct, busy), alg.name, alg) for alg in algs)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the tuner saw for one call: every eligible algorithm with its predicted time."""
+
+    collective: str
+    nbytes: int
+    nranks: int
+    tier: str
+    priced: list[tuple[float, str, Algorithm]]
+    """(predicted seconds, name, algorithm), cheapest first: priced[0] is the tuner's choice."""
+
+    def predicted(self, name: str) -> float:
+        return next(t for t, n, _ in self.priced if n == name)
+
+
+def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:
+    """Price every eligible algorithm for one call (uncached, unlogged: `select` does that)."""
     options = candidates(group, collective, nbytes, direct_ok)
     if not options:
+        cfg = group.runtime.config
         known = ", ".join(algorithms_for(collective))
         mode = " in deterministic mode" if cfg.deterministic and collective in REDUCTIONS else ""
         raise InvalidArgumentError(
@@ -292,14 +320,80 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
             f"for {nbytes} bytes on {group.size} ranks (known: {known})")
     tier = tier_of(group)
     table = table_for(group.runtime)
-    link = table.link(tier)
     direct = table.links.get("direct") if group.direct is not None else None
-    priced = price(options, group.size, nbytes, link, direct)
-    choice = priced[0][2]
+    busy = table.links.get("busy") if tier == table.extra.get("busy_tier") else None
+    return Decision(collective, nbytes, group.size, tier,
+                    price(options, group.size, nbytes, table.link(tier), direct, busy))
+
+
+class Override:
+    """Within `override(group, collective, name)`: that collective on that group runs `name`
+    (None: the tuner's own choice), and the decision behind each call size is kept, so a
+    benchmark can time every algorithm and set the measurement beside the prediction."""
+
+    def __init__(self, group: Group, collective: str, name: str | None) -> None:
+        self.group, self.collective, self.name = group, collective, name
+        self.decisions: dict[tuple[int, bool], Decision] = {}
+        self._picked: dict[tuple[int, bool], Algorithm] = {}
+
+    @property
+    def decision(self) -> Decision | None:
+        """The decision of the most recent call size (None before the first call)."""
+        return next(reversed(self.decisions.values()), None)
+
+    def pick(self, nbytes: int, direct_ok: bool) -> Algorithm:
+        key = (nbytes, direct_ok)
+        alg = self._picked.get(key)
+        if alg is None:
+            decision = decide(self.group, self.collective, nbytes, direct_ok)
+            self.decisions[key] = decision
+            names = [n for _, n, _ in decision.priced]
+            if self.name is not None and self.name not in names:
+                g = self.group
+                raise InvalidArgumentError(
+                    f"rank {g.runtime.rank}: {self.collective} of {nbytes} bytes on {g.size} ranks cannot "
+                    f"run {self.name!r} (eligible: {', '.join(names)})")
+            alg = decision.priced[names.index(self.name) if self.name is not None else 0][2]
+            self._picked[key] = alg
+        return alg
+
+
+_override: Override | None = None
+
+
+@contextlib.contextmanager
+def override(group: Group, collective: str, name: str | None = None) -> Iterator[Override]:
+    """Run `collective` on `group` with algorithm `name` (or the tuner's choice) inside the
+    block; every rank of the group must do the same. Not nested, not meant for training."""
+    global _override
+    if _override is not None:
+        raise RuntimeError("tuner.override is already active")
+    _override = Override(group, collective, name)
+    try:
+        yield _override
+    finally:
+        _override = None
+
+
+def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm:
+    """The cheapest eligible algorithm (cached per group, collective and size)."""
+    if _override is not None and _override.group is group and _override.collective == collective:
+        return _override.pick(nbytes, direct_ok)
+    key = (collective, nbytes, direct_ok)
+    choice = group.choices.get(key)
+    if choice is not None:
+        return choice
+    decision = decide(group, collective, nbytes, direct_ok)
+    choice = decision.priced[0][2]
     if _log.isEnabledFor(20):
-        costs = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in priced)
+        cfg = group.runtime.config
+        table = table_for(group.runtime)
+        tier = decision.tier
+        costs = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in decision.priced)
         shown = f"{tier} ({table.describe(tier)})"
-        if direct is not None and any(a.needs_direct for a in options):
+        if tier == table.extra.get("busy_tier") and "busy" in table.links:
+            shown += f", every rank busy ({table.describe('busy')})"
+        if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
             shown += f", direct path ({table.describe('direct')})"
         _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,
                   group.size, group.name, shown,

@@ -55,4 +55,9 @@ def _cost(n: int, m: int, link: Link) -> float:
     return (n - 2 + s) * (link.alpha + m / s * link.beta)
 
 
-register(Algorithm("chain", "broadcast", chain_broadcast, _cost))
+def _work(n: int, m: int, link: Link) -> float:
+    """n-1 hops of S segments each: (n-1)/n (S α + m β) per rank."""
+    return (n - 1) / n * (max(1.0, m / SEGMENT_BYTES) * link.alpha + m * link.beta)
+
+
+register(Algorithm("chain", "broadcast", chain_broadcast, _cost, work=_work))

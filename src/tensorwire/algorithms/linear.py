@@ -7,6 +7,7 @@ import numpy as np
 from ..ops import ReduceOp, reduce_into
 from .base import P2P
 from .registry import Algorithm, Link, register
+from .tree import reduce_work
 
 
 def linear_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | None, root: int) -> None:
@@ -68,4 +69,4 @@ def _reduce_cost(n: int, m: int, link: Link) -> float:
 
 register(Algorithm("linear", "gather", linear_gather, _linear_cost))
 register(Algorithm("linear", "scatter", linear_scatter, _linear_cost))
-register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost))
+register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost, work=reduce_work))

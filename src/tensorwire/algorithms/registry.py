@@ -1,7 +1,8 @@
 """The algorithm registry: every algorithm declares the collective it serves and its cost.
 
 The tuner prices every eligible algorithm of a collective with the α-β-γ model (Thakur,
-Rabenseifner & Gropp 2005) for the group's link tier and runs the cheapest; `tensorwire plan`
+Rabenseifner & Gropp 2005) for the group's link tier, bounded below by the algorithm's total
+work where ranks share cores (`work`), and runs the cheapest; `tensorwire plan`
 prints the same table. An algorithm module calls `register(...)` at import for each entry.
 
 `run` signatures, by collective (arrays are flat, contiguous numpy views; `p2p` is the call):
@@ -48,6 +49,13 @@ class Algorithm:
     """(ranks, bytes) -> can it run (e.g. a power-of-two-only variant, a size cap)."""
     needs_direct: bool = False
     """Runs on the group's shared segment (single-host groups only)."""
+    work: CostFn | None = None
+    """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
+    outnumber cores they take turns, and the call cannot end before the host has done all the
+    work: the tuner prices T = max(cost(link), work(busy link)), the busy link's constants
+    being measured with every rank exchanging at once. None: every rank works at every step
+    (ring, recursive doubling, ...), so work is the cost itself. Trees leave ranks idle and
+    declare less."""
 
 
 _REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}

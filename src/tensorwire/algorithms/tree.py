@@ -71,6 +71,16 @@ def _reduce_cost(n: int, m: int, link: Link) -> float:
     return math.ceil(math.log2(n)) * (link.alpha + m * (link.beta + link.gamma)) if n > 1 else 0.0
 
 
+def _broadcast_work(n: int, m: int, link: Link) -> float:
+    """n-1 messages of m in all, a sender's and a receiver's half each: (n-1)/n (α + m β) per rank."""
+    return (n - 1) / n * (link.alpha + m * link.beta)
+
+
+def reduce_work(n: int, m: int, link: Link) -> float:
+    """n-1 messages, each reduced once: (n-1)/n (α + m β + m γ) per rank (a linear reduce too)."""
+    return (n - 1) / n * (link.alpha + m * (link.beta + link.gamma))
+
+
 def _binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
     """Registry form: non-roots accumulate into scratch, so `acc` is written at the root only."""
     binomial_reduce(p2p, data, acc if p2p.rank == root else np.empty_like(data), op, root)
@@ -86,6 +96,10 @@ def tree_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
 def _all_reduce_cost(n: int, m: int, link: Link) -> float:
     """Reduce then broadcast: 2 ceil(log2 n) (α + m β) + ceil(log2 n) m γ."""
     return _reduce_cost(n, m, link) + _broadcast_cost(n, m, link)
+
+
+def _all_reduce_work(n: int, m: int, link: Link) -> float:
+    return reduce_work(n, m, link) + _broadcast_work(n, m, link)
 
 
 # -- gather and scatter ---------------------------------------------------------------------------
@@ -208,8 +222,8 @@ def _gather_cost(n: int, m: int, link: Link) -> float:
     return math.ceil(math.log2(n)) * link.alpha + (n - 1) / n * m * link.beta if n > 1 else 0.0
 
 
-register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost))
-register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost))
-register(Algorithm("tree", "all_reduce", tree_all_reduce, _all_reduce_cost))
+register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost, work=_broadcast_work))
+register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost, work=reduce_work))
+register(Algorithm("tree", "all_reduce", tree_all_reduce, _all_reduce_cost, work=_all_reduce_work))
 register(Algorithm("binomial", "gather", binomial_gather, _gather_cost))
 register(Algorithm("binomial", "scatter", binomial_scatter, _gather_cost))
