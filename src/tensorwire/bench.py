@@ -150,6 +150,13 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="force the TCP transport (TENSORWIRE_TRANSPORT=tcp) even between local ranks")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every row, with p10/p90/mean, as JSON to PATH (rank 0)")
+    p.add_argument("--algo", default=None, metavar="NAME|all",
+                   help="force one algorithm (e.g. ring), or `all`: per size, the tuner's choice and every "
+                        "eligible algorithm, each with the cost model's prediction (one placement: "
+                        "out-of-place, or in-place with -I)")
+    p.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+                   help="with --algo: repeat the algorithms R times interleaved and pool the iterations "
+                        "(default 1)")
     return p
 
 
@@ -679,6 +686,10 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         "numpy": np.__version__, "argv": opts.argv, "warmup": opts.warmup, "iters": opts.iters,
         "timing": "per-iteration max over ranks, median over iterations",
     }
+    if args is not None and args.algo:
+        from .bench_algo import run_algos
+
+        return exit_code(tw, run_algos(tw, opts, bufs, say, meta))
     rows: list[dict[str, Any]] = []
     total_wrong = 0
     bw_sum, bw_count = 0.0, 0
@@ -736,8 +747,7 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         if len(opts.colls) > 1 and coll != "barrier":
             say(f"# Avg bus bandwidth ({coll}) : {c_sum / c_count if c_count else 0.0:.6g}")
             say("#")
-    say(f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
-        if opts.check else "# Wrong values         : not checked (-c 0)")
+    say(wrong_line(total_wrong, opts.check))
     avg = bw_sum / bw_count if bw_count else 0.0
     say(f"# Avg bus bandwidth    : {avg:.6g}")
     say("#")
@@ -747,10 +757,19 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows, "avg_busbw_GBps": avg, "wrong_total": total_wrong}, f,
                       indent=1)
-    # Every rank exits with the same code: 1 when any element was wrong (as nccl-tests).
+    return exit_code(tw, total_wrong)
+
+
+def wrong_line(total_wrong: int, checked: bool) -> str:
+    return (f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
+            if checked else "# Wrong values         : not checked (-c 0)")
+
+
+def exit_code(tw: Any, total_wrong: int) -> int:
+    """Every rank exits with the same code: 1 when any element was wrong (as nccl-tests)."""
     verdict = np.array([total_wrong], dtype=np.int64)
     tw.broadcast(verdict, 0)
-    if rank == 0 and verdict[0]:
+    if tw.get_rank() == 0 and verdict[0]:
         print(f"tensorwire bench: {int(verdict[0])} wrong value(s), see the #wrong columns",
               file=sys.stderr, flush=True)
     return 1 if verdict[0] else 0

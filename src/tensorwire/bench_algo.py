@@ -1,0 +1,211 @@
+"""`tensorwire bench --algo NAME|all`: every algorithm of a collective timed against the model.
+
+    tensorwire bench all_reduce --algo all -b 8 -e 64M -f 4 --np 4 --rounds 3
+
+For each size the tuner's own choice ("auto") runs first, then every algorithm eligible for
+that call, each forced in turn through `tuner.override` (no re-initialisation, so every
+algorithm runs on the same group, links and calibration). Each line holds the measured time
+(as the plain bench: per iteration the slowest rank, median over iterations), the model's
+prediction for that algorithm and their ratio; a summary line per size gives the best forced
+algorithm and auto/best. `--rounds R` repeats the whole sequence R times, interleaved, and
+pools the iterations: on a busy host a slow spell then hits every algorithm alike instead of
+whichever was running.
+
+Only one placement is measured (out-of-place, or in-place with -I), and every forced run is
+checked against the numpy reference like the plain bench's, so a wrong algorithm shows up
+in #wrong. `--algo NAME` forces one algorithm (sizes where it is not eligible say so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from . import bench, tuner
+from .ops import dtype_name
+
+REGISTRY_NAME = {"alltoall": "all_to_all"}
+"""bench's collective names (nccl-tests') where the registry's differ."""
+AUTO = "auto"
+
+
+def _timed(tw: Any, case: bench.Case, opts: bench.Options) -> tuple[list[list[float]], int] | None:
+    return bench.collect(tw, bench.measure(tw, case, opts.warmup, opts.iters, opts.check))
+
+
+def _decision(tw: Any, case: bench.Case, coll: str) -> tuner.Decision | None:
+    """The tuner's priced candidates for this case, learnt from one call (None if the call
+    never reached the tuner: nothing to move, or one rank)."""
+    with tuner.override(tw.world(), coll, None) as ov:
+        case.init_inputs(sentinel=False)
+        case.call()
+    return ov.decision
+
+
+def measure_size(tw: Any, case: bench.Case, coll: str, wanted: str, opts: bench.Options,
+                 rounds: int) -> dict[str, Any] | None:
+    """Auto and each wanted algorithm, `rounds` times interleaved; rank 0 gets the result."""
+    decision = _decision(tw, case, coll)
+    if decision is None:
+        names: list[str] = []
+    elif wanted == "all":
+        names = sorted(n for _, n, _ in decision.priced)
+    else:
+        names = [n for _, n, _ in decision.priced if n == wanted]
+    runs = [AUTO, *names] if wanted == "all" or not names else names
+    pooled: dict[str, list[list[float]]] = {}
+    wrong: dict[str, int] = {}
+    for _ in range(rounds):
+        for name in runs:
+            with tuner.override(tw.world(), coll, None if name == AUTO else name):
+                got = _timed(tw, case, opts)
+            if got is None:
+                continue
+            per_rank, w = got
+            if name in pooled:
+                pooled[name] = [a + b for a, b in zip(pooled[name], per_rank)]
+            else:
+                pooled[name] = per_rank
+            wrong[name] = -1 if w < 0 else wrong.get(name, 0) + w  # -1: not checked (-c 0)
+    if tw.get_rank() != 0:
+        return None
+    n = tw.get_world_size()
+    chosen = decision.priced[0][1] if decision is not None else None
+    cells = {}
+    for name, per_rank in pooled.items():
+        stats = bench.summarize(per_rank)
+        algbw = case.size / (stats["time_us"] * 1e-6) / 1e9 if stats["time_us"] > 0 else 0.0
+        runs_as = chosen if name == AUTO else name
+        predicted = decision.predicted(runs_as) * 1e6 if decision is not None and runs_as else None
+        cells[name] = {
+            "algorithm": runs_as, "wrong": wrong[name], "algbw_GBps": algbw,
+            "busbw_GBps": algbw * bench.busbw_factor(case.coll, n), **stats, "predicted_us": predicted,
+            "measured_over_predicted": stats["time_us"] / predicted if predicted else None,
+        }
+    result: dict[str, Any] = {
+        "coll": case.coll, "nranks": n, "size": case.size, "count": case.param,
+        "type": dtype_name(case.dtype) if case.coll != "barrier" else "none",
+        "redop": case.op or "none", "root": case.root if case.coll in bench._ROOTED else -1,
+        "placement": "in-place" if case.inplace else "out-of-place", "iters": opts.iters * rounds,
+        "tier": decision.tier if decision is not None else None, "auto": chosen,
+        "eligible": sorted(n_ for _, n_, _ in decision.priced) if decision is not None else [],
+        "cells": cells,
+    }
+    forced = {k: v for k, v in cells.items() if k != AUTO}
+    if forced:
+        best = min(forced, key=lambda k: forced[k]["time_us"])
+        result["best"] = best
+        result["best_time_us"] = forced[best]["time_us"]
+    if AUTO in cells and forced:
+        result["auto_time_us"] = cells[AUTO]["time_us"]
+        result["auto_over_best"] = cells[AUTO]["time_us"] / result["best_time_us"]
+        if chosen in forced:  # the chosen algorithm's own forced run: auto/best without auto's noise
+            result["chosen_over_best"] = forced[chosen]["time_us"] / result["best_time_us"]
+    return result
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else bench._time_str(v).strip()
+
+
+def _line(size: str, label: str, *cols: str) -> str:
+    """size, algorithm, then time, predicted, meas/pred, busbw and #wrong, right-aligned."""
+    widths = (9, 9, 9, 7, 6)
+    return f"{size:>12}  {label:<24} " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
+
+
+HEADER = [
+    "#" + _line("size", "algorithm", "time", "predicted", "meas/pred", "busbw", "#wrong")[1:],
+    "#" + _line("(B)", "(* fastest forced)", "(us)", "(us)", "", "(GB/s)", "")[1:],
+]
+
+
+def format_size(res: dict[str, Any]) -> list[str]:
+    """One line per algorithm (auto first, then fastest first) and a summary comment."""
+    lines = []
+    cells = res["cells"]
+    for name in sorted(cells, key=lambda k: (k != AUTO, cells[k]["time_us"])):
+        c = cells[name]
+        best = "*" if name == res.get("best") else ""
+        label = f"{AUTO}:{c['algorithm']}" if name == AUTO else name + best
+        ratio = c["measured_over_predicted"]
+        lines.append(_line(str(res["size"]), label, _us(c["time_us"]), _us(c["predicted_us"]),
+                           "-" if ratio is None else f"{ratio:.2f}", f"{c['busbw_GBps']:.2f}",
+                           "N/A" if c["wrong"] < 0 else str(c["wrong"])))
+    if "auto_over_best" in res:
+        a = cells[AUTO]
+        lines.append(f"#{res['size']:>11}  auto {res['auto']} {_us(res['auto_time_us'])} us (predicted "
+                     f"{_us(a['predicted_us'])} us, x{a['measured_over_predicted']:.2f}); best {res['best']} "
+                     f"{_us(res['best_time_us'])} us; auto/best {res['auto_over_best']:.2f}")
+    return lines
+
+
+def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[str], None],
+              meta: dict[str, Any]) -> int:
+    """The --algo sweep over opts' collectives, dtypes, ops and sizes; returns #wrong in total."""
+    from .ops import as_reduction, check_op_dtype
+
+    assert opts.args is not None
+    wanted, rounds = opts.args.algo, opts.args.rounds
+    rank = tw.get_rank()
+    table = tuner.table_for(tw.world().runtime)
+    say(f"# --algo {wanted}: " + ("the tuner's choice (auto), then every eligible algorithm forced in turn"
+                                  if wanted == "all" else f"{wanted} forced")
+        + f"; {rounds} interleaved round(s) of {opts.warmup} warm-up + {opts.iters} timed calls each")
+    say("# predicted = the tuner's α-β-γ model with this job's link constants:")
+    for tier in table.links:
+        say(f"#   {tier}: {table.describe(tier)}")
+    say("#")
+    results: list[dict[str, Any]] = []
+    total_wrong = 0
+    for coll in opts.colls:
+        reg = REGISTRY_NAME.get(coll, coll)
+        if reg not in tuner.COLLECTIVES:
+            say(f"# Collective: {coll}: point-to-point, no algorithms to choose from (skipped)")
+            continue
+        name = wanted if wanted == "all" else tuner.resolve(reg, wanted)
+        if name is None:
+            say(f"# Collective: {coll} has no algorithm {wanted!r} (known: "
+                f"{', '.join(sorted(tuner.algorithms_for(reg)))}; skipped)")
+            continue
+        say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in bench._ROOTED else "")
+            + f"  {'in-place' if opts.inplace_only else 'out-of-place'}")
+        for line in HEADER:
+            say(line)
+        for dt in (opts.dtypes if coll != "barrier" else opts.dtypes[:1]):
+            for op in (opts.ops if coll in bench._REDUCING else [None]):
+                if op is not None:
+                    try:
+                        check_op_dtype(as_reduction(op), dt, rank=rank, collective=coll)
+                    except Exception as exc:
+                        say(f"# skipped {coll} {dtype_name(dt)} {op}: {exc}")
+                        continue
+                for nominal in (opts.sizes if coll != "barrier" else [0]):
+                    inplace = opts.inplace_only and coll not in bench._NO_INPLACE
+                    case = bench.make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
+                    res = measure_size(tw, case, reg, name, opts, rounds)
+                    if res is None:
+                        continue
+                    if not res["cells"] or (name != "all" and name not in res["cells"]):
+                        say(f"#{case.size:>11}  {name} cannot run this call (eligible: "
+                            f"{', '.join(res['eligible']) or 'none: nothing to move'})")
+                    for line in format_size(res):
+                        say(line)
+                    total_wrong += sum(max(c["wrong"], 0) for c in res["cells"].values())
+                    results.append(res)
+        say("#")
+    say(bench.wrong_line(total_wrong, opts.check))
+    if rank == 0 and opts.json_path:
+        path = os.path.abspath(opts.json_path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        links = {t: {"alpha_us": lk.alpha * 1e6, "bandwidth_GBps": 1e-9 / lk.beta,
+                     "reduce_GBps": 1e-9 / lk.gamma, "source": table.sources.get(t, "default")}
+                 for t, lk in table.links.items()}
+        doc = {"meta": {**meta, "algo": wanted, "rounds": rounds, "links": links}, "results": results,
+               "wrong_total": total_wrong}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, default=float)
+    return total_wrong
+
