@@ -28,8 +28,15 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples
 
+# tensorwire vs Gloo vs Open MPI, the same sweep interleaved over 3 rounds, at 2 and 4 ranks:
+# tables (markdown, with the command and the machine), plots and JSON in docs/benchmarks/.
+# n=4 stops at 64 MiB: 4 ranks share 2 cores there, and the budget is ~15 minutes in all.
+BENCH_SWEEP := all -b 8 -f 4 -n auto -w auto --compare gloo,mpi
 bench: setup
-	$(PY) bench/compare.py --out-dir docs/benchmarks
+	$(TW) bench $(BENCH_SWEEP) -e 256M --np 2 --json docs/benchmarks/compare-n2.json \
+		--plot docs/benchmarks/compare-n2.png --markdown docs/benchmarks/compare-n2.md
+	$(TW) bench $(BENCH_SWEEP) -e 64M --np 4 --json docs/benchmarks/compare-n4.json \
+		--plot docs/benchmarks/compare-n4.png --markdown docs/benchmarks/compare-n4.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -7,8 +7,10 @@ to report something else.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from tensorwire import bench
+from tensorwire.benchmarks import check, compare, report, sweep
 from tensorwire.ops import ReduceOp, Reduction
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX launcher")
@@ -92,8 +95,8 @@ def test_all_collectives_tiny(tmp_path: Path) -> None:
     assert_header(p.stdout)
     res = json.loads(out.read_text())
     seen = {r["coll"] for r in res["rows"]}
-    assert seen == set(bench.COLLECTIVES)
-    for coll in bench.COLLECTIVES:
+    assert seen == set(sweep.COLLECTIVES)
+    for coll in sweep.COLLECTIVES:
         rows = [r for r in res["rows"] if r["coll"] == coll]
         placements = {r["placement"] for r in rows}
         if coll in ("alltoall", "sendrecv", "barrier"):
@@ -156,51 +159,51 @@ def test_parse_size() -> None:
 
 
 def test_size_list() -> None:
-    assert bench.size_list(8, 64 << 10, 4, 0) == [8 * 4 ** i for i in range(7)]
-    assert bench.size_list(8, 8, 2, 0) == [8]
-    assert bench.size_list(1 << 20, 3 << 20, 1, 1 << 20) == [1 << 20, 2 << 20, 3 << 20]
+    assert sweep.size_list(8, 64 << 10, 4, 0) == [8 * 4 ** i for i in range(7)]
+    assert sweep.size_list(8, 8, 2, 0) == [8]
+    assert sweep.size_list(1 << 20, 3 << 20, 1, 1 << 20) == [1 << 20, 2 << 20, 3 << 20]
 
 
 def test_counts_and_factors_match_nccl_tests() -> None:
     n = 4
     # 100 bytes of float = 25 elements: split collectives round down to 24 (6 per rank)
-    assert bench.coll_counts("all_reduce", 25, n) == (25, 25, 25)
-    assert bench.coll_counts("all_gather", 25, n) == (6, 24, 6)
-    assert bench.coll_counts("reduce_scatter", 25, n) == (24, 6, 6)
-    assert bench.coll_counts("alltoall", 25, n) == (24, 24, 6)
-    assert bench.coll_counts("gather", 25, n) == (6, 24, 6)
-    assert bench.coll_counts("scatter", 25, n) == (24, 6, 6)
-    assert bench.effective_bytes("all_gather", 100, 4, n) == (96, 6)
-    assert bench.busbw_factor("all_reduce", n) == pytest.approx(1.5)
+    assert sweep.coll_counts("all_reduce", 25, n) == (25, 25, 25)
+    assert sweep.coll_counts("all_gather", 25, n) == (6, 24, 6)
+    assert sweep.coll_counts("reduce_scatter", 25, n) == (24, 6, 6)
+    assert sweep.coll_counts("alltoall", 25, n) == (24, 24, 6)
+    assert sweep.coll_counts("gather", 25, n) == (6, 24, 6)
+    assert sweep.coll_counts("scatter", 25, n) == (24, 6, 6)
+    assert sweep.effective_bytes("all_gather", 100, 4, n) == (96, 6)
+    assert sweep.busbw_factor("all_reduce", n) == pytest.approx(1.5)
     for coll in ("all_gather", "reduce_scatter", "alltoall"):
-        assert bench.busbw_factor(coll, n) == pytest.approx(0.75)
+        assert sweep.busbw_factor(coll, n) == pytest.approx(0.75)
     for coll in ("broadcast", "reduce", "sendrecv"):
-        assert bench.busbw_factor(coll, n) == 1.0
+        assert sweep.busbw_factor(coll, n) == 1.0
 
 
 def test_fill_repeats_pattern_from_offset() -> None:
-    pat = bench.pattern(np.dtype(np.float32), "sum", 1)
-    buf = np.empty(3 * bench.PATTERN_LEN + 5, dtype=np.float32)
-    bench.fill(buf, pat, 7)
-    idx = (np.arange(buf.size) + 7) % bench.PATTERN_LEN
+    pat = check.pattern(np.dtype(np.float32), "sum", 1)
+    buf = np.empty(3 * check.PATTERN_LEN + 5, dtype=np.float32)
+    check.fill(buf, pat, 7)
+    idx = (np.arange(buf.size) + 7) % check.PATTERN_LEN
     assert np.array_equal(buf, pat[idx])
 
 
 def test_count_wrong_flags_corruption() -> None:
     exp = np.arange(10, dtype=np.float32)
-    assert bench.count_wrong(exp.copy(), exp) == 0
+    assert check.count_wrong(exp.copy(), exp) == 0
     bad = exp.copy()
     bad[3] += 1
     bad[7] = np.nan
-    assert bench.count_wrong(bad, exp) == 2
+    assert check.count_wrong(bad, exp) == 2
     nan = np.full(3, np.nan, dtype=np.float64)
-    assert bench.count_wrong(nan, nan.copy()) == 0
+    assert check.count_wrong(nan, nan.copy()) == 0
     half = exp.astype(np.float16)
     wrong = half.copy()
     wrong[0] = 5
-    assert bench.count_wrong(wrong, half) == 1
+    assert check.count_wrong(wrong, half) == 1
     ints = np.arange(5, dtype=np.int8)
-    assert bench.count_wrong(ints[::-1].copy(), ints) == 4
+    assert check.count_wrong(ints[::-1].copy(), ints) == 4
 
 
 @pytest.mark.parametrize("coll", ["all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast",
@@ -210,10 +213,10 @@ def test_checker_accepts_right_and_flags_wrong(coll: str) -> None:
     n, rank, root, param = 3, 1, 0, 2500  # param > PATTERN_LEN: chunk and period boundaries
     dt = np.dtype(np.float32)
     red = Reduction(ReduceOp.SUM)
-    pats = [bench.pattern(dt, "sum", r) for r in range(n)]
-    send = bench.coll_counts(coll, param * n if coll in ("reduce_scatter", "alltoall", "scatter",
+    pats = [check.pattern(dt, "sum", r) for r in range(n)]
+    send = sweep.coll_counts(coll, param * n if coll in ("reduce_scatter", "alltoall", "scatter",
                                                          "all_gather") else param, n)[0]
-    inputs = [bench.segment(p, 0, max(send, param * n)) for p in pats]
+    inputs = [check.segment(p, 0, max(send, param * n)) for p in pats]
     if coll == "all_reduce":
         out = sum(x[:param] for x in inputs)
     elif coll == "reduce_scatter":
@@ -229,25 +232,25 @@ def test_checker_accepts_right_and_flags_wrong(coll: str) -> None:
     else:  # sendrecv: from the previous rank
         out = inputs[(rank - 1) % n][:param]
     out = np.ascontiguousarray(out, dtype=dt)
-    pieces = bench.expected_pieces(coll, rank, n, root, param)
-    assert bench.check_result(out, pieces, pats, red) == 0
+    pieces = check.expected_pieces(coll, rank, n, root, param)
+    assert check.check_result(out, pieces, pats, red) == 0
     corrupted = out.copy()
     corrupted[[0, 1500, out.size - 1]] += 1
-    assert bench.check_result(corrupted, pieces, pats, red) == 3
+    assert check.check_result(corrupted, pieces, pats, red) == 3
     # the right data in the wrong place (e.g. swapped blocks, another rank's data) is wrong too
     shifted = np.roll(out, 1)
-    assert bench.check_result(shifted, pieces, pats, red) > 0
+    assert check.check_result(shifted, pieces, pats, red) > 0
 
 
 def test_checker_reduction_uses_op() -> None:
     """A result reduced with the wrong op is flagged (max instead of sum)."""
     n, param = 2, 64
     dt = np.dtype(np.int32)
-    pats = [bench.pattern(dt, "sum", r) for r in range(n)]
-    xs = [bench.segment(p, 0, param) for p in pats]
-    pieces = bench.expected_pieces("all_reduce", 0, n, 0, param)
-    assert bench.check_result(xs[0] + xs[1], pieces, pats, Reduction(ReduceOp.SUM)) == 0
-    assert bench.check_result(np.maximum(xs[0], xs[1]), pieces, pats, Reduction(ReduceOp.SUM)) > 0
+    pats = [check.pattern(dt, "sum", r) for r in range(n)]
+    xs = [check.segment(p, 0, param) for p in pats]
+    pieces = check.expected_pieces("all_reduce", 0, n, 0, param)
+    assert check.check_result(xs[0] + xs[1], pieces, pats, Reduction(ReduceOp.SUM)) == 0
+    assert check.check_result(np.maximum(xs[0], xs[1]), pieces, pats, Reduction(ReduceOp.SUM)) > 0
 
 
 @pytest.mark.parametrize("dtype", bench.DTYPES)
@@ -259,8 +262,215 @@ def test_patterns_are_order_independent(dtype: str, op: str) -> None:
     dt = dtype_from_name(dtype)
     red = as_reduction(op)
     n = 5
-    xs = [bench.pattern(dt, op, r) for r in range(n)]
+    xs = [check.pattern(dt, op, r) for r in range(n)]
     with np.errstate(all="ignore"):
         fwd = reference(xs, red)
         bwd = reference(xs[::-1], red)
-    assert bench.count_wrong(fwd, bwd) == 0
+    assert check.count_wrong(fwd, bwd) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --compare, --plot, --markdown, the progress bar, the foreign-load meter
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _mpi_python() -> str | None:
+    """A Python with mpi4py (the one --compare would pick), when mpiexec exists too."""
+    if shutil.which("mpiexec") is None:
+        return None
+    if importlib.util.find_spec("mpi4py") is not None:
+        return sys.executable
+    fallback = Path(compare.FALLBACK_PYTHON)
+    probe = [str(fallback), "-c", "import mpi4py, numpy"]
+    if fallback.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return str(fallback)
+    return None
+
+
+def comparison_rows(stdout: str, coll: str) -> tuple[list[str], list[list[str]]]:
+    """(column heads, data rows) of one collective's comparison table."""
+    lines = stdout.splitlines()
+    at = lines.index(next(ln for ln in lines if ln.startswith(f"# Collective: {coll}")))
+    heads = lines[at + 1].lstrip("#").split()
+    rows = []
+    for line in lines[at + 3:]:
+        if line.startswith("#"):
+            break
+        rows.append(line.split())
+    return heads, rows
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed in the test venv")
+def test_compare_gloo(tmp_path: Path) -> None:
+    out, md, png = tmp_path / "cmp.json", tmp_path / "cmp.md", tmp_path / "cmp.png"
+    extra = ["--plot", str(png)] if HAS_MATPLOTLIB else []
+    p = run_bench("all_reduce", "-b", "8", "-e", "4K", "-f", "512", "-n", "5", "-w", "1", "--np", "2",
+                  "--compare", "gloo", "--rounds", "2", "--json", str(out), "--markdown", str(md), *extra,
+                  timeout=80)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tensorwire is faster" in p.stdout  # the header says which way the ratio points
+    heads, rows = comparison_rows(p.stdout, "all_reduce")
+    assert heads == ["size", "tensorwire:oop", "tensorwire:ip", "gloo:ip", "tw/gloo"]
+    assert [int(r[0]) for r in rows] == [8, 4096]
+    for r in rows:
+        times = [float(v.rstrip("†").replace(",", "")) for v in r[1:4]]
+        ratio = float(r[4].rstrip("†"))
+        assert all(t > 0 for t in times), r
+        # gloo's all_reduce is in place only: the ratio pairs tensorwire's in-place with it
+        assert ratio == pytest.approx(times[1] / times[2], rel=1.0), r
+        assert 1e-3 < ratio < 1e3, r
+    assert p.stderr.count("round ") == 4  # 2 rounds x (tensorwire, gloo), each reported
+
+    res = json.loads(out.read_text())
+    assert res["rows"] and all(r["lib"] == "tensorwire" for r in res["rows"])  # nccl-tests rows kept
+    cmp = res["compare"]
+    assert cmp["libraries"] == ["tensorwire", "gloo"] and cmp["rounds"] == 2
+    assert {(x["lib"], x["round"], x["rc"]) for x in cmp["launches"]} == {
+        ("tensorwire", 1, 0), ("gloo", 1, 0), ("tensorwire", 2, 0), ("gloo", 2, 0)}
+    gloo = [r for r in cmp["peer_rows"] if r["lib"] == "gloo"]
+    assert gloo and all(r["wrong"] == 0 and r["placement"] == "in-place" for r in gloo)  # checked
+    assert all("foreign_cpu_s" in r and "contaminated" in r for r in gloo)
+    cells = {(c["lib"], c["placement"], c["nominal"]): c for c in cmp["cells"]}
+    assert len(cells[("gloo", "in-place", 8)]["rounds"]) == 2
+    assert {(r["other"], r["tw_placement"], r["other_placement"]) for r in cmp["ratios"]} == {
+        ("gloo", "in-place", "in-place")}
+    text = md.read_text()
+    assert "--compare gloo" in text and "| size |" in text and "tw/gloo" in text and "CPUs" in text
+    if HAS_MATPLOTLIB:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "cmp.png" in text
+
+
+@pytest.mark.timeout(60)
+def test_compare_mpi(tmp_path: Path) -> None:
+    python = _mpi_python()
+    if python is None:
+        pytest.skip("needs mpiexec and a Python with mpi4py (apt-get install -y openmpi-bin libopenmpi-dev; "
+                    "pip install mpi4py)")
+    out = tmp_path / "cmp.json"
+    p = run_bench("reduce_scatter", "-b", "1K", "-e", "1K", "-n", "5", "-w", "1", "--np", "2",
+                  "--compare", "mpi", "--compare-python", python, "--rounds", "1", "--json", str(out),
+                  timeout=50)
+    assert p.returncode == 0, p.stdout + p.stderr
+    heads, rows = comparison_rows(p.stdout, "reduce_scatter")
+    # Reduce_scatter_block in place differs from nccl-tests' in place: only out-of-place is timed
+    assert heads == ["size", "tensorwire:oop", "tensorwire:ip", "mpi:oop", "tw/mpi"]
+    assert len(rows) == 1 and float(rows[0][4].rstrip("†")) > 0
+    mpi = json.loads(out.read_text())["compare"]["peer_rows"]
+    assert mpi and all(r["lib"] == "mpi" and r["wrong"] == 0 for r in mpi)
+
+
+@pytest.mark.timeout(60)
+def test_compare_missing_libraries_are_skipped_with_install_hints(tmp_path: Path) -> None:
+    env = _env()
+    env["PATH"] = str(tmp_path)  # no mpiexec here
+    p = subprocess.run([sys.executable, "-m", "tensorwire", "bench", "barrier", "-n", "3", "-w", "1",
+                        "--np", "2", "--compare", "gloo,mpi", "--compare-python", "/bin/false",
+                        "--rounds", "1"],
+                       env=env, text=True, capture_output=True, timeout=50)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "--compare gloo skipped" in p.stderr and "pip install torch==2.13.0" in p.stderr
+    assert "--compare mpi skipped" in p.stderr and "apt-get install -y openmpi-bin libopenmpi-dev" in p.stderr
+    assert "pip install mpi4py" in p.stderr
+    heads, rows = comparison_rows(p.stdout, "barrier")
+    assert heads == ["size", "tensorwire:oop"] and len(rows) == 1  # tensorwire alone still measured
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed in the test venv")
+def test_plain_plot_markdown_and_progress(tmp_path: Path) -> None:
+    png, md = tmp_path / "p.png", tmp_path / "p.md"
+    p = run_bench("broadcast", "-b", "8", "-e", "1K", "-f", "128", "-n", "3", "-w", "1", "--np", "2",
+                  "--plot", str(png), "--markdown", str(md), "--progress", "on")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert "tensorwire bench broadcast" in text and "```" in text and "p.png" in text
+    assert [int(r[0]) for r in data_rows(p.stdout)] == [8, 1024]  # stdout untouched by the bar
+    assert "[tensorwire bench] 4/4" in p.stderr  # plain progress lines (stderr is no terminal)
+    assert "[tensorwire bench]" not in p.stdout
+
+
+@pytest.mark.timeout(30)
+def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
+    fake = tmp_path / "matplotlib"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('hidden for the test')\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    p = subprocess.run([sys.executable, "-m", "tensorwire", "bench", "all_reduce", "--np", "2", "--plot",
+                        str(tmp_path / "x.png")], env=env, text=True, capture_output=True, timeout=25)
+    assert p.returncode == 2 and "pip install 'tensorwire[bench]'" in p.stderr, p.stderr
+
+
+def test_compare_usage_errors() -> None:
+    assert run_bench("all_reduce", "--compare", "nccl").returncode == 2
+    p = run_bench("all_reduce", "--compare", "gloo", "-d", "double")
+    assert p.returncode == 2 and "float32" in p.stderr
+
+
+def test_auto_schedule() -> None:
+    opts = bench.parse_options(["all_reduce", "-n", "auto", "-w", "auto"])
+    assert opts.iters is None and opts.warmup is None
+    assert bench.parse_options(["all_reduce", "--compare", "gloo"]).args.rounds == 3
+    assert bench.parse_options(["all_reduce"]).args.rounds == 1
+    schedule = [sweep.schedule(1 << k) for k in range(0, 31)]
+    assert all(w >= 1 and n >= 5 for w, n in schedule)
+    assert [n for _, n in schedule] == sorted((n for _, n in schedule), reverse=True)  # fewer when larger
+
+
+def _rows(lib: str, rnd: int, times: dict[int, float], placement: str = "out-of-place",
+          dirty: bool = False, wrong: int = 0) -> list[dict]:
+    return [{"lib": lib, "round": rnd, "coll": "all_reduce", "nominal": s, "size": s, "nranks": 2,
+             "placement": placement, "type": "float", "redop": "sum", "time_us": t, "wrong": wrong,
+             "contaminated": dirty} for s, t in times.items()]
+
+
+def test_report_medians_pairing_and_contamination() -> None:
+    rows = (_rows("tensorwire", 1, {8: 10.0, 64: 20.0}) + _rows("tensorwire", 2, {8: 30.0, 64: 20.0})
+            + _rows("tensorwire", 3, {8: 11.0, 64: 99.0}, dirty=True)
+            + _rows("tensorwire", 1, {8: 5.0, 64: 5.0}, "in-place")
+            + _rows("gloo", 1, {8: 20.0, 64: 40.0}, "in-place")
+            + _rows("gloo", 2, {8: 20.0, 64: 40.0}, "in-place")
+            + _rows("mpi", 1, {8: 1.0, 64: 2.0}, dirty=True) + _rows("mpi", 1, {8: 1.0}, "in-place", wrong=3))
+    cells = {(c.lib, c.placement, c.nominal): c for c in report.cells(rows)}
+    tw8 = cells[("tensorwire", "out-of-place", 8)]
+    assert tw8.time_us == 20.0 and tw8.clean_rounds == 2 and not tw8.contaminated  # the dirty round left out
+    assert cells[("mpi", "out-of-place", 8)].contaminated
+    assert cells[("mpi", "in-place", 8)].wrong == 3
+    ratios = {(r.other, r.nominal): r for r in report.ratios(rows, ["gloo", "mpi"])}
+    g = ratios[("gloo", 8)]
+    # gloo has in-place only: tensorwire's in-place (round 1 only) is compared with it
+    assert (g.tw_placement, g.other_placement, g.ratio, g.per_round) == ("in-place", "in-place", 0.25, [0.25])
+    m = ratios[("mpi", 64)]
+    assert m.tw_placement == "out-of-place" and m.contaminated and m.ratio == 10.0
+    tables = report.tables(report.cells(rows), report.ratios(rows, ["gloo", "mpi"]),
+                           ["tensorwire", "gloo", "mpi"])
+    text = "\n".join(report.text_tables(tables, 2, 3))
+    assert "WRONG" in text and report.DAGGER in text and "tw/gloo" in text
+
+
+def test_foreign_load_meter_counts_others_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    from tensorwire.benchmarks.loadmeter import OWNER_ENV, ForeignLoad, contaminated
+
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    busy = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+            "print(flush=True)\ntime.sleep(30)")
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    meter = ForeignLoad([ours.pid])
+    meter.start()
+    other = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE)  # a sibling: not ours
+    try:
+        assert other.stdout is not None and other.stdout.readline()  # it has burnt its 0.4 s
+        foreign = meter.stop()
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
+    assert foreign >= 0.3 and contaminated(foreign, 1.0)
+    assert not contaminated(0.02, 1.0)

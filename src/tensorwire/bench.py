@@ -25,6 +25,12 @@ Flags, columns and conventions follow nccl-tests (`all_reduce_perf -b 8 -e 128M 
 `--np N` starts N ranks through the launcher (`tensorwire run -n N -m tensorwire.bench ...`);
 inside a launched job (tensorwire run, torchrun, mpirun, srun) the bench just runs.
 `barrier` is not an nccl-tests collective: it is shown as one row of size 0.
+
+`--compare gloo,mpi` runs the same sweep through Gloo (torch.distributed) and Open MPI
+(mpi4py) too, interleaved over `--rounds` rounds, and prints one comparison table per
+collective (`tensorwire.benchmarks.compare`). Cases, the timed loop and the statistics live
+in `tensorwire.benchmarks.sweep`, inputs and the check in `tensorwire.benchmarks.check`: the
+Gloo and MPI runners share them, so every library is measured the same way.
 """
 
 from __future__ import annotations
@@ -35,29 +41,27 @@ import math
 import os
 import platform
 import socket
-import statistics
 import sys
-import time
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "alltoall",
-               "gather", "scatter", "sendrecv", "barrier")
+from .benchmarks import progress, report, sweep
+from .benchmarks.compare import parse_libraries
+from .benchmarks.loadmeter import job_meter
+from .benchmarks.sweep import COLLECTIVES, Buffers, Case, Measured, measure, size_list
+from .benchmarks.sweep import NO_INPLACE as _NO_INPLACE
+from .benchmarks.sweep import REDUCING as _REDUCING
+from .benchmarks.sweep import ROOTED as _ROOTED
+from .benchmarks.sweep import busbw_factor as busbw_factor  # re-exported: `tensorwire.bench` API
+from .benchmarks.sweep import summarize as summarize  # re-exported: `tensorwire.bench` API
+
 DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double",
           "bfloat16")
 OPS = ("sum", "prod", "max", "min", "avg")  # nccl-tests' order for -o all
-_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
-_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
-_NO_INPLACE = frozenset({"alltoall", "sendrecv", "barrier"})
-"""In-place alltoall / sendrecv would send and receive through the same bytes at once."""
-
-PATTERN_LEN = 1021
-"""Inputs repeat with this (prime) period, so blocks at power-of-two offsets hold different data."""
-CHECK_CHUNK = 1 << 20
-"""Elements compared per step: the reference never needs more than a few chunks of memory."""
 
 EPILOG = """\
 examples:
@@ -65,11 +69,23 @@ examples:
   tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2 --tcp  the same over TCP
   tensorwire bench all -b 8 -e 1M --np 4 --json out.json     every collective, results as JSON
   tensorwire run -n 2 -m tensorwire.bench broadcast -r 1      under the launcher explicitly
+  tensorwire bench all -b 8 -e 256M -f 4 -n auto -w auto --np 2 --compare gloo,mpi \
+      --json cmp.json --markdown cmp.md --plot cmp.png       vs Gloo and Open MPI, 3 rounds
 
 columns (as nccl-tests): size (B), count (elements per rank parameter), type, redop, root,
 then for out-of-place and in-place: time (us, median over iterations of the slowest rank),
 algbw = size/time and busbw = algbw x factor (GB/s), #wrong (elements that differ from the
 numpy reference in one checked call; N/A with -c 0).
+
+--compare gloo,mpi: tensorwire, Gloo (torch.distributed, launched by torch.distributed.run) and
+Open MPI (mpi4py, launched by mpiexec) each sweep the same collectives, sizes, placements and
+schedule (float32 sum), one launch per library per round, rounds interleaved. One table per
+collective: per size the median over rounds of each library's time (us) and the ratios
+tw/gloo and tw/mpi (tensorwire time / other time: < 1 means tensorwire is faster). A dagger
+marks a cell measured under foreign CPU load (other processes on the machine) in every round.
+Peers need torch (pip install torch==2.13.0), mpi4py (pip install mpi4py) and mpiexec
+(apt-get install -y openmpi-bin libopenmpi-dev); a missing one is skipped with that hint.
+Plots need matplotlib and the progress bar uses rich: pip install 'tensorwire[bench]'.
 """
 
 
@@ -113,6 +129,13 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _count_or_auto(check: Callable[[str], int]) -> Callable[[str], int | None]:
+    """-n / -w: a count, or `auto` (None) for the per-size schedule of `sweep.schedule`."""
+    def parse(text: str) -> int | None:
+        return None if text.strip().lower() == "auto" else check(text)
+    return parse
+
+
 def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -128,10 +151,11 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="multiply the size by F each step (default 2); 1 means add --stepbytes")
     p.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20, metavar="SIZE",
                    help="increment between sizes when --stepfactor is 1 (default 1M)")
-    p.add_argument("-n", "--iters", type=_positive_int, default=20, metavar="N",
-                   help="timed iterations per size (default 20)")
-    p.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=5, metavar="W",
-                   help="warm-up iterations per size, not timed (default 5)")
+    p.add_argument("-n", "--iters", type=_count_or_auto(_positive_int), default=20, metavar="N",
+                   help="timed iterations per size (default 20); auto: by size, from 100 for small "
+                        "messages down to 5 above 64 MiB")
+    p.add_argument("-w", "--warmup_iters", type=_count_or_auto(_nonneg_int), default=5, metavar="W",
+                   help="warm-up iterations per size, not timed (default 5); auto: by size, 10 down to 1")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, metavar="0|1",
                    help="check one call per size against a numpy reference (default 1)")
     p.add_argument("-d", "--datatype", default="float", metavar="TYPE",
@@ -150,13 +174,24 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="force the TCP transport (TENSORWIRE_TRANSPORT=tcp) even between local ranks")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every row, with p10/p90/mean, as JSON to PATH (rank 0)")
-    p.add_argument("--algo", default=None, metavar="NAME|all",
-                   help="force one algorithm (e.g. ring), or `all`: per size, the tuner's choice and every "
-                        "eligible algorithm, each with the cost model's prediction (one placement: "
-                        "out-of-place, or in-place with -I)")
-    p.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
-                   help="with --algo: repeat the algorithms R times interleaved and pool the iterations "
-                        "(default 1)")
+    p.add_argument("--rounds", type=_positive_int, default=None, metavar="R",
+                   help="with --compare: R interleaved rounds, medians reported (default 3)")
+    p.add_argument("--compare", type=parse_libraries, default=None, metavar="gloo,mpi",
+                   help="also run the sweep through Gloo and/or Open MPI, interleaved, and print "
+                        "tensorwire/gloo and tensorwire/mpi time ratios per size (float32 sum; --np "
+                        "defaults to 2)")
+    p.add_argument("--compare-python", default=None, metavar="PATH",
+                   help="the Python that runs the peers (default: this one if it has torch / mpi4py, "
+                        "else /opt/anchors-venv/bin/python)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also plot time and busbw against size, one line per library and placement "
+                        "(needs matplotlib)")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="also write the tables as markdown, with the command and the machine")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal and the table is "
+                        "not; rich if installed)")
+    p.add_argument("--compare-member", default=None, help=argparse.SUPPRESS)  # one launch of --compare
     return p
 
 
@@ -167,32 +202,13 @@ class Options:
     dtypes: list[np.dtype]
     ops: list[str]
     root: int
-    iters: int
-    warmup: int
+    iters: int | None  # None: by size (sweep.schedule)
+    warmup: int | None
     check: bool
     inplace_only: bool
     json_path: str | None
     argv: list[str] = field(default_factory=list)
     args: argparse.Namespace | None = None
-
-
-def size_list(minbytes: int, maxbytes: int, stepfactor: int, stepbytes: int) -> list[int]:
-    """nccl-tests' loop: multiply by the factor, or add stepbytes when the factor is 1."""
-    if maxbytes < minbytes:
-        raise ValueError(f"maxbytes {maxbytes} is smaller than minbytes {minbytes}")
-    if stepfactor <= 1 and stepbytes <= 0:
-        raise ValueError("with --stepfactor 1, --stepbytes must be positive")
-    out, s = [], minbytes
-    while s <= maxbytes:
-        out.append(s)
-        if stepfactor > 1:
-            if s == 0:
-                s = 1  # 0 * factor would never end; nccl-tests has the same corner
-                continue
-            s *= stepfactor
-        else:
-            s += stepbytes
-    return out
 
 
 def _dtype_list(text: str) -> list[np.dtype]:
@@ -223,6 +239,8 @@ def _op_list(text: str) -> list[str]:
 def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Options:
     """Parse and validate; raises SystemExit (argparse) or ValueError with a user message."""
     args = build_parser(prog).parse_args(list(argv))
+    if args.rounds is None:
+        args.rounds = 3 if args.compare else 1
     colls = list(COLLECTIVES) if args.collective == "all" else [args.collective]
     sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     return Options(colls=colls, sizes=sizes, dtypes=_dtype_list(args.datatype), ops=_op_list(args.op),
@@ -231,218 +249,20 @@ def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Option
 
 
 # ------------------------------------------------------------------------------------------
-# Sizes and bandwidth, as nccl-tests
-
-
-def busbw_factor(coll: str, n: int) -> float:
-    if coll == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if coll in ("all_gather", "reduce_scatter", "alltoall", "gather", "scatter"):
-        return (n - 1) / n
-    if coll in ("broadcast", "reduce", "sendrecv"):
-        return 1.0
-    if coll == "barrier":
-        return 0.0
-    raise ValueError(f"unknown collective {coll!r}")
-
-
-def coll_counts(coll: str, count: int, n: int) -> tuple[int, int, int]:
-    """(send count, receive count, parameter count) for `count` = size // itemsize elements."""
-    if coll in ("all_reduce", "broadcast", "reduce", "sendrecv"):
-        return count, count, count
-    per = count // n
-    if coll in ("all_gather", "gather"):
-        return per, per * n, per
-    if coll in ("reduce_scatter", "scatter"):
-        return per * n, per, per
-    if coll == "alltoall":
-        return per * n, per * n, per
-    if coll == "barrier":
-        return 0, 0, 0
-    raise ValueError(f"unknown collective {coll!r}")
-
-
-def effective_bytes(coll: str, nominal: int, itemsize: int, n: int) -> tuple[int, int]:
-    """(size in bytes as printed, per-rank count) after nccl-tests' rounding."""
-    send, recv, param = coll_counts(coll, nominal // itemsize, n)
-    return max(send, recv) * itemsize, param
-
-
-# ------------------------------------------------------------------------------------------
-# Inputs, reference and checking
-
-
-def pattern(dtype: np.dtype, op: str, rank: int) -> np.ndarray:
-    """One period of rank `rank`'s input: small integers, exact in every supported dtype.
-
-    Sums stay within +-4n and products are powers of two, so the reduction result does not
-    depend on the order in which ranks are combined, and every dtype can hold it.
-    """
-    k = np.arange(PATTERN_LEN, dtype=np.int64)
-    if op == "prod":
-        v = 1 + ((k + 3 * rank) % 7 == 0).astype(np.int64)
-    else:
-        v = (5 * k + 3 * rank) % 9
-        if dtype.kind != "u":
-            v = v - 4
-    if dtype.kind in "iu":
-        return v.astype(dtype)
-    return v.astype(np.float64).astype(dtype)
-
-
-def fill(buf: np.ndarray, pat: np.ndarray, start: int = 0) -> None:
-    """buf[j] = pat[(start + j) % len(pat)], without temporaries of buf's size."""
-    size = buf.size
-    if size == 0:
-        return
-    period = pat.size
-    rolled = np.roll(pat, -(start % period))
-    whole = size // period
-    if whole:
-        buf[:whole * period].reshape(whole, period)[...] = rolled
-    rest = size - whole * period
-    if rest:
-        buf[whole * period:] = rolled[:rest]
-
-
-def segment(pat: np.ndarray, start: int, length: int) -> np.ndarray:
-    out = np.empty(length, dtype=pat.dtype)
-    fill(out, pat, start)
-    return out
-
-
-def count_wrong(actual: np.ndarray, expected: np.ndarray) -> int:
-    """Elements of `actual` that differ from `expected` (NaN equals NaN; -0.0 equals 0.0)."""
-    a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
-    if a.size != e.size:
-        raise ValueError(f"count_wrong: {a.size} elements against {e.size} expected")
-    if a.dtype.kind in "iub":
-        return int(np.count_nonzero(a != e))
-    if a.dtype.itemsize < 4 or a.dtype.kind == "V" or a.dtype.type.__module__.startswith("ml_dtypes"):
-        a, e = a.astype(np.float32), e.astype(np.float32)  # half, bfloat16: exact in float32
-    differ = a != e
-    if a.dtype.kind in "fc":
-        differ &= ~(np.isnan(a) & np.isnan(e))
-    return int(np.count_nonzero(differ))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Part of the expected output: out[at:at+length] = input_src[start:start+length] of one rank,
-    or the reduction over all ranks when `src` is None."""
-
-    at: int
-    length: int
-    src: int | None
-    start: int
-
-
-def expected_pieces(coll: str, rank: int, n: int, root: int, param: int) -> list[Piece]:
-    """What this rank's receive buffer must hold after the collective (nothing for non-roots
-    of reduce and gather, whose receive buffers nccl-tests does not check either)."""
-    c = param
-    if coll == "all_reduce":
-        return [Piece(0, c, None, 0)]
-    if coll == "broadcast":
-        return [Piece(0, c, root, 0)]
-    if coll == "reduce":
-        return [Piece(0, c, None, 0)] if rank == root else []
-    if coll == "all_gather" or (coll == "gather" and rank == root):
-        return [Piece(r * c, c, r, 0) for r in range(n)]
-    if coll == "gather":
-        return []
-    if coll == "reduce_scatter":
-        return [Piece(0, c, None, rank * c)]
-    if coll == "alltoall":
-        return [Piece(r * c, c, r, rank * c) for r in range(n)]
-    if coll == "scatter":
-        return [Piece(0, c, root, rank * c)]
-    if coll == "sendrecv":
-        return [Piece(0, c, (rank - 1) % n, 0)]
-    return []
-
-
-def check_result(out: np.ndarray, pieces: Sequence[Piece], patterns: Sequence[np.ndarray],
-                 reduction: Any) -> int:
-    """Wrong elements of `out` against the pieces, built chunk by chunk (bounded memory)."""
-    from .ops import reference
-
-    wrong = 0
-    for piece in pieces:
-        for off in range(0, piece.length, CHECK_CHUNK):
-            m = min(CHECK_CHUNK, piece.length - off)
-            if piece.src is None:
-                want = reference([segment(p, piece.start + off, m) for p in patterns], reduction)
-            else:
-                want = segment(patterns[piece.src], piece.start + off, m)
-            wrong += count_wrong(out[piece.at + off:piece.at + off + m], want)
-    return wrong
-
-
-# ------------------------------------------------------------------------------------------
 # One measured case
-
-
-@dataclass
-class Buffers:
-    """Allocated once for the largest size; every case uses views (as nccl-tests does)."""
-
-    send: np.ndarray
-    recv: np.ndarray
-
-
-@dataclass
-class Case:
-    coll: str
-    dtype: np.dtype
-    op: str | None
-    root: int
-    rank: int
-    n: int
-    size: int  # bytes, after rounding
-    send_count: int
-    recv_count: int
-    param: int
-    inplace: bool
-    send: np.ndarray
-    recv: np.ndarray
-    call: Callable[[], Any]
-    patterns: list[np.ndarray]
-    reduction: Any
-
-    def init_inputs(self, sentinel: bool) -> None:
-        fill(self.send, self.patterns[self.rank], 0)
-        if sentinel and not self.inplace and self.recv.size:
-            self.recv[...] = 77  # not a value the collective can produce for small n
-
-    def wrong(self) -> int:
-        pieces = expected_pieces(self.coll, self.rank, self.n, self.root, self.param)
-        return check_result(self.recv, pieces, self.patterns, self.reduction)
 
 
 def make_case(tw: Any, coll: str, dtype: np.dtype, op: str | None, root: int, nominal: int,
               inplace: bool, bufs: Buffers) -> Case:
-    from .ops import as_reduction
+    return sweep.make_case(coll, dtype, op, root, nominal, inplace, bufs, tw.get_rank(), tw.get_world_size(),
+                           lambda case: _tw_call(tw, case))
 
-    rank, n = tw.get_rank(), tw.get_world_size()
-    send_count, recv_count, param = coll_counts(coll, nominal // dtype.itemsize, n)
-    size = max(send_count, recv_count) * dtype.itemsize
-    sbuf = bufs.send.view(dtype)
-    rbuf = bufs.recv.view(dtype)
-    if inplace:
-        if coll in ("all_gather", "gather"):
-            recv = rbuf[:recv_count]
-            send = recv[rank * param:(rank + 1) * param]
-        elif coll in ("reduce_scatter", "scatter"):
-            send = rbuf[:send_count]
-            recv = send[rank * param:(rank + 1) * param]
-        else:
-            send = recv = rbuf[:send_count]
-    else:
-        send, recv = sbuf[:send_count], rbuf[:recv_count]
-    red = as_reduction(op) if op else None
-    blocks = [recv[r * param:(r + 1) * param] for r in range(n)]
-    sblocks = [send[r * param:(r + 1) * param] for r in range(n)]
+
+def _tw_call(tw: Any, case: Case) -> Callable[[], Any]:
+    """tensorwire's call for a case (module-level API, as a user would write it)."""
+    coll, send, recv, root, red, inplace = (case.coll, case.send, case.recv, case.root, case.reduction,
+                                            case.inplace)
+    rank, n = case.rank, case.n
     world = tw.world()
     call: Callable[[], Any]
     if coll == "all_reduce":
@@ -459,10 +279,10 @@ def make_case(tw: Any, coll: str, dtype: np.dtype, op: str | None, root: int, no
     elif coll == "alltoall":
         call = lambda: tw.all_to_all_single(recv, send)  # noqa: E731
     elif coll == "gather":
-        glist = blocks if rank == root else None
+        glist = case.recv_blocks() if rank == root else None
         call = lambda: tw.gather(send, glist, root)  # noqa: E731
     elif coll == "scatter":
-        slist = sblocks if rank == root else None
+        slist = case.send_blocks() if rank == root else None
         call = lambda: tw.scatter(recv, slist, root)  # noqa: E731
     elif coll == "sendrecv":
         dst, src = (rank + 1) % n, (rank - 1) % n
@@ -475,69 +295,16 @@ def make_case(tw: Any, coll: str, dtype: np.dtype, op: str | None, root: int, no
         call = tw.barrier
     else:
         raise ValueError(coll)
-    patterns = [pattern(dtype, op or "none", r) for r in range(n)]
-    return Case(coll, dtype, op, root, rank, n, size, send_count, recv_count, param, inplace, send, recv,
-                call, patterns, red)
-
-
-@dataclass
-class Measured:
-    times: list[float]  # seconds per timed call on this rank
-    wrong: int  # -1: not checked
-
-
-def measure(tw: Any, case: Case, warmup: int, iters: int, check: bool) -> Measured:
-    """W warm-up calls, a barrier, N individually timed calls, then one checked call."""
-    perf = time.perf_counter
-    call = case.call
-    case.init_inputs(sentinel=False)
-    # In-place reductions feed each result into the next call: values may overflow to inf
-    # or wrap. That is expected here and costs nothing; keep numpy quiet about it.
-    with np.errstate(all="ignore"):
-        for _ in range(warmup):
-            call()
-        times = [0.0] * iters
-        tw.barrier()
-        for i in range(iters):
-            t0 = perf()
-            call()
-            times[i] = perf() - t0
-    wrong = -1
-    if check and case.coll != "barrier":
-        case.init_inputs(sentinel=True)
-        call()
-        wrong = case.wrong()
-    elif check:
-        wrong = 0
-    return Measured(times, wrong)
+    return call
 
 
 def collect(tw: Any, m: Measured) -> tuple[list[list[float]], int] | None:
     """Rank 0 gets every rank's per-call times and the total #wrong (None elsewhere)."""
     rank, n = tw.get_rank(), tw.get_world_size()
-    mine = np.array([*m.times, float(m.wrong)], dtype=np.float64)
+    mine = sweep.pack(m)
     glist = [np.empty_like(mine) for _ in range(n)] if rank == 0 else None
     tw.gather(mine, glist, 0)
-    if glist is None:
-        return None
-    per_rank = [g[:-1].tolist() for g in glist]
-    wrongs = [int(g[-1]) for g in glist]
-    return per_rank, (-1 if any(w < 0 for w in wrongs) else sum(wrongs))
-
-
-def summarize(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
-    """Call i's time = max over ranks; median (the headline), p10, p90, min, max over calls;
-    mean = the slowest rank's loop time / N (back-to-back view, includes tails)."""
-    nops = len(per_rank[0])
-    worst = sorted(max(rs[i] for rs in per_rank) for i in range(nops))
-    return {
-        "time_us": statistics.median(worst) * 1e6,
-        "p10_us": worst[nops // 10] * 1e6,
-        "p90_us": worst[min(nops - 1, (nops * 9) // 10)] * 1e6,
-        "min_us": worst[0] * 1e6,
-        "max_us": worst[-1] * 1e6,
-        "mean_us": max(sum(rs) / nops for rs in per_rank) * 1e6,
-    }
+    return None if glist is None else sweep.unpack(glist)
 
 
 # ------------------------------------------------------------------------------------------
@@ -615,6 +382,45 @@ def relaunch(opts: Options) -> int:
     return launcher.main(cmd, prog="tensorwire run")
 
 
+def planned_cells(opts: Options) -> int:
+    """Timed loops the sweep will run (for the progress bar; skipped op / dtype pairs count)."""
+    places = ["in-place"] if opts.inplace_only else ["out-of-place", "in-place"]
+    total = 0
+    for coll in opts.colls:
+        if coll == "barrier":
+            total += 1
+            continue
+        variants = len(opts.dtypes) * (len(opts.ops) if coll in _REDUCING else 1)
+        total += len(opts.sizes) * variants * sum(1 for p in places if p == "out-of-place"
+                                                  or coll not in _NO_INPLACE)
+    return total
+
+
+def relaunch_with_progress(opts: Options) -> int:
+    """relaunch(), with a progress bar on stderr fed by rank 0 (see `benchmarks.progress`).
+
+    `--progress auto` shows it only when stderr is a terminal and stdout is not: the rows
+    streaming to a terminal are progress enough, and the bar must not mix with them.
+    """
+    args = opts.args
+    assert args is not None
+    show = progress.wanted(args.progress) and not (args.progress == "auto" and sys.stdout.isatty())
+    if not show:
+        return relaunch(opts)
+    with tempfile.TemporaryDirectory(prefix="tw-bench-") as tmp:
+        path = os.path.join(tmp, "progress")
+        os.environ[progress.PROGRESS_ENV] = path
+        try:
+            with progress.Bar(planned_cells(opts), True) as bar, progress.Follower(path, bar):
+                return relaunch(opts)
+        finally:
+            os.environ.pop(progress.PROGRESS_ENV, None)
+
+
+def _count(value: int | None) -> str:
+    return "auto" if value is None else str(value)
+
+
 def _rank_banner(tw: Any, opts: Options) -> list[str]:
     n = tw.get_world_size()
     me = (tw.get_rank(), os.getpid(), socket.gethostname(), _transport_of(tw))
@@ -625,11 +431,11 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
     step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
     lines = [
         f"# tensorwire bench {' '.join(opts.colls) if len(opts.colls) == 1 else 'all'}  nranks {n}  "
-        f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} warmup iters: {opts.warmup} "
-        f"iters: {opts.iters} validation: {int(opts.check)}",
+        f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} warmup iters: "
+        f"{_count(opts.warmup)} iters: {_count(opts.iters)} validation: {int(opts.check)}",
         "#",
-        f"# time = median over the {opts.iters} timed iterations of the slowest rank's time for that "
-        "iteration",
+        f"# time = median over the {_count(opts.iters)} timed iterations of the slowest rank's time for "
+        "that iteration",
         "# (every iteration timed separately on every rank, after warm-up and a barrier);",
         "# algbw = size / time, busbw = algbw x nccl-tests factor; 1 GB/s = 1e9 B/s",
         "#",
@@ -644,13 +450,47 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
 def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
     import tensorwire as tw
 
-    if opts.args is not None and opts.args.tcp:
+    args = opts.args
+    if args is not None and args.tcp:
         os.environ["TENSORWIRE_TRANSPORT"] = "tcp"
-    tw.init()
-    try:
-        return _run(tw, opts, out)
-    finally:
-        tw.destroy()
+    reports = args is not None and not args.compare_member and bool(args.plot or args.markdown)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        out(line)
+
+    with tempfile.TemporaryDirectory(prefix="tw-bench-") as tmp:
+        if reports and not opts.json_path:
+            opts.json_path = os.path.join(tmp, "rows.json")
+        tw.init()
+        try:
+            code = _run(tw, opts, say if reports else out)
+            root = tw.get_rank() == 0
+        finally:
+            tw.destroy()
+        if reports and root:
+            _write_reports(opts, lines)
+    return code
+
+
+def _write_reports(opts: Options, lines: list[str]) -> None:
+    """--plot / --markdown of a plain sweep (rank 0, from the rows it wrote as JSON)."""
+    args = opts.args
+    assert args is not None and opts.json_path is not None
+    with open(opts.json_path) as f:
+        doc = json.load(f)
+    meta, cells = doc["meta"], report.cells(doc["rows"])
+    info = report.machine()
+    title = f"tensorwire, {meta['nranks']} ranks, transport {meta['transport']}, {info['host']}"
+    if args.plot:
+        report.plot(cells, args.plot, title)
+    if args.markdown:
+        described = {"tensorwire": f"tensorwire {meta['version']}, transport {meta['transport']}"}
+        body = ["```", *lines, "```"]
+        report.write_markdown(args.markdown, f"tensorwire bench: {meta['nranks']} ranks",
+                              "tensorwire bench " + " ".join(opts.argv), report.PLAIN_METHOD, info, described,
+                              [], args.plot, body)
 
 
 def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
@@ -667,29 +507,20 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         raise SystemExit("tensorwire bench: no usable datatype")
 
     # One pair of buffers for the largest case (bytes; viewed as each dtype).
-    max_send = max_recv = 0
-    for coll in opts.colls:
-        for s in opts.sizes:
-            for dt in opts.dtypes:
-                snd, rcv, _ = coll_counts(coll, s // dt.itemsize, n)
-                max_send = max(max_send, snd * dt.itemsize)
-                max_recv = max(max_recv, max(snd, rcv) * dt.itemsize)
-    # Bytes, viewed as each dtype: round up to a multiple of 16 so every itemsize divides them.
-    bufs = Buffers(np.zeros(-(-max_send // 16) * 16, dtype=np.uint8),
-                   np.zeros(-(-max_recv // 16) * 16, dtype=np.uint8))
+    bufs = Buffers.for_cases(opts.colls, opts.sizes, opts.dtypes, n)
+    pids: list[Any] = [None] * n
+    tw.all_gather_object(pids, os.getpid())
+    meter = job_meter(pids) if rank == 0 else None
 
     for line in _rank_banner(tw, opts):
         say(line)
     meta = {
         "tool": "tensorwire bench", "version": getattr(tw, "__version__", "?"), "nranks": n,
         "transport": _transport_of(tw), "host": platform.node(), "python": platform.python_version(),
-        "numpy": np.__version__, "argv": opts.argv, "warmup": opts.warmup, "iters": opts.iters,
+        "numpy": np.__version__, "argv": opts.argv, "warmup": opts.warmup or _count(opts.warmup),
+        "iters": opts.iters or _count(opts.iters),
         "timing": "per-iteration max over ranks, median over iterations",
     }
-    if args is not None and args.algo:
-        from .bench_algo import run_algos
-
-        return exit_code(tw, run_algos(tw, opts, bufs, say, meta))
     rows: list[dict[str, Any]] = []
     total_wrong = 0
     bw_sum, bw_count = 0.0, 0
@@ -719,35 +550,33 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
                             continue
                         case = make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
                         size, count = case.size, case.param
-                        got = collect(tw, measure(tw, case, opts.warmup, opts.iters, opts.check))
+                        m = measure(tw, case, opts.warmup, opts.iters, opts.check, meter)
+                        got = collect(tw, m)
                         if got is None:
                             cells.append({})
                             continue
-                        per_rank, wrong = got
-                        stats = summarize(per_rank)
-                        algbw = size / (stats["time_us"] * 1e-6) / 1e9 if stats["time_us"] > 0 else 0.0
-                        busbw = algbw * busbw_factor(coll, n)
-                        cell = {"wrong": wrong, "algbw_GBps": algbw, "busbw_GBps": busbw, **stats}
+                        cell = sweep.cell(coll, n, size, *got)
                         cells.append(cell)
+                        wrong, busbw = cell["wrong"], cell["busbw_GBps"]
                         if wrong > 0:
                             total_wrong += wrong
                         if coll != "barrier":
                             bw_sum, bw_count = bw_sum + busbw, bw_count + 1
                             c_sum, c_count = c_sum + busbw, c_count + 1
-                        rows.append({
-                            "coll": coll, "nranks": n, "nominal": nominal, "size": size, "count": count,
-                            "type": dtype_name(dt) if coll != "barrier" else "none",
-                            "redop": op or "none", "root": opts.root if coll in _ROOTED else -1,
-                            "placement": "in-place" if inplace else "out-of-place",
-                            "warmup": opts.warmup, "iters": opts.iters, **cell,
-                        })
+                        rows.append(sweep.row(case, nominal, cell, m))
+                        progress.note(f"{coll} {size} B {rows[-1]['placement']}")
                     if rank == 0:
                         say(format_row(size, count, dtype_name(dt) if coll != "barrier" else "none",
                                        op or "none", opts.root if coll in _ROOTED else -1, cells))
         if len(opts.colls) > 1 and coll != "barrier":
             say(f"# Avg bus bandwidth ({coll}) : {c_sum / c_count if c_count else 0.0:.6g}")
             say("#")
-    say(wrong_line(total_wrong, opts.check))
+    say(f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
+        if opts.check else "# Wrong values         : not checked (-c 0)")
+    dirty = sum(1 for r in rows if r["contaminated"])
+    if dirty:
+        say(f"# Foreign CPU load     : {dirty} of {len(rows)} timed loops (other processes used the CPU; "
+            "foreign_cpu_s in --json)")
     avg = bw_sum / bw_count if bw_count else 0.0
     say(f"# Avg bus bandwidth    : {avg:.6g}")
     say("#")
@@ -757,19 +586,10 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows, "avg_busbw_GBps": avg, "wrong_total": total_wrong}, f,
                       indent=1)
-    return exit_code(tw, total_wrong)
-
-
-def wrong_line(total_wrong: int, checked: bool) -> str:
-    return (f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
-            if checked else "# Wrong values         : not checked (-c 0)")
-
-
-def exit_code(tw: Any, total_wrong: int) -> int:
-    """Every rank exits with the same code: 1 when any element was wrong (as nccl-tests)."""
+    # Every rank exits with the same code: 1 when any element was wrong (as nccl-tests).
     verdict = np.array([total_wrong], dtype=np.int64)
     tw.broadcast(verdict, 0)
-    if tw.get_rank() == 0 and verdict[0]:
+    if rank == 0 and verdict[0]:
         print(f"tensorwire bench: {int(verdict[0])} wrong value(s), see the #wrong columns",
               file=sys.stderr, flush=True)
     return 1 if verdict[0] else 0
@@ -786,9 +606,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tensorwire bench: error: {exc}", file=sys.stderr)
         return 2
     assert opts.args is not None
+    if opts.args.compare_member:
+        opts.json_path = opts.args.compare_member  # one launch of --compare: its rows, nothing else
+    elif opts.args.compare:
+        return _compare(opts)
+    elif opts.args.plot:
+        try:
+            report.check_plotting()
+        except RuntimeError as exc:
+            print(f"tensorwire bench: error: {exc}", file=sys.stderr)
+            return 2
     if opts.args.nprocs is not None and not in_launched_job():
         if opts.args.nprocs > 1:
-            return relaunch(opts)
+            return relaunch_with_progress(opts)
     elif not in_launched_job():
         print("# tensorwire bench: 1 rank (pass --np N for more, or start it under a launcher)",
               file=sys.stderr)
@@ -799,6 +629,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc.code, file=sys.stderr)
             return 2
         return int(exc.code or 0)
+
+
+def _compare(opts: Options) -> int:
+    from .benchmarks import compare
+
+    if in_launched_job():
+        print("tensorwire bench: error: --compare starts every library's job itself; run it outside a "
+              "launcher (with --np N)", file=sys.stderr)
+        return 2
+    try:
+        compare.validate(opts)
+        return compare.run(opts)
+    except (ValueError, RuntimeError) as exc:
+        print(f"tensorwire bench: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

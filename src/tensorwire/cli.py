@@ -28,8 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure collective latency and bus bandwidth, nccl-tests style",
         "Sweeps message sizes for a collective (or all of them) with nccl-tests' flags and columns: "
         "time, algorithm bandwidth, bus bandwidth and #wrong per size, out-of-place and in-place. "
-        "--np N starts N ranks through the launcher. Example: tensorwire bench all_reduce -b 8 -e 64M "
-        "-f 4 --np 2 (see tensorwire bench --help)",
+        "--np N starts N ranks through the launcher; --compare gloo,mpi runs the same sweep through Gloo "
+        "and Open MPI, interleaved, and prints per-size time ratios (--plot, --markdown, --json). "
+        "Example: tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2 --compare gloo,mpi "
+        "(see tensorwire bench --help)",
     ),
     "plan": (
         "predict each algorithm's time for a collective with the cost model",

@@ -1,0 +1,107 @@
+"""Foreign CPU load: how much CPU processes outside the benchmark used while it was timing.
+
+On a small shared machine another user's build can double a collective's time. The meter
+reads every process's CPU ticks from /proc/<pid>/stat before and after a timed loop and sums
+the growth of the processes that are not the job's: not its ranks, not their ancestors (the
+shell, pytest) and not the descendants of the job's owner (the launcher, or the process that
+`--compare` started the launches from, named by TENSORWIRE_BENCH_OWNER). Kernel threads are
+left out. A cell is contaminated when the foreign CPU time exceeds 30 ms plus 5% of the timed
+wall time (the anchors' threshold). Resolution: one clock tick per process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+OWNER_ENV = "TENSORWIRE_BENCH_OWNER"
+_KTHREADD = 2
+
+
+def contaminated(foreign_s: float, wall_s: float) -> bool:
+    return foreign_s > 0.03 + 0.05 * wall_s
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, CPU ticks of the process and of its reaped children)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces
+    return int(fields[1]), sum(int(v) for v in fields[11:15])
+
+
+def _table() -> dict[int, tuple[int, int]]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                out[int(name)] = st
+    return out
+
+
+class ForeignLoad:
+    """start() / stop() around a timed loop; stop() returns foreign CPU seconds, `top` names
+    the three biggest foreign consumers of the last interval."""
+
+    def __init__(self, ours: Iterable[int]) -> None:
+        roots = set(ours)
+        owner = os.environ.get(OWNER_ENV, "")
+        if owner.isdigit():
+            roots.add(int(owner))
+        table = _table()
+        self._roots = frozenset(roots)
+        self._exclude = set(roots) | {0, 1, _KTHREADD}
+        for pid in roots:  # ancestors: whoever started the job
+            while pid in table and pid > 1:
+                pid = table[pid][0]
+                self._exclude.add(pid)
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._before: dict[int, int] = {}
+        self.top: list[tuple[int, float, str]] = []
+
+    def _foreign(self) -> dict[int, int]:
+        table = _table()
+        out = {}
+        for pid, (ppid, ticks) in table.items():
+            if pid in self._exclude or ppid == _KTHREADD:
+                continue
+            up = ppid
+            while up > 1 and up not in self._roots and up in table:
+                up = table[up][0]
+            if up not in self._roots:
+                out[pid] = ticks
+        return out
+
+    def start(self) -> None:
+        self._before = self._foreign()
+
+    def stop(self) -> float:
+        grown = {pid: t - self._before.get(pid, 0) for pid, t in self._foreign().items()}
+        grown = {pid: d for pid, d in grown.items() if d > 0}
+        self.top = [(pid, grown[pid] / self._hz, _cmdline(pid))
+                    for pid in sorted(grown, key=grown.__getitem__, reverse=True)[:3]]
+        return sum(grown.values()) / self._hz
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+    except OSError:
+        return "?"
+
+
+def job_meter(rank_pids: Iterable[int]) -> ForeignLoad | None:
+    """A meter for a job whose ranks are `rank_pids` (their parents count as the job's owner
+    when no owner is named); None where there is no /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    pids = set(rank_pids)
+    parents = {st[0] for st in map(_stat, pids) if st is not None}
+    if os.environ.get(OWNER_ENV, "").isdigit():
+        parents = set()
+    return ForeignLoad(pids | parents)
