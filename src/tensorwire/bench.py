@@ -174,8 +174,13 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="force the TCP transport (TENSORWIRE_TRANSPORT=tcp) even between local ranks")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every row, with p10/p90/mean, as JSON to PATH (rank 0)")
+    p.add_argument("--algo", default=None, metavar="NAME|all",
+                   help="force one algorithm (e.g. ring), or `all`: per size, the tuner's choice and every "
+                        "eligible algorithm, each with the cost model's prediction (one placement: "
+                        "out-of-place, or in-place with -I)")
     p.add_argument("--rounds", type=_positive_int, default=None, metavar="R",
-                   help="with --compare: R interleaved rounds, medians reported (default 3)")
+                   help="with --algo: repeat the algorithms R times interleaved and pool the iterations "
+                        "(default 1); with --compare: R interleaved rounds, medians reported (default 3)")
     p.add_argument("--compare", type=parse_libraries, default=None, metavar="gloo,mpi",
                    help="also run the sweep through Gloo and/or Open MPI, interleaved, and print "
                         "tensorwire/gloo and tensorwire/mpi time ratios per size (float32 sum; --np "
@@ -239,6 +244,10 @@ def _op_list(text: str) -> list[str]:
 def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Options:
     """Parse and validate; raises SystemExit (argparse) or ValueError with a user message."""
     args = build_parser(prog).parse_args(list(argv))
+    if args.algo and (args.iters is None or args.warmup_iters is None):
+        raise ValueError("--algo takes fixed -n and -w counts, not auto")
+    if args.algo and args.compare:
+        raise ValueError("--algo and --compare do not go together")
     if args.rounds is None:
         args.rounds = 3 if args.compare else 1
     colls = list(COLLECTIVES) if args.collective == "all" else [args.collective]
@@ -405,7 +414,7 @@ def relaunch_with_progress(opts: Options) -> int:
     args = opts.args
     assert args is not None
     show = progress.wanted(args.progress) and not (args.progress == "auto" and sys.stdout.isatty())
-    if not show:
+    if not show or args.algo:
         return relaunch(opts)
     with tempfile.TemporaryDirectory(prefix="tw-bench-") as tmp:
         path = os.path.join(tmp, "progress")
@@ -521,6 +530,10 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         "iters": opts.iters or _count(opts.iters),
         "timing": "per-iteration max over ranks, median over iterations",
     }
+    if args is not None and args.algo:
+        from .bench_algo import run_algos
+
+        return exit_code(tw, run_algos(tw, opts, bufs, say, meta))
     rows: list[dict[str, Any]] = []
     total_wrong = 0
     bw_sum, bw_count = 0.0, 0
@@ -571,8 +584,7 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         if len(opts.colls) > 1 and coll != "barrier":
             say(f"# Avg bus bandwidth ({coll}) : {c_sum / c_count if c_count else 0.0:.6g}")
             say("#")
-    say(f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
-        if opts.check else "# Wrong values         : not checked (-c 0)")
+    say(wrong_line(total_wrong, opts.check))
     dirty = sum(1 for r in rows if r["contaminated"])
     if dirty:
         say(f"# Foreign CPU load     : {dirty} of {len(rows)} timed loops (other processes used the CPU; "
@@ -586,10 +598,19 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows, "avg_busbw_GBps": avg, "wrong_total": total_wrong}, f,
                       indent=1)
-    # Every rank exits with the same code: 1 when any element was wrong (as nccl-tests).
+    return exit_code(tw, total_wrong)
+
+
+def wrong_line(total_wrong: int, checked: bool) -> str:
+    return (f"# Wrong values         : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}"
+            if checked else "# Wrong values         : not checked (-c 0)")
+
+
+def exit_code(tw: Any, total_wrong: int) -> int:
+    """Every rank exits with the same code: 1 when any element was wrong (as nccl-tests)."""
     verdict = np.array([total_wrong], dtype=np.int64)
     tw.broadcast(verdict, 0)
-    if rank == 0 and verdict[0]:
+    if tw.get_rank() == 0 and verdict[0]:
         print(f"tensorwire bench: {int(verdict[0])} wrong value(s), see the #wrong columns",
               file=sys.stderr, flush=True)
     return 1 if verdict[0] else 0
