@@ -213,8 +213,8 @@ class _Bare:
     def isend(self, peer, data, step):
         return self._call.isend(peer, data, step)
 
-    def irecv(self, peer, data, step, reduce=None):
-        return self._call.irecv(peer, data, step, reduce)
+    def irecv(self, peer, data, step, reduce=None, base=None):
+        return self._call.irecv(peer, data, step, reduce, base)
 
     def wait(self, *reqs) -> None:
         self._call.wait(*reqs)
@@ -229,12 +229,18 @@ def _submit(g, coll: Coll, dt, op, root: int, count: int, label: str, body) -> N
 
 def _case_all_reduce(g, alg, log, key, case) -> None:
     n, me = g.size, g.rank
-    kind, dt, op, count, _, _ = case
+    kind, dt, op, count, _, variant = case
     red = Reduction(op)
     ins = [_gen(dt, count, key, r, op) for r in range(n)]
     x = ins[me].copy()
     label = f"all_reduce {alg.name} {kind} {dt.name} {op.name} x{count}"
-    _submit(g, Coll.ALL_REDUCE, dt, op, -1, count, label, lambda call: alg.run(call, x, op))
+    if variant and alg.out_of_place:  # the input read where it is, the output starts as garbage
+        src = x
+        x = _garbage(dt, count)
+        _submit(g, Coll.ALL_REDUCE, dt, op, -1, count, label, lambda call: alg.run(call, x, op, src))
+        log.same(f"{label} out of place: input kept", src, ins[me])
+    else:
+        _submit(g, Coll.ALL_REDUCE, dt, op, -1, count, label, lambda call: alg.run(call, x, op))
     log.close(label, x, ins, red)
     log.digests.append(f"{label}: {_digest(x)}")
 

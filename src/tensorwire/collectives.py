@@ -121,11 +121,17 @@ class Collectives:
         red = self._reduction(op, src.dtype, what)
 
         def body(call: CollectiveCall) -> Any:
-            flat = dst.reshape(-1)
-            if dst is not src:
+            flat = dst if dst.ndim == 1 else dst.reshape(-1)
+            alg = tuner.select(self, "all_reduce", flat.nbytes) if self.size > 1 and flat.size else None
+            if dst is src:
+                if alg is not None:
+                    alg.run(call, flat, red.op)
+            elif alg is not None and alg.out_of_place:
+                alg.run(call, flat, red.op, src.reshape(-1))
+            else:
                 np.copyto(flat, src.reshape(-1))
-            if self.size > 1 and flat.size:
-                tuner.run(self, call, "all_reduce", flat.nbytes, flat, red.op)
+                if alg is not None:
+                    alg.run(call, flat, red.op)
             finalize(flat, red, self.size)
             return out if out is not None else tensor
 

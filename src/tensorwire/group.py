@@ -79,10 +79,11 @@ class CollectiveCall:
         return self.group.engine.isend(self.group.ranks[peer], self._header(step, payload.nbytes),
                                        payload, self)
 
-    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None) -> Request:
+    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
+              base: np.ndarray | None = None) -> Request:
         dst = data.reshape(-1) if reduce is not None else byte_view(data)
         return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
-                                       dst, reduce, self)
+                                       dst, reduce, self, base)
 
     def wait(self, *reqs: Request) -> None:
         direct = self.group.direct

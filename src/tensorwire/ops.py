@@ -543,6 +543,15 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     kernel(dst, src, out=dst)
 
 
+def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
+    """`out = a (op) b` without first copying `a` into `out` (out-of-place collectives)."""
+    kernel = reduction_kernel(op, out.dtype)
+    if type(kernel) is not np.ufunc:  # kernels that may take another path reduce in place
+        np.copyto(out, a)
+        a = out
+    kernel(a, b, out=out)
+
+
 def reduction_kernel(op: ReduceOp, dtype: np.dtype) -> Any:
     """The kernel `reduce_into` applies, called as kernel(a, b, out=dst); a numpy ufunc (which
     also takes three distinct arrays) unless a faster path serves the dtype."""

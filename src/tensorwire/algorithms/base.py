@@ -25,18 +25,21 @@ class P2P(Protocol):
 
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request: ...
 
-    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None) -> Request: ...
+    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
+              base: np.ndarray | None = None) -> Request:
+        """With `reduce`, the payload is reduced into `data` (or, with `base`, data = base op
+        payload) as it arrives."""
 
     def wait(self, *reqs: Request) -> None: ...
 
 
 def exchange(p2p: P2P, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
-             reduce: ReduceOp | None = None) -> None:
+             reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> None:
     """One step: `send` to dst, `recv` from src (reduced into it with `reduce`). The receive is
     posted first, so the peer's bytes go straight from the ring or socket into `recv`: posted
     after the send (whose progress already drains the channel) they would often arrive
     unexpected and take a detour through a fresh buffer and a second copy."""
-    p2p.wait(p2p.irecv(src, recv, step, reduce), p2p.isend(dst, send, step))
+    p2p.wait(p2p.irecv(src, recv, step, reduce, base), p2p.isend(dst, send, step))
 
 
 def split_counts(total: int, parts: int) -> list[int]:

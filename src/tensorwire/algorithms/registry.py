@@ -6,7 +6,8 @@ work where ranks share cores (`work`), and runs the cheapest; `tensorwire plan`
 prints the same table. An algorithm module calls `register(...)` at import for each entry.
 
 `run` signatures, by collective (arrays are flat, contiguous numpy views; `p2p` is the call):
-  all_reduce      run(p2p, data, op)                      in place
+  all_reduce      run(p2p, data, op)                      in place; with out_of_place also
+                  run(p2p, data, op, src)                 src reduced into data, src kept
   broadcast       run(p2p, data, root)                    in place
   reduce          run(p2p, data, acc, op, root)           result in acc at root; data is kept
   all_gather      run(p2p, blocks)                        blocks[rank] filled on entry
@@ -49,6 +50,9 @@ class Algorithm:
     """(ranks, bytes) -> can it run (e.g. a power-of-two-only variant, a size cap)."""
     needs_direct: bool = False
     """Runs on the group's shared segment (single-host groups only)."""
+    out_of_place: bool = False
+    """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
+    the caller copying it into the output first: one pass over the data saved."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the

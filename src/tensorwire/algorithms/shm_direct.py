@@ -224,9 +224,9 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
     return p, views
 
 
-def direct_all_reduce(call, data: np.ndarray, op: ReduceOp) -> None:
+def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
     dp = call.group.direct
-    _, views = _publish_all(dp, call, [data])
+    _, views = _publish_all(dp, call, [data if src is None else src])
     _fold(views, data, op)
 
 
@@ -312,4 +312,5 @@ def _cost_of(collective: str):
 
 
 for _collective, _run in _RUN.items():
-    register(Algorithm("direct", _collective, _run, _cost_of(_collective), needs_direct=True))
+    register(Algorithm("direct", _collective, _run, _cost_of(_collective), needs_direct=True,
+                       out_of_place=_collective == "all_reduce"))

@@ -111,8 +111,8 @@ class Engine:
         return req
 
     def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-              what: str) -> RecvRequest:
-        req = RecvRequest(peer, header, dst, reduce_op, what)
+              what: str, base: np.ndarray | None = None) -> RecvRequest:
+        req = RecvRequest(peer, header, dst, reduce_op, what, base)
         with self.lock:
             key = (peer, header.key)
             queue = self.unexpected.get(key)

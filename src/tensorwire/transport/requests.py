@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp, reduce_into, reduce_to
 from .wire import Header
 
 
@@ -75,16 +75,18 @@ class Sink:
 
 
 class RecvRequest(Request, Sink):
-    """A posted receive: plain copy into `dst`, or reduce into it as the payload arrives."""
+    """A posted receive: plain copy into `dst`, or reduce into it as the payload arrives
+    (`dst op= payload`, or with `base`, `dst = base op payload`: no copy of base first)."""
 
 
     def __init__(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-                 what: str) -> None:
+                 what: str, base: np.ndarray | None = None) -> None:
         Request.__init__(self, peer, header, what)
         Sink.__init__(self, header.nbytes)
         self.dst = dst.reshape(-1)
         self.dst_u8 = self.dst.view(np.uint8) if self.dst.dtype != np.uint8 else self.dst
         self.reduce_op = reduce_op
+        self.base = None if base is None else base.reshape(-1)
         self.itemsize = self.dst.dtype.itemsize
 
     def direct(self, nbytes: int) -> memoryview | None:
@@ -98,8 +100,11 @@ class RecvRequest(Request, Sink):
         if self.reduce_op is None:
             self.dst_u8[start:start + n] = data
         else:
-            i = start // self.itemsize
-            reduce_into(self.dst[i:i + n // self.itemsize], data.view(self.dst.dtype), self.reduce_op)
+            i, j = start // self.itemsize, (start + n) // self.itemsize
+            if self.base is None:
+                reduce_into(self.dst[i:j], data.view(self.dst.dtype), self.reduce_op)
+            else:
+                reduce_to(self.dst[i:j], self.base[i:j], data.view(self.dst.dtype), self.reduce_op)
         self.received = start + n
 
     def finish(self) -> None:
