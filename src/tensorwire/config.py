@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -67,8 +67,9 @@ class Config:
     """Per-rank slot of the one-shot shared-memory path; 0 turns it off (TENSORWIRE_SHM_DIRECT)."""
     algo: str = ""
     """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
-    spin_us: float = 50.0
-    """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US)."""
+    spin_us: float | None = None
+    """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US);
+    None: 50 us, or 0 on a host with more ranks than usable cores (TENSORWIRE_SPIN_US)."""
     deterministic: bool = False
     """Bitwise-reproducible reductions: every element folded in rank order (TENSORWIRE_DETERMINISTIC)."""
     calibrate: str = "1"
@@ -91,7 +92,7 @@ class Config:
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             direct_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_DIRECT", str(64 << 10))),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
-            spin_us=_env_float("TENSORWIRE_SPIN_US", 50.0),
+            spin_us=_env_float("TENSORWIRE_SPIN_US", None),
             deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
             calibrate=_CALIBRATE_ALIASES.get(os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower(),
                                              os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),

@@ -132,7 +132,9 @@ class DirectPath:
 
     def _wait(self, call, ranks: tuple[int, ...], seq: int) -> None:
         words, flags = self.words, self.flags
-        spins = _PRESPIN  # poll flags only, no bookkeeping: a running peer is a microsecond away
+        # poll flags only, no bookkeeping: a running peer is a microsecond away (unless ranks
+        # share cores: then the engine does not spin and neither does this)
+        spins = _PRESPIN if self.engine.spin_s else 0
         for r in ranks:
             line = flags[r]
             while words[line] < seq and spins:

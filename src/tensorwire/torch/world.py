@@ -172,7 +172,10 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     log.set_rank(rank)
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
-    return Runtime(rank, size, cfg, info, None, Engine(rank, size, cfg.spin_us))
+    engine = Engine(rank, size, cfg.spin_us)
+    if info.local_world_size > 0:
+        engine.adapt_spin(info.local_world_size)
+    return Runtime(rank, size, cfg, info, None, engine)
 
 
 def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:

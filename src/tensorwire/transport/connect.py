@@ -82,6 +82,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     socks = _connect_lower(rank, world_size, peers, job_id, deadline)
     socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
     listener.close()
+    engine.adapt_spin(1 + sum(info["host"] == hostname for info in peers.values()))
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = _setup_rings(rank, socks, local, job_id, cfg.shm_ring_bytes)
     install_channels(engine, socks, rings, cfg)

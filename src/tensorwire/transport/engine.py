@@ -62,12 +62,13 @@ def _op_label(code: int) -> str:
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
 
 
 class Engine:
-    def __init__(self, rank: int, world_size: int, spin_us: float) -> None:
+    def __init__(self, rank: int, world_size: int, spin_us: float | None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.channels: dict[int, object] = {}
@@ -80,7 +81,8 @@ class Engine:
         self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
         self._deferred_aborts: list[tuple] = []
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
-        self._spin_s = spin_us * 1e-6
+        self._spin_fixed = spin_us is not None
+        self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
         self._sockets: list = []
         self._channel_list: list = []
         self._tick = 0
@@ -222,6 +224,15 @@ class Engine:
         call = self.current.get(header.ctx)
         if call is not None and header.seq == call.seq:
             self._vet(peer, header, call)
+
+    def adapt_spin(self, local_ranks: int) -> None:
+        """With more ranks on this host than cores to run them, a spinning waiter only keeps
+        the rank it waits for off the CPU: yield at once instead (unless TENSORWIRE_SPIN_US says)."""
+        cores = len(os.sched_getaffinity(0))
+        if local_ranks > cores and not self._spin_fixed:
+            self.spin_s = 0.0
+            _log.info("rank %d: %d ranks on this host, %d usable cores: oversubscribed, waiters yield "
+                      "at once instead of spinning", self.rank, local_ranks, cores)
 
     def enter_call(self, ctx: int, call) -> None:
         """Note the call a group is running, and vet what already arrived for it or before it."""
@@ -487,7 +498,7 @@ class Backoff:
         self.seq = seq
         self.watch = watch
         self.cross_check = cross_check
-        self.spin_s = engine._spin_s
+        self.spin_s = engine.spin_s
         self.reset()
 
     def reset(self) -> None:
