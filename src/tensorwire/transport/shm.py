@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 _CTRL = 4096  # control page: head at word 0, tail at word 8 (separate cache lines), nonce at 16
 _HEAD, _TAIL, _NONCE = 0, 8, 16
 SHM_DIR = "/dev/shm"
+_LINE = 128  # a rank's control line in a group segment: two cache lines, as x86 prefetches pairs
+PIPELINE_BYTES = 128 << 10
+"""Ring writers publish, and readers release, every this many bytes: the reader copies one piece
+out while the writer copies the next in, instead of starting after the whole message."""
 
 
 class Segment:
@@ -140,7 +144,7 @@ class ShmChannel:
                 self._hdr_written = True
             left = req.payload.nbytes - req.sent
             if left:
-                n = min(left, free)
+                n = min(left, free, PIPELINE_BYTES)
                 if n < left:
                     n &= ~63  # keep records 64-aligned; the final piece is padded instead
                     if n == 0:
@@ -149,6 +153,7 @@ class ShmChannel:
                 req.sent += n
                 free -= _pad(n)
                 head += _pad(n) - n
+                words[_HEAD] = head  # this piece is readable while the next is copied in
             if req.sent == req.payload.nbytes:
                 self.sendq.pop(0)
                 self._hdr_written = False
@@ -192,7 +197,7 @@ class ShmChannel:
                     self._finish_sink()
                 continue
             sink = self._sink
-            take = min(avail, self._padded_left)
+            take = min(avail, self._padded_left, PIPELINE_BYTES)
             pos = tail % cap
             useful = min(take, sink.nbytes - sink.received)
             first = min(useful, cap - pos)
@@ -202,6 +207,7 @@ class ShmChannel:
                 sink.write(data[:useful - first])
             tail += take
             avail -= take
+            words[_TAIL] = tail  # the writer may refill this piece already
             self._padded_left -= take
             if self._padded_left == 0:
                 self._finish_sink()
@@ -225,7 +231,7 @@ class ShmChannel:
 class GroupSegment(Segment):
     """One shared segment per single-host group for the one-shot small-message path.
 
-    Per rank: a 64-byte control line [flag, then per slot parity: seq, fp word a, fp word b] and
+    Per rank: a 128-byte control line [flag, then per slot parity: seq, fp word a, fp word b] and
     two data slots of `slot_bytes`. A rank fills its slot, writes that slot's seq/fingerprint,
     then stores `flag = seq`; readers that see the flag see the data (x86-64 store order).
     Slots alternate, and a rank only refills a slot after every rank has published a later
@@ -233,14 +239,14 @@ class GroupSegment(Segment):
     """
 
     def __init__(self, name: str, size: int, slot_bytes: int, create: bool, nonce: int = 0) -> None:
-        ctrl = (size * 64 + 4095) // 4096 * 4096
+        ctrl = (size * _LINE + 4095) // 4096 * 4096
         super().__init__(name, _CTRL + ctrl + size * 2 * slot_bytes, create, nonce)
         self.size = size
         self.slot_bytes = slot_bytes
         base = _CTRL + ctrl
         self.slots = [[self.bytes[base + (r * 2 + p) * slot_bytes: base + (r * 2 + p + 1) * slot_bytes]
                        for p in (0, 1)] for r in range(size)]
-        self.lines = [(_CTRL + r * 64) // 8 for r in range(size)]  # word index of each control line
+        self.lines = [(_CTRL + r * _LINE) // 8 for r in range(size)]  # word index of each control line
 
     @classmethod
     def create(cls, prefix: str, size: int, slot_bytes: int) -> GroupSegment:
