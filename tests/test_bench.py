@@ -410,6 +410,10 @@ def test_compare_usage_errors() -> None:
     assert run_bench("all_reduce", "--compare", "nccl").returncode == 2
     p = run_bench("all_reduce", "--compare", "gloo", "-d", "double")
     assert p.returncode == 2 and "float32" in p.stderr
+    p = run_bench("all_reduce", "--algo", "ring", "-n", "auto")
+    assert p.returncode == 2 and "auto" in p.stderr
+    p = run_bench("all_reduce", "--algo", "ring", "--compare", "gloo")
+    assert p.returncode == 2 and "--compare" in p.stderr
 
 
 def test_auto_schedule() -> None:
@@ -429,24 +433,31 @@ def _rows(lib: str, rnd: int, times: dict[int, float], placement: str = "out-of-
              "contaminated": dirty} for s, t in times.items()]
 
 
-def test_report_medians_pairing_and_contamination() -> None:
-    rows = (_rows("tensorwire", 1, {8: 10.0, 64: 20.0}) + _rows("tensorwire", 2, {8: 30.0, 64: 20.0})
-            + _rows("tensorwire", 3, {8: 11.0, 64: 99.0}, dirty=True)
-            + _rows("tensorwire", 1, {8: 5.0, 64: 5.0}, "in-place")
-            + _rows("gloo", 1, {8: 20.0, 64: 40.0}, "in-place")
-            + _rows("gloo", 2, {8: 20.0, 64: 40.0}, "in-place")
-            + _rows("mpi", 1, {8: 1.0, 64: 2.0}, dirty=True) + _rows("mpi", 1, {8: 1.0}, "in-place", wrong=3))
+def test_report_rounds_pairing_and_contamination() -> None:
+    rows = (_rows("tensorwire", 1, {8: 10.0}) + _rows("tensorwire", 2, {8: 30.0})
+            + _rows("tensorwire", 3, {8: 11.0}, dirty=True)
+            + _rows("tensorwire", 1, {8: 5.0}, "in-place") + _rows("tensorwire", 2, {8: 6.0}, "in-place")
+            + _rows("gloo", 1, {8: 20.0}, "in-place") + _rows("gloo", 2, {8: 24.0}, "in-place")
+            + _rows("mpi", 1, {8: 1.0}) + _rows("mpi", 2, {8: 2.0})
+            + _rows("mpi", 1, {8: 1.0}, "in-place", wrong=3)
+            # 64 B: foreign load in every round
+            + _rows("tensorwire", 1, {64: 20.0}, dirty=True) + _rows("tensorwire", 2, {64: 40.0}, dirty=True)
+            + _rows("mpi", 1, {64: 2.0}) + _rows("mpi", 2, {64: 4.0}))
     cells = {(c.lib, c.placement, c.nominal): c for c in report.cells(rows)}
     tw8 = cells[("tensorwire", "out-of-place", 8)]
-    assert tw8.time_us == 20.0 and tw8.clean_rounds == 2 and not tw8.contaminated  # the dirty round left out
-    assert cells[("mpi", "out-of-place", 8)].contaminated
+    # round 3 saw foreign load: the whole row uses rounds 1 and 2, for every library alike
+    assert (tw8.time_us, tw8.used_rounds, tw8.contaminated) == (20.0, [1, 2], False)
     assert cells[("mpi", "in-place", 8)].wrong == 3
+    tw64, mpi64 = cells[("tensorwire", "out-of-place", 64)], cells[("mpi", "out-of-place", 64)]
+    assert (tw64.time_us, tw64.contaminated) == (30.0, True)  # no clean round: all of them, flagged
+    assert (mpi64.time_us, mpi64.contaminated) == (3.0, False)
     ratios = {(r.other, r.nominal): r for r in report.ratios(rows, ["gloo", "mpi"])}
     g = ratios[("gloo", 8)]
-    # gloo has in-place only: tensorwire's in-place (round 1 only) is compared with it
-    assert (g.tw_placement, g.other_placement, g.ratio, g.per_round) == ("in-place", "in-place", 0.25, [0.25])
-    m = ratios[("mpi", 64)]
-    assert m.tw_placement == "out-of-place" and m.contaminated and m.ratio == 10.0
+    # gloo has in-place only: tensorwire's in-place is compared with it
+    assert (g.tw_placement, g.other_placement, g.ratio) == ("in-place", "in-place", 0.25)
+    m = ratios[("mpi", 8)]
+    assert (m.tw_placement, m.ratio, m.per_round) == ("out-of-place", 12.5, {1: 10.0, 2: 15.0})
+    assert ratios[("mpi", 64)].contaminated and ratios[("mpi", 64)].ratio == 10.0
     tables = report.tables(report.cells(rows), report.ratios(rows, ["gloo", "mpi"]),
                            ["tensorwire", "gloo", "mpi"])
     text = "\n".join(report.text_tables(tables, 2, 3))

@@ -184,18 +184,16 @@ class Driver:
             result.rc = "no results"
         return result
 
-    def planned_cells(self, libs: list[str]) -> int:
+    def planned_cells(self) -> int:
+        """Timed loops per round, for the progress bar."""
+        from ..bench import planned_cells
+
         o = self.opts
         wanted = ["in-place"] if o.inplace_only else list(sweep.PLACEMENTS)
-        total = 0
+        total = planned_cells(o)
         for coll in o.colls:
             sizes = 1 if coll == "barrier" else len(o.sizes)
-            for lib in libs:
-                if lib == report.TENSORWIRE:
-                    have = [p for p in wanted if p == "out-of-place" or coll not in sweep.NO_INPLACE]
-                else:
-                    have = placements_to_run(_PLACEMENTS[lib](coll), wanted)
-                total += sizes * len(have)
+            total += sum(sizes * len(placements_to_run(_PLACEMENTS[lib](coll), wanted)) for lib in self.peers)
         return total
 
 
@@ -233,7 +231,7 @@ def run(opts: Options) -> int:
     launches: list[Launch] = []
     with tempfile.TemporaryDirectory(prefix="tw-compare-") as tmp:
         driver = Driver(opts, n, peers, Path(tmp))
-        per_round = driver.planned_cells(libs)
+        per_round = driver.planned_cells()
         bar = progress.Bar(per_round * args.rounds, progress.wanted(args.progress),
                            "tensorwire bench --compare")
         with bar, progress.Follower(driver.progress_file, bar):
@@ -307,10 +305,10 @@ def _finish(opts: Options, n: int, libs: list[str], peers: dict[str, str], notes
                   "over rounds of each round's median call time, where a call's time is the slowest "
                   "rank's (warm-up calls, a barrier, then every call timed on every rank). tw/X: "
                   "tensorwire's time over X's, the median over rounds of the per-round ratio; **< 1 means "
-                  "tensorwire is faster**. oop / ip: out-of-place / in-place. "
-                  f"{report.DAGGER}: foreign CPU load (other users of this shared machine) in every round "
-                  "of that cell; WRONG: the library's result failed the check against the numpy "
-                  "reference.")
+                  "tensorwire is faster**. Each row uses the rounds in which none of its cells saw foreign "
+                  "CPU load (other users of this shared machine); where every round saw some, all rounds, "
+                  f"and {report.DAGGER} marks the cells that saw it. oop / ip: out-of-place / in-place. "
+                  "WRONG: the library's result failed the check against the numpy reference.")
         report.write_markdown(args.markdown, f"{' vs '.join(libs)}: {n} ranks", command, method, info,
                               described, [x.removeprefix("tensorwire bench: --compare ") for x in notes],
                               args.plot, report.markdown_tables(tables))

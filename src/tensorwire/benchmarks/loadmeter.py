@@ -5,8 +5,10 @@ reads every process's CPU ticks from /proc/<pid>/stat before and after a timed l
 the growth of the processes that are not the job's: not its ranks, not their ancestors (the
 shell, pytest) and not the descendants of the job's owner (the launcher, or the process that
 `--compare` started the launches from, named by TENSORWIRE_BENCH_OWNER). Kernel threads are
-left out. A cell is contaminated when the foreign CPU time exceeds 30 ms plus 5% of the timed
-wall time (the anchors' threshold). Resolution: one clock tick per process.
+left out, and so is a process that only became foreign during the loop (a child of ours that
+was orphaned): its earlier CPU time is not the loop's. A cell is contaminated when the foreign
+CPU time exceeds 30 ms plus 5% of the timed wall time (the anchors' threshold). Resolution:
+one clock tick per process.
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ def contaminated(foreign_s: float, wall_s: float) -> bool:
     return foreign_s > 0.03 + 0.05 * wall_s
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, CPU ticks of the process and of its reaped children)."""
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(parent pid, CPU ticks of the process and of its reaped children, start time in ticks)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces
-    return int(fields[1]), sum(int(v) for v in fields[11:15])
+    return int(fields[1]), sum(int(v) for v in fields[11:15]), int(fields[19])
 
 
-def _table() -> dict[int, tuple[int, int]]:
+def _uptime_ticks(hz: int) -> int:
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * hz)
+
+
+def _table() -> dict[int, tuple[int, int, int]]:
     out = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -60,27 +67,35 @@ class ForeignLoad:
                 pid = table[pid][0]
                 self._exclude.add(pid)
         self._hz = os.sysconf("SC_CLK_TCK")
-        self._before: dict[int, int] = {}
+        self._since = 0
+        self._before: dict[tuple[int, int], int] = {}
         self.top: list[tuple[int, float, str]] = []
 
-    def _foreign(self) -> dict[int, int]:
+    def _foreign(self) -> dict[tuple[int, int], int]:
+        """CPU ticks of every foreign process, keyed by (pid, start time): pids get reused."""
         table = _table()
         out = {}
-        for pid, (ppid, ticks) in table.items():
+        for pid, (ppid, ticks, started) in table.items():
             if pid in self._exclude or ppid == _KTHREADD:
                 continue
             up = ppid
             while up > 1 and up not in self._roots and up in table:
                 up = table[up][0]
             if up not in self._roots:
-                out[pid] = ticks
+                out[(pid, started)] = ticks
         return out
 
     def start(self) -> None:
+        self._since = _uptime_ticks(self._hz) - 1
         self._before = self._foreign()
 
     def stop(self) -> float:
-        grown = {pid: t - self._before.get(pid, 0) for pid, t in self._foreign().items()}
+        grown = {}
+        for (pid, started), ticks in self._foreign().items():
+            if (pid, started) in self._before:
+                grown[pid] = ticks - self._before[(pid, started)]
+            elif started >= self._since:  # born during the loop: all its CPU is the loop's
+                grown[pid] = ticks
         grown = {pid: d for pid, d in grown.items() if d > 0}
         self.top = [(pid, grown[pid] / self._hz, _cmdline(pid))
                     for pid in sorted(grown, key=grown.__getitem__, reverse=True)[:3]]

@@ -2,10 +2,11 @@
 
 Rows (from `tensorwire bench --json` and from the peer runners, each with `lib` and `round`)
 are folded into cells: per library, collective, size and placement, the median over rounds of
-each round's median call time. Rounds whose timed loop was contaminated by foreign CPU load
-are left out of a cell when clean ones exist; a cell with none clean is marked with a dagger.
-A ratio is tensorwire's time over the other library's, the median over rounds of the
-per-round ratio, between the placements both libraries have (out-of-place first).
+each round's median call time. Each table row (collective and size) uses the rounds in which
+none of its cells saw foreign CPU load, so its times and ratios come from the same rounds;
+where every round saw some, it uses them all and marks the cells that saw it with a dagger.
+A ratio is tensorwire's time over the other library's, the median over those rounds of the
+per-round ratio, between placements both libraries have (out-of-place first).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ DAGGER = "†"
 SHORT = {"out-of-place": "oop", "in-place": "ip"}
 PLOT_COLORS = {"tensorwire": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
 
+Row = dict[str, Any]
+
 
 @dataclass
 class Cell:
@@ -39,9 +42,9 @@ class Cell:
     redop: str
     time_us: float
     busbw_GBps: float
-    rounds: list[float]  # each round's median time (us), all rounds
-    clean_rounds: int
-    contaminated: bool  # no round was clean: the time includes foreign load
+    rounds: dict[int, float]  # every round's median time (us)
+    used_rounds: list[int]  # the rounds the time is the median of
+    contaminated: bool  # foreign CPU load in a used round (no round of its row was clean)
     wrong: int  # > 0: the library computed something else; -1: not checked
 
 
@@ -53,29 +56,52 @@ class Ratio:
     tw_placement: str
     other_placement: str
     ratio: float
-    per_round: list[float]
+    per_round: dict[int, float]
     contaminated: bool
 
 
-def _key(row: dict[str, Any]) -> tuple[str, str, int, str, str, str]:
-    return (row.get("lib", TENSORWIRE), row["coll"], row["nominal"], row["placement"], row["type"],
-            row["redop"])
+def _row_key(r: Row) -> tuple[str, int, str, str]:
+    return r["coll"], r["nominal"], r["type"], r["redop"]
 
 
-def cells(rows: Iterable[dict[str, Any]]) -> list[Cell]:
-    groups: dict[tuple[str, str, int, str, str, str], list[dict[str, Any]]] = defaultdict(list)
+def used_rounds(rows: Iterable[Row]) -> dict[tuple[str, int, str, str], tuple[set[int], bool]]:
+    """Per table row: (the rounds none of its cells saw foreign load in, False), else (all, True)."""
+    seen: dict[tuple[str, int, str, str], set[int]] = defaultdict(set)
+    dirty: dict[tuple[str, int, str, str], set[int]] = defaultdict(set)
     for r in rows:
-        groups[_key(r)].append(r)
+        seen[_row_key(r)].add(r.get("round", 0))
+        if r.get("contaminated"):
+            dirty[_row_key(r)].add(r.get("round", 0))
+    out = {}
+    for k, rounds in seen.items():
+        clean = rounds - dirty[k]
+        out[k] = (clean, False) if clean else (rounds, True)
+    return out
+
+
+def _selected(rs: list[Row], used: tuple[set[int], bool]) -> tuple[list[Row], bool]:
+    """The rows of the used rounds (all rows if the cell has none there) and whether any is dirty."""
+    chosen = [r for r in rs if r.get("round", 0) in used[0]] or rs
+    return chosen, any(r.get("contaminated") for r in chosen)
+
+
+def cells(rows: Sequence[Row]) -> list[Cell]:
+    groups: dict[tuple[str, str, int, str, str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        lib = r.get("lib", TENSORWIRE)
+        groups[(lib, r["coll"], r["nominal"], r["placement"], r["type"], r["redop"])].append(r)
+    usage = used_rounds(rows)
     out = []
     for (lib, coll, nominal, placement, type_, redop), rs in groups.items():
-        clean = [r for r in rs if not r.get("contaminated")]
-        time_us = statistics.median(r["time_us"] for r in (clean or rs))
+        chosen, dirty = _selected(rs, usage[(coll, nominal, type_, redop)])
+        time_us = statistics.median(r["time_us"] for r in chosen)
         size, n = rs[0]["size"], rs[0]["nranks"]
         busbw = size / (time_us * 1e-6) / 1e9 * busbw_factor(coll, n) if time_us > 0 else 0.0
         wrongs = [r["wrong"] for r in rs]
         wrong = -1 if any(w < 0 for w in wrongs) else sum(wrongs)
         out.append(Cell(lib, coll, nominal, size, placement, type_, redop, time_us, busbw,
-                        [r["time_us"] for r in rs], len(clean), not clean, wrong))
+                        {r.get("round", 0): r["time_us"] for r in rs},
+                        sorted(r.get("round", 0) for r in chosen), dirty, wrong))
     return out
 
 
@@ -88,14 +114,15 @@ def _pair(tw: set[str], other: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def ratios(rows: Sequence[dict[str, Any]], others: Sequence[str]) -> list[Ratio]:
+def ratios(rows: Sequence[Row], others: Sequence[str]) -> list[Ratio]:
     """tensorwire / other per collective and size, on the pairing `_pair` picks per collective."""
-    by: dict[tuple[str, str, int, str], dict[int, dict[str, Any]]] = defaultdict(dict)
+    by: dict[tuple[str, str, int, str], dict[int, Row]] = defaultdict(dict)
     placements: dict[tuple[str, str], set[str]] = defaultdict(set)
     for r in rows:
         lib = r.get("lib", TENSORWIRE)
         by[(lib, r["coll"], r["nominal"], r["placement"])][r.get("round", 0)] = r
         placements[(lib, r["coll"])].add(r["placement"])
+    usage = used_rounds(rows)
     out = []
     for other in others:
         for coll in dict.fromkeys(r["coll"] for r in rows):
@@ -104,14 +131,16 @@ def ratios(rows: Sequence[dict[str, Any]], others: Sequence[str]) -> list[Ratio]
                 continue
             for nominal in sorted({r["nominal"] for r in rows if r["coll"] == coll}):
                 mine, theirs = by[(TENSORWIRE, coll, nominal, pair[0])], by[(other, coll, nominal, pair[1])]
-                both = [(mine[k], theirs[k]) for k in sorted(mine.keys() & theirs.keys())
-                        if mine[k]["time_us"] > 0 and theirs[k]["time_us"] > 0 and theirs[k]["wrong"] <= 0]
+                both = {k: (mine[k], theirs[k]) for k in sorted(mine.keys() & theirs.keys())
+                        if mine[k]["time_us"] > 0 and theirs[k]["time_us"] > 0 and theirs[k]["wrong"] <= 0}
                 if not both:
                     continue
-                clean = [(a, b) for a, b in both if not a.get("contaminated") and not b.get("contaminated")]
-                per = [a["time_us"] / b["time_us"] for a, b in (clean or both)]
-                out.append(Ratio(other, coll, nominal, pair[0], pair[1], statistics.median(per), per,
-                                 not clean))
+                rounds, _ = usage[_row_key(mine[next(iter(both))])]
+                chosen = {k: ab for k, ab in both.items() if k in rounds} or both
+                per = {k: a["time_us"] / b["time_us"] for k, (a, b) in chosen.items()}
+                dirty = any(a.get("contaminated") or b.get("contaminated") for a, b in chosen.values())
+                out.append(Ratio(other, coll, nominal, pair[0], pair[1], statistics.median(per.values()), per,
+                                 dirty))
     return out
 
 
@@ -189,12 +218,12 @@ def _pair_text(t: Table) -> str:
 def text_tables(ts: Sequence[Table], n: int, rounds: int) -> list[str]:
     """The comparison tables as `#`-commented headers and whitespace-separated rows."""
     lines = [
-        f"# Comparison, {n} ranks, float32 sum: time (us) = median over {rounds} interleaved round(s) of "
-        "each round's median call time",
-        "# (call time = the slowest rank's); ratio tw/X = tensorwire time / X time, median over rounds:",
-        "# ratio < 1: tensorwire is faster, > 1: tensorwire is slower. oop = out-of-place, ip = in-place;",
-        f"# {DAGGER} = foreign CPU load in every round of that cell; WRONG = the library's result failed "
-        "the check; - = not measured.",
+        f"# Comparison, {n} ranks, float32 sum, {rounds} interleaved round(s): time (us) = median over",
+        "# rounds of each round's median call time (call time = the slowest rank's); ratio tw/X = tensorwire",
+        "# time / X time, median over rounds of the per-round ratio: < 1 means tensorwire is faster, > 1",
+        "# slower. A row uses the rounds in which none of its cells saw foreign CPU load,",
+        f"# else all rounds and {DAGGER} marks the cells that saw it. oop = out-of-place, ip = in-place;",
+        "# WRONG = the library's result failed the check; - = not measured.",
         "#",
     ]
     for t in ts:
