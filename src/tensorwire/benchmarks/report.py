@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -275,7 +276,24 @@ def machine() -> dict[str, Any]:
             info["memory_GiB"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     except OSError:
         pass
+    commit = _git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if commit:
+        info["tensorwire"] += f" (git {commit})"
     return info
+
+
+def _git_commit(folder: str) -> str | None:
+    """The checkout's commit, with `+changes` when it differs from it (None outside git)."""
+    try:
+        head = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "--untracked-files=no", "."],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def machine_lines(info: dict[str, Any], libraries: dict[str, str]) -> list[str]:
