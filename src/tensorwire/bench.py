@@ -69,8 +69,8 @@ examples:
   tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2 --tcp  the same over TCP
   tensorwire bench all -b 8 -e 1M --np 4 --json out.json     every collective, results as JSON
   tensorwire run -n 2 -m tensorwire.bench broadcast -r 1      under the launcher explicitly
-  tensorwire bench all -b 8 -e 256M -f 4 -n auto -w auto --np 2 --compare gloo,mpi \
-      --json cmp.json --markdown cmp.md --plot cmp.png       vs Gloo and Open MPI, 3 rounds
+  tensorwire bench all -b 8 -e 256M -f 4 -n auto -w auto --np 2 --compare gloo,mpi --plot cmp.png
+                                                    the same sweep in Gloo and Open MPI too, 3 rounds
 
 columns (as nccl-tests): size (B), count (elements per rank parameter), type, redop, root,
 then for out-of-place and in-place: time (us, median over iterations of the slowest rank),
@@ -81,8 +81,9 @@ numpy reference in one checked call; N/A with -c 0).
 Open MPI (mpi4py, launched by mpiexec) each sweep the same collectives, sizes, placements and
 schedule (float32 sum), one launch per library per round, rounds interleaved. One table per
 collective: per size the median over rounds of each library's time (us) and the ratios
-tw/gloo and tw/mpi (tensorwire time / other time: < 1 means tensorwire is faster). A dagger
-marks a cell measured under foreign CPU load (other processes on the machine) in every round.
+tw/gloo and tw/mpi (tensorwire time / other time: < 1 means tensorwire is faster). A row uses
+the rounds in which none of its cells saw foreign CPU load (other processes on the machine); a
+dagger marks the cells measured under it anyway, when every round saw some.
 Peers need torch (pip install torch==2.13.0), mpi4py (pip install mpi4py) and mpiexec
 (apt-get install -y openmpi-bin libopenmpi-dev); a missing one is skipped with that hint.
 Plots need matplotlib and the progress bar uses rich: pip install 'tensorwire[bench]'.
