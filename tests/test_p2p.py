@@ -165,6 +165,28 @@ def test_send_to_self(cluster: Any) -> None:
     assert cluster.run(_to_self) == [True] * cluster.size
 
 
+def _from_any_rank() -> list[int]:
+    """Rank 0 takes one message from every other rank, in whatever order they come."""
+    r, n = tw.get_rank(), tw.get_world_size()
+    if r != 0:
+        tw.send(_pattern(r, 0, 9, 1000), 0, tag=9)
+        return []
+    sources = []
+    for _ in range(n - 1):
+        got = np.empty(1000, np.int64)
+        work = tw.irecv_any(got, tag=9, timeout=20)
+        work.wait(20)
+        src = work.result()
+        assert _same_as_pattern(got, src, 0, 9), f"message from rank {src} garbled"
+        sources.append(src)
+    return sources
+
+
+def test_recv_from_any_rank(cluster: Any) -> None:
+    got = cluster.run(_from_any_rank)
+    assert sorted(got[0]) == list(range(1, cluster.size))
+
+
 def _zero_bytes() -> dict[str, Any]:
     r, right, left = _neighbours()
     empty = np.empty(0, np.float32)

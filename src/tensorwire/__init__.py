@@ -25,6 +25,7 @@ from .api import (
     get_world_size,
     init,
     irecv,
+    irecv_any,
     is_initialized,
     isend,
     new_group,

@@ -105,14 +105,16 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def _require(what: str = "this call") -> Runtime:
+def require_runtime(what: str = "this call") -> Runtime:
+    """The process's runtime (integrations such as the torch backend build on it); raises
+    NotInitializedError naming `what` before init()."""
     if _runtime is None:
         raise NotInitializedError(f"{what} needs tensorwire.init() first (no process group exists)")
     return _runtime
 
 
 def world() -> Group:
-    return _require("world()").world  # type: ignore[return-value]
+    return require_runtime("world()").world  # type: ignore[return-value]
 
 
 def get_rank(group: Group | None = None) -> int:
@@ -124,12 +126,12 @@ def get_world_size(group: Group | None = None) -> int:
 
 
 def config() -> Config:
-    return _require("config()").config
+    return require_runtime("config()").config
 
 
 def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
     """A group of world ranks; every process must call it (non-members get rank -1)."""
-    return _require("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
+    return require_runtime("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
 
 
 def split(color: int | None, key: int = 0, group: Group | None = None) -> Group | None:
@@ -139,8 +141,8 @@ def split(color: int | None, key: int = 0, group: Group | None = None) -> Group 
 
 def _group(group: Group | None, what: str) -> Group:
     if group is None:
-        return _require(what).world  # type: ignore[return-value]
-    _require(what)
+        return require_runtime(what).world  # type: ignore[return-value]
+    require_runtime(what)
     return group
 
 
@@ -150,7 +152,7 @@ def _forward(name: str) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(*args: Any, group: Group | None = None, **kwargs: Any) -> Any:
         if group is None:
-            runtime = _runtime if _runtime is not None else _require(name)
+            runtime = _runtime if _runtime is not None else require_runtime(name)
             group = runtime.world  # type: ignore[assignment]
         return method(group, *args, **kwargs)
 
@@ -178,6 +180,7 @@ send = _forward("send")
 recv = _forward("recv")
 isend = _forward("isend")
 irecv = _forward("irecv")
+irecv_any = _forward("irecv_any")
 all_gather_object = _forward("all_gather_object")
 gather_object = _forward("gather_object")
 broadcast_object_list = _forward("broadcast_object_list")

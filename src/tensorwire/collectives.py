@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from .buffers import as_array, byte_view
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
 from .transport.wire import Coll, Fingerprint
+from .work import Work
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group
@@ -462,6 +464,24 @@ class Collectives:
         req = self.engine.irecv(peer, self._p2p_header(tag, data.nbytes), data, None,
                                 f"recv from rank {src} (tag {tag}) on group {self.name}")
         return self._p2p_work(req)
+
+    def irecv_any(self: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
+        """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
+        result() is the sender's group rank. A helper thread waits for the first sender."""
+        data = as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv")
+        work = Work(f"recv from any rank (tag {tag}) on group {self.name}", self.runtime.rank)
+
+        def find_and_receive() -> None:
+            try:
+                src = self.probe_any(tag, timeout)
+                self.recv(data, src, tag, timeout)
+            except BaseException as exc:  # handed to whoever waits on the Work
+                work._finish(exc=exc)
+            else:
+                work._finish(src)
+
+        threading.Thread(target=find_and_receive, daemon=True, name="tensorwire-recv-any").start()
+        return work
 
     def send(self: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         self.isend(tensor, dst, tag).wait(timeout if timeout is not None else self.runtime.config.timeout)

@@ -98,7 +98,10 @@ class CollectiveCall:
 
 
 class Group(Collectives):
-    """A set of world ranks with its own context id; `rank` is -1 on processes outside it."""
+    """A set of world ranks with its own context id; `rank` is -1 on processes outside it.
+
+    Groups come from `new_group`/`split`; integrations (the torch backend) may also construct
+    one directly over the runtime, with a context id every member derives identically."""
 
     def __init__(self, runtime: Runtime, ranks: Sequence[int], ctx: int, name: str) -> None:
         self.runtime = runtime
@@ -299,6 +302,24 @@ class Group(Collectives):
         if self.rank < 0:
             raise InvalidArgumentError(f"rank {self.runtime.rank}: {what}: this rank is not a member of "
                                        f"group {self.name} (ranks {self.ranks})")
+
+    def probe_any(self, tag: int = 0, timeout: float | None = None) -> int:
+        """Wait until a point-to-point message with `tag` from any member has arrived; its
+        sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
+        self._check_member("recv from any rank")
+        peers = {w: r for r, w in enumerate(self.ranks) if r != self.rank}
+        limit = self.runtime.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 20e-6
+        while True:
+            world = self.engine.arrived_from(self.ctx, tag, peers)
+            if world is not None:
+                return peers[world]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.runtime.rank}: recv from any rank (tag {tag}) on group "
+                                   f"{self.name}: no message arrived within {limit:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def _p2p_wait(self, req: Request, timeout: float | None) -> None:
         t = self.runtime.config.timeout if timeout is None else timeout

@@ -18,20 +18,15 @@ them in a `TensorwireWork`.
 from __future__ import annotations
 
 import math
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import AbortedError, InvalidArgumentError, PeerLostError
-from ..errors import TimeoutError as TwTimeoutError
+from ..errors import AbortedError, InvalidArgumentError
 from ..group import Group
 from ..ops import ReduceOp
-from ..transport.wire import Kind
-from ..work import Work as TwWork
 from .work import CompletedWork, TensorwireWork, seconds
 
 BACKEND_NAME = "tensorwire"
@@ -455,22 +450,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         """A receive from whichever rank sends first: a helper thread finds the sender, then receives."""
         st = _Staging(None)
         buf = st.out(_one(tensors, "recv", None))
-        part = TwWork(f"recv from any rank (tag {tag}) on group {self._tw.name}", self._tw.runtime.rank)
-        work = TensorwireWork([part], tensors, "recv from any rank", finish=st.finish(),
-                              timeout=self._timeout)
-
-        def find_and_receive() -> None:
-            try:
-                src = _await_any_sender(self._tw, tag, self._timeout)
-                work._source_rank_value = src
-                self._tw.irecv(buf, src, tag).wait(self._timeout)
-            except BaseException as exc:
-                part._finish(exc=exc)
-            else:
-                part._finish()
-
-        threading.Thread(target=find_and_receive, daemon=True, name="tensorwire-torch-recv-any").start()
-        return work
+        part = self._tw.irecv_any(buf, tag, self._timeout)
+        return TensorwireWork([part], tensors, "recv from any rank", finish=st.finish(),
+                              timeout=self._timeout, source_rank=part.result)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def abort(self) -> None:
@@ -484,29 +466,3 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._closed = True
         if self._release is not None:
             self._release()
-
-
-def _await_any_sender(group: Group, tag: int, timeout: float | None) -> int:
-    """The group rank of the first peer whose point-to-point message with `tag` has arrived."""
-    engine = group.engine
-    key = (group.ctx, int(Kind.P2P), 0, int(tag))
-    peers = [(w, r) for r, w in enumerate(group.ranks) if r != group.rank]
-    limit = timeout if timeout is not None else group.runtime.config.timeout
-    deadline = time.monotonic() + limit
-    pause = 20e-6
-    while True:
-        with engine.lock:
-            engine.progress()
-            for world_rank, group_rank in peers:
-                if engine.unexpected.get((world_rank, key)):
-                    return group_rank
-            if group.ctx in engine.aborted:
-                raise engine.aborted[group.ctx]
-            if all(w in engine.lost for w, _ in peers):
-                raise PeerLostError(f"rank {group.runtime.rank}: recv from any rank on group {group.name}: "
-                                    f"every peer is gone")
-        if time.monotonic() > deadline:
-            raise TwTimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
-                                 f"{group.name}: no message arrived within {limit:g} s")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)

@@ -41,7 +41,7 @@ class TensorwireWork(dist.Work):
 
     def __init__(self, parts: Sequence[TwWork], outputs: Any, what: str, *,
                  finish: Callable[[], None] | None = None, timeout: float | None = None,
-                 source_rank: int = -1) -> None:
+                 source_rank: int | Callable[[], int] = -1) -> None:
         super().__init__()
         self._parts = list(parts)
         self._outputs = outputs
@@ -163,10 +163,11 @@ class TensorwireWork(dist.Work):
         pass  # CPU only: nothing to order against a stream
 
     def source_rank(self) -> int:
-        return self._source_rank_value
+        """The sender of a receive; for a receive from any rank, known once it completed."""
+        value = self._source_rank_value
+        return value() if callable(value) else value
 
-    def _source_rank(self) -> int:
-        return self._source_rank_value
+    _source_rank = source_rank
 
     def __repr__(self) -> str:
         state = "failed" if self._exc is not None else "done" if self._done.is_set() else "pending"

@@ -39,7 +39,7 @@ from ..rendezvous import bootstrap
 from ..rendezvous.store import Store, TorchStoreAdapter
 from ..runtime import Runtime
 from ..transport import netif
-from ..transport.connect import _setup_rings, dial, install_channels, recv_exact
+from ..transport.connect import attach_peers, dial, recv_exact
 from ..transport.engine import Engine
 
 _log = log.get("INIT")
@@ -93,7 +93,7 @@ def world_group(store: Any, rank: int, size: int, timeout: Any) -> Group:
     global _runtime, _owner, _refs
     with _lock:
         if api.is_initialized():
-            rt = api._require("torch backend")
+            rt = api.require_runtime("torch backend")
             if (rt.rank, rt.world_size) != (rank, size):
                 raise RendezvousError(
                     f"tensorwire is already initialized as rank {rt.rank} of {rt.world_size}, but torch "
@@ -108,7 +108,7 @@ def world_group(store: Any, rank: int, size: int, timeout: Any) -> Group:
             adapter = TorchStoreAdapter(store, timeout=t)
             api.init(rank=rank, world_size=size, init_method=_where(store, size) if size > 1 else None,
                      timeout=t, store=adapter if size > 1 else None)
-            _runtime, _owner = api._require("torch backend"), "api"
+            _runtime, _owner = api.require_runtime("torch backend"), "api"
         _refs += 1
         return _runtime.world  # type: ignore[return-value]
 
@@ -118,7 +118,7 @@ def sub_group(store: Any, ranks: list[int], group_name: str, timeout: Any) -> Gr
     global _runtime, _owner, _refs
     with _lock:
         if _runtime is None and api.is_initialized():
-            _runtime, _owner = api._require("torch backend"), "user"
+            _runtime, _owner = api.require_runtime("torch backend"), "user"
         if _runtime is None:
             _runtime, _owner = _links_runtime(store, timeout), "links"
             atexit.register(_close_links)
@@ -224,9 +224,7 @@ def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
     finally:
         listener.close()
     local = {m for m in missing if peers[m]["host"] == host and cfg.transport != "tcp"}
-    rings = _setup_rings(me, socks, local, rt.info.job_id, cfg.shm_ring_bytes)
-    with engine.lock:
-        install_channels(engine, socks, rings, cfg)
+    rings = attach_peers(engine, socks, local, rt.info.job_id, cfg)
     _log.info("rank %d connected to %s (shm %s)", me, sorted(socks), sorted(rings))
 
 

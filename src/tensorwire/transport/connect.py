@@ -84,11 +84,21 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     listener.close()
     engine.adapt_spin(1 + sum(info["host"] == hostname for info in peers.values()))
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
-    rings = _setup_rings(rank, socks, local, job_id, cfg.shm_ring_bytes)
-    install_channels(engine, socks, rings, cfg)
+    rings = attach_peers(engine, socks, local, job_id, cfg)
     _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),
               sorted(set(socks) - set(rings)))
     return engine
+
+
+def attach_peers(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
+                 cfg: Config) -> dict[int, tuple[Ring, Ring]]:
+    """Turn connected sockets into channels: shared-memory rings toward the `local` peers that
+    agree (both sides run this), TCP for the rest. Safe while the engine runs (an integration
+    connecting pairs on demand); returns the ring pairs set up."""
+    rings = _setup_rings(engine.rank, socks, local, job_id, cfg.shm_ring_bytes)
+    with engine.lock:
+        install_channels(engine, socks, rings, cfg)
+    return rings
 
 
 def install_channels(engine: Engine, socks: dict[int, socket.socket],

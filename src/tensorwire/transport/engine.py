@@ -271,6 +271,24 @@ class Engine:
             f"{'; '.join(diffs)} (this rank vs rank {peer})")
 
     # -- failures ---------------------------------------------------------------------------
+    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int]) -> int | None:
+        """The first of `peers` whose point-to-point message with `tag` on group `ctx` has
+        arrived (after one round of progress), or None; raises if the group was aborted or
+        every one of them is gone (MPI_ANY_SOURCE's probe)."""
+        key = (ctx, int(Kind.P2P), 0, int(tag))
+        with self.lock:
+            self.progress()
+            for peer in peers:
+                if self.unexpected.get((peer, key)):
+                    return peer
+            entry = self.aborted.get(ctx)
+            if entry is not None:
+                raise entry[1]
+            if all(peer in self.lost for peer in peers):
+                raise PeerLostError(f"rank {self.rank}: receive from any rank (tag {tag}): every "
+                                    f"sender is gone")
+        return None
+
     def lost_error(self, peer: int) -> PeerLostError:
         return PeerLostError(f"rank {self.rank}: lost rank {peer}: {self.lost[peer]}", peer=peer)
 
