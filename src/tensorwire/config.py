@@ -11,6 +11,11 @@ from dataclasses import dataclass, field, replace
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def _env_size(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    return parse_size(raw) if raw else None
+
+
 def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -51,6 +56,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from exc
 
 
+DIRECT_GROUP_BYTES = 8 << 20
+"""Default shared memory of one group's one-shot path (all ranks' slots), before the per-rank bounds."""
+
+
 @dataclass(frozen=True)
 class Config:
     timeout: float = DEFAULT_TIMEOUT_S
@@ -63,8 +72,9 @@ class Config:
     """Capacity of each directed shared-memory ring (TENSORWIRE_SHM_RING)."""
     tcp_chunk_bytes: int = 1 << 20
     """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
-    direct_bytes: int = 64 << 10
-    """Per-rank slot of the one-shot shared-memory path; 0 turns it off (TENSORWIRE_SHM_DIRECT)."""
+    direct_bytes: int | None = None
+    """Per-rank slot of the one-shot shared-memory path; 0 turns it off; None: see direct_slot
+    (TENSORWIRE_SHM_DIRECT)."""
     algo: str = ""
     """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
     spin_us: float | None = None
@@ -90,7 +100,7 @@ class Config:
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
-            direct_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_DIRECT", str(64 << 10))),
+            direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
             deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
@@ -112,3 +122,13 @@ class Config:
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg
+
+    def direct_slot(self, group_size: int) -> int:
+        """Bytes of one rank's slot on the one-shot shared-memory path in a group of this size:
+        TENSORWIRE_SHM_DIRECT, or by default 8 MiB for the group's two slots per rank, kept
+        between 64 KiB and 1 MiB a rank (a collective that fits skips every per-peer round trip;
+        tmpfs pages cost memory only once touched)."""
+        if self.direct_bytes is not None:
+            return self.direct_bytes
+        per_rank = (DIRECT_GROUP_BYTES // (2 * max(group_size, 1))) // 4096 * 4096
+        return max(64 << 10, min(1 << 20, per_rank))

@@ -226,7 +226,8 @@ class Group(Collectives):
     def _setup_direct(self) -> None:
         """Collectively give a single-host group its shared segment (the one-shot small path)."""
         cfg = self.runtime.config
-        if self.size < 2 or cfg.direct_bytes <= 0 or cfg.transport == "tcp":
+        slot = cfg.direct_slot(self.size)
+        if self.size < 2 or slot <= 0 or cfg.transport == "tcp":
             return
         verdict = np.array([self.all_local], dtype=np.uint8)
         recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
@@ -236,21 +237,23 @@ class Group(Collectives):
         seg = None
         prefix = f"tw-{self.runtime.info.job_id[:24]}-g{self.ctx}"
         if self.rank == 0:
-            seg = GroupSegment.create(prefix, self.size, cfg.direct_bytes)
+            seg = GroupSegment.create(prefix, self.size, slot)
             offer[:] = (int(seg.name.rsplit("-", 1)[1], 16), seg.nonce)
-        binomial_broadcast(self._internal_call("shm setup"), offer, 0)
-        if seg is None:
-            try:
-                seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", self.size, cfg.direct_bytes, False)
-                if seg.nonce != int(offer[1]):
-                    seg.close()
+        try:
+            binomial_broadcast(self._internal_call("shm setup"), offer, 0)
+            if seg is None:
+                try:
+                    seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", self.size, slot, False)
+                    if seg.nonce != int(offer[1]):
+                        seg.close()
+                        seg = None
+                except OSError:
                     seg = None
-            except OSError:
-                seg = None
-        verdict[0] = seg is not None
-        recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
-        if seg is not None and self.rank == 0:
-            seg.unlink()  # everyone mapped it (or gave up): nothing is left in /dev/shm
+            verdict[0] = seg is not None
+            recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
+        finally:
+            if seg is not None and self.rank == 0:
+                seg.unlink()  # everyone mapped it, gave up or failed: nothing is left in /dev/shm
         if verdict[0] and seg is not None:
             self.direct = DirectPath(seg, self.rank, self.engine, self.ctx, self.ranks)
             self.runtime.segments.append(seg)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from . import calibrate, tuner
-from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for
+from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config, parse_size
 from .errors import InvalidArgumentError
 
@@ -64,7 +64,7 @@ def local_links(cfg: Config, probe: bool, out: Callable[[str], None]) -> dict[st
     """The newest calibration of each local tier on this host alone, probing what is missing."""
     found = _from_cache(cfg)
     missing = [t for t in LOCAL if t not in found]
-    if "shm" not in missing and "direct" not in found and cfg.direct_bytes > 0:
+    if "shm" not in missing and "direct" not in found and cfg.direct_slot(2) > 0:
         missing.append("shm")  # calibrated before the one-shot path had its own constants
     if missing and probe:
         out(f"# no calibration of {', '.join(missing)} on this host in {calibrate.cache_dir(cfg.cache_dir)}; "
@@ -204,7 +204,7 @@ def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Co
     if alg.needs_direct:
         if not tier.direct_ok:
             return "one-host shared-memory path only"
-        if m > direct_bytes:
+        if slot_bytes(alg, n, m) > direct_bytes:
             return f"shared-memory path holds <= {_size(direct_bytes)}"
     if not alg.eligible(n, m):
         return f"not for {n} ranks at this size"
@@ -351,5 +351,5 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
     for i, coll in enumerate(colls):
         if i:
             out("")
-        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_bytes, out)
+        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_slot(args.np), out)
     return 0

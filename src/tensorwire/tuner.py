@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import log
 from .algorithms import rank_ordered
-from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for
+from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config
 from .errors import InvalidArgumentError
 
@@ -269,7 +269,8 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     cfg = group.runtime.config
     out = []
     for alg in algorithms_for(collective).values():
-        if alg.needs_direct and (not direct_ok or direct is None or nbytes > direct.slot_bytes):
+        if alg.needs_direct and (not direct_ok or direct is None
+                                 or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes):
             continue
         if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
             out.append(alg)

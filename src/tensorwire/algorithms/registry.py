@@ -50,6 +50,8 @@ class Algorithm:
     """(ranks, bytes) -> can it run (e.g. a power-of-two-only variant, a size cap)."""
     needs_direct: bool = False
     """Runs on the group's shared segment (single-host groups only)."""
+    slot_need: Callable[[int, int], int] | None = None
+    """needs_direct only: bytes of its slot one rank fills for (ranks, bytes); None: all of them."""
     out_of_place: bool = False
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""
@@ -72,6 +74,11 @@ def register(alg: Algorithm) -> Algorithm:
         raise ValueError(f"{alg.collective}: algorithm {alg.name!r} registered twice")
     _REGISTRY[alg.collective][alg.name] = alg
     return alg
+
+
+def slot_bytes(alg: Algorithm, n: int, nbytes: int) -> int:
+    """How much of a rank's shared-memory slot `alg` needs for this call."""
+    return nbytes if alg.slot_need is None else alg.slot_need(n, nbytes)
 
 
 def algorithms_for(collective: str) -> dict[str, Algorithm]:

@@ -315,4 +315,5 @@ def _cost_of(collective: str):
 
 for _collective, _run in _RUN.items():
     register(Algorithm("direct", _collective, _run, _cost_of(_collective), needs_direct=True,
-                       out_of_place=_collective == "all_reduce"))
+                       out_of_place=_collective == "all_reduce",
+                       slot_need=(lambda n, m: -(-m // n)) if _collective == "all_gather" else None))
