@@ -11,14 +11,13 @@ point and under the same timeout):
 2. verdict: rank 0 looks the topology up in its cache and reads its tuning file, and
    broadcasts either the final constants or "probe";
 3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
-   few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once
-   with a partner over the world's tier, and a numpy add: the "busy" link, what a step costs
-   when every rank works (on a host with more ranks than cores they take turns, which the
-   lone pair never sees); on one host every rank takes part in a few 8-byte all_reduces
-   through the group's shared segment (α of the one-shot path); rank 0 times a copy (that
-   path's β) and a numpy add (γ). The maximum over ranks of what was measured becomes
-   everybody's constants, and rank 0 (with the lowest rank of every other host) writes the
-   cache.
+   few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once,
+   with changing partners, and a numpy add: the "busy" link, what a step costs when every
+   rank works (on a host with more ranks than cores they take turns, which the lone pair
+   never sees); on one host every rank takes part in a few all_reduces through the group's
+   shared segment (α and β of the one-shot path); rank 0 times a numpy add (γ). The maximum
+   over ranks of what was measured becomes everybody's constants, and rank 0 (with the lowest
+   rank of every other host) writes the cache.
 
 Every rank therefore installs the same table. The cache lives in TENSORWIRE_CACHE_DIR (default
 $XDG_CACHE_HOME/tensorwire or ~/.cache/tensorwire), one JSON file per (hosts, tiers, world
@@ -61,14 +60,17 @@ _log = log.get("TUNING")
 
 PROBE_VERSION = 3
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
-# Short batches, best one kept for a link's α: on a busy machine a batch that was not preempted
-# is likelier the shorter it is, and those constants describe the links, not the neighbours'
-# load. The busy link's α and every β take the median (see measure_pair).
+# Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
+# likelier the shorter it is, and those constants describe the links, not the neighbours'
+# load. The busy link and the direct path take the median (see measure_busy).
 ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
-BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the median one gives β
+BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best after two gives β
 BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least three)
+BUSY_BETA_ROUNDS = 5  # 1 MiB rounds with every rank busy: the median gives the busy β
+BUSY_WARM_ROUNDS = 4  # ... after this many per partner distance (a default 4 MiB ring, written once)
 GAMMA_BYTES, GAMMA_ROUNDS = 1 << 20, 5  # numpy add of 1 MiB float32: the best one gives γ
-DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # 8-byte all_reduces through the shared segment: direct α
+DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # all_reduces through the shared segment: the direct path
+DIRECT_BYTES = 32 << 10  # ... at 8 bytes (α) and at this size (β)
 FIELDS = ("alpha", "beta", "gamma")
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
@@ -245,46 +247,81 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
     return max(best / a.nbytes, 1e-13)
 
 
-def measure_copy(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> float:
-    """Seconds per byte of a plain copy (what the one-shot path does with every byte)."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    best = math.inf
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return max(best / nbytes, 1e-13)
-
-
-def measure_direct(world: Group) -> float:
-    """α of the one-shot shared-memory path: an 8-byte all_reduce through the group segment
-    (every rank of the world takes part), the median batch mean: every rank works in it, so
-    like the busy link it is taken as it typically is, contention included. Not a bare
-    barrier: the copy in and the fold cost as much as the flag round when ranks share cores."""
+def measure_direct(world: Group) -> tuple[float, float]:
+    """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
+    (every rank of the world takes part): α is the median batch mean at 8 bytes; β is fitted
+    to the median at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied one.
+    Medians, as for the busy link: every rank works in these calls, contention included. Not
+    a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
+    cost as much as the flag round, and each rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
-    data = np.ones(2, dtype=np.float32)
-    batches = []
-    for _ in range(DIRECT_BATCHES):
-        t0 = time.perf_counter()
-        for _ in range(DIRECT_ROUNDS):
-            run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
-        batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
-    return max(statistics.median(batches), 1e-8)
+    n = world.size
+    big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
+
+    def typical(data: np.ndarray) -> float:
+        batches = []
+        for _ in range(DIRECT_BATCHES):
+            t0 = time.perf_counter()
+            for _ in range(DIRECT_ROUNDS):
+                run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
+            batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
+        return statistics.median(batches)
+
+    alpha = max(typical(np.ones(2, dtype=np.float32)), 1e-8)
+    slope = (typical(big) - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
+    return alpha, max(slope, 1e-13)
 
 
 def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_pair(call: CollectiveCall, peer: int, step0: int, typical: bool = False) -> tuple[float, float]:
+def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float]:
+    """(α, β) of a step when every rank works: all ranks at once, round k sending to rank
+    r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination pattern: every rank
+    takes part whatever n is, and the partners change from round to round as in recursive
+    doubling or a tree, so each step waits for ranks that the previous one did not). The
+    median 8-byte batch gives α, the median of a few 1 MiB rounds β: contention is the point,
+    so the typical step is wanted, not the luckiest."""
+    n, r = call.group.size, call.group.rank
+    dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
+    small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
+    step = step0
+
+    def shift(out: np.ndarray, into: np.ndarray) -> None:
+        nonlocal step
+        d = dists[step % len(dists)]
+        call.wait(call.irecv((r - d) % n, into, step), call.isend((r + d) % n, out, step))
+        step += 1
+
+    for _ in range(2):  # everyone is here
+        shift(small_out, small_in)
+    for _ in range(BUSY_WARM_ROUNDS * len(dists)):  # every ring written once around: its pages are
+        shift(big_out, big_in)  # touched (fresh pages cost ~1 ms per MiB here), as in steady use
+    batches = []
+    for _ in range(ALPHA_BATCHES):
+        t0 = time.perf_counter()
+        for _ in range(ALPHA_ROUNDS):
+            shift(small_out, small_in)
+        batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
+    alpha = statistics.median(batches)
+    bigs = []
+    for _ in range(BUSY_BETA_ROUNDS):
+        t0 = time.perf_counter()
+        shift(big_out, big_in)
+        bigs.append(time.perf_counter() - t0)
+    big = statistics.median(bigs)
+    return max(alpha, 1e-8), max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
+
+
+def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:
     """(α, β) over the link to `peer`, which runs the same function toward this rank.
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
-    step does), and β comes from a few 1 MiB exchanges: the best ones, or with `typical` the
-    median ones (the busy link, whose point is the contention). The first two 1 MiB exchanges
-    only count for the median: they may ride a shaper's burst allowance (tc tbf lets 10 ms of
-    traffic through at line rate), which a long transfer does not get."""
+    step does), the best batch mean; β comes from the best of a few 1 MiB exchanges after
+    the first two, which may ride a shaper's burst allowance (tc tbf lets 10 ms of traffic
+    through at line rate) that a long transfer does not get."""
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
     step = step0
@@ -298,7 +335,7 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, typical: bool = Fa
             _exchange(call, peer, small_out, small_in, step)
             step += 1
         batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
-    alpha = statistics.median(batches) if typical else min(batches)
+    alpha = min(batches)
     bigs: list[float] = []
     for i in range(BETA_ROUNDS):  # fewer on a slow link: the probe stays well under a second
         # the first byte says whether this side wants another round; both sides see both
@@ -310,7 +347,7 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, typical: bool = Fa
         bigs.append(time.perf_counter() - t0)
         if not (big_out[0] and big_in[0]):
             break
-    big = statistics.median(bigs) if typical else min(bigs[2:])
+    big = min(bigs[2:])
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
@@ -408,7 +445,7 @@ def at_init(world: Group) -> LinkTable:
     # 3. the probe
     if verdict[0] == _STATUS_PROBE:
         t1 = time.perf_counter()
-        measured = _probe(world, pairs, direct, busy_partner(hosts, me, busy_tier))
+        measured = _probe(world, pairs, direct)
         probe_s = time.perf_counter() - t1
         gamma = float(measured["gamma"])
         for tier in TIERS:
@@ -477,35 +514,19 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         _log.info("link constants from the cache %s", path)
 
 
-def busy_partner(hosts: list[int], me: int, tier: str) -> int:
-    """Whom this rank exchanges with while every rank is busy (-1: nobody, an odd rank out):
-    its neighbour r ^ 1 on one host; across hosts, the rank half the world away in host
-    order, so that the pairs use the TCP tier the world's collectives run over."""
-    n = len(hosts)
-    if tier == "shm" or len(set(hosts)) == 1:
-        return me ^ 1 if me ^ 1 < n else -1
-    order = sorted(range(n), key=lambda r: (hosts[r], r))
-    half = n // 2
-    i = order.index(me)
-    if i >= 2 * half:
-        return -1
-    return order[i + half] if i < half else order[i - half]
-
-
-def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, partner: int) -> dict[str, Any]:
-    """Measure the direct path on everyone, every tier on its pair, every rank at once with
-    its partner (the busy link), and the copy rate and γ on rank 0; the maximum over ranks of
-    each, the same everywhere.
+def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dict[str, Any]:
+    """Measure the direct path on everyone, every tier on its pair, every rank at once (the
+    busy link), and γ on rank 0; the maximum over ranks of each, the same everywhere.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, γ), direct α, copy β, γ
+    # (α, β) per tier, busy (α, β, γ), direct (α, β), γ
     measured = np.zeros(2 * len(TIERS) + 6, dtype=np.float64)
     busy = slice(2 * len(TIERS), 2 * len(TIERS) + 3)
     if direct:
-        measured[-3] = measure_direct(world)  # first: it needs every rank anyway
+        measured[-3:-1] = measure_direct(world)  # first: it needs every rank anyway
     call = world._internal_call("calibration probe")
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
@@ -513,11 +534,9 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, partne
             peer = pair[1] if me == pair[0] else pair[0]
             measured[2 * i: 2 * i + 2] = measure_pair(call, peer, step0=i * 1000)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    if partner >= 0:
-        measured[busy.start: busy.start + 2] = measure_pair(call, partner, len(TIERS) * 1000, typical=True)
+    measured[busy.start: busy.start + 2] = measure_busy(call, len(TIERS) * 1000)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
-        measured[-2] = measure_copy()
         measured[-1] = measure_gamma()
         parts = np.zeros((world.size, len(measured)))
         parts[0] = measured
