@@ -69,6 +69,8 @@ examples:
   tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2 --tcp  the same over TCP
   tensorwire bench all -b 8 -e 1M --np 4 --json out.json     every collective, results as JSON
   tensorwire run -n 2 -m tensorwire.bench broadcast -r 1      under the launcher explicitly
+  tensorwire bench all_reduce --algo all -b 8 -e 64M -f 4 --np 4 --rounds 3
+                                                    every algorithm against the tuner and the model
   tensorwire bench all -b 8 -e 256M -f 4 -n auto -w auto --np 2 --compare gloo,mpi --plot cmp.png
                                                     the same sweep in Gloo and Open MPI too, 3 rounds
 
@@ -87,6 +89,12 @@ dagger marks the cells measured under it anyway, when every round saw some.
 Peers need torch (pip install torch==2.13.0), mpi4py (pip install mpi4py) and mpiexec
 (apt-get install -y openmpi-bin libopenmpi-dev); a missing one is skipped with that hint.
 Plots need matplotlib and the progress bar uses rich: pip install 'tensorwire[bench]'.
+
+--algo all: per size, one line per algorithm (auto:NAME is the tuner's own choice, the others
+are forced in turn, * marks the fastest forced one): time as above, predicted (us, the cost
+model with this job's calibrated constants), meas/pred, busbw and #wrong; then a comment line
+with auto's time and prediction, the best forced algorithm and auto/best. --algo NAME forces
+that one algorithm (sizes where it cannot run say so).
 """
 
 
