@@ -25,17 +25,22 @@ from .registry import Algorithm, Link, register
 _RESULT_STEP = 1 << 20
 
 
-def rabenseifner_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
+def rabenseifner_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+    """In place in `data`, or (given `src`) reading the input where it is: no copy first."""
     n, r = p2p.size, p2p.rank
     if n == 1:
+        if src is not None:
+            np.copyto(data, src)
         return
     p, rem = fold_shape(n)
+    inputs = src
     if r < 2 * rem:
         if r % 2 == 0:  # folded away
-            p2p.wait(p2p.isend(r + 1, data, 0))
+            p2p.wait(p2p.isend(r + 1, data if src is None else src, 0))
             p2p.wait(p2p.irecv(r + 1, data, _RESULT_STEP))
             return
-        p2p.wait(p2p.irecv(r - 1, data, 0, reduce=op))
+        p2p.wait(p2p.irecv(r - 1, data, 0, reduce=op, base=src))
+        inputs = None  # the fold wrote all of data
         vr = r // 2
     else:
         vr = r - rem
@@ -44,7 +49,7 @@ def rabenseifner_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
     def peer_of(v: int) -> int:
         return acting_rank(v, rem)
 
-    step = halving_reduce_scatter(p2p, data, offs.__getitem__, vr, p, peer_of, op, 1)
+    step = halving_reduce_scatter(p2p, data, offs.__getitem__, vr, p, peer_of, op, 1, inputs)
     doubling_all_gather(p2p, data, offs.__getitem__, vr, p, peer_of, step)
     if r < 2 * rem:
         p2p.wait(p2p.isend(r - 1, data, _RESULT_STEP))
@@ -60,4 +65,4 @@ def _cost(n: int, m: int, link: Link) -> float:
     return cost
 
 
-register(Algorithm("rabenseifner", "all_reduce", rabenseifner_all_reduce, _cost))
+register(Algorithm("rabenseifner", "all_reduce", rabenseifner_all_reduce, _cost, out_of_place=True))

@@ -98,8 +98,11 @@ def first_rank(v: int, rem: int) -> int:
 
 
 def halving_reduce_scatter(p2p: P2P, work: np.ndarray, bound: Callable[[int], int], vr: int, p: int,
-                           peer_of: Callable[[int], int], op: ReduceOp, step0: int) -> int:
-    """Recursive halving over p virtual ranks, in place in `work`.
+                           peer_of: Callable[[int], int], op: ReduceOp, step0: int,
+                           inputs: np.ndarray | None = None) -> int:
+    """Recursive halving over p virtual ranks, in place in `work` (or, given `inputs`, reading
+    them where they are: the first round sends their half and reduces into work = inputs op
+    payload, and every later round only touches what the first one wrote).
 
     Afterwards work[bound(vr):bound(vr + 1)] holds that range reduced over all virtual ranks
     (bound(v) is the element offset where virtual block v starts). Each round sends the half
@@ -107,13 +110,16 @@ def halving_reduce_scatter(p2p: P2P, work: np.ndarray, bound: Callable[[int], in
     into this rank's, as it arrives. Returns the next free step number.
     """
     lo, mask, step = 0, p >> 1, step0
+    src = work if inputs is None else inputs
     while mask:
         vpeer = vr ^ mask
         mid = lo + mask
         keep, give = ((lo, mid), (mid, mid + mask)) if vr < vpeer else ((mid, mid + mask), (lo, mid))
         peer = peer_of(vpeer)
-        exchange(p2p, peer, work[bound(give[0]):bound(give[1])], peer, work[bound(keep[0]):bound(keep[1])],
-                 step, reduce=op)
+        kept = slice(bound(keep[0]), bound(keep[1]))
+        exchange(p2p, peer, src[bound(give[0]):bound(give[1])], peer, work[kept], step, reduce=op,
+                 base=None if src is work else src[kept])
+        src = work
         lo = keep[0]
         mask >>= 1
         step += 1
@@ -172,7 +178,8 @@ def recursive_doubling_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
 
 def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray,
                                      op: ReduceOp) -> None:
-    """log2(p) rounds of halving ranges on a scratch copy of the input; block `rank` lands in `out`."""
+    """log2(p) rounds of halving ranges into a scratch buffer, the input read where it is (when
+    its blocks form one span); block `rank` lands in `out`."""
     n, r = p2p.size, p2p.rank
     if n == 1:
         np.copyto(out, blocks[0])
@@ -183,13 +190,13 @@ def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np
         p2p.wait(p2p.isend(r + 1, packed(blocks), 0), p2p.irecv(r + 1, out, _RESULT_STEP))
         return
     work = np.empty(offs[-1], dtype=out.dtype)
-    for i, b in enumerate(blocks):
-        work[offs[i]:offs[i + 1]] = b
+    inputs: np.ndarray | None = packed(blocks)
     if r < 2 * rem:
-        p2p.wait(p2p.irecv(r - 1, work, 0, reduce=op))
+        p2p.wait(p2p.irecv(r - 1, work, 0, reduce=op, base=inputs))
+        inputs = None  # the fold wrote all of work
     vr = r // 2 if r < 2 * rem else r - rem
     halving_reduce_scatter(p2p, work, lambda v: offs[first_rank(v, rem)], vr, p,
-                           lambda v: acting_rank(v, rem), op, 1)
+                           lambda v: acting_rank(v, rem), op, 1, inputs)
     np.copyto(out, work[offs[r]:offs[r + 1]])
     if r < 2 * rem:
         p2p.wait(p2p.isend(r - 1, work[offs[r - 1]:offs[r]], _RESULT_STEP))
