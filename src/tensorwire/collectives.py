@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 _CHECKED: dict[tuple[ReduceOp, np.dtype], Reduction] = {}  # (op, dtype) pairs already validated
 _CODES: dict[np.dtype, int] = {}
 _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more than finding one
+_BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
 
 
 class Collectives:
@@ -438,9 +439,9 @@ class Collectives:
 
         def body(call: CollectiveCall) -> None:
             if self.size > 1:
-                tuner.run(self, call, "barrier", 0)
+                tuner.select(self, "barrier", 0).run(call)
 
-        return self._submit(self._fp(Coll.BARRIER), "barrier", body, async_op, timeout)
+        return self._submit(_BARRIER, "barrier", body, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]
