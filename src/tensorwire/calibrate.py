@@ -66,11 +66,12 @@ PROBE_VERSION = 3
 ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
 BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best after two gives β
 BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least three)
-BUSY_BETA_ROUNDS = 5  # 1 MiB rounds with every rank busy: the median gives the busy β
-BUSY_WARM_ROUNDS = 4  # ... after this many per partner distance (a default 4 MiB ring, written once)
-GAMMA_BYTES, GAMMA_ROUNDS = 1 << 20, 5  # numpy add of 1 MiB float32: the best one gives γ
+BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 5  # rounds with every rank busy: the median gives the busy β;
+# twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
+BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
+GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
 DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # all_reduces through the shared segment: the direct path
-DIRECT_BYTES = 32 << 10  # ... at 8 bytes (α) and at this size (β)
+DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 FIELDS = ("alpha", "beta", "gamma")
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
@@ -250,7 +251,8 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
 def measure_direct(world: Group) -> tuple[float, float]:
     """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
     (every rank of the world takes part): α is the median batch mean at 8 bytes; β is fitted
-    to the median at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied one.
+    to the median at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied one,
+    and never below a lone copy's.
     Medians, as for the busy link: every rank works in these calls, contention included. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
@@ -269,7 +271,19 @@ def measure_direct(world: Group) -> tuple[float, float]:
 
     alpha = max(typical(np.ones(2, dtype=np.float32)), 1e-8)
     slope = (typical(big) - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
-    return alpha, max(slope, 1e-13)
+    return alpha, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
+
+
+def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:
+    """Seconds per byte of a plain copy of a cached MiB: the floor of the direct path's β."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return max(best / nbytes, 1e-13)
 
 
 def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
@@ -281,12 +295,12 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float]:
     r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination pattern: every rank
     takes part whatever n is, and the partners change from round to round as in recursive
     doubling or a tree, so each step waits for ranks that the previous one did not). The
-    median 8-byte batch gives α, the median of a few 1 MiB rounds β: contention is the point,
-    so the typical step is wanted, not the luckiest."""
+    median 8-byte batch gives α, the median of a few BUSY_BYTES rounds β: contention is the
+    point, so the typical step is wanted, not the luckiest."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
-    big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
+    big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
     step = step0
 
     def shift(out: np.ndarray, into: np.ndarray) -> None:
@@ -312,7 +326,7 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float]:
         shift(big_out, big_in)
         bigs.append(time.perf_counter() - t0)
     big = statistics.median(bigs)
-    return max(alpha, 1e-8), max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
+    return max(alpha, 1e-8), max((big - alpha) / BUSY_BYTES, big / BUSY_BYTES / 2, 1e-13)
 
 
 def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:

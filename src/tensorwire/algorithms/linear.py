@@ -7,7 +7,7 @@ import numpy as np
 from ..ops import ReduceOp, reduce_into
 from .base import P2P
 from .registry import Algorithm, Link, register
-from .tree import reduce_work
+from .tree import gather_work, reduce_work
 
 
 def linear_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | None, root: int) -> None:
@@ -67,6 +67,6 @@ def _reduce_cost(n: int, m: int, link: Link) -> float:
     return (n - 1) * (link.alpha + m * (link.beta + link.gamma))
 
 
-register(Algorithm("linear", "gather", linear_gather, _linear_cost))
-register(Algorithm("linear", "scatter", linear_scatter, _linear_cost))
+register(Algorithm("linear", "gather", linear_gather, _linear_cost, work=gather_work))
+register(Algorithm("linear", "scatter", linear_scatter, _linear_cost, work=gather_work))
 register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost, work=reduce_work))

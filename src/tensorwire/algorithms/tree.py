@@ -222,8 +222,15 @@ def _gather_cost(n: int, m: int, link: Link) -> float:
     return math.ceil(math.log2(n)) * link.alpha + (n - 1) / n * m * link.beta if n > 1 else 0.0
 
 
+def gather_work(n: int, m: int, link: Link) -> float:
+    """Every block crosses to the root once: (n-1)/n (α + m/n β) per rank. Both gathers and both
+    scatters declare this one work, so that max(cost, work) keeps binomial's price at or below
+    linear's for every m, as _gather_cost requires."""
+    return (n - 1) / n * (link.alpha + m / n * link.beta) if n > 1 else 0.0
+
+
 register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost, work=_broadcast_work))
 register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost, work=reduce_work))
 register(Algorithm("tree", "all_reduce", tree_all_reduce, _all_reduce_cost, work=_all_reduce_work))
-register(Algorithm("binomial", "gather", binomial_gather, _gather_cost))
-register(Algorithm("binomial", "scatter", binomial_scatter, _gather_cost))
+register(Algorithm("binomial", "gather", binomial_gather, _gather_cost, work=gather_work))
+register(Algorithm("binomial", "scatter", binomial_scatter, _gather_cost, work=gather_work))
