@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TW     := $(VENV)/bin/tensorwire
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-algo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: setup
 		--plot docs/benchmarks/compare-n2.png --markdown docs/benchmarks/compare-n2.md
 	$(TW) bench $(BENCH_SWEEP) -e 64M --np 4 --json docs/benchmarks/compare-n4.json \
 		--plot docs/benchmarks/compare-n4.png --markdown docs/benchmarks/compare-n4.md
+
+# Every algorithm of every collective against the tuner and the cost model, in issue 4's three
+# settings (shm n=4, TCP n=4, 4 netns hosts at 1 Gbit/s; the last needs root): about 20 minutes
+bench-algo: setup
+	$(PY) bench/algo_sweep.py --out-dir docs/benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
