@@ -89,6 +89,7 @@ class Engine:
         self._bg: threading.Thread | None = None
         self._bg_wakeup = threading.Condition(self.lock)
         self._background: set[Request] = set()
+        self._foreground = 0  # threads inside wait(), each driving progress for everyone
         self._closed = False
 
     def add_channel(self, peer: int, channel) -> None:
@@ -404,16 +405,24 @@ class Engine:
         """
         pending = [r for r in reqs if not r.done]
         backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check)
-        while pending:
+        with self.lock:
+            self._foreground += 1  # the background thread stands back: this waiter drives everything
+        try:
+            while pending:
+                with self.lock:
+                    moved = self.progress()
+                    pending = [r for r in pending if not r.done]
+                if not pending:
+                    break
+                if moved:
+                    backoff.reset()
+                else:
+                    backoff.idle(functools.partial(self._timeout, pending, what))
+        finally:
             with self.lock:
-                moved = self.progress()
-                pending = [r for r in pending if not r.done]
-            if not pending:
-                break
-            if moved:
-                backoff.reset()
-            else:
-                backoff.idle(functools.partial(self._timeout, pending, what))
+                self._foreground -= 1
+                if not self._foreground and self._background:
+                    self._bg_wakeup.notify()
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -466,7 +475,9 @@ class Engine:
         while True:
             with self.lock:
                 self._background = {r for r in self._background if not r.done}
-                while not self._background and not self._closed:
+                # idle while nothing is in flight, or while a waiter drives progress itself (two
+                # threads polling the same channels only contend for the lock and the cores)
+                while (not self._background or self._foreground) and not self._closed:
                     self._bg_wakeup.wait()
                 if self._closed:
                     return
