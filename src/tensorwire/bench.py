@@ -43,7 +43,7 @@ import platform
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -465,6 +465,23 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
     return lines
 
 
+def sweep_pairs(opts: Options, coll: str, rank: int, say: Callable[[str], None]
+                ) -> Iterator[tuple[np.dtype, str | None]]:
+    """(dtype, op) of every point of `coll` in the sweep; pairs the op cannot reduce are skipped
+    with a note (shared by the plain sweep and --algo)."""
+    from .ops import as_reduction, check_op_dtype, dtype_name
+
+    for dt in (opts.dtypes if coll != "barrier" else opts.dtypes[:1]):
+        for op in (opts.ops if coll in _REDUCING else [None]):
+            if op is not None:
+                try:
+                    check_op_dtype(as_reduction(op), dt, rank=rank, collective=coll)
+                except Exception as exc:
+                    say(f"# skipped {coll} {dtype_name(dt)} {op}: {exc}")
+                    continue
+            yield dt, op
+
+
 def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
     import tensorwire as tw
 
@@ -512,7 +529,7 @@ def _write_reports(opts: Options, lines: list[str]) -> None:
 
 
 def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
-    from .ops import as_reduction, check_op_dtype, dtype_name
+    from .ops import dtype_name
 
     rank, n = tw.get_rank(), tw.get_world_size()
     say = out if rank == 0 else (lambda _line: None)
@@ -551,45 +568,35 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in _ROOTED else ""))
         for line in _header_lines(opts.inplace_only):
             say(line.rstrip())
-        dtypes = opts.dtypes if coll != "barrier" else opts.dtypes[:1]
-        for dt in dtypes:
-            ops_ = opts.ops if coll in _REDUCING else [None]
-            for op in ops_:
-                if op is not None:
-                    try:
-                        check_op_dtype(as_reduction(op), dt, rank=rank, collective=coll)
-                    except Exception as exc:
-                        say(f"# skipped {coll} {dtype_name(dt)} {op}: {exc}")
+        for dt, op in sweep_pairs(opts, coll, rank, say):
+            for nominal in (opts.sizes if coll != "barrier" else [0]):
+                placements = [True] if opts.inplace_only else [False, True]
+                cells: list[dict[str, Any] | None] = []
+                size = count = 0
+                for inplace in placements:
+                    if inplace and coll in _NO_INPLACE:
+                        cells.append(None)
                         continue
-                sizes = opts.sizes if coll != "barrier" else [0]
-                for nominal in sizes:
-                    placements = [True] if opts.inplace_only else [False, True]
-                    cells: list[dict[str, Any] | None] = []
-                    size = count = 0
-                    for inplace in placements:
-                        if inplace and coll in _NO_INPLACE:
-                            cells.append(None)
-                            continue
-                        case = make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
-                        size, count = case.size, case.param
-                        m = measure(tw, case, opts.warmup, opts.iters, opts.check, meter)
-                        got = collect(tw, m)
-                        if got is None:
-                            cells.append({})
-                            continue
-                        cell = sweep.cell(coll, n, size, *got)
-                        cells.append(cell)
-                        wrong, busbw = cell["wrong"], cell["busbw_GBps"]
-                        if wrong > 0:
-                            total_wrong += wrong
-                        if coll != "barrier":
-                            bw_sum, bw_count = bw_sum + busbw, bw_count + 1
-                            c_sum, c_count = c_sum + busbw, c_count + 1
-                        rows.append(sweep.row(case, nominal, cell, m))
-                        progress.note(f"{coll} {size} B {rows[-1]['placement']}")
-                    if rank == 0:
-                        say(format_row(size, count, dtype_name(dt) if coll != "barrier" else "none",
-                                       op or "none", opts.root if coll in _ROOTED else -1, cells))
+                    case = make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
+                    size, count = case.size, case.param
+                    m = measure(tw, case, opts.warmup, opts.iters, opts.check, meter)
+                    got = collect(tw, m)
+                    if got is None:
+                        cells.append({})
+                        continue
+                    cell = sweep.cell(coll, n, size, *got)
+                    cells.append(cell)
+                    wrong, busbw = cell["wrong"], cell["busbw_GBps"]
+                    if wrong > 0:
+                        total_wrong += wrong
+                    if coll != "barrier":
+                        bw_sum, bw_count = bw_sum + busbw, bw_count + 1
+                        c_sum, c_count = c_sum + busbw, c_count + 1
+                    rows.append(sweep.row(case, nominal, cell, m))
+                    progress.note(f"{coll} {size} B {rows[-1]['placement']}")
+                if rank == 0:
+                    say(format_row(size, count, dtype_name(dt) if coll != "barrier" else "none",
+                                   op or "none", opts.root if coll in _ROOTED else -1, cells))
         if len(opts.colls) > 1 and coll != "barrier":
             say(f"# Avg bus bandwidth ({coll}) : {c_sum / c_count if c_count else 0.0:.6g}")
             say("#")

@@ -145,7 +145,6 @@ def format_size(res: dict[str, Any]) -> list[str]:
 def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[str], None],
               meta: dict[str, Any]) -> int:
     """The --algo sweep over opts' collectives, dtypes, ops and sizes; returns #wrong in total."""
-    from .ops import as_reduction, check_op_dtype
 
     assert opts.args is not None
     wanted, rounds = opts.args.algo, opts.args.rounds
@@ -174,27 +173,20 @@ def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[
             + f"  {'in-place' if opts.inplace_only else 'out-of-place'}")
         for line in HEADER:
             say(line)
-        for dt in (opts.dtypes if coll != "barrier" else opts.dtypes[:1]):
-            for op in (opts.ops if coll in bench._REDUCING else [None]):
-                if op is not None:
-                    try:
-                        check_op_dtype(as_reduction(op), dt, rank=rank, collective=coll)
-                    except Exception as exc:
-                        say(f"# skipped {coll} {dtype_name(dt)} {op}: {exc}")
-                        continue
-                for nominal in (opts.sizes if coll != "barrier" else [0]):
-                    inplace = opts.inplace_only and coll not in bench._NO_INPLACE
-                    case = bench.make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
-                    res = measure_size(tw, case, reg, name, opts, rounds)
-                    if res is None:
-                        continue
-                    if not res["cells"] or (name != "all" and name not in res["cells"]):
-                        say(f"#{case.size:>11}  {name} cannot run this call (eligible: "
-                            f"{', '.join(res['eligible']) or 'none: nothing to move'})")
-                    for line in format_size(res):
-                        say(line)
-                    total_wrong += sum(max(c["wrong"], 0) for c in res["cells"].values())
-                    results.append(res)
+        for dt, op in bench.sweep_pairs(opts, coll, rank, say):
+            for nominal in (opts.sizes if coll != "barrier" else [0]):
+                inplace = opts.inplace_only and coll not in bench._NO_INPLACE
+                case = bench.make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
+                res = measure_size(tw, case, reg, name, opts, rounds)
+                if res is None:
+                    continue
+                if not res["cells"] or (name != "all" and name not in res["cells"]):
+                    say(f"#{case.size:>11}  {name} cannot run this call (eligible: "
+                        f"{', '.join(res['eligible']) or 'none: nothing to move'})")
+                for line in format_size(res):
+                    say(line)
+                total_wrong += sum(max(c["wrong"], 0) for c in res["cells"].values())
+                results.append(res)
         say("#")
     say(bench.wrong_line(total_wrong, opts.check))
     if rank == 0 and opts.json_path:
