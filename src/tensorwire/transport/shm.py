@@ -28,7 +28,7 @@ _CTRL = 4096  # control page: head at word 0, tail at word 8 (separate cache lin
 _HEAD, _TAIL, _NONCE = 0, 8, 16
 SHM_DIR = "/dev/shm"
 _LINE = 128  # a rank's control line in a group segment: two cache lines, as x86 prefetches pairs
-PIPELINE_BYTES = 128 << 10
+PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
 
