@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp
 from .base import P2P
+from .rank_ordered import fold_in_rank_order
 from .registry import Algorithm, Link, register
 from .tree import gather_work, reduce_work
 
@@ -38,22 +39,15 @@ def linear_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, roo
     order, ((x0 op x1) op x2) ..., receiving and reducing one peer after the other: the same
     bits as ops.reference and the rank-ordered algorithms, whatever the arrival order.
     `data` is never written (unless it is `acc`); on non-roots `acc` is not touched."""
-    n, r = p2p.size, p2p.rank
+    r = p2p.rank
     if r != root:
-        p2p.wait(p2p.isend(root, data, 0))
+        if data.size:  # an empty contribution is not sent: the fold below skips empty buffers
+            p2p.wait(p2p.isend(root, data, 0))
         return
     own = data
     if root != 0 and acc.size and np.may_share_memory(acc, data):
         own = data.copy()  # acc is about to receive rank 0's buffer
-    for i in range(n):
-        if i == root:
-            if i == 0:
-                if acc is not own:
-                    np.copyto(acc, own)
-            else:
-                reduce_into(acc, own, op)
-        else:
-            p2p.wait(p2p.irecv(i, acc, 0, reduce=None if i == 0 else op))
+    fold_in_rank_order(p2p, acc, own, op, 0)
 
 
 def _linear_cost(n: int, nbytes: int, link: Link) -> float:
