@@ -536,11 +536,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     One table lookup and one ufunc call; AVG and PREMUL_SUM accumulate as SUM here and are
     completed by `finalize` once, after the last step.
     """
-    try:
-        kernel = _TABLE[op][dst.dtype.num]
-    except KeyError:
-        kernel = _resolve(ReduceOp(op), dst.dtype)
-    kernel(dst, src, out=dst)
+    reduction_kernel(op, dst.dtype)(dst, src, out=dst)
 
 
 def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:

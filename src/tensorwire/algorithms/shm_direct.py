@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..ops import ReduceOp, reduction_kernel
+from ..ops import ReduceOp, reduce_into, reduce_to
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
@@ -196,15 +196,9 @@ class DirectPath:
 
 def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, op: ReduceOp) -> None:
     """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank)."""
-    kernel = reduction_kernel(op, out.dtype)
-    if type(kernel) is np.ufunc:  # the first two slots in one call, no copy first
-        kernel(views[0], views[1], out=out)
-        rest = views[2:]
-    else:
-        np.copyto(out, views[0])
-        rest = views[1:]
-    for v in rest:
-        kernel(out, v, out=out)
+    reduce_to(out, views[0], views[1], op)  # the first two slots in one call, no copy first
+    for v in views[2:]:
+        reduce_into(out, v, op)
 
 
 def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:
