@@ -309,7 +309,7 @@ class Engine:
         self.lost[peer] = reason
         err = self.lost_error(peer)
         if channel is not None:
-            for req in list(getattr(channel, "sendq", ())) + list(channel.stream.sendq):
+            for req in channel.pending():
                 req.fail(err)
         for (p, _), queue in list(self.posted.items()):
             if p == peer:
@@ -362,10 +362,9 @@ class Engine:
                 if covered(req.header):
                     req.fail(err)
         for channel in self._channel_list:
-            for q in (getattr(channel, "sendq", ()), channel.stream.sendq):
-                for req in q:
-                    if covered(req.header):
-                        req.fail(err)
+            for req in channel.pending():
+                if covered(req.header):
+                    req.fail(err)
 
     # -- progress ---------------------------------------------------------------------------
     def progress(self) -> bool:

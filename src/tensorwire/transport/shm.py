@@ -122,6 +122,10 @@ class ShmChannel:
         moved = self._push() if self.sendq else False
         return self._pull() or moved
 
+    def pending(self) -> list[SendRequest]:
+        """Sends not finished yet: through the ring, or control messages on the socket."""
+        return self.sendq + list(self.stream.sendq)
+
     def poll_socket(self) -> bool:
         pushed = self.stream.push() if self.stream.sendq else False
         return self.stream.pull() or pushed

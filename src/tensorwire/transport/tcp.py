@@ -175,5 +175,9 @@ class TcpChannel:
     def poll_socket(self) -> bool:
         return self.progress()
 
+    def pending(self) -> list[SendRequest]:
+        """Sends not finished yet."""
+        return list(self.stream.sendq)
+
     def close(self) -> None:
         self.stream.close()
