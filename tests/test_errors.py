@@ -362,6 +362,26 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
         _assert_error(err, CollectiveMismatchError, *needles, rank=rank, within=TIMEOUT - 1.0)
 
 
+def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
+    """The same signature (4 x float32, SUM) succeeds first, so the next call takes the path
+    that skips the checks already passed: what is checked per array or per rank must still be."""
+    g = _fresh_group()
+    g.all_reduce(np.ones(4, np.float32), timeout=t)
+    g.all_reduce(np.ones(4, np.float32), out=np.empty(4, np.float32), timeout=t)
+    call = _mismatched_call if case in MISMATCH_CASES else _bad_call
+    return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
+
+
+@pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op"])
+def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
+    for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
+        if case in MISMATCH_CASES:
+            _assert_error(_first_error(outcomes), CollectiveMismatchError, *MISMATCH_CASES[case], rank=rank,
+                          within=TIMEOUT - 1.0)
+        else:
+            _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # A collective some rank never calls; Work.wait(timeout)
 

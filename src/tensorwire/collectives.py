@@ -34,6 +34,37 @@ _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more
 _BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
 
 
+_PLANS = 256  # checked all_reduce signatures kept per group
+
+
+def _usable(a: np.ndarray, writable: bool) -> bool:
+    """The per-call part of as_array's checks, for an array whose dtype was accepted before."""
+    flags = a.flags
+    return flags.c_contiguous and (flags.writeable or not writable)
+
+
+def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
+    group = call.group
+    flat = dst if dst.ndim == 1 else dst.reshape(-1)
+    alg = tuner.select(group, "all_reduce", flat.nbytes) if group.size > 1 and flat.size else None
+    if dst is src:
+        if alg is not None:
+            alg.run(call, flat, red.op)
+    elif alg is not None and alg.out_of_place:
+        alg.run(call, flat, red.op, src.reshape(-1))
+    else:
+        np.copyto(flat, src.reshape(-1))
+        if alg is not None:
+            alg.run(call, flat, red.op)
+    finalize(flat, red, group.size)
+    return result
+
+
+def _barrier(call: CollectiveCall) -> None:
+    if call.size > 1:
+        tuner.select(call.group, "barrier", 0).run(call)
+
+
 class Collectives:
     """Mixed into Group; `self` is always a Group."""
 
@@ -116,30 +147,27 @@ class Collectives:
                    async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce `tensor` over the group; in place, or into `out` leaving `tensor` untouched."""
         what = "all_reduce"
+        # The hot path of small all_reduces (gradient norms, loss values, flags): a signature
+        # (dtype, count, op, in/out of place) whose checks passed before only needs its arrays'
+        # flags re-checked, which saves about a third of a small call's Python time.
+        if type(tensor) is np.ndarray and type(op) is ReduceOp and (out is None or type(out) is np.ndarray):
+            plan = self.plans.get((what, tensor.dtype, tensor.size, op, out is None))
+            dst = tensor if out is None else out
+            if plan is not None and _usable(tensor, out is None) and (dst is tensor or (
+                    _usable(dst, True) and dst.dtype == tensor.dtype and dst.size == tensor.size)):
+                return self._submit(plan[0], what, _all_reduce, async_op, timeout, tensor, dst, plan[1], dst)
         self._check_member(what)
         src = self._arr(tensor, what, writable=out is None)
         dst = src if out is None else self._arr(out, what, writable=True, name="out")
         if dst is not src and (dst.dtype != src.dtype or dst.size != src.size):
             self._invalid(what, f"out has {dst.size} x {dst.dtype}, tensor {src.size} x {src.dtype}")
         red = self._reduction(op, src.dtype, what)
-
-        def body(call: CollectiveCall) -> Any:
-            flat = dst if dst.ndim == 1 else dst.reshape(-1)
-            alg = tuner.select(self, "all_reduce", flat.nbytes) if self.size > 1 and flat.size else None
-            if dst is src:
-                if alg is not None:
-                    alg.run(call, flat, red.op)
-            elif alg is not None and alg.out_of_place:
-                alg.run(call, flat, red.op, src.reshape(-1))
-            else:
-                np.copyto(flat, src.reshape(-1))
-                if alg is not None:
-                    alg.run(call, flat, red.op)
-            finalize(flat, red, self.size)
-            return out if out is not None else tensor
-
-        return self._submit(self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size), what, body,
-                        async_op, timeout)
+        fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
+        if src is tensor and dst is (tensor if out is None else out) and isinstance(op, ReduceOp) \
+                and len(self.plans) < _PLANS:
+            self.plans[(what, src.dtype, src.size, op, out is None)] = (fp, red)
+        return self._submit(fp, what, _all_reduce, async_op, timeout, src, dst, red,
+                            out if out is not None else tensor)
 
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -436,12 +464,7 @@ class Collectives:
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
         self._check_member("barrier")
-
-        def body(call: CollectiveCall) -> None:
-            if self.size > 1:
-                tuner.select(self, "barrier", 0).run(call)
-
-        return self._submit(_BARRIER, "barrier", body, async_op, timeout)
+        return self._submit(_BARRIER, "barrier", _barrier, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]

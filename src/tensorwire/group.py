@@ -115,10 +115,11 @@ class Group(Collectives):
         self._seq = 0
         self._children = 0
         self._cv = threading.Condition()
-        self._queue: deque[tuple[CollectiveCall, Callable[[CollectiveCall], Any], Work]] = deque()
+        self._queue: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
         self._busy = False
         self._worker: threading.Thread | None = None
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
+        self.plans: dict[tuple, Any] = {}  # checked call signatures (see Collectives.all_reduce)
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
@@ -141,9 +142,10 @@ class Group(Collectives):
         return self._index.get(world_rank, -1)
 
     # -- execution ----------------------------------------------------------------------------
-    def _submit(self, fp: Fingerprint, what: str, body: Callable[[CollectiveCall], Any],
-                async_op: bool, timeout: float | None) -> Any:
-        """Give the call its sequence number now (call order is the contract), run it in order."""
+    def _submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
+                timeout: float | None, *args: Any) -> Any:
+        """Give the call its sequence number now (call order is the contract), run it in order
+        as body(call, *args)."""
         self._seq += 1
         call = CollectiveCall(self, self._seq, fp, what,
                               self.runtime.config.timeout if timeout is None else timeout)
@@ -155,7 +157,7 @@ class Group(Collectives):
         if not async_op and not self._queue and not self._busy:
             self._busy = True
             try:
-                return self._run(call, body)
+                return self._run(call, body, args)
             finally:
                 self._busy = False
                 if self._queue:
@@ -163,7 +165,7 @@ class Group(Collectives):
                         self._cv.notify_all()
         work = Work(call.what, self.runtime.rank)
         with self._cv:
-            self._queue.append((call, body, work))
+            self._queue.append((call, body, args, work))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                 name=f"tensorwire-group-{self.name}")
@@ -174,14 +176,14 @@ class Group(Collectives):
         work.wait()
         return work._result
 
-    def _run(self, call: CollectiveCall, body: Callable[[CollectiveCall], Any]) -> Any:
+    def _run(self, call: CollectiveCall, body: Callable[..., Any], args: tuple) -> Any:
         call.start()
         try:
             self.engine.enter_call(self.ctx, call)
             aborted = self.engine.aborted.get(self.ctx)
             if aborted is not None and call.seq >= aborted[0]:
                 raise aborted[1]  # entering revealed a mismatch with an earlier or this call
-            return body(call)
+            return body(call, *args)
         except Exception as exc:  # whatever broke, the peers must not wait for this rank
             self.abort(exc, call.seq)
             raise
@@ -192,9 +194,9 @@ class Group(Collectives):
                 while not self._queue or self._busy:
                     self._cv.wait()
                 self._busy = True  # before the pop: see _submit
-                call, body, work = self._queue.popleft()
+                call, body, args, work = self._queue.popleft()
             try:
-                result = self._run(call, body)
+                result = self._run(call, body, args)
             except BaseException as exc:  # handed to whoever waits on the Work
                 work._finish(exc=exc)
             else:
