@@ -400,6 +400,46 @@ def rank_reduction_sweep(seed: int) -> dict:
     return rd.result()
 
 
+REPEAT_DTYPES = [np.dtype(np.float32), np.dtype(np.int32), BF16]
+REPEAT_SHAPES = [(7,), (3, 5), (40_000,)]
+
+
+def _repeat_cases() -> int:
+    ops = [(dt, op) for dt in REPEAT_DTYPES for op in ReduceOp
+           if op is not ReduceOp.PREMUL_SUM and _accepts(op, dt)]
+    return len(ops) * len(REPEAT_SHAPES) * 2 * 3
+
+
+def rank_repeated_signatures(seed: int) -> dict:
+    """One signature three times with a plain ReduceOp: from the second call on, all_reduce
+    takes its planned path (checks and algorithm remembered), which must change nothing."""
+    log, me, n = _Log(), tw.get_rank(), tw.get_world_size()
+    for di, dt in enumerate(REPEAT_DTYPES):
+        for op in ReduceOp:
+            if op is ReduceOp.PREMUL_SUM or not _accepts(op, dt):
+                continue
+            for shape in REPEAT_SHAPES:
+                for use_out in (False, True):
+                    for rep in range(3):
+                        ins = [_gen(dt, shape, (seed, di, int(op), len(shape), use_out, rep), r, op)
+                               for r in range(n)]
+                        label = f"all_reduce {dt.name} {op.name} {shape} out={use_out} call {rep + 1}"
+                        x = ins[me].copy()
+                        out = _garbage(dt, shape) if use_out else None
+                        log.case()
+                        ret = tw.all_reduce(x, op, out=out)
+                        got = out if use_out else x
+                        log.check(ret is got, f"{label}: wrong return value")
+                        log.close(label, got, ins, Reduction(op))
+                        if use_out:
+                            log.same(label + " (input kept)", x, ins[me])
+    return log.result()
+
+
+def test_repeated_signatures(cl) -> None:
+    _expect(cl.run(rank_repeated_signatures, 23, timeout=120), _repeat_cases())
+
+
 def _pair_index(dt: np.dtype, op: ReduceOp) -> tuple[int, int]:
     return (next(i for i, d in enumerate(DTYPES) if d == dt), int(op))
 

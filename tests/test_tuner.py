@@ -251,7 +251,6 @@ def rank_reinit(port: int, env: dict[str, str]) -> dict:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     tier = "shm" if transport == "shm" else "tcp"
-    other = "tcp" if tier == "shm" else "shm"
     env = {"TENSORWIRE_TRANSPORT": "auto" if transport == "shm" else "tcp",
            "TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
     cluster = Cluster(2, env)
@@ -271,7 +270,8 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # the first init probed the tier in use (and on one host the one-shot shared-memory path),
     # every rank busy at once, and wrote the cache
     used = [tier, "direct", "busy"] if tier == "shm" else [tier, "busy"]
-    assert first[0]["sources"] == {**{t: "calibrated" for t in used}, other: "default"}, first[0]
+    unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
+    assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
     alpha, beta, gamma = first[0]["links"][tier]
     assert 1e-8 <= alpha < 0.05 and 1e-13 <= beta < 1e-6 and 1e-13 <= gamma < 1e-6, first[0]
@@ -282,7 +282,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     assert second[0]["ok"]
     # force probes again (and rewrites the cache); 0 skips cache and probe
     assert forced[0]["sources"][tier] == "calibrated" and forced[0]["probe_s"] > 0
-    assert skipped[0]["sources"] == {"shm": "default", "tcp": "default"} and skipped[0]["probe_s"] == 0
+    assert skipped[0]["sources"] == {t: "default" for t in tuner.DEFAULT_LINKS} and skipped[0]["probe_s"] == 0
     assert skipped[0]["links"][tier] == tuple(getattr(tuner.DEFAULT_LINKS[tier], f) for f in calibrate.FIELDS)
     assert again[0]["sources"][tier] == "cached" and again[0]["links"][tier] == forced[0]["links"][tier]
     with open(first[0]["cache_path"]) as f:
@@ -413,7 +413,8 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     over = calibrate.load_tuning_file(str(path))
     assert over["shm"] == pytest.approx({"alpha": 5e-6, "beta": 0.5e-9, "gamma": 0.25e-9})
     table = calibrate.apply_overrides(tuner.default_table(), over)
-    assert table.sources == {"shm": "file", "tcp": "file+default"}  # roce lacks γ: not a runtime tier
+    # roce lacks γ: not a runtime tier
+    assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default"}
     assert table.link("tcp").alpha == tuner.DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 

@@ -471,6 +471,9 @@ def at_init(world: Group) -> LinkTable:
         if direct:
             base["direct"] = Link("direct", measured["direct"][0], measured["direct"][1], gamma)
             sources["direct"] = "calibrated"
+        else:
+            default = DEFAULT_LINKS["direct"]
+            base["direct"] = Link("direct", default.alpha, default.beta, gamma)
         base["busy"] = Link("busy", *measured["busy"])
         sources["busy"] = "calibrated"
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host

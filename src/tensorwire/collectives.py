@@ -11,13 +11,14 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import tuner
 from .algorithms.base import blocks_of
+from .algorithms.shm_direct import AllReducePlan
 from .buffers import as_array, byte_view
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
@@ -60,9 +61,8 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
     return result
 
 
-def _barrier(call: CollectiveCall) -> None:
-    if call.size > 1:
-        tuner.select(call.group, "barrier", 0).run(call)
+def _no_op(call: CollectiveCall) -> None:
+    pass
 
 
 class Collectives:
@@ -155,7 +155,8 @@ class Collectives:
             dst = tensor if out is None else out
             if plan is not None and _usable(tensor, out is None) and (dst is tensor or (
                     _usable(dst, True) and dst.dtype == tensor.dtype and dst.size == tensor.size)):
-                return self._submit(plan[0], what, _all_reduce, async_op, timeout, tensor, dst, plan[1], dst)
+                fp, red, body = plan
+                return self._submit(fp, what, body, async_op, timeout, tensor, dst, red, dst)
         self._check_member(what)
         src = self._arr(tensor, what, writable=out is None)
         dst = src if out is None else self._arr(out, what, writable=True, name="out")
@@ -165,9 +166,19 @@ class Collectives:
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
         if src is tensor and dst is (tensor if out is None else out) and isinstance(op, ReduceOp) \
                 and len(self.plans) < _PLANS:
-            self.plans[(what, src.dtype, src.size, op, out is None)] = (fp, red)
+            body = self._all_reduce_body(src, red.op)
+            self.plans[(what, src.dtype, src.size, op, out is None)] = (fp, red, body)
         return self._submit(fp, what, _all_reduce, async_op, timeout, src, dst, red,
                             out if out is not None else tensor)
+
+    def _all_reduce_body(self: Group, src: np.ndarray, op: ReduceOp) -> Callable[..., Any]:
+        """The body a repeat of this signature runs: the direct path's plan if the tuner picks
+        that path for it (nothing left to look up per call), else the general body."""
+        if self.size > 1 and src.size:
+            alg = tuner.select(self, "all_reduce", src.nbytes)
+            if alg.needs_direct:
+                return AllReducePlan(self.direct, src.dtype, src.size, op).run
+        return _all_reduce
 
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -463,8 +474,11 @@ class Collectives:
 
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
-        self._check_member("barrier")
-        return self._submit(_BARRIER, "barrier", _barrier, async_op, timeout)
+        body = self.plans.get("barrier")
+        if body is None:
+            self._check_member("barrier")
+            body = self.plans["barrier"] = tuner.select(self, "barrier", 0).run if self.size > 1 else _no_op
+        return self._submit(_BARRIER, "barrier", body, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]

@@ -119,7 +119,7 @@ class Group(Collectives):
         self._busy = False
         self._worker: threading.Thread | None = None
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
-        self.plans: dict[tuple, Any] = {}  # checked call signatures (see Collectives.all_reduce)
+        self.plans: dict[object, Any] = {}  # checked call signatures -> their bodies (see Collectives)
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)

@@ -541,7 +541,11 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 
 def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
     """`out = a (op) b` without first copying `a` into `out` (out-of-place collectives)."""
-    kernel = reduction_kernel(op, out.dtype)
+    apply_to(reduction_kernel(op, out.dtype), out, a, b)
+
+
+def apply_to(kernel: Any, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """reduce_to with the kernel looked up already (callers that reduce many times)."""
     if type(kernel) is not np.ufunc:  # kernels that may take another path reduce in place
         np.copyto(out, a)
         a = out

@@ -10,11 +10,12 @@ result. Fingerprints live beside the flags, so a mismatched call is still caught
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..ops import ReduceOp, reduce_into, reduce_to
+from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
@@ -22,6 +23,10 @@ from .registry import Algorithm, Link, register
 
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
+_STAMP = 8
+"""Word of a control line where the per-parity (seq, fingerprint) stamps start: the line's
+second cache line, so that writing them does not steal the flag's line from a peer spinning
+on it (each such store cost a coherence round trip; now only the flag store does)."""
 
 
 def _fp_words(fp: Fingerprint) -> tuple[int, int]:
@@ -86,7 +91,7 @@ class DirectPath:
         if not self.settled:
             self._wait(call, self.everyone, self.prev_seq)
             words, flags = self.words, self.flags
-            base = 1 + (self.parity ^ 1) * 3
+            base = _STAMP + (self.parity ^ 1) * 3
             for r in self.everyone:
                 line = flags[r] + base
                 if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
@@ -105,7 +110,7 @@ class DirectPath:
                 self._fp_words.clear()
             ab = self._fp_words[fp] = _fp_words(fp)
         words, line, seq = self.words, self.flags[self.rank], call.seq
-        base = line + 1 + parity * 3
+        base = line + _STAMP + parity * 3
         words[base] = seq
         words[base + 1] = ab[0]
         words[base + 2] = ab[1]
@@ -122,7 +127,7 @@ class DirectPath:
         self._wait(call, ranks, seq)
         words, flags = self.words, self.flags
         a, b = self.prev_fp
-        off = 1 + parity * 3
+        off = _STAMP + parity * 3
         for r in ranks:
             base = flags[r] + off
             if words[base] != seq or words[base + 1] != a or words[base + 2] != b:
@@ -159,7 +164,7 @@ class DirectPath:
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:
         words, line = self.seg.words, self.seg.lines[r]
         for parity in (0, 1):
-            base = line + 1 + parity * 3
+            base = line + _STAMP + parity * 3
             if words[base] == call.seq:
                 theirs = _fp_from_words(words[base + 1], words[base + 2])
                 mine = _fp_from_words(*_fp_words(call.fp))  # compared as stored: aux folded
@@ -189,16 +194,49 @@ class DirectPath:
         words = self.seg.words
         for r, line in enumerate(self.seg.lines):
             for parity in (0, 1):
-                base = line + 1 + parity * 3
+                base = line + _STAMP + parity * 3
                 if r != self.rank and words[base] == seq:
                     out.append((r, _fp_from_words(words[base + 1], words[base + 2])))
         return out
 
-def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, op: ReduceOp) -> None:
-    """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank)."""
-    reduce_to(out, views[0], views[1], op)  # the first two slots in one call, no copy first
+def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
+    """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank); `kernel`
+    is the op's reduction_kernel."""
+    apply_to(kernel, out, views[0], views[1])  # the first two slots in one call, no copy first
     for v in views[2:]:
-        reduce_into(out, v, op)
+        kernel(out, v, out=out)
+
+
+class AllReducePlan:
+    """One all_reduce signature (dtype, count, op) on the direct path with everything looked
+    up once: both parities' slot views, the kernel, whether the op needs finalizing. A small
+    all_reduce is mostly such lookups; a planned one skips them (see Collectives.all_reduce)."""
+
+    __slots__ = ("dp", "views", "kernel", "needs_finalize")
+
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp) -> None:
+        self.dp = dp
+        self.views = dp.views(dtype, count)
+        self.kernel = reduction_kernel(op, dtype)
+        self.needs_finalize = op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+
+    def fold(self, call, src: np.ndarray, dst: np.ndarray) -> None:
+        """dst = the fold of every rank's src, both flat (dst may be src)."""
+        dp = self.dp
+        p = dp.enter(call)
+        views = self.views[p]
+        views[dp.rank][...] = src
+        dp.publish(call, p)
+        dp.wait(call, p, dp.everyone)
+        _fold(views, dst, self.kernel)
+
+    def run(self, call, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
+        """Collectives' all_reduce body, for any shapes; AVG and PREMUL_SUM finalized."""
+        flat = dst if dst.ndim == 1 else dst.reshape(-1)
+        self.fold(call, src if src.ndim == 1 else src.reshape(-1), flat)
+        if self.needs_finalize:
+            finalize(flat, red, self.dp.size)
+        return result
 
 
 def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:
@@ -221,9 +259,7 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
 
 
 def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
-    dp = call.group.direct
-    _, views = _publish_all(dp, call, [data if src is None else src])
-    _fold(views, data, op)
+    AllReducePlan(call.group.direct, data.dtype, data.size, op).fold(call, data if src is None else src, data)
 
 
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
@@ -234,7 +270,7 @@ def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: i
     dp.publish(call, p)
     if dp.rank == root:
         dp.wait(call, p, dp.everyone)
-        _fold(views, acc, op)
+        _fold(views, acc, reduction_kernel(op, acc.dtype))
 
 
 def direct_broadcast(call, data: np.ndarray, root: int) -> None:
@@ -269,7 +305,7 @@ def direct_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: R
     dp = call.group.direct
     p, _ = _publish_all(dp, call, blocks)
     offset = sum(b.nbytes for b in blocks[:dp.rank])
-    _fold(dp.views(out.dtype, out.size, offset)[p], out, op)
+    _fold(dp.views(out.dtype, out.size, offset)[p], out, reduction_kernel(op, out.dtype))
 
 
 def direct_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:

@@ -235,7 +235,8 @@ class ShmChannel:
 class GroupSegment(Segment):
     """One shared segment per single-host group for the one-shot small-message path.
 
-    Per rank: a 128-byte control line [flag, then per slot parity: seq, fp word a, fp word b] and
+    Per rank: a 128-byte control line [flag; on its second cache line, per slot parity: seq,
+    fp word a, fp word b] and
     two data slots of `slot_bytes`. A rank fills its slot, writes that slot's seq/fingerprint,
     then stores `flag = seq`; readers that see the flag see the data (x86-64 store order).
     Slots alternate, and a rank only refills a slot after every rank has published a later
