@@ -113,6 +113,7 @@ class Group(Collectives):
         self._index = {w: i for i, w in enumerate(self.ranks)}
         self.rank = self._index.get(runtime.rank, -1)
         self._seq = 0
+        self.timeout = runtime.config.timeout
         self._children = 0
         self._cv = threading.Condition()
         self._queue: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
@@ -147,8 +148,7 @@ class Group(Collectives):
         """Give the call its sequence number now (call order is the contract), run it in order
         as body(call, *args)."""
         self._seq += 1
-        call = CollectiveCall(self, self._seq, fp, what,
-                              self.runtime.config.timeout if timeout is None else timeout)
+        call = CollectiveCall(self, self._seq, fp, what, self.timeout if timeout is None else timeout)
         aborted = self.engine.aborted.get(self.ctx)
         if aborted is not None and call.seq >= aborted[0]:
             raise aborted[1]
@@ -179,10 +179,10 @@ class Group(Collectives):
     def _run(self, call: CollectiveCall, body: Callable[..., Any], args: tuple) -> Any:
         call.start()
         try:
-            self.engine.enter_call(self.ctx, call)
-            aborted = self.engine.aborted.get(self.ctx)
-            if aborted is not None and call.seq >= aborted[0]:
-                raise aborted[1]  # entering revealed a mismatch with an earlier or this call
+            if self.engine.enter_call(self.ctx, call):
+                aborted = self.engine.aborted.get(self.ctx)
+                if aborted is not None and call.seq >= aborted[0]:
+                    raise aborted[1]  # entering revealed a mismatch with an earlier or this call
             return body(call, *args)
         except Exception as exc:  # whatever broke, the peers must not wait for this rank
             self.abort(exc, call.seq)
@@ -221,7 +221,7 @@ class Group(Collectives):
     def _internal_call(self, what: str) -> CollectiveCall:
         """A call for the group's own bookkeeping; it takes a sequence number like any other."""
         self._seq += 1
-        call = CollectiveCall(self, self._seq, Fingerprint(Coll.SETUP), what, self.runtime.config.timeout)
+        call = CollectiveCall(self, self._seq, Fingerprint(Coll.SETUP), what, self.timeout)
         call.start()
         return call
 
@@ -313,7 +313,7 @@ class Group(Collectives):
         sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
         self._check_member("recv from any rank")
         peers = {w: r for r, w in enumerate(self.ranks) if r != self.rank}
-        limit = self.runtime.config.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         pause = 20e-6
         while True:
@@ -327,7 +327,7 @@ class Group(Collectives):
             pause = min(pause * 2, 1e-3)
 
     def _p2p_wait(self, req: Request, timeout: float | None) -> None:
-        t = self.runtime.config.timeout if timeout is None else timeout
+        t = self.timeout if timeout is None else timeout
         self.engine.wait([req], deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
                          watch=(req.peer,),
                          what=req.what)

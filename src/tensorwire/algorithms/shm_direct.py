@@ -58,6 +58,7 @@ class DirectPath:
         self.parity = 1
         self.prev_seq = 0
         self.prev_fp = (0, 0)
+        self._last_fp: Fingerprint | None = None  # the fingerprint prev_fp's words are of
         self.prev_call = None
         self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
@@ -104,11 +105,15 @@ class DirectPath:
 
     def publish(self, call, parity: int) -> None:
         fp = call.fp
-        ab = self._fp_words.get(fp)
-        if ab is None:
-            if len(self._fp_words) >= _CACHED:
-                self._fp_words.clear()
-            ab = self._fp_words[fp] = _fp_words(fp)
+        if fp is self._last_fp:  # a repeated call (the same fingerprint object): no hashing
+            ab = self.prev_fp
+        else:
+            ab = self._fp_words.get(fp)
+            if ab is None:
+                if len(self._fp_words) >= _CACHED:
+                    self._fp_words.clear()
+                ab = self._fp_words[fp] = _fp_words(fp)
+            self._last_fp = fp
         words, line, seq = self.words, self.flags[self.rank], call.seq
         base = line + _STAMP + parity * 3
         words[base] = seq

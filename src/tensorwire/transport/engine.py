@@ -235,16 +235,18 @@ class Engine:
             _log.info("rank %d: %d ranks on this host, %d usable cores: oversubscribed, waiters yield "
                       "at once instead of spinning", self.rank, local_ranks, cores)
 
-    def enter_call(self, ctx: int, call) -> None:
-        """Note the call a group is running, and vet what already arrived for it or before it."""
+    def enter_call(self, ctx: int, call) -> bool:
+        """Note the call a group is running, and vet what already arrived for it or before it;
+        False if there was nothing to vet (so nothing can have aborted the group here)."""
         self.current[ctx] = call
         if not self.unexpected and not self._deferred_aborts:
-            return  # the common case, without the lock: whatever arrives next is vetted on arrival
+            return False  # the common case, without the lock: what arrives next is vetted on arrival
         with self.lock:
             for (peer, key), queue in list(self.unexpected.items()):
                 if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
                     self._vet(peer, queue[0].header, call)
             self._run_deferred_aborts()
+        return True
 
     def _run_deferred_aborts(self) -> None:
         while self._deferred_aborts:
