@@ -50,15 +50,28 @@ def linear_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, roo
     fold_in_rank_order(p2p, acc, own, op, 0)
 
 
+ROOT_OVERHEAD = 0.25
+"""A message beyond the first at a linear root costs this fraction of α. Its peers send at
+once, so the wire latencies overlap and the root pays one α plus its own handling of each
+further message. Fitted to the n = 4 sweeps (docs/benchmarks/algorithms.md), where the linear
+gather took 1.3-2 α at small sizes against the binomial tree's 2 α and more; it puts the
+crossover to the tree at about 16 ranks."""
+
+
+def _root_latency(n: int, link: Link) -> float:
+    return (1 + ROOT_OVERHEAD * (n - 2)) * link.alpha if n > 1 else 0.0
+
+
 def _linear_cost(n: int, nbytes: int, link: Link) -> float:
-    """The root handles n-1 messages of nbytes/n each, serialised on its link:
-    (n-1) α + (n-1)/n m β (written as tree.py's binomial cost, so that ties are exact)."""
-    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+    """The root handles n-1 messages of nbytes/n each, their bytes serialised on its link:
+    overlapped latency + (n-1)/n m β. The β term is tree.py's binomial one, so the choice
+    between them depends on n only (gatherv and scatterv size their call per rank)."""
+    return _root_latency(n, link) + (n - 1) / n * nbytes * link.beta
 
 
 def _reduce_cost(n: int, m: int, link: Link) -> float:
-    """n-1 whole buffers into the root, each reduced: (n-1) (α + m β + m γ)."""
-    return (n - 1) * (link.alpha + m * (link.beta + link.gamma))
+    """n-1 whole buffers into the root, each reduced: overlapped latency + (n-1) m (β + γ)."""
+    return _root_latency(n, link) + (n - 1) * m * (link.beta + link.gamma)
 
 
 register(Algorithm("linear", "gather", linear_gather, _linear_cost, work=gather_work))

@@ -216,16 +216,16 @@ def binomial_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.nd
 
 def _gather_cost(n: int, m: int, link: Link) -> float:
     """ceil(log2 n) α + (n-1)/n m β, m = all blocks together. The β term is written exactly as
-    linear.py's, so at n = 2, 3 (as many rounds as the root has peers) the two tie exactly and
-    binomial never loses to linear for any m: gatherv/scatterv size their call per rank, and a
-    choice that depended on m could differ between ranks."""
+    linear.py's, so the choice between the two depends on n alone, never on m: gatherv and
+    scatterv size their call per rank, and a choice that depended on m could differ between
+    ranks."""
     return math.ceil(math.log2(n)) * link.alpha + (n - 1) / n * m * link.beta if n > 1 else 0.0
 
 
 def gather_work(n: int, m: int, link: Link) -> float:
     """Every block crosses to the root once: (n-1)/n (α + m/n β) per rank. Both gathers and both
-    scatters declare this one work, so that max(cost, work) keeps binomial's price at or below
-    linear's for every m, as _gather_cost requires."""
+    scatters declare this one work, so that max(cost, work) keeps their order the same for
+    every m, as _gather_cost requires."""
     return (n - 1) / n * (link.alpha + m / n * link.beta) if n > 1 else 0.0
 
 
