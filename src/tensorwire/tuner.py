@@ -30,7 +30,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import log
@@ -59,6 +59,8 @@ DEFAULT_LINKS = {
     "direct": Link("direct", alpha=1e-6, beta=1 / 16e9, gamma=1 / 7.5e9),
 }
 
+EXCHANGE_BUSY_ALPHA = 2.0
+"""Busy α of a step that exchanges with one partner, in busy α's (see Algorithm.exchanges)."""
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 """Collectives whose result depends on the order of the reduction (floating point)."""
 DETERMINISTIC = {
@@ -288,7 +290,11 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     if alg.needs_direct:
         return alg.cost(n, nbytes, direct or link)
     t = alg.cost(n, nbytes, link)
-    return t if busy is None else max(t, (alg.work or alg.cost)(n, nbytes, busy))
+    if busy is None:
+        return t
+    if alg.exchanges:
+        busy = replace(busy, alpha=EXCHANGE_BUSY_ALPHA * busy.alpha)
+    return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,

@@ -65,4 +65,5 @@ def _cost(n: int, m: int, link: Link) -> float:
     return cost
 
 
-register(Algorithm("rabenseifner", "all_reduce", rabenseifner_all_reduce, _cost, out_of_place=True))
+register(Algorithm("rabenseifner", "all_reduce", rabenseifner_all_reduce, _cost, out_of_place=True,
+                   exchanges=True))

@@ -76,7 +76,7 @@ def _cost(n: int, m: int, link: Link) -> float:
     return rounds * (link.alpha + m * link.beta) + (math.log2(p) + (n > p)) * m * link.gamma
 
 
-register(Algorithm("recursive_doubling", "all_reduce", recursive_doubling_all_reduce, _cost))
+register(Algorithm("recursive_doubling", "all_reduce", recursive_doubling_all_reduce, _cost, exchanges=True))
 
 
 # -- virtual ranks, and the halving / doubling loops over them ------------------------------------
@@ -222,6 +222,7 @@ def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
     return cost
 
 
-register(Algorithm("recursive_doubling", "all_gather", recursive_doubling_all_gather, _all_gather_cost))
+register(Algorithm("recursive_doubling", "all_gather", recursive_doubling_all_gather, _all_gather_cost,
+                   exchanges=True))
 register(Algorithm("recursive_halving", "reduce_scatter", recursive_halving_reduce_scatter,
-                   _reduce_scatter_cost))
+                   _reduce_scatter_cost, exchanges=True))
