@@ -65,6 +65,7 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
+_BG_GRACE_S = 0.005  # the background thread leaves pending requests this long to a waiter
 
 
 class Engine:
@@ -422,8 +423,6 @@ class Engine:
         finally:
             with self.lock:
                 self._foreground -= 1
-                if not self._foreground and self._background:
-                    self._bg_wakeup.notify()
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -465,23 +464,37 @@ class Engine:
         with self.lock:
             if req.done:
                 return
+            idle = not self._background
             self._background.add(req)
             if self._bg is None:
                 self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress",
                                             daemon=True)
                 self._bg.start()
-            self._bg_wakeup.notify()
+            elif idle:
+                self._bg_wakeup.notify()
 
     def _background_loop(self) -> None:
+        """Drive progress for requests nobody has waited on for _BG_GRACE_S. Most isend/irecv
+        are waited on at once, and the waiter drives everything itself: a thread woken for each
+        of them would only take the GIL, and on a busy host a core, from the ranks."""
+        quiet_since = None  # when pending requests were first seen without a waiter
         while True:
             with self.lock:
                 self._background = {r for r in self._background if not r.done}
-                # idle while nothing is in flight, or while a waiter drives progress itself (two
-                # threads polling the same channels only contend for the lock and the cores)
-                while (not self._background or self._foreground) and not self._closed:
-                    self._bg_wakeup.wait()
                 if self._closed:
                     return
+                if not self._background:
+                    quiet_since = None
+                    self._bg_wakeup.wait()
+                    continue
+                now = time.perf_counter()
+                if self._foreground:
+                    quiet_since = None  # a waiter drives progress: look again later
+                elif quiet_since is None:
+                    quiet_since = now
+                if quiet_since is None or now - quiet_since < _BG_GRACE_S:
+                    self._bg_wakeup.wait(_BG_GRACE_S)
+                    continue
                 moved = self.progress()
             if not moved:
                 try:
