@@ -299,8 +299,10 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
           busy: Link | None = None) -> list[tuple[float, str, Algorithm]]:
-    """(predicted seconds, name, algorithm), cheapest first (ties broken by name)."""
-    return sorted((predict(alg, n, nbytes, link, direct, busy), alg.name, alg) for alg in algs)
+    """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
+    bounded by the same work of a busy host) go to the shorter critical path, then by name."""
+    priced = [(predict(alg, n, nbytes, link, direct, busy), alg.name, alg) for alg in algs]
+    return sorted(priced, key=lambda p: (p[0], predict(p[2], n, nbytes, link, direct), p[1]))
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,6 @@ def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
     return cost
 
 
-register(Algorithm("recursive_doubling", "all_gather", recursive_doubling_all_gather, _all_gather_cost,
-                   exchanges=True))
+register(Algorithm("recursive_doubling", "all_gather", recursive_doubling_all_gather, _all_gather_cost))
 register(Algorithm("recursive_halving", "reduce_scatter", recursive_halving_reduce_scatter,
                    _reduce_scatter_cost, exchanges=True))

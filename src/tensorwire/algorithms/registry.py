@@ -56,11 +56,13 @@ class Algorithm:
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""
     exchanges: bool = False
-    """Its steps exchange with one partner (send to and receive from the same rank). Where
-    ranks share cores such a step waits for both partners to be scheduled: the n=4 sweeps
-    measured 2-2.7x the busy α per step, against about 1x for steps that send to one rank and
-    receive from another (ring, pairwise, dissemination, Bruck), which let ranks drift. The
-    tuner prices its work with twice the busy α."""
+    """Its steps exchange with one partner and reduce what they received before the next step
+    (recursive doubling's all_reduce, recursive halving, Rabenseifner). Where ranks share cores
+    such a step waits for both partners to be scheduled: the n=4 sweeps measured 2-2.7x the
+    busy α per step, against about 1x for steps that send to one rank and receive from another
+    (ring, pairwise, dissemination), which let ranks drift; recursive doubling's all_gather,
+    which exchanges but does not reduce, measured no such penalty. The tuner prices the work
+    of these algorithms with twice the busy α."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
