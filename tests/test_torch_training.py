@@ -107,16 +107,16 @@ def _check_overlap(gloo) -> None:
     events: list[tuple[str, float, str]] = []
     submit = g._submit
 
-    def recording_submit(fp, what, body, async_op, timeout):
+    def recording_submit(fp, what, body, async_op, timeout, *args):
         if what != "all_reduce":
-            return submit(fp, what, body, async_op, timeout)
+            return submit(fp, what, body, async_op, timeout, *args)
         events.append(("submit", time.perf_counter(), "async" if async_op else "sync"))
 
-        def recorded(call):
+        def recorded(call, *body_args):
             events.append(("start", time.perf_counter(), threading.current_thread().name))
-            return body(call)
+            return body(call, *body_args)
 
-        return submit(fp, what, recorded, async_op, timeout)
+        return submit(fp, what, recorded, async_op, timeout, *args)
 
     model = _mlp(width=256, depth=8)  # ~0.5M parameters in ~0.25 MB buckets: several buckets
     ddp = DDP(model, bucket_cap_mb=0.25)
