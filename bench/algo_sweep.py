@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tensorwire.benchmarks.report import human
+
 REPO = Path(__file__).resolve().parent.parent
 COLLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "alltoall", "barrier", "gather",
          "scatter")
@@ -123,13 +125,6 @@ def fmt_us(us: float | None) -> str:
     return f"{us:.3g} µs"
 
 
-def fmt_size(b: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if b >= 1 << shift and b % (1 << shift) == 0:
-            return f"{b >> shift} {unit}"
-    return f"{b} B"
-
-
 def verdicts(res: dict[str, Any]) -> tuple[bool | None, bool | None]:
     """(auto within 10% of the best, auto's prediction within ±30%) for one size; None: n/a."""
     auto_ok = None if "auto_over_best" not in res else res["auto_over_best"] <= AUTO_OK
@@ -150,7 +145,7 @@ def collective_table(results: list[dict[str, Any]]) -> list[str]:
         others = ", ".join(f"{k} {fmt_us(c['time_us'])} ({c['measured_over_predicted']:.2f})"
                            for k, c in sorted(res["cells"].items(), key=lambda kv: kv[1]["time_us"])
                            if k != "auto")
-        cells = [fmt_size(res["size"]), res.get("auto") or "-", fmt_us(auto.get("time_us")),
+        cells = [human(res["size"]), res.get("auto") or "-", fmt_us(auto.get("time_us")),
                  res.get("best", "-"), fmt_us(res.get("best_time_us")),
                  "-" if over is None else f"{over:.2f}" + ("" if auto_ok else " ✗"),
                  fmt_us(auto.get("predicted_us")),

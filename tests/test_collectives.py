@@ -277,14 +277,15 @@ class _Reducer:
         self.log = _Log()
         self.digests: list[str] = []
 
-    def all_reduce(self, dt, op, red, shape, use_out: bool, tag: tuple) -> None:
+    def all_reduce(self, dt, op, red, shape, use_out: bool, tag: tuple, spelled=None) -> None:
+        """`spelled`: the op as passed to all_reduce, if not `red` (a bare ReduceOp, say)."""
         n, me, log = self.n, self.me, self.log
         ins = [_gen(dt, shape, (self.seed, 1, *tag), r, op) for r in range(n)]
         label = f"all_reduce {dt.name} {red} {shape}{' out=' if use_out else ''}"
         x = ins[me].copy()
         out = _garbage(dt, shape) if use_out else None
         log.case()
-        ret = tw.all_reduce(x, red, out=out)
+        ret = tw.all_reduce(x, red if spelled is None else spelled, out=out)
         got = out if use_out else x
         log.check(ret is got, f"{label}: wrong return value")
         log.close(label, got, ins, red)
@@ -411,29 +412,20 @@ def _repeat_cases() -> int:
 
 
 def rank_repeated_signatures(seed: int) -> dict:
-    """One signature three times with a plain ReduceOp: from the second call on, all_reduce
-    takes its planned path (checks and algorithm remembered), which must change nothing."""
-    log, me, n = _Log(), tw.get_rank(), tw.get_world_size()
+    """One signature three times, the op as a bare ReduceOp and as a Reduction: from the second
+    call on, all_reduce takes its planned path (checks and algorithm remembered), which must
+    change nothing."""
+    rd = _Reducer(seed)
     for di, dt in enumerate(REPEAT_DTYPES):
         for op in ReduceOp:
             if op is ReduceOp.PREMUL_SUM or not _accepts(op, dt):
                 continue
-            for shape in REPEAT_SHAPES:
+            for si, shape in enumerate(REPEAT_SHAPES):
                 for use_out in (False, True):
                     for rep in range(3):
-                        ins = [_gen(dt, shape, (seed, di, int(op), len(shape), use_out, rep), r, op)
-                               for r in range(n)]
-                        label = f"all_reduce {dt.name} {op.name} {shape} out={use_out} call {rep + 1}"
-                        x = ins[me].copy()
-                        out = _garbage(dt, shape) if use_out else None
-                        log.case()
-                        ret = tw.all_reduce(x, op, out=out)
-                        got = out if use_out else x
-                        log.check(ret is got, f"{label}: wrong return value")
-                        log.close(label, got, ins, Reduction(op))
-                        if use_out:
-                            log.same(label + " (input kept)", x, ins[me])
-    return log.result()
+                        rd.all_reduce(dt, op, Reduction(op), shape, use_out, (di, int(op), si, use_out, rep),
+                                      spelled=op if rep % 2 else None)
+    return rd.result()
 
 
 def test_repeated_signatures(cl) -> None:

@@ -248,12 +248,11 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
     """Enter, copy `arrays` (one dtype) back to back into this rank's slot, publish, wait for
     everyone; the slots of this call as one typed view each."""
     p = dp.enter(call)
+    views = dp.views(arrays[0].dtype, sum(a.size for a in arrays))[p]
+    mine = views[dp.rank]
     if len(arrays) == 1:
-        views = dp.views(arrays[0].dtype, arrays[0].size)[p]
-        views[dp.rank][...] = arrays[0]
+        mine[...] = arrays[0]
     else:
-        views = dp.views(arrays[0].dtype, sum(a.size for a in arrays))[p]
-        mine = views[dp.rank]
         offset = 0
         for a in arrays:
             mine[offset:offset + a.size] = a
