@@ -719,3 +719,39 @@ def test_barrier_then_destroy_does_not_fail_the_slower_rank(transport: str) -> N
     # runs, the goodbye being checked before the completed barrier; fixed in 5f30276.)
     for rank, res in enumerate(results):
         assert res["type"] is None, f"rank {rank}: {res['type']}: {res['msg']}"
+
+
+_ABANDON = """
+res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
+if rank == 0:  # two async calls rank 1 never joins, and nobody waits for them
+    first = tw.all_reduce(np.ones(4), async_op=True)
+    second = tw.all_reduce(np.ones(4), async_op=True)
+    t0 = time.monotonic()
+    tw.destroy()
+    took = time.monotonic() - t0
+    errors = [w.exception() for w in (first, second)]
+    report(took=took, done=[w.is_completed() for w in (first, second)],
+           errors=[f"{type(e).__name__}: {e}" for e in errors],
+           threads=[t.name for t in threading.enumerate() if t.name.startswith("tensorwire-group")])
+else:
+    report(type=res["type"])
+    time.sleep(3)
+"""
+
+
+@pytest.mark.timeout(40)
+def test_destroy_ends_abandoned_async_collectives() -> None:
+    """Shutdown joins the group worker: a daemon thread left inside a call while the interpreter
+    finalizes can abort the process (seen with torch ops, pytorch/pytorch#38228)."""
+    port = free_port()
+    procs = [_spawn(_ABANDON, r, 2, port) for r in (0, 1)]
+    try:
+        res = _reports(procs[0], 30)[0]
+        assert procs[0].returncode == 0, procs[0].returncode
+    finally:
+        _kill_all(procs)
+    assert res["took"] < 5.0, res
+    assert res["done"] == [True, True] and res["threads"] == [], res
+    running, queued = res["errors"]
+    assert running.startswith("AbortedError") and "rank 0: tensorwire shut down" in running, running
+    assert queued.startswith("AbortedError") and "all_reduce #" in queued and "still queued" in queued, queued

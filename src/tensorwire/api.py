@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -147,17 +148,36 @@ def _group(group: Group | None, what: str) -> Group:
 
 
 def _forward(name: str) -> Callable[..., Any]:
+    """Group.<name> as a module-level function: the same parameters plus `group=None` (the
+    world). It is compiled with the method's explicit signature: a *args/**kwargs wrapper
+    cost about 0.5 µs per call, a tenth of a small all_reduce."""
     method = getattr(Group, name)
-
-    @functools.wraps(method)
-    def call(*args: Any, group: Group | None = None, **kwargs: Any) -> Any:
-        if group is None:
-            runtime = _runtime if _runtime is not None else require_runtime(name)
-            group = runtime.world  # type: ignore[assignment]
-        return method(group, *args, **kwargs)
-
+    params = list(inspect.signature(method).parameters.values())[1:]  # without self
+    env: dict[str, Any] = {"_method": method, "_world": _world_for}
+    declared, passed, star = [], [], False
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star:
+            declared.append("*")
+            star = True
+        if p.default is p.empty:
+            declared.append(p.name)
+        else:
+            env[f"_d{i}"] = p.default
+            declared.append(f"{p.name}=_d{i}")
+        passed.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+    declared += ["group=None"] if star else ["*", "group=None"]
+    exec(f"def {name}({', '.join(declared)}):\n"  # noqa: S102 - source built from a signature
+         f"    return _method(_world({name!r}) if group is None else group, {', '.join(passed)})\n", env)
+    call = env[name]
+    functools.update_wrapper(call, method)
+    del call.__wrapped__  # its own signature (with `group`, without `self`) is the true one
     call.__doc__ = (method.__doc__ or "") + "\n\n`group=None` means the world group."
     return call
+
+
+def _world_for(what: str) -> Group:
+    runtime = _runtime if _runtime is not None else require_runtime(what)
+    return runtime.world  # type: ignore[return-value]
 
 
 all_reduce = _forward("all_reduce")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,15 +150,19 @@ class Collectives:
         # The hot path of small all_reduces (gradient norms, loss values, flags): a signature
         # (dtype, count, op, in/out of place) whose checks passed before only needs its arrays'
         # flags re-checked, and on the direct path runs with everything else looked up already:
-        # about half of a small call's Python time.
-        plain = op if type(op) is ReduceOp else op.op if type(op) is Reduction and op.factor is None else None
-        if plain is not None and type(tensor) is np.ndarray and (out is None or type(out) is np.ndarray):
-            plan = self.plans.get((what, tensor.dtype, tensor.size, plain, out is None))
-            dst = tensor if out is None else out
-            if plan is not None and _usable(tensor, out is None) and (dst is tensor or (
-                    _usable(dst, True) and dst.dtype == tensor.dtype and dst.size == tensor.size)):
-                fp, red, body = plan
-                return self._submit(fp, what, body, async_op, timeout, tensor, dst, red, dst)
+        # most of a small call's Python time.
+        if type(tensor) is np.ndarray and (type(op) is ReduceOp or type(op) is Reduction):
+            plan = self.plans.get((tensor.dtype, tensor.size, op, out is None))
+            if plan is not None:
+                flags = tensor.flags
+                if out is None:
+                    ok, dst = flags.c_contiguous and flags.writeable, tensor
+                else:
+                    ok, dst = (flags.c_contiguous and type(out) is np.ndarray and _usable(out, True)
+                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                if ok:
+                    call, body, direct, red = plan
+                    return self._submit_planned(call, body, direct, async_op, timeout, tensor, dst, red, dst)
         self._check_member(what)
         src = self._arr(tensor, what, writable=out is None)
         dst = src if out is None else self._arr(out, what, writable=True, name="out")
@@ -167,20 +171,19 @@ class Collectives:
         red = self._reduction(op, src.dtype, what)
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
         if src is tensor and dst is (tensor if out is None else out) and red.factor is None \
-                and len(self.plans) < _PLANS:
-            body = self._all_reduce_body(src, red.op)
-            self.plans[(what, src.dtype, src.size, red.op, out is None)] = (fp, red, body)
+                and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
+            self.plans[(src.dtype, src.size, op, out is None)] = self._all_reduce_plan(src, fp, red)
         return self._submit(fp, what, _all_reduce, async_op, timeout, src, dst, red,
                             out if out is not None else tensor)
 
-    def _all_reduce_body(self: Group, src: np.ndarray, op: ReduceOp) -> Callable[..., Any]:
-        """The body a repeat of this signature runs: the direct path's plan if the tuner picks
-        that path for it (nothing left to look up per call), else the general body."""
-        if self.size > 1 and src.size:
-            alg = tuner.select(self, "all_reduce", src.nbytes)
-            if alg.needs_direct:
-                return AllReducePlan(self.direct, src.dtype, src.size, op).run
-        return _all_reduce
+    def _all_reduce_plan(self: Group, src: np.ndarray, fp: Fingerprint, red: Reduction) -> tuple:
+        """(call, body, direct, reduction) for repeats of this signature (see _submit_planned):
+        the direct path's plan if the tuner picks that path for it (nothing left to look up
+        per call), else the general body."""
+        call = self.planned_call(fp, "all_reduce")
+        if self.size > 1 and src.size and tuner.select(self, "all_reduce", src.nbytes).needs_direct:
+            return call, AllReducePlan(self.direct, src.dtype, src.size, red.op).run, True, red
+        return call, _all_reduce, False, red
 
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -476,11 +479,15 @@ class Collectives:
 
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
-        body = self.plans.get("barrier")
-        if body is None:
+        plan = self.plans.get("barrier")
+        if plan is None:
             self._check_member("barrier")
-            body = self.plans["barrier"] = tuner.select(self, "barrier", 0).run if self.size > 1 else _no_op
-        return self._submit(_BARRIER, "barrier", body, async_op, timeout)
+            alg = tuner.select(self, "barrier", 0) if self.size > 1 else None
+            plan = self.plans["barrier"] = (self.planned_call(_BARRIER, "barrier"),
+                                            _no_op if alg is None else alg.run,
+                                            alg is not None and alg.needs_direct)
+        call, body, direct = plan
+        return self._submit_planned(call, body, direct, async_op, timeout)
 
     def _counts(self: Group, counts: Sequence[int], what: str) -> list[int]:
         out = [int(c) for c in counts]

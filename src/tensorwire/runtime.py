@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from . import log
@@ -10,6 +11,8 @@ from .config import Config
 from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
 from .transport.engine import Engine
+
+_WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
 
 
 @dataclass
@@ -23,8 +26,11 @@ class Runtime:
     started: float = field(default_factory=time.monotonic)
     world: object = None  # the world Group, set right after construction
     segments: list = field(default_factory=list)  # shared segments of this process's groups
+    groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
 
     def close(self) -> None:
+        for group in list(self.groups):
+            group.stop_worker(_WORKER_GRACE_S)
         self.engine.close()
         for seg in self.segments:
             seg.close()

@@ -49,17 +49,19 @@ class DirectPath:
         self.rank = rank
         self.size = seg.size
         self.everyone = tuple(range(self.size))
+        self.others = tuple(r for r in self.everyone if r != rank)
         self.engine = engine
         self.ctx = ctx
         self.members = tuple(members)
         self.slot_bytes = seg.slot_bytes
         self.words = seg.words
         self.flags = tuple(seg.lines)  # word index of each rank's flag (its control line)
+        self.own = self.flags[rank]
         self.parity = 1
         self.prev_seq = 0
         self.prev_fp = (0, 0)
         self._last_fp: Fingerprint | None = None  # the fingerprint prev_fp's words are of
-        self.prev_call = None
+        self.prev_name = ""  # the previous call's collective (its number is prev_seq)
         self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
         self._views: dict[tuple[np.dtype, int, int], tuple[tuple[np.ndarray, ...], ...]] = {}
@@ -97,47 +99,54 @@ class DirectPath:
                 line = flags[r] + base
                 if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
                     theirs = _fp_from_words(words[line + 1], words[line + 2])
+                    prev = f"{self.prev_name} #{self.prev_seq} on group {call.group.name}"
                     raise self.engine.mismatch_error(
-                        f"{self.prev_call.what} (found at {call.what})",
+                        f"{prev} (found at {call.what})",
                         _fp_from_words(*self.prev_fp), theirs, self.members[r])
             self.settled = True
         return self.parity
 
     def publish(self, call, parity: int) -> None:
         fp = call.fp
-        if fp is self._last_fp:  # a repeated call (the same fingerprint object): no hashing
-            ab = self.prev_fp
-        else:
+        if fp is not self._last_fp:  # else a repeated call (the same fingerprint object): no hashing
             ab = self._fp_words.get(fp)
             if ab is None:
                 if len(self._fp_words) >= _CACHED:
                     self._fp_words.clear()
                 ab = self._fp_words[fp] = _fp_words(fp)
             self._last_fp = fp
-        words, line, seq = self.words, self.flags[self.rank], call.seq
+            self.prev_fp = ab
+        else:
+            ab = self.prev_fp
+        words, line, seq = self.words, self.own, call.seq
         base = line + _STAMP + parity * 3
         words[base] = seq
         words[base + 1] = ab[0]
         words[base + 2] = ab[1]
         words[line] = seq  # last: publishes the data and the fingerprint above
         self.prev_seq = seq
-        self.prev_fp = ab
-        self.prev_call = call
+        self.prev_name = call.name
         self.settled = False
 
     def wait(self, call, parity: int, ranks: tuple[int, ...]) -> None:
         """Wait for `ranks` to publish this call (published by this rank first), then check
         they called the same thing."""
         seq = call.seq
-        self._wait(call, ranks, seq)
         words, flags = self.words, self.flags
+        everyone = ranks is self.everyone
+        if everyone:
+            ranks = self.others  # this rank's own flag is set: it published first
+        for r in ranks:
+            if words[flags[r]] < seq:
+                self._wait(call, ranks, seq)
+                break
         a, b = self.prev_fp
         off = _STAMP + parity * 3
         for r in ranks:
             base = flags[r] + off
             if words[base] != seq or words[base + 1] != a or words[base + 2] != b:
                 raise self._mismatch_with(call, r)
-        if len(ranks) == self.size:
+        if everyone:
             self.settled = True
 
     def _wait(self, call, ranks: tuple[int, ...], seq: int) -> None:
@@ -154,7 +163,7 @@ class DirectPath:
         else:
             return
         pending = [r for r in ranks if words[flags[r]] < seq]
-        backoff = Backoff(self.engine, call.deadline, self.ctx, call.seq, self.members,
+        backoff = Backoff(self.engine, call.started().deadline, self.ctx, call.seq, self.members,
                           functools.partial(self.cross_check, call))
         lost = self.engine.lost
         while pending:
@@ -209,7 +218,7 @@ def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
     is the op's reduction_kernel."""
     apply_to(kernel, out, views[0], views[1])  # the first two slots in one call, no copy first
     for v in views[2:]:
-        kernel(out, v, out=out)
+        kernel(out, v, out)
 
 
 class AllReducePlan:

@@ -80,7 +80,7 @@ class Engine:
         self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
         self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
-        self._deferred_aborts: list[tuple] = []
+        self.deferred_aborts: list[tuple] = []
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
@@ -204,7 +204,7 @@ class Engine:
                 f"{call.group.name} ({Coll(header.fp.coll).label}) that this rank finished without "
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
-        self._deferred_aborts.append((header.ctx, call.seq, tuple(call.group.ranks), error))
+        self.deferred_aborts.append((header.ctx, call.seq, tuple(call.group.ranks), error))
 
     def query_peers(self, ctx: int, members: Iterable[int]) -> None:
         """Ask the members which call of group `ctx` they are in; the answers are vetted like
@@ -240,18 +240,18 @@ class Engine:
         """Note the call a group is running, and vet what already arrived for it or before it;
         False if there was nothing to vet (so nothing can have aborted the group here)."""
         self.current[ctx] = call
-        if not self.unexpected and not self._deferred_aborts:
+        if not self.unexpected and not self.deferred_aborts:
             return False  # the common case, without the lock: what arrives next is vetted on arrival
         with self.lock:
             for (peer, key), queue in list(self.unexpected.items()):
                 if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
                     self._vet(peer, queue[0].header, call)
-            self._run_deferred_aborts()
+            self._rundeferred_aborts()
         return True
 
-    def _run_deferred_aborts(self) -> None:
-        while self._deferred_aborts:
-            ctx, seq, members, error = self._deferred_aborts.pop(0)
+    def _rundeferred_aborts(self) -> None:
+        while self.deferred_aborts:
+            ctx, seq, members, error = self.deferred_aborts.pop(0)
             self.abort_group(ctx, seq, members, error)
 
     def _check(self, req: RecvRequest, got: Header) -> bool:
@@ -333,10 +333,8 @@ class Engine:
         Earlier calls are left alone: a slower member may still be finishing them, and their
         messages may arrive after the abort, which travels on the control path."""
         with self.lock:
-            if ctx in self.aborted:
+            if not self.fail_locally(ctx, seq, error):
                 return
-            self.aborted[ctx] = (seq, error)
-            self._fail_ctx(ctx, seq, error)
             text = f"{type(error).__name__}\n{error}".encode()
             payload = np.frombuffer(text, dtype=np.uint8)
             for peer in members:
@@ -351,9 +349,17 @@ class Engine:
         if ctx in self.aborted:
             return
         cls = _ERROR_CLASSES.get(name, AbortedError)
-        err = cls(f"{message} [reported by rank {peer}; seen on rank {self.rank}]")
-        self.aborted[ctx] = (seq, err)
-        self._fail_ctx(ctx, seq, err)
+        self.fail_locally(ctx, seq, cls(f"{message} [reported by rank {peer}; seen on rank {self.rank}]"))
+
+    def fail_locally(self, ctx: int, seq: int, error: BaseException) -> bool:
+        """Fail call `seq` of a group and every later one on this rank only; False if the group
+        had already failed."""
+        with self.lock:
+            if ctx in self.aborted:
+                return False
+            self.aborted[ctx] = (seq, error)
+            self._fail_ctx(ctx, seq, error)
+            return True
 
     def _fail_ctx(self, ctx: int, seq: int, err: BaseException) -> None:
         def covered(header: Header) -> bool:
@@ -384,8 +390,8 @@ class Engine:
         self._tick += 1
         if self._tick & 255 == 0:
             self._poll_sockets()
-        if self._deferred_aborts:  # found inside a channel's read: act on it outside of it
-            self._run_deferred_aborts()
+        if self.deferred_aborts:  # found inside a channel's read: act on it outside of it
+            self._rundeferred_aborts()
         return moved
 
     def _poll_sockets(self) -> None:
