@@ -106,6 +106,26 @@ def _assert_error(outcome: dict[str, Any] | None, cls: type[BaseException], *nee
         assert outcome["t"] < within, f"raised after {outcome['t']:.2f} s (> {within} s): {outcome['msg']}"
 
 
+def test_module_functions_have_their_group_methods_signature() -> None:
+    """The module-level functions are compiled from the Group methods' signatures (see
+    api._forward): each takes exactly the method's parameters, with its defaults, plus `group`."""
+    import inspect
+
+    from tensorwire.group import Group
+
+    forwarded = [name for name, fn in vars(tw.api).items()
+                 if callable(fn) and getattr(fn, "__code__", None) is not None
+                 and fn.__code__.co_filename.startswith("<tensorwire.api.")]
+    assert {"all_reduce", "barrier", "send", "all_to_all_single", "broadcast_object_list"} <= set(forwarded)
+    for name in forwarded:
+        mine = inspect.signature(getattr(tw, name)).parameters
+        theirs = list(inspect.signature(getattr(Group, name)).parameters.values())[1:]
+        assert list(mine) == [p.name for p in theirs] + ["group"], name
+        for p in theirs:
+            assert (mine[p.name].kind, mine[p.name].default) == (p.kind, p.default), (name, p.name)
+        assert mine["group"].kind is inspect.Parameter.KEYWORD_ONLY and mine["group"].default is None
+
+
 # --------------------------------------------------------------------------------------------
 # Before init, and init's own argument checks (in this process: they fail before any I/O)
 

@@ -166,11 +166,13 @@ def _forward(name: str) -> Callable[..., Any]:
             declared.append(f"{p.name}=_d{i}")
         passed.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     declared += ["group=None"] if star else ["*", "group=None"]
-    exec(f"def {name}({', '.join(declared)}):\n"  # noqa: S102 - source built from a signature
-         f"    return _method(_world({name!r}) if group is None else group, {', '.join(passed)})\n", env)
+    source = (f"def {name}({', '.join(declared)}):\n"
+              f"    return _method(_world({name!r}) if group is None else group, {', '.join(passed)})\n")
+    exec(compile(source, f"<tensorwire.api.{name}: forwards to Group.{name}>", "exec"), env)  # noqa: S102
     call = env[name]
     functools.update_wrapper(call, method)
     del call.__wrapped__  # its own signature (with `group`, without `self`) is the true one
+    call.__annotations__ = {**method.__annotations__, "group": "Group | None"}
     call.__doc__ = (method.__doc__ or "") + "\n\n`group=None` means the world group."
     return call
 

@@ -106,7 +106,10 @@ class DirectPath:
             self.settled = True
         return self.parity
 
-    def publish(self, call, parity: int) -> None:
+    def publish(self, call, parity: int, ranks: tuple[int, ...] = ()) -> None:
+        """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`
+        or others) to publish it too, and check they called the same thing. One method for
+        both halves: this pair is most of a small call's protocol."""
         fp = call.fp
         if fp is not self._last_fp:  # else a repeated call (the same fingerprint object): no hashing
             ab = self._fp_words.get(fp)
@@ -119,35 +122,30 @@ class DirectPath:
         else:
             ab = self.prev_fp
         words, line, seq = self.words, self.own, call.seq
-        base = line + _STAMP + parity * 3
-        words[base] = seq
-        words[base + 1] = ab[0]
-        words[base + 2] = ab[1]
+        off = _STAMP + parity * 3
+        a, b = ab
+        words[line + off] = seq
+        words[line + off + 1] = a
+        words[line + off + 2] = b
         words[line] = seq  # last: publishes the data and the fingerprint above
         self.prev_seq = seq
         self.prev_name = call.name
-        self.settled = False
-
-    def wait(self, call, parity: int, ranks: tuple[int, ...]) -> None:
-        """Wait for `ranks` to publish this call (published by this rank first), then check
-        they called the same thing."""
-        seq = call.seq
-        words, flags = self.words, self.flags
+        if not ranks:
+            self.settled = False
+            return
+        flags = self.flags
         everyone = ranks is self.everyone
         if everyone:
-            ranks = self.others  # this rank's own flag is set: it published first
+            ranks = self.others  # this rank's own flag is set
         for r in ranks:
             if words[flags[r]] < seq:
                 self._wait(call, ranks, seq)
                 break
-        a, b = self.prev_fp
-        off = _STAMP + parity * 3
         for r in ranks:
             base = flags[r] + off
             if words[base] != seq or words[base + 1] != a or words[base + 2] != b:
                 raise self._mismatch_with(call, r)
-        if everyone:
-            self.settled = True
+        self.settled = everyone
 
     def _wait(self, call, ranks: tuple[int, ...], seq: int) -> None:
         words, flags = self.words, self.flags
@@ -240,8 +238,7 @@ class AllReducePlan:
         p = dp.enter(call)
         views = self.views[p]
         views[dp.rank][...] = src
-        dp.publish(call, p)
-        dp.wait(call, p, dp.everyone)
+        dp.publish(call, p, dp.everyone)
         _fold(views, dst, self.kernel)
 
     def run(self, call, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
@@ -266,8 +263,7 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
         for a in arrays:
             mine[offset:offset + a.size] = a
             offset += a.size
-    dp.publish(call, p)
-    dp.wait(call, p, dp.everyone)
+    dp.publish(call, p, dp.everyone)
     return p, views
 
 
@@ -280,10 +276,11 @@ def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: i
     p = dp.enter(call)
     views = dp.views(data.dtype, data.size)[p]
     views[dp.rank][...] = data
-    dp.publish(call, p)
-    if dp.rank == root:
-        dp.wait(call, p, dp.everyone)
-        _fold(views, acc, reduction_kernel(op, acc.dtype))
+    if dp.rank != root:
+        dp.publish(call, p)
+        return
+    dp.publish(call, p, dp.everyone)
+    _fold(views, acc, reduction_kernel(op, acc.dtype))
 
 
 def direct_broadcast(call, data: np.ndarray, root: int) -> None:
@@ -292,17 +289,15 @@ def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     view = dp.views(data.dtype, data.size)[p][root]
     if dp.rank == root:
         view[...] = data
-    dp.publish(call, p)
-    if dp.rank != root:
-        dp.wait(call, p, (root,))
-        data[...] = view
+        dp.publish(call, p)
+        return
+    dp.publish(call, p, (root,))
+    data[...] = view
 
 
 def direct_barrier(call) -> None:
     dp = call.group.direct
-    p = dp.enter(call)
-    dp.publish(call, p)
-    dp.wait(call, p, dp.everyone)
+    dp.publish(call, dp.enter(call), dp.everyone)
 
 
 def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
