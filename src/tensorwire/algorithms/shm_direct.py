@@ -215,8 +215,9 @@ def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
     """out = slot_0 op slot_1 op ... in rank order (the same bits on every rank); `kernel`
     is the op's reduction_kernel."""
     apply_to(kernel, out, views[0], views[1])  # the first two slots in one call, no copy first
-    for v in views[2:]:
-        kernel(out, v, out)
+    if len(views) > 2:
+        for v in views[2:]:
+            kernel(out, v, out)
 
 
 class AllReducePlan:
@@ -224,11 +225,12 @@ class AllReducePlan:
     up once: both parities' slot views, the kernel, whether the op needs finalizing. A small
     all_reduce is mostly such lookups; a planned one skips them (see Collectives.all_reduce)."""
 
-    __slots__ = ("dp", "views", "kernel", "needs_finalize")
+    __slots__ = ("dp", "views", "mine", "kernel", "needs_finalize")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp) -> None:
         self.dp = dp
         self.views = dp.views(dtype, count)
+        self.mine = tuple(v[dp.rank] for v in self.views)  # this rank's slot, per parity
         self.kernel = reduction_kernel(op, dtype)
         self.needs_finalize = op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
@@ -236,10 +238,9 @@ class AllReducePlan:
         """dst = the fold of every rank's src, both flat (dst may be src)."""
         dp = self.dp
         p = dp.enter(call)
-        views = self.views[p]
-        views[dp.rank][...] = src
+        self.mine[p][...] = src
         dp.publish(call, p, dp.everyone)
-        _fold(views, dst, self.kernel)
+        _fold(self.views[p], dst, self.kernel)
 
     def run(self, call, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
         """Collectives' all_reduce body, for any shapes; AVG and PREMUL_SUM finalized."""
