@@ -44,6 +44,12 @@ def _usable(a: np.ndarray, writable: bool) -> bool:
     return flags.c_contiguous and (flags.writeable or not writable)
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Exactly the same bytes (an in-place call)? The bounds test first: reading an address
+    (`.ctypes.data`) costs about 2 µs, a fifth of a small collective."""
+    return np.may_share_memory(a, b) and a.nbytes == b.nbytes and a.ctypes.data == b.ctypes.data
+
+
 def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
     group = call.group
     flat = dst if dst.ndim == 1 else dst.reshape(-1)
@@ -330,7 +336,7 @@ class Collectives:
         def body(call: CollectiveCall) -> Any:
             flats = [o.reshape(-1) for o in outs]
             mine = flats[self.rank]
-            if mine.ctypes.data != inp.ctypes.data or mine.size != inp.size:
+            if not _same_memory(mine, inp):
                 np.copyto(mine, inp.reshape(-1))
             tuner.run(self, call, "all_gather", sum(f.nbytes for f in flats), flats,
                       direct_ok=coll == Coll.ALL_GATHER)
