@@ -405,17 +405,22 @@ REPEAT_DTYPES = [np.dtype(np.float32), np.dtype(np.int32), BF16]
 REPEAT_SHAPES = [(7,), (3, 5), (40_000,)]
 
 
-def _repeat_cases() -> int:
+REPEAT_ROOTED_OPS = (ReduceOp.SUM, ReduceOp.MAX)
+
+
+def _repeat_cases(n: int) -> int:
     ops = [(dt, op) for dt in REPEAT_DTYPES for op in ReduceOp
            if op is not ReduceOp.PREMUL_SUM and _accepts(op, dt)]
-    return len(ops) * len(REPEAT_SHAPES) * 2 * 3
+    rooted = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * n * 2 * 3  # per root, in place and out=, 3 times
+    return len(ops) * len(REPEAT_SHAPES) * 2 * 3 + rooted * (1 + len(REPEAT_ROOTED_OPS))
 
 
 def rank_repeated_signatures(seed: int) -> dict:
-    """One signature three times, the op as a bare ReduceOp and as a Reduction: from the second
-    call on, all_reduce takes its planned path (checks and algorithm remembered), which must
-    change nothing."""
+    """One signature three times (for all_reduce the op as a bare ReduceOp and as a Reduction):
+    from the second call on, all_reduce, broadcast and reduce take their planned paths (checks
+    and algorithm remembered), which must change nothing."""
     rd = _Reducer(seed)
+    n, me, log = rd.n, rd.me, rd.log
     for di, dt in enumerate(REPEAT_DTYPES):
         for op in ReduceOp:
             if op is ReduceOp.PREMUL_SUM or not _accepts(op, dt):
@@ -425,11 +430,25 @@ def rank_repeated_signatures(seed: int) -> dict:
                     for rep in range(3):
                         rd.all_reduce(dt, op, Reduction(op), shape, use_out, (di, int(op), si, use_out, rep),
                                       spelled=op if rep % 2 else None)
+        for si, shape in enumerate(REPEAT_SHAPES):
+            for root in range(n):
+                for use_out in (False, True):
+                    for rep in range(3):
+                        want = _gen(dt, shape, (seed, 4, di, si, root, use_out, rep), root)
+                        x = want.copy() if me == root else _garbage(dt, shape)
+                        out = _garbage(dt, shape) if use_out else None
+                        log.case()
+                        got = out if use_out else x
+                        log.check(tw.broadcast(x, root, out=out) is got, "broadcast: wrong return value")
+                        log.same(f"repeated broadcast {dt.name} {shape} src={root} out={use_out} #{rep}", got,
+                                 want)
+                        for op in REPEAT_ROOTED_OPS:
+                            rd.reduce(dt, op, Reduction(op), shape, root, use_out, (di, si, int(op), root, use_out, rep, 5))
     return rd.result()
 
 
 def test_repeated_signatures(cl) -> None:
-    _expect(cl.run(rank_repeated_signatures, 23, timeout=120), _repeat_cases())
+    _expect(cl.run(rank_repeated_signatures, 23, timeout=120), _repeat_cases(cl.size))
 
 
 def _pair_index(dt: np.dtype, op: ReduceOp) -> tuple[int, int]:

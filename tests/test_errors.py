@@ -202,6 +202,8 @@ def _bad_call(case: str, g: tw.Group, timeout: float) -> None:
         g.all_reduce(readonly, timeout=timeout)
     elif case == "broadcast_readonly_receiver":
         g.broadcast(readonly, src=0, timeout=timeout)
+    elif case == "reduce_readonly_root":
+        g.reduce(readonly, dst=0, timeout=timeout)
     elif case == "all_gather_readonly_output":
         out = np.zeros(4 * n, np.float32)
         out.flags.writeable = False
@@ -383,21 +385,40 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
 
 
 def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
-    """The same signature (4 x float32, SUM) succeeds first, so the next call takes the path
-    that skips the checks already passed: what is checked per array or per rank must still be."""
+    """The same signatures (4 x float32: all_reduce SUM, broadcast from 0, reduce SUM to each
+    root, in place and out) succeed first, so the next call takes the path that skips the
+    checks already passed: what is checked per array or per rank must still be."""
     g = _fresh_group()
-    g.all_reduce(np.ones(4, np.float32), timeout=t)
-    g.all_reduce(np.ones(4, np.float32), out=np.empty(4, np.float32), timeout=t)
+    x, out = np.ones(4, np.float32), np.empty(4, np.float32)
+    g.all_reduce(x, timeout=t)
+    g.all_reduce(x, out=out, timeout=t)
+    g.broadcast(x, src=0, timeout=t)
+    g.broadcast(x, src=0, out=out, timeout=t)
+    for root in range(min(g.size, 2)):
+        g.reduce(x, dst=root, timeout=t)
+        g.reduce(x, dst=root, out=out, timeout=t)
     call = _mismatched_call if case in MISMATCH_CASES else _bad_call
     return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
 
 
-@pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op"])
+_WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank != 0),
+                 "reduce_readonly_root": ("reduce", lambda rank: rank == 0)}
+
+
+@pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op",
+                                  "broadcast_readonly_receiver", "reduce_readonly_root", "reduce_op",
+                                  "reduce_root"])
 def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
     for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
         if case in MISMATCH_CASES:
             _assert_error(_first_error(outcomes), CollectiveMismatchError, *MISMATCH_CASES[case], rank=rank,
                           within=TIMEOUT - 1.0)
+        elif case in _WRITERS_ONLY:  # only the ranks that write the array raise; they tell the others
+            coll, writes = _WRITERS_ONLY[case]
+            if writes(rank):
+                _assert_error(outcomes[0], InvalidArgumentError, coll, "read-only", rank=rank, within=1.0)
+            else:
+                _assert_error(_first_error(outcomes), TensorwireError, coll, "read-only", within=5.0)
         else:
             _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
 

@@ -35,7 +35,7 @@ _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more
 _BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
 
 
-_PLANS = 256  # checked all_reduce signatures kept per group
+_PLANS = 256  # checked call signatures kept per group
 
 
 def _usable(a: np.ndarray, writable: bool) -> bool:
@@ -64,6 +64,40 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
         if alg is not None:
             alg.run(call, flat, red.op)
     finalize(flat, red, group.size)
+    return result
+
+
+_SELECT = object()  # a body's `run` argument: ask the tuner (unplanned calls)
+
+
+def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root: int, result: Any,
+               run: Any) -> Any:
+    """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
+    group = call.group
+    flat = target if target.ndim == 1 else target.reshape(-1)
+    if group.rank == root and target is not data:
+        np.copyto(flat, data.reshape(-1))
+    if run is _SELECT:
+        run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
+    if run is not None:
+        run(call, flat, root)
+    return result
+
+
+def _reduce(call: CollectiveCall, src: np.ndarray, target: np.ndarray, red: Reduction, root: int, result: Any,
+            run: Any) -> Any:
+    """`run` as for _broadcast; `target` is `src` except on the root of an out-of-place call."""
+    group = call.group
+    data = src if src.ndim == 1 else src.reshape(-1)
+    acc = target if target.ndim == 1 else target.reshape(-1)
+    if run is _SELECT:
+        run = tuner.select(group, "reduce", data.nbytes).run if group.size > 1 else None
+    if run is not None:
+        run(call, data, acc, red.op, root)
+    elif acc is not data:
+        np.copyto(acc, data)
+    if group.rank == root:
+        finalize(acc, red, group.size)
     return result
 
 
@@ -195,6 +229,19 @@ class Collectives:
                async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce onto rank `dst` (in place, or into `out` there); other ranks' inputs are kept."""
         what = "reduce"
+        mine = self.rank == dst
+        if type(tensor) is np.ndarray and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
+            plan = self.plans.get((what, tensor.dtype, tensor.size, dst, op, out is None))
+            if plan is not None:
+                if not mine or out is None:
+                    ok, acc = _usable(tensor, mine), tensor
+                else:
+                    ok, acc = (_usable(tensor, False) and type(out) is np.ndarray and _usable(out, True)
+                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                if ok:
+                    call, direct, run, red = plan
+                    return self._submit_planned(call, _reduce, direct, async_op, timeout, tensor, acc, red,
+                                                dst, acc if mine else tensor, run)
         root = self._root(dst, what, "dst")
         src = self._arr(tensor, what, writable=out is None and self.rank == root)
         target = src
@@ -204,20 +251,15 @@ class Collectives:
                 self._invalid(what, f"out has {target.size} x {target.dtype}, "
                                     f"tensor {src.size} x {src.dtype}")
         red = self._reduction(op, src.dtype, what)
-
-        def body(call: CollectiveCall) -> Any:
-            data = src.reshape(-1)
-            acc = target.reshape(-1)
-            if self.size > 1:
-                tuner.run(self, call, "reduce", data.nbytes, data, acc, red.op, root)
-            elif acc is not data:
-                np.copyto(acc, data)
-            if self.rank == root:
-                finalize(acc, red, self.size)
-            return out if (out is not None and self.rank == root) else tensor
-
         fp = self._fp(Coll.REDUCE, src.dtype, red, root, src.size)
-        return self._submit(fp, what, body, async_op, timeout)
+        result = out if (out is not None and self.rank == root) else tensor
+        if src is tensor and (target is src or target is out) and red.factor is None \
+                and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
+            alg = tuner.select(self, what, src.nbytes) if self.size > 1 else None
+            self.plans[(what, src.dtype, src.size, dst, op, out is None)] = (
+                self.planned_call(fp, what), alg is not None and alg.needs_direct,
+                None if alg is None else alg.run, red)
+        return self._submit(fp, what, _reduce, async_op, timeout, src, target, red, root, result, _SELECT)
 
     def reduce_scatter(self: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -277,21 +319,31 @@ class Collectives:
                   timeout: float | None = None) -> Any:
         """Rank `src`'s tensor to everyone: in place, or into `out` (then `tensor` is only read)."""
         what = "broadcast"
+        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, tensor.dtype, tensor.size, src, out is None))
+            if plan is not None:
+                if out is None:
+                    ok, dst = _usable(tensor, self.rank != src), tensor
+                else:
+                    ok, dst = (_usable(tensor, False) and type(out) is np.ndarray and _usable(out, True)
+                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                if ok:
+                    call, direct, run = plan
+                    return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst, src,
+                                                dst, run)
         root = self._root(src, what, "src")
         data = self._arr(tensor, what, writable=out is None and self.rank != root)
         target = data if out is None else self._arr(out, what, writable=True, name="out")
         if target is not data and (target.dtype != data.dtype or target.size != data.size):
             self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {data.size} x {data.dtype}")
-
-        def body(call: CollectiveCall) -> Any:
-            if self.rank == root and target is not data:
-                np.copyto(target.reshape(-1), data.reshape(-1))
-            if self.size > 1:
-                tuner.run(self, call, "broadcast", target.nbytes, target.reshape(-1), root)
-            return tensor if out is None else out
-
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
-        return self._submit(fp, what, body, async_op, timeout)
+        result = tensor if out is None else out
+        if data is tensor and target is result and len(self.plans) < _PLANS:
+            alg = tuner.select(self, what, target.nbytes) if self.size > 1 else None
+            self.plans[(what, data.dtype, data.size, src, out is None)] = (
+                self.planned_call(fp, what), alg is not None and alg.needs_direct,
+                None if alg is None else alg.run)
+        return self._submit(fp, what, _broadcast, async_op, timeout, data, target, root, result, _SELECT)
 
     def all_gather(self: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
                    timeout: float | None = None) -> Any:
