@@ -412,7 +412,8 @@ def _repeat_cases(n: int) -> int:
     ops = [(dt, op) for dt in REPEAT_DTYPES for op in ReduceOp
            if op is not ReduceOp.PREMUL_SUM and _accepts(op, dt)]
     rooted = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * n * 2 * 3  # per root, in place and out=, 3 times
-    return len(ops) * len(REPEAT_SHAPES) * 2 * 3 + rooted * (1 + len(REPEAT_ROOTED_OPS))
+    moves = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * 3 * 2  # all_gather_into_tensor, all_to_all_single
+    return len(ops) * len(REPEAT_SHAPES) * 2 * 3 + rooted * (1 + len(REPEAT_ROOTED_OPS)) + moves
 
 
 def rank_repeated_signatures(seed: int) -> dict:
@@ -443,7 +444,22 @@ def rank_repeated_signatures(seed: int) -> dict:
                         log.same(f"repeated broadcast {dt.name} {shape} src={root} out={use_out} #{rep}", got,
                                  want)
                         for op in REPEAT_ROOTED_OPS:
-                            rd.reduce(dt, op, Reduction(op), shape, root, use_out, (di, si, int(op), root, use_out, rep, 5))
+                            rd.reduce(dt, op, Reduction(op), shape, root, use_out,
+                                      (di, si, int(op), root, use_out, rep, 5))
+            for rep in range(3):
+                tag = (seed, 6, di, si, rep)
+                out = _garbage(dt, (n, *shape))
+                log.case()
+                log.check(tw.all_gather_into_tensor(out, _gen(dt, shape, tag, me)) is out,
+                          "all_gather_into_tensor: wrong return value")
+                log.same(f"repeated all_gather_into_tensor {dt.name} {shape} #{rep}", out,
+                         np.stack([_gen(dt, shape, tag, r) for r in range(n)]))
+                out = _garbage(dt, (n, *shape))
+                log.case()
+                log.check(tw.all_to_all_single(out, _gen(dt, (n, *shape), tag, me)) is out,
+                          "all_to_all_single: wrong return value")
+                log.same(f"repeated all_to_all_single {dt.name} {shape} #{rep}", out,
+                         np.stack([_gen(dt, (n, *shape), tag, r)[me] for r in range(n)]))
     return rd.result()
 
 

@@ -204,6 +204,10 @@ def _bad_call(case: str, g: tw.Group, timeout: float) -> None:
         g.broadcast(readonly, src=0, timeout=timeout)
     elif case == "reduce_readonly_root":
         g.reduce(readonly, dst=0, timeout=timeout)
+    elif case == "all_to_all_readonly_output":
+        out = np.zeros(4 * n, np.float32)
+        out.flags.writeable = False
+        g.all_to_all_single(out, np.ones(4 * n, np.float32), timeout=timeout)
     elif case == "all_gather_readonly_output":
         out = np.zeros(4 * n, np.float32)
         out.flags.writeable = False
@@ -232,6 +236,7 @@ LOCAL_CASES: dict[str, tuple[str, str]] = {
     "all_reduce_noncontiguous": ("all_reduce", "not C-contiguous"),
     "all_reduce_readonly": ("all_reduce", "read-only"),
     "all_gather_readonly_output": ("all_gather_into_tensor", "output is read-only"),
+    "all_to_all_readonly_output": ("all_to_all_single", "output is read-only"),
     "reduce_scatter_noncontiguous_output": ("reduce_scatter_tensor", "not C-contiguous"),
     "all_reduce_band_float": ("all_reduce", "BAND is not defined for float"),
     "reduce_bxor_double": ("reduce", "BXOR is not defined for float64"),
@@ -397,6 +402,8 @@ def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
     for root in range(min(g.size, 2)):
         g.reduce(x, dst=root, timeout=t)
         g.reduce(x, dst=root, out=out, timeout=t)
+    g.all_gather_into_tensor(np.empty(4 * g.size, np.float32), x, timeout=t)
+    g.all_to_all_single(np.empty(4 * g.size, np.float32), np.ones(4 * g.size, np.float32), timeout=t)
     call = _mismatched_call if case in MISMATCH_CASES else _bad_call
     return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
 
@@ -407,7 +414,8 @@ _WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank 
 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op",
                                   "broadcast_readonly_receiver", "reduce_readonly_root", "reduce_op",
-                                  "reduce_root"])
+                                  "reduce_root", "all_gather_readonly_output", "all_gather_count",
+                                  "all_to_all_readonly_output"])
 def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
     for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
         if case in MISMATCH_CASES:

@@ -101,6 +101,36 @@ def _reduce(call: CollectiveCall, src: np.ndarray, target: np.ndarray, red: Redu
     return result
 
 
+def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], even: bool, result: Any,
+                run: Any) -> Any:
+    """`outs[rank]` may be `inp` itself (in place); `even`: equal blocks (the one-shot path and
+    the size the tuner prices need them); `run` as for _broadcast."""
+    group = call.group
+    flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
+    mine = flats[group.rank]
+    if not _same_memory(mine, inp):
+        np.copyto(mine, inp.reshape(-1))
+    if run is _SELECT:
+        run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
+    if run is not None:
+        run(call, flats)
+    return result
+
+
+def _all_to_all(call: CollectiveCall, ins: list[np.ndarray], outs: list[np.ndarray], even: bool, result: Any,
+                run: Any) -> Any:
+    """`even`: equal blocks (uneven splits have no size every rank agrees on, so the tuner
+    prices them all alike, as size 0); `run` as for _broadcast."""
+    group = call.group
+    sends = [b if b.ndim == 1 else b.reshape(-1) for b in ins]
+    recvs = [b if b.ndim == 1 else b.reshape(-1) for b in outs]
+    if run is _SELECT:
+        run = tuner.select(group, "all_to_all", sum(b.nbytes for b in sends) if even else 0, even).run
+    if run is not None:
+        run(call, sends, recvs)
+    return result
+
+
 def _no_op(call: CollectiveCall) -> None:
     pass
 
@@ -352,12 +382,20 @@ class Collectives:
         self._check_member(what)
         inp = self._arr(tensor, what, writable=False)
         outs = self._list(tensor_list, what, "tensor_list", writable=True, like=inp)
-        return self._all_gather(what, tensor_list, inp, outs, async_op, timeout, Coll.ALL_GATHER, inp.size)
+        return self._submit(self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size), what, _all_gather, async_op,
+                            timeout, inp, outs, True, tensor_list, _SELECT)
 
     def all_gather_into_tensor(self: Group, output: Any, input: Any, *, async_op: bool = False,
                                timeout: float | None = None) -> Any:
         """Single-tensor form: output is size x input, rank r's input lands in block r."""
         what = "all_gather_into_tensor"
+        if type(input) is np.ndarray and type(output) is np.ndarray:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, input.dtype, input.size, output.size))
+            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
+                    and _usable(output, True):
+                call, direct, run, counts = plan
+                return self._submit_planned(call, _all_gather, direct, async_op, timeout, input,
+                                            blocks_of(output.reshape(-1), counts), True, output, run)
         self._check_member(what)
         inp = self._arr(input, what, writable=False, name="input")
         out = self._arr(output, what, writable=True, name="output")
@@ -365,8 +403,15 @@ class Collectives:
         if out.size != inp.size * self.size:
             self._invalid(what, f"output has {out.size} elements, expected size x input = "
                                 f"{self.size} x {inp.size}")
-        outs = blocks_of(out.reshape(-1), [inp.size] * self.size)
-        return self._all_gather(what, output, inp, outs, async_op, timeout, Coll.ALL_GATHER, inp.size)
+        counts = [inp.size] * self.size
+        outs = blocks_of(out.reshape(-1), counts)
+        fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
+        if inp is input and out is output and len(self.plans) < _PLANS:
+            alg = tuner.select(self, "all_gather", out.nbytes) if self.size > 1 else None
+            self.plans[(what, inp.dtype, inp.size, out.size)] = (
+                self.planned_call(fp, what), alg is not None and alg.needs_direct,
+                None if alg is None else alg.run, counts)
+        return self._submit(fp, what, _all_gather, async_op, timeout, inp, outs, True, output, _SELECT)
 
     def all_gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False,
                     timeout: float | None = None) -> Any:
@@ -381,20 +426,8 @@ class Collectives:
             self._invalid(what, f"input has {inp.size} elements (want counts[{self.rank}]="
                                 f"{counts[self.rank]}), output {out.size} (want sum(counts)={sum(counts)})")
         outs = blocks_of(out.reshape(-1), counts)
-        return self._all_gather(what, output, inp, outs, async_op, timeout, Coll.ALL_GATHERV, -1)
-
-    def _all_gather(self: Group, what: str, result: Any, inp: np.ndarray, outs: list[np.ndarray],
-                    async_op: bool, timeout: float | None, coll: Coll, count: int) -> Any:
-        def body(call: CollectiveCall) -> Any:
-            flats = [o.reshape(-1) for o in outs]
-            mine = flats[self.rank]
-            if not _same_memory(mine, inp):
-                np.copyto(mine, inp.reshape(-1))
-            tuner.run(self, call, "all_gather", sum(f.nbytes for f in flats), flats,
-                      direct_ok=coll == Coll.ALL_GATHER)
-            return result
-
-        return self._submit(self._fp(coll, inp.dtype, count=count), what, body, async_op, timeout)
+        return self._submit(self._fp(Coll.ALL_GATHERV, inp.dtype), what, _all_gather, async_op, timeout, inp,
+                            outs, False, output, _SELECT)
 
     def gather(self: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -494,6 +527,15 @@ class Collectives:
                           timeout: float | None = None) -> Any:
         """Split sizes count rows of dim 0 (as torch does); without them, equal blocks."""
         what = "all_to_all_single"
+        if type(input) is np.ndarray and type(output) is np.ndarray and input_split_sizes is None \
+                and output_split_sizes is None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, input.dtype, input.shape, output.shape))
+            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
+                    and _usable(output, True):
+                call, direct, run, counts = plan
+                return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
+                                            blocks_of(input.reshape(-1), counts),
+                                            blocks_of(output.reshape(-1), counts), True, output, run)
         self._check_member(what)
         inp = self._arr(input, what, writable=False, name="input")
         out = self._arr(output, what, writable=True, name="output")
@@ -502,6 +544,12 @@ class Collectives:
         outs = self._split(out, output_split_sizes, what, "output")
         even = input_split_sizes is None and output_split_sizes is None
         coll, count = (Coll.ALL_TO_ALL, inp.size) if even else (Coll.ALL_TO_ALLV, -1)
+        if even and inp is input and out is output and len(self.plans) < _PLANS \
+                and ins[self.rank].size == outs[self.rank].size:  # so every block has that size
+            alg = tuner.select(self, "all_to_all", inp.nbytes)  # also on one rank: it copies the block
+            fp = self._fp(coll, dtype, count=count)
+            self.plans[(what, inp.dtype, inp.shape, out.shape)] = (
+                self.planned_call(fp, what), alg.needs_direct, alg.run, [b.size for b in ins])
         return self._all_to_all(what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
     def _split(self: Group, arr: np.ndarray, sizes: Sequence[int] | None, what: str,
@@ -525,15 +573,9 @@ class Collectives:
             self._invalid(what, f"this rank sends itself {ins[self.rank].size} elements but expects "
                                 f"{outs[self.rank].size}")
 
-        def body(call: CollectiveCall) -> Any:
-            sends, recvs = [i.reshape(-1) for i in ins], [o.reshape(-1) for o in outs]
-            # Uneven splits: no size every rank agrees on, so price them all alike (size 0).
-            even = coll == Coll.ALL_TO_ALL
-            tuner.run(self, call, "all_to_all", sum(b.nbytes for b in sends) if even else 0, sends, recvs,
-                      direct_ok=even)
-            return result
-
-        return self._submit(self._fp(coll, dtype, count=count), what, body, async_op, timeout)
+        fp = self._fp(coll, dtype, count=count)
+        return self._submit(fp, what, _all_to_all, async_op, timeout, ins, outs, coll == Coll.ALL_TO_ALL,
+                            result, _SELECT)
 
     def barrier(self: Group, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Returns once every rank of the group has entered it."""
