@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -153,7 +154,7 @@ def _forward(name: str) -> Callable[..., Any]:
     cost about 0.5 µs per call, a tenth of a small all_reduce."""
     method = getattr(Group, name)
     params = list(inspect.signature(method).parameters.values())[1:]  # without self
-    env: dict[str, Any] = {"_method": method, "_world": _world_for}
+    env: dict[str, Any] = {"_method": method, "_api": sys.modules[__name__]}
     declared, passed, star = [], [], False
     for i, p in enumerate(params):
         if p.kind is p.KEYWORD_ONLY and not star:
@@ -167,7 +168,9 @@ def _forward(name: str) -> Callable[..., Any]:
         passed.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     declared += ["group=None"] if star else ["*", "group=None"]
     source = (f"def {name}({', '.join(declared)}):\n"
-              f"    return _method(_world({name!r}) if group is None else group, {', '.join(passed)})\n")
+              f"    if group is None:\n"
+              f"        group = (_api._runtime or _api.require_runtime({name!r})).world\n"
+              f"    return _method(group, {', '.join(passed)})\n")
     exec(compile(source, f"<tensorwire.api.{name}: forwards to Group.{name}>", "exec"), env)  # noqa: S102
     call = env[name]
     functools.update_wrapper(call, method)
@@ -175,11 +178,6 @@ def _forward(name: str) -> Callable[..., Any]:
     call.__annotations__ = {**method.__annotations__, "group": "Group | None"}
     call.__doc__ = (method.__doc__ or "") + "\n\n`group=None` means the world group."
     return call
-
-
-def _world_for(what: str) -> Group:
-    runtime = _runtime if _runtime is not None else require_runtime(what)
-    return runtime.world  # type: ignore[return-value]
 
 
 all_reduce = _forward("all_reduce")
