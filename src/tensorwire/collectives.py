@@ -44,6 +44,13 @@ def _usable(a: np.ndarray, writable: bool) -> bool:
     return flags.c_contiguous and (flags.writeable or not writable)
 
 
+def _fits_out(tensor: np.ndarray, out: Any) -> bool:
+    """`out` can take a planned out-of-place result of `tensor`: the per-call part of the checks
+    (an array of the same dtype and count, contiguous and writable)."""
+    return (type(out) is np.ndarray and _usable(out, True) and out.dtype == tensor.dtype
+            and out.size == tensor.size)
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """Exactly the same bytes (an in-place call)? The bounds test first: reading an address
     (`.ctypes.data`) costs about 2 µs, a fifth of a small collective."""
@@ -222,14 +229,13 @@ class Collectives:
         # flags re-checked, and on the direct path runs with everything else looked up already:
         # most of a small call's Python time.
         if type(tensor) is np.ndarray and (type(op) is ReduceOp or type(op) is Reduction):
-            plan = self.plans.get((tensor.dtype, tensor.size, op, out is None))
+            plan = self.plans.get((what, tensor.dtype, tensor.size, op, out is None))
             if plan is not None:
                 flags = tensor.flags
                 if out is None:
                     ok, dst = flags.c_contiguous and flags.writeable, tensor
                 else:
-                    ok, dst = (flags.c_contiguous and type(out) is np.ndarray and _usable(out, True)
-                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                    ok, dst = flags.c_contiguous and _fits_out(tensor, out), out
                 if ok:
                     call, body, direct, red = plan
                     return self._submit_planned(call, body, direct, async_op, timeout, tensor, dst, red, dst)
@@ -242,7 +248,7 @@ class Collectives:
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
         if src is tensor and dst is (tensor if out is None else out) and red.factor is None \
                 and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
-            self.plans[(src.dtype, src.size, op, out is None)] = self._all_reduce_plan(src, fp, red)
+            self.plans[(what, src.dtype, src.size, op, out is None)] = self._all_reduce_plan(src, fp, red)
         return self._submit(fp, what, _all_reduce, async_op, timeout, src, dst, red,
                             out if out is not None else tensor)
 
@@ -255,6 +261,16 @@ class Collectives:
             return call, AllReducePlan(self.direct, src.dtype, src.size, red.op).run, True, red
         return call, _all_reduce, False, red
 
+    def _remember(self: Group, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
+                  *extra: Any, one_rank: bool = False) -> None:
+        """Plan a signature whose checks passed, for the planned path at the top of its method:
+        (call, on the direct path?, the chosen algorithm's run or None where nothing moves,
+        *extra). `one_rank`: the algorithm has work even on a single rank."""
+        if len(self.plans) < _PLANS:
+            alg = tuner.select(self, collective, nbytes) if self.size > 1 or one_rank else None
+            self.plans[key] = (self.planned_call(fp, what), alg is not None and alg.needs_direct,
+                               None if alg is None else alg.run, *extra)
+
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce onto rank `dst` (in place, or into `out` there); other ranks' inputs are kept."""
@@ -266,8 +282,7 @@ class Collectives:
                 if not mine or out is None:
                     ok, acc = _usable(tensor, mine), tensor
                 else:
-                    ok, acc = (_usable(tensor, False) and type(out) is np.ndarray and _usable(out, True)
-                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                    ok, acc = _usable(tensor, False) and _fits_out(tensor, out), out
                 if ok:
                     call, direct, run, red = plan
                     return self._submit_planned(call, _reduce, direct, async_op, timeout, tensor, acc, red,
@@ -284,11 +299,8 @@ class Collectives:
         fp = self._fp(Coll.REDUCE, src.dtype, red, root, src.size)
         result = out if (out is not None and self.rank == root) else tensor
         if src is tensor and (target is src or target is out) and red.factor is None \
-                and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
-            alg = tuner.select(self, what, src.nbytes) if self.size > 1 else None
-            self.plans[(what, src.dtype, src.size, dst, op, out is None)] = (
-                self.planned_call(fp, what), alg is not None and alg.needs_direct,
-                None if alg is None else alg.run, red)
+                and type(op) in (ReduceOp, Reduction):
+            self._remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes, red)
         return self._submit(fp, what, _reduce, async_op, timeout, src, target, red, root, result, _SELECT)
 
     def reduce_scatter(self: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
@@ -355,8 +367,7 @@ class Collectives:
                 if out is None:
                     ok, dst = _usable(tensor, self.rank != src), tensor
                 else:
-                    ok, dst = (_usable(tensor, False) and type(out) is np.ndarray and _usable(out, True)
-                               and out.dtype == tensor.dtype and out.size == tensor.size), out
+                    ok, dst = _usable(tensor, False) and _fits_out(tensor, out), out
                 if ok:
                     call, direct, run = plan
                     return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst, src,
@@ -368,11 +379,8 @@ class Collectives:
             self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {data.size} x {data.dtype}")
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
         result = tensor if out is None else out
-        if data is tensor and target is result and len(self.plans) < _PLANS:
-            alg = tuner.select(self, what, target.nbytes) if self.size > 1 else None
-            self.plans[(what, data.dtype, data.size, src, out is None)] = (
-                self.planned_call(fp, what), alg is not None and alg.needs_direct,
-                None if alg is None else alg.run)
+        if data is tensor and target is result:
+            self._remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes)
         return self._submit(fp, what, _broadcast, async_op, timeout, data, target, root, result, _SELECT)
 
     def all_gather(self: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
@@ -406,11 +414,8 @@ class Collectives:
         counts = [inp.size] * self.size
         outs = blocks_of(out.reshape(-1), counts)
         fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
-        if inp is input and out is output and len(self.plans) < _PLANS:
-            alg = tuner.select(self, "all_gather", out.nbytes) if self.size > 1 else None
-            self.plans[(what, inp.dtype, inp.size, out.size)] = (
-                self.planned_call(fp, what), alg is not None and alg.needs_direct,
-                None if alg is None else alg.run, counts)
+        if inp is input and out is output:
+            self._remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes, counts)
         return self._submit(fp, what, _all_gather, async_op, timeout, inp, outs, True, output, _SELECT)
 
     def all_gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False,
@@ -544,12 +549,11 @@ class Collectives:
         outs = self._split(out, output_split_sizes, what, "output")
         even = input_split_sizes is None and output_split_sizes is None
         coll, count = (Coll.ALL_TO_ALL, inp.size) if even else (Coll.ALL_TO_ALLV, -1)
-        if even and inp is input and out is output and len(self.plans) < _PLANS \
+        if even and inp is input and out is output \
                 and ins[self.rank].size == outs[self.rank].size:  # so every block has that size
-            alg = tuner.select(self, "all_to_all", inp.nbytes)  # also on one rank: it copies the block
-            fp = self._fp(coll, dtype, count=count)
-            self.plans[(what, inp.dtype, inp.shape, out.shape)] = (
-                self.planned_call(fp, what), alg.needs_direct, alg.run, [b.size for b in ins])
+            self._remember((what, inp.dtype, inp.shape, out.shape), self._fp(coll, dtype, count=count), what,
+                           "all_to_all", inp.nbytes, [b.size for b in ins],
+                           one_rank=True)  # on one rank the algorithm copies the block
         return self._all_to_all(what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
     def _split(self: Group, arr: np.ndarray, sizes: Sequence[int] | None, what: str,
