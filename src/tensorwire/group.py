@@ -167,10 +167,7 @@ class Group(Collectives):
             try:
                 return self._run(call, body, args)
             finally:
-                self._busy = False
-                if self._queue:
-                    with self._cv:
-                        self._cv.notify_all()
+                self._release()
         work = Work(call.what, self.runtime.rank)
         with self._cv:
             self._queue.append((call, body, args, work))
@@ -207,10 +204,14 @@ class Group(Collectives):
             self.abort(exc, seq)
             raise
         finally:
-            self._busy = False
-            if self._queue:
-                with self._cv:
-                    self._cv.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        """An inline call ended: the worker may take what was queued behind it meanwhile."""
+        self._busy = False
+        if self._queue:
+            with self._cv:
+                self._cv.notify_all()
 
     def planned_call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan of `_submit_planned`."""
