@@ -775,6 +775,9 @@ res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 0:  # two async calls rank 1 never joins, and nobody waits for them
     first = tw.all_reduce(np.ones(4), async_op=True)
     second = tw.all_reduce(np.ones(4), async_op=True)
+    queue, until = tw.world()._queue, time.monotonic() + 10
+    while len(queue) > 1 and time.monotonic() < until:  # the worker has taken the first call
+        time.sleep(0.001)
     t0 = time.monotonic()
     tw.destroy()
     took = time.monotonic() - t0

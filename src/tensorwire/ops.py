@@ -441,18 +441,33 @@ _TORCH_CODES = frozenset({9, 16})  # float16, bfloat16: torch's CPU kernels are 
 def _fill_table(entry: _DType, num: int) -> None:
     if entry.arithmetic:
         for op, ufunc in _KIND_UFUNCS[entry.category].items():
-            _TABLE[op][num] = _torch_capable(ufunc, op) if entry.code in _TORCH_CODES else ufunc
+            kernel = _three_argument(ufunc)
+            _TABLE[op][num] = _torch_capable(kernel, ufunc, op) if entry.code in _TORCH_CODES else kernel
 
 
-def _torch_capable(ufunc: np.ufunc, op: ReduceOp) -> Callable[..., None]:
-    """The ufunc, but large buffers go through torch when the application has imported it."""
+def _three_argument(ufunc: np.ufunc) -> Callable[..., None]:
+    """kernel(a, b, out): the ufunc itself where a positional output is allowed. numpy 2.4
+    deprecates a third positional argument to minimum and maximum (they may become n-ary), so
+    those two name their output."""
+    if ufunc not in (np.minimum, np.maximum):
+        return ufunc
 
     def kernel(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
-        if dst.size < TORCH_KERNEL_MIN_ELEMENTS or not _torch_reduce(dst, src, op):
-            ufunc(dst, src, out)
+        ufunc(dst, src, out=out)
 
-    kernel.__name__ = f"{ufunc.__name__}_or_torch"
+    kernel.__name__ = ufunc.__name__
     return kernel
+
+
+def _torch_capable(kernel: Callable[..., None], ufunc: np.ufunc, op: ReduceOp) -> Callable[..., None]:
+    """The numpy kernel, but large buffers go through torch when the application has imported it."""
+
+    def either(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
+        if dst.size < TORCH_KERNEL_MIN_ELEMENTS or not _torch_reduce(dst, src, op):
+            kernel(dst, src, out)
+
+    either.__name__ = f"{ufunc.__name__}_or_torch"
+    return either
 
 
 for _num, _entry in _BY_NUM.items():
