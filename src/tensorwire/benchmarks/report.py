@@ -172,8 +172,13 @@ def _time_cell(c: Cell | None) -> str:
     return fmt_us(c.time_us) + (DAGGER if c.contaminated else "")
 
 
+def fmt_ratio(ratio: float) -> str:
+    """Two decimals, but never a bare 0.00: below 0.1 two significant digits (0.0035)."""
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
+
+
 def _ratio_cell(r: Ratio | None) -> str:
-    return "-" if r is None else f"{r.ratio:.2f}" + (DAGGER if r.contaminated else "")
+    return "-" if r is None else fmt_ratio(r.ratio) + (DAGGER if r.contaminated else "")
 
 
 @dataclass
@@ -238,7 +243,8 @@ def text_tables(ts: Sequence[Table], n: int, rounds: int) -> list[str]:
         for (size, _, _), vals in zip(t.rows, values):
             lines.append(f"{size:12d}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths)))
         if t.geomean:
-            lines.append("# geometric mean: " + ", ".join(f"tw/{o} {g:.2f}" for o, g in t.geomean.items()))
+            means = ", ".join(f"tw/{o} {fmt_ratio(g)}" for o, g in t.geomean.items())
+            lines.append("# geometric mean: " + means)
         lines.append("#")
     return lines
 
@@ -254,8 +260,8 @@ def markdown_tables(ts: Sequence[Table]) -> list[str]:
         for size, times, rats in t.rows:
             lines.append("| " + " | ".join([human(size), *times, *rats]) + " |")
         if t.geomean:
-            lines += ["", "Geometric mean: " + ", ".join(f"tw/{o} **{g:.2f}**" for o, g in t.geomean.items())
-                      + "."]
+            means = ", ".join(f"tw/{o} **{fmt_ratio(g)}**" for o, g in t.geomean.items())
+            lines += ["", f"Geometric mean: {means}."]
         lines.append("")
     return lines
 
