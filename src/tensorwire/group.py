@@ -411,7 +411,7 @@ class _P2PWork(Work):
         self._req = req
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self._event.is_set():
+        if not self._done:
             try:
                 self._group._p2p_wait(self._req, timeout)
             except TimeoutError:

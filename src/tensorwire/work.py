@@ -8,6 +8,10 @@ from typing import Any
 
 from .errors import TimeoutError
 
+_guard = threading.Lock()
+"""Guards every Work's lazily made event and its callbacks: both are rare, and a lock plus an
+event per Work cost more than a whole small send (point-to-point makes a Work per message)."""
+
 
 class Work:
     """Completes once; `wait()` re-raises the operation's exception on the waiting thread."""
@@ -15,40 +19,47 @@ class Work:
     def __init__(self, what: str, rank: int) -> None:
         self.what = what
         self.rank = rank
-        self._event = threading.Event()
+        self._done = False
         self._exc: BaseException | None = None
         self._result: Any = None
+        self._event: threading.Event | None = None  # made by the first waiter that must block
         self._callbacks: list[Callable[[Work], None]] = []
-        self._lock = threading.Lock()
 
     def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._result, self._exc = result, exc
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
+        self._result, self._exc = result, exc
+        with _guard:
+            self._done = True
+            event, callbacks, self._callbacks = self._event, self._callbacks, []
+        if event is not None:
+            event.set()
         for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, cb: Callable[[Work], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
+        with _guard:
+            if not self._done:
                 self._callbacks.append(cb)
                 return
         cb(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (or `timeout` seconds); raise the operation's error if it failed."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
+        if not self._done:
+            with _guard:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = None if self._done else self._event
+            if event is not None and not event.wait(timeout):
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
         if self._exc is not None:
             raise self._exc
         return True
 
     def is_completed(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._exc is None
+        return self._done and self._exc is None
 
     def exception(self) -> BaseException | None:
         return self._exc

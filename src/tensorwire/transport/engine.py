@@ -62,6 +62,7 @@ def _op_label(code: int) -> str:
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+_LAST_DATA_KIND = int(max(Kind.P2P, Kind.COLL))  # kinds above it are control messages
 DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
@@ -166,14 +167,8 @@ class Engine:
 
     # -- matching (called by channels when a header arrives) --------------------------------
     def match(self, peer: int, header: Header) -> Sink:
-        if header.kind == Kind.ABORT:
-            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
-        if header.kind == Kind.BYE:
-            return ControlSink(0, lambda raw: self.departed.add(peer))
-        if header.kind == Kind.QUERY:
-            return ControlSink(0, lambda raw: self._answer_query(peer, header.ctx))
-        if header.kind == Kind.STATE:
-            return ControlSink(0, lambda raw: self._on_state(peer, header))
+        if header.kind > _LAST_DATA_KIND:
+            return self._control(peer, header)
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -190,6 +185,17 @@ class Engine:
             if call is not None and header.seq <= call.seq:
                 self._vet(peer, header, call)
         return msg
+
+    def _control(self, peer: int, header: Header) -> Sink:
+        if header.kind == Kind.ABORT:
+            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
+        if header.kind == Kind.BYE:
+            return ControlSink(0, lambda raw: self.departed.add(peer))
+        if header.kind == Kind.QUERY:
+            return ControlSink(0, lambda raw: self._answer_query(peer, header.ctx))
+        if header.kind == Kind.STATE:
+            return ControlSink(0, lambda raw: self._on_state(peer, header))
+        raise ValueError(f"rank {self.rank}: unknown message kind {header.kind} from rank {peer}")
 
     def _vet(self, peer: int, header: Header, call) -> None:
         """A message for the call this rank is in must carry its fingerprint, whatever its step;
@@ -412,7 +418,7 @@ class Engine:
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check)
+        backoff = None  # made when first idle: most waits end in the first round of progress
         with self.lock:
             self._foreground += 1  # the background thread stands back: this waiter drives everything
         try:
@@ -422,6 +428,8 @@ class Engine:
                     pending = [r for r in pending if not r.done]
                 if not pending:
                     break
+                if backoff is None:
+                    backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check)
                 if moved:
                     backoff.reset()
                 else:

@@ -82,6 +82,7 @@ class Ring(Segment):
         super().__init__(name, _CTRL + capacity, create, nonce)
         self.capacity = capacity
         self.data = self.bytes[_CTRL:]
+        self.raw = memoryview(self.mm)[_CTRL:]  # headers: a memoryview slice costs a fifth of numpy's
 
     @classmethod
     def create(cls, prefix: str, capacity: int) -> Ring:
@@ -89,6 +90,7 @@ class Ring(Segment):
 
     def close(self) -> None:
         self.data = None  # type: ignore[assignment]
+        self.raw.release()
         super().close()
 
 
@@ -142,7 +144,7 @@ class ShmChannel:
             req = self.sendq[0]
             if not self._hdr_written:
                 pos = head % cap
-                ring.data[pos:pos + HEADER_SIZE] = np.frombuffer(req.wire_header, dtype=np.uint8)
+                ring.raw[pos:pos + HEADER_SIZE] = req.wire_header
                 head += HEADER_SIZE
                 free -= HEADER_SIZE
                 self._hdr_written = True
@@ -192,7 +194,7 @@ class ShmChannel:
         while avail:
             if self._sink is None:
                 pos = tail % cap
-                header = Header.unpack(data[pos:pos + HEADER_SIZE])
+                header = Header.unpack(ring.raw, pos)
                 tail += HEADER_SIZE
                 avail -= HEADER_SIZE
                 self._sink = self.engine.match(self.peer, header)

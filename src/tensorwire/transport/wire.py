@@ -101,8 +101,9 @@ class Header(NamedTuple):
                            self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root, fp.aux)
 
     @classmethod
-    def unpack(cls, raw) -> Header:
-        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root, aux = HEADER.unpack(raw)
+    def unpack(cls, raw, offset: int = 0) -> Header:
+        """From HEADER_SIZE bytes of `raw` at `offset` (a ring is read in place, no slice)."""
+        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root, aux = HEADER.unpack_from(raw, offset)
         if count == 0xFFFFFFFFFFFFFFFF:
             count = -1
         return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count, aux))
