@@ -439,16 +439,32 @@ def test_cost_formulas_positive_finite_monotonic() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("collective", ["gather", "scatter"])
-def test_rooted_vector_choice_does_not_depend_on_size(collective: str) -> None:
-    """gatherv/scatterv price a call with each rank's own count, which differs between ranks:
-    the cheapest message algorithm must therefore be the same for every size, or ranks would
-    run different schedules for one call."""
-    algs = list(_message_algorithms(collective).values())
+def test_gather_choice_does_not_depend_on_size() -> None:
+    """The gather's tree copies no more than the linear root receives, so the two are priced
+    alike in β and the choice is the same at every size."""
+    algs = list(_message_algorithms("gather").values())
     for link in LINKS:
         for n in COST_RANKS:
             picks = {min((alg.cost(n, m, link), alg.name) for alg in algs)[1] for m in COST_BYTES}
-            assert len(picks) == 1, (collective, link.name, n, picks)
+            assert len(picks) == 1, (link.name, n, picks)
+
+
+@pytest.mark.timeout(60)
+def test_scatter_tree_wins_small_and_loses_large() -> None:
+    """The binomial scatter pays log2 n latencies but copies a non-leaf subtree twice at the
+    root and once more per level (store and forward): the linear scatter wins large messages
+    from n = 4 on. At n = 2 and 3 the tree is a star and the two cost the same."""
+    algs = _message_algorithms("scatter")
+    for link in LINKS:
+        for n in COST_RANKS:
+            small = {name: alg.cost(n, 64, link) for name, alg in algs.items()}
+            large = {name: alg.cost(n, 1 << 30, link) for name, alg in algs.items()}
+            if n <= 3:
+                assert small["binomial"] == pytest.approx(small["linear"]), (link.name, n)
+                assert large["binomial"] == pytest.approx(large["linear"]), (link.name, n)
+            else:
+                assert small["binomial"] < small["linear"] and large["linear"] < large["binomial"], (
+                    link.name, n, small, large)
 
 
 def test_contiguous_span() -> None:

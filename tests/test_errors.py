@@ -345,6 +345,17 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
         dt = np.int32 if r == n - 1 else np.float32
         outs = [np.empty(m, dt) for _ in range(n)] if r == 0 else None
         g.gather(np.ones(m, dt), outs, dst=0, timeout=t)
+    elif base == "scatterv_total":  # the root's counts sum to n, the others' to about 4 MiB:
+        counts = [1] * n  # each total picks another algorithm (tree._scatter_cost)
+        if r:
+            counts[0] = 1 << 20
+        whole = np.ones(sum(counts), np.float32) if r == 0 else None
+        g.scatterv(np.empty(1, np.float32), whole, counts, src=0, timeout=t)
+    elif base == "all_gatherv_total":  # rank 0's counts say it sends 1 element, the others' say 2
+        counts = [1] * n
+        if r:
+            counts[0] = 2
+        g.all_gatherv(np.empty(sum(counts), np.float32), np.ones(counts[r], np.float32), counts, timeout=t)
     elif base == "broadcast_root":
         g.broadcast(np.full(m, r, np.float32), src=0 if r == 0 else 1, timeout=t)
     elif base == "reduce_root":
@@ -374,6 +385,8 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "broadcast_count:large": ("broadcast", "count"),
     "all_gather_count": ("all_gather_into_tensor", "count"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
+    "scatterv_total": ("scatterv", "count"),
+    "all_gatherv_total": ("all_gatherv", "count"),
     "broadcast_root": ("broadcast", "root"),
     "broadcast_root:large": ("broadcast", "root"),
     "reduce_root": ("reduce", "root"),

@@ -514,7 +514,10 @@ class Collectives:
             tuner.run(self, call, "scatter", sum(counts) * out.itemsize, ins, out.reshape(-1), root)
             return output
 
-        return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root), what, body, async_op, timeout)
+        # the total is in the fingerprint: ranks whose counts sum differently fail as a mismatch
+        # (they could not even agree on the algorithm: tree._scatter_cost depends on it)
+        return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root, count=sum(counts)), what, body,
+                            async_op, timeout)
 
     def all_to_all(self: Group, output_list: Sequence[Any], input_list: Sequence[Any], *,
                    async_op: bool = False, timeout: float | None = None) -> Any:

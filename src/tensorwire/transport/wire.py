@@ -74,7 +74,8 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
     if mine.root != other.root:
         out.append(f"root {mine.root} vs {other.root}")
     if mine.count != other.count and mine.count >= 0 and other.count >= 0:
-        out.append(f"count {mine.count} vs {other.count}")
+        what = "sum(counts)" if mine.coll == Coll.SCATTERV else "count"
+        out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
         out.append("PREMUL_SUM factor differs")
     return out
