@@ -52,10 +52,10 @@ def bruck_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
         np.copyto(blocks[order[j]], buf[offs[j]:offs[j + 1]])
 
 
-def _uneven_call(p2p: P2P) -> bool:
-    """Is this the vector form of all_to_all, whose nbytes the tuner took per rank?"""
+def _call_is(p2p: P2P, coll: Coll) -> bool:
+    """Is this call the given collective? (A bare P2P has no fingerprint: never.)"""
     fp = getattr(p2p, "fp", None)
-    return fp is not None and fp.coll == Coll.ALL_TO_ALLV
+    return fp is not None and fp.coll == coll
 
 
 def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
@@ -66,44 +66,46 @@ def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray])
     differs between ranks when the splits do, so other ranks may have chosen pairwise for
     this very call, and every rank must run the same schedule. Looking at the block sizes
     cannot decide this: a rank sees only its own sends and receives, and those can be even
-    on one rank and uneven on another. A bare P2P (no fingerprint) always runs Bruck.
+    on one rank and uneven on another. A bare P2P (no fingerprint) always runs Bruck, and
+    sends the sizes of travelling blocks; an even call (ALL_TO_ALL) knows them all.
     """
-    if _uneven_call(p2p):
+    if _call_is(p2p, Coll.ALL_TO_ALLV):
         pairwise_all_to_all(p2p, sends, recvs)
         return
     n, r = p2p.size, p2p.rank
     np.copyto(recvs[r], sends[r])
     if n == 1:
         return
+    even = _call_is(p2p, Coll.ALL_TO_ALL)
     dtype = recvs[r].dtype
     held = [sends[(r + j) % n] for j in range(n)]  # read-only views until replaced
     sizes = np.array([b.size for b in held], dtype=np.int64)
     dist, step = 1, 0
     while dist < n:
         moving = [j for j in range(dist, n) if j & dist]
-        travelling = [j for j in moving if j >= 2 * dist]  # sizes the receiver cannot know
+        # sizes the receiver cannot know (blocks still travelling), unless all blocks are equal
+        travelling = [] if even else [j for j in moving if j >= 2 * dist]
         dst, src = (r + dist) % n, (r - dist) % n
-        reqs = [p2p.isend(dst, sizes[travelling], 2 * step)] if travelling else []
         out = held[moving[0]] if len(moving) == 1 else np.concatenate([held[j] for j in moving])
-        reqs.append(p2p.isend(dst, out, 2 * step + 1))
-        if travelling:
+        reqs = []
+        if travelling:  # sizes and data leave at once; the data is received once the sizes are in
+            reqs += [p2p.isend(dst, sizes[travelling], 2 * step), p2p.isend(dst, out, 2 * step + 1)]
             incoming_sizes = np.empty(len(travelling), dtype=np.int64)
             p2p.wait(p2p.irecv(src, incoming_sizes, 2 * step))
             sizes[travelling] = incoming_sizes
         for j in moving:
             if j < 2 * dist:  # arrived: the size is this rank's receive count from rank - j
                 sizes[j] = recvs[(r - j) % n].size
-        if len(moving) == 1 and moving[0] < 2 * dist:  # a single arriving block: in place
-            j = moving[0]
-            p2p.wait(p2p.irecv(src, recvs[(r - j) % n], 2 * step + 1), *reqs)
-            held[j] = recvs[(r - j) % n]
-        else:
-            incoming = np.empty(int(sizes[moving].sum()), dtype=dtype)
-            p2p.wait(p2p.irecv(src, incoming, 2 * step + 1), *reqs)
-            start = 0
-            for j in moving:
-                held[j] = incoming[start:start + sizes[j]]
-                start += int(sizes[j])
+        single = len(moving) == 1 and moving[0] < 2 * dist  # a single arriving block: in place
+        into = recvs[(r - moving[0]) % n] if single else np.empty(int(sizes[moving].sum()), dtype=dtype)
+        recv = p2p.irecv(src, into, 2 * step + 1)
+        if not travelling:  # posted after the receive, so the peer's bytes need no detour
+            reqs.append(p2p.isend(dst, out, 2 * step + 1))
+        p2p.wait(recv, *reqs)
+        start = 0
+        for j in moving:
+            held[j] = into if single else into[start:start + sizes[j]]
+            start += int(sizes[j])
         dist <<= 1
         step += 1
     for j in range(1, n):
