@@ -66,6 +66,9 @@ _LAST_DATA_KIND = int(max(Kind.P2P, Kind.COLL))  # kinds above it are control me
 DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
+_RELEASE_PARKED_S = 0.1
+"""A waiter idle this long stages the messages parked in its rings (shm.PARK_BYTES), whatever
+they wait for: a parked sender may be the one this wait depends on, through a third rank."""
 _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long to a waiter
 
 
@@ -77,6 +80,7 @@ class Engine:
         self.lock = threading.RLock()
         self.posted: dict[tuple, deque[RecvRequest]] = {}
         self.unexpected: dict[tuple, deque[Unexpected]] = {}
+        self.staged_bytes = 0  # payload that arrived before its receive and was buffered (a 2nd copy)
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
         self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
@@ -179,12 +183,34 @@ class Engine:
                 return req
             return Discard(header.nbytes)
         msg = Unexpected(header)
+        self.staged_bytes += header.nbytes
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
             call = self.current.get(header.ctx)
             if call is not None and header.seq <= call.seq:
                 self._vet(peer, header, call)
         return msg
+
+    def may_park(self, peer: int, header: Header) -> bool:
+        """May a large message from `peer` wait in its ring for its receive (shm.PARK_BYTES)?
+        Only a collective's message for the current or a later call (an earlier call's is
+        vetted now), and only while no receive from that peer for another message would wait
+        behind it. A waiter idle for _RELEASE_PARKED_S releases it anyway (`release_parked`),
+        so a rank waiting on a third one cannot wait on this forever."""
+        if header.kind != Kind.COLL or self.posted.get((peer, header.key)):
+            return False
+        call = self.current.get(header.ctx)
+        if call is not None and header.seq < call.seq:
+            return False
+        return not any(p == peer for p, _ in self.posted)
+
+    def release_parked(self) -> None:
+        """Stage every parked message (and vet it): called by waiters idle for _RELEASE_PARKED_S."""
+        with self.lock:
+            for channel in self._channel_list:
+                if getattr(channel, "parked", False):
+                    channel.release = True
+            self.progress()
 
     def _control(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
@@ -563,6 +589,7 @@ class Backoff:
         self.sleep = 50e-6
         self.checks = 0
         self.queried = False
+        self.released = False
 
     def idle(self, timeout_error: Callable[[], BaseException]) -> None:
         now = time.perf_counter()
@@ -577,6 +604,9 @@ class Backoff:
         if idle < self.spin_s + _YIELD_S:
             os.sched_yield()
             return
+        if not self.released and idle >= _RELEASE_PARKED_S:
+            self.released = True
+            self.engine.release_parked()
         if self.cross_check is not None:
             self.cross_check()
         if not self.queried:
