@@ -193,22 +193,24 @@ class Engine:
 
     def may_park(self, peer: int, header: Header) -> bool:
         """May a large message from `peer` wait in its ring for its receive (shm.PARK_BYTES)?
-        Only a collective's message for the current or a later call (an earlier call's is
-        vetted now), and only while no receive from that peer for another message would wait
-        behind it. A waiter idle for _RELEASE_PARKED_S releases it anyway (`release_parked`),
-        so a rank waiting on a third one cannot wait on this forever."""
-        if header.kind != Kind.COLL or self.posted.get((peer, header.key)):
+        Not if its receive is posted, nor a collective's message for an earlier call (vetted
+        now: that call differed), nor while a receive from that peer for another message would
+        wait behind it. A waiter idle for _RELEASE_PARKED_S releases it anyway
+        (`release_parked`): a rank waiting on a third one, or two ranks that both send before
+        they receive, cannot wait on a parked message forever."""
+        if self.posted.get((peer, header.key)):
             return False
-        call = self.current.get(header.ctx)
-        if call is not None and header.seq < call.seq:
-            return False
+        if header.kind == Kind.COLL:
+            call = self.current.get(header.ctx)
+            if call is not None and header.seq < call.seq:
+                return False
         return not any(p == peer for p, _ in self.posted)
 
     def release_parked(self) -> None:
         """Stage every parked message (and vet it): called by waiters idle for _RELEASE_PARKED_S."""
         with self.lock:
             for channel in self._channel_list:
-                if getattr(channel, "parked", False):
+                if getattr(channel, "parked", None) is not None:
                     channel.release = True
             self.progress()
 
@@ -316,6 +318,9 @@ class Engine:
             self.progress()
             for peer in peers:
                 if self.unexpected.get((peer, key)):
+                    return peer
+                parked = getattr(self.channels.get(peer), "parked", None)  # arrived, left in its ring
+                if parked is not None and parked.key == key:
                     return peer
             entry = self.aborted.get(ctx)
             if entry is not None:

@@ -32,10 +32,10 @@ PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
 PARK_BYTES = 256 << 10
-"""A collective's message of at least this size whose receive is not posted yet stays in the
-ring (the sender waits) instead of being staged in a fresh buffer and copied twice: ranks that
-run ahead into the next call (the leaves of back-to-back reduces) otherwise made the receiver
-stage megabytes per call, 3-10x the call's time on an oversubscribed host."""
+"""A message of at least this size whose receive is not posted yet stays in the ring (the
+sender waits) instead of being staged in a fresh buffer and copied twice: ranks that run ahead
+into the next call (the leaves of back-to-back reduces) otherwise made the receiver stage
+megabytes per call, 3-10x the call's time on an oversubscribed host."""
 
 
 class Segment:
@@ -118,7 +118,7 @@ class ShmChannel:
         self._hdr_written = False
         self._sink: Sink | None = None
         self._padded_left = 0
-        self.parked = False  # the message at the ring's tail waits for its receive (PARK_BYTES)
+        self.parked: Header | None = None  # the message at the ring's tail, waiting for its receive
         self.release = False  # stage the parked message now (Engine.release_parked)
 
     def post(self, req: SendRequest) -> None:
@@ -202,10 +202,11 @@ class ShmChannel:
             if self._sink is None:
                 pos = tail % cap
                 header = Header.unpack(ring.raw, pos)
-                self.parked = (header.nbytes >= PARK_BYTES and not self.release
-                               and self.engine.may_park(self.peer, header))
-                if self.parked:
+                if header.nbytes >= PARK_BYTES and not self.release \
+                        and self.engine.may_park(self.peer, header):
+                    self.parked = header
                     break
+                self.parked = None
                 self.release = False
                 tail += HEADER_SIZE
                 avail -= HEADER_SIZE
