@@ -442,7 +442,7 @@ def _fill_table(entry: _DType, num: int) -> None:
     if entry.arithmetic:
         for op, ufunc in _KIND_UFUNCS[entry.category].items():
             kernel = _three_argument(ufunc)
-            _TABLE[op][num] = _torch_capable(kernel, ufunc, op) if entry.code in _TORCH_CODES else kernel
+            _TABLE[op][num] = _torch_capable(kernel, op) if entry.code in _TORCH_CODES else kernel
 
 
 def _three_argument(ufunc: np.ufunc) -> Callable[..., None]:
@@ -459,14 +459,19 @@ def _three_argument(ufunc: np.ufunc) -> Callable[..., None]:
     return kernel
 
 
-def _torch_capable(kernel: Callable[..., None], ufunc: np.ufunc, op: ReduceOp) -> Callable[..., None]:
+_IN_PLACE_ONLY: set[Callable[..., None]] = set()
+"""Kernels whose torch path reduces into their first argument, ignoring `out` (see apply_to)."""
+
+
+def _torch_capable(kernel: Callable[..., None], op: ReduceOp) -> Callable[..., None]:
     """The numpy kernel, but large buffers go through torch when the application has imported it."""
 
     def either(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
         if dst.size < TORCH_KERNEL_MIN_ELEMENTS or not _torch_reduce(dst, src, op):
             kernel(dst, src, out)
 
-    either.__name__ = f"{ufunc.__name__}_or_torch"
+    either.__name__ = f"{kernel.__name__}_or_torch"
+    _IN_PLACE_ONLY.add(either)
     return either
 
 
@@ -562,15 +567,15 @@ def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> No
 
 def apply_to(kernel: Any, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """reduce_to with the kernel looked up already (callers that reduce many times)."""
-    if type(kernel) is not np.ufunc:  # kernels that may take another path reduce in place
+    if kernel in _IN_PLACE_ONLY:  # its torch path reduces in place: start from a copy
         np.copyto(out, a)
         a = out
     kernel(a, b, out)
 
 
 def reduction_kernel(op: ReduceOp, dtype: np.dtype) -> Any:
-    """The kernel `reduce_into` applies, called as kernel(a, b, dst); a numpy ufunc (which
-    also takes three distinct arrays) unless a faster path serves the dtype."""
+    """The kernel `reduce_into` applies, called as kernel(a, b, dst); it takes three distinct
+    arrays unless it is in _IN_PLACE_ONLY (a torch path for float16/bfloat16)."""
     try:
         return _TABLE[op][dtype.num]
     except KeyError:
