@@ -1391,10 +1391,10 @@ def rank_algorithms_direct(seed: int) -> dict:
     return log.result()
 
 
-def _count_algorithms(fn) -> list[str]:
-    """Run fn with every all_reduce algorithm of the registry wrapped; the names that ran."""
+def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
+    """Run fn with every algorithm of `collective` in the registry wrapped; the names that ran."""
     used: list[str] = []
-    table = algorithms_for("all_reduce")
+    table = algorithms_for(collective)
     saved = dict(table)
 
     def wrap(alg):
@@ -1459,6 +1459,50 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
     finally:
         cluster.close()
     _expect(results, len(ALGO_PAIRS) * 5)
+
+
+def rank_streamed_broadcast() -> dict:
+    """Broadcasts past the shared-memory slot, forced onto the direct path: the root refills its
+    slot piece by piece as the slowest receiver empties it (shm_direct._stream_broadcast)."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    slot = g.direct.slot_bytes
+    cases = [(nbytes, dt) for nbytes in (slot - 1, slot + 1, 3 * slot + 13)
+             for dt in (np.uint8, np.complex64)]
+    cases.append(((5 << 20) + 3, np.float64))
+
+    def run_all():
+        for nbytes, dt in cases:
+            count = max(1, nbytes // np.dtype(dt).itemsize)
+            for root in range(n):
+                want = _pattern(count, root, dt)
+                x = want.copy() if me == root else np.zeros(count, dt)
+                log.case()
+                tw.broadcast(x, root)
+                log.same(f"broadcast {count} x {np.dtype(dt).name} from {root}", x, want)
+                out = np.zeros(count, dt)
+                log.case()
+                tw.broadcast(want if me == root else np.zeros(count, dt), root, out=out)
+                log.same(f"broadcast {count} x {np.dtype(dt).name} from {root} into out", out, want)
+
+    used = _count_algorithms(run_all, "broadcast")
+    log.check(used == ["direct"] * 2 * n * len(cases), f"ran {used}")
+    return log.result()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size,slot", [(2, ""), (3, "16K"), (4, ""), (5, "16K")])
+def test_streamed_broadcast(size: int, slot: str) -> None:
+    """Pieces of 128 KiB through a 1 MiB slot (n=2), of 512 KiB where ranks share cores (n=4),
+    and a 16 KiB slot that holds one piece, so the root waits for every receiver each time."""
+    env = {"TENSORWIRE_ALGO": "broadcast:direct", **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
+    cluster = Cluster(size, env)
+    try:
+        results = cluster.run(rank_streamed_broadcast, timeout=150)
+    finally:
+        cluster.close()
+    _expect(results, 2 * size * 7)
 
 
 # =========================================================================== property-based

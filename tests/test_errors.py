@@ -312,13 +312,14 @@ def test_collective_on_a_group_this_rank_is_not_in(cluster: Any) -> None:
 # A detected mismatch takes milliseconds (a few tens when no message crosses and a waiter has to
 # ask its peers); the timeout is generous so a loaded machine cannot fail a case.
 TIMEOUT = 5.0
-LARGE = 1 << 15  # float32 elements: 128 KiB, past the one-shot shared-memory path (64 KiB slots)
+SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, past the single-piece broadcast
+         "stream": 1 << 20}  # 4 MiB: a streamed broadcast refills the root's slot several times
 
 
 def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     r, n = g.rank, g.size
     base, _, large = case.partition(":")
-    m = LARGE if large else 4
+    m = SIZES[large]
     x = np.ones(m, np.float32)
     if base == "collective":
         if r == 0:
@@ -369,7 +370,7 @@ def _mismatch(case: str, t: float) -> list[dict[str, Any]]:
     return [_attempt(_mismatched_call, case, g, t), _attempt(g.barrier, timeout=t)]
 
 
-# case (":large" = a payload past the shared-memory one-shot path) -> what every message must say
+# case (":large", ":stream": the payloads of SIZES) -> what every message must say
 MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "collective": ("collective", "all_reduce", "broadcast"),
     "collective:large": ("collective", "all_reduce", "broadcast"),
@@ -383,12 +384,15 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "reduce_op:large": ("reduce", "op", "SUM", "MIN"),
     "broadcast_count": ("broadcast", "count"),
     "broadcast_count:large": ("broadcast", "count"),
+    "broadcast_count:stream": ("broadcast", "count"),
+    "collective:stream": ("collective", "all_reduce", "broadcast"),
     "all_gather_count": ("all_gather_into_tensor", "count"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),
     "all_gatherv_total": ("all_gatherv", "count"),
     "broadcast_root": ("broadcast", "root"),
     "broadcast_root:large": ("broadcast", "root"),
+    "broadcast_root:stream": ("broadcast", "root"),
     "reduce_root": ("reduce", "root"),
     "reduce_root:large": ("reduce", "root"),
 }

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
+from ..config import Config
+from ..errors import CollectiveMismatchError, InvalidArgumentError
 from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
@@ -23,6 +24,15 @@ from .registry import Algorithm, Link, register
 
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
+_PROGRESS = 1
+"""Word of a control line beside the flag: how far this rank is through a streamed call, as
+(seq << _CHUNK_BITS) + chunks written (its root) or read (a receiver). Numbered by call, a
+progress word never needs resetting, and a peer still in an earlier call reads as behind."""
+_CHUNK_BITS = 24
+STREAM_CHUNK = 128 << 10
+"""A broadcast larger than this streams through the root's slot in pieces of this size: the
+receivers copy one piece out while the root copies the next in, each piece still in cache, and
+a message of any size fits (the root refills the slot as the slowest receiver empties it)."""
 _STAMP = 8
 """Word of a control line where the per-parity (seq, fingerprint) stamps start: the line's
 second cache line, so that writing them does not steal the flag's line from a peer spinning
@@ -83,6 +93,17 @@ class DirectPath:
                 tuple(self.seg.slots[r][p][offset:end].view(dtype) for r in self.everyone) for p in (0, 1))
         return views
 
+    def words_of(self, fp: Fingerprint) -> tuple[int, int]:
+        """`fp` as stamped, remembered as the last one published."""
+        ab = self._fp_words.get(fp)
+        if ab is None:
+            if len(self._fp_words) >= _CACHED:
+                self._fp_words.clear()
+            ab = self._fp_words[fp] = _fp_words(fp)
+        self._last_fp = fp
+        self.prev_fp = ab
+        return ab
+
     # -- the protocol -----------------------------------------------------------------------------
     def enter(self, call) -> int:
         """Take the next slot parity, once every rank is past the call that last used it.
@@ -111,16 +132,8 @@ class DirectPath:
         or others) to publish it too, and check they called the same thing. One method for
         both halves: this pair is most of a small call's protocol."""
         fp = call.fp
-        if fp is not self._last_fp:  # else a repeated call (the same fingerprint object): no hashing
-            ab = self._fp_words.get(fp)
-            if ab is None:
-                if len(self._fp_words) >= _CACHED:
-                    self._fp_words.clear()
-                ab = self._fp_words[fp] = _fp_words(fp)
-            self._last_fp = fp
-            self.prev_fp = ab
-        else:
-            ab = self.prev_fp
+        # a repeated call (the same fingerprint object) skips the hashing
+        ab = self.prev_fp if fp is self._last_fp else self.words_of(fp)
         words, line, seq = self.words, self.own, call.seq
         off = _STAMP + parity * 3
         a, b = ab
@@ -172,6 +185,48 @@ class DirectPath:
                     # gone, and (re-read after the loss was noticed) never entered this call
                     if self.members[r] in lost and words[flags[r]] < seq:
                         raise self.engine.lost_error(self.members[r])
+
+    def stamp(self, call, parity: int) -> tuple[int, int]:
+        """Stamp this rank's slot of `parity` with `call` but publish no flag: a streaming root
+        shows what it sends before its first piece."""
+        a, b = ab = self.words_of(call.fp)
+        words, base = self.words, self.own + _STAMP + parity * 3
+        words[base] = call.seq
+        words[base + 1] = a
+        words[base + 2] = b
+        return ab
+
+    def check_stamp(self, call, r: int, parity: int, ab: tuple[int, int]) -> None:
+        """Raise if rank r stamped `call`'s number on its slot of `parity` with another call."""
+        words, base = self.words, self.flags[r] + _STAMP + parity * 3
+        if words[base] == call.seq and (words[base + 1], words[base + 2]) != ab:
+            raise self._mismatch_with(call, r)
+
+    def await_progress(self, call, r: int, target: int, parity: int, ab: tuple[int, int],
+                       backoff: Backoff | None) -> Backoff | None:
+        """Wait until rank r's progress word reaches `target`. A rank that published this call
+        with another fingerprint called something else: that is raised, not waited out. Returns
+        the call's Backoff (made on the first wait that has to back off, reset on each later)."""
+        words = self.words
+        at = self.flags[r] + _PROGRESS
+        spins = _PRESPIN if self.engine.spin_s else 0
+        while words[at] < target and spins:
+            spins -= 1
+        if words[at] >= target:
+            return backoff
+        if backoff is None:
+            backoff = Backoff(self.engine, call.started().deadline, self.ctx, call.seq, self.members,
+                              functools.partial(self.cross_check, call))
+        else:
+            backoff.reset()
+        flag, seq, lost, peer = self.flags[r], call.seq, self.engine.lost, self.members[r]
+        while words[at] < target:
+            if words[flag] >= seq:
+                self.check_stamp(call, r, parity, ab)
+            backoff.idle(functools.partial(self._timeout, call, [r]))
+            if peer in lost and words[at] < target:
+                raise self.engine.lost_error(peer)
+        return backoff
 
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:
         words, line = self.seg.words, self.seg.lines[r]
@@ -286,6 +341,9 @@ def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: i
 
 def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     dp = call.group.direct
+    if data.nbytes > min(STREAM_CHUNK, dp.slot_bytes):
+        _stream_broadcast(dp, call, data.view(np.uint8), root)
+        return
     p = dp.enter(call)
     view = dp.views(data.dtype, data.size)[p][root]
     if dp.rank == root:
@@ -294,6 +352,45 @@ def direct_broadcast(call, data: np.ndarray, root: int) -> None:
         return
     dp.publish(call, p, (root,))
     data[...] = view
+
+
+def _stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:
+    """The root's slot as a ring of pieces: piece c goes to position c % ring once every
+    receiver has read piece c - ring; each side counts its pieces in its progress word."""
+    # where ranks share cores every hand-over may wait for a descheduled peer: fewer, larger pieces
+    chunk = min(STREAM_CHUNK if dp.engine.spin_s else 4 * STREAM_CHUNK, dp.slot_bytes)
+    if -(-raw.size // chunk) >> _CHUNK_BITS:
+        raise InvalidArgumentError(
+            f"{call.what}: {raw.size} bytes is more than {1 << _CHUNK_BITS} pieces of this group's "
+            f"{chunk}-byte shared-memory slot (raise TENSORWIRE_SHM_DIRECT)")
+    p = dp.enter(call)
+    slot = dp.seg.slots[root][p]
+    ring = dp.slot_bytes // chunk
+    base = call.seq << _CHUNK_BITS
+    words, progress = dp.words, dp.own + _PROGRESS
+    backoff = None
+    if dp.rank == root:
+        ab = dp.stamp(call, p)
+        for c, lo in enumerate(range(0, raw.size, chunk)):
+            if c >= ring:
+                for r in dp.others:
+                    backoff = dp.await_progress(call, r, base + c - ring + 1, p, ab, backoff)
+            at = c % ring * chunk
+            piece = raw[lo:lo + chunk]
+            slot[at:at + piece.size] = piece
+            words[progress] = base + c + 1
+        dp.publish(call, p)
+        return
+    dp.publish(call, p)  # entered: a root that waits for this rank can check what it called
+    ab = dp.prev_fp
+    for c, lo in enumerate(range(0, raw.size, chunk)):
+        backoff = dp.await_progress(call, root, base + c + 1, p, ab, backoff)
+        if c == 0:
+            dp.check_stamp(call, root, p, ab)
+        at = c % ring * chunk
+        piece = raw[lo:lo + chunk]
+        piece[...] = slot[at:at + piece.size]
+        words[progress] = base + c + 1
 
 
 def direct_barrier(call) -> None:
@@ -344,6 +441,9 @@ _RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": d
         "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all}
 
 
+_SLOT_NEED = {"all_gather": lambda n, m: -(-m // n), "broadcast": lambda n, m: 0}  # broadcast: streams
+
+
 def _cost_of(collective: str):
     copied, read, reduced = _VOLUMES[collective]
 
@@ -352,7 +452,18 @@ def _cost_of(collective: str):
     return cost
 
 
+def _stream_cost(n: int, m: int, link: Link) -> float:
+    """A streamed broadcast: the copies in and out overlap but for the first piece, and each
+    refill of the root's slot is one more flag round (where ranks share cores, a round of
+    scheduling every rank). Priced with the default slot: TENSORWIRE_SHM_DIRECT is not seen."""
+    if m <= STREAM_CHUNK:
+        return _cost_of("broadcast")(n, m, link)
+    refills = -(-m // Config().direct_slot(n))
+    return refills * link.alpha + (m + STREAM_CHUNK) * link.beta
+
+
 for _collective, _run in _RUN.items():
-    register(Algorithm("direct", _collective, _run, _cost_of(_collective), needs_direct=True,
+    _cost = _stream_cost if _collective == "broadcast" else _cost_of(_collective)
+    register(Algorithm("direct", _collective, _run, _cost, needs_direct=True,
                        out_of_place=_collective == "all_reduce",
-                       slot_need=(lambda n, m: -(-m // n)) if _collective == "all_gather" else None))
+                       slot_need=_SLOT_NEED.get(_collective)))
