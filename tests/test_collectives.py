@@ -1461,9 +1461,10 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
     _expect(results, len(ALGO_PAIRS) * 5)
 
 
-def rank_streamed_broadcast() -> dict:
-    """Broadcasts past the shared-memory slot, forced onto the direct path: the root refills its
-    slot piece by piece as the slowest receiver empties it (shm_direct._stream_broadcast)."""
+def rank_streamed() -> dict:
+    """Broadcasts and all_gather blocks past the shared-memory slot, forced onto the direct
+    path: each source refills its slot piece by piece as the slowest reader empties it
+    (shm_direct._Stream)."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
@@ -1472,7 +1473,7 @@ def rank_streamed_broadcast() -> dict:
              for dt in (np.uint8, np.complex64)]
     cases.append(((5 << 20) + 3, np.float64))
 
-    def run_all():
+    def broadcasts():
         for nbytes, dt in cases:
             count = max(1, nbytes // np.dtype(dt).itemsize)
             for root in range(n):
@@ -1486,23 +1487,39 @@ def rank_streamed_broadcast() -> dict:
                 tw.broadcast(want if me == root else np.zeros(count, dt), root, out=out)
                 log.same(f"broadcast {count} x {np.dtype(dt).name} from {root} into out", out, want)
 
-    used = _count_algorithms(run_all, "broadcast")
-    log.check(used == ["direct"] * 2 * n * len(cases), f"ran {used}")
+    def all_gathers():
+        for nbytes, dt in cases:
+            count = max(1, nbytes // np.dtype(dt).itemsize)
+            want = np.stack([_pattern(count, r, dt) for r in range(n)])
+            out = np.zeros((n, count), dt)
+            log.case()
+            tw.all_gather_into_tensor(out, _pattern(count, me, dt))
+            log.same(f"all_gather_into_tensor {count} x {np.dtype(dt).name}", out, want)
+            outs = [np.zeros(count, dt) for _ in range(n)]
+            log.case()
+            tw.all_gather(outs, _pattern(count, me, dt))
+            log.same(f"all_gather {count} x {np.dtype(dt).name}", np.stack(outs), want)
+
+    used = _count_algorithms(broadcasts, "broadcast")
+    log.check(used == ["direct"] * 2 * n * len(cases), f"broadcast ran {used}")
+    used = _count_algorithms(all_gathers, "all_gather")
+    log.check(used == ["direct"] * 2 * len(cases), f"all_gather ran {used}")
     return log.result()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("size,slot", [(2, ""), (3, "16K"), (4, ""), (5, "16K")])
-def test_streamed_broadcast(size: int, slot: str) -> None:
+def test_streamed_broadcast_and_all_gather(size: int, slot: str) -> None:
     """Pieces of 128 KiB through a 1 MiB slot (n=2), of 512 KiB where ranks share cores (n=4),
-    and a 16 KiB slot that holds one piece, so the root waits for every receiver each time."""
-    env = {"TENSORWIRE_ALGO": "broadcast:direct", **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
+    and a 16 KiB slot that holds one piece, so a source waits for every reader each time."""
+    env = {"TENSORWIRE_ALGO": "broadcast:direct,allgather:direct",
+           **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
     cluster = Cluster(size, env)
     try:
-        results = cluster.run(rank_streamed_broadcast, timeout=150)
+        results = cluster.run(rank_streamed, timeout=150)
     finally:
         cluster.close()
-    _expect(results, 2 * size * 7)
+    _expect(results, 2 * (size + 1) * 7)
 
 
 # =========================================================================== property-based

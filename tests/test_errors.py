@@ -387,6 +387,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "broadcast_count:stream": ("broadcast", "count"),
     "collective:stream": ("collective", "all_reduce", "broadcast"),
     "all_gather_count": ("all_gather_into_tensor", "count"),
+    "all_gather_count:stream": ("all_gather_into_tensor", "count"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),
     "all_gatherv_total": ("all_gatherv", "count"),

@@ -24,15 +24,16 @@ from .registry import Algorithm, Link, register
 
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
-_PROGRESS = 1
-"""Word of a control line beside the flag: how far this rank is through a streamed call, as
-(seq << _CHUNK_BITS) + chunks written (its root) or read (a receiver). Numbered by call, a
-progress word never needs resetting, and a peer still in an earlier call reads as behind."""
+_WRITTEN, _READ = 1, 2
+"""Words of a control line beside the flag: how far this rank is through a streamed call, as
+(seq << _CHUNK_BITS) + pieces written into its slot, and + pieces read from every source.
+Numbered by call, they never need resetting, and a peer still in an earlier call reads as behind."""
 _CHUNK_BITS = 24
 STREAM_CHUNK = 128 << 10
-"""A broadcast larger than this streams through the root's slot in pieces of this size: the
-receivers copy one piece out while the root copies the next in, each piece still in cache, and
-a message of any size fits (the root refills the slot as the slowest receiver empties it)."""
+"""A broadcast, or an all_gather block, larger than this streams through the slots in pieces
+of this size: readers copy one piece out while its source copies the next in, each piece still
+in cache, and a message of any size fits (a source refills its slot as the slowest reader
+empties it)."""
 _STAMP = 8
 """Word of a control line where the per-parity (seq, fingerprint) stamps start: the line's
 second cache line, so that writing them does not steal the flag's line from a peer spinning
@@ -186,29 +187,20 @@ class DirectPath:
                     if self.members[r] in lost and words[flags[r]] < seq:
                         raise self.engine.lost_error(self.members[r])
 
-    def stamp(self, call, parity: int) -> tuple[int, int]:
-        """Stamp this rank's slot of `parity` with `call` but publish no flag: a streaming root
-        shows what it sends before its first piece."""
-        a, b = ab = self.words_of(call.fp)
-        words, base = self.words, self.own + _STAMP + parity * 3
-        words[base] = call.seq
-        words[base + 1] = a
-        words[base + 2] = b
-        return ab
-
     def check_stamp(self, call, r: int, parity: int, ab: tuple[int, int]) -> None:
         """Raise if rank r stamped `call`'s number on its slot of `parity` with another call."""
         words, base = self.words, self.flags[r] + _STAMP + parity * 3
         if words[base] == call.seq and (words[base + 1], words[base + 2]) != ab:
             raise self._mismatch_with(call, r)
 
-    def await_progress(self, call, r: int, target: int, parity: int, ab: tuple[int, int],
+    def await_progress(self, call, r: int, word: int, target: int, parity: int, ab: tuple[int, int],
                        backoff: Backoff | None) -> Backoff | None:
-        """Wait until rank r's progress word reaches `target`. A rank that published this call
-        with another fingerprint called something else: that is raised, not waited out. Returns
-        the call's Backoff (made on the first wait that has to back off, reset on each later)."""
+        """Wait until rank r's progress `word` (_WRITTEN, _READ) reaches `target`. A rank that
+        published this call with another fingerprint called something else: that is raised,
+        not waited out. Returns the call's Backoff (made on the first wait that has to back
+        off, reset on each later one)."""
         words = self.words
-        at = self.flags[r] + _PROGRESS
+        at = self.flags[r] + word
         spins = _PRESPIN if self.engine.spin_s else 0
         while words[at] < target and spins:
             spins -= 1
@@ -354,43 +346,73 @@ def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     data[...] = view
 
 
-def _stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:
-    """The root's slot as a ring of pieces: piece c goes to position c % ring once every
-    receiver has read piece c - ring; each side counts its pieces in its progress word."""
-    # where ranks share cores every hand-over may wait for a descheduled peer: fewer, larger pieces
-    chunk = min(STREAM_CHUNK if dp.engine.spin_s else 4 * STREAM_CHUNK, dp.slot_bytes)
-    if -(-raw.size // chunk) >> _CHUNK_BITS:
-        raise InvalidArgumentError(
-            f"{call.what}: {raw.size} bytes is more than {1 << _CHUNK_BITS} pieces of this group's "
-            f"{chunk}-byte shared-memory slot (raise TENSORWIRE_SHM_DIRECT)")
-    p = dp.enter(call)
-    slot = dp.seg.slots[root][p]
-    ring = dp.slot_bytes // chunk
-    base = call.seq << _CHUNK_BITS
-    words, progress = dp.words, dp.own + _PROGRESS
-    backoff = None
-    if dp.rank == root:
-        ab = dp.stamp(call, p)
-        for c, lo in enumerate(range(0, raw.size, chunk)):
-            if c >= ring:
-                for r in dp.others:
-                    backoff = dp.await_progress(call, r, base + c - ring + 1, p, ab, backoff)
-            at = c % ring * chunk
-            piece = raw[lo:lo + chunk]
-            slot[at:at + piece.size] = piece
-            words[progress] = base + c + 1
+class _Stream:
+    """One streamed call: each source's bytes pass through its slot as a ring of pieces. Piece
+    c goes to position c % ring once every reader has read piece c - ring; each rank counts
+    the pieces it wrote and the pieces it read (of every source) in its progress words. Every
+    rank publishes its flag on entry, so a waiting rank can check what a peer called."""
+
+    def __init__(self, dp: DirectPath, call, nbytes: int) -> None:
+        # where ranks share cores every hand-over may wait for a descheduled peer: fewer, larger pieces
+        chunk = min(STREAM_CHUNK if dp.engine.spin_s else 4 * STREAM_CHUNK, dp.slot_bytes)
+        if -(-nbytes // chunk) >> _CHUNK_BITS:
+            raise InvalidArgumentError(
+                f"{call.what}: {nbytes} bytes is more than {1 << _CHUNK_BITS} pieces of this group's "
+                f"{chunk}-byte shared-memory slot (raise TENSORWIRE_SHM_DIRECT)")
+        self.dp, self.call, self.chunk = dp, call, chunk
+        self.ring = dp.slot_bytes // chunk
+        self.pieces = range(0, nbytes, chunk)
+        self.parity = p = dp.enter(call)
         dp.publish(call, p)
-        return
-    dp.publish(call, p)  # entered: a root that waits for this rank can check what it called
-    ab = dp.prev_fp
-    for c, lo in enumerate(range(0, raw.size, chunk)):
-        backoff = dp.await_progress(call, root, base + c + 1, p, ab, backoff)
-        if c == 0:
-            dp.check_stamp(call, root, p, ab)
-        at = c % ring * chunk
-        piece = raw[lo:lo + chunk]
-        piece[...] = slot[at:at + piece.size]
-        words[progress] = base + c + 1
+        self.ab = dp.prev_fp
+        self.base = call.seq << _CHUNK_BITS
+        self.backoff: Backoff | None = None
+
+    def write(self, c: int, piece: np.ndarray, readers: tuple[int, ...]) -> None:
+        """Piece c of this rank's bytes into its slot, once `readers` have read piece c - ring."""
+        dp = self.dp
+        if c >= self.ring:
+            for r in readers:
+                self.backoff = dp.await_progress(self.call, r, _READ, self.base + c - self.ring + 1,
+                                                 self.parity, self.ab, self.backoff)
+        at = c % self.ring * self.chunk
+        dp.seg.slots[dp.rank][self.parity][at:at + piece.size] = piece
+        dp.words[dp.own + _WRITTEN] = self.base + c + 1
+
+    def read(self, c: int, source: int, piece: np.ndarray) -> None:
+        """Piece c of `source`'s bytes out of its slot, once it is there."""
+        dp = self.dp
+        self.backoff = dp.await_progress(self.call, source, _WRITTEN, self.base + c + 1, self.parity, self.ab,
+                                         self.backoff)
+        if c == 0:  # its stamps were published before its first piece
+            dp.check_stamp(self.call, source, self.parity, self.ab)
+        at = c % self.ring * self.chunk
+        piece[...] = dp.seg.slots[source][self.parity][at:at + piece.size]
+
+    def done_reading(self, c: int) -> None:
+        self.dp.words[self.dp.own + _READ] = self.base + c + 1
+
+
+def _stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:
+    stream = _Stream(dp, call, raw.size)
+    chunk = stream.chunk
+    for c, lo in enumerate(stream.pieces):
+        if dp.rank == root:
+            stream.write(c, raw[lo:lo + chunk], dp.others)
+        else:
+            stream.read(c, root, raw[lo:lo + chunk])
+            stream.done_reading(c)
+
+
+def _stream_all_gather(dp: DirectPath, call, raws: list[np.ndarray]) -> None:
+    """Every rank a source of its block: write piece c of it, then read piece c of the others'."""
+    stream = _Stream(dp, call, raws[0].size)
+    chunk, me = stream.chunk, dp.rank
+    for c, lo in enumerate(stream.pieces):
+        stream.write(c, raws[me][lo:lo + chunk], dp.others)
+        for r in dp.others:
+            stream.read(c, r, raws[r][lo:lo + chunk])
+        stream.done_reading(c)
 
 
 def direct_barrier(call) -> None:
@@ -400,6 +422,9 @@ def direct_barrier(call) -> None:
 
 def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
+    if blocks[0].nbytes > min(STREAM_CHUNK, dp.slot_bytes):
+        _stream_all_gather(dp, call, [b.view(np.uint8) for b in blocks])
+        return
     _, views = _publish_all(dp, call, [blocks[dp.rank]])
     for r, out in enumerate(blocks):
         if r != dp.rank:
@@ -441,7 +466,7 @@ _RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": d
         "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all}
 
 
-_SLOT_NEED = {"all_gather": lambda n, m: -(-m // n), "broadcast": lambda n, m: 0}  # broadcast: streams
+_SLOT_NEED = {"all_gather": lambda n, m: 0, "broadcast": lambda n, m: 0}  # they stream what is larger
 
 
 def _cost_of(collective: str):
@@ -452,18 +477,23 @@ def _cost_of(collective: str):
     return cost
 
 
-def _stream_cost(n: int, m: int, link: Link) -> float:
-    """A streamed broadcast: the copies in and out overlap but for the first piece, and each
-    refill of the root's slot is one more flag round (where ranks share cores, a round of
-    scheduling every rank). Priced with the default slot: TENSORWIRE_SHM_DIRECT is not seen."""
-    if m <= STREAM_CHUNK:
-        return _cost_of("broadcast")(n, m, link)
-    refills = -(-m // Config().direct_slot(n))
-    return refills * link.alpha + (m + STREAM_CHUNK) * link.beta
+def _streamed(collective: str):
+    """The cost of a collective that streams what is larger than one piece (broadcast, and
+    all_gather per block): one flag round per refill of a slot, and every rank's copies, in
+    and out, overlapping with the other ranks' but for one piece. Priced with the default slot:
+    TENSORWIRE_SHM_DIRECT is not seen."""
+    one_shot = _cost_of(collective)
+
+    def cost(n: int, m: int, link: Link) -> float:
+        source = m if collective == "broadcast" else -(-m // n)
+        if source <= STREAM_CHUNK:
+            return one_shot(n, m, link)
+        return -(-source // Config().direct_slot(n)) * link.alpha + (m + STREAM_CHUNK) * link.beta
+    return cost
 
 
 for _collective, _run in _RUN.items():
-    _cost = _stream_cost if _collective == "broadcast" else _cost_of(_collective)
+    _cost = (_streamed if _collective in _SLOT_NEED else _cost_of)(_collective)
     register(Algorithm("direct", _collective, _run, _cost, needs_direct=True,
                        out_of_place=_collective == "all_reduce",
                        slot_need=_SLOT_NEED.get(_collective)))
