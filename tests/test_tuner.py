@@ -146,6 +146,18 @@ def test_choice_on_both_sides_of_a_crossover(tier: str, n: int) -> None:
     assert costs[above].cost(n, 1 << 30, link) <= costs[below].cost(n, 1 << 30, link)
 
 
+def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
+    """Bruck's rounds forward what the previous round received, so on a busy host each waits
+    for its partner to be scheduled (Algorithm.exchanges): the tcp-n4 sweep measured it slower
+    than pairwise at every size. On idle cores its fewer rounds still win small messages."""
+    tcp = Link("tcp", alpha=105e-6, beta=1 / 1.18e9, gamma=1 / 8.7e9)  # tcp-n4 sweep constants
+    busy = Link("busy", alpha=187e-6, beta=1 / 1.82e9, gamma=1 / 8.7e9)
+    algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
+    for m in (16, 1 << 10, 64 << 10, 1 << 20):
+        assert tuner.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+    assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
+
+
 def test_choice_is_cached_per_group_and_size() -> None:
     g = _Group(4, "tcp")
     first = tuner.select(g, "all_reduce", 1 << 20)

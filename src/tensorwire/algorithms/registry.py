@@ -61,7 +61,8 @@ class Algorithm:
     such a step waits for both partners to be scheduled: the n=4 sweeps measured 2-2.7x the
     busy α per step, against about 1x for steps that send to one rank and receive from another
     (ring, pairwise, dissemination), which let ranks drift; recursive doubling's all_gather,
-    which exchanges but does not reduce, measured no such penalty. The tuner prices the work
+    which exchanges but does not reduce, measured no such penalty; Bruck's all_to_all, whose
+    rounds forward what the previous round received, measured it. The tuner prices the work
     of these algorithms with twice the busy α."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
