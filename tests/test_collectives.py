@@ -1462,9 +1462,9 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
 
 
 def rank_streamed() -> dict:
-    """Broadcasts and all_gather blocks past the shared-memory slot, forced onto the direct
-    path: each source refills its slot piece by piece as the slowest reader empties it
-    (shm_direct._Stream)."""
+    """Broadcasts, all_gather blocks and all_to_all sends past the shared-memory slot (and one
+    byte short of it), forced onto the direct path: each source refills its slot step by step
+    as the slowest reader empties it (shm_direct._Stream)."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
@@ -1500,26 +1500,39 @@ def rank_streamed() -> dict:
             tw.all_gather(outs, _pattern(count, me, dt))
             log.same(f"all_gather {count} x {np.dtype(dt).name}", np.stack(outs), want)
 
+    def all_to_alls():
+        for nbytes, dt in cases:
+            count = max(1, nbytes // np.dtype(dt).itemsize // n)
+            sends = [_pattern(n * count, r, dt) for r in range(n)]
+            out = np.zeros(n * count, dt)
+            log.case()
+            tw.all_to_all_single(out, sends[me])
+            want = np.concatenate([s[me * count:(me + 1) * count] for s in sends])
+            log.same(f"all_to_all_single {n} x {count} x {np.dtype(dt).name}", out, want)
+
     used = _count_algorithms(broadcasts, "broadcast")
     log.check(used == ["direct"] * 2 * n * len(cases), f"broadcast ran {used}")
     used = _count_algorithms(all_gathers, "all_gather")
     log.check(used == ["direct"] * 2 * len(cases), f"all_gather ran {used}")
+    used = _count_algorithms(all_to_alls, "all_to_all")
+    log.check(used == ["direct"] * len(cases), f"all_to_all ran {used}")
     return log.result()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("size,slot", [(2, ""), (3, "16K"), (4, ""), (5, "16K")])
-def test_streamed_broadcast_and_all_gather(size: int, slot: str) -> None:
-    """Pieces of 128 KiB through a 1 MiB slot (n=2), of 512 KiB where ranks share cores (n=4),
-    and a 16 KiB slot that holds one piece, so a source waits for every reader each time."""
-    env = {"TENSORWIRE_ALGO": "broadcast:direct,allgather:direct",
+def test_streamed_broadcast_all_gather_all_to_all(size: int, slot: str) -> None:
+    """Pieces of 512 KiB through a 1 MiB slot (all_to_all at n=4: a third of it, in whole
+    pages), and a 16 KiB slot that holds one step, so a source waits for every reader each
+    time."""
+    env = {"TENSORWIRE_ALGO": "broadcast:direct,allgather:direct,alltoall:direct",
            **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
     cluster = Cluster(size, env)
     try:
         results = cluster.run(rank_streamed, timeout=150)
     finally:
         cluster.close()
-    _expect(results, 2 * (size + 1) * 7)
+    _expect(results, (2 * size + 3) * 7)
 
 
 # =========================================================================== property-based

@@ -312,8 +312,8 @@ def test_collective_on_a_group_this_rank_is_not_in(cluster: Any) -> None:
 # A detected mismatch takes milliseconds (a few tens when no message crosses and a waiter has to
 # ask its peers); the timeout is generous so a loaded machine cannot fail a case.
 TIMEOUT = 5.0
-SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, past the single-piece broadcast
-         "stream": 1 << 20}  # 4 MiB: a streamed broadcast refills the root's slot several times
+SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, the one shot or the message path
+         "stream": 1 << 20}  # 4 MiB: past the 1 MiB slots, streamed (the root refills its slot)
 
 
 def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
