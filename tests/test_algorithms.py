@@ -29,7 +29,7 @@ import pytest
 import tensorwire as tw
 from tensorwire import ops, tuner
 from tensorwire.algorithms.base import blocks_of, contiguous_span
-from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
+from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.transport.wire import Coll, Fingerprint
 
@@ -436,6 +436,16 @@ def test_cost_formulas_positive_finite_monotonic() -> None:
                     assert all(a <= b for a, b in zip(costs, costs[1:])), (*where, costs)
                     checked += 1
     assert checked == sum(len(algorithms_for(c)) for c in COLLECTIVES) * len(LINKS) * len(COST_RANKS)
+
+
+@pytest.mark.parametrize("collective,n,m,need", [
+    ("broadcast", 2, 16, 16), ("broadcast", 2, 1 << 30, 64), ("all_gather", 4, 1 << 30, 64),
+    ("all_to_all", 4, 100, 100), ("all_to_all", 4, 1 << 30, 192)])
+def test_streamed_direct_needs_a_slot_with_room_for_a_piece_per_stream(collective, n, m, need) -> None:
+    """Past the slot the direct path streams any size, but a slot smaller than one 64-byte
+    piece per stream cannot (a 32-byte TENSORWIRE_SHM_DIRECT divided by zero): the tuner
+    must then leave it out."""
+    assert slot_bytes(algorithms_for(collective)["direct"], n, m) == need
 
 
 @pytest.mark.timeout(60)

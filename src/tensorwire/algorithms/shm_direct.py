@@ -79,9 +79,6 @@ class DirectPath:
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
         self._views: dict[tuple[np.dtype, int, int], tuple[tuple[np.ndarray, ...], ...]] = {}
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.slot_bytes
-
     def views(self, dtype: np.dtype, count: int, offset: int = 0) -> tuple[tuple[np.ndarray, ...], ...]:
         """Per parity, every rank's slot as `count` elements of `dtype` from byte `offset`.
 
@@ -492,7 +489,8 @@ _RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": d
         "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all}
 
 
-_SLOT_NEED = {"all_gather": lambda n, m: 0, "broadcast": lambda n, m: 0,  # they stream what is larger
+# What does not fit a slot streams through it, given room for a 64-byte piece per stream
+_SLOT_NEED = {"broadcast": lambda n, m: min(m, 64), "all_gather": lambda n, m: min(-(-m // n), 64),
               "all_to_all": lambda n, m: min(m, 64 * (n - 1))}
 
 
