@@ -1461,20 +1461,30 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
     _expect(results, len(ALGO_PAIRS) * 5)
 
 
-def rank_streamed() -> dict:
+def _misaligned(count: int, dt, shift: int) -> np.ndarray:
+    """Zeros `shift` bytes into a fresh buffer (reads across processes have slow offsets)."""
+    raw = np.zeros(count * np.dtype(dt).itemsize + shift, np.uint8)
+    return raw[shift:].view(dt)
+
+
+def rank_large_direct(algorithm: str = "direct") -> dict:
     """Broadcasts, all_gather blocks and all_to_all sends past the shared-memory slot (and one
-    byte short of it), forced onto the direct path: each source refills its slot step by step
-    as the slowest reader empties it (shm_direct._Stream)."""
+    byte short of it), forced onto `algorithm`. direct: each source refills its slot step by
+    step as the slowest reader empties it (shm_direct._Stream). single_copy (no broadcast):
+    readers copy out of the sources' buffers, from every offset modulo 4096 that matters to
+    them (transport/cma.py's bounce window included)."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
     slot = g.direct.slot_bytes
-    cases = [(nbytes, dt) for nbytes in (slot - 1, slot + 1, 3 * slot + 13)
+    cases = [(nbytes, dt, 0) for nbytes in (slot - 1, slot + 1, 3 * slot + 13)
              for dt in (np.uint8, np.complex64)]
-    cases.append(((5 << 20) + 3, np.float64))
+    cases.append(((5 << 20) + 3, np.float64, 0))
+    if algorithm == "single_copy":
+        cases += [((1 << 20) + 5, np.uint8, shift) for shift in (1, 16, 63, 64, 2048)]
 
     def broadcasts():
-        for nbytes, dt in cases:
+        for nbytes, dt, _ in cases:
             count = max(1, nbytes // np.dtype(dt).itemsize)
             for root in range(n):
                 want = _pattern(count, root, dt)
@@ -1488,34 +1498,35 @@ def rank_streamed() -> dict:
                 log.same(f"broadcast {count} x {np.dtype(dt).name} from {root} into out", out, want)
 
     def all_gathers():
-        for nbytes, dt in cases:
+        for nbytes, dt, shift in cases:
             count = max(1, nbytes // np.dtype(dt).itemsize)
             want = np.stack([_pattern(count, r, dt) for r in range(n)])
-            out = np.zeros((n, count), dt)
+            out = _misaligned(n * count, dt, shift * me).reshape(n, count)
             log.case()
             tw.all_gather_into_tensor(out, _pattern(count, me, dt))
-            log.same(f"all_gather_into_tensor {count} x {np.dtype(dt).name}", out, want)
-            outs = [np.zeros(count, dt) for _ in range(n)]
+            log.same(f"all_gather_into_tensor {count} x {np.dtype(dt).name} at +{shift * me}", out, want)
+            outs = [_misaligned(count, dt, shift * r) for r in range(n)]
             log.case()
             tw.all_gather(outs, _pattern(count, me, dt))
             log.same(f"all_gather {count} x {np.dtype(dt).name}", np.stack(outs), want)
 
     def all_to_alls():
-        for nbytes, dt in cases:
+        for nbytes, dt, shift in cases:
             count = max(1, nbytes // np.dtype(dt).itemsize // n)
             sends = [_pattern(n * count, r, dt) for r in range(n)]
-            out = np.zeros(n * count, dt)
+            out = _misaligned(n * count, dt, shift * me)
             log.case()
             tw.all_to_all_single(out, sends[me])
             want = np.concatenate([s[me * count:(me + 1) * count] for s in sends])
-            log.same(f"all_to_all_single {n} x {count} x {np.dtype(dt).name}", out, want)
+            log.same(f"all_to_all_single {n} x {count} x {np.dtype(dt).name} at +{shift * me}", out, want)
 
-    used = _count_algorithms(broadcasts, "broadcast")
-    log.check(used == ["direct"] * 2 * n * len(cases), f"broadcast ran {used}")
+    if algorithm == "direct":
+        used = _count_algorithms(broadcasts, "broadcast")
+        log.check(used == [algorithm] * 2 * n * len(cases), f"broadcast ran {used}")
     used = _count_algorithms(all_gathers, "all_gather")
-    log.check(used == ["direct"] * 2 * len(cases), f"all_gather ran {used}")
+    log.check(used == [algorithm] * 2 * len(cases), f"all_gather ran {used}")
     used = _count_algorithms(all_to_alls, "all_to_all")
-    log.check(used == ["direct"] * len(cases), f"all_to_all ran {used}")
+    log.check(used == [algorithm] * len(cases), f"all_to_all ran {used}")
     return log.result()
 
 
@@ -1529,10 +1540,58 @@ def test_streamed_broadcast_all_gather_all_to_all(size: int, slot: str) -> None:
            **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
     cluster = Cluster(size, env)
     try:
-        results = cluster.run(rank_streamed, timeout=150)
+        results = cluster.run(rank_large_direct, timeout=150)
     finally:
         cluster.close()
     _expect(results, (2 * size + 3) * 7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_single_copy_all_gather_all_to_all(size: int) -> None:
+    """Readers copy straight out of the sources' buffers (process_vm_readv), at offsets that
+    take the kernel's fast copy and at those that go through the bounce buffer."""
+    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allgather:single_copy,alltoall:single_copy",
+                             "TENSORWIRE_SINGLE_COPY": "force"})  # n=3 outnumbers CI's 2 cores
+    try:
+        results = cluster.run(rank_large_direct, "single_copy", timeout=100)
+    finally:
+        cluster.close()
+    _expect(results, 3 * 12)
+
+
+def rank_single_copy_refused() -> dict:
+    """One rank refuses single copy (as with TENSORWIRE_SINGLE_COPY=0 there) when a group is
+    made: the group agrees on no single copy, the tuner leaves it out, the calls still work."""
+    world = tw.world()
+    n, me = world.size, world.rank
+    log = _Log()
+    log.check(world.direct.single_copy, "the world group reads peers' memory")
+    names = [name for _, name, _ in tuner.decide(world, "all_gather", 64 << 20).priced]
+    log.check("single_copy" in names, f"world all_gather candidates {names}")
+    rt = world.runtime
+    if me == 1:
+        rt.config = dataclasses.replace(rt.config, single_copy="0")
+    sub = tw.new_group()
+    log.check(sub.direct is not None and not sub.direct.single_copy, "no single copy on the new group")
+    names = [name for _, name, _ in tuner.decide(sub, "all_gather", 64 << 20).priced]
+    log.check("single_copy" not in names, f"all_gather candidates {names}")
+    count = (4 << 20) // 4
+    out = np.zeros((n, count), np.float32)
+    log.case()
+    tw.all_gather_into_tensor(out, _pattern(count, me, np.float32), group=sub)
+    log.same("all_gather 4 MiB blocks", out, np.stack([_pattern(count, r, np.float32) for r in range(n)]))
+    return log.result()
+
+
+@pytest.mark.timeout(60)
+def test_single_copy_off_when_a_rank_refuses() -> None:
+    cluster = Cluster(3, {"TENSORWIRE_SINGLE_COPY": "force"})
+    try:
+        results = cluster.run(rank_single_copy_refused, timeout=45)
+    finally:
+        cluster.close()
+    _expect(results, 1)
 
 
 # =========================================================================== property-based

@@ -28,6 +28,7 @@ import pytest
 
 import tensorwire as tw
 from cluster import free_port
+from tensorwire import tuner
 from tensorwire.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -313,12 +314,17 @@ def test_collective_on_a_group_this_rank_is_not_in(cluster: Any) -> None:
 # ask its peers); the timeout is generous so a loaded machine cannot fail a case.
 TIMEOUT = 5.0
 SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, the one shot or the message path
-         "stream": 1 << 20}  # 4 MiB: past the 1 MiB slots, streamed (the root refills its slot)
+         "stream": 1 << 20,  # 4 MiB: past the 1 MiB slots, streamed (the root refills its slot)
+         "single": 1 << 20}  # 4 MiB read across processes, where the group has single copy
 
 
 def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
-    r, n = g.rank, g.size
     base, _, large = case.partition(":")
+    if large == "single" and g.direct is not None and g.direct.single_copy:
+        with tuner.override(g, {"all_to_all_count": "all_to_all"}.get(base, "all_gather"), "single_copy"):
+            _mismatched_call(base + ":stream", g, t)
+        return
+    r, n = g.rank, g.size
     m = SIZES[large]
     x = np.ones(m, np.float32)
     if base == "collective":
@@ -342,6 +348,9 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     elif base == "all_gather_count":
         inp = np.ones(m + r, np.float32)
         g.all_gather_into_tensor(np.empty(n * inp.size, np.float32), inp, timeout=t)
+    elif base == "all_to_all_count":
+        inp = np.ones(n * (m + r), np.float32)
+        g.all_to_all_single(np.empty_like(inp), inp, timeout=t)
     elif base == "gather_dtype":
         dt = np.int32 if r == n - 1 else np.float32
         outs = [np.empty(m, dt) for _ in range(n)] if r == 0 else None
@@ -388,6 +397,8 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "collective:stream": ("collective", "all_reduce", "broadcast"),
     "all_gather_count": ("all_gather_into_tensor", "count"),
     "all_gather_count:stream": ("all_gather_into_tensor", "count"),
+    "all_gather_count:single": ("all_gather_into_tensor", "count"),
+    "all_to_all_count:single": ("all_to_all_single", "count"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),
     "all_gatherv_total": ("all_gatherv", "count"),

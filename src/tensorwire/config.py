@@ -90,6 +90,11 @@ class Config:
     """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
     keep_memory: bool = True
     """Keep freed memory in the process, so temporaries reuse warm pages (TENSORWIRE_KEEP_MEMORY)."""
+    single_copy: str = "1"
+    """Let ranks on one host copy large messages straight out of each other's memory
+    (process_vm_readv; under Yama ptrace_scope 1 this declares any process a permitted
+    tracer, as Open MPI does): '0' never, '1' unless ranks outnumber cores (slower there),
+    'force' wherever the kernel allows (TENSORWIRE_SINGLE_COPY)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -109,6 +114,7 @@ class Config:
             tuning_file=os.environ.get("TENSORWIRE_TUNING_FILE", "").strip(),
             cache_dir=os.environ.get("TENSORWIRE_CACHE_DIR", "").strip(),
             keep_memory=_env_bool("TENSORWIRE_KEEP_MEMORY", True),
+            single_copy=os.environ.get("TENSORWIRE_SINGLE_COPY", "1").strip().lower() or "1",
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
@@ -117,6 +123,9 @@ class Config:
         if cfg.calibrate not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
                              f"cached) or force (probe and rewrite the cache)")
+        if cfg.single_copy not in ("0", "1", "force"):
+            raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (unless "
+                             f"ranks outnumber cores) or force (wherever the kernel allows)")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:

@@ -275,7 +275,8 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     out = []
     for alg in algorithms_for(collective).values():
         if alg.needs_direct and (not direct_ok or direct is None
-                                 or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes):
+                                 or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
+                                 or (alg.needs_single_copy and not direct.single_copy)):
             continue
         if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
             out.append(alg)

@@ -11,5 +11,6 @@ from . import (  # noqa: F401
     ring,
     scatter_allgather,
     shm_direct,
+    single_copy,
     tree,
 )

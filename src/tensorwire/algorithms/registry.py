@@ -52,6 +52,9 @@ class Algorithm:
     """Runs on the group's shared segment (single-host groups only)."""
     slot_need: Callable[[int, int], int] | None = None
     """needs_direct only: bytes of its slot one rank fills for (ranks, bytes); None: all of them."""
+    needs_single_copy: bool = False
+    """needs_direct only: reads peers' memory directly (cross-memory attach, transport/cma.py),
+    which a group's setup enables only where every rank could."""
     out_of_place: bool = False
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""

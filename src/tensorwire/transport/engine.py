@@ -89,6 +89,7 @@ class Engine:
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
+        self.oversubscribed = False  # more ranks on this host than usable cores (adapt_spin)
         self._sockets: list = []
         self._channel_list: list = []
         self._tick = 0
@@ -265,7 +266,8 @@ class Engine:
         """With more ranks on this host than cores to run them, a spinning waiter only keeps
         the rank it waits for off the CPU: yield at once instead (unless TENSORWIRE_SPIN_US says)."""
         cores = len(os.sched_getaffinity(0))
-        if local_ranks > cores and not self._spin_fixed:
+        self.oversubscribed = local_ranks > cores
+        if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
             _log.info("rank %d: %d ranks on this host, %d usable cores: oversubscribed, waiters yield "
                       "at once instead of spinning", self.rank, local_ranks, cores)
