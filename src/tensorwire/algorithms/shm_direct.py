@@ -253,6 +253,18 @@ class DirectPath:
                 raise self.engine.lost_error(peer)
         return backoff
 
+    def mark_read(self, call, steps: int) -> None:
+        """This rank has read `steps` steps of every source in `call` (its _READ progress word)."""
+        self.words[self.own + _READ] = (call.seq << _CHUNK_BITS) + steps
+
+    def await_readers(self, call, readers: tuple[int, ...], steps: int, parity: int, ab: tuple[int, int],
+                      backoff: Backoff | None) -> Backoff | None:
+        """Wait until every one of `readers` has read `steps` steps of `call` (see await_progress)."""
+        target = (call.seq << _CHUNK_BITS) + steps
+        for r in readers:
+            backoff = self.await_progress(call, r, _READ, target, parity, ab, backoff)
+        return backoff
+
     def _mismatch_with(self, call, r: int) -> CollectiveMismatchError:
         words, line = self.seg.words, self.seg.lines[r]
         for parity in (0, 1):
@@ -408,9 +420,8 @@ class _Stream:
         step c - ring."""
         dp = self.dp
         if c >= self.ring:
-            for r in readers:
-                self.backoff = dp.await_progress(self.call, r, _READ, self.base + c - self.ring + 1,
-                                                 self.parity, self.ab, self.backoff)
+            self.backoff = dp.await_readers(self.call, readers, c - self.ring + 1, self.parity, self.ab,
+                                            self.backoff)
         at, slot = c % self.ring * self.step, dp.seg.slots[dp.rank][self.parity]
         for piece in pieces:
             slot[at:at + piece.size] = piece
@@ -428,7 +439,7 @@ class _Stream:
         piece[...] = dp.seg.slots[source][self.parity][at:at + piece.size]
 
     def done_reading(self, c: int) -> None:
-        self.dp.words[self.dp.own + _READ] = self.base + c + 1
+        self.dp.mark_read(self.call, c + 1)
 
 
 def _stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:

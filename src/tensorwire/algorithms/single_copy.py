@@ -1,11 +1,10 @@
 """Single copy on one host: readers copy large messages straight out of their source's buffer.
 
 An all_gather or all_to_all on the direct path moves every byte twice, into the source's slot
-and out of it (one shot or streamed). Here
-a source publishes the addresses of its buffers in its slot instead, each reader copies what
-it needs directly out of the source process (cross-memory attach, transport/cma.py) and then
-marks itself done in its progress word; a source returns only once its readers are done, as
-its buffer must not change under them. Two flag rounds, and one copy of each byte received.
+and out of it (one shot or streamed). Here a source publishes the addresses of its buffers in
+its slot instead, each reader copies what it needs directly out of the source process
+(cross-memory attach, transport/cma.py) and then marks itself done in its progress word; a
+source returns only once its readers are done, as its buffer must not change under them. Two flag rounds, and one copy of each byte received.
 Mismatched calls are caught as on the direct path: every rank publishes its fingerprint first,
 and a source waiting for a reader checks what that reader published.
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .registry import Algorithm, register
-from .shm_direct import _CHUNK_BITS, _READ, MEMORY_COST, DirectPath, volume_cost
+from .shm_direct import MEMORY_COST, DirectPath, volume_cost
 
 _WORD = np.dtype(np.uint64)
 
@@ -39,11 +38,8 @@ def _fetch(dp: DirectPath, p: int, source: int, index: int, dst: np.ndarray) -> 
 
 def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
     """Mark this rank's reads done; wait until `readers` are done with this rank's buffers."""
-    done = (call.seq << _CHUNK_BITS) + 1
-    dp.words[dp.own + _READ] = done
-    backoff = None
-    for r in readers:
-        backoff = dp.await_progress(call, r, _READ, done, p, dp.prev_fp, backoff)
+    dp.mark_read(call, 1)
+    dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
 
 
 def _sources(dp: DirectPath) -> list[int]:

@@ -50,10 +50,6 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def available() -> bool:
-    return _libc() is not None
-
-
 @functools.cache
 def allow_peers() -> str:
     """Let processes of this user read this one's memory; '' or why they still cannot."""
