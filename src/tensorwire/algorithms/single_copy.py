@@ -4,9 +4,10 @@ An all_gather or all_to_all on the direct path moves every byte twice, into the 
 and out of it (one shot or streamed). Here a source publishes the addresses of its buffers in
 its slot instead, each reader copies what it needs directly out of the source process
 (cross-memory attach, transport/cma.py) and then marks itself done in its progress word; a
-source returns only once its readers are done, as its buffer must not change under them. Two flag rounds, and one copy of each byte received.
-Mismatched calls are caught as on the direct path: every rank publishes its fingerprint first,
-and a source waiting for a reader checks what that reader published.
+source returns only once its readers are done, as its buffer must not change under them. Two
+flag rounds, and one copy of each byte received. Mismatched calls are caught as on the direct
+path: every rank publishes its fingerprint first, and a source waiting for a reader checks
+what that reader published.
 """
 
 from __future__ import annotations
