@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tensorwire import ops
-from tensorwire.buffers import as_array, byte_view, flat, like_torch
+from tensorwire.buffers import as_array, byte_view, copy, flat, like_torch
 from tensorwire.errors import InvalidArgumentError
 from tensorwire.ops import (
     ReduceOp,
@@ -617,3 +617,27 @@ def test_like_torch_zero_copy(tdtype: str) -> None:
     assert out[2].item() == 1
     with pytest.raises(InvalidArgumentError):
         like_torch(template, np.zeros(4, np.complex128))
+
+
+@pytest.mark.parametrize("nbytes", [4096, 16 << 10, (64 << 10) + 24, 300 << 10])
+@pytest.mark.parametrize("shift", [0, 8, 16, 24, 31, 32, 48, 2048, 4088])
+def test_copy_is_bitwise_at_every_offset(nbytes: int, shift: int) -> None:
+    """copy() takes a vector loop where memcpy meets its slow window (1-31 bytes past the source
+    modulo 4096): the bytes must come out identical there, NaN payloads and -0.0 included."""
+    rng = np.random.default_rng(shift + nbytes)
+    pool = np.zeros(3 * nbytes + 16384, np.uint8)
+    src_at = (-pool.ctypes.data) % 4096 + 4096  # page-aligned source
+    dst_at = src_at + (nbytes + 4095) // 4096 * 4096 + 4096 + shift
+    for dt in (np.uint8, np.float32, np.float64):
+        count = nbytes // np.dtype(dt).itemsize
+        src = pool[src_at:src_at + count * np.dtype(dt).itemsize].view(dt)
+        dst = pool[dst_at:dst_at + src.nbytes].view(dt)
+        src.view(np.uint8)[...] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
+        if dt is not np.uint8:
+            src[:2] = [-0.0, np.nan]
+        copy(dst, src)
+        assert (dst.ctypes.data - src.ctypes.data) % 4096 == shift
+        assert dst.tobytes() == src.tobytes()
+    cast = np.zeros(count, np.float64)  # a different dtype still casts, as np.copyto does
+    copy(cast, np.arange(count, dtype=np.int32))
+    assert cast[-1] == count - 1

@@ -19,7 +19,7 @@ import numpy as np
 from . import tuner
 from .algorithms.base import blocks_of
 from .algorithms.shm_direct import AllReducePlan
-from .buffers import as_array, byte_view
+from .buffers import as_array, byte_view, copy
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
 from .transport.wire import Coll, Fingerprint
@@ -67,7 +67,7 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
     elif alg is not None and alg.out_of_place:
         alg.run(call, flat, red.op, src.reshape(-1))
     else:
-        np.copyto(flat, src.reshape(-1))
+        copy(flat, src.reshape(-1))
         if alg is not None:
             alg.run(call, flat, red.op)
     finalize(flat, red, group.size)
@@ -83,7 +83,7 @@ def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root:
     group = call.group
     flat = target if target.ndim == 1 else target.reshape(-1)
     if group.rank == root and target is not data:
-        np.copyto(flat, data.reshape(-1))
+        copy(flat, data.reshape(-1))
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
     if run is not None:
@@ -102,7 +102,7 @@ def _reduce(call: CollectiveCall, src: np.ndarray, target: np.ndarray, red: Redu
     if run is not None:
         run(call, data, acc, red.op, root)
     elif acc is not data:
-        np.copyto(acc, data)
+        copy(acc, data)
     if group.rank == root:
         finalize(acc, red, group.size)
     return result
@@ -116,7 +116,7 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
     mine = flats[group.rank]
     if not _same_memory(mine, inp):
-        np.copyto(mine, inp.reshape(-1))
+        copy(mine, inp.reshape(-1))
     if run is _SELECT:
         run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
     if run is not None:

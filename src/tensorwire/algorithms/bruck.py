@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 
+from ..buffers import copy
 from ..transport.wire import Coll
 from .base import P2P, exchange, offsets_of
 from .pairwise import pairwise_all_to_all
@@ -49,7 +50,7 @@ def bruck_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
         dist <<= 1
         step += 1
     for j in range(1, n):
-        np.copyto(blocks[order[j]], buf[offs[j]:offs[j + 1]])
+        copy(blocks[order[j]], buf[offs[j]:offs[j + 1]])
 
 
 def _call_is(p2p: P2P, coll: Coll) -> bool:
@@ -73,7 +74,7 @@ def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray])
         pairwise_all_to_all(p2p, sends, recvs)
         return
     n, r = p2p.size, p2p.rank
-    np.copyto(recvs[r], sends[r])
+    copy(recvs[r], sends[r])
     if n == 1:
         return
     even = _call_is(p2p, Coll.ALL_TO_ALL)
@@ -110,7 +111,7 @@ def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray])
         step += 1
     for j in range(1, n):
         if held[j] is not recvs[(r - j) % n]:
-            np.copyto(recvs[(r - j) % n], held[j])
+            copy(recvs[(r - j) % n], held[j])
 
 
 # Costs (Thakur, Rabenseifner & Gropp 2005) plus the local rotation the paper describes but

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P
 from .rank_ordered import fold_in_rank_order
@@ -19,7 +20,7 @@ def linear_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | No
     assert recv_blocks is not None
     reqs = [p2p.irecv(peer, recv_blocks[peer], 0) for peer in range(p2p.size) if peer != root]
     if recv_blocks[root] is not send:
-        np.copyto(recv_blocks[root], send)
+        copy(recv_blocks[root], send)
     p2p.wait(*reqs)
 
 
@@ -30,7 +31,7 @@ def linear_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.ndar
     assert send_blocks is not None
     reqs = [p2p.isend(peer, send_blocks[peer], 0) for peer in range(p2p.size) if peer != root]
     if send_blocks[root] is not recv:
-        np.copyto(recv, send_blocks[root])
+        copy(recv, send_blocks[root])
     p2p.wait(*reqs)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, exchange
 from .registry import Algorithm, Link, register
@@ -17,7 +18,7 @@ from .registry import Algorithm, Link, register
 def pairwise_all_to_all(p2p: P2P, send_blocks: list[np.ndarray], recv_blocks: list[np.ndarray]) -> None:
     """Step s: send to rank+s, receive from rank-s; one partner pair per step, n-1 steps."""
     n, r = p2p.size, p2p.rank
-    np.copyto(recv_blocks[r], send_blocks[r])
+    copy(recv_blocks[r], send_blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
         exchange(p2p, dst, send_blocks[dst], src, recv_blocks[src], s)
@@ -30,7 +31,7 @@ def _pairwise_cost(n: int, nbytes: int, link: Link) -> float:
 def pairwise_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     """Step s: my copy of block rank+s to its owner; rank-s's copy of my block reduced into `out`."""
     n, r = p2p.size, p2p.rank
-    np.copyto(out, blocks[r])
+    copy(out, blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
         exchange(p2p, dst, blocks[dst], src, out, s, reduce=op)

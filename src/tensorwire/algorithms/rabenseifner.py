@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, offsets_of, split_counts
 from .recursive_doubling import acting_rank, doubling_all_gather, fold_shape, halving_reduce_scatter
@@ -30,7 +31,7 @@ def rabenseifner_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.nd
     n, r = p2p.size, p2p.rank
     if n == 1:
         if src is not None:
-            np.copyto(data, src)
+            copy(data, src)
         return
     p, rem = fold_shape(n)
     inputs = src

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp, reduce_into
 from .base import P2P, blocks_of, split_counts
 from .registry import Algorithm, Link, register
@@ -43,7 +44,7 @@ def fold_in_rank_order(p2p: P2P, acc: np.ndarray, own: np.ndarray, op: ReduceOp,
         if r == me:
             if r == 0:
                 if acc is not own:
-                    np.copyto(acc, own)
+                    copy(acc, own)
             else:
                 reduce_into(acc, own, op)
         elif r == 0:
@@ -69,7 +70,7 @@ def rank_ordered_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
     fold_in_rank_order(p2p, acc, mine, op, _CONTRIBUTE)
     p2p.wait(*sends)  # before the gather overwrites the blocks they read
     if acc is not mine:
-        np.copyto(mine, acc)
+        copy(mine, acc)
     reqs = [p2p.isend(r, mine, _GATHER) for r in range(n) if r != me and mine.size]
     reqs += [p2p.irecv(r, b, _GATHER) for r, b in enumerate(blocks) if r != me and b.size]
     p2p.wait(*reqs)
@@ -90,7 +91,7 @@ def rank_ordered_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceO
         return
     out = blocks_of(acc, counts)
     reqs = [p2p.irecv(r, b, _GATHER) for r, b in enumerate(out) if r != me and b.size]
-    np.copyto(out[me], part)
+    copy(out[me], part)
     p2p.wait(*reqs)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp, reduce_into
 from .base import P2P, contiguous_span, exchange, offsets_of, packed
 from .registry import Algorithm, Link, register
@@ -37,7 +38,7 @@ def _combine(data: np.ndarray, incoming: np.ndarray, op: ReduceOp, mine_first: b
         reduce_into(data, incoming, op)
     else:
         reduce_into(incoming, data, op)
-        np.copyto(data, incoming)
+        copy(data, incoming)
 
 
 def recursive_doubling_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> None:
@@ -171,7 +172,7 @@ def recursive_doubling_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
     if staged:
         for i, b in enumerate(blocks):
             if i != r:
-                np.copyto(b, buf[offs[i]:offs[i + 1]])
+                copy(b, buf[offs[i]:offs[i + 1]])
 
 
 # -- reduce_scatter -------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np
     its blocks form one span); block `rank` lands in `out`."""
     n, r = p2p.size, p2p.rank
     if n == 1:
-        np.copyto(out, blocks[0])
+        copy(out, blocks[0])
         return
     offs = offsets_of([b.size for b in blocks])
     p, rem = fold_shape(n)
@@ -197,7 +198,7 @@ def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np
     vr = r // 2 if r < 2 * rem else r - rem
     halving_reduce_scatter(p2p, work, lambda v: offs[first_rank(v, rem)], vr, p,
                            lambda v: acting_rank(v, rem), op, 1, inputs)
-    np.copyto(out, work[offs[r]:offs[r + 1]])
+    copy(out, work[offs[r]:offs[r + 1]])
     if r < 2 * rem:
         p2p.wait(p2p.isend(r - 1, work[offs[r - 1]:offs[r]], _RESULT_STEP))
 

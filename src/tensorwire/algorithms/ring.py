@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, blocks_of, exchange, split_counts
 from .registry import Algorithm, Link, register
@@ -43,7 +44,7 @@ def ring_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | 
     (or, given `src`, the reduction of src lands in data without copying src there first)."""
     n = p2p.size
     if n == 1 and src is not None:
-        np.copyto(data, src)
+        copy(data, src)
     counts = split_counts(len(data), n)
     blocks = blocks_of(data, counts)
     inputs = None if src is None else blocks_of(src, counts)
@@ -59,7 +60,7 @@ def ring_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op:
     received while the other is sent on) and the last one, block `rank`, lands in `out`."""
     n, r = p2p.size, p2p.rank
     if n == 1:
-        np.copyto(out, blocks[0])
+        copy(out, blocks[0])
         return
     scratch = np.empty((2, max(b.size for b in blocks)), out.dtype)
     dest = list(blocks)  # the block sent first is never received: its entry is not used

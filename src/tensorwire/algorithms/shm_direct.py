@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..buffers import copy
 from ..config import Config
 from ..errors import CollectiveMismatchError, InvalidArgumentError
 from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel
@@ -492,7 +493,7 @@ def _stream_all_to_all(dp: DirectPath, call, sends: list[np.ndarray], recvs: lis
     """Every rank a source of n-1 streams, one per reader: rank s's stream k is for rank
     s + 1 + k (mod n), so reader r finds its own at k = r - s - 1 (mod n)."""
     n, me = dp.size, dp.rank
-    recvs[me][...] = sends[me]
+    copy(recvs[me], sends[me])
     stream = _Stream(dp, call, sends[0].size, n - 1)
     chunk = stream.chunk
     readers = tuple((me + 1 + k) % n for k in range(n - 1))

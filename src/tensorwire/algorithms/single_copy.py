@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..buffers import copy
 from .registry import Algorithm, register
 from .shm_direct import MEMORY_COST, DirectPath, volume_cost
 
@@ -59,7 +60,7 @@ def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
 def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
     p = _offer(dp, call, sends, dp.everyone)
-    recvs[dp.rank][...] = sends[dp.rank]
+    copy(recvs[dp.rank], sends[dp.rank])
     for r in _sources(dp):
         _fetch(dp, p, r, dp.rank, recvs[r])
     _finish(dp, call, p, dp.others)

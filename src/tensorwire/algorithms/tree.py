@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P
 from .registry import Algorithm, Link, register
@@ -52,7 +53,7 @@ def binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, r
             child = vr | mask
             if child < n:
                 if current is not acc:
-                    np.copyto(acc, current)
+                    copy(acc, current)
                     current = acc
                 p2p.wait(p2p.irecv((child + root) % n, acc, mask, reduce=op))
         else:
@@ -60,7 +61,7 @@ def binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, r
             return
         mask <<= 1
     if current is not acc:
-        np.copyto(acc, current)
+        copy(acc, current)
 
 
 def _broadcast_cost(n: int, m: int, link: Link) -> float:
@@ -133,7 +134,7 @@ def binomial_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | 
     if vr == 0:
         assert recv_blocks is not None
         if recv_blocks[root] is not send:
-            np.copyto(recv_blocks[root], send)
+            copy(recv_blocks[root], send)
         reqs, unpack = [], []
         for c in kids:
             size = _subtree(c, n)
@@ -148,7 +149,7 @@ def binomial_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | 
         for tmp, dests in unpack:
             start = 0
             for d in dests:
-                np.copyto(d, tmp[start:start + d.size])
+                copy(d, tmp[start:start + d.size])
                 start += d.size
         return
     parent = real(vr - (vr & -vr))
@@ -183,7 +184,7 @@ def binomial_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.nd
     if vr == 0:
         assert send_blocks is not None
         if send_blocks[root] is not recv:
-            np.copyto(recv, send_blocks[root])
+            copy(recv, send_blocks[root])
         reqs = []
         for c in kids:
             size = _subtree(c, n)
@@ -204,7 +205,7 @@ def binomial_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.nd
     offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
     buf = np.empty(offs[-1], dtype=recv.dtype)
     p2p.wait(p2p.irecv(parent, buf, _DATA_STEP))
-    np.copyto(recv, buf[:offs[1]])
+    copy(recv, buf[:offs[1]])
     reqs = []
     for c in kids:
         lo, hi = c - vr, c - vr + _subtree(c, n)

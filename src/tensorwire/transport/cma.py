@@ -29,7 +29,10 @@ ALIAS_WINDOW = 64
 when the destination lies 1-31 bytes past the source modulo 4096 (measured at 4 MiB: 1.5 GB/s
 against 5-7.7 GB/s at other offsets; 32 bytes still 20% slow). A read whose offsets fall in
 this window goes through a bounce buffer at a good offset instead (see `read_into`)."""
-_BOUNCE = 256 << 10  # bytes per bounced piece: in L2, so the second copy is cheap
+_BOUNCE = 1 << 20
+"""Bytes per bounced piece: a read costs ~10 us before its first byte, so pieces are large
+(4 MiB at n=2: 0.64-0.69 ms in 1 MiB pieces, 1.05-1.07 ms in 256 KiB ones), and the copy out
+of a piece still finds it in cache."""
 _BOUNCE_SHIFT = 2048  # the bounce buffer's offset to the source, modulo 4096
 
 
