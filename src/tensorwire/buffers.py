@@ -250,7 +250,7 @@ _CHECKED = 16 << 10  # below, reading the two addresses costs more than the wind
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """np.copyto(dst, src); a same-dtype contiguous copy in the slow window (`_ALIASED`) runs as
     a vector loop instead (bitwise or with 0: no `rep movsb`, memcpy's speed elsewhere)."""
-    if (dst.nbytes >= _CHECKED and dst.dtype == src.dtype and dst.nbytes == src.nbytes
+    if (dst.nbytes >= _CHECKED and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.flags.c_contiguous and src.flags.c_contiguous
             and 0 < (dst.ctypes.data - src.ctypes.data) % 4096 < _ALIASED):
         np.bitwise_or(byte_view(src), 0, out=byte_view(dst))

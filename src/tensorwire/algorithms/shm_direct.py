@@ -70,6 +70,9 @@ class DirectPath:
         self.size = seg.size
         self.everyone = tuple(range(self.size))
         self.others = tuple(r for r in self.everyone if r != rank)
+        self.onward = tuple((rank + k) % self.size for k in range(1, self.size))
+        """The others, starting past this rank: ranks that each visit their peers in this order
+        spread over them instead of all starting at rank 0."""
         self.engine = engine
         self.ctx = ctx
         self.members = tuple(members)
@@ -496,7 +499,7 @@ def _stream_all_to_all(dp: DirectPath, call, sends: list[np.ndarray], recvs: lis
     copy(recvs[me], sends[me])
     stream = _Stream(dp, call, sends[0].size, n - 1)
     chunk = stream.chunk
-    readers = tuple((me + 1 + k) % n for k in range(n - 1))
+    readers = dp.onward
     for c, lo in enumerate(stream.pieces):
         stream.write(c, tuple(sends[r][lo:lo + chunk] for r in readers), readers)
         for s in readers:

@@ -44,15 +44,10 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
     dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
 
 
-def _sources(dp: DirectPath) -> list[int]:
-    """The other ranks, starting past this one, so that readers spread over the sources."""
-    return [(dp.rank + k) % dp.size for k in range(1, dp.size)]
-
-
 def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
     p = _offer(dp, call, [blocks[dp.rank]], dp.everyone)
-    for r in _sources(dp):
+    for r in dp.onward:
         _fetch(dp, p, r, 0, blocks[r])
     _finish(dp, call, p, dp.others)
 
@@ -61,7 +56,7 @@ def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray
     dp = call.group.direct
     p = _offer(dp, call, sends, dp.everyone)
     copy(recvs[dp.rank], sends[dp.rank])
-    for r in _sources(dp):
+    for r in dp.onward:
         _fetch(dp, p, r, dp.rank, recvs[r])
     _finish(dp, call, p, dp.others)
 
