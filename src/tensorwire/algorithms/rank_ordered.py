@@ -132,6 +132,12 @@ def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
     return _fold_cost(n, m, link)
 
 
+def _reduce_work(n: int, m: int, link: Link) -> float:
+    """Every rank folds its block; only the root receives the gather, the others each send one
+    block: per rank the fold plus an average of (n-1)/n (α + m/n β)."""
+    return _fold_cost(n, m, link) + (n - 1) / n * (link.alpha + m / n * link.beta)
+
+
 register(Algorithm(NAME, "all_reduce", rank_ordered_all_reduce, _all_reduce_cost))
-register(Algorithm(NAME, "reduce", rank_ordered_reduce, _all_reduce_cost))
+register(Algorithm(NAME, "reduce", rank_ordered_reduce, _all_reduce_cost, work=_reduce_work))
 register(Algorithm(NAME, "reduce_scatter", rank_ordered_reduce_scatter, _reduce_scatter_cost))
