@@ -334,8 +334,8 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, fl
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
     step does), the best batch mean; β comes from the best of a few 1 MiB exchanges after
-    the first two, which may ride a shaper's burst allowance (tc tbf lets 10 ms of traffic
-    through at line rate) that a long transfer does not get."""
+    the first two, which may ride a shaper's burst allowance (tc tbf lets its bucket through
+    at line rate) that a long transfer does not get."""
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
     step = step0
