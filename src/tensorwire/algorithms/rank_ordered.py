@@ -27,6 +27,7 @@ from ..buffers import copy
 from ..ops import ReduceOp, reduce_into
 from .base import P2P, blocks_of, split_counts
 from .registry import Algorithm, Link, register
+from .tree import gather_work
 
 NAME = "rank_ordered"
 _CONTRIBUTE, _GATHER = 0, 1  # message steps
@@ -112,9 +113,9 @@ def rank_ordered_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndar
 # rank 0's and one's own). Those are passes over local memory, priced at γ like a reduction,
 # not at the link's β: priced as link bytes they made this schedule 1.5-3x dearer than
 # measured in every setting of the n=4 sweeps, and kept the tuner from the rank-ordered
-# reduce on the shaped links, where it was the fastest from 1 MiB (1.24-1.6x the binomial
-# tree: its root receives 2(n-1)/n m, the tree's log2(n) m). The gather is one more exchange
-# of the reduced blocks.
+# reduce on the shaped links, where it was the fastest from 4 MiB in three sweeps (1.38-1.60x
+# the binomial tree: its root receives 2(n-1)/n m, the tree's log2(n) m). The gather is one
+# more exchange of the reduced blocks.
 def _fold_cost(n: int, m: int, link: Link) -> float:
     return ((n - 1) * link.alpha + (n - 1) / n * m * (link.beta + link.gamma)
             + (max(n - 2, 0) + 1) / n * m * link.gamma)
@@ -133,9 +134,9 @@ def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
 
 
 def _reduce_work(n: int, m: int, link: Link) -> float:
-    """Every rank folds its block; only the root receives the gather, the others each send one
-    block: per rank the fold plus an average of (n-1)/n (α + m/n β)."""
-    return _fold_cost(n, m, link) + (n - 1) / n * (link.alpha + m / n * link.beta)
+    """Every rank folds its block; the gather to the root is a gather's work, not the root's
+    receives on every rank."""
+    return _fold_cost(n, m, link) + gather_work(n, m, link)
 
 
 register(Algorithm(NAME, "all_reduce", rank_ordered_all_reduce, _all_reduce_cost))
