@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -158,6 +159,23 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
 
 
+def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_collide() -> None:
+    """On 4 emulated hosts at 1 Gbit/s every rank streamed twice as fast to fixed partners as to
+    changing ones (measure_busy): the ring reduce_scatter then wins the large sizes, as it did
+    in every sweep there, where one busy link priced it alike with pairwise and recursive
+    halving. Where both busy links agree (one host) nothing changes."""
+    tcp = Link("tcp", alpha=90e-6, beta=1 / 0.122e9, gamma=1 / 7e9)  # netns4 probe constants
+    busy = Link("busy", alpha=400e-6, beta=1 / 0.06e9, gamma=1 / 7e9)
+    ring = replace(busy, name="busy_ring", beta=1 / 0.10e9)
+    algs = [a for a in algorithms_for("reduce_scatter").values() if not a.needs_direct]
+    for m in (4 << 20, 64 << 20):
+        priced = tuner.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)
+        assert priced[0][1] == "ring", priced
+        assert priced[0][0] == pytest.approx(algorithms_for("reduce_scatter")["ring"].cost(4, m, ring))
+        alike = tuner.price(algs, 4, m, tcp, busy=busy, busy_ring=busy)
+        assert {name for t, name, _ in alike if t == alike[0][0]} >= {"ring", "pairwise"}, alike
+
+
 def test_choice_is_cached_per_group_and_size() -> None:
     g = _Group(4, "tcp")
     first = tuner.select(g, "all_reduce", 1 << 20)
@@ -281,7 +299,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
                    for r in results), results
     # the first init probed the tier in use (and on one host the one-shot shared-memory path),
     # every rank busy at once, and wrote the cache
-    used = [tier, "direct", "busy"] if tier == "shm" else [tier, "busy"]
+    used = [tier, "direct", "busy", "busy_ring"] if tier == "shm" else [tier, "busy", "busy_ring"]
     unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])

@@ -12,12 +12,12 @@ point and under the same timeout):
    broadcasts either the final constants or "probe";
 3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
    few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once,
-   with changing partners, and a numpy add: the "busy" link, what a step costs when every
-   rank works (on a host with more ranks than cores they take turns, which the lone pair
-   never sees); on one host every rank takes part in a few all_reduces through the group's
-   shared segment (α and β of the one-shot path); rank 0 times a numpy add (γ). The maximum
-   over ranks of what was measured becomes everybody's constants, and rank 0 (with the lowest
-   rank of every other host) writes the cache.
+   with changing partners ("busy") and with a ring's fixed ones ("busy_ring"), and a numpy
+   add: what a step costs when every rank works (on a host with more ranks than cores they
+   take turns, which the lone pair never sees); on one host every rank takes part in a few
+   all_reduces through the group's shared segment (α and β of the one-shot path); rank 0
+   times a numpy add (γ). The maximum over ranks of what was measured becomes everybody's
+   constants, and rank 0 (with the lowest rank of every other host) writes the cache.
 
 Every rank therefore installs the same table. The cache lives in TENSORWIRE_CACHE_DIR (default
 $XDG_CACHE_HOME/tensorwire or ~/.cache/tensorwire), one JSON file per (hosts, tiers, world
@@ -48,25 +48,26 @@ from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", "busy")
+LINKS = (*TIERS, "direct", "busy", "busy_ring")
 """What the probe measures: the message path of each tier, the one-shot shared-memory path
 (its α is a small all_reduce through the group segment, its β a memory copy), and the world's
-tier with every rank exchanging at once (`busy`: the tuner's bound on an algorithm's work)."""
+tier with every rank exchanging at once, with partners that change (`busy`) and with a ring's
+(`busy_ring`): the tuner's bound on an algorithm's work."""
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
-# load. The busy link and the direct path take the median (see measure_busy).
+# load. The busy links and the direct path take typical rounds instead (see measure_busy).
 ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
 BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best after two gives β
 BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least three)
-BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 5  # rounds with every rank busy: the median gives the busy β;
+BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
 GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
@@ -290,43 +291,55 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float]:
-    """(α, β) of a step when every rank works: all ranks at once, round k sending to rank
-    r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination pattern: every rank
-    takes part whatever n is, and the partners change from round to round as in recursive
-    doubling or a tree, so each step waits for ranks that the previous one did not). The
-    median 8-byte batch gives α, the median of a few BUSY_BYTES rounds β: contention is the
-    point, so the typical step is wanted, not the luckiest."""
+def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]:
+    """(α, β, β in a ring) of a step when every rank works: all ranks at once, round k sending
+    to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination pattern: every
+    rank takes part whatever n is, and the partners change from round to round as in pairwise
+    exchange, recursive doubling or a tree); then the same with d = 1 throughout, the fixed
+    partners of a ring or a chain. The median 8-byte batch gives α; β is the mean of a few
+    BUSY_BYTES rounds, slow ones included: contention is the point, and a long call meets the
+    preempted rounds that a median would drop (medians of five rounds swung 5x from launch to
+    launch on 4 ranks sharing 2 cores; means of six stayed within 1.5x). The two β's differ
+    where partners that change meet at a shaped port: on 4 emulated hosts at 1 Gbit/s the
+    dissemination rounds moved half the bytes per second of the ring's."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
     step = step0
 
-    def shift(out: np.ndarray, into: np.ndarray) -> None:
+    def shift(out: np.ndarray, into: np.ndarray, d: int) -> None:
         nonlocal step
-        d = dists[step % len(dists)]
         call.wait(call.irecv((r - d) % n, into, step), call.isend((r + d) % n, out, step))
         step += 1
 
-    for _ in range(2):  # everyone is here
-        shift(small_out, small_in)
-    for _ in range(BUSY_WARM_ROUNDS * len(dists)):  # every ring written once around: its pages are
-        shift(big_out, big_in)  # touched (fresh pages cost ~1 ms per MiB here), as in steady use
+    def mean_round(distances: list[int], rounds: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(rounds):
+            shift(big_out, big_in, distances[i % len(distances)])
+        return (time.perf_counter() - t0) / rounds
+
+    for i in range(2):  # everyone is here
+        shift(small_out, small_in, dists[i % len(dists)])
+    # every ring written once around: its pages are touched (fresh pages cost ~1 ms per MiB
+    # here), as in steady use
+    mean_round(dists, BUSY_WARM_ROUNDS * len(dists))
     batches = []
     for _ in range(ALPHA_BATCHES):
         t0 = time.perf_counter()
-        for _ in range(ALPHA_ROUNDS):
-            shift(small_out, small_in)
+        for i in range(ALPHA_ROUNDS):
+            shift(small_out, small_in, dists[i % len(dists)])
         batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
-    alpha = statistics.median(batches)
-    bigs = []
-    for _ in range(BUSY_BETA_ROUNDS):
-        t0 = time.perf_counter()
-        shift(big_out, big_in)
-        bigs.append(time.perf_counter() - t0)
-    big = statistics.median(bigs)
-    return max(alpha, 1e-8), max((big - alpha) / BUSY_BYTES, big / BUSY_BYTES / 2, 1e-13)
+    alpha = max(statistics.median(batches), 1e-8)
+
+    def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
+        return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
+
+    rounds = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
+    shifting = beta(mean_round(dists, rounds))
+    mean_round([1], BUSY_WARM_ROUNDS)  # the queues the changing partners left drain
+    ring = beta(mean_round([1], rounds))
+    return alpha, shifting, ring
 
 
 def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:
@@ -432,7 +445,7 @@ def at_init(world: Group) -> LinkTable:
     direct = world.direct is not None  # the same on every rank: its setup was collective
     hosts = [int(h) for h in info[:, 0]]
     busy_tier = tuner.tier_of(world)
-    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy"])
+    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy", "busy_ring"])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -474,8 +487,10 @@ def at_init(world: Group) -> LinkTable:
         else:
             default = DEFAULT_LINKS["direct"]
             base["direct"] = Link("direct", default.alpha, default.beta, gamma)
-        base["busy"] = Link("busy", *measured["busy"])
-        sources["busy"] = "calibrated"
+        alpha, beta, ring_beta, busy_gamma = measured["busy"]
+        base["busy"] = Link("busy", alpha, beta, busy_gamma)
+        base["busy_ring"] = Link("busy_ring", alpha, ring_beta, busy_gamma)
+        sources["busy"] = sources["busy_ring"] = "calibrated"
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             write_cache(path, {t: base[t] for t in links_used},
@@ -516,7 +531,7 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         probe = False
     verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
     # this host's γ, as a probe would give it (the busy link's is measured under contention)
-    gamma = next((lk.gamma for t, lk in cached.items() if t != "busy"), None) if cached else None
+    gamma = next((lk.gamma for t, lk in cached.items() if not t.startswith("busy")), None) if cached else None
     for i, name in enumerate(LINKS):
         link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
         if link is not None and gamma is not None and name not in cached:
@@ -539,9 +554,9 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, γ), direct (α, β), γ
-    measured = np.zeros(2 * len(TIERS) + 6, dtype=np.float64)
-    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 3)
+    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ
+    measured = np.zeros(2 * len(TIERS) + 7, dtype=np.float64)
+    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 4)
     if direct:
         measured[-3:-1] = measure_direct(world)  # first: it needs every rank anyway
     call = world._internal_call("calibration probe")
@@ -551,7 +566,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
             peer = pair[1] if me == pair[0] else pair[0]
             measured[2 * i: 2 * i + 2] = measure_pair(call, peer, step0=i * 1000)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    measured[busy.start: busy.start + 2] = measure_busy(call, len(TIERS) * 1000)
+    measured[busy.start: busy.start + 3] = measure_busy(call, len(TIERS) * 1000)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
         measured[-1] = measure_gamma()

@@ -284,25 +284,28 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
-            busy: Link | None = None) -> float:
+            busy: Link | None = None, busy_ring: Link | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured; a message algorithm's time is bounded below
-    by its work at the constants measured with every rank busy (`busy`), where those exist."""
+    by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
+    algorithms with fixed partners), where those exist."""
     if alg.needs_direct:
         return alg.cost(n, nbytes, direct or link)
     t = alg.cost(n, nbytes, link)
     if busy is None:
         return t
+    if alg.fixed_partners and busy_ring is not None:
+        busy = busy_ring
     if alg.exchanges:
         busy = replace(busy, alpha=EXCHANGE_BUSY_ALPHA * busy.alpha)
     return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
-          busy: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+          busy: Link | None = None, busy_ring: Link | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host) go to the shorter critical path, then by name."""
-    priced = [(predict(alg, n, nbytes, link, direct, busy), alg.name, alg) for alg in algs]
+    priced = [(predict(alg, n, nbytes, link, direct, busy, busy_ring), alg.name, alg) for alg in algs]
     return sorted(priced, key=lambda p: (p[0], predict(p[2], n, nbytes, link, direct), p[1]))
 
 
@@ -334,9 +337,10 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     tier = tier_of(group)
     table = table_for(group.runtime)
     direct = table.links.get("direct") if group.direct is not None else None
-    busy = table.links.get("busy") if tier == table.extra.get("busy_tier") else None
+    busy, busy_ring = ((table.links.get("busy"), table.links.get("busy_ring"))
+                       if tier == table.extra.get("busy_tier") else (None, None))
     return Decision(collective, nbytes, group.size, tier,
-                    price(options, group.size, nbytes, table.link(tier), direct, busy))
+                    price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring))
 
 
 class Override:
@@ -408,6 +412,8 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         shown = f"{tier} ({table.describe(tier)})"
         if tier == table.extra.get("busy_tier") and "busy" in table.links:
             shown += f", every rank busy ({table.describe('busy')})"
+            if "busy_ring" in table.links:
+                shown += f", in a ring ({table.describe('busy_ring')})"
         if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
             shown += f", direct path ({table.describe('direct')})"
         _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,

@@ -60,4 +60,4 @@ def _work(n: int, m: int, link: Link) -> float:
     return (n - 1) / n * (max(1.0, m / SEGMENT_BYTES) * link.alpha + m * link.beta)
 
 
-register(Algorithm("chain", "broadcast", chain_broadcast, _cost, work=_work))
+register(Algorithm("chain", "broadcast", chain_broadcast, _cost, work=_work, fixed_partners=True))

@@ -85,6 +85,7 @@ def _reduce_scatter_cost(n: int, m: int, link: Link) -> float:
     return (n - 1) * link.alpha + (n - 1) / n * m * (link.beta + link.gamma)
 
 
-register(Algorithm("ring", "all_reduce", ring_all_reduce, _all_reduce_cost, out_of_place=True))
-register(Algorithm("ring", "all_gather", ring_all_gather_blocks, _all_gather_cost))
-register(Algorithm("ring", "reduce_scatter", ring_reduce_scatter, _reduce_scatter_cost))
+register(Algorithm("ring", "all_reduce", ring_all_reduce, _all_reduce_cost, out_of_place=True,
+                   fixed_partners=True))
+register(Algorithm("ring", "all_gather", ring_all_gather_blocks, _all_gather_cost, fixed_partners=True))
+register(Algorithm("ring", "reduce_scatter", ring_reduce_scatter, _reduce_scatter_cost, fixed_partners=True))
