@@ -69,10 +69,10 @@ class Algorithm:
     of these algorithms with twice the busy α."""
     fixed_partners: bool = False
     """Every step sends to the same rank and receives from the same other rank (ring, chain).
-    On shaped links such flows keep their pace where partners that change collide at a port
-    (4 emulated hosts at 1 Gbit/s: ring schedules moved 1.7-2.2x the bytes per second of the
-    pairwise and recursive-halving ones at 16-64 MiB); the tuner prices their work with the
-    busy link measured in a ring (`busy_ring`)."""
+    On shaped links such flows kept the link's pace where partners that change lost up to half
+    of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
+    pairwise and recursive-halving ones at 16-64 MiB; why was not established); the tuner
+    prices their work with the busy link measured in a ring (`busy_ring`)."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
