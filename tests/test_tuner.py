@@ -159,7 +159,7 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
 
 
-def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_collide() -> None:
+def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_slower() -> None:
     """On 4 emulated hosts at 1 Gbit/s every rank streamed twice as fast to fixed partners as to
     changing ones (measure_busy): the ring reduce_scatter then wins the large sizes, as it did
     in every sweep there, where one busy link priced it alike with pairwise and recursive

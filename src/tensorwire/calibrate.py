@@ -300,8 +300,8 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
     BUSY_BYTES rounds, slow ones included: contention is the point, and a long call meets the
     preempted rounds that a median would drop (medians of five rounds swung 5x from launch to
     launch on 4 ranks sharing 2 cores; means of six stayed within 1.5x). The two β's differ
-    where partners that change meet at a shaped port: on 4 emulated hosts at 1 Gbit/s the
-    dissemination rounds moved half the bytes per second of the ring's."""
+    on shaped links: on 4 emulated hosts at 1 Gbit/s the dissemination rounds moved about half
+    the bytes per second of the ring's (why was not established); on one host they agree."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
@@ -337,7 +337,8 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
 
     rounds = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
     shifting = beta(mean_round(dists, rounds))
-    mean_round([1], BUSY_WARM_ROUNDS)  # the queues the changing partners left drain
+    # untimed: right after the change of pattern the shaped ring measured 0.07 GB/s, not 0.10-0.12
+    mean_round([1], BUSY_WARM_ROUNDS)
     ring = beta(mean_round([1], rounds))
     return alpha, shifting, ring
 
