@@ -1461,6 +1461,54 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
     _expect(results, len(ALGO_PAIRS) * 5)
 
 
+def rank_streamed_all_reduce(seed: int) -> dict:
+    """All_reduces past the shared-memory slot stream through it (shm_direct._Stream): every
+    pair of ALGO_PAIRS, in place and into `out`, each twice (the second call takes the planned
+    path), at counts that end on and off a piece's boundary."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    slot = g.direct.slot_bytes
+    calls = 0
+
+    def run_all() -> None:
+        nonlocal calls
+        for pi, (dt, op) in enumerate(ALGO_PAIRS):
+            red = _red(op, dt, pi)
+            for count in (slot // dt.itemsize, slot // dt.itemsize + 1, 3 * slot // dt.itemsize + 7):
+                ins = [_gen(dt, (count,), (seed, pi, count), r, op) for r in range(n)]
+                for placement in ("in place", "out of place"):
+                    for repeat in range(2):
+                        x = ins[me].copy()
+                        out = None if placement == "in place" else np.zeros_like(x)
+                        log.case()
+                        tw.all_reduce(x, red, out=out)
+                        calls += repeat == 0  # a repeat goes the planned way where it has one
+                        label = f"streamed {dt.name} {red} x{count} {placement} #{repeat}"
+                        log.close(label, x if out is None else out, ins, red)
+                        if out is not None:
+                            log.same(f"{label}: input kept", x, ins[me])
+
+    used = _count_algorithms(run_all)  # repeats on the planned path are not counted
+    log.check(set(used) == {"direct"} and len(used) >= calls,
+              f"ran {sorted(set(used))} ({len(used)} of {calls})")
+    return log.result()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("size,slot", [(2, ""), (3, "16K"), (4, "16K")])
+def test_streamed_direct_all_reduce(size: int, slot: str) -> None:
+    """Pieces of 512 KiB through a 1 MiB slot, and a 16 KiB slot that holds one step, so a
+    rank waits for every reader before each piece."""
+    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allreduce:direct",
+                             **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})})
+    try:
+        results = cluster.run(rank_streamed_all_reduce, 5, timeout=120)
+    finally:
+        cluster.close()
+    _expect(results, len(ALGO_PAIRS) * 3 * 2 * 2)
+
+
 def _misaligned(count: int, dt, shift: int) -> np.ndarray:
     """Zeros `shift` bytes into a fresh buffer (reads across processes have slow offsets)."""
     raw = np.zeros(count * np.dtype(dt).itemsize + shift, np.uint8)

@@ -262,7 +262,7 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
         for coll in REDUCTIONS:
             forced, excluded = parse_algo(spec, coll)
             ordered = sorted(n for n, a in algorithms_for(coll).items() if is_deterministic(a))
-            # the shared-memory path only takes small messages on one host: something else must remain
+            # the shared-memory path only runs on one host: something else must remain
             left = [n for n, a in algorithms_for(coll).items() if is_deterministic(a) and not a.needs_direct
                     and n not in excluded and (not forced or n in forced)]
             if not left:
