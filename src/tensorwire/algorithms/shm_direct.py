@@ -484,13 +484,13 @@ def _stream_all_reduce(dp: DirectPath, call, src: np.ndarray, dst: np.ndarray, k
     slot, in rank order, into the same piece of the result (dst may be src: piece c of src is
     in the slot before it is overwritten)."""
     stream = _Stream(dp, call, src.nbytes)
-    chunk, dtype = stream.chunk, src.dtype
-    raw, step = src.view(np.uint8), chunk // dtype.itemsize
+    chunk, dtype, size = stream.chunk, src.dtype, src.itemsize
+    raw = src.view(np.uint8)
     for c, lo in enumerate(stream.pieces):
         piece = raw[lo:lo + chunk]
         stream.write(c, (piece,), dp.others)
         _fold(tuple(stream.piece(c, r, piece.size).view(dtype) for r in dp.everyone),
-              dst[c * step:c * step + piece.size // dtype.itemsize], kernel)
+              dst[lo // size:(lo + piece.size) // size], kernel)
         stream.done_reading(c)
 
 
@@ -591,8 +591,9 @@ calibrations; the n=4 sweep measured the streamed broadcast at 2.5-3.2x its pric
 _STREAMED = {  # collective: (what decides one shot or streamed, bytes one source streams,
     # bytes one rank copies) as fractions of m; None: the rest costs what it does in one shot
     # (the all_reduce folds each piece while it is in cache, and its arrays' memory traffic,
-    # one read and one write a byte, is small beside the n reads and n-1 folds: at n=2 and
-    # n=4, 2-32 MiB measured 0.8-1.1x the one-shot formula, 0.6-1.0x priced as a broadcast)
+    # one read and one write a byte, is small beside the n reads and n-1 folds: 4-64 MiB
+    # measured 0.75-1.38x the one-shot formula at n=4 (`--algo all` and the shm-n4 sweep) and
+    # 0.61-0.75x at n=2; priced like a broadcast's streamed bytes, 0.66-0.99x at n=4)
     "all_reduce": (lambda n: 1, lambda n: 1, None),
     "broadcast": (lambda n: 1, lambda n: 1, lambda n: 1),
     "all_gather": (lambda n: 1 / n, lambda n: 1 / n, lambda n: 1),  # per block
