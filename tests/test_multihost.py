@@ -96,12 +96,14 @@ JOB = textwrap.dedent('''\
     def loop(seconds):
         """Small all_reduces until rank 0 says stop (so all ranks run the same count)."""
         r = tw.get_rank()
-        tw.barrier()
-        if r == 0:
-            say("READY")
         x = np.ones(1 << 12)
-        stop_at = time.time() + seconds
         try:
+            # Inside the try: the fault fires on rank 0's READY, which can come before
+            # the other ranks have left this barrier.
+            tw.barrier()
+            if r == 0:
+                say("READY")
+            stop_at = time.time() + seconds
             while True:
                 x[:] = 1
                 x[-1] = 1 if (r == 0 and time.time() > stop_at) else 0
