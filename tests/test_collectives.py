@@ -1509,6 +1509,75 @@ def test_streamed_direct_all_reduce(size: int, slot: str) -> None:
     _expect(results, len(ALGO_PAIRS) * 3 * 2 * 2)
 
 
+def rank_single_copy_reductions(seed: int) -> dict:
+    """all_reduce and reduce_scatter_tensor by single copy (each rank folds its block out of
+    the peers' inputs, piece by piece): every pair of ALGO_PAIRS, the all_reduce in place and
+    into an `out` misaligned differently on each rank (reads through the bounce buffer), each
+    twice (the second call takes the planned path), at blocks of one element, of none, and of
+    more than one piece. Bitwise the rank-ordered fold for the deterministic sums."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    crowded = g.direct.crowded
+    log.check(crowded == g.engine.oversubscribed, f"crowded {crowded}")
+    for coll, kept in (("all_reduce", True), ("reduce_scatter", True), ("all_gather", not crowded)):
+        names = [name for _, name, _ in tuner.decide(g, coll, 64 << 20).priced]
+        log.check(("single_copy" in names) == kept, f"{coll} candidates {names} (crowded: {crowded})")
+    calls = {"all_reduce": 0, "reduce_scatter": 0}
+
+    def run_all() -> None:
+        for pi, (dt, op) in enumerate(ALGO_PAIRS):
+            red = _red(op, dt, pi)
+            for count in (1, n + 1, 1000, n * ((1 << 20) // dt.itemsize) + n + 2):
+                ins = [_gen(dt, (count,), (seed, pi, count), r, op) for r in range(n)]
+                for placement in ("in place", "out of place"):
+                    for repeat in range(2):
+                        x = ins[me].copy()
+                        out = None if placement == "in place" else _misaligned(count, dt, 16 * me)
+                        log.case()
+                        tw.all_reduce(x, red, out=out)
+                        calls["all_reduce"] += repeat == 0
+                        label = f"single copy {dt.name} {red} x{count} {placement} #{repeat}"
+                        log.close(label, x if out is None else out, ins, red)
+                        if out is not None:
+                            log.same(f"{label}: input kept", x, ins[me])
+                block = max(count // n, 1)
+                rins = [_gen(dt, (block * n,), (seed, pi, count, 1), r, op) for r in range(n)]
+                res = np.empty(block, dt)
+                log.case()
+                tw.reduce_scatter_tensor(res, rins[me], red)
+                calls["reduce_scatter"] += 1
+                log.close(f"single copy reduce_scatter {dt.name} {red} x{block}", res,
+                          [x[me * block:(me + 1) * block] for x in rins], red)
+                if dt == np.float32 and op == ReduceOp.SUM:  # the rank-ordered fold, bit for bit
+                    x = ins[me].copy()
+                    tw.all_reduce(x)
+                    want = ins[0].copy()
+                    for y in ins[1:]:
+                        want += y
+                    log.same(f"single copy fold order x{count}", x, want)
+
+    used = {"all_reduce": []}
+    used["reduce_scatter"] = _count_algorithms(lambda: used["all_reduce"].extend(_count_algorithms(run_all)),
+                                               "reduce_scatter")
+    for coll, names in used.items():  # repeats on the planned path are not counted
+        log.check(set(names) == {"single_copy"} and len(names) >= calls[coll],
+                  f"{coll} ran {sorted(set(names))} ({len(names)} of {calls[coll]})")
+    return log.result()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("size", [2, 3])
+def test_single_copy_all_reduce_reduce_scatter(size: int) -> None:
+    """n=3 outnumbers CI's 2 cores: the reductions still read by single copy there."""
+    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allreduce:single_copy,reducescatter:single_copy"})
+    try:
+        results = cluster.run(rank_single_copy_reductions, 9, timeout=120)
+    finally:
+        cluster.close()
+    _expect(results, len(ALGO_PAIRS) * 4 * 5)
+
+
 def _misaligned(count: int, dt, shift: int) -> np.ndarray:
     """Zeros `shift` bytes into a fresh buffer (reads across processes have slow offsets)."""
     raw = np.zeros(count * np.dtype(dt).itemsize + shift, np.uint8)

@@ -141,6 +141,8 @@ WORLDS = {  # name: (ranks, environment)
     "shm-forced-rank-ordered": (3, {"TENSORWIRE_TRANSPORT": "auto",
                                     "TENSORWIRE_ALGO": "allreduce:rank_ordered"}),
     "shm-4-big-direct": (4, {"TENSORWIRE_TRANSPORT": "auto", "TENSORWIRE_SHM_DIRECT": "1M"}),
+    "shm-single-copy": (3, {"TENSORWIRE_TRANSPORT": "auto",
+                            "TENSORWIRE_ALGO": "allreduce:single_copy,rank_ordered"}),
     "tcp-4": (4, {"TENSORWIRE_TRANSPORT": "tcp"}),
 }
 _seen: dict[int, dict[str, str]] = {}  # ranks -> digests of the first world of that size
@@ -158,6 +160,8 @@ def test_bitwise_identical_across_algorithms_transports_and_segments(world: str,
     used = {name for _, name in results[0]["used"]}
     if world == "shm":
         assert {"direct", "rank_ordered"} <= used, used  # both paths ran, and agree with the fold
+    if world == "shm-single-copy":
+        assert "single_copy" in used, used
     if world in ("shm-no-direct-small-ring", "tcp-small-chunks", "tcp-4"):
         assert "direct" not in used
     first = _seen.setdefault(n, digests)

@@ -257,7 +257,7 @@ class Collectives:
         the direct path's plan if the tuner picks that path for it (nothing left to look up
         per call), else the general body."""
         call = self.planned_call(fp, "all_reduce")
-        if self.size > 1 and src.size and tuner.select(self, "all_reduce", src.nbytes).needs_direct:
+        if self.size > 1 and src.size and tuner.select(self, "all_reduce", src.nbytes).name == "direct":
             return call, AllReducePlan(self.direct, src.dtype, src.size, red.op).run, True, red
         return call, _all_reduce, False, red
 

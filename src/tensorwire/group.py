@@ -320,7 +320,8 @@ class Group(Collectives):
             verdict[0] = seg is not None
             if seg is not None:
                 direct = DirectPath(seg, self.rank, self.engine, self.ctx, self.ranks)
-                direct.offer_single_copy(_single_copy_refused(cfg.single_copy, self.engine.oversubscribed))
+                direct.offer_single_copy(_single_copy_refused(cfg.single_copy))
+                direct.crowded = cfg.single_copy == "1" and self.engine.oversubscribed
             recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
         finally:
             if seg is not None and self.rank == 0:
@@ -441,13 +442,8 @@ class _P2PWork(Work):
         return self._req.done
 
 
-def _single_copy_refused(setting: str, oversubscribed: bool) -> str:
+def _single_copy_refused(setting: str) -> str:
     """Why this rank offers no single copy to a new group; '' if it does."""
     if setting == "0":
         return "TENSORWIRE_SINGLE_COPY=0"
-    if setting == "1" and oversubscribed:
-        # its second flag round costs a turn of the scheduler there: at n=4 on 2 cores
-        # (interleaved, 9 calls each) all_gather took 1.40 ms against 0.82 ms on the slots at
-        # 1 MiB and 3.45 against 2.28 ms at 4 MiB, winning only at 64 MiB (16.1 against 21.6 ms)
-        return "more ranks than cores on this host (TENSORWIRE_SINGLE_COPY=force overrides)"
     return cma.allow_peers()

@@ -69,9 +69,9 @@ measured 1.1-1.6x slower there at n=4 over TCP, with the tie going the other way
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 """Collectives whose result depends on the order of the reduction (floating point)."""
 DETERMINISTIC = {
-    "all_reduce": frozenset({"direct", rank_ordered.NAME}),
+    "all_reduce": frozenset({"direct", "single_copy", rank_ordered.NAME}),
     "reduce": frozenset({"direct", rank_ordered.NAME, "linear"}),
-    "reduce_scatter": frozenset({"direct", rank_ordered.NAME}),
+    "reduce_scatter": frozenset({"direct", "single_copy", rank_ordered.NAME}),
 }
 """Per reduction, the algorithms that fold every element in rank order, ((x0 op x1) op x2) ...:
 the same bits whichever of them runs. (An algorithm can also declare `deterministic=True`.)"""
@@ -281,7 +281,8 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     for alg in algorithms_for(collective).values():
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
-                                 or (alg.needs_single_copy and not direct.single_copy)):
+                                 or (alg.needs_single_copy and (not direct.single_copy or (
+                                     direct.crowded and not alg.single_copy_crowded)))):
             continue
         if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
             out.append(alg)

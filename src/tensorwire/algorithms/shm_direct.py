@@ -91,6 +91,9 @@ class DirectPath:
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
         self._views: dict[tuple[np.dtype, int, int], tuple[tuple[np.ndarray, ...], ...]] = {}
         self.single_copy = False  # see offer_single_copy
+        self.crowded = False
+        """Ranks outnumber cores (and TENSORWIRE_SINGLE_COPY is not `force`): only the single
+        copy algorithms that declare `single_copy_crowded` run (see Algorithm)."""
         self.offered = "not yet"  # why this rank offers no single copy ('' if it does)
         self.pids: tuple[int, ...] = ()
         self.reader = cma.Reader()

@@ -15,17 +15,22 @@ from __future__ import annotations
 import numpy as np
 
 from ..buffers import copy
+from ..ops import ReduceOp, reduction_kernel
+from ..transport.cma import BOUNCE
+from .base import blocks_of, split_counts
 from .registry import Algorithm, register
-from .shm_direct import MEMORY_COST, DirectPath, volume_cost
+from .shm_direct import _CHUNK_BITS, _READ, MEMORY_COST, DirectPath, volume_cost
 
 _WORD = np.dtype(np.uint64)
+_PIECE = BOUNCE
+"""Bytes of a block folded at a time: each peer's piece is read into the bounce buffer."""
 
 
 def _offer(dp: DirectPath, call, buffers: list[np.ndarray], wait_for: tuple[int, ...]) -> int:
     """Enter, publish the addresses of `buffers` (one per reader, or one for all), and wait
     for `wait_for` to publish theirs; the call's slot parity."""
     p = dp.enter(call)
-    table = dp.views(_WORD, dp.size)[p][dp.rank]
+    table = dp.views(_WORD, len(buffers))[p][dp.rank]
     for i, b in enumerate(buffers):
         table[i] = b.ctypes.data
     dp.publish(call, p, wait_for)
@@ -61,6 +66,66 @@ def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray
     _finish(dp, call, p, dp.others)
 
 
+def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+    """out = the fold, in rank order, of buffer `index` of every rank's table (`own` here).
+
+    Piece by piece, each peer's piece read into the bounce buffer (placed well for the
+    source) and folded into `out` while both are in cache."""
+    if not out.size:
+        return
+    kernel, dtype, me = reduction_kernel(op, out.dtype), out.dtype, dp.rank
+    step = _PIECE // dtype.itemsize
+    # in place, out takes rank 0's contribution before this rank's turn: keep this rank's piece
+    keep = np.empty(min(step, out.size), dtype) if me and np.may_share_memory(own, out) else None
+    remotes = [int(t[index]) for t in dp.views(_WORD, dp.size)[p]]
+    for lo in range(0, out.size, step):
+        acc, mine = out[lo:lo + step], own[lo:lo + step]
+        if keep is not None:
+            mine = keep[:acc.size]
+            copy(mine, own[lo:lo + step])
+        for r in dp.everyone:
+            if r == me:
+                if r == 0:
+                    if acc.ctypes.data != mine.ctypes.data:
+                        copy(acc, mine)
+                else:
+                    kernel(acc, mine, acc)
+            elif r == 0:
+                dp.reader.read_into(acc, dp.pids[r], remotes[r] + lo * dtype.itemsize)
+            else:
+                kernel(acc, dp.reader.fetch(dp.pids[r], remotes[r] + lo * dtype.itemsize,
+                                            acc.nbytes).view(dtype), acc)
+
+
+def single_copy_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    dp = call.group.direct
+    p = _offer(dp, call, blocks, dp.everyone)
+    _fold_block(dp, p, dp.rank, blocks[dp.rank], out, op)
+    _finish(dp, call, p, dp.others)
+
+
+def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+    """A reduce-scatter (each rank folds its block out of every rank's input), then an
+    all_gather (each rank reads the others' folded blocks): 2(n-1)/n of m read per rank and
+    (n-1)/n of it folded, against the one shot's m copied and n m read and folded."""
+    dp = call.group.direct
+    counts = split_counts(data.size, dp.size)
+    outs = blocks_of(data, counts)
+    ins = outs if src is None else blocks_of(src, counts)
+    p = _offer(dp, call, ins + outs, dp.everyone)
+    me = dp.rank
+    _fold_block(dp, p, me, ins[me], outs[me], op)
+    dp.mark_read(call, 1)  # this rank's block is final, and it reads no input any more
+    table, ab, backoff = dp.views(_WORD, 2 * dp.size)[p], dp.prev_fp, None
+    for r in dp.onward:
+        # rank r's block of this rank's data is its input until rank r has folded it
+        backoff = dp.await_progress(call, r, _READ, (call.seq << _CHUNK_BITS) + 1, p, ab, backoff)
+        if outs[r].size:
+            dp.reader.read_into(outs[r], dp.pids[r], int(table[r][dp.size + r]))
+    dp.mark_read(call, 2)
+    dp.await_readers(call, dp.others, 2, p, ab, backoff)
+
+
 # Cost: two flag rounds, this rank's own all_to_all block copied and the bytes it reads out
 # of its peers, each at the price of a byte that does not stay in cache (MEMORY_COST). So
 # priced, single copy is chosen from 1-2 MiB at n=2; measured interleaved (15 calls each),
@@ -71,11 +136,22 @@ _NOTHING = lambda n: 0  # noqa: E731
 # Not for broadcast: the streamed broadcast already copies each byte once per rank (the root
 # in, each reader out), and at n=2 (interleaved, 15 calls each) it was as fast or faster:
 # 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms.
-_RUNS = {
-    "all_gather": (single_copy_all_gather, _NOTHING),
-    "all_to_all": (single_copy_all_to_all, lambda n: MEMORY_COST / n),
+_READ_ONCE = lambda n: MEMORY_COST * (n - 1) / n  # noqa: E731
+# The reductions' reads cost more: 1.22-1.45x their price at 1-16 MiB at n=2 with reads at
+# MEMORY_COST (`--algo all`, the folds' reads land in the bounce buffer 1 MiB at a time); at
+# 1.5x it, the one shot stays ahead at 1 MiB, where it measured 0.60x single copy's time.
+_FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
+_FOLDED = lambda n: (n - 1) / n  # noqa: E731
+_RUNS = {  # collective: (run, cost, table words per rank)
+    "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _NOTHING, rounds=2), 1),
+    "all_to_all": (single_copy_all_to_all,
+                   volume_cost(lambda n: MEMORY_COST / n, _READ_ONCE, _NOTHING, rounds=2), 1),
+    "reduce_scatter": (single_copy_reduce_scatter, volume_cost(_NOTHING, _FOLD_READ, _FOLDED, rounds=2), 1),
+    "all_reduce": (single_copy_all_reduce,
+                   volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
 }
-for _collective, (_run, _copied) in _RUNS.items():
-    register(Algorithm("single_copy", _collective, _run,
-                       volume_cost(_copied, lambda n: MEMORY_COST * (n - 1) / n, _NOTHING, rounds=2),
-                       needs_direct=True, needs_single_copy=True, slot_need=lambda n, m: 8 * n))
+for _collective, (_run, _cost, _words) in _RUNS.items():
+    register(Algorithm("single_copy", _collective, _run, _cost, needs_direct=True, needs_single_copy=True,
+                       single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
+                       out_of_place=_collective == "all_reduce",
+                       slot_need=lambda n, m, w=_words: 8 * w * n))

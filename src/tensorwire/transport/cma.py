@@ -29,7 +29,7 @@ ALIAS_WINDOW = 64
 when the destination lies 1-31 bytes past the source modulo 4096 (measured at 4 MiB: 1.5 GB/s
 against 5-7.7 GB/s at other offsets; 32 bytes still 20% slow). A read whose offsets fall in
 this window goes through a bounce buffer at a good offset instead (see `read_into`)."""
-_BOUNCE = 1 << 20
+BOUNCE = 1 << 20
 """Bytes per bounced piece: a read costs ~10 us before its first byte, so pieces are large
 (4 MiB at n=2: 0.64-0.69 ms in 1 MiB pieces, 1.05-1.07 ms in 256 KiB ones), and the copy out
 of a piece still finds it in cache."""
@@ -96,17 +96,22 @@ class Reader:
         if not 0 < (local - remote) % 4096 < ALIAS_WINDOW:
             _read(pid, local, remote, nbytes)
             return
-        if self._bounce is None:
-            self._bounce = np.empty(_BOUNCE + 8192, np.uint8)
         raw = dst.reshape(-1).view(np.uint8)
-        # the bounce sits _BOUNCE_SHIFT past the source and the copy out of it is far from the
-        # window too (dst is within the window of the source, so ~_BOUNCE_SHIFT from the bounce)
-        start = (_BOUNCE_SHIFT + remote - self._bounce.ctypes.data) % 4096
-        bounce = self._bounce[start:start + _BOUNCE]
-        for lo in range(0, nbytes, _BOUNCE):
-            piece = bounce[:min(_BOUNCE, nbytes - lo)]
-            _read(pid, piece.ctypes.data, remote + lo, piece.size)
+        for lo in range(0, nbytes, BOUNCE):
+            piece = self.fetch(pid, remote + lo, min(BOUNCE, nbytes - lo))
             raw[lo:lo + piece.size] = piece
+
+    def fetch(self, pid: int, remote: int, nbytes: int) -> np.ndarray:
+        """Up to BOUNCE bytes from `remote` of process `pid`, as a view of the bounce buffer
+        placed far from the source's alias window (valid until the next fetch)."""
+        if self._bounce is None:
+            self._bounce = np.empty(BOUNCE + 8192, np.uint8)
+        # _BOUNCE_SHIFT past the source; a copy out of it to a destination within the source's
+        # window is then ~_BOUNCE_SHIFT from it too
+        start = (_BOUNCE_SHIFT + remote - self._bounce.ctypes.data) % 4096
+        piece = self._bounce[start:start + nbytes]
+        _read(pid, piece.ctypes.data, remote, nbytes)
+        return piece
 
 
 def can_read(pid: int, remote: int, expect: int) -> str:
