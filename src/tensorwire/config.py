@@ -93,8 +93,9 @@ class Config:
     single_copy: str = "1"
     """Let ranks on one host copy large messages straight out of each other's memory
     (process_vm_readv; under Yama ptrace_scope 1 this declares any process a permitted
-    tracer, as Open MPI does): '0' never, '1' unless ranks outnumber cores (slower there),
-    'force' wherever the kernel allows (TENSORWIRE_SINGLE_COPY)."""
+    tracer, as Open MPI does): '0' never, '1' for the reductions, and for all_gather and
+    all_to_all unless ranks outnumber cores (slower there), 'force' wherever the kernel allows
+    (TENSORWIRE_SINGLE_COPY)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -124,8 +125,9 @@ class Config:
             raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
                              f"cached) or force (probe and rewrite the cache)")
         if cfg.single_copy not in ("0", "1", "force"):
-            raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (unless "
-                             f"ranks outnumber cores) or force (wherever the kernel allows)")
+            raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (the "
+                             f"reductions always, the rest unless ranks outnumber cores) or force "
+                             f"(wherever the kernel allows)")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
