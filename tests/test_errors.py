@@ -320,7 +320,7 @@ SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, the one shot or 
 
 def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     base, _, large = case.partition(":")
-    if large == "single" and g.direct is not None and g.direct.single_copy:
+    if large == "single" and g.direct is not None and g.direct.single_copy and not g.direct.crowded:
         with tuner.override(g, {"all_to_all_count": "all_to_all"}.get(base, "all_gather"), "single_copy"):
             _mismatched_call(base + ":stream", g, t)
         return

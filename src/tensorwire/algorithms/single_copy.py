@@ -12,11 +12,14 @@ what that reader published.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..buffers import copy
+from ..errors import PeerLostError
 from ..ops import ReduceOp, reduction_kernel
-from ..transport.cma import BOUNCE
+from ..transport.cma import BOUNCE, ProcessGone
 from .base import blocks_of, split_counts
 from .registry import Algorithm, register
 from .shm_direct import _CHUNK_BITS, _READ, MEMORY_COST, DirectPath, volume_cost
@@ -64,6 +67,21 @@ def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray
     for r in dp.onward:
         _fetch(dp, p, r, dp.rank, recvs[r])
     _finish(dp, call, p, dp.others)
+
+
+def _lost_if_gone(run):
+    """`run`, raising PeerLostError naming the rank whose process vanished under a read (the
+    socket that would tell may not have closed yet)."""
+    @functools.wraps(run)
+    def guarded(call, *args):
+        try:
+            run(call, *args)
+        except ProcessGone as exc:
+            dp = call.group.direct
+            peer = dp.members[dp.pids.index(exc.pid)] if exc.pid in dp.pids else None
+            raise PeerLostError(f"rank {dp.engine.rank}: {call.what}: lost rank {peer}: its process "
+                                f"{exc.pid} is gone (reading its memory failed)", peer=peer) from exc
+    return guarded
 
 
 def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
@@ -151,7 +169,8 @@ _RUNS = {  # collective: (run, cost, table words per rank)
                    volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
 }
 for _collective, (_run, _cost, _words) in _RUNS.items():
-    register(Algorithm("single_copy", _collective, _run, _cost, needs_direct=True, needs_single_copy=True,
+    register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
+                       needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
                        out_of_place=_collective == "all_reduce",
                        slot_need=lambda n, m, w=_words: 8 * w * n))

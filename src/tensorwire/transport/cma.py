@@ -71,6 +71,14 @@ def allow_peers() -> str:
     return ""
 
 
+class ProcessGone(ProcessLookupError):
+    """The process a read was from no longer exists (a peer that died)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(errno.ESRCH, f"process_vm_readv from process {pid}: {os.strerror(errno.ESRCH)}")
+        self.pid = pid
+
+
 def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
     """Copy nbytes from address `remote` of process `pid` to local address `local`."""
     libc = _libc()
@@ -80,6 +88,8 @@ def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
         got = libc.process_vm_readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
         if got <= 0:
             err = ctypes.get_errno() if got < 0 else errno.EFAULT
+            if err == errno.ESRCH:
+                raise ProcessGone(pid)
             raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")
         local, remote, nbytes = local + got, remote + got, nbytes - got
 
