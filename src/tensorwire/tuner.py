@@ -74,7 +74,7 @@ DETERMINISTIC = {
     "reduce_scatter": frozenset({"direct", "single_copy", rank_ordered.NAME}),
 }
 """Per reduction, the algorithms that fold every element in rank order, ((x0 op x1) op x2) ...:
-the same bits whichever of them runs. (An algorithm can also declare `deterministic=True`.)"""
+the same bits whichever of them runs."""
 ALIASES = {"tree": "binomial"}
 """Family names accepted in TENSORWIRE_ALGO where no algorithm has that exact name."""
 
@@ -235,7 +235,7 @@ def is_deterministic(alg: Algorithm) -> bool:
     """Folds in rank order (data movement without reduction is deterministic anyway)."""
     if alg.collective not in REDUCTIONS:
         return True
-    return bool(getattr(alg, "deterministic", False)) or alg.name in DETERMINISTIC[alg.collective]
+    return alg.name in DETERMINISTIC[alg.collective]
 
 
 def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) -> None:

@@ -75,7 +75,7 @@ def _lost_if_gone(run):
     @functools.wraps(run)
     def guarded(call, *args):
         try:
-            run(call, *args)
+            return run(call, *args)
         except ProcessGone as exc:
             dp = call.group.direct
             peer = dp.members[dp.pids.index(exc.pid)] if exc.pid in dp.pids else None
