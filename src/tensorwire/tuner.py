@@ -64,8 +64,8 @@ EXCHANGE_BUSY_ALPHA = 2.0
 TIE = 0.01
 """Prices this close to the cheapest are a tie: where latency rules, the ring and pairwise
 exchange (or Bruck) differ only by the β of the busy link each is priced with, a difference
-far below the noise of the constants (the ring's steps, which forward what they received,
-measured 1.1-1.6x slower there at n=4 over TCP, with the tie going the other way)."""
+far below the noise of the constants (which of the two measured faster there at n=4 over
+TCP changed from sweep to sweep, by 1.1-1.6x either way)."""
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 """Collectives whose result depends on the order of the reduction (floating point)."""
 DETERMINISTIC = {
