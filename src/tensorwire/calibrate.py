@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -73,6 +73,9 @@ BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring wri
 GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
 DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # all_reduces through the shared segment: the direct path
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
+DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
+# steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
+# in a benchmark's 8 B calls), enough to flip small all_reduces to the tree (2-8x slower)
 FIELDS = ("alpha", "beta", "gamma")
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
@@ -251,9 +254,9 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
 
 def measure_direct(world: Group) -> tuple[float, float]:
     """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
-    (every rank of the world takes part): α is the median batch mean at 8 bytes; β is fitted
-    to the median at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied one,
-    and never below a lone copy's.
+    (every rank of the world takes part, after a few untimed ones): α is the median batch mean
+    at 8 bytes; β is fitted to the median at DIRECT_BYTES (up to the slot), counting a reduced
+    byte like a copied one, and never below a lone copy's.
     Medians, as for the busy link: every rank works in these calls, contention included. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
@@ -262,6 +265,8 @@ def measure_direct(world: Group) -> tuple[float, float]:
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
 
     def typical(data: np.ndarray) -> float:
+        for _ in range(DIRECT_WARM):
+            run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
         batches = []
         for _ in range(DIRECT_BATCHES):
             t0 = time.perf_counter()
