@@ -97,6 +97,7 @@ class DirectPath:
         self.offered = "not yet"  # why this rank offers no single copy ('' if it does)
         self.pids: tuple[int, ...] = ()
         self.reader = cma.Reader()
+        self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test

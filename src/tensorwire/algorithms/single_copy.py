@@ -87,32 +87,32 @@ def _lost_if_gone(run):
 def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """out = the fold, in rank order, of buffer `index` of every rank's table (`own` here).
 
-    Piece by piece, each peer's piece read into the bounce buffer (placed well for the
-    source) and folded into `out` while both are in cache."""
+    Piece by piece: rank 0's piece lands in `out`, then each other rank's is folded in, a
+    peer's read into the bounce buffer (placed well for the source) while `out` is in cache."""
     if not out.size:
         return
     kernel, dtype, me = reduction_kernel(op, out.dtype), out.dtype, dp.rank
     step = _PIECE // dtype.itemsize
-    # in place, out takes rank 0's contribution before this rank's turn: keep this rank's piece
-    keep = np.empty(min(step, out.size), dtype) if me and np.may_share_memory(own, out) else None
+    # in place, out takes rank 0's piece before this rank's turn: this rank's is kept aside
+    # (in a buffer of the group's, not one per call)
+    in_place = me > 0 and np.may_share_memory(own, out)
+    if in_place and dp.kept is None:
+        dp.kept = np.empty(_PIECE, np.uint8)
     remotes = [int(t[index]) for t in dp.views(_WORD, dp.size)[p]]
     for lo in range(0, out.size, step):
         acc, mine = out[lo:lo + step], own[lo:lo + step]
-        if keep is not None:
-            mine = keep[:acc.size]
+        if in_place:
+            mine = dp.kept[:mine.nbytes].view(dtype)  # type: ignore[index]
             copy(mine, own[lo:lo + step])
-        for r in dp.everyone:
-            if r == me:
-                if r == 0:
-                    if acc.ctypes.data != mine.ctypes.data:
-                        copy(acc, mine)
-                else:
-                    kernel(acc, mine, acc)
-            elif r == 0:
-                dp.reader.read_into(acc, dp.pids[r], remotes[r] + lo * dtype.itemsize)
-            else:
-                kernel(acc, dp.reader.fetch(dp.pids[r], remotes[r] + lo * dtype.itemsize,
-                                            acc.nbytes).view(dtype), acc)
+        at = lo * dtype.itemsize
+        if me == 0:
+            if acc.ctypes.data != mine.ctypes.data:
+                copy(acc, mine)
+        else:
+            dp.reader.read_into(acc, dp.pids[0], remotes[0] + at)
+        for r in dp.everyone[1:]:
+            theirs = mine if r == me else dp.reader.fetch(dp.pids[r], remotes[r] + at, acc.nbytes).view(dtype)
+            kernel(acc, theirs, acc)
 
 
 def single_copy_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
