@@ -16,14 +16,15 @@ import threading
 import time
 
 import pytest
-from test_torch_backend import assert_all_ok, launch
+from test_torch_backend import assert_all_ok, free_port, launch
 
 pytest.importorskip("torch")
 
 
 @pytest.mark.timeout(120)
 def test_ddp_fsdp2_two_ranks() -> None:
-    assert_all_ok(launch("train", 2, script=_SELF), "train")
+    # the Gloo world's store gets a port of its own (MASTER_PORT + 1 was once taken: EADDRINUSE)
+    assert_all_ok(launch("train", 2, script=_SELF, GLOO_PORT=str(free_port())), "train")
 
 
 @pytest.mark.timeout(120)
@@ -212,7 +213,7 @@ def scenario_train() -> None:
     tw = _train_fsdp2(init_device_mesh("cpu", (dist.get_world_size(),)), steps)
     dist.destroy_process_group()
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(os.environ['MASTER_PORT']) + 1}",
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['GLOO_PORT']}",
                             rank=rank, world_size=size)
     gl = _train_fsdp2(init_device_mesh("cpu", (size,)), steps)
     _compare_with_gloo("FSDP2", tw, gl)
