@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import tensorwire as tw
 from cluster import Cluster
 from tensorwire import ops, tuner
+from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
 from tensorwire.ops import ReduceOp, Reduction
@@ -314,20 +315,24 @@ class _Reducer:
             if use_out:
                 log.same(label + " (non-root out untouched)", out, out_before)
 
-    def reduce_scatter(self, dt, op, red, bshape, form: str, tag: tuple) -> None:
+    def reduce_scatter(self, dt, op, red, bshape, form: str, tag: tuple, in_place: bool = False,
+                       spelled=None) -> None:
+        """`in_place`: the output is this rank's block of the input; `spelled` as for all_reduce."""
         n, me, log = self.n, self.me, self.log
         ins = [_gen(dt, (n, *bshape), (self.seed, 3, *tag), r, op) for r in range(n)]
-        label = f"{form} {dt.name} {red} block {bshape}"
+        label = f"{form} {dt.name} {red} block {bshape}{' in place' if in_place else ''}"
         x = ins[me].copy()
-        out = _garbage(dt, bshape)
+        out = x[me] if in_place else _garbage(dt, bshape)
+        red_arg = red if spelled is None else spelled
         log.case()
         if form == "reduce_scatter":
-            ret = tw.reduce_scatter(out, [x[j] for j in range(n)], red)
+            ret = tw.reduce_scatter(out, [x[j] for j in range(n)], red_arg)
         else:
-            ret = tw.reduce_scatter_tensor(out, x, red)
+            ret = tw.reduce_scatter_tensor(out, x, red_arg)
         log.check(ret is out, f"{label}: did not return output")
         log.close(label, out, [v[me] for v in ins], red)
-        log.same(label + " (input kept)", x, ins[me])
+        if not in_place:
+            log.same(label + " (input kept)", x, ins[me])
 
     def reduce_scatterv(self, dt, op, red, counts: list[int], tag: tuple) -> None:
         n, me, log = self.n, self.me, self.log
@@ -412,8 +417,10 @@ def _repeat_cases(n: int) -> int:
     ops = [(dt, op) for dt in REPEAT_DTYPES for op in ReduceOp
            if op is not ReduceOp.PREMUL_SUM and _accepts(op, dt)]
     rooted = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * n * 2 * 3  # per root, in place and out=, 3 times
-    moves = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * 3 * 2  # all_gather_into_tensor, all_to_all_single
-    return len(ops) * len(REPEAT_SHAPES) * 2 * 3 + rooted * (1 + len(REPEAT_ROOTED_OPS)) + moves
+    # all_gather_into_tensor (also in place), all_to_all_single
+    moves = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * 3 * 3
+    # all_reduce in place and out=, reduce_scatter_tensor into its own block and into a fresh array
+    return len(ops) * len(REPEAT_SHAPES) * 2 * 3 * 2 + rooted * (1 + len(REPEAT_ROOTED_OPS)) + moves
 
 
 def rank_repeated_signatures(seed: int) -> dict:
@@ -431,6 +438,9 @@ def rank_repeated_signatures(seed: int) -> dict:
                     for rep in range(3):
                         rd.all_reduce(dt, op, Reduction(op), shape, use_out, (di, int(op), si, use_out, rep),
                                       spelled=op if rep % 2 else None)
+                        rd.reduce_scatter(dt, op, Reduction(op), shape, "reduce_scatter_tensor",
+                                          (di, int(op), si, use_out, rep, 7), in_place=not use_out,
+                                          spelled=op if rep % 2 else None)
         for si, shape in enumerate(REPEAT_SHAPES):
             for root in range(n):
                 for use_out in (False, True):
@@ -453,6 +463,12 @@ def rank_repeated_signatures(seed: int) -> dict:
                 log.check(tw.all_gather_into_tensor(out, _gen(dt, shape, tag, me)) is out,
                           "all_gather_into_tensor: wrong return value")
                 log.same(f"repeated all_gather_into_tensor {dt.name} {shape} #{rep}", out,
+                         np.stack([_gen(dt, shape, tag, r) for r in range(n)]))
+                out = _garbage(dt, (n, *shape))
+                out[me] = _gen(dt, shape, tag, me)
+                log.case()  # in place: the input is this rank's block of the output (as FSDP does)
+                tw.all_gather_into_tensor(out, out[me])
+                log.same(f"repeated all_gather_into_tensor in place {dt.name} {shape} #{rep}", out,
                          np.stack([_gen(dt, shape, tag, r) for r in range(n)]))
                 out = _garbage(dt, (n, *shape))
                 log.case()
@@ -1392,10 +1408,12 @@ def rank_algorithms_direct(seed: int) -> dict:
 
 
 def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
-    """Run fn with every algorithm of `collective` in the registry wrapped; the names that ran."""
+    """Run fn with every algorithm of `collective` in the registry wrapped; the names that ran
+    (a planned single-tensor call on the direct path, which runs a TensorPlan, counts as direct)."""
     used: list[str] = []
     table = algorithms_for(collective)
     saved = dict(table)
+    plan_run = shm_direct.TensorPlan.run
 
     def wrap(alg):
         def w(*args):
@@ -1403,13 +1421,22 @@ def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
             return alg.run(*args)
         return dataclasses.replace(alg, run=w)
 
+    def planned(plan, *args):
+        if plan.collective == collective:
+            used.append("direct")
+        return plan_run(plan, *args)
+
     try:
         table.update({k: wrap(a) for k, a in saved.items()})
+        shm_direct.TensorPlan.run = planned  # type: ignore[method-assign]
         tw.world().choices.clear()
+        tw.world().plans.clear()
         fn()
     finally:
         table.update(saved)
+        shm_direct.TensorPlan.run = plan_run  # type: ignore[method-assign]
         tw.world().choices.clear()
+        tw.world().plans.clear()
     return used
 
 

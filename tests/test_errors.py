@@ -351,6 +351,9 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     elif base == "all_to_all_count":
         inp = np.ones(n * (m + r), np.float32)
         g.all_to_all_single(np.empty_like(inp), inp, timeout=t)
+    elif base == "reduce_scatter_op":
+        g.reduce_scatter_tensor(np.empty(m, np.float32), np.ones(n * m, np.float32),
+                                op=tw.ReduceOp.SUM if r == 0 else tw.ReduceOp.MAX, timeout=t)
     elif base == "gather_dtype":
         dt = np.int32 if r == n - 1 else np.float32
         outs = [np.empty(m, dt) for _ in range(n)] if r == 0 else None
@@ -399,6 +402,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "all_gather_count:stream": ("all_gather_into_tensor", "count"),
     "all_gather_count:single": ("all_gather_into_tensor", "count"),
     "all_to_all_count:single": ("all_to_all_single", "count"),
+    "reduce_scatter_op": ("reduce_scatter_tensor", "op", "SUM", "MAX"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),
     "all_gatherv_total": ("all_gatherv", "count"),
@@ -420,8 +424,9 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
 
 def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
     """The same signatures (4 x float32: all_reduce SUM, broadcast from 0, reduce SUM to each
-    root, in place and out) succeed first, so the next call takes the path that skips the
-    checks already passed: what is checked per array or per rank must still be."""
+    root, in place and out; the single-tensor all_gather, all_to_all and reduce_scatter)
+    succeed first, so the next call takes the path that skips the checks already passed: what
+    is checked per array or per rank must still be."""
     g = _fresh_group()
     x, out = np.ones(4, np.float32), np.empty(4, np.float32)
     g.all_reduce(x, timeout=t)
@@ -433,6 +438,7 @@ def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
         g.reduce(x, dst=root, out=out, timeout=t)
     g.all_gather_into_tensor(np.empty(4 * g.size, np.float32), x, timeout=t)
     g.all_to_all_single(np.empty(4 * g.size, np.float32), np.ones(4 * g.size, np.float32), timeout=t)
+    g.reduce_scatter_tensor(np.empty(4, np.float32), np.ones(4 * g.size, np.float32), timeout=t)
     call = _mismatched_call if case in MISMATCH_CASES else _bad_call
     return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
 
@@ -444,7 +450,8 @@ _WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op",
                                   "broadcast_readonly_receiver", "reduce_readonly_root", "reduce_op",
                                   "reduce_root", "all_gather_readonly_output", "all_gather_count",
-                                  "all_to_all_readonly_output"])
+                                  "all_to_all_readonly_output", "reduce_scatter_noncontiguous_output",
+                                  "reduce_scatter_op"])
 def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
     for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
         if case in MISMATCH_CASES:

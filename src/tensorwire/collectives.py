@@ -18,7 +18,7 @@ import numpy as np
 
 from . import tuner
 from .algorithms.base import blocks_of
-from .algorithms.shm_direct import AllReducePlan
+from .algorithms.shm_direct import AllReducePlan, TensorPlan
 from .buffers import as_array, byte_view, copy
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
@@ -135,6 +135,18 @@ def _all_to_all(call: CollectiveCall, ins: list[np.ndarray], outs: list[np.ndarr
         run = tuner.select(group, "all_to_all", sum(b.nbytes for b in sends) if even else 0, even).run
     if run is not None:
         run(call, sends, recvs)
+    return result
+
+
+def _reduce_scatter(call: CollectiveCall, blocks: list[np.ndarray], out: np.ndarray, red: Reduction,
+                    even: bool, result: Any, run: Any) -> Any:
+    """`blocks`: flat; `even`: equal blocks (see _all_gather); `run` as for _broadcast."""
+    group = call.group
+    flat = out if out.ndim == 1 else out.reshape(-1)
+    if run is _SELECT:
+        run = tuner.select(group, "reduce_scatter", sum(b.nbytes for b in blocks), even).run
+    run(call, blocks, flat, red.op)
+    finalize(flat, red, group.size)
     return result
 
 
@@ -262,14 +274,22 @@ class Collectives:
         return call, _all_reduce, False, red
 
     def _remember(self: Group, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
-                  *extra: Any, one_rank: bool = False) -> None:
+                  *extra: Any, one_rank: bool = False,
+                  tensor: tuple[np.ndarray, Reduction | None] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its method:
         (call, on the direct path?, the chosen algorithm's run or None where nothing moves,
-        *extra). `one_rank`: the algorithm has work even on a single rank."""
+        *extra). `one_rank`: the algorithm has work even on a single rank. `tensor`: (input,
+        reduction) of a single-tensor all_gather, all_to_all or reduce_scatter, whose extra
+        ends with its block counts: where the tuner picks the direct path's one shot, the run
+        is a TensorPlan's, which takes the arrays themselves, and the counts are None."""
         if len(self.plans) < _PLANS:
             alg = tuner.select(self, collective, nbytes) if self.size > 1 or one_rank else None
-            self.plans[key] = (self.planned_call(fp, what), alg is not None and alg.needs_direct,
-                               None if alg is None else alg.run, *extra)
+            run = None if alg is None else alg.run
+            if tensor is not None and alg is not None and alg.name == "direct" \
+                    and tensor[0].nbytes <= self.direct.slot_bytes:
+                run = TensorPlan(self.direct, collective, tensor[0].dtype, tensor[0].size, tensor[1]).run
+                extra = (*extra[:-1], None)
+            self.plans[key] = (self.planned_call(fp, what), alg is not None and alg.needs_direct, run, *extra)
 
     def reduce(self: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -310,12 +330,24 @@ class Collectives:
         self._check_member(what)
         out = self._arr(output, what, writable=True, name="output")
         blocks = self._list(input_list, what, "input_list", writable=False, like=out)
-        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTER)
+        return self._submit_reduce_scatter(what, output, out, blocks, op, async_op, timeout,
+                                           Coll.REDUCE_SCATTER)
 
     def reduce_scatter_tensor(self: Group, output: Any, input: Any, op: Any = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: float | None = None) -> Any:
         """Single-tensor form: `input` is size x output.numel(), rank r gets block r reduced."""
         what = "reduce_scatter_tensor"
+        if type(input) is np.ndarray and type(output) is np.ndarray \
+                and (type(op) is ReduceOp or type(op) is Reduction):  # a checked signature: see all_reduce
+            plan = self.plans.get((what, input.dtype, input.size, output.size, op))
+            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
+                    and _usable(output, True):
+                call, direct, run, red, counts = plan
+                if counts is None:
+                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
+                return self._submit_planned(call, _reduce_scatter, direct, async_op, timeout,
+                                            blocks_of(input.reshape(-1), counts), output, red, True, output,
+                                            run)
         self._check_member(what)
         out = self._arr(output, what, writable=True, name="output")
         inp = self._arr(input, what, writable=False, name="input")
@@ -323,8 +355,14 @@ class Collectives:
         if inp.size != out.size * self.size:
             self._invalid(what, f"input has {inp.size} elements, expected size x output = "
                                 f"{self.size} x {out.size}")
-        blocks = blocks_of(inp.reshape(-1), [out.size] * self.size)
-        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTER)
+        counts = [out.size] * self.size
+        red = self._reduction(op, out.dtype, what)
+        fp = self._fp(Coll.REDUCE_SCATTER, out.dtype, red, count=out.size)
+        if inp is input and out is output and red.factor is None and type(op) in (ReduceOp, Reduction):
+            self._remember((what, inp.dtype, inp.size, out.size, op), fp, what, "reduce_scatter", inp.nbytes,
+                           red, counts, one_rank=True, tensor=(inp, red))
+        return self._submit(fp, what, _reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1), counts),
+                            out, red, True, output, _SELECT)
 
     def reduce_scatterv(self: Group, output: Any, input: Any, counts: Sequence[int], op: Any = ReduceOp.SUM,
                         *, async_op: bool = False, timeout: float | None = None) -> Any:
@@ -339,22 +377,17 @@ class Collectives:
             self._invalid(what, f"input has {inp.size} elements (want sum(counts)={sum(counts)}), output "
                                 f"{out.size} (want counts[{self.rank}]={counts[self.rank]})")
         blocks = blocks_of(inp.reshape(-1), counts)
-        return self._reduce_scatter(what, output, out, blocks, op, async_op, timeout, Coll.REDUCE_SCATTERV)
+        return self._submit_reduce_scatter(what, output, out, blocks, op, async_op, timeout,
+                                           Coll.REDUCE_SCATTERV)
 
-    def _reduce_scatter(self: Group, what: str, output: Any, out: np.ndarray, blocks: list[np.ndarray],
-                        op: Any, async_op: bool, timeout: float | None, coll: Coll) -> Any:
+    def _submit_reduce_scatter(self: Group, what: str, output: Any, out: np.ndarray,
+                               blocks: list[np.ndarray], op: Any, async_op: bool, timeout: float | None,
+                               coll: Coll) -> Any:
         red = self._reduction(op, out.dtype, what)
         count = out.size if coll == Coll.REDUCE_SCATTER else -1
-
-        def body(call: CollectiveCall) -> Any:
-            flat = out.reshape(-1)
-            flats = [b.reshape(-1) for b in blocks]
-            tuner.run(self, call, "reduce_scatter", sum(b.nbytes for b in flats), flats, flat, red.op,
-                      direct_ok=coll == Coll.REDUCE_SCATTER)
-            finalize(flat, red, self.size)
-            return output
-
-        return self._submit(self._fp(coll, out.dtype, red, count=count), what, body, async_op, timeout)
+        return self._submit(self._fp(coll, out.dtype, red, count=count), what, _reduce_scatter, async_op,
+                            timeout, [b.reshape(-1) for b in blocks], out, red, coll == Coll.REDUCE_SCATTER,
+                            output, _SELECT)
 
     # -- data movement ------------------------------------------------------------------------------
     def broadcast(self: Group, tensor: Any, src: int = 0, *, out: Any = None, async_op: bool = False,
@@ -402,6 +435,8 @@ class Collectives:
             if plan is not None and output.dtype == input.dtype and _usable(input, False) \
                     and _usable(output, True):
                 call, direct, run, counts = plan
+                if counts is None:
+                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
                 return self._submit_planned(call, _all_gather, direct, async_op, timeout, input,
                                             blocks_of(output.reshape(-1), counts), True, output, run)
         self._check_member(what)
@@ -415,7 +450,8 @@ class Collectives:
         outs = blocks_of(out.reshape(-1), counts)
         fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
         if inp is input and out is output:
-            self._remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes, counts)
+            self._remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes, counts,
+                           tensor=(inp, None))
         return self._submit(fp, what, _all_gather, async_op, timeout, inp, outs, True, output, _SELECT)
 
     def all_gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False,
@@ -541,6 +577,8 @@ class Collectives:
             if plan is not None and output.dtype == input.dtype and _usable(input, False) \
                     and _usable(output, True):
                 call, direct, run, counts = plan
+                if counts is None:
+                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
                 return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
                                             blocks_of(input.reshape(-1), counts),
                                             blocks_of(output.reshape(-1), counts), True, output, run)
@@ -556,7 +594,7 @@ class Collectives:
                 and ins[self.rank].size == outs[self.rank].size:  # so every block has that size
             self._remember((what, inp.dtype, inp.shape, out.shape), self._fp(coll, dtype, count=count), what,
                            "all_to_all", inp.nbytes, [b.size for b in ins],
-                           one_rank=True)  # on one rank the algorithm copies the block
+                           one_rank=True, tensor=(inp, None))  # on one rank the algorithm copies the block
         return self._all_to_all(what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
     def _split(self: Group, arr: np.ndarray, sizes: Sequence[int] | None, what: str,

@@ -89,7 +89,7 @@ class DirectPath:
         self.prev_name = ""  # the previous call's collective (its number is prev_seq)
         self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
-        self._views: dict[tuple[np.dtype, int, int], tuple[tuple[np.ndarray, ...], ...]] = {}
+        self._views: dict[tuple, tuple] = {}
         self.single_copy = False  # see offer_single_copy
         self.crowded = False
         """Ranks outnumber cores (and TENSORWIRE_SINGLE_COPY is not `force`): only the single
@@ -136,6 +136,22 @@ class DirectPath:
             views = self._views[key] = tuple(
                 tuple(self.seg.slots[r][p][offset:end].view(dtype) for r in self.everyone) for p in (0, 1))
         return views
+
+    def grid(self, dtype: np.dtype, count: int, offset: int) -> tuple[np.ndarray, ...]:
+        """Per parity, the same `count` elements from byte `offset` of every rank's slot as the
+        rows of one array: the slots lie at one stride, so what a rank takes from all of them
+        is one numpy copy instead of one per rank. Cached as `views`."""
+        key = (dtype, count, offset, "grid")
+        grids = self._views.get(key)
+        if grids is None:
+            if len(self._views) >= _CACHED:
+                self._views.clear()
+            stride = self.seg.rank_stride
+            grids = self._views[key] = tuple(  # type: ignore[assignment]
+                np.lib.stride_tricks.as_strided(self.seg.slots[0][p][offset:].view(dtype),
+                                                (self.size, count), (stride, dtype.itemsize))
+                for p in (0, 1))
+        return grids  # type: ignore[return-value]
 
     def words_of(self, fp: Fingerprint) -> tuple[int, int]:
         """`fp` as stamped, remembered as the last one published."""
@@ -355,6 +371,44 @@ class AllReducePlan:
         if self.needs_finalize:
             finalize(flat, red, self.dp.size)
         return result
+
+
+class TensorPlan:
+    """One signature (dtype, count) of a single-tensor all_gather, all_to_all or reduce_scatter
+    whose input fits the slot, with everything looked up once (as AllReducePlan): the input
+    goes into this rank's slot in one copy, and what this rank takes from every slot comes out
+    of one grid (see DirectPath.grid): one copy into the output, or one fold per slot in rank
+    order. The same protocol and bytes as the list forms below, with a few numpy calls instead
+    of one per block."""
+
+    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red")
+
+    def __init__(self, dp: DirectPath, collective: str, dtype: np.dtype, count: int,
+                 red: Reduction | None = None) -> None:
+        self.collective = collective
+        self.dp = dp
+        block = count if collective == "all_gather" else count // dp.size
+        self.mine = tuple(v[dp.rank] for v in dp.views(dtype, count))
+        offset = 0 if collective == "all_gather" else dp.rank * block * dtype.itemsize  # this rank's block
+        self.grids = dp.grid(dtype, block, offset)
+        self.rows = tuple(tuple(g) for g in self.grids)  # the reductions fold row by row
+        self.shape = (dp.size, block)
+        self.red = red
+        self.kernel = None if red is None else reduction_kernel(red.op, dtype)
+
+    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Collectives' body for contiguous arrays of the planned signature; `dst` returned."""
+        dp = self.dp
+        p = dp.enter(call)
+        self.mine[p][...] = src if src.ndim == 1 else src.reshape(-1)
+        dp.publish(call, p, dp.everyone)
+        if self.kernel is None:
+            dst.reshape(self.shape)[...] = self.grids[p]
+        else:
+            flat = dst if dst.ndim == 1 else dst.reshape(-1)
+            _fold(self.rows[p], flat, self.kernel)
+            finalize(flat, self.red, dp.size)  # type: ignore[arg-type]
+        return dst
 
 
 def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:

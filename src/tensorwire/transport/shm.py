@@ -272,6 +272,7 @@ class GroupSegment(Segment):
         self.size = size
         self.slot_bytes = slot_bytes
         base = _CTRL + ctrl + _SLOT_SHIFT
+        self.rank_stride = 2 * slot_bytes  # from a rank's slot of one parity to the next rank's
         self.slots = [[self.bytes[base + (r * 2 + p) * slot_bytes: base + (r * 2 + p + 1) * slot_bytes]
                        for p in (0, 1)] for r in range(size)]
         self.lines = [(_CTRL + r * _LINE) // 8 for r in range(size)]  # word index of each control line
