@@ -1704,6 +1704,32 @@ def test_single_copy_all_gather_all_to_all(size: int) -> None:
     _expect(results, 3 * 12)
 
 
+def rank_direct_gather_scatter(seed: int) -> dict:
+    """rank_movement with gather and scatter forced onto the one shot through the slots (the
+    env): every root, uneven blocks and empty ones (gatherv, scatterv); none may run otherwise."""
+    res: dict = {}
+    used = {}
+    used["scatter"] = _count_algorithms(
+        lambda: used.update(gather=_count_algorithms(
+            lambda: res.update(rank_movement(seed, SWEEP_COMBOS, True)), "gather")), "scatter")
+    for coll, names in used.items():
+        if set(names) != {"direct"}:
+            res["fails"].append(f"{coll} ran {sorted(set(names))}")
+            res["nfails"] += 1
+    return res
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("size", [2, 3])
+def test_direct_gather_scatter(size: int) -> None:
+    cluster = Cluster(size, {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"})
+    try:
+        results = cluster.run(rank_direct_gather_scatter, 7, timeout=120)
+    finally:
+        cluster.close()
+    _expect(results, _movement_cases(size, len(SWEEP_COMBOS), True))
+
+
 def rank_single_copy_refused() -> dict:
     """One rank refuses single copy (as with TENSORWIRE_SINGLE_COPY=0 there) when a group is
     made: the group agrees on no single copy, the tuner leaves it out, the calls still work."""

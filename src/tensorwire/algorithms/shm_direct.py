@@ -552,6 +552,53 @@ def _stream_all_reduce(dp: DirectPath, call, src: np.ndarray, dst: np.ndarray, k
         stream.done_reading(c)
 
 
+def direct_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
+    """Every other rank copies its block into its slot; the root copies each out of the slots
+    (the one-shot reduce without the fold). Blocks may differ in size (gatherv): the root
+    knows them all."""
+    dp = call.group.direct
+    p = dp.enter(call)
+    if dp.rank != root:
+        dp.seg.slots[dp.rank][p][:send.nbytes] = send.view(np.uint8)
+        dp.publish(call, p)
+        return
+    dp.publish(call, p, dp.everyone)
+    assert blocks is not None
+    for r in dp.others:
+        blocks[r].view(np.uint8)[...] = dp.seg.slots[r][p][:blocks[r].nbytes]
+    if blocks[root] is not send:
+        copy(blocks[root], send)
+
+
+def _scatter_table(n: int) -> int:
+    """Bytes at the head of a scattering root's slot: where each rank's block starts."""
+    return -(-8 * n // 64) * 64
+
+
+def direct_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
+    """The root copies every other rank's block into its slot after a table of where each
+    starts (blocks may differ in size: scatterv, whose counts only the root's list shows
+    here); each rank copies its own out (the one-shot broadcast, a block each)."""
+    dp = call.group.direct
+    p = dp.enter(call)
+    slot = dp.seg.slots[root][p]
+    table = slot[:8 * dp.size].view(np.uint64)
+    if dp.rank == root:
+        assert blocks is not None
+        at = _scatter_table(dp.size)
+        for r in dp.others:
+            table[r] = at
+            slot[at:at + blocks[r].nbytes] = blocks[r].view(np.uint8)
+            at += blocks[r].nbytes
+        dp.publish(call, p)
+        if blocks[root] is not recv:
+            copy(recv, blocks[root])
+        return
+    dp.publish(call, p, (root,))
+    at = int(table[dp.rank])
+    recv.view(np.uint8)[...] = slot[at:at + recv.nbytes]
+
+
 def direct_barrier(call) -> None:
     dp = call.group.direct
     dp.publish(call, dp.enter(call), dp.everyone)
@@ -616,15 +663,20 @@ _VOLUMES = {  # collective: (copied in, read, reduced) as functions of n
     "all_gather": (lambda n: 1 / n, lambda n: 1, lambda n: 0),
     "reduce_scatter": (lambda n: 1, lambda n: 1, lambda n: (n - 1) / n),
     "all_to_all": (lambda n: 1, lambda n: 1, lambda n: 0),
+    # the blocks into the slots, then out at the root; the root's copy in, then each block out
+    "gather": (lambda n: 1 / n, lambda n: (n - 1) / n, lambda n: 0),
+    "scatter": (lambda n: (n - 1) / n, lambda n: 1 / n, lambda n: 0),
 }
 _RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": direct_broadcast,
         "barrier": direct_barrier, "all_gather": direct_all_gather,
-        "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all}
+        "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all,
+        "gather": direct_gather, "scatter": direct_scatter}
 
 
 # What does not fit a slot streams through it, given room for a 64-byte piece per stream
 _SLOT_NEED = {"all_reduce": lambda n, m: min(m, 64), "broadcast": lambda n, m: min(m, 64),
-              "all_gather": lambda n, m: min(-(-m // n), 64), "all_to_all": lambda n, m: min(m, 64 * (n - 1))}
+              "all_gather": lambda n, m: min(-(-m // n), 64), "all_to_all": lambda n, m: min(m, 64 * (n - 1)),
+              "scatter": lambda n, m: _scatter_table(n) + m}  # gather: a block of up to m (gatherv)
 
 
 def volume_cost(copied, read, reduced, rounds: int = 1):
