@@ -282,7 +282,9 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
                                  or (alg.needs_single_copy and (not direct.single_copy or (
-                                     direct.crowded and not alg.single_copy_crowded)))):
+                                     direct.crowded and not alg.single_copy_crowded)))
+                                 or (alg.uncrowded_only and group.engine.oversubscribed
+                                     and alg.name not in parse_algo(cfg.algo, collective)[0])):
             continue
         if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
             out.append(alg)

@@ -61,6 +61,13 @@ class Algorithm:
     n=4 on 2 cores (interleaved, 9 calls each) the single copy all_gather took 1.40 ms against
     0.82 ms on the slots at 1 MiB and 3.45 against 2.28 ms at 4 MiB. The reductions, which
     read 2(n-1)/n of m per rank instead of the slots' n m, still won: see single_copy.py."""
+    uncrowded_only: bool = False
+    """needs_direct only: not where ranks outnumber cores. The one-shot gather and scatter hold
+    every rank to the root's pace (a slot is refilled only once all ranks are past the call
+    that last used it), where the linear path's senders run ahead: at n=4 on 2 cores the one
+    shot took 119-160 us at 16 B-16 KiB against the linear gather's 68-98 us, and the scatter
+    132-166 us against the binomial tree's 106-137 us (shm-n4 sweep at d277243); at n=2 it
+    took 20 and 28 us against 50 and 42 us. TENSORWIRE_ALGO naming it still runs it."""
     out_of_place: bool = False
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""
