@@ -1451,6 +1451,16 @@ def _forced_sizes(n: int, dt: np.dtype, cfg) -> list[int]:
     return [1, n + 1, 1000, ((256 << 10) // dt.itemsize) - 1, 70_001]
 
 
+def _fresh_cluster_run(size: int, env: dict[str, str], fn, *args, timeout: float) -> list[dict]:
+    """fn(*args) on every rank of a world of its own, started with `env` (what the shared
+    worlds cannot be: TENSORWIRE_* settings are read at init)."""
+    cluster = Cluster(size, env)
+    try:
+        return cluster.run(fn, *args, timeout=timeout)
+    finally:
+        cluster.close()
+
+
 def rank_forced(algo: str, seed: int) -> dict:
     g = tw.world()
     n, me = g.size, g.rank
@@ -1480,11 +1490,8 @@ def rank_forced(algo: str, seed: int) -> dict:
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("algo", ["ring", "recursive_doubling"])
 def test_forced_algorithm_env(algo: str, size: int) -> None:
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": f"allreduce:{algo}"})
-    try:
-        results = cluster.run(rank_forced, algo, 12, timeout=90)
-    finally:
-        cluster.close()
+    results = _fresh_cluster_run(size, {"TENSORWIRE_ALGO": f"allreduce:{algo}"}, rank_forced, algo, 12,
+                                 timeout=90)
     _expect(results, len(ALGO_PAIRS) * 5)
 
 
@@ -1527,12 +1534,8 @@ def rank_streamed_all_reduce(seed: int) -> dict:
 def test_streamed_direct_all_reduce(size: int, slot: str) -> None:
     """Pieces of 512 KiB through a 1 MiB slot, and a 16 KiB slot that holds one step, so a
     rank waits for every reader before each piece."""
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allreduce:direct",
-                             **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})})
-    try:
-        results = cluster.run(rank_streamed_all_reduce, 5, timeout=120)
-    finally:
-        cluster.close()
+    env = {"TENSORWIRE_ALGO": "allreduce:direct", **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
+    results = _fresh_cluster_run(size, env, rank_streamed_all_reduce, 5, timeout=120)
     _expect(results, len(ALGO_PAIRS) * 3 * 2 * 2)
 
 
@@ -1597,11 +1600,8 @@ def rank_single_copy_reductions(seed: int) -> dict:
 @pytest.mark.parametrize("size", [2, 3])
 def test_single_copy_all_reduce_reduce_scatter(size: int) -> None:
     """n=3 outnumbers CI's 2 cores: the reductions still read by single copy there."""
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allreduce:single_copy,reducescatter:single_copy"})
-    try:
-        results = cluster.run(rank_single_copy_reductions, 9, timeout=120)
-    finally:
-        cluster.close()
+    results = _fresh_cluster_run(size, {"TENSORWIRE_ALGO": "allreduce:single_copy,reducescatter:single_copy"},
+                                 rank_single_copy_reductions, 9, timeout=120)
     _expect(results, len(ALGO_PAIRS) * 4 * 5)
 
 
@@ -1682,11 +1682,7 @@ def test_streamed_broadcast_all_gather_all_to_all(size: int, slot: str) -> None:
     time."""
     env = {"TENSORWIRE_ALGO": "broadcast:direct,allgather:direct,alltoall:direct",
            **({"TENSORWIRE_SHM_DIRECT": slot} if slot else {})}
-    cluster = Cluster(size, env)
-    try:
-        results = cluster.run(rank_large_direct, timeout=150)
-    finally:
-        cluster.close()
+    results = _fresh_cluster_run(size, env, rank_large_direct, timeout=150)
     _expect(results, (2 * size + 3) * 7)
 
 
@@ -1695,12 +1691,9 @@ def test_streamed_broadcast_all_gather_all_to_all(size: int, slot: str) -> None:
 def test_single_copy_all_gather_all_to_all(size: int) -> None:
     """Readers copy straight out of the sources' buffers (process_vm_readv), at offsets that
     take the kernel's fast copy and at those that go through the bounce buffer."""
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": "allgather:single_copy,alltoall:single_copy",
-                             "TENSORWIRE_SINGLE_COPY": "force"})  # n=3 outnumbers CI's 2 cores
-    try:
-        results = cluster.run(rank_large_direct, "single_copy", timeout=100)
-    finally:
-        cluster.close()
+    env = {"TENSORWIRE_ALGO": "allgather:single_copy,alltoall:single_copy",
+           "TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
+    results = _fresh_cluster_run(size, env, rank_large_direct, "single_copy", timeout=100)
     _expect(results, 3 * 12)
 
 
@@ -1722,11 +1715,8 @@ def rank_direct_gather_scatter(seed: int) -> dict:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("size", [2, 3])
 def test_direct_gather_scatter(size: int) -> None:
-    cluster = Cluster(size, {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"})
-    try:
-        results = cluster.run(rank_direct_gather_scatter, 7, timeout=120)
-    finally:
-        cluster.close()
+    results = _fresh_cluster_run(size, {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"},
+                                 rank_direct_gather_scatter, 7, timeout=120)
     _expect(results, _movement_cases(size, len(SWEEP_COMBOS), True))
 
 
@@ -1756,11 +1746,7 @@ def rank_single_copy_refused() -> dict:
 
 @pytest.mark.timeout(60)
 def test_single_copy_off_when_a_rank_refuses() -> None:
-    cluster = Cluster(3, {"TENSORWIRE_SINGLE_COPY": "force"})
-    try:
-        results = cluster.run(rank_single_copy_refused, timeout=45)
-    finally:
-        cluster.close()
+    results = _fresh_cluster_run(3, {"TENSORWIRE_SINGLE_COPY": "force"}, rank_single_copy_refused, timeout=45)
     _expect(results, 1)
 
 

@@ -391,7 +391,7 @@ class TensorPlan:
         self.mine = tuple(v[dp.rank] for v in dp.views(dtype, count))
         offset = 0 if collective == "all_gather" else dp.rank * block * dtype.itemsize  # this rank's block
         self.grids = dp.grid(dtype, block, offset)
-        self.rows = tuple(tuple(g) for g in self.grids)  # the reductions fold row by row
+        self.rows = () if red is None else tuple(tuple(g) for g in self.grids)  # folded row by row
         self.shape = (dp.size, block)
         self.red = red
         self.kernel = None if red is None else reduction_kernel(red.op, dtype)
