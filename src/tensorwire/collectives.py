@@ -645,15 +645,16 @@ class Collectives:
         """Non-blocking send; the returned Work completes once the data left this process's hands."""
         peer = self._peer(dst, "send")
         data = byte_view(as_array(tensor, writable=False, rank=self.runtime.rank, collective="send"))
-        req = self.engine.isend(peer, self._p2p_header(tag, data.nbytes), data,
-                                f"send to rank {dst} (tag {tag}) on group {self.name}")
+        header, wire = self._p2p_header(tag, data.nbytes)
+        req = self.engine.isend(peer, header, data, f"send to rank {dst} (tag {tag}) on group {self.name}",
+                                wire)
         return self._p2p_work(req)
 
     def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
         """Non-blocking receive into `tensor` (its size must equal the message's)."""
         peer = self._peer(src, "recv")
         data = byte_view(as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv"))
-        req = self.engine.irecv(peer, self._p2p_header(tag, data.nbytes), data, None,
+        req = self.engine.irecv(peer, self._p2p_header(tag, data.nbytes)[0], data, None,
                                 f"recv from rank {src} (tag {tag}) on group {self.name}")
         return self._p2p_work(req)
 

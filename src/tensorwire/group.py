@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 _log = log.get("COLL")
 P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
+_P2P_HEADERS = 256  # point-to-point headers kept per group (cleared when full)
 
 
 def _mix(*parts: int) -> int:
@@ -130,6 +131,7 @@ class Group(Collectives):
         self._stopping = False
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
         self.plans: dict[object, Any] = {}  # checked call signatures -> their bodies (see Collectives)
+        self._p2p_headers: dict[tuple[int, int], tuple[Header, bytes]] = {}
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
@@ -374,8 +376,17 @@ class Group(Collectives):
                      f"{self.name}.split{self._children}c{int(mine[0])}")
 
     # -- point-to-point -----------------------------------------------------------------------
-    def _p2p_header(self, tag: int, nbytes: int) -> Header:
-        return Header(Kind.P2P, self.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
+    def _p2p_header(self, tag: int, nbytes: int) -> tuple[Header, bytes]:
+        """The header of a point-to-point message and its wire form, kept per (tag, size):
+        building and packing one is a tenth of a small send."""
+        key = (tag, nbytes)
+        out = self._p2p_headers.get(key)
+        if out is None:
+            if len(self._p2p_headers) >= _P2P_HEADERS:
+                self._p2p_headers.clear()
+            header = Header(Kind.P2P, self.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
+            out = self._p2p_headers[key] = (header, header.pack())
+        return out
 
     def _peer(self, peer: int, what: str) -> int:
         self._check_member(what)
@@ -428,13 +439,15 @@ class _P2PWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:
-            try:
-                self._group._p2p_wait(self._req, timeout)
-            except TimeoutError:
-                raise  # still pending: the caller may wait again
-            except BaseException as exc:
-                self._finish(exc=exc)
-                raise
+            req = self._req
+            if not req.done or req.error is not None:  # else nothing to drive nor raise
+                try:
+                    self._group._p2p_wait(req, timeout)
+                except TimeoutError:
+                    raise  # still pending: the caller may wait again
+                except BaseException as exc:
+                    self._finish(exc=exc)
+                    raise
             self._finish()
         return super().wait(0)
 

@@ -105,8 +105,9 @@ class Engine:
         self._sockets = [c.stream.sock for c in self._channel_list]
 
     # -- posting ----------------------------------------------------------------------------
-    def isend(self, peer: int, header: Header, payload: np.ndarray, what: str) -> SendRequest:
-        req = SendRequest(peer, header, payload, what)
+    def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
+              wire_header: bytes | None = None) -> SendRequest:
+        req = SendRequest(peer, header, payload, what, wire_header)
         with self.lock:
             if peer == self.rank:
                 self._self_deliver(req)
@@ -451,6 +452,14 @@ class Engine:
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
+        if pending:  # else all finished as they were posted (a small send into a ring)
+            self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+
+    def _drive(self, pending: list[Request], deadline: float, ctx: int, seq: int, watch: Iterable[int],
+               what: object, cross_check: Callable[[], None] | None) -> None:
         backoff = None  # made when first idle: most waits end in the first round of progress
         with self.lock:
             self._foreground += 1  # the background thread stands back: this waiter drives everything
@@ -470,9 +479,6 @@ class Engine:
         finally:
             with self.lock:
                 self._foreground -= 1
-        for r in reqs:
-            if r.error is not None:
-                raise r.error
 
     def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
         """Raise if the group was aborted or one of its members crashed.

@@ -36,9 +36,10 @@ class Request:
 
 class SendRequest(Request):
 
-    def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str) -> None:
+    def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
+                 wire_header: bytes | None = None) -> None:
         super().__init__(peer, header, what)
-        self.wire_header = header.pack()
+        self.wire_header = header.pack() if wire_header is None else wire_header  # given: cached
         self.payload = payload  # uint8, flat, contiguous
         self.sent = 0  # payload bytes handed to the channel
 
