@@ -122,7 +122,9 @@ def _check_overlap(gloo) -> None:
     model = _mlp(width=256, depth=8)  # ~0.5M parameters in ~0.25 MB buckets: several buckets
     ddp = DDP(model, bucket_cap_mb=0.25)
     gen = torch.Generator().manual_seed(7)
-    x, y = torch.randn(64, 16, generator=gen), torch.randn(64, 4, generator=gen)
+    # 4096 rows: the backward takes ~38 ms (64 rows took ~1 ms, less than Python's 5 ms GIL
+    # switch interval, and the worker sometimes got the GIL only after the last bucket)
+    x, y = torch.randn(4096, 16, generator=gen), torch.randn(4096, 4, generator=gen)
     F.mse_loss(ddp(x), y).backward()  # first step: DDP rebuilds its buckets
     ddp.zero_grad()
     g._submit = recording_submit
