@@ -210,6 +210,9 @@ def _links_of(launch: dict[str, Any]) -> dict[str, Any]:
 def _link(v: dict[str, Any] | None) -> str:
     if not v:
         return "-"
+    if v.get("cache_MiB"):  # the memory entry: its cache, and a copy's rate beyond it
+        extra = f"+{1 / v['bandwidth_GBps']:.3g} ns/B" if v.get("bandwidth_GBps") else "+0"
+        return f"{v['cache_MiB']:.3g} MiB, {extra}"
     return f"{v['alpha_us']:.3g} µs, {v['bandwidth_GBps']:.3g} GB/s"
 
 
@@ -237,11 +240,12 @@ def write_report(setting: str, params: dict[str, Any], launches: list[dict[str, 
         md.append(f"{env} {launch['cmd']}".strip())
     md += ["```", "",
            "| launch | exit | wall | foreign CPU (kept attempt) | attempts | "
-           + " | ".join(f"{t}: α, 1/β" for t in tiers) + " | γ |",
+           + " | ".join(f"{t}: cache, β" if t == "memory" else f"{t}: α, 1/β" for t in tiers) + " | γ |",
            "|---|---:|---:|---:|---:|" + "---:|" * (len(tiers) + 1)]
     for launch in launches:
         links = launch["links"]
-        gamma = next((f"{v['reduce_GBps']:.3g} GB/s" for t, v in links.items() if t != "busy"), "-")
+        gamma = next((f"{v['reduce_GBps']:.3g} GB/s" for t, v in links.items()
+                      if t not in ("busy", "memory")), "-")
         md.append(f"| {launch['coll']} | {launch['rc']} | {launch['wall_s']:.0f} s "
                   f"| {launch['foreign_cores']:.2f} cores | {launch['attempts']} | "
                   + " | ".join(_link(links.get(t)) for t in tiers) + f" | {gamma} |")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import bench, tuner
+from .algorithms.registry import Link
 from .ops import dtype_name
 
 REGISTRY_NAME = {"alltoall": "all_to_all"}
@@ -122,6 +123,17 @@ HEADER = [
 ]
 
 
+def _rates(link: Link) -> dict[str, float | None]:
+    """A link's constants as the JSON keeps them: α in µs, β and γ as GB/s (None: free), and
+    the memory entry's cache in MiB."""
+    out: dict[str, float | None] = {
+        "alpha_us": link.alpha * 1e6, "bandwidth_GBps": 1e-9 / link.beta if link.beta else None,
+        "reduce_GBps": 1e-9 / link.gamma if link.gamma else None}
+    if link.cache:
+        out["cache_MiB"] = link.cache / (1 << 20)
+    return out
+
+
 def format_size(res: dict[str, Any]) -> list[str]:
     """One line per algorithm (auto first, then fastest first) and a summary comment."""
     lines = []
@@ -192,8 +204,7 @@ def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[
     if rank == 0 and opts.json_path:
         path = os.path.abspath(opts.json_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        links = {t: {"alpha_us": lk.alpha * 1e6, "bandwidth_GBps": 1e-9 / lk.beta,
-                     "reduce_GBps": 1e-9 / lk.gamma, "source": table.sources.get(t, "default")}
+        links = {t: {**_rates(lk), "source": table.sources.get(t, "default")}
                  for t, lk in table.links.items()}
         doc = {"meta": {**meta, "algo": wanted, "rounds": rounds, "links": links}, "results": results,
                "wrong_total": total_wrong}

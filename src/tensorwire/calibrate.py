@@ -27,15 +27,17 @@ probes and rewrites. TENSORWIRE_TUNING_FILE overrides any constant; see docs/tun
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
+import mmap
 import os
 import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,25 +50,27 @@ from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", "busy", "busy_ring")
+LINKS = (*TIERS, "direct", "busy", "busy_ring", tuner.MEMORY)
 """What the probe measures: the message path of each tier, the one-shot shared-memory path
-(its α is a small all_reduce through the group segment, its β a memory copy), and the world's
+(its α is a small all_reduce through the group segment, its β a memory copy), the world's
 tier with every rank exchanging at once, with partners that change (`busy`) and with a ring's
-(`busy_ring`): the tuner's bound on an algorithm's work."""
+(`busy_ring`): the tuner's bound on an algorithm's work; and the host's memory beyond its
+last-level cache (`memory`, see tuner.spill)."""
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
 # load. The busy links and the direct path take typical rounds instead (see measure_busy).
 ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
-BETA_BYTES, BETA_ROUNDS = 1 << 20, 8  # 1 MiB exchanges: the best after two gives β
-BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least three)
+BETA_BYTES, BETA_TIMED = 1 << 20, 4  # 1 MiB exchanges: the best of this many gives β, after
+# untimed ones that write a shared-memory ring once around (two over TCP, see measure_pair)
+BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least one timed)
 BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
@@ -76,7 +80,9 @@ DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
 # steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
 # in a benchmark's 8 B calls), enough to flip small all_reduces to the tree (2-8x slower)
-FIELDS = ("alpha", "beta", "gamma")
+FIELDS = ("alpha", "beta", "gamma", "cache")
+REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
+MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: the cache's size, at most this
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
 _STATUS_PROBE, _STATUS_FINAL, _STATUS_ERROR = 0.0, 1.0, 2.0
@@ -90,6 +96,7 @@ _UNITS = {  # accepted key -> (field, factor to SI, is a rate)
     "alpha": ("alpha", 1.0, False), "alpha_us": ("alpha", 1e-6, False),
     "beta": ("beta", 1.0, False), "bandwidth_gbps": ("beta", 1e9, True),
     "gamma": ("gamma", 1.0, False), "reduce_gbps": ("gamma", 1e9, True),
+    "cache": ("cache", 1.0, False), "cache_mib": ("cache", float(1 << 20), False),
 }
 
 
@@ -109,12 +116,13 @@ def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
             unit = _UNITS.get(str(key).lower())
             if unit is None:
                 raise InvalidArgumentError(f"{where}: tier {tier!r}: unknown key {key!r} (known: alpha, "
-                                           f"alpha_us, beta, bandwidth_GBps, gamma, reduce_GBps)")
+                                           f"alpha_us, beta, bandwidth_GBps, gamma, reduce_GBps, "
+                                           f"cache, cache_MiB)")
             name, factor, is_rate = unit
             number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
-            if not number or not math.isfinite(raw) or raw <= 0:
-                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a positive number, "
-                                           f"got {raw!r}")
+            if not number or not math.isfinite(raw) or raw < 0 or (is_rate and raw == 0):
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a "
+                                           f"{'positive' if is_rate else 'non-negative'} number, got {raw!r}")
             if name in values:
                 raise InvalidArgumentError(f"{where}: tier {tier!r}: {name} given twice")
             values[name] = 1.0 / (raw * factor) if is_rate else raw * factor
@@ -138,13 +146,13 @@ def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float
     """The table with the file's constants in place; tiers the file adds are kept too."""
     links, sources = dict(table.links), dict(table.sources)
     for tier, values in overrides.items():
-        base = links.get(tier) or DEFAULT_LINKS.get(tier) or Link(tier, **{f: math.nan for f in FIELDS})
+        base = links.get(tier) or DEFAULT_LINKS.get(tier) or Link(tier, **{f: math.nan for f in REQUIRED})
         merged = {f: values.get(f, getattr(base, f)) for f in FIELDS}
         if any(math.isnan(v) for v in merged.values()):
             continue  # a new tier needs all three constants; plan reports it as incomplete
         links[tier] = Link(tier, **merged)
         origin = sources.get(tier, "default")
-        sources[tier] = "file" if len(values) == len(FIELDS) else f"file+{origin}"
+        sources[tier] = "file" if all(f in values for f in REQUIRED) else f"file+{origin}"
     return LinkTable(links, sources, table.probe_s, table.setup_s, table.cache_path, dict(table.extra))
 
 
@@ -182,7 +190,7 @@ def read_cache(path: str, tiers: list[str]) -> dict[str, Link] | None:
         if doc.get("version") != PROBE_VERSION:
             return None
         links = parse_tuning(doc["links"], path)
-        out = {t: Link(t, **{f: links[t][f] for f in FIELDS}) for t in tiers}
+        out = {t: Link(t, **links[t]) for t in tiers}
     except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError):
         return None
     then, now = doc.get("load_per_cpu", 0.0), host_load()
@@ -203,7 +211,8 @@ def host_load() -> float:
 def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None:
     """Atomically (rename) write one entry; a cache that cannot be written is only logged."""
     doc = {"version": PROBE_VERSION, **meta,
-           "links": {t: {f: getattr(link, f) for f in FIELDS} for t, link in links.items()}}
+           "links": {t: {f: getattr(link, f) for f in FIELDS if f != "cache" or link.cache}
+                     for t, link in links.items()}}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".links-", dir=os.path.dirname(path))
@@ -244,12 +253,7 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
     a = np.ones(nbytes // 4, dtype=np.float32)
     b = np.full_like(a, 0.5)
     np.add(a, b, out=a)  # first touch
-    best = math.inf
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.add(a, b, out=a)
-        best = min(best, time.perf_counter() - t0)
-    return max(best / a.nbytes, 1e-13)
+    return max(_best(lambda: np.add(a, b, out=a), rounds) / a.nbytes, 1e-13)
 
 
 def measure_direct(world: Group) -> tuple[float, float]:
@@ -284,12 +288,62 @@ def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:
     """Seconds per byte of a plain copy of a cached MiB: the floor of the direct path's β."""
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros_like(src)
+    return max(_best(lambda: np.copyto(dst, src), rounds) / nbytes, 1e-13)
+
+
+def last_level_cache(cpu: int | None = None) -> int:
+    """Bytes of the largest data cache of the CPU this process runs on (sysfs), 0 if unknown."""
+    if cpu is None:
+        cpu = os.sched_getcpu() if hasattr(os, "sched_getcpu") else 0
+    best = 0
+    for index in glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/cache/index*"):
+        try:
+            with open(os.path.join(index, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def measure_memory() -> tuple[float, float, float]:
+    """(cache bytes, β, γ) of the memory entry: the last-level cache, and what a copy and an
+    add cost per byte more on two arrays of the cache's size each (together twice it: every
+    byte misses) than on a cached MiB. The arrays are mapped for the probe and unmapped after,
+    so the process does not keep them (see memory.py)."""
+    cache = last_level_cache() or int(DEFAULT_LINKS[tuner.MEMORY].cache)
+    size = min(cache, MEMORY_ARRAY_MAX)  # a larger cache is probed partly cached: priced low
+    maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+    try:
+        copy, add = _copy_and_add(*(np.frombuffer(m, dtype=np.float32) for m in maps))
+    finally:
+        for m in maps:
+            m.close()
+    return float(cache), max(copy - measure_copy(), 0.0), max(add - measure_gamma(1 << 20), 0.0)
+
+
+def _copy_and_add(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Seconds per byte of the best copy of `a` into `b`, and of the best a += b."""
+    a.fill(1.0)
+    b.fill(0.5)  # first touch, untimed
+    copy = _best(lambda: np.copyto(b, a), GAMMA_ROUNDS)
+    return copy / a.nbytes, _best(lambda: np.add(a, b, out=a), GAMMA_ROUNDS) / a.nbytes
+
+
+def _best(run: Callable[[], object], rounds: int) -> float:
+    """The fastest of `rounds` timed runs, in seconds."""
     best = math.inf
     for _ in range(rounds):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        run()
         best = min(best, time.perf_counter() - t0)
-    return max(best / nbytes, 1e-13)
+    return best
 
 
 def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
@@ -348,13 +402,16 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
     return alpha, shifting, ring
 
 
-def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, float]:
+def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float]:
     """(α, β) over the link to `peer`, which runs the same function toward this rank.
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
     step does), the best batch mean; β comes from the best of a few 1 MiB exchanges after
-    the first two, which may ride a shaper's burst allowance (tc tbf lets its bucket through
-    at line rate) that a long transfer does not get."""
+    `warm` untimed ones: over TCP two, which may ride a shaper's burst allowance (tc tbf lets
+    its bucket through at line rate) that a long transfer does not get; through shared memory
+    enough to write the ring once around, as the first touch of its pages costs ~1 ms per MiB
+    here (the first four of eight 1 MiB exchanges took 0.9-1.6 ms, the next 0.1-0.5 ms, and
+    β had come from one of those cold rounds whenever only two were left out)."""
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
     step = step0
@@ -370,17 +427,18 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int) -> tuple[float, fl
         batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
     alpha = min(batches)
     bigs: list[float] = []
-    for i in range(BETA_ROUNDS):  # fewer on a slow link: the probe stays well under a second
+    rounds = warm + BETA_TIMED
+    for i in range(rounds):  # fewer on a slow link: the probe stays well under a second
         # the first byte says whether this side wants another round; both sides see both
         # flags, so they stop after the same exchange
-        big_out[0] = i + 1 < BETA_ROUNDS and (i < 2 or sum(bigs) < BETA_BUDGET_S)
+        big_out[0] = i + 1 < rounds and (i <= warm or sum(bigs) < BETA_BUDGET_S)
         t0 = time.perf_counter()
         _exchange(call, peer, big_out, big_in, step)
         step += 1
         bigs.append(time.perf_counter() - t0)
         if not (big_out[0] and big_in[0]):
             break
-    big = min(bigs[2:])
+    big = min(bigs[warm:])
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
@@ -421,9 +479,10 @@ def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
 
 # The verdict rank 0 broadcasts: status, then per link of LINKS its constants, the source of
 # each, and the tuning file's overrides (NaN: not set).
-_BASE, _SRC = 1, 1 + 3 * len(LINKS)
+_K = len(FIELDS)
+_BASE, _SRC = 1, 1 + _K * len(LINKS)
 _FILE = _SRC + len(LINKS)
-_VERDICT_LEN = _FILE + 3 * len(LINKS)
+_VERDICT_LEN = _FILE + _K * len(LINKS)
 
 
 def at_init(world: Group) -> LinkTable:
@@ -451,7 +510,7 @@ def at_init(world: Group) -> LinkTable:
     direct = world.direct is not None  # the same on every rank: its setup was collective
     hosts = [int(h) for h in info[:, 0]]
     busy_tier = tuner.tier_of(world)
-    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy", "busy_ring"])
+    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy", "busy_ring", tuner.MEMORY])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -470,9 +529,9 @@ def at_init(world: Group) -> LinkTable:
     base: dict[str, Link] = {}
     sources: dict[str, str] = {}
     for i, name in enumerate(LINKS):
-        a, b, g = (float(v) for v in verdict[_BASE + 3 * i: _BASE + 3 * i + 3])
-        if not math.isnan(a):
-            base[name] = Link(name, a, b, g)
+        values = [float(v) for v in verdict[_BASE + _K * i: _BASE + _K * (i + 1)]]
+        if not math.isnan(values[0]):
+            base[name] = Link(name, *values)
             sources[name] = _SOURCE_NAMES.get(float(verdict[_SRC + i]), "default")
     probe_s = 0.0
     # 3. the probe
@@ -496,7 +555,9 @@ def at_init(world: Group) -> LinkTable:
         alpha, beta, ring_beta, busy_gamma = measured["busy"]
         base["busy"] = Link("busy", alpha, beta, busy_gamma)
         base["busy_ring"] = Link("busy_ring", alpha, ring_beta, busy_gamma)
-        sources["busy"] = sources["busy_ring"] = "calibrated"
+        cache, beta, gamma = measured[tuner.MEMORY]
+        base[tuner.MEMORY] = Link(tuner.MEMORY, 0.0, beta, gamma, cache)
+        sources["busy"] = sources["busy_ring"] = sources[tuner.MEMORY] = "calibrated"
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             write_cache(path, {t: base[t] for t in links_used},
@@ -506,7 +567,7 @@ def at_init(world: Group) -> LinkTable:
                          "load_per_cpu": round(host_load(), 2)})
     overrides: dict[str, dict[str, float]] = {}
     for i, name in enumerate(LINKS):
-        vals = {f: float(v) for f, v in zip(FIELDS, verdict[_FILE + 3 * i: _FILE + 3 * i + 3])
+        vals = {f: float(v) for f, v in zip(FIELDS, verdict[_FILE + _K * i: _FILE + _K * (i + 1)])
                 if not math.isnan(v)}
         if vals:
             overrides[name] = vals
@@ -533,49 +594,54 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
     cached = read_cache(path, links_used) if cfg.calibrate == "1" else None
     probe = cfg.calibrate == "force" or (cfg.calibrate == "1" and cached is None)
     # a file that sets every constant of every link in use makes the probe pointless
-    if probe and all(len(overrides.get(t, {})) == len(FIELDS) for t in links_used):
+    if probe and all(all(f in overrides.get(t, {}) for f in REQUIRED) for t in links_used):
         probe = False
     verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
-    # this host's γ, as a probe would give it (the busy link's is measured under contention)
-    gamma = next((lk.gamma for t, lk in cached.items() if not t.startswith("busy")), None) if cached else None
+    # this host's γ, as a probe would give it (the busy link's is measured under contention;
+    # the memory entry's is what a reduced byte costs beyond the cache)
+    hosts_own = [t for t in (cached or {}) if t not in ("busy", "busy_ring", tuner.MEMORY)]
+    gamma = cached[hosts_own[0]].gamma if cached and hosts_own else None
     for i, name in enumerate(LINKS):
         link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
-        if link is not None and gamma is not None and name not in cached:
+        if link is not None and gamma is not None and name not in cached and name != tuner.MEMORY:
             link = Link(name, link.alpha, link.beta, gamma)
         if link is not None:
-            verdict[_BASE + 3 * i: _BASE + 3 * i + 3] = (link.alpha, link.beta, link.gamma)
+            verdict[_BASE + _K * i: _BASE + _K * (i + 1)] = [getattr(link, f) for f in FIELDS]
             verdict[_SRC + i] = _SOURCE_CODES["cached" if cached and name in cached else "default"]
         for j, f in enumerate(FIELDS):
             if f in overrides.get(name, {}):
-                verdict[_FILE + 3 * i + j] = overrides[name][f]
+                verdict[_FILE + _K * i + j] = overrides[name][f]
     if cached is not None and not probe:
         _log.info("link constants from the cache %s", path)
 
 
 def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dict[str, Any]:
     """Measure the direct path on everyone, every tier on its pair, every rank at once (the
-    busy link), and γ on rank 0; the maximum over ranks of each, the same everywhere.
+    busy link), and γ and memory on rank 0; the maximum over ranks of each, the same everywhere.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ
-    measured = np.zeros(2 * len(TIERS) + 7, dtype=np.float64)
+    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ)
+    measured = np.zeros(2 * len(TIERS) + 10, dtype=np.float64)
     busy = slice(2 * len(TIERS), 2 * len(TIERS) + 4)
+    own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     if direct:
-        measured[-3:-1] = measure_direct(world)  # first: it needs every rank anyway
+        measured[own] = measure_direct(world)  # first: it needs every rank anyway
     call = world._internal_call("calibration probe")
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
         if pair is not None and me in pair:
             peer = pair[1] if me == pair[0] else pair[0]
-            measured[2 * i: 2 * i + 2] = measure_pair(call, peer, step0=i * 1000)
+            warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
+            measured[2 * i: 2 * i + 2] = measure_pair(call, peer, i * 1000, warm)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
     measured[busy.start: busy.start + 3] = measure_busy(call, len(TIERS) * 1000)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
-        measured[-1] = measure_gamma()
+        measured[gamma] = measure_gamma()
+        measured[memory] = measure_memory()
         parts = np.zeros((world.size, len(measured)))
         parts[0] = measured
         _wait_politely(world, call, [call.irecv(r, parts[r], _RESULTS) for r in range(1, world.size)])
@@ -586,9 +652,10 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
         _wait_politely(world, call, [call.irecv(0, measured, _RESULTS + 1)])
     out: dict[str, Any] = {t: (float(measured[2 * i]), float(measured[2 * i + 1]))
                            for i, t in enumerate(TIERS)}
-    out["direct"] = (float(measured[-3]), float(measured[-2]))
+    out["direct"] = tuple(float(v) for v in measured[own])
     out["busy"] = tuple(float(v) for v in measured[busy])
-    out["gamma"] = float(measured[-1])
+    out["gamma"] = float(measured[gamma])
+    out[tuner.MEMORY] = tuple(float(v) for v in measured[memory])
     return out
 
 

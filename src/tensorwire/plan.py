@@ -52,10 +52,14 @@ class Tier:
     origin: str
     direct_ok: bool = False  # the one-shot shared-memory path exists on this tier
     direct: Link | None = None  # ... and its own constants, where they were measured
+    memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
+
+    def host(self, n: int) -> tuner.Host | None:
+        """The one host that n ranks on this tier share (its default rings), or None."""
+        return None if self.memory is None else tuner.Host(self.memory, n, Config().shm_ring_bytes)
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
-        link = self.direct if alg.needs_direct and self.direct is not None else self.link
-        return alg.cost(n, m, link)
+        return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
 
 
 # -- link constants ----------------------------------------------------------------------------
@@ -82,7 +86,7 @@ def _from_cache(cfg: Config) -> dict[str, tuple[Link, str]]:
             continue
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
         for tier, values in entry["links"].items():
-            if tier in calibrate.LINKS and tier not in found and len(values) == len(calibrate.FIELDS):
+            if tier in calibrate.LINKS and tier not in found and all(f in values for f in calibrate.REQUIRED):
                 origin = f"cached {when}, {entry.get('world_size', '?')}-rank probe, {entry['path']}"
                 found[tier] = (Link(tier, **values), origin)
     return found
@@ -166,17 +170,22 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
         if name in file:
             values = file[name]
             base = {f: getattr(link, f) if link else values.get(f, gamma if f == "gamma" else math.nan)
-                    for f in calibrate.FIELDS}
+                    for f in calibrate.REQUIRED}
             base.update(values)
             if any(math.isnan(v) for v in base.values()):
                 raise InvalidArgumentError(f"tensorwire plan: tier {name!r} of {cfg.tuning_file} needs alpha "
                                            f"and beta (or alpha_us and bandwidth_GBps)")
             link = Link(name, **base)
             origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
-        direct = local.get("direct", (None, ""))[0] if name == "shm" else None
-        if name == "shm" and "direct" in file and direct is not None:
-            direct = Link("direct", **{**{f: getattr(direct, f) for f in calibrate.FIELDS}, **file["direct"]})
-        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct))
+        direct = memory = None
+        if name == "shm":
+            direct = local.get("direct", (None, ""))[0]
+            memory = local.get(tuner.MEMORY, (tuner.DEFAULT_LINKS[tuner.MEMORY], ""))[0]
+            if "direct" in file and direct is not None:
+                direct = replace(direct, **file["direct"])
+            if tuner.MEMORY in file:
+                memory = replace(memory, **file[tuner.MEMORY])
+        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct, memory=memory))
     return tiers
 
 
@@ -218,7 +227,7 @@ def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Co
 def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
              direct_bytes: int) -> str | None:
     ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
-    return tuner.price(ok, n, m, tier.link, tier.direct)[0][1] if ok else None
+    return tuner.price(ok, n, m, tier.link, tier.direct, host=tier.host(n))[0][1] if ok else None
 
 
 def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
@@ -268,6 +277,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         out(f"  tier {tier.name}: {tuner.describe_link(tier.link)}  [{tier.origin}]")
         if tier.direct is not None:
             out(f"    one-shot shared-memory path: {tuner.describe_link(tier.direct)}")
+        if tier.memory is not None:
+            out(f"    memory of the one host: {tuner.describe_link(tier.memory)}")
         rows = []
         for alg in algs:
             reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)

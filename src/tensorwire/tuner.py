@@ -57,7 +57,19 @@ DEFAULT_LINKS = {
     # the one-shot path: a flag round instead of a message per peer (half a message's α, as
     # calibrations on the project's machine find), copies that stay in cache
     "direct": Link("direct", alpha=1e-6, beta=1 / 16e9, gamma=1 / 7.5e9),
+    # not a link: what a byte costs beyond the last-level cache (copies 40 -> 10 GB/s, adds
+    # 35 -> 14 GB/s on the project's machine), and that cache's size
+    "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
 }
+MEMORY = "memory"
+
+FOOTPRINT = {
+    "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
+    "all_gather": lambda n: 1 + 1 / n, "reduce_scatter": lambda n: 1 + 1 / n, "all_to_all": lambda n: 2,
+    "gather": lambda n: 1 + 1 / n, "scatter": lambda n: 1 + 1 / n, "barrier": lambda n: 0,
+}
+"""The buffers a rank's call goes through, as multiples of m (an input and an output the size
+of the call's own); a message algorithm's rings come on top (see `spill`)."""
 
 EXCHANGE_BUSY_ALPHA = 2.0
 """Busy α of a step that exchanges with one partner, in busy α's (see Algorithm.exchanges)."""
@@ -103,7 +115,11 @@ class LinkTable:
 
 
 def describe_link(link: Link) -> str:
-    """'α 2.0 us, β 9.00 GB/s, γ 7.50 GB/s': latency, and β and γ as rates."""
+    """'α 2.0 us, β 9.00 GB/s, γ 7.50 GB/s': latency, and β and γ as rates; the memory entry
+    as its cache and the cost per byte beyond it."""
+    if link.cache:
+        return (f"cache {link.cache / (1 << 20):.3g} MiB, beyond it +{link.beta * 1e9:.3g} ns per byte "
+                f"copied, +{link.gamma * 1e9:.3g} ns per byte reduced")
     return (f"α {link.alpha * 1e6:.3g} us, β {_rate(link.beta)}, γ {_rate(link.gamma)}")
 
 
@@ -291,14 +307,53 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     return out
 
 
+@dataclass(frozen=True)
+class Host:
+    """What the ranks of a single-host group share: memory (its cache and what a byte costs
+    beyond it, the `memory` entry), how many of them run a call, and each pair's ring."""
+
+    memory: Link
+    ranks: int
+    ring_bytes: int
+
+
+def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
+    """The share of a call's bytes that misses the host's cache: 0 while every rank's buffers
+    (FOOTPRINT; a message algorithm's rings on top) fit it together, 1 - cache/footprint beyond.
+    On the project's machine (32 MiB shared) a copy of a MiB ran at 40-47 GB/s, of 16 MiB
+    (both arrays: 32 MiB) at 17, of 64 MiB at 11; message algorithms measured 1.5-4x their
+    price from 8 MiB at n=2 (`--algo all`, interleaved) before this share was priced."""
+    per_rank = FOOTPRINT[alg.collective](n) * nbytes
+    if not alg.needs_direct:
+        per_rank += 2 * min(nbytes, host.ring_bytes)  # the rings it writes into and reads out of
+    total = host.ranks * per_rank
+    return 0.0 if total <= host.memory.cache else 1 - host.memory.cache / total
+
+
+def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
+    """`link` with the memory's cost of `share` of every byte moved (`copies` copies each) and reduced."""
+    return replace(link, beta=link.beta + share * copies * memory.beta,
+                   gamma=link.gamma + share * memory.gamma)
+
+
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
-            busy: Link | None = None, busy_ring: Link | None = None) -> float:
+            busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured; a message algorithm's time is bounded below
     by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
-    algorithms with fixed partners), where those exist."""
+    algorithms with fixed partners), where those exist. On one host (`host`) the bytes that
+    miss the cache cost the memory's price on top, per copy (Algorithm.copies)."""
+    share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
-        return alg.cost(n, nbytes, direct or link)
+        own = direct or link
+        if share:
+            own = beyond_cache(own, share, host.memory, alg.copies)  # type: ignore[union-attr]
+        return alg.cost(n, nbytes, own)
+    if share:
+        memory, copies = host.memory, alg.copies  # type: ignore[union-attr]
+        link = beyond_cache(link, share, memory, copies)
+        busy = busy and beyond_cache(busy, share, memory, copies)
+        busy_ring = busy_ring and beyond_cache(busy_ring, share, memory, copies)
     t = alg.cost(n, nbytes, link)
     if busy is None:
         return t
@@ -310,15 +365,17 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
 
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
-          busy: Link | None = None, busy_ring: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+          busy: Link | None = None, busy_ring: Link | None = None,
+          host: Host | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name."""
-    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring), alg.name, alg) for alg in algs)
+    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host), alg.name, alg)
+                    for alg in algs)
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
-    tied.sort(key=lambda p: (predict(p[2], n, nbytes, link, direct), p[1]))
+    tied.sort(key=lambda p: (predict(p[2], n, nbytes, link, direct, host=host), p[1]))
     return tied + priced[len(tied):]
 
 
@@ -352,8 +409,17 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     direct = table.links.get("direct") if group.direct is not None else None
     busy, busy_ring = ((table.links.get("busy"), table.links.get("busy_ring"))
                        if tier == table.extra.get("busy_tier") else (None, None))
-    return Decision(collective, nbytes, group.size, tier,
-                    price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring))
+    return Decision(collective, nbytes, group.size, tier, price(options, group.size, nbytes, table.link(tier),
+                                                                direct, busy, busy_ring, host_of(group)))
+
+
+def host_of(group: Group) -> Host | None:
+    """The host a single-host group's ranks share, for the cost of what misses its cache; None
+    for groups across hosts (their links cost more than memory, and ranks on other hosts could
+    see another cache: every rank must price alike)."""
+    if not group.all_local:
+        return None
+    return Host(table_for(group.runtime).link(MEMORY), group.size, group.runtime.config.shm_ring_bytes)
 
 
 class Override:

@@ -35,6 +35,9 @@ class Link:
     alpha: float  # seconds per message (latency)
     beta: float  # seconds per byte moved
     gamma: float  # seconds per byte reduced
+    cache: float = 0.0
+    """The `memory` entry only: bytes of last-level cache that a host's ranks share; its β and
+    γ are then what a byte copied or reduced costs on top of a link's own beyond that cache."""
 
 
 CostFn = Callable[[int, int, Link], float]  # (ranks, bytes, link) -> predicted seconds
@@ -86,6 +89,11 @@ class Algorithm:
     of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
     pairwise and recursive-halving ones at 16-64 MiB; why was not established); the tuner
     prices their work with the busy link measured in a ring (`busy_ring`)."""
+    copies: float = 2.0
+    """Copies of a byte that its β counts once, for what bytes beyond the host's cache cost
+    (tuner.spill): a message is copied into a ring or socket and out of it (2); the one-shot
+    path copies a byte once per β (1); single copy counts each byte it reads at several β's
+    (MEMORY_COST) for one copy."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the

@@ -732,7 +732,7 @@ def _streamed(collective: str):
 
 for _collective, _run in _RUN.items():
     _cost = (_streamed if _collective in _STREAMED else _cost_of)(_collective)
-    register(Algorithm("direct", _collective, _run, _cost, needs_direct=True,
+    register(Algorithm("direct", _collective, _run, _cost, needs_direct=True, copies=1,
                        uncrowded_only=_collective in ("gather", "scatter"),
                        out_of_place=_collective == "all_reduce",
                        slot_need=_SLOT_NEED.get(_collective)))

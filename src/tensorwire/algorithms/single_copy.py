@@ -170,6 +170,7 @@ _RUNS = {  # collective: (run, cost, table words per rank)
 }
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
+                       copies=1 / MEMORY_COST,
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
                        out_of_place=_collective == "all_reduce",
