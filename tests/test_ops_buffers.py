@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tensorwire import ops
-from tensorwire.buffers import as_array, byte_view, copy, flat, like_torch
+from tensorwire.buffers import PIECE, as_array, byte_view, copy, flat, like_torch
 from tensorwire.errors import InvalidArgumentError
 from tensorwire.ops import (
     ReduceOp,
@@ -619,11 +619,13 @@ def test_like_torch_zero_copy(tdtype: str) -> None:
         like_torch(template, np.zeros(4, np.complex128))
 
 
-@pytest.mark.parametrize("nbytes", [4096, 16 << 10, (64 << 10) + 24, 300 << 10])
+@pytest.mark.parametrize("nbytes", [4096, 16 << 10, (64 << 10) + 24, 300 << 10, PIECE + 24,
+                                    2 * PIECE + 4096 + 8])
 @pytest.mark.parametrize("shift", [0, 8, 16, 24, 31, 32, 48, 2048, 4088])
 def test_copy_is_bitwise_at_every_offset(nbytes: int, shift: int) -> None:
     """copy() takes a vector loop where memcpy meets its slow window (1-31 bytes past the source
-    modulo 4096): the bytes must come out identical there, NaN payloads and -0.0 included."""
+    modulo 4096), and copies larger than a PIECE in pieces (the last one short): the bytes must
+    come out identical, NaN payloads and -0.0 included."""
     rng = np.random.default_rng(shift + nbytes)
     pool = np.zeros(3 * nbytes + 16384, np.uint8)
     src_at = (-pool.ctypes.data) % 4096 + 4096  # page-aligned source

@@ -46,6 +46,7 @@ from . import log, tuner
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
+from .buffers import copy as copy_as_library
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
@@ -288,7 +289,7 @@ def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:
     """Seconds per byte of a plain copy of a cached MiB: the floor of the direct path's β."""
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros_like(src)
-    return max(_best(lambda: np.copyto(dst, src), rounds) / nbytes, 1e-13)
+    return max(_best(lambda: copy_as_library(dst, src), rounds) / nbytes, 1e-13)
 
 
 def last_level_cache(cpu: int | None = None) -> int:
@@ -329,10 +330,11 @@ def measure_memory() -> tuple[float, float, float]:
 
 
 def _copy_and_add(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """Seconds per byte of the best copy of `a` into `b`, and of the best a += b."""
+    """Seconds per byte of the best copy of `a` into `b` (as the library copies: in pieces),
+    and of the best a += b."""
     a.fill(1.0)
     b.fill(0.5)  # first touch, untimed
-    copy = _best(lambda: np.copyto(b, a), GAMMA_ROUNDS)
+    copy = _best(lambda: copy_as_library(b, a), GAMMA_ROUNDS)
     return copy / a.nbytes, _best(lambda: np.add(a, b, out=a), GAMMA_ROUNDS) / a.nbytes
 
 
