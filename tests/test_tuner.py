@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -147,6 +148,32 @@ def test_choice_on_both_sides_of_a_crossover(tier: str, n: int) -> None:
     assert costs[above].cost(n, 1 << 30, link) <= costs[below].cost(n, 1 << 30, link)
 
 
+def test_rooted_one_shots_stay_out_where_ranks_outnumber_cores() -> None:
+    """Where ranks outnumber cores the rooted one shots hold every rank to the root's pace
+    (Algorithm.crowded_below): the shm-n4 sweeps measured the one-shot broadcast and reduce
+    1.3-2.3x slower than the binomial tree or the linear path up to 256 KiB, the gather and
+    scatter at every size measured; from 1 MiB the broadcast won (152 against 333-397 us)."""
+    g = _Group(4, "shm")
+    g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=False, crowded=True)
+
+    def one_shot(coll: str, m: int) -> bool:
+        return "direct" in {a.name for a in tuner.candidates(g, coll, m)}
+
+    rooted = [("broadcast", 1 << 10), ("broadcast", (1 << 20) - 1), ("reduce", 256 << 10),
+              ("gather", 1 << 10), ("scatter", 1 << 10)]
+    g.engine = SimpleNamespace(oversubscribed=False)
+    assert all(one_shot(c, m) for c, m in rooted)
+    g.engine = SimpleNamespace(oversubscribed=True)
+    assert not any(one_shot(c, m) for c, m in rooted)
+    # a MiB or more still runs there (a broadcast past the slot streams), and so do the one
+    # shots every rank reads from anyway
+    assert one_shot("broadcast", 1 << 20) and one_shot("broadcast", 64 << 20) and one_shot("reduce", 1 << 20)
+    assert one_shot("all_reduce", 1 << 10) and one_shot("barrier", 0) and one_shot("all_gather", 1 << 10)
+    # TENSORWIRE_ALGO naming it still runs it
+    g.runtime = _Runtime(Config(algo="broadcast:direct|binomial"))
+    assert one_shot("broadcast", 1 << 10) and not one_shot("reduce", 1 << 10)
+
+
 def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     """Bruck's rounds forward what the previous round received, so on a busy host each waits
     for its partner to be scheduled (Algorithm.exchanges): the tcp-n4 sweep measured it slower
@@ -185,27 +212,30 @@ def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_s
 
 
 def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
-    """What misses the host's last-level cache pays memory's price on top (tuner.spill). At 2
-    ranks an interleaved `--algo all` sweep (2026-11-24) measured every message algorithm of
-    all_gather 1.5-4x its price from 8 MiB, where single copy, which reads each byte once
-    instead of copying it into a ring and out, ran 1.3-2.2x faster than the recursive
-    doubling that the model without memory chose. Calls that fit the cache, and groups
-    across hosts, are priced as before."""
+    """What misses the host's last-level cache pays memory's price on top (tuner.spill), once
+    per copy a byte's β counts: at 2 ranks an interleaved `--algo all` sweep (2026-11-24)
+    measured every message algorithm of all_gather 1.5-4x its price from 8 MiB. Calls that
+    fit the cache, and groups across hosts, are priced as before."""
     shm = Link("shm", 12.7e-6, 1 / 14.1e9, 1 / 26.1e9)  # that sweep's calibration
     direct = Link("direct", 4.23e-6, 1 / 31.8e9, 1 / 26.1e9)
     memory = Link(tuner.MEMORY, 0.0, 0.057e-9, 0.036e-9, cache=32 << 20)
     host = tuner.Host(memory, 2, 4 << 20)
+    free = replace(host, memory=replace(memory, beta=0.0, gamma=0.0))  # memory costs nothing more
     algs = list(algorithms_for("all_gather").values())
     shares = [tuner.spill(algs[0], 2, m, host) for m in (1 << 20, 4 << 20, 16 << 20, 1 << 30)]
     assert shares[0] == shares[1] == 0 and 0 < shares[2] < shares[3] < 1, shares
+    def priced(m: int, on: tuner.Host) -> dict[str, float]:
+        return {name: t for t, name, _ in tuner.price(algs, 2, m, shm, direct, host=on)}
+
     for m in (64 << 10, 4 << 20):  # fits: nothing changes
-        assert tuner.price(algs, 2, m, shm, direct, host=host) == tuner.price(algs, 2, m, shm, direct)
+        assert priced(m, host) == priced(m, free)
+    rd, one_shot = algorithms_for("all_gather")["recursive_doubling"], algorithms_for("all_gather")["direct"]
     for m in (16 << 20, 64 << 20):
-        assert tuner.price(algs, 2, m, shm, direct)[0][1] == "recursive_doubling"
-        priced = tuner.price(algs, 2, m, shm, direct, host=host)
-        assert priced[0][1] == "single_copy", priced
-        rd = algorithms_for("all_gather")["recursive_doubling"]
-        assert tuner.predict(rd, 2, m, shm, direct, host=host) > tuner.predict(rd, 2, m, shm, direct)
+        extra = {name: t - priced(m, free)[name] for name, t in priced(m, host).items()}
+        assert all(v >= 0 for v in extra.values()) and extra[one_shot.name] > 0, extra
+        # the same bytes received: a message is copied into a ring and out of it, single copy
+        # reads each byte once
+        assert extra[rd.name] > 1.9 * extra["single_copy"] > 0, extra
     # four ranks' buffers fill the cache sooner than two's
     assert tuner.spill(algs[0], 4, 8 << 20, replace(host, ranks=4)) > tuner.spill(algs[0], 2, 8 << 20, host)
     # groups across hosts (TCP) are not charged: ranks elsewhere could see another cache
@@ -215,6 +245,30 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
     g = _Group(2, "shm")
     tuner.install(g.runtime, tuner.LinkTable({"shm": shm, tuner.MEMORY: memory}, {}))
     assert tuner.host_of(g) == host
+
+
+def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
+    """Single copy's reads cost what the host's `cma` link says (calibrate.measure_cma), not the
+    one-shot path's copies: process_vm_readv of a MiB ran at 14-15 GB/s on the project's
+    machine against 55-61 GB/s for memcpy, and priced at 2.5 one-shot β's (the model before)
+    single copy's all_gather measured 3.4-3.7x its price at n=2 from 1 to 4 MiB, where the tuner
+    chose it over the one-shot path, 2.3-2.5x faster."""
+    shm = Link("shm", 9e-6, 1 / 15e9, 1 / 60e9)
+    direct = Link("direct", 3.3e-6, 1 / 45e9, 1 / 60e9)
+    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 2, 4 << 20)
+    algs = list(algorithms_for("all_gather").values())
+    sc = algorithms_for("all_gather")["single_copy"]
+    m = 4 << 20
+    slow = replace(host, cma=Link(tuner.CMA, 4e-6, 1 / 15e9, 1 / 60e9))
+    fast = replace(host, cma=Link(tuner.CMA, 4e-6, 1 / 200e9, 1 / 60e9))
+    # two flag rounds, and each rank reads (n-1)/n of m out of its peers
+    assert tuner.predict(sc, 2, m, shm, direct, host=slow) == pytest.approx(2 * 4e-6 + m / 2 / 15e9)
+    assert tuner.price(algs, 2, m, shm, direct, host=slow)[0][1] != "single_copy"
+    assert tuner.price(algs, 2, m, shm, direct, host=fast)[0][1] == "single_copy"
+    # the one-shot path keeps its own constants whatever the reads cost
+    one_shot = algorithms_for("all_gather")["direct"]
+    assert tuner.predict(one_shot, 2, m, shm, direct, host=slow) == tuner.predict(one_shot, 2, m, shm, direct,
+                                                                                  host=fast)
 
 
 def test_choice_is_cached_per_group_and_size() -> None:
@@ -262,9 +316,11 @@ def rank_choice_at(sizes: list[int]) -> dict:
 
 
 def _table_summary() -> dict:
-    t = tuner.table_for(tw.world().runtime)
+    g = tw.world()
+    t = tuner.table_for(g.runtime)
     return {"links": {k: tuple(getattr(v, f) for f in calibrate.REQUIRED) for k, v in t.links.items()},
             "cache": t.link(tuner.MEMORY).cache, "sources": t.sources,
+            "single_copy": bool(g.direct and g.direct.single_copy),
             "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path}
 
 
@@ -279,7 +335,9 @@ def rank_crossover_end_to_end() -> dict:
     tier = tuner.tier_of(g)
     changes = plan.crossovers(list(algorithms_for("all_reduce").values()), "all_reduce", g.size,
                               plan.Tier(tier, t.link(tier), "", direct_ok=g.direct is not None,
-                                        direct=t.links.get("direct") if g.direct else None),
+                                        direct=t.links.get("direct") if g.direct else None,
+                                        memory=t.link(tuner.MEMORY) if g.all_local else None,
+                                        cma=t.link(tuner.CMA)),
                               g.runtime.config, g.direct.slot_bytes if g.direct else 0)
     size, below, above = next((c for c in changes if c[0] <= 4 << 20), (0, None, None))
     if not size:  # measured constants without a crossover below 4 MiB: check two sizes instead
@@ -339,9 +397,11 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     for results in (first, second, forced, skipped, again):  # every rank installed the same table
         assert all(r["links"] == results[0]["links"] and r["sources"] == results[0]["sources"]
                    for r in results), results
-    # the first init probed the tier in use (and on one host the one-shot shared-memory path),
-    # every rank busy at once, the host's memory, and wrote the cache
-    used = [tier, *(["direct"] if tier == "shm" else []), "busy", "busy_ring", tuner.MEMORY]
+    # the first init probed the tier in use (and on one host the one-shot shared-memory path
+    # and, where the group has it, single copy), every rank busy at once, the host's memory,
+    # and wrote the cache
+    one_host = ["direct", *([tuner.CMA] if first[0]["single_copy"] else [])] if tier == "shm" else []
+    used = [tier, *one_host, "busy", "busy_ring", tuner.MEMORY]
     unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
@@ -489,7 +549,8 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     assert over["shm"] == pytest.approx({"alpha": 5e-6, "beta": 0.5e-9, "gamma": 0.25e-9})
     table = calibrate.apply_overrides(tuner.default_table(), over)
     # roce lacks γ: not a runtime tier
-    assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "memory": "default"}
+    assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
+                             "memory": "default"}
     assert table.link("tcp").alpha == tuner.DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 

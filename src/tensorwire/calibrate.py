@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,9 +52,11 @@ from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", "busy", "busy_ring", tuner.MEMORY)
+LINKS = (*TIERS, "direct", tuner.CMA, "busy", "busy_ring", tuner.MEMORY)
 """What the probe measures: the message path of each tier, the one-shot shared-memory path
-(its α is a small all_reduce through the group segment, its β a memory copy), the world's
+(its α is a small all_reduce through the group segment, its β a memory copy), single copy's
+reads out of a peer process (`cma`: its α a flag round of a small single-copy all_gather, its
+β a byte read across processes), the world's
 tier with every rank exchanging at once, with partners that change (`busy`) and with a ring's
 (`busy_ring`): the tuner's bound on an algorithm's work; and the host's memory beyond its
 last-level cache (`memory`, see tuner.spill)."""
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -81,6 +84,7 @@ DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
 # steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
 # in a benchmark's 8 B calls), enough to flip small all_reduces to the tree (2-8x slower)
+CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
 FIELDS = ("alpha", "beta", "gamma", "cache")
 REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
 MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: the cache's size, at most this
@@ -257,6 +261,19 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
     return max(_best(lambda: np.add(a, b, out=a), rounds) / a.nbytes, 1e-13)
 
 
+def _typical(run: Callable[[], object]) -> float:
+    """Median batch mean of `run`, after DIRECT_WARM untimed calls."""
+    for _ in range(DIRECT_WARM):
+        run()
+    batches = []
+    for _ in range(DIRECT_BATCHES):
+        t0 = time.perf_counter()
+        for _ in range(DIRECT_ROUNDS):
+            run()
+        batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
+    return statistics.median(batches)
+
+
 def measure_direct(world: Group) -> tuple[float, float]:
     """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
     (every rank of the world takes part, after a few untimed ones): α is the median batch mean
@@ -270,19 +287,30 @@ def measure_direct(world: Group) -> tuple[float, float]:
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
 
     def typical(data: np.ndarray) -> float:
-        for _ in range(DIRECT_WARM):
-            run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
-        batches = []
-        for _ in range(DIRECT_BATCHES):
-            t0 = time.perf_counter()
-            for _ in range(DIRECT_ROUNDS):
-                run(world._internal_call("calibration probe"), data, ReduceOp.MAX)
-            batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
-        return statistics.median(batches)
+        return _typical(lambda: run(world._internal_call("calibration probe"), data, ReduceOp.MAX))
 
     alpha = max(typical(np.ones(2, dtype=np.float32)), 1e-8)
     slope = (typical(big) - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
     return alpha, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
+
+
+def measure_cma(world: Group) -> tuple[float, float]:
+    """(α, β) of single copy, from its all_gather (every rank of the world takes part, as in
+    measure_direct): α is half the median batch mean at 8 bytes a rank (two flag rounds), β is
+    fitted to the median at CMA_BYTES a rank, where each rank reads n-1 blocks out of its
+    peers' memory. A read across processes pins the source's pages and costs far more than a
+    copy (1 MiB: 14-15 GB/s against 55-61 GB/s for memcpy on the project's machine), so the
+    one-shot path's β does not price it."""
+    run = algorithms_for("all_gather")["single_copy"].run
+    n = world.size
+
+    def typical(block: int) -> float:
+        blocks = [np.ones(block, dtype=np.uint8) for _ in range(n)]
+        return _typical(lambda: run(world._internal_call("calibration probe"), blocks))
+
+    small = typical(8)
+    slope = (typical(CMA_BYTES) - small) / ((n - 1) * CMA_BYTES)
+    return max(small / 2, 1e-8), max(slope, measure_copy())
 
 
 def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:
@@ -510,9 +538,11 @@ def at_init(world: Group) -> LinkTable:
             f"algo={cfg.algo!r}, deterministic={cfg.deterministic}); every rank must use the same")
     pairs = _probe_pairs(info)
     direct = world.direct is not None  # the same on every rank: its setup was collective
+    cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
     busy_tier = tuner.tier_of(world)
-    links_used = sorted([*pairs, *(["direct"] if direct else []), "busy", "busy_ring", tuner.MEMORY])
+    links_used = sorted([*pairs, *(["direct"] if direct else []), *([tuner.CMA] if cma else []),
+                         "busy", "busy_ring", tuner.MEMORY])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -539,7 +569,7 @@ def at_init(world: Group) -> LinkTable:
     # 3. the probe
     if verdict[0] == _STATUS_PROBE:
         t1 = time.perf_counter()
-        measured = _probe(world, pairs, direct)
+        measured = _probe(world, pairs, direct, cma)
         probe_s = time.perf_counter() - t1
         gamma = float(measured["gamma"])
         for tier in TIERS:
@@ -548,12 +578,12 @@ def at_init(world: Group) -> LinkTable:
                 sources[tier] = "calibrated"
             else:  # not in this job: its defaults, with this host's γ
                 base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
-        if direct:
-            base["direct"] = Link("direct", measured["direct"][0], measured["direct"][1], gamma)
-            sources["direct"] = "calibrated"
-        else:
-            default = DEFAULT_LINKS["direct"]
-            base["direct"] = Link("direct", default.alpha, default.beta, gamma)
+        for name, used in (("direct", direct), (tuner.CMA, cma)):
+            if used:
+                base[name] = Link(name, *measured[name], gamma)
+                sources[name] = "calibrated"
+            else:
+                base[name] = replace(DEFAULT_LINKS[name], gamma=gamma)
         alpha, beta, ring_beta, busy_gamma = measured["busy"]
         base["busy"] = Link("busy", alpha, beta, busy_gamma)
         base["busy_ring"] = Link("busy_ring", alpha, ring_beta, busy_gamma)
@@ -617,20 +647,24 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         _log.info("link constants from the cache %s", path)
 
 
-def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dict[str, Any]:
-    """Measure the direct path on everyone, every tier on its pair, every rank at once (the
-    busy link), and γ and memory on rank 0; the maximum over ranks of each, the same everywhere.
+def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool) -> dict[str, Any]:
+    """Measure the direct path and single copy on everyone, every tier on its pair, every rank
+    at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
+    same everywhere.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ)
-    measured = np.zeros(2 * len(TIERS) + 10, dtype=np.float64)
+    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ), cma (α, β)
+    measured = np.zeros(2 * len(TIERS) + 12, dtype=np.float64)
     busy = slice(2 * len(TIERS), 2 * len(TIERS) + 4)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
-    if direct:
-        measured[own] = measure_direct(world)  # first: it needs every rank anyway
+    reads = slice(memory.stop, memory.stop + 2)
+    if direct:  # first: they need every rank anyway
+        measured[own] = measure_direct(world)
+    if cma:
+        measured[reads] = measure_cma(world)
     call = world._internal_call("calibration probe")
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
@@ -658,6 +692,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool) -> dic
     out["busy"] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[gamma])
     out[tuner.MEMORY] = tuple(float(v) for v in measured[memory])
+    out[tuner.CMA] = tuple(float(v) for v in measured[reads])
     return out
 
 

@@ -53,10 +53,13 @@ class Tier:
     direct_ok: bool = False  # the one-shot shared-memory path exists on this tier
     direct: Link | None = None  # ... and its own constants, where they were measured
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
+    cma: Link | None = None  # ... and its reads across processes (single copy)
 
     def host(self, n: int) -> tuner.Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
-        return None if self.memory is None else tuner.Host(self.memory, n, Config().shm_ring_bytes)
+        if self.memory is None:
+            return None
+        return tuner.Host(self.memory, n, Config().shm_ring_bytes, self.cma or tuner.DEFAULT_LINKS[tuner.CMA])
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
         return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
@@ -177,15 +180,18 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
                                            f"and beta (or alpha_us and bandwidth_GBps)")
             link = Link(name, **base)
             origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
-        direct = memory = None
+        direct = memory = cma = None
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
             memory = local.get(tuner.MEMORY, (tuner.DEFAULT_LINKS[tuner.MEMORY], ""))[0]
+            cma = local.get(tuner.CMA, (tuner.DEFAULT_LINKS[tuner.CMA], ""))[0]
             if "direct" in file and direct is not None:
                 direct = replace(direct, **file["direct"])
             if tuner.MEMORY in file:
                 memory = replace(memory, **file[tuner.MEMORY])
-        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct, memory=memory))
+            if tuner.CMA in file:
+                cma = replace(cma, **file[tuner.CMA])
+        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct, memory=memory, cma=cma))
     return tiers
 
 
@@ -279,6 +285,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    one-shot shared-memory path: {tuner.describe_link(tier.direct)}")
         if tier.memory is not None:
             out(f"    memory of the one host: {tuner.describe_link(tier.memory)}")
+        if tier.cma is not None:
+            out(f"    single copy's reads across processes: {tuner.describe_link(tier.cma)}")
         rows = []
         for alg in algs:
             reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)

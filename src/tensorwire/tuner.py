@@ -18,7 +18,8 @@ the rank_ordered message algorithm, the linear reduce), which fold every element
 order and so produce the same bits whatever was chosen.
 
 The one-shot shared-memory path is priced with constants of its own (a flag round, a memory
-copy) where calibration measured them; everything else with its tier's.
+copy) where calibration measured them, single copy with its reads' (`cma`); everything else
+with its tier's.
 
 With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
 cost table and the link constants behind it (and where they came from).
@@ -57,11 +58,15 @@ DEFAULT_LINKS = {
     # the one-shot path: a flag round instead of a message per peer (half a message's α, as
     # calibrations on the project's machine find), copies that stay in cache
     "direct": Link("direct", alpha=1e-6, beta=1 / 16e9, gamma=1 / 7.5e9),
+    # single copy: a flag round, and a byte read out of a peer process (about 4x a copy's price,
+    # as process_vm_readv measured against memcpy on the project's machine)
+    "cma": Link("cma", alpha=1e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache (copies 40 -> 10 GB/s, adds
     # 35 -> 14 GB/s on the project's machine), and that cache's size
     "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
 }
 MEMORY = "memory"
+CMA = "cma"
 
 FOOTPRINT = {
     "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
@@ -299,7 +304,7 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
                                  or (alg.needs_single_copy and (not direct.single_copy or (
                                      direct.crowded and not alg.single_copy_crowded)))
-                                 or (alg.uncrowded_only and group.engine.oversubscribed
+                                 or (nbytes < alg.crowded_below and group.engine.oversubscribed
                                      and alg.name not in parse_algo(cfg.algo, collective)[0])):
             continue
         if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
@@ -310,11 +315,13 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 @dataclass(frozen=True)
 class Host:
     """What the ranks of a single-host group share: memory (its cache and what a byte costs
-    beyond it, the `memory` entry), how many of them run a call, and each pair's ring."""
+    beyond it, the `memory` entry), how many of them run a call, each pair's ring, and what
+    reading a peer process's memory costs (`cma`, single copy's link)."""
 
     memory: Link
     ranks: int
     ring_bytes: int
+    cma: Link = DEFAULT_LINKS[CMA]
 
 
 def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
@@ -339,13 +346,14 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
             busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
-    constants (`direct`) where they were measured; a message algorithm's time is bounded below
+    constants (`direct`) where they were measured, and single copy with the host's (`cma`); a
+    message algorithm's time is bounded below
     by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
     algorithms with fixed partners), where those exist. On one host (`host`) the bytes that
     miss the cache cost the memory's price on top, per copy (Algorithm.copies)."""
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
-        own = direct or link
+        own = host.cma if alg.needs_single_copy and host is not None else direct or link
         if share:
             own = beyond_cache(own, share, host.memory, alg.copies)  # type: ignore[union-attr]
         return alg.cost(n, nbytes, own)
@@ -414,12 +422,13 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
 
 
 def host_of(group: Group) -> Host | None:
-    """The host a single-host group's ranks share, for the cost of what misses its cache; None
-    for groups across hosts (their links cost more than memory, and ranks on other hosts could
-    see another cache: every rank must price alike)."""
+    """The host a single-host group's ranks share, for the cost of what misses its cache and of
+    single copy's reads; None for groups across hosts (their links cost more than memory, and
+    ranks on other hosts could see another cache: every rank must price alike)."""
     if not group.all_local:
         return None
-    return Host(table_for(group.runtime).link(MEMORY), group.size, group.runtime.config.shm_ring_bytes)
+    table = table_for(group.runtime)
+    return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA))
 
 
 class Override:

@@ -64,13 +64,21 @@ class Algorithm:
     n=4 on 2 cores (interleaved, 9 calls each) the single copy all_gather took 1.40 ms against
     0.82 ms on the slots at 1 MiB and 3.45 against 2.28 ms at 4 MiB. The reductions, which
     read 2(n-1)/n of m per rank instead of the slots' n m, still won: see single_copy.py."""
-    uncrowded_only: bool = False
-    """needs_direct only: not where ranks outnumber cores. The one-shot gather and scatter hold
-    every rank to the root's pace (a slot is refilled only once all ranks are past the call
-    that last used it), where the linear path's senders run ahead: at n=4 on 2 cores the one
-    shot took 119-160 us at 16 B-16 KiB against the linear gather's 68-98 us, and the scatter
-    132-166 us against the binomial tree's 106-137 us (shm-n4 sweep at d277243); at n=2 it
-    took 20 and 28 us against 50 and 42 us. TENSORWIRE_ALGO naming it still runs it."""
+    crowded_below: int = 0
+    """needs_direct only: where ranks outnumber cores, calls smaller than this many bytes leave
+    it out (0: none do). The rooted one shots hold every rank to the root's pace (a slot is
+    refilled only once all ranks are past the call that last used it), where a tree's or the
+    linear path's senders run ahead: at n=4 on 2 cores the one-shot gather took 119-160 us at
+    16 B-16 KiB against the linear gather's 68-98 us, and the scatter 132-166 us against the
+    binomial tree's 106-137 us (shm-n4 sweep at d277243); the broadcast 28-59 us at 16 B-256
+    KiB against the binomial tree's 19-33 us and the reduce 35-70 us at 16 B-256 KiB against
+    20-54 us for the tree or the linear reduce (shm-n4 sweep of 2026-11-25; in the one of
+    2026-11-22 69-164 against 43-157 us, and the reduce lost at all those sizes but 64 KiB,
+    119 against 129 us). From a MiB the one shot's
+    single copy in and out won there: broadcast 152 against 333-397 us (332 against 810-1168),
+    and a broadcast past the slot streams, 2-2.6x faster than the tree at 4-16 MiB. At n=2 the
+    one shots won (gather 20 and scatter 28 us against 50 and 42). TENSORWIRE_ALGO naming it
+    still runs it."""
     out_of_place: bool = False
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""
@@ -92,8 +100,7 @@ class Algorithm:
     copies: float = 2.0
     """Copies of a byte that its β counts once, for what bytes beyond the host's cache cost
     (tuner.spill): a message is copied into a ring or socket and out of it (2); the one-shot
-    path copies a byte once per β (1); single copy counts each byte it reads at several β's
-    (MEMORY_COST) for one copy."""
+    path copies a byte once per β (1), and single copy reads it once (1)."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the

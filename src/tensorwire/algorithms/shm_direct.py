@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -700,19 +701,15 @@ def _cost_of(collective: str):
     return volume_cost(*_VOLUMES[collective])
 
 
-MEMORY_COST = 2.5
-"""A byte of a message too large to stay in cache (streamed through the slots, or read across
-processes by single copy), in direct-path β's: that β is measured on copies that stay in
-cache. At n=2 (interleaved, 15 calls each) a streamed all_gather of 64 MiB moved 4.7 GB/s per
-byte copied and single copy read 7.5 GB/s, against direct β's of 8-28 GB/s in this machine's
-calibrations; the n=4 sweep measured the streamed broadcast at 2.5-3.2x its price at 1x."""
-
 _STREAMED = {  # collective: (what decides one shot or streamed, bytes one source streams,
     # bytes one rank copies) as fractions of m; None: the rest costs what it does in one shot
     # (the all_reduce folds each piece while it is in cache, and its arrays' memory traffic,
     # one read and one write a byte, is small beside the n reads and n-1 folds: 4-64 MiB
     # measured 0.75-1.38x the one-shot formula at n=4 (`--algo all` and the shm-n4 sweep) and
-    # 0.61-0.75x at n=2; priced like a broadcast's streamed bytes, 0.66-0.99x at n=4)
+    # 0.61-0.75x at n=2; priced like a broadcast's streamed bytes, 0.66-0.99x at n=4). The
+    # pieces are copied while in cache, at the one-shot β; what misses the host's cache is
+    # priced by the tuner on top (tuner.spill). A factor of 2.5 β a streamed byte, from before
+    # copies ran in pieces (buffers.PIECE) and before that term, counted memory twice.
     "all_reduce": (lambda n: 1, lambda n: 1, None),
     "broadcast": (lambda n: 1, lambda n: 1, lambda n: 1),
     "all_gather": (lambda n: 1 / n, lambda n: 1 / n, lambda n: 1),  # per block
@@ -734,14 +731,19 @@ def _streamed(collective: str):
         full = int(slot / decides(n))  # the largest one shot: what streams beyond it overlaps
         refills = -(-int(streamed(n) * m) // slot)
         rest = (one_shot(n, m, link) - one_shot(n, full, link) if copied is None
-                else copied(n) * (m - full) * MEMORY_COST * link.beta)
+                else copied(n) * (m - full) * link.beta)
         return one_shot(n, full, link) + (refills - 1) * link.alpha + rest
     return cost
 
 
+_CROWDED_BELOW = {"gather": sys.maxsize, "scatter": sys.maxsize, "broadcast": 1 << 20, "reduce": 1 << 20}
+"""Where ranks outnumber cores, the rooted one shots stay out below these sizes (see
+Algorithm.crowded_below): measured losing at 16 B-16 KiB for gather and scatter, at 16 B-256
+KiB for broadcast and reduce, and winning from 1 MiB for broadcast."""
+
 for _collective, _run in _RUN.items():
     _cost = (_streamed if _collective in _STREAMED else _cost_of)(_collective)
     register(Algorithm("direct", _collective, _run, _cost, needs_direct=True, copies=1,
-                       uncrowded_only=_collective in ("gather", "scatter"),
+                       crowded_below=_CROWDED_BELOW.get(_collective, 0),
                        out_of_place=_collective == "all_reduce",
                        slot_need=_SLOT_NEED.get(_collective)))

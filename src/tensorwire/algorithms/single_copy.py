@@ -22,7 +22,7 @@ from ..ops import ReduceOp, reduction_kernel
 from ..transport.cma import BOUNCE, ProcessGone
 from .base import blocks_of, split_counts
 from .registry import Algorithm, register
-from .shm_direct import _CHUNK_BITS, _READ, MEMORY_COST, DirectPath, volume_cost
+from .shm_direct import _CHUNK_BITS, _READ, DirectPath, volume_cost
 
 _WORD = np.dtype(np.uint64)
 _PIECE = BOUNCE
@@ -144,33 +144,28 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
     dp.await_readers(call, dp.others, 2, p, ab, backoff)
 
 
-# Cost: two flag rounds, this rank's own all_to_all block copied and the bytes it reads out
-# of its peers, each at the price of a byte that does not stay in cache (MEMORY_COST). So
-# priced, single copy is chosen from 1-2 MiB at n=2; measured interleaved (15 calls each),
-# the slots' one shot was faster below (all_to_all 512 KiB: 246 against 438 us single copy),
-# single copy above (all_gather 8 MiB in place: 532 against 771 us; 64 MiB: 4.46 against
-# 14.1 ms streamed; all_to_all 8 MiB: 1.65 against 1.95 ms).
+# Cost, with the host's `cma` link (calibrate.measure_cma): two flag rounds (α) and the bytes
+# a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
+# own block, a local pass priced at γ as pairwise exchange prices it.
 _NOTHING = lambda n: 0  # noqa: E731
 # Not for broadcast: the streamed broadcast already copies each byte once per rank (the root
 # in, each reader out), and at n=2 (interleaved, 15 calls each) it was as fast or faster:
 # 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms.
-_READ_ONCE = lambda n: MEMORY_COST * (n - 1) / n  # noqa: E731
-# The reductions' reads cost more: 1.22-1.45x their price at 1-16 MiB at n=2 with reads at
-# MEMORY_COST (`--algo all`, the folds' reads land in the bounce buffer 1 MiB at a time); at
-# 1.5x it, the one shot stays ahead at 1 MiB, where it measured 0.60x single copy's time.
+_READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
+# The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
+# folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads).
 _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
     "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _NOTHING, rounds=2), 1),
-    "all_to_all": (single_copy_all_to_all,
-                   volume_cost(lambda n: MEMORY_COST / n, _READ_ONCE, _NOTHING, rounds=2), 1),
+    "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, lambda n: 1 / n, rounds=2), 1),
     "reduce_scatter": (single_copy_reduce_scatter, volume_cost(_NOTHING, _FOLD_READ, _FOLDED, rounds=2), 1),
     "all_reduce": (single_copy_all_reduce,
                    volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
 }
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
-                       copies=1 / MEMORY_COST,
+                       copies=1,
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
                        out_of_place=_collective == "all_reduce",
