@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -79,7 +79,7 @@ BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their 
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
 GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
-DIRECT_BATCHES, DIRECT_ROUNDS = 6, 4  # all_reduces through the shared segment: the direct path
+DIRECT_CALLS = 24  # all_reduces through the shared segment, each timed: the direct path
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
 # steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
@@ -261,25 +261,30 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
     return max(_best(lambda: np.add(a, b, out=a), rounds) / a.nbytes, 1e-13)
 
 
-def _typical(run: Callable[[], object]) -> float:
-    """Median batch mean of `run`, after DIRECT_WARM untimed calls."""
+def _typical(world: Group, run: Callable[[], object]) -> float:
+    """Seconds of one call of `run` (collective over `world`) as `tensorwire bench` counts them:
+    after DIRECT_WARM untimed calls, DIRECT_CALLS timed one by one on every rank, a call's time
+    the slowest rank's, the median over calls. Where ranks outnumber cores a batch's mean was
+    shorter than that (back-to-back calls overlap as ranks drift): at n=4 on 2 cores the one
+    shot measured 1.4-2.9x the price of constants from batch means at 64 KiB-64 MiB (shm-n4
+    sweep of 2026-11-25)."""
     for _ in range(DIRECT_WARM):
         run()
-    batches = []
-    for _ in range(DIRECT_BATCHES):
+    times = np.zeros(DIRECT_CALLS)
+    for i in range(DIRECT_CALLS):
         t0 = time.perf_counter()
-        for _ in range(DIRECT_ROUNDS):
-            run()
-        batches.append((time.perf_counter() - t0) / DIRECT_ROUNDS)
-    return statistics.median(batches)
+        run()
+        times[i] = time.perf_counter() - t0
+    recursive_doubling_all_reduce(world._internal_call("calibration probe"), times, ReduceOp.MAX)
+    return float(np.median(times))
 
 
 def measure_direct(world: Group) -> tuple[float, float]:
     """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
-    (every rank of the world takes part, after a few untimed ones): α is the median batch mean
-    at 8 bytes; β is fitted to the median at DIRECT_BYTES (up to the slot), counting a reduced
-    byte like a copied one, and never below a lone copy's.
-    Medians, as for the busy link: every rank works in these calls, contention included. Not
+    (every rank of the world takes part, see _typical): α is a call's time at 8 bytes; β is
+    fitted to the time at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied
+    one, and never below a lone copy's.
+    Typical calls, as for the busy link: every rank works in these calls, contention included. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
@@ -287,7 +292,7 @@ def measure_direct(world: Group) -> tuple[float, float]:
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
 
     def typical(data: np.ndarray) -> float:
-        return _typical(lambda: run(world._internal_call("calibration probe"), data, ReduceOp.MAX))
+        return _typical(world, lambda: run(world._internal_call("calibration probe"), data, ReduceOp.MAX))
 
     alpha = max(typical(np.ones(2, dtype=np.float32)), 1e-8)
     slope = (typical(big) - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
@@ -296,9 +301,10 @@ def measure_direct(world: Group) -> tuple[float, float]:
 
 def measure_cma(world: Group) -> tuple[float, float]:
     """(α, β) of single copy, from its all_gather (every rank of the world takes part, as in
-    measure_direct): α is half the median batch mean at 8 bytes a rank (two flag rounds), β is
-    fitted to the median at CMA_BYTES a rank, where each rank reads n-1 blocks out of its
-    peers' memory. A read across processes pins the source's pages and costs far more than a
+    measure_direct): α is half a call's time at 8 bytes a rank (two flag rounds), β is fitted to
+    the time at about CMA_BYTES read by each rank, in n-1 blocks out of its peers' memory (the
+    block shrinks as n grows, so that n blocks stay near CMA_BYTES of memory a rank). A read
+    across processes pins the source's pages and costs far more than a
     copy (1 MiB: 14-15 GB/s against 55-61 GB/s for memcpy on the project's machine), so the
     one-shot path's β does not price it."""
     run = algorithms_for("all_gather")["single_copy"].run
@@ -306,10 +312,11 @@ def measure_cma(world: Group) -> tuple[float, float]:
 
     def typical(block: int) -> float:
         blocks = [np.ones(block, dtype=np.uint8) for _ in range(n)]
-        return _typical(lambda: run(world._internal_call("calibration probe"), blocks))
+        return _typical(world, lambda: run(world._internal_call("calibration probe"), blocks))
 
     small = typical(8)
-    slope = (typical(CMA_BYTES) - small) / ((n - 1) * CMA_BYTES)
+    block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
+    slope = (typical(block) - small) / ((n - 1) * block)
     return max(small / 2, 1e-8), max(slope, measure_copy())
 
 
