@@ -153,7 +153,8 @@ _NOTHING = lambda n: 0  # noqa: E731
 # 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms.
 _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
 # The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
-# folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads).
+# folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads, before
+# the cma link; with it and this factor, 0.68-1.22 at 1-64 MiB at n=2, 0.63-1.34 at n=4).
 _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
