@@ -284,7 +284,7 @@ def measure_direct(world: Group) -> tuple[float, float]:
     (every rank of the world takes part, see _typical): α is a call's time at 8 bytes; β is
     fitted to the time at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied
     one, and never below a lone copy's.
-    Typical calls, as for the busy link: every rank works in these calls, contention included. Not
+    Every rank works in these calls, contention included, as for the busy link. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
@@ -304,9 +304,9 @@ def measure_cma(world: Group) -> tuple[float, float]:
     measure_direct): α is half a call's time at 8 bytes a rank (two flag rounds), β is fitted to
     the time at about CMA_BYTES read by each rank, in n-1 blocks out of its peers' memory (the
     block shrinks as n grows, so that n blocks stay near CMA_BYTES of memory a rank). A read
-    across processes pins the source's pages and costs far more than a
-    copy (1 MiB: 14-15 GB/s against 55-61 GB/s for memcpy on the project's machine), so the
-    one-shot path's β does not price it."""
+    across processes pins the source's pages and costs far more than a copy (1 MiB: 14-15 GB/s
+    against 55-61 GB/s for memcpy on the project's machine), so the one-shot path's β does not
+    price it."""
     run = algorithms_for("all_gather")["single_copy"].run
     n = world.size
 

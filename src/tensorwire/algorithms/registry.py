@@ -74,11 +74,10 @@ class Algorithm:
     KiB against the binomial tree's 19-33 us and the reduce 35-70 us at 16 B-256 KiB against
     20-54 us for the tree or the linear reduce (shm-n4 sweep of 2026-11-25; in the one of
     2026-11-22 69-164 against 43-157 us, and the reduce lost at all those sizes but 64 KiB,
-    119 against 129 us). From a MiB the one shot's
-    single copy in and out won there: broadcast 152 against 333-397 us (332 against 810-1168),
-    and a broadcast past the slot streams, 2-2.6x faster than the tree at 4-16 MiB. At n=2 the
-    one shots won (gather 20 and scatter 28 us against 50 and 42). TENSORWIRE_ALGO naming it
-    still runs it."""
+    119 against 129 us). From a MiB the one shot's single copy in and out won there: broadcast
+    152 against 333-397 us (332 against 810-1168), and a broadcast past the slot streams, 2-2.6x
+    faster than the tree at 4-16 MiB. At n=2 the one shots won (gather 20 and scatter 28 us
+    against 50 and 42). TENSORWIRE_ALGO naming it still runs it."""
     out_of_place: bool = False
     """all_reduce: takes the input as a separate `src` (read where it is needed) instead of
     the caller copying it into the output first: one pass over the data saved."""

@@ -330,6 +330,7 @@ class DirectPath:
                     out.append((r, _fp_from_words(words[base + 1], words[base + 2])))
         return out
 
+
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src, where copies larger than a piece go through buffers.copy: one memcpy of
     a MiB into a slot that a peer has just read ran 4.8x slower (see buffers.PIECE)."""
