@@ -1400,7 +1400,8 @@ def rank_algorithms_direct(seed: int) -> dict:
     if n > 1:
         small = tuner.select(g, "all_reduce", 1024).name
         large = tuner.select(g, "all_reduce", 8 << 20).name
-        log.check(small in ("recursive_doubling", "direct") and large in ("ring", "rabenseifner"),
+        bandwidth = ("ring", "rabenseifner", "single_copy")
+        log.check(small in ("recursive_doubling", "direct") and large in bandwidth,
                   f"default choice: 1 KiB -> {small}, 8 MiB -> {large}")
         used = _count_algorithms(lambda: [tw.all_reduce(np.ones(c, np.uint8)) for c in (1024, 8 << 20)])
         log.check(used == [small, large], f"algorithms used: {used}")

@@ -252,23 +252,25 @@ def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
     one-shot path's copies: process_vm_readv of a MiB ran at 14-15 GB/s on the project's
     machine against 55-61 GB/s for memcpy, and priced at 2.5 one-shot β's (the model before)
     single copy's all_gather measured 3.4-3.7x its price at n=2 from 1 to 4 MiB, where the tuner
-    chose it over the one-shot path, 2.3-2.5x faster."""
+    chose it over the one-shot path, 2.3-2.5x faster. From tuner.HUGE_FROM the sources are
+    presumed in huge pages, read at `cma_huge`'s price (48-53 GB/s measured)."""
     shm = Link("shm", 9e-6, 1 / 15e9, 1 / 60e9)
     direct = Link("direct", 3.3e-6, 1 / 45e9, 1 / 60e9)
-    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 2, 4 << 20)
+    slow, fast = Link(tuner.CMA, 4e-6, 1 / 15e9, 1 / 60e9), Link(tuner.CMA, 4e-6, 1 / 200e9, 1 / 60e9)
     algs = list(algorithms_for("all_gather").values())
     sc = algorithms_for("all_gather")["single_copy"]
-    m = 4 << 20
-    slow = replace(host, cma=Link(tuner.CMA, 4e-6, 1 / 15e9, 1 / 60e9))
-    fast = replace(host, cma=Link(tuner.CMA, 4e-6, 1 / 200e9, 1 / 60e9))
-    # two flag rounds, and each rank reads (n-1)/n of m out of its peers
-    assert tuner.predict(sc, 2, m, shm, direct, host=slow) == pytest.approx(2 * 4e-6 + m / 2 / 15e9)
-    assert tuner.price(algs, 2, m, shm, direct, host=slow)[0][1] != "single_copy"
-    assert tuner.price(algs, 2, m, shm, direct, host=fast)[0][1] == "single_copy"
-    # the one-shot path keeps its own constants whatever the reads cost
     one_shot = algorithms_for("all_gather")["direct"]
-    assert tuner.predict(one_shot, 2, m, shm, direct, host=slow) == tuner.predict(one_shot, 2, m, shm, direct,
-                                                                                  host=fast)
+    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 2, 4 << 20)
+    huge = tuner.HUGE_FROM
+    for m, read in ((huge // 2, "cma"), (huge - 4096, "cma"), (huge, "cma_huge")):
+        slow_host, fast_host = replace(host, **{read: slow}), replace(host, **{read: fast})
+        # two flag rounds, and each rank reads (n-1)/n of m out of its peers
+        assert tuner.predict(sc, 2, m, shm, direct, host=slow_host) == pytest.approx(2 * 4e-6 + m / 2 / 15e9)
+        assert tuner.price(algs, 2, m, shm, direct, host=slow_host)[0][1] != "single_copy"
+        assert tuner.price(algs, 2, m, shm, direct, host=fast_host)[0][1] == "single_copy"
+        # the one-shot path keeps its own constants whatever the reads cost
+        assert tuner.predict(one_shot, 2, m, shm, direct, host=slow_host) == tuner.predict(
+            one_shot, 2, m, shm, direct, host=fast_host)
 
 
 def test_choice_is_cached_per_group_and_size() -> None:
@@ -400,7 +402,8 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # the first init probed the tier in use (and on one host the one-shot shared-memory path
     # and, where the group has it, single copy), every rank busy at once, the host's memory,
     # and wrote the cache
-    one_host = ["direct", *([tuner.CMA] if first[0]["single_copy"] else [])] if tier == "shm" else []
+    reads = [tuner.CMA, tuner.CMA_HUGE] if first[0]["single_copy"] else []
+    one_host = ["direct", *reads] if tier == "shm" else []
     used = [tier, *one_host, "busy", "busy_ring", tuner.MEMORY]
     unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
@@ -550,7 +553,7 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     table = calibrate.apply_overrides(tuner.default_table(), over)
     # roce lacks γ: not a runtime tier
     assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
-                             "memory": "default"}
+                             "cma_huge": "default", "memory": "default"}
     assert table.link("tcp").alpha == tuner.DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 
@@ -596,10 +599,12 @@ def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, c
     # the shared-memory tier is one host, with the default memory (nothing of it in the cache)
     assert "memory of the one host: cache 32 MiB" in blocks[0]
     # the cheapest at 64 MiB is what the tuner picks with those constants, on one host of 16 ranks
+    # (with a shared-memory path and single copy, and a core each)
     link = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9)
     host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 16, Config().shm_ring_bytes)
-    best = tuner.price(tuner.candidates(_Group(16, "shm"), "all_reduce", 64 << 20), 16, 64 << 20, link,
-                       host=host)[0][1]
+    group = _Group(16, "shm")
+    group.direct = SimpleNamespace(slot_bytes=Config().direct_slot(16), single_copy=True, crowded=False)
+    best = tuner.price(tuner.candidates(group, "all_reduce", 64 << 20), 16, 64 << 20, link, host=host)[0][1]
     first_row = next(line for line in blocks[0].splitlines() if "<- cheapest" in line)
     assert f"    {best} " in first_row
 

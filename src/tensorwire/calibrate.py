@@ -48,15 +48,16 @@ from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
 from .buffers import copy as copy_as_library
+from .buffers import huge_zeros
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", tuner.CMA, "busy", "busy_ring", tuner.MEMORY)
+LINKS = (*TIERS, "direct", tuner.CMA, tuner.CMA_HUGE, "busy", "busy_ring", tuner.MEMORY)
 """What the probe measures: the message path of each tier, the one-shot shared-memory path
 (its α is a small all_reduce through the group segment, its β a memory copy), single copy's
 reads out of a peer process (`cma`: its α a flag round of a small single-copy all_gather, its
-β a byte read across processes), the world's
+β a byte read across processes; `cma_huge`: the same read out of huge pages), the world's
 tier with every rank exchanging at once, with partners that change (`busy`) and with a ring's
 (`busy_ring`): the tuner's bound on an algorithm's work; and the host's memory beyond its
 last-level cache (`memory`, see tuner.spill)."""
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 8
+PROBE_VERSION = 9
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -299,25 +300,33 @@ def measure_direct(world: Group) -> tuple[float, float]:
     return alpha, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
 
-def measure_cma(world: Group) -> tuple[float, float]:
-    """(α, β) of single copy, from its all_gather (every rank of the world takes part, as in
-    measure_direct): α is half a call's time at 8 bytes a rank (two flag rounds), β is fitted to
-    the time at about CMA_BYTES read by each rank, in n-1 blocks out of its peers' memory (the
-    block shrinks as n grows, so that n blocks stay near CMA_BYTES of memory a rank). A read
-    across processes pins the source's pages and costs far more than a copy (1 MiB: 14-15 GB/s
-    against 55-61 GB/s for memcpy on the project's machine), so the one-shot path's β does not
-    price it."""
+def measure_cma(world: Group) -> tuple[float, float, float]:
+    """(α, β, β out of huge pages) of single copy, from its all_gather (every rank of the world
+    takes part, as in measure_direct): α is half a call's time at 8 bytes a rank (two flag
+    rounds), each β is fitted to the time at about CMA_BYTES read by each rank, in n-1 blocks
+    out of its peers' memory (the block shrinks as n grows, so that n blocks stay near
+    CMA_BYTES of memory a rank). A read across processes pins the source's pages and costs far
+    more than a copy out of 4 KiB pages (1 MiB: 14-15 GB/s against 55-61 GB/s for memcpy on
+    the project's machine), so the one-shot path's β does not price it; out of huge pages it
+    ran at 48-53 GB/s (tuner.HUGE_FROM says which sources are presumed to be)."""
     run = algorithms_for("all_gather")["single_copy"].run
     n = world.size
 
-    def typical(block: int) -> float:
-        blocks = [np.ones(block, dtype=np.uint8) for _ in range(n)]
+    def typical(blocks: list[np.ndarray]) -> float:
         return _typical(world, lambda: run(world._internal_call("calibration probe"), blocks))
 
-    small = typical(8)
+    small = typical([np.ones(8, dtype=np.uint8) for _ in range(n)])
     block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
-    slope = (typical(block) - small) / ((n - 1) * block)
-    return max(small / 2, 1e-8), max(slope, measure_copy())
+    slope = {}
+    for huge in (False, True):
+        if huge:
+            whole = huge_zeros(n * block)
+            whole[...] = 1  # the pages exist before the timing
+            blocks = [whole[r * block:(r + 1) * block] for r in range(n)]
+        else:
+            blocks = [np.ones(block, dtype=np.uint8) for _ in range(n)]
+        slope[huge] = max((typical(blocks) - small) / ((n - 1) * block), measure_copy())
+    return max(small / 2, 1e-8), slope[False], slope[True]
 
 
 def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:
@@ -548,8 +557,8 @@ def at_init(world: Group) -> LinkTable:
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
     busy_tier = tuner.tier_of(world)
-    links_used = sorted([*pairs, *(["direct"] if direct else []), *([tuner.CMA] if cma else []),
-                         "busy", "busy_ring", tuner.MEMORY])
+    one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
+    links_used = sorted([*pairs, *one_host, "busy", "busy_ring", tuner.MEMORY])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -585,7 +594,7 @@ def at_init(world: Group) -> LinkTable:
                 sources[tier] = "calibrated"
             else:  # not in this job: its defaults, with this host's γ
                 base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
-        for name, used in (("direct", direct), (tuner.CMA, cma)):
+        for name, used in (("direct", direct), (tuner.CMA, cma), (tuner.CMA_HUGE, cma)):
             if used:
                 base[name] = Link(name, *measured[name], gamma)
                 sources[name] = "calibrated"
@@ -663,11 +672,12 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ), cma (α, β)
-    measured = np.zeros(2 * len(TIERS) + 12, dtype=np.float64)
+    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ),
+    # cma (α, β, β out of huge pages)
+    measured = np.zeros(2 * len(TIERS) + 13, dtype=np.float64)
     busy = slice(2 * len(TIERS), 2 * len(TIERS) + 4)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
-    reads = slice(memory.stop, memory.stop + 2)
+    reads = slice(memory.stop, memory.stop + 3)
     if direct:  # first: they need every rank anyway
         measured[own] = measure_direct(world)
     if cma:
@@ -699,7 +709,8 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     out["busy"] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[gamma])
     out[tuner.MEMORY] = tuple(float(v) for v in measured[memory])
-    out[tuner.CMA] = tuple(float(v) for v in measured[reads])
+    alpha, beta, huge_beta = (float(v) for v in measured[reads])
+    out[tuner.CMA], out[tuner.CMA_HUGE] = (alpha, beta), (alpha, huge_beta)
     return out
 
 

@@ -54,12 +54,14 @@ class Tier:
     direct: Link | None = None  # ... and its own constants, where they were measured
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
     cma: Link | None = None  # ... and its reads across processes (single copy)
+    cma_huge: Link | None = None  # ... out of huge pages (tuner.HUGE_FROM)
 
     def host(self, n: int) -> tuner.Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
         if self.memory is None:
             return None
-        return tuner.Host(self.memory, n, Config().shm_ring_bytes, self.cma or tuner.DEFAULT_LINKS[tuner.CMA])
+        return tuner.Host(self.memory, n, Config().shm_ring_bytes, self.cma or tuner.DEFAULT_LINKS[tuner.CMA],
+                          self.cma_huge or tuner.DEFAULT_LINKS[tuner.CMA_HUGE])
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
         return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
@@ -180,18 +182,17 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
                                            f"and beta (or alpha_us and bandwidth_GBps)")
             link = Link(name, **base)
             origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
-        direct = memory = cma = None
+        direct = None
+        host: dict[str, Link | None] = {tuner.MEMORY: None, tuner.CMA: None, tuner.CMA_HUGE: None}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
-            memory = local.get(tuner.MEMORY, (tuner.DEFAULT_LINKS[tuner.MEMORY], ""))[0]
-            cma = local.get(tuner.CMA, (tuner.DEFAULT_LINKS[tuner.CMA], ""))[0]
             if "direct" in file and direct is not None:
                 direct = replace(direct, **file["direct"])
-            if tuner.MEMORY in file:
-                memory = replace(memory, **file[tuner.MEMORY])
-            if tuner.CMA in file:
-                cma = replace(cma, **file[tuner.CMA])
-        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct, memory=memory, cma=cma))
+            for entry in host:
+                measured = local.get(entry, (tuner.DEFAULT_LINKS[entry], ""))[0]
+                host[entry] = replace(measured, **file[entry]) if entry in file else measured
+        tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
+                          memory=host[tuner.MEMORY], cma=host[tuner.CMA], cma_huge=host[tuner.CMA_HUGE]))
     return tiers
 
 
@@ -287,6 +288,9 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    memory of the one host: {tuner.describe_link(tier.memory)}")
         if tier.cma is not None:
             out(f"    single copy's reads across processes: {tuner.describe_link(tier.cma)}")
+        if tier.cma_huge is not None:
+            out(f"    ... out of huge pages (messages from {tuner.HUGE_FROM >> 20} MiB): "
+                f"{tuner.describe_link(tier.cma_huge)}")
         rows = []
         for alg in algs:
             reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)

@@ -18,8 +18,8 @@ the rank_ordered message algorithm, the linear reduce), which fold every element
 order and so produce the same bits whatever was chosen.
 
 The one-shot shared-memory path is priced with constants of its own (a flag round, a memory
-copy) where calibration measured them, single copy with its reads' (`cma`); everything else
-with its tier's.
+copy) where calibration measured them, single copy with its reads' (`cma`, or `cma_huge` for
+sources presumed in huge pages, see HUGE_FROM); everything else with its tier's.
 
 With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
 cost table and the link constants behind it (and where they came from).
@@ -61,12 +61,24 @@ DEFAULT_LINKS = {
     # single copy: a flag round, and a byte read out of a peer process (about 4x a copy's price,
     # as process_vm_readv measured against memcpy on the project's machine)
     "cma": Link("cma", alpha=1e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
+    # ... out of a source in huge pages: the kernel pins one page per 2 MiB instead of 512, and
+    # the read ran at 48-53 against 14-15 GB/s for 4 MiB on the project's machine
+    "cma_huge": Link("cma_huge", alpha=1e-6, beta=1 / 12e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache (copies 40 -> 10 GB/s, adds
     # 35 -> 14 GB/s on the project's machine), and that cache's size
     "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
 }
 MEMORY = "memory"
 CMA = "cma"
+CMA_HUGE = "cma_huge"
+HUGE_FROM = 4 << 20
+"""Messages from this size are priced as read out of huge pages (`cma_huge`), smaller ones out
+of 4 KiB pages (`cma`). Only the source's pages count (process_vm_readv pins them; the
+destination's made no difference), and a rank cannot see its peers' buffers when it chooses,
+so the choice presumes what the usual allocators do: numpy advises transparent huge pages for
+arrays from 4 MiB, and torch's CPU allocator from 2 MiB where THP_MEM_ALLOC_ENABLE=1, which
+`tensorwire run` sets. A source in 4 KiB pages read at 14 GB/s made single copy 1.5x slower
+than the one-shot path at 2-16 MiB (n=2); a huge-page source read at 48 GB/s made it 2x faster."""
 
 FOOTPRINT = {
     "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
@@ -316,12 +328,18 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 class Host:
     """What the ranks of a single-host group share: memory (its cache and what a byte costs
     beyond it, the `memory` entry), how many of them run a call, each pair's ring, and what
-    reading a peer process's memory costs (`cma`, single copy's link)."""
+    reading a peer process's memory costs (`cma`, single copy's link; `cma_huge` out of huge
+    pages)."""
 
     memory: Link
     ranks: int
     ring_bytes: int
     cma: Link = DEFAULT_LINKS[CMA]
+    cma_huge: Link = DEFAULT_LINKS[CMA_HUGE]
+
+    def reads(self, nbytes: int) -> Link:
+        """Single copy's link for a message of nbytes (see HUGE_FROM)."""
+        return self.cma_huge if nbytes >= HUGE_FROM else self.cma
 
 
 def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
@@ -353,7 +371,7 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     miss the cache cost the memory's price on top, per copy (Algorithm.copies)."""
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
-        own = host.cma if alg.needs_single_copy and host is not None else direct or link
+        own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
         if share:
             own = beyond_cache(own, share, host.memory, alg.copies)  # type: ignore[union-attr]
         return alg.cost(n, nbytes, own)
@@ -428,7 +446,8 @@ def host_of(group: Group) -> Host | None:
     if not group.all_local:
         return None
     table = table_for(group.runtime)
-    return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA))
+    return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA),
+                table.link(CMA_HUGE))
 
 
 class Override:

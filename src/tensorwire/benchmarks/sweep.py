@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..buffers import huge_zeros
 from . import check as checks
 from .loadmeter import ForeignLoad, contaminated
 
@@ -104,7 +105,11 @@ def effective_bytes(coll: str, nominal: int, itemsize: int, n: int) -> tuple[int
 
 @dataclass
 class Buffers:
-    """Allocated once for the largest size; every case uses views (as nccl-tests does)."""
+    """Allocated once for the largest size; every case uses views (as nccl-tests does).
+
+    In huge pages throughout (buffers.huge_zeros), for every library alike: where a peer reads
+    them across processes (tensorwire's single copy, Open MPI's CMA), the speed depends 3x on
+    it, and numpy's own arrays would leave it to malloc's alignment (the edges in 4 KiB pages)."""
 
     send: np.ndarray
     recv: np.ndarray
@@ -120,8 +125,7 @@ class Buffers:
                     max_send = max(max_send, snd * dt.itemsize)
                     max_recv = max(max_recv, max(snd, rcv) * dt.itemsize)
         # Bytes, viewed as each dtype: round up to a multiple of 16 so every itemsize divides them.
-        return cls(np.zeros(-(-max_send // 16) * 16, dtype=np.uint8),
-                   np.zeros(-(-max_recv // 16) * 16, dtype=np.uint8))
+        return cls(huge_zeros(-(-max_send // 16) * 16), huge_zeros(-(-max_recv // 16) * 16))
 
 
 @dataclass
