@@ -28,7 +28,8 @@ import json, os, sys
 from tensorwire.rendezvous.store import TCPStore
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
         "MASTER_ADDR", "MASTER_PORT", "TENSORWIRE_STORE_HOSTED", "TENSORWIRE_JOB_ID",
-        "TENSORWIRE_TRANSPORT", "TENSORWIRE_TIMEOUT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"]
+        "TENSORWIRE_TRANSPORT", "TENSORWIRE_TIMEOUT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS",
+        "THP_MEM_ALLOC_ENABLE"]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=20)
 store.set(f"hello/{rank}", f"from {rank}".encode())
@@ -42,8 +43,8 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 
 def _launch(args: list[str], cwd: Path, **kwargs: object) -> subprocess.Popen[str]:
     env = dict(os.environ)
-    env.pop("OMP_NUM_THREADS", None)
-    env.pop("TENSORWIRE_LAUNCH_GRACE", None)
+    for name in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "TENSORWIRE_LAUNCH_GRACE"):
+        env.pop(name, None)
     return subprocess.Popen([sys.executable, "-m", "tensorwire", "run", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
@@ -94,7 +95,7 @@ def test_env_contract_store_and_args(tmp_path: Path) -> None:
             "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
             "TENSORWIRE_STORE_HOSTED": "1", "TENSORWIRE_JOB_ID": f"127_0_0_1-{port}",
             "TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_TIMEOUT": "7.5", "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1",
         }
         # Options after the script belong to the script, even ones the launcher also has.
         assert got["argv"] == [str(tmp_path), "--lr", "3", "-n", "9", "--", "x y"]

@@ -645,30 +645,32 @@ def test_copy_is_bitwise_at_every_offset(nbytes: int, shift: int) -> None:
     assert cast[-1] == count - 1
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
+def _mapping(address: int) -> tuple[int, int, list[str]]:
+    """The start, end and VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
+                inside = (lo, hi) if lo <= address < hi else None
             elif inside and head == "VmFlags:":
-                return line.split()[1:]
+                return (*inside, line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, HUGE_PAGE - 1, 3 * HUGE_PAGE + 5])
 def test_huge_zeros_are_aligned_zeroed_private_and_advised(nbytes: int) -> None:
     """The bench's buffers and the calibration's huge-page reads: 2 MiB aligned, zero, writable,
-    independent of each other, and advised for huge pages (VmFlags `hg`) in a private mapping
-    (a shared one would follow shmem's huge page setting, `never` by default)."""
+    independent of each other, advised for huge pages (VmFlags `hg`) in a private mapping (a
+    shared one would follow shmem's huge page setting, `never` by default) that holds every
+    huge page the buffer touches whole (one reaching past the mapping stays in 4 KiB pages)."""
     a, b = huge_zeros(nbytes), huge_zeros(nbytes)
     assert a.dtype == np.uint8 and a.shape == (nbytes,) and a.flags.writeable and a.flags.c_contiguous
     assert a.ctypes.data % HUGE_PAGE == 0 and not a.any()
     if nbytes:
         a[:] = 7
         assert not b.any() and (a == 7).all()
-        flags = _vm_flags(a.ctypes.data)
+        _, end, flags = _mapping(a.ctypes.data)
         assert "hg" in flags and "sh" not in flags, flags
+        assert end >= a.ctypes.data + -(-nbytes // HUGE_PAGE) * HUGE_PAGE

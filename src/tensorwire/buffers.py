@@ -286,7 +286,9 @@ def huge_zeros(nbytes: int) -> np.ndarray:
     buffers from here are huge throughout, where the kernel allows it (THP not `never`)."""
     # private: an anonymous shared mapping is shmem, whose huge pages are another setting
     # (shmem_enabled, `never` by default); zero pages, faulted on first touch
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # whole huge pages: one whose 2 MiB reached past the mapping's end would stay in 4 KiB pages
+    whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive
