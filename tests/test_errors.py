@@ -324,6 +324,10 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
         with tuner.override(g, {"all_to_all_count": "all_to_all"}.get(base, "all_gather"), "single_copy"):
             _mismatched_call(base + ":stream", g, t)
         return
+    if large == "chain":  # each rank hears only from ranks that agree with it (DirectPath.stamp)
+        with tuner.override(g, "broadcast", "chain"):
+            _mismatched_call(base, g, t)
+        return
     r, n = g.rank, g.size
     m = SIZES[large]
     x = np.ones(m, np.float32)
@@ -409,6 +413,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "broadcast_root": ("broadcast", "root"),
     "broadcast_root:large": ("broadcast", "root"),
     "broadcast_root:stream": ("broadcast", "root"),
+    "broadcast_root:chain": ("broadcast", "root"),
     "reduce_root": ("reduce", "root"),
     "reduce_root:large": ("reduce", "root"),
 }
@@ -420,6 +425,32 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
     for rank, err in enumerate(firsts):
         # detected, not timed out: well within the timeout
         _assert_error(err, CollectiveMismatchError, *needles, rank=rank, within=TIMEOUT - 1.0)
+
+
+def _paths_interleaved(t: float) -> list[float]:
+    """Calls through the segment and on the message path in turn, each rank a root in turn
+    (a root of the segment's broadcast returns before the others have checked it): what the
+    message path's notes (DirectPath.stamp) are checked against must stay each call's own."""
+    g = _fresh_group()
+    big = np.ones(1 << 16, np.float32)
+    got = []
+    for root in range(g.size):
+        x, y = np.full(4, g.rank, np.float32), np.full(4, g.rank, np.float32)
+        g.broadcast(x, src=root, timeout=t)  # the one shot (or the tree where ranks outnumber cores)
+        with tuner.override(g, "broadcast", "chain"):
+            g.broadcast(y, src=root, timeout=t)
+        with tuner.override(g, "all_reduce", "ring"):  # another fingerprint, last before the barrier
+            g.all_reduce(big, timeout=t)
+        g.barrier(timeout=t)
+        got += [float(x[0]), float(y[0])]
+    return [*got, float(big[0])]
+
+
+def test_alternating_paths_raise_nothing(cluster: Any) -> None:
+    results = cluster.run(_paths_interleaved, TIMEOUT)
+    n = len(results)
+    want = [float(root) for root in range(n) for _ in range(2)] + [float(n ** n)]
+    assert all(r == want for r in results), results
 
 
 def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:

@@ -100,8 +100,9 @@ class CollectiveCall:
                                what=self, cross_check=None if direct is None else self._cross_check)
 
     def _cross_check(self) -> None:
-        """A peer that entered this call through the shared-memory path called something else."""
-        for r, theirs in self.group.direct.published(self.seq):  # type: ignore[union-attr]
+        """A peer that entered this call through the shared-memory path, or ran it on the
+        message path as something else."""
+        for r, theirs in self.group.direct.published(self.seq, self.fp):  # type: ignore[union-attr]
             raise self.group.engine.mismatch_error(self.what, self.fp, theirs, self.group.ranks[r])
 
 
@@ -227,7 +228,11 @@ class Group(Collectives):
                 aborted = self.engine.aborted.get(self.ctx)
                 if aborted is not None and call.seq >= aborted[0]:
                     raise aborted[1]  # entering revealed a mismatch with an earlier or this call
-            return body(call, *args)
+            result = body(call, *args)
+            direct = self.direct
+            if direct is not None and direct.prev_seq != call.seq:
+                direct.stamp(call)  # it ran on the message path
+            return result
         except Exception as exc:  # whatever broke, the peers must not wait for this rank
             self.abort(exc, call.seq)
             raise

@@ -46,6 +46,9 @@ source copies the next in, and a message of any size fits, the source refilling 
 the slowest reader empties it. Measured at n=2 (interleaved, 40 calls): 512 KiB pieces beat
 128 and 256 KiB ones by 8-20% at 4 MiB for all three; where a message fits the slot, the one
 shot was as fast or faster (all_to_all 512 KiB: 80 against 192-215 us streamed)."""
+_MESSAGE = 5
+"""Words of a control line with the (seq, fingerprint) of the last call this rank ran on the
+message path (`DirectPath.stamp`): the next call through the segment checks them."""
 _STAMP = 8
 """Word of a control line where the per-parity (seq, fingerprint) stamps start: the line's
 second cache line, so that writing them does not steal the flag's line from a peer spinning
@@ -89,6 +92,7 @@ class DirectPath:
         self._last_fp: Fingerprint | None = None  # the fingerprint prev_fp's words are of
         self.prev_name = ""  # the previous call's collective (its number is prev_seq)
         self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
+        self.message: tuple[int, int, int, str] | None = None  # a message-path call to check (stamp)
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
         self._views: dict[tuple, tuple] = {}
         self.single_copy = False  # see offer_single_copy
@@ -173,6 +177,8 @@ class DirectPath:
         that call's fingerprints are checked here too: a rank that returned without waiting
         (a broadcast root) learns of a mismatch now."""
         self.parity ^= 1
+        if self.message is not None:
+            self._check_message(call)
         if not self.settled:
             self._wait(call, self.everyone, self.prev_seq)
             words, flags = self.words, self.flags
@@ -187,6 +193,31 @@ class DirectPath:
                         _fp_from_words(*self.prev_fp), theirs, self.members[r])
             self.settled = True
         return self.parity
+
+    def stamp(self, call) -> None:
+        """Note a call that ran on the message path where every rank can read it, waiting for
+        no one; the next call through the segment checks the peers' notes (`_check_message`).
+        In a chain broadcast to different roots (rank 0 sends to 1, while 1 and 2 agree on
+        root 1: 1 -> 2 -> 0) every message a rank receives comes from a rank that agrees with
+        it, and a barrier through the segment after it returned everywhere, the mismatch unseen."""
+        a, b = _fp_words(call.fp)  # not words_of: prev_fp is the last call through the segment
+        line = self.own + _MESSAGE
+        self.words[line + 1], self.words[line + 2] = a, b
+        self.words[line] = call.seq  # last: the fingerprint above is this call's
+        self.message = (call.seq, a, b, call.what)
+
+    def _check_message(self, call) -> None:
+        """The peers that noted the message-path call this rank noted last noted the same one.
+        Every rank notes it before it enters this call, so the last to enter sees all notes."""
+        seq, a, b, what = self.message  # type: ignore[misc]
+        self.message = None
+        words = self.words
+        for r in self.others:
+            line = self.flags[r] + _MESSAGE
+            if words[line] == seq and (words[line + 1], words[line + 2]) != (a, b):
+                raise self.engine.mismatch_error(f"{what} (found at {call.what})", _fp_from_words(a, b),
+                                                 _fp_from_words(words[line + 1], words[line + 2]),
+                                                 self.members[r])
 
     def publish(self, call, parity: int, ranks: tuple[int, ...] = ()) -> None:
         """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`
@@ -319,15 +350,22 @@ class DirectPath:
             if key[0] == self.ctx and key[2] == call.seq and queue:
                 raise self.engine.mismatch_error(call.what, call.fp, queue[0].header.fp, peer)
 
-    def published(self, seq: int) -> list[tuple[int, Fingerprint]]:
-        """(group rank, fingerprint) of peers that entered call `seq` through this path."""
+    def published(self, seq: int, fp: Fingerprint) -> list[tuple[int, Fingerprint]]:
+        """(group rank, fingerprint) of peers that entered call `seq` through this path, or
+        ran it on the message path (`stamp`) as something other than `fp`."""
         out = []
         words = self.seg.words
+        mine = _fp_words(fp)
         for r, line in enumerate(self.seg.lines):
+            if r == self.rank:
+                continue
             for parity in (0, 1):
                 base = line + _STAMP + parity * 3
-                if r != self.rank and words[base] == seq:
+                if words[base] == seq:
                     out.append((r, _fp_from_words(words[base + 1], words[base + 2])))
+            base = line + _MESSAGE
+            if words[base] == seq and (words[base + 1], words[base + 2]) != mine:
+                out.append((r, _fp_from_words(words[base + 1], words[base + 2])))
         return out
 
 
