@@ -9,7 +9,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -206,6 +206,15 @@ def test_reduce_into_matches_numpy(op: ReduceOp, dt: np.dtype, data: st.DataObje
     shape = data.draw(SHAPES)
     a = data.draw(_values(dt, shape))
     b = data.draw(_values(dt, shape))
+    if dt.kind == "c" and op is ReduceOp.PRODUCT:
+        # numpy's complex product overflows in its intermediates (a·c − b·d) short of the
+        # range's end, and turns some overflows into nan: numpy's arithmetic, which the
+        # reduction calls, against a reference computed exactly (found by hypothesis:
+        # (1e154+1e154j)² gave nan+infj for 0+infj)
+        limit = np.sqrt(np.finfo(dt).max) / 4
+        parts = np.abs(np.concatenate([a.reshape(-1).view(a.real.dtype), b.reshape(-1).view(b.real.dtype)]))
+        with np.errstate(invalid="ignore"):
+            assume(not (parts >= limit).any())
     dst = a.copy()
     reduce_into(dst, b, op)
     assert dst.dtype == dt and dst.shape == shape

@@ -565,9 +565,15 @@ def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> No
     apply_to(reduction_kernel(op, out.dtype), out, a, b)
 
 
+def writes_where_told(kernel: Any) -> bool:
+    """Whether kernel(a, b, out) leaves `a` alone and writes `out`, which may be `b`: not a
+    kernel whose torch path reduces into its first argument (_IN_PLACE_ONLY)."""
+    return kernel not in _IN_PLACE_ONLY
+
+
 def apply_to(kernel: Any, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """reduce_to with the kernel looked up already (callers that reduce many times)."""
-    if kernel in _IN_PLACE_ONLY:  # its torch path reduces in place: start from a copy
+    if not writes_where_told(kernel):  # its torch path reduces in place: start from a copy
         np.copyto(out, a)
         a = out
     kernel(a, b, out)
