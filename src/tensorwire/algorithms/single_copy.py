@@ -157,7 +157,12 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 _NOTHING = lambda n: 0  # noqa: E731
 # Not for broadcast: the streamed broadcast already copies each byte once per rank (the root
 # in, each reader out), and at n=2 (interleaved, 15 calls each) it was as fast or faster:
-# 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms.
+# 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms. Tried again out of huge pages
+# (2026-11-25, n=2, `--algo all`, the root publishing its buffer, readers reading all of it):
+# in place 4 / 16 / 64 MiB 87 / 583 / 3361 us against the slots' 89 / 917 / 3420, but out of
+# place 170 / 1456 / 6994 against 168 / 1266 / 6499: the root's copy into its buffer leaves
+# the lines dirty in its core's cache, and a read of such lines from the other core ran at
+# half speed (2 MiB: 77-94 against 44-48 us). Which the root's buffer is, the tuner cannot see.
 _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
 # The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
 # folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads, before
