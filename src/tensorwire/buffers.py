@@ -284,9 +284,9 @@ def huge_zeros(nbytes: int) -> np.ndarray:
     14-15 (4 MiB, n=2, the project's machine). numpy advises huge pages only for arrays from
     4 MiB and leaves the alignment to malloc, so the edges of an array stay in small pages;
     buffers from here are huge throughout, where the kernel allows it (THP not `never`)."""
-    # private: an anonymous shared mapping is shmem, whose huge pages are another setting
-    # (shmem_enabled, `never` by default); zero pages, faulted on first touch
-    # whole huge pages: one whose 2 MiB reached past the mapping's end would stay in 4 KiB pages
+    # Private (a shared anonymous mapping is shmem, whose huge pages are another setting,
+    # shmem_enabled, `never` by default), zero pages faulted on first touch, and whole huge
+    # pages: one whose 2 MiB reached past the mapping's end would stay in 4 KiB pages.
     whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -207,7 +207,7 @@ class DirectPath:
         self.message = (call.seq, a, b, call.what)
 
     def _check_message(self, call) -> None:
-        """The peers that noted the message-path call this rank noted last noted the same one.
+        """Raise if a peer noted this rank's last message-path call with another fingerprint.
         Every rank notes it before it enters this call, so the last to enter sees all notes."""
         seq, a, b, what = self.message  # type: ignore[misc]
         self.message = None
