@@ -741,7 +741,8 @@ def _cost_of(collective: str):
 
 
 _STREAMED = {  # collective: (what decides one shot or streamed, bytes one source streams,
-    # bytes one rank copies) as fractions of m; None: the rest costs what it does in one shot
+    # bytes one rank copies) as fractions of m, and how many streams a source's steps carry
+    # (_Stream's width: one per reader for all_to_all); None: the rest costs what it does in one shot
     # (the all_reduce folds each piece while it is in cache, and its arrays' memory traffic,
     # one read and one write a byte, is small beside the n reads and n-1 folds: 4-64 MiB
     # measured 0.75-1.38x the one-shot formula at n=4 (`--algo all` and the shm-n4 sweep) and
@@ -749,29 +750,39 @@ _STREAMED = {  # collective: (what decides one shot or streamed, bytes one sourc
     # pieces are copied while in cache, at the one-shot β; what misses the host's cache is
     # priced by the tuner on top (tuner.spill). A factor of 2.5 β a streamed byte, from before
     # copies ran in pieces (buffers.PIECE) and before that term, counted memory twice.
-    "all_reduce": (lambda n: 1, lambda n: 1, None),
-    "broadcast": (lambda n: 1, lambda n: 1, lambda n: 1),
-    "all_gather": (lambda n: 1 / n, lambda n: 1 / n, lambda n: 1),  # per block
-    "all_to_all": (lambda n: 1, lambda n: (n - 1) / n, lambda n: (2 * n - 1) / n),  # own block, in, out
+    "all_reduce": (lambda n: 1, lambda n: 1, None, lambda n: 1),
+    "broadcast": (lambda n: 1, lambda n: 1, lambda n: 1, lambda n: 1),
+    "all_gather": (lambda n: 1 / n, lambda n: 1 / n, lambda n: 1, lambda n: 1),  # per block
+    "all_to_all": (lambda n: 1, lambda n: (n - 1) / n, lambda n: (2 * n - 1) / n,  # own block, in, out
+                   lambda n: n - 1),
 }
 
 
 def _streamed(collective: str):
     """The cost of a collective that streams what does not fit the slot: the one shot of a full
-    slot, then one flag round per refill and every rank's copies of the rest, overlapping with
-    the other ranks'. Priced with the default slot: TENSORWIRE_SHM_DIRECT is not seen."""
+    slot, then one flag round per step handed over beyond it (_Stream: a step holds a piece of
+    each of a source's streams, and the source refills its slot a step at a time as the slowest
+    reader empties it) and every rank's copies of the rest, overlapping with the other ranks'.
+    Priced with the default slot: TENSORWIRE_SHM_DIRECT is not seen. (A flag round per slot
+    refill, half as many for a single stream, had priced the shm-n4 sweep of 2026-11-25 at
+    0.4-0.8 of its time at 4-64 MiB; re-priced per step, the choice's prediction was within
+    ±30% at 25 of 48 sizes instead of 24, no choice changed. Where ranks outnumber cores a
+    handover still costs more than the one shot's flag round: priced at two, the broadcast
+    would move to the binomial tree, which measured 1.3-2x slower there and is itself priced
+    at half its time.)"""
     one_shot = _cost_of(collective)
-    decides, streamed, copied = _STREAMED[collective]
+    decides, streamed, copied, width = _STREAMED[collective]
 
     def cost(n: int, m: int, link: Link) -> float:
         slot = Config().direct_slot(n)
         if decides(n) * m <= slot:
             return one_shot(n, m, link)
         full = int(slot / decides(n))  # the largest one shot: what streams beyond it overlaps
-        refills = -(-int(streamed(n) * m) // slot)
+        step = min(STREAM_CHUNK * max(width(n), 1), slot)
+        handovers = max(-(-int(streamed(n) * m) // step) - slot // step, 0)
         rest = (one_shot(n, m, link) - one_shot(n, full, link) if copied is None
                 else copied(n) * (m - full) * link.beta)
-        return one_shot(n, full, link) + (refills - 1) * link.alpha + rest
+        return one_shot(n, full, link) + handovers * link.alpha + rest
     return cost
 
 
