@@ -542,9 +542,9 @@ def at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 4), dtype=np.uint64)
+    info = np.zeros((n, 5), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
-    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg))
+    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages))
     recursive_doubling_all_reduce(world._internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:
@@ -622,7 +622,8 @@ def at_init(world: Group) -> LinkTable:
     table = apply_overrides(LinkTable(base, sources), overrides)
     used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
     table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
-                      path if used_cache else "", {"tiers": links_used, "key": key, "busy_tier": busy_tier})
+                      path if used_cache else "", {"tiers": links_used, "key": key, "busy_tier": busy_tier,
+                                                   "huge_pages": bool(info[:, 4].all())})
     tuner.install(world.runtime, table)
     _log.info("link constants (setup %.1f ms%s): %s", table.setup_s * 1e3,
               f", probe {probe_s * 1e3:.1f} ms" if probe_s else "",

@@ -77,8 +77,10 @@ of 4 KiB pages (`cma`). Only the source's pages count (process_vm_readv pins the
 destination's made no difference), and a rank cannot see its peers' buffers when it chooses,
 so the choice presumes what the usual allocators do: numpy advises transparent huge pages for
 arrays from 4 MiB, and torch's CPU allocator from 2 MiB where THP_MEM_ALLOC_ENABLE=1, which
-`tensorwire run` sets. A source in 4 KiB pages read at 14 GB/s made single copy 1.5x slower
-than the one-shot path at 2-16 MiB (n=2); a huge-page source read at 48 GB/s made it 2x faster."""
+`tensorwire run` sets; where they do not (a process with torch but without that, THP
+`never`: Config.huge_pages, TENSORWIRE_HUGE_PAGES), every size is priced at `cma`. A source
+in 4 KiB pages read at 14 GB/s made single copy 1.4-1.6x slower than the one-shot path at
+2-16 MiB (n=2); a huge-page source read at 48 GB/s made it 2x faster."""
 
 FOOTPRINT = {
     "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
@@ -446,8 +448,9 @@ def host_of(group: Group) -> Host | None:
     if not group.all_local:
         return None
     table = table_for(group.runtime)
+    huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
     return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA),
-                table.link(CMA_HUGE))
+                table.link(CMA_HUGE if huge else CMA))
 
 
 class Override:
