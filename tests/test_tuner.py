@@ -624,6 +624,7 @@ def _seed_cache(directory: str) -> None:
 
 def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TENSORWIRE_HUGE_PAGES", "1")  # `auto` depends on whether torch is imported
     monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
     monkeypatch.delenv("TENSORWIRE_ALGO", raising=False)
     _seed_cache(str(tmp_path))
@@ -651,6 +652,23 @@ def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, c
     best = tuner.price(tuner.candidates(group, "all_reduce", 64 << 20), 16, 64 << 20, link, host=host)[0][1]
     first_row = next(line for line in blocks[0].splitlines() if "<- cheapest" in line)
     assert f"    {best} " in first_row
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_plan_prices_huge_page_reads_as_the_tuner_would(tmp_path, monkeypatch, capsys, setting: str) -> None:
+    """`tensorwire plan` prices single copy's large reads out of huge pages only where the
+    tuner would (TENSORWIRE_HUGE_PAGES), and says so."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TENSORWIRE_HUGE_PAGES", setting)
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
+    _seed_cache(str(tmp_path))
+    assert cli.main(["plan", "all_gather", "8MiB", "--np", "2", "--tier", "shm", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert ("out of huge pages" in out) == (setting == "1"), out
+    tier = plan.resolve(["shm"], Config.from_env(), False, None, lambda _: None)[0]
+    cma = tuner.DEFAULT_LINKS[tuner.CMA]
+    huge = tuner.DEFAULT_LINKS[tuner.CMA_HUGE] if setting == "1" else cma
+    assert tier.host(2).reads(tuner.HUGE_FROM) == huge
 
 
 def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypatch, capsys) -> None:

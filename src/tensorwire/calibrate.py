@@ -317,16 +317,14 @@ def measure_cma(world: Group) -> tuple[float, float, float]:
 
     small = typical([np.ones(8, dtype=np.uint8) for _ in range(n)])
     block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
-    slope = {}
-    for huge in (False, True):
-        if huge:
-            whole = huge_zeros(n * block)
-            whole[...] = 1  # the pages exist before the timing
-            blocks = [whole[r * block:(r + 1) * block] for r in range(n)]
-        else:
-            blocks = [np.ones(block, dtype=np.uint8) for _ in range(n)]
-        slope[huge] = max((typical(blocks) - small) / ((n - 1) * block), measure_copy())
-    return max(small / 2, 1e-8), slope[False], slope[True]
+
+    def slope(blocks: list[np.ndarray]) -> float:
+        return max((typical(blocks) - small) / ((n - 1) * block), measure_copy())
+
+    whole = huge_zeros(n * block)
+    whole[...] = 1  # the pages exist before the timing
+    return (max(small / 2, 1e-8), slope([np.ones(block, dtype=np.uint8) for _ in range(n)]),
+            slope([whole[r * block:(r + 1) * block] for r in range(n)]))
 
 
 def measure_copy(nbytes: int = 1 << 20, rounds: int = GAMMA_ROUNDS) -> float:

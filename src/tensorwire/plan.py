@@ -54,14 +54,14 @@ class Tier:
     direct: Link | None = None  # ... and its own constants, where they were measured
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
     cma: Link | None = None  # ... and its reads across processes (single copy)
-    cma_huge: Link | None = None  # ... out of huge pages (tuner.HUGE_FROM)
+    cma_huge: Link | None = None  # ... out of huge pages (tuner.HUGE_FROM; None: none expected)
 
     def host(self, n: int) -> tuner.Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
         if self.memory is None:
             return None
-        return tuner.Host(self.memory, n, Config().shm_ring_bytes, self.cma or tuner.DEFAULT_LINKS[tuner.CMA],
-                          self.cma_huge or tuner.DEFAULT_LINKS[tuner.CMA_HUGE])
+        cma = self.cma or tuner.DEFAULT_LINKS[tuner.CMA]
+        return tuner.Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma)
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
         return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
@@ -191,6 +191,8 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
             for entry in host:
                 measured = local.get(entry, (tuner.DEFAULT_LINKS[entry], ""))[0]
                 host[entry] = replace(measured, **file[entry]) if entry in file else measured
+            if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
+                host[tuner.CMA_HUGE] = None
         tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
                           memory=host[tuner.MEMORY], cma=host[tuner.CMA], cma_huge=host[tuner.CMA_HUGE]))
     return tiers

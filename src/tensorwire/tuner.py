@@ -330,8 +330,8 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 class Host:
     """What the ranks of a single-host group share: memory (its cache and what a byte costs
     beyond it, the `memory` entry), how many of them run a call, each pair's ring, and what
-    reading a peer process's memory costs (`cma`, single copy's link; `cma_huge` out of huge
-    pages)."""
+    reading a peer process's memory costs (`cma`, single copy's link; `cma_huge` for messages
+    from HUGE_FROM: the read out of huge pages, or `cma` again where none are expected)."""
 
     memory: Link
     ranks: int
@@ -366,7 +366,7 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
             busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
-    constants (`direct`) where they were measured, and single copy with the host's (`cma`); a
+    constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
     by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
     algorithms with fixed partners), where those exist. On one host (`host`) the bytes that
