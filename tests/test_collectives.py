@@ -14,6 +14,7 @@ Functions named `rank_*` run inside the ranks (they must be module-level to be p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import math
@@ -1399,7 +1400,10 @@ def rank_algorithms_direct(seed: int) -> dict:
     log.case()
     if n > 1:
         small = tuner.select(g, "all_reduce", 1024).name
-        large = tuner.select(g, "all_reduce", 8 << 20).name
+        large_choice = tuner.select(g, "all_reduce", 8 << 20)
+        if isinstance(large_choice, tuner.PageDependent):  # what the next call runs
+            large_choice = large_choice.current()
+        large = large_choice.name
         bandwidth = ("ring", "rabenseifner", "single_copy")
         log.check(small in ("recursive_doubling", "direct") and large in bandwidth,
                   f"default choice: 1 KiB -> {small}, 8 MiB -> {large}")
@@ -1749,6 +1753,79 @@ def rank_single_copy_refused() -> dict:
 def test_single_copy_off_when_a_rank_refuses() -> None:
     results = _fresh_cluster_run(3, {"TENSORWIRE_SINGLE_COPY": "force"}, rank_single_copy_refused, timeout=45)
     _expect(results, 1)
+
+
+def _small_pages(nbytes: int) -> np.ndarray:
+    """nbytes (uint8) that stay in 4 KiB pages (advised against huge ones), whatever THP's mode."""
+    import mmap
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, np.uint8)[:nbytes]
+
+
+def rank_pages_learned() -> dict:
+    """Single copy runs where its sources are in huge pages, and the tuner stops choosing it at
+    a size once a call there finds a source in 4 KiB pages: on every rank alike, also where
+    only one rank's buffer is small-paged and where calls were queued before that was learned
+    (tuner.PageDependent). The link constants are installed so the choice turns on the pages."""
+    from tensorwire.buffers import huge_zeros
+    from tensorwire.transport import pages
+    world = tw.world()
+    n, me = world.size, world.rank
+    log = _Log()
+    probe = huge_zeros(4 << 20)
+    probe[:] = 1
+    if pages.PageScanner().eighths([(probe.ctypes.data, probe.nbytes)]) == pages.UNKNOWN:
+        log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
+        return log.result()
+    table = tuner.table_for(world.runtime)
+    slow = tuner.Link(tuner.CMA, 1e-6, 1 / 0.2e9, 1e-12)
+    fast = tuner.Link(tuner.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    links = {**table.links, tuner.CMA: slow, tuner.CMA_HUGE: fast}
+    extra = {**table.extra, "huge_pages": True}
+    tuner.install(world.runtime, dataclasses.replace(table, links=links, extra=extra))
+
+    def buffers(m: int, small: bool) -> tuple[np.ndarray, np.ndarray]:
+        send, recv = (_small_pages(m) if small else huge_zeros(m)[:m] for _ in range(2))
+        send[:] = (np.arange(m) % 251 + me).astype(np.uint8)
+        return send, recv
+
+    def run(m: int, small: bool, calls: int, async_op: bool = False) -> None:
+        send, recv = buffers(m, small)
+        works = [tw.all_to_all_single(recv, send, async_op=async_op) for _ in range(calls)]
+        for w in works if async_op else ():
+            w.wait()
+        log.case()
+        block = m // n
+        want = np.concatenate([(np.arange(block * me, block * (me + 1)) % 251 + r).astype(np.uint8)
+                               for r in range(n)])
+        log.same(f"all_to_all {m} B", recv, want)
+
+    try:
+        for m, small, async_op, want in (
+                (2 << 20, False, False, ["single_copy"] * 3),  # huge pages: it stays
+                (4 << 20, True, False, None),  # 4 KiB pages: one call finds out
+                (3 << 20, me == 1, False, None),  # one rank's buffers in 4 KiB pages: every rank learns
+                (5 << 20, True, True, None)):  # calls queued before anyone learned
+            used = _count_algorithms(functools.partial(run, m, small, 3, async_op), "all_to_all")
+            if want is None:
+                log.check(used[0] == "single_copy" and len(used) == 3 and "single_copy" not in used[1:],
+                          f"{m} B: ran {used}")
+                learned = world.huge_seen.get(("all_to_all", m))
+                log.check(learned is False, f"{m} B: learned {world.huge_seen}")
+            else:
+                log.check(used == want and ("all_to_all", m) not in world.huge_seen, f"{m} B: ran {used}")
+    finally:
+        tuner.install(world.runtime, table)
+    return log.result()
+
+
+@pytest.mark.timeout(60)
+def test_single_copy_learns_its_sources_pages() -> None:
+    results = _fresh_cluster_run(2, {"TENSORWIRE_SINGLE_COPY": "force"}, rank_pages_learned, timeout=45)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
+    _expect(results, 4)
 
 
 # =========================================================================== property-based

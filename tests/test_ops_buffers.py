@@ -695,3 +695,38 @@ def test_huge_zeros_are_aligned_zeroed_private_and_advised(nbytes: int) -> None:
         _, end, flags = _mapping(a.ctypes.data)
         assert "hg" in flags and "sh" not in flags, flags
         assert end >= a.ctypes.data + -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+
+
+def test_page_scanner_counts_huge_pages() -> None:
+    """What single copy's sources report (transport/pages.py): eighths of a buffer in huge pages,
+    rounded down, 8 for nothing at all; a span counted twice (an in-place call) keeps the share;
+    UNKNOWN where the kernel cannot tell, and answers kept for a moment (pages.KEEP_S)."""
+    import mmap
+
+    from tensorwire.transport import pages
+
+    scanner = pages.PageScanner()
+    huge = huge_zeros(4 * HUGE_PAGE)
+    huge[:] = 1
+    whole = (huge.ctypes.data, huge.nbytes)
+    got = scanner.eighths([whole])
+    if got == pages.UNKNOWN:
+        pytest.skip("the kernel has no PAGEMAP_SCAN (Linux 6.7+)")
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off")
+    region = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    small = np.frombuffer(region, np.uint8)
+    small[:] = 1
+    part = (small.ctypes.data, small.nbytes)
+    assert got == 8 and scanner.eighths([part]) == 0 and scanner.eighths([]) == 8
+    # three huge pages' worth and one small-paged: 6/8; 16 MiB huge (counted twice) and 4 small: 6/8
+    three = (huge.ctypes.data, 3 * HUGE_PAGE)
+    assert scanner.eighths([three, (small.ctypes.data, HUGE_PAGE)]) == 6
+    assert scanner.eighths([whole, whole, part]) == 8 * 16 // 20
+    # an unaligned piece of a huge page is huge throughout
+    assert scanner.eighths([(huge.ctypes.data + 100, 1000)]) == 8
+    blind = pages.PageScanner()
+    blind._ioctl = None
+    assert blind.eighths([whole]) == pages.UNKNOWN

@@ -124,6 +124,7 @@ class _Group:
         self.size, self.all_local, self.direct, self.name = size, tier == "shm", None, "fake"
         self.runtime = _Runtime(cfg or Config())
         self.choices: dict = {}
+        self.huge_seen: dict = {}
 
 
 def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
@@ -315,6 +316,56 @@ def test_host_reads_at_the_huge_page_price_only_where_expected() -> None:
         assert tuner.host_of(g).reads(tuner.HUGE_FROM - 1) == small
         tuner.install(g.runtime, tuner.LinkTable(links, {}, extra={"huge_pages": not expected}))
         assert tuner.host_of(g).reads(tuner.HUGE_FROM) == (small if expected else huge)
+
+
+def test_single_copy_turns_on_its_sources_pages() -> None:
+    """Where single copy wins only out of huge pages, the tuner hands out a PageDependent: single
+    copy while its sources are presumed or seen in huge pages, the other choice once a call saw
+    one in 4 KiB pages (group.huge_seen), priced so from then on; below HUGE_FROM, and where no
+    huge pages are expected, single copy is priced at `cma` and nothing turns on the pages."""
+    small, huge = Link(tuner.CMA, 1e-6, 1 / 0.5e9, 1e-12), Link(tuner.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    links = {"shm": tuner.DEFAULT_LINKS["shm"], "direct": tuner.DEFAULT_LINKS["direct"],
+             tuner.CMA: small, tuner.CMA_HUGE: huge}
+    m = 4 * tuner.HUGE_FROM
+    g = _Group(2, "shm")
+    g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False, huge_eighths=8)
+    g.engine = SimpleNamespace(oversubscribed=False)
+    tuner.install(g.runtime, tuner.LinkTable(links, {}))
+    choice = tuner.select(g, "all_to_all", m)
+    assert isinstance(choice, tuner.PageDependent) and choice.huge.name == "single_copy"
+    other = choice.small.name
+    assert other != "single_copy" and choice.current() is choice.huge
+    assert tuner.decide(g, "all_to_all", m).priced[0][1] == "single_copy"
+    assert not isinstance(tuner.select(g, "all_to_all", tuner.HUGE_FROM // 2), tuner.PageDependent)
+    # a call whose sources were 3/8 in huge pages: the size goes to the other choice
+    ran = []
+    choice.huge = replace(choice.huge, run=lambda call, *a: ran.append("single_copy"))
+    choice.small = replace(choice.small, run=lambda call, *a: ran.append(other))
+    g.direct.huge_eighths = tuner.HUGE_SEEN
+    choice.run(None, None, None)
+    assert g.huge_seen == {}
+    g.direct.huge_eighths = tuner.HUGE_SEEN - 1
+    choice.run(None, None, None)
+    choice.run(None, None, None)
+    assert ran == ["single_copy", "single_copy", other] and g.huge_seen == {("all_to_all", m): False}
+    assert tuner.decide(g, "all_to_all", m).priced[0][1] == other
+    assert tuner.decide(g, "all_to_all", m).choice.name == other
+    # an all_reduce handed its input apart (single copy reads it there) gets it copied into its
+    # output first where the other choice reduces in place
+    reduce = algorithms_for("all_reduce")
+    seen: list = []
+    tree = replace(reduce["tree"], run=lambda call, *a: seen.append([x.copy() for x in a[:1]]))
+    ar = tuner.PageDependent(g, ("all_reduce", m), reduce["single_copy"], tree)
+    assert ar.out_of_place and not ar.needs_direct
+    g.huge_seen[ar.key] = False
+    ar.run(None, np.zeros(3), "op", np.arange(3.0))
+    assert seen and (seen[0][0] == np.arange(3.0)).all()
+    # nothing expected in huge pages: priced at `cma` throughout
+    g = _Group(2, "shm", Config(huge_pages=False))
+    g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False)
+    g.engine = SimpleNamespace(oversubscribed=False)
+    tuner.install(g.runtime, tuner.LinkTable(links, {}))
+    assert tuner.select(g, "all_to_all", m).name == other
 
 
 def test_choice_is_cached_per_group_and_size() -> None:

@@ -308,7 +308,7 @@ def measure_cma(world: Group) -> tuple[float, float, float]:
     CMA_BYTES of memory a rank). A read across processes pins the source's pages and costs far
     more than a copy out of 4 KiB pages (1 MiB: 14-15 GB/s against 55-61 GB/s for memcpy on
     the project's machine), so the one-shot path's β does not price it; out of huge pages it
-    ran at 48-53 GB/s (tuner.HUGE_FROM says which sources are presumed to be)."""
+    ran at 48-53 GB/s (which sources are: tuner.PageDependent)."""
     run = algorithms_for("all_gather")["single_copy"].run
     n = world.size
 

@@ -124,9 +124,9 @@ class Config:
     all_to_all unless ranks outnumber cores (slower there), 'force' wherever the kernel allows
     (TENSORWIRE_SINGLE_COPY)."""
     huge_pages: bool = True
-    """Price single copy's reads of messages from 4 MiB as out of huge pages (tuner.HUGE_FROM):
-    TENSORWIRE_HUGE_PAGES=1 or 0, or `auto` (see huge_pages_expected). Every rank of a job
-    prices alike: calibration takes it only where all ranks expect huge pages."""
+    """Presume single copy's sources in huge pages until a call sees otherwise (tuner.HUGE_FROM,
+    tuner.PageDependent): TENSORWIRE_HUGE_PAGES=1 or 0, or `auto` (see huge_pages_expected).
+    Every rank of a job prices alike: calibration takes it only where all ranks expect them."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

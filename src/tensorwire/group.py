@@ -131,6 +131,7 @@ class Group(Collectives):
         self._worker: threading.Thread | None = None
         self._stopping = False
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
+        self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.plans: dict[object, Any] = {}  # checked call signatures -> their bodies (see Collectives)
         self._p2p_headers: dict[tuple[int, int], tuple[Header, bytes]] = {}
         me = runtime.rank

@@ -137,7 +137,7 @@ class LaunchPlan:
             "PYTHONUNBUFFERED": "1",
         })
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # see tuner.HUGE_FROM
+        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # see tuner.PageDependent
         if self.tcp:
             env["TENSORWIRE_TRANSPORT"] = "tcp"
         if self.timeout is not None:

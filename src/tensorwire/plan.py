@@ -54,14 +54,15 @@ class Tier:
     direct: Link | None = None  # ... and its own constants, where they were measured
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
     cma: Link | None = None  # ... and its reads across processes (single copy)
-    cma_huge: Link | None = None  # ... out of huge pages (tuner.HUGE_FROM; None: none expected)
+    cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
 
     def host(self, n: int) -> tuner.Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
         if self.memory is None:
             return None
         cma = self.cma or tuner.DEFAULT_LINKS[tuner.CMA]
-        return tuner.Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma)
+        return tuner.Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
+                          huge=self.cma_huge is not None)
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
         return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
@@ -291,8 +292,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.cma is not None:
             out(f"    single copy's reads across processes: {tuner.describe_link(tier.cma)}")
         if tier.cma_huge is not None:
-            out(f"    ... out of huge pages (messages from {tuner.HUGE_FROM >> 20} MiB): "
-                f"{tuner.describe_link(tier.cma_huge)}")
+            out(f"    ... out of huge pages (as priced here; a job prices the reads at the line above "
+                f"once its sources are seen in 4 KiB pages): {tuner.describe_link(tier.cma_huge)}")
         rows = []
         for alg in algs:
             reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)

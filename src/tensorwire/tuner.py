@@ -18,8 +18,9 @@ the rank_ordered message algorithm, the linear reduce), which fold every element
 order and so produce the same bits whatever was chosen.
 
 The one-shot shared-memory path is priced with constants of its own (a flag round, a memory
-copy) where calibration measured them, single copy with its reads' (`cma`, or `cma_huge` for
-sources presumed in huge pages, see HUGE_FROM); everything else with its tier's.
+copy) where calibration measured them, single copy with its reads' (`cma`, or `cma_huge` out
+of sources in huge pages: presumed where huge pages are expected, then as its sources report,
+see PageDependent); everything else with its tier's.
 
 With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
 cost table and the link constants behind it (and where they came from).
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from . import log
 from .algorithms import rank_ordered
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
+from .buffers import copy
 from .config import Config
 from .errors import InvalidArgumentError
 
@@ -71,16 +73,17 @@ DEFAULT_LINKS = {
 MEMORY = "memory"
 CMA = "cma"
 CMA_HUGE = "cma_huge"
-HUGE_FROM = 4 << 20
-"""Messages from this size are priced as read out of huge pages (`cma_huge`), smaller ones out
-of 4 KiB pages (`cma`). Only the source's pages count (process_vm_readv pins them; the
-destination's made no difference), and a rank cannot see its peers' buffers when it chooses,
-so the choice presumes what the usual allocators do: numpy advises transparent huge pages for
-arrays from 4 MiB, and torch's CPU allocator from 2 MiB where THP_MEM_ALLOC_ENABLE=1, which
-`tensorwire run` sets; where they do not (a process with torch but without that, THP
-`never`: Config.huge_pages, TENSORWIRE_HUGE_PAGES), every size is priced at `cma`. A source
-in 4 KiB pages read at 14 GB/s made single copy 1.4-1.6x slower than the one-shot path at
-2-16 MiB (n=2); a huge-page source read at 48 GB/s made it 2x faster."""
+HUGE_FROM = 1 << 20
+"""Single copy's reads are priced out of huge pages (`cma_huge`, where they are expected and not
+seen otherwise: PageDependent) only for messages from this size. Below it the model prices
+single copy under what it measured: at n=2 (`--algo all`, 2026-11-25) its all_reduce, all_gather
+and all_to_all out of huge pages ran 1.2-2.2x their price at 256-512 KiB, where the one shot
+was as fast or faster (all_to_all 256 KiB: 18-29 against 10 us), while from 1 MiB they won
+(all_to_all 1 / 2 MiB: 34-40 / 55-65 against the one shot's 48 / 73 us)."""
+HUGE_SEEN = 4
+"""Single copy's sources count as in huge pages where at least this many eighths of each one's
+bytes are (transport/pages.py): a numpy array of 4 MiB, advised by numpy but not aligned to
+2 MiB, has about half of them there."""
 
 FOOTPRINT = {
     "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
@@ -330,18 +333,20 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 class Host:
     """What the ranks of a single-host group share: memory (its cache and what a byte costs
     beyond it, the `memory` entry), how many of them run a call, each pair's ring, and what
-    reading a peer process's memory costs (`cma`, single copy's link; `cma_huge` for messages
-    from HUGE_FROM: the read out of huge pages, or `cma` again where none are expected)."""
+    reading a peer process's memory costs (`cma`, single copy's link; `cma_huge` out of huge
+    pages, where its sources are in them, `huge`, and messages from HUGE_FROM)."""
 
     memory: Link
     ranks: int
     ring_bytes: int
     cma: Link = DEFAULT_LINKS[CMA]
     cma_huge: Link = DEFAULT_LINKS[CMA_HUGE]
+    huge: bool = True
+    """Single copy's sources in huge pages: expected (Config.huge_pages), or as last seen."""
 
     def reads(self, nbytes: int) -> Link:
         """Single copy's link for a message of nbytes (see HUGE_FROM)."""
-        return self.cma_huge if nbytes >= HUGE_FROM else self.cma
+        return self.cma_huge if self.huge and nbytes >= HUGE_FROM else self.cma
 
 
 def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
@@ -416,10 +421,54 @@ class Decision:
     nranks: int
     tier: str
     priced: list[tuple[float, str, Algorithm]]
-    """(predicted seconds, name, algorithm), cheapest first: priced[0] is the tuner's choice."""
+    """(predicted seconds, name, algorithm), cheapest first, with single copy's sources as they
+    are presumed or were last seen: priced[0] is what runs next."""
+    choice: Algorithm | PageDependent
+    """What the tuner hands out: priced[0], or a PageDependent where single copy wins only out
+    of huge pages."""
 
     def predicted(self, name: str) -> float:
         return next(t for t, n, _ in self.priced if n == name)
+
+
+class PageDependent:
+    """The choice for a call size where single copy wins only if its sources' buffers lie in
+    huge pages (Host.huge), which the tuner cannot see when it chooses: single copy where they
+    are presumed to (Config.huge_pages) or were in single copy's last call of this collective
+    and size (every source reports its own, transport/pages.py), else the other choice.
+
+    Resolved as each call runs, never when it is planned: calls run in the same order on every
+    rank, and each rank learns the same report from every source in that call, so every rank
+    takes the same branch, however far ahead a rank queued its calls. Sizes found out of huge
+    pages stay with the other choice (single copy no longer runs to report otherwise); a source
+    in 4 KiB pages made single copy 1.4-1.6x slower than the one shot at 2-16 MiB (n=2), one in
+    huge pages 1.4-2x faster at 1-4 MiB."""
+
+    def __init__(self, group: Group, key: tuple[str, int], huge: Algorithm, small: Algorithm) -> None:
+        self.group, self.key, self.huge, self.small = group, key, huge, small
+        self.name = f"{huge.name}|{small.name}"
+        self.collective = huge.collective
+        self.needs_direct = huge.needs_direct and small.needs_direct
+        self.out_of_place = huge.out_of_place or small.out_of_place
+
+    def current(self) -> Algorithm:
+        """What the next call runs."""
+        return self.huge if self.group.huge_seen.get(self.key, True) else self.small
+
+    def run(self, call: Any, *args: Any) -> None:
+        alg = self.current()
+        if self.collective == "all_reduce" and len(args) == 3 and not alg.out_of_place:  # input apart
+            data, op, src = args
+            copy(data, src)
+            args = (data, op)
+        alg.run(call, *args)
+        if alg is self.huge:
+            seen = self.group.direct.huge_eighths  # type: ignore[union-attr]
+            if seen < HUGE_SEEN:
+                self.group.huge_seen[self.key] = False
+                _log.info("%s %d B on group %s: single copy's sources were %d/8 in huge pages; "
+                          "from now on %s runs", self.key[0], self.key[1], self.group.name, seen,
+                          self.small.name)
 
 
 def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:
@@ -437,8 +486,21 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     direct = table.links.get("direct") if group.direct is not None else None
     busy, busy_ring = ((table.links.get("busy"), table.links.get("busy_ring"))
                        if tier == table.extra.get("busy_tier") else (None, None))
-    return Decision(collective, nbytes, group.size, tier, price(options, group.size, nbytes, table.link(tier),
-                                                                direct, busy, busy_ring, host_of(group)))
+    host = host_of(group)
+    key = (collective, nbytes)
+    if host is not None and host.huge and not group.huge_seen.get(key, True):
+        host = replace(host, huge=False)
+
+    def priced_with(host: Host | None) -> list[tuple[float, str, Algorithm]]:
+        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host)
+
+    priced = priced_with(host)
+    choice: Algorithm | PageDependent = priced[0][2]
+    if host is not None and host.huge and choice.needs_single_copy:
+        small = priced_with(replace(host, huge=False))[0][2]
+        if small is not choice:
+            choice = PageDependent(group, key, choice, small)
+    return Decision(collective, nbytes, group.size, tier, priced, choice)
 
 
 def host_of(group: Group) -> Host | None:
@@ -450,7 +512,7 @@ def host_of(group: Group) -> Host | None:
     table = table_for(group.runtime)
     huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
     return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA),
-                table.link(CMA_HUGE if huge else CMA))
+                table.link(CMA_HUGE), huge)
 
 
 class Override:
@@ -461,14 +523,14 @@ class Override:
     def __init__(self, group: Group, collective: str, name: str | None) -> None:
         self.group, self.collective, self.name = group, collective, name
         self.decisions: dict[tuple[int, bool], Decision] = {}
-        self._picked: dict[tuple[int, bool], Algorithm] = {}
+        self._picked: dict[tuple[int, bool], Algorithm | PageDependent] = {}
 
     @property
     def decision(self) -> Decision | None:
         """The decision of the most recent call size (None before the first call)."""
         return next(reversed(self.decisions.values()), None)
 
-    def pick(self, nbytes: int, direct_ok: bool) -> Algorithm:
+    def pick(self, nbytes: int, direct_ok: bool) -> Algorithm | PageDependent:
         key = (nbytes, direct_ok)
         alg = self._picked.get(key)
         if alg is None:
@@ -480,7 +542,7 @@ class Override:
                 raise InvalidArgumentError(
                     f"rank {g.runtime.rank}: {self.collective} of {nbytes} bytes on {g.size} ranks cannot "
                     f"run {self.name!r} (eligible: {', '.join(names)})")
-            alg = decision.priced[names.index(self.name) if self.name is not None else 0][2]
+            alg = decision.priced[names.index(self.name)][2] if self.name is not None else decision.choice
             self._picked[key] = alg
         return alg
 
@@ -504,7 +566,7 @@ def override(group: Group, collective: str, name: str | None = None) -> Iterator
         group.plans.clear()
 
 
-def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm:
+def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm | PageDependent:
     """The cheapest eligible algorithm (cached per group, collective and size)."""
     if _override is not None and _override.group is group and _override.collective == collective:
         return _override.pick(nbytes, direct_ok)
@@ -513,7 +575,7 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     if choice is not None:
         return choice
     decision = decide(group, collective, nbytes, direct_ok)
-    choice = decision.priced[0][2]
+    choice = decision.choice
     if _log.isEnabledFor(20):
         cfg = group.runtime.config
         table = table_for(group.runtime)
@@ -529,7 +591,8 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,
                   group.size, group.name, shown,
                   " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else "",
-                  costs, choice.name)
+                  costs, choice.name if not isinstance(choice, PageDependent) else
+                  f"{choice.huge.name} while its sources are in huge pages, else {choice.small.name}")
     if len(group.choices) < 4096:
         group.choices[key] = choice
     return choice

@@ -22,7 +22,7 @@ from ..buffers import PIECE, copy
 from ..config import Config
 from ..errors import CollectiveMismatchError, InvalidArgumentError
 from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel
-from ..transport import cma
+from ..transport import cma, pages
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
 from ..transport.wire import Fingerprint
@@ -103,6 +103,7 @@ class DirectPath:
         self.pids: tuple[int, ...] = ()
         self.reader = cma.Reader()
         self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
+        self.huge_eighths = pages.UNKNOWN  # in single copy's last call, the least of its sources' (pages.py)
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test

@@ -19,6 +19,7 @@ import numpy as np
 from ..buffers import copy
 from ..errors import PeerLostError
 from ..ops import ReduceOp, reduction_kernel, writes_where_told
+from ..transport import pages
 from ..transport.cma import BOUNCE, ProcessGone
 from .base import blocks_of, split_counts
 from .registry import Algorithm, register
@@ -29,15 +30,26 @@ _PIECE = BOUNCE
 """Bytes of a block folded at a time: each peer's piece is read into the bounce buffer."""
 
 
-def _offer(dp: DirectPath, call, buffers: list[np.ndarray], wait_for: tuple[int, ...]) -> int:
-    """Enter, publish the addresses of `buffers` (one per reader, or one for all), and wait
-    for `wait_for` to publish theirs; the call's slot parity."""
+def _offer(dp: DirectPath, call, buffers: list[np.ndarray]) -> int:
+    """Enter, publish the addresses of `buffers` (one per reader, or one for all) and how much
+    of them lies in huge pages, and wait for every rank to publish theirs; the call's slot
+    parity. dp.huge_eighths is then the least share of any source (what the tuner learns)."""
     p = dp.enter(call)
-    table = dp.views(_WORD, len(buffers))[p][dp.rank]
-    for i, b in enumerate(buffers):
-        table[i] = b.ctypes.data
-    dp.publish(call, p, wait_for)
+    count = len(buffers)
+    tables = dp.views(_WORD, count + 1)[p]
+    table = tables[dp.rank]
+    spans = [(b.ctypes.data, b.nbytes) for b in buffers]
+    for i, (address, _) in enumerate(spans):
+        table[i] = address
+    table[count] = _scanner().eighths(spans)  # an in-place call's spans twice: the same share
+    dp.publish(call, p, dp.everyone)
+    dp.huge_eighths = int(min(t[count] for t in tables))
     return p
+
+
+@functools.cache
+def _scanner() -> pages.PageScanner:
+    return pages.PageScanner()
 
 
 def _fetch(dp: DirectPath, p: int, source: int, index: int, dst: np.ndarray) -> None:
@@ -54,7 +66,7 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
 
 def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, [blocks[dp.rank]], dp.everyone)
+    p = _offer(dp, call, [blocks[dp.rank]])
     for r in dp.onward:
         _fetch(dp, p, r, 0, blocks[r])
     _finish(dp, call, p, dp.others)
@@ -62,7 +74,7 @@ def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
 
 def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, sends, dp.everyone)
+    p = _offer(dp, call, sends)
     copy(recvs[dp.rank], sends[dp.rank])
     for r in dp.onward:
         _fetch(dp, p, r, dp.rank, recvs[r])
@@ -124,7 +136,7 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
 
 def single_copy_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, blocks, dp.everyone)
+    p = _offer(dp, call, blocks)
     _fold_block(dp, p, dp.rank, blocks[dp.rank], out, op)
     _finish(dp, call, p, dp.others)
 
@@ -137,7 +149,7 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
     counts = split_counts(data.size, dp.size)
     outs = blocks_of(data, counts)
     ins = outs if src is None else blocks_of(src, counts)
-    p = _offer(dp, call, ins + outs, dp.everyone)
+    p = _offer(dp, call, ins + outs)
     me = dp.rank
     _fold_block(dp, p, me, ins[me], outs[me], op)
     dp.mark_read(call, 1)  # this rank's block is final, and it reads no input any more
@@ -182,4 +194,4 @@ for _collective, (_run, _cost, _words) in _RUNS.items():
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
                        out_of_place=_collective == "all_reduce",
-                       slot_need=lambda n, m, w=_words: 8 * w * n))
+                       slot_need=lambda n, m, w=_words: 8 * (w * n + 1)))
