@@ -30,21 +30,34 @@ _PIECE = BOUNCE
 """Bytes of a block folded at a time: each peer's piece is read into the bounce buffer."""
 
 
-def _offer(dp: DirectPath, call, buffers: list[np.ndarray]) -> int:
-    """Enter, publish the addresses of `buffers` (one per reader, or one for all) and how much
-    of them lies in huge pages, and wait for every rank to publish theirs; the call's slot
-    parity. dp.huge_eighths is then the least share of any source (what the tuner learns)."""
+def _offer(dp: DirectPath, call, spans: list[tuple[int, int]]) -> int:
+    """Enter, publish the addresses of the buffers at `spans` ((address, bytes) each: one per
+    reader, or one for all) and how much of them lies in huge pages, and wait for every rank
+    to publish theirs; the call's slot parity. dp.huge_eighths is then the least share of any
+    source (what the tuner learns)."""
     p = dp.enter(call)
-    count = len(buffers)
+    count = len(spans)
     tables = dp.views(_WORD, count + 1)[p]
     table = tables[dp.rank]
-    spans = [(b.ctypes.data, b.nbytes) for b in buffers]
     for i, (address, _) in enumerate(spans):
         table[i] = address
     table[count] = _scanner().eighths(spans)  # an in-place call's spans twice: the same share
     dp.publish(call, p, dp.everyone)
     dp.huge_eighths = int(min(t[count] for t in tables))
     return p
+
+
+def _spans(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+    return [(a.ctypes.data, a.nbytes) for a in arrays]
+
+
+def _block_spans(flat: np.ndarray, counts: list[int]) -> list[tuple[int, int]]:
+    """_spans of blocks_of(flat, counts), from one address (each costs ~1 us to read)."""
+    address, size, out = flat.ctypes.data, flat.dtype.itemsize, []
+    for c in counts:
+        out.append((address, c * size))
+        address += c * size
+    return out
 
 
 @functools.cache
@@ -66,7 +79,7 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
 
 def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, [blocks[dp.rank]])
+    p = _offer(dp, call, _spans([blocks[dp.rank]]))
     for r in dp.onward:
         _fetch(dp, p, r, 0, blocks[r])
     _finish(dp, call, p, dp.others)
@@ -74,7 +87,7 @@ def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
 
 def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, sends)
+    p = _offer(dp, call, _spans(sends))
     copy(recvs[dp.rank], sends[dp.rank])
     for r in dp.onward:
         _fetch(dp, p, r, dp.rank, recvs[r])
@@ -136,7 +149,7 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
 
 def single_copy_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, blocks)
+    p = _offer(dp, call, _spans(blocks))
     _fold_block(dp, p, dp.rank, blocks[dp.rank], out, op)
     _finish(dp, call, p, dp.others)
 
@@ -149,7 +162,8 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
     counts = split_counts(data.size, dp.size)
     outs = blocks_of(data, counts)
     ins = outs if src is None else blocks_of(src, counts)
-    p = _offer(dp, call, ins + outs)
+    spans = _block_spans(data, counts)
+    p = _offer(dp, call, (spans if src is None else _block_spans(src, counts)) + spans)
     me = dp.rank
     _fold_block(dp, p, me, ins[me], outs[me], op)
     dp.mark_read(call, 1)  # this rank's block is final, and it reads no input any more
