@@ -1619,9 +1619,9 @@ def _misaligned(count: int, dt, shift: int) -> np.ndarray:
 def rank_large_direct(algorithm: str = "direct") -> dict:
     """Broadcasts, all_gather blocks and all_to_all sends past the shared-memory slot (and one
     byte short of it), forced onto `algorithm`. direct: each source refills its slot step by
-    step as the slowest reader empties it (shm_direct._Stream). single_copy (no broadcast):
-    readers copy out of the sources' buffers, from every offset modulo 4096 that matters to
-    them (transport/cma.py's bounce window included)."""
+    step as the slowest reader empties it (shm_direct._Stream). single_copy: readers copy out
+    of the sources' buffers (a broadcast's root's input, in place or not), from every offset
+    modulo 4096 that matters to them (transport/cma.py's bounce window included)."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
@@ -1669,9 +1669,8 @@ def rank_large_direct(algorithm: str = "direct") -> dict:
             want = np.concatenate([s[me * count:(me + 1) * count] for s in sends])
             log.same(f"all_to_all_single {n} x {count} x {np.dtype(dt).name} at +{shift * me}", out, want)
 
-    if algorithm == "direct":
-        used = _count_algorithms(broadcasts, "broadcast")
-        log.check(used == [algorithm] * 2 * n * len(cases), f"broadcast ran {used}")
+    used = _count_algorithms(broadcasts, "broadcast")
+    log.check(used == [algorithm] * 2 * n * len(cases), f"broadcast ran {used}")
     used = _count_algorithms(all_gathers, "all_gather")
     log.check(used == [algorithm] * 2 * len(cases), f"all_gather ran {used}")
     used = _count_algorithms(all_to_alls, "all_to_all")
@@ -1693,13 +1692,13 @@ def test_streamed_broadcast_all_gather_all_to_all(size: int, slot: str) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
-def test_single_copy_all_gather_all_to_all(size: int) -> None:
+def test_single_copy_broadcast_all_gather_all_to_all(size: int) -> None:
     """Readers copy straight out of the sources' buffers (process_vm_readv), at offsets that
     take the kernel's fast copy and at those that go through the bounce buffer."""
-    env = {"TENSORWIRE_ALGO": "allgather:single_copy,alltoall:single_copy",
+    env = {"TENSORWIRE_ALGO": "broadcast:single_copy,allgather:single_copy,alltoall:single_copy",
            "TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
     results = _fresh_cluster_run(size, env, rank_large_direct, "single_copy", timeout=100)
-    _expect(results, 3 * 12)
+    _expect(results, (2 * size + 3) * 12)
 
 
 def rank_direct_gather_scatter(seed: int) -> dict:

@@ -321,7 +321,8 @@ SIZES = {"": 4, "large": 1 << 15,  # float32 elements: 128 KiB, the one shot or 
 def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     base, _, large = case.partition(":")
     if large == "single" and g.direct is not None and g.direct.single_copy and not g.direct.crowded:
-        with tuner.override(g, {"all_to_all_count": "all_to_all"}.get(base, "all_gather"), "single_copy"):
+        collective = {"all_to_all_count": "all_to_all", "broadcast_root": "broadcast"}.get(base, "all_gather")
+        with tuner.override(g, collective, "single_copy"):
             _mismatched_call(base + ":stream", g, t)
         return
     if large == "chain":  # each rank hears only from ranks that agree with it (DirectPath.stamp)
@@ -414,6 +415,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "broadcast_root:large": ("broadcast", "root"),
     "broadcast_root:stream": ("broadcast", "root"),
     "broadcast_root:chain": ("broadcast", "root"),
+    "broadcast_root:single": ("broadcast", "root"),
     "reduce_root": ("reduce", "root"),
     "reduce_root:large": ("reduce", "root"),
 }

@@ -82,12 +82,13 @@ def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root:
     """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
     group = call.group
     flat = target if target.ndim == 1 else target.reshape(-1)
-    if group.rank == root and target is not data:
-        copy(flat, data.reshape(-1))
+    src = data.reshape(-1) if group.rank == root and target is not data else None
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
     if run is not None:
-        run(call, flat, root)
+        run(call, flat, root, src)
+    elif src is not None:
+        copy(flat, src)
     return result
 
 

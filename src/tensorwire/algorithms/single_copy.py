@@ -1,7 +1,7 @@
 """Single copy on one host: readers copy large messages straight out of their source's buffer.
 
-An all_gather or all_to_all on the direct path moves every byte twice, into the source's slot
-and out of it (one shot or streamed). Here a source publishes the addresses of its buffers in
+A broadcast, all_gather or all_to_all on the direct path moves every byte twice, into the
+source's slot and out of it (one shot or streamed). Here a source publishes the addresses of its buffers in
 its slot instead, each reader copies what it needs directly out of the source process
 (cross-memory attach, transport/cma.py) and then marks itself done in its progress word; a
 source returns only once its readers are done, as its buffer must not change under them. Two
@@ -30,18 +30,19 @@ _PIECE = BOUNCE
 """Bytes of a block folded at a time: each peer's piece is read into the bounce buffer."""
 
 
-def _offer(dp: DirectPath, call, spans: list[tuple[int, int]]) -> int:
+def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True) -> int:
     """Enter, publish the addresses of the buffers at `spans` ((address, bytes) each: one per
-    reader, or one for all) and how much of them lies in huge pages, and wait for every rank
-    to publish theirs; the call's slot parity. dp.huge_eighths is then the least share of any
-    source (what the tuner learns)."""
+    reader, or one for all) and, where peers `read` them, how much of them lies in huge pages,
+    and wait for every rank to publish theirs; the call's slot parity. dp.huge_eighths is
+    then the least share of any source (what the tuner learns)."""
     p = dp.enter(call)
     count = len(spans)
     tables = dp.views(_WORD, count + 1)[p]
     table = tables[dp.rank]
     for i, (address, _) in enumerate(spans):
         table[i] = address
-    table[count] = _scanner().eighths(spans)  # an in-place call's spans twice: the same share
+    # an in-place call's spans twice: the same share
+    table[count] = _scanner().eighths(spans) if read else pages.UNKNOWN
     dp.publish(call, p, dp.everyone)
     dp.huge_eighths = int(min(t[count] for t in tables))
     return p
@@ -92,6 +93,22 @@ def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray
     for r in dp.onward:
         _fetch(dp, p, r, dp.rank, recvs[r])
     _finish(dp, call, p, dp.others)
+
+
+def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
+    """The root publishes its input (`src` where apart: lines it has not just written, which
+    peers read 2.3-2.5x faster than its freshly filled output) and fills its output meanwhile."""
+    dp = call.group.direct
+    me = dp.rank
+    p = _offer(dp, call, _spans([data if src is None else src]), read=me == root)
+    if me == root:
+        if src is not None:
+            copy(data, src)
+        _finish(dp, call, p, dp.others)
+    else:
+        if data.nbytes:
+            dp.reader.read_into(data, dp.pids[root], int(dp.views(_WORD, 1)[p][root][0]))
+        _finish(dp, call, p, ())
 
 
 def _lost_if_gone(run):
@@ -181,14 +198,12 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
 # own block, a local pass priced at γ as pairwise exchange prices it.
 _NOTHING = lambda n: 0  # noqa: E731
-# Not for broadcast: the streamed broadcast already copies each byte once per rank (the root
-# in, each reader out), and at n=2 (interleaved, 15 calls each) it was as fast or faster:
-# 4 MiB 406 against 442 us, 64 MiB 6.97 against 7.02 ms. Tried again out of huge pages
-# (2026-11-25, n=2, `--algo all`, the root publishing its buffer, readers reading all of it):
-# in place 4 / 16 / 64 MiB 87 / 583 / 3361 us against the slots' 89 / 917 / 3420, but out of
-# place 170 / 1456 / 6994 against 168 / 1266 / 6499: the root's copy into its buffer leaves
-# the lines dirty in its core's cache, and a read of such lines from the other core ran at
-# half speed (2 MiB: 77-94 against 44-48 us). Which the root's buffer is, the tuner cannot see.
+# A broadcast's readers each read all of m. Out of place they read the root's input, not the
+# output it fills meanwhile: lines a core has just written were read from the other core at
+# half speed or worse (n=2, `--algo all`, out of place, 2026-11-25: 1 / 4 / 8 MiB in 33 / 96 /
+# 182 us reading the input, 73 / 243 / 487 reading the filled output, against the slots' 56 /
+# 209 / 427; in place 33 / 94 / 192 against 35 / 131 / 251). A root whose input was itself just
+# written pays that too, as the slots' readers always do.
 _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
 # The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
 # folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads, before
@@ -196,6 +211,7 @@ _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
 _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
+    "broadcast": (single_copy_broadcast, volume_cost(_NOTHING, lambda n: 1, _NOTHING, rounds=2), 1),
     "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _NOTHING, rounds=2), 1),
     "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, lambda n: 1 / n, rounds=2), 1),
     "reduce_scatter": (single_copy_reduce_scatter, volume_cost(_NOTHING, _FOLD_READ, _FOLDED, rounds=2), 1),
@@ -207,5 +223,5 @@ for _collective, (_run, _cost, _words) in _RUNS.items():
                        copies=1,
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
-                       out_of_place=_collective == "all_reduce",
+                       out_of_place=_collective in ("all_reduce", "broadcast"),
                        slot_need=lambda n, m, w=_words: 8 * (w * n + 1)))
