@@ -313,7 +313,7 @@ def measure_cma(world: Group) -> tuple[float, float, float]:
     n = world.size
 
     def typical(blocks: list[np.ndarray]) -> float:
-        return _typical(world, lambda: run(world._internal_call("calibration probe"), blocks))
+        return _typical(world, lambda: run(world._internal_call("calibration probe"), blocks, None))
 
     small = typical([np.ones(8, dtype=np.uint8) for _ in range(n)])
     block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)

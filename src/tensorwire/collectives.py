@@ -115,13 +115,13 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     the size the tuner prices need them); `run` as for _broadcast."""
     group = call.group
     flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
-    mine = flats[group.rank]
-    if not _same_memory(mine, inp):
-        copy(mine, inp.reshape(-1))
+    src = None if _same_memory(flats[group.rank], inp) else inp.reshape(-1)
     if run is _SELECT:
         run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
     if run is not None:
-        run(call, flats)
+        run(call, flats, src)
+    elif src is not None:
+        copy(flats[group.rank], src)
     return result
 
 

@@ -11,7 +11,8 @@ prints the same table. An algorithm module calls `register(...)` at import for e
   broadcast       run(p2p, data, root, src)               in place; src: the root's input where it
                                                           is apart (an out-of-place call), else None
   reduce          run(p2p, data, acc, op, root)           result in acc at root; data is kept
-  all_gather      run(p2p, blocks)                        blocks[rank] filled on entry
+  all_gather      run(p2p, blocks, src)                   src: this rank's input where it is
+                                                          apart, else None (blocks[rank] filled)
   reduce_scatter  run(p2p, blocks, out, op)               blocks: the input, kept; block rank -> out
   all_to_all      run(p2p, sends, recvs)
   gather          run(p2p, send, recv_blocks | None, root)
@@ -82,9 +83,9 @@ class Algorithm:
     faster than the tree at 4-16 MiB. At n=2 the one shots won (gather 20 and scatter 28 us
     against 50 and 42). TENSORWIRE_ALGO naming it still runs it."""
     out_of_place: bool = False
-    """all_reduce and broadcast: reads the input where it is (`src`) instead of in the output
-    it was first copied into: a pass over the data saved, and (single copy's broadcast) peers
-    that read lines the root has not just written, which ran 2.3-2.5x faster at 1-8 MiB."""
+    """all_reduce, broadcast and all_gather: reads the input where it is (`src`) instead of in
+    the output it was first copied into: a pass over the data saved, and (single copy) peers
+    that read lines the source has not just written, which ran 2.3-2.5x faster at 1-8 MiB."""
     exchanges: bool = False
     """Its steps exchange with one partner and reduce what they received before the next step
     (recursive doubling's all_reduce, recursive halving, Rabenseifner). Where ranks share cores
@@ -117,24 +118,33 @@ _REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 
 
 def register(alg: Algorithm) -> Algorithm:
-    """Add `alg`; a broadcast that does not read the root's input apart gets it copied into
-    the root's output first, so that every broadcast run takes the same arguments."""
+    """Add `alg`; a broadcast or all_gather that does not read the input apart gets it copied
+    into the output first, so that all runs of a collective take the same arguments."""
     if alg.collective not in _REGISTRY:
         raise ValueError(f"unknown collective {alg.collective!r} (known: {', '.join(COLLECTIVES)})")
     if alg.name in _REGISTRY[alg.collective]:
         raise ValueError(f"{alg.collective}: algorithm {alg.name!r} registered twice")
-    if alg.collective == "broadcast" and not alg.out_of_place:
-        alg = replace(alg, run=_copied_in(alg.run))
+    adapt = {"broadcast": _broadcast_copied_in, "all_gather": _gather_copied_in}.get(alg.collective)
+    if adapt is not None and not alg.out_of_place:
+        alg = replace(alg, run=adapt(alg.run))
     _REGISTRY[alg.collective][alg.name] = alg
     return alg
 
 
-def _copied_in(run: Callable[..., None]) -> Callable[..., None]:
+def _broadcast_copied_in(run: Callable[..., None]) -> Callable[..., None]:
     def broadcast(p2p, data, root, src=None):
         if src is not None:
             copy(data, src)
         run(p2p, data, root)
     return broadcast
+
+
+def _gather_copied_in(run: Callable[..., None]) -> Callable[..., None]:
+    def all_gather(p2p, blocks, src=None):
+        if src is not None:
+            copy(blocks[p2p.rank], src)
+        run(p2p, blocks)
+    return all_gather
 
 
 def slot_bytes(alg: Algorithm, n: int, nbytes: int) -> int:

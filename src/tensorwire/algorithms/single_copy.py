@@ -78,11 +78,14 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
     dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
 
 
-def single_copy_all_gather(call, blocks: list[np.ndarray]) -> None:
+def single_copy_all_gather(call, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
+    """Peers read this rank's input where it is apart (see single_copy_broadcast)."""
     dp = call.group.direct
-    p = _offer(dp, call, _spans([blocks[dp.rank]]))
+    p = _offer(dp, call, _spans([blocks[dp.rank] if src is None else src]))
     for r in dp.onward:
         _fetch(dp, p, r, 0, blocks[r])
+    if src is not None:
+        copy(blocks[dp.rank], src)
     _finish(dp, call, p, dp.others)
 
 
@@ -223,5 +226,5 @@ for _collective, (_run, _cost, _words) in _RUNS.items():
                        copies=1,
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce_scatter"),
-                       out_of_place=_collective in ("all_reduce", "broadcast"),
+                       out_of_place=_collective in ("all_reduce", "broadcast", "all_gather"),
                        slot_need=lambda n, m, w=_words: 8 * (w * n + 1)))
