@@ -722,6 +722,25 @@ def test_plan_prices_huge_page_reads_as_the_tuner_would(tmp_path, monkeypatch, c
     assert tier.host(2).reads(tuner.HUGE_FROM) == huge
 
 
+def test_plan_takes_the_calibration_nearest_its_rank_count(tmp_path, monkeypatch) -> None:
+    """Where ranks outnumber cores the constants differ (4 ranks on 2 cores: the one-shot path's
+    α 33-53 against 4 us for 2), so `tensorwire plan --np N` takes the probe by the rank count
+    nearest N, the newest of those, whatever was calibrated last."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
+    me = format(calibrate.host_hash(), "016x")
+    for age, ranks, alpha in ((30, 2, 4e-6), (20, 8, 80e-6), (10, 4, 40e-6), (40, 4, 99e-6)):
+        key = calibrate.cache_key([calibrate.host_hash()], ["shm"], ranks) + f"-{age}"
+        meta = {"created": time.time() - age, "world_size": ranks, "tiers": ["shm"], "hosts": [me]}
+        links = {"shm": Link("shm", alpha, 1e-10, 1e-10)}
+        calibrate.write_cache(calibrate.cache_path(str(tmp_path), key), links, meta)
+
+    def alpha(n: int) -> float:
+        return plan.resolve(["shm"], Config.from_env(), False, None, lambda _: None, n)[0].link.alpha
+
+    assert [alpha(n) for n in (1, 2, 3, 4, 5, 7, 16)] == [4e-6, 4e-6, 40e-6, 40e-6, 40e-6, 80e-6, 80e-6]
+
+
 def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
     _seed_cache(str(tmp_path))

@@ -70,9 +70,12 @@ class Tier:
 
 # -- link constants ----------------------------------------------------------------------------
 
-def local_links(cfg: Config, probe: bool, out: Callable[[str], None]) -> dict[str, tuple[Link, str]]:
-    """The newest calibration of each local tier on this host alone, probing what is missing."""
-    found = _from_cache(cfg)
+def local_links(cfg: Config, probe: bool, out: Callable[[str], None],
+                n: int = 2) -> dict[str, tuple[Link, str]]:
+    """The calibration of each local tier on this host alone by the rank count nearest `n` (the
+    newest of those: where ranks outnumber cores the constants differ, 4 ranks on 2 cores
+    measured the one-shot path's α at 33-53 against 4 us for 2), probing what is missing."""
+    found = _from_cache(cfg, n)
     missing = [t for t in LOCAL if t not in found]
     if "shm" not in missing and "direct" not in found and cfg.direct_slot(2) > 0:
         missing.append("shm")  # calibrated before the one-shot path had its own constants
@@ -80,14 +83,16 @@ def local_links(cfg: Config, probe: bool, out: Callable[[str], None]) -> dict[st
         out(f"# no calibration of {', '.join(missing)} on this host in {calibrate.cache_dir(cfg.cache_dir)}; "
             f"probing with 2 local ranks ...")
         probe_locally(missing, cfg.cache_dir)
-        found = _from_cache(cfg)
+        found = _from_cache(cfg, n)
     return found
 
 
-def _from_cache(cfg: Config) -> dict[str, tuple[Link, str]]:
+def _from_cache(cfg: Config, n: int = 2) -> dict[str, tuple[Link, str]]:
     me = format(calibrate.host_hash(), "016x")
     found: dict[str, tuple[Link, str]] = {}
-    for entry in calibrate.cached_entries(calibrate.cache_dir(cfg.cache_dir)):
+    entries = calibrate.cached_entries(calibrate.cache_dir(cfg.cache_dir))  # newest first
+    entries.sort(key=lambda e: abs(int(e.get("world_size") or 2) - n))  # stable: newest among equals
+    for entry in entries:
         if entry.get("hosts") != [me]:
             continue
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
@@ -147,13 +152,14 @@ def parse_tiers(specs: list[str]) -> list[str]:
 
 
 def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
-            out: Callable[[str], None]) -> list[Tier]:
+            out: Callable[[str], None], n: int = 2) -> list[Tier]:
+    """The tiers `names`, the local ones with the constants calibrated nearest `n` ranks."""
     file = calibrate.load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
-    local = local_links(cfg, probe, out) if any(n in LOCAL for n in names) else {}
+    local = local_links(cfg, probe, out, n) if any(name in LOCAL for name in names) else {}
     if gamma is None:
         gamma = next((link.gamma for link, _ in local.values()), None)
         if gamma is None:
-            gamma = _from_cache(cfg).get("shm", (tuner.DEFAULT_LINKS["shm"], ""))[0].gamma
+            gamma = _from_cache(cfg, n).get("shm", (tuner.DEFAULT_LINKS["shm"], ""))[0].gamma
     tiers = []
     for name in names:
         custom = _custom(name)
@@ -370,7 +376,7 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
         if args.np < 1 or m < 0:
             raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
         gamma = 1 / (args.gamma * 1e9) if args.gamma else None
-        tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out)
+        tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np)
     except (InvalidArgumentError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
