@@ -538,6 +538,24 @@ def _as_if_quiet(path: str) -> None:
         json.dump(doc, f)
 
 
+def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
+    """calibrate.spread: where a host's ranks outnumber its cores, each rank is measured on a
+    core of its own turn (rank order, round the cores), then gets its cores back; elsewhere,
+    and for ranks of other hosts, nothing changes."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores)
+    hosts = [7] * (n + 1) + [9] * 2  # n + 1 ranks here, two on another host
+    seen = {}
+    for rank in (0, 1, n):
+        with calibrate.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts):
+            seen[rank] = os.sched_getaffinity(0)
+        assert sorted(os.sched_getaffinity(0)) == cores
+    assert seen[0] == {cores[0]} and seen[n] == {cores[0]} and seen[1] == {cores[1 % n]}
+    for rank, where in ((len(hosts) - 1, hosts), (0, [7] * n)):  # not crowded: all cores
+        with calibrate.spread(SimpleNamespace(size=len(where), rank=rank), where):
+            assert sorted(os.sched_getaffinity(0)) == cores
+
+
 def test_a_calibration_from_a_busy_host_is_measured_again_once_it_calms_down(tmp_path, monkeypatch) -> None:
     path = calibrate.cache_path(str(tmp_path), "k")
     calibrate.write_cache(path, {"shm": Link("shm", 1e-5, 1e-9, 1e-10)}, {"load_per_cpu": 6.0})
