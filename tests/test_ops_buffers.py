@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -730,3 +731,28 @@ def test_page_scanner_counts_huge_pages() -> None:
     blind = pages.PageScanner()
     blind._ioctl = None
     assert blind.eighths([whole]) == pages.UNKNOWN
+
+
+def test_a_forked_child_scans_its_own_pages() -> None:
+    """pages.scanner() keeps /proc/self/pagemap open, which names the process that opened it:
+    a forked child must open its own (or it would report its parent's pages)."""
+    from tensorwire.transport import pages
+
+    def opened(scanner: pages.PageScanner) -> str:
+        return os.readlink(f"/proc/self/fd/{scanner._fd}")
+
+    assert pages.scanner() is pages.scanner()
+    assert opened(pages.scanner()) == f"/proc/{os.getpid()}/pagemap"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: whatever happens, it leaves here
+        try:
+            os.write(write, opened(pages.scanner()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 200).decode() == f"/proc/{pid}/pagemap"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

@@ -42,7 +42,7 @@ def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True
     for i, (address, _) in enumerate(spans):
         table[i] = address
     # an in-place call's spans twice: the same share
-    table[count] = _scanner().eighths(spans) if read else pages.UNKNOWN
+    table[count] = pages.scanner().eighths(spans) if read else pages.UNKNOWN
     dp.publish(call, p, dp.everyone)
     dp.huge_eighths = int(min(t[count] for t in tables))
     return p
@@ -59,11 +59,6 @@ def _block_spans(flat: np.ndarray, counts: list[int]) -> list[tuple[int, int]]:
         out.append((address, c * size))
         address += c * size
     return out
-
-
-@functools.cache
-def _scanner() -> pages.PageScanner:
-    return pages.PageScanner()
 
 
 def _fetch(dp: DirectPath, p: int, source: int, index: int, dst: np.ndarray) -> None:

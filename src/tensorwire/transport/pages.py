@@ -10,6 +10,7 @@ that lists the huge-page runs of a range: 1-3 us, so the answer is kept a moment
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 
@@ -39,7 +40,8 @@ _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 
 
 
 class PageScanner:
-    """Answers `eighths` for this process; one per process (it keeps /proc/self/pagemap open)."""
+    """Answers `eighths` for the process that made it (it keeps its /proc/self/pagemap open):
+    take the process's own from `scanner()`."""
 
     def __init__(self) -> None:
         self._fd = -1
@@ -97,3 +99,12 @@ class PageScanner:
                 break
             lo = arg.walk_end
         return found
+
+
+@functools.cache
+def scanner() -> PageScanner:
+    """This process's scanner (a forked child makes its own: the parent's reads its parent)."""
+    return PageScanner()
+
+
+os.register_at_fork(after_in_child=scanner.cache_clear)
