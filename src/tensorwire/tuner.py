@@ -390,7 +390,9 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     t = alg.cost(n, nbytes, link)
     if busy is None:
         return t
-    if alg.fixed_partners and busy_ring is not None:
+    if alg.fixed_partners and busy_ring is not None and busy_ring.beta < busy.beta:
+        # flows to fixed partners kept a shaped link's pace; where the probe's ring measured
+        # slower (ranks outnumbering cores: 2-3x), the rings ran at the changing partners' rate
         busy = busy_ring
     if alg.exchanges:
         busy = replace(busy, alpha=EXCHANGE_BUSY_ALPHA * busy.alpha)

@@ -100,7 +100,8 @@ class Algorithm:
     On shaped links such flows kept the link's pace where partners that change lost up to half
     of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
     pairwise and recursive-halving ones at 16-64 MiB; why was not established); the tuner
-    prices their work with the busy link measured in a ring (`busy_ring`)."""
+    prices their work with the busy link measured in a ring (`busy_ring`) where that is the
+    faster one (never slower: see tuner.predict)."""
     copies: float = 2.0
     """Copies of a byte that its β counts once, for what bytes beyond the host's cache cost
     (tuner.spill): a message is copied into a ring or socket and out of it (2); the one-shot
