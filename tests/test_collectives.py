@@ -1701,6 +1701,47 @@ def test_single_copy_broadcast_all_gather_all_to_all(size: int) -> None:
     _expect(results, (2 * size + 3) * 12)
 
 
+def rank_overlapping_input() -> dict:
+    """An out-of-place broadcast or all_gather whose input overlaps its output (a view of the
+    same buffer, shifted): every rank gets the input as it was before the call, whichever way
+    round they overlap, also where peers read the input straight out of the source's memory
+    (single copy reads it while the source fills its output)."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    count = (1 << 20) + 7  # 4 MiB of float32: past the slots, single copy's range
+    for shift in (1000, -1000):
+        for root in range(n):
+            buf = np.arange(2 * count + 2000, dtype=np.float32) + root
+            base = 1000
+            out, inp = buf[base:base + count], buf[base + shift:base + shift + count]
+            want = inp.copy()
+            log.case()
+            if me == root:
+                tw.broadcast(inp, root, out=out)
+            else:
+                out = np.zeros(count, np.float32)
+                tw.broadcast(np.zeros(count, np.float32), root, out=out)
+            log.same(f"broadcast from {root}, input shifted {shift}", out, want)
+        block = count // n
+        buf = np.arange(n * block + 2 * block, dtype=np.float32) + 100 * me
+        out = buf[block:block + n * block]
+        inp = buf[block + me * block + shift // 4:block + (me + 1) * block + shift // 4]
+        want_mine = inp.copy()
+        log.case()
+        tw.all_gather_into_tensor(out, inp)
+        log.same(f"all_gather, own block shifted {shift // 4}", out[me * block:(me + 1) * block], want_mine)
+    return log.result()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("size", "algo"), [(2, "single_copy"), (3, "single_copy"), (2, ""), (3, "")])
+def test_input_overlapping_the_output(size: int, algo: str) -> None:
+    env = {"TENSORWIRE_ALGO": f"broadcast:{algo},allgather:{algo}", "TENSORWIRE_SINGLE_COPY": "force"} \
+        if algo else {}
+    _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * (size + 1))
+
+
 def rank_direct_gather_scatter(seed: int) -> dict:
     """rank_movement with gather and scatter forced onto the one shot through the slots (the
     env): every root, uneven blocks and empty ones (gatherv, scatterv); none may run otherwise."""

@@ -698,6 +698,19 @@ def test_huge_zeros_are_aligned_zeroed_private_and_advised(nbytes: int) -> None:
         assert end >= a.ctypes.data + -(-nbytes // HUGE_PAGE) * HUGE_PAGE
 
 
+@pytest.mark.parametrize("shift", [1000, -1000, 16, -16])
+def test_copy_between_overlapping_arrays(shift: int) -> None:
+    """copy() of arrays that overlap, past PIECE and in the slow window alike: the source as it
+    was (pieces front to back would re-read what an earlier piece overwrote)."""
+    n = 3 * PIECE + 5
+    buf = (np.arange(n + 2 * abs(shift)) % 251).astype(np.uint8)
+    dst = buf[abs(shift):abs(shift) + n]
+    src = buf[abs(shift) + shift:abs(shift) + shift + n]
+    want = src.copy()
+    copy(dst, src)
+    assert np.array_equal(dst, want)
+
+
 def test_page_scanner_counts_huge_pages() -> None:
     """What single copy's sources report (transport/pages.py): eighths of a buffer in huge pages,
     rounded down, 8 for nothing at all; a span counted twice (an in-place call) keeps the share;

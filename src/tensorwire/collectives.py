@@ -77,12 +77,23 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
 _SELECT = object()  # a body's `run` argument: ask the tuner (unplanned calls)
 
 
+def _input_apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray | None:
+    """`inp`, flat, where it shares no memory with the flat `out`: the run reads it there
+    (peers may, single copy); else None, `out` filled from it first unless it is `inp` itself,
+    as a peer reading `inp` must not see it change while this rank fills `out`."""
+    if not np.may_share_memory(out, inp):
+        return inp.reshape(-1)
+    if not _same_memory(out, inp):
+        copy(out, inp.reshape(-1))
+    return None
+
+
 def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root: int, result: Any,
                run: Any) -> Any:
     """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
     group = call.group
     flat = target if target.ndim == 1 else target.reshape(-1)
-    src = data.reshape(-1) if group.rank == root and target is not data else None
+    src = _input_apart(flat, data) if group.rank == root and target is not data else None
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
     if run is not None:
@@ -115,7 +126,7 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     the size the tuner prices need them); `run` as for _broadcast."""
     group = call.group
     flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
-    src = None if _same_memory(flats[group.rank], inp) else inp.reshape(-1)
+    src = _input_apart(flats[group.rank], inp)
     if run is _SELECT:
         run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
     if run is not None:
