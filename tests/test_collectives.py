@@ -1742,6 +1742,51 @@ def test_input_overlapping_the_output(size: int, algo: str) -> None:
     _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * (size + 1))
 
 
+def rank_all_to_all_in_place() -> dict:
+    """all_to_all with the output on the input (in place, and shifted over it) through every
+    algorithm that can run it: each block as it was before the call. Pairwise exchange and
+    Bruck receive into one block before sending another, and single copy's peers read this
+    rank's input while it writes; all three gave wrong blocks in place, silently. The same
+    signature once apart first, so the in-place calls also take the planned path."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    for count in (4, 1 << 10, (1 << 20) + 3):  # elements a block: one shot, messages, single copy
+        src = np.arange(n * count, dtype=np.float32) + 1000 * me
+        mine = slice(me * count, (me + 1) * count)
+        want = np.concatenate([(np.arange(n * count, dtype=np.float32) + 1000 * r)[mine] for r in range(n)])
+        names = [name for _, name, _ in tuner.decide(g, "all_to_all", src.nbytes).priced]
+        for name in names:
+            with tuner.override(g, "all_to_all", name):
+                out = np.empty_like(src)
+                g.all_to_all_single(out, src)
+                log.case()
+                log.same(f"{name} {count} apart", out, want)
+                for _ in range(2):
+                    x = src.copy()
+                    log.case()
+                    g.all_to_all_single(x, x)
+                    log.same(f"{name} {count} in place", x, want)
+                buf = np.concatenate([np.zeros(3, np.float32), src])
+                log.case()
+                g.all_to_all_single(buf[:-3], buf[3:])  # the output starts 3 elements before
+                log.same(f"{name} {count} shifted", buf[:-3], want)
+        xs = [src[j * count:(j + 1) * count].copy() for j in range(n)]
+        log.case()
+        g.all_to_all(xs, xs)
+        log.same(f"list form {count} in place", np.concatenate(xs), want)
+    return log.result()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_to_all_in_place(size: int) -> None:
+    env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
+    results = _fresh_cluster_run(size, env, rank_all_to_all_in_place, timeout=100)
+    assert all(r["cases"] >= 3 * 4 + 3 for r in results), results
+    _expect(results, results[0]["cases"])
+
+
 def rank_direct_gather_scatter(seed: int) -> dict:
     """rank_movement with gather and scatter forced onto the one shot through the slots (the
     env): every root, uneven blocks and empty ones (gatherv, scatterv); none may run otherwise."""

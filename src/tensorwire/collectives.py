@@ -77,6 +77,15 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
 _SELECT = object()  # a body's `run` argument: ask the tuner (unplanned calls)
 
 
+def _apart(ins: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
+    """An all_to_all's inputs, copied where any overlaps an output: its algorithms receive
+    into one rank's block before sending another's (pairwise exchange and Bruck at n=3, single
+    copy's peers reading while this rank writes), and in place gave wrong blocks silently."""
+    if any(np.may_share_memory(i, o) for i in ins for o in outs):
+        return [i.copy() for i in ins]
+    return ins
+
+
 def _input_apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray | None:
     """`inp`, flat, where it shares no memory with the flat `out`: the run reads it there
     (peers may, single copy); else None, `out` filled from it first unless it is `inp` itself,
@@ -575,6 +584,7 @@ class Collectives:
         ins = self._list(input_list, what, "input_list", writable=False)
         outs = self._list(output_list, what, "output_list", writable=True)
         dtype = self._same_dtype(ins + outs, what)
+        ins = _apart(ins, outs)
         return self._all_to_all(what, output_list, ins, outs, dtype, async_op, timeout, Coll.ALL_TO_ALLV, -1)
 
     def all_to_all_single(self: Group, output: Any, input: Any,
@@ -589,15 +599,18 @@ class Collectives:
             if plan is not None and output.dtype == input.dtype and _usable(input, False) \
                     and _usable(output, True):
                 call, direct, run, counts = plan
-                if counts is None:
+                if counts is None:  # the one shot through the slots: in place is fine there
                     return self._submit_planned(call, run, True, async_op, timeout, input, output)
-                return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
-                                            blocks_of(input.reshape(-1), counts),
-                                            blocks_of(output.reshape(-1), counts), True, output, run)
+                if not np.may_share_memory(input, output):
+                    return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
+                                                blocks_of(input.reshape(-1), counts),
+                                                blocks_of(output.reshape(-1), counts), True, output, run)
         self._check_member(what)
         inp = self._arr(input, what, writable=False, name="input")
         out = self._arr(output, what, writable=True, name="output")
         dtype = self._same_dtype([inp, out], what)
+        if np.may_share_memory(inp, out):
+            inp = inp.copy()  # see _apart: not planned, so the check above repeats for each call
         ins = self._split(inp, input_split_sizes, what, "input")
         outs = self._split(out, output_split_sizes, what, "output")
         even = input_split_sizes is None and output_split_sizes is None
