@@ -1778,6 +1778,48 @@ def rank_all_to_all_in_place() -> dict:
     return log.result()
 
 
+def rank_reduce_scatter_and_all_gather_overlapping() -> dict:
+    """reduce_scatter_tensor whose output is this rank's block of its input (in place), another
+    rank's block, or shifted over it; all_gather_into_tensor whose input lies on another rank's
+    block of the output. Through every eligible algorithm: the sums and blocks as if the
+    buffers were apart (the algorithms wrote what they still had to send, silently)."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    for count in (4, 1 << 10, (1 << 20) + 3):
+        inputs = [(np.arange(n * count, dtype=np.float32) % 97 + r) for r in range(n)]
+        want = sum(inputs)[me * count:(me + 1) * count]
+        for name in [nm for _, nm, _ in tuner.decide(g, "reduce_scatter", n * count * 4).priced]:
+            with tuner.override(g, "reduce_scatter", name):
+                for where in ("own", "first", "shifted"):
+                    buf = np.concatenate([np.zeros(3, np.float32), inputs[me]])
+                    x = buf[3:]
+                    out = {"own": x[me * count:(me + 1) * count], "first": x[:count],
+                           "shifted": buf[me * count:(me + 1) * count]}[where]
+                    log.case()
+                    g.reduce_scatter_tensor(out, x)
+                    log.same(f"reduce_scatter {name} {count} output on the input ({where})", out, want)
+        gathered = np.concatenate([np.arange(count, dtype=np.float32) + 1000 * r for r in range(n)])
+        for name in [nm for _, nm, _ in tuner.decide(g, "all_gather", n * count * 4).priced]:
+            with tuner.override(g, "all_gather", name):
+                out = np.zeros(n * count, np.float32)
+                other = (me + 1) % n
+                out[other * count:(other + 1) * count] = np.arange(count, dtype=np.float32) + 1000 * me
+                log.case()
+                g.all_gather_into_tensor(out, out[other * count:(other + 1) * count])
+                log.same(f"all_gather {name} {count} input on block {other}", out, gathered)
+    return log.result()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_reduce_scatter_and_all_gather_overlapping(size: int) -> None:
+    env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
+    results = _fresh_cluster_run(size, env, rank_reduce_scatter_and_all_gather_overlapping, timeout=100)
+    assert all(r["cases"] >= 3 * 3 * 2 for r in results), results
+    _expect(results, results[0]["cases"])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
 def test_all_to_all_in_place(size: int) -> None:

@@ -86,14 +86,14 @@ def _apart(ins: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
     return ins
 
 
-def _input_apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray | None:
-    """`inp`, flat, where it shares no memory with the flat `out`: the run reads it there
-    (peers may, single copy); else None, `out` filled from it first unless it is `inp` itself,
-    as a peer reading `inp` must not see it change while this rank fills `out`."""
-    if not np.may_share_memory(out, inp):
+def _input_apart(outs: list[np.ndarray], mine: int, inp: np.ndarray) -> np.ndarray | None:
+    """`inp`, flat, where it shares no memory with any of the flat `outs`: the run reads it
+    there (peers may, single copy); else None, outs[mine] filled from it first unless it is
+    `inp` itself, as a peer reading `inp` must not see it change while this rank fills `outs`."""
+    if not any(np.may_share_memory(o, inp) for o in outs):
         return inp.reshape(-1)
-    if not _same_memory(out, inp):
-        copy(out, inp.reshape(-1))
+    if not _same_memory(outs[mine], inp):
+        copy(outs[mine], inp.reshape(-1))
     return None
 
 
@@ -102,7 +102,7 @@ def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root:
     """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
     group = call.group
     flat = target if target.ndim == 1 else target.reshape(-1)
-    src = _input_apart(flat, data) if group.rank == root and target is not data else None
+    src = _input_apart([flat], 0, data) if group.rank == root and target is not data else None
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
     if run is not None:
@@ -135,7 +135,7 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     the size the tuner prices need them); `run` as for _broadcast."""
     group = call.group
     flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
-    src = _input_apart(flats[group.rank], inp)
+    src = _input_apart(flats, group.rank, inp)
     if run is _SELECT:
         run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
     if run is not None:
@@ -164,6 +164,12 @@ def _reduce_scatter(call: CollectiveCall, blocks: list[np.ndarray], out: np.ndar
     """`blocks`: flat; `even`: equal blocks (see _all_gather); `run` as for _broadcast."""
     group = call.group
     flat = out if out.ndim == 1 else out.reshape(-1)
+    me = group.rank
+    if any(np.may_share_memory(b, flat) and not (r == me and _same_memory(b, flat))
+           for r, b in enumerate(blocks)):
+        # the output on input another rank still needs (or shifted over this rank's block):
+        # the algorithms write it while they send from the input, and gave wrong sums silently
+        blocks = [b.copy() for b in blocks]
     if run is _SELECT:
         run = tuner.select(group, "reduce_scatter", sum(b.nbytes for b in blocks), even).run
     run(call, blocks, flat, red.op)
