@@ -77,12 +77,18 @@ def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Red
 _SELECT = object()  # a body's `run` argument: ask the tuner (unplanned calls)
 
 
-def _apart(ins: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
-    """An all_to_all's inputs, copied where any overlaps an output: its algorithms receive
-    into one rank's block before sending another's (pairwise exchange and Bruck at n=3, single
-    copy's peers reading while this rank writes), and in place gave wrong blocks silently."""
-    if any(np.may_share_memory(i, o) for i in ins for o in outs):
-        return [i.copy() for i in ins]
+def _apart(ins: list[np.ndarray], outs: list[np.ndarray],
+           allowed: tuple[int, int] | None = None) -> list[np.ndarray]:
+    """`ins`, copied where any shares memory with any of `outs` (but for ins[a] being exactly
+    outs[b], `allowed` = (a, b): the in-place call every algorithm of that collective handles).
+    The algorithms write outputs while inputs are still to be sent or read by peers: in place
+    or shifted, all_to_all (pairwise exchange and Bruck at n=3, single copy), reduce_scatter
+    (pairwise, single copy, ring, rank-ordered) and gather (linear, the one shot) returned
+    wrong results silently."""
+    for i, a in enumerate(ins):
+        for j, b in enumerate(outs):
+            if np.may_share_memory(a, b) and not ((i, j) == allowed and _same_memory(a, b)):
+                return [x.copy() for x in ins]
     return ins
 
 
@@ -164,12 +170,7 @@ def _reduce_scatter(call: CollectiveCall, blocks: list[np.ndarray], out: np.ndar
     """`blocks`: flat; `even`: equal blocks (see _all_gather); `run` as for _broadcast."""
     group = call.group
     flat = out if out.ndim == 1 else out.reshape(-1)
-    me = group.rank
-    if any(np.may_share_memory(b, flat) and not (r == me and _same_memory(b, flat))
-           for r, b in enumerate(blocks)):
-        # the output on input another rank still needs (or shifted over this rank's block):
-        # the algorithms write it while they send from the input, and gave wrong sums silently
-        blocks = [b.copy() for b in blocks]
+    blocks = _apart(blocks, [flat], (group.rank, 0))
     if run is _SELECT:
         run = tuner.select(group, "reduce_scatter", sum(b.nbytes for b in blocks), even).run
     run(call, blocks, flat, red.op)
@@ -509,7 +510,8 @@ class Collectives:
 
         def body(call: CollectiveCall) -> Any:
             blocks = None if outs is None else [o.reshape(-1) for o in outs]
-            tuner.run(self, call, "gather", inp.nbytes * self.size, inp.reshape(-1), blocks, root)
+            send = inp.reshape(-1) if blocks is None else _apart([inp.reshape(-1)], blocks, (0, root))[0]
+            tuner.run(self, call, "gather", inp.nbytes * self.size, send, blocks, root)
             return gather_list
 
         return self._submit(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
@@ -526,7 +528,7 @@ class Collectives:
             ins = self._list(scatter_list, what, "scatter_list", writable=False, like=out)
 
         def body(call: CollectiveCall) -> Any:
-            blocks = None if ins is None else [i.reshape(-1) for i in ins]
+            blocks = None if ins is None else _apart([i.reshape(-1) for i in ins], [out], (root, 0))
             tuner.run(self, call, "scatter", out.nbytes * self.size, blocks, out.reshape(-1), root)
             return tensor
 
@@ -551,7 +553,8 @@ class Collectives:
             outs = blocks_of(out.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            tuner.run(self, call, "gather", sum(counts) * inp.itemsize, inp.reshape(-1), outs, root)
+            send = inp.reshape(-1) if outs is None else _apart([inp.reshape(-1)], outs, (0, root))[0]
+            tuner.run(self, call, "gather", sum(counts) * inp.itemsize, send, outs, root)
             return output
 
         return self._submit(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
@@ -574,7 +577,8 @@ class Collectives:
             ins = blocks_of(inp.reshape(-1), counts)
 
         def body(call: CollectiveCall) -> Any:
-            tuner.run(self, call, "scatter", sum(counts) * out.itemsize, ins, out.reshape(-1), root)
+            sends = None if ins is None else _apart(ins, [out], (root, 0))
+            tuner.run(self, call, "scatter", sum(counts) * out.itemsize, sends, out.reshape(-1), root)
             return output
 
         # the total is in the fingerprint: ranks whose counts sum differently fail as a mismatch
