@@ -28,6 +28,7 @@ import pytest
 
 import tensorwire as tw
 from tensorwire import ops, tuner
+from tensorwire.algorithms import registry
 from tensorwire.algorithms.base import blocks_of, contiguous_span
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
@@ -234,7 +235,7 @@ def _case_all_reduce(g, alg, log, key, case) -> None:
     ins = [_gen(dt, count, key, r, op) for r in range(n)]
     x = ins[me].copy()
     label = f"all_reduce {alg.name} {kind} {dt.name} {op.name} x{count}"
-    if variant and alg.out_of_place:  # the input read where it is, the output starts as garbage
+    if variant:  # the input apart (read where it is, or copied in), the output starts as garbage
         src = x
         x = _garbage(dt, count)
         _submit(g, Coll.ALL_REDUCE, dt, op, -1, count, label, lambda call: alg.run(call, x, op, src))
@@ -408,6 +409,25 @@ def test_every_algorithm(get_cluster, size: int, transport: str) -> None:
 def test_every_algorithm_on_eight_ranks(get_cluster) -> None:
     results = get_cluster(8, "shm").run(rank_every_algorithm, 8, timeout=230)
     _expect(results, 8)
+
+
+def test_runs_that_reduce_in_place_take_the_input_apart() -> None:
+    """Every all_reduce, broadcast and all_gather run takes `src`; one that works in place gets
+    it copied into its output first, and runs nothing different where it is None."""
+    seen: list = []
+    for collective, first in (("all_reduce", np.zeros(3)), ("broadcast", np.zeros(3)),
+                              ("all_gather", [np.zeros(3), np.zeros(3)])):
+        alg = registry.taking_input_apart(
+            registry.Algorithm("probe", collective, lambda p2p, *a: seen.append(a), lambda n, m, link: 0.0))
+        args = (first, "arg")[:1 if collective == "all_gather" else 2]
+        seen.clear()
+        alg.run(type("P2P", (), {"rank": 1})(), *args, np.arange(3.0))
+        mine = first[1] if collective == "all_gather" else first
+        assert (mine == np.arange(3.0)).all() and seen == [args], collective
+        alg.run(type("P2P", (), {"rank": 1})(), *args, None)
+        assert len(seen) == 2, collective
+    inert = registry.Algorithm("probe", "all_reduce", print, lambda n, m, link: 0.0, out_of_place=True)
+    assert registry.taking_input_apart(inert) is inert
 
 
 def test_required_families_are_registered() -> None:

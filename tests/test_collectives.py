@@ -1742,6 +1742,40 @@ def test_input_overlapping_the_output(size: int, algo: str) -> None:
     _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * (size + 1))
 
 
+def rank_all_reduce_overlapping() -> dict:
+    """all_reduce into an `out` that is a view of the input, or shifted over it either way,
+    through every eligible algorithm, twice (the second call takes the planned path): the sums
+    of the inputs as they were. Single copy's peers read the input while its owner wrote the
+    output, and the ring, Rabenseifner and the streamed one shot read input the output had
+    overwritten: all returned wrong sums silently."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    for count in (4, 1 << 10, 1 << 16, (1 << 20) + 3):  # one shot, messages, single copy, streamed
+        base = np.arange(count, dtype=np.float32) % 97
+        want = sum(base + r for r in range(n))
+        for name in [nm for _, nm, _ in tuner.decide(g, "all_reduce", count * 4).priced]:
+            with tuner.override(g, "all_reduce", name):
+                for where in ("view", "after", "before"):
+                    for _ in range(2):
+                        buf = np.concatenate([np.zeros(3, np.float32), base + me, np.zeros(3, np.float32)])
+                        x = buf[3:3 + count]
+                        out = {"view": x[:], "after": buf[6:6 + count], "before": buf[:count]}[where]
+                        log.case()
+                        g.all_reduce(x, out=out)
+                        log.same(f"{name} {count} out {where}", out, want)
+    return log.result()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_reduce_overlapping(size: int) -> None:
+    env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
+    results = _fresh_cluster_run(size, env, rank_all_reduce_overlapping, timeout=100)
+    assert all(r["cases"] >= 4 * 3 * 2 * 3 for r in results), results
+    _expect(results, results[0]["cases"])
+
+
 def rank_all_to_all_in_place() -> dict:
     """all_to_all with the output on the input (in place, and shifted over it) through every
     algorithm that can run it: each block as it was before the call. Pairwise exchange and

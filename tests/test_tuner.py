@@ -358,16 +358,6 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     assert ran == ["single_copy", "single_copy", other] and g.huge_seen == {("all_to_all", m): False}
     assert tuner.decide(g, "all_to_all", m).priced[0][1] == other
     assert tuner.decide(g, "all_to_all", m).choice.name == other
-    # an all_reduce handed its input apart (single copy reads it there) gets it copied into its
-    # output first where the other choice reduces in place
-    reduce = algorithms_for("all_reduce")
-    seen: list = []
-    tree = replace(reduce["tree"], run=lambda call, *a: seen.append([x.copy() for x in a[:1]]))
-    ar = tuner.PageDependent(g, ("all_reduce", m), reduce["single_copy"], tree)
-    assert ar.out_of_place and not ar.needs_direct
-    g.huge_seen[ar.key] = False
-    ar.run(None, np.zeros(3), "op", np.arange(3.0))
-    assert seen and (seen[0][0] == np.arange(3.0)).all()
     # nothing expected in huge pages: priced at `cma` throughout
     g = _Group(2, "shm", Config(huge_pages=False))
     g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False)

@@ -60,16 +60,11 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
     group = call.group
     flat = dst if dst.ndim == 1 else dst.reshape(-1)
-    alg = tuner.select(group, "all_reduce", flat.nbytes) if group.size > 1 and flat.size else None
-    if dst is src:
-        if alg is not None:
-            alg.run(call, flat, red.op)
-    elif alg is not None and alg.out_of_place:
-        alg.run(call, flat, red.op, src.reshape(-1))
-    else:
-        copy(flat, src.reshape(-1))
-        if alg is not None:
-            alg.run(call, flat, red.op)
+    apart = None if dst is src else _input_apart([flat], 0, src)
+    if group.size > 1 and flat.size:
+        tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
+    elif apart is not None:
+        copy(flat, apart)
     finalize(flat, red, group.size)
     return result
 

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 from . import log
 from .algorithms import rank_ordered
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
-from .buffers import copy
 from .config import Config
 from .errors import InvalidArgumentError
 
@@ -451,7 +450,6 @@ class PageDependent:
         self.name = f"{huge.name}|{small.name}"
         self.collective = huge.collective
         self.needs_direct = huge.needs_direct and small.needs_direct
-        self.out_of_place = huge.out_of_place or small.out_of_place
 
     def current(self) -> Algorithm:
         """What the next call runs."""
@@ -459,10 +457,6 @@ class PageDependent:
 
     def run(self, call: Any, *args: Any) -> None:
         alg = self.current()
-        if self.collective == "all_reduce" and len(args) == 3 and not alg.out_of_place:  # input apart
-            data, op, src = args
-            copy(data, src)
-            args = (data, op)
         alg.run(call, *args)
         if alg is self.huge:
             seen = self.group.direct.huge_eighths  # type: ignore[union-attr]

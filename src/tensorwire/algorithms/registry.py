@@ -6,8 +6,8 @@ work where ranks share cores (`work`), and runs the cheapest; `tensorwire plan`
 prints the same table. An algorithm module calls `register(...)` at import for each entry.
 
 `run` signatures, by collective (arrays are flat, contiguous numpy views; `p2p` is the call):
-  all_reduce      run(p2p, data, op)                      in place; with out_of_place also
-                  run(p2p, data, op, src)                 src reduced into data, src kept
+  all_reduce      run(p2p, data, op, src)                 src: the input where it is apart (an
+                                                          out-of-place call), else None (in place)
   broadcast       run(p2p, data, root, src)               in place; src: the root's input where it
                                                           is apart (an out-of-place call), else None
   reduce          run(p2p, data, acc, op, root)           result in acc at root; data is kept
@@ -119,33 +119,35 @@ _REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 
 
 def register(alg: Algorithm) -> Algorithm:
-    """Add `alg`; a broadcast or all_gather that does not read the input apart gets it copied
-    into the output first, so that all runs of a collective take the same arguments."""
+    """Add `alg`, adapted (`taking_input_apart`) so that all runs of a collective take the
+    same arguments."""
     if alg.collective not in _REGISTRY:
         raise ValueError(f"unknown collective {alg.collective!r} (known: {', '.join(COLLECTIVES)})")
     if alg.name in _REGISTRY[alg.collective]:
         raise ValueError(f"{alg.collective}: algorithm {alg.name!r} registered twice")
-    adapt = {"broadcast": _broadcast_copied_in, "all_gather": _gather_copied_in}.get(alg.collective)
-    if adapt is not None and not alg.out_of_place:
-        alg = replace(alg, run=adapt(alg.run))
-    _REGISTRY[alg.collective][alg.name] = alg
+    _REGISTRY[alg.collective][alg.name] = alg = taking_input_apart(alg)
     return alg
 
 
-def _broadcast_copied_in(run: Callable[..., None]) -> Callable[..., None]:
-    def broadcast(p2p, data, root, src=None):
+def taking_input_apart(alg: Algorithm) -> Algorithm:
+    """`alg`, where it serves all_reduce, broadcast or all_gather without reading the input
+    apart (not `out_of_place`), with a run that takes `src` anyway and copies it into the
+    output first."""
+    if alg.out_of_place or alg.collective not in ("all_reduce", "broadcast", "all_gather"):
+        return alg
+    run = alg.run
+    if alg.collective == "all_gather":
+        def all_gather(p2p, blocks, src=None):
+            if src is not None:
+                copy(blocks[p2p.rank], src)
+            run(p2p, blocks)
+        return replace(alg, run=all_gather)
+
+    def copied_in(p2p, data, arg, src=None):  # all_reduce's op, broadcast's root
         if src is not None:
             copy(data, src)
-        run(p2p, data, root)
-    return broadcast
-
-
-def _gather_copied_in(run: Callable[..., None]) -> Callable[..., None]:
-    def all_gather(p2p, blocks, src=None):
-        if src is not None:
-            copy(blocks[p2p.rank], src)
-        run(p2p, blocks)
-    return all_gather
+        run(p2p, data, arg)
+    return replace(alg, run=copied_in)
 
 
 def slot_bytes(alg: Algorithm, n: int, nbytes: int) -> int:

@@ -404,9 +404,13 @@ class AllReducePlan:
         self.needs_finalize = op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 
     def fold(self, call, src: np.ndarray, dst: np.ndarray) -> None:
-        """dst = the fold of every rank's src, both flat (dst may be src)."""
+        """dst = the fold of every rank's src, both flat, in any overlap: the slots' way copies
+        src in first, and the stream folds in place where they overlap at all."""
         dp = self.dp
         if self.streamed:
+            if src is not dst and np.may_share_memory(src, dst):
+                copy(dst, src)
+                src = dst
             _stream_all_reduce(dp, call, src, dst, self.kernel)
             return
         p = dp.enter(call)
