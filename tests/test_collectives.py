@@ -2118,3 +2118,88 @@ def test_property_based_collectives(world_spec, get_cluster, data) -> None:
     if case["coll"] == "all_reduce" and not _complex_product(
             f"{DTYPES[case['di']]} {ReduceOp(case['op']).name}"):
         assert len({res["digest"] for res in results}) == 1, "all_reduce results differ between ranks"
+
+
+PLACED = {  # collective: (what the tuner prices it as, whether its input / output is one block)
+    "all_reduce": ("all_reduce", True, True), "reduce": ("reduce", True, True),
+    "broadcast": ("broadcast", True, True), "all_gather_into_tensor": ("all_gather", True, False),
+    "reduce_scatter_tensor": ("reduce_scatter", False, True),
+    "all_to_all_single": ("all_to_all", False, False),
+    "gather": ("gather", True, False), "scatter": ("scatter", False, True),
+    "all_gather": ("all_gather", True, False), "reduce_scatter": ("reduce_scatter", False, True),
+    "all_to_all": ("all_to_all", False, False),
+}
+LISTED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+
+
+@st.composite
+def _placement(draw, coll: str, n: int) -> dict:
+    return {"coll": coll, "count": draw(st.sampled_from([1, 7, 1000, 70_000, 300_001])),
+            "root": draw(st.integers(0, n - 1)), "algo": draw(st.integers(0, 20)),
+            "offsets": draw(st.lists(st.floats(0, 1), min_size=2 * n, max_size=2 * n))}
+
+
+def rank_placed(case: dict) -> dict:
+    """One collective whose input and output lie anywhere in one buffer (in place, overlapping
+    or apart; a list's own arrays apart from each other), through an eligible algorithm, the
+    same on every rank: the result of the inputs as they were before the call."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    coll, count, root = case["coll"], case["count"], case["root"]
+    priced_as, one_in, one_out = PLACED[coll]
+    whole = [np.random.default_rng([count, r]).integers(0, 50, n * count).astype(np.float32)
+             for r in range(n)]
+    buf = np.zeros((n + 1) * count + 8, np.float32)  # so that arrays overlap often
+    offsets = iter(case["offsets"])
+
+    def placed(one: bool) -> list[np.ndarray]:
+        """One array of a block (`one`), of n blocks (a tensor form), or a list of n blocks
+        (evenly spaced where the drawn places overlap)."""
+        size, many = (count, 1) if one else (n * count, 1) if coll not in LISTED else (count, n)
+        ats = [int(next(offsets) * (buf.size - size)) for _ in range(many)]
+        if any(abs(a - b) < size for i, a in enumerate(ats) for b in ats[i + 1:]):
+            ats = [i * (buf.size // many) for i in range(many)]
+        return [buf[at:at + size] for at in ats]
+
+    inp = placed(one_in)
+    for k, a in enumerate(inp):
+        a[...] = whole[me][k * a.size:(k + 1) * a.size]
+    out = placed(one_out)
+    total = sum(whole)
+    mine = slice(me * count, (me + 1) * count)
+    want = {"all_reduce": total[:count], "reduce": total[:count], "broadcast": whole[root][:count],
+            "all_gather": np.concatenate([w[:count] for w in whole]), "reduce_scatter": total[mine],
+            "all_to_all": np.concatenate([w[mine] for w in whole]), "scatter": whole[root][mine]}
+    want["gather"] = want["all_gather"]
+    listed = coll in LISTED[:3]
+    nbytes = 4 * sum(a.size for a in (out if one_in else inp))
+    names = [name for _, name, _ in tuner.decide(g, priced_as, 0 if listed else nbytes, not listed).priced]
+    name = names[case["algo"] % len(names)]
+    log.case()
+    with tuner.override(g, priced_as, name):
+        if coll in ("all_reduce", "reduce", "broadcast"):
+            getattr(g, coll)(inp[0], *(() if coll == "all_reduce" else (root,)),
+                             out=None if coll == "reduce" and me != root else out[0])
+        elif coll == "gather":
+            g.gather(inp[0], out if me == root else None, root)
+        elif coll == "scatter":
+            g.scatter(out[0], inp if me == root else None, root)
+        elif coll in LISTED:
+            getattr(g, coll)(out[0] if one_out else out, inp[0] if one_in else inp)
+        else:
+            getattr(g, coll)(out[0], inp[0])
+    if me == root or coll not in ("reduce", "gather"):
+        log.same(f"{case} through {name}", np.concatenate(out), want[priced_as])
+    return log.result()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [(2, "shm"), (3, "shm"), (3, "tcp"), (4, "shm")],
+                         ids=["2-shm", "3-shm", "3-tcp", "4-shm"])
+@pytest.mark.parametrize("coll", sorted(PLACED))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_based_placements(coll, world, get_cluster, data) -> None:
+    case = data.draw(_placement(coll, world[0]), label="case")
+    _expect(get_cluster(*world).run(rank_placed, case, timeout=60), 1)
