@@ -366,6 +366,18 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     assert tuner.select(g, "all_to_all", m).name == other
 
 
+def test_memory_probe_charges_what_spill_charges(monkeypatch) -> None:
+    """The memory entry's β and γ are the extra cost per byte that misses the cache, as spill
+    prices it: measured on arrays of the cache's size each (half of their bytes miss), and the
+    default where the cache would hide most of them."""
+    monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 2 << 20)  # small: quick
+    cache, beta, gamma = calibrate.measure_memory()
+    assert cache == 2 << 20 and 0 <= beta < 1e-9 and 0 <= gamma < 1e-9
+    monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 1 << 30)
+    default = tuner.DEFAULT_LINKS[tuner.MEMORY]
+    assert calibrate.measure_memory() == (float(1 << 30), default.beta, default.gamma)
+
+
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
     """The linear reduce's root folds each sender's buffer straight out of that sender's ring on
     shared memory (m β for the first, then n-1 folds at γ), while over a network the buffers

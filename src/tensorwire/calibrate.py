@@ -68,13 +68,13 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 10
+PROBE_VERSION = 11
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
 # load. The busy links and the direct path take typical rounds instead (see measure_busy).
 ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
-BETA_BYTES, BETA_TIMED = 1 << 20, 4  # 1 MiB exchanges: the best of this many gives β, after
+BETA_BYTES, BETA_TIMED = 1 << 20, 8  # 1 MiB exchanges: the median of this many gives β, after
 # untimed ones that write a shared-memory ring once around (two over TCP, see measure_pair)
 BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least one timed)
 BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
@@ -357,28 +357,40 @@ def last_level_cache(cpu: int | None = None) -> int:
 
 
 def measure_memory() -> tuple[float, float, float]:
-    """(cache bytes, β, γ) of the memory entry: the last-level cache, and what a copy and an
-    add cost per byte more on two arrays of the cache's size each (together twice it: every
-    byte misses) than on a cached MiB. The arrays are mapped for the probe and unmapped after,
-    so the process does not keep them (see memory.py)."""
+    """(cache bytes, β, γ) of the memory entry: the last-level cache, and what a byte copied and
+    a byte added cost beyond it, as tuner.spill charges them. A copy and an add of two arrays
+    of the cache's size each (up to MEMORY_ARRAY_MAX) take longer per byte than on a cached MiB;
+    spill charges that difference to the share 1 - cache/footprint of the bytes (here a half),
+    so it is divided by that share. The cached MiB is timed in batches: copied alone it took
+    22-46 GB/s from call to call, and the difference from it had swung the memory's β 5x from
+    launch to launch (84-403 GB/s, against 22-32 so). The arrays are mapped for the probe and
+    unmapped after, so the process does not keep them (see memory.py)."""
     cache = last_level_cache() or int(DEFAULT_LINKS[tuner.MEMORY].cache)
-    size = min(cache, MEMORY_ARRAY_MAX)  # a larger cache is probed partly cached: priced low
+    size = min(cache, MEMORY_ARRAY_MAX)
+    share = 1 - cache / (2 * size)
+    if share <= 0.25:  # a cache this large hides most of what the probe would see
+        default = DEFAULT_LINKS[tuner.MEMORY]
+        return float(cache), default.beta, default.gamma
     maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
     try:
         copy, add = _copy_and_add(*(np.frombuffer(m, dtype=np.float32) for m in maps))
     finally:
         for m in maps:
             m.close()
-    return float(cache), max(copy - measure_copy(), 0.0), max(add - measure_gamma(1 << 20), 0.0)
+    cached_copy, cached_add = _copy_and_add(*(np.empty(1 << 18, dtype=np.float32) for _ in range(2)), batch=8)
+    return float(cache), max(copy - cached_copy, 0.0) / share, max(add - cached_add, 0.0) / share
 
 
-def _copy_and_add(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+def _copy_and_add(a: np.ndarray, b: np.ndarray, batch: int = 1) -> tuple[float, float]:
     """Seconds per byte of the best copy of `a` into `b` (as the library copies: in pieces),
-    and of the best a += b."""
+    and of the best a += b; each timed over `batch` in a row."""
     a.fill(1.0)
     b.fill(0.5)  # first touch, untimed
-    copy = _best(lambda: copy_as_library(b, a), GAMMA_ROUNDS)
-    return copy / a.nbytes, _best(lambda: np.add(a, b, out=a), GAMMA_ROUNDS) / a.nbytes
+
+    def repeated(run: Callable[[], object]) -> float:
+        return _best(lambda: [run() for _ in range(batch)], GAMMA_ROUNDS) / batch / a.nbytes
+
+    return repeated(lambda: copy_as_library(b, a)), repeated(lambda: np.add(a, b, out=a))
 
 
 def _best(run: Callable[[], object], rounds: int) -> float:
@@ -451,7 +463,7 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> 
     """(α, β) over the link to `peer`, which runs the same function toward this rank.
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
-    step does), the best batch mean; β comes from the best of a few 1 MiB exchanges after
+    step does), the best batch mean; β comes from the median of a few 1 MiB exchanges after
     `warm` untimed ones: over TCP two, which may ride a shaper's burst allowance (tc tbf lets
     its bucket through at line rate) that a long transfer does not get; through shared memory
     enough to write the ring once around, as the first touch of its pages costs ~1 ms per MiB
@@ -483,7 +495,9 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> 
         bigs.append(time.perf_counter() - t0)
         if not (big_out[0] and big_in[0]):
             break
-    big = min(bigs[warm:])
+    # the median, not the best: over TCP on loopback 1 MiB exchanges ran at 2.5-3.1 GB/s with
+    # the odd one at 5-6, and the best of four had swung β 2.8-5.8 GB/s from launch to launch
+    big = statistics.median(bigs[warm:])
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
