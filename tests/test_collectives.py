@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import ops, tuner
+from tensorwire import collectives, ops, tuner
 from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
@@ -2203,3 +2203,20 @@ def rank_placed(case: dict) -> dict:
 def test_property_based_placements(coll, world, get_cluster, data) -> None:
     case = data.draw(_placement(coll, world[0]), label="case")
     _expect(get_cluster(*world).run(rank_placed, case, timeout=60), 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 11, 40])
+def test_apart_finds_every_overlap(n: int) -> None:
+    """collectives._apart on n inputs and n outputs (a list-form all_to_all: past a few pairs
+    it compares address ranges, and arrays that own their memory by identity) copies the
+    inputs exactly where a bounds test of some pair says they share memory."""
+    rng = np.random.default_rng(n)
+    buf = np.zeros(50 * n, np.float32)
+    for _ in range(200):
+        ins = [buf[o:o + int(rng.integers(0, 30))] for o in rng.integers(0, buf.size - 30, n)]
+        outs = [buf[o:o + int(rng.integers(0, 30))] for o in rng.integers(0, buf.size - 30, n)]
+        shared = any(np.may_share_memory(a, b) for a in ins for b in outs)
+        assert (collectives._apart(ins, outs) is not ins) == shared
+    owned = [np.zeros(3, np.float32) for _ in range(n)]
+    assert collectives._apart(owned, [np.zeros(3, np.float32) for _ in range(n)]) is owned
+    assert collectives._apart(owned, owned[::-1]) is not owned
