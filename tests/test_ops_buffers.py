@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tensorwire import ops
+from tensorwire import buffers, ops
 from tensorwire.buffers import HUGE_PAGE, PIECE, as_array, byte_view, copy, flat, huge_zeros, like_torch
 from tensorwire.errors import InvalidArgumentError
 from tensorwire.ops import (
@@ -769,3 +769,13 @@ def test_a_forked_child_scans_its_own_pages() -> None:
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_address_is_numpy_s_for_every_kind_of_array() -> None:
+    """buffers.address reads through ctypes where it can and falls back to numpy's address
+    elsewhere: the same number either way."""
+    a = np.arange(100, dtype=np.float32)
+    frozen = a[3:].view()
+    frozen.flags.writeable = False
+    for x in (a, a[10:], a[:0], a[::-2], frozen, np.frombuffer(b"abcd", np.uint8), a.reshape(10, 10)[2:]):
+        assert buffers.address(x) == x.ctypes.data

@@ -9,6 +9,7 @@ object of theirs is actually passed.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 from typing import Any
@@ -232,6 +233,16 @@ def flat(arr: np.ndarray) -> np.ndarray:
 _U8 = np.dtype(np.uint8)  # viewing with a dtype object is twice as fast as with the type
 
 
+def address(arr: np.ndarray) -> int:
+    """The address of arr's first byte. Through ctypes where numpy lends the buffer writable
+    and contiguous: 0.18 us on the project's machine, against 0.8 for `arr.ctypes.data`, which
+    a large single-copy call read 5-8 times."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr))
+    except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+        return arr.ctypes.data
+
+
 def byte_view(arr: np.ndarray) -> np.ndarray:
     """uint8 1-D view of the same memory, which is all a transport needs to see."""
     if not arr.flags.c_contiguous:
@@ -264,7 +275,7 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     if (nbytes >= _CHECKED and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.flags.c_contiguous and src.flags.c_contiguous):
         d, s = byte_view(dst), byte_view(src)
-        if 0 < (d.ctypes.data - s.ctypes.data) % 4096 < _ALIASED:
+        if 0 < (address(d) - address(s)) % 4096 < _ALIASED:
             np.bitwise_or(s, 0, out=d)
             return
         if nbytes > PIECE and not np.may_share_memory(d, s):  # pieces of overlapping arrays

@@ -19,7 +19,7 @@ import numpy as np
 from . import tuner
 from .algorithms.base import blocks_of
 from .algorithms.shm_direct import AllReducePlan, TensorPlan
-from .buffers import as_array, byte_view, copy
+from .buffers import address, as_array, byte_view, copy
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
 from .transport.wire import Coll, Fingerprint
@@ -52,9 +52,9 @@ def _fits_out(tensor: np.ndarray, out: Any) -> bool:
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Exactly the same bytes (an in-place call)? The bounds test first: reading an address
-    (`.ctypes.data`) costs about 2 µs, a fifth of a small collective."""
-    return np.may_share_memory(a, b) and a.nbytes == b.nbytes and a.ctypes.data == b.ctypes.data
+    """Exactly the same bytes (an in-place call)? The bounds test first: it costs about as
+    much as reading one address."""
+    return np.may_share_memory(a, b) and a.nbytes == b.nbytes and address(a) == address(b)
 
 
 def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
@@ -90,15 +90,16 @@ def _apart(ins: list[np.ndarray], outs: list[np.ndarray],
     return [x.copy() for x in ins] if shared else ins
 
 
-_PAIRS = 100
+_PAIRS = 16
 """Beyond this many pairs of views, `_ranges_meet` rather than a bounds test per pair: a
-list-form all_to_all checks n x n pairs at 0.2 us each, and reading an address costs 0.8."""
+list-form all_to_all checks n x n pairs at 0.2 us each; reading an address costs about as
+much (buffers.address), and the sort little."""
 
 
 def _ranges_meet(ins: list[np.ndarray], outs: list[np.ndarray]) -> bool:
     """Does the address range of any of the contiguous `ins` meet one of `outs`'? In order of
     address: a range meets the other side's if it starts before the furthest end seen there."""
-    spans = sorted((a.ctypes.data, a.nbytes, side) for side, arrays in enumerate((ins, outs))
+    spans = sorted((address(a), a.nbytes, side) for side, arrays in enumerate((ins, outs))
                    for a in arrays if a.nbytes)
     ends = [0, 0]  # the furthest end so far of an input's range and of an output's
     for start, size, side in spans:

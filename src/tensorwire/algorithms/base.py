@@ -6,6 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..buffers import address
 from ..ops import ReduceOp
 
 
@@ -79,8 +80,8 @@ def contiguous_span(blocks: list[np.ndarray], writable: bool = True) -> np.ndarr
         if b.nbytes == 0:
             continue
         if ref is None:
-            ref, addr = b, b.ctypes.data
-        if b.dtype != ref.dtype or not b.flags.c_contiguous or b.ctypes.data != addr + total:
+            ref, addr = b, address(b)
+        if b.dtype != ref.dtype or not b.flags.c_contiguous or address(b) != addr + total:
             return None
         total += b.nbytes
     if ref is None:
@@ -90,7 +91,7 @@ def contiguous_span(blocks: list[np.ndarray], writable: bool = True) -> np.ndarr
         owner = owner.base
     if not owner.flags.c_contiguous or (writable and not owner.flags.writeable):
         return None
-    start = addr - owner.ctypes.data
+    start = addr - address(owner)
     if start < 0 or start + total > owner.nbytes:
         return None
     return owner.reshape(-1).view(np.uint8)[start:start + total].view(ref.dtype)

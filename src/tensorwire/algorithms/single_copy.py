@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from ..buffers import copy
+from ..buffers import address, copy
 from ..errors import PeerLostError
 from ..ops import ReduceOp, reduction_kernel, writes_where_told
 from ..transport import pages
@@ -39,8 +39,8 @@ def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True
     count = len(spans)
     tables = dp.views(_WORD, count + 1)[p]
     table = tables[dp.rank]
-    for i, (address, _) in enumerate(spans):
-        table[i] = address
+    for i, (at, _) in enumerate(spans):
+        table[i] = at
     # an in-place call's spans twice: the same share
     table[count] = pages.scanner().eighths(spans) if read else pages.UNKNOWN
     dp.publish(call, p, dp.everyone)
@@ -49,15 +49,15 @@ def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True
 
 
 def _spans(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
-    return [(a.ctypes.data, a.nbytes) for a in arrays]
+    return [(address(a), a.nbytes) for a in arrays]
 
 
 def _block_spans(flat: np.ndarray, counts: list[int]) -> list[tuple[int, int]]:
-    """_spans of blocks_of(flat, counts), from one address (each costs ~1 us to read)."""
-    address, size, out = flat.ctypes.data, flat.dtype.itemsize, []
+    """_spans of blocks_of(flat, counts), from one address."""
+    at, size, out = address(flat), flat.dtype.itemsize, []
     for c in counts:
-        out.append((address, c * size))
-        address += c * size
+        out.append((at, c * size))
+        at += c * size
     return out
 
 
@@ -137,7 +137,7 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
     # into its own instead (x0 op x1, still in rank order), with a kernel that writes where it
     # is told; a later rank keeps its piece aside, in a buffer of the group's (not one per call):
     # at n=2 in place that copy had made rank 1's fold 1.4-2x rank 0's.
-    onto_own = me == 1 and own.ctypes.data == out.ctypes.data and writes_where_told(kernel)
+    onto_own = me == 1 and address(own) == address(out) and writes_where_told(kernel)
     in_place = me > 0 and not onto_own and np.may_share_memory(own, out)
     if in_place and dp.kept is None:
         dp.kept = np.empty(_PIECE, np.uint8)
@@ -149,7 +149,7 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
             copy(mine, own[lo:lo + step])
         at = lo * dtype.itemsize
         if me == 0:
-            if acc.ctypes.data != mine.ctypes.data:
+            if address(acc) != address(mine):
                 copy(acc, mine)
         elif onto_own:
             kernel(dp.reader.fetch(dp.pids[0], remotes[0] + at, acc.nbytes).view(dtype), acc, acc)

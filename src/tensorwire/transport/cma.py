@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from .. import log
+from ..buffers import address
 
 _log = log.get("INIT")
 
@@ -99,10 +100,11 @@ class Reader:
 
     def __init__(self) -> None:
         self._bounce: np.ndarray | None = None
+        self._at = 0  # the bounce buffer's address
 
     def read_into(self, dst: np.ndarray, pid: int, remote: int) -> None:
         """Fill contiguous `dst` from address `remote` of process `pid`."""
-        local, nbytes = dst.ctypes.data, dst.nbytes
+        local, nbytes = address(dst), dst.nbytes
         if not 0 < (local - remote) % 4096 < ALIAS_WINDOW:
             _read(pid, local, remote, nbytes)
             return
@@ -116,12 +118,12 @@ class Reader:
         placed far from the source's alias window (valid until the next fetch)."""
         if self._bounce is None:
             self._bounce = np.empty(BOUNCE + 8192, np.uint8)
+            self._at = self._bounce.ctypes.data
         # _BOUNCE_SHIFT past the source; a copy out of it to a destination within the source's
         # window is then ~_BOUNCE_SHIFT from it too
-        start = (_BOUNCE_SHIFT + remote - self._bounce.ctypes.data) % 4096
-        piece = self._bounce[start:start + nbytes]
-        _read(pid, piece.ctypes.data, remote, nbytes)
-        return piece
+        start = (_BOUNCE_SHIFT + remote - self._at) % 4096
+        _read(pid, self._at + start, remote, nbytes)
+        return self._bounce[start:start + nbytes]
 
 
 def can_read(pid: int, remote: int, expect: int) -> str:
