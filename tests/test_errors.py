@@ -374,6 +374,21 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
         if r:
             counts[0] = 2
         g.all_gatherv(np.empty(sum(counts), np.float32), np.ones(counts[r], np.float32), counts, timeout=t)
+    elif base.endswith("v_counts"):  # the same total, but rank 0 gives rank 1 one element more
+        counts = [m] * n
+        if r == 0:
+            counts[0], counts[1] = m - 1, m + 1
+        total, mine = sum(counts), counts[r]
+        if base == "gatherv_counts":
+            g.gatherv(np.empty(total, np.float32) if r == 0 else None, np.ones(mine, np.float32), counts,
+                      dst=0, timeout=t)
+        elif base == "scatterv_counts":
+            g.scatterv(np.empty(mine, np.float32), np.ones(total, np.float32) if r == 0 else None, counts,
+                       src=0, timeout=t)
+        elif base == "all_gatherv_counts":
+            g.all_gatherv(np.empty(total, np.float32), np.ones(mine, np.float32), counts, timeout=t)
+        else:
+            g.reduce_scatterv(np.empty(mine, np.float32), np.ones(total, np.float32), counts, timeout=t)
     elif base == "broadcast_root":
         g.broadcast(np.full(m, r, np.float32), src=0 if r == 0 else 1, timeout=t)
     elif base == "reduce_root":
@@ -411,6 +426,10 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),
     "all_gatherv_total": ("all_gatherv", "count"),
+    # the one shot lays the blocks out by the counts: a gatherv returned a stale element, and a
+    # scatterv a block cut short, without an error
+    **{f"{c}v_counts{s}": (f"{c}v", "per-rank counts")
+       for c in ("gather", "scatter", "all_gather", "reduce_scatter") for s in ("", ":large")},
     "broadcast_root": ("broadcast", "root"),
     "broadcast_root:large": ("broadcast", "root"),
     "broadcast_root:stream": ("broadcast", "root"),

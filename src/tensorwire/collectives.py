@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -256,8 +257,13 @@ class Collectives:
 
     @staticmethod
     def _fp(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None = None, root: int = -1,
-            count: int = -1) -> Fingerprint:
-        key = (coll, dtype, root, count) if op is None else (coll, dtype, root, count, op.op, op.factor)
+            count: int = -1, counts: list[int] | None = None) -> Fingerprint:
+        """`counts`: a vector collective's per-rank counts, which every rank must pass alike: the
+        one-shot path lays blocks out by them without messages whose sizes would tell (a
+        gatherv whose ranks disagreed on them with the same total returned a stale element)."""
+        digest = 0 if counts is None else zlib.crc32(struct.pack(f"<{len(counts)}q", *counts))
+        key = (coll, dtype, root, count, digest) if op is None else \
+            (coll, dtype, root, count, digest, op.op, op.factor)
         fp = _FINGERPRINTS.get(key)
         if fp is not None:
             return fp
@@ -267,10 +273,10 @@ class Collectives:
             if code is None:
                 code = _CODES[dtype] = dtype_code(dtype)
         if op is None:
-            fp = Fingerprint(coll, code, 0, root, count)
+            fp = Fingerprint(coll, code, 0, root, count, digest)
         else:
             aux = 0 if op.factor is None else struct.unpack("<Q", struct.pack("<d", op.factor))[0]
-            fp = Fingerprint(coll, code, op.op, root, count, aux)
+            fp = Fingerprint(coll, code, op.op, root, count, aux ^ digest)
         if len(_FINGERPRINTS) >= 4096:
             _FINGERPRINTS.clear()
         _FINGERPRINTS[key] = fp
@@ -430,7 +436,9 @@ class Collectives:
                                coll: Coll) -> Any:
         red = self._reduction(op, out.dtype, what)
         count = out.size if coll == Coll.REDUCE_SCATTER else -1
-        return self._submit(self._fp(coll, out.dtype, red, count=count), what, _reduce_scatter, async_op,
+        counts = None if coll == Coll.REDUCE_SCATTER else [b.size for b in blocks]
+        return self._submit(self._fp(coll, out.dtype, red, count=count, counts=counts), what, _reduce_scatter,
+                            async_op,
                             timeout, [b.reshape(-1) for b in blocks], out, red, coll == Coll.REDUCE_SCATTER,
                             output, _SELECT)
 
@@ -512,7 +520,8 @@ class Collectives:
             self._invalid(what, f"input has {inp.size} elements (want counts[{self.rank}]="
                                 f"{counts[self.rank]}), output {out.size} (want sum(counts)={sum(counts)})")
         outs = blocks_of(out.reshape(-1), counts)
-        return self._submit(self._fp(Coll.ALL_GATHERV, inp.dtype), what, _all_gather, async_op, timeout, inp,
+        return self._submit(self._fp(Coll.ALL_GATHERV, inp.dtype, counts=counts), what, _all_gather, async_op,
+                            timeout, inp,
                             outs, False, output, _SELECT)
 
     def gather(self: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
@@ -574,7 +583,8 @@ class Collectives:
             tuner.run(self, call, "gather", sum(counts) * inp.itemsize, send, outs, root)
             return output
 
-        return self._submit(self._fp(Coll.GATHERV, inp.dtype, root=root), what, body, async_op, timeout)
+        return self._submit(self._fp(Coll.GATHERV, inp.dtype, root=root, counts=counts), what, body, async_op,
+                            timeout)
 
     def scatterv(self: Group, output: Any, input: Any, counts: Sequence[int], src: int = 0, *,
                  async_op: bool = False, timeout: float | None = None) -> Any:
@@ -600,8 +610,8 @@ class Collectives:
 
         # the total is in the fingerprint: ranks whose counts sum differently fail as a mismatch
         # (they could not even agree on the algorithm: tree._scatter_cost depends on it)
-        return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root, count=sum(counts)), what, body,
-                            async_op, timeout)
+        return self._submit(self._fp(Coll.SCATTERV, out.dtype, root=root, count=sum(counts), counts=counts),
+                            what, body, async_op, timeout)
 
     def all_to_all(self: Group, output_list: Sequence[Any], input_list: Sequence[Any], *,
                    async_op: bool = False, timeout: float | None = None) -> Any:

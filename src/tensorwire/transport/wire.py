@@ -59,7 +59,13 @@ class Fingerprint(NamedTuple):
     op: int = 0
     root: int = -1
     count: int = -1
-    aux: int = 0  # op parameter bits: the PREMUL_SUM factor as a float64
+    aux: int = 0  # the PREMUL_SUM factor as a float64's bits, xor a vector collective's counts digest
+
+
+_COUNTS = "per-rank counts differ (every rank must pass the same counts)"
+_AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS,
+        Coll.REDUCE_SCATTERV: "per-rank counts (or the PREMUL_SUM factor) differ"}
+"""What a difference in `aux` means, by collective."""
 
 
 def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
@@ -77,7 +83,7 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         what = "sum(counts)" if mine.coll == Coll.SCATTERV else "count"
         out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
-        out.append("PREMUL_SUM factor differs")
+        out.append(_AUX.get(mine.coll, "PREMUL_SUM factor differs"))
     return out
 
 
