@@ -83,8 +83,10 @@ class PageScanner:
 
     def _huge_bytes(self, address: int, nbytes: int) -> int:
         """Bytes of [address, address + nbytes) in huge pages; -1 where the kernel cannot tell."""
-        if self._ioctl is None or not nbytes:
-            return -1 if self._ioctl is None else 0
+        if self._ioctl is None:
+            return -1
+        if not nbytes:
+            return 0
         lo, hi = address & ~4095, (address + nbytes + 4095) & ~4095
         arg, runs, found = self._arg, self._runs, 0
         while lo < hi:
