@@ -1767,15 +1767,6 @@ def rank_all_reduce_overlapping() -> dict:
     return log.result()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("size", [2, 3])
-def test_all_reduce_overlapping(size: int) -> None:
-    env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
-    results = _fresh_cluster_run(size, env, rank_all_reduce_overlapping, timeout=100)
-    assert all(r["cases"] >= 4 * 3 * 2 * 3 for r in results), results
-    _expect(results, results[0]["cases"])
-
-
 def rank_all_to_all_in_place() -> dict:
     """all_to_all with the output on the input (in place, and shifted over it) through every
     algorithm that can run it: each block as it was before the call. Pairwise exchange and
@@ -1867,21 +1858,21 @@ def rank_reduce_scatter_and_all_gather_overlapping() -> dict:
     return log.result()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("size", [2, 3])
-def test_reduce_scatter_and_all_gather_overlapping(size: int) -> None:
-    env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
-    results = _fresh_cluster_run(size, env, rank_reduce_scatter_and_all_gather_overlapping, timeout=100)
-    assert all(r["cases"] >= 3 * 3 * 4 for r in results), results
-    _expect(results, results[0]["cases"])
+OVERLAPPING = {  # what: (rank function, the least number of cases a rank must run)
+    "all_reduce": (rank_all_reduce_overlapping, 4 * 3 * 2 * 3),
+    "all_to_all": (rank_all_to_all_in_place, 3 * 4 + 3),
+    "reduce_scatter_all_gather_gather_scatter": (rank_reduce_scatter_and_all_gather_overlapping, 3 * 3 * 4),
+}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
-def test_all_to_all_in_place(size: int) -> None:
+@pytest.mark.parametrize("what", sorted(OVERLAPPING))
+def test_outputs_overlapping_inputs(what: str, size: int) -> None:
+    fn, least = OVERLAPPING[what]
     env = {"TENSORWIRE_SINGLE_COPY": "force"}  # n=3 outnumbers CI's 2 cores
-    results = _fresh_cluster_run(size, env, rank_all_to_all_in_place, timeout=100)
-    assert all(r["cases"] >= 3 * 4 + 3 for r in results), results
+    results = _fresh_cluster_run(size, env, fn, timeout=100)
+    assert all(r["cases"] >= least for r in results), results
     _expect(results, results[0]["cases"])
 
 
