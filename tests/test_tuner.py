@@ -188,6 +188,20 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
 
 
+def test_decision_names_the_algorithms_priced_at_the_busy_host_s_work() -> None:
+    """Where the busy link's work bounds an algorithm's price, the decision says so (the TUNING
+    log marks it): the tcp-n4 constants bound pairwise and Bruck's all_to_all at 16 B and
+    none at all without a busy link."""
+    tcp = Link("tcp", alpha=105e-6, beta=1 / 1.18e9, gamma=1 / 8.7e9)
+    busy = Link("busy", alpha=187e-6, beta=1 / 1.82e9, gamma=1 / 8.7e9)
+    g = _Group(4, "tcp")
+    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, "busy": busy}, {}, extra={"busy_tier": "tcp"}))
+    decision = tuner.decide(g, "all_to_all", 16)
+    assert decision.work_bound == {"pairwise", "bruck"}, decision
+    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp}, {}))
+    assert tuner.decide(g, "all_to_all", 16).work_bound == frozenset()
+
+
 def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_slower() -> None:
     """On 4 emulated hosts at 1 Gbit/s every rank streamed twice as fast to fixed partners as to
     changing ones (measure_busy): the ring reduce_scatter then wins the large sizes, as it did

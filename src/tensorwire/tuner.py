@@ -427,6 +427,9 @@ class Decision:
     choice: Algorithm | PageDependent
     """What the tuner hands out: priced[0], or a PageDependent where single copy wins only out
     of huge pages."""
+    work_bound: frozenset[str] = frozenset()
+    """The algorithms priced at their work on a host whose ranks are all busy (predict's bound)
+    rather than at their path over the link: what the TUNING log marks."""
 
     def predicted(self, name: str) -> float:
         return next(t for t, n, _ in self.priced if n == name)
@@ -496,7 +499,10 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         small = priced_with(replace(host, huge=False))[0][2]
         if small is not choice:
             choice = PageDependent(group, key, choice, small)
-    return Decision(collective, nbytes, group.size, tier, priced, choice)
+    bound = frozenset() if busy is None else frozenset(
+        name for t, name, alg in priced
+        if t > predict(alg, group.size, nbytes, table.link(tier), direct, host=host) * (1 + 1e-9))
+    return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
 
 
 def host_of(group: Group) -> Host | None:
@@ -576,7 +582,9 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         cfg = group.runtime.config
         table = table_for(group.runtime)
         tier = decision.tier
-        costs = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in decision.priced)
+        bound = decision.work_bound
+        costs = ", ".join(f"{name} {format_seconds(t)}" + (" (work-bound)" if name in bound else "")
+                          for t, name, _ in decision.priced)
         shown = f"{tier} ({table.describe(tier)})"
         if tier == table.extra.get("busy_tier") and "busy" in table.links:
             shown += f", every rank busy ({table.describe('busy')})"
