@@ -57,7 +57,8 @@ PRED_FROM = 64 << 10
 
 def bench_args(coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
     return [coll, "--algo", "all", "-b", a.minbytes, "-e", a.maxbytes, "-f", str(a.stepfactor),
-            "-n", str(a.iters), "-w", str(a.warmup), "--rounds", str(a.rounds), "--json", str(json_path)]
+            "-n", str(a.iters), "-w", str(a.warmup), "--rounds", str(a.rounds), "--json", str(json_path),
+            *(["-z", "1"] if a.blocking else [])]
 
 
 def command(setting: str, coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
@@ -315,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per round (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="warm-up calls per round (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--blocking", action="store_true",
+                   help="time every call on its own, after a barrier (tensorwire bench -z 1)")
     p.add_argument("--rate", default="1gbit", help="netns4: tc rate of every host link (default 1gbit)")
     p.add_argument("--launch-timeout", type=float, default=1500, help="seconds per launch (default 1500)")
     p.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for quiet (default 60)")

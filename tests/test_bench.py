@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -127,6 +128,26 @@ def test_options_dtype_op_inplace_only_nocheck() -> None:
     for r in rows:
         assert len(r) == 9 and r[8] == "N/A"  # in-place columns only, not checked
     assert "out-of-place" not in p.stdout
+
+
+def test_blocking_puts_a_barrier_before_every_timed_call() -> None:
+    """-z 1: each timed call after a barrier of its own (and the one before the loop), none
+    between warm-up calls; without it only the one before the loop."""
+    events: list[str] = []
+
+    class Comm:
+        def barrier(self) -> None:
+            events.append("barrier")
+
+    case = SimpleNamespace(coll="barrier", size=0, call=lambda: events.append("call"),
+                           init_inputs=lambda sentinel: None)
+    for blocking, want in ((True, ["call", "barrier", "barrier", "call", "barrier", "call"]),
+                           (False, ["call", "barrier", "call", "call"])):
+        events.clear()
+        m = sweep.measure(Comm(), case, 1, 2, False, blocking=blocking)
+        assert events == want and len(m.times) == 2
+    p = run_bench("broadcast", "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--np", "2", "-z", "1")
+    assert p.returncode == 0 and "blocking: a barrier before each" in p.stdout, p.stdout + p.stderr
 
 
 @pytest.mark.timeout(30)

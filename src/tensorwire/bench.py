@@ -165,6 +165,11 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                         "messages down to 5 above 64 MiB")
     p.add_argument("-w", "--warmup_iters", type=_count_or_auto(_nonneg_int), default=5, metavar="W",
                    help="warm-up iterations per size, not timed (default 5); auto: by size, 10 down to 1")
+    p.add_argument("-z", "--blocking", type=int, choices=(0, 1), default=0, metavar="0|1",
+                   help="1: a barrier (untimed) before every timed call, so that calls cannot overlap "
+                        "(a rooted collective's next call otherwise starts where a rank has nothing "
+                        "to wait for); the time of one isolated call, as the cost model prices it "
+                        "(default 0)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, metavar="0|1",
                    help="check one call per size against a numpy reference (default 1)")
     p.add_argument("-d", "--datatype", default="float", metavar="TYPE",
@@ -221,6 +226,7 @@ class Options:
     check: bool
     inplace_only: bool
     json_path: str | None
+    blocking: bool = False
     argv: list[str] = field(default_factory=list)
     args: argparse.Namespace | None = None
 
@@ -263,7 +269,8 @@ def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Option
     sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     return Options(colls=colls, sizes=sizes, dtypes=_dtype_list(args.datatype), ops=_op_list(args.op),
                    root=args.root, iters=args.iters, warmup=args.warmup_iters, check=bool(args.check),
-                   inplace_only=args.inplace_only, json_path=args.json, argv=list(argv), args=args)
+                   inplace_only=args.inplace_only, blocking=bool(args.blocking), json_path=args.json,
+                   argv=list(argv), args=args)
 
 
 # ------------------------------------------------------------------------------------------
@@ -454,7 +461,8 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
         "#",
         f"# time = median over the {_count(opts.iters)} timed iterations of the slowest rank's time for "
         "that iteration",
-        "# (every iteration timed separately on every rank, after warm-up and a barrier);",
+        "# (every iteration timed separately on every rank, after warm-up and a barrier"
+        + ("; blocking: a barrier before each);" if opts.blocking else ");"),
         "# algbw = size / time, busbw = algbw x nccl-tests factor; 1 GB/s = 1e9 B/s",
         "#",
         "# Using ranks",
@@ -579,7 +587,7 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
                         continue
                     case = make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
                     size, count = case.size, case.param
-                    m = measure(tw, case, opts.warmup, opts.iters, opts.check, meter)
+                    m = measure(tw, case, opts.warmup, opts.iters, opts.check, meter, opts.blocking)
                     got = collect(tw, m)
                     if got is None:
                         cells.append({})

@@ -33,7 +33,8 @@ AUTO = "auto"
 
 
 def _timed(tw: Any, case: bench.Case, opts: bench.Options) -> tuple[list[list[float]], int] | None:
-    return bench.collect(tw, bench.measure(tw, case, opts.warmup, opts.iters, opts.check))
+    return bench.collect(tw, bench.measure(tw, case, opts.warmup, opts.iters, opts.check,
+                                           blocking=opts.blocking))
 
 
 def _decision(tw: Any, case: bench.Case, coll: str) -> tuner.Decision | None:

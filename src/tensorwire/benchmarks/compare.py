@@ -135,6 +135,7 @@ class Driver:
                 "--placements", "in-place" if o.inplace_only else ",".join(sweep.PLACEMENTS),
                 "--root", str(o.root), "--warmup", "auto" if o.warmup is None else str(o.warmup),
                 "--iters", "auto" if o.iters is None else str(o.iters), "--check", str(int(o.check)),
+                "--blocking", str(int(o.blocking)),
                 "--out", str(out)]
 
     def command(self, lib: str, out: Path) -> list[str]:

@@ -61,6 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=_schedule_arg, default=None, help="number, or auto (by size)")
     p.add_argument("--iters", type=_schedule_arg, default=None, help="number, or auto (by size)")
     p.add_argument("--check", type=int, choices=(0, 1), default=1)
+    p.add_argument("--blocking", type=int, choices=(0, 1), default=0)
     p.add_argument("--out", required=True, help="JSON written by rank 0")
     args = p.parse_args(argv)
     args.colls = [c for c in args.colls.split(",") if c]
@@ -93,7 +94,8 @@ def run(lib: PeerLib, args: argparse.Namespace) -> list[dict[str, Any]]:
                                        rank, n, lib.bind)
                 if case.size == 0 and coll != "barrier":
                     continue  # nothing moves (fewer elements than ranks): no figure to compare
-                m = sweep.measure(lib, case, args.warmup, args.iters, bool(args.check), meter)
+                m = sweep.measure(lib, case, args.warmup, args.iters, bool(args.check), meter,
+                                  bool(args.blocking))
                 gathered = lib.gather(sweep.pack(m))
                 if gathered is None:
                     continue

@@ -3,9 +3,9 @@
 tensorwire's own sweep (`tensorwire.bench`) and the peer runners that time Gloo and Open MPI
 (`gloo_runner`, `mpi_runner`) build their cases and take their figures here, so a time means
 the same thing whichever library it belongs to: W warm-up calls, a barrier, then N calls each
-timed with perf_counter on every rank; the time of call i is the maximum over ranks and the
-figure is the median over the N calls. Sizes, element counts and bus-bandwidth factors are
-nccl-tests' (see `tensorwire.bench`).
+timed with perf_counter on every rank (with `blocking`, each after a barrier of its own); the
+time of call i is the maximum over ranks and the figure is the median over the N calls. Sizes,
+element counts and bus-bandwidth factors are nccl-tests' (see `tensorwire.bench`).
 """
 
 from __future__ import annotations
@@ -218,8 +218,13 @@ class Measured:
 
 
 def measure(comm: Barrier, case: Case, warmup: int | None, iters: int | None, check: bool,
-            meter: ForeignLoad | None = None) -> Measured:
+            meter: ForeignLoad | None = None, blocking: bool = False) -> Measured:
     """W warm-up calls, a barrier, N individually timed calls, then one checked call.
+
+    Back to back (nccl-tests' default), a call may overlap the next where a rank has nothing to
+    wait for (a broadcast's root and leaves, a gather's senders): its time is then the pipeline's
+    rate. `blocking` (nccl-tests' `-z 1`) puts an untimed barrier before each call, so that each
+    is timed on its own, as one whose result is used at once, and as the cost model prices it.
 
     `warmup` / `iters` None: `schedule(case.size)`. `comm` is anything with a barrier(): the
     tensorwire module or a peer library. The meter (on one rank) starts before the barrier,
@@ -242,6 +247,8 @@ def measure(comm: Barrier, case: Case, warmup: int | None, iters: int | None, ch
         comm.barrier()
         wall = perf()
         for i in range(iters):
+            if blocking:
+                comm.barrier()
             t0 = perf()
             call()
             times[i] = perf() - t0
