@@ -260,6 +260,12 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
         # the same bytes received: a message is copied into a ring and out of it, single copy
         # reads each byte once
         assert extra[rd.name] > 1.9 * extra["single_copy"] > 0, extra
+    # ... but the one-shot all_reduce, which folds its pieces while they are in cache, nothing
+    ar = algorithms_for("all_reduce")["direct"]
+    assert ar.copies == 0 and tuner.spill(ar, 2, 64 << 20, host) > 0
+    big = 64 << 20
+    charged = tuner.predict(ar, 2, big, shm, direct, host=host)
+    assert charged == tuner.predict(ar, 2, big, shm, direct, host=free)
     # four ranks' buffers fill the cache sooner than two's
     assert tuner.spill(algs[0], 4, 8 << 20, replace(host, ranks=4)) > tuner.spill(algs[0], 2, 8 << 20, host)
     # groups across hosts (TCP) are not charged: ranks elsewhere could see another cache

@@ -364,7 +364,7 @@ def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
 def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
     """`link` with the memory's cost of `share` of every byte moved (`copies` copies each) and reduced."""
     return replace(link, beta=link.beta + share * copies * memory.beta,
-                   gamma=link.gamma + share * memory.gamma)
+                   gamma=link.gamma + share * min(copies, 1.0) * memory.gamma)
 
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,

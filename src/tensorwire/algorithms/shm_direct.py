@@ -798,7 +798,8 @@ KiB for broadcast and reduce, and winning from 1 MiB for broadcast."""
 
 for _collective, _run in _RUN.items():
     _cost = (_streamed if _collective in _STREAMED else _cost_of)(_collective)
-    register(Algorithm("direct", _collective, _run, _cost, needs_direct=True, copies=1,
+    register(Algorithm("direct", _collective, _run, _cost, needs_direct=True,
+                       copies=0 if _collective == "all_reduce" else 1,
                        crowded_below=_CROWDED_BELOW.get(_collective, 0),
                        out_of_place=_collective == "all_reduce",
                        slot_need=_SLOT_NEED.get(_collective)))
