@@ -11,6 +11,8 @@ Settings:
   netns4    scripts/netns_cluster.py --hosts 4 --rate 1gbit -- -m tensorwire.bench COLL --algo all
             (4 emulated hosts, one rank each, every host link shaped with tc tbf; this kernel has
             no netem, so no delay can be added)
+  shm-n2    tensorwire bench COLL --algo all --np 2           (not by default: the setting of the
+            single-host comparisons, docs/benchmarks/compare-n2.md)
 
 One launch per (setting, collective), each calibrating afresh at init (TENSORWIRE_CALIBRATE=
 force): the machine is shared and its load changes from minute to minute, and the model can
@@ -49,7 +51,10 @@ SETTINGS = {
     "shm-n4": "one host, 4 ranks, shared memory",
     "tcp-n4": "one host, 4 ranks, TENSORWIRE_TRANSPORT=tcp (loopback)",
     "netns4": "4 emulated hosts (network namespaces), 1 rank each, host links shaped to {rate} with tc tbf",
+    "shm-n2": "one host, 2 ranks, shared memory",
 }
+DEFAULT_SETTINGS = ("shm-n4", "tcp-n4", "netns4")
+"""Issue 4's three; shm-n2 (the single-host comparisons' setting) on request."""
 AUTO_OK = 1.10
 PRED_LO, PRED_HI = 0.7, 1.3
 PRED_FROM = 64 << 10
@@ -64,8 +69,8 @@ def bench_args(coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
 def command(setting: str, coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
     py = sys.executable
     args = bench_args(coll, a, json_path)
-    if setting == "shm-n4":
-        return [py, "-m", "tensorwire", "bench", *args, "--np", "4"]
+    if setting in ("shm-n4", "shm-n2"):
+        return [py, "-m", "tensorwire", "bench", *args, "--np", setting[-1]]
     if setting == "tcp-n4":
         return [py, "-m", "tensorwire", "bench", *args, "--np", "4", "--tcp"]
     return [py, str(REPO / "scripts" / "netns_cluster.py"), "--hosts", "4", "--rate", a.rate,
@@ -308,7 +313,8 @@ def render(setting: str, a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
+    p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                   help=f"comma list of {', '.join(SETTINGS)} (default {','.join(DEFAULT_SETTINGS)})")
     p.add_argument("--colls", default=",".join(COLLS), help="comma list of collectives (bench names)")
     p.add_argument("-b", "--minbytes", default="16", help="smallest size (default 16)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
