@@ -1742,6 +1742,34 @@ def test_input_overlapping_the_output(size: int, algo: str) -> None:
     _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * (size + 1))
 
 
+def rank_gather_scatter_repeated() -> dict:
+    """gather and scatter repeated with the same signature but fresh arrays and values (the
+    second call on takes the planned path), from every root, in one block and in messages."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    for count in (4, 70_000):
+        for root in range(n):
+            for rep in range(3):
+                x = np.full(count, 10 * me + rep, np.float32)
+                outs = [np.zeros((2, count // 2), np.float32) for _ in range(n)] if me == root else None
+                log.case()
+                g.gather(x.reshape(2, -1), outs, root)
+                if outs is not None:
+                    log.same(f"gather {count} from {root} #{rep}", np.stack([o.reshape(-1) for o in outs]),
+                             np.stack([np.full(count, 10 * r + rep, np.float32) for r in range(n)]))
+                y = np.zeros(count, np.float32)
+                ins = [np.full(count, 100 * r + rep, np.float32) for r in range(n)] if me == root else None
+                log.case()
+                g.scatter(y, ins, root)
+                log.same(f"scatter {count} from {root} #{rep}", y, np.full(count, 100 * me + rep, np.float32))
+    return log.result()
+
+
+def test_gather_scatter_repeated(cl) -> None:
+    _expect(cl.run(rank_gather_scatter_repeated), 2 * 2 * 3 * len(cl.procs))
+
+
 def rank_all_reduce_overlapping() -> dict:
     """all_reduce into an `out` that is a view of the input, or shifted over it either way,
     through every eligible algorithm, twice (the second call takes the planned path): the sums

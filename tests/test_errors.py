@@ -197,6 +197,12 @@ def _bad_call(case: str, g: tw.Group, timeout: float) -> None:
         g.gather(x, [np.empty(4, np.float32) for _ in range(n)], dst=n + 3, timeout=timeout)
     elif case == "scatter_src_out_of_range":
         g.scatter(x, [np.ones(4, np.float32) for _ in range(n)], src=n + 1, timeout=timeout)
+    elif case == "gather_readonly_output":  # the root's first block
+        g.gather(x, [readonly, *(np.empty(4, np.float32) for _ in range(n - 1))] if g.rank == 0 else None,
+                 dst=0, timeout=timeout)
+    elif case == "scatter_readonly_output":
+        g.scatter(readonly, [np.ones(4, np.float32) for _ in range(n)] if g.rank == 0 else None, src=0,
+                  timeout=timeout)
     elif case == "all_reduce_noncontiguous":
         g.all_reduce(np.ones((4, 4), np.float32)[:, 1], timeout=timeout)
     elif case == "all_reduce_readonly":
@@ -234,6 +240,7 @@ LOCAL_CASES: dict[str, tuple[str, str]] = {
     "reduce_dst_negative": ("reduce", "dst=-1 is out of range"),
     "gather_dst_out_of_range": ("gather", "out of range"),
     "scatter_src_out_of_range": ("scatter", "out of range"),
+    "scatter_readonly_output": ("scatter", "read-only"),
     "all_reduce_noncontiguous": ("all_reduce", "not C-contiguous"),
     "all_reduce_readonly": ("all_reduce", "read-only"),
     "all_gather_readonly_output": ("all_gather_into_tensor", "output is read-only"),
@@ -476,7 +483,8 @@ def test_alternating_paths_raise_nothing(cluster: Any) -> None:
 
 def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
     """The same signatures (4 x float32: all_reduce SUM, broadcast from 0, reduce SUM to each
-    root, in place and out; the single-tensor all_gather, all_to_all and reduce_scatter)
+    root, in place and out; the single-tensor all_gather, all_to_all and reduce_scatter; gather
+    to and scatter from 0)
     succeed first, so the next call takes the path that skips the checks already passed: what
     is checked per array or per rank must still be."""
     g = _fresh_group()
@@ -491,19 +499,23 @@ def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
     g.all_gather_into_tensor(np.empty(4 * g.size, np.float32), x, timeout=t)
     g.all_to_all_single(np.empty(4 * g.size, np.float32), np.ones(4 * g.size, np.float32), timeout=t)
     g.reduce_scatter_tensor(np.empty(4, np.float32), np.ones(4 * g.size, np.float32), timeout=t)
+    g.gather(x, [np.empty(4, np.float32) for _ in range(g.size)] if g.rank == 0 else None, dst=0, timeout=t)
+    g.scatter(out, [np.ones(4, np.float32) for _ in range(g.size)] if g.rank == 0 else None, src=0, timeout=t)
     call = _mismatched_call if case in MISMATCH_CASES else _bad_call
     return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
 
 
 _WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank != 0),
-                 "reduce_readonly_root": ("reduce", lambda rank: rank == 0)}
+                 "reduce_readonly_root": ("reduce", lambda rank: rank == 0),
+                 "gather_readonly_output": ("gather", lambda rank: rank == 0)}
 
 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op",
                                   "broadcast_readonly_receiver", "reduce_readonly_root", "reduce_op",
                                   "reduce_root", "all_gather_readonly_output", "all_gather_count",
                                   "all_to_all_readonly_output", "reduce_scatter_noncontiguous_output",
-                                  "reduce_scatter_op"])
+                                  "reduce_scatter_op", "gather_readonly_output", "scatter_readonly_output",
+                                  "gather_dtype"])
 def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
     for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
         if case in MISMATCH_CASES:

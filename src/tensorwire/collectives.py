@@ -169,6 +169,46 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     return result
 
 
+def _flat(a: np.ndarray) -> np.ndarray:
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _flats(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [a if a.ndim == 1 else a.reshape(-1) for a in arrays]
+
+
+def _planned_list(arrays: Any, like: np.ndarray, n: int, writable: bool) -> bool:
+    """Can a planned gather or scatter take `arrays` as they are: a list of n arrays of like's
+    dtype and size, contiguous (and writable)? The per-call part of _list's checks."""
+    return (type(arrays) is list and len(arrays) == n
+            and all(type(a) is np.ndarray and a.dtype == like.dtype and a.size == like.size
+                    and _usable(a, writable) for a in arrays))
+
+
+def _gather(call: CollectiveCall, send: np.ndarray, blocks: list[np.ndarray] | None, root: int, result: Any,
+            run: Any) -> Any:
+    """`blocks`: the root's flat outputs (None elsewhere); `run` as for _broadcast."""
+    group = call.group
+    if blocks is not None:
+        send = _apart([send], blocks, (0, root))[0]
+    if run is _SELECT:
+        run = tuner.select(group, "gather", send.nbytes * group.size).run
+    run(call, send, blocks, root)
+    return result
+
+
+def _scatter(call: CollectiveCall, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int, result: Any,
+             run: Any) -> Any:
+    """`blocks`: the root's flat inputs (None elsewhere); `run` as for _broadcast."""
+    group = call.group
+    if blocks is not None:
+        blocks = _apart(blocks, [recv], (root, 0))
+    if run is _SELECT:
+        run = tuner.select(group, "scatter", recv.nbytes * group.size).run
+    run(call, blocks, recv, root)
+    return result
+
+
 def _all_to_all(call: CollectiveCall, ins: list[np.ndarray], outs: list[np.ndarray], even: bool, result: Any,
                 run: Any) -> Any:
     """`even`: equal blocks (uneven splits have no size every rank agrees on, so the tuner
@@ -528,38 +568,49 @@ class Collectives:
                async_op: bool = False, timeout: float | None = None) -> Any:
         """gather_list (on rank dst only) receives every rank's tensor."""
         what = "gather"
+        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, tensor.dtype, tensor.size, dst))
+            if plan is not None and _usable(tensor, False) and (
+                    self.rank != dst or _planned_list(gather_list, tensor, self.size, True)):
+                call, direct, run = plan
+                return self._submit_planned(call, _gather, direct, async_op, timeout, _flat(tensor),
+                                            None if self.rank != dst else _flats(gather_list), dst,
+                                            gather_list, run)
         root = self._root(dst, what, "dst")
         inp = self._arr(tensor, what, writable=False)
         outs = None
         if self.rank == root:
             outs = self._list(gather_list, what, "gather_list", writable=True, like=inp)
-
-        def body(call: CollectiveCall) -> Any:
-            blocks = None if outs is None else [o.reshape(-1) for o in outs]
-            send = inp.reshape(-1) if blocks is None else _apart([inp.reshape(-1)], blocks, (0, root))[0]
-            tuner.run(self, call, "gather", inp.nbytes * self.size, send, blocks, root)
-            return gather_list
-
-        return self._submit(self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size), what, body,
-                        async_op, timeout)
+        fp = self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size)
+        if inp is tensor and (outs is None or all(a is o for a, o in zip(outs, gather_list))):  # type: ignore[arg-type]
+            self._remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * self.size,
+                           one_rank=True)
+        return self._submit(fp, what, _gather, async_op, timeout, _flat(inp),
+                            None if outs is None else _flats(outs), root, gather_list, _SELECT)
 
     def scatter(self: Group, tensor: Any, scatter_list: Sequence[Any] | None = None, src: int = 0, *,
                 async_op: bool = False, timeout: float | None = None) -> Any:
         """Rank r's tensor receives scatter_list[r] of rank src."""
         what = "scatter"
+        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, tensor.dtype, tensor.size, src))
+            if plan is not None and _usable(tensor, True) and (
+                    self.rank != src or _planned_list(scatter_list, tensor, self.size, False)):
+                call, direct, run = plan
+                return self._submit_planned(call, _scatter, direct, async_op, timeout,
+                                            None if self.rank != src else _flats(scatter_list), _flat(tensor),
+                                            src, tensor, run)
         root = self._root(src, what, "src")
         out = self._arr(tensor, what, writable=True)
         ins = None
         if self.rank == root:
             ins = self._list(scatter_list, what, "scatter_list", writable=False, like=out)
-
-        def body(call: CollectiveCall) -> Any:
-            blocks = None if ins is None else _apart([i.reshape(-1) for i in ins], [out], (root, 0))
-            tuner.run(self, call, "scatter", out.nbytes * self.size, blocks, out.reshape(-1), root)
-            return tensor
-
-        return self._submit(self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size), what, body,
-                        async_op, timeout)
+        fp = self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size)
+        if out is tensor and (ins is None or all(a is i for a, i in zip(ins, scatter_list))):  # type: ignore[arg-type]
+            self._remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * self.size,
+                           one_rank=True)
+        return self._submit(fp, what, _scatter, async_op, timeout, None if ins is None else _flats(ins),
+                            _flat(out), root, tensor, _SELECT)
 
     def gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], dst: int = 0, *,
                 async_op: bool = False, timeout: float | None = None) -> Any:
