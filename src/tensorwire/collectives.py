@@ -58,9 +58,17 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return np.may_share_memory(a, b) and a.nbytes == b.nbytes and address(a) == address(b)
 
 
+def _flat(a: np.ndarray) -> np.ndarray:
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _flats(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [a if a.ndim == 1 else a.reshape(-1) for a in arrays]
+
+
 def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
     group = call.group
-    flat = dst if dst.ndim == 1 else dst.reshape(-1)
+    flat = _flat(dst)
     apart = None if dst is src else _input_apart([flat], 0, src)
     if group.size > 1 and flat.size:
         tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
@@ -125,7 +133,7 @@ def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root:
                run: Any) -> Any:
     """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
     group = call.group
-    flat = target if target.ndim == 1 else target.reshape(-1)
+    flat = _flat(target)
     src = _input_apart([flat], 0, data) if group.rank == root and target is not data else None
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
@@ -140,8 +148,7 @@ def _reduce(call: CollectiveCall, src: np.ndarray, target: np.ndarray, red: Redu
             run: Any) -> Any:
     """`run` as for _broadcast; `target` is `src` except on the root of an out-of-place call."""
     group = call.group
-    data = src if src.ndim == 1 else src.reshape(-1)
-    acc = target if target.ndim == 1 else target.reshape(-1)
+    data, acc = _flat(src), _flat(target)
     if run is _SELECT:
         run = tuner.select(group, "reduce", data.nbytes).run if group.size > 1 else None
     if run is not None:
@@ -158,7 +165,7 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     """`outs[rank]` may be `inp` itself (in place); `even`: equal blocks (the one-shot path and
     the size the tuner prices need them); `run` as for _broadcast."""
     group = call.group
-    flats = [o if o.ndim == 1 else o.reshape(-1) for o in outs]
+    flats = _flats(outs)
     src = _input_apart(flats, group.rank, inp)
     if run is _SELECT:
         run = tuner.select(group, "all_gather", sum(f.nbytes for f in flats), even).run
@@ -167,14 +174,6 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     elif src is not None:
         copy(flats[group.rank], src)
     return result
-
-
-def _flat(a: np.ndarray) -> np.ndarray:
-    return a if a.ndim == 1 else a.reshape(-1)
-
-
-def _flats(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    return [a if a.ndim == 1 else a.reshape(-1) for a in arrays]
 
 
 def _planned_list(arrays: Any, like: np.ndarray, n: int, writable: bool) -> bool:
@@ -214,8 +213,7 @@ def _all_to_all(call: CollectiveCall, ins: list[np.ndarray], outs: list[np.ndarr
     """`even`: equal blocks (uneven splits have no size every rank agrees on, so the tuner
     prices them all alike, as size 0); `run` as for _broadcast."""
     group = call.group
-    sends = [b if b.ndim == 1 else b.reshape(-1) for b in ins]
-    recvs = [b if b.ndim == 1 else b.reshape(-1) for b in outs]
+    sends, recvs = _flats(ins), _flats(outs)
     if run is _SELECT:
         run = tuner.select(group, "all_to_all", sum(b.nbytes for b in sends) if even else 0, even).run
     if run is not None:
@@ -227,7 +225,7 @@ def _reduce_scatter(call: CollectiveCall, blocks: list[np.ndarray], out: np.ndar
                     even: bool, result: Any, run: Any) -> Any:
     """`blocks`: flat; `even`: equal blocks (see _all_gather); `run` as for _broadcast."""
     group = call.group
-    flat = out if out.ndim == 1 else out.reshape(-1)
+    flat = _flat(out)
     blocks = _apart(blocks, [flat], (group.rank, 0))
     if run is _SELECT:
         run = tuner.select(group, "reduce_scatter", sum(b.nbytes for b in blocks), even).run
@@ -561,8 +559,7 @@ class Collectives:
                                 f"{counts[self.rank]}), output {out.size} (want sum(counts)={sum(counts)})")
         outs = blocks_of(out.reshape(-1), counts)
         return self._submit(self._fp(Coll.ALL_GATHERV, inp.dtype, counts=counts), what, _all_gather, async_op,
-                            timeout, inp,
-                            outs, False, output, _SELECT)
+                            timeout, inp, outs, False, output, _SELECT)
 
     def gather(self: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
                async_op: bool = False, timeout: float | None = None) -> Any:
