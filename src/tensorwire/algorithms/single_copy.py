@@ -194,10 +194,7 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 
 # Cost, with the host's `cma` link (calibrate.measure_cma): two flag rounds (α) and the bytes
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
-# own block, a local pass priced at γ as pairwise exchange prices it, and so does an all_gather
-# out of place, as the tuner prices every call (without it an out-of-place call measured
-# 1.9-2.0x its price from 1 MiB at n=2, `--settings shm-n2` of 2026-11-25; in place the price
-# is high by that copy, and single copy still the cheapest there).
+# own block, a local pass priced at γ as pairwise exchange prices it.
 _NOTHING = lambda n: 0  # noqa: E731
 # A broadcast's readers each read all of m. Out of place they read the root's input, not the
 # output it fills meanwhile: lines a core has just written were read from the other core at
@@ -206,7 +203,6 @@ _NOTHING = lambda n: 0  # noqa: E731
 # 209 / 427; in place 33 / 94 / 192 against 35 / 131 / 251). A root whose input was itself just
 # written pays that too, as the slots' readers always do.
 _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
-_OWN_BLOCK = lambda n: 1 / n  # noqa: E731
 # The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
 # folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads, before
 # the cma link; with it and this factor, 0.68-1.22 at 1-64 MiB at n=2, 0.63-1.34 at n=4).
@@ -214,8 +210,8 @@ _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
     "broadcast": (single_copy_broadcast, volume_cost(_NOTHING, lambda n: 1, _NOTHING, rounds=2), 1),
-    "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _OWN_BLOCK, rounds=2), 1),
-    "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, _OWN_BLOCK, rounds=2), 1),
+    "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _NOTHING, rounds=2), 1),
+    "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, lambda n: 1 / n, rounds=2), 1),
     "reduce_scatter": (single_copy_reduce_scatter, volume_cost(_NOTHING, _FOLD_READ, _FOLDED, rounds=2), 1),
     "all_reduce": (single_copy_all_reduce,
                    volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
