@@ -714,7 +714,8 @@ def test_copy_between_overlapping_arrays(shift: int) -> None:
 def test_page_scanner_counts_huge_pages() -> None:
     """What single copy's sources report (transport/pages.py): eighths of a buffer in huge pages,
     rounded down, 8 for nothing at all; a span counted twice (an in-place call) keeps the share;
-    UNKNOWN where the kernel cannot tell, and answers kept for a moment (pages.KEEP_S)."""
+    UNKNOWN where the kernel cannot tell or no page is there yet, and answers kept for a moment
+    (pages.KEEP_S)."""
     import mmap
 
     from tensorwire.transport import pages
@@ -744,6 +745,15 @@ def test_page_scanner_counts_huge_pages() -> None:
     blind = pages.PageScanner()
     blind._ioctl = None
     assert blind.eighths([whole]) == pages.UNKNOWN
+    # pages not there yet (or only the zero page, read and never written) are left out: an
+    # output its peers read once this rank has written it is counted by what it becomes
+    fresh = huge_zeros(2 * HUGE_PAGE)
+    span = (fresh.ctypes.data, fresh.nbytes)
+    assert scanner.eighths([span]) == pages.UNKNOWN
+    assert int(fresh.sum()) == 0 and pages.PageScanner().eighths([span]) == pages.UNKNOWN
+    assert pages.PageScanner().eighths([span, part]) == 0  # only the small pages are there
+    fresh[:HUGE_PAGE] = 1
+    assert pages.PageScanner().eighths([span]) == 8
 
 
 def test_a_forked_child_scans_its_own_pages() -> None:

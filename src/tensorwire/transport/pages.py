@@ -17,12 +17,13 @@ import time
 from .cma import _libc
 
 UNKNOWN = 15
-"""`eighths` where the kernel cannot tell (no PAGEMAP_SCAN, no /proc)."""
+"""`eighths` where the kernel cannot tell (no PAGEMAP_SCAN, no /proc), or where no page of the
+buffers is there yet."""
 KEEP_S = 0.05
 """Seconds an answer for a buffer is reused: pages change rarely (khugepaged collapses them,
 reclaim splits them) and a stale answer only misprices, but a scan per call is 5-20% of a
 MiB-sized single copy's time."""
-_PAGE_IS_HUGE = 1 << 6
+_PAGE_IS_PRESENT, _PAGE_IS_PFNZERO, _PAGE_IS_HUGE = 1 << 3, 1 << 5, 1 << 6
 _RUNS = 16
 
 
@@ -57,50 +58,63 @@ class PageScanner:
             self._ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
             self._ioctl.restype = ctypes.c_int
         self._runs = (_Region * _RUNS)()
+        # the present pages' runs, each with whether it is huge or the zero page
         self._arg = _ScanArg(size=ctypes.sizeof(_ScanArg), vec=ctypes.addressof(self._runs), vec_len=_RUNS,
-                             category_mask=_PAGE_IS_HUGE, return_mask=_PAGE_IS_HUGE)
-        self._kept: dict[tuple[int, int], tuple[int, float]] = {}
+                             category_mask=_PAGE_IS_PRESENT,
+                             return_mask=_PAGE_IS_PRESENT | _PAGE_IS_PFNZERO | _PAGE_IS_HUGE)
+        self._kept: dict[tuple[int, int], tuple[int, int, float]] = {}
 
     def eighths(self, spans: list[tuple[int, int]]) -> int:
         """Eighths (0-8, rounded down) of the bytes of `spans` ((address, bytes) each) that lie
-        in huge pages; UNKNOWN where the kernel cannot tell."""
-        total = sum(n for _, n in spans)
-        if not total:
+        in huge pages, of those that are there at all: a page not yet touched (or still the
+        zero page) is left out, as its first write decides what it becomes. An output that
+        peers read after this rank has written it had counted as out of huge pages before its
+        first call (the benchmark's: every out-of-place all_reduce then left single copy for
+        good). UNKNOWN where the kernel cannot tell, or where none of the bytes is there yet."""
+        if not sum(n for _, n in spans):
             return 8
-        huge = 0
+        huge = present = 0
         now = time.monotonic()
         for span in spans:
             kept = self._kept.get(span)
-            if kept is None or now - kept[1] > KEEP_S:
-                got = self._huge_bytes(*span)
-                if got < 0:
+            if kept is None or now - kept[2] > KEEP_S:
+                got = self._scan(*span)
+                if got is None:
                     return UNKNOWN
                 if len(self._kept) >= 64:
                     self._kept.clear()
-                kept = self._kept[span] = (got, now)
+                kept = self._kept[span] = (*got, now)
             huge += kept[0]
-        return 8 * huge // total
+            present += kept[1]
+        return 8 * huge // present if present else UNKNOWN
 
-    def _huge_bytes(self, address: int, nbytes: int) -> int:
-        """Bytes of [address, address + nbytes) in huge pages; -1 where the kernel cannot tell."""
+    def _scan(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(bytes in huge pages, bytes there at all) of [address, address + nbytes); None where
+        the kernel cannot tell."""
         if self._ioctl is None:
-            return -1
+            return None
         if not nbytes:
-            return 0
+            return 0, 0
         lo, hi = address & ~4095, (address + nbytes + 4095) & ~4095
-        arg, runs, found = self._arg, self._runs, 0
+        arg, runs, huge, present = self._arg, self._runs, 0, 0
         while lo < hi:
             arg.start, arg.end = lo, hi
             got = self._ioctl(self._fd, _PAGEMAP_SCAN, ctypes.byref(arg))
             if got < 0:  # ENOTTY / EINVAL before Linux 6.7
                 self._ioctl = None
-                return -1
+                return None
             for i in range(got):
-                found += max(0, min(runs[i].end, address + nbytes) - max(runs[i].start, address))
+                run = runs[i]
+                if run.categories & _PAGE_IS_PFNZERO:
+                    continue
+                overlap = max(0, min(run.end, address + nbytes) - max(run.start, address))
+                present += overlap
+                if run.categories & _PAGE_IS_HUGE:
+                    huge += overlap
             if got < _RUNS or arg.walk_end >= hi:
                 break
             lo = arg.walk_end
-        return found
+        return huge, present
 
 
 @functools.cache
