@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import tuner
+from . import buffers, tuner
 from .algorithms.base import blocks_of
 from .algorithms.shm_direct import AllReducePlan, TensorPlan
 from .buffers import address, as_array, byte_view, copy
@@ -58,17 +58,13 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return np.may_share_memory(a, b) and a.nbytes == b.nbytes and address(a) == address(b)
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
-    return a if a.ndim == 1 else a.reshape(-1)
-
-
 def _flats(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    return [a if a.ndim == 1 else a.reshape(-1) for a in arrays]
+    return [buffers.flat(a) for a in arrays]
 
 
 def _all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
     group = call.group
-    flat = _flat(dst)
+    flat = buffers.flat(dst)
     apart = None if dst is src else _input_apart([flat], 0, src)
     if group.size > 1 and flat.size:
         tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
@@ -123,9 +119,9 @@ def _input_apart(outs: list[np.ndarray], mine: int, inp: np.ndarray) -> np.ndarr
     there (peers may, single copy); else None, outs[mine] filled from it first unless it is
     `inp` itself, as a peer reading `inp` must not see it change while this rank fills `outs`."""
     if not any(np.may_share_memory(o, inp) for o in outs):
-        return inp.reshape(-1)
+        return buffers.flat(inp)
     if not _same_memory(outs[mine], inp):
-        copy(outs[mine], inp.reshape(-1))
+        copy(outs[mine], buffers.flat(inp))
     return None
 
 
@@ -133,7 +129,7 @@ def _broadcast(call: CollectiveCall, data: np.ndarray, target: np.ndarray, root:
                run: Any) -> Any:
     """`run`: the planned algorithm's run function (None: nothing to send), or _SELECT."""
     group = call.group
-    flat = _flat(target)
+    flat = buffers.flat(target)
     src = _input_apart([flat], 0, data) if group.rank == root and target is not data else None
     if run is _SELECT:
         run = tuner.select(group, "broadcast", flat.nbytes).run if group.size > 1 else None
@@ -148,7 +144,7 @@ def _reduce(call: CollectiveCall, src: np.ndarray, target: np.ndarray, red: Redu
             run: Any) -> Any:
     """`run` as for _broadcast; `target` is `src` except on the root of an out-of-place call."""
     group = call.group
-    data, acc = _flat(src), _flat(target)
+    data, acc = buffers.flat(src), buffers.flat(target)
     if run is _SELECT:
         run = tuner.select(group, "reduce", data.nbytes).run if group.size > 1 else None
     if run is not None:
@@ -225,7 +221,7 @@ def _reduce_scatter(call: CollectiveCall, blocks: list[np.ndarray], out: np.ndar
                     even: bool, result: Any, run: Any) -> Any:
     """`blocks`: flat; `even`: equal blocks (see _all_gather); `run` as for _broadcast."""
     group = call.group
-    flat = _flat(out)
+    flat = buffers.flat(out)
     blocks = _apart(blocks, [flat], (group.rank, 0))
     if run is _SELECT:
         run = tuner.select(group, "reduce_scatter", sum(b.nbytes for b in blocks), even).run
@@ -570,7 +566,7 @@ class Collectives:
             if plan is not None and _usable(tensor, False) and (
                     self.rank != dst or _planned_list(gather_list, tensor, self.size, True)):
                 call, direct, run = plan
-                return self._submit_planned(call, _gather, direct, async_op, timeout, _flat(tensor),
+                return self._submit_planned(call, _gather, direct, async_op, timeout, buffers.flat(tensor),
                                             None if self.rank != dst else _flats(gather_list), dst,
                                             gather_list, run)
         root = self._root(dst, what, "dst")
@@ -582,7 +578,7 @@ class Collectives:
         if inp is tensor and (outs is None or all(a is o for a, o in zip(outs, gather_list))):  # type: ignore[arg-type]
             self._remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * self.size,
                            one_rank=True)
-        return self._submit(fp, what, _gather, async_op, timeout, _flat(inp),
+        return self._submit(fp, what, _gather, async_op, timeout, buffers.flat(inp),
                             None if outs is None else _flats(outs), root, gather_list, _SELECT)
 
     def scatter(self: Group, tensor: Any, scatter_list: Sequence[Any] | None = None, src: int = 0, *,
@@ -595,8 +591,8 @@ class Collectives:
                     self.rank != src or _planned_list(scatter_list, tensor, self.size, False)):
                 call, direct, run = plan
                 return self._submit_planned(call, _scatter, direct, async_op, timeout,
-                                            None if self.rank != src else _flats(scatter_list), _flat(tensor),
-                                            src, tensor, run)
+                                            None if self.rank != src else _flats(scatter_list),
+                                            buffers.flat(tensor), src, tensor, run)
         root = self._root(src, what, "src")
         out = self._arr(tensor, what, writable=True)
         ins = None
@@ -607,7 +603,7 @@ class Collectives:
             self._remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * self.size,
                            one_rank=True)
         return self._submit(fp, what, _scatter, async_op, timeout, None if ins is None else _flats(ins),
-                            _flat(out), root, tensor, _SELECT)
+                            buffers.flat(out), root, tensor, _SELECT)
 
     def gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], dst: int = 0, *,
                 async_op: bool = False, timeout: float | None = None) -> Any:
