@@ -749,20 +749,15 @@ class Collectives:
     # -- point-to-point -----------------------------------------------------------------------------
     def isend(self: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
         """Non-blocking send; the returned Work completes once the data left this process's hands."""
-        peer = self._peer(dst, "send")
         data = byte_view(as_array(tensor, writable=False, rank=self.runtime.rank, collective="send"))
-        header, wire = self._p2p_header(tag, data.nbytes)
-        req = self.engine.isend(peer, header, data, f"send to rank {dst} (tag {tag}) on group {self.name}",
-                                wire)
-        return self._p2p_work(req)
+        route = self._p2p_route(True, dst, tag, data.nbytes)
+        return self._p2p_work(self.engine.isend(route.peer, route.header, data, route.label, route.wire))
 
     def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
         """Non-blocking receive into `tensor` (its size must equal the message's)."""
-        peer = self._peer(src, "recv")
         data = byte_view(as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv"))
-        req = self.engine.irecv(peer, self._p2p_header(tag, data.nbytes)[0], data, None,
-                                f"recv from rank {src} (tag {tag}) on group {self.name}")
-        return self._p2p_work(req)
+        route = self._p2p_route(False, src, tag, data.nbytes)
+        return self._p2p_work(self.engine.irecv(route.peer, route.header, data, None, route.label))
 
     def irecv_any(self: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
         """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's

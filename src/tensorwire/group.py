@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -36,7 +36,14 @@ if TYPE_CHECKING:
 
 _log = log.get("COLL")
 P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
-_P2P_HEADERS = 256  # point-to-point headers kept per group (cleared when full)
+_P2P_ROUTES = 256  # point-to-point routes kept per group (cleared when full)
+
+
+class P2PRoute(NamedTuple):
+    peer: int  # world rank
+    header: Header
+    wire: bytes  # the header packed
+    label: str
 
 
 def _mix(*parts: int) -> int:
@@ -133,7 +140,7 @@ class Group(Collectives):
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
         self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.plans: dict[object, Any] = {}  # checked call signatures -> their bodies (see Collectives)
-        self._p2p_headers: dict[tuple[int, int], tuple[Header, bytes]] = {}
+        self._p2p_routes: dict[tuple[bool, int, int, int], P2PRoute] = {}
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
@@ -382,17 +389,21 @@ class Group(Collectives):
                      f"{self.name}.split{self._children}c{int(mine[0])}")
 
     # -- point-to-point -----------------------------------------------------------------------
-    def _p2p_header(self, tag: int, nbytes: int) -> tuple[Header, bytes]:
-        """The header of a point-to-point message and its wire form, kept per (tag, size):
-        building and packing one is a tenth of a small send."""
-        key = (tag, nbytes)
-        out = self._p2p_headers.get(key)
-        if out is None:
-            if len(self._p2p_headers) >= _P2P_HEADERS:
-                self._p2p_headers.clear()
+    def _p2p_route(self, sending: bool, peer: int, tag: int, nbytes: int) -> P2PRoute:
+        """Where a point-to-point message goes and how it is labelled, kept per (direction,
+        peer, tag, size): the checks, the header and its wire form, and the label are most of
+        a small message's time otherwise."""
+        key = (sending, peer, tag, nbytes)
+        route = self._p2p_routes.get(key)
+        if route is None:
+            world = self._peer(peer, "send" if sending else "recv")
+            if len(self._p2p_routes) >= _P2P_ROUTES:
+                self._p2p_routes.clear()
             header = Header(Kind.P2P, self.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
-            out = self._p2p_headers[key] = (header, header.pack())
-        return out
+            label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
+                f" (tag {tag}) on group {self.name}"
+            route = self._p2p_routes[key] = P2PRoute(world, header, header.pack(), label)
+        return route
 
     def _peer(self, peer: int, what: str) -> int:
         self._check_member(what)
@@ -431,8 +442,18 @@ class Group(Collectives):
                          what=req.what)
 
     def _p2p_work(self, req: Request) -> Work:
+        if req.done and req.error is None:  # a small send, already in the ring or the socket
+            return _Sent(req.label, self.runtime.rank)
         self.engine.watch_in_background(req)
         return _P2PWork(self, req)
+
+
+class _Sent(Work):
+    """A send that completed as it was posted: nothing to drive, wait or watch."""
+
+    def __init__(self, what: str, rank: int) -> None:
+        super().__init__(what, rank)
+        self._done = True
 
 
 class _P2PWork(Work):
@@ -455,6 +476,7 @@ class _P2PWork(Work):
                     self._finish(exc=exc)
                     raise
             self._finish()
+            return True
         return super().wait(0)
 
     def is_completed(self) -> bool:

@@ -12,6 +12,8 @@ import numpy as np
 from ..ops import ReduceOp, reduce_into, reduce_to
 from .wire import Header
 
+_U8 = np.dtype(np.uint8)
+
 
 class Request:
     """One point-to-point transfer; `done` flips once, `error` is set if it failed."""
@@ -84,11 +86,12 @@ class RecvRequest(Request, Sink):
                  what: str, base: np.ndarray | None = None) -> None:
         Request.__init__(self, peer, header, what)
         Sink.__init__(self, header.nbytes)
-        self.dst = dst.reshape(-1)
-        self.dst_u8 = self.dst.view(np.uint8) if self.dst.dtype != np.uint8 else self.dst
+        dst = dst if dst.ndim == 1 else dst.reshape(-1)  # callers mostly pass flat views already
+        self.dst = dst
+        self.dst_u8 = dst if dst.dtype is _U8 else dst.view(_U8)
         self.reduce_op = reduce_op
         self.base = None if base is None else base.reshape(-1)
-        self.itemsize = self.dst.dtype.itemsize
+        self.itemsize = dst.itemsize
 
     def direct(self, nbytes: int) -> memoryview | None:
         if self.reduce_op is not None:

@@ -172,6 +172,11 @@ class TcpChannel:
         pushed = self.stream.push() if self.stream.sendq else False
         return self.stream.pull() or pushed
 
+    def flush(self) -> None:
+        """Hand queued sends to the kernel, reading nothing."""
+        if self.stream.sendq:
+            self.stream.push()
+
     def poll_socket(self) -> bool:
         return self.progress()
 
