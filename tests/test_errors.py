@@ -844,6 +844,41 @@ def test_peer_dies(transport: str, mode: str) -> None:
         _kill_all(procs)
 
 
+_SENDER_DIES = """
+from tensorwire.buffers import huge_zeros
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=30)
+data = huge_zeros(2 << 20)
+data[:] = 7
+if rank == 1:
+    work = tw.isend(data, 0, tag=5)  # in huge pages: rank 0 is to read it out of this process
+    tw.barrier()
+    report(done=work.is_completed())
+    os._exit(3)  # before rank 0 has read it
+tw.barrier()
+src = tw.world().probe_any(tag=5)  # the message has arrived: its descriptor, not its bytes
+time.sleep(1.0)  # rank 1 is gone
+got = np.zeros(2 << 20, np.uint8)
+report(src=src, recv=attempt(tw.recv, got, 1, tag=5), sevens=int(np.count_nonzero(got == 7)))
+"""
+
+
+@pytest.mark.timeout(40)
+def test_sender_dies_before_its_message_is_read() -> None:
+    """A large point-to-point message that shared memory left in its sender's memory (shm.REMOTE)
+    and whose sender died before the receive came: PeerLostError naming the sender, no data."""
+    port = free_port()
+    procs = [_spawn(_SENDER_DIES, r, 2, port) for r in (0, 1)]
+    try:
+        first, second = _reports(procs[0], 30)[-1], _reports(procs[1], 30)[-1]
+    finally:
+        _kill_all(procs)
+    assert first["src"] == 1
+    _assert_error(first["recv"], PeerLostError, "recv from rank 1", "exited before this rank read its message",
+                  rank=0, within=2.0)
+    if not second["done"]:  # it did go as a descriptor (huge pages, CMA): nothing could arrive
+        assert first["sevens"] == 0, first
+
+
 _LEAVE = """
 tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
 if rank == 0:

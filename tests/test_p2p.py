@@ -377,6 +377,88 @@ def test_large_messages(cluster: Any) -> None:
         assert last == _pattern(left, rank, 41, n)[-1]
 
 
+def _huge_pattern(sender: int, receiver: int, tag: int, nbytes: int) -> np.ndarray:
+    """_pattern in a buffer advised for huge pages (buffers.huge_zeros)."""
+    from tensorwire.buffers import huge_zeros
+    out = huge_zeros(nbytes).view(np.int64)
+    out[:] = _pattern(sender, receiver, tag, out.size)
+    return out
+
+
+def _reads_peer_memory(g: Any, peer: int, send: np.ndarray) -> dict[str, bool]:
+    """Whether a send to group rank `peer` should go as a descriptor (shm.REMOTE_BYTES), and
+    whether this machine could have made it so (shared memory, THP, PAGEMAP_SCAN, CMA)."""
+    from tensorwire.transport import cma, pages
+    channel = g.engine.channels.get(g.ranks[peer])
+    eighths = pages.scanner().eighths([(send.ctypes.data, send.nbytes)])
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = "[never]" not in f.read()
+    shm = getattr(channel, "kind", "") == "shm"
+    return {"remote": shm and channel.peer_reads and eighths != pages.UNKNOWN and eighths >= 4,
+            "able": shm and thp and eighths != pages.UNKNOWN and not cma.allow_peers()}
+
+
+def _rendezvous(nbytes: int) -> dict[str, Any]:
+    """Large sends out of huge pages: the receiver copies them straight out of the sender's
+    buffer, so a send completes only once its receive has taken it, nothing is staged (also
+    for a receive posted late), and they keep their order with ring messages of the same tag."""
+    g = tw.world()
+    r, right, left = _neighbours(g)
+    send = _huge_pattern(r, right, 43, nbytes)
+    out = _reads_peer_memory(g, right, send)
+    staged = g.engine.staged_bytes
+    got = np.zeros(send.size, np.int64)  # heap pages: only the source's pages decide
+    tw.barrier()
+    work = g.isend(send, right, tag=43)
+    time.sleep(0.05)  # long past the background thread's grace: it would have completed it
+    out["early"] = work.is_completed()
+    tw.barrier()  # the receives come late, after every rank looked
+    g.recv(got, left, tag=43)
+    work.wait(10)
+    out["late"] = _same_as_pattern(got, left, r, 43)
+    got[:] = 0
+    posted = g.irecv(got, left, tag=44)
+    small = np.zeros(3, np.int64)
+    posted_small = g.irecv(small, left, tag=44)
+    tw.barrier()
+    works = [g.isend(send, right, tag=44), g.isend(np.full(3, r, np.int64), right, tag=44)]
+    for w in (posted, posted_small, *works):
+        w.wait(10)
+    out["posted"] = _same_as_pattern(got, left, r, 43) and small.tolist() == [left] * 3
+    out["staged"] = g.engine.staged_bytes - staged
+    out["awaiting"] = len(getattr(g.engine.channels.get(g.ranks[right]), "awaiting", ()))
+    return out
+
+
+def test_large_sends_are_read_from_the_senders_memory(cluster: Any) -> None:
+    results = cluster.run(_rendezvous, 2 << 20)  # fits a ring: through it, the send would end at once
+    for rank, res in enumerate(results):
+        assert res["late"] and res["posted"], (rank, res)
+        if res["remote"]:
+            assert not res["early"] and res["staged"] == 0 and res["awaiting"] == 0, (rank, res)
+    if cluster.size > 1 and all(res["able"] for res in results):
+        assert all(res["remote"] for res in results), results  # the path is exercised here
+
+
+def _both_send_first(nbytes: int) -> dict[str, Any]:
+    """Every rank sends before it receives (unsafe in MPI, where a large send waits for its
+    receive): a waiter idle for 100 ms stages what waits in its sender's memory, so all finish."""
+    g = tw.world()
+    r, right, left = _neighbours(g)
+    send = _huge_pattern(r, right, 45, nbytes)
+    got = np.zeros(send.size, np.int64)
+    tw.barrier()
+    t0 = time.monotonic()
+    g.send(send, right, tag=45, timeout=10)
+    g.recv(got, left, tag=45, timeout=10)
+    return {"right": _same_as_pattern(got, left, r, 45), "s": time.monotonic() - t0}
+
+
+def test_sends_that_wait_for_each_other_still_finish(cluster: Any) -> None:
+    for rank, res in enumerate(cluster.run(_both_send_first, 4 << 20)):
+        assert res["right"] and res["s"] < 5, (rank, res)
+
+
 _HUGE = int(2.2 * (1 << 30))  # more than 2 GiB: past every 32-bit length and the kernel's per-call limit
 _STRIDE = 1 << 16
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import socket
 import struct
 import time
+from typing import NamedTuple
 
 from .. import log
 from ..config import Config
 from ..errors import RendezvousError, TimeoutError
 from ..rendezvous.store import Store
+from . import cma
 from .engine import Engine
 from .shm import Ring, ShmChannel
 from .tcp import SocketStream, TcpChannel, tune_socket
@@ -90,25 +93,38 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     return engine
 
 
+class RingPair(NamedTuple):
+    out: Ring
+    inn: Ring
+    peer_pid: int  # non-zero where this process can read the peer's memory
+    peer_reads: bool  # the peer can read this process's memory
+
+
 def attach_peers(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
-                 cfg: Config) -> dict[int, tuple[Ring, Ring]]:
+                 cfg: Config) -> dict[int, RingPair]:
     """Turn connected sockets into channels: shared-memory rings toward the `local` peers that
     agree (both sides run this), TCP for the rest. Safe while the engine runs (an integration
     connecting pairs on demand); returns the ring pairs set up."""
-    rings = _setup_rings(engine.rank, socks, local, job_id, cfg.shm_ring_bytes)
+    refused = "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else cma.allow_peers()
+    if refused and local:
+        _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
+                  "messages go through the rings", engine.rank, refused)
+    rings = _setup_rings(engine.rank, socks, local, job_id, cfg.shm_ring_bytes, not refused)
     with engine.lock:
         install_channels(engine, socks, rings, cfg)
     return rings
 
 
 def install_channels(engine: Engine, socks: dict[int, socket.socket],
-                     rings: dict[int, tuple[Ring, Ring]], cfg: Config) -> None:
+                     rings: dict[int, RingPair], cfg: Config) -> None:
     """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
         tune_socket(socks[r])
         stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
         if r in rings:
-            engine.add_channel(r, ShmChannel(stream, rings[r][0], rings[r][1], engine))
+            pair = rings[r]
+            engine.add_channel(r, ShmChannel(stream, pair.out, pair.inn, engine, pair.peer_pid,
+                                             pair.peer_reads))
         else:
             engine.add_channel(r, TcpChannel(stream))
 
@@ -166,8 +182,10 @@ def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: 
 
 
 def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], job_id: str,
-                 capacity: int) -> dict[int, tuple[Ring, Ring]]:
-    """Exchange ring names with local peers; keep a pair only if both sides mapped it."""
+                 capacity: int, readable: bool) -> dict[int, RingPair]:
+    """Exchange ring names with local peers; keep a pair only if both sides mapped it. Each
+    side also tries to read the other's memory (the nonce of its ring, in its own process),
+    where the other offers it (`readable`): large point-to-point messages are read so."""
     mine: dict[int, Ring] = {}
     for r in sorted(local):
         try:
@@ -176,8 +194,12 @@ def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], jo
             _log.warning("rank %d: no shared memory toward rank %d (%s); using TCP", rank, r, exc)
     for r in sorted(socks):
         ring = mine.get(r)
-        _send_msg(socks[r], {"ring": ring.name if ring else "", "nonce": ring.nonce if ring else 0})
+        offer = {"ring": ring.name, "nonce": ring.nonce} if ring else {"ring": "", "nonce": 0}
+        if ring and readable:
+            offer.update(pid=os.getpid(), probe=ring.nonce_address)
+        _send_msg(socks[r], offer)
     theirs: dict[int, Ring] = {}
+    pids: dict[int, int] = {}  # the peers whose memory this process can read
     for r in sorted(socks):
         offer = _recv_msg(socks[r])
         if r in mine and offer["ring"]:
@@ -189,15 +211,22 @@ def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], jo
                     ring.close()
             except OSError:
                 pass
+            if r in theirs and offer.get("pid"):
+                why = cma.can_read(offer["pid"], offer["probe"], offer["nonce"])
+                if why:
+                    _log.info("rank %d cannot read rank %d's memory (%s)", rank, r, why)
+                else:
+                    pids[r] = offer["pid"]
     for r in sorted(socks):
-        _send_msg(socks[r], {"ok": r in theirs})
+        _send_msg(socks[r], {"ok": r in theirs, "reads": r in pids})
     rings = {}
     for r in sorted(socks):
-        ok = _recv_msg(socks[r])["ok"]
+        answer = _recv_msg(socks[r])
+        ok = answer["ok"]
         if r in mine:
             mine[r].unlink()  # both mapped it (or gave up): the name is no longer needed
         if ok and r in theirs:
-            rings[r] = (mine[r], theirs[r])
+            rings[r] = RingPair(mine[r], theirs[r], pids.get(r, 0), answer["reads"])
         else:
             if r in mine:
                 mine[r].close()

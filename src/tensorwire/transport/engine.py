@@ -67,8 +67,9 @@ DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
 _RELEASE_PARKED_S = 0.1
-"""A waiter idle this long stages the messages parked in its rings (shm.PARK_BYTES), whatever
-they wait for: a parked sender may be the one this wait depends on, through a third rank."""
+"""A waiter idle this long stages the messages parked in its rings (shm.PARK_BYTES) and those
+left in their senders' memory (shm.REMOTE_BYTES), whatever they wait for: a parked sender may
+be the one this wait depends on, through a third rank, or two ranks may both send first."""
 _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long to a waiter
 _BG_PARK_LOOKS = 200  # it sleeps until woken after this many looks (a second) found none
 _BG_PRUNE = 256  # finished requests the set may hold before a registration drops them
@@ -181,7 +182,9 @@ class Engine:
         return req.done
 
     # -- matching (called by channels when a header arrives) --------------------------------
-    def match(self, peer: int, header: Header) -> Sink:
+    def match(self, peer: int, header: Header, remote: bool = False) -> Sink:
+        """The sink for an arriving message: its posted receive, else a new unexpected one
+        (`remote`: its payload stays in the sender's memory until a receive takes it)."""
         if header.kind > _LAST_DATA_KIND:
             return self._control(peer, header)
         key = (peer, header.key)
@@ -193,8 +196,9 @@ class Engine:
             if self._check(req, header):
                 return req
             return Discard(header.nbytes)
-        msg = Unexpected(header)
-        self.staged_bytes += header.nbytes
+        msg = Unexpected(header, remote)
+        if not remote:
+            self.staged_bytes += header.nbytes
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
             call = self.current.get(header.ctx)
@@ -218,11 +222,15 @@ class Engine:
         return not any(p == peer for p, _ in self.posted)
 
     def release_parked(self) -> None:
-        """Stage every parked message (and vet it): called by waiters idle for _RELEASE_PARKED_S."""
+        """Stage every parked message (and vet it), and every unexpected one still in its
+        sender's memory, whose sender waits for it: called by waiters idle for _RELEASE_PARKED_S."""
         with self.lock:
             for channel in self._channel_list:
                 if getattr(channel, "parked", None) is not None:
                     channel.release = True
+            for queue in self.unexpected.values():
+                for msg in queue:
+                    self.staged_bytes += msg.stage()
             self.progress()
 
     def _control(self, peer: int, header: Header) -> Sink:

@@ -7,6 +7,8 @@ arrives and then hands it byte ranges, either as a writable view of the final de
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from ..ops import ReduceOp, reduce_into, reduce_to
@@ -37,6 +39,7 @@ class Request:
 
 
 class SendRequest(Request):
+    descriptor: bytes | None = None  # set where the receiver reads the payload itself (shm REMOTE)
 
     def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
                  wire_header: bytes | None = None) -> None:
@@ -47,6 +50,21 @@ class SendRequest(Request):
 
     def progress_text(self) -> str:
         return f"send {self.sent}/{self.header.nbytes} bytes"
+
+
+class RemotePayload(Protocol):
+    """A message whose payload is still in its sender's memory (shared memory's REMOTE mode).
+    Each method tells the sender once, after which it may reuse its buffer."""
+
+    def read_into(self, req: RecvRequest) -> None:
+        """Fill (or fold into) `req` straight from the sender's memory and finish it."""
+
+    def read_all(self) -> np.ndarray | None:
+        """The whole payload in a fresh buffer; None, telling nobody, where the sender's memory
+        cannot be read (the receive that takes it then says why)."""
+
+    def discard(self) -> None:
+        """Read nothing (the receive failed)."""
 
 
 class Sink:
@@ -75,6 +93,12 @@ class Sink:
 
     def finish(self) -> None:
         """Called once when the last byte arrived."""
+
+    def fetch(self, source: RemotePayload) -> None:
+        """Take a message whose payload is in its sender's memory (instead of write/finish)."""
+        source.discard()
+        self.received = self.nbytes
+        self.finish()
 
 
 class RecvRequest(Request, Sink):
@@ -114,18 +138,23 @@ class RecvRequest(Request, Sink):
     def finish(self) -> None:
         self.done = True
 
+    def fetch(self, source: RemotePayload) -> None:
+        source.read_into(self)
+
     def progress_text(self) -> str:
         return f"recv {self.received}/{self.nbytes} bytes"
 
 
 class Unexpected(Sink):
-    """A message that arrived before its receive was posted; buffered until it is."""
+    """A message that arrived before its receive was posted; buffered until it is, or, where
+    its payload stays in the sender's memory (`remote`), read only once it is."""
 
 
-    def __init__(self, header: Header) -> None:
+    def __init__(self, header: Header, remote: bool = False) -> None:
         super().__init__(header.nbytes)
         self.header = header
-        self.buf = np.empty(header.nbytes, dtype=np.uint8)
+        self.buf = None if remote else np.empty(header.nbytes, dtype=np.uint8)
+        self.source: RemotePayload | None = None
         self.waiter: RecvRequest | None = None
 
     def direct(self, nbytes: int) -> memoryview | None:
@@ -139,9 +168,25 @@ class Unexpected(Sink):
         if self.waiter is not None:
             deliver(self, self.waiter)
 
+    def fetch(self, source: RemotePayload) -> None:
+        self.source = source
+        self.received = self.nbytes
+
+    def stage(self) -> int:
+        """Copy a remote payload here and release its sender; the bytes staged."""
+        buf = None if self.source is None else self.source.read_all()
+        if buf is None:
+            return 0
+        self.buf, self.source = buf, None
+        return self.nbytes
+
 
 def deliver(msg: Unexpected, req: RecvRequest) -> None:
-    """Hand a fully buffered unexpected message to the receive that matched it."""
+    """Hand an unexpected message that has fully arrived to the receive that matched it."""
+    if msg.source is not None:
+        msg.source, source = None, msg.source
+        source.read_into(req)
+        return
     req.write(msg.buf)
     req.finish()
 

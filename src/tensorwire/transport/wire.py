@@ -11,7 +11,7 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
-HEADER = struct.Struct("<BBBBIQqQQiQ12x")
+HEADER = struct.Struct("<BBBBIQqQQiQB11x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
 assert HEADER_SIZE == 64
 
@@ -23,6 +23,15 @@ class Kind(IntEnum):
     BYE = 3  # the sender called destroy(): its closing socket is a goodbye, not a crash
     QUERY = 4  # "which call of this group are you in?" (sent by a waiter that has been idle a while)
     STATE = 5  # the answer: the sequence number and fingerprint of the replier's current call
+    ACK = 6  # shared memory: the receiver has read a REMOTE message (seq: the sender's id for it)
+
+
+class Mode(IntEnum):
+    """How a message's payload travels (shared memory only; TCP always carries it INLINE)."""
+
+    INLINE = 0  # the payload follows the header
+    REMOTE = 1  # a descriptor follows: the receiver reads the payload out of the sender's memory
+    ACK = 2  # no payload: the answer to a REMOTE message, which completes its send
 
 
 class Coll(IntEnum):
@@ -97,6 +106,7 @@ class Header(NamedTuple):
     tag: int
     nbytes: int
     fp: Fingerprint
+    mode: int = Mode.INLINE
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -105,15 +115,15 @@ class Header(NamedTuple):
     def pack(self) -> bytes:
         fp = self.fp
         return HEADER.pack(self.kind, fp.coll, fp.dtype, fp.op, self.ctx, self.seq, self.tag,
-                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root, fp.aux)
+                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root, fp.aux, self.mode)
 
     @classmethod
     def unpack(cls, raw, offset: int = 0) -> Header:
         """From HEADER_SIZE bytes of `raw` at `offset` (a ring is read in place, no slice)."""
-        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root, aux = HEADER.unpack_from(raw, offset)
+        kind, coll, dtype, op, ctx, seq, tag, nbytes, count, root, aux, mode = HEADER.unpack_from(raw, offset)
         if count == 0xFFFFFFFFFFFFFFFF:
             count = -1
-        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count, aux))
+        return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count, aux), mode)
 
 
 def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:
