@@ -480,7 +480,13 @@ class _P2PWork(Work):
         return super().wait(0)
 
     def is_completed(self) -> bool:
-        return self._req.done
+        """Also one round of progress (as MPI_Test): a caller that polls moves its transfer."""
+        req = self._req
+        if not req.done:
+            engine = self._group.engine
+            with engine.lock:
+                engine.progress()
+        return req.done
 
 
 def _single_copy_refused(setting: str) -> str:
