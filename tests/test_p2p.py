@@ -462,6 +462,66 @@ def test_sends_that_wait_for_each_other_still_finish(cluster: Any) -> None:
         assert res["right"] and res["s"] < 5, (rank, res)
 
 
+def _poll(*works: Any, limit: float = 10.0) -> float:
+    """Seconds until every Work is complete, polling is_completed() only (no wait())."""
+    t0 = time.monotonic()
+    while not all(w.is_completed() for w in works) and time.monotonic() - t0 < limit:
+        time.sleep(0.001)
+    return time.monotonic() - t0
+
+
+def _remote_edge_cases() -> dict[str, Any]:
+    """REMOTE sends (huge pages) whose acknowledgement could be lost or stuck, with nobody
+    waiting, only polling: a receive of the wrong size, posted after the descriptor arrived;
+    an acknowledgement behind a large ring message that its reader has no receive for yet
+    (such a message may wait in the ring, shm.PARK_BYTES); ranks that all send first."""
+    g = tw.world()
+    r, right, left = _neighbours(g)
+    out: dict[str, Any] = {}
+    send = _huge_pattern(r, right, 46, 1 << 20)
+    work = g.isend(send, right, tag=46)
+    if g.size > 1:
+        g.probe_any(tag=46, timeout=10)  # the descriptor has arrived: the receive finds it waiting
+    out["mismatch"] = _raises(g.recv, np.zeros(send.size // 2, np.int64), left, tag=46, timeout=10)
+    out["mismatch_send_s"] = _poll(work)
+    # The acknowledgement of a REMOTE send comes behind 1 MiB of ring message that the sender
+    # has no receive for while it polls. At n=2 rank 0 sends the REMOTE message and rank 1 the
+    # ring one; from n=3 every rank does both, the ring one to its left.
+    ring_msg = _pattern(r, left, 47, (1 << 20) // 8)  # heap, 4 KiB pages: through the ring
+    got_ring, got_remote = np.zeros_like(ring_msg), np.zeros(send.size, np.int64)
+    tw.barrier()
+    remote_sender, ring_sender = g.size > 2 or r == 0, g.size > 2 or r == 1  # alone: both
+    ring_sender |= g.size == 1
+    if ring_sender:
+        g.isend(ring_msg, left, tag=47)
+    if remote_sender:
+        receiving = g.irecv(got_remote, left, tag=48) if ring_sender else None
+        out["behind_s"] = _poll(g.isend(send, right, tag=48), *[receiving] if receiving else [])
+        g.recv(got_ring, right, tag=47, timeout=10)
+    else:
+        g.recv(got_remote, left, tag=48, timeout=10)
+        out["behind_s"] = 0.0
+    out["behind_right"] = ((not ring_sender or _same_as_pattern(got_remote, left, r, 46))
+                           and (not remote_sender or _same_as_pattern(got_ring, right, r, 47)))
+    tw.barrier()
+    # every rank sends first and polls that send before it posts its receive
+    got = np.zeros(send.size, np.int64)
+    out["first_s"] = _poll(g.isend(send, right, tag=49))
+    g.recv(got, left, tag=49, timeout=10)
+    out["first_right"] = _same_as_pattern(got, left, r, 46)
+    return out
+
+
+def test_remote_sends_are_never_left_waiting(cluster: Any) -> None:
+    for rank, res in enumerate(cluster.run(_remote_edge_cases)):
+        left = (rank - 1) % cluster.size
+        _check_error(res["mismatch"], CollectiveMismatchError, f"recv from rank {left} (tag 46)",
+                     f"rank {left} sent {1 << 20} bytes where this rank expected {1 << 19}")
+        assert res["mismatch_send_s"] < 5, (rank, res)
+        assert res["behind_right"] and res["behind_s"] < 5, (rank, res)
+        assert res["first_right"] and res["first_s"] < 5, (rank, res)
+
+
 _HUGE = int(2.2 * (1 << 30))  # more than 2 GiB: past every 32-bit length and the kernel's per-call limit
 _STRIDE = 1 << 16
 

@@ -154,6 +154,8 @@ class Engine:
                         deliver(msg, req)
                     else:
                         msg.waiter = req
+                elif msg.source is not None:  # the receive failed: release the sender anyway
+                    msg.source.discard()
             else:
                 self.posted.setdefault(key, deque()).append(req)
         return req
@@ -560,6 +562,7 @@ class Engine:
         keep coming it looks ever less often (up to _BG_LOOK_MAX_S): each look takes the GIL
         from a spinning waiter, and half the sendrecv calls over 50 us at n=2 were such looks."""
         quiet_since = None  # when pending requests were first seen without a waiter
+        stalled_since = None  # when its own progress last stopped moving anything
         period = _BG_GRACE_S
         seen = -1
         idle_since = time.perf_counter()
@@ -584,13 +587,20 @@ class Engine:
                     continue
                 idle_since = now
                 if busy:
-                    quiet_since = None  # waiters drive progress: look again later
+                    quiet_since = stalled_since = None  # waiters drive progress: look again later
                 elif quiet_since is None:
                     quiet_since = now
                 if quiet_since is None or now - quiet_since < _BG_GRACE_S:
                     self._bg_wakeup.wait(period)
                     continue
                 moved = self.progress()
+                if moved:
+                    stalled_since = None
+                elif stalled_since is None:
+                    stalled_since = now
+                elif now - stalled_since >= _RELEASE_PARKED_S:  # as an idle waiter does: sends
+                    stalled_since = None  # that wait for each other, with nobody waiting here
+                    self.release_parked()
             if not moved:
                 try:
                     select.select(self._sockets, [], [], 200e-6)
@@ -606,6 +616,10 @@ class Engine:
             empty = np.empty(0, dtype=np.uint8)
             for channel in self._channel_list:
                 if channel.peer not in self.lost:
+                    try:
+                        channel.flush()  # acknowledgements a peer's send may wait for
+                    except PeerClosed:
+                        pass
                     bye = Header(Kind.BYE, 0, 0, 0, 0, Fingerprint(0))
                     channel.post_control(SendRequest(channel.peer, bye, empty, "goodbye"))
                     try:

@@ -49,6 +49,10 @@ Collectives' messages keep the ring: their receives may fold as they arrive, and
 prices are measured through it."""
 _DESCRIPTOR = struct.Struct("<QQ")  # a REMOTE message's payload address and the sender's id for it
 _EMPTY = np.empty(0, dtype=np.uint8)
+_UNACKNOWLEDGED: list[np.ndarray] = []
+"""Payloads of REMOTE sends that were never acknowledged when their channel closed (destroy()
+with a send nobody waited for): a receive posted later may still read them, so their memory
+stays this process's until it exits rather than going back to the allocator."""
 PARK_BYTES = 256 << 10
 """A message of at least this size whose receive is not posted yet stays in the ring (the
 sender waits) instead of being staged in a fresh buffer and copied twice: ranks that run ahead
@@ -171,10 +175,12 @@ class ShmChannel:
 
     def acknowledge(self, rid: int) -> None:
         """Tell the peer its REMOTE message `rid` was read: its send completes."""
-        ack = Header(Kind.ACK, 0, rid, 0, 0, P2P_FINGERPRINT, Mode.ACK)
-        self.post(SendRequest(self.peer, ack, _EMPTY, "acknowledgement"))
+        ack = SendRequest(self.peer, Header(Kind.ACK, 0, rid, 0, 0, P2P_FINGERPRINT, Mode.ACK), _EMPTY,
+                          "acknowledgement")
+        self.post(ack)
         if self.sendq:  # behind other sends: push now, the peer may wait for nothing else
             self._push()
+            self.engine.watch_in_background(ack)  # and later, should this rank stop calling
 
     def _acked(self, rid: int) -> None:
         req = self.awaiting.pop(rid, None)
@@ -307,7 +313,7 @@ class ShmChannel:
                     tail = self._take_remote(header, tail)
                     avail = words[_HEAD] - tail
                     continue
-                if header.nbytes >= PARK_BYTES and not self.release \
+                if header.nbytes >= PARK_BYTES and not self.release and not self.awaiting \
                         and self.engine.may_park(self.peer, header):
                     self.parked = header
                     break
@@ -370,6 +376,8 @@ class ShmChannel:
         sink.finish()
 
     def close(self) -> None:
+        if self.awaiting:  # the peer may still read them (its receive posted late): keep them
+            _UNACKNOWLEDGED.extend(req.payload for req in self.awaiting.values())
         self.stream.close()
         self.out.unlink()
         self.inn.close()
