@@ -873,8 +873,8 @@ def test_sender_dies_before_its_message_is_read() -> None:
     finally:
         _kill_all(procs)
     assert first["src"] == 1
-    _assert_error(first["recv"], PeerLostError, "recv from rank 1", "exited before this rank read its message",
-                  rank=0, within=2.0)
+    _assert_error(first["recv"], PeerLostError, "recv from rank 1",
+                  "exited before this rank read its message", rank=0, within=2.0)
     if not second["done"]:  # it did go as a descriptor (huge pages, CMA): nothing could arrive
         assert first["sevens"] == 0, first
 
