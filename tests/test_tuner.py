@@ -394,8 +394,30 @@ def test_memory_probe_charges_what_spill_charges(monkeypatch) -> None:
     cache, beta, gamma = calibrate.measure_memory()
     assert cache == 2 << 20 and 0 <= beta < 1e-9 and 0 <= gamma < 1e-9
     monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 1 << 30)
+    monkeypatch.setattr(calibrate, "cache_in_reach", lambda limit: limit)  # all of it within reach
     default = tuner.DEFAULT_LINKS[tuner.MEMORY]
     assert calibrate.measure_memory() == (float(1 << 30), default.beta, default.gamma)
+    # a core reaches 2 MiB of a last-level cache said to be 1 GiB: the host, its cores' share
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(calibrate, "cache_in_reach", lambda limit: 2 << 20)
+    monkeypatch.setattr(calibrate, "MEMORY_ARRAY_MAX", 4 << 20)  # quick
+    cache, beta, gamma = calibrate.measure_memory()
+    assert cache == cores * (2 << 20) and beta >= 0 and gamma >= 0
+
+
+def test_cache_in_reach_is_where_copies_slow_down(monkeypatch) -> None:
+    """The footprint of the largest copy within KNEE of the smallest one's time per byte; the
+    limit where none slows down. (Copy times stand in for the machine's: 1 ns per 100 bytes
+    up to 2 x 512 KiB, then twice that.)"""
+    def fake_best(times: list[float]):
+        return lambda run, rounds: times.pop(0)
+
+    sizes = [128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20]
+    slow = [s * (1e-11 if s <= 512 << 10 else 2e-11) for s in sizes]
+    monkeypatch.setattr(calibrate, "_best", fake_best(slow))
+    assert calibrate.cache_in_reach(1 << 30) == 1 << 20
+    monkeypatch.setattr(calibrate, "_best", fake_best([s * 1e-11 for s in sizes]))
+    assert calibrate.cache_in_reach(4 << 20) == 4 << 20
 
 
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:

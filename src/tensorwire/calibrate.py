@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 11
+PROBE_VERSION = 12
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -90,6 +90,7 @@ CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_c
 FIELDS = ("alpha", "beta", "gamma", "cache")
 REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
 MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: the cache's size, at most this
+KNEE = 1.6  # a copy this much slower per byte than a small one has left the cache (cache_in_reach)
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
 _STATUS_PROBE, _STATUS_FINAL, _STATUS_ERROR = 0.0, 1.0, 2.0
@@ -356,16 +357,47 @@ def last_level_cache(cpu: int | None = None) -> int:
     return best
 
 
+def cache_in_reach(limit: int) -> int:
+    """Bytes of cache that one process's copies find, up to `limit`: the footprint (both
+    arrays) of the largest copy that still ran within KNEE of the per-byte time of the
+    smallest, doubling from 2 x 128 KiB. What sysfs calls the last-level cache may be
+    neither near nor the process's: on the project's Intel VM it says 480 MiB, yet a copy ran
+    at 38-48 GB/s up to 2 x 512 KiB, 26 at 2 x 1 MiB and 13-14 from 2 x 2 MiB to 2 x 16 MiB
+    (L2 is 2 MiB a core), so every message was priced as if in cache: single copy's all_reduce
+    measured 1.6-2.3x its price at 1-64 MiB (n=2)."""
+    arrays = 128 << 10
+    first = None
+    while 2 * arrays <= limit:
+        region = mmap.mmap(-1, 2 * arrays, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            both = np.frombuffer(region, dtype=np.uint8)
+            src, dst = both[:arrays], both[arrays:]
+            src.fill(1)
+            dst.fill(0)  # first touch, untimed
+            per_byte = _best(lambda d=dst, s=src: copy_as_library(d, s), GAMMA_ROUNDS) / arrays
+            del both, src, dst
+        finally:
+            region.close()
+        if first is None:
+            first = per_byte
+        elif per_byte > KNEE * first:
+            return arrays  # the footprint of the last copy that stayed within reach
+        arrays *= 2
+    return limit
+
+
 def measure_memory() -> tuple[float, float, float]:
-    """(cache bytes, β, γ) of the memory entry: the last-level cache, and what a byte copied and
-    a byte added cost beyond it, as tuner.spill charges them. A copy and an add of two arrays
-    of the cache's size each (up to MEMORY_ARRAY_MAX) take longer per byte than on a cached MiB;
+    """(cache bytes, β, γ) of the memory entry: the cache the host's ranks reach (their cores'
+    each, `cache_in_reach`, up to the last-level cache), and what a byte copied and a byte
+    added cost beyond it, as tuner.spill charges them. A copy and an add of two arrays of the
+    cache's size each (up to MEMORY_ARRAY_MAX) take longer per byte than on a cached MiB;
     spill charges that difference to the share 1 - cache/footprint of the bytes (here a half),
     so it is divided by that share. The cached MiB is timed in batches: copied alone it took
     22-46 GB/s from call to call, and the difference from it had swung the memory's β 5x from
     launch to launch (84-403 GB/s, against 22-32 so). The arrays are mapped for the probe and
     unmapped after, so the process does not keep them (see memory.py)."""
-    cache = last_level_cache() or int(DEFAULT_LINKS[tuner.MEMORY].cache)
+    llc = last_level_cache() or int(DEFAULT_LINKS[tuner.MEMORY].cache)
+    cache = min(llc, cache_in_reach(llc) * len(os.sched_getaffinity(0)))
     size = min(cache, MEMORY_ARRAY_MAX)
     share = 1 - cache / (2 * size)
     if share <= 0.25:  # a cache this large hides most of what the probe would see
