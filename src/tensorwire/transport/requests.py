@@ -57,7 +57,8 @@ class RemotePayload(Protocol):
     Each method tells the sender once, after which it may reuse its buffer."""
 
     def read_into(self, req: RecvRequest) -> None:
-        """Fill (or fold into) `req` straight from the sender's memory and finish it."""
+        """Fill `req` straight from the sender's memory and finish it (only point-to-point
+        messages go so, and their receives never fold)."""
 
     def read_all(self) -> np.ndarray | None:
         """The whole payload in a fresh buffer; None, telling nobody, where the sender's memory
