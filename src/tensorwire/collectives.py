@@ -334,8 +334,11 @@ class Collectives:
                 else:
                     ok, dst = flags.c_contiguous and _fits_out(tensor, out), out
                 if ok:
-                    call, body, direct, red = plan
-                    return self._submit_planned(call, body, direct, async_op, timeout, tensor, dst, red, dst)
+                    call, run, red = plan
+                    if run is not None:
+                        return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
+                    return self._submit_planned(call, _all_reduce, False, async_op, timeout,
+                                                tensor, dst, red, dst)
         self._check_member(what)
         src = self._arr(tensor, what, writable=out is None)
         dst = src if out is None else self._arr(out, what, writable=True, name="out")
@@ -350,13 +353,13 @@ class Collectives:
                             out if out is not None else tensor)
 
     def _all_reduce_plan(self: Group, src: np.ndarray, fp: Fingerprint, red: Reduction) -> tuple:
-        """(call, body, direct, reduction) for repeats of this signature (see _submit_planned):
-        the direct path's plan if the tuner picks that path for it (nothing left to look up
-        per call), else the general body."""
+        """(call, the direct path's run or None, reduction) for repeats of this signature (see
+        _submit_planned): where the tuner picks the direct path, its AllReducePlan's run, with
+        nothing left to look up per call; else None, for the general body."""
         call = self.planned_call(fp, "all_reduce")
         if self.size > 1 and src.size and tuner.select(self, "all_reduce", src.nbytes).name == "direct":
-            return call, AllReducePlan(self.direct, src.dtype, src.size, red.op).run, True, red
-        return call, _all_reduce, False, red
+            return call, AllReducePlan(self.direct, src.dtype, src.size, red.op, red).run, red
+        return call, None, red
 
     def _remember(self: Group, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
                   *extra: Any, one_rank: bool = False,

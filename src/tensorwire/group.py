@@ -201,29 +201,38 @@ class Group(Collectives):
         a body keeps no reference to its call, and the setup saved is a fifth of a small
         call's time."""
         engine = self.engine
-        if not direct or async_op or self._queue or self._busy or engine.aborted or engine.unexpected \
+        if async_op or not direct or self._busy or self._queue or engine.aborted or engine.unexpected \
                 or engine.deferred_aborts:
             return self._submit(call.fp, call.name, body, async_op, timeout, *args)
-        self._seq = seq = self._seq + 1
-        call.seq = seq
+        self._seq = call.seq = self._seq + 1
         call.timeout = self.timeout if timeout is None else timeout
         call.deadline = 0.0
         engine.current[self.ctx] = call
         self._busy = True
         try:
-            return body(call, *args)
+            # CPython 3.11 calls body(call, *args) its slow way, 60 ns more (of ~2.5 µs), so the
+            # usual arities are spelt out: two arrays (most planned bodies), none (a barrier)
+            if len(args) == 2:
+                a, b = args
+                return body(call, a, b)
+            return body(call, *args) if args else body(call)
         except Exception as exc:
-            self.abort(exc, seq)
+            self.abort(exc, call.seq)
             raise
         finally:
-            self._release()
+            self._busy = False  # _release, inline: a tenth of this method's time
+            if self._queue:
+                self._wake()
 
     def _release(self) -> None:
         """An inline call ended: the worker may take what was queued behind it meanwhile."""
         self._busy = False
         if self._queue:
-            with self._cv:
-                self._cv.notify_all()
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def planned_call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan of `_submit_planned`."""

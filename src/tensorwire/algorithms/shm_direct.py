@@ -21,7 +21,7 @@ import numpy as np
 from ..buffers import PIECE, copy
 from ..config import Config
 from ..errors import CollectiveMismatchError, InvalidArgumentError
-from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel
+from ..ops import ReduceOp, Reduction, apply_to, finalize, reduction_kernel, writes_where_told
 from ..transport import cma, pages
 from ..transport.engine import Backoff, Engine
 from ..transport.shm import GroupSegment
@@ -226,14 +226,14 @@ class DirectPath:
         both halves: this pair is most of a small call's protocol."""
         fp = call.fp
         # a repeated call (the same fingerprint object) skips the hashing
-        ab = self.prev_fp if fp is self._last_fp else self.words_of(fp)
-        words, line, seq = self.words, self.own, call.seq
-        off = _STAMP + parity * 3
-        a, b = ab
-        words[line + off] = seq
-        words[line + off + 1] = a
-        words[line + off + 2] = b
-        words[line] = seq  # last: publishes the data and the fingerprint above
+        a, b = self.prev_fp if fp is self._last_fp else self.words_of(fp)
+        words, seq = self.words, call.seq
+        off = _STAMP + 3 * parity
+        at = self.own + off
+        words[at] = seq
+        words[at + 1] = a
+        words[at + 2] = b
+        words[self.own] = seq  # last: publishes the data and the fingerprint above
         self.prev_seq = seq
         self.prev_name = call.name
         if not ranks:
@@ -248,8 +248,8 @@ class DirectPath:
                 self._wait(call, ranks, seq)
                 break
         for r in ranks:
-            base = flags[r] + off
-            if words[base] != seq or words[base + 1] != a or words[base + 2] != b:
+            at = flags[r] + off
+            if words[at] != seq or words[at + 1] != a or words[at + 2] != b:
                 raise self._mismatch_with(call, r)
         self.settled = everyone
 
@@ -389,42 +389,65 @@ def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
 
 
 class AllReducePlan:
-    """One all_reduce signature (dtype, count, op) on the direct path with everything looked
-    up once: both parities' slot views, the kernel, whether the op needs finalizing. A small
-    all_reduce is mostly such lookups; a planned one skips them (see Collectives.all_reduce)."""
+    """One all_reduce signature (dtype, count, reduction) on the direct path with everything
+    looked up once: per parity this rank's slot and every rank's, the kernel, the
+    finalization. A small all_reduce is mostly such lookups; a planned one skips them (see
+    Collectives.all_reduce)."""
 
-    __slots__ = ("dp", "views", "mine", "kernel", "needs_finalize", "streamed")
+    __slots__ = ("dp", "slots", "kernel", "red", "general", "big")
 
-    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp) -> None:
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp,
+                 red: Reduction | None = None) -> None:
+        """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
         self.dp = dp
-        self.streamed = count * dtype.itemsize > dp.slot_bytes
-        self.views = () if self.streamed else dp.views(dtype, count)
-        self.mine = tuple(v[dp.rank] for v in self.views)  # this rank's slot, per parity
         self.kernel = reduction_kernel(op, dtype)
-        self.needs_finalize = op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+        self.red = red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
+        # the slots' way, unless the message streams or the kernel only reduces in place
+        self.general = count * dtype.itemsize > dp.slot_bytes or not writes_where_told(self.kernel)
+        self.slots = () if self.general else tuple(  # (mine, first, second, the rest) per parity
+            (v[dp.rank], v[0], v[1], v[2:]) for v in dp.views(dtype, count))
+        self.big = count * dtype.itemsize > PIECE  # copied in through buffers.copy (see _into)
 
-    def fold(self, call, src: np.ndarray, dst: np.ndarray) -> None:
-        """dst = the fold of every rank's src, both flat, in any overlap: the slots' way copies
-        src in first, and the stream folds in place where they overlap at all."""
+    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The all_reduce body for arrays of the signature, any shapes, in any overlap (the
+        slots' way copies src in first; the stream folds in place where they overlap at all):
+        dst = the fold of every rank's src in rank order, the same bits on every rank; dst
+        returned. One frame for the whole slot path: it is most of a small call."""
+        flat = dst if dst.ndim == 1 else dst.reshape(-1)
+        if src.ndim != 1:
+            src = src.reshape(-1)
+        if self.general:
+            self._fold_apart(call, src, flat)
+        else:
+            dp, kernel = self.dp, self.kernel
+            p = dp.enter(call)
+            mine, first, second, rest = self.slots[p]
+            if self.big:
+                copy(mine, src)
+            else:
+                mine[...] = src
+            dp.publish(call, p, dp.everyone)
+            kernel(first, second, flat)
+            for v in rest:
+                kernel(flat, v, flat)
+        if self.red is not None:
+            finalize(flat, self.red, self.dp.size)
+        return dst
+
+    def _fold_apart(self, call, src: np.ndarray, dst: np.ndarray) -> None:
+        """run's way for a message larger than the slot, or a kernel that takes no third array."""
         dp = self.dp
-        if self.streamed:
+        if dst.nbytes > dp.slot_bytes:
             if src is not dst and np.may_share_memory(src, dst):
                 copy(dst, src)
                 src = dst
             _stream_all_reduce(dp, call, src, dst, self.kernel)
             return
         p = dp.enter(call)
-        _into(self.mine[p], src)
+        views = dp.views(dst.dtype, dst.size)[p]
+        _into(views[dp.rank], src)
         dp.publish(call, p, dp.everyone)
-        _fold(self.views[p], dst, self.kernel)
-
-    def run(self, call, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
-        """Collectives' all_reduce body, for any shapes; AVG and PREMUL_SUM finalized."""
-        flat = dst if dst.ndim == 1 else dst.reshape(-1)
-        self.fold(call, src if src.ndim == 1 else src.reshape(-1), flat)
-        if self.needs_finalize:
-            finalize(flat, red, self.dp.size)
-        return result
+        _fold(views, dst, self.kernel)
 
 
 class TensorPlan:
@@ -483,7 +506,8 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
 
 
 def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
-    AllReducePlan(call.group.direct, data.dtype, data.size, op).fold(call, data if src is None else src, data)
+    """The unplanned entry (Collectives' _all_reduce finalizes)."""
+    AllReducePlan(call.group.direct, data.dtype, data.size, op).run(call, data if src is None else src, data)
 
 
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
