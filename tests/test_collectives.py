@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import itertools
 import math
 import threading
 
@@ -1709,10 +1710,11 @@ def rank_overlapping_input() -> dict:
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
-    count = (1 << 20) + 7  # 4 MiB of float32: past the slots, single copy's range
-    for shift in (1000, -1000):
-        for root in range(n):
-            buf = np.arange(2 * count + 2000, dtype=np.float32) + root
+    # 4 MiB of float32: past the slots, single copy's range; 4 KiB: the slots' one shot, which
+    # the second of two calls runs from its plan (BroadcastPlan)
+    for count, shift in itertools.product(((1 << 20) + 7, 1007), (1000, -1000)):
+        for root, rep in itertools.product(range(n), range(2)):
+            buf = np.arange(2 * count + 2000, dtype=np.float32) + root + rep
             base = 1000
             out, inp = buf[base:base + count], buf[base + shift:base + shift + count]
             want = inp.copy()
@@ -1722,7 +1724,7 @@ def rank_overlapping_input() -> dict:
             else:
                 out = np.zeros(count, np.float32)
                 tw.broadcast(np.zeros(count, np.float32), root, out=out)
-            log.same(f"broadcast from {root}, input shifted {shift}", out, want)
+            log.same(f"broadcast {count} from {root}, input shifted {shift} #{rep}", out, want)
         block = count // n
         buf = np.arange(n * block + 2 * block, dtype=np.float32) + 100 * me
         out = buf[block:block + n * block]
@@ -1739,7 +1741,7 @@ def rank_overlapping_input() -> dict:
 def test_input_overlapping_the_output(size: int, algo: str) -> None:
     env = {"TENSORWIRE_ALGO": f"broadcast:{algo},allgather:{algo}", "TENSORWIRE_SINGLE_COPY": "force"} \
         if algo else {}
-    _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * (size + 1))
+    _expect(_fresh_cluster_run(size, env, rank_overlapping_input, timeout=100), 2 * 2 * (2 * size + 1))
 
 
 def rank_gather_scatter_repeated() -> dict:

@@ -12,14 +12,14 @@ import pickle
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import buffers, tuner
 from .algorithms.base import blocks_of
-from .algorithms.shm_direct import AllReducePlan, TensorPlan
+from .algorithms.shm_direct import AllReducePlan, BroadcastPlan, ReducePlan, TensorPlan
 from .buffers import address, as_array, byte_view, copy
 from .errors import InvalidArgumentError
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
@@ -363,19 +363,20 @@ class Collectives:
 
     def _remember(self: Group, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
                   *extra: Any, one_rank: bool = False,
-                  tensor: tuple[np.ndarray, Reduction | None] | None = None) -> None:
+                  whole: tuple[int, Callable[[], Callable[..., Any]]] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its method:
         (call, on the direct path?, the chosen algorithm's run or None where nothing moves,
-        *extra). `one_rank`: the algorithm has work even on a single rank. `tensor`: (input,
-        reduction) of a single-tensor all_gather, all_to_all or reduce_scatter, whose extra
-        ends with its block counts: where the tuner picks the direct path's one shot, the run
-        is a TensorPlan's, which takes the arrays themselves, and the counts are None."""
+        *extra). `one_rank`: the algorithm has work even on a single rank. `whole`: (bytes a
+        rank puts in its slot, the factory of a plan's run) of a call the direct path's one
+        shot can run from a plan that takes the arrays themselves (TensorPlan, ReducePlan,
+        BroadcastPlan): where the tuner picks that path and the bytes fit the slot, the run is
+        the plan's, and the last of `extra` (what only the general body needs) is None."""
         if len(self.plans) < _PLANS:
             alg = tuner.select(self, collective, nbytes) if self.size > 1 or one_rank else None
             run = None if alg is None else alg.run
-            if tensor is not None and alg is not None and alg.name == "direct" \
-                    and tensor[0].nbytes <= self.direct.slot_bytes:
-                run = TensorPlan(self.direct, collective, tensor[0].dtype, tensor[0].size, tensor[1]).run
+            if whole is not None and alg is not None and alg.name == "direct" \
+                    and whole[0] <= self.direct.slot_bytes:
+                run = whole[1]()
                 extra = (*extra[:-1], None)
             self.plans[key] = (self.planned_call(fp, what), alg is not None and alg.needs_direct, run, *extra)
 
@@ -393,6 +394,8 @@ class Collectives:
                     ok, acc = _usable(tensor, False) and _fits_out(tensor, out), out
                 if ok:
                     call, direct, run, red = plan
+                    if red is None:  # a ReducePlan's run
+                        return self._submit_planned(call, run, True, async_op, timeout, tensor, acc)
                     return self._submit_planned(call, _reduce, direct, async_op, timeout, tensor, acc, red,
                                                 dst, acc if mine else tensor, run)
         root = self._root(dst, what, "dst")
@@ -408,7 +411,9 @@ class Collectives:
         result = out if (out is not None and self.rank == root) else tensor
         if src is tensor and (target is src or target is out) and red.factor is None \
                 and type(op) in (ReduceOp, Reduction):
-            self._remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes, red)
+            self._remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes,
+                           red, whole=(src.nbytes, lambda: ReducePlan(self.direct, src.dtype, src.size,
+                                                                      red.op, root, red).run))
         return self._submit(fp, what, _reduce, async_op, timeout, src, target, red, root, result, _SELECT)
 
     def reduce_scatter(self: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
@@ -448,7 +453,9 @@ class Collectives:
         fp = self._fp(Coll.REDUCE_SCATTER, out.dtype, red, count=out.size)
         if inp is input and out is output and red.factor is None and type(op) in (ReduceOp, Reduction):
             self._remember((what, inp.dtype, inp.size, out.size, op), fp, what, "reduce_scatter", inp.nbytes,
-                           red, counts, one_rank=True, tensor=(inp, red))
+                           red, counts, one_rank=True,
+                           whole=(inp.nbytes, lambda: TensorPlan(self.direct, "reduce_scatter", inp.dtype,
+                                                                 inp.size, red).run))
         return self._submit(fp, what, _reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1), counts),
                             out, red, True, output, _SELECT)
 
@@ -492,9 +499,11 @@ class Collectives:
                 else:
                     ok, dst = _usable(tensor, False) and _fits_out(tensor, out), out
                 if ok:
-                    call, direct, run = plan
-                    return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst, src,
-                                                dst, run)
+                    call, direct, run, root = plan
+                    if root is None:  # a BroadcastPlan's run
+                        return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
+                    return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst,
+                                                root, dst, run)
         root = self._root(src, what, "src")
         data = self._arr(tensor, what, writable=out is None and self.rank != root)
         target = data if out is None else self._arr(out, what, writable=True, name="out")
@@ -503,7 +512,9 @@ class Collectives:
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
         result = tensor if out is None else out
         if data is tensor and target is result:
-            self._remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes)
+            self._remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes,
+                           root, whole=(data.nbytes, lambda: BroadcastPlan(self.direct, data.dtype, data.size,
+                                                                           root).run))
         return self._submit(fp, what, _broadcast, async_op, timeout, data, target, root, result, _SELECT)
 
     def all_gather(self: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
@@ -541,7 +552,8 @@ class Collectives:
         fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
         if inp is input and out is output:
             self._remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes, counts,
-                           tensor=(inp, None))
+                           whole=(inp.nbytes, lambda: TensorPlan(self.direct, "all_gather", inp.dtype,
+                                                                 inp.size).run))
         return self._submit(fp, what, _all_gather, async_op, timeout, inp, outs, True, output, _SELECT)
 
     def all_gatherv(self: Group, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False,
@@ -703,7 +715,9 @@ class Collectives:
                 and ins[self.rank].size == outs[self.rank].size:  # so every block has that size
             self._remember((what, inp.dtype, inp.shape, out.shape), self._fp(coll, dtype, count=count), what,
                            "all_to_all", inp.nbytes, [b.size for b in ins],
-                           one_rank=True, tensor=(inp, None))  # on one rank the algorithm copies the block
+                           one_rank=True,  # on one rank the algorithm copies the block
+                           whole=(inp.nbytes, lambda: TensorPlan(self.direct, "all_to_all", inp.dtype,
+                                                                 inp.size).run))
         return self._all_to_all(what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
     def _split(self: Group, arr: np.ndarray, sizes: Sequence[int] | None, what: str,

@@ -510,16 +510,75 @@ def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | No
     AllReducePlan(call.group.direct, data.dtype, data.size, op).run(call, data if src is None else src, data)
 
 
+class ReducePlan:
+    """One reduce signature (dtype, count, reduction, root) whose input fits the slot, on the
+    direct path with its slots looked up once (as AllReducePlan): every rank copies its input
+    into its slot and publishes it; the root waits for everyone and folds the slots in rank
+    order into its output."""
+
+    __slots__ = ("dp", "root", "slots", "kernel", "red")
+
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp, root: int,
+                 red: Reduction | None = None) -> None:
+        """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
+        self.dp = dp
+        self.root = root
+        self.slots = tuple((v[dp.rank], v) for v in dp.views(dtype, count))  # (mine, all) per parity
+        self.kernel = reduction_kernel(op, dtype)
+        self.red = red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
+
+    def run(self, call, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
+        """The reduce body for arrays of the signature (`acc`: the root's output, else `src`);
+        `acc` returned."""
+        dp = self.dp
+        p = dp.enter(call)
+        mine, views = self.slots[p]
+        _into(mine, src if src.ndim == 1 else src.reshape(-1))
+        if dp.rank != self.root:
+            dp.publish(call, p)
+            return acc
+        dp.publish(call, p, dp.everyone)
+        flat = acc if acc.ndim == 1 else acc.reshape(-1)
+        _fold(views, flat, self.kernel)
+        if self.red is not None:
+            finalize(flat, self.red, dp.size)
+        return acc
+
+
+class BroadcastPlan:
+    """One broadcast signature (dtype, count, root) whose data fits the slot, on the direct path
+    with the root's slot looked up once (as AllReducePlan): the root copies its input into its
+    slot and publishes it, then fills its output (where that is apart) from the slot, so that
+    an output overlapping the input is no matter; the others wait for the root's flag and copy
+    the slot out."""
+
+    __slots__ = ("dp", "root", "slots")
+
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        self.dp = dp
+        self.root = root
+        self.slots = tuple(v[root] for v in dp.views(dtype, count))  # the root's slot per parity
+
+    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The broadcast body for arrays of the signature (`src` is read on the root only);
+        `dst` returned."""
+        dp = self.dp
+        p = dp.enter(call)
+        slot = self.slots[p]
+        if dp.rank == self.root:
+            _into(slot, src if src.ndim == 1 else src.reshape(-1))
+            dp.publish(call, p)
+            if dst is src:
+                return dst
+        else:
+            dp.publish(call, p, (self.root,))
+        _into(dst if dst.ndim == 1 else dst.reshape(-1), slot)
+        return dst
+
+
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
-    dp = call.group.direct
-    p = dp.enter(call)
-    views = dp.views(data.dtype, data.size)[p]
-    _into(views[dp.rank], data)
-    if dp.rank != root:
-        dp.publish(call, p)
-        return
-    dp.publish(call, p, dp.everyone)
-    _fold(views, acc, reduction_kernel(op, acc.dtype))
+    """The unplanned entry (Collectives' _reduce finalizes)."""
+    ReducePlan(call.group.direct, data.dtype, data.size, op, root).run(call, data, acc)
 
 
 def direct_broadcast(call, data: np.ndarray, root: int) -> None:
@@ -527,14 +586,7 @@ def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     if data.nbytes > dp.slot_bytes:
         _stream_broadcast(dp, call, data.view(np.uint8), root)
         return
-    p = dp.enter(call)
-    view = dp.views(data.dtype, data.size)[p][root]
-    if dp.rank == root:
-        _into(view, data)
-        dp.publish(call, p)
-        return
-    dp.publish(call, p, (root,))
-    data[...] = view
+    BroadcastPlan(dp, data.dtype, data.size, root).run(call, data, data)
 
 
 class _Stream:
