@@ -420,6 +420,23 @@ def test_cache_in_reach_is_where_copies_slow_down(monkeypatch) -> None:
     assert calibrate.cache_in_reach(4 << 20) == 4 << 20
 
 
+def test_a_preempted_series_of_one_shot_calls_is_not_the_typical_call(monkeypatch) -> None:
+    """calibrate._typical keeps the least of its series' medians: a rank that lost its core
+    for a whole series (every call 3 ms here, then 10 us) does not make the one shot look
+    slow for the whole job. (One rank: the maximum over ranks is the rank's own times.)"""
+    monkeypatch.setattr(calibrate, "recursive_doubling_all_reduce", lambda call, times, op: None)
+    calls = iter(range(10**6))
+    first_series = calibrate.DIRECT_WARM + calibrate.DIRECT_CALLS
+
+    def run() -> None:
+        busy_until = time.perf_counter() + (3e-3 if next(calls) < first_series else 1e-5)
+        while time.perf_counter() < busy_until:
+            pass
+
+    assert calibrate.DIRECT_SERIES > 1
+    assert calibrate._typical(SimpleNamespace(_internal_call=lambda what: None), run) < 1e-3
+
+
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
     """The linear reduce's root folds each sender's buffer straight out of that sender's ring on
     shared memory (m β for the first, then n-1 folds at γ), while over a network the buffers
