@@ -188,6 +188,22 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
 
 
+def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
+    """With `busy_pairs` measured, Bruck's rounds (which exchange) cost its α: as dear as the
+    others (the Intel host's tcp-n4 and netns4 probes), Bruck's two rounds beat pairwise
+    exchange's three at small sizes, as they measured (1.2-1.6x faster); twice as dear (the
+    AMD host), pairwise still wins, as without the measurement."""
+    tcp = Link("tcp", alpha=18e-6, beta=1 / 0.12e9, gamma=1 / 12.6e9)  # netns4 probe constants
+    busy = Link("busy", alpha=100e-6, beta=1 / 0.058e9, gamma=1 / 12.6e9)
+    algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
+    for m in (16, 1 << 10, 16 << 10):
+        alike = replace(busy, name="busy_pairs")
+        assert tuner.price(algs, 4, m, tcp, busy=busy, busy_pairs=alike)[0][1] == "bruck", m
+        dear = replace(busy, name="busy_pairs", alpha=2 * busy.alpha)
+        assert tuner.price(algs, 4, m, tcp, busy=busy, busy_pairs=dear)[0][1] == "pairwise", m
+        assert tuner.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+
+
 def test_decision_names_the_algorithms_priced_at_the_busy_host_s_work() -> None:
     """Where the busy link's work bounds an algorithm's price, the decision says so (the TUNING
     log marks it): the tcp-n4 constants bound pairwise and Bruck's all_to_all at 16 B and
@@ -586,7 +602,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # and wrote the cache
     reads = [tuner.CMA, tuner.CMA_HUGE] if first[0]["single_copy"] else []
     one_host = ["direct", *reads] if tier == "shm" else []
-    used = [tier, *one_host, "busy", "busy_ring", tuner.MEMORY]
+    used = [tier, *one_host, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY]
     unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])

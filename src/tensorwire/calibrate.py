@@ -12,7 +12,8 @@ point and under the same timeout):
    broadcasts either the final constants or "probe";
 3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
    few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once,
-   with changing partners ("busy") and with a ring's fixed ones ("busy_ring"), and a numpy
+   with changing partners ("busy"), with a ring's fixed ones ("busy_ring") and in pairs
+   ("busy_pairs"), and a numpy
    add: what a step costs when every rank works (on a host with more ranks than cores they
    take turns, which the lone pair never sees); on one host every rank takes part in a few
    all_reduces through the group's shared segment (α and β of the one-shot path); rank 0
@@ -54,13 +55,15 @@ from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", tuner.CMA, tuner.CMA_HUGE, "busy", "busy_ring", tuner.MEMORY)
+LINKS = (*TIERS, "direct", tuner.CMA, tuner.CMA_HUGE, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS,
+         tuner.MEMORY)
 """What the probe measures: the message path of each tier, the one-shot shared-memory path
 (its α is a small all_reduce through the group segment, its β a memory copy), single copy's
 reads out of a peer process (`cma`: its α a flag round of a small single-copy all_gather, its
 β a byte read across processes; `cma_huge`: the same read out of huge pages), the world's
-tier with every rank exchanging at once, with partners that change (`busy`) and with a ring's
-(`busy_ring`): the tuner's bound on an algorithm's work; and the host's memory beyond its
+tier with every rank exchanging at once, with partners that change (`busy`), with a ring's
+(`busy_ring`) and in pairs (`busy_pairs`, its α only): the tuner's bound on an algorithm's
+work; and the host's memory beyond its
 last-level cache (`memory`, see tuner.spill)."""
 
 if TYPE_CHECKING:
@@ -68,7 +71,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 13
+PROBE_VERSION = 14
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -446,17 +449,27 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]:
-    """(α, β, β in a ring) of a step when every rank works: all ranks at once, round k sending
-    to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination pattern: every
-    rank takes part whatever n is, and the partners change from round to round as in pairwise
-    exchange, recursive doubling or a tree); then the same with d = 1 throughout, the fixed
-    partners of a ring or a chain. The median 8-byte batch gives α; β is the mean of a few
-    BUSY_BYTES rounds, slow ones included: contention is the point, and a long call meets the
-    preempted rounds that a median would drop (medians of five rounds swung 5x from launch to
-    launch on 4 ranks sharing 2 cores; means of six stayed within 1.5x). The two β's differ
-    on shaped links: on 4 emulated hosts at 1 Gbit/s the dissemination rounds moved about half
-    the bytes per second of the ring's (why was not established); on one host they agree."""
+def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float, float]:
+    """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
+    round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
+    pattern: every rank takes part whatever n is, and the partners change from round to round
+    as in pairwise exchange, recursive doubling or a tree); then the same with d = 1
+    throughout, the fixed partners of a ring or a chain; then 8-byte rounds in pairs, each rank
+    exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
+    recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
+
+    The median 8-byte batch gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
+    included: contention is the point, and a long call meets the preempted rounds that a median
+    would drop (medians of five rounds swung 5x from launch to launch on 4 ranks sharing 2
+    cores; means of six stayed within 1.5x). The two β's differ on shaped links: on 4 emulated
+    hosts at 1 Gbit/s the dissemination rounds moved about half the bytes per second of the
+    ring's (why was not established); on one host they agree. What a step in pairs costs beside
+    the others depends on the host: on the AMD EPYC VM the n=4 sweeps measured 2-2.7x the busy
+    α for such steps (a step waits for both partners to be scheduled), on the Intel Xeon VM
+    about 1x (n=4, 8 bytes, median batches: 66 against 65 µs on shared memory, 92 against 91
+    over loopback TCP, 114 against 136 on 4 emulated hosts), where a fixed factor of 2 made the
+    tuner take pairwise exchange over Bruck's all_to_all and the ring reduce_scatter over
+    recursive halving, 1.2-1.7x slower there."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
@@ -467,6 +480,22 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
         nonlocal step
         call.wait(call.irecv((r - d) % n, into, step), call.isend((r + d) % n, out, step))
         step += 1
+
+    def pair(d: int) -> None:
+        nonlocal step
+        partner = r ^ d
+        if partner < n:
+            call.wait(call.irecv(partner, small_in, step), call.isend(partner, small_out, step))
+        step += 1
+
+    def alpha_of(round_: Callable[[int], None]) -> float:
+        batches = []
+        for _ in range(ALPHA_BATCHES):
+            t0 = time.perf_counter()
+            for i in range(ALPHA_ROUNDS):
+                round_(dists[i % len(dists)])
+            batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
+        return max(statistics.median(batches), 1e-8)
 
     def mean_round(distances: list[int], rounds: int) -> float:
         t0 = time.perf_counter()
@@ -479,13 +508,7 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
     # every ring written once around: its pages are touched (fresh pages cost ~1 ms per MiB
     # here), as in steady use
     mean_round(dists, BUSY_WARM_ROUNDS * len(dists))
-    batches = []
-    for _ in range(ALPHA_BATCHES):
-        t0 = time.perf_counter()
-        for i in range(ALPHA_ROUNDS):
-            shift(small_out, small_in, dists[i % len(dists)])
-        batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
-    alpha = max(statistics.median(batches), 1e-8)
+    alpha = alpha_of(lambda d: shift(small_out, small_in, d))
 
     def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
         return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
@@ -495,7 +518,9 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float]
     # untimed: right after the change of pattern the shaped ring measured 0.07 GB/s, not 0.10-0.12
     mean_round([1], BUSY_WARM_ROUNDS)
     ring = beta(mean_round([1], rounds))
-    return alpha, shifting, ring
+    for d in dists:  # the pairs once round, untimed: every rank is past the ring
+        pair(d)
+    return alpha, shifting, ring, alpha_of(pair)
 
 
 def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float]:
@@ -610,7 +635,7 @@ def at_init(world: Group) -> LinkTable:
     hosts = [int(h) for h in info[:, 0]]
     busy_tier = tuner.tier_of(world)
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
-    links_used = sorted([*pairs, *one_host, "busy", "busy_ring", tuner.MEMORY])
+    links_used = sorted([*pairs, *one_host, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -653,12 +678,14 @@ def at_init(world: Group) -> LinkTable:
                 sources[name] = "calibrated"
             else:
                 base[name] = replace(DEFAULT_LINKS[name], gamma=gamma)
-        alpha, beta, ring_beta, busy_gamma = measured["busy"]
-        base["busy"] = Link("busy", alpha, beta, busy_gamma)
-        base["busy_ring"] = Link("busy_ring", alpha, ring_beta, busy_gamma)
+        alpha, beta, ring_beta, pairs_alpha, busy_gamma = measured[tuner.BUSY]
+        base[tuner.BUSY] = Link(tuner.BUSY, alpha, beta, busy_gamma)
+        base[tuner.BUSY_RING] = Link(tuner.BUSY_RING, alpha, ring_beta, busy_gamma)
+        base[tuner.BUSY_PAIRS] = Link(tuner.BUSY_PAIRS, pairs_alpha, beta, busy_gamma)
         cache, beta, gamma = measured[tuner.MEMORY]
         base[tuner.MEMORY] = Link(tuner.MEMORY, 0.0, beta, gamma, cache)
-        sources["busy"] = sources["busy_ring"] = sources[tuner.MEMORY] = "calibrated"
+        for name in (tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY):
+            sources[name] = "calibrated"
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             write_cache(path, {t: base[t] for t in links_used},
@@ -701,7 +728,8 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
     verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
     # this host's γ, as a probe would give it (the busy link's is measured under contention;
     # the memory entry's is what a reduced byte costs beyond the cache)
-    hosts_own = [t for t in (cached or {}) if t not in ("busy", "busy_ring", tuner.MEMORY)]
+    hosts_own = [t for t in (cached or {})
+                 if t not in (tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY)]
     gamma = cached[hosts_own[0]].gamma if cached and hosts_own else None
     for i, name in enumerate(LINKS):
         link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
@@ -726,10 +754,10 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, β in a ring, γ), direct (α, β), γ, memory (cache, β, γ),
-    # cma (α, β, β out of huge pages)
-    measured = np.zeros(2 * len(TIERS) + 13, dtype=np.float64)
-    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 4)
+    # (α, β) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ, memory
+    # (cache, β, γ), cma (α, β, β out of huge pages)
+    measured = np.zeros(2 * len(TIERS) + 14, dtype=np.float64)
+    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 5)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 3)
     if direct:  # first: they need every rank anyway
@@ -744,7 +772,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
             measured[2 * i: 2 * i + 2] = measure_pair(call, peer, i * 1000, warm)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    measured[busy.start: busy.start + 3] = measure_busy(call, len(TIERS) * 1000)
+    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
         measured[gamma] = measure_gamma()
@@ -760,7 +788,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     out: dict[str, Any] = {t: (float(measured[2 * i]), float(measured[2 * i + 1]))
                            for i, t in enumerate(TIERS)}
     out["direct"] = tuple(float(v) for v in measured[own])
-    out["busy"] = tuple(float(v) for v in measured[busy])
+    out[tuner.BUSY] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[gamma])
     out[tuner.MEMORY] = tuple(float(v) for v in measured[memory])
     alpha, beta, huge_beta = (float(v) for v in measured[reads])

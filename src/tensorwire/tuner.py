@@ -72,6 +72,10 @@ DEFAULT_LINKS = {
 MEMORY = "memory"
 CMA = "cma"
 CMA_HUGE = "cma_huge"
+BUSY, BUSY_RING, BUSY_PAIRS = "busy", "busy_ring", "busy_pairs"
+"""The world's tier measured with every rank at work at once (calibrate.measure_busy): partners
+that change, a ring's fixed ones, and partners in pairs (the α of a step that exchanges with one
+partner, see Algorithm.exchanges)."""
 HUGE_FROM = 1 << 20
 """Single copy's reads are priced out of huge pages (`cma_huge`, where they are expected and not
 seen otherwise: PageDependent) only for messages from this size. Below it the model prices
@@ -93,7 +97,8 @@ FOOTPRINT = {
 of the call's own); a message algorithm's rings come on top (see `spill`)."""
 
 EXCHANGE_BUSY_ALPHA = 2.0
-"""Busy α of a step that exchanges with one partner, in busy α's (see Algorithm.exchanges)."""
+"""Busy α of a step that exchanges with one partner, in busy α's, where no such step was
+measured (`busy_pairs`: a tuning file or test that gives only `busy`); see Algorithm.exchanges."""
 TIE = 0.01
 """Prices this close to the cheapest are a tie: where latency rules, the ring and pairwise
 exchange (or Bruck) differ only by the β of the busy link each is priced with, a difference
@@ -368,13 +373,15 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
-            busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None) -> float:
+            busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
+            busy_pairs: Link | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
     by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
-    algorithms with fixed partners), where those exist. On one host (`host`) the bytes that
-    miss the cache cost the memory's price on top, per copy (Algorithm.copies)."""
+    algorithms with fixed partners; the α of `busy_pairs` for a step that exchanges with one
+    partner), where those exist. On one host (`host`) the bytes that miss the cache cost the
+    memory's price on top, per copy (Algorithm.copies)."""
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
@@ -394,17 +401,18 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
         # slower (ranks outnumbering cores: 2-3x), the rings ran at the changing partners' rate
         busy = busy_ring
     if alg.exchanges:
-        busy = replace(busy, alpha=EXCHANGE_BUSY_ALPHA * busy.alpha)
+        pairs_alpha = EXCHANGE_BUSY_ALPHA * busy.alpha if busy_pairs is None else busy_pairs.alpha
+        busy = replace(busy, alpha=pairs_alpha)
     return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
           busy: Link | None = None, busy_ring: Link | None = None,
-          host: Host | None = None) -> list[tuple[float, str, Algorithm]]:
+          host: Host | None = None, busy_pairs: Link | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name."""
-    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host), alg.name, alg)
+    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs), alg.name, alg)
                     for alg in algs)
     if not priced:
         return priced
@@ -483,15 +491,15 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     tier = tier_of(group)
     table = table_for(group.runtime)
     direct = table.links.get("direct") if group.direct is not None else None
-    busy, busy_ring = ((table.links.get("busy"), table.links.get("busy_ring"))
-                       if tier == table.extra.get("busy_tier") else (None, None))
+    busy, busy_ring, busy_pairs = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
+                                   if tier == table.extra.get("busy_tier") else (None, None, None))
     host = host_of(group)
     key = (collective, nbytes)
     if host is not None and host.huge and not group.huge_seen.get(key, True):
         host = replace(host, huge=False)
 
     def priced_with(host: Host | None) -> list[tuple[float, str, Algorithm]]:
-        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host)
+        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host, busy_pairs)
 
     priced = priced_with(host)
     choice: Algorithm | PageDependent = priced[0][2]
@@ -586,10 +594,12 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         costs = ", ".join(f"{name} {format_seconds(t)}" + (" (work-bound)" if name in bound else "")
                           for t, name, _ in decision.priced)
         shown = f"{tier} ({table.describe(tier)})"
-        if tier == table.extra.get("busy_tier") and "busy" in table.links:
-            shown += f", every rank busy ({table.describe('busy')})"
-            if "busy_ring" in table.links:
-                shown += f", in a ring ({table.describe('busy_ring')})"
+        if tier == table.extra.get("busy_tier") and BUSY in table.links:
+            shown += f", every rank busy ({table.describe(BUSY)})"
+            if BUSY_RING in table.links:
+                shown += f", in a ring ({table.describe(BUSY_RING)})"
+            if BUSY_PAIRS in table.links:
+                shown += f", in pairs ({table.describe(BUSY_PAIRS)})"
         if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
             shown += f", direct path ({table.describe('direct')})"
         _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,

@@ -93,8 +93,10 @@ class Algorithm:
     busy α per step, against about 1x for steps that send to one rank and receive from another
     (ring, pairwise, dissemination), which let ranks drift; recursive doubling's all_gather,
     which exchanges but does not reduce, measured no such penalty; Bruck's all_to_all, whose
-    rounds forward what the previous round received, measured it. The tuner prices the work
-    of these algorithms with twice the busy α."""
+    rounds forward what the previous round received, measured it (AMD EPYC VM; on the Intel
+    Xeon VM such steps cost what the others do). The tuner prices the work of these algorithms
+    with the α the probe measured for steps in pairs (`busy_pairs`, calibrate.measure_busy),
+    twice the busy α where it has none."""
     fixed_partners: bool = False
     """Every step sends to the same rank and receives from the same other rank (ring, chain).
     On shaped links such flows kept the link's pace where partners that change lost up to half
