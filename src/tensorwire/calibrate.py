@@ -476,17 +476,17 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float,
     big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
     step = step0
 
-    def shift(out: np.ndarray, into: np.ndarray, d: int) -> None:
+    def exchange(dst: int, src: int, out: np.ndarray, into: np.ndarray) -> None:
         nonlocal step
-        call.wait(call.irecv((r - d) % n, into, step), call.isend((r + d) % n, out, step))
+        if dst < n:  # in pairs, a rank without a partner sits the round out
+            call.wait(call.irecv(src, into, step), call.isend(dst, out, step))
         step += 1
 
+    def shift(out: np.ndarray, into: np.ndarray, d: int) -> None:
+        exchange((r + d) % n, (r - d) % n, out, into)
+
     def pair(d: int) -> None:
-        nonlocal step
-        partner = r ^ d
-        if partner < n:
-            call.wait(call.irecv(partner, small_in, step), call.isend(partner, small_out, step))
-        step += 1
+        exchange(r ^ d, r ^ d, small_out, small_in)
 
     def alpha_of(round_: Callable[[int], None]) -> float:
         batches = []

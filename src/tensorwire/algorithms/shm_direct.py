@@ -388,6 +388,11 @@ def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
             kernel(out, v, out)
 
 
+def _finalized(red: Reduction | None) -> Reduction | None:
+    """`red` where a plan's run must finalize it after the fold (AVG, PREMUL_SUM), else None."""
+    return red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
+
+
 class AllReducePlan:
     """One all_reduce signature (dtype, count, reduction) on the direct path with everything
     looked up once: per parity this rank's slot and every rank's, the kernel, the
@@ -401,7 +406,7 @@ class AllReducePlan:
         """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
         self.dp = dp
         self.kernel = reduction_kernel(op, dtype)
-        self.red = red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
+        self.red = _finalized(red)
         # the slots' way, unless the message streams or the kernel only reduces in place
         self.general = count * dtype.itemsize > dp.slot_bytes or not writes_where_told(self.kernel)
         self.slots = () if self.general else tuple(  # (mine, first, second, the rest) per parity
@@ -525,7 +530,7 @@ class ReducePlan:
         self.root = root
         self.slots = tuple((v[dp.rank], v) for v in dp.views(dtype, count))  # (mine, all) per parity
         self.kernel = reduction_kernel(op, dtype)
-        self.red = red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
+        self.red = _finalized(red)
 
     def run(self, call, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """The reduce body for arrays of the signature (`acc`: the root's output, else `src`);
