@@ -53,11 +53,12 @@ from .buffers import copy as copy_as_library
 from .buffers import huge_zeros
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
-from .tuner import DEFAULT_LINKS, TIERS, LinkTable
+from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
 
-LINKS = (*TIERS, "direct", tuner.CMA, tuner.CMA_HUGE, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS,
-         tuner.MEMORY)
-"""What the probe measures: the message path of each tier, the one-shot shared-memory path
+LINKS = (*TIERS, *ONE_WAY.values(), "direct", tuner.CMA, tuner.CMA_HUGE, tuner.BUSY, tuner.BUSY_RING,
+         tuner.BUSY_PAIRS, tuner.MEMORY)
+"""What the probe measures: the message path of each tier (exchanges, and messages one way:
+`shm_one_way`, `tcp_one_way`), the one-shot shared-memory path
 (its α is a small all_reduce through the group segment, its β a memory copy), single copy's
 reads out of a peer process (`cma`: its α a flag round of a small single-copy all_gather, its
 β a byte read across processes; `cma_huge`: the same read out of huge pages), the world's
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 14
+PROBE_VERSION = 15
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -80,6 +81,7 @@ ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) 
 BETA_BYTES, BETA_TIMED = 1 << 20, 8  # 1 MiB exchanges: the median of this many gives β, after
 # untimed ones that write a shared-memory ring once around (two over TCP, see measure_pair)
 BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least one timed)
+ONE_WAY_TIMED = 4  # 1 MiB sent one way and acknowledged: the median of this many gives β one way
 BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
@@ -93,7 +95,8 @@ DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measu
 CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
 FIELDS = ("alpha", "beta", "gamma", "cache")
 REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
-MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: the cache's size, at most this
+MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: four times the cache's size, at most this
+CACHED_ARRAY_MAX = 1 << 20  # ... and those it compares them with: a quarter of a core's reach, at most
 KNEE = 1.6  # a copy this much slower per byte than a small one has left the cache (cache_in_reach)
 BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
@@ -155,7 +158,8 @@ def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
 
 
 def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float]]) -> LinkTable:
-    """The table with the file's constants in place; tiers the file adds are kept too."""
+    """The table with the file's constants in place; tiers the file adds are kept too. A tier
+    set by the file prices its one-way messages too, unless the file sets those as well."""
     links, sources = dict(table.links), dict(table.sources)
     for tier, values in overrides.items():
         base = links.get(tier) or DEFAULT_LINKS.get(tier) or Link(tier, **{f: math.nan for f in REQUIRED})
@@ -165,6 +169,10 @@ def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float
         links[tier] = Link(tier, **merged)
         origin = sources.get(tier, "default")
         sources[tier] = "file" if all(f in values for f in REQUIRED) else f"file+{origin}"
+    for tier in TIERS:  # a tier the file sets and whose messages one way it does not: its link prices all
+        if tier in overrides and ONE_WAY[tier] not in overrides:
+            links.pop(ONE_WAY[tier], None)
+            sources.pop(ONE_WAY[tier], None)
     return LinkTable(links, sources, table.probe_s, table.setup_s, table.cache_path, dict(table.extra))
 
 
@@ -399,16 +407,21 @@ def cache_in_reach(limit: int) -> int:
 def measure_memory() -> tuple[float, float, float]:
     """(cache bytes, β, γ) of the memory entry: the cache the host's ranks reach (their cores'
     each, `cache_in_reach`, up to the last-level cache), and what a byte copied and a byte
-    added cost beyond it, as tuner.spill charges them. A copy and an add of two arrays of the
-    cache's size each (up to MEMORY_ARRAY_MAX) take longer per byte than on a cached MiB;
-    spill charges that difference to the share 1 - cache/footprint of the bytes (here a half),
-    so it is divided by that share. The cached MiB is timed in batches: copied alone it took
-    22-46 GB/s from call to call, and the difference from it had swung the memory's β 5x from
-    launch to launch (84-403 GB/s, against 22-32 so). The arrays are mapped for the probe and
-    unmapped after, so the process does not keep them (see memory.py)."""
+    added cost beyond it, as tuner.spill charges them. A copy and an add of two arrays of four
+    times the cache's size each (up to MEMORY_ARRAY_MAX) take longer per byte than on arrays
+    that fit one core's reach; spill charges that difference to the share 1 - cache/footprint
+    of the bytes (here 7/8), so it is divided by that share. Arrays of the cache's size had
+    done on the AMD host (32 MiB shared), but on the Intel VM the cache in reach is a MiB, the
+    size of the probe's cached arrays too: both copies ran alike, the entry said memory cost
+    nothing more (+0), and every algorithm moving 1-64 MiB at n=4 measured 1.3-2.3x its price.
+    The cached arrays are timed in batches: copied alone they took 22-46 GB/s from call to
+    call, and the difference from them had swung the memory's β 5x from launch to launch
+    (84-403 GB/s, against 22-32 so). The arrays are mapped for the probe and unmapped after,
+    so the process does not keep them (see memory.py)."""
     llc = last_level_cache() or int(DEFAULT_LINKS[tuner.MEMORY].cache)
-    cache = min(llc, cache_in_reach(llc) * len(os.sched_getaffinity(0)))
-    size = min(cache, MEMORY_ARRAY_MAX)
+    reach = cache_in_reach(llc)
+    cache = min(llc, reach * len(os.sched_getaffinity(0)))
+    size = min(4 * cache, MEMORY_ARRAY_MAX)
     share = 1 - cache / (2 * size)
     if share <= 0.25:  # a cache this large hides most of what the probe would see
         default = DEFAULT_LINKS[tuner.MEMORY]
@@ -419,7 +432,8 @@ def measure_memory() -> tuple[float, float, float]:
     finally:
         for m in maps:
             m.close()
-    cached_copy, cached_add = _copy_and_add(*(np.empty(1 << 18, dtype=np.float32) for _ in range(2)), batch=8)
+    cached = min(reach // 4, CACHED_ARRAY_MAX) // 4  # float32 elements: half of a core's reach
+    cached_copy, cached_add = _copy_and_add(*(np.empty(cached, dtype=np.float32) for _ in range(2)), batch=8)
     return float(cache), max(copy - cached_copy, 0.0) / share, max(add - cached_add, 0.0) / share
 
 
@@ -523,8 +537,8 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float,
     return alpha, shifting, ring, alpha_of(pair)
 
 
-def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float]:
-    """(α, β) over the link to `peer`, which runs the same function toward this rank.
+def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float, float]:
+    """(α, β, β one way) over the link to `peer`, which runs the same function toward this rank.
 
     α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
     step does), the best batch mean; β comes from the median of a few 1 MiB exchanges after
@@ -565,7 +579,34 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> 
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
-    return max(alpha, 1e-8), beta
+    return max(alpha, 1e-8), beta, _one_way(call, peer, step, alpha, big_out, big_in)
+
+
+def _one_way(call: CollectiveCall, peer: int, step: int, alpha: float, out: np.ndarray,
+             into: np.ndarray) -> float:
+    """β of a message that goes one way (the lower rank sends, the other acknowledges with 8
+    bytes), as the steps of a tree or a linear rooted algorithm do: the median of
+    ONE_WAY_TIMED after one untimed. Where the link is a copy by each side (shared memory, TCP
+    on one host) the two copies run at once, and a byte costs about half what an exchange's
+    does, whose ranks both copy in and out (n=2 on the Intel VM, 1 MiB: 9.8 against 6.5 GB/s
+    one way through shared memory, 6.0 against 2.3 over loopback TCP); a wire of full duplex
+    costs the same either way. Priced at the exchange's β, the trees' and linear reduce's,
+    gather's and scatter's large calls measured 0.35-0.67x their price (sweeps of 2026-11-26)."""
+    ack_out, ack_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    sends = call.group.rank < peer
+    times = []
+    for _ in range(1 + ONE_WAY_TIMED):
+        t0 = time.perf_counter()
+        if sends:
+            call.wait(call.isend(peer, out, step))
+            call.wait(call.irecv(peer, ack_in, step + 1))
+        else:
+            call.wait(call.irecv(peer, into, step))
+            call.wait(call.isend(peer, ack_out, step + 1))
+        times.append(time.perf_counter() - t0)
+        step += 2
+    one = statistics.median(times[1:])
+    return max((one - alpha) / BETA_BYTES, one / BETA_BYTES / 2, 1e-13)
 
 
 # -- the collective setup at init ---------------------------------------------------------------
@@ -619,9 +660,10 @@ def at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 5), dtype=np.uint64)
+    info = np.zeros((n, 6), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
-    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages))
+    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
+                len(os.sched_getaffinity(0)))
     recursive_doubling_all_reduce(world._internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:
@@ -633,9 +675,11 @@ def at_init(world: Group) -> LinkTable:
     direct = world.direct is not None  # the same on every rank: its setup was collective
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
+    cores = int(min(info[r, 5] for r in range(n) if hosts[r] == hosts[me]))  # as the engine counts them
     busy_tier = tuner.tier_of(world)
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
-    links_used = sorted([*pairs, *one_host, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY])
+    links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, tuner.BUSY, tuner.BUSY_RING,
+                         tuner.BUSY_PAIRS, tuner.MEMORY])
     key = cache_key(hosts, links_used, n)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
@@ -668,8 +712,10 @@ def at_init(world: Group) -> LinkTable:
         gamma = float(measured["gamma"])
         for tier in TIERS:
             if tier in pairs:
-                base[tier] = Link(tier, measured[tier][0], measured[tier][1], gamma)
-                sources[tier] = "calibrated"
+                alpha, beta, one_way = measured[tier]
+                base[tier] = Link(tier, alpha, beta, gamma)
+                base[ONE_WAY[tier]] = Link(ONE_WAY[tier], alpha, one_way, gamma)
+                sources[tier] = sources[ONE_WAY[tier]] = "calibrated"
             else:  # not in this job: its defaults, with this host's γ
                 base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
         for name, used in (("direct", direct), (tuner.CMA, cma), (tuner.CMA_HUGE, cma)):
@@ -703,7 +749,8 @@ def at_init(world: Group) -> LinkTable:
     used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
     table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
                       path if used_cache else "", {"tiers": links_used, "key": key, "busy_tier": busy_tier,
-                                                   "huge_pages": bool(info[:, 4].all())})
+                                                   "huge_pages": bool(info[:, 4].all()), "cores": cores,
+                                                   "hosts": hosts})
     tuner.install(world.runtime, table)
     _log.info("link constants (setup %.1f ms%s): %s", table.setup_s * 1e3,
               f", probe {probe_s * 1e3:.1f} ms" if probe_s else "",
@@ -754,10 +801,10 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
-    # (α, β) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ, memory
-    # (cache, β, γ), cma (α, β, β out of huge pages)
-    measured = np.zeros(2 * len(TIERS) + 14, dtype=np.float64)
-    busy = slice(2 * len(TIERS), 2 * len(TIERS) + 5)
+    # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
+    # memory (cache, β, γ), cma (α, β, β out of huge pages)
+    measured = np.zeros(3 * len(TIERS) + 14, dtype=np.float64)
+    busy = slice(3 * len(TIERS), 3 * len(TIERS) + 5)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 3)
     if direct:  # first: they need every rank anyway
@@ -770,7 +817,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
         if pair is not None and me in pair:
             peer = pair[1] if me == pair[0] else pair[0]
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
-            measured[2 * i: 2 * i + 2] = measure_pair(call, peer, i * 1000, warm)
+            measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
     measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000)
     measured[busy.stop - 1] = measure_gamma()
@@ -785,7 +832,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     else:
         _wait_politely(world, call, [call.isend(0, measured, _RESULTS)])
         _wait_politely(world, call, [call.irecv(0, measured, _RESULTS + 1)])
-    out: dict[str, Any] = {t: (float(measured[2 * i]), float(measured[2 * i + 1]))
+    out: dict[str, Any] = {t: tuple(float(v) for v in measured[3 * i: 3 * i + 3])
                            for i, t in enumerate(TIERS)}
     out["direct"] = tuple(float(v) for v in measured[own])
     out[tuner.BUSY] = tuple(float(v) for v in measured[busy])

@@ -55,6 +55,7 @@ class Tier:
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
     cma: Link | None = None  # ... and its reads across processes (single copy)
     cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
+    one_way: Link | None = None  # messages one way, where measured (tuner.ONE_WAY)
 
     def host(self, n: int) -> tuner.Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
@@ -65,7 +66,8 @@ class Tier:
                           huge=self.cma_huge is not None)
 
     def cost(self, alg: Algorithm, n: int, m: int) -> float:
-        return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n))  # type: ignore[arg-type]
+        return tuner.predict(alg, n, m, self.link, self.direct, host=self.host(n),  # type: ignore[arg-type]
+                             one_way=self.one_way)
 
 
 # -- link constants ----------------------------------------------------------------------------
@@ -189,7 +191,13 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
                                            f"and beta (or alpha_us and bandwidth_GBps)")
             link = Link(name, **base)
             origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
-        direct = None
+        direct = one_way = None
+        if name in LOCAL:  # as the tuner prices it: a tier the file sets, one way too unless it says
+            one_way_name = tuner.ONE_WAY[name]
+            if one_way_name in file or name not in file:
+                one_way = local.get(one_way_name, (None, ""))[0]
+                if one_way_name in file:
+                    one_way = replace(one_way or link, name=one_way_name, **file[one_way_name])
         host: dict[str, Link | None] = {tuner.MEMORY: None, tuner.CMA: None, tuner.CMA_HUGE: None}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
@@ -201,7 +209,8 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[tuner.CMA_HUGE] = None
         tiers.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
-                          memory=host[tuner.MEMORY], cma=host[tuner.CMA], cma_huge=host[tuner.CMA_HUGE]))
+                          memory=host[tuner.MEMORY], cma=host[tuner.CMA], cma_huge=host[tuner.CMA_HUGE],
+                          one_way=one_way))
     return tiers
 
 

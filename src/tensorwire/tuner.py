@@ -49,6 +49,10 @@ _log = log.get("TUNING")
 
 TIERS = ("shm", "tcp")
 """The link tiers tensorwire runs on: shared memory within a host, TCP across hosts."""
+ONE_WAY = {tier: f"{tier}_one_way" for tier in TIERS}
+"""Per tier, its link for messages that go one way (calibrate._one_way), which prices the
+algorithms whose steps only send or only receive (Algorithm.one_way); the tier's own link,
+measured in exchanges, where this one was not measured."""
 
 # Link constants until calibration measures them: round figures for this class of machine
 # (shared-memory flag round trip ~1 µs from Python, memcpy ~9 GB/s, a += b ~7.5 GB/s; TCP
@@ -347,10 +351,25 @@ class Host:
     cma_huge: Link = DEFAULT_LINKS[CMA_HUGE]
     huge: bool = True
     """Single copy's sources in huge pages: expected (Config.huge_pages), or as last seen."""
+    cores: int = 0
+    """Cores that run the ranks (0: a core each)."""
 
     def reads(self, nbytes: int) -> Link:
         """Single copy's link for a message of nbytes (see HUGE_FROM)."""
         return self.cma_huge if self.huge and nbytes >= HUGE_FROM else self.cma
+
+    def crowded_memory(self) -> Link:
+        """The memory's price for a byte when every rank works at once: where ranks outnumber
+        cores, a core moves the bytes of ranks/cores of them, so each waits that much longer
+        for what misses the cache. A link measured with every rank at work (`busy`, the
+        one-shot path's `direct`) already holds that for the bytes in cache; the memory entry
+        is measured by one process alone. At n=4 on 2 cores (Intel VM, shm-n4 sweep of
+        2026-11-26) the one shot's all_gather and all_to_all measured 0.90-1.35x their price
+        from 1 MiB with the factor, 1.16-1.66x without it."""
+        crowding = self.ranks / self.cores if self.cores else 1.0
+        if crowding <= 1:
+            return self.memory
+        return replace(self.memory, beta=self.memory.beta * crowding, gamma=self.memory.gamma * crowding)
 
 
 def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
@@ -374,25 +393,33 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
             busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-            busy_pairs: Link | None = None) -> float:
+            busy_pairs: Link | None = None, one_way: Link | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
     by its work at the constants measured with every rank busy (`busy`; `busy_ring` for the
     algorithms with fixed partners; the α of `busy_pairs` for a step that exchanges with one
-    partner), where those exist. On one host (`host`) the bytes that miss the cache cost the
-    memory's price on top, per copy (Algorithm.copies)."""
+    partner), where those exist; the path of an algorithm whose steps go one way over the
+    tier's link for such messages (`one_way`), where it was measured: the work of every rank
+    is the same either way (each byte still costs a copy by each side). On one host (`host`)
+    the bytes that miss the cache cost the
+    memory's price on top, per copy (Algorithm.copies): a lone rank's on the path over the
+    link, a crowded host's (Host.crowded_memory) where every rank works at once (the busy
+    links' work, the one-shot path)."""
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
         if share:
-            own = beyond_cache(own, share, host.memory, alg.copies)  # type: ignore[union-attr]
+            own = beyond_cache(own, share, host.crowded_memory(), alg.copies)  # type: ignore[union-attr]
         return alg.cost(n, nbytes, own)
+    if alg.one_way and one_way is not None:
+        link = one_way
     if share:
-        memory, copies = host.memory, alg.copies  # type: ignore[union-attr]
-        link = beyond_cache(link, share, memory, copies)
-        busy = busy and beyond_cache(busy, share, memory, copies)
-        busy_ring = busy_ring and beyond_cache(busy_ring, share, memory, copies)
+        copies = alg.copies
+        link = beyond_cache(link, share, host.memory, copies)  # type: ignore[union-attr]
+        crowded = host.crowded_memory()  # type: ignore[union-attr]
+        busy = busy and beyond_cache(busy, share, crowded, copies)
+        busy_ring = busy_ring and beyond_cache(busy_ring, share, crowded, copies)
     t = alg.cost(n, nbytes, link)
     if busy is None:
         return t
@@ -407,17 +434,17 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
 
 
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
-          busy: Link | None = None, busy_ring: Link | None = None,
-          host: Host | None = None, busy_pairs: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+          busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
+          busy_pairs: Link | None = None, one_way: Link | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name."""
-    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs), alg.name, alg)
-                    for alg in algs)
+    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way),
+                     alg.name, alg) for alg in algs)
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
-    tied.sort(key=lambda p: (predict(p[2], n, nbytes, link, direct, host=host), p[1]))
+    tied.sort(key=lambda p: (predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way), p[1]))
     return tied + priced[len(tied):]
 
 
@@ -499,7 +526,8 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         host = replace(host, huge=False)
 
     def priced_with(host: Host | None) -> list[tuple[float, str, Algorithm]]:
-        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host, busy_pairs)
+        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host, busy_pairs,
+                     table.links.get(ONE_WAY[tier]))
 
     priced = priced_with(host)
     choice: Algorithm | PageDependent = priced[0][2]
@@ -509,20 +537,27 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
             choice = PageDependent(group, key, choice, small)
     bound = frozenset() if busy is None else frozenset(
         name for t, name, alg in priced
-        if t > predict(alg, group.size, nbytes, table.link(tier), direct, host=host) * (1 + 1e-9))
+        if t > predict(alg, group.size, nbytes, table.link(tier), direct, host=host,
+                       one_way=table.links.get(ONE_WAY[tier])) * (1 + 1e-9))
     return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
 
 
 def host_of(group: Group) -> Host | None:
     """The host a single-host group's ranks share, for the cost of what misses its cache and of
     single copy's reads; None for groups across hosts (their links cost more than memory, and
-    ranks on other hosts could see another cache: every rank must price alike)."""
-    if not group.all_local:
-        return None
+    ranks on other hosts could see another cache: every rank must price alike). Ranks of one
+    host that talk over TCP (TENSORWIRE_TRANSPORT=tcp) share it too, as the calibration found
+    (its `hosts`): loopback copies through the kernel's socket buffers cost memory like the
+    rings do (unpriced, the tcp-n4 sweep of 2026-11-26 measured the message algorithms at
+    1.2-1.8x their price from 1 MiB)."""
     table = table_for(group.runtime)
+    if not group.all_local:
+        hosts = table.extra.get("hosts")
+        if not hosts or len({hosts[r] for r in group.ranks}) != 1:
+            return None
     huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
     return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA),
-                table.link(CMA_HUGE), huge)
+                table.link(CMA_HUGE), huge, table.extra.get("cores", 0))
 
 
 class Override:

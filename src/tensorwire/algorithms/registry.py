@@ -104,6 +104,11 @@ class Algorithm:
     pairwise and recursive-halving ones at 16-64 MiB; why was not established); the tuner
     prices their work with the busy link measured in a ring (`busy_ring`) where that is the
     faster one (never slower: see tuner.predict)."""
+    one_way: bool = False
+    """Every step only sends or only receives (trees, the linear rooted algorithms): where a
+    link is a copy by each side, as through shared memory or TCP on one host, both copies run
+    at once and a byte costs about half of an exchange's, whose ranks both copy in and out.
+    The tuner prices its path with the link measured one way (tuner.ONE_WAY)."""
     copies: float = 2.0
     """Copies of a byte that its β counts once, for what bytes beyond the host's cache cost
     (tuner.spill): a message is copied into a ring or socket and out of it (2); the one-shot

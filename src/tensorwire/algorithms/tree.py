@@ -253,8 +253,10 @@ def gather_work(n: int, m: int, link: Link) -> float:
     return (n - 1) / n * (link.alpha + m / n * link.beta) if n > 1 else 0.0
 
 
-register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost, work=_broadcast_work))
-register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost, work=reduce_work))
-register(Algorithm("tree", "all_reduce", tree_all_reduce, _all_reduce_cost, work=_all_reduce_work))
-register(Algorithm("binomial", "gather", binomial_gather, _gather_cost, work=gather_work))
-register(Algorithm("binomial", "scatter", binomial_scatter, _scatter_cost, work=gather_work))
+register(Algorithm("binomial", "broadcast", binomial_broadcast, _broadcast_cost, work=_broadcast_work,
+                   one_way=True))
+register(Algorithm("binomial", "reduce", _binomial_reduce, _reduce_cost, work=reduce_work, one_way=True))
+register(Algorithm("tree", "all_reduce", tree_all_reduce, _all_reduce_cost, work=_all_reduce_work,
+                   one_way=True))
+register(Algorithm("binomial", "gather", binomial_gather, _gather_cost, work=gather_work, one_way=True))
+register(Algorithm("binomial", "scatter", binomial_scatter, _scatter_cost, work=gather_work, one_way=True))
