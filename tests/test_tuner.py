@@ -221,6 +221,12 @@ def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:
     assert tuner.predict(gather, 2, m, shm, one_way=one_way) == pytest.approx(11e-6 + m / 2 / 10e9)
     assert tuner.predict(gather, 2, m, shm) == pytest.approx(11e-6 + m / 2 / 4.8e9)
     assert tuner.predict(ring, 2, m, shm, one_way=one_way) == tuner.predict(ring, 2, m, shm)
+    # ... and it is still the tier's link: the linear reduce folds out of shared memory's rings
+    linear = algorithms_for("reduce")["linear"]
+    assert tuner.predict(linear, 4, m, shm, one_way=one_way) == pytest.approx(
+        tuner.predict(linear, 4, m, replace(one_way, name="shm")))
+    assert tuner.predict(linear, 4, m, shm, one_way=one_way) < tuner.predict(
+        linear, 4, m, replace(one_way, name="tcp"))
     # the work of every rank at once is what it was: each byte still costs both sides a copy
     assert tuner.predict(gather, 2, m, shm, busy=busy, one_way=one_way) == tuner.predict(
         gather, 2, m, shm, busy=busy, one_way=replace(one_way, beta=0.0))

@@ -413,7 +413,7 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
             own = beyond_cache(own, share, host.crowded_memory(), alg.copies)  # type: ignore[union-attr]
         return alg.cost(n, nbytes, own)
     if alg.one_way and one_way is not None:
-        link = one_way
+        link = replace(one_way, name=link.name)  # the tier's link still (the linear reduce asks which)
     if share:
         copies = alg.copies
         link = beyond_cache(link, share, host.memory, copies)  # type: ignore[union-attr]
