@@ -510,3 +510,32 @@ def test_foreign_load_meter_counts_others_only(monkeypatch: pytest.MonkeyPatch) 
             proc.wait()
     assert foreign >= 0.3 and contaminated(foreign, 1.0)
     assert not contaminated(0.02, 1.0)
+
+
+def test_peaks_script_reads_the_peaks_and_the_closest_gloo_cell(tmp_path) -> None:
+    """bench/peaks.py: the largest bus bandwidth per library and collective over sizes and
+    placements, tensorwire's against Open MPI's, and the cell where Gloo comes closest."""
+    script = Path(__file__).parent.parent / "bench" / "peaks.py"
+    spec = importlib.util.spec_from_file_location("peaks", script)
+    peaks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peaks)
+
+    def cell(lib: str, coll: str, size: int, placement: str, us: float, busbw: float) -> dict:
+        return {"lib": lib, "coll": coll, "size": size, "placement": placement, "time_us": us,
+                "busbw_GBps": busbw}
+
+    cells = [cell("tensorwire", "all_gather", 1 << 20, "in-place", 100.0, 5.0),
+             cell("tensorwire", "all_gather", 4 << 20, "in-place", 300.0, 7.0),
+             cell("mpi", "all_gather", 1 << 20, "in-place", 50.0, 10.0),
+             cell("gloo", "all_gather", 1 << 20, "in-place", 150.0, 3.0),
+             cell("gloo", "all_gather", 4 << 20, "in-place", 1200.0, 1.75),
+             cell("tensorwire", "barrier", 0, "in-place", 1.0, 0.0),
+             cell("mpi", "barrier", 0, "in-place", 0.5, 0.0)]
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps({"compare": {"libraries": ["tensorwire", "gloo", "mpi"], "nranks": 2,
+                                            "machine": {}, "cells": cells}}))
+    lines = peaks.summarize(str(path))
+    row = next(line for line in lines if line.startswith("all_gather"))
+    assert "7 ( 4194304)" in row and "10 ( 1048576)" in row and row.endswith("0.70"), row
+    assert not any(line.startswith("barrier") for line in lines)  # no bandwidth to speak of
+    assert lines[-1].startswith("vs Gloo: 2 cells, closest 1.50x (all_gather 1048576 B in-place); 0 "), lines
