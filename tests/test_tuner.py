@@ -353,6 +353,9 @@ def test_memory_is_crowded_where_ranks_outnumber_cores() -> None:
 
     assert extra(one_shot, alone) > 0
     assert extra(one_shot, crowded) == pytest.approx(2 * extra(one_shot, alone))
+    # single copy's reads were measured crowded, beyond the cache: a lone rank's memory on top
+    reads = algorithms_for("reduce_scatter")["single_copy"]
+    assert extra(reads, crowded) == extra(reads, alone) > 0
     assert extra(ring, crowded) == extra(ring, alone) > 0  # over the link: a lone rank's
     assert extra(ring, crowded, busy=busy) == pytest.approx(2 * extra(ring, alone, busy=busy))
     assert extra(ring, crowded, busy=busy) > extra(ring, crowded)  # (work-bound: every rank busy)

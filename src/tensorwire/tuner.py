@@ -410,7 +410,12 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
         if share:
-            own = beyond_cache(own, share, host.crowded_memory(), alg.copies)  # type: ignore[union-attr]
+            # single copy's link was measured with every rank reading beyond the cache (n
+            # ranks' sources and outputs of a MiB each) and holds its crowding: at n=4 on 2
+            # cores its reductions measured 0.55-0.73x their price from 1 MiB with the crowded
+            # memory on top, 0.70-0.96x with a lone rank's (three shm-n4 sweeps of 2026-11-26)
+            memory = host.memory if alg.needs_single_copy else host.crowded_memory()  # type: ignore[union-attr]
+            own = beyond_cache(own, share, memory, alg.copies)
         return alg.cost(n, nbytes, own)
     if alg.one_way and one_way is not None:
         link = replace(one_way, name=link.name)  # the tier's link still (the linear reduce asks which)
