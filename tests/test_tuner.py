@@ -939,6 +939,29 @@ def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, c
     assert f"    {best} " in first_row
 
 
+def test_plan_prices_the_trees_with_the_link_measured_one_way(tmp_path, monkeypatch, capsys) -> None:
+    """`tensorwire plan` shows a local tier's one-way link where a calibration measured it and
+    prices the trees and linear rooted algorithms with it, as the tuner does."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
+    monkeypatch.delenv("TENSORWIRE_ALGO", raising=False)
+    shm, one_way = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9), Link(tuner.ONE_WAY["shm"], 5e-6, 1 / 9e9, 1 / 10e9)
+    key = calibrate.cache_key([calibrate.host_hash()], ["shm", one_way.name], 2)
+    calibrate.write_cache(calibrate.cache_path(str(tmp_path), key), {"shm": shm, one_way.name: one_way},
+                          {"created": time.time(), "world_size": 2, "tiers": ["shm", one_way.name],
+                           "hosts": [format(calibrate.host_hash(), "016x")]})
+    m = 64 << 20
+    assert cli.main(["plan", "gather", "64MiB", "--np", "4", "--tier", "shm", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert "messages one way (trees, linear rooted): α 5 us, β 9 GB/s" in out, out
+    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 4, Config().shm_ring_bytes)
+    binomial = algorithms_for("gather")["binomial"]
+    priced = tuner.predict(binomial, 4, m, shm, host=host, one_way=one_way)
+    assert priced < tuner.predict(binomial, 4, m, shm, host=host)
+    row = next(line for line in out.splitlines() if line.startswith("    binomial "))
+    assert tuner.format_seconds(priced) in row, (row, tuner.format_seconds(priced))
+
+
 @pytest.mark.parametrize("setting", ["1", "0"])
 def test_plan_prices_huge_page_reads_as_the_tuner_would(tmp_path, monkeypatch, capsys, setting: str) -> None:
     """`tensorwire plan` prices single copy's large reads out of huge pages only where the

@@ -300,6 +300,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             continue
         out("")
         out(f"  tier {tier.name}: {tuner.describe_link(tier.link)}  [{tier.origin}]")
+        if tier.one_way is not None:
+            out(f"    messages one way (trees, linear rooted): {tuner.describe_link(tier.one_way)}")
         if tier.direct is not None:
             out(f"    one-shot shared-memory path: {tuner.describe_link(tier.direct)}")
         if tier.memory is not None:

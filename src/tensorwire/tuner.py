@@ -640,6 +640,8 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
                 shown += f", in a ring ({table.describe(BUSY_RING)})"
             if BUSY_PAIRS in table.links:
                 shown += f", in pairs ({table.describe(BUSY_PAIRS)})"
+        if ONE_WAY[tier] in table.links and any(a.one_way for _, _, a in decision.priced):
+            shown += f", one way ({table.describe(ONE_WAY[tier])})"
         if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
             shown += f", direct path ({table.describe('direct')})"
         _log.info("%s %d B on %d ranks of group %s over %s%s: %s -> %s", collective, nbytes,
