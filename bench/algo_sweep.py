@@ -14,13 +14,16 @@ Settings:
   shm-n2    tensorwire bench COLL --algo all --np 2           (not by default: the setting of the
             single-host comparisons, docs/benchmarks/compare-n2.md)
 
-One launch per (setting, collective), each calibrating afresh at init (TENSORWIRE_CALIBRATE=
-force): the machine is shared and its load changes from minute to minute, and the model can
-only be asked to predict the conditions it was measured in. Before
+One launch per (setting, collective and size band), each calibrating afresh at init
+(TENSORWIRE_CALIBRATE=force): the machine is shared and its load changes from minute to
+minute, and the model can only be asked to predict the conditions it was measured in. Before
 each launch the driver waits up to --quiet-wait seconds for the machine to be quiet; it
 records how much CPU other processes used while the launch ran (the machine is shared) and
 runs a launch again (--retries) when that exceeded --max-foreign cores, keeping the least
-contaminated attempt.
+contaminated attempt. Sizes up to --small-upto (64 KiB) take --small-iters timed calls per
+round (20), the larger ones -n (5), in a launch of their own: a small call costs little, and
+its median over 15 calls had moved by more than the criterion's 10% from launch to launch (the
+order of algorithms at 16 B over TCP flipped between sweeps).
 
 Criteria (issue 4): auto/best <= 1.10 at every size (the tuner's choice, measured on its own,
 against the fastest forced algorithm), and 0.7 <= measured/predicted <= 1.3 for the tuner's
@@ -42,7 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tensorwire.bench import parse_size
 from tensorwire.benchmarks.report import human
+from tensorwire.benchmarks.sweep import size_list
 
 REPO = Path(__file__).resolve().parent.parent
 COLLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "alltoall", "barrier", "gather",
@@ -60,15 +65,28 @@ PRED_LO, PRED_HI = 0.7, 1.3
 PRED_FROM = 64 << 10
 
 
-def bench_args(coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
-    return [coll, "--algo", "all", "-b", a.minbytes, "-e", a.maxbytes, "-f", str(a.stepfactor),
-            "-n", str(a.iters), "-w", str(a.warmup), "--rounds", str(a.rounds), "--json", str(json_path),
+def bands(a: argparse.Namespace) -> list[tuple[int, int, int, int]]:
+    """(first size, last size, timed calls, warm-up calls per round): a launch each per
+    collective, the sizes up to --small-upto with --small-iters calls, the rest with -n."""
+    sizes = size_list(parse_size(a.minbytes), parse_size(a.maxbytes), a.stepfactor, 0)
+    small = [s for s in sizes if s <= parse_size(a.small_upto)]
+    large = sizes[len(small):]
+    out = [(small[0], small[-1], a.small_iters, a.small_warmup)] if small else []
+    return out + ([(large[0], large[-1], a.iters, a.warmup)] if large else [])
+
+
+def bench_args(coll: str, a: argparse.Namespace, band: tuple[int, int, int, int],
+               json_path: Path) -> list[str]:
+    lo, hi, iters, warmup = band
+    return [coll, "--algo", "all", "-b", str(lo), "-e", str(hi), "-f", str(a.stepfactor),
+            "-n", str(iters), "-w", str(warmup), "--rounds", str(a.rounds), "--json", str(json_path),
             *(["-z", "1"] if a.blocking else [])]
 
 
-def command(setting: str, coll: str, a: argparse.Namespace, json_path: Path) -> list[str]:
+def command(setting: str, coll: str, a: argparse.Namespace, band: tuple[int, int, int, int],
+            json_path: Path) -> list[str]:
     py = sys.executable
-    args = bench_args(coll, a, json_path)
+    args = bench_args(coll, a, band, json_path)
     if setting in ("shm-n4", "shm-n2"):
         return [py, "-m", "tensorwire", "bench", *args, "--np", setting[-1]]
     if setting == "tcp-n4":
@@ -233,8 +251,8 @@ def write_report(setting: str, params: dict[str, Any], launches: list[dict[str, 
           f"({params['host']}, {params['cpus']} CPUs). See [algorithms.md](algorithms.md) for how to read "
           f"it and what the exceptions mean.", "",
           "Per size: the tuner's choice run as usual (*auto*), then every eligible algorithm forced in turn, "
-          f"{params['rounds']} interleaved rounds of {params['warmup']} warm-up + {params['iters']} timed "
-          "calls each, iterations pooled; a call's time is the slowest rank's, the figure the median over "
+          f"{params['rounds']} interleaved rounds of {_calls(params)} each, iterations pooled; a call's "
+          "time is the slowest rank's, the figure the median over "
           "calls. *predicted*: the α-β-γ model with the constants that launch's init measured (below). "
           "✗ marks a point outside the criterion (auto/best > 1.10; measured/predicted outside 0.7–1.3 "
           "from 64 KiB).", "",
@@ -252,7 +270,8 @@ def write_report(setting: str, params: dict[str, Any], launches: list[dict[str, 
         links = launch["links"]
         gamma = next((f"{v['reduce_GBps']:.3g} GB/s" for t, v in links.items()
                       if t not in ("busy", "memory")), "-")
-        md.append(f"| {launch['coll']} | {launch['rc']} | {launch['wall_s']:.0f} s "
+        label = launch["coll"] + (f" ({launch['sizes']})" if "sizes" in launch else "")
+        md.append(f"| {label} | {launch['rc']} | {launch['wall_s']:.0f} s "
                   f"| {launch['foreign_cores']:.2f} cores | {launch['attempts']} | "
                   + " | ".join(_link(links.get(t)) for t in tiers) + f" | {gamma} |")
     for coll, results in by_coll.items():
@@ -265,15 +284,27 @@ def write_report(setting: str, params: dict[str, Any], launches: list[dict[str, 
     return tot
 
 
+def _calls(params: dict[str, Any]) -> str:
+    """'2 warm-up + 20 timed calls up to 64 KiB, 1 + 5 from 256 KiB' (or one band's)."""
+    found = params.get("bands") or [(None, None, params["iters"], params["warmup"])]
+    if len(found) == 1:
+        return f"{found[0][3]} warm-up + {found[0][2]} timed calls"
+    (_, small_hi, small_n, small_w), (large_lo, _, large_n, large_w) = found
+    return (f"{small_w} warm-up + {small_n} timed calls up to {human(small_hi)}, "
+            f"{large_w} + {large_n} from {human(large_lo)}")
+
+
 def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
     launches: list[dict[str, Any]] = []
     env_extra = {"TENSORWIRE_CALIBRATE": "force"}
     env = {**os.environ, **env_extra}
-    for coll in a.colls:
+    every = bands(a)
+    runs = [(c, b) for c in a.colls for b in enumerate(every[:1] if c == "barrier" else every)]  # (no sizes)
+    for coll, (b, band) in runs:
         kept: dict[str, Any] | None = None
         for attempt in range(1 + a.retries):
-            json_path = work / f"{setting}-{coll}-{attempt}.json"
-            cmd = command(setting, coll, a, json_path)
+            json_path = work / f"{setting}-{coll}-{b}-{attempt}.json"
+            cmd = command(setting, coll, a, band, json_path)
             shown = shlex.join([c.replace(str(REPO) + "/", "").replace(sys.executable, ".venv/bin/python")
                                 .replace(str(work) + "/", "") for c in cmd])
             busy = wait_quiet(a.quiet_wait)
@@ -281,8 +312,8 @@ def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
             rc, wall, foreign = run_launch(cmd, env, a.launch_timeout + 30, json_path.with_suffix(".log"))
             doc = json.loads(json_path.read_text()) if json_path.exists() else None
             print(f"[{setting}] {coll}: exit {rc}, {wall:.0f} s, foreign CPU {foreign:.2f} cores", flush=True)
-            launch = {"coll": coll, "cmd": shown, "env": env_extra, "rc": rc, "wall_s": wall,
-                      "foreign_cores": foreign, "doc": doc}
+            launch = {"coll": coll, "sizes": f"{human(band[0])}–{human(band[1])}", "cmd": shown,
+                      "env": env_extra, "rc": rc, "wall_s": wall, "foreign_cores": foreign, "doc": doc}
             if kept is None or (doc is not None and (kept["doc"] is None or foreign < kept["foreign_cores"])):
                 kept = launch
             if doc is not None and foreign <= a.max_foreign:
@@ -298,7 +329,7 @@ def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
             for launch in launches]
     params = {"generated": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
               "cpus": os.cpu_count(), "rounds": a.rounds, "warmup": a.warmup, "iters": a.iters,
-              "rate": a.rate}
+              "rate": a.rate, "bands": bands(a)}
     return write_report(setting, params, meta, by_coll, a.out_dir / f"algorithms-{setting}")
 
 
@@ -322,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per round (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="warm-up calls per round (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--small-upto", default="64K",
+                   help="sizes up to this take --small-iters calls, in a launch of their own (default 64K)")
+    p.add_argument("--small-iters", type=int, default=20, help="timed calls per round there (default 20)")
+    p.add_argument("--small-warmup", type=int, default=2, help="warm-up calls per round there (default 2)")
     p.add_argument("--blocking", action="store_true",
                    help="time every call on its own, after a barrier (tensorwire bench -z 1)")
     p.add_argument("--rate", default="1gbit", help="netns4: tc rate of every host link (default 1gbit)")
