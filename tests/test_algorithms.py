@@ -481,21 +481,30 @@ def test_gather_choice_does_not_depend_on_size() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_scatter_tree_wins_small_and_loses_large() -> None:
-    """The binomial scatter pays log2 n latencies but copies a non-leaf subtree twice at the
-    root and once more per level (store and forward): the linear scatter wins large messages
-    from n = 4 on. At n = 2 and 3 the tree is a star and the two cost the same."""
+def test_scatter_tree_wins_small_only_on_many_ranks_and_loses_large() -> None:
+    """The linear scatter's latency is priced as the gather's (its sends overlap: back to back
+    it measured 1.2-1.7x faster than the tree at 16 B-64 KiB at n = 4): it wins small messages
+    until about 16 ranks, where the tree's log2 n latencies are fewer. The binomial scatter
+    copies a non-leaf subtree twice at the root and once more per level (store and forward):
+    the linear scatter wins large messages from n = 4 on; at n = 2 and 3 both move the same
+    bytes."""
     algs = _message_algorithms("scatter")
+    gather = _message_algorithms("gather")
     for link in LINKS:
         for n in COST_RANKS:
             small = {name: alg.cost(n, 64, link) for name, alg in algs.items()}
             large = {name: alg.cost(n, 1 << 30, link) for name, alg in algs.items()}
-            if n <= 3:
+            assert small["linear"] == pytest.approx(gather["linear"].cost(n, 64, link))
+            if n == 2:
                 assert small["binomial"] == pytest.approx(small["linear"]), (link.name, n)
-                assert large["binomial"] == pytest.approx(large["linear"]), (link.name, n)
+            elif n < 16:
+                assert small["linear"] < small["binomial"], (link.name, n, small)
             else:
-                assert small["binomial"] < small["linear"] and large["linear"] < large["binomial"], (
-                    link.name, n, small, large)
+                assert small["binomial"] < small["linear"], (link.name, n, small)
+            if n <= 3:
+                assert large["binomial"] == pytest.approx(large["linear"], rel=1e-3), (link.name, n)
+            else:
+                assert large["linear"] < large["binomial"], (link.name, n, large)
 
 
 def test_contiguous_span() -> None:
