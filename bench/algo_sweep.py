@@ -332,7 +332,29 @@ def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
     params = {"generated": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
               "cpus": os.cpu_count(), "rounds": a.rounds, "warmup": a.warmup, "iters": a.iters,
               "rate": a.rate, "bands": bands(a)}
-    return write_report(setting, params, meta, by_coll, a.out_dir / f"algorithms-{setting}")
+    out = a.out_dir / f"algorithms-{setting}"
+    if a.merge and out.with_suffix(".json").exists():
+        earlier = json.loads(out.with_suffix(".json").read_text())
+        params, meta, by_coll = merged(earlier, params, meta, by_coll)
+    return write_report(setting, params, meta, by_coll, out)
+
+
+def merged(old: dict[str, Any], params: dict[str, Any], launches: list[dict[str, Any]],
+           by_coll: dict[str, list[dict[str, Any]]]) -> tuple[dict, list, dict]:
+    """A sweep of some collectives put into an earlier sweep's tables: their results and
+    launches replace the earlier ones in place (new collectives go last), everything else and
+    the earlier parameters stay, and `merged` says what came from when."""
+    fresh = {launch["coll"] for launch in launches}
+    kept = [launch for launch in old["launches"] if launch["coll"] not in fresh]
+    order = list(dict.fromkeys(launch["coll"] for launch in old["launches"]))
+    order += [c for c in dict.fromkeys(launch["coll"] for launch in launches) if c not in order]
+    all_launches = [launch for c in order for launch in (launches if c in fresh else kept)
+                    if launch["coll"] == c]
+    results = {c: by_coll[c] if c in by_coll else old["results"][c]
+               for c in dict.fromkeys([*old["results"], *by_coll])}
+    note = f"{', '.join(sorted(fresh))} from a later run ({params['generated']})"
+    out_params = {**old["params"], "merged": "; ".join(filter(None, [old["params"].get("merged"), note]))}
+    return out_params, all_launches, results
 
 
 def render(setting: str, a: argparse.Namespace) -> dict:
@@ -369,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=1, help="re-runs of a contaminated launch (default 1)")
     p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--render", action="store_true", help="only rewrite the markdown from --out-dir's JSON")
+    p.add_argument("--merge", action="store_true",
+                   help="put the collectives swept into --out-dir's existing tables, not new ones")
     a = p.parse_args(argv)
     a.colls = [c for c in a.colls.split(",") if c]
     a.out_dir.mkdir(parents=True, exist_ok=True)

@@ -539,3 +539,31 @@ def test_peaks_script_reads_the_peaks_and_the_closest_gloo_cell(tmp_path) -> Non
     assert "7 ( 4194304)" in row and "10 ( 1048576)" in row and row.endswith("0.70"), row
     assert not any(line.startswith("barrier") for line in lines)  # no bandwidth to speak of
     assert lines[-1].startswith("vs Gloo: 2 cells, closest 1.50x (all_gather 1048576 B in-place); 0 "), lines
+
+
+def test_algo_sweep_merges_a_partial_sweep_into_the_tables() -> None:
+    """bench/algo_sweep.py --merge: the collectives swept replace theirs in the earlier tables
+    (results and launches, in place), the others and the earlier parameters stay, and the
+    tables say what was merged in and when."""
+    script = Path(__file__).parent.parent / "bench" / "algo_sweep.py"
+    spec = importlib.util.spec_from_file_location("algo_sweep", script)
+    sweep_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep_script)
+
+    def launch(coll: str, when: str) -> dict:
+        return {"coll": coll, "when": when}
+
+    old = {"params": {"generated": "10:00", "iters": 5},
+           "launches": [launch("reduce", "old"), launch("scatter", "old"), launch("scatter", "old"),
+                        launch("gather", "old")],
+           "results": {"reduce": ["r-old"], "scatter": ["s-old"], "gather": ["g-old"]}}
+    params, launches, results = sweep_script.merged(
+        old, {"generated": "11:00", "iters": 20}, [launch("scatter", "new"), launch("barrier", "new")],
+        {"scatter": ["s-new"], "barrier": ["b-new"]})
+    assert [(x["coll"], x["when"]) for x in launches] == [
+        ("reduce", "old"), ("scatter", "new"), ("gather", "old"), ("barrier", "new")]
+    assert results == {"reduce": ["r-old"], "scatter": ["s-new"], "gather": ["g-old"], "barrier": ["b-new"]}
+    assert params["iters"] == 5 and params["merged"] == "barrier, scatter from a later run (11:00)"
+    again, _, _ = sweep_script.merged({"params": params, "launches": launches, "results": results},
+                                      {"generated": "12:00"}, [launch("gather", "newer")], {"gather": ["g"]})
+    assert again["merged"] == "barrier, scatter from a later run (11:00); gather from a later run (12:00)"
