@@ -241,6 +241,9 @@ def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:
     kept = calibrate.apply_overrides(table, {"shm": {"beta": 1e-9}, one_way.name: {"beta": 2e-10}})
     assert kept.links[one_way.name].beta == 2e-10
     assert calibrate.apply_overrides(table, {"tcp": {"beta": 1e-9}}).links[one_way.name] == one_way
+    # ... and where none was measured one way, the file's one-way constants go on the tier's
+    alone = calibrate.apply_overrides(tuner.LinkTable({"shm": shm}, {}), {one_way.name: {"beta": 2e-10}})
+    assert alone.links[one_way.name] == Link(one_way.name, shm.alpha, 2e-10, shm.gamma)
 
 
 def test_decision_names_the_algorithms_priced_at_the_busy_host_s_work() -> None:

@@ -157,12 +157,18 @@ def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
     return parse_tuning(doc, where)
 
 
+_TIER_OF_ONE_WAY = {one_way: tier for tier, one_way in ONE_WAY.items()}
+
+
 def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float]]) -> LinkTable:
     """The table with the file's constants in place; tiers the file adds are kept too. A tier
-    set by the file prices its one-way messages too, unless the file sets those as well."""
+    set by the file prices its one-way messages too, unless the file sets those as well (on top
+    of the tier's constants where none were measured one way)."""
     links, sources = dict(table.links), dict(table.sources)
     for tier, values in overrides.items():
-        base = links.get(tier) or DEFAULT_LINKS.get(tier) or Link(tier, **{f: math.nan for f in REQUIRED})
+        of = _TIER_OF_ONE_WAY.get(tier, "")  # a one-way link the probe did not measure: its tier's
+        base = (links.get(tier) or DEFAULT_LINKS.get(tier) or links.get(of) or DEFAULT_LINKS.get(of)
+                or Link(tier, **{f: math.nan for f in REQUIRED}))
         merged = {f: values.get(f, getattr(base, f)) for f in FIELDS}
         if any(math.isnan(v) for v in merged.values()):
             continue  # a new tier needs all three constants; plan reports it as incomplete

@@ -192,12 +192,13 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
             link = Link(name, **base)
             origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
         direct = one_way = None
-        if name in LOCAL:  # as the tuner prices it: a tier the file sets, one way too unless it says
+        if name in LOCAL:  # as the tuner prices it (calibrate.apply_overrides)
             one_way_name = tuner.ONE_WAY[name]
-            if one_way_name in file or name not in file:
+            if one_way_name in file:
+                base_link = local.get(one_way_name, (link, ""))[0]
+                one_way = replace(base_link, name=one_way_name, **file[one_way_name])
+            elif name not in file:
                 one_way = local.get(one_way_name, (None, ""))[0]
-                if one_way_name in file:
-                    one_way = replace(one_way or link, name=one_way_name, **file[one_way_name])
         host: dict[str, Link | None] = {tuner.MEMORY: None, tuner.CMA: None, tuner.CMA_HUGE: None}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]

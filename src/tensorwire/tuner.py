@@ -525,6 +525,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     direct = table.links.get("direct") if group.direct is not None else None
     busy, busy_ring, busy_pairs = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
                                    if tier == table.extra.get("busy_tier") else (None, None, None))
+    one_way = table.links.get(ONE_WAY[tier])
     host = host_of(group)
     key = (collective, nbytes)
     if host is not None and host.huge and not group.huge_seen.get(key, True):
@@ -532,7 +533,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
 
     def priced_with(host: Host | None) -> list[tuple[float, str, Algorithm]]:
         return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host, busy_pairs,
-                     table.links.get(ONE_WAY[tier]))
+                     one_way)
 
     priced = priced_with(host)
     choice: Algorithm | PageDependent = priced[0][2]
@@ -543,7 +544,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     bound = frozenset() if busy is None else frozenset(
         name for t, name, alg in priced
         if t > predict(alg, group.size, nbytes, table.link(tier), direct, host=host,
-                       one_way=table.links.get(ONE_WAY[tier])) * (1 + 1e-9))
+                       one_way=one_way) * (1 + 1e-9))
     return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
 
 
