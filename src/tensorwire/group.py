@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import log
+from . import log, tuner
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
+from .algorithms.registry import Link
 from .algorithms.shm_direct import DirectPath
 from .algorithms.tree import binomial_broadcast
 from .buffers import byte_view
@@ -99,6 +100,11 @@ class CollectiveCall:
         dst = data.reshape(-1) if reduce is not None else byte_view(data)
         return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
                                        dst, reduce, self, base)
+
+    @property
+    def link(self) -> Link:
+        """The group's link constants, as the tuner priced this call with them."""
+        return tuner.link_of(self.group)
 
     def wait(self, *reqs: Request) -> None:
         direct = self.group.direct

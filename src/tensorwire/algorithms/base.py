@@ -8,6 +8,7 @@ import numpy as np
 
 from ..buffers import address
 from ..ops import ReduceOp
+from .registry import Link
 
 
 class Request(Protocol):
@@ -23,6 +24,9 @@ class P2P(Protocol):
 
     rank: int
     size: int
+    link: Link
+    """The group's link constants, which the tuner priced the call with: an algorithm that
+    sizes its steps by them (chain.segment_count) gets the same on every rank."""
 
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request: ...
 
