@@ -127,6 +127,7 @@ JOB = textwrap.dedent('''\
         latency()
     elif mode == "loop":
         loop(float(sys.argv[2]))
+
     elif mode == "fail":
         if tw.get_rank() == 1:
             sys.exit(7)
@@ -250,6 +251,11 @@ def _check_collectives(res: BedResult, hosts: int, nproc: int, tcp: bool = False
         assert tcp_peers == set(range(world)) - {r} - shm, m.group(0)
     assert len(res.lines(r"transport ok: rank \d+")) == world, res.out
     assert "transport check FAILED" not in res.out
+    # The emulated hosts share this machine's cores: every rank counts all of them, so that
+    # ranks outnumbering the cores yield instead of spinning, as on one host.
+    machine = {int(m.group(1)): int(m.group(2))
+               for m in res.lines(r"rank (\d+): (\d+) rank\(s\) on this machine")}
+    assert machine == {r: world for r in range(world)}, res.out
 
 
 @pytest.mark.timeout(90)

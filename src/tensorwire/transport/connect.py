@@ -30,6 +30,18 @@ _HELLO = struct.Struct("<4sIIQ")  # magic, rank, world size, job hash
 _MAGIC = b"TWv1"
 
 
+def machine_id() -> str:
+    """What ranks that compete for the same cores share: the kernel's boot id. Network
+    namespaces and containers on one kernel (the multi-host test bed's emulated hosts) have
+    host names of their own but run on the same cores; separate machines and VMs boot their
+    own kernels. The host name where the id cannot be read."""
+    try:
+        with builtins.open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
 def _job_hash(job_id: str) -> int:
     h = 1469598103934665603
     for b in job_id.encode():
@@ -68,7 +80,9 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     except OSError as exc:
         raise RendezvousError(f"rank {rank}: cannot listen on {address}: {exc}") from exc
     port = listener.getsockname()[1]
-    store.set(f"tw/peer/{rank}", json.dumps({"addr": address, "port": port, "host": hostname}).encode())
+    machine = machine_id()
+    store.set(f"tw/peer/{rank}", json.dumps({"addr": address, "port": port, "host": hostname,
+                                             "machine": machine}).encode())
     _log.info("rank %d listening on %s:%d (host %s)", rank, address, port, hostname)
     peers: dict[int, dict] = {}
     for r in range(world_size):
@@ -85,7 +99,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     socks = _connect_lower(rank, world_size, peers, job_id, deadline)
     socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
     listener.close()
-    engine.adapt_spin(1 + sum(info["host"] == hostname for info in peers.values()))
+    engine.adapt_spin(1 + sum(info.get("machine") == machine for info in peers.values()))
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = attach_peers(engine, socks, local, job_id, cfg)
     _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),

@@ -43,6 +43,7 @@ from .tcp import PeerClosed
 from .wire import Coll, Fingerprint, Header, Kind, differences
 
 _log = log.get("TRANSPORT")
+_init_log = log.get("INIT")  # decisions taken once, at init
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
                                                 AbortedError, InvalidArgumentError, TensorwireError)}
 
@@ -93,7 +94,7 @@ class Engine:
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
-        self.oversubscribed = False  # more ranks on this host than usable cores (adapt_spin)
+        self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_spin)
         self._sockets: list = []
         self._channel_list: list = []
         self._tick = 0
@@ -284,15 +285,18 @@ class Engine:
         if call is not None and header.seq == call.seq:
             self._vet(peer, header, call)
 
-    def adapt_spin(self, local_ranks: int) -> None:
-        """With more ranks on this host than cores to run them, a spinning waiter only keeps
-        the rank it waits for off the CPU: yield at once instead (unless TENSORWIRE_SPIN_US says)."""
+    def adapt_spin(self, machine_ranks: int) -> None:
+        """With more ranks on this machine than cores to run them, a spinning waiter only keeps
+        the rank it waits for off the CPU: yield at once instead (unless TENSORWIRE_SPIN_US says).
+        The ranks are those that share its cores, whatever host name each has (the emulated
+        hosts of the multi-host test bed share one kernel: connect.machine_id)."""
         cores = len(os.sched_getaffinity(0))
-        self.oversubscribed = local_ranks > cores
+        self.oversubscribed = machine_ranks > cores
         if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
-            _log.info("rank %d: %d ranks on this host, %d usable cores: oversubscribed, waiters yield "
-                      "at once instead of spinning", self.rank, local_ranks, cores)
+        _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s", self.rank, machine_ranks,
+                  cores, "oversubscribed, waiters yield at once instead of spinning" if self.oversubscribed
+                  else f"waiters spin up to {self.spin_s * 1e6:g} us before yielding")
 
     def enter_call(self, ctx: int, call) -> bool:
         """Note the call a group is running, and vet what already arrived for it or before it;
