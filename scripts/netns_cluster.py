@@ -344,7 +344,7 @@ class Testbed:
 
     def __init__(self, hosts: int, rate: float | None = None, rate_text: str | None = None,
                  delay_text: str | None = None, tag: str | None = None,
-                 loopback_hostname: bool = False) -> None:
+                 loopback_hostname: bool = False, sysctls: dict[str, str] | None = None) -> None:
         self.tag = tag or f"{PREFIX}{os.getpid()}-"
         self.bridge_ns = f"{self.tag}br"
         self.hosts = [Host(i, f"{self.tag}h{i}", f"twhost-{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)]
@@ -352,6 +352,8 @@ class Testbed:
         self.rate_text = rate_text
         self.delay_text = delay_text
         self.loopback_hostname = loopback_hostname
+        self.sysctls = dict(sysctls or {})
+        """net.* settings of every host's namespace (its own copy of the network stack)."""
         self.created: list[str] = []
 
     # -- building ------------------------------------------------------------------------------
@@ -378,6 +380,9 @@ class Testbed:
                  f"address {h.hostname}")
             _cmd(["ip", "-n", h.ns, "link", "set", HOST_IF, "up"], f"bring {HOST_IF} of {h.hostname} up")
             self._shape(h)
+            for key, value in self.sysctls.items():
+                _cmd(["ip", "netns", "exec", h.ns, "sysctl", "-qw", f"{key}={value}"],
+                     f"set {key}={value} on {h.hostname}")
             self._write_hosts_file(h)
 
     def _write_hosts_file(self, h: Host) -> None:
@@ -435,7 +440,8 @@ class Testbed:
         if self.delay_text:
             shaping.append(f"delay {self.delay_text} on host egress")
         link = ", ".join(shaping) or "unshaped"
-        lines = [f"bridge {BRIDGE} in namespace {self.bridge_ns}; {len(self.hosts)} host(s), links {link}"]
+        lines = [f"bridge {BRIDGE} in namespace {self.bridge_ns}; {len(self.hosts)} host(s), links {link}"
+                 + "".join(f", {k}={v}" for k, v in self.sysctls.items())]
         for h in self.hosts:
             lines.append(f"  {h.hostname}: namespace {h.ns}, {HOST_IF} {h.address}/{PREFIX_LEN} <-> "
                          f"{BRIDGE} port p{h.index}")
@@ -782,6 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interpreter that runs `-m tensorwire run` on each host (default: this one)")
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="extra environment variable for every host (repeatable)")
+    p.add_argument("--sysctl", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a net.* sysctl in every host's namespace, e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0 (repeatable; only net.* settings are "
+                        "per namespace, any other would change this machine)")
     p.add_argument("--check-transport", action="store_true",
                    help="turn on INIT logging and verify that every rank advertised its host's 10.77 "
                         "address and used shared memory exactly toward the ranks of its own host "
@@ -808,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(p: argparse.ArgumentParser,
-              a: argparse.Namespace) -> tuple[float | None, list[str], dict[str, str]]:
+              a: argparse.Namespace) -> tuple[float | None, list[str], dict[str, str], dict[str, str]]:
     job = list(a.job)
     if job and job[0] == "--":
         job = job[1:]
@@ -846,7 +856,13 @@ def _validate(p: argparse.ArgumentParser,
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         env[key] = value
-    return rate, job, env
+    sysctls = {}
+    for item in a.sysctl:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("net.") or not value:
+            p.error(f"--sysctl {item!r}: expected net.NAME=VALUE (only net.* settings are per namespace)")
+        sysctls[key] = value
+    return rate, job, env, sysctls
 
 
 def _install_handlers() -> dict[int, object]:
@@ -878,7 +894,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.cleanup:
         cleanup_leftovers(everything=args.all)
         return 0
-    rate, job, env = _validate(parser, args)
+    rate, job, env, sysctls = _validate(parser, args)
     if (args.delay or args.rate) and shutil.which("tc") is None:
         say("--delay/--rate need tc (iproute2), which is not installed")
         return 3
@@ -888,7 +904,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                       kill_after=args.kill_after, kill_when=args.kill_when, kill_mode=args.kill_mode, env=env,
                       master_by_name=args.master_by_name)
     bed = Testbed(args.hosts, rate=rate, rate_text=args.rate, delay_text=args.delay,
-                  loopback_hostname=args.loopback_hostname)
+                  loopback_hostname=args.loopback_hostname, sysctls=sysctls)
     runner: Runner | None = None
     code = 1
     previous = _install_handlers()

@@ -127,7 +127,11 @@ JOB = textwrap.dedent('''\
         latency()
     elif mode == "loop":
         loop(float(sys.argv[2]))
-
+    elif mode == "sysctl":
+        for key in sys.argv[2:]:
+            with open("/proc/sys/" + key.replace(".", "/")) as f:
+                say(f"SYSCTL rank {tw.get_rank()} {key}={f.read().strip()}")
+        tw.barrier()
     elif mode == "fail":
         if tw.get_rank() == 1:
             sys.exit(7)
@@ -304,6 +308,20 @@ def test_rate_limited_links(support: dict, job: str) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_sysctls_set_in_every_host_and_nowhere_else(support: dict, job: str) -> None:
+    """--sysctl sets a net.* setting in each host's own network stack; this machine's stays."""
+    key = "net.ipv4.tcp_slow_start_after_idle"
+    path = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
+    before = path.read_text().strip()
+    wanted = "0" if before != "0" else "1"
+    res = run_bed(["--hosts", "2", "--sysctl", f"{key}={wanted}"], [job, "sysctl", key])
+    assert res.code == 0, res.out
+    seen = {int(m.group(1)): m.group(2) for m in res.lines(rf"SYSCTL rank (\d+) {key}=(\S+)")}
+    assert seen == {0: wanted, 1: wanted}, res.out
+    assert path.read_text().strip() == before
+
+
+@pytest.mark.timeout(90)
 def test_delayed_links(support: dict, job: str) -> None:
     if not support.get("netem"):
         pytest.skip(f"this kernel has no netem qdisc, so --delay cannot be emulated: "
@@ -463,7 +481,8 @@ def test_cleanup_removes_only_dead_testbeds(support: dict) -> None:
 @pytest.mark.timeout(60)
 def test_usage_errors() -> None:
     """Bad options are refused before anything is built (no root needed)."""
-    for args in (["--hosts", "0"], ["--kill-host", "1"], ["--rate", "fast"], []):
+    for args in (["--hosts", "0"], ["--kill-host", "1"], ["--rate", "fast"], [],
+                 ["--sysctl", "kernel.pid_max=99999"], ["--sysctl", "net.ipv4.tcp_slow_start_after_idle"]):
         done = subprocess.run([sys.executable, str(SCRIPT), *args, *(["--", "x.py"] if args else [])],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (args, done.stderr)
