@@ -193,7 +193,8 @@ def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
     """With `busy_pairs` measured, Bruck's rounds (which exchange) cost its α: as dear as the
     others (the Intel host's tcp-n4 and netns4 probes), Bruck's two rounds beat pairwise
     exchange's three at small sizes, as they measured (1.2-1.6x faster); twice as dear (the
-    AMD host), pairwise still wins, as without the measurement."""
+    AMD host), pairwise still wins, as without the measurement. Cheaper than the others, they
+    are priced as the others: the probe's pairs run in step, a call's do not."""
     tcp = Link("tcp", alpha=18e-6, beta=1 / 0.12e9, gamma=1 / 12.6e9)  # netns4 probe constants
     busy = Link("busy", alpha=100e-6, beta=1 / 0.058e9, gamma=1 / 12.6e9)
     algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
@@ -203,6 +204,11 @@ def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
         dear = replace(busy, name="busy_pairs", alpha=2 * busy.alpha)
         assert tuner.price(algs, 4, m, tcp, busy=busy, busy_pairs=dear)[0][1] == "pairwise", m
         assert tuner.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+        # cheaper in pairs than in shifts (the probe's pairs run in step): priced as the shifts
+        cheap = replace(busy, name="busy_pairs", alpha=busy.alpha / 2)
+        bruck = algorithms_for("all_to_all")["bruck"]
+        assert tuner.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=cheap) == \
+            tuner.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=alike), m
 
 
 def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:

@@ -433,7 +433,14 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
         # slower (ranks outnumbering cores: 2-3x), the rings ran at the changing partners' rate
         busy = busy_ring
     if alg.exchanges:
-        pairs_alpha = EXCHANGE_BUSY_ALPHA * busy.alpha if busy_pairs is None else busy_pairs.alpha
+        # never below the shifts' α: the probe's rounds in pairs run back to back in step, while
+        # a call's exchanges wait for both partners, scheduled apart. On 4 emulated hosts whose
+        # ranks yield, the pairs measured 67-71 µs against the shifts' 77-96, and recursive
+        # doubling, priced below the tree on them, took 1.4x the tree's time at 16 B-16 KiB
+        # (netns4 sweeps at c40c14a and 493fbcc); at the shifts' α the choice's forced run was
+        # within 10% at 6 more sizes of each, and the same at every size of the earlier sweeps
+        pairs_alpha = EXCHANGE_BUSY_ALPHA * busy.alpha if busy_pairs is None else max(busy_pairs.alpha,
+                                                                                      busy.alpha)
         busy = replace(busy, alpha=pairs_alpha)
     return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
