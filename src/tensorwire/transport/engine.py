@@ -294,9 +294,10 @@ class Engine:
         self.oversubscribed = machine_ranks > cores
         if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
-        _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s", self.rank, machine_ranks,
-                  cores, "oversubscribed, waiters yield at once instead of spinning" if self.oversubscribed
-                  else f"waiters spin up to {self.spin_s * 1e6:g} us before yielding")
+        waiting = ("oversubscribed, waiters yield at once instead of spinning" if self.oversubscribed
+                   else f"waiters spin up to {self.spin_s * 1e6:g} us before yielding")
+        _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s",
+                       self.rank, machine_ranks, cores, waiting)
 
     def enter_call(self, ctx: int, call) -> bool:
         """Note the call a group is running, and vet what already arrived for it or before it;
