@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import itertools
 import math
+import os
 import threading
 
 import ml_dtypes
@@ -34,6 +35,7 @@ from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
 from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.transport.engine import Engine
 from tensorwire.transport.wire import Coll, Fingerprint
 
 pytestmark = pytest.mark.timeout(180)
@@ -2241,3 +2243,54 @@ def test_apart_finds_every_overlap(n: int) -> None:
     owned = [np.zeros(3, np.float32) for _ in range(n)]
     assert collectives._apart(owned, [np.zeros(3, np.float32) for _ in range(n)]) is owned
     assert collectives._apart(owned, owned[::-1]) is not owned
+
+
+# -- placement of ranks that outnumber their cores ---------------------------------------------------
+
+def rank_placement() -> dict:
+    g = tw.world()
+    return {"affinity": sorted(os.sched_getaffinity(0)), "cores": g.engine.cores,
+            "oversubscribed": g.engine.oversubscribed, "sum": float(tw.all_reduce(np.ones(3))[0])}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bind", ["1", ""], ids=["bound", "left-to-the-kernel"])
+def test_ranks_that_outnumber_their_cores_are_dealt_round_them(bind: str) -> None:
+    """Three ranks on two cores: with TENSORWIRE_BIND=1 each is bound to one, round robin in
+    rank order (rank 2 shares rank 0's); by default they are left where they are. Either way
+    the engine counts the two cores the ranks share (the tuner prices crowding by them) and
+    waiters yield at once."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two usable cores")
+    cores = mine[:2]
+    os.sched_setaffinity(0, cores)  # the ranks inherit it
+    try:
+        cluster = Cluster(3, {"TENSORWIRE_BIND": bind} if bind else {})
+    finally:
+        os.sched_setaffinity(0, mine)
+    try:
+        results = cluster.run(rank_placement, timeout=60)
+    finally:
+        cluster.close()
+    for rank, got in enumerate(results):
+        assert got["cores"] == 2 and got["oversubscribed"] and got["sum"] == 3.0, (rank, got)
+        assert got["affinity"] == ([cores[rank % 2]] if bind else cores), (rank, got)
+
+
+def test_an_engine_gives_its_cores_back_when_it_closes() -> None:
+    """A runtime made after a bound one counts the cores afresh: close() unbinds."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("needs two usable cores")
+    engine = Engine(0, 1, None)
+    engine.adapt_to_machine(len(mine) + 1, 1, True)
+    try:
+        assert os.sched_getaffinity(0) == {sorted(mine)[1]} and engine.cores == len(mine)
+    finally:
+        engine.close()
+    assert os.sched_getaffinity(0) == mine
+    engine = Engine(0, 1, None)
+    engine.adapt_to_machine(len(mine) + 1, 1, False)
+    assert os.sched_getaffinity(0) == mine and engine.oversubscribed
+    engine.close()

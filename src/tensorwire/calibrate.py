@@ -669,7 +669,7 @@ def at_init(world: Group) -> LinkTable:
     info = np.zeros((n, 6), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
     info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
-                len(os.sched_getaffinity(0)))
+                world.engine.cores)
     recursive_doubling_all_reduce(world._internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:

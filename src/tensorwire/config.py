@@ -107,6 +107,10 @@ class Config:
     spin_us: float | None = None
     """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US);
     None: 50 us, or 0 on a host with more ranks than usable cores (TENSORWIRE_SPIN_US)."""
+    bind: bool = False
+    """Where a machine runs more ranks than the cores they may use, bind each rank to one of
+    those cores, round robin by its index among the machine's ranks (TENSORWIRE_BIND=1; a
+    trade measured in Engine.adapt_to_machine)."""
     deterministic: bool = False
     """Bitwise-reproducible reductions: every element folded in rank order (TENSORWIRE_DETERMINISTIC)."""
     calibrate: str = "1"
@@ -140,6 +144,7 @@ class Config:
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
+            bind=_env_bool("TENSORWIRE_BIND", False),
             deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
             calibrate=_CALIBRATE_ALIASES.get(os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower(),
                                              os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),

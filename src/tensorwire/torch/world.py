@@ -174,7 +174,7 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
               rank, size, dist.get_backend())
     engine = Engine(rank, size, cfg.spin_us)
     if info.local_world_size > 0:
-        engine.adapt_spin(info.local_world_size)
+        engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind)
     return Runtime(rank, size, cfg, info, None, engine)
 
 

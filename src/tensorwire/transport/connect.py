@@ -99,7 +99,8 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     socks = _connect_lower(rank, world_size, peers, job_id, deadline)
     socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
     listener.close()
-    engine.adapt_spin(1 + sum(info.get("machine") == machine for info in peers.values()))
+    mates = [rank] + [r for r, info in peers.items() if info.get("machine") == machine]
+    engine.adapt_to_machine(len(mates), sorted(mates).index(rank), cfg.bind)
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = attach_peers(engine, socks, local, job_id, cfg)
     _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),

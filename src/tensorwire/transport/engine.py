@@ -9,6 +9,7 @@ the sockets is also how a closed connection, i.e. a dead peer, is noticed at onc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import select
@@ -94,7 +95,9 @@ class Engine:
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
-        self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_spin)
+        self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
+        self.cores = len(os.sched_getaffinity(0))  # usable cores, counted before any binding
+        self._unbound: set[int] | None = None  # the cores to give back at close, where bound
         self._sockets: list = []
         self._channel_list: list = []
         self._tick = 0
@@ -285,17 +288,40 @@ class Engine:
         if call is not None and header.seq == call.seq:
             self._vet(peer, header, call)
 
-    def adapt_spin(self, machine_ranks: int) -> None:
-        """With more ranks on this machine than cores to run them, a spinning waiter only keeps
-        the rank it waits for off the CPU: yield at once instead (unless TENSORWIRE_SPIN_US says).
-        The ranks are those that share its cores, whatever host name each has (the emulated
-        hosts of the multi-host test bed share one kernel: connect.machine_id)."""
-        cores = len(os.sched_getaffinity(0))
+    def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool) -> None:
+        """Wait, and sit, as the ranks that share this machine's cores need. The ranks are
+        those that share its cores, whatever host name each has (the emulated hosts of the
+        multi-host test bed share one kernel: connect.machine_id); `index` is this rank's
+        among them (negative: unknown).
+
+        With more ranks than cores, a spinning waiter only keeps the rank it waits for off
+        the CPU: waiters yield at once instead (unless TENSORWIRE_SPIN_US says). With `bind`
+        (TENSORWIRE_BIND=1, as MPI's --bind-to core) such a rank is also bound to one core,
+        round robin by `index`, which puts ring neighbours on different cores (they beat
+        neighbours on one core by 1.3-1.6x). A trade, hence off by default: at n=4 on 2 cores
+        (4 launches each way, alternated, 2026-11-26) bound ranks ran the ring shift
+        (sendrecv) at 0.72-0.89x the unbound time from 8 B to 128 KiB, but the one-shot
+        alltoall and reduce_scatter at 1.11-1.25x up to 128 KiB, the barrier at 1.15x and
+        sendrecvs of 2-32 MiB at 1.12-1.31x. Threads that exist already (torch's pools, if
+        made before init) keep their placement; close() gives the cores back."""
+        usable = sorted(os.sched_getaffinity(0))
+        self.cores = cores = len(usable)
         self.oversubscribed = machine_ranks > cores
         if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
         waiting = ("oversubscribed, waiters yield at once instead of spinning" if self.oversubscribed
                    else f"waiters spin up to {self.spin_s * 1e6:g} us before yielding")
+        if self.oversubscribed and cores > 1 and bind:
+            if index < 0:
+                waiting += "; not bound to a core (this rank's index on the machine is unknown)"
+            else:
+                core = usable[index % cores]
+                try:
+                    os.sched_setaffinity(0, {core})
+                    self._unbound = set(usable)
+                    waiting += f"; bound to core {core} (TENSORWIRE_BIND)"
+                except OSError as exc:
+                    waiting += f"; could not bind to core {core} ({exc})"
         _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s",
                        self.rank, machine_ranks, cores, waiting)
 
@@ -636,6 +662,10 @@ class Engine:
             self.channels.clear()
             self._channel_list = []
             self._sockets = []
+        if self._unbound is not None:  # a runtime made after this one counts the cores afresh
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._unbound)
+            self._unbound = None
 
 
 class Backoff:
