@@ -136,6 +136,20 @@ def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str
     return size, below, above
 
 
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_algorithms_priced_alike_do_not_take_turns(collective: str) -> None:
+    """Two algorithms whose prices differ only by rounding (at 2 ranks the binomial and the
+    linear reduce, gather and scatter are one message) tie the same way at every size: the
+    crossovers `tensorwire plan` prints never change back and forth between two algorithms."""
+    for tier in ("shm", "tcp"):
+        for n in (2, 3, 4, 8):
+            link = tuner.DEFAULT_LINKS[tier]
+            changes = plan.crossovers(list(algorithms_for(collective).values()), collective, n,
+                                      plan.Tier(link.name, link, "test"), Config(), 0)
+            flips = [(a, b) for _, a, b in changes]
+            assert len(flips) == len(set(flips)) and len(changes) <= 4, (tier, n, changes)
+
+
 @pytest.mark.parametrize("tier", ["shm", "tcp"])
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_choice_on_both_sides_of_a_crossover(tier: str, n: int) -> None:

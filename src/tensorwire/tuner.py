@@ -117,6 +117,8 @@ DETERMINISTIC = {
 }
 """Per reduction, the algorithms that fold every element in rank order, ((x0 op x1) op x2) ...:
 the same bits whichever of them runs."""
+_ROUNDING = 1e-9
+"""Relative difference of two prices that floating point alone can make."""
 ALIASES = {"tree": "binomial"}
 """Family names accepted in TENSORWIRE_ALGO where no algorithm has that exact name."""
 
@@ -450,13 +452,18 @@ def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link |
           busy_pairs: Link | None = None, one_way: Link | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
-    critical path, then by name."""
+    critical path, then by name: critical paths that differ only in their last bits count as
+    one (the same formula written two ways, as the binomial and linear reduce at n=2: ordered
+    by rounding, `tensorwire plan` listed a crossover between them at every other size)."""
     priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way),
                      alg.name, alg) for alg in algs)
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
-    tied.sort(key=lambda p: (predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way), p[1]))
+    if len(tied) > 1:
+        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way) for p in tied}
+        shortest = min(paths.values()) * (1 + _ROUNDING)
+        tied.sort(key=lambda p: (0.0 if paths[p[1]] <= shortest else paths[p[1]], p[1]))
     return tied + priced[len(tied):]
 
 
