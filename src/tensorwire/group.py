@@ -457,14 +457,14 @@ class Group(Collectives):
                          what=req.what)
 
     def _p2p_work(self, req: Request) -> Work:
-        if req.done and req.error is None:  # a small send, already in the ring or the socket
-            return _Sent(req.label, self.runtime.rank)
+        if req.done and req.error is None:  # a small send, already in the ring or the socket,
+            return _Done(req.label, self.runtime.rank)  # or a receive whose message had arrived
         self.engine.watch_in_background(req)
         return _P2PWork(self, req)
 
 
-class _Sent(Work):
-    """A send that completed as it was posted: nothing to drive, wait or watch."""
+class _Done(Work):
+    """A request that completed as it was posted: nothing to drive, wait or watch."""
 
     def __init__(self, what: str, rank: int) -> None:
         super().__init__(what, rank)

@@ -162,6 +162,14 @@ class Engine:
                     msg.source.discard()
             else:
                 self.posted.setdefault(key, deque()).append(req)
+                if header.kind == Kind.P2P and peer != self.rank:
+                    # A message already in the ring or socket is read now, straight into `dst`:
+                    # the receive is then done as posted, with no wait to drive nor a request
+                    # for the background thread to watch (half of a small sendrecv's time).
+                    try:
+                        self.channels[peer].progress()
+                    except PeerClosed as exc:
+                        self._peer_lost(peer, str(exc))
         return req
 
     def _self_deliver(self, req: SendRequest) -> None:
