@@ -336,9 +336,8 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
         extra = {name: t - priced(m, free)[name] for name, t in priced(m, host).items()}
         assert all(v >= 0 for v in extra.values()) and extra[one_shot.name] > 0, extra
         # the same bytes received: a message is copied into a ring and out of it, single copy
-        # reads each byte once, and copies its own block (out of place) once: at n=2 as many
-        # bytes through memory, never more
-        assert extra[rd.name] >= extra["single_copy"] > 0, extra
+        # reads each byte once
+        assert extra[rd.name] > 1.9 * extra["single_copy"] > 0, extra
     # ... but the one-shot all_reduce, which folds its pieces while they are in cache, nothing
     ar = algorithms_for("all_reduce")["direct"]
     assert ar.copies == 0 and tuner.spill(ar, 2, 64 << 20, host) > 0
@@ -429,9 +428,8 @@ def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
     huge = tuner.HUGE_FROM
     for m, read in ((huge // 2, "cma"), (huge - 4096, "cma"), (huge, "cma_huge")):
         slow_host, fast_host = replace(host, **{read: slow}), replace(host, **{read: fast})
-        # two flag rounds; each rank reads (n-1)/n of m out of its peers and copies its own
-        # block, the other 1/n (out of place), at the reads' price
-        assert tuner.predict(sc, 2, m, shm, direct, host=slow_host) == pytest.approx(2 * 4e-6 + m / 15e9)
+        # two flag rounds, and each rank reads (n-1)/n of m out of its peers
+        assert tuner.predict(sc, 2, m, shm, direct, host=slow_host) == pytest.approx(2 * 4e-6 + m / 2 / 15e9)
         assert tuner.price(algs, 2, m, shm, direct, host=slow_host)[0][1] != "single_copy"
         assert tuner.price(algs, 2, m, shm, direct, host=fast_host)[0][1] == "single_copy"
         # the one-shot path keeps its own constants whatever the reads cost

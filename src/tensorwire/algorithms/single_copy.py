@@ -194,12 +194,9 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 
 # Cost, with the host's `cma` link (calibrate.measure_cma): two flag rounds (α) and the bytes
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
-# own block, and so does an all_gather out of place (its usual form), a local pass priced at
-# γ as pairwise exchange prices it. Unpriced, that copy had the all_gather at n=2 measure
-# 1.5-2.2x its price at 256 KiB-16 MiB and 3-3.5x at 64 MiB (three shm-n2 sweeps of
-# 2026-11-26), where it is half of what a rank moves.
+# own block, a local pass priced at γ as pairwise exchange prices it. The all_gather's copy of
+# its own block (out of place) is left out on purpose: see tuning.md, "Single copy's reads".
 _NOTHING = lambda n: 0  # noqa: E731
-_OWN_BLOCK = lambda n: 1 / n  # noqa: E731
 # A broadcast's readers each read all of m. Out of place they read the root's input, not the
 # output it fills meanwhile: lines a core has just written were read from the other core at
 # half speed or worse (n=2, `--algo all`, out of place, 2026-11-25: 1 / 4 / 8 MiB in 33 / 96 /
@@ -214,8 +211,8 @@ _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
     "broadcast": (single_copy_broadcast, volume_cost(_NOTHING, lambda n: 1, _NOTHING, rounds=2), 1),
-    "all_gather": (single_copy_all_gather, volume_cost(_OWN_BLOCK, _READ_ONCE, _NOTHING, rounds=2), 1),
-    "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, _OWN_BLOCK, rounds=2), 1),
+    "all_gather": (single_copy_all_gather, volume_cost(_NOTHING, _READ_ONCE, _NOTHING, rounds=2), 1),
+    "all_to_all": (single_copy_all_to_all, volume_cost(_NOTHING, _READ_ONCE, lambda n: 1 / n, rounds=2), 1),
     "reduce_scatter": (single_copy_reduce_scatter, volume_cost(_NOTHING, _FOLD_READ, _FOLDED, rounds=2), 1),
     "all_reduce": (single_copy_all_reduce,
                    volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
