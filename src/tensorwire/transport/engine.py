@@ -707,15 +707,20 @@ class Backoff:
         now = time.perf_counter()
         idle = now - self.since
         self.checks += 1
-        if self.checks & 63 == 0 or idle >= self.spin_s:
-            self.engine.check_group(self.ctx, self.seq, self.watch)
-            if now > self.deadline:
-                raise timeout_error()
-        if idle < self.spin_s:
-            return
         if idle < self.spin_s + _YIELD_S:
-            os.sched_yield()
+            # spinning or yielding: the group's health and the deadline every so many rounds,
+            # which cost more than a round (with ranks outnumbering cores, what a waiter
+            # spends in a round is taken from the rank it waits for)
+            if self.checks & (63 if idle < self.spin_s else 15) == 0:
+                self.engine.check_group(self.ctx, self.seq, self.watch)
+                if now > self.deadline:
+                    raise timeout_error()
+            if idle >= self.spin_s:
+                os.sched_yield()
             return
+        self.engine.check_group(self.ctx, self.seq, self.watch)
+        if now > self.deadline:
+            raise timeout_error()
         if not self.released and idle >= _RELEASE_PARKED_S:
             self.released = True
             self.engine.release_parked()
