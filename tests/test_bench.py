@@ -569,10 +569,11 @@ def test_algo_sweep_merges_a_partial_sweep_into_the_tables() -> None:
     assert again["merged"] == "barrier, scatter from a later run (11:00); gather from a later run (12:00)"
 
 
-def test_algo_sweep_counts_the_choice_measured_twice_and_its_mean_call() -> None:
+def test_algo_sweep_judges_by_the_statistic_the_bench_recorded() -> None:
     """bench/algo_sweep.py's summary: the choice's two runs (auto, forced) count as agreeing only
-    within 10% of each other; the prediction is also set beside the mean call from 64 KiB; a
-    size that misses the choice criterion shows its forced run's ratio."""
+    within 10% of each other, in the statistic the bench judged by (the mean call; older tables
+    the median slowest rank); the last column sets the prediction beside the median slowest rank
+    from 64 KiB; a size that misses the choice criterion shows its forced run's ratio."""
     script = Path(__file__).parent.parent / "bench" / "algo_sweep.py"
     spec = importlib.util.spec_from_file_location("algo_sweep", script)
     sweep_script = importlib.util.module_from_spec(spec)
@@ -582,14 +583,16 @@ def test_algo_sweep_counts_the_choice_measured_twice_and_its_mean_call() -> None
         return {"time_us": time_us, "mean_us": mean_us, "predicted_us": predicted_us,
                 "measured_over_predicted": time_us / predicted_us}
 
-    scattered = {"size": 1 << 20, "auto": "ring", "best": "ring", "auto_over_best": 1.2,
-                 "chosen_over_best": 1.0,
-                 "cells": {"auto": cell(120, 100), "ring": cell(100, 90), "tree": cell(130, 120)}}
-    steady = {"size": 16, "auto": "tree", "best": "ring", "auto_over_best": 1.3, "chosen_over_best": 1.25,
-              "cells": {"auto": cell(130, 60), "ring": cell(100, 50), "tree": cell(125, 60)}}
-    c = sweep_script.counts([scattered, steady])
-    assert c["repeat_ok"] == [1, 2]  # 120 against 100: apart; 130 against 125: together
+    older = {"size": 1 << 20, "auto": "ring", "best": "ring", "auto_over_best": 1.2,
+             "chosen_over_best": 1.0,
+             "cells": {"auto": cell(120, 100), "ring": cell(100, 100), "tree": cell(130, 120)}}
+    newer = {"size": 16, "auto": "tree", "best": "ring", "auto_over_best": 1.3, "chosen_over_best": 1.25,
+             "judged": "mean_us",
+             "cells": {"auto": cell(200, 61), "ring": cell(100, 50), "tree": cell(125, 60)}}
+    c = sweep_script.counts([older, newer])
+    assert c["repeat_ok"] == [1, 2]  # 120 against 100 (medians): apart; 61 against 60 (means): together
     assert c["auto_ok"] == [0, 2] and c["choice_ok"] == [1, 2]
-    assert c["mean_ok"] == [1, 1]  # 16 B is below the prediction criterion's sizes
-    table = "\n".join(sweep_script.collective_table([scattered, steady]))
+    assert c["median_ok"] == [1, 1]  # 16 B is below the prediction criterion's sizes
+    table = "\n".join(sweep_script.collective_table([older, newer]))
     assert "1.20 ✗ (forced 1.00)" in table and "1.30 ✗ (forced 1.25)" in table
+    assert "| 16 B | tree | 61 µs |" in table  # the newer row shows its mean call

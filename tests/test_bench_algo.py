@@ -42,16 +42,21 @@ def test_algo_all_lists_every_algorithm_with_predictions(tmp_path: Path) -> None
         names = {r[1].rstrip("*") for r in at}
         assert any(n.startswith("auto:") for n in names), at
         assert {"ring", "recursive_doubling", "rabenseifner", "tree"} <= names, at
-        for r in at:  # size, algorithm, time, predicted, meas/pred, busbw, #wrong
-            assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 and r[6] == "0", r
+        for r in at:  # size, algorithm, time, mean call, predicted, mean/pred, busbw, #wrong
+            assert all(float(v) > 0 for v in r[2:6]) and r[7] == "0", r
         summary = next(line for line in p.stdout.splitlines() if line.startswith(f"#{size:>11}  auto"))
         assert "auto/best" in summary and "predicted" in summary, summary
     doc = json.loads(out.read_text())
     assert doc["meta"]["algo"] == "all" and doc["wrong_total"] == 0
     for res in doc["results"]:
         assert res["auto"] in res["cells"] and res["best"] in res["cells"] and res["auto_over_best"] > 0
+        assert res["judged"] == "mean_us"  # the model is judged, and algorithms ranked, by the mean call
+        forced = {k: c for k, c in res["cells"].items() if k != "auto"}
+        fastest = min(c["mean_us"] for c in forced.values())
+        assert res["best_time_us"] == forced[res["best"]]["mean_us"] == fastest
         for cell in res["cells"].values():
-            assert cell["predicted_us"] > 0 and cell["measured_over_predicted"] > 0 and cell["wrong"] == 0
+            assert cell["predicted_us"] > 0 and cell["wrong"] == 0
+            assert cell["measured_over_predicted"] == pytest.approx(cell["mean_us"] / cell["predicted_us"])
 
 
 @pytest.mark.timeout(60)

@@ -570,7 +570,7 @@ def test_cache_in_reach_is_where_copies_slow_down(monkeypatch) -> None:
 
 
 def test_a_preempted_series_of_one_shot_calls_is_not_the_typical_call(monkeypatch) -> None:
-    """calibrate._typical keeps the least of its series' medians: a rank that lost its core
+    """calibrate._typical keeps the least of its series' means: a rank that lost its core
     for a whole series (every call 3 ms here, then 10 us) does not make the one shot look
     slow for the whole job. (One rank: the maximum over ranks is the rank's own times.)"""
     monkeypatch.setattr(calibrate, "recursive_doubling_all_reduce", lambda call, times, op: None)

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 15
+PROBE_VERSION = 16
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -86,8 +86,8 @@ BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their 
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
 GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
-DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, each timed, in
-# this many series, the least series median kept: the direct path
+DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, back to back, in
+# this many series, the least series' mean call kept: the direct path
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
 # steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
@@ -283,27 +283,27 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
 
 
 def _typical(world: Group, run: Callable[[], object]) -> float:
-    """Seconds of one call of `run` (collective over `world`) as `tensorwire bench` counts them:
-    after DIRECT_WARM untimed calls, DIRECT_CALLS timed one by one on every rank, a call's time
-    the slowest rank's, the median over calls; the least such median of DIRECT_SERIES series.
-    Where ranks outnumber cores a batch's mean was shorter than that (back-to-back calls
-    overlap as ranks drift): at n=4 on 2 cores the one shot measured 1.4-2.9x the price of
-    constants from batch means at 64 KiB-64 MiB (shm-n4 sweep of 2026-11-25). One series alone
-    was not enough where a rank lost its core for a while: a launch of the shm-n2 sweep of
-    2026-11-26 measured the one shot's α at 160 µs (5 in every other launch), and every gather
-    from 16 B to 1 MiB took the binomial tree, 2.3-5.4x slower."""
+    """Seconds of one call of `run` (collective over `world`) as the model is judged
+    (`tensorwire bench --algo`, bench_algo.JUDGED): after DIRECT_WARM untimed calls,
+    DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
+    DIRECT_SERIES series. The message algorithms' busy links are such means too (measure_busy),
+    so the one shot and the messages are priced in one statistic. (From the shm-n4 sweep of
+    2026-11-25 to a4ffeb7 this was the median over calls of each call's slowest rank, the plain
+    bench's headline: where ranks outnumber cores it reads 1.3-1.5x a mean call for the one
+    shot, and the model then priced the one shot in one statistic and the messages in another.)
+    One series alone is not enough where a rank loses its core for a while: a launch of the
+    shm-n2 sweep of 2026-11-26 measured the one shot's α at 160 µs (5 in every other launch),
+    and every gather from 16 B to 1 MiB took the binomial tree, 2.3-5.4x slower."""
     for _ in range(DIRECT_WARM):
         run()
-    times = np.zeros(DIRECT_CALLS)
-    medians = []
-    for _ in range(DIRECT_SERIES):
-        for i in range(DIRECT_CALLS):
-            t0 = time.perf_counter()
+    means = np.zeros(DIRECT_SERIES)
+    for s in range(DIRECT_SERIES):
+        t0 = time.perf_counter()
+        for _ in range(DIRECT_CALLS):
             run()
-            times[i] = time.perf_counter() - t0
-        recursive_doubling_all_reduce(world._internal_call("calibration probe"), times, ReduceOp.MAX)
-        medians.append(float(np.median(times)))
-    return min(medians)
+        means[s] = (time.perf_counter() - t0) / DIRECT_CALLS
+    recursive_doubling_all_reduce(world._internal_call("calibration probe"), means, ReduceOp.MAX)
+    return float(means.min())
 
 
 def measure_direct(world: Group) -> tuple[float, float]:
