@@ -280,6 +280,25 @@ def test_decision_names_the_algorithms_priced_at_the_busy_host_s_work() -> None:
     assert tuner.decide(g, "all_to_all", 16).work_bound == frozenset()
 
 
+def test_no_step_of_a_path_costs_less_than_the_busy_alpha() -> None:
+    """Where ranks share cores each message of a chain waits for its receiver to be scheduled:
+    at n=4 the tree all_reduce's four one-way steps cost a busy α each, not the lone link's
+    (its work alone, 1.5 busy α, priced it under recursive doubling's two exchanges; measured
+    as mean calls over TCP on 2 cores it took 1.1-1.4x recursive doubling's time at 16 B-16 KiB)."""
+    tcp = Link("tcp", alpha=24e-6, beta=1 / 2e9, gamma=1 / 12e9)
+    busy = Link("busy", alpha=100e-6, beta=1 / 0.8e9, gamma=1 / 10e9)
+    pairs = Link("busy_pairs", alpha=100e-6, beta=1 / 0.8e9, gamma=1 / 10e9)
+    g = _Group(4, "tcp")
+    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, "busy": busy, "busy_pairs": pairs}, {},
+                                             extra={"busy_tier": "tcp"}))
+    decision = tuner.decide(g, "all_reduce", 16)
+    assert decision.predicted("tree") >= 4 * busy.alpha
+    assert decision.priced[0][1] == "recursive_doubling", decision.priced
+    assert "tree" in decision.work_bound  # the TUNING log marks it busy-bound
+    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp}, {}))  # no busy link: the lone link's α
+    assert tuner.decide(g, "all_reduce", 16).predicted("tree") < 4 * busy.alpha
+
+
 def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_slower() -> None:
     """On 4 emulated hosts at 1 Gbit/s every rank streamed twice as fast to fixed partners as to
     changing ones (measure_busy): the ring reduce_scatter then wins the large sizes, as it did

@@ -407,7 +407,8 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     the bytes that miss the cache cost the
     memory's price on top, per copy (Algorithm.copies): a lone rank's on the path over the
     link, a crowded host's (Host.crowded_memory) where every rank works at once (the busy
-    links' work, the one-shot path)."""
+    links' work, the one-shot path). With a busy link, no step of the path costs less than
+    its α (a rank that shares its core is woken for each message)."""
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
@@ -421,6 +422,15 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
         return alg.cost(n, nbytes, own)
     if alg.one_way and one_way is not None:
         link = replace(one_way, name=link.name)  # the tier's link still (the linear reduce asks which)
+    if busy is not None and busy.alpha > link.alpha:
+        # a step of the path costs at least the busy α: where ranks share cores, each message
+        # of a chain waits for its receiver to be scheduled. At n=4 on 2 cores over TCP the
+        # tree all_reduce (4 one-way steps, priced at its work: 1.5 busy α) measured 1.8-2.5x
+        # its price at 16 B-16 KiB as mean calls, recursive doubling 1.05-1.2x; re-priced so
+        # (offline, the launches' recorded constants, judged by the mean call), the choice's
+        # forced run came within 10% at 84 of 97 sizes against 76 (tcp-n4, a4ffeb7), 82 against
+        # 77 (netns4, db7a887), 95 against 94 (shm-n4), 90 as before at n=2
+        link = replace(link, alpha=busy.alpha)
     if share:
         copies = alg.copies
         link = beyond_cache(link, share, host.memory, copies)  # type: ignore[union-attr]
@@ -482,8 +492,9 @@ class Decision:
     """What the tuner hands out: priced[0], or a PageDependent where single copy wins only out
     of huge pages."""
     work_bound: frozenset[str] = frozenset()
-    """The algorithms priced at their work on a host whose ranks are all busy (predict's bound)
-    rather than at their path over the link: what the TUNING log marks."""
+    """The algorithms priced with the constants of a host whose ranks are all busy (predict: at
+    their work, or their path at the busy α a step) rather than at their path over the link:
+    what the TUNING log marks busy-bound."""
 
     def predicted(self, name: str) -> float:
         return next(t for t, n, _ in self.priced if n == name)
@@ -646,7 +657,7 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         table = table_for(group.runtime)
         tier = decision.tier
         bound = decision.work_bound
-        costs = ", ".join(f"{name} {format_seconds(t)}" + (" (work-bound)" if name in bound else "")
+        costs = ", ".join(f"{name} {format_seconds(t)}" + (" (busy-bound)" if name in bound else "")
                           for t, name, _ in decision.priced)
         shown = f"{tier} ({table.describe(tier)})"
         if tier == table.extra.get("busy_tier") and BUSY in table.links:
