@@ -188,6 +188,8 @@ def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[
     say(f"# --algo {wanted}: " + ("the tuner's choice (auto), then every eligible algorithm forced in turn"
                                   if wanted == "all" else f"{wanted} forced")
         + f"; {rounds} interleaved round(s) of {opts.warmup} warm-up + {opts.iters} timed calls each")
+    say("# time = per call the slowest rank, the median over calls; mean call = the slowest rank's time over "
+        "its calls, by which the model is judged and the fastest forced (*) is found")
     say("# predicted = the tuner's α-β-γ model with this job's link constants:")
     for tier in table.links:
         say(f"#   {tier}: {table.describe(tier)}")
