@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", action="store_true",
                    help="put the collectives swept into --out-dir's existing tables, not new ones")
     a = p.parse_args(argv)
+    if a.rejudge and not a.render:
+        p.error("--rejudge goes with --render (it judges a recorded sweep again)")
     a.colls = [c for c in a.colls.split(",") if c]
     a.out_dir.mkdir(parents=True, exist_ok=True)
     if a.render:

@@ -38,8 +38,8 @@ next call where a rank has nothing to wait for: most calls find their data there
 out the backlog, and the median keeps the fast ones only (tcp-n4 at a4ffeb7: the linear gather
 at 1-4 MiB 0.23-0.24x its price by the median, 0.96x by the mean, its 90th percentile 0.5-5x).
 Where ranks outnumber cores, the one descheduled in a call spans the others' turns, which the
-slowest rank per call counts in every call (n=4 sendrecv on 2 cores, 2 KiB-128 KiB: 3.2x the
-mean). The model's constants are mean calls (calibrate.measure_busy, calibrate._typical): a
+slowest rank per call counts in every call (n=4 sendrecv over TCP on 2 cores, 2 KiB-128 KiB:
+3.2x the mean). The model's constants are mean calls (calibrate.measure_busy, calibrate._typical): a
 loop of calls costs its mean, stalls included."""
 
 

@@ -288,9 +288,10 @@ def _typical(world: Group, run: Callable[[], object]) -> float:
     DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
     DIRECT_SERIES series. The message algorithms' busy links are such means too (measure_busy),
     so the one shot and the messages are priced in one statistic. (From the shm-n4 sweep of
-    2026-11-25 to a4ffeb7 this was the median over calls of each call's slowest rank, the plain
-    bench's headline: where ranks outnumber cores it reads 1.3-1.5x a mean call for the one
-    shot, and the model then priced the one shot in one statistic and the messages in another.)
+    2026-11-25 until PROBE_VERSION 16 this was the median over calls of each call's slowest
+    rank, the plain bench's headline: where ranks outnumber cores it reads 1.3-1.5x a mean call
+    for the one shot, and the model then priced the one shot in one statistic and the messages
+    in another.)
     One series alone is not enough where a rank loses its core for a while: a launch of the
     shm-n2 sweep of 2026-11-26 measured the one shot's α at 160 µs (5 in every other launch),
     and every gather from 16 B to 1 MiB took the binomial tree, 2.3-5.4x slower."""
