@@ -8,14 +8,14 @@ three settings of issue 4; writes docs/benchmarks/algorithms-<setting>.{md,json}
 Settings:
   shm-n4    tensorwire bench COLL --algo all --np 4           (one host, shared memory)
   tcp-n4    tensorwire bench COLL --algo all --np 4 --tcp     (one host, TCP over loopback)
-  netns4    scripts/netns_cluster.py --hosts 4 --rate 1gbit --sysctl TCP_IDLE -- -m tensorwire.bench
-            COLL --algo all (4 emulated hosts, one rank each, every host link shaped with tc tbf;
-            this kernel has no netem, so no delay can be added). TCP_IDLE is
-            net.ipv4.tcp_slow_start_after_idle=0, as clusters that run collectives over TCP set
-            it: a connection idle for longer than its retransmission timeout otherwise restarts
-            from the initial window, and each algorithm of the sweep leaves some connections idle
-            for the next (pairwise all_to_all at 256 KiB took 2.1 ms right after itself and
-            4.0-7.1 ms right after Bruck's, which does not use rank r+3; with the setting 2.1-2.2 ms)
+  netns4    scripts/netns_cluster.py --hosts 4 --rate 1gbit --env TENSORWIRE_TCP_CONGESTION=cubic
+            -- -m tensorwire.bench COLL --algo all (4 emulated hosts, one rank each, every host
+            link shaped with tc tbf; this kernel has no netem, so no delay can be added). Cubic,
+            Linux's default, because this machine's is BBR, which without an fq qdisc paces
+            inside TCP at a bandwidth estimate that bursts separated by idle time leave far below
+            the link's: the pairwise all_to_all of 256 KiB stalled 10-45 ms in 9-14 of 60 calls
+            (mean call 3.4-7.4 ms; with cubic 1.2-1.4 ms and no stall), which sweeps before
+            2026-11-26 blamed on the algorithm run before it (see tcp.tune_socket)
   shm-n2    tensorwire bench COLL --algo all --np 2           (not by default: the setting of the
             single-host comparisons, docs/benchmarks/compare-n2.md)
 
@@ -69,7 +69,7 @@ from tensorwire.benchmarks.report import human
 from tensorwire.benchmarks.sweep import size_list
 
 REPO = Path(__file__).resolve().parent.parent
-TCP_IDLE = "net.ipv4.tcp_slow_start_after_idle=0"  # netns4's hosts: see the module's docstring
+NETNS_CONGESTION = "cubic"  # netns4's TCP: see the module's docstring
 COLLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "alltoall", "barrier", "gather",
          "scatter")
 SETTINGS = {
@@ -112,7 +112,7 @@ def command(setting: str, coll: str, a: argparse.Namespace, band: tuple[int, int
     if setting == "tcp-n4":
         return [py, "-m", "tensorwire", "bench", *args, "--np", "4", "--tcp"]
     return [py, str(REPO / "scripts" / "netns_cluster.py"), "--hosts", "4", "--rate", a.rate,
-            "--sysctl", TCP_IDLE, "--job-timeout", str(a.launch_timeout),
+            "--env", f"TENSORWIRE_TCP_CONGESTION={NETNS_CONGESTION}", "--job-timeout", str(a.launch_timeout),
             "--", "-m", "tensorwire.bench", *args]
 
 

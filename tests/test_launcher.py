@@ -265,3 +265,33 @@ def test_port_in_use_is_reported(tmp_path: Path) -> None:
         res = _run(["--master-port", str(busy.getsockname()[1]), str(script)], tmp_path)
     assert res.returncode == 1
     assert "cannot host the store" in res.stderr
+
+
+CONGESTION_SCRIPT = """
+import sys
+import tensorwire as tw
+from tensorwire.transport.tcp import congestion_of
+tw.init()
+engine = tw.api.require_runtime().engine
+print("rank", tw.get_rank(), sorted({congestion_of(ch.stream.sock) for ch in engine.channels.values()}))
+tw.destroy()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_tcp_congestion_control_is_the_one_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TENSORWIRE_TCP_CONGESTION runs every connection with that algorithm (reno: built into
+    every Linux and allowed without privileges); a name the kernel refuses fails init naming
+    the setting and what the kernel offers, on every rank."""
+    script = tmp_path / "congestion.py"
+    script.write_text(CONGESTION_SCRIPT)
+    monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "reno")
+    done = _run(["-n", "3", "--tcp", str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno']" for r in range(3)]
+    monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "no-such-algorithm")
+    failed = _run(["-n", "2", "--tcp", str(script)], tmp_path)
+    assert failed.returncode != 0
+    assert "InvalidArgumentError: TENSORWIRE_TCP_CONGESTION='no-such-algorithm': the kernel refused it" \
+        in failed.stderr
+    assert "available here: " in failed.stderr and "reno" in failed.stderr

@@ -730,6 +730,16 @@ def rank_reinit(port: int, env: dict[str, str]) -> dict:
     return out
 
 
+def test_calibrations_are_cached_per_tcp_congestion_control() -> None:
+    """A TCP link's constants are its congestion control's: a calibration made with the
+    system's is not reused once TENSORWIRE_TCP_CONGESTION names another, nor the other way."""
+    hosts, tiers = [calibrate.host_hash()], ["tcp", "tcp_one_way"]
+    system = calibrate.cache_key(hosts, tiers, 4)
+    assert calibrate.cache_key(hosts, tiers, 4, "") == system
+    keys = {system, *(calibrate.cache_key(hosts, tiers, 4, cc) for cc in ("cubic", "reno"))}
+    assert len(keys) == 3
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     tier = "shm" if transport == "shm" else "tcp"

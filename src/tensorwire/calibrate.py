@@ -197,9 +197,14 @@ def host_hash(hostname: str | None = None) -> int:
     return int.from_bytes(raw[:8], "little") >> 1
 
 
-def cache_key(hosts: list[int], tiers: list[str], world_size: int) -> str:
-    text = json.dumps({"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
-                       "world_size": world_size}, sort_keys=True)
+def cache_key(hosts: list[int], tiers: list[str], world_size: int, tcp_congestion: str = "") -> str:
+    """Constants are cached per hosts, tiers and world size, and per TENSORWIRE_TCP_CONGESTION
+    where it is set (a TCP link's α and β are its congestion control's)."""
+    fields: dict[str, object] = {"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
+                                 "world_size": world_size}
+    if tcp_congestion:
+        fields["tcp_congestion"] = tcp_congestion
+    text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -687,7 +692,7 @@ def at_init(world: Group) -> LinkTable:
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, tuner.BUSY, tuner.BUSY_RING,
                          tuner.BUSY_PAIRS, tuner.MEMORY])
-    key = cache_key(hosts, links_used, n)
+    key = cache_key(hosts, links_used, n, cfg.tcp_congestion)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
     verdict = np.full(_VERDICT_LEN, math.nan)

@@ -99,6 +99,9 @@ class Config:
     """Capacity of each directed shared-memory ring (TENSORWIRE_SHM_RING)."""
     tcp_chunk_bytes: int = 1 << 20
     """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
+    tcp_congestion: str = ""
+    """Congestion control of tensorwire's TCP connections, e.g. 'cubic'; '' keeps the system's
+    (net.ipv4.tcp_congestion_control) (TENSORWIRE_TCP_CONGESTION): see tcp.tune_socket."""
     direct_bytes: int | None = None
     """Per-rank slot of the one-shot shared-memory path; 0 turns it off; None: see direct_slot
     (TENSORWIRE_SHM_DIRECT)."""
@@ -141,6 +144,7 @@ class Config:
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
+            tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),

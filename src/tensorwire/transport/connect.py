@@ -23,7 +23,7 @@ from ..rendezvous.store import Store
 from . import cma
 from .engine import Engine
 from .shm import Ring, ShmChannel
-from .tcp import SocketStream, TcpChannel, tune_socket
+from .tcp import SocketStream, TcpChannel, congestion_of, tune_socket
 
 _log = log.get("INIT")
 _HELLO = struct.Struct("<4sIIQ")  # magic, rank, world size, job hash
@@ -103,8 +103,10 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     engine.adapt_to_machine(len(mates), sorted(mates).index(rank), cfg.bind)
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = attach_peers(engine, socks, local, job_id, cfg)
-    _log.info("rank %d connected: shm peers %s, tcp peers %s", rank, sorted(rings),
-              sorted(set(socks) - set(rings)))
+    tcp = sorted(set(socks) - set(rings))
+    _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp,
+              f" (congestion control {congestion_of(socks[tcp[0]])}"
+              f"{'' if cfg.tcp_congestion else ', the system default'})" if tcp else "")
     return engine
 
 
@@ -134,7 +136,7 @@ def install_channels(engine: Engine, socks: dict[int, socket.socket],
                      rings: dict[int, RingPair], cfg: Config) -> None:
     """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
-        tune_socket(socks[r])
+        tune_socket(socks[r], cfg.tcp_congestion)
         stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
         if r in rings:
             pair = rings[r]
