@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 16
+PROBE_VERSION = 17
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -85,6 +85,7 @@ ONE_WAY_TIMED = 4  # 1 MiB sent one way and acknowledged: the median of this man
 BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
 # twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
 BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
+BUSY_WARM_ROUNDS_ACROSS_HOSTS = 6  # ... or this many where ranks are on several hosts (TCP ramp-up)
 GAMMA_BYTES, GAMMA_ROUNDS = 16 << 20, 5  # numpy add of 16 MiB float32 (out of cache): the best gives γ
 DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, back to back, in
 # this many series, the least series' mean call kept: the direct path
@@ -475,7 +476,8 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float, float]:
+def measure_busy(call: CollectiveCall, step0: int,
+                 warm: int = BUSY_WARM_ROUNDS) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -487,15 +489,25 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float,
     The median 8-byte batch gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
     included: contention is the point, and a long call meets the preempted rounds that a median
     would drop (medians of five rounds swung 5x from launch to launch on 4 ranks sharing 2
-    cores; means of six stayed within 1.5x). The two β's differ on shaped links: on 4 emulated
-    hosts at 1 Gbit/s the dissemination rounds moved about half the bytes per second of the
-    ring's (why was not established); on one host they agree. What a step in pairs costs beside
+    cores; means of six stayed within 1.5x). On 4 emulated hosts at 1 Gbit/s the
+    dissemination rounds had moved about half the bytes per second of the ring's: they were
+    measured while the connections still ramped up (below; under BBR also its pacing, see
+    tcp.tune_socket); warm, the two agree there as on one host. What a step in pairs costs beside
     the others depends on the host: on the AMD EPYC VM the n=4 sweeps measured 2-2.7x the busy
     α for such steps (a step waits for both partners to be scheduled), on the Intel Xeon VM
     about 1x (n=4, 8 bytes, median batches: 66 against 65 µs on shared memory, 92 against 91
     over loopback TCP, 114 against 136 on 4 emulated hosts), where a fixed factor of 2 made the
     tuner take pairwise exchange over Bruck's all_to_all and the ring reduce_scatter over
-    recursive halving, 1.2-1.7x slower there."""
+    recursive halving, 1.2-1.7x slower there.
+
+    Each pattern is run untimed `warm` rounds per distance first. Across hosts the fresh TCP
+    connections need more of them (BUSY_WARM_ROUNDS_ACROSS_HOSTS): on 4 emulated hosts at
+    1 Gbit/s (cubic, 2026-11-26) the first 12-36 rounds of 2 MiB took 1-90 ms against a steady
+    17-18, each new connection ramping its window up behind the queue the previous one had
+    built in the shaper, no segment lost; warmed 2 rounds per distance the dissemination rounds
+    measured 0.056-0.068 GB/s in 4 launches of 5 (0.12 in one; 0.12 too later in the same jobs,
+    as the pairwise all_to_all moved), warmed 6, 0.11-0.12 in 6 of 7 (0.065 in one), warmed 8
+    or 12 no better (5 of 7), for 0.25 s more at init with 6."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
@@ -533,7 +545,7 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float,
         shift(small_out, small_in, dists[i % len(dists)])
     # every ring written once around: its pages are touched (fresh pages cost ~1 ms per MiB
     # here), as in steady use
-    mean_round(dists, BUSY_WARM_ROUNDS * len(dists))
+    mean_round(dists, warm * len(dists))
     alpha = alpha_of(lambda d: shift(small_out, small_in, d))
 
     def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
@@ -542,7 +554,7 @@ def measure_busy(call: CollectiveCall, step0: int) -> tuple[float, float, float,
     rounds = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
     shifting = beta(mean_round(dists, rounds))
     # untimed: right after the change of pattern the shaped ring measured 0.07 GB/s, not 0.10-0.12
-    mean_round([1], BUSY_WARM_ROUNDS)
+    mean_round([1], warm)
     ring = beta(mean_round([1], rounds))
     for d in dists:  # the pairs once round, untimed: every rank is past the ring
         pair(d)
@@ -719,7 +731,7 @@ def at_init(world: Group) -> LinkTable:
     if verdict[0] == _STATUS_PROBE:
         t1 = time.perf_counter()
         with spread(world, hosts):
-            measured = _probe(world, pairs, direct, cma)
+            measured = _probe(world, pairs, direct, cma, len(set(hosts)) > 1)
         probe_s = time.perf_counter() - t1
         gamma = float(measured["gamma"])
         for tier in TIERS:
@@ -804,7 +816,8 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         _log.info("link constants from the cache %s", path)
 
 
-def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool) -> dict[str, Any]:
+def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool,
+           across_hosts: bool) -> dict[str, Any]:
     """Measure the direct path and single copy on everyone, every tier on its pair, every rank
     at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
     same everywhere.
@@ -831,7 +844,8 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000)
+    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
+    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, warm)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
         measured[gamma] = measure_gamma()
