@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 17
+PROBE_VERSION = 18
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -477,7 +477,7 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
 
 
 def measure_busy(call: CollectiveCall, step0: int,
-                 warm: int = BUSY_WARM_ROUNDS) -> tuple[float, float, float, float]:
+                 across_hosts: bool = False) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -500,14 +500,18 @@ def measure_busy(call: CollectiveCall, step0: int,
     tuner take pairwise exchange over Bruck's all_to_all and the ring reduce_scatter over
     recursive halving, 1.2-1.7x slower there.
 
-    Each pattern is run untimed `warm` rounds per distance first. Across hosts the fresh TCP
+    Each pattern is run untimed BUSY_WARM_ROUNDS per distance first. Across hosts the fresh TCP
     connections need more of them (BUSY_WARM_ROUNDS_ACROSS_HOSTS): on 4 emulated hosts at
     1 Gbit/s (cubic, 2026-11-26) the first 12-36 rounds of 2 MiB took 1-90 ms against a steady
     17-18, each new connection ramping its window up behind the queue the previous one had
     built in the shaper, no segment lost; warmed 2 rounds per distance the dissemination rounds
     measured 0.056-0.068 GB/s in 4 launches of 5 (0.12 in one; 0.12 too later in the same jobs,
     as the pairwise all_to_all moved), warmed 6, 0.11-0.12 in 6 of 7 (0.065 in one), warmed 8
-    or 12 no better (5 of 7), for 0.25 s more at init with 6."""
+    or 12 no better (5 of 7), for 0.25 s more at init with 6. Slow spells came back later too
+    (rounds of 1 and 65-90 ms for a few rounds, in jobs that had run steady): the 17 launches
+    of a netns4 sweep warmed 6 measured 0.106-0.119 GB/s in 12, 0.059-0.071 in 5. So across
+    hosts the dissemination rounds are timed twice, before and after the ring's, and the
+    faster kept: the collectives that follow run in the steady state."""
     n, r = call.group.size, call.group.rank
     dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
     small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
@@ -545,6 +549,7 @@ def measure_busy(call: CollectiveCall, step0: int,
         shift(small_out, small_in, dists[i % len(dists)])
     # every ring written once around: its pages are touched (fresh pages cost ~1 ms per MiB
     # here), as in steady use
+    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
     mean_round(dists, warm * len(dists))
     alpha = alpha_of(lambda d: shift(small_out, small_in, d))
 
@@ -556,6 +561,8 @@ def measure_busy(call: CollectiveCall, step0: int,
     # untimed: right after the change of pattern the shaped ring measured 0.07 GB/s, not 0.10-0.12
     mean_round([1], warm)
     ring = beta(mean_round([1], rounds))
+    if across_hosts:
+        shifting = min(shifting, beta(mean_round(dists, rounds)))
     for d in dists:  # the pairs once round, untimed: every rank is past the ring
         pair(d)
     return alpha, shifting, ring, alpha_of(pair)
@@ -844,8 +851,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
-    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, warm)
+    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts)
     measured[busy.stop - 1] = measure_gamma()
     if me == 0:
         measured[gamma] = measure_gamma()
