@@ -268,27 +268,35 @@ def test_port_in_use_is_reported(tmp_path: Path) -> None:
 
 
 CONGESTION_SCRIPT = """
-import sys
+import socket
 import tensorwire as tw
 from tensorwire.transport.tcp import congestion_of
 tw.init()
-engine = tw.api.require_runtime().engine
-print("rank", tw.get_rank(), sorted({congestion_of(ch.stream.sock) for ch in engine.channels.values()}))
+socks = [ch.stream.sock for ch in tw.api.require_runtime().engine.channels.values()]
+print("rank", tw.get_rank(), sorted({congestion_of(s) for s in socks}),
+      sorted({s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in socks}))
 tw.destroy()
 """
 
 
 @pytest.mark.timeout(60)
-def test_tcp_congestion_control_is_the_one_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tcp_settings_are_the_ones_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TENSORWIRE_TCP_CONGESTION runs every connection with that algorithm (reno: built into
-    every Linux and allowed without privileges); a name the kernel refuses fails init naming
-    the setting and what the kernel offers, on every rank."""
+    every Linux and allowed without privileges) and TENSORWIRE_TCP_SNDBUF sizes its send buffer
+    (the kernel reports twice what was asked); a name the kernel refuses fails init naming the
+    setting and what the kernel offers, on every rank, as a send buffer below 4K does."""
     script = tmp_path / "congestion.py"
     script.write_text(CONGESTION_SCRIPT)
     monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "reno")
+    monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "64K")
     done = _run(["-n", "3", "--tcp", str(script)], tmp_path)
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno']" for r in range(3)]
+    assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno'] [131072]" for r in range(3)]
+    monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "100")
+    tiny = _run(["-n", "2", "--tcp", str(script)], tmp_path)
+    assert tiny.returncode != 0
+    assert "TENSORWIRE_TCP_SNDBUF=100: expected 0 (the kernel's autotuning) or at least 4K" in tiny.stderr
+    monkeypatch.delenv("TENSORWIRE_TCP_SNDBUF")
     monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "no-such-algorithm")
     failed = _run(["-n", "2", "--tcp", str(script)], tmp_path)
     assert failed.returncode != 0

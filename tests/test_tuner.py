@@ -25,7 +25,7 @@ import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port
 from tensorwire import calibrate, cli, plan, tuner
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
-from tensorwire.config import Config
+from tensorwire.config import TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -730,14 +730,16 @@ def rank_reinit(port: int, env: dict[str, str]) -> dict:
     return out
 
 
-def test_calibrations_are_cached_per_tcp_congestion_control() -> None:
-    """A TCP link's constants are its congestion control's: a calibration made with the
-    system's is not reused once TENSORWIRE_TCP_CONGESTION names another, nor the other way."""
+def test_calibrations_are_cached_per_tcp_setting() -> None:
+    """A TCP link's constants are its congestion control's and send buffer's: a calibration
+    made with the defaults is not reused once TENSORWIRE_TCP_CONGESTION or TENSORWIRE_TCP_SNDBUF
+    names another, nor the other way."""
     hosts, tiers = [calibrate.host_hash()], ["tcp", "tcp_one_way"]
     system = calibrate.cache_key(hosts, tiers, 4)
-    assert calibrate.cache_key(hosts, tiers, 4, "") == system
-    keys = {system, *(calibrate.cache_key(hosts, tiers, 4, cc) for cc in ("cubic", "reno"))}
-    assert len(keys) == 3
+    assert calibrate.cache_key(hosts, tiers, 4, "", TCP_SNDBUF) == system
+    keys = {system, *(calibrate.cache_key(hosts, tiers, 4, cc) for cc in ("cubic", "reno")),
+            *(calibrate.cache_key(hosts, tiers, 4, "", b) for b in (0, 4 << 20))}
+    assert len(keys) == 5
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -51,6 +51,7 @@ from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
 from .buffers import copy as copy_as_library
 from .buffers import huge_zeros
+from .config import TCP_SNDBUF
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 18
+PROBE_VERSION = 19
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -198,13 +199,17 @@ def host_hash(hostname: str | None = None) -> int:
     return int.from_bytes(raw[:8], "little") >> 1
 
 
-def cache_key(hosts: list[int], tiers: list[str], world_size: int, tcp_congestion: str = "") -> str:
+def cache_key(hosts: list[int], tiers: list[str], world_size: int, tcp_congestion: str = "",
+              tcp_sndbuf: int = TCP_SNDBUF) -> str:
     """Constants are cached per hosts, tiers and world size, and per TENSORWIRE_TCP_CONGESTION
-    where it is set (a TCP link's α and β are its congestion control's)."""
+    and TENSORWIRE_TCP_SNDBUF where they differ from the defaults (a TCP link's α and β are
+    theirs)."""
     fields: dict[str, object] = {"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
                                  "world_size": world_size}
     if tcp_congestion:
         fields["tcp_congestion"] = tcp_congestion
+    if tcp_sndbuf != TCP_SNDBUF:
+        fields["tcp_sndbuf"] = tcp_sndbuf
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -711,7 +716,7 @@ def at_init(world: Group) -> LinkTable:
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, tuner.BUSY, tuner.BUSY_RING,
                          tuner.BUSY_PAIRS, tuner.MEMORY])
-    key = cache_key(hosts, links_used, n, cfg.tcp_congestion)
+    key = cache_key(hosts, links_used, n, cfg.tcp_congestion, cfg.tcp_sndbuf)
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
     verdict = np.full(_VERDICT_LEN, math.nan)

@@ -83,6 +83,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from exc
 
 
+TCP_SNDBUF = 256 << 10
+"""Default SO_SNDBUF of a TCP connection: about what a link of this transport's speed holds in
+flight, no more (why: tcp.tune_socket)."""
+
 DIRECT_GROUP_BYTES = 8 << 20
 """Default shared memory of one group's one-shot path (all ranks' slots), before the per-rank bounds."""
 
@@ -99,6 +103,10 @@ class Config:
     """Capacity of each directed shared-memory ring (TENSORWIRE_SHM_RING)."""
     tcp_chunk_bytes: int = 1 << 20
     """Staging chunk for receive-and-reduce over TCP (TENSORWIRE_TCP_CHUNK)."""
+    tcp_sndbuf: int = TCP_SNDBUF
+    """Send buffer of tensorwire's TCP connections in bytes, as SO_SNDBUF takes it (the kernel
+    doubles it); 0 leaves it to the kernel's autotuning (TENSORWIRE_TCP_SNDBUF): see
+    tcp.tune_socket."""
     tcp_congestion: str = ""
     """Congestion control of tensorwire's TCP connections, e.g. 'cubic'; '' keeps the system's
     (net.ipv4.tcp_congestion_control) (TENSORWIRE_TCP_CONGESTION): see tcp.tune_socket."""
@@ -145,6 +153,7 @@ class Config:
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
+            tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
@@ -171,6 +180,9 @@ class Config:
                              f"(wherever the kernel allows)")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
+        if cfg.tcp_sndbuf and cfg.tcp_sndbuf < 4096:
+            raise ValueError(f"TENSORWIRE_TCP_SNDBUF={cfg.tcp_sndbuf}: expected 0 (the kernel's "
+                             f"autotuning) or at least 4K")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg

@@ -136,7 +136,7 @@ def install_channels(engine: Engine, socks: dict[int, socket.socket],
                      rings: dict[int, RingPair], cfg: Config) -> None:
     """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
-        tune_socket(socks[r], cfg.tcp_congestion)
+        tune_socket(socks[r], cfg.tcp_congestion, cfg.tcp_sndbuf)
         stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
         if r in rings:
             pair = rings[r]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..config import TCP_SNDBUF
 from ..errors import InvalidArgumentError
 from .requests import SendRequest, Sink
 from .wire import HEADER_SIZE, Header
@@ -42,16 +43,31 @@ class PeerClosed(Exception):
     """Raised inside a channel when its socket reached EOF or broke."""
 
 
-def tune_socket(sock: socket.socket, congestion: str = "") -> None:
-    """No Nagle, 4 MiB buffers, and `congestion` (TENSORWIRE_TCP_CONGESTION) if given.
+def tune_socket(sock: socket.socket, congestion: str = "", sndbuf: int = TCP_SNDBUF) -> None:
+    """No Nagle, a 4 MiB receive buffer, a send buffer of `sndbuf` (TENSORWIRE_TCP_SNDBUF; 0:
+    the kernel's autotuning) and `congestion` (TENSORWIRE_TCP_CONGESTION) if given.
+
+    Why the send buffer is small: a send completes once its last byte is in the socket, so a
+    deep buffer lets a rank start its next step while megabytes of the last one still wait to
+    leave. Where partners change from step to step (recursive doubling, Bruck, pairwise) that
+    next flow shares the rank's uplink with the one its old partner waits for, and ranks drift
+    out of step. Measured on the multi-host test bed (4 namespaces, 1 Gbit/s tbf links, cubic,
+    64 MiB, mean call of 16, 2026-11-27), 6 jobs with 4 MiB (8 MiB in the kernel's accounting):
+    recursive doubling's all_gather 1.01-1.45x the ring's (431-434 ms), the pairwise all_to_all
+    434-580 ms (5 of 6 above 480); 2 jobs each with 256 KiB: 1.02x and 459-463 ms, the ring
+    unchanged; 128 KiB alike; 1 MiB mended the all_gather, not the all_to_all (517-552 ms). One
+    host over TCP (n=4, loopback) the ring's and recursive doubling's 64 MiB all_gather ran
+    50-58 ms against 65-70. What 256 KiB costs: the kernel keeps up to twice it unacknowledged,
+    so a connection moves at most 512 KiB per round trip: 5 GB/s at 100 us, more than this
+    transport moved on loopback (bus bandwidth at most 1.1 GB/s in those jobs).
 
     Why the congestion control can matter: where the system's is BBR and no fq qdisc paces
     (BBR then paces inside TCP), a connection that sat idle or app-limited between bursts can
     keep a bandwidth estimate far below the link's and trickle its next message out at it.
-    Measured on the multi-host test bed (4 namespaces, 1 Gbit/s tbf links, 2026-11-26): the
-    pairwise all_to_all of 256 KiB stalled 10-45 ms in 9-14 of 60 calls, its bytes waiting in
-    the sender's socket, not in the qdisc nor the receiver's; with reno or cubic in 0 of 60
-    (mean call 1.3-1.5 ms against 3.4-7.4 ms)."""
+    Measured on the multi-host test bed (2026-11-26): the pairwise all_to_all of 256 KiB
+    stalled 10-45 ms in 9-14 of 60 calls, its bytes waiting in the sender's socket, not in the
+    qdisc nor the receiver's; with reno or cubic in 0 of 60 (mean call 1.3-1.5 ms against
+    3.4-7.4 ms)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if congestion:
@@ -62,9 +78,11 @@ def tune_socket(sock: socket.socket, congestion: str = "") -> None:
                     f"TENSORWIRE_TCP_CONGESTION={congestion!r}: the kernel refused it ({exc.strerror}); "
                     f"available here: {_proc_text('tcp_available_congestion_control')}, allowed without "
                     f"CAP_NET_ADMIN: {_proc_text('tcp_allowed_congestion_control')}") from exc
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    for opt, size in ((socket.SO_SNDBUF, sndbuf), (socket.SO_RCVBUF, 4 << 20)):
+        if not size:
+            continue
         try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, opt, size)
         except OSError:
             pass
 
