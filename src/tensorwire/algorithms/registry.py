@@ -101,9 +101,10 @@ class Algorithm:
     """Every step sends to the same rank and receives from the same other rank (ring, chain).
     On shaped links such flows kept the link's pace where partners that change lost up to half
     of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
-    pairwise and recursive-halving ones at 16-64 MiB; why was not established); the tuner
-    prices their work with the busy link measured in a ring (`busy_ring`) where that is the
-    faster one (never slower: see tuner.predict)."""
+    pairwise and recursive-halving ones at 16-64 MiB, under BBR, whose pacing without fq
+    idle spells slow: see transport.tcp.tune_socket; with cubic the two kinds ran alike); the
+    tuner prices their work with the busy link measured in a ring (`busy_ring`) where that is
+    the faster one (never slower: see tuner.predict)."""
     one_way: bool = False
     """Every step only sends or only receives (trees, the linear rooted algorithms): where a
     link is a copy by each side, as through shared memory or TCP on one host, both copies run
