@@ -102,7 +102,8 @@ class Algorithm:
     On shaped links such flows kept the link's pace where partners that change lost up to half
     of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
     pairwise and recursive-halving ones at 16-64 MiB, under BBR, whose pacing without fq
-    idle spells slow: see transport.tcp.tune_socket; with cubic the two kinds ran alike); the
+    idle spells slow, and with send buffers deep enough for a rank to run ahead into its next
+    partner: see transport.tcp.tune_socket; with cubic and 256 KiB the two kinds ran alike); the
     tuner prices their work with the busy link measured in a ring (`busy_ring`) where that is
     the faster one (never slower: see tuner.predict)."""
     one_way: bool = False

@@ -106,7 +106,9 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     tcp = sorted(set(socks) - set(rings))
     _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp,
               f" (congestion control {congestion_of(socks[tcp[0]])}"
-              f"{'' if cfg.tcp_congestion else ', the system default'})" if tcp else "")
+              f"{'' if cfg.tcp_congestion else ', the system default'}; send buffer "
+              f"{socks[tcp[0]].getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >> 10} KiB"
+              f"{', autotuned' if not cfg.tcp_sndbuf else ''})" if tcp else "")
     return engine
 
 
