@@ -411,7 +411,10 @@ class Testbed:
         if self.rate is not None:
             # 1 ms worth of traffic, at least 32 KiB: the bucket lets a burst through at veth
             # speed after each idle spell, which a real port does not. With 10 ms (1.25 MB at
-            # 1 Gbit/s) an n=4 broadcast of 64 KiB took 0.17-0.53 ms instead of 1.5-1.8 ms.
+            # 1 Gbit/s) an n=4 broadcast of 64 KiB took 0.17-0.53 ms instead of 1.5-1.8 ms. Less
+            # is no better: with 32 KiB (0.26 ms at 1 Gbit/s) the links of 4 hosts on this 2-vCPU
+            # VM moved a third of the rate (n=4 all_reduce of 1 MiB 34-40 ms against 13 ms with
+            # 1 ms, 2026-11-27), so 64 KiB messages keep coming in under their price.
             burst = max(32 * 1024, int(self.rate / 1000))
             tbf = ["tbf", "rate", str(self.rate_text), "burst", str(burst), "latency", "100ms"]
         if self.delay_text is not None:
