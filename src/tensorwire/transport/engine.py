@@ -263,7 +263,12 @@ class Engine:
 
     def _vet(self, peer: int, header: Header, call) -> None:
         """A message for the call this rank is in must carry its fingerprint, whatever its step;
-        one for an earlier call arrived after this rank finished it, so that call differed."""
+        one for an earlier call arrived after this rank finished it, so that call differed.
+
+        The abort then starts at that earlier call: its sender may still be in it, waiting for
+        this rank to take the rest (a 4 MiB broadcast to a rank that thought itself the root,
+        over TCP with send buffers smaller than the message), and an abort of the later calls
+        only would leave it to time out."""
         if header.seq == call.seq:
             if header.fp == call.fp or not differences(call.fp, header.fp, _dtype_label, _op_label):
                 return
@@ -274,7 +279,7 @@ class Engine:
                 f"{call.group.name} ({Coll(header.fp.coll).label}) that this rank finished without "
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
-        self.deferred_aborts.append((header.ctx, call.seq, tuple(call.group.ranks), error))
+        self.deferred_aborts.append((header.ctx, header.seq, tuple(call.group.ranks), error))
 
     def query_peers(self, ctx: int, members: Iterable[int]) -> None:
         """Ask the members which call of group `ctx` they are in; the answers are vetted like
@@ -432,18 +437,30 @@ class Engine:
         """Fail call `seq` of a group and every later one, here and on every member.
 
         Earlier calls are left alone: a slower member may still be finishing them, and their
-        messages may arrive after the abort, which travels on the control path."""
+        messages may arrive after the abort, which travels on the control path.
+
+        Over TCP a notice queues behind what is left of the failed call's sends (the stream
+        must stay framed), and the raise returns control to a caller that may not call again
+        for a while: the background thread delivers what the kernel did not take at once. With
+        256 KiB send buffers, a 4 MiB broadcast whose ranks disagreed on the root left its
+        notice behind 70-340 KB of payload: the tcp3 broadcast-root cases of test_errors timed
+        out in 13 of 15 runs, in 3 with this delivery, in none with _vet's abort from the call
+        that differed."""
         with self.lock:
             if not self.fail_locally(ctx, seq, error):
                 return
             text = f"{type(error).__name__}\n{error}".encode()
             payload = np.frombuffer(text, dtype=np.uint8)
+            notices = []
             for peer in members:
                 if peer == self.rank or peer in self.lost or peer not in self.channels:
                     continue
                 header = Header(Kind.ABORT, ctx, seq, 0, len(payload), Fingerprint(0))
-                self.channels[peer].post_control(SendRequest(peer, header, payload, "abort"))
+                notices.append(SendRequest(peer, header, payload, "abort"))
+                self.channels[peer].post_control(notices[-1])
             self._poll_sockets()
+            for notice in notices:
+                self.watch_in_background(notice)
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
         name, _, message = raw.decode(errors="replace").partition("\n")
