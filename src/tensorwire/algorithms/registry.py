@@ -103,7 +103,8 @@ class Algorithm:
     of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
     pairwise and recursive-halving ones at 16-64 MiB, under BBR, whose pacing without fq
     idle spells slow, and with send buffers deep enough for a rank to run ahead into its next
-    partner: see transport.tcp.tune_socket; with cubic and 256 KiB the two kinds ran alike); the
+    partner: see transport.tcp.tune_socket; with cubic and 256 KiB, recursive halving and
+    doubling ran within 1.02x of the ring at 1-64 MiB, the pairwise reduce_scatter 1.07-1.15x); the
     tuner prices their work with the busy link measured in a ring (`busy_ring`) where that is
     the faster one (never slower: see tuner.predict)."""
     one_way: bool = False
