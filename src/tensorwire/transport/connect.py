@@ -104,11 +104,14 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
     rings = attach_peers(engine, socks, local, job_id, cfg)
     tcp = sorted(set(socks) - set(rings))
-    _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp,
-              f" (congestion control {congestion_of(socks[tcp[0]])}"
-              f"{'' if cfg.tcp_congestion else ', the system default'}; send buffer "
-              f"{socks[tcp[0]].getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >> 10} KiB"
-              f"{', autotuned' if not cfg.tcp_sndbuf else ''})" if tcp else "")
+    settings = ""
+    if tcp:
+        sock = socks[tcp[0]]
+        settings = (f" (congestion control {congestion_of(sock)}"
+                    f"{'' if cfg.tcp_congestion else ', the system default'}; send buffer "
+                    f"{sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >> 10} KiB"
+                    f"{'' if cfg.tcp_sndbuf else ', autotuned'})")
+    _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp, settings)
     return engine
 
 
