@@ -26,10 +26,25 @@ class RankFailure(AssertionError):
         super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports the kernel picked, all held at once so none repeats.
+
+    Ask for every port a test needs here rather than using port+1, port+2: Linux hands bind(0)
+    odd ports and connect() even ones, so a neighbour of a free port is where the client side of
+    some earlier connection is likely to sit (EADDRINUSE when the test listens there).
+    """
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _rank_main(rank: int, size: int, port: int, env: dict[str, str], conn: Connection) -> None:

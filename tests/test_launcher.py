@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import free_port
 from tensorwire import cli, launcher
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -70,12 +71,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(60)
@@ -206,7 +201,7 @@ def test_signal_to_launcher_stops_all_children(tmp_path: Path, sig: signal.Signa
 def test_two_nodes_form_one_world(tmp_path: Path) -> None:
     script = tmp_path / "env_rank.py"
     script.write_text(ENV_SCRIPT)
-    port = _free_port()
+    port = free_port()
     common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     # Start node 1 first: its ranks must wait for node 0's store rather than fail.
     node1 = _launch([*common, "--node-rank", "1", str(script), str(tmp_path)], tmp_path)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import free_port
 from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
 from tensorwire.rendezvous.bootstrap import (
     LaunchInfo,
@@ -57,12 +58,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 20.0) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{err}"
     return json.loads(out.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import free_port
+
 pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve()
@@ -29,12 +30,6 @@ REPO = HERE.parent.parent
 
 
 # ------------------------------------------------------------------------------------ launching
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class RankResult:

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_torch_backend import REPO, assert_all_ok, clean_env, free_port, launch, run_command
+from test_torch_backend import REPO, assert_all_ok, clean_env, launch, run_command
+
+from cluster import free_port, free_ports
 
 pytest.importorskip("torch")
 
@@ -40,12 +42,13 @@ def test_example_under_tensorwire_run() -> None:
 
 @pytest.mark.timeout(120)
 def test_init_methods_and_reinit() -> None:
-    assert_all_ok(launch("init_methods", 2, script=_SELF, args=(str(free_port()),)), "init_methods")
+    ports = tuple(map(str, free_ports(5)))
+    assert_all_ok(launch("init_methods", 2, script=_SELF, args=ports), "init_methods")
 
 
 # ------------------------------------------------------------------------------------ scenarios
 
-def scenario_init_methods(tcp_port: str) -> None:
+def scenario_init_methods(*ports: str) -> None:
     import tempfile
 
     import numpy as np
@@ -57,6 +60,7 @@ def scenario_init_methods(tcp_port: str) -> None:
     from tensorwire.torch import ProcessGroupTensorwire
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tcp_port, store_port, tw_port, store2_port, solo_port = map(int, ports)
 
     def exercise(tag: str) -> None:
         assert isinstance(dist.distributed_c10d._get_default_group(), ProcessGroupTensorwire), tag
@@ -87,12 +91,12 @@ def scenario_init_methods(tcp_port: str) -> None:
     dist.init_process_group("tensorwire", init_method=f"file://{path}", rank=rank, world_size=size)
     exercise("file://")
     # an explicit store object
-    store = dist.TCPStore("127.0.0.1", int(tcp_port) + 1, size, is_master=rank == 0)
+    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=rank == 0)
     dist.init_process_group("tensorwire", store=store, rank=rank, world_size=size)
     exercise("store=")
     # a user who initialized tensorwire first: torch's world reuses it instead of a second one
-    tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{int(tcp_port) + 2}")
-    store = dist.TCPStore("127.0.0.1", int(tcp_port) + 3, size, is_master=rank == 0)
+    tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{tw_port}")
+    store = dist.TCPStore("127.0.0.1", store2_port, size, is_master=rank == 0)
     dist.init_process_group("tensorwire", store=store, rank=rank, world_size=size)
     pg = dist.distributed_c10d._get_default_group()
     assert pg.tensorwire_group is tw.world()
@@ -103,7 +107,7 @@ def scenario_init_methods(tcp_port: str) -> None:
     assert tw.is_initialized(), "torch must not destroy a tensorwire world it did not create"
     tw.destroy()
     if rank == 0:  # a world of one process
-        dist.init_process_group("tensorwire", init_method=f"tcp://127.0.0.1:{int(tcp_port) + 4}", rank=0,
+        dist.init_process_group("tensorwire", init_method=f"tcp://127.0.0.1:{solo_port}", rank=0,
                                 world_size=1)
         t = torch.ones(2)
         dist.all_reduce(t)

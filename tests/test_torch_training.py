@@ -16,7 +16,9 @@ import threading
 import time
 
 import pytest
-from test_torch_backend import assert_all_ok, free_port, launch
+from test_torch_backend import assert_all_ok, launch
+
+from cluster import free_port
 
 pytest.importorskip("torch")
 
