@@ -224,6 +224,44 @@ def collective_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def exceptions(by_coll: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every point outside a criterion, sorted by kind, one line each: the choice's own runs
+    that disagreed (its forced run within 10% of the best: the measurement's scatter, no
+    choice to blame), the points where the model ranked another algorithm first (with both
+    prices beside both times: how far the model's order was off), and the predictions outside
+    ±30%. algorithms.md explains the causes kind by kind; this list makes them checkable."""
+    noise, choices, preds = [], [], []
+    for coll, results in by_coll.items():
+        for res in results:
+            auto_ok, pred_ok = verdicts(res)
+            key, cells, where = judged(res), res["cells"], f"{coll} {human(res['size'])}"
+            chosen, best = res.get("auto"), res.get("best")
+            if auto_ok is False:
+                over = f"auto {res['auto_over_best']:.2f}x the best"
+                if res.get("chosen_over_best", AUTO_OK + 1) <= AUTO_OK:
+                    noise.append(f"- {where}: {chosen}, {over}, forced {res['chosen_over_best']:.2f}x")
+                elif chosen in cells and best in cells:
+                    c, b = cells[chosen], cells[best]
+                    priced, ran = b["predicted_us"] / c["predicted_us"], b[key] / c[key]
+                    choices.append(
+                        f"- {where}: chose {chosen} (priced {fmt_us(c['predicted_us'])}, ran "
+                        f"{fmt_us(c[key])} forced), {best} ran {fmt_us(b[key])} (priced "
+                        f"{fmt_us(b['predicted_us'])}): priced {priced:.2f}x, ran {ran:.2f}x the choice; "
+                        + over)
+                else:
+                    choices.append(f"- {where}: chose {chosen}, {over}")
+            if pred_ok is False:
+                forced = cells.get(chosen, {}).get("measured_over_predicted")
+                preds.append(f"- {where}: {chosen} measured {cells['auto']['measured_over_predicted']:.2f}x "
+                             "its price" + ("" if forced is None else f", its forced run {forced:.2f}x"))
+    lines = []
+    for title, items in (("the choice's own runs disagreed (its forced run within 10% of the best)", noise),
+                         ("the model ranked another algorithm first", choices),
+                         ("auto's prediction outside ±30% (≥ 64 KiB)", preds)):
+        lines += ["", f"### {title[0].upper() + title[1:]}: {len(items)}", "", *(items or ["- none"])]
+    return lines
+
+
 SUMMARY_COLUMNS = (
     ("auto_ok", "auto within 10% of best"),
     ("picked_best", "auto picked the fastest forced"),
@@ -316,7 +354,10 @@ def write_report(setting: str, params: dict[str, Any], launches: list[dict[str, 
           + "*predicted*: the α-β-γ model with the constants that launch's init measured (below). "
           "✗ marks a point outside the criterion (auto/best > 1.10; measured/predicted outside 0.7–1.3 "
           "from 64 KiB).", "",
-          "## Summary", "", *table, "", "## Launches", "",
+          "## Summary", "", *table, "", "## Exceptions, point by point", "",
+          "Every ✗ of the tables below, by kind; [algorithms.md](algorithms.md) gives the causes.",
+          *exceptions(by_coll), "",
+          "## Launches", "",
           "Every launch calibrates afresh (`TENSORWIRE_CALIBRATE=force`); run from the repository root.", "",
           "```"]
     for launch in launches:

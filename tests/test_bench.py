@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensorwire import bench
+from tensorwire import bench, bench_algo
 from tensorwire.benchmarks import check, compare, report, sweep
 from tensorwire.ops import ReduceOp, Reduction
 
@@ -541,14 +541,20 @@ def test_peaks_script_reads_the_peaks_and_the_closest_gloo_cell(tmp_path) -> Non
     assert lines[-1].startswith("vs Gloo: 2 cells, closest 1.50x (all_gather 1048576 B in-place); 0 "), lines
 
 
+def _algo_sweep():
+    """bench/algo_sweep.py as a module (a script, not part of the package)."""
+    script = Path(__file__).parent.parent / "bench" / "algo_sweep.py"
+    spec = importlib.util.spec_from_file_location("algo_sweep", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_algo_sweep_merges_a_partial_sweep_into_the_tables() -> None:
     """bench/algo_sweep.py --merge: the collectives swept replace theirs in the earlier tables
     (results and launches, in place), the others and the earlier parameters stay, and the
     tables say what was merged in and when."""
-    script = Path(__file__).parent.parent / "bench" / "algo_sweep.py"
-    spec = importlib.util.spec_from_file_location("algo_sweep", script)
-    sweep_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep_script)
+    sweep_script = _algo_sweep()
 
     def launch(coll: str, when: str) -> dict:
         return {"coll": coll, "when": when}
@@ -574,10 +580,7 @@ def test_algo_sweep_judges_by_the_statistic_the_bench_recorded() -> None:
     within 10% of each other, in the statistic the bench judged by (the mean call; older tables
     the median slowest rank); the last column sets the prediction beside the median slowest rank
     from 64 KiB; a size that misses the choice criterion shows its forced run's ratio."""
-    script = Path(__file__).parent.parent / "bench" / "algo_sweep.py"
-    spec = importlib.util.spec_from_file_location("algo_sweep", script)
-    sweep_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep_script)
+    sweep_script = _algo_sweep()
 
     def cell(time_us: float, mean_us: float, predicted_us: float = 100.0) -> dict:
         return {"time_us": time_us, "mean_us": mean_us, "predicted_us": predicted_us,
@@ -596,3 +599,26 @@ def test_algo_sweep_judges_by_the_statistic_the_bench_recorded() -> None:
     table = "\n".join(sweep_script.collective_table([older, newer]))
     assert "1.20 ✗ (forced 1.00)" in table and "1.30 ✗ (forced 1.25)" in table
     assert "| 16 B | tree | 61 µs |" in table  # the newer row shows its mean call
+
+
+def test_algo_sweep_lists_every_exception_by_kind() -> None:
+    """bench/algo_sweep.py's exceptions: each point outside a criterion once, under its kind: the
+    choice's own runs disagreeing (its forced run within 10%), a choice the model got wrong (with
+    both prices and both times), a prediction outside ±30% from 64 KiB (with the forced run's)."""
+    sweep_script = _algo_sweep()
+
+    def cell(mean_us: float, predicted_us: float) -> dict:
+        return {"mean_us": mean_us, "predicted_us": predicted_us}
+
+    def row(size: int, auto: str, cells: dict) -> dict:
+        return bench_algo.judge({"size": size, "auto": auto, "cells": cells}, "mean_us")
+
+    noisy = row(16, "ring", {"auto": cell(130, 100), "ring": cell(100, 100), "tree": cell(105, 100)})
+    wrong = row(1 << 20, "ring", {"auto": cell(200, 150), "ring": cell(200, 150), "tree": cell(100, 300)})
+    fine = row(1 << 20, "tree", {"auto": cell(101, 100), "ring": cell(200, 150), "tree": cell(100, 100)})
+    text = "\n".join(sweep_script.exceptions({"all_reduce": [noisy, wrong, fine]}))
+    assert "of the best): 1\n\n- all_reduce 16 B: ring, auto 1.30x the best, forced 1.00x" in text
+    assert ("first: 1\n\n- all_reduce 1 MiB: chose ring (priced 150 µs, ran 200 µs forced), tree ran 100 µs "
+            "(priced 300 µs): priced 2.00x, ran 0.50x the choice; auto 2.00x the best") in text
+    assert "(≥ 64 KiB): 1\n\n- all_reduce 1 MiB: ring measured 1.33x its price, its forced run 1.33x" in text
+    assert text.count("\n- ") == 3, text
