@@ -269,7 +269,8 @@ from tensorwire.transport.tcp import congestion_of
 tw.init()
 socks = [ch.stream.sock for ch in tw.api.require_runtime().engine.channels.values()]
 print("rank", tw.get_rank(), sorted({congestion_of(s) for s in socks}),
-      sorted({s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in socks}))
+      sorted({s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in socks}),
+      sorted({s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) for s in socks}))
 tw.destroy()
 """
 
@@ -277,21 +278,24 @@ tw.destroy()
 @pytest.mark.timeout(60)
 def test_tcp_settings_are_the_ones_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TENSORWIRE_TCP_CONGESTION runs every connection with that algorithm (reno: built into
-    every Linux and allowed without privileges) and TENSORWIRE_TCP_SNDBUF sizes its send buffer
-    (the kernel reports twice what was asked); a name the kernel refuses fails init naming the
-    setting and what the kernel offers, on every rank, as a send buffer below 4K does."""
+    every Linux and allowed without privileges), TENSORWIRE_TCP_SNDBUF and TENSORWIRE_TCP_RCVBUF
+    size its buffers (the kernel reports twice what was asked); a name the kernel refuses fails
+    init naming the setting and what the kernel offers, on every rank, as a buffer below 4K does."""
     script = tmp_path / "congestion.py"
     script.write_text(CONGESTION_SCRIPT)
     monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "reno")
     monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "64K")
+    monkeypatch.setenv("TENSORWIRE_TCP_RCVBUF", "96K")
     done = _run(["-n", "3", "--tcp", str(script)], tmp_path)
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno'] [131072]" for r in range(3)]
-    monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "100")
-    tiny = _run(["-n", "2", "--tcp", str(script)], tmp_path)
-    assert tiny.returncode != 0
-    assert "TENSORWIRE_TCP_SNDBUF=100: expected 0 (the kernel's autotuning) or at least 4K" in tiny.stderr
-    monkeypatch.delenv("TENSORWIRE_TCP_SNDBUF")
+    assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno'] [131072] [196608]" for r in range(3)]
+    for name in ("SNDBUF", "RCVBUF"):
+        monkeypatch.setenv(f"TENSORWIRE_TCP_{name}", "100")
+        tiny = _run(["-n", "2", "--tcp", str(script)], tmp_path)
+        assert tiny.returncode != 0
+        expected = f"TENSORWIRE_TCP_{name}=100: expected 0 (the kernel's autotuning) or at least 4K"
+        assert expected in tiny.stderr
+        monkeypatch.delenv(f"TENSORWIRE_TCP_{name}")
     monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "no-such-algorithm")
     failed = _run(["-n", "2", "--tcp", str(script)], tmp_path)
     assert failed.returncode != 0

@@ -25,7 +25,7 @@ import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port
 from tensorwire import calibrate, cli, plan, tuner
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
-from tensorwire.config import TCP_SNDBUF, Config
+from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -731,15 +731,21 @@ def rank_reinit(port: int, env: dict[str, str]) -> dict:
 
 
 def test_calibrations_are_cached_per_tcp_setting() -> None:
-    """A TCP link's constants are its congestion control's and send buffer's: a calibration
-    made with the defaults is not reused once TENSORWIRE_TCP_CONGESTION or TENSORWIRE_TCP_SNDBUF
-    names another, nor the other way."""
+    """A TCP link's constants are its congestion control's and buffers': a calibration made
+    with the defaults is not reused once TENSORWIRE_TCP_CONGESTION, TENSORWIRE_TCP_SNDBUF or
+    TENSORWIRE_TCP_RCVBUF names another, nor the other way; one that names the default is the
+    default's."""
     hosts, tiers = [calibrate.host_hash()], ["tcp", "tcp_one_way"]
-    system = calibrate.cache_key(hosts, tiers, 4)
-    assert calibrate.cache_key(hosts, tiers, 4, "", TCP_SNDBUF) == system
-    keys = {system, *(calibrate.cache_key(hosts, tiers, 4, cc) for cc in ("cubic", "reno")),
-            *(calibrate.cache_key(hosts, tiers, 4, "", b) for b in (0, 4 << 20))}
-    assert len(keys) == 5
+
+    def key(**settings) -> str:
+        return calibrate.cache_key(hosts, tiers, 4, replace(Config(), **settings).tcp_changed())
+
+    system = key()
+    assert calibrate.cache_key(hosts, tiers, 4) == system
+    assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF) == system
+    keys = {system, *(key(tcp_congestion=cc) for cc in ("cubic", "reno")),
+            *(key(tcp_sndbuf=b) for b in (0, 4 << 20)), *(key(tcp_rcvbuf=b) for b in (0, 256 << 10))}
+    assert len(keys) == 7
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -51,7 +51,6 @@ from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
 from .buffers import copy as copy_as_library
 from .buffers import huge_zeros
-from .config import TCP_SNDBUF
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
 from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
@@ -73,7 +72,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 20
+PROBE_VERSION = 21
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -199,17 +198,12 @@ def host_hash(hostname: str | None = None) -> int:
     return int.from_bytes(raw[:8], "little") >> 1
 
 
-def cache_key(hosts: list[int], tiers: list[str], world_size: int, tcp_congestion: str = "",
-              tcp_sndbuf: int = TCP_SNDBUF) -> str:
-    """Constants are cached per hosts, tiers and world size, and per TENSORWIRE_TCP_CONGESTION
-    and TENSORWIRE_TCP_SNDBUF where they differ from the defaults (a TCP link's α and β are
-    theirs)."""
+def cache_key(hosts: list[int], tiers: list[str], world_size: int,
+              tcp: Mapping[str, object] | None = None) -> str:
+    """Constants are cached per hosts, tiers and world size, and per TCP setting that differs
+    from the defaults (`tcp`: Config.tcp_changed; a TCP link's α and β are those settings')."""
     fields: dict[str, object] = {"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
-                                 "world_size": world_size}
-    if tcp_congestion:
-        fields["tcp_congestion"] = tcp_congestion
-    if tcp_sndbuf != TCP_SNDBUF:
-        fields["tcp_sndbuf"] = tcp_sndbuf
+                                 "world_size": world_size, **(tcp or {})}
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -716,7 +710,7 @@ def at_init(world: Group) -> LinkTable:
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, tuner.BUSY, tuner.BUSY_RING,
                          tuner.BUSY_PAIRS, tuner.MEMORY])
-    key = cache_key(hosts, links_used, n, cfg.tcp_congestion, cfg.tcp_sndbuf)
+    key = cache_key(hosts, links_used, n, cfg.tcp_changed())
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
     verdict = np.full(_VERDICT_LEN, math.nan)

@@ -86,6 +86,11 @@ def parse_size(text: str) -> int:
 TCP_SNDBUF = 256 << 10
 """Default SO_SNDBUF of a TCP connection: about what a link of this transport's speed holds in
 flight, no more (why: tcp.tune_socket)."""
+TCP_RCVBUF = 4 << 20
+"""Default SO_RCVBUF of a TCP connection: a whole step of a large collective can land while
+its receiver waits for a core (why: tcp.tune_socket)."""
+TCP_DEFAULTS = {"tcp_congestion": "", "tcp_sndbuf": TCP_SNDBUF, "tcp_rcvbuf": TCP_RCVBUF}
+"""The Config fields that shape a TCP connection, and so its measured α and β, with their defaults."""
 
 DIRECT_GROUP_BYTES = 8 << 20
 """Default shared memory of one group's one-shot path (all ranks' slots), before the per-rank bounds."""
@@ -107,6 +112,10 @@ class Config:
     """Send buffer of tensorwire's TCP connections in bytes, as SO_SNDBUF takes it (the kernel
     doubles it); 0 leaves it to the kernel's autotuning (TENSORWIRE_TCP_SNDBUF): see
     tcp.tune_socket."""
+    tcp_rcvbuf: int = TCP_RCVBUF
+    """Receive buffer of tensorwire's TCP connections in bytes, as SO_RCVBUF takes it (the
+    kernel doubles it, and stops autotuning it); 0 leaves it to the kernel's autotuning
+    (TENSORWIRE_TCP_RCVBUF): see tcp.tune_socket."""
     tcp_congestion: str = ""
     """Congestion control of tensorwire's TCP connections, e.g. 'cubic'; '' keeps the system's
     (net.ipv4.tcp_congestion_control) (TENSORWIRE_TCP_CONGESTION): see tcp.tune_socket."""
@@ -154,6 +163,7 @@ class Config:
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
             tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
+            tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
@@ -180,12 +190,17 @@ class Config:
                              f"(wherever the kernel allows)")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
-        if cfg.tcp_sndbuf and cfg.tcp_sndbuf < 4096:
-            raise ValueError(f"TENSORWIRE_TCP_SNDBUF={cfg.tcp_sndbuf}: expected 0 (the kernel's "
-                             f"autotuning) or at least 4K")
+        for name, size in (("SNDBUF", cfg.tcp_sndbuf), ("RCVBUF", cfg.tcp_rcvbuf)):
+            if size and size < 4096:
+                raise ValueError(f"TENSORWIRE_TCP_{name}={size}: expected 0 (the kernel's autotuning) or "
+                                 f"at least 4K")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg
+
+    def tcp_changed(self) -> dict[str, object]:
+        """The TCP settings (TCP_DEFAULTS) that differ from the defaults."""
+        return {f: getattr(self, f) for f, default in TCP_DEFAULTS.items() if getattr(self, f) != default}
 
     def direct_slot(self, group_size: int) -> int:
         """Bytes of one rank's slot on the one-shot shared-memory path in a group of this size:

@@ -107,10 +107,13 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     settings = ""
     if tcp:
         sock = socks[tcp[0]]
+        buffers = "; ".join(
+            f"{what} buffer {sock.getsockopt(socket.SOL_SOCKET, opt) >> 10} KiB"
+            + ("" if asked else ", autotuned")
+            for what, opt, asked in (("send", socket.SO_SNDBUF, cfg.tcp_sndbuf),
+                                     ("receive", socket.SO_RCVBUF, cfg.tcp_rcvbuf)))
         settings = (f" (congestion control {congestion_of(sock)}"
-                    f"{'' if cfg.tcp_congestion else ', the system default'}; send buffer "
-                    f"{sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >> 10} KiB"
-                    f"{'' if cfg.tcp_sndbuf else ', autotuned'})")
+                    f"{'' if cfg.tcp_congestion else ', the system default'}; {buffers})")
     _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp, settings)
     return engine
 
@@ -141,7 +144,7 @@ def install_channels(engine: Engine, socks: dict[int, socket.socket],
                      rings: dict[int, RingPair], cfg: Config) -> None:
     """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
-        tune_socket(socks[r], cfg.tcp_congestion, cfg.tcp_sndbuf)
+        tune_socket(socks[r], cfg)
         stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
         if r in rings:
             pair = rings[r]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import TCP_SNDBUF
+from ..config import Config
 from ..errors import InvalidArgumentError
 from .requests import SendRequest, Sink
 from .wire import HEADER_SIZE, Header
@@ -43,15 +43,23 @@ class PeerClosed(Exception):
     """Raised inside a channel when its socket reached EOF or broke."""
 
 
-def tune_socket(sock: socket.socket, congestion: str = "", sndbuf: int = TCP_SNDBUF) -> None:
-    """No Nagle, a send buffer of `sndbuf` (TENSORWIRE_TCP_SNDBUF; 0: the kernel's autotuning)
-    and `congestion` (TENSORWIRE_TCP_CONGESTION) if given.
+def tune_socket(sock: socket.socket, cfg: Config) -> None:
+    """No Nagle, the send and receive buffers `cfg` asks for (TENSORWIRE_TCP_SNDBUF and
+    TENSORWIRE_TCP_RCVBUF; 0: the kernel's autotuning) and its congestion control
+    (TENSORWIRE_TCP_CONGESTION) if given.
 
-    The receive buffer is left to the kernel's autotuning: asking for one turns that off, and a
-    stock kernel caps the request at net.core.rmem_max (208 KiB), which would bound the window
-    of a long, fast link. Asking for 4 MiB (granted here: rmem_max is 4 MiB on this machine)
-    measured alike, 2 jobs each way (all_gather 1-64 MiB, every algorithm: n=4 over loopback
-    TCP and 4 namespaces at 1 Gbit/s, 2026-11-27).
+    Why the receive buffer is deep (4 MiB): where ranks outnumber cores a receiver often waits
+    for its turn, and what its buffer cannot hold meanwhile stalls the sender; a fixed request
+    also ends the kernel's autotuning, which starts a connection at net.ipv4.tcp_rmem's middle
+    value (128 KiB) and grows it only as the receiver keeps up. Measured one host over TCP (n=4
+    on 2 cores, the ring all_gather, `tensorwire bench all_gather --algo ring -b 1M -e 16M
+    --np 4 --tcp`, six alternations, 2026-11-27): median mean call with autotuning 1.83, 5.3 and
+    18.5 ms at 1, 4 and 16 MiB, with 4 MiB 1.18, 3.6 and 13.5 (the sweeps without it ran the
+    ring all_gather and reduce_scatter of 16 MiB 1.5-2x slower than at fd01b66, with it). On the
+    multi-host test bed, where 4 namespaces each have a core's share, either way alike. A stock
+    kernel caps the request at net.core.rmem_max (208 KiB; 4 MiB here), which bounds the window
+    of a link whose bandwidth × round trip exceeds it: there, 0 (autotuning, up to tcp_rmem's
+    maximum) is the better setting.
 
     Why the send buffer is small: a send completes once its last byte is in the socket, so a
     deep buffer lets a rank start its next step while megabytes of the last one still wait to
@@ -76,19 +84,21 @@ def tune_socket(sock: socket.socket, congestion: str = "", sndbuf: int = TCP_SND
     3.4-7.4 ms)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if congestion:
+        if cfg.tcp_congestion:
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.tcp_congestion.encode())
             except OSError as exc:
                 raise InvalidArgumentError(
-                    f"TENSORWIRE_TCP_CONGESTION={congestion!r}: the kernel refused it ({exc.strerror}); "
+                    f"TENSORWIRE_TCP_CONGESTION={cfg.tcp_congestion!r}: the kernel refused it "
+                    f"({exc.strerror}); "
                     f"available here: {_proc_text('tcp_available_congestion_control')}, allowed without "
                     f"CAP_NET_ADMIN: {_proc_text('tcp_allowed_congestion_control')}") from exc
-    if sndbuf:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        except OSError:
-            pass
+    for opt, size in ((socket.SO_SNDBUF, cfg.tcp_sndbuf), (socket.SO_RCVBUF, cfg.tcp_rcvbuf)):
+        if size:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, size)
+            except OSError:
+                pass
 
 
 class SocketStream:
