@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -89,8 +89,8 @@ flight, no more (why: tcp.tune_socket)."""
 TCP_RCVBUF = 4 << 20
 """Default SO_RCVBUF of a TCP connection: a whole step of a large collective can land while
 its receiver waits for a core (why: tcp.tune_socket)."""
-TCP_DEFAULTS = {"tcp_congestion": "", "tcp_sndbuf": TCP_SNDBUF, "tcp_rcvbuf": TCP_RCVBUF}
-"""The Config fields that shape a TCP connection, and so its measured α and β, with their defaults."""
+TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
+"""The Config fields that shape a TCP connection, and so its measured α and β."""
 
 DIRECT_GROUP_BYTES = 8 << 20
 """Default shared memory of one group's one-shot path (all ranks' slots), before the per-rank bounds."""
@@ -199,8 +199,9 @@ class Config:
         return cfg
 
     def tcp_changed(self) -> dict[str, object]:
-        """The TCP settings (TCP_DEFAULTS) that differ from the defaults."""
-        return {f: getattr(self, f) for f, default in TCP_DEFAULTS.items() if getattr(self, f) != default}
+        """The TCP settings (TCP_SETTINGS) that differ from their fields' defaults."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {name: getattr(self, name) for name in TCP_SETTINGS if getattr(self, name) != defaults[name]}
 
     def direct_slot(self, group_size: int) -> int:
         """Bytes of one rank's slot on the one-shot shared-memory path in a group of this size:

@@ -90,9 +90,8 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
             except OSError as exc:
                 raise InvalidArgumentError(
                     f"TENSORWIRE_TCP_CONGESTION={cfg.tcp_congestion!r}: the kernel refused it "
-                    f"({exc.strerror}); "
-                    f"available here: {_proc_text('tcp_available_congestion_control')}, allowed without "
-                    f"CAP_NET_ADMIN: {_proc_text('tcp_allowed_congestion_control')}") from exc
+                    f"({exc.strerror}); available here: {_proc_text('tcp_available_congestion_control')}, "
+                    f"allowed without CAP_NET_ADMIN: {_proc_text('tcp_allowed_congestion_control')}") from exc
     for opt, size in ((socket.SO_SNDBUF, cfg.tcp_sndbuf), (socket.SO_RCVBUF, cfg.tcp_rcvbuf)):
         if size:
             try:
