@@ -148,8 +148,8 @@ def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
     where = _where(rank, collective)
     if not t.is_cpu:
         raise InvalidArgumentError(
-            f"{where}{name} is on {t.device}; tensorwire moves host memory only: pass t.cpu() and copy "
-            "the result back (or use the NCCL backend for device tensors)"
+            f"{where}{name} is on {t.device} while the call's other buffers are in host memory; one call "
+            "takes buffers of one device"
         )
     if not t.is_contiguous():
         if str(t.layout) != "torch.strided":

@@ -91,6 +91,15 @@ def _run(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    device, rest = _take_option(argv, "--device")
+    if device == "cuda":
+        from tensorwire.benchmarks import cuda
+
+        return cuda.main(rest)
+    if device not in (None, "cpu"):
+        print(f"tensorwire bench: --device {device}: expected cpu or cuda", file=sys.stderr)
+        return 2
+    argv = rest
     try:
         from tensorwire import bench
     except ImportError as exc:
@@ -98,6 +107,16 @@ def _bench(argv: list[str]) -> int:
         return 1
     result = bench.main(argv)
     return int(result or 0)
+
+
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(value of `name` as `name V` or `name=V`, or None; argv without it)."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
 
 
 def _plan(argv: list[str]) -> int:

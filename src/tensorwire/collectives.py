@@ -22,6 +22,7 @@ from .algorithms.base import blocks_of
 from .algorithms.shm_direct import AllReducePlan, BroadcastPlan, ReducePlan, TensorPlan
 from .buffers import address, as_array, byte_view, copy
 from .errors import InvalidArgumentError
+from .gpu import is_device_buffer as _on_device
 from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
 from .transport.wire import Coll, Fingerprint
 from .work import Work
@@ -339,6 +340,8 @@ class Collectives:
                         return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
                     return self._submit_planned(call, _all_reduce, False, async_op, timeout,
                                                 tensor, dst, red, dst)
+        if _on_device(tensor):
+            return self.device.all_reduce(tensor, op, out, async_op, timeout)
         self._check_member(what)
         src = self._arr(tensor, what, writable=out is None)
         dst = src if out is None else self._arr(out, what, writable=True, name="out")
@@ -398,6 +401,8 @@ class Collectives:
                         return self._submit_planned(call, run, True, async_op, timeout, tensor, acc)
                     return self._submit_planned(call, _reduce, direct, async_op, timeout, tensor, acc, red,
                                                 dst, acc if mine else tensor, run)
+        if _on_device(tensor):
+            return self.device.reduce(tensor, dst, op, out, async_op, timeout)
         root = self._root(dst, what, "dst")
         src = self._arr(tensor, what, writable=out is None and self.rank == root)
         target = src
@@ -420,6 +425,8 @@ class Collectives:
                        async_op: bool = False, timeout: float | None = None) -> Any:
         """Rank r gets the reduction of everybody's input_list[r]."""
         what = "reduce_scatter"
+        if _on_device(output):
+            return self.device.reduce_scatter(output, input_list, op, async_op, timeout)
         self._check_member(what)
         out = self._arr(output, what, writable=True, name="output")
         blocks = self._list(input_list, what, "input_list", writable=False, like=out)
@@ -441,6 +448,8 @@ class Collectives:
                 return self._submit_planned(call, _reduce_scatter, direct, async_op, timeout,
                                             blocks_of(input.reshape(-1), counts), output, red, True, output,
                                             run)
+        if _on_device(output):
+            return self.device.reduce_scatter_tensor(output, input, op, async_op, timeout)
         self._check_member(what)
         out = self._arr(output, what, writable=True, name="output")
         inp = self._arr(input, what, writable=False, name="input")
@@ -463,6 +472,8 @@ class Collectives:
                         *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Vector form: rank r gets `counts[r]` reduced elements; `input` holds sum(counts)."""
         what = "reduce_scatterv"
+        if _on_device(output):
+            return self.device.reduce_scatterv(output, input, counts, op, async_op, timeout)
         self._check_member(what)
         counts = self._counts(counts, what)
         out = self._arr(output, what, writable=True, name="output")
@@ -504,6 +515,8 @@ class Collectives:
                         return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
                     return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst,
                                                 root, dst, run)
+        if _on_device(tensor):
+            return self.device.broadcast(tensor, src, out, async_op, timeout)
         root = self._root(src, what, "src")
         data = self._arr(tensor, what, writable=out is None and self.rank != root)
         target = data if out is None else self._arr(out, what, writable=True, name="out")
@@ -521,6 +534,8 @@ class Collectives:
                    timeout: float | None = None) -> Any:
         """tensor_list[r] receives rank r's tensor (list form; no staging copy)."""
         what = "all_gather"
+        if _on_device(tensor):
+            return self.device.all_gather(tensor_list, tensor, async_op, timeout)
         self._check_member(what)
         inp = self._arr(tensor, what, writable=False)
         outs = self._list(tensor_list, what, "tensor_list", writable=True, like=inp)
@@ -540,6 +555,8 @@ class Collectives:
                     return self._submit_planned(call, run, True, async_op, timeout, input, output)
                 return self._submit_planned(call, _all_gather, direct, async_op, timeout, input,
                                             blocks_of(output.reshape(-1), counts), True, output, run)
+        if _on_device(output):
+            return self.device.all_gather_into_tensor(output, input, async_op, timeout)
         self._check_member(what)
         inp = self._arr(input, what, writable=False, name="input")
         out = self._arr(output, what, writable=True, name="output")
@@ -560,6 +577,8 @@ class Collectives:
                     timeout: float | None = None) -> Any:
         """Vector form: rank r contributes counts[r] elements; output holds sum(counts)."""
         what = "all_gatherv"
+        if _on_device(output):
+            return self.device.all_gatherv(output, input, counts, async_op, timeout)
         self._check_member(what)
         counts = self._counts(counts, what)
         inp = self._arr(input, what, writable=False, name="input")
@@ -584,6 +603,8 @@ class Collectives:
                 return self._submit_planned(call, _gather, direct, async_op, timeout, buffers.flat(tensor),
                                             None if self.rank != dst else _flats(gather_list), dst,
                                             gather_list, run)
+        if _on_device(tensor):
+            return self.device.gather(tensor, gather_list, dst, async_op, timeout)
         root = self._root(dst, what, "dst")
         inp = self._arr(tensor, what, writable=False)
         outs = None
@@ -608,6 +629,8 @@ class Collectives:
                 return self._submit_planned(call, _scatter, direct, async_op, timeout,
                                             None if self.rank != src else _flats(scatter_list),
                                             buffers.flat(tensor), src, tensor, run)
+        if _on_device(tensor):
+            return self.device.scatter(tensor, scatter_list, src, async_op, timeout)
         root = self._root(src, what, "src")
         out = self._arr(tensor, what, writable=True)
         ins = None
@@ -624,6 +647,8 @@ class Collectives:
                 async_op: bool = False, timeout: float | None = None) -> Any:
         """Vector gather: rank r sends counts[r] elements; `output` (rank dst) holds sum(counts)."""
         what = "gatherv"
+        if _on_device(input):
+            return self.device.gatherv(output, input, counts, dst, async_op, timeout)
         root = self._root(dst, what, "dst")
         counts = self._counts(counts, what)
         inp = self._arr(input, what, writable=False, name="input")
@@ -649,6 +674,8 @@ class Collectives:
                  async_op: bool = False, timeout: float | None = None) -> Any:
         """Vector scatter: rank r receives counts[r] elements of rank src's `input`."""
         what = "scatterv"
+        if _on_device(output):
+            return self.device.scatterv(output, input, counts, src, async_op, timeout)
         root = self._root(src, what, "src")
         counts = self._counts(counts, what)
         out = self._arr(output, what, writable=True, name="output")
@@ -676,6 +703,8 @@ class Collectives:
                    async_op: bool = False, timeout: float | None = None) -> Any:
         """output_list[r] receives rank r's input_list[this rank]; sizes may differ per pair."""
         what = "all_to_all"
+        if _on_device(output_list[0] if output_list else None):
+            return self.device.all_to_all(output_list, input_list, async_op, timeout)
         self._check_member(what)
         ins = self._list(input_list, what, "input_list", writable=False)
         outs = self._list(output_list, what, "output_list", writable=True)
@@ -701,6 +730,9 @@ class Collectives:
                     return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
                                                 blocks_of(input.reshape(-1), counts),
                                                 blocks_of(output.reshape(-1), counts), True, output, run)
+        if _on_device(output):
+            return self.device.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                   async_op, timeout)
         self._check_member(what)
         inp = self._arr(input, what, writable=False, name="input")
         out = self._arr(output, what, writable=True, name="output")
@@ -766,12 +798,16 @@ class Collectives:
     # -- point-to-point -----------------------------------------------------------------------------
     def isend(self: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
         """Non-blocking send; the returned Work completes once the data left this process's hands."""
+        if _on_device(tensor):
+            return self.device.isend(tensor, dst, tag)
         data = byte_view(as_array(tensor, writable=False, rank=self.runtime.rank, collective="send"))
         route = self._p2p_route(True, dst, tag, data.nbytes)
         return self._p2p_work(self.engine.isend(route.peer, route.header, data, route.label, route.wire))
 
     def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
         """Non-blocking receive into `tensor` (its size must equal the message's)."""
+        if _on_device(tensor):
+            return self.device.irecv(tensor, src, tag)
         data = byte_view(as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv"))
         route = self._p2p_route(False, src, tag, data.nbytes)
         return self._p2p_work(self.engine.irecv(route.peer, route.header, data, None, route.label))
@@ -779,6 +815,8 @@ class Collectives:
     def irecv_any(self: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
         """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
         result() is the sender's group rank. A helper thread waits for the first sender."""
+        if _on_device(tensor):
+            return self.device.irecv_any(tensor, tag, timeout)
         data = as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv")
         work = Work(f"recv from any rank (tag {tag}) on group {self.name}", self.runtime.rank)
 

@@ -151,6 +151,15 @@ class Config:
     """Presume single copy's sources in huge pages until a call sees otherwise (tuner.HUGE_FROM,
     tuner.PageDependent): TENSORWIRE_HUGE_PAGES=1 or 0, or `auto` (see huge_pages_expected).
     Every rank of a job prices alike: calibration takes it only where all ranks expect them."""
+    cuda_ipc: bool = True
+    """Ranks of one host exchange CUDA buffers device to device through CUDA IPC; 0 stages them
+    through pinned host memory as across hosts (TENSORWIRE_CUDA_IPC)."""
+    cuda_slot: int = 1 << 20
+    """Per-rank device slot of the small CUDA path (a call whose share fits takes one flag round);
+    0 sends every CUDA call through the buffers themselves (TENSORWIRE_CUDA_SLOT)."""
+    cuda_chunk: int = 4 << 20
+    """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
+    the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -176,6 +185,9 @@ class Config:
             keep_memory=_env_bool("TENSORWIRE_KEEP_MEMORY", True),
             single_copy=os.environ.get("TENSORWIRE_SINGLE_COPY", "1").strip().lower() or "1",
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
+            cuda_ipc=_env_bool("TENSORWIRE_CUDA_IPC", True),
+            cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
+            cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
@@ -194,6 +206,8 @@ class Config:
             if size and size < 4096:
                 raise ValueError(f"TENSORWIRE_TCP_{name}={size}: expected 0 (the kernel's autotuning) or "
                                  f"at least 4K")
+        if cfg.cuda_chunk < 64 << 10:
+            raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -33,6 +34,7 @@ from .transport.wire import P2P_FINGERPRINT, Coll, Fingerprint, Header, Kind
 from .work import Work
 
 if TYPE_CHECKING:
+    from .gpu.collectives import DeviceCollectives
     from .runtime import Runtime
 
 _log = log.get("COLL")
@@ -147,6 +149,8 @@ class Group(Collectives):
         self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.plans: dict[object, Any] = {}  # checked call signatures -> their bodies (see Collectives)
         self._p2p_routes: dict[tuple[bool, int, int, int], P2PRoute] = {}
+        self.wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # see wrapping
+        self._device: DeviceCollectives | None = None
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
@@ -178,6 +182,8 @@ class Group(Collectives):
         aborted = self.engine.aborted.get(self.ctx)
         if aborted is not None and call.seq >= aborted[0]:
             raise aborted[1]
+        if self.wrap is not None:
+            body = self.wrap(body)
         # Only the calling thread enqueues, and the worker marks itself busy before it pops,
         # so an empty queue and an idle worker seen here mean nothing else can run now.
         if not async_op and not self._queue and not self._busy:
@@ -229,6 +235,26 @@ class Group(Collectives):
             self._busy = False  # _release, inline: a tenth of this method's time
             if self._queue:
                 self._wake()
+
+    @contextmanager
+    def wrapping(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+        """Calls submitted meanwhile run as wrap(body): a staged device call's host collective
+        must start only once its data has reached the host, and queue its copy back as it ends,
+        wherever (whichever thread) the body runs."""
+        self.wrap = wrap
+        try:
+            yield
+        finally:
+            self.wrap = None
+
+    @property
+    def device(self) -> DeviceCollectives:
+        """This group's collectives on CUDA buffers (torch is imported with the first)."""
+        if self._device is None:
+            from .gpu.collectives import DeviceCollectives
+
+            self._device = DeviceCollectives(self)
+        return self._device
 
     def _release(self) -> None:
         """An inline call ended: the worker may take what was queued behind it meanwhile."""
@@ -473,6 +499,8 @@ class _Done(Work):
 
 class _P2PWork(Work):
     """A point-to-point request as a Work: waiting drives the engine instead of a worker."""
+
+    progresses = False
 
     def __init__(self, group: Group, req: Request) -> None:
         super().__init__(req.what, group.runtime.rank)

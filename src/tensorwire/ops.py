@@ -38,6 +38,7 @@ __all__ = [
     "as_reduction",
     "check_dtype",
     "check_op_dtype",
+    "op_undefined",
     "is_supported_dtype",
     "dtype_category",
     "reduce_into",
@@ -372,6 +373,17 @@ def _entry_or_raise(dtype: Any) -> _DType:
     return entry
 
 
+def op_undefined(op: ReduceOp, category: str) -> str:
+    """Why `op` has no meaning for dtypes of `category` ('b', 'i', 'u', 'f', 'c'); '' if it has."""
+    if op in _BITWISE and category not in "biu":
+        return "bitwise ops need integer or bool dtypes"
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and category == "c":
+        return "complex numbers are not ordered"
+    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and category == "b":
+        return "use SUM for any, PRODUCT for all, or cast first"
+    return ""
+
+
 def check_op_dtype(red: Reduction, dtype: Any, *, rank: int, collective: str) -> None:
     """Reject (op, dtype) pairs that have no meaning, before anything is sent."""
     if isinstance(dtype, np.dtype) and dtype.isnative and dtype.num in _TABLE[red.op]:
@@ -379,25 +391,14 @@ def check_op_dtype(red: Reduction, dtype: Any, *, rank: int, collective: str) ->
     dt = check_dtype(dtype, rank=rank, collective=collective)
     entry = _lookup(dt)
     assert entry is not None
-    op = red.op
     where = _where(rank, collective)
-    cat = entry.category
-    if op in _BITWISE and cat not in "biu":
-        raise InvalidArgumentError(
-            f"{where}{op.name} is not defined for {dt.name} (bitwise ops need integer or bool dtypes)"
-        )
-    if op in (ReduceOp.MIN, ReduceOp.MAX) and cat == "c":
-        raise InvalidArgumentError(
-            f"{where}{op.name} is not defined for {dt.name} (complex numbers are not ordered)"
-        )
-    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and cat == "b":
-        raise InvalidArgumentError(
-            f"{where}{op.name} is not defined for bool (use SUM for any, PRODUCT for all, or cast first)"
-        )
+    why = op_undefined(red.op, entry.category)
+    if why:
+        raise InvalidArgumentError(f"{where}{red.op.name} is not defined for {dt.name} ({why})")
     if not entry.arithmetic:
         raise InvalidArgumentError(
-            f"{where}{op.name} is not available for {dt.name}: the installed ml_dtypes has no ufunc loops "
-            "for it (upgrade ml_dtypes, or reduce in a wider dtype)"
+            f"{where}{red.op.name} is not available for {dt.name}: the installed ml_dtypes has no ufunc "
+            "loops for it (upgrade ml_dtypes, or reduce in a wider dtype)"
         )
 
 

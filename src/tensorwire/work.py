@@ -16,6 +16,10 @@ event per Work cost more than a whole small send (point-to-point makes a Work pe
 class Work:
     """Completes once; `wait()` re-raises the operation's exception on the waiting thread."""
 
+    progresses = True
+    """A collective's Work completes by its group's worker; a point-to-point one only while
+    somebody waits on it or polls it (False)."""
+
     def __init__(self, what: str, rank: int) -> None:
         self.what = what
         self.rank = rank

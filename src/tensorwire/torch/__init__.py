@@ -3,7 +3,7 @@
     dist.init_process_group("tensorwire")            # under torchrun or tensorwire run
     dist.new_group(ranks, backend="tensorwire")      # also on top of a Gloo world
 
-Importing this module registers the backend name "tensorwire" for CPU tensors. Every c10d
+Importing this module registers the backend name "tensorwire" for CPU and CUDA tensors. Every c10d
 operation of a tensorwire process group is run by tensorwire itself (see process_group.py);
 errors are tensorwire's (PeerLostError, CollectiveMismatchError, TimeoutError, ...), raised on
 every rank. See docs/torch.md.
@@ -47,7 +47,8 @@ def create_backend(opts: Any, pg_options: Any = None) -> ProcessGroupTensorwire:
 # -- registration --------------------------------------------------------------------------------
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True,
+                                  devices=["cpu", "cuda"])
 
 
 # `tensorwire run` hosts a *tensorwire* store on MASTER_PORT. torch's env:// would try to host

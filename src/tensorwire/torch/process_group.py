@@ -46,7 +46,7 @@ class _Staging:
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer a collective may write (and read: broadcast roots, in-place reductions)."""
-        _check_cpu(t, self.group)
+        _check_tensor(t, self.group)
         if t.is_contiguous():
             return t
         buf = t.contiguous()
@@ -54,7 +54,7 @@ class _Staging:
         return buf
 
     def inp(self, t: torch.Tensor) -> torch.Tensor:
-        _check_cpu(t, self.group)
+        _check_tensor(t, self.group)
         return t if t.is_contiguous() else t.contiguous()
 
     def finish(self) -> Callable[[], None] | None:
@@ -76,12 +76,11 @@ def _invalid(group: Group | None, message: str) -> None:
     group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {message}"))
 
 
-def _check_cpu(t: Any, group: Group | None) -> None:
+def _check_tensor(t: Any, group: Group | None) -> None:
     if not isinstance(t, torch.Tensor):
         _invalid(group, f"tensorwire backend: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        _invalid(group, f"the tensorwire backend moves CPU tensors only, got one on {t.device}; use "
-                        f"init_process_group('cpu:tensorwire,cuda:nccl') to send device tensors through NCCL")
+    if t.device.type not in ("cpu", "cuda"):
+        _invalid(group, f"the tensorwire backend moves CPU and CUDA tensors, got one on {t.device}")
     if t.is_sparse:
         _invalid(group, "the tensorwire backend takes sparse tensors in all_reduce (SUM) only; "
                         "pass t.to_dense() here")
@@ -184,7 +183,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         op, factor = _reduction(opts)
         if factor is None and len(tensors) == 1 and not opts.asyncOp:
             t = tensors[0]
-            if t.is_contiguous() and t.is_cpu:  # the plain dist.all_reduce(t): as direct as it gets
+            if t.is_contiguous() and (t.is_cpu or t.is_cuda):  # a plain dist.all_reduce(t): most direct
                 self._tw.all_reduce(t, op, timeout=self._timeout_of(opts))
                 return CompletedWork(tensors)
         if len(tensors) == 1 and tensors[0].is_sparse:
@@ -202,9 +201,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         """SUM of sparse COO tensors (what DDP sends for sparse gradients, and all Gloo offers):
         every rank's indices and values are gathered, summed locally and coalesced. In place
         (the tensor's nnz changes); synchronous even when asked for async, like its result."""
-        if op is not ReduceOp.SUM or t.layout != torch.sparse_coo:
+        if op is not ReduceOp.SUM or t.layout != torch.sparse_coo or not t.is_cpu:
             raise InvalidArgumentError(f"rank {self._tw.runtime.rank}: all_reduce of a sparse tensor "
-                                       f"supports SUM on COO tensors only (got {op.name}, {t.layout})")
+                                       f"supports SUM on CPU COO tensors only (got {op.name}, {t.layout} on "
+                                       f"{t.device})")
         g = self._tw
         src = t.coalesce()
         if factor is not None:
@@ -229,7 +229,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         op, factor = _reduction(opts)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
-            _check_cpu(t, self._tw)
+            _check_tensor(t, self._tw)
             by_dtype.setdefault(t.dtype, []).append(t)
         calls: list[Call] = []
         unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []

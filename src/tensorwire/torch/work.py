@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +57,7 @@ class TensorwireWork(dist.Work):
         self._raw_future: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
         self._waiter: threading.Thread | None = None
+        self._cuda_done: tuple[torch.cuda.Event, torch.device] | None = None
         if not self._parts:
             self._complete()
         for part in self._parts:
@@ -78,16 +80,23 @@ class TensorwireWork(dist.Work):
             self._complete()
 
     def _complete(self) -> None:
-        if self._exc is None and self._finish_fn is not None:
-            try:
-                self._finish_fn()
-            except BaseException as exc:  # handed to whoever waits
-                self._exc = exc
-        with self._lock:
-            self._done.set()
-            fut = self._raw_future
-        if fut is not None:
-            fut.set_result(self._outputs)
+        # CUDA parts: the copies back and the future's events go on the stream their GPU work
+        # went on, after it, and a caller's wait() waits for all of that (_cuda_done)
+        stream = next((p.stream for p in self._parts if getattr(p, "stream", None) is not None), None)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if self._exc is None and self._finish_fn is not None:
+                try:
+                    self._finish_fn()
+                except BaseException as exc:  # handed to whoever waits
+                    self._exc = exc
+            if stream is not None:
+                self._cuda_done = (torch.cuda.Event(), stream.device)
+                self._cuda_done[0].record(stream)
+            with self._lock:
+                self._done.set()
+                fut = self._raw_future
+            if fut is not None:
+                fut.set_result(self._outputs)
 
     # -- torch's Work interface ---------------------------------------------------------------
     def wait(self, timeout: Any = None) -> bool:
@@ -112,13 +121,14 @@ class TensorwireWork(dist.Work):
                 raise TwTimeoutError(f"{self._what} not complete after {limit:g} s")
         if self._exc is not None:
             raise self._exc
+        self.synchronize()
         return True
 
     def get_future(self) -> torch.futures.Future:
         """A future whose value is the list of output tensors (what DDP's comm hooks expect)."""
         with self._lock:
             if self._future is None:
-                raw: torch.futures.Future = torch.futures.Future()
+                raw: torch.futures.Future = _future(self._outputs)
                 self._raw_future = raw
                 self._future = raw.then(self._check)
                 done = self._done.is_set()
@@ -160,7 +170,10 @@ class TensorwireWork(dist.Work):
         return self._outputs
 
     def synchronize(self) -> None:
-        pass  # CPU only: nothing to order against a stream
+        """Make the current stream wait for CUDA outputs (what NCCL's Work does); else nothing."""
+        if self._done.is_set() and self._cuda_done is not None:
+            event, device = self._cuda_done
+            torch.cuda.current_stream(device).wait_event(event)
 
     def source_rank(self) -> int:
         """The sender of a receive; for a receive from any rank, known once it completed."""
@@ -176,7 +189,22 @@ class TensorwireWork(dist.Work):
 
 def _needs_waiter(part: TwWork) -> bool:
     """Collective parts complete on their group's worker; point-to-point ones need a waiter."""
-    return type(part) is not TwWork
+    return not part.progresses
+
+
+def _future(outputs: Any) -> torch.futures.Future:
+    """A future for `outputs`, CUDA-aware where they are on a GPU: its value then carries
+    events, and whoever waits on it or chains to it waits for them on its current stream."""
+    devices = sorted({t.device.index for t in _tensors(outputs) if t.is_cuda})
+    return torch.futures.Future(devices=[torch.device("cuda", d) for d in devices] or None)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for o in outputs for t in _tensors(o)]
+    return []
 
 
 class CompletedWork(dist.Work):
@@ -191,8 +219,8 @@ class CompletedWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._outputs)
+        fut: torch.futures.Future = _future(self._outputs)
+        fut.set_result(self._outputs)  # CUDA outputs: after their work, queued on the current stream
         return fut
 
     def is_completed(self) -> bool:

@@ -41,7 +41,7 @@ from .requests import (
     deliver,
 )
 from .tcp import PeerClosed
-from .wire import Coll, Fingerprint, Header, Kind, differences
+from .wire import Fingerprint, Header, Kind, coll_label, differences
 
 _log = log.get("TRANSPORT")
 _init_log = log.get("INIT")  # decisions taken once, at init
@@ -276,7 +276,7 @@ class Engine:
         else:
             error = CollectiveMismatchError(
                 f"rank {self.rank}: rank {peer} sent data for call #{header.seq} on group "
-                f"{call.group.name} ({Coll(header.fp.coll).label}) that this rank finished without "
+                f"{call.group.name} ({coll_label(header.fp.coll)}) that this rank finished without "
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
         self.deferred_aborts.append((header.ctx, header.seq, tuple(call.group.ranks), error))

@@ -60,6 +60,20 @@ class Coll(IntEnum):
         return self.name.lower()
 
 
+ON_DEVICE = 0x80
+"""Set in a fingerprint's collective code when the call's buffers are CUDA buffers: their
+calls exchange descriptors, not payload, so a rank that passed host buffers must not match."""
+
+
+def coll_label(code: int) -> str:
+    """'all_reduce', or 'all_reduce of CUDA buffers' for a device call's code."""
+    try:
+        label = Coll(code & ~ON_DEVICE).label
+    except ValueError:
+        return f"collective#{code}"
+    return f"{label} of CUDA buffers" if code & ON_DEVICE else label
+
+
 class Fingerprint(NamedTuple):
     """What every rank of one collective call must agree on; count/root of -1 are not checked."""
 
@@ -80,7 +94,10 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
 def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
     """Human-readable fields that differ between our fingerprint and a peer's."""
     if mine.coll != other.coll:
-        return [f"collective {Coll(mine.coll).label} vs {Coll(other.coll).label}"]
+        if mine.coll ^ other.coll == ON_DEVICE:
+            return [f"{coll_label(mine.coll)} vs {coll_label(other.coll)} (every rank must pass buffers "
+                    "of the same kind: all CUDA or all host)"]
+        return [f"collective {coll_label(mine.coll)} vs {coll_label(other.coll)}"]
     out = []
     if mine.dtype != other.dtype:
         out.append(f"dtype {dtype_name(mine.dtype)} vs {dtype_name(other.dtype)}")
@@ -92,7 +109,7 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         what = "sum(counts)" if mine.coll == Coll.SCATTERV else "count"
         out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
-        out.append(_AUX.get(mine.coll, "PREMUL_SUM factor differs"))
+        out.append(_AUX.get(mine.coll & ~ON_DEVICE, "PREMUL_SUM factor differs"))
     return out
 
 

@@ -1,0 +1,522 @@
+"""CUDA buffers through every collective and point-to-point call, on a real GPU.
+
+Skipped ("no CUDA device") where torch cannot see one. Ranks are real processes sharing the
+machine's GPUs round robin (on a one-GPU machine every rank shares it: the case NCCL
+refuses). Every result is checked against a reference computed on the CPU in float64 (or
+exactly, for integers) from inputs every rank can regenerate. Sizes straddle the small
+path's slot (TENSORWIRE_CUDA_SLOT, 1 MiB) so both device-to-device paths run; uint32 MIN and
+float8 movement exercise the staged fallbacks inside an IPC group; TENSORWIRE_CUDA_IPC=0
+stages everything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from cluster import Cluster, RankFailure
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _has_cuda(), reason="no CUDA device")]
+
+SLOT = 1 << 20
+
+
+# ------------------------------------------------------------------------------------ in the ranks
+
+def _device(rank: int):
+    """This rank's GPU: round robin over the machine's."""
+    import torch
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+_OPS_BY_KIND = {
+    "f": ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"),
+    "c": ("SUM", "AVG", "PRODUCT", "PREMUL_SUM"),
+    "i": ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"),
+    "u": ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"),
+    "b": ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"),
+}
+
+
+def _kind(dtype) -> str:
+    import torch
+
+    if dtype == torch.bool:
+        return "b"
+    if dtype.is_complex:
+        return "c"
+    if dtype.is_floating_point:
+        return "f"
+    return "u" if dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64) else "i"
+
+
+def _input(dtype, count: int, rank: int, salt: int, op: str = "SUM"):
+    """Rank `rank`'s input of a case, on the CPU (every rank can make every rank's)."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 7919 + salt)
+    kind = _kind(dtype)
+    if kind == "b":
+        return torch.rand(count, generator=g) < 0.5
+    if kind in "iu":
+        lo, hi = (1, 3) if op == "PRODUCT" else (0, 30) if kind == "u" else (-20, 20)
+        return torch.randint(lo, hi + 1, (count,), generator=g, dtype=torch.int64).to(dtype)
+    if op == "PRODUCT":
+        base = torch.rand(count, generator=g, dtype=torch.float64) + 0.5
+    else:
+        base = torch.randn(count, generator=g, dtype=torch.float64)
+    if kind == "c":
+        base = torch.complex(base, torch.randn(count, generator=g, dtype=torch.float64))
+    return base.to(dtype)
+
+
+def _factor(dtype) -> float:
+    return 0.5 if dtype.is_floating_point or dtype.is_complex else 2.0
+
+
+def _reference(op: str, parts: list, dtype):
+    """The reduction of `parts` (CPU tensors of `dtype`) computed wide: float64/complex128 or int64."""
+    import torch
+
+    kind = _kind(dtype)
+    wide = [p.to(torch.complex128 if kind == "c" else torch.float64 if kind == "f" else torch.int64)
+            for p in parts]
+    n = len(parts)
+    if kind == "b":
+        stack = torch.stack([p.to(torch.bool) for p in parts])
+        if op in ("SUM", "MAX", "BOR"):
+            return stack.any(0)
+        if op in ("PRODUCT", "MIN", "BAND"):
+            return stack.all(0)
+        return stack.to(torch.int64).sum(0) % 2 == 1  # BXOR
+    acc = wide[0].clone()
+    for w in wide[1:]:
+        if op in ("SUM", "AVG", "PREMUL_SUM"):
+            acc = acc + w
+        elif op == "PRODUCT":
+            acc = acc * w
+        elif op == "MIN":
+            acc = torch.minimum(acc, w)
+        elif op == "MAX":
+            acc = torch.maximum(acc, w)
+        elif op == "BAND":
+            acc = acc & w
+        elif op == "BOR":
+            acc = acc | w
+        elif op == "BXOR":
+            acc = acc ^ w
+    if op == "AVG":
+        acc = acc / n if kind in "fc" else torch.div(acc, n, rounding_mode="floor")
+    if op == "PREMUL_SUM":
+        acc = acc * _factor(dtype) if kind in "fc" else acc * int(_factor(dtype))
+    return acc
+
+
+def _close(out, ref, parts: list, op: str, dtype) -> str:
+    """'' if `out` (CPU) matches `ref` within what `dtype`'s rounding allows, else what differs."""
+    import torch
+
+    kind = _kind(dtype)
+    if kind in "biu":
+        wrapped = ref.to(dtype) if kind != "b" else ref
+        bad = (out != wrapped).nonzero()
+        return "" if not len(bad) else f"{len(bad)} wrong, first at {int(bad[0])}: {out[bad[0]]} vs " \
+            f"{wrapped[bad[0]]}"
+    eps = torch.finfo(dtype).eps if kind == "f" else torch.finfo(torch.float32 if dtype == torch.complex64
+                                                                   else torch.float64).eps
+    wide = torch.complex128 if kind == "c" else torch.float64
+    scale = ref.abs() if op == "PRODUCT" else sum(p.to(wide).abs() for p in parts)
+    if op in ("AVG",):
+        scale = scale / len(parts)
+    if op == "PREMUL_SUM":
+        scale = scale * _factor(dtype)
+    err = (out.to(wide) - ref).abs()
+    tol = 4 * len(parts) * eps * scale + 1e-30
+    bad = (err > tol).nonzero()
+    if torch.isnan(out.to(wide)).any():
+        return "NaN in the result"
+    return "" if not len(bad) else f"{len(bad)} beyond tolerance, first at {int(bad[0])}: {out[bad[0]]} " \
+        f"vs {ref[bad[0]]}"
+
+
+def every_collective(dtype_names: list[str], large: bool) -> list[str]:
+    """Every collective on this rank's device, each result checked; returns what was wrong."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    n, r = world.size, world.rank
+    dev = _device(r)
+    wrong: list[str] = []
+    salt = 0
+
+    def check(label: str, out, ref, parts, op, dtype) -> None:
+        why = _close(out.cpu(), ref, parts, op, dtype)
+        if why:
+            wrong.append(f"rank {r}: {label}: {why}")
+
+    for name in dtype_names:
+        dtype = getattr(torch, name)
+        kind = _kind(dtype)
+        item = torch.empty(0, dtype=dtype).element_size()
+        counts = [37, (SLOT // item) + 129] if large else [37]
+        for count in counts:
+            for op in _OPS_BY_KIND[kind]:
+                salt += 1
+                parts = [_input(dtype, count, q, salt, op) for q in range(n)]
+                ref = _reference(op, parts, dtype)
+                red = tw.premul_sum(_factor(dtype)) if op == "PREMUL_SUM" else getattr(tw.ReduceOp, op)
+                x = parts[r].to(dev)
+                tw.all_reduce(x, red)  # in place
+                check(f"all_reduce {name} {op} x{count}", x, ref, parts, op, dtype)
+                x = parts[r].to(dev)
+                tw.all_reduce(x, red)  # twice: the other slot, the same buffer
+                check(f"all_reduce again {name} {op} x{count}", x, ref, parts, op, dtype)
+                root = 1 % n
+                y = parts[r].to(dev)
+                tw.reduce(y, root, red)
+                if r == root:
+                    check(f"reduce {name} {op} x{count}", y, ref, parts, op, dtype)
+                elif not torch.equal(y.cpu(), parts[r]):
+                    wrong.append(f"rank {r}: reduce {name} {op}: a non-root's input changed")
+                big = [_input(dtype, count * n, q, salt + 1000, op) for q in range(n)]
+                out = torch.empty(count, dtype=dtype, device=dev)
+                tw.reduce_scatter_tensor(out, big[r].to(dev), red)
+                mine = [b[r * count:(r + 1) * count] for b in big]
+                check(f"reduce_scatter_tensor {name} {op} x{count}", out, _reference(op, mine, dtype), mine,
+                      op, dtype)
+            # data movement: bitwise
+            salt += 1
+            parts = [_input(dtype, count, q, salt) for q in range(n)]
+            x = parts[r].to(dev)
+            out = torch.empty(count, dtype=dtype, device=dev)
+            tw.all_reduce(x, tw.ReduceOp.SUM, out=out)
+            check(f"all_reduce out= {name} x{count}", out, _reference("SUM", parts, dtype), parts, "SUM",
+                  dtype)
+            if not torch.equal(x.cpu(), parts[r]):
+                wrong.append(f"rank {r}: all_reduce out= {name}: the input changed")
+            b = parts[r].to(dev)
+            tw.broadcast(b, n - 1)
+            if not torch.equal(b.cpu(), parts[n - 1]):
+                wrong.append(f"rank {r}: broadcast {name} x{count}")
+            gathered = torch.empty(n * count, dtype=dtype, device=dev)
+            tw.all_gather_into_tensor(gathered, parts[r].to(dev))
+            if not torch.equal(gathered.cpu(), torch.cat(parts)):
+                wrong.append(f"rank {r}: all_gather_into_tensor {name} x{count}")
+            inplace = torch.zeros(n * count, dtype=dtype, device=dev)
+            inplace[r * count:(r + 1) * count] = parts[r].to(dev)
+            tw.all_gather_into_tensor(inplace, inplace[r * count:(r + 1) * count])
+            if not torch.equal(inplace.cpu(), torch.cat(parts)):
+                wrong.append(f"rank {r}: all_gather_into_tensor in place {name} x{count}")
+            outs = [torch.empty(count, dtype=dtype, device=dev) for _ in range(n)]
+            tw.all_gather(outs, parts[r].to(dev))
+            if not all(torch.equal(o.cpu(), p) for o, p in zip(outs, parts)):
+                wrong.append(f"rank {r}: all_gather {name} x{count}")
+            big = [_input(dtype, count * n, q, salt + 7) for q in range(n)]
+            got = torch.empty(count * n, dtype=dtype, device=dev)
+            tw.all_to_all_single(got, big[r].to(dev))
+            want = torch.cat([b[r * count:(r + 1) * count] for b in big])
+            if not torch.equal(got.cpu(), want):
+                wrong.append(f"rank {r}: all_to_all_single {name} x{count}")
+    return wrong
+
+
+def rooted_vector_p2p_async() -> list[str]:
+    """gather, scatter, the vector forms, uneven all_to_all, point-to-point, async calls and
+    streams, CuPy arrays (where CuPy is installed): the staged and asynchronous paths."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    n, r = world.size, world.rank
+    dev = _device(r)
+    wrong: list[str] = []
+    parts = [torch.arange(10, dtype=torch.float32) + 100 * q for q in range(n)]
+    mine = parts[r].to(dev)
+    blocks = [torch.empty(10, device=dev) for _ in range(n)] if r == 0 else None
+    tw.gather(mine, blocks, 0)
+    if r == 0 and not all(torch.equal(b.cpu(), p) for b, p in zip(blocks, parts)):
+        wrong.append("gather")
+    got = torch.empty(10, device=dev)
+    tw.scatter(got, [p.to(dev) for p in parts] if r == n - 1 else None, n - 1)
+    if not torch.equal(got.cpu(), parts[r]):
+        wrong.append(f"rank {r}: scatter")
+    counts = [q + 1 for q in range(n)]
+    out = torch.empty(sum(counts), device=dev)
+    tw.all_gatherv(out, torch.full((r + 1,), float(r), device=dev), counts)
+    want = torch.cat([torch.full((q + 1,), float(q)) for q in range(n)])
+    if not torch.equal(out.cpu(), want):
+        wrong.append(f"rank {r}: all_gatherv")
+    sends = [torch.full((q + 1,), float(10 * r + q), device=dev) for q in range(n)]
+    recvs = [torch.empty(r + 1, device=dev) for _ in range(n)]
+    tw.all_to_all(recvs, sends)
+    if not all(torch.equal(recvs[q].cpu(), torch.full((r + 1,), float(10 * q + r))) for q in range(n)):
+        wrong.append(f"rank {r}: all_to_all uneven")
+    if n > 1:
+        data = torch.arange(1000, device=dev, dtype=torch.int64) * (r + 1)
+        into = torch.empty(1000, device=dev, dtype=torch.int64)
+        works = [tw.isend(data, (r + 1) % n, tag=3), tw.irecv(into, (r - 1) % n, tag=3)]
+        for w in works:
+            w.wait()
+        if not torch.equal(into.cpu(), torch.arange(1000) * ((r - 1) % n + 1)):
+            wrong.append(f"rank {r}: isend/irecv")
+    # async on a side stream: the caller's later work waits for the result, nothing else does
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.full((1 << 20,), float(r + 1), device=dev)  # queued, not run yet
+        work = tw.all_reduce(x, async_op=True)
+        work.wait()
+        y = x * 2  # on `side`, after the all_reduce's GPU work
+    side.synchronize()
+    if not torch.all(y == 2 * n * (n + 1) / 2):
+        wrong.append(f"rank {r}: async all_reduce on a side stream: {y[:3].tolist()}")
+    # a blocking call ordered after the kernel that makes its input, with no synchronize
+    x = torch.empty(3 << 20, device=dev).fill_(float(r))
+    x.mul_(2).add_(1)
+    tw.all_reduce(x)
+    if not torch.all(x == sum(2 * q + 1 for q in range(n))):
+        wrong.append(f"rank {r}: blocking all_reduce after its input's kernels")
+    # uint32 MIN (no torch CUDA kernel: staged) and float8 movement
+    u = torch.tensor([7 + r, 3_000_000_000 - r], dtype=torch.uint32, device=dev)
+    tw.all_reduce(u, tw.ReduceOp.MIN)
+    if u.cpu().tolist() != [7, 3_000_000_000 - (n - 1)]:
+        wrong.append(f"rank {r}: uint32 MIN: {u.cpu().tolist()}")
+    if hasattr(torch, "float8_e4m3fn"):
+        f8 = torch.full((64,), float(r), device=dev).to(torch.float8_e4m3fn)
+        tw.broadcast(f8, 0)
+        if not torch.all(f8.float() == 0):
+            wrong.append(f"rank {r}: float8 broadcast")
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        with cupy.cuda.Device(dev.index):
+            c = cupy.full(1000, r + 1, dtype=cupy.float32)
+            tw.all_reduce(c)
+            if not bool((c == n * (n + 1) / 2).all()):
+                wrong.append(f"rank {r}: CuPy all_reduce")
+    return wrong
+
+
+def mismatches(kinds: list[str]) -> list[str]:
+    """Each kind of bad call on a fresh group of the world; what each raised, on this rank."""
+    import numpy as np
+    import torch
+
+    import tensorwire as tw
+
+    r = tw.world().rank
+    dev = _device(r)
+    raised = []
+    for kind in kinds:
+        g = tw.new_group()  # the last kind's error aborted its group, not this one
+        x = torch.ones(1000, device=dev)
+        try:
+            if kind == "collective":
+                g.all_reduce(x) if r == 0 else g.broadcast(x, 0)
+            elif kind == "device":
+                g.all_reduce(x) if r == 0 else g.all_reduce(np.ones(1000, np.float32))
+            elif kind == "mixed":
+                g.all_reduce(x, out=torch.empty(1000)) if r == 0 else g.all_reduce(x)
+            elif kind == "count":
+                g.all_reduce(x if r == 0 else torch.ones(999, device=dev))
+            raised.append("nothing")
+        except Exception as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+    return raised
+
+
+def lose_a_rank() -> float:
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    dev = _device(world.rank)
+    world.barrier()
+    if world.rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        tw.all_reduce(torch.ones(1 << 22, device=dev))
+    except tw.PeerLostError as exc:
+        raise tw.PeerLostError(f"{exc} (after {time.monotonic() - start:.1f} s)") from None
+    return time.monotonic() - start
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+def _none_wrong(per_rank: list[list[str]]) -> None:
+    wrong = [w for ws in per_rank for w in ws]
+    assert not wrong, "\n".join(wrong)
+
+
+def _cluster(n: int, **env: str) -> Cluster:
+    return Cluster(n, {"TENSORWIRE_TIMEOUT": "30", **env})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_op_and_dtype(n: int) -> None:
+    names = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool",
+             "complex64"]
+    cluster = _cluster(n)
+    try:
+        _none_wrong(cluster.run(every_collective, names, False, timeout=240))
+        if n in (2, 3):  # both device-to-device paths: past the slot, reading buffers in place
+            _none_wrong(cluster.run(every_collective, ["float32", "bfloat16", "int64", "uint8"], True,
+                                    timeout=240))
+        _none_wrong(cluster.run(rooted_vector_p2p_async, timeout=120))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env", [{"TENSORWIRE_CUDA_IPC": "0"}, {"TENSORWIRE_TRANSPORT": "tcp"}],
+                         ids=["ipc-off", "tcp"])
+def test_staged(env: dict[str, str]) -> None:
+    cluster = _cluster(3, TENSORWIRE_CUDA_CHUNK="64K", **env)
+    try:
+        for large in (False, True):
+            _none_wrong(cluster.run(every_collective, ["float32", "bfloat16", "int32", "bool"], large,
+                                    timeout=240))
+        _none_wrong(cluster.run(rooted_vector_p2p_async, timeout=120))
+    finally:
+        cluster.close()
+
+
+_BAD_CALLS = {
+    "collective": ("CollectiveMismatchError", "all_reduce of CUDA buffers", "broadcast of CUDA buffers"),
+    "device": ("CollectiveMismatchError", "all_reduce of CUDA buffers", "buffers of the same kind"),
+    "mixed": ("one call takes buffers of one device",),
+    "count": ("CollectiveMismatchError", "count", "1000", "999"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_errors_on_every_rank() -> None:
+    cluster = _cluster(2)
+    try:
+        raised = cluster.run(mismatches, list(_BAD_CALLS), timeout=90)
+    finally:
+        cluster.close()
+    for rank, texts in enumerate(raised):
+        for (kind, expect), text in zip(_BAD_CALLS.items(), texts):
+            assert all(e in text for e in expect), f"rank {rank}, {kind}: {text}"
+
+
+@pytest.mark.timeout(120)
+def test_lost_peer_is_an_error_within_seconds() -> None:
+    cluster = _cluster(2)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            cluster.run(lose_a_rank, timeout=60)
+        assert "PeerLostError" in failure.value.errors.get(0, ""), failure.value.errors
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(240)
+def test_torch_backend_and_ddp_on_cuda() -> None:
+    from test_torch_backend import assert_all_ok, launch
+
+    assert_all_ok(launch("torch_cuda", 2, script=_SELF, timeout=200), "torch_cuda")
+
+
+def scenario_torch_cuda() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    rank = int(os.environ["RANK"])
+    dev = _device(rank)
+    dist.init_process_group("tensorwire")
+    n = dist.get_world_size()
+    x = torch.full((1000,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    assert torch.all(x == n * (n + 1) / 2), x[:4]
+    y = torch.full((3 << 20,), float(rank), device=dev)
+    work = dist.all_reduce(y, async_op=True)
+    value = work.get_future().wait()[0]
+    assert torch.all(value == n * (n - 1) / 2)
+    z = torch.full((5,), float(rank), device=dev)
+    dist.broadcast(z, 1)
+    assert torch.all(z == 1)
+    out = torch.empty(2 * n, device=dev)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(rank), device=dev))
+    assert out.tolist() == [float(q) for q in range(n) for _ in range(2)]
+    rs = torch.empty(3, device=dev)
+    dist.reduce_scatter_tensor(rs, torch.arange(3 * n, dtype=torch.float32, device=dev))
+    assert rs.tolist() == [float(n * (3 * rank + i)) for i in range(3)]
+    a2a = torch.empty(n, device=dev)
+    dist.all_to_all_single(a2a, torch.full((n,), float(rank), device=dev))
+    assert a2a.tolist() == [float(q) for q in range(n)]
+    nc = torch.zeros(4, 3, device=dev).t()  # not contiguous
+    nc += rank + 1
+    dist.all_reduce(nc)
+    assert torch.all(nc == n * (n + 1) / 2)
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.arange(4, device=dev, dtype=torch.float32), 1)
+    elif rank == 1:
+        got = torch.empty(4, device=dev)
+        dist.recv(got, 0)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+    _ddp_matches_gloo(dev)
+    dist.destroy_process_group()
+
+
+def _ddp_matches_gloo(dev) -> None:
+    """DDP with a CUDA model: tensorwire's losses equal Gloo's (Gloo moves CUDA tensors too)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gloo = dist.new_group(backend="gloo")
+    losses = {}
+    for name, group in (("tensorwire", None), ("gloo", gloo)):
+        torch.manual_seed(0)
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+        ddp = DDP(model, device_ids=[dev.index], process_group=group, bucket_cap_mb=0.05)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator(device=dev).manual_seed(1 + dist.get_rank())
+        curve = []
+        for _ in range(8):
+            x = torch.randn(64, 32, device=dev, generator=gen)
+            loss = ddp(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        losses[name] = curve
+    for a, b in zip(losses["tensorwire"], losses["gloo"]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), losses
+
+
+_SELF = __import__("pathlib").Path(__file__).resolve()
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(_SELF.parent))
+    _scenario = sys.argv[1]
+    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
+    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)
