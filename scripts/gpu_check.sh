@@ -5,7 +5,7 @@
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, then TCP-forced (staged); ddp: examples/ddp_train.py on the GPU, tensorwire
 # and Gloo; cpu: the host collectives at 8 and 16 ranks against Gloo and Open MPI.
-# Logs and JSON go to $OUT (or ./gpu-check-out); a short table is printed last.
+# Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -33,11 +33,11 @@ for step in $steps; do
   bench)
     TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT \
     timeout "$BENCH_S" $PY -m tensorwire.benchmarks.cuda all -b 8 -e 64M -f 64 --np 2 --compare gloo,nccl \
-      --json "$OUT/bench-cuda-n2.json" > "$OUT/bench-cuda-n2.txt" 2>&1
+      > "$OUT/bench-cuda-n2.txt" 2>&1
     note "bench n=2 (rc=$?):"; grep -v "\[tensorwire " "$OUT/bench-cuda-n2.txt"
     grep -m2 "on CUDA" "$OUT/bench-cuda-n2.txt"
     TENSORWIRE_TRANSPORT=tcp timeout 120 $PY -m tensorwire.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
-      --np 2 --compare gloo --json "$OUT/bench-cuda-n2-tcp.json" > "$OUT/bench-cuda-n2-tcp.txt" 2>&1
+      --np 2 --compare gloo > "$OUT/bench-cuda-n2-tcp.txt" 2>&1
     note "bench n=2 TCP-forced, staged (rc=$?):"; cat "$OUT/bench-cuda-n2-tcp.txt"
     ;;
   ddp)
@@ -50,7 +50,7 @@ for step in $steps; do
   cpu)
     for n in 8 16; do
       timeout 200 $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
-        --compare gloo,mpi --rounds 2 --json "$OUT/bench-cpu-n$n.json" > "$OUT/bench-cpu-n$n.txt" 2>&1
+        --compare gloo,mpi --rounds 2 > "$OUT/bench-cpu-n$n.txt" 2>&1
       note "cpu bench n=$n (rc=$?): see bench-cpu-n$n.txt"
     done
     ;;

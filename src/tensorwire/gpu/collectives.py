@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import log, tuner
+from ..buffers import as_array
 from ..errors import InvalidArgumentError
 from ..ops import ReduceOp, Reduction, as_reduction, op_undefined
 from ..transport.wire import ON_DEVICE, Coll, Fingerprint
@@ -63,6 +64,11 @@ gathered (FIN)."""
 _INFO = struct.Struct("<48s24sqB")  # GPU uuid, PCI bus id, device index, offers IPC
 _SETUP_BYTES = _INFO.size + ipc.RECORD.size + len(_EVENTS) * driver.HANDLE_BYTES
 _ALIGN = 64  # elements per all_reduce block boundary (whole 256-byte lines for float32)
+HOST_BELOW = 64 << 10
+"""Where ranks share a GPU, a call whose share is smaller goes through host memory: their GPU
+work then never waits for another process's, which on one GPU means a switch between the
+processes' contexts (see docs/design/gpu.md)."""
+_LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 
 
 class _Call:
@@ -112,6 +118,9 @@ class DeviceGroup:
         self.stream: Any = None  # for async calls, made on first use
         self.calls = 0  # small-path calls so far: their parity
         self._views: dict[tuple, list[Any]] = {}
+        self.one_gpu = True  # every rank on the same GPU (set up: from their UUIDs)
+        self.host_below = 0  # calls whose share is smaller go through host memory (see _setup)
+        self.host_plans: dict[tuple, tuple] = {}  # small blocking all_reduces: their pinned buffers
         if group.size > 1:
             self._setup(fp, what, timeout)
 
@@ -164,6 +173,10 @@ class DeviceGroup:
         verdict = np.array([ok], dtype=np.uint8)
         g._submit(fp, what, _agree, False, timeout, verdict)
         self.mode = "ipc" if verdict[0] else "staged"
+        gpus = {info[0] for info in infos}
+        self.one_gpu = len(gpus) == 1
+        self.host_below = cfg.cuda_host_below if cfg.cuda_host_below is not None else \
+            HOST_BELOW if len(gpus) < g.size else 0
         if self.mode == "staged":
             self.own, self.peer, self.slots = {}, {}, []
         self._describe(infos, why)
@@ -330,9 +343,10 @@ class DeviceCollectives:
             g._invalid(what, f"{red.op.name} is not defined for {dtype} ({why})")
         return red
 
-    def _on_device(self, dg: DeviceGroup, red: Reduction | None, dtype: Any) -> bool:
-        """Does this call move device to device (else: staged)? Every rank finds the same."""
-        if dg.mode == "staged":
+    def _on_device(self, dg: DeviceGroup, red: Reduction | None, dtype: Any, nbytes: int) -> bool:
+        """Does this call move device to device (else: staged)? Every rank finds the same: the
+        path, the size (every rank's share) and torch's kernels are alike everywhere."""
+        if dg.mode == "staged" or (nbytes < dg.host_below and dg.mode == "ipc"):
             return False
         return red is None or kernels.runs_on_device(red, dtype, dg.device)
 
@@ -406,12 +420,12 @@ class DeviceCollectives:
             dg.wait_peers(st, "PUB")
             shares = [spec.share if r == g.rank else
                       ipc.peer_tensor(g.ranks[r], table[r], spec.dtype, dg.device) for r in range(g.size)]
-            spec.compute(shares)
-            if spec.out is not None:  # the gather step reads the peers' outputs
+            if spec.out is not None:  # the large all_reduce: every rank's output too
                 rec = ipc.RECORD.size
                 spec.outs = [spec.out if r == g.rank else
                              ipc.peer_tensor(g.ranks[r], table[r, rec:], spec.dtype, dg.device)
                              for r in range(g.size)]
+            spec.compute(shares)
             dg.own["MID"].record(s)
 
     @staticmethod
@@ -431,6 +445,35 @@ class DeviceCollectives:
                 st.end.record(st.stream)
 
     # -- staged through pinned host memory ------------------------------------------------------
+    def _host_all_reduce(self, dg: DeviceGroup, obj: Any, sf: Any, df: Any, red: Reduction,
+                         timeout: float | None, result: Any) -> Any:
+        """A small blocking all_reduce through host memory, with nothing set up per call: a
+        pinned buffer kept for its shape, one copy to the host, the host's planned one-shot
+        all_reduce on it, one copy back, all on the caller's stream."""
+        torch = torch_module()
+        key = (sf.dtype, sf.numel())
+        plan = dg.host_plans.get(key)
+        if plan is None:
+            if len(dg.host_plans) >= 64:
+                dg.host_plans.clear()
+            host = torch.empty(sf.numel(), dtype=sf.dtype, pin_memory=True)
+            try:
+                view = as_array(host, writable=True, rank=self.group.runtime.rank, collective="all_reduce")
+            except InvalidArgumentError:  # a dtype numpy cannot hold here: the host path takes the tensor
+                view = host
+            plan = dg.host_plans[key] = (host, view, torch.cuda.Event(), torch.cuda.Event())
+        host, view, arrived, done = plan
+        stream = caller_stream(obj, dg.device)
+        done.synchronize()  # the last call's copy back out of the buffer (long done, as a rule)
+        with nullcontext() if stream == torch.cuda.current_stream(dg.device) else torch.cuda.stream(stream):
+            host.copy_(sf, non_blocking=True)
+            arrived.record(stream)
+            arrived.synchronize()  # this process's own stream, up to this call's input
+            self.group.all_reduce(view, red, timeout=timeout)
+            df.copy_(host, non_blocking=True)
+            done.record(stream)
+        return result
+
     def _stage(self, dg: DeviceGroup, obj: Any, pieces: list[_Piece], bufs: list[Any], async_op: bool,
                result: Any) -> Any:
         """Run each piece's host call between its copies to the host and back, pipelined: every
@@ -514,10 +557,12 @@ class DeviceCollectives:
         result = tensor if out is None else out
         sf = src.reshape(-1)
         df = sf if dst is src else dst.reshape(-1)  # one object where one memory: staged, one mirror
-        if not self._on_device(dg, red, src.dtype):
+        n, nbytes = sf.numel(), sf.numel() * sf.element_size()
+        if not self._on_device(dg, red, src.dtype, nbytes):
+            if not async_op and dg.mode != "alone" and nbytes <= _LEAN:
+                return self._host_all_reduce(dg, tensor, sf, df, red, timeout, result)
             return self._pieces(dg, tensor, sf, df, True, lambda s, d, a: g.all_reduce(
                 s, red, out=None if d is s else d, async_op=a, timeout=timeout), async_op, result)
-        n, nbytes = sf.numel(), sf.numel() * sf.element_size()
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=n)
         if self._small(dg, nbytes) or dg.mode == "alone":
             def fold_all(shares: list[Any]) -> None:
@@ -525,6 +570,15 @@ class DeviceCollectives:
                 kernels.finalize(df, red, g.size)
 
             spec = _Spec(sf, nbytes, src.dtype, fold_all, result)
+        elif dg.one_gpu:
+            def lead(shares: list[Any]) -> None:
+                if g.rank == 0:  # one process computes for all: no kernel of one waits for another's
+                    kernels.fold(df, shares, red.op)
+                    kernels.finalize(df, red, g.size)
+                    for r in range(1, g.size):
+                        spec.outs[r].copy_(df)
+
+            spec = _Spec(sf, nbytes, src.dtype, lead, result, out=df)
         else:
             bounds = _blocks(n, g.size)
             lo, hi = bounds[g.rank]
@@ -557,7 +611,7 @@ class DeviceCollectives:
         result = out if (out is not None and g.rank == root) else tensor
         sf = src.reshape(-1)
         tf = sf if target is src else target.reshape(-1)
-        if not self._on_device(dg, red, src.dtype):
+        if not self._on_device(dg, red, src.dtype, sf.numel() * sf.element_size()):
             mine = g.rank == root
             return self._pieces(dg, tensor, sf, tf, True, lambda s, d, a: g.reduce(
                 s, root, red, out=d if mine and d is not s else None, async_op=a, timeout=timeout),
@@ -598,7 +652,7 @@ class DeviceCollectives:
         dg = self._device([out, *ins], what, Coll.REDUCE_SCATTER, timeout)
         red = self._reduction(op, out.dtype, what)
         of, m = out.reshape(-1), out.numel()
-        if not self._on_device(dg, red, out.dtype):
+        if not self._on_device(dg, red, out.dtype, m * g.size * out.element_size()):
             return self._whole(dg, result, ins, [out], lambda h, a: g.reduce_scatter(
                 h(out), [h(t) for t in ins], red, async_op=a, timeout=timeout), async_op, result)
         flat = whole.reshape(-1) if whole is not None else _joined(ins)
@@ -636,7 +690,7 @@ class DeviceCollectives:
         df = data.reshape(-1)
         tf = df if target is data else target.reshape(-1)
         mine = g.rank == root
-        if not self._on_device(dg, None, data.dtype):
+        if not self._on_device(dg, None, data.dtype, df.numel() * df.element_size()):
             return self._pieces(dg, tensor, df, tf, mine, lambda s, d, a: g.broadcast(
                 s, root, out=None if d is s else d, async_op=a, timeout=timeout), async_op, result)
 
@@ -674,7 +728,7 @@ class DeviceCollectives:
         g = self.group
         dg = self._device([inp, *outs], what, Coll.ALL_GATHER, timeout)
         flat = inp.reshape(-1)
-        if not self._on_device(dg, None, inp.dtype):
+        if not self._on_device(dg, None, inp.dtype, flat.numel() * flat.element_size()):
             return self._whole(dg, result, [flat], outs, lambda h, a: g.all_gather(
                 [h(o) for o in outs], h(flat), async_op=a, timeout=timeout), async_op, result)
         me = g.rank
@@ -734,7 +788,7 @@ class DeviceCollectives:
         dg = self._device([*outs, *(ins or [whole])], what, Coll.ALL_TO_ALL, timeout)
         flat = whole if whole is not None else _joined(ins)  # type: ignore[arg-type]
         dtype, m = flat.dtype, outs[0].numel()
-        if not self._on_device(dg, None, dtype):
+        if not self._on_device(dg, None, dtype, flat.numel() * flat.element_size()):
             return self._whole(dg, result, [flat], outs, lambda h, a: g.all_to_all(
                 [h(o) for o in outs], list(h(flat).chunk(g.size)) if m else [h(flat)] * g.size,
                 async_op=a, timeout=timeout), async_op, result)

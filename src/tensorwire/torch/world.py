@@ -167,6 +167,7 @@ def _job_hash(job_id: str) -> int:
 
 def _links_runtime(store: Any, timeout: Any) -> Runtime:
     rank, size = dist.get_rank(), dist.get_world_size()
+    log.configure()
     cfg = Config.from_env(timeout=timeout_seconds(timeout))
     info = bootstrap.detect(rank, size, _where(store, size))
     log.set_rank(rank)
