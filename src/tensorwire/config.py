@@ -157,10 +157,10 @@ class Config:
     cuda_slot: int = 1 << 20
     """Per-rank device slot of the small CUDA path (a call whose share fits takes one flag round);
     0 sends every CUDA call through the buffers themselves (TENSORWIRE_CUDA_SLOT)."""
-    cuda_host_below: int | None = None
+    cuda_host_below: int = 0
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
-    one-shot path even on one host; None: 64 KiB where ranks share a GPU, else 0
-    (TENSORWIRE_CUDA_HOST_BELOW)."""
+    one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;
+    slower on the one shared H100 measured: docs/design/gpu.md)."""
     cuda_chunk: int = 4 << 20
     """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
     the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""
@@ -191,7 +191,7 @@ class Config:
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
             cuda_ipc=_env_bool("TENSORWIRE_CUDA_IPC", True),
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
-            cuda_host_below=_env_size("TENSORWIRE_CUDA_HOST_BELOW"),
+            cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}

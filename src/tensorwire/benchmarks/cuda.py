@@ -1,7 +1,8 @@
 """CUDA tensors through torch.distributed: tensorwire against Gloo (and NCCL where it runs),
 side by side in one job, timed as nccl-tests times: the mean call over the timed loop (host
 clock around the loop, the device synchronized before and after), with each call's p50 and
-p99 from CUDA events beside it, every result checked first.
+p99 from CUDA events and the host's own time per call (the loop before the final
+synchronize: what queuing the calls cost) beside it, every result checked first.
 
     tensorwire bench all_reduce -b 8 -e 64M -f 8 --np 2 --device cuda --compare gloo,nccl
     python -m tensorwire.benchmarks.cuda all_reduce --np 2 --compare gloo   # the same, directly
@@ -106,15 +107,17 @@ def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, r
         starts[i].record()
         run()
         ends[i].record()
+    host = (time.perf_counter() - t0) / timed  # the calls queued: what the host spent per call
     torch.cuda.synchronize(dev)
     mean = (time.perf_counter() - t0) / timed
     calls = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
     stats = torch.tensor([mean, calls[len(calls) // 2], calls[min(len(calls) - 1, int(0.99 * len(calls)))],
-                          float(wrong)], dtype=torch.float64)
+                          float(wrong), host], dtype=torch.float64)
     dist.all_reduce(stats, dist.ReduceOp.MAX, group=gloo)  # the slowest rank
-    mean, p50, p99, wrong = stats.tolist()
+    mean, p50, p99, wrong, host = stats.tolist()
     return {"lib": lib.name, "coll": coll, "bytes": recv.numel() * 4 if coll != "reduce_scatter"
-            else send.numel() * 4, "mean_s": mean, "p50_s": p50, "p99_s": p99, "wrong": int(wrong),
+            else send.numel() * 4, "mean_s": mean, "p50_s": p50, "p99_s": p99, "host_s": host,
+            "wrong": int(wrong),
             "busbw_GBps": (recv.numel() * 4 if coll != "reduce_scatter" else send.numel() * 4)
             * _BUSBW[coll](n) / mean / 1e9}
 
@@ -165,10 +168,10 @@ def table(result: dict[str, Any]) -> str:
     libs = list(dict.fromkeys(r["lib"] for r in rows))
     lines = [f"# {result['n']} ranks, {result['device']}, torch {result['torch']}, "
              f"TENSORWIRE_TRANSPORT={result['transport']}; time in us (m: ms), mean over the timed calls "
-             f"(slowest rank), p50/p99 per call"]
+             f"(slowest rank), p50/p99 per call (CUDA events), host: the host's time per call queuing them"]
     head = f"{'collective':>14} {'bytes':>10}"
     for lib in libs:
-        head += f" | {lib + ' mean':>15} {'p50':>9} {'p99':>9} {'busbw':>7} {'#wrong':>6}"
+        head += f" | {lib + ' mean':>15} {'p50':>9} {'p99':>9} {'host':>9} {'busbw':>7} {'#wrong':>6}"
     for lib in libs[1:]:
         head += f" | {'x vs ' + lib:>10}"
     lines.append(head)
@@ -178,7 +181,8 @@ def table(result: dict[str, Any]) -> str:
         for lib in libs:
             r = by.get((coll, nbytes, lib))
             line += " | " + (f"{_fmt_t(r['mean_s']):>15} {_fmt_t(r['p50_s']):>9} {_fmt_t(r['p99_s']):>9} "
-                             f"{r['busbw_GBps']:7.2f} {r['wrong']:>6}" if r else f"{'-':>51}")
+                             f"{_fmt_t(r['host_s']):>9} {r['busbw_GBps']:7.2f} {r['wrong']:>6}" if r
+                             else f"{'-':>61}")
         tw = by.get((coll, nbytes, "tensorwire"))
         for lib in libs[1:]:
             r = by.get((coll, nbytes, lib))

@@ -64,10 +64,6 @@ gathered (FIN)."""
 _INFO = struct.Struct("<48s24sqB")  # GPU uuid, PCI bus id, device index, offers IPC
 _SETUP_BYTES = _INFO.size + ipc.RECORD.size + len(_EVENTS) * driver.HANDLE_BYTES
 _ALIGN = 64  # elements per all_reduce block boundary (whole 256-byte lines for float32)
-HOST_BELOW = 64 << 10
-"""Where ranks share a GPU, a call whose share is smaller goes through host memory: their GPU
-work then never waits for another process's, which on one GPU means a switch between the
-processes' contexts (see docs/design/gpu.md)."""
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 
 
@@ -173,10 +169,8 @@ class DeviceGroup:
         verdict = np.array([ok], dtype=np.uint8)
         g._submit(fp, what, _agree, False, timeout, verdict)
         self.mode = "ipc" if verdict[0] else "staged"
-        gpus = {info[0] for info in infos}
-        self.one_gpu = len(gpus) == 1
-        self.host_below = cfg.cuda_host_below if cfg.cuda_host_below is not None else \
-            HOST_BELOW if len(gpus) < g.size else 0
+        self.one_gpu = len({info[0] for info in infos}) == 1
+        self.host_below = cfg.cuda_host_below
         if self.mode == "staged":
             self.own, self.peer, self.slots = {}, {}, []
         self._describe(infos, why)
