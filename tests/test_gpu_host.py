@@ -1,0 +1,121 @@
+"""The parts of CUDA support that need no GPU, on every machine: the device reductions' semantics
+against the host reference (torch's kernels are the same on CPU tensors), how device buffers
+are recognised, the fingerprint of a device call, and a CUDA buffer where there is no CUDA
+(a clear error on every rank, not a hang). tests/test_gpu.py runs the rest on a real GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorwire as tw
+from tensorwire.gpu import is_device_buffer
+from tensorwire.ops import ReduceOp, Reduction, reference
+from tensorwire.transport.wire import ON_DEVICE, Coll, Fingerprint, differences
+
+torch = pytest.importorskip("torch")
+from tensorwire.gpu import kernels  # noqa: E402 - needs torch
+
+_DTYPES = {"float32": "f", "float64": "f", "float16": "f", "int8": "i", "int32": "i", "int64": "i",
+           "uint8": "u", "uint32": "u", "bool": "b", "complex64": "c"}
+_OPS = {"f": ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"],
+        "c": ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"],
+        "i": ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"],
+        "u": ["SUM", "PRODUCT", "BAND", "BOR", "BXOR"],  # the ops the GPU path folds on signed views
+        "b": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]}
+_CASES = [(d, op) for d, kind in _DTYPES.items() for op in _OPS[kind]]
+
+
+def _inputs(dtype: str, n: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kind = _DTYPES[dtype]
+    if kind == "b":
+        return [rng.random(count) < 0.5 for _ in range(n)]
+    if kind in "iu":
+        return [rng.integers(0 if kind == "u" else -40, 40, count).astype(dtype) for _ in range(n)]
+    values = [rng.standard_normal(count) for _ in range(n)]
+    if kind == "c":
+        values = [v + 1j * rng.standard_normal(count) for v in values]
+    return [v.astype(dtype) for v in values]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(_CASES), n=st.integers(1, 4), count=st.integers(0, 70),
+       seed=st.integers(0, 2**31), in_place=st.integers(-1, 3), factor=st.sampled_from([0.5, 3.0, -2.0]))
+def test_device_folds_match_the_host_reference(case, n, count, seed, in_place, factor) -> None:
+    """kernels.fold + finalize on torch tensors give the host's result: bit for bit where the
+    arithmetic is exact or done in one order (integers, bool, float32/64, complex64), within
+    rounding for float16. `in_place`: the output is that input (folded first)."""
+    dtype, name = case
+    red = Reduction(ReduceOp.PREMUL_SUM, factor) if name == "PREMUL_SUM" else Reduction(ReduceOp[name])
+    if _DTYPES[dtype] in "iu" and name == "PREMUL_SUM" and not float(factor).is_integer():
+        red = Reduction(ReduceOp.PREMUL_SUM, 3.0)
+    arrays = _inputs(dtype, n, count, seed)
+    parts = [torch.from_numpy(a.copy()) for a in arrays]
+    out = parts[in_place] if 0 <= in_place < n else torch.empty_like(parts[0])
+    kernels.fold(out, parts, red.op)
+    kernels.finalize(out, red, n)
+    want = reference(arrays, red)
+    got = out.numpy()
+    reordered = 0 < in_place < n and name in ("SUM", "AVG", "PRODUCT", "PREMUL_SUM")
+    if _DTYPES[dtype] in "fc" and (reordered or dtype == "float16"):
+        # another order of the same additions: within what rounding allows of the inputs' sizes
+        scale = sum(np.abs(a.astype(np.complex128)) for a in arrays) * max(1.0, abs(factor))
+        if name == "PRODUCT":
+            scale = np.prod([np.maximum(np.abs(a.astype(np.complex128)), 1.0) for a in arrays], axis=0)
+        tol = 4 * n * np.finfo(np.float32 if dtype == "complex64" else dtype).eps * scale + 1e-30
+        assert np.all(np.abs(got.astype(np.complex128) - want.astype(np.complex128)) <= tol), (got, want)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_device_buffers_are_recognised_without_importing_anything() -> None:
+    class Interface:  # what CuPy and numba arrays carry
+        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
+
+    class DLPack:
+        def __init__(self, kind: int) -> None:
+            self.kind = kind
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (self.kind, 0)
+
+    assert not is_device_buffer(np.ones(3))
+    assert not is_device_buffer(torch.ones(3))
+    assert not is_device_buffer(bytearray(4))
+    assert is_device_buffer(Interface())
+    assert is_device_buffer(DLPack(2)) and is_device_buffer(DLPack(13))  # kDLCUDA, kDLCUDAManaged
+    assert not is_device_buffer(DLPack(1)) and not is_device_buffer(DLPack(3))  # CPU, pinned host
+
+
+def test_a_device_call_never_matches_a_host_call() -> None:
+    host = Fingerprint(Coll.ALL_REDUCE, 10, 0, -1, 8)
+    device = host._replace(coll=Coll.ALL_REDUCE | ON_DEVICE)
+    (why,) = differences(device, host, str, str)
+    assert why.startswith("all_reduce of CUDA buffers vs all_reduce (every rank must pass buffers of the "
+                          "same kind")
+    (why,) = differences(device, host._replace(coll=Coll.BROADCAST | ON_DEVICE), str, str)
+    assert why == "collective all_reduce of CUDA buffers vs broadcast of CUDA buffers"
+
+
+def device_buffer_without_cuda() -> str:
+    """On a machine without CUDA: a buffer that claims to be on a GPU."""
+    class Interface:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
+
+    try:
+        tw.all_reduce(Interface())
+    except tw.TensorwireError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_cuda_buffer_without_cuda_is_an_error_on_every_rank(get_cluster) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/test_gpu.py covers it")
+    for rank, text in enumerate(get_cluster(2).run(device_buffer_without_cuda)):
+        assert "InvalidArgumentError" in text and "cannot be viewed as a CUDA tensor" in text, (rank, text)
