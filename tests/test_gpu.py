@@ -12,7 +12,6 @@ stages everything.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -516,7 +515,6 @@ def _ddp_matches_gloo(dev) -> None:
 _SELF = __import__("pathlib").Path(__file__).resolve()
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(_SELF.parent))
-    _scenario = sys.argv[1]
-    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
-    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)
+    from test_torch_backend import run_scenario  # the script's folder is on sys.path
+
+    run_scenario(globals())

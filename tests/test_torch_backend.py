@@ -691,7 +691,13 @@ def scenario_four() -> None:
     print(f"rank {r}: {c.count} checks passed")
 
 
+
+def run_scenario(namespace: dict) -> None:
+    """`python tests/<file>.py SCENARIO ARGS...`: run scenario_SCENARIO(*ARGS) and say so."""
+    scenario = sys.argv[1]
+    namespace[f"scenario_{scenario}"](*sys.argv[2:])
+    print(f"rank {os.environ.get('RANK')}: {scenario} OK", flush=True)
+
+
 if __name__ == "__main__":
-    _scenario = sys.argv[1]
-    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
-    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)
+    run_scenario(globals())

@@ -117,7 +117,6 @@ def scenario_init_methods(*ports: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(_SELF.parent))
-    _scenario = sys.argv[1]
-    globals()[f"scenario_{_scenario}"](*sys.argv[2:])
-    print(f"rank {os.environ.get('RANK')}: {_scenario} OK", flush=True)
+    from test_torch_backend import run_scenario  # the script's folder is on sys.path
+
+    run_scenario(globals())
