@@ -10,11 +10,14 @@ The segment is unlinked as soon as both sides mapped it: a crash leaves nothing 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import mmap
 import os
 import secrets
 import struct
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,21 +64,29 @@ megabytes per call, 3-10x the call's time on an oversubscribed host."""
 
 
 class Segment:
-    """A named /dev/shm mapping with a 4 KiB control page (word 16 holds the creator's nonce)."""
+    """A named /dev/shm mapping with a 4 KiB control page (word 16 holds the creator's nonce).
+
+    Its creator reserves every page before anyone maps it (`reserve`): tmpfs hands pages out on
+    first touch, and a write past the space left killed the writer with SIGBUS. The mapping
+    keeps no descriptor (`map_shared`) and lasts as long as any view of it."""
 
     def __init__(self, name: str, nbytes: int, create: bool, nonce: int = 0) -> None:
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         try:
             if create:
                 os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes)
+                reserve(fd, nbytes)
+            self.bytes = map_shared(fd, nbytes)
+        except BaseException:
+            if create:
+                self.unlink()  # nothing left behind in /dev/shm
+            raise
         finally:
             os.close(fd)
-        self.words = memoryview(self.mm).cast("B").cast("Q")
-        self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
+        self.words = memoryview(self.bytes).cast("Q")
         if create:
             self.words[_NONCE] = nonce
 
@@ -100,22 +111,65 @@ class Segment:
             pass
 
     def close(self) -> None:
+        """Drop this object's views; the mapping goes with the last view anywhere."""
         self.words.release()
         self.bytes = None  # type: ignore[assignment]
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Make tmpfs allocate a segment's pages now, or fail with ENOSPC (or ENOMEM where a memory
+    cgroup is full) having allocated none: a page it could not hand out later would be a SIGBUS
+    at its first touch. 0.25-0.3 ms per MiB, of which the first touch then saves about half
+    (docs/design/shm-degradation.md)."""
+    os.posix_fallocate(fd, 0, nbytes)
+
+
+_PROT_RW, _MAP_SHARED = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+
+
+@functools.cache
+def _mmap_calls() -> tuple | None:
+    libc = cma._libc()
+    if libc is None:
+        return None
+    mapper, unmapper = libc["mmap"], libc["munmap"]  # own prototypes, not libc.mmap's
+    mapper.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+    mapper.restype = ctypes.c_void_p
+    unmapper.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    unmapper.restype = ctypes.c_int
+    return mapper, unmapper
+
+
+def map_shared(fd: int, nbytes: int) -> np.ndarray:
+    """`nbytes` of `fd` mapped shared, as bytes, holding no descriptor: Python's mmap keeps a
+    duplicate of the file's (2 per local peer for the rings: 94 descriptors at 48 ranks on a
+    host, more than the sockets). The mapping is undone when the last view of it goes."""
+    calls = _mmap_calls()
+    if calls is None:
+        return np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    mapper, unmapper = calls
+    where = mapper(None, nbytes, _PROT_RW, _MAP_SHARED, fd, 0)
+    if where is None or where == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes} bytes: {os.strerror(err)}")
+    owner = (ctypes.c_uint8 * nbytes).from_address(where)
+    weakref.finalize(owner, unmapper, where, nbytes).atexit = False  # exit unmaps; threads may still poll
+    return np.frombuffer(owner, dtype=np.uint8)
 
 
 class Ring(Segment):
     """A single-writer byte ring; `capacity` is a multiple of 64 so records never straddle the wrap."""
 
     def __init__(self, name: str, capacity: int, create: bool, nonce: int = 0) -> None:
-        super().__init__(name, _CTRL + capacity, create, nonce)
+        super().__init__(name, self.nbytes(capacity), create, nonce)
         self.capacity = capacity
         self.data = self.bytes[_CTRL:]
-        self.raw = memoryview(self.mm)[_CTRL:]  # headers: a memoryview slice costs a fifth of numpy's
+        self.raw = memoryview(self.data)  # headers: a memoryview slice costs a fifth of numpy's
+
+    @staticmethod
+    def nbytes(capacity: int) -> int:
+        return _CTRL + capacity
 
     @classmethod
     def create(cls, prefix: str, capacity: int) -> Ring:
@@ -444,15 +498,19 @@ class GroupSegment(Segment):
     """
 
     def __init__(self, name: str, size: int, slot_bytes: int, create: bool, nonce: int = 0) -> None:
-        ctrl = (size * _LINE + 4095) // 4096 * 4096
-        super().__init__(name, _CTRL + ctrl + _SLOT_SHIFT + size * 2 * slot_bytes, create, nonce)
+        super().__init__(name, self.nbytes(size, slot_bytes), create, nonce)
         self.size = size
         self.slot_bytes = slot_bytes
-        base = _CTRL + ctrl + _SLOT_SHIFT
+        base = self.nbytes(size, 0)
         self.rank_stride = 2 * slot_bytes  # from a rank's slot of one parity to the next rank's
         self.slots = [[self.bytes[base + (r * 2 + p) * slot_bytes: base + (r * 2 + p + 1) * slot_bytes]
                        for p in (0, 1)] for r in range(size)]
         self.lines = [(_CTRL + r * _LINE) // 8 for r in range(size)]  # word index of each control line
+
+    @staticmethod
+    def nbytes(size: int, slot_bytes: int) -> int:
+        """Control page, a control line per rank (whole pages), the slots' shift, two slots per rank."""
+        return _CTRL + (size * _LINE + 4095) // 4096 * 4096 + _SLOT_SHIFT + size * 2 * slot_bytes
 
     @classmethod
     def create(cls, prefix: str, size: int, slot_bytes: int) -> GroupSegment:
