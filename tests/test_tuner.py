@@ -124,6 +124,7 @@ class _Group:
         self.size, self.all_local, self.direct, self.name = size, tier == "shm", None, "fake"
         self.ranks = list(range(size))
         self.runtime = _Runtime(cfg or Config())
+        self.ring_bytes = self.runtime.config.shm_ring_bytes
         self.choices: dict = {}
         self.huge_seen: dict = {}
 

@@ -48,7 +48,9 @@ from .errors import (
     NotInitializedError,
     PeerLostError,
     RendezvousError,
+    ResourceError,
     TensorwireError,
+    TensorwireWarning,
     TimeoutError,
 )
 from .group import Group

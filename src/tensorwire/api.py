@@ -69,7 +69,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
                   info.world_size, info.source, info.init_method, address, cfg.transport)
         try:
-            engine = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id, address, deadline)
+            serving = info.world_size if getattr(root_store, "server", None) is not None else 0
+            engine = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id, address, deadline,
+                                   serving)
         except BaseException:
             if root_store is not None and store is None:
                 if getattr(root_store, "server", None) is not None:

@@ -43,3 +43,13 @@ class RendezvousError(TensorwireError):
 
 class AbortedError(TensorwireError):
     """The group was aborted (by an error detected on another rank, or by `abort()`)."""
+
+
+class ResourceError(TensorwireError):
+    """A limit of the system ran out: file descriptors, ports or memory; the message names the
+    limit, what it is set to and how to raise it."""
+
+
+class TensorwireWarning(UserWarning):
+    """Something works, but worse than it could: tensorwire fell back (a /dev/shm too small for
+    its rings). Shown once; silence with `warnings.filterwarnings("ignore", category=...)`."""

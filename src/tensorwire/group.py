@@ -9,6 +9,8 @@ communicator): a group whose messages may be half-delivered is never reused sile
 
 from __future__ import annotations
 
+import errno
+import functools
 import threading
 import time
 from collections import deque
@@ -18,16 +20,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import log, tuner
+from . import limits, log, tuner
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.registry import Link
 from .algorithms.shm_direct import DirectPath
 from .algorithms.tree import binomial_broadcast
 from .buffers import byte_view
 from .collectives import Collectives
-from .errors import AbortedError, InvalidArgumentError, TimeoutError
+from .errors import AbortedError, InvalidArgumentError, ResourceError, TensorwireWarning, TimeoutError
 from .ops import ReduceOp
-from .transport import cma
+from .transport import cma, shm_budget
 from .transport.requests import Request
 from .transport.shm import GroupSegment
 from .transport.wire import P2P_FINGERPRINT, Coll, Fingerprint, Header, Kind
@@ -40,6 +42,9 @@ if TYPE_CHECKING:
 _log = log.get("COLL")
 P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
 _P2P_ROUTES = 256  # point-to-point routes kept per group (cleared when full)
+_SPACE_ERRNOS = (*shm_budget.SPACE_ERRORS, errno.EMFILE, errno.ENFILE)
+"""Why a ring could not be made that is a shortfall worth a warning; others (a peer that only
+shares a host name, not /dev/shm) are how tensorwire finds out who shares memory at all."""
 
 
 class P2PRoute(NamedTuple):
@@ -154,6 +159,7 @@ class Group(Collectives):
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
+        self.ring_bytes = runtime.config.shm_ring_bytes  # the smallest ring among members (_setup_direct)
         self.direct: DirectPath | None = None
         if self.rank >= 0:
             self._setup_direct()
@@ -228,6 +234,8 @@ class Group(Collectives):
                 a, b = args
                 return body(call, a, b)
             return body(call, *args) if args else body(call)
+        except MemoryError as exc:
+            raise self._out_of_memory(call, exc) from exc
         except Exception as exc:
             self.abort(exc, call.seq)
             raise
@@ -282,9 +290,17 @@ class Group(Collectives):
             if direct is not None and direct.prev_seq != call.seq:
                 direct.stamp(call)  # it ran on the message path
             return result
+        except MemoryError as exc:
+            raise self._out_of_memory(call, exc) from exc
         except Exception as exc:  # whatever broke, the peers must not wait for this rank
             self.abort(exc, call.seq)
             raise
+
+    def _out_of_memory(self, call: CollectiveCall, exc: MemoryError) -> ResourceError:
+        """A call that could not allocate: the error names the limits, and every member gets it."""
+        error = limits.memory_error(exc, f"rank {self.runtime.rank}: {call.what}")
+        self.abort(error, call.seq)
+        return error
 
     def _work_loop(self) -> None:
         while True:
@@ -348,36 +364,77 @@ class Group(Collectives):
         return call
 
     def _setup_direct(self) -> None:
-        """Collectively give a single-host group its shared segment (the one-shot small path)."""
+        """Collectively: agree on the group's links (so every rank prices the same tier) and
+        give a group on one host its shared segment (the one-shot path), as large as /dev/shm
+        allows; warn once of what /dev/shm could not hold (shm_budget)."""
         cfg = self.runtime.config
-        slot = cfg.direct_slot(self.size)
-        if self.size < 2 or slot <= 0 or cfg.transport == "tcp":
+        if self.size < 2 or cfg.transport == "tcp":
             return
-        verdict = np.array([self.all_local], dtype=np.uint8)
-        recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
-        if not verdict[0]:
-            return
-        offer = np.zeros(2, dtype=np.uint64)  # (name token, nonce) of the segment rank 0 made
+        table = np.zeros((self.size, 6), dtype=np.uint64)  # each rank's row, gathered by a MAX
+        table[self.rank] = self._shm_facts()
+        recursive_doubling_all_reduce(self._internal_call("shm setup"), table.reshape(-1), ReduceOp.MAX)
+        self.all_local = bool(table[:, 0].all())
+        used = table[:, 4][table[:, 4] > 0]
+        if len(used):
+            self.ring_bytes = int(used.min())  # what the tuner prices memory traffic with, alike everywhere
+        short = shm_budget.Shortfall(local=int(table[:, 5].max()), ring=cfg.shm_ring_bytes,
+                                     ring_used=int(used.min()) if len(used) else 0,
+                                     rings=int(table[:, 5].sum() - self.size), refused=int(table[:, 2].sum()),
+                                     ring_errno=int(table[:, 3].max()))
+        want = cfg.direct_slot(self.size)
+        if table[:, 1].all() and want > 0:
+            short.slot, short.size = want, self.size
+            short.slot_used, short.slot_errno = self._setup_segment(want)
+        told = self.runtime.shm_told
+        news = {"rings"} if short.rings_short else set()
+        news |= {"segment"} if short.slot_short else set()
+        if news - told and self.rank == 0:
+            log.warn(short.describe(f"rank {self.runtime.rank}: group {self.name}", "rings" not in told),
+                     TensorwireWarning)
+        told |= news
+
+    def _shm_facts(self) -> tuple[int, ...]:
+        """This rank's row of the group's shared-memory facts: (every peer through rings, every
+        peer on this host, rings toward peers on this host it could not make, why (errno),
+        its smallest ring toward them, members on this host)."""
+        engine, me = self.engine, self.runtime.rank
+        peers = [w for w in self.ranks if w != me]
+        rings = [c.out.capacity for w in peers if getattr(c := engine.channels.get(w), "kind", "") == "shm"]
+        refused = [engine.shm_refused[w] for w in peers if engine.shm_refused.get(w) in _SPACE_ERRNOS]
+        host = sum(w in engine.host_peers for w in peers)
+        return (int(len(rings) == len(peers)), int(host == len(peers)), len(refused), max(refused, default=0),
+                min(rings, default=0), host + 1)
+
+    def _setup_segment(self, slot: int) -> tuple[int, int]:
+        """Rank 0 makes the segment, as large as fits up to `slot` a rank, the others map it;
+        the group uses it only if every rank did. (the slot it got, errno why it is smaller)"""
+        offer = np.zeros(4, dtype=np.uint64)  # (name token, nonce, slot, errno) of rank 0's segment
         seg = None
         prefix = f"tw-{self.runtime.info.job_id[:24]}-g{self.ctx}"
         if self.rank == 0:
-            seg = GroupSegment.create(prefix, self.size, slot)
-            offer[:] = (int(seg.name.rsplit("-", 1)[1], 16), seg.nonce)
+            seg, why = shm_budget.shrinking(functools.partial(GroupSegment.create, prefix, self.size),
+                                            shm_budget.plan_slot(shm_budget.usage()[1], self.size, slot),
+                                            shm_budget.SLOT_FLOOR)
+            offer[:] = (int(seg.name.rsplit("-", 1)[1], 16), seg.nonce, seg.slot_bytes, why) if seg \
+                else (0, 0, 0, why)
+        verdict = np.zeros(1, dtype=np.uint8)
         try:
             binomial_broadcast(self._internal_call("shm setup"), offer, 0)
-            if seg is None:
+            if seg is None and offer[0]:
                 try:
-                    seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", self.size, slot, False)
+                    seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", self.size, int(offer[2]), False)
                     if seg.nonce != int(offer[1]):
                         seg.close()
                         seg = None
-                except OSError:
+                except OSError as exc:
+                    _log.info("rank %d: group %s: cannot map its segment (%s)", self.runtime.rank, self.name,
+                              exc)
                     seg = None
             verdict[0] = seg is not None
             if seg is not None:
                 direct = DirectPath(seg, self.rank, self.engine, self.ctx, self.ranks)
-                direct.offer_single_copy(_single_copy_refused(cfg.single_copy))
-                direct.crowded = cfg.single_copy == "1" and self.engine.oversubscribed
+                direct.offer_single_copy(_single_copy_refused(self.runtime.config.single_copy))
+                direct.crowded = self.runtime.config.single_copy == "1" and self.engine.oversubscribed
             recursive_doubling_all_reduce(self._internal_call("shm setup"), verdict, ReduceOp.MIN)
         finally:
             if seg is not None and self.rank == 0:
@@ -388,6 +445,7 @@ class Group(Collectives):
             self._setup_single_copy(direct)
         elif seg is not None:
             seg.close()
+        return int(offer[2]), int(offer[3])
 
     def _setup_single_copy(self, direct: DirectPath) -> None:
         """Collectively: single copy where every rank can read every peer's memory."""

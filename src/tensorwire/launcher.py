@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from tensorwire.errors import RendezvousError
+from tensorwire import limits
+from tensorwire.errors import RendezvousError, ResourceError
 
 DEFAULT_GRACE_S = 5.0
 TERM_TO_KILL_S = 3.0
@@ -359,6 +360,14 @@ class Launcher:
         plan = self.plan
         server = None
         port = plan.master_port
+        clients = plan.nnodes * plan.nproc if plan.node_rank == 0 else 0
+        try:
+            limits.ensure_descriptors(2 * plan.nproc + clients, "tensorwire run",
+                                      f"relaying the output of {plan.nproc} rank(s)"
+                                      + (f" and serving the store to {clients}" if clients else ""))
+        except ResourceError as exc:
+            print(exc, file=sys.stderr)
+            return 1
         if plan.node_rank == 0:
             from tensorwire.rendezvous.store import TCPStoreServer
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+import warnings
 
 SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "ENV", "LAUNCH", "BENCH")
 _LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
@@ -60,3 +62,13 @@ def configure() -> None:
 
 def get(subsys: str) -> logging.Logger:
     return logging.getLogger(f"tensorwire.{subsys}")
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """A warning users see without configuring anything (Python's warnings, pointed at their own
+    code's frame), also logged for those who collect tensorwire's log."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tensorwire"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+    logging.getLogger("tensorwire.INIT").debug("%s", message)

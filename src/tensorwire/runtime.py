@@ -27,6 +27,7 @@ class Runtime:
     world: object = None  # the world Group, set right after construction
     segments: list = field(default_factory=list)  # shared segments of this process's groups
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
+    shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
 
     def close(self) -> None:
         for group in list(self.groups):

@@ -587,7 +587,7 @@ def host_of(group: Group) -> Host | None:
         if not hosts or len({hosts[r] for r in group.ranks}) != 1:
             return None
     huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
-    return Host(table.link(MEMORY), group.size, group.runtime.config.shm_ring_bytes, table.link(CMA),
+    return Host(table.link(MEMORY), group.size, group.ring_bytes, table.link(CMA),
                 table.link(CMA_HUGE), huge, table.extra.get("cores", 0))
 
 

@@ -9,6 +9,8 @@ so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by
 from __future__ import annotations
 
 import builtins
+import errno
+import functools
 import json
 import os
 import socket
@@ -16,11 +18,11 @@ import struct
 import time
 from typing import NamedTuple
 
-from .. import log
+from .. import limits, log
 from ..config import Config
-from ..errors import RendezvousError, TimeoutError
+from ..errors import RendezvousError, ResourceError, TimeoutError
 from ..rendezvous.store import Store
-from . import cma
+from . import cma, shm_budget
 from .engine import Engine
 from .shm import Ring, ShmChannel
 from .tcp import SocketStream, TcpChannel, congestion_of, tune_socket
@@ -70,17 +72,24 @@ def _recv_msg(sock: socket.socket) -> object:
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
-                  address: str, deadline: float) -> Engine:
+                  address: str, deadline: float, serving: int = 0) -> Engine:
+    """The world's engine with a channel to every peer. `serving`: store clients this process
+    also serves (it hosts the store), whose descriptors it needs too."""
     engine = Engine(rank, world_size, cfg.spin_us)
     if world_size == 1:
         return engine
     hostname = socket.gethostname()
     try:
-        listener = socket.create_server((address, 0), backlog=max(world_size, 16))
-    except OSError as exc:
-        raise RendezvousError(f"rank {rank}: cannot listen on {address}: {exc}") from exc
+        limits.ensure_descriptors(world_size + serving, f"rank {rank}: init",
+                                  f"full-mesh wiring of {world_size} ranks"
+                                  + (" and serving the store to them" if serving else ""))
+        listener = _listen(rank, address, world_size)
+    except ResourceError as exc:
+        store.set(f"tw/peer/{rank}", json.dumps({"error": str(exc)}).encode())  # every rank raises it
+        raise
     port = listener.getsockname()[1]
     machine = machine_id()
+    _, shm_free = shm_budget.usage()  # before this rank publishes, so before any ring of the job exists
     store.set(f"tw/peer/{rank}", json.dumps({"addr": address, "port": port, "host": hostname,
                                              "machine": machine}).encode())
     _log.info("rank %d listening on %s:%d (host %s)", rank, address, port, hostname)
@@ -96,13 +105,19 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
                 f"rank {rank}: init: rank {r} never arrived (no address published within "
                 f"{cfg.timeout:g} s); is it running with the same WORLD_SIZE={world_size} and store?"
             ) from exc
+        if "error" in peers[r]:
+            listener.close()
+            raise ResourceError(f"rank {rank}: init: rank {r} cannot join: {peers[r]['error']}")
     socks = _connect_lower(rank, world_size, peers, job_id, deadline)
     socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
     listener.close()
     mates = [rank] + [r for r, info in peers.items() if info.get("machine") == machine]
     engine.adapt_to_machine(len(mates), sorted(mates).index(rank), cfg.bind)
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
-    rings = attach_peers(engine, socks, local, job_id, cfg)
+    alone = len(local) + 1 == world_size  # the world group will want a one-shot segment too
+    capacity = shm_budget.plan_ring(shm_free, len(local) + 1, cfg.shm_ring_bytes,
+                                    world_size if alone else 0, cfg.direct_slot(world_size))
+    rings = attach_peers(engine, socks, local, job_id, cfg, capacity)
     tcp = sorted(set(socks) - set(rings))
     settings = ""
     if tcp:
@@ -118,6 +133,14 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     return engine
 
 
+def _listen(rank: int, address: str, world_size: int) -> socket.socket:
+    try:
+        return socket.create_server((address, 0), backlog=max(world_size, 16))
+    except OSError as exc:
+        raise limits.translate(exc, f"rank {rank}: init: listening on {address}") or \
+            RendezvousError(f"rank {rank}: cannot listen on {address}: {exc}") from exc
+
+
 class RingPair(NamedTuple):
     out: Ring
     inn: Ring
@@ -126,15 +149,19 @@ class RingPair(NamedTuple):
 
 
 def attach_peers(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
-                 cfg: Config) -> dict[int, RingPair]:
+                 cfg: Config, capacity: int | None = None) -> dict[int, RingPair]:
     """Turn connected sockets into channels: shared-memory rings toward the `local` peers that
     agree (both sides run this), TCP for the rest. Safe while the engine runs (an integration
-    connecting pairs on demand); returns the ring pairs set up."""
+    connecting pairs on demand); returns the ring pairs set up. This rank's rings hold
+    `capacity` bytes (None: what fits /dev/shm now, shm_budget.plan_ring; 0: none fit)."""
     refused = "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else cma.allow_peers()
     if refused and local:
         _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
                   "messages go through the rings", engine.rank, refused)
-    rings = _setup_rings(engine.rank, socks, local, job_id, cfg.shm_ring_bytes, not refused)
+    if capacity is None:
+        capacity = shm_budget.plan_ring(shm_budget.usage()[1], len(local) + 1, cfg.shm_ring_bytes)
+    engine.host_peers |= local
+    rings = _setup_rings(engine, socks, local, job_id, capacity, not refused)
     with engine.lock:
         install_channels(engine, socks, rings, cfg)
     return rings
@@ -170,6 +197,9 @@ def dial(addr: tuple[str, int], deadline: float, who: str, peer: int) -> socket.
         try:
             return socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
         except OSError as exc:
+            exhausted = limits.translate(exc, f"{who}: connecting to rank {peer}")
+            if exhausted is not None:
+                raise exhausted from exc  # waiting frees no descriptor
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{who}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
                                    f"{exc}") from exc
@@ -188,6 +218,8 @@ def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: 
         except builtins.TimeoutError as exc:  # socket timeouts; ours is a subclass too
             missing = ", ".join(map(str, sorted(want - set(socks))))
             raise TimeoutError(f"rank {rank}: init: rank(s) {missing} never connected") from exc
+        except OSError as exc:
+            raise limits.translate(exc, f"rank {rank}: init: accepting connections") or exc from exc
         conn.settimeout(max(0.1, deadline - time.monotonic()))
         try:
             magic, peer, size, peer_job = _HELLO.unpack(recv_exact(conn, _HELLO.size))
@@ -206,20 +238,29 @@ def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: 
     return socks
 
 
-def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], job_id: str,
+def _setup_rings(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
                  capacity: int, readable: bool) -> dict[int, RingPair]:
     """Exchange ring names with local peers; keep a pair only if both sides mapped it. Each
     side also tries to read the other's memory (the nonce of its ring, in its own process),
-    where the other offers it (`readable`): large point-to-point messages are read so."""
+    where the other offers it (`readable`): large point-to-point messages are read so. A ring
+    is its writer's: it reserves the pages (shm.reserve) and chooses its capacity, so a pair
+    with too little /dev/shm for either ring talks over TCP (engine.shm_refused says why)."""
+    rank = engine.rank
     mine: dict[int, Ring] = {}
     for r in sorted(local):
-        try:
-            mine[r] = Ring.create(f"tw-{job_id[:24]}-{rank}-{r}", capacity)
-        except OSError as exc:
-            _log.warning("rank %d: no shared memory toward rank %d (%s); using TCP", rank, r, exc)
+        ring, why = None, errno.ENOSPC  # capacity 0: no ring fits (shm_budget.plan_ring)
+        if capacity:
+            ring, why = shm_budget.shrinking(functools.partial(Ring.create, f"tw-{job_id[:24]}-{rank}-{r}"),
+                                             capacity, shm_budget.RING_FLOOR)
+        if ring is None:
+            engine.shm_refused[r] = why
+            _log.info("rank %d: no shared memory toward rank %d (%s); using TCP", rank, r, os.strerror(why))
+        else:
+            mine[r] = ring
     for r in sorted(socks):
         ring = mine.get(r)
-        offer = {"ring": ring.name, "nonce": ring.nonce} if ring else {"ring": "", "nonce": 0}
+        offer = {"ring": ring.name, "nonce": ring.nonce, "capacity": ring.capacity} if ring \
+            else {"ring": "", "nonce": 0}
         if ring and readable:
             offer.update(pid=os.getpid(), probe=ring.nonce_address)
         _send_msg(socks[r], offer)
@@ -229,19 +270,21 @@ def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], jo
         offer = _recv_msg(socks[r])
         if r in mine and offer["ring"]:
             try:
-                ring = Ring(offer["ring"], capacity, create=False)
+                ring = Ring(offer["ring"], offer["capacity"], create=False)
                 if ring.nonce == offer["nonce"]:
                     theirs[r] = ring
                 else:
                     ring.close()
-            except OSError:
-                pass
+            except OSError as exc:
+                engine.shm_refused[r] = exc.errno or 0
             if r in theirs and offer.get("pid"):
                 why = cma.can_read(offer["pid"], offer["probe"], offer["nonce"])
                 if why:
                     _log.info("rank %d cannot read rank %d's memory (%s)", rank, r, why)
                 else:
                     pids[r] = offer["pid"]
+        elif r in local and r in mine:
+            engine.shm_refused.setdefault(r, 0)  # the peer made no ring (engine.shm_refused there)
     for r in sorted(socks):
         _send_msg(socks[r], {"ok": r in theirs, "reads": r in pids})
     rings = {}
@@ -253,6 +296,8 @@ def _setup_rings(rank: int, socks: dict[int, socket.socket], local: set[int], jo
         if ok and r in theirs:
             rings[r] = RingPair(mine[r], theirs[r], pids.get(r, 0), answer["reads"])
         else:
+            if r in local:
+                engine.shm_refused.setdefault(r, 0)
             if r in mine:
                 mine[r].close()
             if r in theirs:

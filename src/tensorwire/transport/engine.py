@@ -26,6 +26,7 @@ from ..errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     PeerLostError,
+    ResourceError,
     TensorwireError,
     TimeoutError,
 )
@@ -46,7 +47,8 @@ from .wire import Fingerprint, Header, Kind, coll_label, differences
 _log = log.get("TRANSPORT")
 _init_log = log.get("INIT")  # decisions taken once, at init
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
-                                                AbortedError, InvalidArgumentError, TensorwireError)}
+                                                AbortedError, InvalidArgumentError, ResourceError,
+                                                TensorwireError)}
 
 
 def _dtype_label(code: int) -> str:
@@ -96,6 +98,8 @@ class Engine:
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
         self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
+        self.host_peers: set[int] = set()  # peers on this host (sharing /dev/shm), rings or not
+        self.shm_refused: dict[int, int] = {}  # host peers without rings: the errno why (0: the peer's)
         self.cores = len(os.sched_getaffinity(0))  # usable cores, counted before any binding
         self._unbound: set[int] | None = None  # the cores to give back at close, where bound
         self._sockets: list = []

@@ -1,0 +1,180 @@
+"""How much of /dev/shm tensorwire takes, and what it says when it gets less than it wanted.
+
+tmpfs hands pages out on first touch: a segment larger than the space left maps fine and its
+first write past that space is a SIGBUS (a 4-rank job on a 16 MiB /dev/shm lost two ranks so).
+Every segment is reserved whole when it is made (`shm.reserve`), and sized to fit first: of the
+free space it finds, tensorwire takes at most half (the rest is the application's: PyTorch's
+DataLoader passes its batches through /dev/shm too), halving rings and one-shot slots down to
+their floors before anything fails. What still does not fit falls back: a pair without rings
+talks over TCP, a group without a segment takes the message path. docs/design/shm-degradation.md
+has the reasoning and the measurements.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .shm import SHM_DIR, GroupSegment, Ring
+
+RING_FLOOR = 256 << 10
+"""The smallest ring worth having: a large message through a smaller one waits for its reader
+once per ring's worth, and where ranks share cores each wait is a turn of the scheduler (n=2,
+sendrecv of 4 MiB on the shared 2-core machine, medians: rings of 64 KiB 8.1 ms, 256 KiB 3.3,
+1 MiB 2.5, 4 MiB 1.9, TCP 4.3). Below it a host's pairs talk over TCP instead."""
+SLOT_FLOOR = 64 << 10
+"""The smallest one-shot slot (the default for groups of more than 64 ranks): the tuner prices
+a call streamed through small slots as it costs, so it is never worse than the message path."""
+SHARE = 2
+"""Of the free space it finds, tensorwire plans to take at most 1/SHARE."""
+T = TypeVar("T")
+SPACE_ERRORS = (errno.ENOSPC, errno.ENOMEM)
+"""Errors of a segment that did not fit (tmpfs full, memory cgroup full): worth a smaller try."""
+
+
+def usage(path: str = SHM_DIR) -> tuple[int, int]:
+    """(size, free bytes) of the file system under `path`; (0, 0) where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _inodes_left(path: str = SHM_DIR) -> int:
+    try:
+        return os.statvfs(path).f_favail
+    except OSError:
+        return -1
+
+
+def halve(nbytes: int, floor: int) -> int:
+    return max(floor, nbytes // 2 // 4096 * 4096)
+
+
+def rings_bytes(local: int, capacity: int) -> int:
+    """Every ring between `local` ranks of a host: one per direction per pair."""
+    return local * (local - 1) * Ring.nbytes(capacity)
+
+
+def plan_ring(free: int, local: int, capacity: int, world: int = 0, slot: int = 0) -> int:
+    """The ring capacity for `local` ranks on a host with `free` bytes: the configured one
+    where the rings (and, for a job on this host alone, its `world` group's segment of `slot`
+    per rank) take at most 1/SHARE of `free`; else smaller, ring or slot halved in turn (the
+    larger first) down to their floors; 0 (no rings: TCP) where even the floors do not fit.
+    Every rank of the host reads `free` before any ring of the job exists, so they plan alike."""
+    budget = free // SHARE
+    while True:
+        on_rings = rings_bytes(local, capacity)
+        on_segment = GroupSegment.nbytes(world, slot) if world and slot else 0
+        if on_rings + on_segment <= budget:
+            return capacity
+        if capacity > RING_FLOOR and (on_rings >= on_segment or slot <= SLOT_FLOOR):
+            capacity = halve(capacity, RING_FLOOR)
+        elif slot > SLOT_FLOOR:
+            slot = halve(slot, SLOT_FLOOR)
+        else:
+            return 0  # the rest of /dev/shm is the one-shot segment's and the application's
+
+
+def plan_slot(free: int, size: int, slot: int) -> int:
+    """The one-shot slot of a group of `size` whose segment takes at most 1/SHARE of `free`."""
+    while slot > SLOT_FLOOR and GroupSegment.nbytes(size, slot) > free // SHARE:
+        slot = halve(slot, SLOT_FLOOR)
+    return slot
+
+
+def shrinking(make: Callable[[int], T], nbytes: int, floor: int) -> tuple[T | None, int]:
+    """make(nbytes), halved while tmpfs says there is no room (another job may have taken space
+    since it was planned), down to `floor`; (None, errno) where even that failed, else (what
+    make returned, the errno that shrank it or 0)."""
+    why = 0
+    while True:
+        try:
+            return make(nbytes), why
+        except OSError as exc:
+            why = exc.errno or 0
+            if why not in SPACE_ERRORS or nbytes <= floor:
+                return None, why
+            nbytes = halve(nbytes, floor)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def _setting(nbytes: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20)):
+        if nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes >> 10}K"
+
+
+@dataclass
+class Shortfall:
+    """What a group got of what it asked for in /dev/shm (agreed by its members)."""
+
+    local: int  # the most ranks of the group on one host
+    ring: int  # configured ring capacity
+    ring_used: int  # the smallest ring any member writes (0: none)
+    rings: int  # rings the group's members on one host wanted (one per direction per pair)
+    refused: int  # of those, rings that could not be made: their pairs talk over TCP
+    ring_errno: int  # why (the largest errno any member saw)
+    slot: int = 0  # configured one-shot slot (0: none asked for)
+    slot_used: int = 0  # the slot it got (0: none)
+    slot_errno: int = 0
+    size: int = 0  # ranks of the group, for the one-shot segment
+
+    @property
+    def rings_short(self) -> bool:
+        return bool(self.refused) or 0 < self.ring_used < self.ring
+
+    @property
+    def slot_short(self) -> bool:
+        return self.slot > 0 and self.slot_used < self.slot
+
+    def wanted(self) -> int:
+        return rings_bytes(self.local, self.ring) + (GroupSegment.nbytes(self.size, self.slot)
+                                                     if self.slot else 0)
+
+    def describe(self, where: str, rings: bool = True) -> str:
+        """One warning: what /dev/shm holds, what was wanted, what tensorwire does instead,
+        and the fix. Without `rings`, only the segment (the rings were told already)."""
+        total, free = usage()
+        got = []
+        if rings and 0 < self.ring_used < self.ring:
+            got.append(f"rings of {_size(self.ring_used)} instead of {_size(self.ring)} (large "
+                       f"messages between ranks of a host move in smaller pieces)")
+        if rings and self.refused:
+            got.append(f"TCP for the pairs of ranks whose rings did not fit ({self.refused} of {self.rings} "
+                       f"rings: {os.strerror(self.ring_errno) if self.ring_errno else 'no ring'})")
+        if self.slot_short and self.slot_used:
+            got.append(f"one-shot slots of {_size(self.slot_used)} instead of {_size(self.slot)} "
+                       f"(collectives past that size stream through them)")
+        elif self.slot_short:
+            got.append("no one-shot segment: its collectives take the message path"
+                       + (f" ({os.strerror(self.slot_errno)})" if self.slot_errno else ""))
+        wanted = self.wanted()
+        suggest = 64 << 20
+        while suggest < SHARE * wanted:
+            suggest *= 2
+        settings = []
+        if rings and self.ring_used and self.ring_used < self.ring:
+            settings.append(f"TENSORWIRE_SHM_RING={_setting(self.ring_used)}")
+        if self.slot_used and self.slot_short:
+            settings.append(f"TENSORWIRE_SHM_DIRECT={_setting(self.slot_used)}")
+        fell_back = (rings and self.refused) or (self.slot_short and not self.slot_used)
+        inodes = " and no inodes left (its nr_inodes)" if _inodes_left() == 0 else ""
+        return (f"{where}: /dev/shm holds {_size(total)} ({_size(free)} free now{inodes}); tensorwire "
+                f"wanted about {_size(wanted)} for {self.local} rank(s) on a host and takes at most half "
+                f"of what is free, so it uses {'; '.join(got)}. Results are unchanged, large messages are "
+                f"slower. Fix: let /dev/shm have {_size(suggest)} free (docker run "
+                f"--shm-size={_setting(suggest).lower()}, or Kubernetes an emptyDir of medium Memory on "
+                f"/dev/shm)" + (f", or set {' '.join(settings)} to ask for what fits (no warning)"
+                                if settings and not fell_back else "") + " (docs/limits.md)")

@@ -1,0 +1,372 @@
+"""Exhausted limits: a small or full /dev/shm degrades (never a SIGBUS), and running out of
+descriptors or memory is a clear error on every rank (never a hang).
+
+The /dev/shm cases run real jobs (`tensorwire run`) in a private mount namespace with a small
+tmpfs of their own on /dev/shm (root, or a user namespace that allows mounts; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tensorwire import limits
+from tensorwire.errors import ResourceError
+from tensorwire.transport import shm_budget
+from tensorwire.transport.shm import GroupSegment, Ring
+
+MiB = 1 << 20
+
+JOB = """\
+import json, os, subprocess, sys
+import numpy as np
+import tensorwire as tw
+
+world = tw.init()
+rank, n = world.rank, world.size
+rng = np.random.default_rng(rank)
+
+
+def check(group, sizes=(1, 1000, 70_000, 600_000, 1 << 20)):
+    me, size = group.rank, group.size
+    for count in sizes:  # past the rings, the slots and the pipeline's pieces
+        data = [np.random.default_rng(100 * r + count).standard_normal(count).astype(np.float32)
+                for r in range(size)]
+        x = data[me].copy()
+        group.all_reduce(x)
+        np.testing.assert_allclose(x, np.sum(data, axis=0), rtol=1e-5, atol=1e-4)
+        out = np.empty(count * size, dtype=np.float32)
+        group.all_gather_into_tensor(out, data[me])
+        np.testing.assert_array_equal(out, np.concatenate(data))
+        y = data[0].copy() if me == 0 else np.empty(count, dtype=np.float32)
+        group.broadcast(y, 0)
+        np.testing.assert_array_equal(y, data[0])
+        ins = np.arange(count * size, dtype=np.float32) + 1e6 * me
+        outs = np.empty_like(ins)
+        group.all_to_all_single(outs, ins)
+        want = np.concatenate([np.arange(count * me, count * (me + 1), dtype=np.float32) + 1e6 * r
+                               for r in range(size)])
+        np.testing.assert_array_equal(outs, want)
+    for count in (10, 300_000):  # point to point, small and past the rings
+        got = np.empty(count, dtype=np.float64)
+        sent = group.isend(np.full(count, float(me)), (me + 1) % size)
+        group.recv(got, (me - 1) % size)
+        sent.wait()
+        assert (got == (me - 1) % size).all()
+    group.barrier()
+
+
+def facts(group):
+    kinds = {r: getattr(c, "kind", "") for r, c in group.engine.channels.items()}
+    rings = sorted({group.engine.channels[r].out.capacity for r, kind in kinds.items() if kind == "shm"})
+    return {"rings": rings, "tcp": sorted(r for r, kind in kinds.items() if kind != "shm"),
+            "slot": group.direct.slot_bytes if group.direct is not None else 0, "all_local": group.all_local}
+
+
+report = {"rank": rank, "world": facts(world)}
+check(world)
+if os.environ.get("FILL_AFTER_INIT"):
+    world.barrier()
+    if rank == 0:  # another program takes what is left of /dev/shm
+        st = os.statvfs("/dev/shm")
+        subprocess.run(["fallocate", "-l", str(st.f_bavail * st.f_frsize), "/dev/shm/eater"], check=True)
+        from tensorwire.transport.shm import Ring
+        try:
+            Ring.create("tw-test-full", 1 << 20)
+            report["reserve"] = "made a ring in a full /dev/shm"
+        except OSError as exc:
+            report["reserve"] = exc.errno
+        report["left"] = sorted(os.listdir("/dev/shm"))
+    world.barrier()
+    sub = world.new_group([0, 1, 2])
+    if sub.is_member:
+        report["new_group"] = facts(sub)
+        check(sub)
+    part = world.split(rank % 2)
+    report["split"] = facts(part)
+    check(part)
+    world.barrier()
+print("REPORT " + json.dumps(report), flush=True)
+tw.destroy()
+"""
+
+
+def _namespaces_work() -> str:
+    """'' where this process may mount a tmpfs in a private mount namespace, else why not."""
+    try:
+        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                               capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare unavailable: {exc}"
+    return "" if probe.returncode == 0 else \
+        f"cannot mount a tmpfs in a mount namespace: {probe.stderr.strip()}"
+
+
+_WHY_NOT = _namespaces_work() if sys.platform == "linux" else "Linux only"
+needs_namespace = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
+
+
+def _job_on_small_shm(tmp_path: Path, size: str, np_: int = 4, fill: int = 0,
+                      env: dict[str, str] | None = None, timeout: float = 150):
+    """Run JOB with `np_` ranks on a private /dev/shm mounted with options `size`, `fill` bytes
+    of it taken first: (exit code, per-rank reports, stderr, files left in /dev/shm after)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    prefill = f"fallocate -l {fill} /dev/shm/eater && " if fill else ""
+    shell = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && {prefill}"
+             f'"$@"; rc=$?; echo "LEFT $(ls -A /dev/shm | grep -v eater | wc -l)"; exit $rc')
+    run_env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "60", **(env or {})}
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell, "sh",
+                           sys.executable, "-m", "tensorwire", "run", "-n", str(np_), str(script)],
+                          capture_output=True, text=True, timeout=timeout, env=run_env)
+    reports = {}
+    left = -1
+    for line in proc.stdout.splitlines():
+        if line.startswith("REPORT "):
+            report = json.loads(line[7:])
+            reports[report["rank"]] = report
+        elif line.startswith("LEFT "):
+            left = int(line.split()[1])
+    return proc.returncode, reports, proc.stderr, left
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "TensorwireWarning" in line]
+
+
+@needs_namespace
+def test_small_dev_shm_shrinks_rings_and_slots(tmp_path: Path) -> None:
+    """16 MiB of /dev/shm for 4 ranks, which wanted 56: it lost two ranks to SIGBUS before.
+    Now rings and slots shrink to fit half of it, results are right, one warning says why."""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "16m")
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1, 2, 3], stderr
+    for report in reports.values():
+        world = report["world"]
+        assert world["tcp"] == [] and world["all_local"]
+        assert world["rings"] and max(world["rings"]) < 4 * MiB  # shrunk, but rings
+        assert 0 < world["slot"] < MiB
+    warned = _warnings(stderr)
+    assert len(warned) == 1, stderr
+    assert "/dev/shm holds 16 MiB" in warned[0] and "--shm-size=128m" in warned[0]
+    assert "TENSORWIRE_SHM_RING=" in warned[0]
+    assert left == 0  # every segment unlinked
+
+
+@needs_namespace
+def test_no_room_for_rings(tmp_path: Path) -> None:
+    """2 MiB left: rings of the smallest useful size would take more than half, so every pair
+    talks over TCP, and the one-shot segment still fits, with small slots."""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "16m", fill=14 * MiB)
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1, 2, 3], stderr
+    for rank, report in reports.items():
+        world = report["world"]
+        assert world["rings"] == [] and world["tcp"] == [r for r in range(4) if r != rank]
+        assert not world["all_local"] and world["slot"] == shm_budget.SLOT_FLOOR
+    warned = _warnings(stderr)
+    assert len(warned) == 1, stderr
+    assert "TCP for the pairs of ranks whose rings did not fit (12 of 12 rings" in warned[0]
+    assert "one-shot slots of 64 KiB" in warned[0]
+    assert "TENSORWIRE_SHM_RING" not in warned[0]  # no setting fixes it: only more /dev/shm
+    assert left == 0
+
+
+@needs_namespace
+def test_full_dev_shm_pairs_agree_on_tcp(tmp_path: Path) -> None:
+    """A tmpfs with inodes for 7 files: 7 of the 12 rings are made, in whatever order the ranks
+    get there, so a pair may have a ring one way and not the other; both sides must fall back
+    together (a hang otherwise), and every rank must price the same tier. (The rings of pairs
+    that fell back give their inodes back: the one-shot segment finds one.)"""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "64m,nr_inodes=8")
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1, 2, 3], stderr
+    tcp = {r: set(report["world"]["tcp"]) for r, report in reports.items()}
+    assert any(tcp.values()) and not all(len(peers) == 3 for peers in tcp.values())
+    for r, peers in tcp.items():
+        assert all(r in tcp[p] for p in peers)  # pairs agree
+    assert {report["world"]["all_local"] for report in reports.values()} == {False}
+    assert len({report["world"]["slot"] for report in reports.values()}) == 1
+    warned = _warnings(stderr)
+    assert len(warned) == 1, stderr
+    assert "(5 of 12 rings" in warned[0] and "No space left on device" in warned[0]
+    assert left == 0
+
+
+@needs_namespace
+def test_dev_shm_filled_after_init(tmp_path: Path) -> None:
+    """Another program fills /dev/shm after init: the reserved rings keep working, a segment can
+    no longer be had (and a failed reservation leaves no file), so new groups take the message
+    path, with one more warning for the first of them."""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "64m", env={"FILL_AFTER_INIT": "1"})
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1, 2, 3], stderr
+    assert reports[0]["reserve"] == errno.ENOSPC
+    assert reports[0]["left"] == ["eater"]
+    for rank, report in reports.items():
+        assert report["world"]["slot"] > 0
+        assert report["split"]["slot"] == 0 and report["split"]["all_local"]
+        if rank < 3:
+            assert report["new_group"]["slot"] == 0
+    warned = _warnings(stderr)
+    assert len(warned) == 2, stderr  # the rings at init (64 MiB wanted 56), the segment later
+    assert "no one-shot segment" in warned[1] and "rings of" not in warned[1]
+    assert left == 0
+
+
+def test_plans_fit_half_the_free_space() -> None:
+    # 4 ranks, the defaults (4 MiB rings, 1 MiB slots): 56 MiB wanted
+    assert shm_budget.plan_ring(1 << 30, 4, 4 * MiB, 4, MiB) == 4 * MiB
+    for free in (16 * MiB, 64 * MiB, 100 * MiB):
+        ring = shm_budget.plan_ring(free, 4, 4 * MiB, 4, MiB)
+        slot = shm_budget.plan_slot(free - shm_budget.rings_bytes(4, ring), 4, MiB)
+        assert shm_budget.rings_bytes(4, ring) + GroupSegment.nbytes(4, slot) <= free // 2
+        assert ring >= shm_budget.RING_FLOOR and ring % 4096 == 0
+    assert shm_budget.plan_ring(64 * MiB, 4, 4 * MiB, 4, MiB) == MiB
+    assert shm_budget.plan_ring(16 * MiB, 4, 4 * MiB, 4, MiB) == 256 << 10
+    assert shm_budget.plan_ring(16 * MiB, 8, 4 * MiB, 8, MiB) == 0  # TCP, the segment gets the space
+    assert shm_budget.plan_ring(16 * MiB, 4, 64 << 10) == 64 << 10  # as small as asked, if it fits
+    assert shm_budget.plan_slot(0, 4, 16 << 10) == 16 << 10  # never grown to the floor
+
+
+def test_shrinking_halves_only_for_want_of_space() -> None:
+    tried = []
+
+    def make(nbytes: int) -> int:
+        tried.append(nbytes)
+        if nbytes > 256 << 10:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return nbytes
+
+    assert shm_budget.shrinking(make, MiB, 64 << 10) == (256 << 10, errno.ENOSPC)
+    assert tried == [MiB, 512 << 10, 256 << 10]
+    assert shm_budget.shrinking(make, MiB, 512 << 10) == (None, errno.ENOSPC)
+
+    def denied(nbytes: int) -> int:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    assert shm_budget.shrinking(denied, MiB, 64 << 10) == (None, errno.EACCES)
+    assert Ring.nbytes(MiB) == MiB + 4096
+
+
+def test_exhausted_limits_are_named() -> None:
+    text = str(limits.translate(OSError(errno.EMFILE, "Too many open files"), "rank 3: init"))
+    assert text.startswith("rank 3: init: out of file descriptors (ulimit -n is ")
+    assert "ip_local_port_range" in str(limits.translate(OSError(errno.EADDRNOTAVAIL, "x"), "rank 1"))
+    assert "fs.file-max" in str(limits.translate(OSError(errno.ENFILE, "x"), "rank 1"))
+    assert limits.translate(OSError(errno.ECONNREFUSED, "x"), "rank 1") is None
+    assert "out of memory" in str(limits.memory_error(MemoryError("Unable to allocate"), "rank 0: x"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        with pytest.raises(ResourceError, match=f"ulimit -n is {soft}"):
+            limits.ensure_descriptors(hard + 1, "rank 0: init", "a test")
+
+
+FD_JOB = """\
+import json, os, resource, sys
+import tensorwire as tw
+rank = int(os.environ["RANK"])
+soft, hard = (int(v) for v in os.environ["FD_LIMIT"].split(","))
+if str(rank) in os.environ["FD_RANKS"].split(","):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    world = tw.init()
+    world.barrier()
+    soft_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    print("RESULT " + json.dumps({"rank": rank, "ok": soft_now}), flush=True)
+except tw.TensorwireError as exc:
+    print("RESULT " + json.dumps({"rank": rank, "error": type(exc).__name__, "text": str(exc)}), flush=True)
+    sys.exit(1)
+"""
+
+
+def _fd_job(tmp_path: Path, np_: int, limit: str, ranks: str, launcher_limit: int = 0):
+    script = tmp_path / "fd_job.py"
+    script.write_text(FD_JOB)
+    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "300", "FD_LIMIT": limit,
+           "FD_RANKS": ranks}
+
+    def cap() -> None:
+        if launcher_limit:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (launcher_limit, launcher_limit))
+
+    # well under the init timeout (300 s): an error that came from a timeout would fail here
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", str(np_), str(script)],
+                          capture_output=True, text=True, timeout=90, env=env, preexec_fn=cap)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+            results[result["rank"]] = result
+    return proc, results
+
+
+def test_descriptor_limit_fails_every_rank(tmp_path: Path) -> None:
+    """Two of six ranks cannot open the descriptors full-mesh wiring needs: each says which
+    limit, and every other rank fails with their reason instead of waiting for them."""
+    proc, results = _fd_job(tmp_path, 6, "14,14", "2,4")
+    assert proc.returncode != 0
+    assert sorted(results) == list(range(6)), proc.stderr
+    for rank, result in results.items():
+        assert result.get("error") == "ResourceError", result
+        if rank in (2, 4):
+            assert result["text"].startswith(f"rank {rank}: init: out of file descriptors: ulimit -n is 14")
+        else:
+            assert "cannot join" in result["text"] and "ulimit -n is 14" in result["text"]
+
+
+def test_descriptor_soft_limit_is_raised(tmp_path: Path) -> None:
+    """A soft limit below what wiring needs, under a hard limit that allows it, is raised."""
+    proc, results = _fd_job(tmp_path, 4, "12,4096", "0,1,2,3")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(results) == [0, 1, 2, 3] and all(r["ok"] > 12 for r in results.values())
+
+
+def test_launcher_names_its_descriptor_limit(tmp_path: Path) -> None:
+    proc, results = _fd_job(tmp_path, 16, "64,64", "", launcher_limit=40)
+    assert proc.returncode == 1 and not results
+    assert "tensorwire run: out of file descriptors: ulimit -n is 40" in proc.stderr
+
+
+MEMORY_JOB = textwrap.dedent("""\
+    import json, resource
+    import numpy as np
+    import tensorwire as tw
+    tw.init()
+    x = np.ones(16 << 20, dtype=np.float32)  # 64 MiB; recursive doubling needs as much again
+    if tw.get_rank() == 1:
+        with open("/proc/self/status") as f:
+            vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+    try:
+        tw.all_reduce(x)
+        result = {"rank": tw.get_rank(), "error": ""}
+    except tw.TensorwireError as exc:
+        result = {"rank": tw.get_rank(), "error": type(exc).__name__, "text": str(exc)}
+    print("RESULT " + json.dumps(result), flush=True)
+""")
+
+
+def test_out_of_memory_fails_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "memory_job.py"
+    script.write_text(MEMORY_JOB)
+    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "300",
+           "TENSORWIRE_ALGO": "allreduce:recursive_doubling"}
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=90, env=env)
+    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1], proc.stderr
+    for result in results.values():
+        assert result["error"] == "ResourceError", result
+        assert result["text"].startswith("rank 1: all_reduce") and "out of memory" in result["text"]
+        assert "ulimit -v" in result["text"]
