@@ -226,7 +226,7 @@ class Config:
         """Bytes of one rank's slot on the one-shot shared-memory path in a group of this size:
         TENSORWIRE_SHM_DIRECT, or by default 8 MiB for the group's two slots per rank, kept
         between 64 KiB and 1 MiB a rank (a collective that fits skips every per-peer round trip;
-        tmpfs pages cost memory only once touched)."""
+        where /dev/shm has less room, shm_budget shrinks it)."""
         if self.direct_bytes is not None:
             return self.direct_bytes
         per_rank = (DIRECT_GROUP_BYTES // (2 * max(group_size, 1))) // 4096 * 4096
