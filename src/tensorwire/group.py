@@ -159,6 +159,7 @@ class Group(Collectives):
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
+        self.one_host = self.all_local  # every member on this host, rings or not (agreed in _setup_direct)
         self.ring_bytes = runtime.config.shm_ring_bytes  # the smallest ring among members (_setup_direct)
         self.direct: DirectPath | None = None
         if self.rank >= 0:
@@ -374,6 +375,7 @@ class Group(Collectives):
         table[self.rank] = self._shm_facts()
         recursive_doubling_all_reduce(self._internal_call("shm setup"), table.reshape(-1), ReduceOp.MAX)
         self.all_local = bool(table[:, 0].all())
+        self.one_host = bool(table[:, 1].all())
         used = table[:, 4][table[:, 4] > 0]
         if len(used):
             self.ring_bytes = int(used.min())  # what the tuner prices memory traffic with, alike everywhere
@@ -382,7 +384,7 @@ class Group(Collectives):
                                      rings=int(table[:, 5].sum() - self.size), refused=int(table[:, 2].sum()),
                                      ring_errno=int(table[:, 3].max()))
         want = cfg.direct_slot(self.size)
-        if table[:, 1].all() and want > 0:
+        if self.one_host and want > 0:
             short.slot, short.size = want, self.size
             short.slot_used, short.slot_errno = self._setup_segment(want)
         told = self.runtime.shm_told

@@ -132,7 +132,7 @@ class DeviceGroup:
         pci = "{:04x}:{:02x}:{:02x}.0".format(*(int(getattr(props, f"pci_{k}_id", 0))
                                                 for k in ("domain", "bus", "device")))
         why = ""
-        if not g.all_local:
+        if not g.one_host:
             why = "ranks on several hosts"
         elif cfg.transport == "tcp":
             why = "TENSORWIRE_TRANSPORT=tcp"
@@ -203,7 +203,7 @@ class DeviceGroup:
             sharing.setdefault(info[0], []).append(r)
         shared = [ranks for ranks in sharing.values() if len(ranks) > 1]
         _log.info("group %s on CUDA: %s; %s; %s; path: %s%s", g.name, gpus,
-                  "one host" if g.all_local else "several hosts",
+                  "one host" if g.one_host else "several hosts",
                   "ranks sharing a GPU: " + ", ".join(map(str, shared)) if shared else "one GPU per rank",
                   "device to device (CUDA IPC)" if self.mode == "ipc" else "staged through pinned memory",
                   f" ({why})" if why and self.mode != "ipc" else "")
