@@ -66,9 +66,9 @@ def get(subsys: str) -> logging.Logger:
 
 def warn(message: str, category: type[Warning]) -> None:
     """A warning users see without configuring anything (Python's warnings, pointed at their own
-    code's frame), also logged for those who collect tensorwire's log."""
+    code's frame), also in tensorwire's INFO log (not WARN: it would be shown twice)."""
     frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
     while frame is not None and frame.f_globals.get("__name__", "").startswith("tensorwire"):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
-    logging.getLogger("tensorwire.INIT").debug("%s", message)
+    logging.getLogger("tensorwire.INIT").info("%s", message)

@@ -3,7 +3,9 @@
 Each rank listens on the address it advertises, publishes it in the store, connects to every
 lower rank and accepts every higher one. Pairs on the same host then offer each other a ring;
 shared memory is used only if both sides could map the other's segment and read its nonce,
-so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by themselves.
+so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by themselves,
+and so do pairs whose rings /dev/shm has no room for (shm_budget sizes them first). A rank
+short of descriptors says so in place of its address, and every rank raises it (limits.py).
 """
 
 from __future__ import annotations
