@@ -4,26 +4,34 @@
 calls (they take sequence numbers like any collective, so every rank runs them at the same
 point and under the same timeout):
 
-1. agreement: every rank contributes its host, its lowest shared-memory and TCP peers and a
+1. agreement: every rank contributes its host, its lowest shared-memory and TCP peers, a
    digest of the settings that steer algorithm choice (ranks that disagree on TENSORWIRE_ALGO
    or TENSORWIRE_DETERMINISTIC would pick different schedules and hang; they fail here with
-   a clear error instead);
-2. verdict: rank 0 looks the topology up in its cache and reads its tuning file, and
-   broadcasts either the final constants or "probe";
-3. probe (cache miss only): for each tier present, the lowest pair of ranks joined by it runs a
-   few small exchanges (α) and 1 MiB exchanges (β); then every rank does the same at once,
-   with changing partners ("busy"), with a ring's fixed ones ("busy_ring") and in pairs
-   ("busy_pairs"), and a numpy
-   add: what a step costs when every rank works (on a host with more ranks than cores they
-   take turns, which the lone pair never sees); on one host every rank takes part in a few
-   all_reduces through the group's shared segment (α and β of the one-shot path); rank 0
-   times a numpy add (γ). The maximum over ranks of what was measured becomes everybody's
-   constants, and rank 0 (with the lowest rank of every other host) writes the cache.
+   a clear error instead), and a digest of what else changes its measurements (cores, kernel,
+   Python, numpy, the settings of waiting and buffers: environment_digest);
+2. verdict: rank 0 looks the topology up in its cache (an entry is read only if it is of
+   this probe's version, trusted and younger than TENSORWIRE_CACHE_MAX_AGE) and reads its
+   tuning file, and broadcasts either the final constants or "probe";
+3. check (cache hit): every rank takes part in a short probe of the constants that settle the
+   small calls (check_cached); an entry that it finds several times too slow is measured again;
+4. probe (cache miss, or a failed check): for each tier present, the lowest pair of ranks
+   joined by it runs a few small exchanges (α) and 1 MiB exchanges (β); then every rank does
+   the same at once, with changing partners ("busy"), with a ring's fixed ones ("busy_ring")
+   and in pairs ("busy_pairs"), and a numpy add: what a step costs when every rank works (on
+   a host with more ranks than cores they take turns, which the lone pair never sees); on one
+   host every rank takes part in a few all_reduces through the group's shared segment (α and
+   β of the one-shot path), in rounds against recursive doubling spread over the probe; rank
+   0 times a numpy add (γ). The maximum over ranks of what was measured becomes everybody's
+   constants, and rank 0 (with the lowest rank of every other host) writes the cache: a
+   trusted entry where the probe had the cores to itself, else one the next job ignores
+   (foreign_cores).
 
-Every rank therefore installs the same table. The cache lives in TENSORWIRE_CACHE_DIR (default
-$XDG_CACHE_HOME/tensorwire or ~/.cache/tensorwire), one JSON file per (hosts, tiers, world
-size). TENSORWIRE_CALIBRATE=0 skips cache and probe (defaults), 1 probes on a miss, force
-probes and rewrites. TENSORWIRE_TUNING_FILE overrides any constant; see docs/tuning.md.
+Whatever its source, the one-shot path is then priced below the messages at 8 bytes unless
+the probe found it slower in every round (bound_direct), and every rank installs the same
+table. The cache lives in TENSORWIRE_CACHE_DIR (default $XDG_CACHE_HOME/tensorwire or
+~/.cache/tensorwire), one JSON file per key (cache_key). TENSORWIRE_CALIBRATE=0 skips cache
+and probe (defaults), 1 probes on a miss, force probes and rewrites. TENSORWIRE_TUNING_FILE
+overrides any constant; see docs/tuning.md and, for the reasoning, docs/design/calibration.md.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ import json
 import math
 import mmap
 import os
+import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -53,6 +63,7 @@ from .buffers import copy as copy_as_library
 from .buffers import huge_zeros
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
+from .transport.connect import machine_id
 from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
 
 LINKS = (*TIERS, *ONE_WAY.values(), "direct", tuner.CMA, tuner.CMA_HUGE, tuner.BUSY, tuner.BUSY_RING,
@@ -72,7 +83,7 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 21
+PROBE_VERSION = 22
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 # Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
 # likelier the shorter it is, and those constants describe the links, not the neighbours'
@@ -93,13 +104,21 @@ DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measured 1.4x the
 # steady state at n=4 on 2 cores (median α over 10 launches 97 us cold, 69 us warm; 65-103 us
 # in a benchmark's 8 B calls), enough to flip small all_reduces to the tree (2-8x slower)
+DIRECT_ROUNDS = 3  # rounds of the one shot's 8 B calls against recursive doubling's, spread over
+# the probe: the median round gives the one shot's α (see _probe, bound_direct)
+DIRECT_BOUND = 0.9  # ... which is priced at most this share of the cheapest all_reduce by messages
+# at 8 B, unless it was the slower in every round
 CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
+CHECK_WARM, CHECK_SERIES, CHECK_CALLS, CHECK_BATCHES = 2, 3, 6, 3  # the check of a cache entry at init:
+# the one shot as _typical (these counts), the busy α as measure_busy (this many batches)
+CHECK_TOLERANCE = 3.0  # an entry whose α is this many times what the check measures is measured again
+LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle that make its
+# constants untrusted: used by the job that measured them, not cached for the next (foreign_cores)
 FIELDS = ("alpha", "beta", "gamma", "cache")
 REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
 MEMORY_ARRAY_MAX = 64 << 20  # the memory probe's arrays: four times the cache's size, at most this
 CACHED_ARRAY_MAX = 1 << 20  # ... and those it compares them with: a quarter of a core's reach, at most
 KNEE = 1.6  # a copy this much slower per byte than a small one has left the cache (cache_in_reach)
-BUSY_LOAD = 1.0  # runnable tasks per CPU above which a calibration is provisional (see read_cache)
 
 _STATUS_PROBE, _STATUS_FINAL, _STATUS_ERROR = 0.0, 1.0, 2.0
 _SOURCE_CODES = {"default": 0.0, "cached": 1.0, "calibrated": 2.0}
@@ -198,12 +217,27 @@ def host_hash(hostname: str | None = None) -> int:
     return int.from_bytes(raw[:8], "little") >> 1
 
 
+def environment_digest(cfg: Any, cores: int) -> int:
+    """What changes a rank's measurements besides the topology: its usable cores, the kernel,
+    the Python and numpy it runs (the interpreter and the kernels are most of every α and γ),
+    and the settings that shape how it waits and what it moves (spinning, binding, ring and
+    slot sizes)."""
+    text = "|".join(map(str, (cores, platform.release(), *sys.version_info[:2],
+                              ".".join(np.__version__.split(".")[:2]), cfg.spin_us, cfg.bind,
+                              cfg.shm_ring_bytes, cfg.direct_bytes)))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
 def cache_key(hosts: list[int], tiers: list[str], world_size: int,
-              tcp: Mapping[str, object] | None = None) -> str:
-    """Constants are cached per hosts, tiers and world size, and per TCP setting that differs
-    from the defaults (`tcp`: Config.tcp_changed; a TCP link's α and β are those settings')."""
+              tcp: Mapping[str, object] | None = None, environments: list[int] | None = None) -> str:
+    """Constants are cached per hosts, tiers and world size, per TCP setting that differs from
+    the defaults (`tcp`: Config.tcp_changed; a TCP link's α and β are those settings'), and
+    per environment of the ranks (environment_digest: a core more or less, another kernel,
+    Python or numpy measures another machine)."""
     fields: dict[str, object] = {"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
                                  "world_size": world_size, **(tcp or {})}
+    if environments:
+        fields["env"] = sorted(set(environments))
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -212,9 +246,10 @@ def cache_path(directory: str, key: str) -> str:
     return os.path.join(directory, f"links-{key}.json")
 
 
-def read_cache(path: str, tiers: list[str]) -> dict[str, Link] | None:
-    """The cached links of every tier in `tiers`, or None (missing, unreadable, stale, partial,
-    or measured on a busy host that has calmed down since: then it is measured again)."""
+def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[dict[str, Link], dict] | None:
+    """The cached links of every tier in `tiers` and the entry they come from, or None: missing,
+    unreadable, of another probe version, partial, older than `max_age` seconds, or measured
+    under load (not trusted, see at_init); then it is measured again."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -222,21 +257,17 @@ def read_cache(path: str, tiers: list[str]) -> dict[str, Link] | None:
             return None
         links = parse_tuning(doc["links"], path)
         out = {t: Link(t, **links[t]) for t in tiers}
+        age = time.time() - float(doc["created"])
     except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError):
         return None
-    then, now = doc.get("load_per_cpu", 0.0), host_load()
-    if isinstance(then, (int, float)) and then > BUSY_LOAD and now < then / 2:
-        _log.info("re-measuring: %s was measured with %.1f runnable tasks per CPU, now %.1f", path, then, now)
+    if not doc.get("trusted", False):
+        _log.info("re-measuring: %s was measured under load (other processes took %s cores beyond those "
+                  "the job left idle)", path, doc.get("foreign_cores", "?"))
         return None
-    return out
-
-
-def host_load() -> float:
-    """Runnable tasks per CPU over the last minute (0 where the platform does not say)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (AttributeError, OSError):
-        return 0.0
+    if not 0 <= age <= max_age:
+        _log.info("re-measuring: %s is %.0f s old (TENSORWIRE_CACHE_MAX_AGE: %.0f s)", path, age, max_age)
+        return None
+    return out, doc
 
 
 def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None:
@@ -287,7 +318,8 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
     return max(_best(lambda: np.add(a, b, out=a), rounds) / a.nbytes, 1e-13)
 
 
-def _typical(world: Group, run: Callable[[], object]) -> float:
+def _typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, series: int = DIRECT_SERIES,
+             calls: int = DIRECT_CALLS) -> float:
     """Seconds of one call of `run` (collective over `world`) as the model is judged
     (`tensorwire bench --algo`, bench_algo.JUDGED): after DIRECT_WARM untimed calls,
     DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
@@ -300,36 +332,49 @@ def _typical(world: Group, run: Callable[[], object]) -> float:
     One series alone is not enough where a rank loses its core for a while: a launch of the
     shm-n2 sweep of 2026-11-26 measured the one shot's α at 160 µs (5 in every other launch),
     and every gather from 16 B to 1 MiB took the binomial tree, 2.3-5.4x slower."""
-    for _ in range(DIRECT_WARM):
+    for _ in range(warm):
         run()
-    means = np.zeros(DIRECT_SERIES)
-    for s in range(DIRECT_SERIES):
+    means = np.zeros(series)
+    for s in range(series):
         t0 = time.perf_counter()
-        for _ in range(DIRECT_CALLS):
+        for _ in range(calls):
             run()
-        means[s] = (time.perf_counter() - t0) / DIRECT_CALLS
+        means[s] = (time.perf_counter() - t0) / calls
     recursive_doubling_all_reduce(world._internal_call("calibration probe"), means, ReduceOp.MAX)
     return float(means.min())
 
 
-def measure_direct(world: Group) -> tuple[float, float]:
-    """(α, β) of the one-shot shared-memory path, from all_reduces through the group segment
-    (every rank of the world takes part, see _typical): α is a call's time at 8 bytes; β is
-    fitted to the time at DIRECT_BYTES (up to the slot), counting a reduced byte like a copied
-    one, and never below a lone copy's.
+def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
+    """One round of evidence: the one shot's 8-byte all_reduce and recursive doubling's (the
+    message algorithm such calls would otherwise take), each timed as _typical times it, back
+    to back, so that both meet the same conditions (`counts`: _typical's)."""
+    algs = algorithms_for("all_reduce")
+    data = np.ones(2, dtype=np.float32)
+
+    def typical(name: str) -> float:
+        run = algs[name].run
+        return max(_typical(world, lambda: run(world._internal_call("calibration probe"), data, ReduceOp.MAX),
+                            **counts), 1e-8)
+
+    return typical("direct"), typical("recursive_doubling")
+
+
+def measure_direct(world: Group) -> tuple[float, float, float]:
+    """(α, recursive doubling's 8-byte call, β) of the one-shot shared-memory path, from
+    all_reduces through the group segment (every rank of the world takes part, see _typical):
+    α is a call's time at 8 bytes, in the first round of small_all_reduces (at_init takes the
+    median of DIRECT_ROUNDS); β is fitted to the time at DIRECT_BYTES (up to the slot),
+    counting a reduced byte like a copied one, and never below a lone copy's.
     Every rank works in these calls, contention included, as for the busy link. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
     n = world.size
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
-
-    def typical(data: np.ndarray) -> float:
-        return _typical(world, lambda: run(world._internal_call("calibration probe"), data, ReduceOp.MAX))
-
-    alpha = max(typical(np.ones(2, dtype=np.float32)), 1e-8)
-    slope = (typical(big) - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
-    return alpha, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
+    alpha, messages = small_all_reduces(world)
+    typical = _typical(world, lambda: run(world._internal_call("calibration probe"), big, ReduceOp.MAX))
+    slope = (typical - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
+    return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
 
 def measure_cma(world: Group) -> tuple[float, float, float]:
@@ -511,60 +556,73 @@ def measure_busy(call: CollectiveCall, step0: int,
     of a netns4 sweep warmed 6 measured 0.106-0.119 GB/s in 12, 0.059-0.071 in 5. So across
     hosts the dissemination rounds are timed twice, before and after the ring's, and the
     faster kept: the collectives that follow run in the steady state."""
-    n, r = call.group.size, call.group.rank
-    dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
-    small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    rounds = _Rounds(call, step0)
+    dists = rounds.dists
     big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
-    step = step0
 
-    def exchange(dst: int, src: int, out: np.ndarray, into: np.ndarray) -> None:
-        nonlocal step
-        if dst < n:  # in pairs, a rank without a partner sits the round out
-            call.wait(call.irecv(src, into, step), call.isend(dst, out, step))
-        step += 1
-
-    def shift(out: np.ndarray, into: np.ndarray, d: int) -> None:
-        exchange((r + d) % n, (r - d) % n, out, into)
-
-    def pair(d: int) -> None:
-        exchange(r ^ d, r ^ d, small_out, small_in)
-
-    def alpha_of(round_: Callable[[int], None]) -> float:
-        batches = []
-        for _ in range(ALPHA_BATCHES):
-            t0 = time.perf_counter()
-            for i in range(ALPHA_ROUNDS):
-                round_(dists[i % len(dists)])
-            batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
-        return max(statistics.median(batches), 1e-8)
-
-    def mean_round(distances: list[int], rounds: int) -> float:
+    def mean_round(distances: list[int], count: int) -> float:
         t0 = time.perf_counter()
-        for i in range(rounds):
-            shift(big_out, big_in, distances[i % len(distances)])
-        return (time.perf_counter() - t0) / rounds
+        for i in range(count):
+            rounds.shift(big_out, big_in, distances[i % len(distances)])
+        return (time.perf_counter() - t0) / count
 
     for i in range(2):  # everyone is here
-        shift(small_out, small_in, dists[i % len(dists)])
+        rounds.small_shift(dists[i % len(dists)])
     # every ring written once around: its pages are touched (fresh pages cost ~1 ms per MiB
     # here), as in steady use
     warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
     mean_round(dists, warm * len(dists))
-    alpha = alpha_of(lambda d: shift(small_out, small_in, d))
+    alpha = rounds.alpha(rounds.small_shift)
 
     def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
         return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
 
-    rounds = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
-    shifting = beta(mean_round(dists, rounds))
+    count = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
+    shifting = beta(mean_round(dists, count))
     # untimed: right after the change of pattern the shaped ring measured 0.07 GB/s, not 0.10-0.12
     mean_round([1], warm)
-    ring = beta(mean_round([1], rounds))
+    ring = beta(mean_round([1], count))
     if across_hosts:
-        shifting = min(shifting, beta(mean_round(dists, rounds)))
+        shifting = min(shifting, beta(mean_round(dists, count)))
     for d in dists:  # the pairs once round, untimed: every rank is past the ring
-        pair(d)
-    return alpha, shifting, ring, alpha_of(pair)
+        rounds.pair(d)
+    return alpha, shifting, ring, rounds.alpha(rounds.pair)
+
+
+class _Rounds:
+    """Rounds in which every rank exchanges at once, each message step numbered from `step0`
+    (measure_busy, and the check of a cached entry): shifts by d (send to rank r + d, receive
+    from r - d) and pairs (exchange with r XOR d), d = 1, 2, 4, ..."""
+
+    def __init__(self, call: CollectiveCall, step0: int) -> None:
+        self.call, self.step = call, step0
+        self.n, self.r = call.group.size, call.group.rank
+        self.dists = [1 << k for k in range(max(1, (self.n - 1).bit_length()))]
+        self._out, self._in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+
+    def _exchange(self, dst: int, src: int, out: np.ndarray, into: np.ndarray) -> None:
+        if dst < self.n:  # in pairs, a rank without a partner sits the round out
+            self.call.wait(self.call.irecv(src, into, self.step), self.call.isend(dst, out, self.step))
+        self.step += 1
+
+    def shift(self, out: np.ndarray, into: np.ndarray, d: int) -> None:
+        self._exchange((self.r + d) % self.n, (self.r - d) % self.n, out, into)
+
+    def small_shift(self, d: int) -> None:
+        self.shift(self._out, self._in, d)
+
+    def pair(self, d: int) -> None:
+        self._exchange(self.r ^ d, self.r ^ d, self._out, self._in)
+
+    def alpha(self, round_: Callable[[int], None], batches: int = ALPHA_BATCHES) -> float:
+        """The median batch's mean round: ALPHA_ROUNDS 8-byte rounds a batch, distances in turn."""
+        means = []
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            for i in range(ALPHA_ROUNDS):
+                round_(self.dists[i % len(self.dists)])
+            means.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
+        return max(statistics.median(means), 1e-8)
 
 
 def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float, float]:
@@ -672,16 +730,18 @@ def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
 
 
 # The verdict rank 0 broadcasts: status, then per link of LINKS its constants, the source of
-# each, and the tuning file's overrides (NaN: not set).
+# each, the tuning file's overrides (NaN: not set), and whether the cache entry found the one
+# shot consistently slower than the messages at 8 bytes (1, else 0; see bound_direct).
 _K = len(FIELDS)
 _BASE, _SRC = 1, 1 + _K * len(LINKS)
 _FILE = _SRC + len(LINKS)
-_VERDICT_LEN = _FILE + _K * len(LINKS)
+_SLOWER = _FILE + _K * len(LINKS)
+_VERDICT_LEN = _SLOWER + 1
 
 
 def at_init(world: Group) -> LinkTable:
-    """Agree on the settings, then install link constants (cached, probed, from the file or
-    defaults) that are the same on every rank. Collective over the world group."""
+    """Agree on the settings, then install link constants (cached and checked, probed, from
+    the file or defaults) that are the same on every rank. Collective over the world group."""
     t0 = time.perf_counter()
     cfg = world.runtime.config
     n, me = world.size, world.rank
@@ -690,10 +750,10 @@ def at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 6), dtype=np.uint64)
+    info = np.zeros((n, 8), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
     info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
-                world.engine.cores)
+                world.engine.cores, environment_digest(cfg, world.engine.cores), host_hash(machine_id()))
     recursive_doubling_all_reduce(world._internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:
@@ -706,11 +766,10 @@ def at_init(world: Group) -> LinkTable:
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
     cores = int(min(info[r, 5] for r in range(n) if hosts[r] == hosts[me]))  # as the engine counts them
-    busy_tier = tuner.tier_of(world)
     one_host = [*(["direct"] if direct else []), *([tuner.CMA, tuner.CMA_HUGE] if cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, tuner.BUSY, tuner.BUSY_RING,
                          tuner.BUSY_PAIRS, tuner.MEMORY])
-    key = cache_key(hosts, links_used, n, cfg.tcp_changed())
+    key = cache_key(hosts, links_used, n, cfg.tcp_changed(), [int(e) for e in info[:, 6]])
     path = cache_path(cache_dir(cfg.cache_dir), key)
     # 2. rank 0's verdict: final constants, or probe; and its tuning file's overrides
     verdict = np.full(_VERDICT_LEN, math.nan)
@@ -727,66 +786,96 @@ def at_init(world: Group) -> LinkTable:
             f"(TENSORWIRE_TUNING_FILE={cfg.tuning_file!r}); see rank 0's error")
     base: dict[str, Link] = {}
     sources: dict[str, str] = {}
+    overrides: dict[str, dict[str, float]] = {}
     for i, name in enumerate(LINKS):
         values = [float(v) for v in verdict[_BASE + _K * i: _BASE + _K * (i + 1)]]
         if not math.isnan(values[0]):
             base[name] = Link(name, *values)
             sources[name] = _SOURCE_NAMES.get(float(verdict[_SRC + i]), "default")
-    probe_s = 0.0
-    # 3. the probe
-    if verdict[0] == _STATUS_PROBE:
-        t1 = time.perf_counter()
-        with spread(world, hosts):
-            measured = _probe(world, pairs, direct, cma, len(set(hosts)) > 1)
-        probe_s = time.perf_counter() - t1
-        gamma = float(measured["gamma"])
-        for tier in TIERS:
-            if tier in pairs:
-                alpha, beta, one_way = measured[tier]
-                base[tier] = Link(tier, alpha, beta, gamma)
-                base[ONE_WAY[tier]] = Link(ONE_WAY[tier], alpha, one_way, gamma)
-                sources[tier] = sources[ONE_WAY[tier]] = "calibrated"
-            else:  # not in this job: its defaults, with this host's γ
-                base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
-        for name, used in (("direct", direct), (tuner.CMA, cma), (tuner.CMA_HUGE, cma)):
-            if used:
-                base[name] = Link(name, *measured[name], gamma)
-                sources[name] = "calibrated"
-            else:
-                base[name] = replace(DEFAULT_LINKS[name], gamma=gamma)
-        alpha, beta, ring_beta, pairs_alpha, busy_gamma = measured[tuner.BUSY]
-        base[tuner.BUSY] = Link(tuner.BUSY, alpha, beta, busy_gamma)
-        base[tuner.BUSY_RING] = Link(tuner.BUSY_RING, alpha, ring_beta, busy_gamma)
-        base[tuner.BUSY_PAIRS] = Link(tuner.BUSY_PAIRS, pairs_alpha, beta, busy_gamma)
-        cache, beta, gamma = measured[tuner.MEMORY]
-        base[tuner.MEMORY] = Link(tuner.MEMORY, 0.0, beta, gamma, cache)
-        for name in (tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY):
-            sources[name] = "calibrated"
-        leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
-        if leaders.get(hosts[me]) == me:
-            write_cache(path, {t: base[t] for t in links_used},
-                        {"created": time.time(), "world_size": n, "tiers": links_used,
-                         "hosts": sorted({format(h, "016x") for h in hosts}),
-                         "hostname": socket.gethostname(), "probe_seconds": round(probe_s, 6),
-                         "load_per_cpu": round(host_load(), 2)})
-    overrides: dict[str, dict[str, float]] = {}
-    for i, name in enumerate(LINKS):
         vals = {f: float(v) for f, v in zip(FIELDS, verdict[_FILE + _K * i: _FILE + _K * (i + 1)])
                 if not math.isnan(v)}
         if vals:
             overrides[name] = vals
+    slower = verdict[_SLOWER] == 1.0
+    probe = verdict[0] == _STATUS_PROBE
+    # 3. a cache hit is checked against a short probe of its constants
+    checked, check_s = "", 0.0
+    if not probe and "cached" in sources.values():
+        t1 = time.perf_counter()
+        checked = check_cached(world, base, sources, overrides)
+        check_s = time.perf_counter() - t1
+        probe = bool(checked)
+        if checked and me == 0:
+            _log.info("re-measuring the cached %s: %s", path, checked)
+    # 4. the probe
+    probe_s = foreign = 0.0
+    if probe:
+        t1 = time.perf_counter()
+        before = _cpu_seconds()
+        with spread(world, hosts):
+            measured = _probe(world, pairs, direct, cma, len(set(hosts)) > 1)
+        probe_s = time.perf_counter() - t1
+        foreign = foreign_cores(world, [int(m) for m in info[:, 7]], before, t1)
+        slower = _install_measured(base, sources, measured, pairs, direct, cma)
+        leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
+        if leaders.get(hosts[me]) == me:
+            rounds = [[round(t * 1e6, 2) for t in r] for r in measured["rounds"]] if direct else []
+            write_cache(path, {t: base[t] for t in links_used},
+                        {"created": time.time(), "world_size": n, "tiers": links_used,
+                         "hosts": sorted({format(h, "016x") for h in hosts}),
+                         "hostname": socket.gethostname(), "probe_seconds": round(probe_s, 6),
+                         "trusted": foreign <= LOAD_SLACK, "foreign_cores": round(foreign, 2),
+                         "direct_slower": slower,
+                         "direct_rounds_us": rounds})
+        if foreign > LOAD_SLACK and me == 0:
+            _log.info("the probe ran under load (other processes took %.2f cores beyond those the job "
+                      "left idle): its constants serve this job, and the next one measures again", foreign)
     table = apply_overrides(LinkTable(base, sources), overrides)
     used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
     table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
-                      path if used_cache else "", {"tiers": links_used, "key": key, "busy_tier": busy_tier,
-                                                   "huge_pages": bool(info[:, 4].all()), "cores": cores,
-                                                   "hosts": hosts})
+                      path if used_cache else "",
+                      {"tiers": links_used, "key": key, "busy_tier": tuner.tier_of(world),
+                       "huge_pages": bool(info[:, 4].all()), "cores": cores, "hosts": hosts,
+                       "checked": checked, "check_s": check_s, "foreign_cores": foreign})
+    table = bound_direct(world, table, slower, "alpha" in overrides.get("direct", {}))
     tuner.install(world.runtime, table)
-    _log.info("link constants (setup %.1f ms%s): %s", table.setup_s * 1e3,
+    _log.info("link constants (setup %.1f ms%s%s): %s", table.setup_s * 1e3,
+              f", check of the cache {check_s * 1e3:.2f} ms" if check_s else "",
               f", probe {probe_s * 1e3:.1f} ms" if probe_s else "",
               "; ".join(f"{t} {table.describe(t)}" + ("" if t in links_used else ", not used by this job")
                         for t in table.links))
     return table
+
+
+def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: dict[str, Any],
+                      pairs: dict[str, tuple[int, int]], direct: bool, cma: bool) -> bool:
+    """Put what the probe measured into `base` and `sources`; whether the one shot was slower
+    than recursive doubling at 8 bytes in every round (bound_direct)."""
+    gamma = float(measured["gamma"])
+    for tier in TIERS:
+        if tier in pairs:
+            alpha, beta, one_way = measured[tier]
+            base[tier] = Link(tier, alpha, beta, gamma)
+            base[ONE_WAY[tier]] = Link(ONE_WAY[tier], alpha, one_way, gamma)
+            sources[tier] = sources[ONE_WAY[tier]] = "calibrated"
+        else:  # not in this job: its defaults, with this host's γ
+            base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
+    for name, used in (("direct", direct), (tuner.CMA, cma), (tuner.CMA_HUGE, cma)):
+        if used:
+            base[name] = Link(name, *measured[name], gamma)
+            sources[name] = "calibrated"
+        else:
+            base[name] = replace(DEFAULT_LINKS[name], gamma=gamma)
+    alpha, beta, ring_beta, pairs_alpha, busy_gamma = measured[tuner.BUSY]
+    base[tuner.BUSY] = Link(tuner.BUSY, alpha, beta, busy_gamma)
+    base[tuner.BUSY_RING] = Link(tuner.BUSY_RING, alpha, ring_beta, busy_gamma)
+    base[tuner.BUSY_PAIRS] = Link(tuner.BUSY_PAIRS, pairs_alpha, beta, busy_gamma)
+    cache, beta, gamma = measured[tuner.MEMORY]
+    base[tuner.MEMORY] = Link(tuner.MEMORY, 0.0, beta, gamma, cache)
+    for name in (tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY):
+        sources[name] = "calibrated"
+    one_shot, messages = measured["rounds"]
+    return direct and all(d > m for d, m in zip(one_shot, messages))
 
 
 def default_table_with_file(cfg: Any) -> LinkTable:
@@ -797,12 +886,14 @@ def default_table_with_file(cfg: Any) -> LinkTable:
 def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) -> None:
     """Rank 0 fills the verdict: status, base constants with their sources, file overrides."""
     overrides = load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
-    cached = read_cache(path, links_used) if cfg.calibrate == "1" else None
+    entry = read_cache(path, links_used, cfg.cache_max_age) if cfg.calibrate == "1" else None
+    cached = entry[0] if entry else None
     probe = cfg.calibrate == "force" or (cfg.calibrate == "1" and cached is None)
     # a file that sets every constant of every link in use makes the probe pointless
     if probe and all(all(f in overrides.get(t, {}) for f in REQUIRED) for t in links_used):
         probe = False
     verdict[0] = _STATUS_PROBE if probe else _STATUS_FINAL
+    verdict[_SLOWER] = 1.0 if entry and entry[1].get("direct_slower") is True else 0.0
     # this host's γ, as a probe would give it (the busy link's is measured under contention;
     # the memory entry's is what a reduced byte costs beyond the cache)
     hosts_own = [t for t in (cached or {})
@@ -822,26 +913,128 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
         _log.info("link constants from the cache %s", path)
 
 
+# -- what a measurement may change ------------------------------------------------------------------
+
+def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) -> LinkTable:
+    """The table with the one-shot path's α priced below the cheapest all_reduce by messages at
+    8 bytes (DIRECT_BOUND of it), unless the probe found the one shot slower than recursive
+    doubling in every one of its DIRECT_ROUNDS (`slower`) or the tuning file sets that α.
+
+    The one shot exists to beat the messages at small sizes: one flag round where the messages
+    take a round per step. A probe that says otherwise has usually met a preempted rank, and a
+    cached price above the messages' made every later job on the host send small all_reduces
+    by recursive doubling: 8 B in 29.6 us instead of 4.3, after one probe in three priced the
+    one shot at 97 us instead of 7 (2 ranks, a quiet machine, issue 35). Only evidence that
+    holds, measured against the messages under the same conditions, changes that choice."""
+    link = table.links.get("direct")
+    if world.direct is None or link is None or slower or from_file:
+        return table
+    bound = DIRECT_BOUND * tuner.Model.of(world, table).cheapest_by_messages("all_reduce", 8)
+    if link.alpha <= bound:
+        return table
+    _log.info("the one-shot path's α %.3g us priced at %.3g us: below the messages' all_reduce at 8 B, "
+              "as it was not slower than them in every round of its probe", link.alpha * 1e6, bound * 1e6)
+    return replace(table, links={**table.links, "direct": replace(link, alpha=bound)})
+
+
+def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, str],
+                 overrides: Mapping[str, Mapping[str, float]]) -> str:
+    """Why the cached constants do not hold now ('' where they do): a short probe of the
+    one-shot path's α (where the world has it) and the busy α, the constants that settle the
+    small calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks). The
+    entry is measured again where either now comes out more than CHECK_TOLERANCE times faster
+    than cached: a measurement can only be slowed down by what else runs, so a cached value
+    that much above a fresh one was taken at a bad moment. Slower now is no such evidence
+    (the host may be busy this instant) and keeps the entry. Every rank judges the same
+    numbers (the maximum over ranks)."""
+    quick = np.zeros(2)
+    if world.direct is not None:
+        run = algorithms_for("all_reduce")["direct"].run
+        data = np.ones(2, dtype=np.float32)
+        quick[0] = _typical(world, lambda: run(world._internal_call("calibration check"), data, ReduceOp.MAX),
+                            warm=CHECK_WARM, series=CHECK_SERIES, calls=CHECK_CALLS)
+    rounds = _Rounds(world._internal_call("calibration check"), 0)
+    for d in rounds.dists[:2]:  # everyone is here
+        rounds.small_shift(d)
+    quick[1] = rounds.alpha(rounds.small_shift, CHECK_BATCHES)
+    recursive_doubling_all_reduce(world._internal_call("calibration check"), quick, ReduceOp.MAX)
+    seen, reasons = [], []
+    for now, name in zip(quick, ("direct", tuner.BUSY)):
+        cached = links.get(name)
+        if now > 0 and cached is not None and sources.get(name) == "cached" and "alpha" not in overrides.get(
+                name, {}):
+            seen.append(f"{name} α {now * 1e6:.3g} us now against {cached.alpha * 1e6:.3g} us cached")
+            if now * CHECK_TOLERANCE < cached.alpha:
+                reasons.append(seen[-1])
+    if world.rank == 0:
+        _log.info("check of the cache: %s", "; ".join(seen))
+    return "; ".join(reasons)
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the machine has spent busy since boot, steal included: a neighbour VM's turn
+    is load too; NaN where /proc/stat cannot say), CPU seconds of this process (every thread)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        machine = math.nan
+    return machine, time.process_time()
+
+
+def foreign_cores(world: Group, machines: list[int], before: tuple[float, float], t0: float) -> float:
+    """On the busiest of the job's machines (ranks that share a kernel: connect.machine_id), the
+    cores' worth of CPU that processes outside the job used since `before` (_cpu_seconds at
+    perf_counter `t0`) beyond the cores the job left idle and /proc/stat's resolution (a tick
+    per CPU at each end): above LOAD_SLACK the probe measured the neighbours as much as the
+    links. Collective; 0 where /proc/stat cannot say."""
+    machine, own = _cpu_seconds()
+    rows = np.zeros((world.size, 4))
+    rows[world.rank] = (machine - before[0], own - before[1], time.perf_counter() - t0, os.cpu_count() or 1)
+    recursive_doubling_all_reduce(world._internal_call("calibration probe"), rows.reshape(-1), ReduceOp.SUM)
+    hz = os.sysconf("SC_CLK_TCK")
+    worst = 0.0
+    for m in set(machines):
+        ranks = [r for r in range(world.size) if machines[r] == m]
+        busy, _, wall, cpus = rows[ranks[0]]
+        if not math.isfinite(busy) or wall <= 0:
+            continue
+        others = (busy - rows[ranks, 1].sum()) / wall
+        worst = max(worst, float(others - max(cpus - len(ranks), 0) - 2 * cpus / (hz * wall)))
+    return worst
+
+
+# -- the probe ----------------------------------------------------------------------------------------
+
 def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool,
            across_hosts: bool) -> dict[str, Any]:
     """Measure the direct path and single copy on everyone, every tier on its pair, every rank
     at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
-    same everywhere.
+    same everywhere. The one shot's α is the median of DIRECT_ROUNDS rounds of
+    small_all_reduces spread over the probe (at its start, after single copy, after the busy
+    link), each against recursive doubling: a rank preempted for a whole round (every series
+    of it) moves neither the median nor the evidence of bound_direct.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
     # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
-    # memory (cache, β, γ), cma (α, β, β out of huge pages)
-    measured = np.zeros(3 * len(TIERS) + 14, dtype=np.float64)
+    # memory (cache, β, γ), cma (α, β, β out of huge pages), then the rounds: the one shot's
+    # 8 B call and recursive doubling's, per round
+    measured = np.zeros(3 * len(TIERS) + 14 + 2 * DIRECT_ROUNDS, dtype=np.float64)
     busy = slice(3 * len(TIERS), 3 * len(TIERS) + 5)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 3)
+    rounds = measured[reads.stop:].reshape(2, DIRECT_ROUNDS)
     if direct:  # first: they need every rank anyway
-        measured[own] = measure_direct(world)
+        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world)
     if cma:
         measured[reads] = measure_cma(world)
+    if direct:
+        rounds[:, 1] = small_all_reduces(world)
     call = world._internal_call("calibration probe")
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
@@ -852,6 +1045,10 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
     measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts)
     measured[busy.stop - 1] = measure_gamma()
+    if direct:
+        for r in range(2, DIRECT_ROUNDS):
+            rounds[:, r] = small_all_reduces(world)
+        measured[own.start] = statistics.median(rounds[0])
     if me == 0:
         measured[gamma] = measure_gamma()
         measured[memory] = measure_memory()
@@ -866,6 +1063,7 @@ def _probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: b
     out: dict[str, Any] = {t: tuple(float(v) for v in measured[3 * i: 3 * i + 3])
                            for i, t in enumerate(TIERS)}
     out["direct"] = tuple(float(v) for v in measured[own])
+    out["rounds"] = [[float(v) for v in row] for row in rounds]
     out[tuner.BUSY] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[gamma])
     out[tuner.MEMORY] = tuple(float(v) for v in measured[memory])

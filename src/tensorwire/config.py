@@ -57,6 +57,16 @@ def huge_pages_expected(setting: str) -> bool:
     return "torch" not in sys.modules or os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
 
 
+def parse_duration(text: str) -> float:
+    """'3600', '90s', '30m', '12h', '7d' -> seconds."""
+    t = text.strip().lower()
+    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], 1)
+    try:
+        return float(t[:-1] if t[-1:].isalpha() else t) * scale
+    except ValueError as exc:
+        raise ValueError(f"cannot read duration {text!r} (use e.g. 3600, 90s, 30m, 12h, 7d)") from exc
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw == "":
@@ -139,6 +149,8 @@ class Config:
     """JSON file of per-tier alpha/beta/gamma that override the measured ones (TENSORWIRE_TUNING_FILE)."""
     cache_dir: str = ""
     """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
+    cache_max_age: float = 86400.0
+    """Seconds after which a cached calibration is measured again (TENSORWIRE_CACHE_MAX_AGE)."""
     keep_memory: bool = True
     """Keep freed memory in the process, so temporaries reuse warm pages (TENSORWIRE_KEEP_MEMORY)."""
     single_copy: str = "1"
@@ -186,6 +198,7 @@ class Config:
                                              os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),
             tuning_file=os.environ.get("TENSORWIRE_TUNING_FILE", "").strip(),
             cache_dir=os.environ.get("TENSORWIRE_CACHE_DIR", "").strip(),
+            cache_max_age=parse_duration(os.environ.get("TENSORWIRE_CACHE_MAX_AGE", "").strip() or "1d"),
             keep_memory=_env_bool("TENSORWIRE_KEEP_MEMORY", True),
             single_copy=os.environ.get("TENSORWIRE_SINGLE_COPY", "1").strip().lower() or "1",
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
@@ -205,6 +218,9 @@ class Config:
             raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (the "
                              f"reductions always, the rest unless ranks outnumber cores) or force "
                              f"(wherever the kernel allows)")
+        if not cfg.cache_max_age > 0:
+            raise ValueError(f"TENSORWIRE_CACHE_MAX_AGE: expected a positive duration, got "
+                             f"{cfg.cache_max_age} s")
         if cfg.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {cfg.timeout}")
         for name, size in (("SNDBUF", cfg.tcp_sndbuf), ("RCVBUF", cfg.tcp_rcvbuf)):

@@ -547,33 +547,60 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
             f"for {nbytes} bytes on {group.size} ranks (known: {known})")
     tier = tier_of(group)
     table = table_for(group.runtime)
-    direct = table.links.get("direct") if group.direct is not None else None
-    busy, busy_ring, busy_pairs = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
-                                   if tier == table.extra.get("busy_tier") else (None, None, None))
-    one_way = table.links.get(ONE_WAY[tier])
-    host = host_of(group)
+    model = Model.of(group, table)
     key = (collective, nbytes)
-    if host is not None and host.huge and not group.huge_seen.get(key, True):
-        host = replace(host, huge=False)
-
-    def priced_with(host: Host | None) -> list[tuple[float, str, Algorithm]]:
-        return price(options, group.size, nbytes, table.link(tier), direct, busy, busy_ring, host, busy_pairs,
-                     one_way)
-
-    priced = priced_with(host)
+    if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
+        model = replace(model, host=replace(model.host, huge=False))
+    priced = model.price(options, nbytes)
     choice: Algorithm | PageDependent = priced[0][2]
-    if host is not None and host.huge and choice.needs_single_copy:
-        small = priced_with(replace(host, huge=False))[0][2]
+    if model.host is not None and model.host.huge and choice.needs_single_copy:
+        small = replace(model, host=replace(model.host, huge=False)).price(options, nbytes)[0][2]
         if small is not choice:
             choice = PageDependent(group, key, choice, small)
-    bound = frozenset() if busy is None else frozenset(
+    bound = frozenset() if model.busy is None else frozenset(
         name for t, name, alg in priced
-        if t > predict(alg, group.size, nbytes, table.link(tier), direct, host=host,
-                       one_way=one_way) * (1 + 1e-9))
+        if t > predict(alg, group.size, nbytes, model.link, model.direct, host=model.host,
+                       one_way=model.one_way) * (1 + 1e-9))
     return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
 
 
-def host_of(group: Group) -> Host | None:
+@dataclass(frozen=True)
+class Model:
+    """What prices a group's calls under one table of constants: its tier's link and the links
+    beside it (see predict)."""
+
+    n: int
+    link: Link
+    direct: Link | None
+    busy: Link | None
+    busy_ring: Link | None
+    busy_pairs: Link | None
+    one_way: Link | None
+    host: Host | None
+
+    @classmethod
+    def of(cls, group: Group, table: LinkTable) -> Model:
+        tier = tier_of(group)
+        busy = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
+                if tier == table.extra.get("busy_tier") else (None, None, None))
+        direct = table.links.get("direct") if group.direct is not None else None
+        return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
+                   host_of(group, table))
+
+    def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
+        return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
+                     self.busy_pairs, self.one_way)
+
+    def cheapest_by_messages(self, collective: str, nbytes: int) -> float:
+        """The price of the cheapest algorithm of `collective` that runs by messages (none of
+        the one-shot paths), whatever TENSORWIRE_ALGO allows: what the one-shot path is built
+        to beat (calibrate.bound_direct)."""
+        algs = [a for a in algorithms_for(collective).values()
+                if not a.needs_direct and a.eligible(self.n, nbytes)]
+        return self.price(algs, nbytes)[0][0]
+
+
+def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
     """The host a single-host group's ranks share, for the cost of what misses its cache and of
     single copy's reads; None for groups across hosts (their links cost more than memory, and
     ranks on other hosts could see another cache: every rank must price alike). Ranks of one
@@ -581,7 +608,7 @@ def host_of(group: Group) -> Host | None:
     (its `hosts`): loopback copies through the kernel's socket buffers cost memory like the
     rings do (unpriced, the tcp-n4 sweep of 2026-11-26 measured the message algorithms at
     1.2-1.8x their price from 1 MiB)."""
-    table = table_for(group.runtime)
+    table = table or table_for(group.runtime)
     if not group.all_local:
         hosts = table.extra.get("hosts")
         if not hosts or len({hosts[r] for r in group.ranks}) != 1:
