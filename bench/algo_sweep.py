@@ -292,8 +292,9 @@ def counts(results: list[dict[str, Any]]) -> dict[str, list[int]]:
             add("choice_ok", res["chosen_over_best"] <= AUTO_OK)
         add("repeat_ok", repeated(res))
         auto = res["cells"].get("auto", {})
-        if res["size"] >= PRED_FROM and auto.get("time_us") and auto.get("predicted_us"):
-            add("median_ok", PRED_LO <= auto["time_us"] / auto["predicted_us"] <= PRED_HI)
+        median = auto.get("p50_us", auto.get("time_us"))  # tables before p50_us: time_us was the median
+        if res["size"] >= PRED_FROM and median and auto.get("predicted_us"):
+            add("median_ok", PRED_LO <= median / auto["predicted_us"] <= PRED_HI)
         if res["size"] >= PRED_FROM:
             for k, cell in res["cells"].items():
                 r = cell.get("measured_over_predicted")

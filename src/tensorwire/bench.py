@@ -13,10 +13,11 @@ Flags, columns and conventions follow nccl-tests (`all_reduce_perf -b 8 -e 128M 
 * algbw = size / time (GB/s, 1e9 B/s); busbw = algbw x nccl-tests' factor: all_reduce
   2(n-1)/n; all_gather, reduce_scatter, alltoall, gather, scatter (n-1)/n; broadcast, reduce,
   sendrecv 1.
-* Timing differs from nccl-tests on purpose (it matches the project's anchor harness): per
-  size, W warm-up calls, a barrier, then N calls each timed with perf_counter on every rank;
-  the time of call i is the maximum over ranks, and the reported time is the median over
-  the N calls. Per-call times are gathered to rank 0 with tensorwire itself after the loop.
+* time is nccl-tests' time: the mean call, the slowest rank's (its `-a 3`). Per size, W
+  warm-up calls, a barrier, then N calls each timed with perf_counter on every rank, so that
+  the distribution shows beside the mean: p50 and p99 over the calls, a call counted at its
+  slowest rank (`benchmarks.sweep.summarize`). Per-call times are gathered to rank 0 with
+  tensorwire itself after the loop.
 * #wrong: after the timed loop the inputs are re-initialised, one more call is made and its
   result is compared element by element with a numpy reference built from every rank's
   input (`tensorwire.ops.reference` for reductions). Inputs are small integers, exact in
@@ -75,14 +76,15 @@ examples:
                                                     the same sweep in Gloo and Open MPI too, 3 rounds
 
 columns (as nccl-tests): size (B), count (elements per rank parameter), type, redop, root,
-then for out-of-place and in-place: time (us, median over iterations of the slowest rank),
-algbw = size/time and busbw = algbw x factor (GB/s), #wrong (elements that differ from the
-numpy reference in one checked call; N/A with -c 0).
+then for out-of-place and in-place: time (us: the mean call, the slowest rank's, as nccl-tests
+reports it), p50 and p99 (us: median and 99th percentile over the calls, each call at its
+slowest rank), algbw = size/time and busbw = algbw x factor (GB/s), #wrong (elements that
+differ from the numpy reference in one checked call; N/A with -c 0).
 
 --compare gloo,mpi: tensorwire, Gloo (torch.distributed, launched by torch.distributed.run) and
 Open MPI (mpi4py, launched by mpiexec) each sweep the same collectives, sizes, placements and
 schedule (float32 sum), one launch per library per round, rounds interleaved. One table per
-collective: per size the median over rounds of each library's time (us) and the ratios
+collective: per size the median over rounds of each library's mean call (us) and the ratios
 tw/gloo and tw/mpi (tensorwire time / other time: < 1 means tensorwire is faster). A row uses
 the rounds in which none of its cells saw foreign CPU load (other processes on the machine); a
 dagger marks the cells measured under it anyway, when every round saw some.
@@ -187,7 +189,8 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
     p.add_argument("--tcp", action="store_true",
                    help="force the TCP transport (TENSORWIRE_TRANSPORT=tcp) even between local ranks")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="also write every row, with p10/p90/mean, as JSON to PATH (rank 0)")
+                   help="also write every row, with mean, p10/p50/p90/p99, min and max, as JSON to PATH "
+                        "(rank 0)")
     p.add_argument("--algo", default=None, metavar="NAME|all",
                    help="force one algorithm (e.g. ring), or `all`: per size, the tuner's choice and every "
                         "eligible algorithm, each with the cost model's prediction (one placement: "
@@ -346,17 +349,17 @@ def _time_str(us: float) -> str:
 
 def _cells(result: dict[str, Any] | None) -> str:
     if result is None:
-        return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>6}"
+        return f"  {'N/A':>7}  {'N/A':>7}  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>6}"
     wrong = "N/A" if result["wrong"] < 0 else str(result["wrong"])
-    return (f"  {_time_str(result['time_us'])}  {result['algbw_GBps']:6.2f}  {result['busbw_GBps']:6.2f}"
-            f"  {wrong:>6}")
+    return (f"  {_time_str(result['time_us'])}  {_time_str(result['p50_us'])}  {_time_str(result['p99_us'])}"
+            f"  {result['algbw_GBps']:6.2f}  {result['busbw_GBps']:6.2f}  {wrong:>6}")
 
 
 def _header_lines(inplace_only: bool) -> list[str]:
     left = f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}"
     units = f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}"
-    cols = f"  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}"
-    cunits = f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}"
+    cols = f"  {'time':>7}  {'p50':>7}  {'p99':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}"
+    cunits = f"  {'(us)':>7}  {'(us)':>7}  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}"
     width = len(cols)
     if inplace_only:
         title = "#" + " " * (len(left) - 1) + f"{'in-place':^{width}}"
@@ -459,9 +462,10 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
         f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} warmup iters: "
         f"{_count(opts.warmup)} iters: {_count(opts.iters)} validation: {int(opts.check)}",
         "#",
-        f"# time = median over the {_count(opts.iters)} timed iterations of the slowest rank's time for "
-        "that iteration",
-        "# (every iteration timed separately on every rank, after warm-up and a barrier"
+        f"# time = the mean of the {_count(opts.iters)} timed iterations on the slowest rank (nccl-tests' "
+        "time); p50, p99 = median and",
+        "# 99th percentile over the iterations of the slowest rank's time for each (every iteration timed",
+        "# on every rank, after warm-up and a barrier"
         + ("; blocking: a barrier before each);" if opts.blocking else ");"),
         "# algbw = size / time, busbw = algbw x nccl-tests factor; 1 GB/s = 1e9 B/s",
         "#",
@@ -562,7 +566,8 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         "transport": _transport_of(tw), "host": platform.node(), "python": platform.python_version(),
         "numpy": np.__version__, "argv": opts.argv, "warmup": opts.warmup or _count(opts.warmup),
         "iters": opts.iters or _count(opts.iters),
-        "timing": "per-iteration max over ranks, median over iterations",
+        "timing": "time: the slowest rank's mean iteration; p50/p99: over iterations, each at its "
+                  "slowest rank",
     }
     if args is not None and args.algo:
         from .bench_algo import run_algos

@@ -4,12 +4,13 @@
 
 For each size the tuner's own choice ("auto") runs first, then every algorithm eligible for
 that call, each forced in turn through `tuner.override` (no re-initialisation, so every
-algorithm runs on the same group, links and calibration). Each line holds the measured time
-(as the plain bench: per iteration the slowest rank, median over iterations), the mean call
-(JUDGED), the model's prediction for that algorithm and the mean call's ratio to it; a summary
-line per size gives the best forced algorithm and auto/best, by the mean call. `--rounds R`
-repeats the whole sequence R times, interleaved, and pools the iterations: on a busy host a
-slow spell then hits every algorithm alike instead of whichever was running.
+algorithm runs on the same group, links and calibration). Each line holds the median call
+(the plain bench's p50: per iteration the slowest rank, the median over iterations), the mean
+call (JUDGED, the plain bench's time), the model's prediction for that algorithm and the mean
+call's ratio to it; a summary line per size gives the best forced algorithm and auto/best, by
+the mean call. `--rounds R` repeats the whole sequence R times, interleaved, and pools the
+iterations: on a busy host a slow spell then hits every algorithm alike instead of whichever
+was running.
 
 Only one placement is measured (out-of-place, or in-place with -I), and every forced run is
 checked against the numpy reference like the plain bench's, so a wrong algorithm shows up
@@ -32,8 +33,8 @@ REGISTRY_NAME = {"alltoall": "all_to_all"}
 AUTO = "auto"
 JUDGED = "mean_us"
 """The statistic the model is judged by and algorithms are ranked by: the slowest rank's mean
-call (its loop time over its calls, nccl-tests' `-a 3`), not the plain bench's headline (per
-call the slowest rank, the median over calls). Back to back, a rooted collective overlaps its
+call (its loop time over its calls, nccl-tests' `-a 3`, the plain bench's time), not the
+median (per call the slowest rank, the median over calls). Back to back, a rooted collective overlaps its
 next call where a rank has nothing to wait for: most calls find their data there and a few wait
 out the backlog, and the median keeps the fast ones only (tcp-n4 at a4ffeb7: the linear gather
 at 1-4 MiB 0.23-0.24x its price by the median, 0.96x by the mean, its 90th percentile 0.5-5x).
@@ -89,7 +90,7 @@ def measure_size(tw: Any, case: bench.Case, coll: str, wanted: str, opts: bench.
     cells = {}
     for name, per_rank in pooled.items():
         stats = bench.summarize(per_rank)
-        algbw = case.size / (stats["time_us"] * 1e-6) / 1e9 if stats["time_us"] > 0 else 0.0
+        algbw = case.size / (stats[JUDGED] * 1e-6) / 1e9 if stats[JUDGED] > 0 else 0.0
         runs_as = chosen if name == AUTO else name
         predicted = decision.predicted(runs_as) * 1e6 if decision is not None and runs_as else None
         cells[name] = {
@@ -165,7 +166,7 @@ def format_size(res: dict[str, Any]) -> list[str]:
         best = "*" if name == res.get("best") else ""
         label = f"{AUTO}:{c['algorithm']}" if name == AUTO else name + best
         ratio = c["measured_over_predicted"]
-        lines.append(_line(str(res["size"]), label, _us(c["time_us"]), _us(c[JUDGED]), _us(c["predicted_us"]),
+        lines.append(_line(str(res["size"]), label, _us(c["p50_us"]), _us(c[JUDGED]), _us(c["predicted_us"]),
                            "-" if ratio is None else f"{ratio:.2f}", f"{c['busbw_GBps']:.2f}",
                            "N/A" if c["wrong"] < 0 else str(c["wrong"])))
     if "auto_over_best" in res:

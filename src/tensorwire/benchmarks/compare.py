@@ -3,7 +3,7 @@
 Every round launches each library once, in the order tensorwire, gloo, mpi, and each launch
 measures the whole sweep (collectives x sizes x placements, float32 sum, the same schedule);
 R rounds (`--rounds`, default 3) interleave them, so the slow drifts of a shared machine hit
-every library alike, and the tables give medians over rounds (see `report`):
+every library alike, and the tables give the median over rounds of each mean call (see `report`):
 
     tensorwire  python -m tensorwire run -n N -m tensorwire.bench ARGS  (the user's own arguments)
     gloo        PY -m torch.distributed.run --nproc-per-node N ... -m tensorwire.benchmarks.gloo_runner
@@ -303,8 +303,8 @@ def _finish(opts: Options, n: int, libs: list[str], peers: dict[str, str], notes
     if args.markdown:
         method = (f"{args.rounds} interleaved round(s) in {elapsed:.0f} s, each launching every "
                   f"library once (order: {', '.join(libs)}) for the whole sweep. Time (us): the median "
-                  "over rounds of each round's median call time, where a call's time is the slowest "
-                  "rank's (warm-up calls, a barrier, then every call timed on every rank). tw/X: "
+                  "over rounds of each round's mean call, the slowest rank's, as nccl-tests reports it "
+                  "(warm-up calls, a barrier, then every call timed on every rank). tw/X: "
                   "tensorwire's time over X's, the median over rounds of the per-round ratio; **< 1 means "
                   "tensorwire is faster**. Each row uses the rounds in which none of its cells saw foreign "
                   "CPU load (other users of this shared machine); where every round saw some, all rounds, "

@@ -2,7 +2,7 @@
 
 Rows (from `tensorwire bench --json` and from the peer runners, each with `lib` and `round`)
 are folded into cells: per library, collective, size and placement, the median over rounds of
-each round's median call time. Each table row (collective and size) uses the rounds in which
+each round's mean call (`sweep.summarize`). Each table row (collective and size) uses the rounds in which
 none of its cells saw foreign CPU load, so its times and ratios come from the same rounds;
 where every round saw some, it uses them all and marks the cells that saw it with a dagger.
 A ratio is tensorwire's time over the other library's, the median over those rounds of the
@@ -43,7 +43,7 @@ class Cell:
     redop: str
     time_us: float
     busbw_GBps: float
-    rounds: dict[int, float]  # every round's median time (us)
+    rounds: dict[int, float]  # every round's mean call (us)
     used_rounds: list[int]  # the rounds the time is the median of
     contaminated: bool  # foreign CPU load in a used round (no round of its row was clean)
     wrong: int  # > 0: the library computed something else; -1: not checked
@@ -225,7 +225,7 @@ def text_tables(ts: Sequence[Table], n: int, rounds: int) -> list[str]:
     """The comparison tables as `#`-commented headers and whitespace-separated rows."""
     lines = [
         f"# Comparison, {n} ranks, float32 sum, {rounds} interleaved round(s): time (us) = median over",
-        "# rounds of each round's median call time (call time = the slowest rank's); ratio tw/X = tensorwire",
+        "# rounds of each round's mean call (the slowest rank's, as nccl-tests); ratio tw/X = tensorwire",
         "# time / X time, median over rounds of the per-round ratio: < 1 means tensorwire is faster, > 1",
         "# slower. A row uses the rounds in which none of its cells saw foreign CPU load,",
         f"# else all rounds and {DAGGER} marks the cells that saw it. oop = out-of-place, ip = in-place;",
@@ -310,8 +310,9 @@ def machine_lines(info: dict[str, Any], libraries: dict[str, str]) -> list[str]:
     return lines
 
 
-PLAIN_METHOD = ("Time: the median over the timed calls of each call's time on the slowest rank (warm-up "
-                "calls, a barrier, then every call timed on every rank); algbw = size / time, busbw = algbw "
+PLAIN_METHOD = ("Time: the mean call, the slowest rank's, as nccl-tests reports it (warm-up calls, a "
+                "barrier, then every call timed on every rank); p50 and p99: the median and 99th percentile "
+                "over the calls of each call's time on its slowest rank; algbw = size / time, busbw = algbw "
                 "x nccl-tests' factor (GB/s = 1e9 B/s).")
 
 

@@ -4,12 +4,14 @@ tensorwire's own sweep (`tensorwire.bench`) and the peer runners that time Gloo 
 (`gloo_runner`, `mpi_runner`) build their cases and take their figures here, so a time means
 the same thing whichever library it belongs to: W warm-up calls, a barrier, then N calls each
 timed with perf_counter on every rank (with `blocking`, each after a barrier of its own); the
-time of call i is the maximum over ranks and the figure is the median over the N calls. Sizes,
-element counts and bus-bandwidth factors are nccl-tests' (see `tensorwire.bench`).
+figure is the mean call, as nccl-tests reports it, with the median and the 99th percentile
+beside it (see `summarize`). Sizes, element counts and bus-bandwidth factors are nccl-tests'
+(see `tensorwire.bench`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -57,7 +59,7 @@ def schedule(nbytes: int) -> tuple[int, int]:
     """(warm-up calls, timed calls) of `-w auto` / `-n auto`: fewer calls at larger sizes.
 
     Fixed per size class rather than adaptive, so two runs time the same number of calls; at
-    most a few seconds per size on a small machine, enough calls for a stable median.
+    most a few seconds per size on a small machine, enough calls for a stable mean.
     """
     for limit, warmup, iters in _SCHEDULE:
         if nbytes <= limit:
@@ -278,22 +280,37 @@ def unpack(gathered: Sequence[np.ndarray]) -> tuple[list[list[float]], int]:
 
 
 def summarize(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
-    """Call i's time = max over ranks; median (the headline), p10, p90, min, max over calls;
-    mean = the slowest rank's loop time / N (back-to-back view, includes tails)."""
+    """The figures of one timed loop, in microseconds.
+
+    `time_us` (the headline, also as `mean_us`) is the mean call: the slowest rank's time over
+    its calls, stalls included, as nccl-tests reports it (its `-a 3`: the maximum over ranks of
+    each rank's mean); what a loop of such calls costs, and what the cost model prices. Beside
+    it the distribution of the calls, each call counted at its slowest rank (where it has
+    finished everywhere): `p50_us` (the median, the headline before), `p99_us` (nearest rank:
+    the slowest call when there are fewer than 100), and `p10_us`, `p90_us`, `min_us`, `max_us`.
+    A mean far above the median is a tail; one below it is a loop whose calls overlap, each
+    rank slow in other calls (rooted collectives back to back, ranks that outnumber cores)."""
     nops = len(per_rank[0])
     worst = sorted(max(rs[i] for rs in per_rank) for i in range(nops))
+    mean = max(sum(rs) / nops for rs in per_rank) * 1e6
+
+    def nearest_rank(p: float) -> float:
+        return worst[min(nops - 1, max(0, math.ceil(p * nops) - 1))] * 1e6
+
     return {
-        "time_us": statistics.median(worst) * 1e6,
+        "time_us": mean,
+        "mean_us": mean,
+        "p50_us": statistics.median(worst) * 1e6,
+        "p99_us": nearest_rank(0.99),
         "p10_us": worst[nops // 10] * 1e6,
         "p90_us": worst[min(nops - 1, (nops * 9) // 10)] * 1e6,
         "min_us": worst[0] * 1e6,
         "max_us": worst[-1] * 1e6,
-        "mean_us": max(sum(rs) / nops for rs in per_rank) * 1e6,
     }
 
 
 def cell(coll: str, n: int, size: int, per_rank: Sequence[Sequence[float]], wrong: int) -> dict[str, Any]:
-    """One measured cell: #wrong, algbw and busbw (GB/s) and the time statistics."""
+    """One measured cell: #wrong, algbw and busbw (GB/s, from the mean call) and the time statistics."""
     stats = summarize(per_rank)
     algbw = size / (stats["time_us"] * 1e-6) / 1e9 if stats["time_us"] > 0 else 0.0
     return {"wrong": wrong, "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(coll, n), **stats}
