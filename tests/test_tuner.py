@@ -805,7 +805,9 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     print(f"\n{transport}: probe {first[0]['probe_s'] * 1e3:.1f} ms (forced {forced[0]['probe_s'] * 1e3:.1f} "
           f"ms); tuning setup on a cache hit {second[0]['setup_s'] * 1e3:.2f} ms; constants "
           f"{first[0]['links'][tier]}")
-    assert first[0]["probe_s"] < 1.0 and second[0]["setup_s"] < 0.5
+    # bounds against a runaway, not speed claims (a probe takes 0.1-0.6 s on a quiet 2-core VM,
+    # seconds under the load of other test suites)
+    assert first[0]["probe_s"] < 20 and second[0]["setup_s"] < 5
 
 
 def rank_reinit_and_choose(port: int, env: dict[str, str]) -> dict:
@@ -1022,6 +1024,9 @@ def test_the_one_shot_is_priced_below_the_messages_unless_measured_slower() -> N
     # an α already below the messages is left alone
     fine = replace(table, links={**table.links, "direct": replace(table.links["direct"], alpha=4e-6)})
     assert calibrate.bound_direct(g, fine, slower=False, from_file=False) is fine
+    # ... and so is a default one (no measurement to distrust: a tuning file's cheap messages win)
+    default = replace(table, sources={**table.sources, "direct": "default"})
+    assert calibrate.bound_direct(g, default, slower=False, from_file=False) is default
 
 
 def _mismatch_rank(rank: int, port: int, env: dict, q) -> None:

@@ -916,9 +916,10 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
 # -- what a measurement may change ------------------------------------------------------------------
 
 def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) -> LinkTable:
-    """The table with the one-shot path's α priced below the cheapest all_reduce by messages at
-    8 bytes (DIRECT_BOUND of it), unless the probe found the one shot slower than recursive
-    doubling in every one of its DIRECT_ROUNDS (`slower`) or the tuning file sets that α.
+    """The table with the one-shot path's measured (or cached) α priced below the cheapest
+    all_reduce by messages at 8 bytes (DIRECT_BOUND of it), unless the probe found the one shot
+    slower than recursive doubling in every one of its DIRECT_ROUNDS (`slower`) or the tuning
+    file sets that α (`from_file`); a default α is left as it is.
 
     The one shot exists to beat the messages at small sizes: one flag round where the messages
     take a round per step. A probe that says otherwise has usually met a preempted rank, and a
@@ -927,7 +928,8 @@ def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) 
     one shot at 97 us instead of 7 (2 ranks, a quiet machine, issue 35). Only evidence that
     holds, measured against the messages under the same conditions, changes that choice."""
     link = table.links.get("direct")
-    if world.direct is None or link is None or slower or from_file:
+    measured = table.sources.get("direct", "").removeprefix("file+") in ("calibrated", "cached")
+    if world.direct is None or link is None or slower or from_file or not measured:
         return table
     bound = DIRECT_BOUND * tuner.Model.of(world, table).cheapest_by_messages("all_reduce", 8)
     if link.alpha <= bound:
