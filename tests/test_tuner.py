@@ -1004,15 +1004,15 @@ def _one_host_pair() -> tuple[_Group, tuner.LinkTable]:
                               extra={"busy_tier": "shm", "hosts": [1, 1], "cores": 2})
 
 
-def test_the_one_shot_is_priced_below_the_messages_unless_measured_slower() -> None:
+def test_the_one_shot_is_priced_below_the_rest_unless_measured_slower() -> None:
     """calibrate.bound_direct: the one-shot path's α, however it was measured, is priced below
-    the cheapest all_reduce by messages at 8 B (so tiny calls take it), unless the probe found
-    it slower than recursive doubling in every round, or the tuning file sets it."""
+    every other all_reduce at 8 B (so tiny calls take it), unless the probe found it slower
+    than recursive doubling in every round, or the tuning file sets it."""
     g, table = _one_host_pair()
     tuner.install(g.runtime, table)
     assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "recursive_doubling"  # the poisoned choice
     bounded = calibrate.bound_direct(g, table, slower=False, from_file=False)
-    messages = tuner.Model.of(g, table).cheapest_by_messages("all_reduce", 8)
+    messages = tuner.Model.of(g, table).cheapest_besides("all_reduce", 8, "direct")
     assert bounded.links["direct"].alpha == pytest.approx(calibrate.DIRECT_BOUND * messages)
     assert bounded.links["direct"].beta == table.links["direct"].beta
     tuner.install(g.runtime, bounded)
@@ -1027,6 +1027,18 @@ def test_the_one_shot_is_priced_below_the_messages_unless_measured_slower() -> N
     # ... and so is a default one (no measurement to distrust: a tuning file's cheap messages win)
     default = replace(table, sources={**table.sources, "direct": "default"})
     assert calibrate.bound_direct(g, default, slower=False, from_file=False) is default
+    # with single copy, and the messages priced out by a busy α taken in a stall (12.6 ms, as a
+    # probe on the loaded development VM measured it), single copy's price bounds the one shot
+    g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False, huge_eighths=8)
+    gamma = table.links["shm"].gamma
+    stall = replace(table.links[tuner.BUSY], alpha=12.6e-3)
+    stalled = replace(table, links={**table.links, tuner.BUSY: stall,
+                                    tuner.CMA: Link(tuner.CMA, 5.7e-6, 1 / 10e9, gamma),
+                                    tuner.CMA_HUGE: Link(tuner.CMA_HUGE, 5.7e-6, 1 / 18e9, gamma)})
+    tuner.install(g.runtime, stalled)
+    assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "single_copy"
+    tuner.install(g.runtime, calibrate.bound_direct(g, stalled, slower=False, from_file=False))
+    assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "direct"
 
 
 def _mismatch_rank(rank: int, port: int, env: dict, q) -> None:

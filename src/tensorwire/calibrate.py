@@ -106,8 +106,8 @@ DIRECT_WARM = 8  # ... after this many untimed: the first calls after init measu
 # in a benchmark's 8 B calls), enough to flip small all_reduces to the tree (2-8x slower)
 DIRECT_ROUNDS = 3  # rounds of the one shot's 8 B calls against recursive doubling's, spread over
 # the probe: the median round gives the one shot's α (see _probe, bound_direct)
-DIRECT_BOUND = 0.9  # ... which is priced at most this share of the cheapest all_reduce by messages
-# at 8 B, unless it was the slower in every round
+DIRECT_BOUND = 0.9  # ... which is priced at most this share of the cheapest other all_reduce at
+# 8 B, unless it was the slower in every round
 CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
 CHECK_WARM, CHECK_SERIES, CHECK_CALLS, CHECK_BATCHES = 2, 3, 6, 3  # the check of a cache entry at init:
 # the one shot as _typical (these counts), the busy α as measure_busy (this many batches)
@@ -916,26 +916,29 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
 # -- what a measurement may change ------------------------------------------------------------------
 
 def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) -> LinkTable:
-    """The table with the one-shot path's measured (or cached) α priced below the cheapest
-    all_reduce by messages at 8 bytes (DIRECT_BOUND of it), unless the probe found the one shot
-    slower than recursive doubling in every one of its DIRECT_ROUNDS (`slower`) or the tuning
-    file sets that α (`from_file`); a default α is left as it is.
+    """The table with the one-shot path's measured (or cached) α priced below every other
+    all_reduce at 8 bytes (DIRECT_BOUND of the cheapest: by messages, or single copy), unless
+    the probe found the one shot slower than recursive doubling in every one of its
+    DIRECT_ROUNDS (`slower`) or the tuning file sets that α (`from_file`); a default α is left
+    as it is.
 
-    The one shot exists to beat the messages at small sizes: one flag round where the messages
-    take a round per step. A probe that says otherwise has usually met a preempted rank, and a
-    cached price above the messages' made every later job on the host send small all_reduces
-    by recursive doubling: 8 B in 29.6 us instead of 4.3, after one probe in three priced the
-    one shot at 97 us instead of 7 (2 ranks, a quiet machine, issue 35). Only evidence that
-    holds, measured against the messages under the same conditions, changes that choice."""
+    The one shot exists to beat the rest at small sizes: one flag round where the messages
+    take a round per step and single copy two flag rounds. A probe that says otherwise has
+    usually met a preempted rank, and a cached price above the messages' made every later job
+    on the host send small all_reduces by recursive doubling: 8 B in 29.6 us instead of 4.3,
+    after one probe in three priced the one shot at 97 us instead of 7 (2 ranks, a quiet
+    machine, issue 35). Only evidence that holds, measured against the messages under the
+    same conditions, changes that choice."""
     link = table.links.get("direct")
     measured = table.sources.get("direct", "").removeprefix("file+") in ("calibrated", "cached")
     if world.direct is None or link is None or slower or from_file or not measured:
         return table
-    bound = DIRECT_BOUND * tuner.Model.of(world, table).cheapest_by_messages("all_reduce", 8)
+    bound = DIRECT_BOUND * tuner.Model.of(world, table).cheapest_besides("all_reduce", 8, "direct")
     if link.alpha <= bound:
         return table
-    _log.info("the one-shot path's α %.3g us priced at %.3g us: below the messages' all_reduce at 8 B, "
-              "as it was not slower than them in every round of its probe", link.alpha * 1e6, bound * 1e6)
+    _log.info("the one-shot path's α %.3g us priced at %.3g us: below every other all_reduce at 8 B, as "
+              "it was not slower than the messages in every round of its probe", link.alpha * 1e6,
+              bound * 1e6)
     return replace(table, links={**table.links, "direct": replace(link, alpha=bound)})
 
 

@@ -577,6 +577,8 @@ class Model:
     busy_pairs: Link | None
     one_way: Link | None
     host: Host | None
+    single_copy: bool = False
+    """The group can read its peers' memory (single copy's algorithms are priced)."""
 
     @classmethod
     def of(cls, group: Group, table: LinkTable) -> Model:
@@ -585,18 +587,20 @@ class Model:
                 if tier == table.extra.get("busy_tier") else (None, None, None))
         direct = table.links.get("direct") if group.direct is not None else None
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
-                   host_of(group, table))
+                   host_of(group, table), bool(group.direct is not None and group.direct.single_copy))
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
         return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
                      self.busy_pairs, self.one_way)
 
-    def cheapest_by_messages(self, collective: str, nbytes: int) -> float:
-        """The price of the cheapest algorithm of `collective` that runs by messages (none of
-        the one-shot paths), whatever TENSORWIRE_ALGO allows: what the one-shot path is built
-        to beat (calibrate.bound_direct)."""
+    def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
+        """The price of the cheapest algorithm of `collective` other than `name` that the
+        group has (by messages, or single copy where it reads its peers), whatever
+        TENSORWIRE_ALGO allows: what the one-shot path is built to beat at small sizes
+        (calibrate.bound_direct)."""
         algs = [a for a in algorithms_for(collective).values()
-                if not a.needs_direct and a.eligible(self.n, nbytes)]
+                if a.name != name and a.eligible(self.n, nbytes)
+                and (not a.needs_direct or (a.needs_single_copy and self.single_copy))]
         return self.price(algs, nbytes)[0][0]
 
 
