@@ -1366,7 +1366,8 @@ def _algo_sizes(n: int) -> list[int]:
 
 def _p2p_all_reduce() -> dict:
     """The message-based all_reduce algorithms of the registry (the direct path is tested apart)."""
-    return {name: alg.run for name, alg in algorithms_for("all_reduce").items() if not alg.needs_direct}
+    return {name: alg.run for name, alg in algorithms_for("all_reduce").items()
+            if not alg.needs_direct and alg.phases is None}  # hierarchical: across hosts only
 
 
 def rank_algorithms_direct(seed: int) -> dict:

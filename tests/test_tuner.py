@@ -122,6 +122,7 @@ class _Runtime:  # weak-referenceable stand-in for a Runtime
 class _Group:
     def __init__(self, size: int, tier: str, cfg: Config | None = None) -> None:
         self.size, self.all_local, self.direct, self.name = size, tier == "shm", None, "fake"
+        self.layout = None  # one host: no topology-aware order, no hierarchy
         self.ranks = list(range(size))
         self.runtime = _Runtime(cfg or Config())
         self.ring_bytes = self.runtime.config.shm_ring_bytes

@@ -39,6 +39,7 @@ from .api import (
     scatterv,
     send,
     split,
+    topology,
     world,
 )
 from .errors import (

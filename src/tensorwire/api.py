@@ -22,6 +22,7 @@ from .group import Group
 from .rendezvous import bootstrap
 from .rendezvous.store import PrefixStore
 from .runtime import Runtime
+from .topo import Topology, local_card
 from .transport import netif
 from .transport.connect import connect_world
 
@@ -70,8 +71,8 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                   info.world_size, info.source, info.init_method, address, cfg.transport)
         try:
             serving = info.world_size if getattr(root_store, "server", None) is not None else 0
-            engine = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id, address, deadline,
-                                   serving)
+            engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
+                                          local_card(address), deadline, serving)
         except BaseException:
             if root_store is not None and store is None:
                 if getattr(root_store, "server", None) is not None:
@@ -82,7 +83,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                 root_store.close()
             raise
         runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
-                          engine)
+                          engine, topology=Topology.from_cards(cards))
         runtime.world = Group(runtime, range(info.world_size), 0, "world")
         try:
             calibrate.at_init(runtime.world)  # collective: link constants every rank agrees on
@@ -131,6 +132,17 @@ def get_world_size(group: Group | None = None) -> int:
 
 def config() -> Config:
     return require_runtime("config()").config
+
+
+def topology() -> Topology:
+    """The job's topology, the same on every rank: each rank's host, machine, cores, NUMA node,
+    GPU and interface (`.ranks`), the hosts (`.hosts`), the tier of a pair (`.tier(a, b)`),
+    a group's layout and orders (`.layout(ranks)`); `.as_dict()` for JSON."""
+    rt = require_runtime("topology()")
+    if rt.topology is None:
+        raise NotInitializedError("topology(): this world connects its pairs on demand (tensorwire groups "
+                                  "on top of another torch backend) and has no topology")
+    return rt.topology
 
 
 def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Group:

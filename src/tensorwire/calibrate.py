@@ -63,7 +63,7 @@ from .buffers import copy as copy_as_library
 from .buffers import huge_zeros
 from .errors import InvalidArgumentError
 from .ops import ReduceOp
-from .transport.connect import machine_id
+from .topo import machine_id
 from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
 
 LINKS = (*TIERS, *ONE_WAY.values(), "direct", tuner.CMA, tuner.CMA_HUGE, tuner.BUSY, tuner.BUSY_RING,
@@ -990,7 +990,7 @@ def _cpu_seconds() -> tuple[float, float]:
 
 
 def foreign_cores(world: Group, machines: list[int], before: tuple[float, float], t0: float) -> float:
-    """On the busiest of the job's machines (ranks that share a kernel: connect.machine_id), the
+    """On the busiest of the job's machines (ranks that share a kernel: topo.machine_id), the
     cores' worth of CPU that processes outside the job used since `before` (_cpu_seconds at
     perf_counter `t0`) beyond the cores the job left idle and /proc/stat's resolution (a tick
     per CPU at each end): above LOAD_SLACK the probe measured the neighbours as much as the

@@ -1,4 +1,5 @@
-"""The `tensorwire` command: `run` (launcher), `bench` (benchmark), `version`.
+"""The `tensorwire` command: `run` (launcher), `bench` (benchmark), `plan` (the cost model),
+`topo` (the job's topology), `version`.
 
 Subcommands are dispatched by hand rather than through argparse subparsers so that each one
 owns its full argument syntax (the launcher passes everything after the script through
@@ -40,6 +41,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "eth25g). Example: tensorwire plan all_reduce 64MiB --np 16 --tier shm,ib-ndr "
         "(see tensorwire plan --help)",
     ),
+    "topo": (
+        "print the job's topology and the orders collectives run in",
+        "Hosts and their ranks, each rank's cores, NUMA node, GPU and network interface, the tier of its "
+        "pairs, and the ring, tree and hierarchy orders of the world group. Inside a job every rank joins "
+        "and rank 0 prints; --np N starts N ranks on this host. Example: tensorwire topo --np 4 "
+        "(see tensorwire topo --help)",
+    ),
     "version": (
         "print the versions of tensorwire, Python and numpy",
         "Example: tensorwire version",
@@ -55,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  tensorwire run -n 4 train.py --epochs 3\n"
                "  tensorwire bench all_reduce -b 8 -e 64M -f 4 --np 2\n"
+               "  tensorwire topo --np 4\n"
                "  tensorwire version\n",
     )
     parser.add_argument("--version", action="store_true", help="same as `tensorwire version`")
@@ -125,6 +134,12 @@ def _plan(argv: list[str]) -> int:
     return plan.main(argv)
 
 
+def _topo(argv: list[str]) -> int:
+    from tensorwire import topo
+
+    return topo.main(argv)
+
+
 def _version(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: tensorwire version\n\nPrint the versions of tensorwire, Python and numpy.")
@@ -134,7 +149,7 @@ def _version(argv: list[str]) -> int:
 
 
 HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": _run, "bench": _bench, "plan": _plan,
-                                                   "version": _version}
+                                                   "topo": _topo, "version": _version}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

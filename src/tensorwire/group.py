@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import limits, log, tuner
+from .algorithms.hierarchical import Hierarchy
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.registry import Link
 from .algorithms.shm_direct import DirectPath
@@ -38,6 +39,7 @@ from .work import Work
 if TYPE_CHECKING:
     from .gpu.collectives import DeviceCollectives
     from .runtime import Runtime
+    from .topo import Layout
 
 _log = log.get("COLL")
 P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
@@ -113,6 +115,11 @@ class CollectiveCall:
         """The group's link constants, as the tuner priced this call with them."""
         return tuner.link_of(self.group)
 
+    @property
+    def hierarchy(self) -> Hierarchy:
+        """The group's host group and rail for this rank (hierarchical algorithms only)."""
+        return self.group.hierarchy()
+
     def wait(self, *reqs: Request) -> None:
         direct = self.group.direct
         self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, seq=self.seq,
@@ -161,6 +168,8 @@ class Group(Collectives):
             getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
         self.one_host = self.all_local  # every member on this host, rings or not (agreed in _setup_direct)
         self.ring_bytes = runtime.config.shm_ring_bytes  # the smallest ring among members (_setup_direct)
+        self._layout: Layout | None | bool = False  # False: not looked up yet
+        self._hierarchy: Hierarchy | None = None
         self.direct: DirectPath | None = None
         if self.rank >= 0:
             self._setup_direct()
@@ -178,6 +187,37 @@ class Group(Collectives):
     def group_rank(self, world_rank: int) -> int:
         """This group's rank of a world rank, -1 if it is not a member."""
         return self._index.get(world_rank, -1)
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout | None:
+        """Where the group's ranks lie across hosts (topo.Layout: the orders its algorithms
+        run in, its hierarchy); None for a group on one host, or where the runtime knows no
+        topology (a world whose pairs connect on demand)."""
+        if self._layout is False:
+            topo = getattr(self.runtime, "topology", None)
+            self._layout = None if topo is None or self.all_local else topo.layout(self.ranks, self.name)
+        return self._layout  # type: ignore[return-value]
+
+    def hierarchy(self) -> Hierarchy:
+        """This rank's host group and rail (algorithms/hierarchical.py), made on first use:
+        collectively, inside the first call that runs a hierarchical algorithm, which every
+        member runs at the same point. A failure of the group fails them too (Engine.children)."""
+        if self._hierarchy is None:
+            layout = self.layout
+            if layout is None or layout.shape is None:
+                raise InvalidArgumentError(f"rank {self.runtime.rank}: group {self.name} has no hierarchy: "
+                                           "its hosts hold different numbers of ranks, or it is on one host")
+            where = {g: (k, i) for k, on in enumerate(layout.hosts) for i, g in enumerate(on)}
+            host, index = where[self.rank]
+            ctxs = _mix(self.ctx, -1, host), _mix(self.ctx, -2, index)
+            self.engine.children.setdefault(self.ctx, []).extend(ctxs)
+            local = Group(self.runtime, [self.ranks[g] for g in layout.hosts[host]], ctxs[0],
+                          f"{self.name}/host{host}")
+            rail = Group(self.runtime, [self.ranks[on[index]] for on in layout.hosts], ctxs[1],
+                         f"{self.name}/rail{index}")
+            self._hierarchy = Hierarchy(local, rail, layout.hosts, host, index, where)
+        return self._hierarchy
 
     # -- execution ----------------------------------------------------------------------------
     def _submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,

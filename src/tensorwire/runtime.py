@@ -10,6 +10,7 @@ from . import log
 from .config import Config
 from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
+from .topo import Topology
 from .transport.engine import Engine
 
 _WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
@@ -28,6 +29,7 @@ class Runtime:
     segments: list = field(default_factory=list)  # shared segments of this process's groups
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
+    topology: Topology | None = None  # who is near whom (None: a world whose pairs connect on demand)
 
     def close(self) -> None:
         for group in list(self.groups):

@@ -31,12 +31,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import log
 from .algorithms import rank_ordered
+from .algorithms.hierarchical import LocalPrice, RailPrice, Shape
+from .algorithms.ordered import arrange
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config
 from .errors import InvalidArgumentError
@@ -270,11 +272,13 @@ def parse_algo(spec: str, collective: str) -> tuple[frozenset[str], frozenset[st
     return frozenset(forced), frozenset(excluded)
 
 
-def allowed(cfg: Config, collective: str, name: str) -> bool:
+def allowed(cfg: Config, collective: str, name: str, force: bool = True) -> bool:
+    """May `name` run `collective` under TENSORWIRE_ALGO and deterministic mode? `force=False`
+    applies the exclusions only (see forcing)."""
     if not cfg.algo and not cfg.deterministic:
         return True
     forced, excluded = parse_algo(cfg.algo, collective)
-    if name in excluded or (forced and name not in forced):
+    if name in excluded or (force and forced and name not in forced):
         return False
     return not (cfg.deterministic and not is_deterministic(algorithms_for(collective)[name]))
 
@@ -322,11 +326,32 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
 
 # -- the choice ------------------------------------------------------------------------------------
 
+def forcing(cfg: Config, collective: str, hierarchy: bool) -> bool:
+    """Does TENSORWIRE_ALGO's forcing bind a group? Not where it forces only hierarchical
+    algorithms and the group cannot run them (`hierarchy` False: a group on one host, or the
+    host groups and rails its phases run on, which choose their own algorithms)."""
+    forced = parse_algo(cfg.algo, collective)[0] if cfg.algo else frozenset()
+    if not forced or hierarchy:
+        return True
+    return not all(name in algorithms_for(collective) and algorithms_for(collective)[name].phases
+                   for name in forced)
+
+
+def shape_of(group: Group) -> Shape | None:
+    """The shape a group's hierarchical algorithms run in (topo.Layout.shape), or None."""
+    layout = group.layout
+    return None if layout is None else layout.shape
+
+
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
     direct = group.direct
     cfg = group.runtime.config
+    shape = shape_of(group)
+    force = forcing(cfg, collective, shape is not None)
     out = []
     for alg in algorithms_for(collective).values():
+        if alg.phases is not None and (shape is None or not direct_ok):
+            continue
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
                                  or (alg.needs_single_copy and (not direct.single_copy or (
@@ -334,9 +359,52 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
                                  or (nbytes < alg.crowded_below and group.engine.oversubscribed
                                      and alg.name not in parse_algo(cfg.algo, collective)[0])):
             continue
-        if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name):
+        if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name, force):
             out.append(alg)
     return out
+
+
+def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
+                 rail_tier: str = "tcp") -> tuple[LocalPrice, RailPrice]:
+    """How the tuner prices a hierarchical algorithm's phases (Algorithm.phases): each at the
+    cheapest flat algorithm of its collective that the phase's sub-group could run. Within a
+    host on `local_tier`, with the one-shot path at its own constants (single copy is left
+    out: a host group may not get it). Between hosts on `rail_tier`, its β (and the busy
+    links', where the world measured them on that tier: the rails run while every rank works,
+    as the flat algorithms do, and are priced alike) multiplied by the flows that share a
+    host's link."""
+    local_link, rail_link = table.link(local_tier), table.link(rail_tier)
+    direct = table.links.get("direct") or DEFAULT_LINKS["direct"]
+    across = table.extra.get("busy_tier") == rail_tier
+    busy = tuple(table.links.get(b) if across else None for b in (BUSY, BUSY_RING, BUSY_PAIRS))
+    one_way = table.links.get(ONE_WAY[rail_tier]) if rail_tier in ONE_WAY else None
+
+    def cheapest(collective: str, n: int, nbytes: int, price_one: Callable[[Algorithm], float],
+                 one_host: bool) -> float:
+        if n < 2:
+            return 0.0
+        force = forcing(cfg, collective, False)
+        costs = [price_one(a) for a in algorithms_for(collective).values()
+                 if a.phases is None and a.eligible(n, nbytes) and allowed(cfg, collective, a.name, force)
+                 and (not a.needs_direct or (one_host and not a.needs_single_copy
+                                            and slot_bytes(a, n, nbytes) <= cfg.direct_slot(n)))]
+        return min(costs, default=float("inf"))
+
+    def local(collective: str, n: int, nbytes: int) -> float:
+        one_host = local_tier == "shm"
+        return cheapest(collective, n, nbytes,
+                        lambda a: predict(a, n, nbytes, local_link, direct if one_host else None), one_host)
+
+    def rail(collective: str, n: int, nbytes: int, share: float) -> float:
+        def shared(link: Link | None) -> Link | None:
+            return None if link is None else replace(link, beta=link.beta * share)
+
+        link, way = shared(rail_link), shared(one_way)
+        b, ring, pairs = (shared(x) for x in busy)
+        return cheapest(collective, n, nbytes,
+                        lambda a: predict(a, n, nbytes, link, None, b, ring, None, pairs, way), False)
+
+    return local, rail
 
 
 @dataclass(frozen=True)
@@ -466,7 +534,7 @@ def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link |
     one (the same formula written two ways, as the binomial and linear reduce at n=2: ordered
     by rounding, `tensorwire plan` listed a crossover between them at every other size)."""
     priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way),
-                     alg.name, alg) for alg in algs)
+                     alg.name, alg) for alg in algs if alg.phases is None)  # phases: see decide
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
@@ -535,6 +603,15 @@ class PageDependent:
                           self.small.name)
 
 
+def phased(group: Group, table: LinkTable, algs: list[Algorithm],
+           nbytes: int) -> list[tuple[float, str, Algorithm]]:
+    """(predicted seconds, name, algorithm) of the hierarchical ones among `algs`, by their phases."""
+    cfg = group.runtime.config
+    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
+    shape = shape_of(group)
+    return [(a.phases(shape, nbytes, local, rail), a.name, a) for a in algs if a.phases is not None]
+
+
 def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:
     """Price every eligible algorithm for one call (uncached, unlogged: `select` does that)."""
     options = candidates(group, collective, nbytes, direct_ok)
@@ -552,6 +629,8 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
         model = replace(model, host=replace(model.host, huge=False))
     priced = model.price(options, nbytes)
+    if any(a.phases is not None for a in options):
+        priced = sorted(priced + phased(group, table, options, nbytes), key=lambda p: p[0])
     choice: Algorithm | PageDependent = priced[0][2]
     if model.host is not None and model.host.huge and choice.needs_single_copy:
         small = replace(model, host=replace(model.host, huge=False)).price(options, nbytes)[0][2]
@@ -559,8 +638,12 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
             choice = PageDependent(group, key, choice, small)
     bound = frozenset() if model.busy is None else frozenset(
         name for t, name, alg in priced
-        if t > predict(alg, group.size, nbytes, model.link, model.direct, host=model.host,
-                       one_way=model.one_way) * (1 + 1e-9))
+        if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
+                                              host=model.host, one_way=model.one_way) * (1 + 1e-9))
+    layout = group.layout
+    if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
+        priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
+        choice = priced[0][2]
     return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
 
 

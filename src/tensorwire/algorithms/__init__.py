@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     bruck,
     chain,
     dissemination,
+    hierarchical,
     linear,
     pairwise,
     rabenseifner,

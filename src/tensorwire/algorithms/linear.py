@@ -94,6 +94,10 @@ def _reduce_cost(n: int, m: int, link: Link) -> float:
     return _root_latency(n, link) + (n - 1) * m * (link.beta + link.gamma)
 
 
-register(Algorithm("linear", "gather", linear_gather, _gather_cost, work=gather_work, one_way=True))
-register(Algorithm("linear", "scatter", linear_scatter, _scatter_cost, work=gather_work, one_way=True))
-register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost, work=reduce_work, one_way=True))
+# every rank talks to the root: no order to choose (and the reduce folds in rank order)
+register(Algorithm("linear", "gather", linear_gather, _gather_cost, work=gather_work, one_way=True,
+                   reorder=False))
+register(Algorithm("linear", "scatter", linear_scatter, _scatter_cost, work=gather_work, one_way=True,
+                   reorder=False))
+register(Algorithm("linear", "reduce", linear_reduce, _reduce_cost, work=reduce_work, one_way=True,
+                   reorder=False))

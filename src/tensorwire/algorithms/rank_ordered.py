@@ -139,6 +139,8 @@ def _reduce_work(n: int, m: int, link: Link) -> float:
     return _fold_cost(n, m, link) + gather_work(n, m, link)
 
 
-register(Algorithm(NAME, "all_reduce", rank_ordered_all_reduce, _all_reduce_cost))
-register(Algorithm(NAME, "reduce", rank_ordered_reduce, _all_reduce_cost, work=_reduce_work))
-register(Algorithm(NAME, "reduce_scatter", rank_ordered_reduce_scatter, _reduce_scatter_cost))
+# they fold in group-rank order: a topology-aware order would change the bits
+register(Algorithm(NAME, "all_reduce", rank_ordered_all_reduce, _all_reduce_cost, reorder=False))
+register(Algorithm(NAME, "reduce", rank_ordered_reduce, _all_reduce_cost, work=_reduce_work, reorder=False))
+register(Algorithm(NAME, "reduce_scatter", rank_ordered_reduce_scatter, _reduce_scatter_cost,
+                   reorder=False))

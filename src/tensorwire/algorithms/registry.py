@@ -120,6 +120,16 @@ class Algorithm:
     folds each piece while it is in cache, its one read and one write of memory hidden under
     the n reads and n-1 folds (n=4, 16 and 64 MiB, four sweeps of 2026-11-25: 0.39-0.61 of its
     price with memory charged, 0.70-1.18 without)."""
+    reorder: bool = True
+    """Runs in the group's topology-aware order where its ranks span hosts (algorithms/ordered.py):
+    the algorithm sees virtual ranks, the results land in the callers' slots. False where the
+    order cannot matter (every rank talks to the root) or must not change (the rank-ordered
+    reductions fold in group-rank order), and for the algorithms that place themselves."""
+    phases: Callable[..., float] | None = None
+    """A hierarchical algorithm's cost (algorithms/hierarchical.py): (Shape, bytes, price of a
+    phase within a host, price of a phase between hosts) -> seconds. It runs only on groups
+    whose hosts hold the same number of ranks, and only where blocks are even; `cost` is never
+    asked."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the

@@ -34,18 +34,6 @@ _HELLO = struct.Struct("<4sIIQ")  # magic, rank, world size, job hash
 _MAGIC = b"TWv1"
 
 
-def machine_id() -> str:
-    """What ranks that compete for the same cores share: the kernel's boot id. Network
-    namespaces and containers on one kernel (the multi-host test bed's emulated hosts) have
-    host names of their own but run on the same cores; separate machines and VMs boot their
-    own kernels. The host name where the id cannot be read."""
-    try:
-        with builtins.open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or socket.gethostname()
-    except OSError:
-        return socket.gethostname()
-
-
 def _job_hash(job_id: str) -> int:
     h = 1469598103934665603
     for b in job_id.encode():
@@ -74,13 +62,16 @@ def _recv_msg(sock: socket.socket) -> object:
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
-                  address: str, deadline: float, serving: int = 0) -> Engine:
-    """The world's engine with a channel to every peer. `serving`: store clients this process
-    also serves (it hosts the store), whose descriptors it needs too."""
+                  card: dict, deadline: float, serving: int = 0) -> tuple[Engine, dict[int, dict]]:
+    """The world's engine with a channel to every peer, and every rank's card. `card` is this
+    rank's (topo.local_card: its address `addr`, host name `host`, machine `machine`, ...): it
+    is published with the port this rank listens on, which makes the job's topology cost no
+    exchange of its own. `serving`: store clients this process also serves (it hosts the
+    store), whose descriptors it needs too."""
     engine = Engine(rank, world_size, cfg.spin_us)
     if world_size == 1:
-        return engine
-    hostname = socket.gethostname()
+        return engine, {rank: card}
+    address, hostname, machine = card["addr"], card["host"], card["machine"]
     try:
         limits.ensure_descriptors(world_size + serving, f"rank {rank}: init",
                                   f"full-mesh wiring of {world_size} ranks"
@@ -90,10 +81,8 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         store.set(f"tw/peer/{rank}", json.dumps({"error": str(exc)}).encode())  # every rank raises it
         raise
     port = listener.getsockname()[1]
-    machine = machine_id()
     _, shm_free = shm_budget.usage()  # before this rank publishes, so before any ring of the job exists
-    store.set(f"tw/peer/{rank}", json.dumps({"addr": address, "port": port, "host": hostname,
-                                             "machine": machine}).encode())
+    store.set(f"tw/peer/{rank}", json.dumps({**card, "port": port}).encode())
     _log.info("rank %d listening on %s:%d (host %s)", rank, address, port, hostname)
     peers: dict[int, dict] = {}
     for r in range(world_size):
@@ -132,7 +121,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         settings = (f" (congestion control {congestion_of(sock)}"
                     f"{'' if cfg.tcp_congestion else ', the system default'}; {buffers})")
     _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp, settings)
-    return engine
+    return engine, {**peers, rank: {**card, "port": port}}
 
 
 def _listen(rank: int, address: str, world_size: int) -> socket.socket:

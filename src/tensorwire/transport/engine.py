@@ -95,6 +95,7 @@ class Engine:
         self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
         self.deferred_aborts: list[tuple] = []
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
+        self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
         self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
@@ -309,7 +310,7 @@ class Engine:
     def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool) -> None:
         """Wait, and sit, as the ranks that share this machine's cores need. The ranks are
         those that share its cores, whatever host name each has (the emulated hosts of the
-        multi-host test bed share one kernel: connect.machine_id); `index` is this rank's
+        multi-host test bed share one kernel: topo.machine_id); `index` is this rank's
         among them (negative: unknown).
 
         With more ranks than cores, a spinning waiter only keeps the rank it waits for off
@@ -474,13 +475,17 @@ class Engine:
         self.fail_locally(ctx, seq, cls(f"{message} [reported by rank {peer}; seen on rank {self.rank}]"))
 
     def fail_locally(self, ctx: int, seq: int, error: BaseException) -> bool:
-        """Fail call `seq` of a group and every later one on this rank only; False if the group
-        had already failed."""
+        """Fail call `seq` of a group and every later one on this rank only, and every call of
+        its children (the sub-groups a hierarchical algorithm runs its phases on: a rank may
+        wait in one of them while the abort comes for the group); False if the group had
+        already failed."""
         with self.lock:
             if ctx in self.aborted:
                 return False
             self.aborted[ctx] = (seq, error)
             self._fail_ctx(ctx, seq, error)
+            for child in self.children.get(ctx, ()):
+                self.fail_locally(child, 0, error)
             return True
 
     def _fail_ctx(self, ctx: int, seq: int, err: BaseException) -> None:

@@ -106,3 +106,8 @@ def select_address(spec: str, toward: str | None, port: int | None, *, multi_hos
                 f"interface has an IPv4 address; set TENSORWIRE_SOCKET_IFNAME")
         return external[0]
     return address
+
+
+def interface_of(address: str) -> str:
+    """The name of the interface that holds `address` ('' where none does, e.g. a wildcard)."""
+    return next((name for name, addr in list_interfaces() if addr == address), "")

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""A large all_reduce across emulated hosts with block and cyclic rank placement, and Gloo.
+
+    python scripts/netns_cluster.py --hosts 2 -n 4 --rate 1gbit \\
+        --env TENSORWIRE_TCP_CONGESTION=cubic -- bench/placement.py --size 64M --rounds 6 --gloo
+
+Runs as the job of the multi-host test bed. Block placement is the world as the launcher
+numbers it (host i holds ranks i*N .. i*N+N-1); cyclic is a group over the same processes
+whose rank r lies on host r mod K (what Slurm's cyclic distribution gives), so both run in one
+job and alternate round by round (with Gloo, through torch.distributed, where --gloo). A call's
+time is the slowest rank's; each round times --calls calls of each; rank 0 prints one line per
+call (`TIME <case> <round> <seconds>`) and a summary (mean, p50, max per case, and the ratios
+of the means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+import tensorwire as tw
+from tensorwire.config import parse_size
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="64M", help="bytes of the all_reduce (float32)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--calls", type=int, default=2, help="timed calls per case and round")
+    p.add_argument("--gloo", action="store_true", help="also Gloo through torch.distributed (block)")
+    p.add_argument("--cases", default="block,cyclic", help="comma list of block, cyclic")
+    args = p.parse_args()
+    world = tw.init()
+    n, r = world.size, world.rank
+    nodes = n // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per = n // nodes
+    cyclic_order = [(i % nodes) * per + i // nodes for i in range(n)]  # group rank i -> world rank
+    groups = {"block": world, "cyclic": tw.new_group(cyclic_order, name="cyclic")}
+    cases = [c for c in args.cases.split(",") if c]
+    count = parse_size(args.size) // 4
+    x = np.ones(count, dtype=np.float32)
+    ops = {c: (lambda g=groups[c]: tw.all_reduce(x, group=g)) for c in cases}
+    if args.gloo:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+                                f"{int(os.environ['MASTER_PORT']) + 1}", rank=r, world_size=n)
+        t = torch.ones(count, dtype=torch.float32)
+        ops["gloo"] = lambda: dist.all_reduce(t)
+    for op in ops.values():  # warm: connections ramped, algorithms chosen, pages touched
+        op()
+    times: dict[str, list[float]] = {c: [] for c in ops}
+    slowest = np.zeros(1)
+    for rnd in range(args.rounds):
+        order = list(ops) if rnd % 2 == 0 else list(reversed(ops))
+        for case in order:
+            for _ in range(args.calls):
+                x.fill(1)
+                if args.gloo:
+                    t.fill_(1)
+                world.barrier()
+                t0 = time.perf_counter()
+                ops[case]()
+                slowest[0] = time.perf_counter() - t0
+                world.all_reduce(slowest, op=tw.ReduceOp.MAX)
+                times[case].append(float(slowest[0]))
+                if case != "gloo" and not (np.all(x[:8] == n) and np.all(x[-8:] == n)):
+                    raise SystemExit(f"rank {r}: {case}: wrong result {x[:4]} (expected {n})")
+                if r == 0:
+                    print(f"TIME {case} {rnd} {slowest[0]:.4f}", flush=True)
+    if r == 0:
+        means = {c: statistics.fmean(v) for c, v in times.items()}
+        for c, v in times.items():
+            q = statistics.quantiles(v, n=100) if len(v) > 1 else v * 99
+            print(f"SUMMARY {c}: mean {means[c]:.3f} s, p50 {statistics.median(v):.3f}, p99 {q[98]:.3f}, "
+                  f"min {min(v):.3f}, max {max(v):.3f} over {len(v)} calls", flush=True)
+        base = means.get("block")
+        if base:
+            print("RATIO " + ", ".join(f"{c}/block {m / base:.2f}" for c, m in means.items() if c != "block"),
+                  flush=True)
+    world.barrier()
+
+
+if __name__ == "__main__":
+    main()

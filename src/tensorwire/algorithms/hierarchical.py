@@ -1,0 +1,270 @@
+"""Hierarchical collectives for groups spread over hosts: phases within each host over shared
+memory, and between hosts along rails (rail i: the i-th rank of every host), each phase a
+collective of a sub-group with its own algorithm choice (the one-shot path and single copy
+within a host; ring, trees, recursive doubling between hosts).
+
+all_reduce is a reduce-scatter within each host, an all_reduce of each rank's share along its
+rail (every rank of a host carries its share across at once), and an all-gather within each
+host: a host's link carries m per direction whatever the number of its ranks, where a flat
+ring carries 2 (n-1)/n m, with every other hop of it on shared memory waiting for the link.
+Large calls run in pieces, the rails carrying one while the hosts work on the next. Small ones
+take `hierarchical_leaders`: a reduce onto each host's first rank, an all_reduce among those
+and a broadcast back, one message per host between hosts.
+all_gather and reduce_scatter cross along the rails too (each rank's own block, or each rank's
+host-reduced block); broadcast and reduce cross along the root's rail and fan out or in
+within the hosts; the barrier meets within the hosts, across the first rail, and within them
+again.
+
+The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). They
+need every host to hold the same number of ranks (topo.Layout.shape), and all_gather and
+reduce_scatter even blocks (their phases use the sub-groups' list forms). A failure inside a
+phase aborts the parent group, and with it both sub-groups on every rank (Engine.children).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..ops import ReduceOp
+from .base import P2P, offsets_of, split_counts
+from .registry import Algorithm, Link, register
+
+NAME = "hierarchical"
+LEADERS = "hierarchical_leaders"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A group over `hosts` hosts of `per_host` ranks each; `nic_share`: how many of a host's
+    ranks share each of its network interfaces (the rails of a phase in which every rank
+    crosses at once divide a link between them)."""
+
+    hosts: int
+    per_host: int
+    nic_share: float = 1.0
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.per_host
+
+
+LocalPrice = Callable[[str, int, int], float]
+"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier."""
+RailPrice = Callable[[str, int, int, float], float]
+"""(collective, ranks, bytes, flows sharing a link) -> seconds of the cheapest algorithm
+between hosts, its β multiplied by the flows that share each host's link."""
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """What a rank of a group over hosts runs the phases on (built by group.Group.hierarchy)."""
+
+    local: Any
+    """This rank's host group: the group's ranks on its host, in group order (a Group)."""
+    rail: Any
+    """This rank's rail: the ranks at its index on every host, hosts in order (a Group)."""
+    hosts: tuple[tuple[int, ...], ...]
+    """Group ranks per host (topo.Layout.hosts)."""
+    host: int
+    index: int
+    where: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Group rank -> (host, index)."""
+
+
+def _summing(op: ReduceOp) -> ReduceOp:
+    """The phases' op: AVG and PREMUL_SUM accumulate as a sum and are finished once, by the
+    caller over the whole group (ops.finalize), never per phase."""
+    return ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
+
+
+def _left(p2p: P2P) -> float:
+    """The call's remaining time, which bounds every phase."""
+    return max(1e-3, p2p.deadline - time.perf_counter())  # type: ignore[attr-defined]
+
+
+def _even(counts: list[int]) -> bool:
+    return min(counts) == max(counts)
+
+
+PIECE_BYTES = 8 << 20
+"""A large all_reduce runs in pieces of about this size, pipelined: while the rails carry one
+piece between hosts (on the rail group's worker thread), the hosts reduce-scatter the next and
+all-gather the last one. On 2 emulated hosts x 4 ranks at 1 Gbit/s (one 2-core VM for all 8
+ranks), 64 MiB in one piece spent 0.09-0.14 s in the reduce-scatter, 0.58-0.62 s between the
+hosts and 0.16-0.27 s in the all-gather, one after the other (docs/design/topology.md)."""
+MAX_PIECES = 8
+
+
+def pieces(count: int, itemsize: int, per_host: int) -> list[tuple[int, int]]:
+    """Element ranges of the pieces a hierarchical all_reduce of `count` elements runs in: the
+    same on every rank. Each is cut in per_host shares, so a piece holds at least that many."""
+    k = max(1, min(MAX_PIECES, count * itemsize // PIECE_BYTES, count // max(per_host, 1)))
+    bounds = offsets_of(split_counts(count, k))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    op = _summing(op)
+    inp = data if src is None else src
+    ranges = pieces(data.size, data.itemsize, h.local.size)
+    pipelined = len(ranges) > 1
+    crossing: tuple[Any, np.ndarray, list[int]] | None = None  # the piece on the rails
+    for lo, hi in ranges:
+        piece = data[lo:hi]
+        counts = split_counts(hi - lo, h.local.size)
+        offs = offsets_of(counts)
+        share = piece[offs[h.index]:offs[h.index + 1]]
+        if _even(counts):
+            h.local.reduce_scatter_tensor(share, inp[lo:hi], op, timeout=_left(p2p))
+        else:
+            h.local.reduce_scatterv(share, inp[lo:hi], counts, op, timeout=_left(p2p))
+        work = None  # the rails' Work where they run in the background
+        if share.size:
+            done = h.rail.all_reduce(share, op, async_op=pipelined, timeout=_left(p2p))
+            work = done if pipelined else None
+        if crossing is not None:
+            _gather_piece(h, p2p, *crossing)
+        crossing = (work, piece, counts)
+    if crossing is not None:
+        _gather_piece(h, p2p, *crossing)
+
+
+def _gather_piece(h: Hierarchy, p2p: P2P, work: Any, piece: np.ndarray, counts: list[int]) -> None:
+    """Wait for a piece's rails (where they ran in the background), then all-gather it."""
+    if work is not None:
+        work.wait(_left(p2p))
+    share = piece[sum(counts[:h.index]):sum(counts[:h.index + 1])]
+    if _even(counts):
+        h.local.all_gather_into_tensor(piece, share, timeout=_left(p2p))
+    else:
+        h.local.all_gatherv(piece, share, counts, timeout=_left(p2p))
+
+
+def leaders_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+    """Within each host onto its first rank, among those (rail 0), and back within each host:
+    one message per host between hosts, where the shares of `hierarchical_all_reduce` would be
+    per_host messages of nearly nothing; for small calls."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    op = _summing(op)
+    leader = h.index == 0
+    if src is None:
+        h.local.reduce(data, 0, op, timeout=_left(p2p))
+    else:
+        h.local.reduce(src, 0, op, out=data if leader else None, timeout=_left(p2p))
+    if leader:
+        h.rail.all_reduce(data, op, timeout=_left(p2p))
+    h.local.broadcast(data, 0, timeout=_left(p2p))
+
+
+def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarray | None = None) -> None:
+    """Along the root's rail, then within every host from that rail's rank."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    host, index = h.where[root]
+    if h.index == index:
+        if src is not None:  # the root, out of place
+            h.rail.broadcast(src, host, out=data, timeout=_left(p2p))
+        else:
+            h.rail.broadcast(data, host, timeout=_left(p2p))
+    h.local.broadcast(data, index, timeout=_left(p2p))
+
+
+def hierarchical_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+    """Within every host onto the rank on the root's rail, then along that rail to the root."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    op = _summing(op)
+    host, index = h.where[root]
+    if h.index != index:
+        h.local.reduce(data, index, op, timeout=_left(p2p))
+        return
+    part = acc if p2p.rank == root else np.empty_like(data)
+    h.local.reduce(data, index, op, out=part, timeout=_left(p2p))
+    h.rail.reduce(part, host, op, timeout=_left(p2p))
+
+
+def hierarchical_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | None = None) -> None:
+    """Each rank's block along its rail, then each host's blocks within every host."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    mine = blocks[p2p.rank] if src is None else src
+    h.rail.all_gather([blocks[on[h.index]] for on in h.hosts], mine, timeout=_left(p2p))
+    for on in h.hosts:
+        h.local.all_gather([blocks[g] for g in on], blocks[on[h.index]], timeout=_left(p2p))
+
+
+def hierarchical_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """Each host's blocks reduced within every host, then along the rails onto their owners."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    op = _summing(op)
+    partial = np.empty((len(h.hosts), out.size), dtype=out.dtype)
+    for k, on in enumerate(h.hosts):
+        h.local.reduce_scatter(partial[k], [blocks[g] for g in on], op, timeout=_left(p2p))
+    h.rail.reduce_scatter(out, list(partial), op, timeout=_left(p2p))
+
+
+def hierarchical_barrier(p2p: P2P) -> None:
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    h.local.barrier(timeout=_left(p2p))
+    if h.index == 0:
+        h.rail.barrier(timeout=_left(p2p))
+    h.local.barrier(timeout=_left(p2p))
+
+
+# Costs: the phases' own cheapest algorithms, priced by the tuner (or `tensorwire plan`) on the
+# host tier (`local`) and between hosts (`rail`); m as nccl-tests counts it for the collective.
+def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    """In k pieces (`pieces`), the rails' phase overlapping the hosts': every piece pays its own
+    phases once, the rest of the call goes at the pace of the slower side."""
+    k = len(pieces(m, 1, s.per_host)) if m else 1
+    m_k = m // k
+    within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
+    across = rail("all_reduce", s.hosts, m_k // s.per_host, s.nic_share)
+    return within + across + (k - 1) * max(within, across)
+
+
+def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return (local("reduce", s.per_host, m) + rail("all_reduce", s.hosts, m, 1.0)
+            + local("broadcast", s.per_host, m))
+
+
+def _broadcast_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m)
+
+
+def _reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return local("reduce", s.per_host, m) + rail("reduce", s.hosts, m, 1.0)
+
+
+def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return rail("all_gather", s.hosts, m // s.per_host, s.nic_share) + \
+        s.hosts * local("all_gather", s.per_host, m // s.hosts)
+
+
+def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts) + \
+        rail("reduce_scatter", s.hosts, m // s.per_host, s.nic_share)
+
+
+def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+    return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
+
+
+def _flat_never(n: int, m: int, link: Link) -> float:
+    """A hierarchical algorithm has no flat price: the tuner prices its phases (`phases`)."""
+    return float("inf")
+
+
+register(Algorithm(LEADERS, "all_reduce", leaders_all_reduce, _flat_never, phases=_leaders_cost,
+                   reorder=False, out_of_place=True))
+for _coll, _run, _cost in (("all_reduce", hierarchical_all_reduce, _all_reduce_cost),
+                           ("broadcast", hierarchical_broadcast, _broadcast_cost),
+                           ("reduce", hierarchical_reduce, _reduce_cost),
+                           ("all_gather", hierarchical_all_gather, _all_gather_cost),
+                           ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
+                           ("barrier", hierarchical_barrier, _barrier_cost)):
+    register(Algorithm(NAME, _coll, _run, _flat_never, phases=_cost, reorder=False,
+                       out_of_place=_coll in ("all_reduce", "broadcast", "all_gather")))
