@@ -269,6 +269,54 @@ def test_collectives_across_hosts(support: dict, job: str, hosts: int, nproc: in
     _check_collectives(res, hosts, nproc)
 
 
+TOPOLOGY_JOB = str(ROOT / "tests" / "topology_job.py")
+
+
+def _job_ok(res: BedResult, world: int) -> int:
+    """Every rank finished the topology job with the same number of checked cases; that number."""
+    assert res.code == 0, res.out
+    done = {int(m.group(1)): int(m.group(2)) for m in res.lines(r"JOB OK rank (\d+) cases (\d+)")}
+    assert sorted(done) == list(range(world)) and len(set(done.values())) == 1, res.out
+    return done[0]
+
+
+@pytest.mark.timeout(240)
+def test_every_collective_op_and_dtype_block_and_cyclic(support: dict) -> None:
+    """2 hosts x 3 ranks, numbered by blocks (the world) and cyclically (rank r on host r mod
+    2): what the topology says, then every eligible algorithm of every collective forced (flat
+    ones in the topology's order, hierarchical ones over host groups and rails), every (op,
+    dtype) pair of the reductions, every dtype moved, a pipelined all_reduce; against numpy."""
+    res = run_bed(["--hosts", "2", "-n", "3"], [TOPOLOGY_JOB, "topology", "matrix"], timeout=220)
+    assert len(res.lines(r"TOPOLOGY OK rank \d+")) == 6, res.out
+    assert _job_ok(res, 6) > 1500, res.out
+
+
+@pytest.mark.timeout(180)
+def test_every_algorithm_in_topology_order_on_three_hosts(support: dict) -> None:
+    """3 hosts x 2 ranks: rails of three, recursive patterns folding a non-power of two."""
+    res = run_bed(["--hosts", "3", "-n", "2"], [TOPOLOGY_JOB, "topology", "algos"], timeout=160)
+    assert _job_ok(res, 6) > 150, res.out
+
+
+@pytest.mark.timeout(90)
+def test_topo_command_across_hosts(support: dict) -> None:
+    """`tensorwire topo` as the job: rank 0 prints the hosts, their ranks and interfaces, and
+    the orders; TENSORWIRE_DEBUG_SUBSYS=GRAPH logs the world group's layout on every rank."""
+    res = run_bed(["--hosts", "2", "-n", "2", "--env", "TENSORWIRE_DEBUG=INFO", "--env",
+                   "TENSORWIRE_DEBUG_SUBSYS=GRAPH"], ["-m", "tensorwire", "topo"])
+    assert res.code == 0, res.out
+    for want in (r"\[twhost-0\] 4 rank\(s\) on 2 host\(s\), 1 machine\(s\)",
+                 r"host 0: twhost-0 \(machine \w+\), ranks 0-1",
+                 r"host 1: twhost-1 \(machine \w+\), ranks 2-3",
+                 r"rank 3 +pid \d+ +cores [\d,-]+ +numa \S+ +eth0 10\.77\.0\.2",
+                 r"pairs by tier: (numa|host) 2, net 4",
+                 r"ring order: 0 1 2 3", r"tree order from rank 0: 0 1 2 3",
+                 r"hierarchy: 2 hosts x 2 ranks; rails \[0 2\] \[1 3\]"):
+        assert res.lines(want), (want, res.out)
+    graph = res.lines(r"tensorwire\.GRAPH\] group world: 4 ranks on 2 hosts \[0 1\] \[2 3\]; ring 0 1 2 3")
+    assert len(graph) == 4, res.out
+
+
 @pytest.mark.timeout(90)
 def test_forced_tcp_and_socket_ifname(support: dict, job: str) -> None:
     """--tcp: TCP within a host too; TENSORWIRE_SOCKET_IFNAME=eth0 picks the testbed address."""

@@ -390,10 +390,10 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
                                             and slot_bytes(a, n, nbytes) <= cfg.direct_slot(n)))]
         return min(costs, default=float("inf"))
 
-    def local(collective: str, n: int, nbytes: int) -> float:
-        one_host = local_tier == "shm"
+    def local(collective: str, n: int, nbytes: int, even: bool = True) -> float:
+        one_shot = local_tier == "shm" and even
         return cheapest(collective, n, nbytes,
-                        lambda a: predict(a, n, nbytes, local_link, direct if one_host else None), one_host)
+                        lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)
 
     def rail(collective: str, n: int, nbytes: int, share: float) -> float:
         def shared(link: Link | None) -> Link | None:

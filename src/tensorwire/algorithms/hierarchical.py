@@ -53,8 +53,9 @@ class Shape:
         return self.hosts * self.per_host
 
 
-LocalPrice = Callable[[str, int, int], float]
-"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier."""
+LocalPrice = Callable[[str, int, int, bool], float]
+"""(collective, ranks, bytes, even) -> seconds of the cheapest algorithm on one host's tier;
+`even` False: blocks of different sizes, which the one-shot path does not take (vector forms)."""
 RailPrice = Callable[[str, int, int, float], float]
 """(collective, ranks, bytes, flows sharing a link) -> seconds of the cheapest algorithm
 between hosts, its β multiplied by the flows that share each host's link."""
@@ -98,6 +99,11 @@ all-gather the last one. On 2 emulated hosts x 4 ranks at 1 Gbit/s (one 2-core V
 ranks), 64 MiB in one piece spent 0.09-0.14 s in the reduce-scatter, 0.58-0.62 s between the
 hosts and 0.16-0.27 s in the all-gather, one after the other (docs/design/topology.md)."""
 MAX_PIECES = 8
+WORD = 8
+"""The element size the cost model presumes where it must tell even shares from uneven ones
+(it sees bytes, not elements): an all_reduce too small to give every rank of a host a word
+prices its host phases on the message path, as the vector forms run them, and leaves small
+calls to the leaders' variant."""
 
 
 def pieces(count: int, itemsize: int, per_host: int) -> list[tuple[int, int]]:
@@ -221,36 +227,37 @@ def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> fl
     phases once, the rest of the call goes at the pace of the slower side."""
     k = len(pieces(m, 1, s.per_host)) if m else 1
     m_k = m // k
-    within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
+    even = m_k % (s.per_host * WORD) == 0  # shares of whole words, equal (else the vector forms)
+    within = local("reduce_scatter", s.per_host, m_k, even) + local("all_gather", s.per_host, m_k, even)
     across = rail("all_reduce", s.hosts, m_k // s.per_host, s.nic_share)
     return within + across + (k - 1) * max(within, across)
 
 
 def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return (local("reduce", s.per_host, m) + rail("all_reduce", s.hosts, m, 1.0)
-            + local("broadcast", s.per_host, m))
+    return (local("reduce", s.per_host, m, True) + rail("all_reduce", s.hosts, m, 1.0)
+            + local("broadcast", s.per_host, m, True))
 
 
 def _broadcast_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m)
+    return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m, True)
 
 
 def _reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return local("reduce", s.per_host, m) + rail("reduce", s.hosts, m, 1.0)
+    return local("reduce", s.per_host, m, True) + rail("reduce", s.hosts, m, 1.0)
 
 
 def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
     return rail("all_gather", s.hosts, m // s.per_host, s.nic_share) + \
-        s.hosts * local("all_gather", s.per_host, m // s.hosts)
+        s.hosts * local("all_gather", s.per_host, m // s.hosts, True)
 
 
 def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts) + \
+    return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts, True) + \
         rail("reduce_scatter", s.hosts, m // s.per_host, s.nic_share)
 
 
 def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
+    return 2 * local("barrier", s.per_host, 0, True) + rail("barrier", s.hosts, 0, 1.0)
 
 
 def _flat_never(n: int, m: int, link: Link) -> float:

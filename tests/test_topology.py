@@ -1,0 +1,220 @@
+"""The topology model, the orders algorithms run in, hierarchical pricing, and `tensorwire topo`.
+
+Across real (emulated) hosts the same machinery is checked in test_multihost.py; here: the
+model built from cards, the orders as data (how often each pattern crosses between hosts), a
+real one-host group given a layout of two "hosts" (the orders and the hierarchical algorithms
+over real transports, where the test bed cannot be built), and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tensorwire as tw
+from cluster import Cluster
+from tensorwire import topo, tuner
+from tensorwire.algorithms.hierarchical import Shape
+from tensorwire.algorithms.ordered import ROOTED, arrange
+from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
+from tensorwire.config import Config
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def card(host: str, machine: str = "m0", pid: int = 1, cores: str = "0-1", numa: tuple = (0,),
+         ifname: str = "eth0") -> dict:
+    return {"addr": "10.0.0.1", "host": host, "machine": machine, "pid": pid, "ifname": ifname,
+            "cores": cores, "numa": list(numa), "gpu": None}
+
+
+def cyclic_topology(hosts: int, per: int) -> topo.Topology:
+    """World rank r on host r mod `hosts` (Slurm's cyclic distribution)."""
+    return topo.Topology.from_cards({r: card(f"h{r % hosts}", pid=r) for r in range(hosts * per)})
+
+
+def test_cpulists_round_trip() -> None:
+    assert topo.parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert topo.format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert topo.parse_cpulist("") == [] and topo.format_cpulist([]) == ""
+
+
+def test_numa_nodes_from_sysfs(tmp_path: Path) -> None:
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    assert topo.numa_nodes([1, 2], str(tmp_path)) == [0]
+    assert topo.numa_nodes([3, 4], str(tmp_path)) == [0, 1]
+    assert topo.numa_nodes([9], str(tmp_path)) == []
+
+
+def test_hosts_are_host_name_and_kernel() -> None:
+    """Emulated hosts (one kernel, own host names) are hosts of one machine; two machines that
+    share a host name are two hosts."""
+    t = topo.Topology.from_cards({0: card("a", "k1", 10), 1: card("b", "k1", 11), 2: card("a", "k2", 12),
+                                  3: card("a", "k1", 13, numa=(1,))})
+    assert t.hosts == [(0, 3), (1,), (2,)] and t.host_of == [0, 1, 2, 0]
+    assert t.machine_of == [0, 0, 1, 0]
+    assert t.near(0) == (3,) and t.same_host(0, 3) and not t.same_host(0, 2)
+    assert t.tier(0, 0) == "self" and t.tier(0, 1) == "net" and t.tier(0, 2) == "net"
+    assert t.tier(0, 3) == "host"  # bound to different NUMA nodes
+    same_node = topo.Topology.from_cards({0: card("a", pid=1), 1: card("a", pid=2)})
+    assert same_node.tier(0, 1) == "numa"
+    spans = topo.Topology.from_cards({0: card("a", pid=1, numa=(0, 1)), 1: card("a", pid=2, numa=(0, 1))})
+    assert spans.tier(0, 1) == "host"  # unbound ranks share no one node
+
+
+def test_local_card_describes_this_process() -> None:
+    c = topo.local_card("127.0.0.1")
+    assert c["host"] and c["machine"] == topo.machine_id() and c["pid"] == os.getpid()
+    assert c["ifname"] == "lo" and set(topo.parse_cpulist(c["cores"])) == os.sched_getaffinity(0)
+    assert c["gpu"] is None or "index" in c["gpu"]
+    json.dumps(c)  # published as JSON
+
+
+def crossings(order: tuple[int, ...], host_of: list[int], edges: list[tuple[int, int]]) -> int:
+    """How many of the pattern's edges (between virtual ranks) join ranks on different hosts."""
+    return sum(host_of[order[a]] != host_of[order[b]] for a, b in edges)
+
+
+def binomial_edges(n: int) -> list[tuple[int, int]]:
+    """(parent, child) of a binomial tree rooted at virtual rank 0 (algorithms/tree.py)."""
+    return [(v - (v & -v), v) for v in range(1, n)]
+
+
+@pytest.mark.parametrize("hosts,per", [(2, 4), (4, 2), (3, 4), (2, 3)])
+def test_orders_cross_between_hosts_as_little_as_they_can(hosts: int, per: int) -> None:
+    """Whatever the numbering, the ring crosses once per host, a binomial tree from any root
+    reaches each other host once (hosts of a power of two), and recursive doubling's first
+    rounds stay within hosts; numbered as they come, cyclic placement crossed at every hop."""
+    t = cyclic_topology(hosts, per)
+    n = hosts * per
+    layout = t.layout(range(n))
+    assert layout is not None and layout.shape == Shape(hosts, per, per)
+    ring = [(v, (v + 1) % n) for v in range(n)]
+    assert crossings(layout.ring, t.host_of, ring) == hosts
+    assert crossings(tuple(range(n)), t.host_of, ring) == n  # the order the numbering gives
+    for root in range(n):
+        order = layout.rooted(root)
+        assert order[0] == root and sorted(order) == list(range(n))
+        if per & (per - 1) == 0:
+            assert crossings(order, t.host_of, binomial_edges(n)) == hosts - 1, (root, order)
+    if n & (n - 1) == 0:
+        for k in range(per.bit_length() - 1):  # partners at distance 2^k < per: one host
+            assert crossings(layout.ring, t.host_of, [(v, v ^ (1 << k)) for v in range(n)]) == 0
+
+
+def test_layouts_without_hierarchy() -> None:
+    t = topo.Topology.from_cards({0: card("a"), 1: card("a"), 2: card("b")})
+    assert t.layout([0, 1]) is None  # one host
+    uneven = t.layout([0, 1, 2])
+    assert uneven is not None and uneven.shape is None and uneven.ring == (0, 1, 2)
+    two_nics = topo.Topology.from_cards({0: card("a", ifname="ib0"), 1: card("a", ifname="ib1"),
+                                         2: card("b", ifname="ib0"), 3: card("b", ifname="ib1")})
+    assert two_nics.layout(range(4)).shape.nic_share == 1.0  # a rail per interface
+
+
+def test_identity_orders_leave_algorithms_alone() -> None:
+    """One host, or hosts numbered together: nothing is added to a call."""
+    block = topo.Topology.from_cards({r: card(f"h{r // 2}", pid=r) for r in range(4)}).layout(range(4))
+    cyclic = cyclic_topology(2, 2).layout(range(4))
+    for coll in COLLECTIVES:
+        for alg in algorithms_for(coll).values():
+            plain = not alg.reorder or alg.needs_direct
+            assert arrange(alg, None) is alg
+            assert (arrange(alg, cyclic) is alg) == plain, (coll, alg.name)
+            if coll not in ROOTED:  # rooted ones look at their root's order as they are called
+                assert arrange(alg, block) is alg, (coll, alg.name)
+
+
+def test_hierarchy_priced_against_the_flat_algorithms() -> None:
+    """64 MiB all_reduce over 2 hosts x 4 ranks, 1 Gbit/s between them: a flat ring carries
+    2 (n-1)/n of it across each host link, the hierarchy once, pipelined; small calls go to
+    the leaders' variant, one message per host between hosts."""
+    table = tuner.LinkTable({"shm": tuner.DEFAULT_LINKS["shm"],
+                             "tcp": tuner.Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)}, {})
+    local, rail = tuner.phase_prices(table, Config())
+    shape = Shape(2, 4, 4)
+    m = 64 << 20
+    flat = algorithms_for("all_reduce")["ring"].cost(8, m, table.link("tcp"))
+    hier = algorithms_for("all_reduce")["hierarchical"].phases(shape, m, local, rail)
+    assert 0.56 < hier < 0.7 < 0.98 < flat, (hier, flat)
+    small = {name: algorithms_for("all_reduce")[name].phases(shape, 8, local, rail)
+             for name in ("hierarchical", "hierarchical_leaders")}
+    assert small["hierarchical_leaders"] < small["hierarchical"], small
+    for coll in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"):
+        for alg in algorithms_for(coll).values():
+            if alg.phases is not None:
+                costs = [alg.phases(Shape(h, p, p), b, local, rail) for h, p in ((2, 2), (8, 4), (64, 8))
+                         for b in (0, 8, 1 << 20, 1 << 30)]
+                assert all(0 <= c < float("inf") for c in costs), (coll, alg.name, costs)
+
+
+# -- a real group given a layout of two "hosts" ------------------------------------------------------
+
+def rank_orders_and_hierarchy_on_one_host() -> tuple[int, list]:
+    """Every algorithm of every collective on a one-host group of 4 told that its ranks 0, 2
+    and 1, 3 are two hosts: the flat ones then run in that layout's order, the hierarchical
+    ones over host groups and rails of real shared-memory groups."""
+    import topology_job
+
+    g = tw.new_group([0, 1, 2, 3], name="two")
+    g._layout = topo.Topology.from_cards({r: card(f"h{r % 2}", pid=r) for r in range(4)}).layout(range(4))
+    g.choices.clear()
+    topology_job._GROUPS[:] = [("two", g)]
+    cases = [0]
+    topology_job.algos(cases)
+    return cases[0], sorted(topology_job.RAN)
+
+
+@pytest.fixture(scope="module")
+def four() -> Cluster:
+    c = Cluster(4)
+    yield c
+    c.close()
+
+
+def test_orders_and_hierarchy_over_real_transports(four: Cluster) -> None:
+    results = four.run(rank_orders_and_hierarchy_on_one_host, timeout=110)
+    cases, ran = results[0]
+    assert all(res == results[0] for res in results) and cases > 80, results
+    hierarchical = {coll for coll, name in ran if name == "hierarchical"}
+    assert hierarchical == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+                            "barrier"}, ran
+    assert ("all_reduce", "hierarchical_leaders") in ran and ("all_gather", "ring") in ran, ran
+
+
+def rank_topology() -> dict:
+    t = tw.topology()
+    return {"hosts": t.hosts, "tier": t.tier(0, 1), "layout": tw.world().layout, "me": t.ranks[tw.get_rank()]}
+
+
+def test_topology_seen_from_a_job(four: Cluster) -> None:
+    results = four.run(rank_topology)
+    for r, res in enumerate(results):
+        assert res["hosts"] == [(0, 1, 2, 3)] and res["tier"] in ("numa", "host") and res["layout"] is None
+        assert res["me"].rank == r and res["me"].address == "127.0.0.1" and res["me"].interface == "lo"
+    assert len({res["me"].pid for res in results}) == 4
+
+
+def test_topo_command() -> None:
+    env = dict(os.environ, TENSORWIRE_TIMEOUT="60")
+    done = subprocess.run([sys.executable, "-m", "tensorwire", "topo", "--np", "2"], capture_output=True,
+                          text=True, timeout=100, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "2 rank(s) on 1 host(s)", done.stdout
+    assert any(line.startswith("host 0: ") and line.endswith("ranks 0-1") for line in lines), done.stdout
+    assert sum(" lo 127.0.0.1" in line for line in lines) == 2, done.stdout
+    assert "orders: one host: the ring and trees follow rank order" in lines, done.stdout
+    done = subprocess.run([sys.executable, "-m", "tensorwire", "topo", "--json"], capture_output=True,
+                          text=True, timeout=100, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["world_size"] == 1 and doc["ranks"][0]["pid"] > 0 and doc["hosts"][0]["ranks"] == [0]
