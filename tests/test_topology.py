@@ -135,8 +135,8 @@ def test_identity_orders_leave_algorithms_alone() -> None:
 
 def test_hierarchy_priced_against_the_flat_algorithms() -> None:
     """64 MiB all_reduce over 2 hosts x 4 ranks, 1 Gbit/s between them: a flat ring carries
-    2 (n-1)/n of it across each host link, the hierarchy once, pipelined; small calls go to
-    the leaders' variant, one message per host between hosts."""
+    2 (n-1)/n of it across each host link, the hierarchy once, pipelined; small calls are left
+    to the leaders' variant, one message per host between hosts."""
     table = tuner.LinkTable({"shm": tuner.DEFAULT_LINKS["shm"],
                              "tcp": tuner.Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)}, {})
     local, rail = tuner.phase_prices(table, Config())
@@ -145,9 +145,10 @@ def test_hierarchy_priced_against_the_flat_algorithms() -> None:
     flat = algorithms_for("all_reduce")["ring"].cost(8, m, table.link("tcp"))
     hier = algorithms_for("all_reduce")["hierarchical"].phases(shape, m, local, rail)
     assert 0.56 < hier < 0.7 < 0.98 < flat, (hier, flat)
-    small = {name: algorithms_for("all_reduce")[name].phases(shape, 8, local, rail)
-             for name in ("hierarchical", "hierarchical_leaders")}
-    assert small["hierarchical_leaders"] < small["hierarchical"], small
+    # small calls: shares of a few bytes would run their host phases through the vector forms
+    rails = algorithms_for("all_reduce")["hierarchical"]
+    assert not rails.eligible(8, (8 << 10) - 1) and rails.eligible(8, 8 << 10)
+    assert algorithms_for("all_reduce")["hierarchical_leaders"].phases(shape, 8, local, rail) < 1e-3
     for coll in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"):
         for alg in algorithms_for(coll).values():
             if alg.phases is not None:
@@ -218,3 +219,26 @@ def test_topo_command() -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["world_size"] == 1 and doc["ranks"][0]["pid"] > 0 and doc["hosts"][0]["ranks"] == [0]
+
+
+def test_plan_prices_a_cluster_flat_against_hierarchical(capsys) -> None:
+    """`tensorwire plan --hosts H --per-host L`: the flat algorithms at the slower tier's price,
+    the hierarchical ones by their phases, the cheapest marked, the crossovers between them."""
+    from tensorwire import cli
+
+    args = ["plan", "all_reduce", "64MiB", "--hosts", "2", "--per-host", "4", "--tier",
+            "shm=2:9,eth1g=60:0.119"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("all_reduce of 64 MiB on 8 ranks: 2 hosts x 4 ranks, shm within a host, eth1g "
+                           "between hosts (4 rank(s) per host link)"), text
+    rows = {line.split()[0]: line for line in text.splitlines()
+            if line.startswith("    ") and "crossover" not in line}
+    assert "<- cheapest" in rows["hierarchical"] and "x1." in rows["ring"], text
+    assert "one-host shared-memory path only" in rows["direct"], text
+    assert "crossover: hierarchical_leaders -> hierarchical at" in text, text
+    assert cli.main(["plan", "all_reduce", "1M", "--hosts", "2", "--tier", "shm"]) == 2
+    assert "two tiers" in capsys.readouterr().err
+    assert cli.main(["plan", "broadcast", "1M", "--hosts", "4", "--per-host", "1", "--tier",
+                     "shm=2:9,tcp=30:1"]) == 0
+    assert "needs several hosts of several ranks" in capsys.readouterr().out

@@ -175,8 +175,12 @@ def algos(cases: list[int]) -> None:
 
 def matrix(cases: list[int]) -> None:
     algos(cases)
-    hier = {"all_reduce": ("hierarchical", "hierarchical_leaders", "ring"),
-            "reduce": ("hierarchical", "binomial"), "reduce_scatter": ("hierarchical", "ring")}
+    # (collective, algorithm, elements): the rails' all_reduce needs a KiB per rank
+    # (hierarchical.SHARE_MIN), and gets a count its hosts' ranks do not divide
+    runs = [("all_reduce", "hierarchical", 1024 * tw.get_world_size() + 5),
+            ("all_reduce", "hierarchical_leaders", 5), ("all_reduce", "ring", 5),
+            ("reduce", "hierarchical", 5), ("reduce", "binomial", 5),
+            ("reduce_scatter", "hierarchical", 5), ("reduce_scatter", "ring", 5)]
     for gi, (_, g) in enumerate(groups()):
         for di, dt in enumerate(DTYPES):
             for op in ReduceOp:
@@ -184,10 +188,9 @@ def matrix(cases: list[int]) -> None:
                     check_op_dtype(reduction(op), dt, rank=0, collective="matrix")
                 except tw.InvalidArgumentError:
                     continue
-                for ci, (coll, names) in enumerate(hier.items()):
-                    for name in names:
-                        forced(g, coll, name, dt, 5, reduction(op), g.size - 1, (gi, di, int(op), ci, 100))
-                        cases[0] += 1
+                for ci, (coll, name, count) in enumerate(runs):
+                    forced(g, coll, name, dt, count, reduction(op), g.size - 1, (gi, di, int(op), ci, 100))
+                    cases[0] += 1
             for ci, coll in enumerate(("broadcast", "all_gather", "gather", "scatter", "all_to_all")):
                 forced(g, coll, None, dt, 9, Reduction(ReduceOp.SUM), 1, (gi, di, ci, 200))
                 cases[0] += 1

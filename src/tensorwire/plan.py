@@ -1,6 +1,7 @@
 """`tensorwire plan`: price a collective with the cost model, on this host's links or others.
 
     tensorwire plan all_reduce 64MiB --np 16 --tier shm,tcp,nvlink,ib-ndr
+    tensorwire plan all_reduce 64MiB --hosts 64 --per-host 8 --tier shm,ib-ndr
 
 For every tier asked for (default: the local ones, shared memory and TCP) it prints the link
 constants and where they came from, the predicted time of every algorithm of the collective
@@ -8,7 +9,9 @@ and the message sizes at which the cheapest algorithm changes. Local tiers use t
 calibration cache, running the probe (two local ranks per tier, about a second) when there is
 none; the named hypothetical tiers use the latency and bandwidth commonly cited for that
 hardware (docs/tuning.md gives the sources), so a collective can be priced on a machine one
-does not have. Sizes count as in nccl-tests and `tensorwire bench`.
+does not have. Sizes count as in nccl-tests and `tensorwire bench`. With --hosts it prices a
+cluster instead: the flat algorithms at the network's price against the hierarchical ones,
+whose phases run within hosts on the first tier and between hosts on the second.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from . import calibrate, tuner
+from .algorithms.hierarchical import Shape
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config, parse_size
 from .errors import InvalidArgumentError
@@ -236,6 +240,8 @@ def _custom(name: str) -> Link | None:
 def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Config,
             direct_bytes: int) -> str:
     """'' if `alg` can run this call on this tier, else the reason it cannot."""
+    if alg.phases is not None:
+        return "groups across hosts only (--hosts, --per-host)"
     if alg.needs_direct:
         if not tier.direct_ok:
             return "one-host shared-memory path only"
@@ -259,9 +265,12 @@ def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier,
 def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
                direct_bytes: int) -> list[tuple[int, str | None, str | None]]:
     """(size, winner below, winner from there on) for every change of the cheapest algorithm."""
-    def best(m: int) -> str | None:
-        return cheapest(algs, collective, n, m, tier, cfg, direct_bytes)
+    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes), direct_bytes)
 
+
+def changes_of(best: Callable[[int], str | None],
+               direct_bytes: int = 0) -> list[tuple[int, str | None, str | None]]:
+    """(size, `best` below, `best` from there on) for every change of `best` between 1 B and 1 TiB."""
     grid = {int(round(2 ** (k / 8))) for k in range(8 * 40 + 1)}  # 1 B .. 1 TiB, 8 steps per doubling
     samples = sorted(grid | {direct_bytes, direct_bytes + 1})
     out = []
@@ -334,6 +343,78 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
                 f"({only or 'no algorithm'} is cheapest throughout)")
 
 
+# -- a cluster: hosts of several ranks -------------------------------------------------------------
+
+def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                   cfg: Config) -> list[tuple[float, str, str]]:
+    """(seconds, algorithm, '' or why it cannot run) of every algorithm for `hosts` hosts of
+    `per_host` ranks: the flat ones with every step at the price of the slower tier (a step
+    waits for its slowest hop: the network's, as the tuner prices a group across hosts, or a
+    host's where that is the slower, as this host's memory against InfiniBand NDR), the
+    hierarchical ones by their phases, within a host on `local` and between hosts on `net`,
+    `per_host / nics` flows sharing each host link."""
+    n = hosts * per_host
+    slowest = Link(net.name, *(max(getattr(local.link, f), getattr(net.link, f)) for f in ("alpha", "beta",
+                                                                                          "gamma")))
+    links = {local.name: local.link, net.name: net.link}
+    if local.direct is not None:
+        links["direct"] = local.direct
+    within, across = tuner.phase_prices(tuner.LinkTable(links, {}), cfg, local.name, net.name)
+    shape = Shape(hosts, per_host, per_host / max(1, min(nics, per_host)))
+    rows = []
+    for alg in algorithms_for(collective).values():
+        if alg.phases is not None:
+            reason = "" if per_host > 1 and hosts > 1 else "needs several hosts of several ranks"
+            if not reason and not alg.eligible(n, m):
+                reason = f"not for {n} ranks at this size"
+            if not reason and cfg.algo and not tuner.allowed(replace(cfg, deterministic=False), collective,
+                                                            alg.name):
+                reason = "excluded by TENSORWIRE_ALGO"
+            if not reason and cfg.deterministic and collective in tuner.REDUCTIONS:
+                reason = "not rank-ordered (deterministic mode)"
+            t = alg.phases(shape, m, within, across) if not reason else math.inf
+        else:
+            flat = replace(net, link=slowest, direct_ok=False, one_way=None)
+            reason = why_not(alg, collective, n, m, flat, cfg, 0)
+            t = flat.cost(alg, n, m) if not reason else math.inf
+        rows.append((t, alg.name, reason))
+    return sorted(rows)
+
+
+def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                   cfg: Config, out: Callable[[str], None]) -> None:
+    n = hosts * per_host
+    out(f"{collective} of {_size(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} within a "
+        f"host, {net.name} between hosts ({per_host / max(1, min(nics, per_host)):g} rank(s) per host link)")
+    out(f"  within a host: {tuner.describe_link(local.link)}  [{local.origin}]")
+    out(f"  between hosts: {tuner.describe_link(net.link)}  [{net.origin}]")
+    rows = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg)
+    width = max(len(name) for _, name, _ in rows)
+    best = rows[0][0]
+    for kind, phased in (("flat, every step at the slower tier's price", False),
+                         ("hierarchical, phases within and between hosts", True)):
+        out(f"  {kind}:")
+        for t, name, reason in rows:
+            if (algorithms_for(collective)[name].phases is not None) != phased:
+                continue
+            if reason:
+                out(f"    {name:<{width}}  {'-':>10}  ({reason})")
+            else:
+                mark = "  <- cheapest" if t == best else f"  x{t / best:.2f}" if best > 0 else ""
+                out(f"    {name:<{width}}  {tuner.format_seconds(t):>10}{mark}")
+
+    def winner(size: int) -> str | None:
+        t, name, reason = cluster_prices(collective, size, hosts, per_host, nics, local, net, cfg)[0]
+        return None if reason or math.isinf(t) else name
+
+    changes = changes_of(winner)
+    if changes:
+        text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {_size(s)}" for s, a, b in changes)
+        out(f"    crossover: {text}")
+    else:
+        out(f"    crossover: none ({winner(1) or 'no algorithm'} is cheapest throughout)")
+
+
 # -- the command -------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and the sizes where the cheapest one changes, on this host's measured links "
                     "(shm, tcp) or on hypothetical ones (nvlink, pcie, ib-ndr, eth25g).",
         epilog="examples:\n  tensorwire plan all_reduce 64MiB --np 16\n"
+               "  tensorwire plan all_reduce 64MiB --hosts 64 --per-host 8 --tier shm,ib-ndr\n"
                "  tensorwire plan all_reduce 1M --np 64 --tier ib-ndr,eth25g\n"
                "  tensorwire plan broadcast 4K --np 8 --tier all\n"
                "  tensorwire plan all_gather 256M --np 8 --tier roce=4:23",
@@ -355,6 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shm, tcp (this host, measured), nvlink, pcie, ib-ndr, eth25g (hypothetical), "
                         "local, all, NAME=ALPHA_US:GBPS, or a tier of the tuning file; repeat or use "
                         "commas (default: local)")
+    p.add_argument("--hosts", type=int, metavar="H",
+                   help="price a cluster of H hosts of --per-host ranks: flat against hierarchical; the "
+                        "first --tier is within a host, the second between hosts (default shm,tcp)")
+    p.add_argument("--per-host", type=int, default=8, metavar="L",
+                   help="ranks per host with --hosts (default 8)")
+    p.add_argument("--nics", type=int, default=1, metavar="K",
+                   help="network interfaces per host with --hosts: a host's ranks share them (default 1)")
     p.add_argument("--deterministic", action="store_true",
                    help="only the rank-ordered reductions (as TENSORWIRE_DETERMINISTIC=1)")
     p.add_argument("--gamma", type=float, metavar="GBPS",
@@ -388,10 +477,26 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
         if args.np < 1 or m < 0:
             raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
         gamma = 1 / (args.gamma * 1e9) if args.gamma else None
-        tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np)
+        if args.hosts is not None:
+            if args.hosts < 1 or args.per_host < 1 or args.nics < 1:
+                raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1")
+            names = parse_tiers(args.tier or ["shm,tcp"])
+            if len(names) != 2:
+                raise InvalidArgumentError(f"tensorwire plan: --hosts takes two tiers, within a host and "
+                                           f"between hosts (e.g. --tier shm,ib-ndr), got {', '.join(names)}")
+            local, net = resolve(names, cfg, not args.no_probe, gamma, out, args.per_host)
+        else:
+            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np)
     except (InvalidArgumentError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.hosts is not None:
+        for i, coll in enumerate(colls):
+            if i:
+                out("")
+            report_cluster(coll, 0 if coll == "barrier" else m, args.hosts, args.per_host, args.nics, local,
+                           net, cfg, out)
+        return 0
     for i, coll in enumerate(colls):
         if i:
             out("")

@@ -390,8 +390,8 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
                                             and slot_bytes(a, n, nbytes) <= cfg.direct_slot(n)))]
         return min(costs, default=float("inf"))
 
-    def local(collective: str, n: int, nbytes: int, even: bool = True) -> float:
-        one_shot = local_tier == "shm" and even
+    def local(collective: str, n: int, nbytes: int) -> float:
+        one_shot = local_tier == "shm"
         return cheapest(collective, n, nbytes,
                         lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)
 

@@ -53,9 +53,8 @@ class Shape:
         return self.hosts * self.per_host
 
 
-LocalPrice = Callable[[str, int, int, bool], float]
-"""(collective, ranks, bytes, even) -> seconds of the cheapest algorithm on one host's tier;
-`even` False: blocks of different sizes, which the one-shot path does not take (vector forms)."""
+LocalPrice = Callable[[str, int, int], float]
+"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier."""
 RailPrice = Callable[[str, int, int, float], float]
 """(collective, ranks, bytes, flows sharing a link) -> seconds of the cheapest algorithm
 between hosts, its β multiplied by the flows that share each host's link."""
@@ -99,11 +98,16 @@ all-gather the last one. On 2 emulated hosts x 4 ranks at 1 Gbit/s (one 2-core V
 ranks), 64 MiB in one piece spent 0.09-0.14 s in the reduce-scatter, 0.58-0.62 s between the
 hosts and 0.16-0.27 s in the all-gather, one after the other (docs/design/topology.md)."""
 MAX_PIECES = 8
-WORD = 8
-"""The element size the cost model presumes where it must tell even shares from uneven ones
-(it sees bytes, not elements): an all_reduce too small to give every rank of a host a word
-prices its host phases on the message path, as the vector forms run them, and leaves small
-calls to the leaders' variant."""
+SHARE_MIN = 1 << 10
+"""The reduce-scatter/all_reduce/all-gather runs where every rank's block (bytes / group size)
+holds at least this much; smaller calls take the leaders' variant (or a flat algorithm). The
+cost model sees bytes, not elements, so it cannot tell where a call's shares come out uneven
+(fewer elements than ranks on a host, or counts that do not divide): those run their host
+phases through the vector forms, on the message path instead of the one-shot one, and a
+one-element all_reduce (a loss, a flag) would go through two rounds of recursive halving and
+doubling where the leaders' variant takes one shot each way. Above a KiB a block's bytes, not
+the rounds, decide, and the shares' smaller messages between hosts win (a presumption: small
+calls on the loaded 2-core test bed measured 8-30 ms whatever ran)."""
 
 
 def pieces(count: int, itemsize: int, per_host: int) -> list[tuple[int, int]]:
@@ -227,37 +231,36 @@ def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> fl
     phases once, the rest of the call goes at the pace of the slower side."""
     k = len(pieces(m, 1, s.per_host)) if m else 1
     m_k = m // k
-    even = m_k % (s.per_host * WORD) == 0  # shares of whole words, equal (else the vector forms)
-    within = local("reduce_scatter", s.per_host, m_k, even) + local("all_gather", s.per_host, m_k, even)
+    within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
     across = rail("all_reduce", s.hosts, m_k // s.per_host, s.nic_share)
     return within + across + (k - 1) * max(within, across)
 
 
 def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return (local("reduce", s.per_host, m, True) + rail("all_reduce", s.hosts, m, 1.0)
-            + local("broadcast", s.per_host, m, True))
+    return (local("reduce", s.per_host, m) + rail("all_reduce", s.hosts, m, 1.0)
+            + local("broadcast", s.per_host, m))
 
 
 def _broadcast_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m, True)
+    return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m)
 
 
 def _reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return local("reduce", s.per_host, m, True) + rail("reduce", s.hosts, m, 1.0)
+    return local("reduce", s.per_host, m) + rail("reduce", s.hosts, m, 1.0)
 
 
 def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
     return rail("all_gather", s.hosts, m // s.per_host, s.nic_share) + \
-        s.hosts * local("all_gather", s.per_host, m // s.hosts, True)
+        s.hosts * local("all_gather", s.per_host, m // s.hosts)
 
 
 def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts, True) + \
+    return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts) + \
         rail("reduce_scatter", s.hosts, m // s.per_host, s.nic_share)
 
 
 def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
-    return 2 * local("barrier", s.per_host, 0, True) + rail("barrier", s.hosts, 0, 1.0)
+    return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
 
 
 def _flat_never(n: int, m: int, link: Link) -> float:
@@ -267,11 +270,12 @@ def _flat_never(n: int, m: int, link: Link) -> float:
 
 register(Algorithm(LEADERS, "all_reduce", leaders_all_reduce, _flat_never, phases=_leaders_cost,
                    reorder=False, out_of_place=True))
-for _coll, _run, _cost in (("all_reduce", hierarchical_all_reduce, _all_reduce_cost),
-                           ("broadcast", hierarchical_broadcast, _broadcast_cost),
+register(Algorithm(NAME, "all_reduce", hierarchical_all_reduce, _flat_never, phases=_all_reduce_cost,
+                   reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN))
+for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),
                            ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
                            ("barrier", hierarchical_barrier, _barrier_cost)):
     register(Algorithm(NAME, _coll, _run, _flat_never, phases=_cost, reorder=False,
-                       out_of_place=_coll in ("all_reduce", "broadcast", "all_gather")))
+                       out_of_place=_coll in ("broadcast", "all_gather")))
