@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import tensorwire as tw
+from tensorwire.algorithms import hierarchical
 from tensorwire.config import parse_size
 
 
@@ -33,6 +34,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2, help="timed calls per case and round")
     p.add_argument("--gloo", action="store_true", help="also Gloo through torch.distributed (block)")
     p.add_argument("--cases", default="block,cyclic", help="comma list of block, cyclic")
+    p.add_argument("--piece-bytes", default="", metavar="LIST",
+                   help="comma list of sizes: each case once per size of the hierarchical all_reduce's "
+                        "pieces (hierarchical.PIECE_BYTES; 0: one piece), interleaved like the cases")
     args = p.parse_args()
     world = tw.init()
     n, r = world.size, world.rank
@@ -44,6 +48,13 @@ def main() -> None:
     count = parse_size(args.size) // 4
     x = np.ones(count, dtype=np.float32)
     ops = {c: (lambda g=groups[c]: tw.all_reduce(x, group=g)) for c in cases}
+    if args.piece_bytes:
+        def with_pieces(g: tw.Group, piece: int) -> None:
+            hierarchical.PIECE_BYTES = piece or 1 << 62
+            tw.all_reduce(x, group=g)
+
+        sizes = [parse_size(v) for v in args.piece_bytes.split(",")]
+        ops = {f"{c}/{v >> 20}M": (lambda g=groups[c], v=v: with_pieces(g, v)) for c in cases for v in sizes}
     if args.gloo:
         import torch
         import torch.distributed as dist
@@ -80,9 +91,10 @@ def main() -> None:
             q = statistics.quantiles(v, n=100) if len(v) > 1 else v * 99
             print(f"SUMMARY {c}: mean {means[c]:.3f} s, p50 {statistics.median(v):.3f}, p99 {q[98]:.3f}, "
                   f"min {min(v):.3f}, max {max(v):.3f} over {len(v)} calls", flush=True)
-        base = means.get("block")
+        base = means.get("block") or next(iter(means.values()))
         if base:
-            print("RATIO " + ", ".join(f"{c}/block {m / base:.2f}" for c, m in means.items() if c != "block"),
+            first = "block" if "block" in means else next(iter(means))
+            print("RATIO " + ", ".join(f"{c}/{first} {m / base:.2f}" for c, m in means.items() if c != first),
                   flush=True)
     world.barrier()
 
