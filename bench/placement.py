@@ -7,8 +7,8 @@
 Runs as the job of the multi-host test bed. Block placement is the world as the launcher
 numbers it (host i holds ranks i*N .. i*N+N-1); cyclic is a group over the same processes
 whose rank r lies on host r mod K (what Slurm's cyclic distribution gives), so both run in one
-job and alternate round by round (with Gloo, through torch.distributed, where --gloo). A call's
-time is the slowest rank's; each round times --calls calls of each; rank 0 prints one line per
+job and alternate round by round; with --gloo, so do Gloo and tensorwire's torch backend, both
+through torch.distributed (block placement). A call's time is the slowest rank's; each round times --calls calls of each; rank 0 prints one line per
 call (`TIME <case> <round> <seconds>`) and a summary (mean, p50, max per case, and the ratios
 of the means).
 """
@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--size", default="64M", help="bytes of the all_reduce (float32)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=2, help="timed calls per case and round")
-    p.add_argument("--gloo", action="store_true", help="also Gloo through torch.distributed (block)")
+    p.add_argument("--gloo", action="store_true",
+                   help="also Gloo and tensorwire through torch.distributed (block placement)")
     p.add_argument("--cases", default="block,cyclic", help="comma list of block, cyclic")
     p.add_argument("--piece-bytes", default="", metavar="LIST",
                    help="comma list of sizes: each case once per size of the hierarchical all_reduce's "
@@ -62,8 +63,12 @@ def main() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
                                 f"{int(os.environ['MASTER_PORT']) + 1}", rank=r, world_size=n)
+        import tensorwire.torch  # noqa: F401 - registers the backend
+
         t = torch.ones(count, dtype=torch.float32)
         ops["gloo"] = lambda: dist.all_reduce(t)
+        through = dist.new_group(list(range(n)), backend="tensorwire")  # tensorwire's world, via c10d
+        ops["torch-tw"] = lambda: dist.all_reduce(t, group=through)
     for op in ops.values():  # warm: connections ramped, algorithms chosen, pages touched
         op()
     times: dict[str, list[float]] = {c: [] for c in ops}
@@ -81,7 +86,8 @@ def main() -> None:
                 slowest[0] = time.perf_counter() - t0
                 world.all_reduce(slowest, op=tw.ReduceOp.MAX)
                 times[case].append(float(slowest[0]))
-                if case != "gloo" and not (np.all(x[:8] == n) and np.all(x[-8:] == n)):
+                got = t[:8].numpy() if case in ("gloo", "torch-tw") else x[:8]
+                if not np.all(got == n):
                     raise SystemExit(f"rank {r}: {case}: wrong result {x[:4]} (expected {n})")
                 if r == 0:
                     print(f"TIME {case} {rnd} {slowest[0]:.4f}", flush=True)
