@@ -209,11 +209,8 @@ class Topology:
         nics = tuple(len({self.ranks[ranks[i]].interface for i in h}) for h in hosts)
         out = Layout(hosts, nics)
         if name and _log.isEnabledFor(20):
-            _log.info("group %s: %s; ring %s; rooted patterns start on the root's host, root first%s",
-                      name, out.describe(), " ".join(map(str, out.ring)),
-                      f"; hierarchy: {out.shape.hosts} hosts x {out.shape.per_host} ranks, host groups "
-                      f"{[list(h) for h in hosts]}, rails {[list(r) for r in out.rails]}"
-                      if out.shape else "; no hierarchy (hosts hold different numbers of ranks)")
+            _log.info("group %s: %s; ring %s; rooted patterns start on the root's host, root first; %s",
+                      name, out.describe(), " ".join(map(str, out.ring)), out.describe_hierarchy())
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -254,11 +251,7 @@ class Topology:
                 lines.append(f"ring order: {' '.join(map(str, lay.ring))}")
                 lines.append(f"tree order from rank 0: {' '.join(map(str, lay.rooted(0)))} "
                              f"(from any root: the root's host first, the root first)")
-                if lay.shape:
-                    lines.append(f"hierarchy: {lay.shape.hosts} hosts x {lay.shape.per_host} ranks; rails "
-                                 + " ".join("[" + " ".join(map(str, r)) + "]" for r in lay.rails))
-                else:
-                    lines.append("hierarchy: none (the hosts hold different numbers of ranks)")
+                lines.append(lay.describe_hierarchy())
         return lines
 
 
@@ -306,8 +299,19 @@ class Layout:
         return tuple(zip(*self.hosts))
 
     def describe(self) -> str:
-        return f"{sum(map(len, self.hosts))} ranks on {len(self.hosts)} hosts " + \
-            " ".join("[" + " ".join(map(str, h)) + "]" for h in self.hosts)
+        return f"{sum(map(len, self.hosts))} ranks on {len(self.hosts)} hosts " + _lists(self.hosts)
+
+    def describe_hierarchy(self) -> str:
+        if self.shape is not None:
+            shape = self.shape
+            return f"hierarchy: {shape.hosts} hosts x {shape.per_host} ranks; rails {_lists(self.rails)}"
+        if all(len(h) == 1 for h in self.hosts):
+            return "no hierarchy (one rank per host)"
+        return "no hierarchy (the hosts hold different numbers of ranks)"
+
+
+def _lists(groups: Iterable[Iterable[int]]) -> str:
+    return " ".join("[" + " ".join(map(str, g)) + "]" for g in groups)
 
 
 # -- `tensorwire topo` -----------------------------------------------------------------------------
