@@ -299,6 +299,13 @@ def test_every_algorithm_in_topology_order_on_three_hosts(support: dict) -> None
 
 
 @pytest.mark.timeout(90)
+def test_hierarchical_mismatch_fails_every_rank_naming_the_call(support: dict) -> None:
+    res = run_bed(["--hosts", "2", "-n", "2", "--timeout", "30"], [TOPOLOGY_JOB, "mismatch"])
+    _job_ok(res, 4)
+    assert len(res.lines(r"MISMATCH OK rank \d+ (count|algorithm)")) == 8, res.out
+
+
+@pytest.mark.timeout(90)
 def test_topo_command_across_hosts(support: dict) -> None:
     """`tensorwire topo` as the job: rank 0 prints the hosts, their ranks and interfaces, and
     the orders; TENSORWIRE_DEBUG_SUBSYS=GRAPH logs the world group's layout on every rank."""

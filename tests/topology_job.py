@@ -12,6 +12,7 @@ Slurm's cyclic distribution gives), whose orders differ from its numbering. Mode
             last), then every (op, dtype) pair of the reductions under the hierarchical and a
             flat algorithm, every dtype through the data movement, and a pipelined all_reduce
   algos     the matrix's first part only
+  mismatch  ranks that disagree on a hierarchical all_reduce: a clear error on every rank
 Data is chosen so that every reduction is exact whatever its order (integers; floats holding
 small integers; powers of two for products), so results must match exactly (bit for bit but
 for the sign of a floating-point zero).
@@ -207,6 +208,23 @@ def matrix(cases: list[int]) -> None:
             cases[0] += 1
 
 
+def mismatch() -> None:
+    """Ranks that disagree on a hierarchical all_reduce's count (rank 0 one element more), or on
+    its size so far that rank 0 alone picks another algorithm: every rank raises a mismatch
+    that names the caller's call, not only the phase's sub-group, within seconds."""
+    r = tw.get_rank()
+    count = 1 << 20
+    for label, mine in (("count", count + (r == 0)), ("algorithm", 4 if r == 0 else count)):
+        g = tw.new_group(list(range(tw.get_world_size())), name=label)
+        try:
+            g.all_reduce(np.ones(mine, dtype=np.float32), timeout=20)
+        except tw.CollectiveMismatchError as exc:
+            assert f" on group {label} (hierarchical)" in str(exc) and "all_reduce #" in str(exc), exc
+            say(f"MISMATCH OK rank {r} {label}")
+            continue
+        raise AssertionError(f"rank {r}: {label}: no error")
+
+
 def topology() -> None:
     """The topology as a job sees it: one host per namespace, one machine, tiers, orders."""
     hosts, per = placement()
@@ -240,6 +258,8 @@ def main() -> None:
             matrix(cases)
         elif mode == "algos":
             algos(cases)
+        elif mode == "mismatch":
+            mismatch()
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     tw.barrier()

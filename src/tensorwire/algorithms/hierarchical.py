@@ -23,6 +23,7 @@ phase aborts the parent group, and with it both sub-groups on every rank (Engine
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import TensorwireError
 from ..ops import ReduceOp
 from .base import P2P, offsets_of, split_counts
 from .registry import Algorithm, Link, register
@@ -263,19 +265,37 @@ def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float
     return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
 
 
+def _named(run: Callable[..., None]) -> Callable[..., None]:
+    """`run`, its phases' errors naming the caller's call too: a phase fails as a call of a
+    sub-group ('reduce_scatterv #5 on group world/host0'), which the caller never made."""
+    @functools.wraps(run)
+    def named(p2p: P2P, *args: Any) -> None:
+        try:
+            run(p2p, *args)
+        except TensorwireError as exc:
+            where = f"{p2p.what} (hierarchical)"  # type: ignore[attr-defined]
+            if where in str(exc):  # named on the rank that raised it, and came with the group's abort
+                raise
+            rank, _, inner = str(exc).partition(": ") if str(exc).startswith("rank ") else ("", "", str(exc))
+            outer = type(exc)(f"{rank}: {where}: {inner}" if rank else f"{where}: {inner}")
+            outer.__dict__.update(exc.__dict__)  # PeerLostError's peer
+            raise outer from exc
+    return named
+
+
 def _flat_never(n: int, m: int, link: Link) -> float:
     """A hierarchical algorithm has no flat price: the tuner prices its phases (`phases`)."""
     return float("inf")
 
 
-register(Algorithm(LEADERS, "all_reduce", leaders_all_reduce, _flat_never, phases=_leaders_cost,
+register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_never, phases=_leaders_cost,
                    reorder=False, out_of_place=True))
-register(Algorithm(NAME, "all_reduce", hierarchical_all_reduce, _flat_never, phases=_all_reduce_cost,
+register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
                    reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),
                            ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
                            ("barrier", hierarchical_barrier, _barrier_cost)):
-    register(Algorithm(NAME, _coll, _run, _flat_never, phases=_cost, reorder=False,
+    register(Algorithm(NAME, _coll, _named(_run), _flat_never, phases=_cost, reorder=False,
                        out_of_place=_coll in ("broadcast", "all_gather")))
