@@ -2,15 +2,15 @@
 """A large all_reduce across emulated hosts with block and cyclic rank placement, and Gloo.
 
     python scripts/netns_cluster.py --hosts 2 -n 4 --rate 1gbit \\
-        --env TENSORWIRE_TCP_CONGESTION=cubic -- bench/placement.py --size 64M --rounds 6 --gloo
+        --env TENSORWIRE_TCP_CONGESTION=cubic -- bench/placement.py --size 64M --rounds 8 --calls 2 --gloo
 
 Runs as the job of the multi-host test bed. Block placement is the world as the launcher
 numbers it (host i holds ranks i*N .. i*N+N-1); cyclic is a group over the same processes
 whose rank r lies on host r mod K (what Slurm's cyclic distribution gives), so both run in one
 job and alternate round by round; with --gloo, so do Gloo and tensorwire's torch backend, both
-through torch.distributed (block placement). A call's time is the slowest rank's; each round times --calls calls of each; rank 0 prints one line per
-call (`TIME <case> <round> <seconds>`) and a summary (mean, p50, max per case, and the ratios
-of the means).
+through torch.distributed (block placement). A call's time is the slowest rank's; each round
+times --calls calls of each; rank 0 prints one line per call (`TIME <case> <round> <seconds>`)
+and a summary (mean, p50, p99, min, max per case, and the ratios of the means).
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ copy) where calibration measured them, single copy with its reads' (`cma`, or `c
 of sources in huge pages: presumed where huge pages are expected, then as its sources report,
 see PageDependent); everything else with its tier's.
 
+A group spread over hosts (topo.Layout) gets every algorithm in its topology-aware order
+(algorithms/ordered.arrange), and, where its hosts hold the same number of ranks, the
+hierarchical algorithms too, each priced by its phases (phase_prices) against the flat ones.
+
 With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
 cost table and the link constants behind it (and where they came from).
 """
