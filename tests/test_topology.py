@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,18 @@ def test_plan_prices_a_cluster_flat_against_hierarchical(capsys) -> None:
     assert cli.main(["plan", "broadcast", "1M", "--hosts", "4", "--per-host", "1", "--tier",
                      "shm=2:9,tcp=30:1"]) == 0
     assert "needs several hosts of several ranks" in capsys.readouterr().out
+
+
+def test_pieces_follow_the_link() -> None:
+    """The pipelined all_reduce cuts 64 MiB into 8 pieces over the test bed's link (α 0.19 ms,
+    0.112 GB/s), into one where α is large against what a piece moves; every rank cuts alike."""
+    from tensorwire.algorithms import hierarchical
+
+    count = (64 << 20) // 4
+    bed = tuner.Link("tcp", 191e-6, 1 / 0.112e9, 1 / 7.5e9)
+    assert len(hierarchical.pieces(count, 4, 4, bed)) == 8
+    assert len(hierarchical.pieces(count, 4, 4, replace(bed, alpha=23e-3))) == 1
+    assert len(hierarchical.pieces(count, 4, 4)) == 8 and len(hierarchical.pieces(1000, 4, 4, bed)) == 1
+    ranges = hierarchical.pieces(count + 3, 4, 4, bed)
+    assert ranges[0][0] == 0 and ranges[-1][1] == count + 3
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))

@@ -372,7 +372,7 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
                 reason = "excluded by TENSORWIRE_ALGO"
             if not reason and cfg.deterministic and collective in tuner.REDUCTIONS:
                 reason = "not rank-ordered (deterministic mode)"
-            t = alg.phases(shape, m, within, across) if not reason else math.inf
+            t = alg.phases(shape, m, within, across, net.link) if not reason else math.inf
         else:
             flat = replace(net, link=slowest, direct_ok=False, one_way=None)
             reason = why_not(alg, collective, n, m, flat, cfg, 0)

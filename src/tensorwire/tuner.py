@@ -613,7 +613,8 @@ def phased(group: Group, table: LinkTable, algs: list[Algorithm],
     cfg = group.runtime.config
     local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
     shape = shape_of(group)
-    return [(a.phases(shape, nbytes, local, rail), a.name, a) for a in algs if a.phases is not None]
+    between = table.link(tier_of(group))  # what the group's calls see as P2P.link
+    return [(a.phases(shape, nbytes, local, rail, between), a.name, a) for a in algs if a.phases is not None]
 
 
 def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:

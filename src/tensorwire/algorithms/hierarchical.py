@@ -100,6 +100,12 @@ all-gather the last one. On 2 emulated hosts x 4 ranks at 1 Gbit/s (one 2-core V
 ranks), 64 MiB in one piece spent 0.09-0.14 s in the reduce-scatter, 0.58-0.62 s between the
 hosts and 0.16-0.27 s in the all-gather, one after the other (docs/design/topology.md)."""
 MAX_PIECES = 8
+PIECE_ALPHAS = 20
+"""A piece's share crosses in at least this many of the link's α: each piece pays a step's α
+on the rails, so where α is large against what a piece moves (a slow or distant link, or a
+calibration that measured one) fewer pieces go. At the test bed's measured 0.19 ms and
+0.112 GB/s, 8 MiB pieces of 4 shares each cross in 390 α; a probe that measured 23 ms (loaded
+VM) priced 8 pieces at 0.2 s more than one and left 64 MiB to the leaders' variant."""
 SHARE_MIN = 1 << 10
 """The reduce-scatter/all_reduce/all-gather runs where every rank's block (bytes / group size)
 holds at least this much; smaller calls take the leaders' variant (or a flat algorithm). The
@@ -112,11 +118,16 @@ the rounds, decide, and the shares' smaller messages between hosts win (a presum
 calls on the loaded 2-core test bed measured 8-30 ms whatever ran)."""
 
 
-def pieces(count: int, itemsize: int, per_host: int) -> list[tuple[int, int]]:
+def pieces(count: int, itemsize: int, per_host: int, link: Link | None = None) -> list[tuple[int, int]]:
     """Element ranges of the pieces a hierarchical all_reduce of `count` elements runs in: the
-    same on every rank. Each is cut in per_host shares, so a piece holds at least that many."""
-    k = max(1, min(MAX_PIECES, count * itemsize // PIECE_BYTES, count // max(per_host, 1)))
-    bounds = offsets_of(split_counts(count, k))
+    same on every rank (`link`: the group's constants between hosts, as P2P.link gives them,
+    the same everywhere). Each is cut in per_host shares, so a piece holds at least that many;
+    each share must keep the link busy for PIECE_ALPHAS of its α."""
+    m = count * itemsize
+    k = min(MAX_PIECES, m // PIECE_BYTES, count // max(per_host, 1))
+    if link is not None and link.alpha > 0:
+        k = min(k, int(m * link.beta / (PIECE_ALPHAS * link.alpha * max(per_host, 1))))
+    bounds = offsets_of(split_counts(count, max(1, k)))
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -124,7 +135,7 @@ def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.nd
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
     inp = data if src is None else src
-    ranges = pieces(data.size, data.itemsize, h.local.size)
+    ranges = pieces(data.size, data.itemsize, h.local.size, p2p.link)
     pipelined = len(ranges) > 1
     crossing: tuple[Any, np.ndarray, list[int]] | None = None  # the piece on the rails
     for lo, hi in ranges:
@@ -228,40 +239,47 @@ def hierarchical_barrier(p2p: P2P) -> None:
 
 # Costs: the phases' own cheapest algorithms, priced by the tuner (or `tensorwire plan`) on the
 # host tier (`local`) and between hosts (`rail`); m as nccl-tests counts it for the collective.
-def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                     link: Link | None = None) -> float:
     """In k pieces (`pieces`), the rails' phase overlapping the hosts': every piece pays its own
     phases once, the rest of the call goes at the pace of the slower side."""
-    k = len(pieces(m, 1, s.per_host)) if m else 1
+    k = len(pieces(m, 1, s.per_host, link)) if m else 1
     m_k = m // k
     within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
     across = rail("all_reduce", s.hosts, m_k // s.per_host, s.nic_share)
     return within + across + (k - 1) * max(within, across)
 
 
-def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                  link: Link | None = None) -> float:
     return (local("reduce", s.per_host, m) + rail("all_reduce", s.hosts, m, 1.0)
             + local("broadcast", s.per_host, m))
 
 
-def _broadcast_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _broadcast_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                    link: Link | None = None) -> float:
     return rail("broadcast", s.hosts, m, 1.0) + local("broadcast", s.per_host, m)
 
 
-def _reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                 link: Link | None = None) -> float:
     return local("reduce", s.per_host, m) + rail("reduce", s.hosts, m, 1.0)
 
 
-def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                     link: Link | None = None) -> float:
     return rail("all_gather", s.hosts, m // s.per_host, s.nic_share) + \
         s.hosts * local("all_gather", s.per_host, m // s.hosts)
 
 
-def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                         link: Link | None = None) -> float:
     return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts) + \
         rail("reduce_scatter", s.hosts, m // s.per_host, s.nic_share)
 
 
-def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice) -> float:
+def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                  link: Link | None = None) -> float:
     return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
 
 

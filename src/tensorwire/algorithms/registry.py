@@ -127,9 +127,9 @@ class Algorithm:
     reductions fold in group-rank order), and for the algorithms that place themselves."""
     phases: Callable[..., float] | None = None
     """A hierarchical algorithm's cost (algorithms/hierarchical.py): (Shape, bytes, price of a
-    phase within a host, price of a phase between hosts) -> seconds. It runs only on groups
-    whose hosts hold the same number of ranks, and only where blocks are even; `cost` is never
-    asked."""
+    phase within a host, price of a phase between hosts, the link between hosts) -> seconds.
+    It runs only on groups whose hosts hold the same number of ranks, and only where blocks
+    are even; `cost` is never asked."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
