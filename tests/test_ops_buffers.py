@@ -303,6 +303,126 @@ def test_torch_finalize_agrees_with_numpy(red: Reduction, dt: np.dtype,
     assert np.array_equal(fast.view(np.uint16), slow.view(np.uint16))
 
 
+# --------------------------------------------------------------------------- carriers (torch-only dtypes)
+
+CARRIED = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+
+
+def _as_carrier(t: torch.Tensor) -> np.ndarray:
+    """A tensor's memory as a numpy array of its carrier (what as_array makes without ml_dtypes)."""
+    size_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize]
+    return t.view(size_int).numpy().view(ops.carrier(str(t.dtype).removeprefix("torch.")))
+
+
+@pytest.mark.parametrize("name", CARRIED)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX],
+                         ids=lambda o: o.name)
+def test_carrier_kernels_agree_with_ml_dtypes(op: ReduceOp, name: str) -> None:
+    """A carrier reduces through torch what ml_dtypes reduces through numpy, bit for bit (but
+    for NaN payloads and the sign of equal zeros in MIN/MAX): ranks with and without ml_dtypes
+    agree."""
+    rng = np.random.default_rng(int(op) + len(name))
+    tdtype = getattr(torch, name)
+    a, b = (torch.from_numpy((rng.standard_normal(1000) * 8).astype(np.float32)).to(tdtype) for _ in "ab")
+    ml = np.dtype(getattr(ml_dtypes, name))
+    want = a.view(torch.uint8).numpy().view(ml).copy()
+    reduce_into(want, b.view(torch.uint8).numpy().view(ml), op)
+    got = _as_carrier(a.clone())
+    src = _as_carrier(b)
+    src.flags.writeable = False  # received data is read-only
+    reduce_into(got, src, op)
+    g64, w64 = torch.frombuffer(got, dtype=tdtype).double().numpy(), want.astype(np.float64)
+    assert np.array_equal(np.isnan(g64), np.isnan(w64))
+    assert np.array_equal(g64[~np.isnan(g64)], w64[~np.isnan(w64)])
+    # kernels take three arrays (out = a op b): the one-shot path folds two slots into a third
+    out = _as_carrier(torch.zeros(1000, dtype=tdtype))
+    ops.reduction_kernel(op, got.dtype)(_as_carrier(a), src, out)
+    assert np.array_equal(out.view(np.uint8), got.view(np.uint8))
+
+
+@pytest.mark.parametrize("name", CARRIED)
+@pytest.mark.parametrize("red", [Reduction(ReduceOp.AVG), premul_sum(1 / 3)], ids=str)
+def test_carrier_finalize_agrees_with_ml_dtypes(red: Reduction, name: str) -> None:
+    tdtype = getattr(torch, name)
+    t = torch.from_numpy((np.random.default_rng(3).standard_normal(500) * 50).astype(np.float32)).to(tdtype)
+    ml = np.dtype(getattr(ml_dtypes, name))
+    want = t.view(torch.uint8).numpy().view(ml).copy()
+    finalize(want, red, 3)
+    got = _as_carrier(t.clone())
+    finalize(got, red, 3)
+    g64, w64 = torch.frombuffer(got, dtype=tdtype).double().numpy(), want.astype(np.float64)
+    assert np.array_equal(g64, w64, equal_nan=True)
+
+
+@pytest.mark.parametrize("red", [Reduction(ReduceOp.SUM), Reduction(ReduceOp.PRODUCT),
+                                 Reduction(ReduceOp.AVG), premul_sum(0.25)], ids=str)
+def test_complex32_computes_in_complex64(red: Reduction) -> None:
+    """complex32 has no numpy type at all: its carrier reduces in complex64 and rounds back."""
+    rng = np.random.default_rng(5)
+    xs = [torch.from_numpy((rng.standard_normal(64) + 1j * rng.standard_normal(64)).astype(np.complex64))
+          .to(torch.complex32) for _ in range(3)]
+    got = reference([_as_carrier(x) for x in xs], red)
+    want = xs[0].to(torch.complex64)
+    for x in xs[1:]:
+        want = (want * x.to(torch.complex64) if red.op is ReduceOp.PRODUCT else want + x.to(torch.complex64))
+        want = want.to(torch.complex32).to(torch.complex64)
+    if red.op is ReduceOp.AVG:
+        want = (want / 3).to(torch.complex32).to(torch.complex64)
+    elif red.op is ReduceOp.PREMUL_SUM:
+        want = (want * 0.25).to(torch.complex32).to(torch.complex64)
+    assert torch.equal(torch.frombuffer(got, dtype=torch.complex32).to(torch.complex64), want)
+
+
+def test_carriers_registry() -> None:
+    """Carriers share ml_dtypes' codes and names (the wire agrees across installs), refuse what
+    their category does not define with torch's name for the dtype, and stay apart from
+    numpy's own structured dtypes."""
+    for name in CARRIED:
+        dt, ml = ops.carrier(name), np.dtype(getattr(ml_dtypes, name))
+        assert dt is ops.carrier(name) and dt.itemsize == ml.itemsize
+        assert dtype_code(dt) == dtype_code(ml) and dtype_name(dt) == dtype_name(ml)
+    c32 = ops.carrier("complex32")
+    assert dtype_code(c32) == 25 and dtype_from_code(25) == c32 and ops.dtype_category(c32) == "c"
+    with pytest.raises(InvalidArgumentError, match=r"BAND is not defined for torch\.bfloat16"):
+        check_op_dtype(Reduction(ReduceOp.BAND), ops.carrier("bfloat16"), rank=0, collective="all_reduce")
+    with pytest.raises(InvalidArgumentError, match=r"MAX is not defined for torch\.complex32"):
+        check_op_dtype(Reduction(ReduceOp.MAX), c32, rank=0, collective="all_reduce")
+    assert ops.carrier("float4_e2m1fn_x2") is None
+    with pytest.raises(InvalidArgumentError, match="structured"):
+        ops.check_dtype(np.dtype([("bfloat16", "=u2")]))  # a user's own record type is not a carrier
+    empty = _as_carrier(torch.zeros(0, dtype=torch.bfloat16))
+    reduce_into(empty, empty, ReduceOp.SUM)  # nothing to do, and no error
+    finalize(empty, Reduction(ReduceOp.AVG), 2)
+
+
+def test_torch_dtypes_without_ml_dtypes(tmp_path: object) -> None:
+    """A plain `pip install tensorwire[torch]`: ml_dtypes cannot be imported, and still every torch
+    dtype that torch computes is viewed (a carrier where numpy has no type) and reduced."""
+    from test_torch_backend import TORCH_DTYPES, without_ml_dtypes
+
+    code = f"""
+import numpy as np, torch
+from tensorwire.buffers import as_array
+from tensorwire.ops import ReduceOp, Reduction, reference
+for name in {TORCH_DTYPES!r}:
+    dtype = getattr(torch, name)
+    xs = [(torch.arange(6, dtype=torch.float64) % 3 + k).to(dtype) for k in range(3)]
+    views = [as_array(x, writable=True, rank=0, collective="all_reduce") for x in xs]
+    views[0][0] = views[1][1]  # the views are the tensors' memory
+    assert xs[0][0] == xs[1][1], name
+    folded = reference(views, Reduction(ReduceOp.MAX if name == "bool" else ReduceOp.SUM))
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    got = torch.from_numpy(folded.view(np.uint8)).view(dtype).to(wide)
+    x0, x1, x2 = (x.to(wide) for x in xs)
+    want = ((x0 + x1).to(dtype).to(wide) + x2).to(dtype).to(wide)  # rounded as the dtype rounds each step
+    assert torch.equal(got, want), (name, got, want)
+import sys
+assert sys.modules.get("ml_dtypes") is None
+"""
+    env = dict(os.environ, PYTHONPATH=without_ml_dtypes(tmp_path))  # type: ignore[arg-type]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+
+
 # --------------------------------------------------------------------------- finalize
 
 def test_finalize_avg_float_and_int() -> None:
@@ -588,6 +708,51 @@ def test_as_array_rejections(obj: object, pattern: str) -> None:
         _view(obj)
 
 
+def test_torch_views_are_kept_by_memory() -> None:
+    """A small tensor's view is made once: again for the same memory, dtype and shape, whichever
+    tensor object shows it (planned collectives find it through seen_torch_view)."""
+    t = torch.zeros(4)
+    v = _view(t)
+    assert _view(t) is v and buffers.seen_torch_view(t) is v
+    assert buffers.seen_torch_view(t.view(-1)) is v and buffers.seen_torch_view(t[:]) is v
+    assert buffers.seen_torch_view(t.view(2, 2)) is None  # another shape: another view
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert buffers.seen_torch_view(p) is None and _view(p) is buffers.seen_torch_view(p)
+    big = torch.zeros(buffers.VIEWED_BYTES // 4 + 1)
+    assert _view(big) is not _view(big) and buffers.seen_torch_view(big) is None
+    assert buffers.seen_torch_view(np.zeros(4)) is None and buffers.seen_torch_view(bytearray(4)) is None
+    for _ in range(3 * buffers._VIEWS_MAX):  # bounded however many tensors pass
+        _view(torch.zeros(2))
+    assert len(buffers._VIEWS) <= buffers._VIEWS_MAX
+
+
+def test_torch_views_follow_the_tensor() -> None:
+    """A kept view is used only while it is exactly the tensor's memory: after set_, resize_,
+    `.data =` or a transposition the tensor is looked at afresh, and lazy conjugate/negative
+    views of kept memory are refused as they are the first time."""
+    t = torch.zeros(4)
+    v = _view(t)
+    t.set_(torch.ones(4))
+    assert buffers.seen_torch_view(t) is None
+    assert _view(t) is not v and _view(t)[0] == 1
+    t.resize_(2)
+    assert _view(t).shape == (2,)
+    t.data = torch.zeros(4, dtype=torch.float64)
+    assert _view(t).dtype == np.float64
+    sq = torch.zeros(3, 3)
+    _view(sq)
+    assert buffers.seen_torch_view(sq.t()) is None  # x.t() of a square x: x's address, dtype and shape
+    with pytest.raises(InvalidArgumentError, match="not contiguous"):
+        _view(sq.t())
+    z = torch.tensor([1 + 2j], dtype=torch.complex64)
+    _view(z)
+    _view(z.imag)  # one element: contiguous, and kept
+    for lazy in (z.conj(), z.conj().imag, torch._neg_view(z)):
+        assert buffers.seen_torch_view(lazy) is None
+        with pytest.raises(InvalidArgumentError, match="conjugate/negative"):
+            _view(lazy)
+
+
 def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
     a = np.zeros(3)
     a.flags.writeable = False
@@ -599,8 +764,8 @@ def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
 @pytest.mark.parametrize("make", [lambda: torch.zeros(3, 3).t(), lambda: torch.zeros(2, device="meta"),
                                   lambda: torch.zeros(2, 2).to_sparse(),
                                   lambda: torch.zeros(2, dtype=torch.complex64).conj(),
-                                  lambda: torch.zeros(2, dtype=torch.complex32)],
-                         ids=["non-contiguous", "other-device", "sparse", "conj", "complex32"])
+                                  lambda: torch.empty(2, dtype=torch.float4_e2m1fn_x2)],
+                         ids=["non-contiguous", "other-device", "sparse", "conj", "float4"])
 def test_as_array_torch_rejections(make: object) -> None:
     t = make()  # type: ignore[operator]
     with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: tensor "):

@@ -118,6 +118,14 @@ def test_every_op_four_ranks_and_sub_groups() -> None:
     assert_all_ok(launch("four", 4, timeout=110), "four")
 
 
+def without_ml_dtypes(tmp_path: Path) -> str:
+    """A PYTHONPATH on which `import ml_dtypes` fails, as on a plain `pip install tensorwire[torch]`
+    (a sitecustomize.py that maps the module to None)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['ml_dtypes'] = None  # this interpreter acts as if it were not installed\n")
+    return os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+
+
 # ------------------------------------------------------------------------------------ scenarios
 # Everything below runs inside the launched ranks.
 
@@ -690,6 +698,10 @@ def scenario_four() -> None:
     assert tw_world._runtime is None
     print(f"rank {r}: {c.count} checks passed")
 
+
+TORCH_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+                "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",
+                "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
 def run_scenario(namespace: dict) -> None:

@@ -6,7 +6,9 @@ Python and never allocates. `reference` computes the same result on one process 
 
 Dtypes are known by a small registry: numpy's numeric types and bool, plus the ml_dtypes
 floats (bfloat16, float8_*) which are registered the first time one is seen, so neither
-ml_dtypes nor torch is imported when tensorwire is.
+ml_dtypes nor torch is imported when tensorwire is. torch tensors of dtypes numpy cannot
+compute (bfloat16 and float8_* without ml_dtypes, complex32) travel as *carriers* (`carrier`):
+numpy moves them as bytes and torch's own kernels reduce them, so torch alone is enough.
 
 Two speed notes, measured on the reference machine (x86-64, numpy 2.4): numpy's float16
 loops run at ~0.25 GB/s and ml_dtypes' bfloat16 loops at ~1 GB/s, against ~11 GB/s for
@@ -19,6 +21,7 @@ bit-identical except for the sign of equal zeros in MIN/MAX and NaN payloads.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import sys
 import threading
@@ -50,6 +53,7 @@ __all__ = [
     "dtype_from_name",
     "TORCH_KERNEL_MIN_ELEMENTS",
     "SUPPORTED_NUMS",
+    "carrier",
 ]
 
 
@@ -214,6 +218,7 @@ class _DType:
     dtype: np.dtype
     arithmetic: bool = True  # False: movable but the ufuncs are missing (an old ml_dtypes)
     low_precision: bool = False  # scalars are applied in float32 (exactly representable there)
+    carried: _Carried | None = None  # a carrier's torch side: torch computes it (see `carrier`)
 
 
 # Stable wire codes. Never renumber; append.
@@ -321,6 +326,8 @@ _register_numpy()
 
 def _lookup(dtype: np.dtype) -> _DType | None:
     entry = _BY_NUM.get(dtype.num)
+    if entry is None and dtype.num == _VOID:
+        return _CARRIERS.get(dtype)
     if entry is None and not _ml_state["tried"] and (dtype.type.__module__ or "").startswith("ml_dtypes"):
         _register_ml_dtypes()
         entry = _BY_NUM.get(dtype.num)
@@ -331,7 +338,7 @@ def _lookup(dtype: np.dtype) -> _DType | None:
 
 _SUPPORTED_TEXT = (
     "supported: bool, int8..int64, uint8..uint64, float16/32/64, longdouble, complex64/128, "
-    "clongdouble, and with ml_dtypes bfloat16 and float8_*"
+    "clongdouble, with ml_dtypes bfloat16 and float8_*, and torch tensors of every dtype torch computes"
 )
 
 
@@ -394,7 +401,8 @@ def check_op_dtype(red: Reduction, dtype: Any, *, rank: int, collective: str) ->
     where = _where(rank, collective)
     why = op_undefined(red.op, entry.category)
     if why:
-        raise InvalidArgumentError(f"{where}{red.op.name} is not defined for {dt.name} ({why})")
+        label = dt.name if entry.carried is None else str(entry.carried.tdtype)
+        raise InvalidArgumentError(f"{where}{red.op.name} is not defined for {label} ({why})")
     if not entry.arithmetic:
         raise InvalidArgumentError(
             f"{where}{red.op.name} is not available for {dt.name}: the installed ml_dtypes has no ufunc "
@@ -487,9 +495,9 @@ def _resolve(op: ReduceOp, dtype: np.dtype) -> Any:
     if entry is None:
         check_dtype(dtype, collective="reduce_into")  # raises with the reason
         raise AssertionError("unreachable")
-    ufunc = _TABLE[op].get(dtype.num)
+    ufunc = _TABLE[op].get(dtype.num) if entry.carried is None else _CARRIER_KERNELS.get((op, entry.code))
     if ufunc is None:
-        raise InvalidArgumentError(f"reduce_into: {op.name} is not defined for {dtype.name}")
+        raise InvalidArgumentError(f"reduce_into: {op.name} is not defined for {entry.name}")
     return ufunc
 
 
@@ -509,13 +517,7 @@ def _torch_table(torch: Any) -> dict[int, tuple[np.dtype, Any]] | None:
             bf16 = _BY_CODE.get(16)
             if bf16 is not None:
                 table[bf16.dtype.num] = (np.dtype(np.int16), torch.bfloat16)
-        # torch warns once per process about read-only numpy arrays (received data is
-        # read-only and only ever read by torch here); spend that warning now, silently.
-        probe = np.zeros(1, np.int16)
-        probe.flags.writeable = False
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.from_numpy(probe)
+        _spend_read_only_warning(torch)
         _torch_kinds = table
     except Exception:  # a half-initialised or unusual torch: keep the numpy path
         _torch_state["failed"] = True
@@ -550,6 +552,112 @@ def _torch_reduce(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> bool:
     else:
         d.add_(s)
     return True
+
+
+# --------------------------------------------------------------------------- carriers
+
+_VOID = np.dtype(np.void).num
+_CARRIED: dict[str, tuple[int, str, str, str | None]] = {
+    # torch dtype: (wire code, name, category, the torch dtype its arithmetic runs in where torch
+    # has no CPU kernels for the dtype itself; torch 2.13 adds float8 only through float32)
+    "bfloat16": (16, "bfloat16", "f", None),
+    "float8_e4m3fn": (17, "f8e4m3", "f", "float32"),
+    "float8_e5m2": (18, "f8e5m2", "f", "float32"),
+    "float8_e4m3fnuz": (19, "float8_e4m3fnuz", "f", "float32"),
+    "float8_e5m2fnuz": (20, "float8_e5m2fnuz", "f", "float32"),
+    "float8_e8m0fnu": (21, "float8_e8m0fnu", "f", "float32"),
+    "complex32": (25, "complex32", "c", "complex64"),
+}
+"""The torch dtypes that have carriers; codes 16-21 are ml_dtypes' (the same bytes on the wire,
+so a rank with ml_dtypes and one without agree)."""
+_CARRIERS: dict[np.dtype, _DType] = {}
+_CARRIER_KERNELS: dict[tuple[ReduceOp, int], Callable[..., None]] = {}
+
+
+class _Carried:
+    """A carrier's torch side: its torch dtype, and the wider one torch computes it in where
+    torch has no CPU kernels for it (None: its own). Every carrier array is a torch tensor's
+    memory, so torch is loaded whenever one exists."""
+
+    __slots__ = ("tdtype", "compute")
+
+    def __init__(self, torch_name: str, compute: str | None) -> None:
+        import torch
+
+        self.tdtype = getattr(torch, torch_name)
+        self.compute = None if compute is None else getattr(torch, compute)
+
+    def tensor(self, arr: np.ndarray) -> Any:
+        """arr's memory as a tensor, no copy: flat through torch.frombuffer where arr is
+        contiguous (the cheapest way in), else with arr's shape and strides."""
+        torch = sys.modules["torch"]
+        if arr.flags.c_contiguous:
+            return torch.frombuffer(arr, dtype=self.tdtype)
+        return torch.from_numpy(arr.view(_SAME_SIZE_INT[arr.itemsize])).view(self.tdtype)
+
+    def combine(self, fn: Any, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """out = fn(a, b) elementwise (`out` may be `a` or `b`)."""
+        if not out.size:
+            return
+        ta, tb, to = self.tensor(a), self.tensor(b), self.tensor(out)
+        if self.compute is None:
+            fn(ta, tb, out=to)
+        else:
+            to.copy_(fn(ta.to(self.compute), tb.to(self.compute)))
+
+    def scale(self, buf: np.ndarray, divide_by: int | None, multiply_by: float | None) -> None:
+        """buf /= divide_by or buf *= multiply_by, in place, the scalar applied in float32 at
+        least (torch's own rule for its 16-bit floats, and what finalize does for the rest)."""
+        if not buf.size:
+            return
+        t = self.tensor(buf)
+        wide = t if self.compute is None else t.to(self.compute)
+        if divide_by is not None:
+            wide.div_(divide_by)
+        else:
+            wide.mul_(multiply_by)
+        if wide is not t:
+            t.copy_(wide)
+
+
+_SAME_SIZE_INT = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
+
+
+def carrier(torch_name: str) -> np.dtype | None:
+    """The numpy dtype that carries torch tensors of `torch_name` ('bfloat16', 'float8_e4m3fn',
+    'complex32', ...) where numpy has none: a structured dtype of one unsigned integer field
+    of the same size, named after the torch dtype. numpy copies, slices and sends it as any
+    other dtype but has no arithmetic for it: every reduction and finalisation of a carrier
+    runs through torch on the same memory (`_Carried`). None: no carrier for that dtype."""
+    spec = _CARRIED.get(torch_name)
+    if spec is None:
+        return None
+    code, name, category, compute = spec
+    for dt, entry in _CARRIERS.items():
+        if entry.code == code:
+            return dt
+    with _registry_lock:
+        carried = _Carried(torch_name, compute)
+        itemsize = carried.tdtype.itemsize
+        dt = np.dtype([(f"torch.{torch_name}", f"=u{itemsize}")])
+        entry = _DType(code, name, category, dt, low_precision=True, carried=carried)
+        for op, ufunc in _KIND_UFUNCS[category].items():  # torch's function of numpy's name
+            fn = getattr(sys.modules["torch"], ufunc.__name__)
+            _CARRIER_KERNELS[(op, code)] = functools.partial(carried.combine, fn)
+        _spend_read_only_warning(sys.modules["torch"])
+        _CARRIERS[dt] = entry
+    return dt
+
+
+def _spend_read_only_warning(torch: Any) -> None:
+    """torch warns once per process about wrapping read-only memory (received data is, and is
+    only ever read by torch here); spend that warning now, silently."""
+    probe = np.zeros(1, np.int16)
+    probe.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.from_numpy(probe)
+        torch.frombuffer(probe, dtype=torch.int16)
 
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
@@ -609,7 +717,8 @@ def finalize(buf: np.ndarray, red: Reduction, group_size: int) -> None:
     """Complete AVG (divide by the group size) and PREMUL_SUM (multiply by the factor) in place.
 
     Floats: AVG is a true division; float16/bfloat16/float8 apply the scalar in float32 so
-    group sizes and factors that the narrow type cannot represent stay exact. Integers: AVG
+    group sizes and factors that the narrow type cannot represent stay exact (carriers
+    through torch, complex32 in complex64). Integers: AVG
     is floor division (-7 // 2 == -4); PREMUL_SUM with an integral factor that fits the
     dtype is an exact (wrapping) integer multiply, otherwise the product is computed in
     float64 and truncated toward zero when cast back (values beyond 2**53 lose precision,
@@ -627,6 +736,9 @@ def finalize(buf: np.ndarray, red: Reduction, group_size: int) -> None:
     if op is ReduceOp.AVG:
         if group_size == 1:
             return
+        if entry.carried is not None:
+            entry.carried.scale(buf, group_size, None)
+            return
         if cat in "iu":
             info = np.iinfo(buf.dtype)
             divisor = buf.dtype.type(group_size) if group_size <= info.max else (
@@ -640,7 +752,9 @@ def finalize(buf: np.ndarray, red: Reduction, group_size: int) -> None:
         return
     factor = red.factor
     assert factor is not None
-    if cat in "iu":
+    if entry.carried is not None:
+        entry.carried.scale(buf, None, factor)
+    elif cat in "iu":
         info = np.iinfo(buf.dtype)
         if math.isfinite(factor) and factor.is_integer() and info.min <= factor <= info.max:
             np.multiply(buf, buf.dtype.type(int(factor)), out=buf)
@@ -688,6 +802,8 @@ def dtype_from_code(code: int) -> np.dtype:
     entry = _BY_CODE.get(code)
     if entry is None and code in _ML_CODE_SET and _register_ml_dtypes():
         entry = _BY_CODE.get(code)
+    if entry is None:
+        entry = next((c for c in _CARRIERS.values() if c.code == code), None)
     if entry is None:
         hint = " (needs ml_dtypes, or a newer one)" if code in _ML_CODE_SET else ""
         raise InvalidArgumentError(f"unknown dtype code {code!r}{hint}")
