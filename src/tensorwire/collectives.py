@@ -46,10 +46,19 @@ def _usable(a: np.ndarray, writable: bool) -> bool:
     return flags.c_contiguous and (flags.writeable or not writable)
 
 
-def _fits_out(tensor: np.ndarray, out: Any) -> bool:
-    """`out` can take a planned out-of-place result of `tensor`: the per-call part of the checks
-    (an array of the same dtype and count, contiguous and writable)."""
-    return (type(out) is np.ndarray and _usable(out, True) and out.dtype == tensor.dtype
+def _planned(obj: Any, async_op: bool) -> np.ndarray | None:
+    """What a planned path runs on: a numpy array itself, or the view `as_array` made of a
+    small torch tensor before (buffers.seen_torch_view) in a synchronous call (an async
+    call's Work would return the view, not the tensor); else None (the checked path)."""
+    if type(obj) is np.ndarray:
+        return obj
+    return None if async_op else buffers.seen_torch_view(obj)
+
+
+def _fits_out(tensor: np.ndarray, out: np.ndarray | None) -> bool:
+    """`out` (from _planned) can take a planned out-of-place result of `tensor`: the per-call
+    part of the checks (an array of the same dtype and count, contiguous and writable)."""
+    return (out is not None and _usable(out, True) and out.dtype == tensor.dtype
             and out.size == tensor.size)
 
 
@@ -173,12 +182,18 @@ def _all_gather(call: CollectiveCall, inp: np.ndarray, outs: list[np.ndarray], e
     return result
 
 
-def _planned_list(arrays: Any, like: np.ndarray, n: int, writable: bool) -> bool:
-    """Can a planned gather or scatter take `arrays` as they are: a list of n arrays of like's
-    dtype and size, contiguous (and writable)? The per-call part of _list's checks."""
-    return (type(arrays) is list and len(arrays) == n
-            and all(type(a) is np.ndarray and a.dtype == like.dtype and a.size == like.size
-                    and _usable(a, writable) for a in arrays))
+def _planned_list(objs: Any, like: np.ndarray, n: int, writable: bool,
+                  async_op: bool) -> list[np.ndarray] | None:
+    """What a planned gather or scatter runs on for `objs` (see _planned): a list of n arrays
+    of like's dtype and size, contiguous (and writable), else None. The per-call part of
+    _list's checks."""
+    if type(objs) is not list or len(objs) != n:
+        return None
+    arrays = [_planned(o, async_op) for o in objs]
+    if all(a is not None and a.dtype == like.dtype and a.size == like.size and _usable(a, writable)
+           for a in arrays):
+        return arrays  # type: ignore[return-value]
+    return None
 
 
 def _gather(call: CollectiveCall, send: np.ndarray, blocks: list[np.ndarray] | None, root: int, result: Any,
@@ -326,20 +341,24 @@ class Collectives:
         # (dtype, count, op, in/out of place) whose checks passed before only needs its arrays'
         # flags re-checked, and on the direct path runs with everything else looked up already:
         # most of a small call's Python time.
-        if type(tensor) is np.ndarray and (type(op) is ReduceOp or type(op) is Reduction):
-            plan = self.plans.get((what, tensor.dtype, tensor.size, op, out is None))
+        src = _planned(tensor, async_op)
+        if src is not None and (type(op) is ReduceOp or type(op) is Reduction):
+            plan = self.plans.get((what, src.dtype, src.size, op, out is None))
             if plan is not None:
-                flags = tensor.flags
+                flags = src.flags
                 if out is None:
-                    ok, dst = flags.c_contiguous and flags.writeable, tensor
+                    ok, dst = flags.c_contiguous and flags.writeable, src
                 else:
-                    ok, dst = flags.c_contiguous and _fits_out(tensor, out), out
+                    dst = _planned(out, async_op)
+                    ok = flags.c_contiguous and _fits_out(src, dst)
                 if ok:
                     call, run, red = plan
-                    if run is not None:
-                        return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
-                    return self._submit_planned(call, _all_reduce, False, async_op, timeout,
-                                                tensor, dst, red, dst)
+                    result = tensor if out is None else out
+                    if run is None:
+                        return self._submit_planned(call, _all_reduce, False, async_op, timeout,
+                                                    src, dst, red, result)
+                    done = self._submit_planned(call, run, True, async_op, timeout, src, dst)
+                    return done if async_op else result
         if _on_device(tensor):
             return self.device.all_reduce(tensor, op, out, async_op, timeout)
         self._check_member(what)
@@ -349,8 +368,8 @@ class Collectives:
             self._invalid(what, f"out has {dst.size} x {dst.dtype}, tensor {src.size} x {src.dtype}")
         red = self._reduction(op, src.dtype, what)
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
-        if src is tensor and dst is (tensor if out is None else out) and red.factor is None \
-                and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
+        if src is _planned(tensor, False) and (out is None or dst is _planned(out, False)) \
+                and red.factor is None and type(op) in (ReduceOp, Reduction) and len(self.plans) < _PLANS:
             self.plans[(what, src.dtype, src.size, op, out is None)] = self._all_reduce_plan(src, fp, red)
         return self._submit(fp, what, _all_reduce, async_op, timeout, src, dst, red,
                             out if out is not None else tensor)
@@ -388,19 +407,23 @@ class Collectives:
         """Reduce onto rank `dst` (in place, or into `out` there); other ranks' inputs are kept."""
         what = "reduce"
         mine = self.rank == dst
-        if type(tensor) is np.ndarray and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
-            plan = self.plans.get((what, tensor.dtype, tensor.size, dst, op, out is None))
+        data = _planned(tensor, async_op)
+        if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size, dst, op, out is None))
             if plan is not None:
                 if not mine or out is None:
-                    ok, acc = _usable(tensor, mine), tensor
+                    ok, acc = _usable(data, mine), data
                 else:
-                    ok, acc = _usable(tensor, False) and _fits_out(tensor, out), out
+                    acc = _planned(out, async_op)
+                    ok = _usable(data, False) and _fits_out(data, acc)
                 if ok:
                     call, direct, run, red = plan
-                    if red is None:  # a ReducePlan's run
-                        return self._submit_planned(call, run, True, async_op, timeout, tensor, acc)
-                    return self._submit_planned(call, _reduce, direct, async_op, timeout, tensor, acc, red,
-                                                dst, acc if mine else tensor, run)
+                    result = out if mine and out is not None else tensor
+                    if red is not None:
+                        return self._submit_planned(call, _reduce, direct, async_op, timeout, data, acc, red,
+                                                    dst, result, run)
+                    done = self._submit_planned(call, run, True, async_op, timeout, data, acc)  # ReducePlan
+                    return done if async_op else result
         if _on_device(tensor):
             return self.device.reduce(tensor, dst, op, out, async_op, timeout)
         root = self._root(dst, what, "dst")
@@ -414,8 +437,8 @@ class Collectives:
         red = self._reduction(op, src.dtype, what)
         fp = self._fp(Coll.REDUCE, src.dtype, red, root, src.size)
         result = out if (out is not None and self.rank == root) else tensor
-        if src is tensor and (target is src or target is out) and red.factor is None \
-                and type(op) in (ReduceOp, Reduction):
+        if src is _planned(tensor, False) and (target is src or target is _planned(out, False)) \
+                and red.factor is None and type(op) in (ReduceOp, Reduction):
             self._remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes,
                            red, whole=(src.nbytes, lambda: ReducePlan(self.direct, src.dtype, src.size,
                                                                       red.op, root, red).run))
@@ -437,17 +460,18 @@ class Collectives:
                               async_op: bool = False, timeout: float | None = None) -> Any:
         """Single-tensor form: `input` is size x output.numel(), rank r gets block r reduced."""
         what = "reduce_scatter_tensor"
-        if type(input) is np.ndarray and type(output) is np.ndarray \
+        inp, out = _planned(input, async_op), _planned(output, async_op)
+        if inp is not None and out is not None \
                 and (type(op) is ReduceOp or type(op) is Reduction):  # a checked signature: see all_reduce
-            plan = self.plans.get((what, input.dtype, input.size, output.size, op))
-            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
-                    and _usable(output, True):
+            plan = self.plans.get((what, inp.dtype, inp.size, out.size, op))
+            if plan is not None and out.dtype == inp.dtype and _usable(inp, False) and _usable(out, True):
                 call, direct, run, red, counts = plan
-                if counts is None:
-                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
-                return self._submit_planned(call, _reduce_scatter, direct, async_op, timeout,
-                                            blocks_of(input.reshape(-1), counts), output, red, True, output,
-                                            run)
+                if counts is not None:
+                    return self._submit_planned(call, _reduce_scatter, direct, async_op, timeout,
+                                                blocks_of(inp.reshape(-1), counts), out, red, True, output,
+                                                run)
+                done = self._submit_planned(call, run, True, async_op, timeout, inp, out)
+                return done if async_op else output
         if _on_device(output):
             return self.device.reduce_scatter_tensor(output, input, op, async_op, timeout)
         self._check_member(what)
@@ -460,7 +484,8 @@ class Collectives:
         counts = [out.size] * self.size
         red = self._reduction(op, out.dtype, what)
         fp = self._fp(Coll.REDUCE_SCATTER, out.dtype, red, count=out.size)
-        if inp is input and out is output and red.factor is None and type(op) in (ReduceOp, Reduction):
+        if inp is _planned(input, False) and out is _planned(output, False) and red.factor is None \
+                and type(op) in (ReduceOp, Reduction):
             self._remember((what, inp.dtype, inp.size, out.size, op), fp, what, "reduce_scatter", inp.nbytes,
                            red, counts, one_rank=True,
                            whole=(inp.nbytes, lambda: TensorPlan(self.direct, "reduce_scatter", inp.dtype,
@@ -502,19 +527,23 @@ class Collectives:
                   timeout: float | None = None) -> Any:
         """Rank `src`'s tensor to everyone: in place, or into `out` (then `tensor` is only read)."""
         what = "broadcast"
-        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
-            plan = self.plans.get((what, tensor.dtype, tensor.size, src, out is None))
+        data = _planned(tensor, async_op)
+        if data is not None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size, src, out is None))
             if plan is not None:
                 if out is None:
-                    ok, dst = _usable(tensor, self.rank != src), tensor
+                    ok, dst = _usable(data, self.rank != src), data
                 else:
-                    ok, dst = _usable(tensor, False) and _fits_out(tensor, out), out
+                    dst = _planned(out, async_op)
+                    ok = _usable(data, False) and _fits_out(data, dst)
                 if ok:
                     call, direct, run, root = plan
-                    if root is None:  # a BroadcastPlan's run
-                        return self._submit_planned(call, run, True, async_op, timeout, tensor, dst)
-                    return self._submit_planned(call, _broadcast, direct, async_op, timeout, tensor, dst,
-                                                root, dst, run)
+                    result = tensor if out is None else out
+                    if root is not None:
+                        return self._submit_planned(call, _broadcast, direct, async_op, timeout, data, dst,
+                                                    root, result, run)
+                    done = self._submit_planned(call, run, True, async_op, timeout, data, dst)  # its Plan
+                    return done if async_op else result
         if _on_device(tensor):
             return self.device.broadcast(tensor, src, out, async_op, timeout)
         root = self._root(src, what, "src")
@@ -524,7 +553,7 @@ class Collectives:
             self._invalid(what, f"out has {target.size} x {target.dtype}, tensor {data.size} x {data.dtype}")
         fp = self._fp(Coll.BROADCAST, data.dtype, root=root, count=data.size)
         result = tensor if out is None else out
-        if data is tensor and target is result:
+        if data is _planned(tensor, False) and target is (data if out is None else _planned(out, False)):
             self._remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes,
                            root, whole=(data.nbytes, lambda: BroadcastPlan(self.direct, data.dtype, data.size,
                                                                            root).run))
@@ -546,15 +575,16 @@ class Collectives:
                                timeout: float | None = None) -> Any:
         """Single-tensor form: output is size x input, rank r's input lands in block r."""
         what = "all_gather_into_tensor"
-        if type(input) is np.ndarray and type(output) is np.ndarray:  # a checked signature: see all_reduce
-            plan = self.plans.get((what, input.dtype, input.size, output.size))
-            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
-                    and _usable(output, True):
+        inp, out = _planned(input, async_op), _planned(output, async_op)
+        if inp is not None and out is not None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, inp.dtype, inp.size, out.size))
+            if plan is not None and out.dtype == inp.dtype and _usable(inp, False) and _usable(out, True):
                 call, direct, run, counts = plan
-                if counts is None:
-                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
-                return self._submit_planned(call, _all_gather, direct, async_op, timeout, input,
-                                            blocks_of(output.reshape(-1), counts), True, output, run)
+                if counts is not None:
+                    return self._submit_planned(call, _all_gather, direct, async_op, timeout, inp,
+                                                blocks_of(out.reshape(-1), counts), True, output, run)
+                done = self._submit_planned(call, run, True, async_op, timeout, inp, out)
+                return done if async_op else output
         if _on_device(output):
             return self.device.all_gather_into_tensor(output, input, async_op, timeout)
         self._check_member(what)
@@ -567,7 +597,7 @@ class Collectives:
         counts = [inp.size] * self.size
         outs = blocks_of(out.reshape(-1), counts)
         fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
-        if inp is input and out is output:
+        if inp is _planned(input, False) and out is _planned(output, False):
             self._remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes, counts,
                            whole=(inp.nbytes, lambda: TensorPlan(self.direct, "all_gather", inp.dtype,
                                                                  inp.size).run))
@@ -595,14 +625,14 @@ class Collectives:
                async_op: bool = False, timeout: float | None = None) -> Any:
         """gather_list (on rank dst only) receives every rank's tensor."""
         what = "gather"
-        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
-            plan = self.plans.get((what, tensor.dtype, tensor.size, dst))
-            if plan is not None and _usable(tensor, False) and (
-                    self.rank != dst or _planned_list(gather_list, tensor, self.size, True)):
+        data = _planned(tensor, async_op)
+        if data is not None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size, dst))
+            blocks = None if self.rank != dst else _planned_list(gather_list, data, self.size, True, async_op)
+            if plan is not None and _usable(data, False) and (self.rank != dst or blocks is not None):
                 call, direct, run = plan
-                return self._submit_planned(call, _gather, direct, async_op, timeout, buffers.flat(tensor),
-                                            None if self.rank != dst else _flats(gather_list), dst,
-                                            gather_list, run)
+                return self._submit_planned(call, _gather, direct, async_op, timeout, buffers.flat(data),
+                                            None if blocks is None else _flats(blocks), dst, gather_list, run)
         if _on_device(tensor):
             return self.device.gather(tensor, gather_list, dst, async_op, timeout)
         root = self._root(dst, what, "dst")
@@ -611,7 +641,8 @@ class Collectives:
         if self.rank == root:
             outs = self._list(gather_list, what, "gather_list", writable=True, like=inp)
         fp = self._fp(Coll.GATHER, inp.dtype, root=root, count=inp.size)
-        if inp is tensor and (outs is None or all(a is o for a, o in zip(outs, gather_list))):  # type: ignore[arg-type]
+        if inp is _planned(tensor, False) and (
+                outs is None or all(a is _planned(o, False) for a, o in zip(outs, gather_list))):  # type: ignore[arg-type]
             self._remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * self.size,
                            one_rank=True)
         return self._submit(fp, what, _gather, async_op, timeout, buffers.flat(inp),
@@ -621,14 +652,16 @@ class Collectives:
                 async_op: bool = False, timeout: float | None = None) -> Any:
         """Rank r's tensor receives scatter_list[r] of rank src."""
         what = "scatter"
-        if type(tensor) is np.ndarray:  # a checked signature: see all_reduce
-            plan = self.plans.get((what, tensor.dtype, tensor.size, src))
-            if plan is not None and _usable(tensor, True) and (
-                    self.rank != src or _planned_list(scatter_list, tensor, self.size, False)):
+        data = _planned(tensor, async_op)
+        if data is not None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size, src))
+            blocks = None if self.rank != src else \
+                _planned_list(scatter_list, data, self.size, False, async_op)
+            if plan is not None and _usable(data, True) and (self.rank != src or blocks is not None):
                 call, direct, run = plan
                 return self._submit_planned(call, _scatter, direct, async_op, timeout,
-                                            None if self.rank != src else _flats(scatter_list),
-                                            buffers.flat(tensor), src, tensor, run)
+                                            None if blocks is None else _flats(blocks), buffers.flat(data),
+                                            src, tensor, run)
         if _on_device(tensor):
             return self.device.scatter(tensor, scatter_list, src, async_op, timeout)
         root = self._root(src, what, "src")
@@ -637,7 +670,8 @@ class Collectives:
         if self.rank == root:
             ins = self._list(scatter_list, what, "scatter_list", writable=False, like=out)
         fp = self._fp(Coll.SCATTER, out.dtype, root=root, count=out.size)
-        if out is tensor and (ins is None or all(a is i for a, i in zip(ins, scatter_list))):  # type: ignore[arg-type]
+        if out is _planned(tensor, False) and (
+                ins is None or all(a is _planned(i, False) for a, i in zip(ins, scatter_list))):  # type: ignore[arg-type]
             self._remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * self.size,
                            one_rank=True)
         return self._submit(fp, what, _scatter, async_op, timeout, None if ins is None else _flats(ins),
@@ -718,18 +752,19 @@ class Collectives:
                           timeout: float | None = None) -> Any:
         """Split sizes count rows of dim 0 (as torch does); without them, equal blocks."""
         what = "all_to_all_single"
-        if type(input) is np.ndarray and type(output) is np.ndarray and input_split_sizes is None \
+        inp, out = _planned(input, async_op), _planned(output, async_op)
+        if inp is not None and out is not None and input_split_sizes is None \
                 and output_split_sizes is None:  # a checked signature: see all_reduce
-            plan = self.plans.get((what, input.dtype, input.shape, output.shape))
-            if plan is not None and output.dtype == input.dtype and _usable(input, False) \
-                    and _usable(output, True):
+            plan = self.plans.get((what, inp.dtype, inp.shape, out.shape))
+            if plan is not None and out.dtype == inp.dtype and _usable(inp, False) and _usable(out, True):
                 call, direct, run, counts = plan
                 if counts is None:  # the one shot through the slots: in place is fine there
-                    return self._submit_planned(call, run, True, async_op, timeout, input, output)
-                if not np.may_share_memory(input, output):
+                    done = self._submit_planned(call, run, True, async_op, timeout, inp, out)
+                    return done if async_op else output
+                if not np.may_share_memory(inp, out):
                     return self._submit_planned(call, _all_to_all, direct, async_op, timeout,
-                                                blocks_of(input.reshape(-1), counts),
-                                                blocks_of(output.reshape(-1), counts), True, output, run)
+                                                blocks_of(inp.reshape(-1), counts),
+                                                blocks_of(out.reshape(-1), counts), True, output, run)
         if _on_device(output):
             return self.device.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                    async_op, timeout)
@@ -743,7 +778,7 @@ class Collectives:
         outs = self._split(out, output_split_sizes, what, "output")
         even = input_split_sizes is None and output_split_sizes is None
         coll, count = (Coll.ALL_TO_ALL, inp.size) if even else (Coll.ALL_TO_ALLV, -1)
-        if even and inp is input and out is output \
+        if even and inp is _planned(input, False) and out is _planned(output, False) \
                 and ins[self.rank].size == outs[self.rank].size:  # so every block has that size
             self._remember((what, inp.dtype, inp.shape, out.shape), self._fp(coll, dtype, count=count), what,
                            "all_to_all", inp.nbytes, [b.size for b in ins],
