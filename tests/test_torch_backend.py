@@ -126,6 +126,21 @@ def without_ml_dtypes(tmp_path: Path) -> str:
     return os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("path", ["direct", "messages"])
+def test_every_torch_dtype_and_op_without_ml_dtypes(path: str, tmp_path: Path) -> None:
+    """Every reduce op on every torch dtype (bfloat16, float16, float8_*, complex32 included) at
+    n = 1, 2, 3 (sub-groups of a 3-rank world), through dist.all_reduce, dist.reduce,
+    dist.reduce_scatter_tensor and tensorwire's own all_reduce on the tensors, against a
+    reference folded in float64, in processes that cannot import ml_dtypes: torch alone must
+    be enough. `messages`: the shared-memory one shot off, so the message path's algorithms
+    carry and reduce them."""
+    env = {"PYTHONPATH": without_ml_dtypes(tmp_path)}
+    if path == "messages":
+        env["TENSORWIRE_SHM_DIRECT"] = "0"
+    assert_all_ok(launch("dtypes", 3, timeout=140, **env), "dtypes")
+
+
 # ------------------------------------------------------------------------------------ scenarios
 # Everything below runs inside the launched ranks.
 
@@ -702,6 +717,159 @@ def scenario_four() -> None:
 TORCH_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
                 "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",
                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def _wide(t):
+    """A tensor's values in numpy at full width: float64, complex128, int64 or bool."""
+    import torch
+
+    if t.dtype == torch.bool:
+        return t.numpy().copy()
+    if t.is_complex():
+        return t.to(torch.complex128).numpy()
+    return t.to(torch.float64 if t.is_floating_point() else torch.int64).numpy()
+
+
+def _fold(inputs, op: str, factor: float | None, premul_first: bool):
+    """What every rank must hold: the inputs folded in rank order in float64 (complex128, int64),
+    each step rounded to the inputs' dtype as the dtype's own arithmetic rounds it; AVG and
+    PREMUL_SUM finish the fold, unless torch's backend scales each input first (premul_first)."""
+    import numpy as np
+    import torch
+
+    dtype = inputs[0].dtype
+
+    def rounded(x):
+        return _wide(torch.from_numpy(np.ascontiguousarray(x)).to(dtype))
+
+    xs = [_wide(t) for t in inputs]
+    if op == "PREMUL_SUM" and premul_first:
+        xs = [rounded(factor * x) for x in xs]
+    if dtype == torch.bool:
+        fn = {"SUM": np.logical_or, "PRODUCT": np.logical_and, "MIN": np.logical_and, "MAX": np.logical_or,
+              "BAND": np.logical_and, "BOR": np.logical_or, "BXOR": np.logical_xor}[op]
+    else:
+        fn = {"SUM": np.add, "AVG": np.add, "PREMUL_SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum,
+              "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = rounded(fn(acc, x))
+    if op == "AVG":
+        acc = rounded(acc // len(xs) if acc.dtype == np.int64 else acc / len(xs))
+    elif op == "PREMUL_SUM" and not premul_first:
+        acc = rounded(acc * factor)
+    return acc
+
+
+def _torch_ops(dtype) -> list[str]:
+    """The reduce ops defined for a torch dtype."""
+    import torch
+
+    if dtype == torch.bool:
+        return ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+    if dtype.is_complex:
+        return ["SUM", "AVG", "PRODUCT", "PREMUL_SUM"]
+    if dtype.is_floating_point:
+        return ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"]
+    return ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+
+
+def scenario_dtypes() -> None:
+    """See test_every_torch_dtype_and_op_without_ml_dtypes."""
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("ml_dtypes is importable: this scenario must run without it")
+    dist.init_process_group("tensorwire")
+    r = dist.get_rank()
+    subsets = [[0, 1, 2], [0, 1], [0], [1], [2]]  # n = 3, 2, 1; created in the same order everywhere
+    groups = [(ranks, dist.new_group(ranks)) for ranks in subsets]
+    checks = 0
+    for ranks, pg in groups:
+        if r in ranks:
+            _check_planned_results(pg)
+            for name in TORCH_DTYPES:
+                for op in _torch_ops(getattr(torch, name)):
+                    checks += _check_dtype_op(pg, ranks, getattr(torch, name), op)
+    assert sys.modules.get("ml_dtypes", None) is None
+    print(f"rank {r}: {checks} checks passed")
+    dist.destroy_process_group()
+
+
+def _check_planned_results(pg) -> None:
+    """Repeated calls on the same small tensors run planned signatures, and return the tensors
+    (not tensorwire's numpy views of them), as the first call does."""
+    import numpy as np
+    import torch
+
+    from tensorwire import buffers
+    from tensorwire.ops import ReduceOp
+
+    tw = pg.tensorwire_group
+    t, o, u = torch.ones(4), torch.zeros(4), torch.ones(4)
+    for _ in range(3):
+        assert tw.all_reduce(t) is t and tw.all_reduce(t, out=o) is o
+        assert tw.broadcast(t, 0) is t and tw.broadcast(t, 0, out=o) is o
+        assert tw.reduce(u, 0) is u
+        work = tw.all_reduce(t, async_op=True)
+        work.wait()
+        assert work.result() is t
+    assert buffers.seen_torch_view(t) is not None
+    assert ("all_reduce", np.dtype(np.float32), 4, ReduceOp.SUM, True) in tw.plans
+    assert torch.equal(t, torch.full((4,), float(tw.size ** 6))), t  # six sums of equal tensors
+
+
+def _check_dtype_op(pg, ranks: list[int], dtype, op: str) -> int:
+    """One op on one dtype in one group, every way in: the number of results checked."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorwire import ops
+
+    r = dist.get_rank()
+    n, me, tw = len(ranks), ranks.index(r), pg.tensorwire_group
+    tol = 2 * torch.finfo(dtype).eps if dtype.is_floating_point or dtype.is_complex else 0.0
+    factor = 0.5 if dtype.is_floating_point or dtype.is_complex else 2.0
+    theirs = dist._make_nccl_premul_sum(factor) if op == "PREMUL_SUM" else getattr(dist.ReduceOp, op)
+    ours = ops.premul_sum(factor) if op == "PREMUL_SUM" else getattr(ops.ReduceOp, op)
+    inputs = [_data(k, 5 * n, dtype) for k in ranks]
+    # (what, call, whether the PREMUL_SUM factor scales each input: torch's backend does, as NCCL)
+    cases = [("tensorwire all_reduce", lambda t: tw.all_reduce(t, ours), False),
+             ("dist.reduce", lambda t: dist.reduce(t, ranks[-1], theirs, group=pg), True)]
+    if not (dtype.is_complex and op == "PRODUCT"):  # torch refuses that all_reduce itself
+        cases.append(("dist.all_reduce", lambda t: dist.all_reduce(t, theirs, group=pg), True))
+    checks = 0
+    for what, call, premul_first in cases:
+        t = _data(r, 5 * n, dtype)
+        for repeat in range(2):  # the same memory again: the second call runs a planned signature
+            t.copy_(_data(r, 5 * n, dtype))
+            call(t)
+            if what == "dist.reduce" and r != ranks[-1]:
+                assert torch.equal(t.view(torch.uint8), _data(r, 5 * n, dtype).view(torch.uint8)), what
+                continue
+            want = _fold(inputs, op, factor, premul_first)
+            _close(f"rank {r} n={n} {what} {dtype} {op} #{repeat}", _wide(t), want, tol)
+            checks += 1
+    out = torch.zeros(5, dtype=dtype)
+    dist.reduce_scatter_tensor(out, _data(r, 5 * n, dtype), theirs, group=pg)
+    _close(f"rank {r} n={n} reduce_scatter_tensor {dtype} {op}", _wide(out),
+           _fold(inputs, op, factor, True)[5 * me:5 * me + 5], tol)
+    return checks + 1
+
+
+def _close(what: str, got, want, tol: float) -> None:
+    import numpy as np
+
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    ok = np.array_equal(got, want) if tol == 0 else np.allclose(got, want, rtol=tol, atol=0)
+    assert ok, f"{what}: got {got}, want {want}"
 
 
 def run_scenario(namespace: dict) -> None:
