@@ -166,9 +166,10 @@ def seen_torch_view(obj: Any) -> np.ndarray | None:
     new objects every call and the same memory. A view holds the storage it was made of, so
     its address cannot be reused by another allocation while it is kept; a hit means the
     tensor's elements lie exactly where the view's do, whatever happened in between
-    (set_, resize_, .data =). What the key cannot see is checked here: the layout
-    (`x.t()` of a square x has x's key) and the lazy negative/conjugate bits (`z.conj()`,
-    `z.conj().imag` of one element), about 0.4 us of attribute reads in all."""
+    (set_, resize_, .data =), and a device tensor never has a kept host view's address (one
+    address space). What the key cannot see is checked here: the layout (`x.t()` of a
+    square x has x's key) and the lazy negative/conjugate bits (`z.conj()`, `z.conj().imag`
+    of one element), about 0.4 us of attribute reads in all."""
     if type(obj) not in _PLAIN_TENSORS:
         return None
     try:
