@@ -19,7 +19,7 @@ _CODES: dict[str, tuple[int, str]] = {
     "float16": (9, "f"), "float32": (10, "f"), "float64": (11, "f"),
     "complex64": (13, "c"), "complex128": (14, "c"), "bfloat16": (16, "f"),
     "float8_e4m3fn": (17, "f"), "float8_e5m2": (18, "f"), "float8_e4m3fnuz": (19, "f"),
-    "float8_e5m2fnuz": (20, "f"), "float8_e8m0fnu": (21, "f"),
+    "float8_e5m2fnuz": (20, "f"), "float8_e8m0fnu": (21, "f"), "complex32": (25, "c"),
 }
 
 
