@@ -117,7 +117,13 @@ class Engine:
     def add_channel(self, peer: int, channel) -> None:
         self.channels[peer] = channel
         self._channel_list = list(self.channels.values())
-        self._sockets = [c.stream.sock for c in self._channel_list]
+        self._watch_sockets()
+
+    def _watch_sockets(self) -> None:
+        """The sockets a sleeping waiter selects on: those of live peers. A lost peer's socket
+        stays readable (at EOF) forever and would turn every sleep into a spin: one survivor
+        idle for 2 s in a receive woke 71750 times (0.66 s of CPU) instead of 1592 (0.10 s)."""
+        self._sockets = [c.stream.sock for c in self._channel_list if c.peer not in self.lost]
 
     # -- posting ----------------------------------------------------------------------------
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
@@ -421,14 +427,14 @@ class Engine:
             self.crashed.add(peer)
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
+        self._watch_sockets()
         err = self.lost_error(peer)
         if channel is not None:
             for req in channel.pending():
                 req.fail(err)
-        for (p, _), queue in list(self.posted.items()):
-            if p == peer:
-                for req in queue:
-                    req.fail(err)
+        for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
+            for req in self.posted.pop(key):
+                req.fail(err)
 
     def _drain(self, channel) -> None:
         """Deliver whatever a departed peer left in its shared-memory ring."""
