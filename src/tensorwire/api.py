@@ -155,6 +155,18 @@ def split(color: int | None, key: int = 0, group: Group | None = None) -> Group 
     return _group(group, "split").split(color, key)
 
 
+def shrink(group: Group | None = None, timeout: float | None = None) -> Group:
+    """After a rank failed: the survivors of `group` as a new group (Group.shrink); every live
+    member calls it. Without `group` it shrinks the world, and the result becomes the world:
+    module-level calls, get_rank(), get_world_size() and new_group() use it from then on."""
+    runtime = require_runtime("shrink")
+    old = _group(group, "shrink")
+    new = old.shrink(timeout)
+    if old is runtime.world:
+        runtime.world = new
+    return new
+
+
 def _group(group: Group | None, what: str) -> Group:
     if group is None:
         return require_runtime(what).world  # type: ignore[return-value]
