@@ -1,4 +1,4 @@
-"""Going on after a rank dies: `tw.shrink()` / `Group.shrink()`.
+"""Going on after a rank dies: `tw.shrink()` / `Group.shrink()` and `tensorwire run --keep-going`.
 
 Each case starts its own interpreters (a rank is killed for real, with os._exit), which report
 JSON lines; the assertions happen here. The survivors check every collective on the shrunk
@@ -327,3 +327,46 @@ def test_shrink_names_a_live_rank_that_never_joins() -> None:
     assert shrink["type"] == "TimeoutError" and 1.9 < shrink["t"] < 5, shrink
     assert re.search(r"rank\(s\) 1 did not send", shrink["msg"]), shrink["msg"]
     assert "every surviving member must call shrink()" in shrink["msg"], shrink["msg"]
+
+
+# ------------------------------------------------------------------------------ tensorwire run --keep-going
+
+_KEEP_GOING = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import tensorwire as tw
+from soak import check_every_collective
+tw.init()
+tw.barrier()
+if tw.get_rank() == 1:
+    os._exit(7)
+x = np.ones(4)
+try:
+    while True:
+        tw.all_reduce(x)
+except tw.TensorwireError:
+    pass
+tw.shrink()
+check_every_collective(tw.world(), seed=1)
+print(f"survivor {tw.world().ranks[tw.get_rank()]} done as rank {tw.get_rank()} of {tw.get_world_size()}",
+      flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_launcher_keep_going_lets_survivors_finish(tmp_path: Path) -> None:
+    """Under `tensorwire run --keep-going` a rank's death does not stop the others: they shrink,
+    finish their work and exit 0; the launcher waits for them, reports the failed rank and
+    exits with its code."""
+    script = tmp_path / "survive.py"
+    script.write_text(textwrap.dedent(_KEEP_GOING))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")}
+    env.update(TENSORWIRE_TIMEOUT="20", TENSORWIRE_CALIBRATE="0", TENSORWIRE_LAUNCH_GRACE="0.2")
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "3", "--keep-going", str(script),
+                           str(TESTS)], capture_output=True, text=True, timeout=80, env=env)
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    for line in ("survivor 0 done as rank 0 of 2", "survivor 2 done as rank 1 of 2"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\) failed first: exit code 7", proc.stderr), proc.stderr
+    assert proc.stderr.count(": exit code 0") == 2, proc.stderr
