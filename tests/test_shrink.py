@@ -1,4 +1,5 @@
-"""Going on after a rank dies: `tw.shrink()` / `Group.shrink()` and `tensorwire run --keep-going`.
+"""Going on after a rank dies: `tw.shrink()` / `Group.shrink()`, `tensorwire run --keep-going`,
+and torchrun's elastic restarts through the torch backend.
 
 Each case starts its own interpreters (a rank is killed for real, with os._exit), which report
 JSON lines; the assertions happen here. The survivors check every collective on the shrunk
@@ -370,3 +371,28 @@ def test_launcher_keep_going_lets_survivors_finish(tmp_path: Path) -> None:
         assert line in proc.stdout, proc.stdout + proc.stderr
     assert re.search(r"rank 1 \(local rank 1, pid \d+\) failed first: exit code 7", proc.stderr), proc.stderr
     assert proc.stderr.count(": exit code 0") == 2, proc.stderr
+
+
+# ------------------------------------------------------------------------------ torchrun --max-restarts
+
+@pytest.mark.timeout(120)
+def test_elastic_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """examples/elastic_train.py under `torchrun --max-restarts 1` on the tensorwire backend: rank
+    1 is killed (os._exit) at step 12 of the first attempt; torchrun restarts both ranks, which
+    resume from the checkpoint of step 10 and end with the weights of a run that never failed
+    (the example replays the training in one process and compares)."""
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "TENSORWIRE_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TENSORWIRE_TIMEOUT="30", TENSORWIRE_CALIBRATE="0")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--monitor-interval", "0.2", str(REPO / "examples" / "elastic_train.py"),
+            "--steps", "20", "--checkpoint-every", "5", "--checkpoint", str(tmp_path / "ckpt.pt"),
+            "--kill-rank", "1", "--kill-at", "12"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "rank 1: killed at step 12 (attempt 0)" in out, out
+    assert "resumed from step 10 (attempt 1)" in out, out
+    assert "equal to a run without failures: True" in out, out
