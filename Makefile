@@ -28,7 +28,7 @@ test: setup
 # Random collectives, ops, dtypes, sizes (0-4 MiB), subgroups and async calls on 4 ranks, every
 # result checked against numpy, on shared memory then TCP (SOAK_SEED=N reproduces a run)
 soak: setup
-	$(PY) tests/soak.py --np 4 --steps 3000 --transport both
+	$(PY) tests/soak.py --np 4 --steps 20000 --transport both
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples

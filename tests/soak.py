@@ -1,6 +1,6 @@
 """Soak: thousands of random collectives, every result checked against numpy.
 
-    python tests/soak.py                                  3000 steps, 4 ranks, shm then TCP
+    python tests/soak.py                                  20000 steps, 4 ranks, shm then TCP
     python tests/soak.py --seconds 20 --transport tcp     as many steps as fit in 20 s
     python tests/soak.py --seed 7 --replay 1234           step 1234 of seed 7 again, alone
 
@@ -524,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=4, help="ranks (default 4)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per transport (default 3000)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per transport (default 20000)")
     parser.add_argument("--seconds", type=float, default=None, help="stop after this long instead")
     parser.add_argument("--seed", type=int, default=None,
                         help="default: $SOAK_SEED, else a fresh one (printed)")
@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is None and args.seconds is None:
-        args.steps = 3000
+        args.steps = 20000
     if args.worker:
         return _worker(args)
     if args.seed is None:
