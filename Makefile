@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TW     := $(VENV)/bin/tensorwire
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint bench bench-algo clean
+.PHONY: setup demo test soak lint bench bench-algo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests bench examples
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Random collectives, ops, dtypes, sizes (0-4 MiB), subgroups and async calls on 4 ranks, every
+# result checked against numpy, on shared memory then TCP (SOAK_SEED=N reproduces a run)
+soak: setup
+	$(PY) tests/soak.py --np 4 --steps 20000 --transport both
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples

@@ -66,7 +66,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)
-        scoped = PrefixStore(f"tw/g{_generation}", root_store) if root_store is not None else None
+        # Keys carry the job id: torchrun's agent keeps its store across restarts, and a restarted
+        # rank read its peer's address of the attempt before (connection refused until timeout).
+        scoped = None if root_store is None else PrefixStore(f"tw/{info.job_id}/g{_generation}", root_store)
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
                   info.world_size, info.source, info.init_method, address, cfg.transport)
         try:
@@ -153,6 +155,18 @@ def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Gr
 def split(color: int | None, key: int = 0, group: Group | None = None) -> Group | None:
     """MPI_Comm_split over `group` (default: the world)."""
     return _group(group, "split").split(color, key)
+
+
+def shrink(group: Group | None = None, timeout: float | None = None) -> Group:
+    """After a rank failed: the survivors of `group` as a new group (Group.shrink); every live
+    member calls it. Without `group` it shrinks the world, and the result becomes the world:
+    module-level calls, get_rank(), get_world_size() and new_group() use it from then on."""
+    runtime = require_runtime("shrink")
+    old = _group(group, "shrink")
+    new = old.shrink(timeout)
+    if old is runtime.world:
+        runtime.world = new
+    return new
 
 
 def _group(group: Group | None, what: str) -> Group:

@@ -152,6 +152,7 @@ class Group(Collectives):
         self._seq = 0
         self.timeout = runtime.config.timeout
         self._children = 0
+        self.shrinks = 0  # shrink() calls so far: each derives its contexts from this count
         self._cv = threading.Condition()
         self._queue: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
         self._busy = False
@@ -266,8 +267,8 @@ class Group(Collectives):
         a body keeps no reference to its call, and the setup saved is a fifth of a small
         call's time."""
         engine = self.engine
-        if async_op or not direct or self._busy or self._queue or engine.aborted or engine.unexpected \
-                or engine.deferred_aborts:
+        if async_op or not direct or self._busy or self._queue or engine.unexpected \
+                or engine.deferred_aborts or (engine.aborted and self.ctx in engine.aborted):
             return self._submit(call.fp, call.name, body, async_op, timeout, *args)
         self._seq = call.seq = self._seq + 1
         call.timeout = self.timeout if timeout is None else timeout
@@ -506,6 +507,15 @@ class Group(Collectives):
             _log.info("rank %d: group %s: no single copy (%s)", self.runtime.rank, self.name, why)
 
     # -- sub-groups ---------------------------------------------------------------------------
+    def shrink(self, timeout: float | None = None) -> Group:
+        """After a member failed: a new group of the surviving members, ranked in their old
+        order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
+        this group stays aborted. Called where nothing failed, it returns an equivalent group
+        (same members, a new context) and leaves this one usable. See docs/failures.md."""
+        from .shrinking import shrink_group  # it builds Groups: imported here, not at the top
+
+        return shrink_group(self, timeout)
+
     def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
         """Every rank of this group must call it, members or not, in the same order."""
         ranks = list(range(self.size)) if ranks is None else [int(r) for r in ranks]

@@ -41,7 +41,9 @@ rendezvous store on node rank 0, gives every rank its RANK, WORLD_SIZE, LOCAL_RA
 MASTER_ADDR and MASTER_PORT, passes each rank's stdout through untouched and relays its
 stderr line by line. If a rank fails, the others get --grace seconds to report the lost
 peer, are then terminated, and the launcher prints which rank failed first with its last
-stderr lines and exits with that rank's exit code (128+N if it died of signal N).
+stderr lines and exits with that rank's exit code (128+N if it died of signal N). With
+--keep-going the others run on (they may shrink their groups and continue) and the launcher
+waits for every rank before it reports.
 """
 
 EPILOG = """\
@@ -84,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after a rank fails, seconds the others get to exit on their own before "
                              f"SIGTERM, then SIGKILL {TERM_TO_KILL_S:g} s later "
                              f"(default $TENSORWIRE_LAUNCH_GRACE or {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a failed rank does not stop the others (survivors may call "
+                             "tensorwire.shrink() and go on); wait for every rank, then report and exit "
+                             "with the first failed rank's code")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="treat script_or_module as a module name and run it like python -m")
     parser.add_argument("script", metavar="script_or_module",
@@ -112,6 +118,7 @@ class LaunchPlan:
     grace: float
     tcp: bool = False
     timeout: float | None = None
+    keep_going: bool = False
 
     @property
     def bind_addr(self) -> str:
@@ -178,7 +185,7 @@ def make_plan(args: argparse.Namespace) -> LaunchPlan:
         command = [sys.executable, args.script, *args.script_args]
     return LaunchPlan(nproc=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port, command=command,
-                      grace=grace, tcp=args.tcp, timeout=args.timeout)
+                      grace=grace, tcp=args.tcp, timeout=args.timeout, keep_going=args.keep_going)
 
 
 @dataclass(eq=False)
@@ -341,7 +348,7 @@ class Launcher:
                 if (child.proc.returncode != 0 and first_failure is None
                         and child.signalled_by_launcher is None and self._signal_received is None):
                     first_failure = child
-                    if deadline is None:
+                    if deadline is None and not self.plan.keep_going:
                         deadline = time.monotonic() + self.plan.grace
                 continue
             if deadline is None or time.monotonic() < deadline or not pending:

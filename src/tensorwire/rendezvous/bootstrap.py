@@ -423,8 +423,9 @@ def detect(rank: int | None = None, world_size: int | None = None, init_method: 
             addr, mport = host, port
         if job_env:
             job_id = _safe_id(job_env, "tw")
-        elif found is not None and found.init_method == init_method and found.job_id:
-            job_id = found.job_id
+        elif found is not None and found.job_id and (
+                found.init_method == init_method or (found.master_addr, found.master_port) == (addr, mport)):
+            job_id = found.job_id  # the launcher's store, reached another way (torch's, by its backend)
         else:
             job_id = f"tw-{_hash(init_method)}"
         init = init_method

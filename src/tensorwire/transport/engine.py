@@ -96,6 +96,7 @@ class Engine:
         self.deferred_aborts: list[tuple] = []
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
+        self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
         self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
@@ -117,7 +118,13 @@ class Engine:
     def add_channel(self, peer: int, channel) -> None:
         self.channels[peer] = channel
         self._channel_list = list(self.channels.values())
-        self._sockets = [c.stream.sock for c in self._channel_list]
+        self._watch_sockets()
+
+    def _watch_sockets(self) -> None:
+        """The sockets a sleeping waiter selects on: those of live peers. A lost peer's socket
+        stays readable (at EOF) forever and would turn every sleep into a spin: one survivor
+        idle for 2 s in a receive woke 71750 times (0.66 s of CPU) instead of 1592 (0.10 s)."""
+        self._sockets = [c.stream.sock for c in self._channel_list if c.peer not in self.lost]
 
     # -- posting ----------------------------------------------------------------------------
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
@@ -209,6 +216,8 @@ class Engine:
         (`remote`: its payload stays in the sender's memory until a receive takes it)."""
         if header.kind > _LAST_DATA_KIND:
             return self._control(peer, header)
+        if self.retired and header.ctx in self.retired:
+            return Discard(header.nbytes)  # a shrunk group's traffic, still in flight
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -235,7 +244,7 @@ class Engine:
         wait behind it. A waiter idle for _RELEASE_PARKED_S releases it anyway
         (`release_parked`): a rank waiting on a third one, or two ranks that both send before
         they receive, cannot wait on a parked message forever."""
-        if self.posted.get((peer, header.key)):
+        if self.posted.get((peer, header.key)) or (self.retired and header.ctx in self.retired):
             return False
         if header.kind == Kind.COLL:
             call = self.current.get(header.ctx)
@@ -421,14 +430,14 @@ class Engine:
             self.crashed.add(peer)
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
+        self._watch_sockets()
         err = self.lost_error(peer)
         if channel is not None:
             for req in channel.pending():
                 req.fail(err)
-        for (p, _), queue in list(self.posted.items()):
-            if p == peer:
-                for req in queue:
-                    req.fail(err)
+        for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
+            for req in self.posted.pop(key):
+                req.fail(err)
 
     def _drain(self, channel) -> None:
         """Deliver whatever a departed peer left in its shared-memory ring."""
@@ -501,6 +510,33 @@ class Engine:
             for req in channel.pending():
                 if covered(req.header):
                     req.fail(err)
+
+    def retire(self, ctx: int, error: BaseException) -> None:
+        """Forget a group that will never run again (it was shrunk): fail what is still posted
+        for it, drop what arrived for it (releasing senders whose payload waits in their own
+        memory) and every later arrival. Its entry in `aborted` stays, so calls on it still
+        raise. Without this, a failed call's messages from the survivors (megabytes, staged)
+        stayed queued forever and kept every later call off the planned fast path, which
+        runs only while nothing unexpected is queued."""
+        with self.lock:
+            self.retired.add(ctx)
+            for child in self.children.pop(ctx, ()):  # a hierarchy's groups go with it
+                self.retire(child, error)
+            self.current.pop(ctx, None)
+            self.deferred_aborts = [d for d in self.deferred_aborts if d[0] != ctx]
+            for key in [k for k in self.posted if k[1][0] == ctx]:
+                for req in self.posted.pop(key):
+                    req.fail(error)
+            for key in [k for k in self.unexpected if k[1][0] == ctx]:
+                for msg in self.unexpected.pop(key):
+                    if msg.source is not None and key[0] not in self.lost:
+                        msg.source.discard()
+
+    def poll_peers(self) -> None:
+        """One round of progress and a look at every socket: a peer that died is known now."""
+        with self.lock:
+            self.progress()
+            self._poll_sockets()
 
     # -- progress ---------------------------------------------------------------------------
     def progress(self) -> bool:

@@ -1,0 +1,106 @@
+"""Agreement on the failed members of a group, among its survivors (for shrink).
+
+Every member that is alive ends with the same set, even if more members die meanwhile, in two
+rounds of point-to-point messages on a context that nothing else uses:
+
+1. reports: every member sends the set of members it knows are lost to every other member and
+   waits for every member's report, or for that member's loss. Its candidate is the union.
+2. decision (the hierarchical consensus of Cachin, Guerraoui and Rodrigues, *Introduction to
+   Reliable and Secure Distributed Programming*, 5.1): member i waits for the decision of every
+   lower member, or for its loss, and adopts that of the highest one heard from (else keeps its
+   candidate); it then sends its decision to every higher member.
+
+Agreement needs a failure detector that never suspects a live member: here a member is lost
+when its connection closes, which the kernel does when its process ends (or when it calls
+destroy()). The lowest member that stays alive is heard by every higher one, and each of those
+adopts from a member at or above it that, by induction, decided alike. See docs/design/shrink.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import AbortedError, PeerLostError, TimeoutError
+from .engine import Engine
+from .requests import Request
+from .wire import P2P_FINGERPRINT, Header, Kind
+
+_REPORT, _DECIDE = 1, 2  # tags of the two rounds
+_NO_CALL = 1 << 62  # the waits belong to no collective call (as group.P2P_SEQ)
+
+
+def agree_on_failed(engine: Engine, members: Sequence[int], ctx: int, deadline: float, what: str,
+                    limit: float) -> frozenset[int]:
+    """The set of failed `members` (world ranks) every surviving member decides alike; messages
+    go on context `ctx`, used by nothing else. Raises TimeoutError naming the members that
+    neither answered nor failed by `deadline` (perf_counter time)."""
+    me = engine.rank
+    n = len(members)
+    engine.poll_peers()  # a peer that died before this call is known now
+    known = {w for w in members if w in engine.lost}
+    others = [w for w in members if w != me]
+    try:
+        _send(engine, [w for w in others if w not in known], ctx, _REPORT, _mask(known, members), what)
+        reports = {w: _recv(engine, w, ctx, _REPORT, n, what) for w in others}
+        _wait(engine, reports, ctx, deadline, what, limit, "its report of the failed ranks")
+        candidate = set(known)
+        for w, req in reports.items():
+            candidate |= {w} if req.error is not None else _members(req.dst, members)
+        lower = members[:members.index(me)]
+        decisions = {w: _recv(engine, w, ctx, _DECIDE, n, what) for w in lower}
+        _wait(engine, decisions, ctx, deadline, what, limit, "its decision")
+        heard = [w for w in lower if decisions[w].error is None]
+        failed = _members(decisions[heard[-1]].dst, members) if heard else frozenset(candidate)
+        higher = members[members.index(me) + 1:]
+        _send(engine, [w for w in higher if w not in engine.lost], ctx, _DECIDE, _mask(failed, members), what)
+    finally:
+        engine.retire(ctx, AbortedError(f"rank {me}: {what} ended"))
+    if me in failed:
+        raise PeerLostError(f"rank {me}: {what}: the other survivors lost their connection to this rank "
+                            f"and count it as failed (failed ranks: {sorted(failed)})", peer=me)
+    return failed
+
+
+def _mask(ranks: Iterable[int], members: Sequence[int]) -> np.ndarray:
+    mask = np.zeros(len(members), dtype=np.uint8)
+    index = {w: i for i, w in enumerate(members)}
+    for w in ranks:
+        mask[index[w]] = 1
+    return mask
+
+
+def _members(mask: np.ndarray, members: Sequence[int]) -> frozenset[int]:
+    return frozenset(members[i] for i in np.flatnonzero(mask))
+
+
+def _send(engine: Engine, peers: Sequence[int], ctx: int, tag: int, payload: np.ndarray, what: str) -> None:
+    """Best effort, never waited for: a send to a member that died meanwhile fails, which the
+    agreement tolerates; one the channel could not take at once moves in the background."""
+    header = Header(Kind.P2P, ctx, 0, tag, payload.nbytes, P2P_FINGERPRINT)
+    for peer in peers:
+        engine.watch_in_background(engine.isend(peer, header, payload, what))
+
+
+def _recv(engine: Engine, peer: int, ctx: int, tag: int, n: int, what: str) -> Request:
+    header = Header(Kind.P2P, ctx, 0, tag, n, P2P_FINGERPRINT)
+    return engine.irecv(peer, header, np.zeros(n, dtype=np.uint8), None, what)
+
+
+def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, what: str, limit: float,
+          awaited: str) -> None:
+    """Until every receive has its message or has failed with its sender's loss."""
+    try:
+        engine.wait(list(reqs.values()), deadline=deadline, ctx=ctx, seq=_NO_CALL, watch=(), what=what)
+    except TimeoutError:
+        missing = ", ".join(str(w) for w, req in reqs.items() if not req.done)
+        raise TimeoutError(
+            f"rank {engine.rank}: {what}: rank(s) {missing} did not send {awaited} within {limit:g} s "
+            "though their connections are alive: every surviving member must call shrink() (is one "
+            "blocked outside tensorwire, or in a call of another group?)") from None
+    except PeerLostError:
+        pass  # a member died before it answered: the agreement counts it as failed
+    for req in reqs.values():
+        if req.error is not None and not isinstance(req.error, PeerLostError):
+            raise req.error
