@@ -44,6 +44,7 @@ from .api import (
 )
 from .errors import (
     AbortedError,
+    AuthenticationError,
     CollectiveMismatchError,
     InvalidArgumentError,
     NotInitializedError,
