@@ -9,7 +9,12 @@ talks to an impostor that merely took over an address:
     initiator -> responder   magic | hello | Ni                       (Ni, Nr: 32 random bytes)
     responder -> initiator   magic | Nr | HMAC(K, purpose | "responder" | magic | hello | Ni | Nr)
     initiator -> responder   HMAC(K, purpose | "initiator" | magic | hello | Ni | Nr)
-    responder -> initiator   0x01 (accepted), or it hangs up
+    responder -> initiator   0x01 (accepted), or it hangs up          (the store only)
+
+The store confirms, so that a client it dropped while crowded retries instead of losing its
+first request. Between ranks the dialer is done once it has sent its proof: the confirmation
+cost one more wait for the other rank to be scheduled on init's critical path (wiring of a
+4-rank job on the loaded 2-core box: +5 ms p50 with it, +2 ms without, against no handshake).
 
 The responder is a sans-IO state machine (`Responder`) fed by the store's event loop and by a
 rank's accept loop, which read no more than it asks for, so a stranger's bytes are never
@@ -26,12 +31,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import os
-import secrets
 import socket
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -76,7 +78,7 @@ NO_SECRET = Secret(b"tensorwire: no secret configured", "none")
 
 def new_secret() -> str:
     """A fresh secret as text (256 random bits)."""
-    return secrets.token_hex(32)
+    return os.urandom(32).hex()
 
 
 def _checked(raw: bytes, what: str) -> bytes:
@@ -121,6 +123,8 @@ def create_secret_file(path: str) -> bytes:
 
     Written under a temporary name and linked into place, so a concurrent reader sees the
     whole secret or no file, and of two concurrent creators one wins and both use its secret."""
+    import tempfile  # here, not at the top: every rank imports this module, few create files
+
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tensorwire-secret-", dir=directory)  # mode 0600
@@ -154,6 +158,8 @@ def user_dir() -> str:
     /tmp is shared and sticky, so anybody may have created the name first: it is used only if
     it is a real directory (not a symlink) owned by this user that nobody else can write to
     or enter, which no other (non-root) user can arrange."""
+    import tempfile
+
     uid = os.geteuid()
     path = os.path.join(tempfile.gettempdir(), f"tensorwire-{uid}")
     with contextlib.suppress(FileExistsError):
@@ -187,6 +193,8 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return False
+    import ipaddress
+
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
@@ -259,12 +267,14 @@ class _Handshake:
 
 class Responder(_Handshake):
     """The accepting side. `check(hello)` may reject a hello by returning a reason (another
-    job) before any proof is sent; `hello` is what the initiator announced."""
+    job) before any proof is sent; `hello` is what the initiator announced. `confirm`: answer
+    the initiator's proof with ACCEPTED (the initiator must expect it alike)."""
 
     def __init__(self, key: bytes, purpose: bytes, magic: bytes, hello_size: int,
-                 check: Callable[[bytes], str | None] | None = None) -> None:
+                 check: Callable[[bytes], str | None] | None = None, confirm: bool = True) -> None:
         super().__init__(key, purpose, magic, [hello_size + NONCE_BYTES, MAC_BYTES])
         self._check = check
+        self._confirm = confirm
         self.hello = b""
 
     def _on_message(self, stage: int, got: bytes) -> bytes:
@@ -273,29 +283,35 @@ class Responder(_Handshake):
             reason = self._check(self.hello) if self._check is not None else None
             if reason:
                 raise HandshakeFailed(reason)
-            nonce = secrets.token_bytes(NONCE_BYTES)
+            nonce = os.urandom(NONCE_BYTES)
             self._transcript = self._magic + got + nonce
             return self._magic + nonce + self._proof(b"responder")
         if not hmac.compare_digest(got, self._proof(b"initiator")):
             raise WrongSecret("wrong proof (not this job's secret)")
         self.done = True
-        return ACCEPTED
+        return ACCEPTED if self._confirm else b""
 
 
 class Initiator(_Handshake):
     """The dialing side: send `first`, then feed what comes back. NotTensorwire or WrongSecret
     if the other side is not who it should be (nothing that depends on the secret is sent
-    then); `HandshakeFailed` if it answers with anything but the acceptance."""
+    then); `HandshakeFailed` if it answers with anything but the acceptance. Without `confirm`
+    it is done once its proof is returned (to be sent): one round trip fewer, and a proof the
+    responder drops (it never does for the right secret; it may evict a connection when
+    crowded) shows as the connection closing at its first read."""
 
-    def __init__(self, key: bytes, purpose: bytes, magic: bytes, hello: bytes) -> None:
-        super().__init__(key, purpose, magic, [NONCE_BYTES + MAC_BYTES, len(ACCEPTED)])
-        self.first = magic + hello + secrets.token_bytes(NONCE_BYTES)
+    def __init__(self, key: bytes, purpose: bytes, magic: bytes, hello: bytes, confirm: bool = True) -> None:
+        super().__init__(key, purpose, magic, [NONCE_BYTES + MAC_BYTES, len(ACCEPTED)] if confirm
+                         else [NONCE_BYTES + MAC_BYTES])
+        self.first = magic + hello + os.urandom(NONCE_BYTES)
+        self._confirm = confirm
 
     def _on_message(self, stage: int, got: bytes) -> bytes:
         if stage == 1:
             self._transcript = self.first + got[:NONCE_BYTES]
             if not hmac.compare_digest(got[NONCE_BYTES:], self._proof(b"responder")):
                 raise WrongSecret("the other side could not prove it knows this job's secret")
+            self.done = not self._confirm
             return self._proof(b"initiator")
         if got != ACCEPTED:
             raise HandshakeFailed("the other side answered the handshake with something unexpected")

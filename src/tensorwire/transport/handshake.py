@@ -155,7 +155,7 @@ class _Pairing:
             raise limits.translate(exc, f"{self.who}: connecting to rank {r}") or exc from exc
         sock.setblocking(False)
         d.sock, d.connecting, d.expires = sock, True, time.monotonic() + self.cfg.auth_timeout
-        d.side = auth.Initiator(self.secret.key, PURPOSE, MAGIC, self.hello)
+        d.side = auth.Initiator(self.secret.key, PURPOSE, MAGIC, self.hello, confirm=False)
         err = sock.connect_ex(address)
         if err not in (0, errno.EINPROGRESS):
             why = f"{self.who}: connecting to rank {r}"
@@ -221,7 +221,7 @@ class _Pairing:
                 self._drop(next(iter(self.incoming)), f"still unauthenticated when {self.cfg.auth_pending} "
                            f"others were waiting (TENSORWIRE_AUTH_PENDING)")
             sock.setblocking(False)
-            side = auth.Responder(self.secret.key, PURPOSE, MAGIC, HELLO.size, self._other_job)
+            side = auth.Responder(self.secret.key, PURPOSE, MAGIC, HELLO.size, self._other_job, confirm=False)
             expires = time.monotonic() + self.cfg.auth_timeout
             self.incoming[sock] = _Incoming(side, expires, f"{addr[0]}:{addr[1]}")
             self.sel.register(sock, selectors.EVENT_READ, "in")
