@@ -39,6 +39,7 @@ import collections
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -551,6 +552,10 @@ class Runner:
         env = dict(os.environ)
         env.update(self.opts.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if not env.get("TENSORWIRE_SECRET") and not env.get("TENSORWIRE_SECRET_FILE"):
+            # One secret for every host's launcher, as --secret-file gives a real cluster's:
+            # the job is authenticated across the emulated hosts too (docs/security.md).
+            env["TENSORWIRE_SECRET"] = secrets.token_hex(32)
         if self.opts.check_transport:
             if env.get("TENSORWIRE_DEBUG", "").strip().upper() not in ("INFO", "TRACE", "DEBUG"):
                 env["TENSORWIRE_DEBUG"] = "INFO"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cluster import free_port
-from tensorwire import cli, launcher
+from tensorwire import auth, cli, launcher
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -202,8 +202,11 @@ def test_two_nodes_form_one_world(tmp_path: Path) -> None:
     script = tmp_path / "env_rank.py"
     script.write_text(ENV_SCRIPT)
     port = free_port()
-    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    # Start node 1 first: its ranks must wait for node 0's store rather than fail.
+    secret = tmp_path / "job.secret"
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--secret-file", str(secret)]
+    # Start node 1 first: its ranks must wait for node 0's store (and node 0 to create the
+    # secret file, as on a shared file system) rather than fail.
     node1 = _launch([*common, "--node-rank", "1", str(script), str(tmp_path)], tmp_path)
     time.sleep(0.3)
     node0 = _launch([*common, "--node-rank", "0", str(script), str(tmp_path)], tmp_path)
@@ -219,6 +222,63 @@ def test_two_nodes_form_one_world(tmp_path: Path) -> None:
         assert env["MASTER_PORT"] == str(port)
         assert env["TENSORWIRE_JOB_ID"] == f"127_0_0_1-{port}"
         assert got["seen"] == {str(r): f"from {r}" for r in range(4)}
+    assert secret.stat().st_mode & 0o777 == 0o600
+
+
+SUM_SCRIPT = """\
+import hashlib, os, sys
+import numpy as np
+import tensorwire as tw
+tw.init()
+x = np.ones(4)
+tw.all_reduce(x)
+assert x.tolist() == [tw.get_world_size()] * 4, x
+secret = os.environ.get("TENSORWIRE_SECRET", "")
+print(f"rank {tw.get_rank()} ok", hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else "none")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_one_node_gets_a_fresh_secret_per_job(tmp_path: Path) -> None:
+    script = tmp_path / "sum.py"
+    script.write_text(SUM_SCRIPT)
+    seen = []
+    for _ in range(2):
+        res = _run(["-n", "2", str(script)], tmp_path)
+        assert res.returncode == 0, res.stderr
+        digests = {line.split()[-1] for line in res.stdout.splitlines() if " ok " in line}
+        assert len(digests) == 1 and "none" not in digests, res.stdout  # both ranks got the job's
+        seen.append(digests.pop())
+    assert seen[0] != seen[1]
+
+
+@pytest.mark.timeout(90)
+def test_nodes_without_a_secret_warn_once_and_with_different_ones_fail(tmp_path: Path) -> None:
+    script = tmp_path / "sum.py"
+    script.write_text(SUM_SCRIPT)
+
+    def two_nodes(extra0: list[str], extra1: list[str]) -> list[subprocess.Popen[str]]:
+        common = ["-n", "1", "--nnodes", "2", "--master-port", str(free_port()), "--timeout", "20"]
+        return [_launch([*common, "--node-rank", str(i), *extra, str(script)], tmp_path)
+                for i, extra in ((0, extra0), (1, extra1))]
+
+    procs = two_nodes([], [])
+    done = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], done
+    stderr = "".join(err for _, err in done)
+    assert stderr.count("UnauthenticatedJobWarning") == 1, stderr
+    assert "--secret-file" in done[0][1]
+    # Different secrets: node 1's rank cannot even reach the store, and says why.
+    for name in "ab":
+        auth.create_secret_file(str(tmp_path / name))
+    node0, node1 = two_nodes(["--secret-file", str(tmp_path / "a")], ["--secret-file", str(tmp_path / "b")])
+    try:
+        _, err = node1.communicate(timeout=60)
+        assert node1.returncode != 0
+        assert "could not prove that it knows this job's secret" in err
+    finally:
+        node0.terminate()
+        node0.communicate(timeout=30)
 
 
 @pytest.mark.timeout(60)
@@ -231,7 +291,7 @@ def test_help_texts() -> None:
                          text=True, timeout=30)
     assert run.returncode == 0
     for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                   "--grace", "--tcp", "--timeout", "-m"):
+                   "--grace", "--tcp", "--timeout", "--secret-file", "-m"):
         assert option in run.stdout
     assert "tensorwire run -n 4 train.py" in run.stdout
 

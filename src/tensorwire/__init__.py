@@ -45,6 +45,7 @@ from .api import (
 )
 from .errors import (
     AbortedError,
+    AuthenticationError,
     CollectiveMismatchError,
     InvalidArgumentError,
     NotInitializedError,

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import calibrate, log, memory, tuner
+from . import auth, calibrate, log, memory, tuner
 from .config import Config
 from .errors import NotInitializedError
 from .group import Group
 from .rendezvous import bootstrap
-from .rendezvous.store import PrefixStore
+from .rendezvous.store import PrefixStore, StoreLimits
 from .runtime import Runtime
 from .topo import Topology, local_card
 from .transport import netif
@@ -60,9 +60,12 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         log.set_rank(info.rank)
         tuner.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
         _generation += 1
+        # One process opens no connection: nothing to prove (and no per-user secret to create).
+        secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
         root_store = store
         if root_store is None and info.world_size > 1:
-            root_store = bootstrap.create_store(info, cfg.timeout)
+            root_store = bootstrap.create_store(info, cfg.timeout, secret=secret,
+                                                limits=StoreLimits.from_config(cfg))
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)
@@ -74,7 +77,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         try:
             serving = info.world_size if getattr(root_store, "server", None) is not None else 0
             engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
-                                          local_card(address), deadline, serving)
+                                          local_card(address), deadline, secret, serving)
         except BaseException:
             if root_store is not None and store is None:
                 if getattr(root_store, "server", None) is not None:

@@ -17,6 +17,11 @@ def _env_size(name: str) -> int | None:
     return parse_size(raw) if raw else None
 
 
+def _env_size_or(name: str, default: int) -> int:
+    size = _env_size(name)
+    return default if size is None else size
+
+
 def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -102,6 +107,22 @@ its receiver waits for a core (why: tcp.tune_socket)."""
 TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
 """The Config fields that shape a TCP connection, and so its measured α and β."""
 
+AUTH_TIMEOUT_S = 10.0
+"""Default time a connection gets to authenticate: a rank's handshake takes a few round trips
+(under a millisecond on loopback), so only strangers and wedged processes ever reach it."""
+STORE_MAX_VALUE = 16 << 20
+"""Default largest store value: tensorwire's own are addresses and counters of a few hundred bytes."""
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this host (1 TiB where the system does not say): the default bound of
+    a message's size, which no legitimate message can exceed where it must be staged."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") or 1 << 40
+    except (ValueError, OSError):
+        return 1 << 40
+
+
 DIRECT_GROUP_BYTES = 8 << 20
 """Default shared memory of one group's one-shot path (all ranks' slots), before the per-rank bounds."""
 
@@ -176,6 +197,20 @@ class Config:
     cuda_chunk: int = 4 << 20
     """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
     the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""
+    auth_timeout: float = AUTH_TIMEOUT_S
+    """Seconds a connection to the store or to a rank may take to prove it knows the job's
+    secret before it is dropped (TENSORWIRE_AUTH_TIMEOUT)."""
+    auth_pending: int = 64
+    """Connections a store or a listening rank holds while they authenticate; a new one beyond
+    drops the oldest (TENSORWIRE_AUTH_PENDING)."""
+    store_max_value: int = STORE_MAX_VALUE
+    """Largest value a store accepts; a larger frame closes its connection (TENSORWIRE_STORE_MAX_VALUE)."""
+    store_max_connections: int = 4096
+    """Connections a store server holds at once; more are refused (TENSORWIRE_STORE_MAX_CONNECTIONS)."""
+    max_message: int = field(default_factory=physical_memory)
+    """Largest payload a message header may announce: a header beyond it is a broken or hostile
+    stream, and closes the connection before anything is allocated (TENSORWIRE_MAX_MESSAGE;
+    default the host's RAM)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -206,6 +241,11 @@ class Config:
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
+            auth_timeout=_env_float("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
+            auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
+            store_max_value=_env_size_or("TENSORWIRE_STORE_MAX_VALUE", STORE_MAX_VALUE),
+            store_max_connections=_env_int("TENSORWIRE_STORE_MAX_CONNECTIONS", 4096),
+            max_message=_env_size_or("TENSORWIRE_MAX_MESSAGE", physical_memory()),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
@@ -229,6 +269,14 @@ class Config:
                                  f"at least 4K")
         if cfg.cuda_chunk < 64 << 10:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
+        if not 0 < cfg.auth_timeout < float("inf"):
+            raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout}: expected positive seconds")
+        for name, value, least in (("AUTH_PENDING", cfg.auth_pending, 1),
+                                   ("STORE_MAX_CONNECTIONS", cfg.store_max_connections, 1),
+                                   ("STORE_MAX_VALUE", cfg.store_max_value, 1 << 10),
+                                   ("MAX_MESSAGE", cfg.max_message, 1 << 20)):
+            if value < least:
+                raise ValueError(f"TENSORWIRE_{name}={value}: expected at least {least}")
         if cfg.shm_ring_bytes < 64 << 10 or cfg.shm_ring_bytes % 4096:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg

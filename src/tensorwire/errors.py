@@ -41,6 +41,11 @@ class RendezvousError(TensorwireError):
     """Bootstrapping failed: store unreachable, port in use, wrong world size, duplicate rank."""
 
 
+class AuthenticationError(RendezvousError):
+    """Another process could not prove that it knows the job's secret (a different secret, or
+    not one of this job's processes): see docs/security.md."""
+
+
 class AbortedError(TensorwireError):
     """The group was aborted (by an error detected on another rank, or by `abort()`)."""
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from tensorwire import limits
+from tensorwire import auth, limits
 from tensorwire.errors import RendezvousError, ResourceError
 
 DEFAULT_GRACE_S = 5.0
@@ -33,6 +33,9 @@ TERM_TO_KILL_S = 3.0
 REAP_AFTER_KILL_S = 5.0
 """After SIGKILL, how long to wait for the kernel to reap before giving up (never blocks forever)."""
 TAIL_LINES = 20
+SECRET_FILE_WAIT_S = 30.0
+"""How long a node other than 0 waits for --secret-file to appear (node 0 may be creating it
+on a shared file system)."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 DESCRIPTION = """\
@@ -44,6 +47,11 @@ peer, are then terminated, and the launcher prints which rank failed first with 
 stderr lines and exits with that rank's exit code (128+N if it died of signal N). With
 --keep-going the others run on (they may shrink their groups and continue) and the launcher
 waits for every rank before it reports.
+
+The job is authenticated: its store and its ranks serve only processes that prove they know
+its secret. On one node the launcher makes a fresh secret and hands it to its ranks; across
+nodes, give every launcher the same --secret-file (or TENSORWIRE_SECRET / _SECRET_FILE), else
+the job runs unauthenticated and rank 0 warns (docs/security.md).
 """
 
 EPILOG = """\
@@ -55,7 +63,8 @@ examples:
 
 environment of each rank:
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR,
-  MASTER_PORT, TENSORWIRE_STORE_HOSTED=1, TENSORWIRE_JOB_ID, PYTHONUNBUFFERED=1,
+  MASTER_PORT, TENSORWIRE_STORE_HOSTED=1, TENSORWIRE_JOB_ID, TENSORWIRE_SECRET (a fresh one on
+  one node, unless set) or TENSORWIRE_SECRET_FILE (--secret-file), PYTHONUNBUFFERED=1,
   OMP_NUM_THREADS=1 and THP_MEM_ALLOC_ENABLE=1 (torch's CPU tensors from 2 MiB in huge pages,
   which peers read 3x faster) unless set, TENSORWIRE_TRANSPORT=tcp (--tcp), TENSORWIRE_TIMEOUT
   (--timeout)
@@ -76,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=0, metavar="P",
                         help="port of the store; 0 picks a free one, allowed only with --nnodes 1 "
                              "(default 0)")
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="file holding the job's secret (mode 0600), the same on every node; node 0 "
+                             "creates it if missing (on a shared file system the other nodes then find "
+                             f"it: they wait up to {SECRET_FILE_WAIT_S:g} s). Default: a fresh secret with "
+                             "--nnodes 1, none (and a warning) across nodes unless TENSORWIRE_SECRET or "
+                             "TENSORWIRE_SECRET_FILE is set")
     parser.add_argument("--tcp", action="store_true",
                         help="force the TCP transport, even between ranks on one host "
                              "(sets TENSORWIRE_TRANSPORT=tcp)")
@@ -119,6 +134,7 @@ class LaunchPlan:
     tcp: bool = False
     timeout: float | None = None
     keep_going: bool = False
+    secret_file: str | None = None
 
     @property
     def bind_addr(self) -> str:
@@ -185,7 +201,33 @@ def make_plan(args: argparse.Namespace) -> LaunchPlan:
         command = [sys.executable, args.script, *args.script_args]
     return LaunchPlan(nproc=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port, command=command,
-                      grace=grace, tcp=args.tcp, timeout=args.timeout, keep_going=args.keep_going)
+                      grace=grace, tcp=args.tcp, timeout=args.timeout, keep_going=args.keep_going,
+                      secret_file=os.path.abspath(args.secret_file) if args.secret_file else None)
+
+
+def job_secret(plan: LaunchPlan, env: dict[str, str]) -> tuple[auth.Secret, dict[str, str]]:
+    """The job's secret, and the variables that hand it to the ranks (an empty value: unset it).
+
+    --secret-file wins, then a secret the environment configures (the ranks inherit it);
+    else one node makes a fresh one, which its ranks get in their environment (readable by
+    this user's processes only, through /proc/PID/environ); else there is none."""
+    if plan.secret_file is not None:
+        path = plan.secret_file
+        if plan.node_rank == 0:
+            key = auth.create_secret_file(path)
+        else:
+            give_up = time.monotonic() + SECRET_FILE_WAIT_S
+            while not os.path.exists(path) and time.monotonic() < give_up:
+                time.sleep(0.1)
+            key = auth.read_secret_file(path)
+        return auth.Secret(key, f"--secret-file {path}"), {auth.ENV_SECRET_FILE: path, auth.ENV_SECRET: ""}
+    found = auth.configured(env)
+    if found is not None:
+        return found, {}
+    if plan.nnodes == 1:
+        text = auth.new_secret()
+        return auth.Secret(text.encode(), "tensorwire run"), {auth.ENV_SECRET: text}
+    return auth.NO_SECRET, {}
 
 
 @dataclass(eq=False)
@@ -275,8 +317,8 @@ class Launcher:
         child.proc.wait()
         self._exits.put(child)
 
-    def _start(self, port: int) -> None:
-        base = dict(os.environ)
+    def _start(self, port: int, secret_env: dict[str, str]) -> None:
+        base = {k: v for k, v in {**os.environ, **secret_env}.items() if v}
         for local_rank in range(self.plan.nproc):
             if self._signal_received is not None:
                 break  # interrupted while starting: don't start more
@@ -375,13 +417,25 @@ class Launcher:
         except ResourceError as exc:
             print(exc, file=sys.stderr)
             return 1
+        try:
+            secret, secret_env = job_secret(plan, dict(os.environ))
+        except RendezvousError as exc:
+            print(f"tensorwire run: {exc}", file=sys.stderr)
+            return 1
         if plan.node_rank == 0:
-            from tensorwire.rendezvous.store import TCPStoreServer
+            from tensorwire.config import Config
+            from tensorwire.rendezvous.store import StoreLimits, TCPStoreServer
 
+            try:
+                store_limits = StoreLimits.from_config(Config.from_env())
+            except ValueError as exc:
+                print(f"tensorwire run: {exc}", file=sys.stderr)
+                return 2
             try:
                 # Several nodes: listen on every interface, since MASTER_ADDR may resolve to a
                 # loopback address on this node (Debian's 127.0.1.1 hostname line).
-                server = TCPStoreServer(plan.bind_addr if plan.nnodes == 1 else "0.0.0.0", port)
+                server = TCPStoreServer(plan.bind_addr if plan.nnodes == 1 else "0.0.0.0", port,
+                                        secret=secret, limits=store_limits)
             except (RendezvousError, OSError) as exc:
                 print(f"tensorwire run: cannot host the store on {plan.bind_addr}:{port}: {exc}",
                       file=sys.stderr)
@@ -390,7 +444,7 @@ class Launcher:
         previous = self._install_handlers()
         try:
             try:
-                self._start(port)
+                self._start(port, secret_env)
             except OSError as exc:
                 print(f"tensorwire run: cannot start {plan.command[0]}: {exc}", file=sys.stderr)
                 self._signal_all(signal.SIGTERM, set(self.ranks))

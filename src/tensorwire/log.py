@@ -12,7 +12,7 @@ import socket
 import sys
 import warnings
 
-SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "LAUNCH", "BENCH")
+SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "LAUNCH", "BENCH", "AUTH")
 _LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
            "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG}
 _configured = False

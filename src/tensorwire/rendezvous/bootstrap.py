@@ -11,13 +11,22 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from tensorwire import auth
 from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
-from tensorwire.rendezvous.store import FileStore, Store, TCPStore, TorchStoreAdapter
+from tensorwire.rendezvous.store import (
+    DEFAULT_LIMITS,
+    FileStore,
+    Store,
+    StoreLimits,
+    TCPStore,
+    TorchStoreAdapter,
+)
 
 SOURCES = ("explicit", "tensorwire", "torchrun", "mpirun", "slurm", "env", "single")
 SCHEMES = ("tcp", "file", "env", "torch-agent")
@@ -459,6 +468,53 @@ def detect(rank: int | None = None, world_size: int | None = None, init_method: 
 
 
 # --------------------------------------------------------------------------------------------
+# The job's secret
+
+
+class UnauthenticatedJobWarning(UserWarning):
+    """A job that spans hosts runs without a secret: anyone who reaches its ports can join it."""
+
+
+_warned = False
+
+
+def spans_hosts(info: LaunchInfo) -> bool:
+    """Whether the job may have ranks on other hosts: as the launcher says, else unless its
+    store is on this host's loopback (which only this host can reach) or in a directory."""
+    if info.world_size == 1:
+        return False
+    if info.local_world_size > 0:
+        return info.local_world_size < info.world_size
+    scheme, host, _, _ = parse_init_method(info.init_method)
+    return scheme != "file" and not auth.is_loopback(host or "")
+
+
+def job_secret(info: LaunchInfo, env: Mapping[str, str] = os.environ) -> auth.Secret:
+    """The secret every connection of this job proves: TENSORWIRE_SECRET or
+    TENSORWIRE_SECRET_FILE (`tensorwire run` sets one); else, on one host, this user's
+    (`auth.per_user`); else none, which rank 0 warns about once a process
+    (UnauthenticatedJobWarning)."""
+    found = auth.configured(env)
+    if found is not None:
+        return found
+    if not spans_hosts(info):
+        return auth.per_user()
+    global _warned
+    if info.rank == 0 and not _warned:
+        _warned = True
+        on_host = f"{info.local_world_size} on this host" if info.local_world_size > 0 else "store at " \
+            f"{info.init_method}"
+        how = ("pass --secret-file PATH to every `tensorwire run`" if info.source == "tensorwire" else
+               f"set {auth.ENV_SECRET_FILE} to a file (mode 0600) holding the same secret on every host, "
+               f"or {auth.ENV_SECRET}")
+        warnings.warn(
+            f"tensorwire: this job spans hosts ({info.world_size} ranks, {on_host}) and has no secret: "
+            f"anyone who can reach its ports can join it or read and change its store. To authenticate "
+            f"its connections, {how} (see docs/security.md).", UnauthenticatedJobWarning, stacklevel=3)
+    return auth.NO_SECRET
+
+
+# --------------------------------------------------------------------------------------------
 # create_store
 
 
@@ -477,18 +533,22 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
     return TorchStoreAdapter(torch_store, timeout=timeout)
 
 
-def create_store(info: LaunchInfo, timeout: float) -> Store:
+def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
+                 limits: StoreLimits = DEFAULT_LIMITS) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
-    The checks catch the two launch mistakes that otherwise surface as a hang much later:
-    two processes given the same rank, and ranks started with different world sizes.
+    `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
+    clients that do (torch's stores and file stores have no such handshake). The checks catch
+    the two launch mistakes that otherwise surface as a hang much later: two processes given
+    the same rank, and ranks started with different world sizes.
     """
     scheme, host, port, path = parse_init_method(info.init_method)
     if scheme == "tcp":
         assert host is not None and port is not None
         if port == 0 and info.world_size > 1:
             raise InvalidArgumentError(f"init_method {info.init_method!r}: port 0 only works for one process")
-        store: Store = TCPStore(host, port, timeout=timeout, server=info.rank == 0 and not info.store_hosted)
+        store: Store = TCPStore(host, port, timeout=timeout, server=info.rank == 0 and not info.store_hosted,
+                                secret=secret if secret is not None else job_secret(info), limits=limits)
     elif scheme == "file":
         assert path is not None
         store = FileStore(path, timeout=timeout, cleanup=True)

@@ -4,11 +4,17 @@ A store only bootstraps: ranks publish their addresses and counters, then talk d
 stores favour clear failures over speed: every blocking call has a deadline, and every error
 names the key, the endpoint and how long was waited.
 
-The TCP protocol (version 1) is deliberately tiny. Every message is a frame
-``u32 length | body`` (big endian). A request body is
-``u8 op | f64 timeout_s | u16 nkeys | (u16 len | utf-8 key) * nkeys | value``;
+The TCP protocol (version 2) is deliberately tiny. A connection opens with the job's
+handshake (`tensorwire.auth`: both sides prove they know the job's secret; magic
+``TWSTORE2``, empty hello), then every message is a frame ``u32 length | body`` (big endian).
+A request body is ``u8 op | f64 timeout_s | u16 nkeys | (u16 len | utf-8 key) * nkeys | value``;
 a reply body is ``u8 status | payload``. Blocking requests carry their own deadline, so the
 server answers ``TIMEOUT`` itself and the stream never desynchronises on a slow key.
+
+What a stranger can make the server hold is bounded (`StoreLimits`): until it has
+authenticated, a connection is read no further than the handshake's next message, dropped
+after `auth_timeout`, and at most `auth_pending` such connections are kept (a new one drops
+the oldest); a frame longer than the largest value allows closes its connection unread.
 """
 
 from __future__ import annotations
@@ -31,26 +37,36 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorwire.errors import InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
+from tensorwire import auth, log
+from tensorwire.config import AUTH_TIMEOUT_S, STORE_MAX_VALUE, Config
+from tensorwire.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    RendezvousError,
+    TensorwireError,
+    TimeoutError,
+)
 
 DEFAULT_STORE_TIMEOUT_S = 300.0
 
-_MAGIC = b"TWSTORE1"
+_MAGIC = b"TWSTORE2"
+_PURPOSE = b"tensorwire store v2"
 _LEN = struct.Struct(">I")
 _REQ_HEAD = struct.Struct(">BdH")
 _U16 = struct.Struct(">H")
 _I64 = struct.Struct(">q")
-_MAX_FRAME = 1 << 31
+_KEYS_ROOM = 1 << 20
+"""Room in a frame beyond its value: the request header and its keys."""
+_log = log.get("AUTH")
 
 # Request operations.
-_OP_HELLO = 0
 _OP_SET = 1
 _OP_GET = 2
 _OP_ADD = 3
 _OP_WAIT = 4
 _OP_CHECK = 5
 _OP_DELETE = 6
-_OPS = frozenset(range(7))
+_OPS = frozenset(range(1, 7))
 # Reply statuses.
 _ST_OK = 0
 _ST_TIMEOUT = 1
@@ -59,6 +75,27 @@ _ST_ERROR = 2
 # How much longer than the server-side deadline a client waits on its socket before it
 # decides the server (or the network to it) is gone.
 _SOCKET_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What one store connection may make a process hold (TENSORWIRE_* settings in config.py)."""
+
+    max_value: int = STORE_MAX_VALUE
+    max_connections: int = 4096
+    auth_timeout: float = AUTH_TIMEOUT_S
+    auth_pending: int = 64
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> StoreLimits:
+        return cls(cfg.store_max_value, cfg.store_max_connections, cfg.auth_timeout, cfg.auth_pending)
+
+    @property
+    def max_frame(self) -> int:
+        return self.max_value + _KEYS_ROOM
+
+
+DEFAULT_LIMITS = StoreLimits()
 
 
 def _check_key(key: str) -> str:
@@ -133,7 +170,8 @@ class Store(abc.ABC):
 # Wire helpers
 
 
-def _encode_request(op: int, keys: Iterable[str], value: bytes = b"", timeout: float = 0.0) -> bytes:
+def _encode_request(op: int, keys: Iterable[str], value: bytes = b"", timeout: float = 0.0,
+                    limits: StoreLimits = DEFAULT_LIMITS) -> bytes:
     parts = []
     nkeys = 0
     for k in keys:
@@ -143,19 +181,29 @@ def _encode_request(op: int, keys: Iterable[str], value: bytes = b"", timeout: f
                 f"store key is too long ({len(raw)} bytes, at most 65535): {k[:60]!r}...")
         parts.append(_U16.pack(len(raw)) + raw)
         nkeys += 1
+    if len(value) > limits.max_value:
+        raise InvalidArgumentError(
+            f"store value of {len(value)} bytes is larger than the store allows "
+            f"({limits.max_value} bytes: TENSORWIRE_STORE_MAX_VALUE)")
     body = _REQ_HEAD.pack(op, timeout, nkeys) + b"".join(parts) + value
-    if len(body) >= _MAX_FRAME:
-        raise InvalidArgumentError(f"store request of {len(body)} bytes is larger than the 2 GiB frame limit")
+    if len(body) > limits.max_frame:
+        raise InvalidArgumentError(f"store request of {len(body)} bytes: its keys take more than the "
+                                   f"{_KEYS_ROOM} bytes a request allows them")
     return _LEN.pack(len(body)) + body
 
 
 def _decode_request(body: bytes) -> tuple[int, float, list[str], bytes]:
+    """Raises ValueError (struct.error, UnicodeDecodeError among them) on a malformed body."""
     op, timeout, nkeys = _REQ_HEAD.unpack_from(body, 0)
+    if not timeout >= 0:  # NaN too
+        raise ValueError(f"timeout {timeout}")
     pos = _REQ_HEAD.size
     keys = []
     for _ in range(nkeys):
         (n,) = _U16.unpack_from(body, pos)
         pos += _U16.size
+        if pos + n > len(body):
+            raise ValueError("a key runs past the end of the request")
         keys.append(body[pos:pos + n].decode())
         pos += n
     return op, timeout, keys, body[pos:]
@@ -173,9 +221,12 @@ def _reply(status: int, payload: bytes = b"") -> bytes:
 class _Conn:
     sock: socket.socket
     peer: str
+    handshake: auth.Responder | None
+    """Until the client has proved it knows the secret; None once it has."""
+    deadline: float
+    """When an unauthenticated connection is dropped."""
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
-    greeted: bool = False
     closed: bool = False
 
 
@@ -189,22 +240,33 @@ class _Waiter:
     done: bool = False
 
 
+_ACCEPT_RETRY_S = 0.1
+"""After accept() failed for want of descriptors, how long the listener rests."""
+
+
 class TCPStoreServer:
     """The store's server: one daemon thread multiplexing all clients with `selectors`.
 
     Blocking reads are parked as waiters and answered when their key is set, or with TIMEOUT
-    when their deadline passes, so nobody polls.
+    when their deadline passes, so nobody polls. Only clients that proved they know `secret`
+    are served (`tensorwire.auth`); see the module docstring for what the others can cost.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 1024) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: auth.Secret | None = None,
+                 limits: StoreLimits = DEFAULT_LIMITS, backlog: int = 1024) -> None:
         self.host = host
+        self.secret = secret if secret is not None else auth.for_host(host)
+        self.limits = limits
         self._data: dict[str, bytes] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._conns: dict[socket.socket, _Conn] = {}
+        self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
         self._listener = self._bind(host, port, backlog)
         self.port: int = self._listener.getsockname()[1]
+        self._refused = auth.Refusals(f"store {host}:{self.port}")
+        self._accept_resume: float | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -247,6 +309,11 @@ class TCPStoreServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def connections(self) -> tuple[int, int]:
+        """(clients connected, of which not authenticated yet): for tests and diagnostics."""
+        return len(self._conns), len(self._pending)
+
     def close(self) -> None:
         """Stop serving and drop every client connection; idempotent."""
         if self._stopping:
@@ -265,13 +332,20 @@ class TCPStoreServer:
 
     # -- event loop ---------------------------------------------------------------------------
 
+    def _next_timeout(self) -> float | None:
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self._pending:
+            times.append(next(iter(self._pending)).deadline)
+        if self._accept_resume is not None:
+            times.append(self._accept_resume)
+        if not times:
+            return None
+        return min(max(0.0, min(times) - time.monotonic()), 3600.0)
+
     def _serve(self) -> None:
         try:
             while not self._stopping:
-                timeout = None
-                if self._deadlines:
-                    timeout = min(max(0.0, self._deadlines[0][0] - time.monotonic()), 3600.0)
-                for key, mask in self._sel.select(timeout):
+                for key, mask in self._sel.select(self._next_timeout()):
                     sock = key.fileobj
                     if sock is self._listener:
                         self._accept()
@@ -301,18 +375,38 @@ class TCPStoreServer:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # The connection stays in the backlog; rest rather than spin on it.
+                    self._refused("(not accepted)", f"{exc.strerror}: the process's descriptor limit "
+                                  f"(ulimit -n) or the system's is reached")
+                    self._sel.unregister(self._listener)
+                    self._accept_resume = time.monotonic() + _ACCEPT_RETRY_S
                 return
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            if len(self._conns) >= self.limits.max_connections:
+                self._refused(peer, f"{len(self._conns)} connections open "
+                              f"(TENSORWIRE_STORE_MAX_CONNECTIONS)")
+                sock.close()
+                continue
+            if len(self._pending) >= self.limits.auth_pending:
+                oldest = next(iter(self._pending))
+                self._refused(oldest.peer, f"still unauthenticated when {self.limits.auth_pending} others "
+                              f"were waiting (TENSORWIRE_AUTH_PENDING)")
+                self._drop(oldest)
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            handshake = auth.Responder(self.secret.key, _PURPOSE, _MAGIC, 0)
+            conn = _Conn(sock, peer, handshake, time.monotonic() + self.limits.auth_timeout)
             self._conns[sock] = conn
+            self._pending[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, None)
 
     def _on_readable(self, conn: _Conn) -> None:
+        want = conn.handshake.need if conn.handshake is not None else 1 << 20
         try:
-            chunk = conn.sock.recv(1 << 20)
+            chunk = conn.sock.recv(want)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -320,21 +414,26 @@ class TCPStoreServer:
         if not chunk:
             self._drop(conn)
             return
+        if conn.handshake is not None:
+            try:
+                answer = conn.handshake.feed(chunk)
+            except auth.HandshakeFailed as exc:
+                self._refused(conn.peer, str(exc))
+                self._drop(conn)
+                return
+            if conn.handshake.done:
+                conn.handshake = None
+                self._pending.pop(conn, None)
+            self._send(conn, answer)
+            return
         conn.inbuf += chunk
         while not conn.closed:
-            if not conn.greeted:
-                if len(conn.inbuf) < len(_MAGIC):
-                    return
-                if bytes(conn.inbuf[:len(_MAGIC)]) != _MAGIC:
-                    self._drop(conn)  # not one of ours: hang up rather than guess
-                    return
-                del conn.inbuf[:len(_MAGIC)]
-                conn.greeted = True
-                continue
             if len(conn.inbuf) < _LEN.size:
                 return
             (n,) = _LEN.unpack_from(conn.inbuf, 0)
-            if n >= _MAX_FRAME:
+            if n > self.limits.max_frame:
+                self._refused(conn.peer, f"a frame of {n} bytes, more than the largest value allows "
+                              f"({self.limits.max_value} bytes: TENSORWIRE_STORE_MAX_VALUE)")
                 self._drop(conn)
                 return
             if len(conn.inbuf) < _LEN.size + n:
@@ -344,7 +443,7 @@ class TCPStoreServer:
             self._handle(conn, body)
 
     def _send(self, conn: _Conn, data: bytes) -> None:
-        if conn.closed:
+        if conn.closed or not data:
             return
         was_empty = not conn.outbuf
         conn.outbuf += data
@@ -370,6 +469,7 @@ class TCPStoreServer:
             return
         conn.closed = True
         self._conns.pop(conn.sock, None)
+        self._pending.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         with contextlib.suppress(OSError):
@@ -381,7 +481,8 @@ class TCPStoreServer:
     def _handle(self, conn: _Conn, body: bytes) -> None:
         try:
             op, timeout, keys, value = _decode_request(body)
-        except (struct.error, UnicodeDecodeError):
+        except (struct.error, ValueError) as exc:
+            self._refused(conn.peer, f"a malformed request ({exc})")
             self._drop(conn)
             return
         try:
@@ -393,9 +494,10 @@ class TCPStoreServer:
         if op not in _OPS:
             self._send(conn, _reply(_ST_ERROR, f"unknown store operation {op}".encode()))
             return
-        if op == _OP_HELLO:
-            self._send(conn, _reply(_ST_OK, _MAGIC))
-        elif op == _OP_SET:
+        if op == _OP_SET:
+            if len(value) > self.limits.max_value:
+                raise ValueError(f"a value of {len(value)} bytes, more than TENSORWIRE_STORE_MAX_VALUE "
+                                 f"({self.limits.max_value}) allows")
             self._set(keys[0], value)
             self._send(conn, _reply(_ST_OK))
         elif op == _OP_ADD:
@@ -440,6 +542,14 @@ class TCPStoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        while self._pending and next(iter(self._pending)).deadline <= now:
+            conn = next(iter(self._pending))
+            self._refused(conn.peer, f"did not authenticate within {self.limits.auth_timeout:g} s "
+                          f"(TENSORWIRE_AUTH_TIMEOUT)")
+            self._drop(conn)
+        if self._accept_resume is not None and self._accept_resume <= now:
+            self._accept_resume = None
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
             if w.done:
@@ -469,10 +579,16 @@ class TCPStore(Store):
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_STORE_TIMEOUT_S,
-                 server: bool = False) -> None:
+                 server: bool = False, secret: auth.Secret | None = None,
+                 limits: StoreLimits = DEFAULT_LIMITS) -> None:
+        """`secret`: the job's (default: `auth.for_host(host)`); `limits` bound what the
+        server hosted here holds and the replies this client accepts."""
         super().__init__(timeout)
         self.host = host
-        self._server: TCPStoreServer | None = TCPStoreServer(host, port) if server else None
+        self.secret = secret if secret is not None else auth.for_host(host)
+        self.limits = limits
+        self._server: TCPStoreServer | None = (
+            TCPStoreServer(host, port, secret=self.secret, limits=limits) if server else None)
         self.port: int = self._server.port if self._server is not None else int(port)
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -506,20 +622,26 @@ class TCPStore(Store):
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=min(remaining, 5.0))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(min(max(deadline - time.monotonic(), 0.1), 5.0) + 1.0)
-                sock.sendall(_MAGIC + _encode_request(_OP_HELLO, ()))
-                status, payload = self._read_reply(sock)
-                if status != _ST_OK or payload != _MAGIC:
-                    raise RendezvousError(
-                        f"{self.address} answered, but not as a tensorwire store (wrong protocol)")
+                sock.settimeout(min(max(deadline - time.monotonic(), 0.1), self.limits.auth_timeout))
+                auth.initiate(sock, self.secret.key, _PURPOSE, _MAGIC, b"")
                 sock.settimeout(None)
                 return sock
+            except auth.NotTensorwire as exc:
+                sock.close()
+                raise RendezvousError(
+                    f"{self.address} answered, but not as a tensorwire store (wrong protocol)") from exc
+            except auth.WrongSecret as exc:
+                sock.close()
+                raise AuthenticationError(
+                    f"the TCP store at {self.address} could not prove that it knows this job's secret "
+                    f"(this process's: {self.secret.source}): the store's host and every rank need the "
+                    f"same {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}; see docs/security.md") from exc
             except RendezvousError:
                 if sock is not None:
                     sock.close()
                 raise
-            except (OSError, ConnectionError, EOFError) as exc:
-                last = exc
+            except (OSError, ConnectionError, EOFError, auth.HandshakeFailed) as exc:
+                last = exc  # hung up mid-handshake (busy, or our proof refused): try again
                 if sock is not None:
                     sock.close()
             if isinstance(last, socket.gaierror):
@@ -543,15 +665,16 @@ class TCPStore(Store):
             got += r
         return bytes(buf)
 
-    @classmethod
-    def _read_reply(cls, sock: socket.socket) -> tuple[int, bytes]:
-        (n,) = _LEN.unpack(cls._recv_exact(sock, _LEN.size))
-        body = cls._recv_exact(sock, n)
+    def _read_reply(self, sock: socket.socket) -> tuple[int, bytes]:
+        (n,) = _LEN.unpack(self._recv_exact(sock, _LEN.size))
+        if not 0 < n <= self.limits.max_frame:
+            raise EOFError(f"the store sent a reply of {n} bytes (at most {self.limits.max_frame} expected)")
+        body = self._recv_exact(sock, n)
         return body[0], body[1:]
 
     def _call(self, what: str, op: int, keys: list[str], value: bytes = b"",
               timeout: float = 0.0) -> tuple[int, bytes]:
-        frame = _encode_request(op, keys, value, timeout)
+        frame = _encode_request(op, keys, value, timeout, self.limits)
         with self._lock:
             if self._closed:
                 raise RendezvousError(f"{what}: the store client for {self.address} is closed")

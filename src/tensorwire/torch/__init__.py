@@ -72,6 +72,7 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
         yield from _TORCH_ENV_HANDLER(url, timeout=timeout, **kwargs)
         return
     global _env_inits
+    from ..rendezvous import bootstrap
     from ..rendezvous.store import TCPStore as TwTCPStore
 
     query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
@@ -81,7 +82,8 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
     _env_inits += 1
     key = f"tw/torch-store/{_env_inits}"
     seconds = timeout.total_seconds()
-    tw_store = TwTCPStore(addr, port, timeout=seconds, server=False)
+    tw_store = TwTCPStore(addr, port, timeout=seconds, server=False,
+                          secret=bootstrap.job_secret(bootstrap.detect()))
     try:
         if rank == 0:
             store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)

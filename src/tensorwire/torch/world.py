@@ -23,7 +23,6 @@ import atexit
 import json
 import os
 import socket
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -39,8 +38,9 @@ from ..rendezvous import bootstrap
 from ..rendezvous.store import Store, TorchStoreAdapter
 from ..runtime import Runtime
 from ..transport import netif
-from ..transport.connect import attach_peers, dial, recv_exact
+from ..transport.connect import attach_peers
 from ..transport.engine import Engine
+from ..transport.handshake import connect_pairs
 
 _log = log.get("INIT")
 _lock = threading.RLock()
@@ -154,17 +154,6 @@ def _close_links() -> None:
 
 # -- a world whose pairs connect on demand (tensorwire groups on top of another backend) ---------
 
-_LINK_HELLO = struct.Struct("<4sIQ")  # magic, rank, job hash
-_LINK_MAGIC = b"TWlk"
-
-
-def _job_hash(job_id: str) -> int:
-    h = 1469598103934665603
-    for b in job_id.encode():
-        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
 def _links_runtime(store: Any, timeout: Any) -> Runtime:
     rank, size = dist.get_rank(), dist.get_world_size()
     log.configure()
@@ -200,36 +189,12 @@ def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
             except TimeoutError as exc:
                 raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank {m} "
                                    f"never published its address within {cfg.timeout:g} s") from exc
-        job = _job_hash(rt.info.job_id)
-        socks: dict[int, socket.socket] = {}
-        for m in (m for m in missing if m < me):
-            socks[m] = _dial(me, m, (peers[m]["addr"], peers[m]["port"]), job, deadline)
-        want = {m for m in missing if m > me}
-        while want - set(socks):
-            listener.settimeout(max(0.001, deadline - time.monotonic()))
-            try:
-                conn, _ = listener.accept()
-            except OSError as exc:
-                raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank(s) "
-                                   f"{sorted(want - set(socks))} never connected") from exc
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                magic, peer, peer_job = _LINK_HELLO.unpack(recv_exact(conn, _LINK_HELLO.size))
-            except (OSError, struct.error):
-                conn.close()
-                continue
-            if magic != _LINK_MAGIC or peer_job != job or peer not in want or peer in socks:
-                conn.close()
-                continue
-            socks[peer] = conn
+        socks = connect_pairs(me, rt.world_size, listener,
+                              {m: (peers[m]["addr"], peers[m]["port"]) for m in missing if m < me},
+                              {m for m in missing if m > me}, rt.info.job_id, bootstrap.job_secret(rt.info),
+                              cfg, deadline, f"rank {me}: creating a tensorwire group of ranks {members}")
     finally:
         listener.close()
     local = {m for m in missing if peers[m]["host"] == host and cfg.transport != "tcp"}
     rings = attach_peers(engine, socks, local, rt.info.job_id, cfg)
     _log.info("rank %d connected to %s (shm %s)", me, sorted(socks), sorted(rings))
-
-
-def _dial(me: int, peer: int, addr: tuple[str, int], job: int, deadline: float) -> socket.socket:
-    sock = dial(addr, deadline, f"rank {me}", peer)
-    sock.sendall(_LINK_HELLO.pack(_LINK_MAGIC, me, job))
-    return sock

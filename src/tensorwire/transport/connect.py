@@ -1,7 +1,8 @@
 """Wiring the world: one socket per pair of ranks, plus shared-memory rings between local pairs.
 
 Each rank listens on the address it advertises, publishes it in the store, connects to every
-lower rank and accepts every higher one. Pairs on the same host then offer each other a ring;
+lower rank and accepts every higher one, each connection authenticated (`handshake.py`).
+Pairs on the same host then offer each other a ring;
 shared memory is used only if both sides could map the other's segment and read its nonce,
 so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by themselves,
 and so do pairs whose rings /dev/shm has no room for (shm_budget sizes them first). A rank
@@ -10,7 +11,6 @@ short of descriptors says so in place of its address, and every rank raises it (
 
 from __future__ import annotations
 
-import builtins
 import errno
 import functools
 import json
@@ -20,25 +20,17 @@ import struct
 import time
 from typing import NamedTuple
 
-from .. import limits, log
+from .. import auth, limits, log
 from ..config import Config
 from ..errors import RendezvousError, ResourceError, TimeoutError
 from ..rendezvous.store import Store
 from . import cma, shm_budget
 from .engine import Engine
+from .handshake import connect_pairs
 from .shm import Ring, ShmChannel
 from .tcp import SocketStream, TcpChannel, congestion_of, tune_socket
 
 _log = log.get("INIT")
-_HELLO = struct.Struct("<4sIIQ")  # magic, rank, world size, job hash
-_MAGIC = b"TWv1"
-
-
-def _job_hash(job_id: str) -> int:
-    h = 1469598103934665603
-    for b in job_id.encode():
-        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h
 
 
 def _send_msg(sock: socket.socket, obj: object) -> None:
@@ -56,14 +48,21 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+_MAX_SETUP_MSG = 1 << 16
+
+
 def _recv_msg(sock: socket.socket) -> object:
     (n,) = struct.unpack("<I", recv_exact(sock, 4))
+    if n > _MAX_SETUP_MSG:
+        raise ConnectionError(f"a setup message of {n} bytes (at most {_MAX_SETUP_MSG} expected)")
     return json.loads(recv_exact(sock, n))
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
-                  card: dict, deadline: float, serving: int = 0) -> tuple[Engine, dict[int, dict]]:
-    """The world's engine with a channel to every peer, and every rank's card. `card` is this
+                  card: dict, deadline: float, secret: auth.Secret,
+                  serving: int = 0) -> tuple[Engine, dict[int, dict]]:
+    """The world's engine with a channel to every peer, each connection proving `secret`, and
+    every rank's card. `card` is this
     rank's (topo.local_card: its address `addr`, host name `host`, machine `machine`, ...): it
     is published with the port this rank listens on, which makes the job's topology cost no
     exchange of its own. `serving`: store clients this process also serves (it hosts the
@@ -99,9 +98,13 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         if "error" in peers[r]:
             listener.close()
             raise ResourceError(f"rank {rank}: init: rank {r} cannot join: {peers[r]['error']}")
-    socks = _connect_lower(rank, world_size, peers, job_id, deadline)
-    socks.update(_accept_higher(rank, world_size, listener, job_id, deadline))
-    listener.close()
+    try:
+        socks = connect_pairs(rank, world_size, listener, {r: (peers[r]["addr"], peers[r]["port"])
+                                                           for r in range(rank)},
+                              set(range(rank + 1, world_size)), job_id, secret, cfg, deadline,
+                              f"rank {rank}: init")
+    finally:
+        listener.close()
     mates = [rank] + [r for r, info in peers.items() if info.get("machine") == machine]
     engine.adapt_to_machine(len(mates), sorted(mates).index(rank), cfg.bind)
     local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
@@ -163,70 +166,13 @@ def install_channels(engine: Engine, socks: dict[int, socket.socket],
     """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
     for r in sorted(socks):
         tune_socket(socks[r], cfg)
-        stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes)
+        stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes, cfg.max_message)
         if r in rings:
             pair = rings[r]
             engine.add_channel(r, ShmChannel(stream, pair.out, pair.inn, engine, pair.peer_pid,
                                              pair.peer_reads))
         else:
             engine.add_channel(r, TcpChannel(stream))
-
-
-def _connect_lower(rank: int, world_size: int, peers: dict[int, dict], job_id: str,
-                   deadline: float) -> dict[int, socket.socket]:
-    socks = {}
-    hello = _HELLO.pack(_MAGIC, rank, world_size, _job_hash(job_id))
-    for r in range(rank):
-        socks[r] = dial((peers[r]["addr"], peers[r]["port"]), deadline, f"rank {rank}: init", r)
-        socks[r].sendall(hello)
-    return socks
-
-
-def dial(addr: tuple[str, int], deadline: float, who: str, peer: int) -> socket.socket:
-    """Connect, retrying until `deadline` (the peer may not be listening yet)."""
-    while True:
-        try:
-            return socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
-        except OSError as exc:
-            exhausted = limits.translate(exc, f"{who}: connecting to rank {peer}")
-            if exhausted is not None:
-                raise exhausted from exc  # waiting frees no descriptor
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{who}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
-                                   f"{exc}") from exc
-            time.sleep(0.05)
-
-
-def _accept_higher(rank: int, world_size: int, listener: socket.socket, job_id: str,
-                   deadline: float) -> dict[int, socket.socket]:
-    socks: dict[int, socket.socket] = {}
-    want = set(range(rank + 1, world_size))
-    job = _job_hash(job_id)
-    while want - set(socks):
-        listener.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            conn, _ = listener.accept()
-        except builtins.TimeoutError as exc:  # socket timeouts; ours is a subclass too
-            missing = ", ".join(map(str, sorted(want - set(socks))))
-            raise TimeoutError(f"rank {rank}: init: rank(s) {missing} never connected") from exc
-        except OSError as exc:
-            raise limits.translate(exc, f"rank {rank}: init: accepting connections") or exc from exc
-        conn.settimeout(max(0.1, deadline - time.monotonic()))
-        try:
-            magic, peer, size, peer_job = _HELLO.unpack(recv_exact(conn, _HELLO.size))
-        except (OSError, struct.error):
-            conn.close()
-            continue
-        if magic != _MAGIC or peer_job != job:
-            conn.close()  # a stray connection, or a rank of another job: not ours
-            continue
-        if size != world_size:
-            raise RendezvousError(f"rank {rank}: init: rank {peer} has world size {size}, this rank "
-                                  f"{world_size}")
-        if peer in socks or peer not in want:
-            raise RendezvousError(f"rank {rank}: init: two processes claim rank {peer}")
-        socks[peer] = conn
-    return socks
 
 
 def _setup_rings(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,

@@ -16,7 +16,7 @@ import numpy as np
 from ..config import Config
 from ..errors import InvalidArgumentError
 from .requests import SendRequest, Sink
-from .wire import HEADER_SIZE, Header
+from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -103,7 +103,9 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
 class SocketStream:
     """Sends queued requests and parses arriving frames, never blocking."""
 
-    def __init__(self, sock: socket.socket, peer: int, engine: Engine, staging_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, peer: int, engine: Engine, staging_bytes: int,
+                 max_message: int) -> None:
+        """`max_message`: the largest payload a header may announce (TENSORWIRE_MAX_MESSAGE)."""
         sock.setblocking(False)
         self.sock = sock
         self.peer = peer
@@ -116,6 +118,7 @@ class SocketStream:
         self._sink: Sink | None = None
         self._staging = np.empty(max(staging_bytes, 64) // 64 * 64, dtype=np.uint8)
         self._staged = 0
+        self.max_message = max_message
 
     # -- sending ------------------------------------------------------------------------
     def post(self, req: SendRequest) -> None:
@@ -167,6 +170,11 @@ class SocketStream:
                         continue
                     self._hdr_got = 0
                     header = Header.unpack(self._hdr)
+                    try:
+                        check_tcp(header, self.max_message)
+                    except MalformedHeader as exc:
+                        self.sock.shutdown(socket.SHUT_RDWR)  # the stream is lost: say so to the peer
+                        raise PeerClosed(f"sent a malformed message header ({exc})") from exc
                     self._sink = self.engine.match(self.peer, header)
                     if self._sink.nbytes == 0:
                         self._complete()

@@ -143,5 +143,41 @@ class Header(NamedTuple):
         return cls(kind, ctx, seq, tag, nbytes, Fingerprint(coll, dtype, op, root, count, aux), mode)
 
 
+MAX_CONTROL_BYTES = 1 << 20
+"""Largest control payload (an ABORT's error text is the only one)."""
+_CONTROL_MAX = {int(Kind.ABORT): MAX_CONTROL_BYTES, int(Kind.BYE): 0, int(Kind.QUERY): 0, int(Kind.STATE): 0}
+"""The control kinds TCP carries (ACK is shared memory's), and the payload each may have."""
+_COLL_CODES = frozenset(int(c) for c in Coll)
+_NOT_DEVICE = ~ON_DEVICE
+
+
+class MalformedHeader(ValueError):
+    """A header no tensorwire process sends: a broken or hostile stream."""
+
+
+def check_tcp(header: Header, max_message: int) -> None:
+    """Validate a header that arrived over TCP before anything is allocated for its payload:
+    a kind and collective tensorwire knows, the inline mode (the only one TCP carries), no
+    payload where its kind has none, and at most `max_message` bytes (TENSORWIRE_MAX_MESSAGE)
+    where it has one. Plain int comparisons (under a microsecond a message); TCP only, whose
+    peers are the ones a network can reach."""
+    kind, nbytes = header.kind, header.nbytes
+    if kind <= 1:  # P2P, COLL: the data
+        ok = nbytes <= max_message
+    else:
+        limit = _CONTROL_MAX.get(kind)
+        ok = limit is not None and nbytes <= limit
+    if ok and not header.mode and header.fp.coll & _NOT_DEVICE in _COLL_CODES:
+        return
+    if kind in _CONTROL_MAX or kind <= 1:
+        if header.mode or header.fp.coll & _NOT_DEVICE not in _COLL_CODES:
+            raise MalformedHeader(f"mode {header.mode} or collective {header.fp.coll} unknown over TCP")
+        if kind <= 1:
+            raise MalformedHeader(f"a payload of {nbytes} bytes announced, more than TENSORWIRE_MAX_MESSAGE "
+                                  f"({max_message}) allows")
+        raise MalformedHeader(f"a {Kind(kind).name} message of {nbytes} bytes")
+    raise MalformedHeader(f"unknown message kind {kind}")
+
+
 def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:
     return Header(kind, ctx, seq, tag, nbytes, fp).pack()

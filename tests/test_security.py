@@ -1,0 +1,804 @@
+"""Authentication and bounded resources: the job's secret, the handshake, the store and the
+ranks under hostile input (fuzzed with hypothesis, bounded in time), and a hostile client
+against a running multi-process job.
+
+Everything is real: sockets on loopback, a real store server, real ranks under `tensorwire
+run`. A "stranger" is any process without the job's secret.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster import free_port
+from tensorwire import auth
+from tensorwire.config import Config
+from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
+from tensorwire.rendezvous import bootstrap
+from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
+from tensorwire.rendezvous.store import _LEN, StoreLimits, TCPStore, TCPStoreServer, _encode_request
+from tensorwire.transport import connect, handshake
+from tensorwire.transport.engine import Engine
+from tensorwire.transport.tcp import PeerClosed, SocketStream, TcpChannel
+from tensorwire.transport.wire import (
+    HEADER_SIZE,
+    ON_DEVICE,
+    P2P_FINGERPRINT,
+    Coll,
+    Fingerprint,
+    Header,
+    Kind,
+    MalformedHeader,
+    Mode,
+    check_tcp,
+)
+
+LOOPBACK = "127.0.0.1"
+KEY = b"k" * 32
+SECRET = auth.Secret(KEY, "test")
+OTHER = auth.Secret(b"o" * 32, "another test")
+STORE_MAGIC = b"TWSTORE2"
+CHALLENGE = len(STORE_MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES  # all a stranger may ever get
+
+# Fuzzing: deterministic (the same examples every run), no example database in the tree, a few
+# seconds per test on a loaded 2-core machine.
+FUZZ = settings(max_examples=200, deadline=2000, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def rss_kib(pid: int | str = "self", field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def read_all(sock: socket.socket, timeout: float = 5.0, limit: int = 1 << 20) -> bytes:
+    """Everything the other side sends until it closes (or `timeout`: then AssertionError)."""
+    sock.settimeout(timeout)
+    got = bytearray()
+    try:
+        while len(got) < limit:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError as exc:
+        raise AssertionError(f"the server kept the connection open for {timeout} s") from exc
+    return bytes(got)
+
+
+def send_all(sock: socket.socket, data: bytes) -> int:
+    """Send what the other side takes before it hangs up; the bytes sent."""
+    sent = 0
+    try:
+        while sent < len(data):
+            sent += sock.send(data[sent:sent + 65536])
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent
+
+
+def stranger_hello() -> bytes:
+    return STORE_MAGIC + secrets.token_bytes(auth.NONCE_BYTES)
+
+
+# --------------------------------------------------------------------------------------------
+# The secret
+
+
+def test_configured_secret_from_env_and_file(tmp_path: Path) -> None:
+    assert auth.configured({}) is None
+    got = auth.configured({"TENSORWIRE_SECRET": "s" * 20})
+    assert got is not None and got.key == b"s" * 20 and got.authenticated
+    assert "s" * 20 not in repr(got)  # never printed
+    with pytest.raises(InvalidArgumentError, match="at least 16"):
+        auth.configured({"TENSORWIRE_SECRET": "short"})
+    path = tmp_path / "secret"
+    path.write_text("f" * 64 + "\n")
+    path.chmod(0o644)
+    with pytest.raises(RendezvousError, match="chmod 600"):
+        auth.configured({"TENSORWIRE_SECRET_FILE": str(path)})
+    path.chmod(0o600)
+    assert auth.configured({"TENSORWIRE_SECRET_FILE": str(path)}).key == b"f" * 64
+    # The variable wins over the file.
+    both = {"TENSORWIRE_SECRET": "v" * 16, "TENSORWIRE_SECRET_FILE": str(path)}
+    assert auth.configured(both).key == b"v" * 16
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 4321, 4321)
+        with pytest.raises(RendezvousError, match="belongs to uid 4321"):
+            auth.read_secret_file(str(path))
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(RendezvousError, match="cannot read"):
+        auth.read_secret_file(str(link))
+
+
+def test_create_secret_file_is_private_and_race_free(tmp_path: Path) -> None:
+    path = str(tmp_path / "job.secret")
+    code = "import sys; from tensorwire import auth; print(auth.create_secret_file(sys.argv[1]).decode())"
+    procs = [subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    keys = {p.communicate(timeout=30)[0].strip() for p in procs}
+    assert len(keys) == 1 and len(keys.pop()) == 64  # every creator ends up with the one winner's
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["job.secret"]  # no temporary left behind
+
+
+def test_per_user_secret_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = auth.per_user()
+    assert first.authenticated and first.key == auth.per_user().key
+    d = tmp_path / f"tensorwire-{os.geteuid()}"
+    assert d.stat().st_mode & 0o777 == 0o700 and (d / "secret").stat().st_mode & 0o777 == 0o600
+    # Somebody else got there first: a symlink or a directory of theirs is refused.
+    other = tmp_path / "elsewhere"
+    monkeypatch.setattr(tempfile, "tempdir", str(other))
+    other.mkdir()
+    (other / f"tensorwire-{os.geteuid()}").symlink_to(d)
+    with pytest.raises(RendezvousError, match="another user may have created it"):
+        auth.per_user()
+    if os.geteuid() == 0:
+        (other / f"tensorwire-{os.geteuid()}").unlink()
+        (other / f"tensorwire-{os.geteuid()}").mkdir(mode=0o700)
+        os.chown(other / f"tensorwire-{os.geteuid()}", 4321, 4321)
+        with pytest.raises(RendezvousError, match="another user may have created it"):
+            auth.per_user()
+
+
+def _info(rank: int = 0, world: int = 4, local: int = 4, init: str = "tcp://127.0.0.1:29500",
+          source: str = "explicit") -> LaunchInfo:
+    return LaunchInfo(rank, world, 0, local, 0, None, None, init, source, "job")
+
+
+def test_one_host_jobs_are_protected_without_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bootstrap, "_warned", False)
+    assert not spans_hosts(_info())
+    assert not spans_hosts(_info(local=-1))  # unknown, but the store is on loopback
+    assert not spans_hosts(_info(local=-1, init="file:///tmp/x"))
+    assert spans_hosts(_info(local=-1, init="tcp://10.1.2.3:29500"))
+    assert spans_hosts(_info(local=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert job_secret(_info(), env={}).source.startswith("per-user secret")
+        assert job_secret(_info(local=2), env={"TENSORWIRE_SECRET": "x" * 16}).key == b"x" * 16
+        assert job_secret(_info(rank=1, local=2), env={}) is auth.NO_SECRET  # only rank 0 warns
+
+
+def test_a_job_spanning_hosts_without_secret_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bootstrap, "_warned", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert job_secret(_info(local=2, source="tensorwire"), env={}) is auth.NO_SECRET
+    assert len(seen) == 1 and seen[0].category is UnauthenticatedJobWarning
+    text = str(seen[0].message)
+    assert "spans hosts (4 ranks, 2 on this host)" in text and "--secret-file" in text
+
+
+# --------------------------------------------------------------------------------------------
+# The handshake
+
+
+def _pair_handshake(initiator_key: bytes, responder_key: bytes, hello: bytes = b"hi") -> auth.Responder:
+    a, b = socket.socketpair()
+    responder = auth.Responder(responder_key, b"test", b"MAGIC", len(hello))
+    failure: list[BaseException] = []
+
+    def respond() -> None:
+        try:
+            while not responder.done:
+                data = b.recv(responder.need)
+                if not data:
+                    return
+                b.sendall(responder.feed(data))
+        except auth.HandshakeFailed as exc:
+            failure.append(exc)
+        finally:
+            b.close()
+
+    t = threading.Thread(target=respond)
+    t.start()
+    a.settimeout(5)
+    try:
+        auth.initiate(a, initiator_key, b"test", b"MAGIC", hello)
+    finally:
+        a.close()
+        t.join(5)
+    if failure:
+        raise failure[0]
+    return responder
+
+
+def test_handshake_proves_both_sides() -> None:
+    assert _pair_handshake(KEY, KEY, b"hello").hello == b"hello"
+    with pytest.raises(auth.WrongSecret):  # the initiator catches a responder with another key
+        _pair_handshake(KEY, OTHER.key)
+
+
+def test_recorded_handshake_cannot_be_replayed() -> None:
+    """A transcript that worked once fails on a new connection: the responder's nonce is new."""
+    first = auth.Responder(KEY, b"p", b"M", 0)
+    nonce = secrets.token_bytes(auth.NONCE_BYTES)
+    first.feed(b"M")
+    answer = first.feed(nonce)
+    proof = auth._mac(KEY, b"p", b"initiator", b"M" + nonce + answer[1:1 + auth.NONCE_BYTES])
+    assert first.feed(proof) == auth.ACCEPTED and first.done
+    replayed = auth.Responder(KEY, b"p", b"M", 0)
+    replayed.feed(b"M")
+    replayed.feed(nonce)
+    with pytest.raises(auth.WrongSecret):
+        replayed.feed(proof)
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=48), max_size=8))
+def test_fuzz_responder_never_accepts_garbage(chunks: list[bytes]) -> None:
+    responder = auth.Responder(KEY, b"p", b"TWSTORE2", 4)
+    try:
+        for chunk in chunks:
+            responder.feed(chunk[:responder.need] if responder.need else chunk)
+    except auth.HandshakeFailed:
+        return
+    assert not responder.done
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_fuzz_initiator_against_a_hostile_responder(answer: bytes) -> None:
+    """A dialer that reaches something hostile fails cleanly and soon, never proceeds."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(answer)
+        b.shutdown(socket.SHUT_WR)
+        a.settimeout(1.0)
+        with pytest.raises((auth.HandshakeFailed, ConnectionError, OSError)):
+            auth.initiate(a, KEY, b"p", b"TWSTORE2", b"")
+
+
+# --------------------------------------------------------------------------------------------
+# The store
+
+
+@pytest.fixture
+def server():
+    limits = StoreLimits(max_value=64 << 10, max_connections=64, auth_timeout=0.5, auth_pending=8)
+    srv = TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits)
+    yield srv
+    srv.close()
+
+
+def _client(srv: TCPStoreServer, secret: auth.Secret = SECRET, **kw) -> TCPStore:
+    return TCPStore(LOOPBACK, srv.port, timeout=5, secret=secret, limits=srv.limits, **kw)
+
+
+def test_store_serves_only_clients_that_know_the_secret(server: TCPStoreServer,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    with _client(server) as good:
+        good.set("addr/0", b"10.0.0.1:1234")
+        with pytest.raises(AuthenticationError, match="could not prove that it knows this job's secret"):
+            _client(server, OTHER)
+        with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
+            # A stranger that speaks the protocol: it gets the challenge, nothing else.
+            with socket.create_connection((LOOPBACK, server.port)) as s:
+                s.sendall(stranger_hello())
+                s.settimeout(5)
+                assert len(connect.recv_exact(s, CHALLENGE)) == CHALLENGE
+                s.sendall(b"\0" * auth.MAC_BYTES + _encode_request(1, ["addr/0"], b"evil"))
+                assert read_all(s) == b""
+            # The first version of the protocol, no handshake at all: dropped at once.
+            with socket.create_connection((LOOPBACK, server.port)) as s:
+                s.sendall(b"TWSTORE1" + _encode_request(2, ["addr/0"]))
+                assert read_all(s) == b""
+        assert good.get("addr/0") == b"10.0.0.1:1234"
+    assert "dropped a connection from 127.0.0.1" in caplog.text
+    assert "wrong proof" in caplog.text  # the next one within a second is counted, not logged
+    assert server._refused.count == 2
+
+
+def test_store_drops_idle_and_surplus_unauthenticated_connections(server: TCPStoreServer) -> None:
+    idle = [socket.create_connection((LOOPBACK, server.port)) for _ in range(12)]
+    try:
+        idle[-1].sendall(STORE_MAGIC[:3])  # a partial magic keeps nobody waiting either
+        time.sleep(0.2)
+        conns, pending = server.connections
+        assert pending <= server.limits.auth_pending  # beyond 8 the oldest went
+        with _client(server) as good:  # a real client still gets in
+            good.set("k", b"v")
+            t0 = time.monotonic()
+            for s in idle:
+                assert read_all(s, timeout=5) == b""  # dropped by the server
+            assert time.monotonic() - t0 < 3
+            assert server.connections == (1, 0)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_store_connection_cap(server: TCPStoreServer) -> None:
+    limits = StoreLimits(max_value=1024, max_connections=2, auth_timeout=2, auth_pending=4)
+    with TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits) as srv:
+        clients = [TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits) for _ in range(2)]
+        try:
+            with pytest.raises(RendezvousError, match="could not connect"):
+                TCPStore(LOOPBACK, srv.port, timeout=1, secret=SECRET, limits=limits)
+            clients.pop().close()
+            time.sleep(0.1)
+            TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits).close()
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_store_frames_are_bounded(server: TCPStoreServer) -> None:
+    with _client(server) as good:
+        with pytest.raises(InvalidArgumentError, match="TENSORWIRE_STORE_MAX_VALUE"):
+            good.set("big", bytes(server.limits.max_value + 1))
+        good.set("fits", bytes(server.limits.max_value))
+        # An authenticated client that announces a 2 GiB frame is cut off before it is read.
+        s = socket.create_connection((LOOPBACK, server.port))
+        s.settimeout(5)
+        auth.initiate(s, KEY, b"tensorwire store v2", STORE_MAGIC, b"")
+        sent = send_all(s, _LEN.pack((1 << 31) - 1) + bytes(64 << 20))
+        assert sent < 64 << 20
+        assert read_all(s) == b""
+        s.close()
+        assert len(good.get("fits")) == server.limits.max_value  # everyone else is still served
+
+
+def test_store_limits_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORWIRE_STORE_MAX_VALUE", "1M")
+    monkeypatch.setenv("TENSORWIRE_AUTH_TIMEOUT", "2.5")
+    monkeypatch.setenv("TENSORWIRE_AUTH_PENDING", "7")
+    monkeypatch.setenv("TENSORWIRE_STORE_MAX_CONNECTIONS", "9")
+    assert StoreLimits.from_config(Config.from_env()) == StoreLimits(1 << 20, 9, 2.5, 7)
+    monkeypatch.setenv("TENSORWIRE_AUTH_PENDING", "0")
+    with pytest.raises(ValueError, match="TENSORWIRE_AUTH_PENDING=0"):
+        Config.from_env()
+
+
+def _mutated(valid: bytes) -> st.SearchStrategy[bytes]:
+    """`valid` with bytes flipped, cut or spliced in: mostly-right input reaches deepest."""
+    edits = st.lists(st.tuples(st.integers(0, max(len(valid) - 1, 0)), st.integers(0, 255)), max_size=6)
+    return st.builds(lambda e, cut, junk: _apply(valid, e)[:cut] + junk, edits,
+                     st.integers(0, len(valid)), st.binary(max_size=32))
+
+
+def _apply(data: bytes, edits: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for i, b in edits:
+        out[i] = b
+    return bytes(out)
+
+
+_STRANGER = stranger_hello() + bytes(auth.MAC_BYTES) + _encode_request(1, ["tw/peer/0"], b"evil")
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300), _mutated(_STRANGER)))
+def test_fuzz_store_unauthenticated(server_once: TCPStoreServer, data: bytes) -> None:
+    """Random and mutated bytes from a stranger: at most the challenge comes back, the server
+    lives on, and the store is unchanged."""
+    with socket.create_connection((LOOPBACK, server_once.port)) as s:
+        send_all(s, data)
+        with_hangup(s)
+        assert len(read_all(s)) <= CHALLENGE
+    assert server_once._thread.is_alive()
+
+
+_REQUESTS = [_encode_request(op, keys, value, timeout) for op, keys, value, timeout in (
+    (1, ["a"], b"x" * 10, 0.0), (2, ["a"], b"", 0.01), (3, ["n"], struct.pack(">q", 5), 0.0),
+    (4, ["a", "b"], b"", 0.01), (5, ["a", "zz"], b"", 0.0), (6, ["a"], b"", 0.0),
+    (2, ["gone"], b"", float("nan")), (4, ["gone"], b"", -1.0), (2, ["gone"], b"", float("inf")))]
+
+
+@FUZZ
+@given(st.lists(st.one_of(st.sampled_from(_REQUESTS), *(_mutated(r) for r in _REQUESTS),
+                          st.binary(max_size=64)), max_size=6))
+def test_fuzz_store_authenticated_frames(server_once: TCPStoreServer, frames: list[bytes]) -> None:
+    """Even a client with the secret cannot crash the server or make it hold more than one
+    bounded frame; whatever it sends, the others are still served."""
+    with socket.create_connection((LOOPBACK, server_once.port)) as s:
+        s.settimeout(5)
+        auth.initiate(s, KEY, b"tensorwire store v2", STORE_MAGIC, b"")
+        send_all(s, b"".join(frames))
+        with_hangup(s)
+        read_all(s)
+    assert server_once._thread.is_alive()
+    with _client(server_once) as good:
+        assert good.add("alive", 1) >= 1
+        with pytest.raises(TimeoutError):  # deadlines still expire: no poisoned waiter queue
+            good.get("never", timeout=0.01)
+
+
+def with_hangup(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_WR)  # the server sees the end at once instead of waiting it out
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server_once():
+    limits = StoreLimits(max_value=4096, max_connections=256, auth_timeout=1.0, auth_pending=16)
+    srv = TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits)
+    before = rss_kib()
+    yield srv
+    conns, pending = srv.connections
+    srv.close()
+    assert rss_kib() - before < 64 << 10, "the fuzzed store grew the process by more than 64 MiB"
+    assert pending == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks: the peer handshake
+
+
+def _wire(cfg: Config, strangers=(), secret1: auth.Secret = SECRET, job1: str = "job", within: float = 10):
+    """Rank 0 accepts rank 1 while `strangers(port)` runs against it; both ends' sockets."""
+    listener = socket.create_server((LOOPBACK, 0))
+    port = listener.getsockname()[1]
+    deadline = time.monotonic() + within
+    got: dict[str, object] = {}
+
+    def rank0() -> None:
+        try:
+            got["0"] = handshake.connect_pairs(0, 2, listener, {}, {1}, "job", SECRET, cfg, deadline,
+                                               "rank 0")
+        except BaseException as exc:  # reported below
+            got["0"] = exc
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    try:
+        for attack in strangers:
+            attack(port)
+        got["1"] = handshake.connect_pairs(1, 2, socket.create_server((LOOPBACK, 0)), {0: (LOOPBACK, port)},
+                                         set(), job1, secret1, cfg, deadline, "rank 1")
+    finally:
+        t.join(15)
+        listener.close()
+    return got
+
+
+def _close_all(got: dict) -> None:
+    for v in got.values():
+        if isinstance(v, dict):
+            for s in v.values():
+                s.close()
+
+
+def test_ranks_connect_past_strangers(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = Config(auth_timeout=3.0, auth_pending=4)
+    held: list[socket.socket] = []
+
+    def idle(port: int) -> None:
+        held.extend(socket.create_connection((LOOPBACK, port)) for _ in range(6))
+
+    def garbage(port: int) -> None:
+        with socket.create_connection((LOOPBACK, port)) as s:
+            send_all(s, os.urandom(1 << 16))
+
+    def replay(port: int) -> None:
+        # A handshake that worked against another listener of the job, replayed verbatim.
+        hello = handshake.HELLO.pack(1, 2, handshake.job_hash("job"))
+        with socket.create_connection((LOOPBACK, port)) as s:
+            s.sendall(handshake.MAGIC + hello + bytes(auth.NONCE_BYTES) + bytes(auth.MAC_BYTES))
+            assert len(read_all(s)) <= len(handshake.MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES
+
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
+        got = _wire(cfg, (idle, garbage, replay))
+    try:
+        assert set(got["0"]) == {1} and set(got["1"]) == {0}, got
+        assert time.monotonic() - t0 < cfg.auth_timeout  # idle strangers did not hold the job up
+        assert "dropped a connection" in caplog.text
+    finally:
+        _close_all(got)
+        for s in held:
+            s.close()
+
+
+def test_rank_with_another_secret_is_refused() -> None:
+    got = {}
+    with pytest.raises(AuthenticationError, match="rank 0 at 127.0.0.1:.* could not prove"):
+        got = _wire(Config(auth_timeout=1.0), secret1=OTHER, within=2)
+    _close_all(got)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200),
+                 _mutated(handshake.MAGIC + handshake.HELLO.pack(1, 2, handshake.job_hash("job"))
+                          + bytes(auth.NONCE_BYTES + auth.MAC_BYTES))))
+def test_fuzz_peer_handshake(data: bytes) -> None:
+    """Fuzzed handshakes against a rank's listener: never accepted as a rank, never more than
+    a challenge back, and the real rank still connects."""
+    stranger_got: list[bytes] = []
+
+    def attack(port: int) -> None:
+        with socket.create_connection((LOOPBACK, port)) as s:
+            send_all(s, data)
+            with_hangup(s)
+            stranger_got.append(read_all(s))
+
+    got = _wire(Config(auth_timeout=1.0, auth_pending=4), (attack,))
+    try:
+        assert set(got["0"]) == {1}, got
+        assert len(stranger_got[0]) <= len(handshake.MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES
+    finally:
+        _close_all(got)
+
+
+# --------------------------------------------------------------------------------------------
+# Message headers
+
+
+def test_header_check_passes_what_tensorwire_sends_and_nothing_else() -> None:
+    for coll in [*Coll, *(c | ON_DEVICE for c in Coll)]:
+        for kind, nbytes in ((Kind.P2P, 1 << 20), (Kind.COLL, 0), (Kind.ABORT, 100), (Kind.QUERY, 0)):
+            check_tcp(Header(kind, 7, 3, 1, nbytes, Fingerprint(coll)), 1 << 20)
+    bad = [Header(Kind.P2P, 0, 0, 0, (1 << 20) + 1, P2P_FINGERPRINT),  # beyond TENSORWIRE_MAX_MESSAGE
+           Header(Kind.ACK, 0, 0, 0, 0, P2P_FINGERPRINT, Mode.ACK),  # shared memory's only
+           Header(Kind.P2P, 0, 0, 0, 8, P2P_FINGERPRINT, Mode.REMOTE),
+           Header(9, 0, 0, 0, 0, P2P_FINGERPRINT),
+           Header(Kind.COLL, 0, 0, 0, 0, Fingerprint(99)),
+           Header(Kind.BYE, 0, 0, 0, 1, P2P_FINGERPRINT),
+           Header(Kind.ABORT, 0, 0, 0, (1 << 20) + 1, P2P_FINGERPRINT)]
+    for header in bad:
+        with pytest.raises(MalformedHeader):
+            check_tcp(header, 1 << 20)
+
+
+@settings(max_examples=2000, deadline=None, derandomize=True, database=None)
+@given(st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE))
+def test_fuzz_header_parser(raw: bytes) -> None:
+    header = Header.unpack(raw)
+    try:
+        check_tcp(header, 1 << 20)
+    except MalformedHeader:
+        return
+    assert header.kind in (Kind.P2P, Kind.COLL, Kind.ABORT, Kind.BYE, Kind.QUERY, Kind.STATE)
+    assert header.nbytes <= 1 << 20
+
+
+_FRAMES = [Header(Kind.P2P, 0, 1, 7, 16, P2P_FINGERPRINT).pack() + bytes(16),
+           Header(Kind.ABORT, 0, 1, 0, 14, P2P_FINGERPRINT).pack() + b"AbortedError\nx",
+           Header(Kind.QUERY, 0, 0, 0, 0, P2P_FINGERPRINT).pack()]
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=512), _mutated(b"".join(_FRAMES))))
+def test_fuzz_tcp_stream_from_a_peer(data: bytes) -> None:
+    """Random and mutated frames into a real engine's TCP channel: the stream either parses
+    them or closes as a lost peer; nothing else, and no payload beyond the bound is allocated."""
+    engine = Engine(0, 2, 0)
+    a, b = socket.socketpair()
+    stream = SocketStream(a, 1, engine, 4096, 1 << 20)
+    engine.add_channel(1, TcpChannel(stream))
+    try:
+        b.sendall(data)
+        b.close()
+        for _ in range(100):
+            try:
+                stream.pull()
+            except PeerClosed:
+                break
+        else:
+            raise AssertionError("the stream neither ended nor closed")
+        assert all(m.nbytes <= 1 << 20 for q in engine.unexpected.values() for m in q)
+    finally:
+        a.close()
+
+
+# --------------------------------------------------------------------------------------------
+# A hostile client against a running job
+
+JOB = """\
+import json, os, re, sys, time
+import numpy as np
+time.sleep(int(os.environ["LOCAL_RANK"]) * 1.0)  # later ranks start later: listeners stay open
+import tensorwire as tw
+out = sys.argv[1]
+tw.init()
+rank, size = tw.get_rank(), tw.get_world_size()
+steps, ok, t_end = 0, True, time.monotonic() + 60
+stop = np.zeros(1)
+while not stop[0]:
+    stop[0] = os.path.exists(os.path.join(out, "stop")) or time.monotonic() > t_end
+    tw.all_reduce(stop, op=tw.ReduceOp.MAX)  # every rank stops after the same step
+    n = 1 + (steps * 7919) % (256 << 10)
+    x = np.arange(n, dtype=np.float64) * (rank + 1) + steps
+    tw.all_reduce(x)
+    want = np.arange(n, dtype=np.float64) * (size * (size + 1) / 2) + size * steps
+    ok = ok and bool(np.array_equal(x, want))
+    steps += 1
+tw.barrier()
+hwm = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "steps": steps, "ok": ok, "hwm_kib": hwm}, f)
+tw.destroy()
+"""
+
+
+def _listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports the processes listen on (their sockets, looked up in /proc/net/tcp)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if m:
+                    inodes.add(m.group(1))
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class Attacker:
+    """Everything a stranger can throw at a port, all at once (a rank's listener takes its
+    connections only once the rank wires itself, and closes right after); records what came back."""
+
+    def __init__(self, secret_text: str) -> None:
+        self.secret = secret_text.encode()
+        self.idle: list[socket.socket] = []
+        self.served: list[tuple[int, str, int]] = []  # (port, attack, bytes received)
+        self.refused: list[tuple[int, str]] = []  # the port had closed already
+        self.cut_at: list[int] = []
+        self.threads: list[threading.Thread] = []
+
+    def attack(self, port: int) -> None:
+        for step in (self.garbage, self.oversized, self.request, self.replay):
+            t = threading.Thread(target=self._run, args=(step, port), daemon=True)
+            t.start()
+            self.threads.append(t)
+        for _ in range(10):  # idle, half-open
+            with contextlib.suppress(ConnectionRefusedError):
+                self.idle.append(socket.create_connection((LOOPBACK, port), timeout=5))
+
+    def _run(self, step, port: int) -> None:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=5) as s:
+                self.served.append((port, step.__name__, step(s)))
+        except ConnectionRefusedError:
+            self.refused.append((port, step.__name__))
+
+    def garbage(self, s: socket.socket) -> int:
+        send_all(s, os.urandom(64 << 10))
+        return len(read_all(s, timeout=30))
+
+    def oversized(self, s: socket.socket) -> int:
+        """A 2 GiB length prefix (the protocol before authentication), then streaming into it."""
+        self.cut_at.append(send_all(s, b"TWSTORE1" + _LEN.pack(0x7FFFFFFF) + bytes(32 << 20)))
+        return len(read_all(s, timeout=30))
+
+    def request(self, s: socket.socket) -> int:
+        s.sendall(stranger_hello() + os.urandom(auth.MAC_BYTES) + _encode_request(1, ["stranger"], b"x"))
+        return len(read_all(s, timeout=30))
+
+    def replay(self, s: socket.socket) -> int:
+        s.sendall(self.recorded)
+        return len(read_all(s, timeout=30))
+
+    def record(self, store_port: int) -> None:
+        """Take part in one real handshake with the store (the test knows the job's secret),
+        keeping what this side sent, to replay it later."""
+        side = auth.Initiator(self.secret, b"tensorwire store v2", STORE_MAGIC, b"")
+        sent = [side.first]
+        with socket.create_connection((LOOPBACK, store_port), timeout=5) as s:
+            s.sendall(side.first)
+            while not side.done:
+                answer = side.feed(s.recv(side.need))
+                if answer:
+                    sent.append(answer)
+                    s.sendall(answer)
+        self.recorded = b"".join(sent)
+
+    def finish(self) -> None:
+        for t in self.threads:
+            t.join(60)
+            assert not t.is_alive(), "an attack never ended: its connection was neither served nor closed"
+
+
+@pytest.mark.timeout(180)
+def test_hostile_client_against_a_running_job(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(textwrap.dedent(JOB))
+    secret_text = auth.new_secret()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")}
+    env.update(TENSORWIRE_SECRET=secret_text, TENSORWIRE_AUTH_TIMEOUT="2", TENSORWIRE_CALIBRATE="0",
+               TENSORWIRE_TIMEOUT="60", TENSORWIRE_DEBUG="WARN", TENSORWIRE_DEBUG_SUBSYS="AUTH")
+    cmd = [sys.executable, "-m", "tensorwire", "run", "-n", "3", "--master-port", str(port),
+           str(tmp_path / "job.py"), str(tmp_path)]
+    launcher = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    attacker = Attacker(secret_text)
+    peak: dict[int, int] = {}
+    attacked: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while port not in _listening_ports([launcher.pid]):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.05)
+        attacker.record(port)
+        t_stop = time.monotonic() + 8
+        while time.monotonic() < t_stop:
+            pids = [launcher.pid, *_children(launcher.pid)]
+            for pid in pids:
+                with contextlib.suppress(OSError, AssertionError):  # it may have exited
+                    peak[pid] = max(peak.get(pid, 0), rss_kib(pid))
+            for p in sorted(_listening_ports(pids) - attacked):
+                attacked.add(p)  # each port once: the store, and the ranks' listeners during init
+                attacker.attack(p)
+            time.sleep(0.1)
+        attacker.finish()
+        # Idle connections were dropped by their servers within the authentication timeout.
+        for s in attacker.idle:
+            assert read_all(s, timeout=6) == b""
+        # The stranger's key never reached the store (the test can ask: it knows the secret).
+        with TCPStore(LOOPBACK, port, timeout=10, secret=auth.Secret(secret_text.encode(), "test")) as store:
+            assert not store.check(["stranger"])
+        for pid in [launcher.pid, *_children(launcher.pid)]:
+            with contextlib.suppress(OSError, AssertionError):  # it may have exited
+                peak[pid] = max(peak.get(pid, 0), rss_kib(pid, "VmHWM"))
+        (tmp_path / "stop").write_text("")
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        for s in attacker.idle:
+            s.close()
+    assert launcher.returncode == 0, err
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(3)]
+    assert all(r["ok"] and r["steps"] > 0 for r in results), results
+    # The store took every attack, and the ranks' listeners (open during init) took some.
+    assert {(p, a) for p, a, _ in attacker.served if p == port} == {
+        (port, a) for a in ("garbage", "oversized", "request", "replay")}, attacker.served
+    assert {p for p, _, _ in attacker.served} - {port}, (attacker.served, attacker.refused)
+    # Nothing but the 72-byte challenge ever went to the stranger (no verdict, no value).
+    assert all(n <= CHALLENGE for _, _, n in attacker.served), attacker.served
+    assert all(n < 32 << 20 for n in attacker.cut_at), attacker.cut_at
+    worst = max([*peak.values(), *(r["hwm_kib"] for r in results)])
+    print(f"peak resident KiB: {peak}; ranks' VmHWM: {[r['hwm_kib'] for r in results]}; "
+          f"steps {[r['steps'] for r in results]}; ports attacked {sorted(attacked)} (store {port}); "
+          f"streams cut after {attacker.cut_at} bytes; {len(attacker.idle)} idle; served {attacker.served}")
+    assert worst < 300 << 10, f"a process of the job reached {worst >> 10} MiB resident: {peak}, {results}"
+    assert "dropped a connection" in err
