@@ -108,8 +108,9 @@ def device_buffer_without_cuda() -> str:
     class Interface:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
 
+    group = tw.new_group()  # the error aborts this group, not the shared cluster's world
     try:
-        tw.all_reduce(Interface())
+        group.all_reduce(Interface())
     except tw.TensorwireError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

@@ -839,9 +839,9 @@ def test_a_bad_calibration_in_the_cache_changes_no_choice(tmp_path) -> None:
     or too old, an entry does not decide the next real job's choice: it is checked and measured
     again (or not read at all), and the job runs what a job with a clean cache runs."""
     env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
-    cluster = Cluster(2, env)
+    cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})  # its own start writes no entry
     try:
-        clean = cluster.run(rank_reinit_and_choose, free_port(), {})
+        clean = cluster.run(rank_reinit_and_choose, free_port(), env)
         path = clean[0]["cache_path"]
         assert path and os.path.exists(path)
         _plant(path, direct_alpha=1e-2, busy_alpha=1e-2, direct_slower=False)
@@ -874,13 +874,13 @@ def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
     niced so that it takes what the ranks leave idle: the probe takes about 1 s under it here,
     against 5-12 s under loops of the ranks' priority.)"""
     env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
-    cluster = Cluster(2, env)
+    cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})  # its own start writes no entry
     try:
         burners = [subprocess.Popen(["nice", "-n", "19", "sh", "-c", "while :; do :; done"])
                    for _ in range(os.cpu_count() or 1)]
         try:
             time.sleep(0.2)
-            busy = cluster.run(rank_reinit_and_choose, free_port(), {})
+            busy = cluster.run(rank_reinit_and_choose, free_port(), env)
         finally:
             for p in burners:
                 p.kill()
