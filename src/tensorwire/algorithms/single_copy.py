@@ -195,7 +195,7 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 # Cost, with the host's `cma` link (calibrate.measure_cma): two flag rounds (α) and the bytes
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
 # own block, a local pass priced at γ as pairwise exchange prices it. The all_gather's copy of
-# its own block (out of place) is left out on purpose: see tuning.md, "Single copy's reads".
+# its own block (out of place) is left out on purpose: see docs/design/cost-model.md, "Single copy's reads".
 _NOTHING = lambda n: 0  # noqa: E731
 # A broadcast's readers each read all of m. Out of place they read the root's input, not the
 # output it fills meanwhile: lines a core has just written were read from the other core at
