@@ -35,7 +35,7 @@ from tensorwire.errors import AuthenticationError, InvalidArgumentError, Rendezv
 from tensorwire.rendezvous import bootstrap
 from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
 from tensorwire.rendezvous.store import _LEN, StoreLimits, TCPStore, TCPStoreServer, _encode_request
-from tensorwire.transport import connect, handshake
+from tensorwire.transport import handshake
 from tensorwire.transport.engine import Engine
 from tensorwire.transport.tcp import PeerClosed, SocketStream, TcpChannel
 from tensorwire.transport.wire import (
@@ -50,6 +50,7 @@ from tensorwire.transport.wire import (
     Mode,
     check_tcp,
 )
+from tensorwire.transport.wiring import Wiring
 
 LOOPBACK = "127.0.0.1"
 KEY = b"k" * 32
@@ -98,6 +99,16 @@ def send_all(sock: socket.socket, data: bytes) -> int:
     except (BrokenPipeError, ConnectionResetError):
         pass
     return sent
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            raise ConnectionError("closed early")
+        got += chunk
+    return bytes(got)
 
 
 def stranger_hello() -> bytes:
@@ -306,7 +317,7 @@ def test_store_serves_only_clients_that_know_the_secret(server: TCPStoreServer,
             with socket.create_connection((LOOPBACK, server.port)) as s:
                 s.sendall(stranger_hello())
                 s.settimeout(5)
-                assert len(connect.recv_exact(s, CHALLENGE)) == CHALLENGE
+                assert len(recv_exact(s, CHALLENGE)) == CHALLENGE
                 s.sendall(b"\0" * auth.MAC_BYTES + _encode_request(1, ["addr/0"], b"evil"))
                 assert read_all(s) == b""
             # The first version of the protocol, no handshake at all: dropped at once.
@@ -457,38 +468,34 @@ def server_once():
 # Ranks: the peer handshake
 
 
-def _wire(cfg: Config, strangers=(), secret1: auth.Secret = SECRET, job1: str = "job", within: float = 10):
-    """Rank 0 accepts rank 1 while `strangers(port)` runs against it; both ends' sockets."""
-    listener = socket.create_server((LOOPBACK, 0))
-    port = listener.getsockname()[1]
+def _wire(cfg: Config, strangers=(), secret1: auth.Secret = SECRET, job1: str = "job",
+          within: float = 10) -> list[Engine]:
+    """Two ranks' engines in this process, each with its wiring (listener and thread); rank 1
+    connects to rank 0 while `strangers(port)` run against rank 0's listener. Returns both
+    engines once the pair is connected on both sides or rank 1 gave up (its link_errors)."""
+    engines = [Engine(r, 2, 0) for r in (0, 1)]
+    for r, (engine, secret, job) in enumerate(zip(engines, (SECRET, secret1), ("job", job1))):
+        engine.wiring = Wiring(engine, cfg, job, secret, LOOPBACK, ("host", f"machine{r}"), 2)
+    cards = {r: {"addr": LOOPBACK, "port": e.wiring.port, "host": "host", "machine": f"machine{r}"}
+             for r, e in enumerate(engines)}
+    for engine in engines:
+        engine.wiring.learn(cards)
+        engine.wiring.start(0, 1)
+    for attack in strangers:
+        attack(engines[0].wiring.port)
+    with engines[1].lock:
+        engines[1].channel(0)
     deadline = time.monotonic() + within
-    got: dict[str, object] = {}
-
-    def rank0() -> None:
-        try:
-            got["0"] = handshake.connect_pairs(0, 2, listener, {}, {1}, "job", SECRET, cfg, deadline,
-                                               "rank 0")
-        except BaseException as exc:  # reported below
-            got["0"] = exc
-
-    t = threading.Thread(target=rank0)
-    t.start()
-    try:
-        for attack in strangers:
-            attack(port)
-        got["1"] = handshake.connect_pairs(1, 2, socket.create_server((LOOPBACK, 0)), {0: (LOOPBACK, port)},
-                                         set(), job1, secret1, cfg, deadline, "rank 1")
-    finally:
-        t.join(15)
-        listener.close()
-    return got
+    while time.monotonic() < deadline and 0 not in engines[1].link_errors:
+        if [getattr(e.channels.get(1 - r), "kind", "") for r, e in enumerate(engines)] == ["tcp", "tcp"]:
+            break
+        time.sleep(0.005)
+    return engines
 
 
-def _close_all(got: dict) -> None:
-    for v in got.values():
-        if isinstance(v, dict):
-            for s in v.values():
-                s.close()
+def _close_all(engines: list[Engine]) -> None:
+    for engine in engines:
+        engine.close()
 
 
 def test_ranks_connect_past_strangers(caplog: pytest.LogCaptureFixture) -> None:
@@ -511,22 +518,27 @@ def test_ranks_connect_past_strangers(caplog: pytest.LogCaptureFixture) -> None:
 
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
-        got = _wire(cfg, (idle, garbage, replay))
-    try:
-        assert set(got["0"]) == {1} and set(got["1"]) == {0}, got
-        assert time.monotonic() - t0 < cfg.auth_timeout  # idle strangers did not hold the job up
-        assert "dropped a connection" in caplog.text
-    finally:
-        _close_all(got)
-        for s in held:
-            s.close()
+        engines = _wire(cfg, (idle, garbage, replay))
+        try:
+            assert engines[0].channels[1].kind == engines[1].channels[0].kind == "tcp"
+            assert time.monotonic() - t0 < cfg.auth_timeout  # idle strangers did not hold the job up
+            time.sleep(0.1)  # the rank's thread logs what it dropped as it goes
+        finally:
+            _close_all(engines)
+            for s in held:
+                s.close()
+    assert "dropped a connection" in caplog.text
 
 
 def test_rank_with_another_secret_is_refused() -> None:
-    got = {}
-    with pytest.raises(AuthenticationError, match="rank 0 at 127.0.0.1:.* could not prove"):
-        got = _wire(Config(auth_timeout=1.0), secret1=OTHER, within=2)
-    _close_all(got)
+    engines = _wire(Config(auth_timeout=1.0), secret1=OTHER, within=2)
+    try:
+        error = engines[1].link_errors.get(0)
+        assert isinstance(error, AuthenticationError), error
+        assert re.search("rank 0 at 127.0.0.1:.* could not prove", str(error)), error
+        assert 0 not in engines[0].channels
+    finally:
+        _close_all(engines)
 
 
 @FUZZ
@@ -544,12 +556,12 @@ def test_fuzz_peer_handshake(data: bytes) -> None:
             with_hangup(s)
             stranger_got.append(read_all(s))
 
-    got = _wire(Config(auth_timeout=1.0, auth_pending=4), (attack,))
+    engines = _wire(Config(auth_timeout=1.0, auth_pending=4), (attack,))
     try:
-        assert set(got["0"]) == {1}, got
+        assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
         assert len(stranger_got[0]) <= len(handshake.MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES
     finally:
-        _close_all(got)
+        _close_all(engines)
 
 
 # --------------------------------------------------------------------------------------------

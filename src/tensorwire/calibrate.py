@@ -708,13 +708,15 @@ def _lowest_peers(group: Group) -> tuple[int, int]:
     """(lowest shared-memory peer, lowest TCP peer) of this rank, -1 where there is none."""
     me = group.runtime.rank
     shm = tcp = -1
-    for peer in sorted(group.engine.channels):
+    for peer in range(group.runtime.world_size):
         if peer == me:
             continue
-        if getattr(group.engine.channels[peer], "kind", "") == "shm":
+        if group.engine.planned_kind(peer) == "shm":
             shm = peer if shm < 0 else shm
         else:
             tcp = peer if tcp < 0 else tcp
+        if shm >= 0 and tcp >= 0:
+            break
     return shm, tcp
 
 

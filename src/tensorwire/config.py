@@ -147,6 +147,9 @@ class Config:
     """Receive buffer of tensorwire's TCP connections in bytes, as SO_RCVBUF takes it (the
     kernel doubles it, and stops autotuning it); 0 leaves it to the kernel's autotuning
     (TENSORWIRE_TCP_RCVBUF): see tcp.tune_socket."""
+    nsocks: int = 1
+    """TCP streams per pair of ranks over TCP, over which messages from 256 KiB are split
+    (TENSORWIRE_NSOCKS; transport/tcp.py)."""
     tcp_congestion: str = ""
     """Congestion control of tensorwire's TCP connections, e.g. 'cubic'; '' keeps the system's
     (net.ipv4.tcp_congestion_control) (TENSORWIRE_TCP_CONGESTION): see tcp.tune_socket."""
@@ -222,6 +225,7 @@ class Config:
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
+            nsocks=_env_int("TENSORWIRE_NSOCKS", 1),
             tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
             tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
@@ -271,7 +275,7 @@ class Config:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if not 0 < cfg.auth_timeout < float("inf"):
             raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout}: expected positive seconds")
-        for name, value, least in (("AUTH_PENDING", cfg.auth_pending, 1),
+        for name, value, least in (("NSOCKS", cfg.nsocks, 1), ("AUTH_PENDING", cfg.auth_pending, 1),
                                    ("STORE_MAX_CONNECTIONS", cfg.store_max_connections, 1),
                                    ("STORE_MAX_VALUE", cfg.store_max_value, 1 << 10),
                                    ("MAX_MESSAGE", cfg.max_message, 1 << 20)):

@@ -166,7 +166,7 @@ class Group(Collectives):
         self._device: DeviceCollectives | None = None
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
-            getattr(self.engine.channels.get(w), "kind", "") == "shm" for w in self.ranks if w != me)
+            self.engine.planned_kind(w) == "shm" for w in self.ranks if w != me)
         self.one_host = self.all_local  # every member on this host, rings or not (agreed in _setup_direct)
         self.ring_bytes = runtime.config.shm_ring_bytes  # the smallest ring among members (_setup_direct)
         self._layout: Layout | None | bool = False  # False: not looked up yet
@@ -445,14 +445,17 @@ class Group(Collectives):
     def _shm_facts(self) -> tuple[int, ...]:
         """This rank's row of the group's shared-memory facts: (every peer through rings, every
         peer on this host, rings toward peers on this host it could not make, why (errno),
-        its smallest ring toward them, members on this host)."""
+        the ring its rings grow to, members on this host). Rings are made as pairs first talk
+        (transport/wiring.py): a peer counts as through rings unless its pair fell back."""
         engine, me = self.engine, self.runtime.rank
         peers = [w for w in self.ranks if w != me]
-        rings = [c.out.capacity for w in peers if getattr(c := engine.channels.get(w), "kind", "") == "shm"]
-        refused = [engine.shm_refused[w] for w in peers if engine.shm_refused.get(w) in _SPACE_ERRNOS]
+        shm = [w for w in peers if engine.planned_kind(w) == "shm" and w not in engine.shm_refused]
         host = sum(w in engine.host_peers for w in peers)
-        return (int(len(rings) == len(peers)), int(host == len(peers)), len(refused), max(refused, default=0),
-                min(rings, default=0), host + 1)
+        refused = [engine.shm_refused[w] for w in peers if engine.shm_refused.get(w) in _SPACE_ERRNOS]
+        if host and not shm and engine.ring_max == 0:  # no room for rings at all: planned so at init
+            refused = [errno.ENOSPC] * host
+        return (int(len(shm) == len(peers)), int(host == len(peers)), len(refused), max(refused, default=0),
+                engine.ring_max if shm else 0, host + 1)
 
     def _setup_segment(self, slot: int) -> tuple[int, int]:
         """Rank 0 makes the segment, as large as fits up to `slot` a rank, the others map it;

@@ -11,6 +11,7 @@ which limit, its value and how to raise it (docs/limits.md).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import resource
 
@@ -23,6 +24,21 @@ HEADROOM = 16
 its sockets (standard streams, /proc/self/pagemap), and while it starts a segment's, the
 calibration cache's and the application's own few."""
 _RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def typical_peers(size: int) -> int:
+    """How many peers a rank of a group of `size` typically talks to: its ring neighbours and
+    the log2 partners of recursive doubling and halving and of binomial trees."""
+    return min(size - 1, 2 * math.ceil(math.log2(max(size, 2))) + 2)
+
+
+def wiring_need(world_size: int) -> int:
+    """Descriptors a rank's wiring needs at init, beyond HEADROOM: its listener, the wiring
+    thread's wakeup and spare, and a connection to each peer it typically talks to. Pairs
+    connect on first use (transport/wiring.py), so this, not the world size, is what a rank
+    holds; a rank that talks to more peers later raises its soft limit then, or fails naming
+    the limit."""
+    return 3 + typical_peers(world_size)
 
 
 def open_descriptors() -> int:
@@ -58,6 +74,20 @@ def ensure_descriptors(need: int, who: str, why: str) -> None:
         f"but {why} needs about {need + HEADROOM} more; raise the limit to {suggest} or more "
         f"(`ulimit -n {suggest}` before starting, `docker run --ulimit nofile={suggest}`, systemd "
         f"LimitNOFILE={suggest}, Slurm's PropagateResourceLimits) (docs/limits.md)")
+
+
+def raise_soft_limit() -> bool:
+    """Where this process ran out of descriptors below its hard limit: double the soft limit
+    (at most to the hard one), as a rank connecting to more peers than init planned for needs
+    (transport/wiring.py); whether it rose."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _unlimited(soft) or (not _unlimited(hard) and soft >= hard):
+        return False
+    new = 2 * soft if _unlimited(hard) else min(2 * soft, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    _log.info("raised the soft limit of open files from %d to %d (hard limit %s) to connect to more peers",
+              soft, new, "unlimited" if _unlimited(hard) else hard)
+    return True
 
 
 def translate(exc: OSError, who: str) -> ResourceError | None:

@@ -66,7 +66,10 @@ _OP_ADD = 3
 _OP_WAIT = 4
 _OP_CHECK = 5
 _OP_DELETE = 6
-_OPS = frozenset(range(1, 7))
+_OP_MULTI_GET = 7
+_OPS = frozenset(range(1, 8))
+_OP_NAMES = {_OP_SET: "set", _OP_GET: "get", _OP_ADD: "add", _OP_WAIT: "wait", _OP_CHECK: "check",
+             _OP_DELETE: "delete", _OP_MULTI_GET: "multi_get"}
 # Reply statuses.
 _ST_OK = 0
 _ST_TIMEOUT = 1
@@ -147,6 +150,13 @@ class Store(abc.ABC):
     def wait(self, keys: list[str], timeout: float | None = None) -> None:
         """Block until every key exists; TimeoutError naming the missing ones otherwise."""
 
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """The values of `keys`, waiting until every one is set (TimeoutError naming the missing
+        ones otherwise). One request where the store can (TCPStore, torch's): a job's bootstrap
+        costs each rank a fixed number of requests, not one per peer."""
+        self.wait(keys, timeout)
+        return [self.get(k, 0.0) for k in keys]
+
     @abc.abstractmethod
     def check(self, keys: list[str]) -> bool:
         """Whether all `keys` exist right now (never blocks)."""
@@ -213,6 +223,23 @@ def _reply(status: int, payload: bytes = b"") -> bytes:
     return _LEN.pack(1 + len(payload)) + bytes([status]) + payload
 
 
+def _pack_values(values: Iterable[bytes]) -> bytes:
+    """A multi_get's payload: each value with its length (u32, big endian)."""
+    return b"".join(_LEN.pack(len(v)) + v for v in values)
+
+
+def _unpack_values(payload: bytes, n: int) -> list[bytes]:
+    out, pos = [], 0
+    for _ in range(n):
+        (size,) = _LEN.unpack_from(payload, pos)
+        pos += _LEN.size
+        out.append(payload[pos:pos + size])
+        pos += size
+    if pos != len(payload) or len(out) != n:
+        raise EOFError(f"a multi_get reply of {len(payload)} bytes does not hold {n} values")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Server
 
@@ -228,6 +255,20 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closed: bool = False
+    stats: ClientStats = field(default_factory=lambda: ClientStats())
+
+
+@dataclass
+class ClientStats:
+    """What one client asked of the server: requests by operation, bytes each way (frames)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
 
 
 @dataclass(eq=False)
@@ -263,6 +304,7 @@ class TCPStoreServer:
         self._seq = itertools.count()
         self._conns: dict[socket.socket, _Conn] = {}
         self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
+        self._served: list[ClientStats] = []  # every authenticated client's, closed ones too
         self._listener = self._bind(host, port, backlog)
         self.port: int = self._listener.getsockname()[1]
         self._refused = auth.Refusals(f"store {host}:{self.port}")
@@ -313,6 +355,12 @@ class TCPStoreServer:
     def connections(self) -> tuple[int, int]:
         """(clients connected, of which not authenticated yet): for tests and diagnostics."""
         return len(self._conns), len(self._pending)
+
+    @property
+    def served(self) -> list[ClientStats]:
+        """Per authenticated client (closed ones included): the requests it made and the bytes
+        of its frames each way; what a job's bootstrap costs (docs/topology.md, Wiring)."""
+        return list(self._served)
 
     def close(self) -> None:
         """Stop serving and drop every client connection; idempotent."""
@@ -424,6 +472,7 @@ class TCPStoreServer:
             if conn.handshake.done:
                 conn.handshake = None
                 self._pending.pop(conn, None)
+                self._served.append(conn.stats)
             self._send(conn, answer)
             return
         conn.inbuf += chunk
@@ -440,11 +489,14 @@ class TCPStoreServer:
                 return
             body = bytes(conn.inbuf[_LEN.size:_LEN.size + n])
             del conn.inbuf[:_LEN.size + n]
+            conn.stats.bytes_in += _LEN.size + n
             self._handle(conn, body)
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.closed or not data:
             return
+        if conn.handshake is None:
+            conn.stats.bytes_out += len(data)
         was_empty = not conn.outbuf
         conn.outbuf += data
         if was_empty:
@@ -494,6 +546,8 @@ class TCPStoreServer:
         if op not in _OPS:
             self._send(conn, _reply(_ST_ERROR, f"unknown store operation {op}".encode()))
             return
+        name = _OP_NAMES[op]
+        conn.stats.requests[name] = conn.stats.requests.get(name, 0) + 1
         if op == _OP_SET:
             if len(value) > self.limits.max_value:
                 raise ValueError(f"a value of {len(value)} bytes, more than TENSORWIRE_STORE_MAX_VALUE "
@@ -517,10 +571,10 @@ class TCPStoreServer:
         elif op == _OP_DELETE:
             existed = self._data.pop(keys[0], None) is not None
             self._send(conn, _reply(_ST_OK, b"\x01" if existed else b"\x00"))
-        else:  # GET or WAIT
+        else:  # GET, WAIT or MULTI_GET
             missing = {k for k in keys if k not in self._data}
             if not missing:
-                self._send(conn, _reply(_ST_OK, self._data[keys[0]] if op == _OP_GET else b""))
+                self._send(conn, self._answer(op, keys))
                 return
             w = _Waiter(conn, op, keys, missing, time.monotonic() + timeout)
             for k in missing:
@@ -538,7 +592,19 @@ class TCPStoreServer:
             w.missing.discard(key)
             if not w.missing:
                 w.done = True
-                self._send(w.conn, _reply(_ST_OK, self._data.get(w.keys[0], b"") if w.op == _OP_GET else b""))
+                self._send(w.conn, self._answer(w.op, w.keys))
+
+    def _answer(self, op: int, keys: list[str]) -> bytes:
+        """The reply to a GET, WAIT or MULTI_GET whose keys are all set."""
+        if op == _OP_WAIT:
+            return _reply(_ST_OK)
+        if op == _OP_GET:
+            return _reply(_ST_OK, self._data.get(keys[0], b""))
+        payload = _pack_values(self._data.get(k, b"") for k in keys)
+        if len(payload) > self.limits.max_value:
+            return _reply(_ST_ERROR, f"multi_get of {len(keys)} keys: {len(payload)} bytes, more than "
+                                     f"TENSORWIRE_STORE_MAX_VALUE ({self.limits.max_value}) allows".encode())
+        return _reply(_ST_OK, payload)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -683,7 +749,7 @@ class TCPStore(Store):
                                       f"was lost earlier ({self._broken})")
             # The server answers blocking requests itself at their deadline; silence beyond
             # that (plus a grace) means the server or the path to it is gone.
-            if op in (_OP_GET, _OP_WAIT):
+            if op in (_OP_GET, _OP_WAIT, _OP_MULTI_GET):
                 sock_timeout: float | None = timeout + _SOCKET_GRACE_S
             else:
                 sock_timeout = self.default_timeout
@@ -742,6 +808,25 @@ class TCPStore(Store):
                                f"(TCP store at {self.address})")
         if status != _ST_OK:
             self._raise_error(f"wait({keys!r})", payload)
+
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        keys = [_check_key(k) for k in keys]
+        if not keys:
+            return []
+        t = self._timeout(timeout)
+        what = f"multi_get({len(keys)} keys from {keys[0]!r})"
+        status, payload = self._call(what, _OP_MULTI_GET, keys, timeout=t)
+        if status == _ST_TIMEOUT:
+            missing = payload.decode().split("\n")
+            raise TimeoutError(f"store multi_get timed out after {t:g} s; keys still missing: {missing} "
+                               f"(TCP store at {self.address})")
+        if status != _ST_OK:
+            self._raise_error(what, payload)
+        try:
+            return _unpack_values(payload, len(keys))
+        except (EOFError, struct.error) as exc:
+            raise RendezvousError(f"{what}: the TCP store at {self.address} sent a malformed reply ({exc})") \
+                from exc
 
     def check(self, keys: list[str]) -> bool:
         keys = [_check_key(k) for k in keys]
@@ -955,6 +1040,9 @@ class PrefixStore(Store):
     def wait(self, keys: list[str], timeout: float | None = None) -> None:
         self.inner.wait([self._k(k) for k in keys], timeout)
 
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        return self.inner.multi_get([self._k(k) for k in keys], timeout)
+
     def check(self, keys: list[str]) -> bool:
         return self.inner.check([self._k(k) for k in keys])
 
@@ -1028,6 +1116,15 @@ class TorchStoreAdapter(Store):
             self.torch_store.wait(keys, self._td(t))
         except RuntimeError as exc:
             raise self._translate(f"wait({keys!r})", exc, t) from exc
+
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        if not keys:
+            return []
+        self.wait(keys, timeout)
+        try:
+            return [bytes(v) for v in self.torch_store.multi_get(keys)]
+        except RuntimeError as exc:
+            raise self._translate(f"multi_get({len(keys)} keys)", exc) from exc
 
     def check(self, keys: list[str]) -> bool:
         keys = [_check_key(k) for k in keys]

@@ -7,10 +7,11 @@ groups (the transport multiplexes groups by context id):
   `tensorwire.init(store=<torch's store>)`, connecting every pair; the default group is the
   tensorwire world and every `new_group` a tensorwire Group over the same connections.
 - a Gloo (or other) world with `new_group(..., backend="tensorwire")`: c10d constructs the
-  backend on the group's members only, so a world-wide handshake is impossible. The runtime
-  then spans torch's world ranks but connects pairs lazily: each new group's members connect
-  the pairs among themselves that are not connected yet (both ends of a pair always agree on
-  that), through the group's own store prefix.
+  backend on the group's members only, so no world-wide exchange is possible. The runtime then
+  spans torch's world ranks and learns where its peers listen group by group: each new group's
+  members publish their cards under the group's own store prefix and read the ones they do not
+  know yet (one request); pairs then connect on first use, as in a tensorwire world
+  (transport/wiring.py).
 
 A torch group's Group needs no communication to create: its context id is a hash of torch's
 group name (identical on every member: c10d derives it from a creation counter or the ranks)
@@ -22,9 +23,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -37,10 +36,10 @@ from ..group import Group
 from ..rendezvous import bootstrap
 from ..rendezvous.store import Store, TorchStoreAdapter
 from ..runtime import Runtime
-from ..transport import netif
-from ..transport.connect import attach_peers
+from ..topo import local_card
+from ..transport import netif, shm_budget
 from ..transport.engine import Engine
-from ..transport.handshake import connect_pairs
+from ..transport.wiring import Wiring, pid_namespace, process_start
 
 _log = log.get("INIT")
 _lock = threading.RLock()
@@ -123,7 +122,7 @@ def sub_group(store: Any, ranks: list[int], group_name: str, timeout: Any) -> Gr
             _runtime, _owner = _links_runtime(store, timeout), "links"
             atexit.register(_close_links)
         if _owner == "links":
-            _connect_missing(_runtime, ranks, TorchStoreAdapter(store, timeout=timeout_seconds(timeout)))
+            _learn_members(_runtime, ranks, TorchStoreAdapter(store, timeout=timeout_seconds(timeout)))
         _refs += 1
         return Group(_runtime, ranks, context_id(group_name, ranks), f"torch:{group_name}")
 
@@ -163,38 +162,32 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
     engine = Engine(rank, size, cfg.spin_us)
+    card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
+    _, free = shm_budget.usage()
+    wiring = Wiring(engine, cfg, info.job_id, bootstrap.job_secret(info), card["addr"],
+                    (card["host"], card["machine"]), size)
+    engine.wiring = wiring
+    wiring.learn({rank: {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()}})
+    local = max(info.local_world_size, 1)
+    wiring.start(shm_budget.ring_share(free, local) if cfg.transport != "tcp" else 0, local)
     if info.local_world_size > 0:
         engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind)
     return Runtime(rank, size, cfg, info, None, engine)
 
 
-def _connect_missing(rt: Runtime, members: list[int], store: Store) -> None:
-    """Connect this rank to every member it has no channel to yet (they all do the same)."""
-    engine, me, cfg = rt.engine, rt.rank, rt.config
-    missing = sorted(m for m in members if m != me and m not in engine.channels)
-    if not missing:
+def _learn_members(rt: Runtime, members: list[int], store: Store) -> None:
+    """Where a new group's members listen: this rank publishes its card under the group's
+    store prefix and reads those it does not know yet, in one request (they all do the same);
+    pairs connect on first use."""
+    wiring, me = rt.engine.wiring, rt.rank
+    assert wiring is not None
+    store.set(f"tw/link/{me}", json.dumps(wiring.cards[me]).encode())
+    unknown = [m for m in members if m not in wiring.cards]
+    if not unknown:
         return
-    deadline = time.monotonic() + cfg.timeout
-    address = netif.select_address(cfg.socket_ifname, rt.info.master_addr, rt.info.master_port)
-    listener = socket.create_server((address, 0), backlog=max(len(missing), 16))
     try:
-        host = socket.gethostname()
-        store.set(f"tw/link/{me}", json.dumps({"addr": address, "port": listener.getsockname()[1],
-                                               "host": host}).encode())
-        peers = {}
-        for m in missing:
-            try:
-                left = max(0.001, deadline - time.monotonic())
-                peers[m] = json.loads(store.get(f"tw/link/{m}", timeout=left))
-            except TimeoutError as exc:
-                raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank {m} "
-                                   f"never published its address within {cfg.timeout:g} s") from exc
-        socks = connect_pairs(me, rt.world_size, listener,
-                              {m: (peers[m]["addr"], peers[m]["port"]) for m in missing if m < me},
-                              {m for m in missing if m > me}, rt.info.job_id, bootstrap.job_secret(rt.info),
-                              cfg, deadline, f"rank {me}: creating a tensorwire group of ranks {members}")
-    finally:
-        listener.close()
-    local = {m for m in missing if peers[m]["host"] == host and cfg.transport != "tcp"}
-    rings = attach_peers(engine, socks, local, rt.info.job_id, cfg)
-    _log.info("rank %d connected to %s (shm %s)", me, sorted(socks), sorted(rings))
+        values = store.multi_get([f"tw/link/{m}" for m in unknown], timeout=rt.config.timeout)
+    except TimeoutError as exc:
+        raise TimeoutError(f"rank {me}: creating a tensorwire group of ranks {members}: rank(s) among "
+                           f"{unknown} never published their address within {rt.config.timeout:g} s") from exc
+    wiring.learn({m: json.loads(v) for m, v in zip(unknown, values)})

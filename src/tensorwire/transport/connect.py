@@ -1,242 +1,128 @@
-"""Wiring the world: one socket per pair of ranks, plus shared-memory rings between local pairs.
+"""Joining the world: every rank's card for a fixed number of store requests, then the wiring
+that connects pairs on first use (wiring.py).
 
-Each rank listens on the address it advertises, publishes it in the store, connects to every
-lower rank and accepts every higher one, each connection authenticated (`handshake.py`).
-Pairs on the same host then offer each other a ring;
-shared memory is used only if both sides could map the other's segment and read its nonce,
-so two "hosts" that merely share a hostname but not /dev/shm fall back to TCP by themselves,
-and so do pairs whose rings /dev/shm has no room for (shm_budget sizes them first). A rank
-short of descriptors says so in place of its address, and every rank raises it (limits.py).
+Each rank listens on the address it advertises and publishes its card (topo.local_card, plus
+the port it listens on and what identifies its process) under its own key; rank 0 reads them
+all in one request (Store.multi_get) and publishes them as one compressed blob, which every
+other rank reads in one request. So a rank's bootstrap costs 2 store requests (rank 0: 3),
+whatever the size of the job, where reading every peer's key cost n - 1; what it reads grows
+with the job (the cards: the topology needs them), tens of bytes per rank compressed
+(docs/topology.md, Wiring). No connection is made here: the first message to a peer makes it.
+
+A rank short of descriptors publishes its error as its card, and every rank raises it (limits.py).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import json
-import os
-import socket
-import struct
 import time
-from typing import NamedTuple
+import zlib
+from typing import Any
 
 from .. import auth, limits, log
 from ..config import Config
-from ..errors import RendezvousError, ResourceError, TimeoutError
+from ..errors import ResourceError, TimeoutError
 from ..rendezvous.store import Store
-from . import cma, shm_budget
+from . import shm_budget
 from .engine import Engine
-from .handshake import connect_pairs
-from .shm import Ring, ShmChannel
-from .tcp import SocketStream, TcpChannel, congestion_of, tune_socket
+from .wiring import Wiring, pid_namespace, process_start
 
 _log = log.get("INIT")
+_BLOB = "tw/cards"
+_GATHER_GRACE_S = 5.0
+"""How much longer than its timeout a rank waits for rank 0's blob: rank 0 waits the timeout
+for the others' cards first, and then names the ranks that never came."""
 
 
-def _send_msg(sock: socket.socket, obj: object) -> None:
-    raw = json.dumps(obj).encode()
-    sock.sendall(struct.pack("<I", len(raw)) + raw)
+def _card_key(rank: int) -> str:
+    return f"tw/card/{rank}"
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection during setup")
-        buf += chunk
-    return bytes(buf)
+def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any], deadline: float,
+                   timeout: float) -> dict[int, dict[str, Any]]:
+    """Every rank's card (this one's is `card`), for 2 store requests a rank (rank 0: 3).
 
-
-_MAX_SETUP_MSG = 1 << 16
-
-
-def _recv_msg(sock: socket.socket) -> object:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    if n > _MAX_SETUP_MSG:
-        raise ConnectionError(f"a setup message of {n} bytes (at most {_MAX_SETUP_MSG} expected)")
-    return json.loads(recv_exact(sock, n))
+    TimeoutError naming the ranks that published nothing in time; ResourceError where a rank
+    published an error instead of its card (it cannot join)."""
+    store.set(_card_key(rank), json.dumps(card).encode())
+    if rank == 0:
+        others = list(range(1, world_size))
+        try:
+            left = max(deadline - time.monotonic(), 0.001)
+            values = store.multi_get([_card_key(r) for r in others], timeout=left)
+            blob: Any = [card, *(json.loads(v) for v in values)]
+        except TimeoutError:
+            blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
+        raw = json.dumps(blob).encode()
+        packed = zlib.compress(raw, 6)
+        store.set(_BLOB, packed)
+        _log.info("rank 0 gathered %d cards: %d bytes, %d compressed", world_size, len(raw), len(packed))
+    else:
+        try:
+            packed = store.get(_BLOB, timeout=max(deadline - time.monotonic(), 0.001) + _GATHER_GRACE_S)
+        except TimeoutError as exc:
+            raise TimeoutError(f"rank {rank}: init: rank 0 never published the ranks' addresses (within "
+                               f"{timeout + _GATHER_GRACE_S:g} s): did it fail or exit?") from exc
+        blob = json.loads(zlib.decompress(packed))
+    if isinstance(blob, dict):
+        missing = blob["missing"] or ["?"]
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+        raise TimeoutError(
+            f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
+            f"running with the same WORLD_SIZE={world_size} and store?")
+    for r, theirs in enumerate(blob):
+        if "error" in theirs and r != rank:
+            raise ResourceError(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
+    return dict(enumerate(blob))
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
                   card: dict, deadline: float, secret: auth.Secret,
                   serving: int = 0) -> tuple[Engine, dict[int, dict]]:
-    """The world's engine with a channel to every peer, each connection proving `secret`, and
-    every rank's card. `card` is this
-    rank's (topo.local_card: its address `addr`, host name `host`, machine `machine`, ...): it
-    is published with the port this rank listens on, which makes the job's topology cost no
-    exchange of its own. `serving`: store clients this process also serves (it hosts the
-    store), whose descriptors it needs too."""
+    """The world's engine, wired to connect to any peer on first use (each connection proving
+    `secret`), and every rank's card. `card` is this rank's (topo.local_card: its address
+    `addr`, host name `host`, machine `machine`, ...): it is published with the port this rank
+    listens on, which makes the job's topology cost no exchange of its own. `serving`: store
+    clients this process also serves (it hosts the store), whose descriptors it needs too."""
     engine = Engine(rank, world_size, cfg.spin_us)
     if world_size == 1:
         return engine, {rank: card}
-    address, hostname, machine = card["addr"], card["host"], card["machine"]
+    error = None
     try:
-        limits.ensure_descriptors(world_size + serving, f"rank {rank}: init",
-                                  f"full-mesh wiring of {world_size} ranks"
-                                  + (" and serving the store to them" if serving else ""))
-        listener = _listen(rank, address, world_size)
+        why = f"wiring {world_size} ranks" + (" and serving the store to them" if serving else "")
+        limits.ensure_descriptors(limits.wiring_need(world_size) + serving, f"rank {rank}: init", why)
+        wiring = Wiring(engine, cfg, job_id, secret, card["addr"], (card["host"], card["machine"]),
+                        world_size)
     except ResourceError as exc:
-        store.set(f"tw/peer/{rank}", json.dumps({"error": str(exc)}).encode())  # every rank raises it
+        if rank:
+            store.set(_card_key(rank), json.dumps({"error": str(exc)}).encode())  # every rank raises it
+            raise
+        error, wiring = exc, None  # rank 0 still gathers the cards: the others learn of it from them
+    try:
+        _, shm_free = shm_budget.usage()  # before it publishes: before any segment of the job exists
+        mine = {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()} \
+            if wiring is not None else {"error": str(error)}
+        cards = exchange_cards(rank, world_size, store, mine, deadline, cfg.timeout)
+        if error is not None:
+            raise error
+        assert wiring is not None
+        engine.wiring = wiring
+        wiring.learn(cards)
+        where = (card["host"], card["machine"])
+        local = [r for r, c in cards.items() if (c["host"], c["machine"]) == where]
+        mates = sorted(r for r, c in cards.items() if c["machine"] == card["machine"])
+        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind)
+        share = 0
+        if cfg.transport != "tcp" and len(local) > 1:
+            alone = len(local) == world_size  # the world group will want a one-shot segment too
+            share = shm_budget.ring_share(shm_free, len(local), world_size if alone else 0,
+                                          cfg.direct_slot(world_size))
+        wiring.start(share, len(local))
+    except BaseException:
+        if wiring is not None:
+            wiring.close()
         raise
-    port = listener.getsockname()[1]
-    _, shm_free = shm_budget.usage()  # before this rank publishes, so before any ring of the job exists
-    store.set(f"tw/peer/{rank}", json.dumps({**card, "port": port}).encode())
-    _log.info("rank %d listening on %s:%d (host %s)", rank, address, port, hostname)
-    peers: dict[int, dict] = {}
-    for r in range(world_size):
-        if r == rank:
-            continue
-        left = deadline - time.monotonic()
-        try:
-            peers[r] = json.loads(store.get(f"tw/peer/{r}", timeout=max(left, 0.001)))
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"rank {rank}: init: rank {r} never arrived (no address published within "
-                f"{cfg.timeout:g} s); is it running with the same WORLD_SIZE={world_size} and store?"
-            ) from exc
-        if "error" in peers[r]:
-            listener.close()
-            raise ResourceError(f"rank {rank}: init: rank {r} cannot join: {peers[r]['error']}")
-    try:
-        socks = connect_pairs(rank, world_size, listener, {r: (peers[r]["addr"], peers[r]["port"])
-                                                           for r in range(rank)},
-                              set(range(rank + 1, world_size)), job_id, secret, cfg, deadline,
-                              f"rank {rank}: init")
-    finally:
-        listener.close()
-    mates = [rank] + [r for r, info in peers.items() if info.get("machine") == machine]
-    engine.adapt_to_machine(len(mates), sorted(mates).index(rank), cfg.bind)
-    local = {r for r, info in peers.items() if info["host"] == hostname and cfg.transport != "tcp"}
-    alone = len(local) + 1 == world_size  # the world group will want a one-shot segment too
-    capacity = shm_budget.plan_ring(shm_free, len(local) + 1, cfg.shm_ring_bytes,
-                                    world_size if alone else 0, cfg.direct_slot(world_size))
-    rings = attach_peers(engine, socks, local, job_id, cfg, capacity)
-    tcp = sorted(set(socks) - set(rings))
-    settings = ""
-    if tcp:
-        sock = socks[tcp[0]]
-        buffers = "; ".join(
-            f"{what} buffer {sock.getsockopt(socket.SOL_SOCKET, opt) >> 10} KiB"
-            + ("" if asked else ", autotuned")
-            for what, opt, asked in (("send", socket.SO_SNDBUF, cfg.tcp_sndbuf),
-                                     ("receive", socket.SO_RCVBUF, cfg.tcp_rcvbuf)))
-        settings = (f" (congestion control {congestion_of(sock)}"
-                    f"{'' if cfg.tcp_congestion else ', the system default'}; {buffers})")
-    _log.info("rank %d connected: shm peers %s, tcp peers %s%s", rank, sorted(rings), tcp, settings)
-    return engine, {**peers, rank: {**card, "port": port}}
-
-
-def _listen(rank: int, address: str, world_size: int) -> socket.socket:
-    try:
-        return socket.create_server((address, 0), backlog=max(world_size, 16))
-    except OSError as exc:
-        raise limits.translate(exc, f"rank {rank}: init: listening on {address}") or \
-            RendezvousError(f"rank {rank}: cannot listen on {address}: {exc}") from exc
-
-
-class RingPair(NamedTuple):
-    out: Ring
-    inn: Ring
-    peer_pid: int  # non-zero where this process can read the peer's memory
-    peer_reads: bool  # the peer can read this process's memory
-
-
-def attach_peers(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
-                 cfg: Config, capacity: int | None = None) -> dict[int, RingPair]:
-    """Turn connected sockets into channels: shared-memory rings toward the `local` peers that
-    agree (both sides run this), TCP for the rest. Safe while the engine runs (an integration
-    connecting pairs on demand); returns the ring pairs set up. This rank's rings hold
-    `capacity` bytes (None: what fits /dev/shm now, shm_budget.plan_ring; 0: none fit)."""
-    refused = "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else cma.allow_peers()
-    if refused and local:
-        _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
-                  "messages go through the rings", engine.rank, refused)
-    if capacity is None:
-        capacity = shm_budget.plan_ring(shm_budget.usage()[1], len(local) + 1, cfg.shm_ring_bytes)
-    engine.host_peers |= local
-    rings = _setup_rings(engine, socks, local, job_id, capacity, not refused)
-    with engine.lock:
-        install_channels(engine, socks, rings, cfg)
-    return rings
-
-
-def install_channels(engine: Engine, socks: dict[int, socket.socket],
-                     rings: dict[int, RingPair], cfg: Config) -> None:
-    """One channel per connected peer: shared memory where a ring pair was set up, else TCP."""
-    for r in sorted(socks):
-        tune_socket(socks[r], cfg)
-        stream = SocketStream(socks[r], r, engine, cfg.tcp_chunk_bytes, cfg.max_message)
-        if r in rings:
-            pair = rings[r]
-            engine.add_channel(r, ShmChannel(stream, pair.out, pair.inn, engine, pair.peer_pid,
-                                             pair.peer_reads))
-        else:
-            engine.add_channel(r, TcpChannel(stream))
-
-
-def _setup_rings(engine: Engine, socks: dict[int, socket.socket], local: set[int], job_id: str,
-                 capacity: int, readable: bool) -> dict[int, RingPair]:
-    """Exchange ring names with local peers; keep a pair only if both sides mapped it. Each
-    side also tries to read the other's memory (the nonce of its ring, in its own process),
-    where the other offers it (`readable`): large point-to-point messages are read so. A ring
-    is its writer's: it reserves the pages (shm.reserve) and chooses its capacity, so a pair
-    with too little /dev/shm for either ring talks over TCP (engine.shm_refused says why)."""
-    rank = engine.rank
-    mine: dict[int, Ring] = {}
-    for r in sorted(local):
-        ring, why = None, errno.ENOSPC  # capacity 0: no ring fits (shm_budget.plan_ring)
-        if capacity:
-            ring, why = shm_budget.shrinking(functools.partial(Ring.create, f"tw-{job_id[:24]}-{rank}-{r}"),
-                                             capacity, shm_budget.RING_FLOOR)
-        if ring is None:
-            engine.shm_refused[r] = why
-            _log.info("rank %d: no shared memory toward rank %d (%s); using TCP", rank, r, os.strerror(why))
-        else:
-            mine[r] = ring
-    for r in sorted(socks):
-        ring = mine.get(r)
-        offer = {"ring": ring.name, "nonce": ring.nonce, "capacity": ring.capacity} if ring \
-            else {"ring": "", "nonce": 0}
-        if ring and readable:
-            offer.update(pid=os.getpid(), probe=ring.nonce_address)
-        _send_msg(socks[r], offer)
-    theirs: dict[int, Ring] = {}
-    pids: dict[int, int] = {}  # the peers whose memory this process can read
-    for r in sorted(socks):
-        offer = _recv_msg(socks[r])
-        if r in mine and offer["ring"]:
-            try:
-                ring = Ring(offer["ring"], offer["capacity"], create=False)
-                if ring.nonce == offer["nonce"]:
-                    theirs[r] = ring
-                else:
-                    ring.close()
-            except OSError as exc:
-                engine.shm_refused[r] = exc.errno or 0
-            if r in theirs and offer.get("pid"):
-                why = cma.can_read(offer["pid"], offer["probe"], offer["nonce"])
-                if why:
-                    _log.info("rank %d cannot read rank %d's memory (%s)", rank, r, why)
-                else:
-                    pids[r] = offer["pid"]
-        elif r in local and r in mine:
-            engine.shm_refused.setdefault(r, 0)  # the peer made no ring (engine.shm_refused there)
-    for r in sorted(socks):
-        _send_msg(socks[r], {"ok": r in theirs, "reads": r in pids})
-    rings = {}
-    for r in sorted(socks):
-        answer = _recv_msg(socks[r])
-        ok = answer["ok"]
-        if r in mine:
-            mine[r].unlink()  # both mapped it (or gave up): the name is no longer needed
-        if ok and r in theirs:
-            rings[r] = RingPair(mine[r], theirs[r], pids.get(r, 0), answer["reads"])
-        else:
-            if r in local:
-                engine.shm_refused.setdefault(r, 0)
-            if r in mine:
-                mine[r].close()
-            if r in theirs:
-                theirs[r].close()
-    return rings
+    _log.info("rank %d listening on %s:%d (host %s); %d peer(s) on this host, rings grow up to %s within %s "
+              "of /dev/shm; pairs connect on first use", rank, card["addr"], wiring.port, card["host"],
+              len(local) - 1, shm_budget.size_text(wiring.ring_max), shm_budget.size_text(share))
+    return engine, cards

@@ -1,6 +1,7 @@
 """The progress engine: message matching, request progress, waiting, and failure detection.
 
-One engine per process owns one channel per peer (world ranks) and all requests of all groups.
+One engine per process owns one channel per peer it talks to (world ranks), made on first use
+(transport/wiring.py), and all requests of all groups.
 Whoever waits drives progress for everybody (as in MPI), so a rank blocked in one receive still
 drains the rings and sockets that its peers need drained: no rank can deadlock another through
 full buffers. Waiting spins briefly, then yields, then sleeps on the peers' sockets; sleeping on
@@ -43,6 +44,7 @@ from .requests import (
 )
 from .tcp import PeerClosed
 from .wire import Fingerprint, Header, Kind, coll_label, differences
+from .wiring import PendingChannel
 
 _log = log.get("TRANSPORT")
 _init_log = log.get("INIT")  # decisions taken once, at init
@@ -78,6 +80,10 @@ _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long t
 _BG_LOOK_MAX_S = 0.04  # its longest pause between looks while waits keep coming
 _BG_PARK_S = 1.0  # it sleeps until woken once this long has passed without a pending request
 _BG_PRUNE = 256  # finished requests the set may hold before a registration drops them
+_LIVENESS_S = 0.2
+"""How often an idle waiter looks whether peers it has no connection to are still alive (their
+processes, where they run on this machine): a rank that died before anyone talked to it fails
+the calls that wait for it within this, not at their timeout."""
 
 
 class Engine:
@@ -114,17 +120,97 @@ class Engine:
         self._waits = 0  # waits begun by any thread: while they keep coming, the thread looks less often
         self._foreground = 0  # threads inside wait(), each driving progress for everyone
         self._closed = False
+        self.wiring = None  # makes channels on first use (transport/wiring.py); None: only add_channel
+        self.link_errors: dict[int, BaseException] = {}  # peers that could not be connected, and why
+        self._next_liveness = 0.0
 
     def add_channel(self, peer: int, channel) -> None:
         self.channels[peer] = channel
         self._channel_list = list(self.channels.values())
         self._watch_sockets()
 
+    def planned_kind(self, peer: int) -> str:
+        """The channel a pair with `peer` has, or will have once it talks: 'shm' or 'tcp'."""
+        channel = self.channels.get(peer)
+        if channel is not None and channel.kind != "pending":
+            return channel.kind
+        return self.wiring.planned_kind(peer) if self.wiring is not None else "tcp"
+
+    @property
+    def ring_max(self) -> int:
+        """How large this rank's rings may grow (0: no rings; wiring.Wiring.ring_max)."""
+        return self.wiring.ring_max if self.wiring is not None else 0
+
+    def channel(self, peer: int):
+        """The channel to `peer`, started now if there is none (call under the lock)."""
+        channel = self.channels.get(peer)
+        if channel is None:
+            channel = self._connect(peer)
+        return channel
+
+    def _connect(self, peer: int):
+        if self.wiring is None:
+            raise KeyError(f"rank {self.rank}: no channel to rank {peer}")
+        channel = PendingChannel(peer)
+        self.add_channel(peer, channel)
+        self.wiring.want(peer)
+        return channel
+
+    def install(self, peer: int, channel) -> bool:
+        """The wiring connected `peer`: `channel` takes the place of its PendingChannel (and what
+        was posted to that goes out first, in order). False if the peer is no longer wanted."""
+        with self.lock:
+            if self._closed or peer in self.lost:
+                return False
+            pending = self.channels.get(peer)
+            self.add_channel(peer, channel)
+            try:
+                for req, control in getattr(pending, "queue", ()):
+                    if not req.done:
+                        (channel.post_control if control else channel.post)(req)
+                channel.flush()
+            except PeerClosed as exc:
+                self._peer_lost(peer, str(exc))
+        return True
+
+    def peer_unreachable(self, peer: int, reason: str, error: BaseException | None = None) -> None:
+        """The wiring could not connect `peer`: lost (`reason`: its process or host is gone, as
+        if its connection had closed), or failing with `error` (another secret, no
+        descriptors): what waits for it fails so."""
+        with self.lock:
+            if peer in self.lost or self._closed:
+                return
+            if error is None:
+                self._peer_lost(peer, reason)
+                return
+            self.link_errors[peer] = error
+            self.lost[peer] = str(error)
+            channel = self.channels.get(peer)
+            for req in channel.pending() if channel is not None else ():
+                req.fail(error)
+            for key in [k for k in self.posted if k[0] == peer]:
+                for req in self.posted.pop(key):
+                    req.fail(error)
+
+    def check_unconnected(self, watch: Iterable[int]) -> None:
+        """Every _LIVENESS_S at most: the members of `watch` this rank has no connection to and
+        whose process it can see (same machine) that exited are lost (see _LIVENESS_S)."""
+        now = time.perf_counter()
+        if now < self._next_liveness or self.wiring is None:
+            return
+        self._next_liveness = now + _LIVENESS_S
+        for peer in watch:
+            if peer != self.rank and peer not in self.channels and peer not in self.lost:
+                why = self.wiring.gone(peer)
+                if why:
+                    with self.lock:
+                        self._peer_lost(peer, why)
+
     def _watch_sockets(self) -> None:
         """The sockets a sleeping waiter selects on: those of live peers. A lost peer's socket
         stays readable (at EOF) forever and would turn every sleep into a spin: one survivor
         idle for 2 s in a receive woke 71750 times (0.66 s of CPU) instead of 1592 (0.10 s)."""
-        self._sockets = [c.stream.sock for c in self._channel_list if c.peer not in self.lost]
+        self._sockets = [s for c in self._channel_list if c.peer not in self.lost for s in c.sockets]
 
     # -- posting ----------------------------------------------------------------------------
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
@@ -136,7 +222,7 @@ class Engine:
                 return req
             if (self.aborted or self.lost) and self._fail_if_unusable(req):
                 return req
-            channel = self.channels[peer]
+            channel = self.channels.get(peer) or self._connect(peer)
             channel.post(req)
             try:
                 if header.kind == Kind.P2P:
@@ -174,7 +260,9 @@ class Engine:
                     msg.source.discard()
             else:
                 self.posted.setdefault(key, deque()).append(req)
-                if header.kind == Kind.P2P and peer != self.rank:
+                if peer != self.rank and peer not in self.channels:
+                    self._connect(peer)  # its sender's loss, or an abort, must reach this wait
+                elif header.kind == Kind.P2P and peer != self.rank:
                     # A message already in the ring or socket is read now, straight into `dst`:
                     # the receive is then done as posted, with no wait to drive nor a request
                     # for the background thread to watch (a quarter of a small sendrecv's time
@@ -413,7 +501,10 @@ class Engine:
                                     f"sender is gone")
         return None
 
-    def lost_error(self, peer: int) -> PeerLostError:
+    def lost_error(self, peer: int) -> BaseException:
+        error = self.link_errors.get(peer)
+        if error is not None:
+            return error
         return PeerLostError(f"rank {self.rank}: lost rank {peer}: {self.lost[peer]}", peer=peer)
 
     def _peer_lost(self, peer: int, reason: str) -> None:
@@ -466,12 +557,13 @@ class Engine:
             text = f"{type(error).__name__}\n{error}".encode()
             payload = np.frombuffer(text, dtype=np.uint8)
             notices = []
-            for peer in members:
-                if peer == self.rank or peer in self.lost or peer not in self.channels:
+            for peer in members:  # connecting where needed: a member may wait for no one it is connected to
+                unreachable = self.wiring is None and peer not in self.channels
+                if peer == self.rank or peer in self.lost or unreachable:
                     continue
                 header = Header(Kind.ABORT, ctx, seq, 0, len(payload), Fingerprint(0))
                 notices.append(SendRequest(peer, header, payload, "abort"))
-                self.channels[peer].post_control(notices[-1])
+                self.channel(peer).post_control(notices[-1])
             self._poll_sockets()
             for notice in notices:
                 self.watch_in_background(notice)
@@ -712,12 +804,14 @@ class Engine:
     # -- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Say goodbye to every peer (best effort, never blocking), then close the channels."""
+        if self.wiring is not None:
+            self.wiring.close()  # no channel is installed after this
         with self.lock:
             self._closed = True
             self._bg_wakeup.notify_all()  # a parked thread or one between looks: both see _closed
             empty = np.empty(0, dtype=np.uint8)
             for channel in self._channel_list:
-                if channel.peer not in self.lost:
+                if channel.peer not in self.lost and channel.kind != "pending":
                     try:
                         channel.flush()  # acknowledgements a peer's send may wait for
                     except PeerClosed:
@@ -792,6 +886,7 @@ class Backoff:
         if not self.queried:
             self.queried = True
             self.engine.query_peers(self.ctx, self.watch)
+        self.engine.check_unconnected(self.watch)
         self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
         self.engine.check_group(self.ctx, self.seq, self.watch)
         self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

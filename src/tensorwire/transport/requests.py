@@ -76,12 +76,17 @@ class Sink:
         self.nbytes = nbytes
         self.received = 0
 
-    def direct(self, nbytes: int) -> memoryview | None:
-        """A writable view of the next `nbytes` of the destination, if it can take raw bytes."""
+    def direct_at(self, offset: int, nbytes: int) -> memoryview | None:
+        """A writable view of `nbytes` of the destination from `offset`, if it can take raw bytes."""
         return None
 
     def write(self, data: np.ndarray) -> None:
         """Consume the next len(data) payload bytes (uint8 view, may alias a ring)."""
+        self.received += len(data)
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        """Consume payload bytes [offset, offset + len(data)): the parts of a message split over
+        several TCP streams arrive side by side (offsets are multiples of 64 but at its end)."""
         self.received += len(data)
 
     def advance(self, nbytes: int) -> None:
@@ -118,13 +123,16 @@ class RecvRequest(Request, Sink):
         self.base = None if base is None else base.reshape(-1)
         self.itemsize = dst.itemsize
 
-    def direct(self, nbytes: int) -> memoryview | None:
+    def direct_at(self, offset: int, nbytes: int) -> memoryview | None:
         if self.reduce_op is not None:
             return None
-        return memoryview(self.dst_u8[self.received:self.received + nbytes])
+        return memoryview(self.dst_u8[offset:offset + nbytes])
 
     def write(self, data: np.ndarray) -> None:
-        start = self.received
+        self.write_at(self.received, data)
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        start = offset
         n = len(data)
         if self.reduce_op is None:
             self.dst_u8[start:start + n] = data
@@ -134,7 +142,7 @@ class RecvRequest(Request, Sink):
                 reduce_into(self.dst[i:j], data.view(self.dst.dtype), self.reduce_op)
             else:
                 reduce_to(self.dst[i:j], self.base[i:j], data.view(self.dst.dtype), self.reduce_op)
-        self.received = start + n
+        self.received += n
 
     def finish(self) -> None:
         self.done = True
@@ -158,11 +166,14 @@ class Unexpected(Sink):
         self.source: RemotePayload | None = None
         self.waiter: RecvRequest | None = None
 
-    def direct(self, nbytes: int) -> memoryview | None:
-        return memoryview(self.buf[self.received:self.received + nbytes])
+    def direct_at(self, offset: int, nbytes: int) -> memoryview | None:
+        return memoryview(self.buf[offset:offset + nbytes])
 
     def write(self, data: np.ndarray) -> None:
-        self.buf[self.received:self.received + len(data)] = data
+        self.write_at(self.received, data)
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        self.buf[offset:offset + len(data)] = data
         self.received += len(data)
 
     def finish(self) -> None:
@@ -209,6 +220,9 @@ class ControlSink(Sink):
     def write(self, data: np.ndarray) -> None:
         self.buf += data.tobytes()
         self.received += len(data)
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        self.write(data)  # never split (control messages are small): in order, as written
 
     def finish(self) -> None:
         self.callback(bytes(self.buf))

@@ -18,7 +18,7 @@ import os
 import secrets
 import struct
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ..buffers import address
 from ..errors import PeerLostError
 from . import cma, pages
 from .requests import RecvRequest, SendRequest, Sink
-from .tcp import SocketStream
+from .tcp import PeerClosed, SocketStream
 from .wire import HEADER_SIZE, P2P_FINGERPRINT, Header, Kind, Mode
 
 if TYPE_CHECKING:
@@ -185,18 +185,44 @@ def _pad(n: int) -> int:
     return (n + 63) & ~63
 
 
+class RingSource(Protocol):
+    """Where a channel gets a larger ring for its direction (transport/wiring.py: named for the
+    pair, within this rank's share of /dev/shm)."""
+
+    def make(self, capacity: int) -> Ring | None:
+        """A new ring of at most `capacity` bytes, reserved; None where none larger fits."""
+
+    def release(self, capacity: int) -> None:
+        """A ring of `capacity` bytes this rank wrote is no longer its."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
 class ShmChannel:
-    """Data through rings, control and liveness through the peer's socket."""
+    """Data through rings, control and liveness through the peer's socket.
+
+    Rings start small and grow with the traffic: a message of more than a quarter of the
+    ring makes its writer move to a larger one (up to `target`, TENSORWIRE_SHM_RING, within
+    this rank's share of /dev/shm), announced in the old ring by a MOVE record that the
+    reader follows. So a pair that only ever exchanges small messages (setup, barriers,
+    small collectives) holds two small rings, and /dev/shm grows with the traffic, not with
+    the number of pairs."""
 
     kind = "shm"
 
     def __init__(self, stream: SocketStream, out_ring: Ring, in_ring: Ring, engine: Engine,
-                 peer_pid: int = 0, peer_reads: bool = False) -> None:
+                 peer_pid: int = 0, peer_reads: bool = False, source: RingSource | None = None,
+                 target: int = 0) -> None:
         self.stream = stream
+        self.sockets = [stream.sock]
         self.peer = stream.peer
         self.engine = engine
         self.out = out_ring
         self.inn = in_ring
+        self.source = source
+        self.target = target if source is not None else 0  # the capacity the out ring may grow to
         self.sendq: list[SendRequest] = []
         self._hdr_written = False
         self._sink: Sink | None = None
@@ -211,10 +237,27 @@ class ShmChannel:
         self._remote_ids = itertools.count(1)
 
     def post(self, req: SendRequest) -> None:
-        if self.peer_reads and req.header.kind == Kind.P2P and req.payload.nbytes >= REMOTE_BYTES:
+        n = req.payload.nbytes
+        if n * 4 > self.out.capacity and self.out.capacity < self.target:
+            self._grow(n)
+        if self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
             self._offer(req)
         if self.sendq or not self._put_whole(req):
             self.sendq.append(req)
+
+    def _grow(self, nbytes: int) -> None:
+        """Move to a ring that holds four messages of `nbytes` (at least twice the current one),
+        once what is queued before has been written: a MOVE record in sendq."""
+        assert self.source is not None
+        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(4 * nbytes))))
+        if ring is None:
+            self.target = self.out.capacity  # nothing larger fits: stay (and stop asking)
+            return
+        move = SendRequest(self.peer, Header(Kind.ACK, 0, ring.nonce, ring.capacity, 0, P2P_FINGERPRINT,
+                                             Mode.MOVE), _EMPTY, "ring move")
+        move.descriptor = ring.name.encode().ljust(HEADER_SIZE, b"\0")
+        move.ring = ring  # type: ignore[attr-defined]
+        self.sendq.append(move)
 
     def _offer(self, req: SendRequest) -> None:
         """Send `req` as a descriptor of its payload where that lies in huge pages (REMOTE_BYTES)."""
@@ -309,6 +352,12 @@ class ShmChannel:
                 free -= 2 * HEADER_SIZE
                 req.sent = req.payload.nbytes
                 self.sendq.pop(0)
+                if req.header.mode == Mode.MOVE:  # the rest goes into the new ring
+                    words[_HEAD] = head
+                    self._moved(req.ring)  # type: ignore[attr-defined]
+                    req.done = True
+                    self._push()
+                    return True
                 continue
             if not self._hdr_written:
                 pos = head % cap
@@ -337,6 +386,14 @@ class ShmChannel:
             return True
         return False
 
+    def _moved(self, ring: Ring) -> None:
+        """Write into `ring` from now on; the old one lives on in the reader's mapping until it
+        has read the MOVE record."""
+        old, self.out = self.out, ring
+        assert self.source is not None
+        self.source.release(old.capacity)
+        old.close()
+
     def _copy_in(self, src: np.ndarray, head: int) -> int:
         ring = self.out
         cap = ring.capacity
@@ -363,6 +420,9 @@ class ShmChannel:
             if self._sink is None:
                 pos = tail % cap
                 header = self._header(ring.raw, pos)
+                if header.mode == Mode.MOVE:
+                    self._follow(header, pos)
+                    return self._pull() or True
                 if header.mode:
                     tail = self._take_remote(header, tail)
                     avail = words[_HEAD] - tail
@@ -399,6 +459,23 @@ class ShmChannel:
             words[_TAIL] = tail
             return True
         return False
+
+    def _follow(self, header: Header, pos: int) -> None:
+        """The writer moved to a larger ring (its name in the record after the header): map it
+        and read on from there. Its name is unlinked once mapped: nothing is left behind."""
+        old = self.inn
+        at = (pos + HEADER_SIZE) % old.capacity
+        name = bytes(old.raw[at:at + HEADER_SIZE]).rstrip(b"\0").decode()
+        try:
+            ring = Ring(name, header.tag, create=False)
+        except OSError as exc:
+            raise PeerClosed(f"cannot map the larger ring rank {self.peer} moved to ({exc})") from exc
+        ring.unlink()
+        if ring.nonce != header.seq:
+            ring.close()
+            raise PeerClosed(f"the ring rank {self.peer} moved to is not the one it announced")
+        self.inn = ring
+        old.close()
 
     def _take_remote(self, header: Header, tail: int) -> int:
         """Act on a REMOTE message (hand it to its receive) or an ACK; the tail past it."""

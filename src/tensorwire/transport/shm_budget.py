@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ..limits import typical_peers
 from .shm import SHM_DIR, GroupSegment, Ring
 
 RING_FLOOR = 256 << 10
@@ -53,6 +55,66 @@ def _inodes_left(path: str = SHM_DIR) -> int:
 
 def halve(nbytes: int, floor: int) -> int:
     return max(floor, nbytes // 2 // 4096 * 4096)
+
+
+INITIAL_RING = 64 << 10
+"""The ring a pair of ranks on one host starts with (transport/wiring.py): enough for the small
+messages most pairs only ever exchange (8 KiB sendrecv at n=2: 24 us median with 64 KiB rings,
+20 with 256 KiB: design/shm-degradation.md); a larger message makes its writer move to a larger
+one (shm.ShmChannel), up to TENSORWIRE_SHM_RING."""
+
+
+class RingBudget:
+    """The bytes of /dev/shm this rank's rings may take: its share of half of what was free at
+    init (`ring_share`). Every ring a rank writes is taken from it when made and given back
+    when left, so a host's rings never take more than half, whatever pairs end up talking."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used = max(0, self.used - nbytes)
+
+
+def ring_share(free: int, local: int, world: int = 0, slot: int = 0) -> int:
+    """One rank's share of /dev/shm for the rings it writes: half of `free` (read before any
+    segment of the job exists), less the world group's segment where the job is on this host
+    alone (`world` ranks, `slot` each: its rank 0 makes it, planned as plan_slot does), over the
+    `local` ranks of this host."""
+    budget = free // SHARE
+    if world and slot:
+        budget -= GroupSegment.nbytes(world, plan_slot(free, world, slot))
+    return max(0, budget // max(local, 1))
+
+
+def plan_rings(share: int, local: int, capacity: int) -> int:
+    """How large a rank's rings may grow within its `share` (ring_share) among `local` ranks
+    of a host: `capacity` (TENSORWIRE_SHM_RING), or less, halved down to RING_FLOOR, where the
+    share cannot hold that toward the peers it typically talks to (limits.typical_peers) while
+    every other local peer keeps a first ring; the first ring's size where even RING_FLOOR
+    does not fit; 0 (no rings: TCP) where the first rings toward every local peer do not fit.
+    Ranks of a host read their free space alike before any ring exists, so they plan alike."""
+    peers = local - 1
+    first = min(capacity, INITIAL_RING)
+    if peers <= 0:
+        return capacity
+    if peers * Ring.nbytes(first) > share:
+        return 0
+    busy = typical_peers(local)
+    size = capacity
+    while size > first and busy * Ring.nbytes(size) + (peers - busy) * Ring.nbytes(first) > share:
+        size = halve(size, RING_FLOOR) if size > RING_FLOOR else first
+    return size
 
 
 def rings_bytes(local: int, capacity: int) -> int:
@@ -102,7 +164,7 @@ def shrinking(make: Callable[[int], T], nbytes: int, floor: int) -> tuple[T | No
             nbytes = halve(nbytes, floor)
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.4g} {unit}"
@@ -149,13 +211,13 @@ class Shortfall:
         total, free = usage()
         got = []
         if rings and 0 < self.ring_used < self.ring:
-            got.append(f"rings of {_size(self.ring_used)} instead of {_size(self.ring)} (large "
+            got.append(f"rings of {size_text(self.ring_used)} instead of {size_text(self.ring)} (large "
                        f"messages between ranks of a host move in smaller pieces)")
         if rings and self.refused:
             got.append(f"TCP for the pairs of ranks whose rings did not fit ({self.refused} of {self.rings} "
                        f"rings: {os.strerror(self.ring_errno) if self.ring_errno else 'no ring'})")
         if self.slot_short and self.slot_used:
-            got.append(f"one-shot slots of {_size(self.slot_used)} instead of {_size(self.slot)} "
+            got.append(f"one-shot slots of {size_text(self.slot_used)} instead of {size_text(self.slot)} "
                        f"(collectives past that size stream through them)")
         elif self.slot_short:
             got.append("no one-shot segment: its collectives take the message path"
@@ -171,10 +233,10 @@ class Shortfall:
             settings.append(f"TENSORWIRE_SHM_DIRECT={_setting(self.slot_used)}")
         fell_back = (rings and self.refused) or (self.slot_short and not self.slot_used)
         inodes = " and no inodes left (its nr_inodes)" if _inodes_left() == 0 else ""
-        return (f"{where}: /dev/shm holds {_size(total)} ({_size(free)} free now{inodes}); tensorwire "
-                f"wanted about {_size(wanted)} for {self.local} rank(s) on a host and takes at most half "
-                f"of what is free, so it uses {'; '.join(got)}. Results are unchanged, large messages are "
-                f"slower. Fix: let /dev/shm have {_size(suggest)} free (docker run "
+        return (f"{where}: /dev/shm holds {size_text(total)} ({size_text(free)} free now{inodes}); "
+                f"tensorwire wanted about {size_text(wanted)} for {self.local} rank(s) on a host and takes "
+                f"at most half of what is free, so it uses {'; '.join(got)}. Results are unchanged, large "
+                f"messages are slower. Fix: let /dev/shm have {size_text(suggest)} free (docker run "
                 f"--shm-size={_setting(suggest).lower()}, or Kubernetes an emptyDir of medium Memory on "
                 f"/dev/shm)" + (f", or set {' '.join(settings)} to ask for what fits (no warning)"
                                 if settings and not fell_back else "") + " (docs/limits.md)")

@@ -1,7 +1,11 @@
-"""Framed, non-blocking message streams over one socket per peer pair.
+"""Framed, non-blocking message streams over the sockets of a peer pair.
 
-`SocketStream` is the whole TCP channel; the shared-memory channel keeps one too, for control
-messages and because a closed socket is the fastest way to learn that a peer died.
+A `SocketStream` per socket; a TCP channel has one, or TENSORWIRE_NSOCKS of them, over which
+it splits large messages (SPLIT_BYTES): the first stream carries every header, the payload's
+first part and whole small messages, the others the other parts in the same message order, so
+the receiver knows what each stream carries next from the headers alone. The shared-memory
+channel keeps one stream too, for control messages and because a closed socket is the fastest
+way to learn that a peer died.
 """
 
 from __future__ import annotations
@@ -22,6 +26,40 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
+SPLIT_BYTES = 256 << 10
+"""Messages from this size are split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
+
+
+def split(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """[start, end) of each stream's part of a message: equal parts, multiples of 64 bytes (so
+    a folding receive stages whole elements), the last one shorter."""
+    per = ((nbytes + streams - 1) // streams + 63) // 64 * 64
+    return [(min(i * per, nbytes), min((i + 1) * per, nbytes)) for i in range(streams)]
+
+
+class _Part:
+    """One stream's part of a split message: sent like a message of its own (the first part
+    with the header), the message done when all its parts are."""
+
+    __slots__ = ("req", "payload", "wire_header", "sent", "left")
+
+    def __init__(self, req: SendRequest, start: int, end: int, header: bool, left: list[int]) -> None:
+        self.req = req
+        self.payload = req.payload[start:end]
+        self.wire_header = req.wire_header if header else None
+        self.sent = 0
+        self.left = left  # parts of the message not sent yet (shared)
+
+    @property
+    def done(self) -> bool:
+        return False
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self.left[0] -= 1
+        if not self.left[0]:
+            self.req.sent = self.req.payload.nbytes
+            self.req.done = True
 
 
 def congestion_of(sock: socket.socket) -> str:
@@ -116,9 +154,13 @@ class SocketStream:
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
         self._sink: Sink | None = None
+        self._at = self._end = 0  # the bytes of the sink this stream fills: [_at, _end)
         self._staging = np.empty(max(staging_bytes, 64) // 64 * 64, dtype=np.uint8)
         self._staged = 0
         self.max_message = max_message
+        self.others: list[SocketStream] = []  # a pair's further streams, where this is its first
+        self.headers = True  # this stream carries the headers (the pair's first)
+        self.expect: deque[tuple[Sink, int, int]] = deque()  # parts it carries next (further streams)
 
     # -- sending ------------------------------------------------------------------------
     def post(self, req: SendRequest) -> None:
@@ -130,6 +172,8 @@ class SocketStream:
         while self.sendq:
             req = self.sendq[0]
             try:
+                if self._hdr_sent < HEADER_SIZE and req.wire_header is None:  # a part without header
+                    self._hdr_sent = HEADER_SIZE
                 if self._hdr_sent < HEADER_SIZE:
                     bufs = [memoryview(req.wire_header)[self._hdr_sent:]]
                     if req.payload.nbytes:
@@ -161,6 +205,11 @@ class SocketStream:
         while True:
             try:
                 if self._sink is None:
+                    if self.expect:  # a further stream: the next part the headers announced
+                        self._sink, self._at, self._end = self.expect.popleft()
+                        continue
+                    if not self.headers:
+                        return moved
                     n = self.sock.recv_into(self._hdr_view[self._hdr_got:])
                     if n == 0:
                         raise PeerClosed("connection closed by peer")
@@ -175,8 +224,15 @@ class SocketStream:
                     except MalformedHeader as exc:
                         self.sock.shutdown(socket.SHUT_RDWR)  # the stream is lost: say so to the peer
                         raise PeerClosed(f"sent a malformed message header ({exc})") from exc
-                    self._sink = self.engine.match(self.peer, header)
-                    if self._sink.nbytes == 0:
+                    sink = self._sink = self.engine.match(self.peer, header)
+                    self._at, self._end = 0, sink.nbytes
+                    if self.others and header.kind <= 1 and sink.nbytes >= SPLIT_BYTES:
+                        parts = split(sink.nbytes, len(self.others) + 1)
+                        self._end = parts[0][1]
+                        for stream, (start, end) in zip(self.others, parts[1:]):
+                            if end > start:
+                                stream.expect.append((sink, start, end))
+                    if self._end == 0:
                         self._complete()
                     continue
                 if not self._read_payload():
@@ -192,31 +248,34 @@ class SocketStream:
     def _read_payload(self) -> bool:
         sink = self._sink
         assert sink is not None
-        want = min(sink.nbytes - sink.received - self._staged, _MAX_IO)
-        view = sink.direct(want) if self._staged == 0 else None
+        want = min(self._end - self._at - self._staged, _MAX_IO)
+        view = sink.direct_at(self._at, want) if self._staged == 0 else None
         if view is not None:
             n = self.sock.recv_into(view, want)
             if n == 0:
                 raise PeerClosed("connection closed by peer")
             sink.advance(n)
+            self._at += n
         else:
             room = min(want, len(self._staging) - self._staged)
             n = self.sock.recv_into(memoryview(self._staging)[self._staged:self._staged + room], room)
             if n == 0:
                 raise PeerClosed("connection closed by peer")
             self._staged += n
-            last = sink.received + self._staged == sink.nbytes
-            if last or self._staged == len(self._staging):
-                sink.write(self._staging[:self._staged])
+            if self._at + self._staged == self._end or self._staged == len(self._staging):
+                sink.write_at(self._at, self._staging[:self._staged])
+                self._at += self._staged
                 self._staged = 0
-        if sink.received == sink.nbytes:
+        if self._at == self._end:
             self._complete()
         return n > 0
 
     def _complete(self) -> None:
+        """This stream's bytes of the sink are in; the message is, once every stream's are."""
         sink, self._sink = self._sink, None
         assert sink is not None
-        sink.finish()
+        if sink.received >= sink.nbytes:
+            sink.finish()
 
     def close(self) -> None:
         try:
@@ -226,35 +285,70 @@ class SocketStream:
 
 
 class TcpChannel:
-    """Everything to one peer over one socket."""
+    """Everything to one peer over its sockets: one stream, or several (TENSORWIRE_NSOCKS) that
+    carry the parts of large messages side by side."""
 
     kind = "tcp"
 
-    def __init__(self, stream: SocketStream) -> None:
-        self.stream = stream
-        self.peer = stream.peer
+    def __init__(self, streams: list[SocketStream] | SocketStream) -> None:
+        self.streams = streams if isinstance(streams, list) else [streams]
+        self.stream = self.streams[0]
+        self.others = self.streams[1:]
+        self.stream.others = self.others
+        for other in self.others:
+            other.headers = False
+        self.sockets = [s.sock for s in self.streams]
+        self.peer = self.stream.peer
 
     def post(self, req: SendRequest) -> None:
-        self.stream.post(req)
+        n = req.payload.nbytes
+        if not self.others or n < SPLIT_BYTES:
+            self.stream.post(req)
+            return
+        parts = [(start, end) for start, end in split(n, len(self.streams)) if end > start]
+        left = [len(parts)]
+        for i, (stream, (start, end)) in enumerate(zip(self.streams, parts)):
+            stream.post(_Part(req, start, end, i == 0, left))  # type: ignore[arg-type]
 
     def post_control(self, req: SendRequest) -> None:
         self.stream.post(req)
 
     def progress(self) -> bool:
-        pushed = self.stream.push() if self.stream.sendq else False
-        return self.stream.pull() or pushed
+        if not self.others:
+            pushed = self.stream.push() if self.stream.sendq else False
+            return self.stream.pull() or pushed
+        moved = False
+        closed: PeerClosed | None = None
+        for stream in self.streams:
+            try:
+                if stream.sendq and stream.push():
+                    moved = True
+                if stream.pull():
+                    moved = True
+            except PeerClosed as exc:  # read what the other streams hold before saying so
+                closed = closed or exc
+        if closed is not None:
+            raise closed
+        return moved
 
     def flush(self) -> None:
         """Hand queued sends to the kernel, reading nothing."""
-        if self.stream.sendq:
-            self.stream.push()
+        for stream in self.streams:
+            if stream.sendq:
+                stream.push()
 
     def poll_socket(self) -> bool:
         return self.progress()
 
     def pending(self) -> list[SendRequest]:
         """Sends not finished yet."""
-        return list(self.stream.sendq)
+        out: dict[int, SendRequest] = {}
+        for stream in self.streams:
+            for item in stream.sendq:
+                req = getattr(item, "req", item)
+                out[id(req)] = req
+        return list(out.values())
 
     def close(self) -> None:
-        self.stream.close()
+        for stream in self.streams:
+            stream.close()

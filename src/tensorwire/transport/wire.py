@@ -32,6 +32,7 @@ class Mode(IntEnum):
     INLINE = 0  # the payload follows the header
     REMOTE = 1  # a descriptor follows: the receiver reads the payload out of the sender's memory
     ACK = 2  # no payload: the answer to a REMOTE message, which completes its send
+    MOVE = 3  # the writer goes on in a larger ring: its name follows (seq: its nonce, tag: its capacity)
 
 
 class Coll(IntEnum):

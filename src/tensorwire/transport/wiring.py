@@ -1,0 +1,845 @@
+"""Wiring on demand: a rank connects to a peer when it first sends to it or waits for it.
+
+Every rank listens on the address it advertised at init (connect.py). The first message to a
+peer, or the first receive posted for it, finds no channel: the engine puts a `PendingChannel`
+in its place, which holds what is posted meanwhile, and asks this module's thread to connect.
+The thread dials the peer, both sides run the job's handshake (handshake.py), set the pair up
+in a short exchange of messages and install the channel in their engines; what the pending
+channel held goes out first. Descriptors and /dev/shm then grow with the peers a rank talks
+to, not with the job (docs/design/wiring.md).
+
+The thread runs beside the application: it accepts and sets up the pairs peers start while
+this rank computes, so a peer never waits for this rank to call tensorwire before it can
+connect (and an abort reaches a rank that is not inside a call).
+
+Either side may start; where both do at once, the lower rank's dial wins: the higher rank
+accepts it and drops its own, the lower answers the higher's with "crossed" and the higher
+waits for the other. Pairs on one host (same host name and machine, TENSORWIRE_TRANSPORT not
+`tcp`) make their rings in the exchange: each side creates the ring it writes, small at first
+(shm_budget.INITIAL_RING, grown with the traffic by the channel), within its share of /dev/shm,
+and the pair uses shared memory only if both sides mapped the other's ring and read its nonce.
+TCP pairs open TENSORWIRE_NSOCKS streams.
+
+A dial that nobody answers at the address (refused: the process is gone) or whose host never
+answers (handshake.CONNECT_TIMEOUT_S) makes the peer lost: whatever waits for it fails with a
+PeerLostError naming it, within seconds, as if its connection had closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import itertools
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import auth, limits, log
+from ..config import Config
+from ..errors import RendezvousError, ResourceError, TensorwireError, TensorwireWarning
+from . import cma, shm_budget
+from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreachable, job_hash
+from .requests import SendRequest
+from .shm import Ring, ShmChannel
+from .tcp import SocketStream, TcpChannel, tune_socket
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_log = log.get("TRANSPORT")
+_RETRY_S = 0.05  # first pause before dialing again after a dial that may succeed next time
+_RETRY_MAX_S = 1.0
+_CROSSED_WAIT = 2.0  # in auth timeouts: how long a rank whose dial was crossed waits for the other's
+_SHED_S = 0.1  # how long the listener rests when no descriptor is left to accept with
+_POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
+_POLLERR = select.POLLERR | select.POLLHUP
+
+
+def process_start() -> int:
+    """This process's start time (clock ticks after boot): with its pid, what tells it apart
+    from a later process that reuses the pid."""
+    return _start_of(os.getpid())
+
+
+def _start_of(pid: int) -> int:
+    """`pid`'s start time; -1 where it has exited (a zombie counts as exited) or is not there."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return -1
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def pid_namespace() -> str:
+    """Which pid namespace this process sees pids in ('' where unknown): pids of ranks in other
+    namespaces (containers) cannot be checked from here."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+class PendingChannel:
+    """A peer's place in the engine while the wiring connects to it: keeps what is posted, in
+    order, for the channel that replaces it (Engine.install)."""
+
+    kind = "pending"
+    sockets: tuple = ()
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.queue: list[tuple[SendRequest, bool]] = []  # (request, control message?)
+
+    def post(self, req: SendRequest) -> None:
+        self.queue.append((req, False))
+
+    def post_control(self, req: SendRequest) -> None:
+        self.queue.append((req, True))
+
+    def progress(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def poll_socket(self) -> bool:
+        return False
+
+    def pending(self) -> list[SendRequest]:
+        return [req for req, _ in self.queue]
+
+    def close(self) -> None:
+        self.queue.clear()
+
+
+class _PairRings:
+    """The larger rings of one pair's out direction (shm.RingSource)."""
+
+    def __init__(self, wiring: Wiring, peer: int) -> None:
+        self.wiring, self.peer = wiring, peer
+
+    def make(self, capacity: int) -> Ring | None:
+        ring, _ = self.wiring.make_ring(self.peer, capacity, 2 * shm_budget.INITIAL_RING)
+        return ring
+
+    def release(self, capacity: int) -> None:
+        self.wiring.budget.give(Ring.nbytes(capacity))
+
+
+class _Out:
+    """A connection this rank dials to `peer`: the pair's first socket (`index` 0), which
+    carries the setup exchange, or one of its further TCP streams."""
+
+    def __init__(self, wiring: Wiring, peer: int, addr: tuple[str, int], index: int, pair: int) -> None:
+        self.peer, self.index, self.pair = peer, index, pair
+        self.dial = Dial(peer, addr, wiring.hello, wiring.secret, wiring.cfg.auth_timeout, wiring.who)
+        self.sock = self.dial.sock
+        self.msgs: Messages | None = None
+        self.ring: Ring | None = None  # the ring this rank writes (index 0, a pair on one host)
+        self.answer: dict | None = None
+        self.theirs: Ring | None = None
+        self.pid = 0  # the peer's, where this process can read its memory
+        self.streams: list[_Out] = []
+        self.joined = 0
+        self.expires = self.dial.expires
+
+
+class _In:
+    """A connection from rank `peer` that proved the secret, while its pair is set up."""
+
+    def __init__(self, inc: Incoming) -> None:
+        self.sock, self.peer, self.addr = inc.sock, inc.rank, inc.addr
+        self.msgs = Messages(inc.sock)
+        self.pair = -1
+        self.ring: Ring | None = None
+        self.theirs: Ring | None = None
+        self.pid = 0
+        self.streams: list[tuple[int, socket.socket]] = []  # (index, socket): the order the dialer numbered
+        self.want_streams = 1
+        self.final = False  # waiting for the dialer's last word on the rings
+        self.expires = time.monotonic()
+        self.reject = ""  # answer every offer with this error (no descriptor was left for it)
+
+
+class Wiring:
+    """The listener and the thread that connects this rank to its peers on demand.
+
+    `cards` (`learn`): every peer's address and port, and where it runs; `want(peer)` (called
+    by the engine under its lock) asks for a connection. The thread installs channels in the
+    engine (`Engine.install`) and reports peers it cannot reach (`Engine.peer_unreachable`)."""
+
+    def __init__(self, engine: Engine, cfg: Config, job_id: str, secret: auth.Secret, address: str,
+                 where: tuple[str, str], world_size: int) -> None:
+        self.engine, self.cfg, self.job_id, self.secret = engine, cfg, job_id, secret
+        self.rank = engine.rank
+        self.who = f"rank {self.rank}"
+        self.where = list(where)  # (host name, machine): who shares /dev/shm with this rank
+        self.job = job_hash(job_id)
+        self.hello = HELLO.pack(self.rank, world_size, self.job)
+        self.nsocks = max(1, cfg.nsocks)
+        self.cards: dict[int, dict[str, Any]] = {}
+        self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
+        self.budget = shm_budget.RingBudget(0)
+        self.ring_max = 0  # how large rings may grow (shm_budget.plan_rings); 0: none (TCP)
+        self.readable = "" if cfg.single_copy == "0" else "unset"  # see start()
+        self.listener = self._listen(address, world_size)
+        tune_socket(self.listener, cfg)  # a congestion control the kernel refuses fails init (accepted
+        self.port = self.listener.getsockname()[1]  # sockets inherit the listener's settings)
+        self._want: deque[int] = deque()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._spare: int | None = _spare_descriptor()
+        self._poll = select.poll()
+        self._handlers: dict[int, Callable[[], None]] = {}
+        self._out: dict[int, _Out] = {}  # dials of pairs being set up, by peer
+        self._streams: dict[int, _Out] = {}  # further streams being dialed, by descriptor
+        self._in: dict[int, _In] = {}  # incoming pairs being set up, by peer
+        self._joining: dict[int, _In] = {}  # incoming streams before they named their pair, by descriptor
+        self._auth: dict[int, Incoming] = {}  # unauthenticated, oldest first, by descriptor
+        self._later: dict[int, float] = {}  # peer -> when to dial it (again)
+        self._tries: dict[int, int] = {}
+        self._pairs = itertools.count(1)
+        self._listening_again = 0.0
+        self._refused = auth.Refusals(f"rank {self.rank} (listening on port {self.port})")
+        self._warned: set[str] = set()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -- what the engine and init see ---------------------------------------------------------
+    def learn(self, cards: dict[int, dict[str, Any]]) -> None:
+        """Where the ranks of `cards` listen and run (topo.local_card and connect.py's fields)."""
+        me = self.cards.get(self.rank) or cards.get(self.rank) or {}
+        for r, card in cards.items():
+            self.cards[r] = card
+            if r != self.rank and self.local(card):
+                self.engine.host_peers.add(r)
+            if (r != self.rank and card.get("machine") == me.get("machine") and card.get("pidns")
+                    and card.get("pidns") == me.get("pidns") and card.get("start", -1) > 0):
+                self.procs[r] = (int(card["pid"]), int(card["start"]))
+
+    def local(self, card: dict[str, Any]) -> bool:
+        """Whether a rank of this card shares /dev/shm with this one (and may, by the settings)."""
+        return self.cfg.transport != "tcp" and [card.get("host"), card.get("machine")] == self.where
+
+    def planned_kind(self, peer: int) -> str:
+        """'shm' where a pair with `peer` will use rings (unless /dev/shm turns it down), else 'tcp'."""
+        card = self.cards.get(peer)
+        return "shm" if card is not None and self.local(card) and self.ring_max > 0 else "tcp"
+
+    def gone(self, peer: int) -> str:
+        """Why `peer`'s process is known to have exited ('' if it is not, or cannot be watched)."""
+        proc = self.procs.get(peer)
+        if proc is None or _start_of(proc[0]) == proc[1]:
+            return ""
+        return f"its process (pid {proc[0]}) exited"
+
+    def start(self, share: int, local: int) -> None:
+        """Serve and connect from now on, this rank's rings taking at most `share` bytes of
+        /dev/shm among its `local` ranks of this host (shm_budget.ring_share)."""
+        self.budget = shm_budget.RingBudget(share)
+        self.ring_max = shm_budget.plan_rings(share, local, self.cfg.shm_ring_bytes) if share else 0
+        if self.readable:
+            self.readable = cma.allow_peers()
+            if self.readable and self.ring_max:
+                _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
+                          "messages go through the rings", self.rank, self.readable)
+        self._register(self.listener.fileno(), self._on_listener)
+        self._register(self._wake, self._on_wake)
+        self._thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
+        self._thread.start()
+
+    def want(self, peer: int) -> None:
+        """Connect to `peer` (the engine holds a PendingChannel for it meanwhile)."""
+        if self._closing:
+            return
+        self._want.append(peer)
+        with contextlib.suppress(OSError, ValueError):
+            os.eventfd_write(self._wake, 1)
+
+    def close(self) -> None:
+        """Stop connecting: no channel is installed after this returns."""
+        self._closing = True
+        with contextlib.suppress(OSError, ValueError):
+            os.eventfd_write(self._wake, 1)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        if thread is None or not thread.is_alive():
+            self._release_all()
+
+    # -- rings --------------------------------------------------------------------------------
+    def make_ring(self, peer: int, capacity: int, floor: int) -> tuple[Ring | None, int]:
+        """The ring this rank writes toward `peer`: `capacity` bytes, or less down to `floor`
+        where this rank's share of /dev/shm (or /dev/shm itself) has less room; (None, errno)
+        where even `floor` does not fit. The plan (plan_rings) was warned of at init, when it
+        fell short; /dev/shm refusing what the plan allowed (another program took its space
+        since) is warned of once a process."""
+        made, why, size, by_tmpfs = None, 0, capacity, False
+        while size >= floor:
+            if self.budget.take(Ring.nbytes(size)):
+                made, why = shm_budget.shrinking(
+                    functools.partial(Ring.create, f"tw-{self.job_id[:24]}-{self.rank}-{peer}"), size, floor)
+                self.budget.give(Ring.nbytes(size) - (Ring.nbytes(made.capacity) if made is not None else 0))
+                by_tmpfs = why != 0
+                break
+            why = errno.ENOSPC  # this rank's share is taken
+            size = shm_budget.halve(size, floor) if size > floor else floor - 1
+        if made is None or made.capacity < capacity:
+            refused = by_tmpfs and "tmpfs" not in self._warned
+            text = (f"a ring toward rank {peer} of {shm_budget.size_text(made.capacity)} instead of "
+                    f"{shm_budget.size_text(capacity)}" if made is not None else
+                    f"no ring toward rank {peer} ({os.strerror(why) if why else 'refused'}): that pair talks "
+                    f"over TCP")
+            if refused:
+                self._warned.add("tmpfs")
+                total, free = shm_budget.usage()
+                log.warn(f"rank {self.rank}: /dev/shm holds {shm_budget.size_text(total)} "
+                         f"({shm_budget.size_text(free)} free now): it refused a ring that fit what "
+                         f"tensorwire planned at init (another program took its space since?), so {text}. "
+                         f"Results are unchanged, large messages are slower (docs/limits.md)",
+                         TensorwireWarning)
+            else:
+                _log.info("rank %d: %s (this rank's rings hold %s of their share of %s)", self.rank, text,
+                          shm_budget.size_text(self.budget.used), shm_budget.size_text(self.budget.limit))
+        return made, why
+
+    def _ring_offer(self, ring: Ring | None) -> dict | None:
+        if ring is None:
+            return None
+        offer = {"name": ring.name, "nonce": ring.nonce, "capacity": ring.capacity}
+        if not self.readable:
+            offer.update(pid=os.getpid(), probe=ring.nonce_address)
+        return offer
+
+    def _map(self, offer: dict | None) -> tuple[Ring | None, int, int]:
+        """(their ring mapped, or None; the errno why not; their pid where this process can read
+        their memory, else 0)."""
+        if not offer:
+            return None, 0, 0
+        try:
+            ring = Ring(offer["name"], int(offer["capacity"]), create=False)
+        except OSError as exc:
+            return None, exc.errno or 0, 0
+        if ring.nonce != offer["nonce"]:  # not the ring it made: another /dev/shm that shares the name
+            ring.close()
+            return None, 0, 0
+        pid = 0
+        if offer.get("pid"):
+            why = cma.can_read(int(offer["pid"]), int(offer["probe"]), int(offer["nonce"]))
+            if why:
+                _log.info("rank %d cannot read rank %s's memory (%s)", self.rank, offer.get("rank", "?"), why)
+            else:
+                pid = int(offer["pid"])
+        return ring, 0, pid
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                now = time.monotonic()
+                wake = self._next_wake(now)
+                timeout = None if wake is None else max(0, int((wake - now) * 1000) + 1)
+                for fd, _events in self._poll.poll(timeout):
+                    handler = self._handlers.get(fd)
+                    if handler is not None and not self._closing:
+                        handler()
+                self._on_time(time.monotonic())
+        except BaseException as exc:  # the wiring itself broke: whatever waits for a pair must hear it
+            _log.error("rank %d: the wiring thread failed: %r", self.rank, exc)
+            error = exc if isinstance(exc, TensorwireError) else TensorwireError(
+                f"rank {self.rank}: connecting to peers failed: {exc!r}")
+            for peer in {*self._out, *self._in, *self._later, *self._want}:
+                self.engine.peer_unreachable(peer, str(error), error)
+        finally:
+            self._release_all()
+
+    def _register(self, fd: int, handler: Callable[[], None], events: int = _POLLIN) -> None:
+        self._handlers[fd] = handler
+        self._poll.register(fd, events)
+
+    def _forget(self, sock: socket.socket) -> None:
+        """Stop watching `sock` and close it (unregistered first: its number is reused at once)."""
+        with contextlib.suppress(OSError, ValueError):
+            fd = sock.fileno()
+            if fd >= 0:
+                self._handlers.pop(fd, None)
+                with contextlib.suppress(KeyError):
+                    self._poll.unregister(fd)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _hand_over(self, sock: socket.socket) -> socket.socket:
+        """Stop watching `sock`: it becomes a channel's."""
+        fd = sock.fileno()
+        self._handlers.pop(fd, None)
+        with contextlib.suppress(KeyError):
+            self._poll.unregister(fd)
+        return sock
+
+    def _next_wake(self, now: float) -> float | None:
+        times = [*self._later.values()]
+        times += [o.expires for o in self._out.values()] + [o.expires for o in self._streams.values()]
+        times += [i.expires for i in self._auth.values()] + [i.expires for i in self._in.values()]
+        times += [i.expires for i in self._joining.values()]
+        if self._listening_again:
+            times.append(self._listening_again)
+        return min(times, default=None)
+
+    def _on_wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.eventfd_read(self._wake)
+        while self._want:
+            peer = self._want.popleft()
+            if peer not in self._out and peer not in self._in and peer not in self._later:
+                self._dial(peer)
+
+    def _on_time(self, now: float) -> None:
+        for peer in [p for p, t in self._later.items() if t <= now]:
+            del self._later[peer]
+            if peer not in self._out and peer not in self._in:
+                self._dial(peer)
+        for out in [o for o in self._out.values() if o.expires <= now]:
+            self._attempt(out, functools.partial(out.dial.expired, now))
+        for out in [o for o in self._streams.values() if o.expires <= now]:
+            self._attempt(out, functools.partial(out.dial.expired, now))
+        for fd in [fd for fd, i in self._auth.items() if i.expires <= now]:
+            self._drop(fd, f"did not authenticate within {self.cfg.auth_timeout:g} s "
+                           f"(TENSORWIRE_AUTH_TIMEOUT)")
+        for link in [i for i in (*self._in.values(), *self._joining.values()) if i.expires <= now]:
+            self._abandon_in(link, f"rank {link.peer} set up no pair within {self.cfg.auth_timeout:g} s")
+        if self._listening_again and self._listening_again <= now:
+            self._listening_again = 0.0
+            self._register(self.listener.fileno(), self._on_listener)
+
+    # -- dialing ------------------------------------------------------------------------------
+    def _dial(self, peer: int) -> None:
+        channel = self.engine.channels.get(peer)
+        if self._closing or peer in self.engine.lost or (channel is not None and channel.kind != "pending"):
+            return
+        card = self.cards.get(peer)
+        if card is None:
+            self.engine.peer_unreachable(peer, "", RendezvousError(
+                f"rank {self.rank}: rank {peer} is not among the ranks this rank knows the address of"))
+            return
+        self._start_out(peer, (card["addr"], int(card["port"])), 0, next(self._pairs))
+
+    def _start_out(self, peer: int, addr: tuple[str, int], index: int, pair: int,
+                   primary: _Out | None = None) -> None:
+        try:
+            out = _Out(self, peer, addr, index, pair)
+        except (Refused, Unreachable, Retry) as exc:
+            self._failed_dial(peer, exc, primary)
+            return
+        except TensorwireError as exc:
+            self._give_up(peer, exc, primary)
+            return
+        if index == 0:
+            self._out[peer] = out
+        else:
+            assert primary is not None
+            primary.streams.append(out)
+            self._streams[out.sock.fileno()] = out
+        self._register(out.sock.fileno(), lambda: self._attempt(out, functools.partial(self._on_out, out)),
+                       _POLLOUT)
+
+    def _attempt(self, out: _Out, step: Callable[[], None]) -> None:
+        primary = out if out.index == 0 else self._out.get(out.peer)
+        try:
+            step()
+        except (Refused, Unreachable, Retry) as exc:
+            self._failed_dial(out.peer, exc, primary)
+        except ConnectionError as exc:
+            self._failed_dial(out.peer, Retry(str(exc)), primary)
+        except (TensorwireError, OSError) as exc:
+            what = f"{self.who}: connecting to rank {out.peer}"
+            error = exc if isinstance(exc, TensorwireError) else limits.translate(exc, what)
+            self._give_up(out.peer, error or TensorwireError(f"{what}: {exc}"), primary)
+
+    def _on_out(self, out: _Out) -> None:
+        if out.msgs is None:
+            if not out.dial.step():
+                if not out.dial.connecting:
+                    self._poll.modify(out.sock, _POLLIN)
+                out.expires = out.dial.expires
+                return
+            self._poll.modify(out.sock, _POLLIN)
+            out.msgs = Messages(out.sock)
+            out.expires = time.monotonic() + self.cfg.auth_timeout
+            if out.index:
+                out.msgs.send({"op": "stream", "pair": out.pair, "index": out.index})
+                return
+            card = self.cards[out.peer]
+            if self.local(card) and self.ring_max:
+                first = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
+                out.ring, why = self.make_ring(out.peer, first, first)
+                if out.ring is None:
+                    self.engine.shm_refused[out.peer] = why
+            out.msgs.send({"op": "pair", "pair": out.pair, "where": self.where,
+                           "ring": self._ring_offer(out.ring), "streams": self.nsocks})
+            return
+        msg = out.msgs.receive()
+        if msg is None:
+            return
+        if out.index:
+            if not msg.get("ok"):
+                raise Retry(f"it did not take stream {out.index}: {msg.get('why')}")
+            primary = self._out.get(out.peer)
+            del self._streams[out.sock.fileno()]
+            self._hand_over(out.sock)
+            if primary is not None:
+                primary.joined += 1
+                self._maybe_install_out(primary)
+            return
+        if out.answer is None:
+            self._answered(out, msg)
+
+    def _answered(self, out: _Out, msg: dict) -> None:
+        peer = out.peer
+        if not msg.get("ok"):
+            why = msg.get("why", "")
+            self._drop_out(out)
+            if why == "crossed":  # its own dial to this rank wins: wait for it (dial again if it never comes)
+                self._later[peer] = time.monotonic() + _CROSSED_WAIT * self.cfg.auth_timeout
+                return
+            text = msg.get("text", why)
+            error: TensorwireError = ResourceError(text) if why == "descriptors" else \
+                RendezvousError(f"{self.who}: rank {peer} refused a connection from this rank: {text}")
+            self.engine.peer_unreachable(peer, "", error)
+            return
+        out.answer = msg
+        out.expires = time.monotonic() + self.cfg.auth_timeout
+        self._hand_over(out.sock)  # nothing more to read here: what the peer sends next is the channel's
+        if out.ring is not None:
+            out.ring.unlink()  # the peer mapped it or gave up: the name is no longer needed
+        if out.ring is not None and msg.get("mapped") and msg.get("ring"):
+            out.theirs, why, out.pid = self._map(msg["ring"])
+            if out.theirs is not None:
+                out.theirs.unlink()
+            else:
+                self.engine.shm_refused[peer] = why
+            out.msgs.send({"mapped": out.theirs is not None, "reads": out.pid != 0})  # type: ignore[union-attr]
+        elif out.ring is not None and self.local(self.cards[peer]):
+            self.engine.shm_refused.setdefault(peer, 0)  # the peer made no ring (shm_refused there)
+        shm = out.theirs is not None
+        streams = 1 if shm else max(1, min(int(msg.get("streams", 1)), self.nsocks))
+        card = self.cards[peer]
+        for index in range(1, streams):
+            self._start_out(peer, (card["addr"], int(card["port"])), index, out.pair, out)
+        self._maybe_install_out(out)
+
+    def _maybe_install_out(self, out: _Out) -> None:
+        if out.answer is None or out.joined < len(out.streams) or self._out.get(out.peer) is not out:
+            return
+        want = 1 if out.theirs is not None else max(1, min(int(out.answer.get("streams", 1)), self.nsocks))
+        if out.joined < want - 1:
+            return
+        del self._out[out.peer]
+        self._tries.pop(out.peer, None)
+        socks = [out.sock, *(s.sock for s in out.streams)]
+        if out.theirs is not None:
+            assert out.ring is not None
+            self._install(out.peer, socks, out.ring, out.theirs, out.pid, bool(out.answer.get("reads")))
+        else:
+            if out.ring is not None:
+                self._discard_ring(out.ring)
+            self._install(out.peer, socks)
+
+    def _failed_dial(self, peer: int, exc: Exception, primary: _Out | None) -> None:
+        if primary is not None:
+            self._drop_out(primary)
+        if isinstance(exc, Refused):
+            self.engine.peer_unreachable(peer, f"it is no longer listening: its process is gone ({exc})")
+        elif isinstance(exc, Unreachable):
+            self.engine.peer_unreachable(peer, f"its host does not answer ({exc})")
+        else:
+            tries = self._tries[peer] = self._tries.get(peer, 0) + 1
+            _log.info("rank %d: connecting to rank %d: %s; trying again", self.rank, peer, exc)
+            self._later[peer] = time.monotonic() + min(_RETRY_S * 2 ** (tries - 1), _RETRY_MAX_S)
+
+    def _give_up(self, peer: int, error: TensorwireError, primary: _Out | None) -> None:
+        if primary is not None:
+            self._drop_out(primary)
+        self.engine.peer_unreachable(peer, "", error)
+
+    def _drop_out(self, out: _Out) -> None:
+        if self._out.get(out.peer) is out:
+            del self._out[out.peer]
+        for s in out.streams:
+            self._streams.pop(s.sock.fileno(), None)
+            self._forget(s.sock)
+        self._forget(out.sock)
+        for ring in (out.ring, out.theirs):
+            if ring is not None:
+                self._discard_ring(ring)
+        out.ring = out.theirs = None
+
+    def _discard_ring(self, ring: Ring) -> None:
+        ring.unlink()
+        if ring.name.startswith(f"tw-{self.job_id[:24]}-{self.rank}-"):
+            self.budget.give(Ring.nbytes(ring.capacity))
+        ring.close()
+
+    # -- accepting ----------------------------------------------------------------------------
+    def _on_listener(self) -> None:
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                self._shed(exc)
+                return
+            self._admit(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
+
+    def _admit(self, sock: socket.socket, addr: str, reject: str = "") -> None:
+        if len(self._auth) >= self.cfg.auth_pending:
+            self._drop(next(iter(self._auth)), f"still unauthenticated when {self.cfg.auth_pending} others "
+                       f"were waiting (TENSORWIRE_AUTH_PENDING)")
+        sock.setblocking(False)
+        inc = Incoming(sock, addr, self.secret, self.job, self.cfg.auth_timeout)
+        fd = sock.fileno()
+        self._auth[fd] = inc
+        self._register(fd, lambda: self._on_incoming(fd, inc, reject))
+
+    def _shed(self, exc: OSError) -> None:
+        """No descriptor left to accept with: raise the soft limit where the hard one allows,
+        else take the one held spare to tell the dialer, which then raises the error."""
+        error = limits.translate(exc, f"rank {self.rank}: accepting a connection") or ResourceError(str(exc))
+        if exc.errno == errno.EMFILE and limits.raise_soft_limit():
+            return
+        _log.warning("%s", error)
+        self._handlers.pop(self.listener.fileno(), None)
+        self._poll.unregister(self.listener.fileno())
+        self._listening_again = time.monotonic() + _SHED_S
+        if self._spare is None:
+            return
+        os.close(self._spare)
+        self._spare = None
+        try:
+            sock, addr = self.listener.accept()
+        except OSError:
+            self._spare = _spare_descriptor()
+            return
+        self._admit(sock, str(addr), reject=str(error))
+
+    def _drop(self, fd: int, reason: str) -> None:
+        inc = self._auth.pop(fd)
+        self._refused(inc.addr, reason)
+        self._forget(inc.sock)
+
+    def _on_incoming(self, fd: int, inc: Incoming, reject: str) -> None:
+        try:
+            if not inc.step():
+                return
+        except (OSError, auth.HandshakeFailed) as exc:
+            self._drop(fd, str(exc) or type(exc).__name__)
+            return
+        del self._auth[fd]
+        if inc.world_size != self.engine.world_size or not 0 <= inc.rank < self.engine.world_size:
+            self._refused(inc.addr, f"rank {inc.rank} of a world of {inc.world_size} (this one has "
+                          f"{self.engine.world_size})")
+            self._forget(inc.sock)
+            return
+        link = _In(inc)
+        link.reject = reject
+        link.expires = time.monotonic() + self.cfg.auth_timeout
+        self._joining[fd] = link
+        self._handlers[fd] = lambda: self._on_in(link)
+
+    def _on_in(self, link: _In) -> None:
+        try:
+            msg = link.msgs.receive()
+            if msg is None:
+                return
+            if link.final:
+                self._finished(link, msg)
+            elif msg.get("op") == "pair":
+                self._offered(link, msg)
+            elif msg.get("op") == "stream":
+                self._stream_joined(link, msg)
+            else:
+                raise ConnectionError(f"an unknown setup message {str(msg)[:80]}")
+        except (OSError, ValueError) as exc:
+            self._abandon_in(link, f"rank {link.peer}'s pair setup failed: {exc}")
+
+    def _offered(self, link: _In, msg: dict) -> None:
+        peer = link.peer
+        self._joining.pop(link.sock.fileno(), None)
+        if link.reject:
+            link.msgs.send({"ok": False, "why": "descriptors",
+                            "text": f"rank {self.rank} could not accept the connection from rank {peer}: "
+                                    f"{link.reject}"})
+            self._forget(link.sock)
+            if self._spare is None:
+                self._spare = _spare_descriptor()
+            return
+        channel = self.engine.channels.get(peer)
+        if peer in self.engine.lost:
+            link.msgs.send({"ok": False, "why": "lost",
+                            "text": f"rank {self.rank} counts rank {peer} as lost "
+                                    f"({self.engine.lost[peer]})"})
+            self._forget(link.sock)
+            return
+        if channel is not None and channel.kind != "pending":
+            link.msgs.send({"ok": False, "why": "have",
+                            "text": f"rank {self.rank} is connected to a rank {peer} already: do two "
+                                    f"processes claim that rank?"})
+            self._forget(link.sock)
+            return
+        mine = self._out.get(peer)
+        if mine is not None:
+            if self.rank < peer:  # this rank's dial wins
+                link.msgs.send({"ok": False, "why": "crossed"})
+                self._forget(link.sock)
+                return
+            self._drop_out(mine)
+        self._later.pop(peer, None)
+        old = self._in.pop(peer, None)
+        if old is not None:
+            self._abandon_in(old, "")
+        link.pair = int(msg.get("pair", 0))
+        self._in[peer] = link
+        link.expires = time.monotonic() + self.cfg.auth_timeout
+        local = self.cfg.transport != "tcp" and msg.get("where") == self.where
+        if local:
+            self.engine.host_peers.add(peer)
+        their_ring = msg.get("ring") if local else None
+        if their_ring is not None:
+            link.theirs, why, link.pid = self._map(their_ring)
+            if link.theirs is None:
+                self.engine.shm_refused[peer] = why
+            elif self.ring_max:
+                size = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
+                link.ring, why = self.make_ring(peer, size, size)
+                if link.ring is None:
+                    self.engine.shm_refused[peer] = why
+        elif local:
+            self.engine.shm_refused.setdefault(peer, 0)
+        if link.theirs is not None and link.ring is None:
+            self._discard_ring(link.theirs)
+            link.theirs = None
+        shm = link.ring is not None
+        link.want_streams = 1 if shm else max(1, min(int(msg.get("streams", 1)), self.nsocks))
+        link.msgs.send({"ok": True, "mapped": link.theirs is not None, "reads": link.pid != 0,
+                        "ring": self._ring_offer(link.ring), "streams": link.want_streams})
+        link.final = shm
+        if not shm:
+            self._maybe_install_in(link)
+
+    def _finished(self, link: _In, msg: dict) -> None:
+        """The dialer's last word on the rings: whether it mapped this rank's."""
+        link.final = False
+        assert link.ring is not None and link.theirs is not None
+        link.ring.unlink()
+        if not msg.get("mapped"):
+            self.engine.shm_refused.setdefault(link.peer, 0)
+            self._discard_ring(link.ring)
+            self._discard_ring(link.theirs)
+            link.ring = link.theirs = None
+            link.want_streams = 1
+        link.reads = bool(msg.get("reads"))  # type: ignore[attr-defined]
+        self._maybe_install_in(link)
+
+    def _stream_joined(self, link: _In, msg: dict) -> None:
+        fd = link.sock.fileno()
+        self._joining.pop(fd, None)
+        primary = self._in.get(link.peer)
+        if primary is None or primary.pair != msg.get("pair") \
+                or len(primary.streams) >= primary.want_streams - 1:
+            link.msgs.send({"ok": False, "why": "no such pair being set up"})
+            self._forget(link.sock)
+            return
+        link.msgs.send({"ok": True})
+        primary.streams.append((int(msg.get("index", 0)), self._hand_over(link.sock)))
+        self._maybe_install_in(primary)
+
+    def _maybe_install_in(self, link: _In) -> None:
+        if link.final or len(link.streams) < link.want_streams - 1 or self._in.get(link.peer) is not link:
+            return
+        del self._in[link.peer]
+        socks = [self._hand_over(link.sock), *(sock for _, sock in sorted(link.streams, key=lambda s: s[0]))]
+        if link.ring is not None and link.theirs is not None:
+            self._install(link.peer, socks, link.ring, link.theirs, link.pid, getattr(link, "reads", False))
+        else:
+            self._install(link.peer, socks)
+
+    def _abandon_in(self, link: _In, why: str) -> None:
+        if why:
+            _log.info("rank %d: %s", self.rank, why)
+        self._joining.pop(link.sock.fileno(), None)
+        if self._in.get(link.peer) is link:
+            del self._in[link.peer]
+        for sock in (link.sock, *(sock for _, sock in link.streams)):
+            self._forget(sock)
+        for ring in (link.ring, link.theirs):
+            if ring is not None:
+                self._discard_ring(ring)
+        link.ring = link.theirs = None
+
+    # -- channels -----------------------------------------------------------------------------
+    def _install(self, peer: int, socks: list[socket.socket], out: Ring | None = None,
+                 inn: Ring | None = None, pid: int = 0, reads: bool = False) -> None:
+        engine, cfg = self.engine, self.cfg
+        try:
+            for sock in socks:
+                tune_socket(sock, cfg)
+        except TensorwireError as exc:
+            for sock in socks:
+                sock.close()
+            engine.peer_unreachable(peer, "", exc)
+            return
+        streams = [SocketStream(sock, peer, engine, cfg.tcp_chunk_bytes, cfg.max_message) for sock in socks]
+        if out is not None and inn is not None:
+            channel: Any = ShmChannel(streams[0], out, inn, engine, pid, reads, _PairRings(self, peer),
+                                      self.ring_max)
+        else:
+            channel = TcpChannel(streams)
+        if not engine.install(peer, channel):
+            channel.close()
+            return
+        _log.info("rank %d connected to rank %d (%s%s)", self.rank, peer, channel.kind,
+                  f", {len(streams)} streams" if len(streams) > 1 else "")
+
+    def _release_all(self) -> None:
+        for out in [*self._out.values()]:
+            self._drop_out(out)
+        for link in [*self._in.values(), *self._joining.values()]:
+            self._abandon_in(link, "")
+        for inc in self._auth.values():
+            with contextlib.suppress(OSError):
+                inc.sock.close()
+        self._auth.clear()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        for fd in (self._wake, self._spare):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake, self._spare = -1, None
+
+    @staticmethod
+    def _listen(address: str, world_size: int) -> socket.socket:
+        try:
+            sock = socket.create_server((address, 0), backlog=max(world_size, 16))
+        except OSError as exc:
+            raise limits.translate(exc, f"listening on {address}") or \
+                RendezvousError(f"cannot listen on {address}: {exc}") from exc
+        sock.setblocking(False)
+        return sock
+
+
+def _spare_descriptor() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
