@@ -203,8 +203,8 @@ def _pow2(n: int) -> int:
 class ShmChannel:
     """Data through rings, control and liveness through the peer's socket.
 
-    Rings start small and grow with the traffic: a message of more than a quarter of the
-    ring makes its writer move to a larger one (up to `target`, TENSORWIRE_SHM_RING, within
+    Rings start small and grow with the traffic: a message of more than half the ring makes
+    its writer move to one that holds two such messages (up to `target`, TENSORWIRE_SHM_RING, within
     this rank's share of /dev/shm), announced in the old ring by a MOVE record that the
     reader follows. So a pair that only ever exchanges small messages (setup, barriers,
     small collectives) holds two small rings, and /dev/shm grows with the traffic, not with
@@ -238,7 +238,7 @@ class ShmChannel:
 
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
-        if n * 4 > self.out.capacity and self.out.capacity < self.target:
+        if n * 2 > self.out.capacity and self.out.capacity < self.target:
             self._grow(n)
         if self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
             self._offer(req)
@@ -246,10 +246,11 @@ class ShmChannel:
             self.sendq.append(req)
 
     def _grow(self, nbytes: int) -> None:
-        """Move to a ring that holds four messages of `nbytes` (at least twice the current one),
-        once what is queued before has been written: a MOVE record in sendq."""
+        """Move to a ring that holds two messages of `nbytes` (at least twice the current one:
+        one is written while the other is read), once what is queued before has been written:
+        a MOVE record in sendq."""
         assert self.source is not None
-        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(4 * nbytes))))
+        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * nbytes))))
         if ring is None:
             self.target = self.out.capacity  # nothing larger fits: stay (and stop asking)
             return
