@@ -336,7 +336,7 @@ class Host:
 
 
 _INIT_ADVERTISE = re.compile(r"rank (\d+)/(\d+) from \S+, store (\S+), advertising (\S+), transport (\S+)")
-_INIT_CONNECTED = re.compile(r"rank (\d+) connected: shm peers \[([\d, ]*)\], tcp peers \[([\d, ]*)\]")
+_INIT_CONNECTED = re.compile(r"rank (\d+) wired: shm peers \[([\d, ]*)\], tcp peers \[([\d, ]*)\]")
 _TC_SENT = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
 
 
@@ -572,7 +572,7 @@ class Runner:
         for raw in h.proc.stdout:
             line = raw.decode(errors="replace").rstrip("\r\n")
             h.tail.append(line)
-            if "tensorwire" in line and ("advertising" in line or "connected:" in line):
+            if "tensorwire" in line and ("advertising" in line or "wired:" in line):
                 h.init_lines.append(line)
             with _log_lock:
                 try:
@@ -704,7 +704,7 @@ class Runner:
                     problems.append(f"rank {r} on {home.hostname}: advertised {addr}, "
                                     f"expected {want_addr}")
             if r not in seen_conn:
-                problems.append(f"rank {r}: no 'connected:' INIT line (did it finish connecting?)")
+                problems.append(f"rank {r}: no 'wired:' INIT line (did it finish init?)")
                 continue
             _, shm, tcp = seen_conn[r]
             if shm != want_shm or tcp != want_tcp:

@@ -246,7 +246,7 @@ def _check_collectives(res: BedResult, hosts: int, nproc: int, tcp: bool = False
     for r, addr in adv.items():
         assert addr == f"10.77.0.{r // nproc + 1}", f"rank {r} advertised {addr}"
     # Shared memory exactly within a host (unless TCP is forced), TCP across hosts.
-    for m in res.lines(r"rank (\d+) connected: shm peers \[([\d, ]*)\], tcp peers \[([\d, ]*)\]"):
+    for m in res.lines(r"rank (\d+) wired: shm peers \[([\d, ]*)\], tcp peers \[([\d, ]*)\]"):
         r = int(m.group(1))
         shm = {int(v) for v in m.group(2).replace(",", " ").split()}
         tcp_peers = {int(v) for v in m.group(3).replace(",", " ").split()}

@@ -125,4 +125,8 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     _log.info("rank %d listening on %s:%d (host %s); %d peer(s) on this host, rings grow up to %s within %s "
               "of /dev/shm; pairs connect on first use", rank, card["addr"], wiring.port, card["host"],
               len(local) - 1, shm_budget.size_text(wiring.ring_max), shm_budget.size_text(share))
+    if _log.isEnabledFor(20):
+        kinds = {r: engine.planned_kind(r) for r in cards if r != rank}
+        _log.info("rank %d wired: shm peers %s, tcp peers %s", rank,
+                  [r for r, k in kinds.items() if k == "shm"], [r for r, k in kinds.items() if k == "tcp"])
     return engine, cards
