@@ -377,7 +377,7 @@ def format_row(size: int, count: int, type_name: str, op_name: str, root: int,
 def _transport_of(tw: Any) -> str:
     try:
         channels = tw.world().runtime.engine.channels.values()
-        kinds = sorted({type(c).__name__.replace("Channel", "").lower() for c in channels})
+        kinds = sorted({c.kind for c in channels if c.kind != "pending"})
         return "+".join(kinds) if kinds else "none (1 rank)"
     except Exception:
         return "?"

@@ -556,7 +556,8 @@ class Wiring:
         if primary is not None:
             self._drop_out(primary)
         if isinstance(exc, Refused):
-            self.engine.peer_unreachable(peer, f"it is no longer listening: its process is gone ({exc})")
+            self.engine.peer_unreachable(peer, f"nobody listens at its address any more: it exited or left "
+                                               f"the job ({exc})")
         elif isinstance(exc, Unreachable):
             self.engine.peer_unreachable(peer, f"its host does not answer ({exc})")
         else:
