@@ -41,6 +41,16 @@ def in_job() -> dict[str, Any]:
     import tensorwire as tw
 
     t0 = time.monotonic()
+    try:
+        return _rank(tw, np, t0)
+    except tw.TensorwireError as exc:  # reported, as what a rank that fails says is part of the result
+        out = {"rank": int(os.environ.get("RANK", -1)), "ok": False, "error": type(exc).__name__,
+               "msg": str(exc), "t": time.monotonic() - t0}
+        print("@@" + json.dumps(out), flush=True)
+        return out
+
+
+def _rank(tw: Any, np: Any, t0: float) -> dict[str, Any]:
     world = tw.init()
     init_s = time.monotonic() - t0
     rank, n = world.rank, world.size
@@ -48,12 +58,15 @@ def in_job() -> dict[str, Any]:
     x = np.full(ALL_REDUCE_COUNT, rank + 1, np.float32)
     tw.all_reduce(x)
     ok = bool((x == n * (n + 1) / 2).all())
-    if n > 1 and os.environ.get("WIRING_NEIGHBOURS"):  # a rank that talks to its ring neighbours
-        got = np.empty(4, np.int64)
-        sent = world.isend(np.full(4, rank, np.int64), (rank + 1) % n)
-        world.recv(got, (rank - 1) % n)
-        sent.wait()
-        ok = ok and bool((got == (rank - 1) % n).all())
+    talk = os.environ.get("WIRING_TALK", "")  # "neighbours": the ring's; "all": every rank
+    if n > 1 and talk:
+        shift = range(1, 2) if talk == "neighbours" else range(1, n)
+        for k in shift:
+            got = np.empty(4, np.int64)
+            sent = world.isend(np.full(4, rank, np.int64), (rank + k) % n)
+            world.recv(got, (rank - k) % n)
+            sent.wait()
+            ok = ok and bool((got == (rank - k) % n).all())
     engine = world.runtime.engine
     fds = os.listdir("/proc/self/fd")
     links = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
@@ -73,10 +86,11 @@ def in_job() -> dict[str, Any]:
     return out
 
 
-def measure(n: int, *, ulimit: int = 0, tcp: bool = False, neighbours: bool = False,
+def measure(n: int, *, ulimit: int = 0, tcp: bool = False, talk: str = "",
             env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any]:
     """Run one job of `n` ranks on this host (see the module docstring); per-rank reports and
-    the store's counts."""
+    the store's counts. `talk`: also exchange a message with the ring neighbours
+    ("neighbours") or every other rank ("all")."""
     from tensorwire import auth
     from tensorwire.rendezvous.store import TCPStoreServer
 
@@ -87,11 +101,12 @@ def measure(n: int, *, ulimit: int = 0, tcp: bool = False, neighbours: bool = Fa
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), WORLD_SIZE=str(n),
                 LOCAL_WORLD_SIZE=str(n), TENSORWIRE_STORE_HOSTED="1", TENSORWIRE_JOB_ID=f"scale{server.port}",
                 TENSORWIRE_SECRET=text, TENSORWIRE_CALIBRATE="0", TENSORWIRE_TIMEOUT=str(timeout),
-                WIRING_HOLD="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+                WIRING_HOLD="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base.update(env or {})
     if tcp:
         base["TENSORWIRE_TRANSPORT"] = "tcp"
-    if neighbours:
-        base["WIRING_NEIGHBOURS"] = "1"
+    if talk:
+        base["WIRING_TALK"] = talk
 
     def cap() -> None:
         if ulimit:
@@ -108,16 +123,17 @@ def measure(n: int, *, ulimit: int = 0, tcp: bool = False, neighbours: bool = Fa
             while r not in reports:
                 line = proc.stdout.readline()  # type: ignore[union-attr]
                 if not line:
-                    raise RuntimeError(f"rank {r} ended without a report (rc {proc.wait()}):\n"
-                                       f"{proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
-                if line.startswith("@@"):
+                    reports[r] = {"rank": r, "ok": False, "error": "no report",
+                                  "msg": f"exit code {proc.wait()}: {proc.stderr.read()[-2000:]}"}  # type: ignore
+                elif line.startswith("@@"):
                     reports[r] = json.loads(line[2:])
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {r} did not report within {timeout:g} s")
         shm_used = max(0, free_before - _shm_free())
         for proc in procs:
-            proc.stdin.write("\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
+            if proc.poll() is None:
+                proc.stdin.write("\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
         codes = [proc.wait(max(1.0, deadline - time.monotonic())) for proc in procs]
     finally:
         for proc in procs:
@@ -144,8 +160,10 @@ def summary(job: dict[str, Any]) -> dict[str, Any]:
     def stat(values: list[float]) -> tuple[float, float]:
         return max(values), statistics.mean(values)
 
+    reps = [r for r in reps if "channels" in r] or [{"channels": {}, "fds": 0, "init_s": 0, "ring_bytes": 0,
+                                                      "segment_bytes": 0}]
     conns = [sum(r["channels"].values()) for r in reps]
-    return {"np": job["np"], "ok": all(r["ok"] for r in reps) and not any(job["codes"]),
+    return {"np": job["np"], "ok": all(r.get("ok") for r in job["reports"]) and not any(job["codes"]),
             "fds": stat([r["fds"] for r in reps]), "connections": stat(conns),
             "shm_mib": job["shm_bytes"] / (1 << 20),
             "own_mib": sum(r["ring_bytes"] + r["segment_bytes"] for r in reps) / (1 << 20),
@@ -159,6 +177,8 @@ def main() -> None:
     p.add_argument("--np", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--ulimit", type=int, default=0, help="start the ranks with ulimit -n N")
     p.add_argument("--tcp", action="store_true", help="TENSORWIRE_TRANSPORT=tcp")
+    p.add_argument("--talk", choices=["neighbours", "all"], default="",
+                   help="after the all_reduce, exchange a message with the ring neighbours or every rank")
     p.add_argument("--json", default="", help="write every job's reports here")
     p.add_argument("--in-job", action="store_true", help="run one rank's part (under a launcher)")
     args = p.parse_args()
@@ -171,7 +191,7 @@ def main() -> None:
           "(mean) | ok |")
     print("|---|---|---|---|---|---|---|")
     for n in args.np:
-        job = measure(n, ulimit=args.ulimit, tcp=args.tcp)
+        job = measure(n, ulimit=args.ulimit, tcp=args.tcp, talk=args.talk)
         jobs.append(job)
         s = summary(job)
         print(f"| {n} | {s['fds'][0]} ({s['fds'][1]:.1f}) | {s['connections'][0]} "

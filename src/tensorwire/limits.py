@@ -44,8 +44,8 @@ def wiring_need(world_size: int) -> int:
 def open_descriptors() -> int:
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listing it
-    except OSError:
-        return 0
+    except OSError as exc:  # no descriptor left to list them with: as many as the limit
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0] if exc.errno == errno.EMFILE else 0
 
 
 def _unlimited(value: int) -> bool:

@@ -175,17 +175,23 @@ class Engine:
 
     def peer_unreachable(self, peer: int, reason: str, error: BaseException | None = None) -> None:
         """The wiring could not connect `peer`: lost (`reason`: its process or host is gone, as
-        if its connection had closed), or failing with `error` (another secret, no
-        descriptors): what waits for it fails so."""
+        if its connection had closed), or failing with `error` (another secret, a refusal):
+        what waits for it fails so. A ResourceError (no descriptor, here or there) fails what
+        waits now and leaves the peer to be dialed again by the next message."""
         with self.lock:
             if peer in self.lost or self._closed:
                 return
             if error is None:
                 self._peer_lost(peer, reason)
                 return
-            self.link_errors[peer] = error
-            self.lost[peer] = str(error)
             channel = self.channels.get(peer)
+            if isinstance(error, ResourceError):
+                if channel is not None and channel.kind == "pending":
+                    del self.channels[peer]
+                    self._channel_list = list(self.channels.values())
+            else:
+                self.link_errors[peer] = error
+                self.lost[peer] = str(error)
             for req in channel.pending() if channel is not None else ():
                 req.fail(error)
             for key in [k for k in self.posted if k[0] == peer]:

@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 _log = log.get("TRANSPORT")
 _RETRY_S = 0.05  # first pause before dialing again after a dial that may succeed next time
 _RETRY_MAX_S = 1.0
-_CROSSED_WAIT = 2.0  # in auth timeouts: how long a rank whose dial was crossed waits for the other's
+_CROSSED_WAIT_S = 1.0
+"""How long a rank whose dial was crossed waits for the other rank's before it dials again (the
+other may have given its own up, short of descriptors; a dial still under way crosses again)."""
 _SHED_S = 0.1  # how long the listener rests when no descriptor is left to accept with
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _POLLERR = select.POLLERR | select.POLLHUP
@@ -507,7 +509,7 @@ class Wiring:
             why = msg.get("why", "")
             self._drop_out(out)
             if why == "crossed":  # its own dial to this rank wins: wait for it (dial again if it never comes)
-                self._later[peer] = time.monotonic() + _CROSSED_WAIT * self.cfg.auth_timeout
+                self._later[peer] = time.monotonic() + _CROSSED_WAIT_S
                 return
             text = msg.get("text", why)
             error: TensorwireError = ResourceError(text) if why == "descriptors" else \
@@ -780,6 +782,9 @@ class Wiring:
         self._joining.pop(link.sock.fileno(), None)
         if self._in.get(link.peer) is link:
             del self._in[link.peer]
+            wanted = getattr(self.engine.channels.get(link.peer), "kind", "") == "pending"
+            if wanted and link.peer not in self._out:  # this rank waits for the pair: dial it itself
+                self._later.setdefault(link.peer, time.monotonic() + _RETRY_S)
         for sock in (link.sock, *(sock for _, sock in link.streams)):
             self._forget(sock)
         for ring in (link.ring, link.theirs):
