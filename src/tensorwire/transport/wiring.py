@@ -192,7 +192,7 @@ class Wiring:
         self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
         self.budget = shm_budget.RingBudget(0)
         self.ring_max = 0  # how large rings may grow (shm_budget.plan_rings); 0: none (TCP)
-        self.readable = "" if cfg.single_copy == "0" else "unset"  # see start()
+        self.reads_refused = "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else ""  # see start()
         self.listener = self._listen(address, world_size)
         tune_socket(self.listener, cfg)  # a congestion control the kernel refuses fails init (accepted
         self.port = self.listener.getsockname()[1]  # sockets inherit the listener's settings)
@@ -248,11 +248,10 @@ class Wiring:
         /dev/shm among its `local` ranks of this host (shm_budget.ring_share)."""
         self.budget = shm_budget.RingBudget(share)
         self.ring_max = shm_budget.plan_rings(share, local, self.cfg.shm_ring_bytes) if share else 0
-        if self.readable:
-            self.readable = cma.allow_peers()
-            if self.readable and self.ring_max:
-                _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
-                          "messages go through the rings", self.rank, self.readable)
+        self.reads_refused = self.reads_refused or cma.allow_peers()
+        if self.reads_refused and self.ring_max:
+            _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
+                      "messages go through the rings", self.rank, self.reads_refused)
         self._register(self.listener.fileno(), self._on_listener)
         self._register(self._wake, self._on_wake)
         self._thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
@@ -317,7 +316,7 @@ class Wiring:
         if ring is None:
             return None
         offer = {"name": ring.name, "nonce": ring.nonce, "capacity": ring.capacity}
-        if not self.readable:
+        if not self.reads_refused:  # the peer may read this process's memory: it tries
             offer.update(pid=os.getpid(), probe=ring.nonce_address)
         return offer
 
