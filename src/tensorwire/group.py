@@ -194,7 +194,7 @@ class Group(Collectives):
     def layout(self) -> Layout | None:
         """Where the group's ranks lie across hosts (topo.Layout: the orders its algorithms
         run in, its hierarchy); None for a group on one host, or where the runtime knows no
-        topology (a world whose pairs connect on demand)."""
+        topology (the torch backend's runtime over another backend's world)."""
         if self._layout is False:
             topo = getattr(self.runtime, "topology", None)
             self._layout = None if topo is None or self.all_local else topo.layout(self.ranks, self.name)

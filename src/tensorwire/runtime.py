@@ -29,7 +29,8 @@ class Runtime:
     segments: list = field(default_factory=list)  # shared segments of this process's groups
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
-    topology: Topology | None = None  # who is near whom (None: a world whose pairs connect on demand)
+    topology: Topology | None = None  # who is near whom (None: the torch backend's runtime over another
+    # backend's world, which learns its peers group by group)
 
     def close(self) -> None:
         for group in list(self.groups):

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import auth, limits, log
 from ..config import Config
-from ..errors import ResourceError, TimeoutError
+from ..errors import InvalidArgumentError, RendezvousError, ResourceError, TensorwireError, TimeoutError
 from ..rendezvous.store import Store
 from . import shm_budget
 from .engine import Engine
@@ -42,8 +42,8 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
                    timeout: float) -> dict[int, dict[str, Any]]:
     """Every rank's card (this one's is `card`), for 2 store requests a rank (rank 0: 3).
 
-    TimeoutError naming the ranks that published nothing in time; ResourceError where a rank
-    published an error instead of its card (it cannot join)."""
+    TimeoutError naming the ranks that published nothing in time; where a rank published an
+    error instead of its card (it cannot join), an error of that class naming it."""
     store.set(_card_key(rank), json.dumps(card).encode())
     if rank == 0:
         others = list(range(1, world_size))
@@ -72,7 +72,9 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
             f"running with the same WORLD_SIZE={world_size} and store?")
     for r, theirs in enumerate(blob):
         if "error" in theirs and r != rank:
-            raise ResourceError(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
+            cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
+                theirs.get("class", ""), RendezvousError)
+            raise cls(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
     return dict(enumerate(blob))
 
 
@@ -93,15 +95,15 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         limits.ensure_descriptors(limits.wiring_need(world_size) + serving, f"rank {rank}: init", why)
         wiring = Wiring(engine, cfg, job_id, secret, card["addr"], (card["host"], card["machine"]),
                         world_size)
-    except ResourceError as exc:
+    except TensorwireError as exc:  # no descriptors, a setting the kernel refuses: every rank raises it
         if rank:
-            store.set(_card_key(rank), json.dumps({"error": str(exc)}).encode())  # every rank raises it
+            store.set(_card_key(rank), json.dumps({"error": str(exc), "class": type(exc).__name__}).encode())
             raise
         error, wiring = exc, None  # rank 0 still gathers the cards: the others learn of it from them
     try:
         _, shm_free = shm_budget.usage()  # before it publishes: before any segment of the job exists
         mine = {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()} \
-            if wiring is not None else {"error": str(error)}
+            if wiring is not None else {"error": str(error), "class": type(error).__name__}
         cards = exchange_cards(rank, world_size, store, mine, deadline, cfg.timeout)
         if error is not None:
             raise error
