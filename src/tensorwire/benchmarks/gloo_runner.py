@@ -1,7 +1,9 @@
 """Gloo through torch.distributed, timed like tensorwire: a peer of `tensorwire bench --compare`.
 
 Started by `python -m torch.distributed.run --nproc-per-node N -m tensorwire.benchmarks.gloo_runner
-...` (see `peer.parse_args` for the arguments). Buffers are tensorwire's numpy views wrapped
+...` (see `peer.parse_args` for the arguments), or as the job of `tensorwire run` (across the
+emulated hosts of scripts/netns_cluster.py: bench/hosts_sweep.py), whose launcher's store holds
+MASTER_PORT: Gloo's store then takes the next port. Buffers are tensorwire's numpy views wrapped
 with `torch.from_numpy` (no copies). torch.distributed's all_reduce, broadcast and reduce work
 in place only; all_gather_into_tensor, reduce_scatter_tensor, gather and scatter take separate
 buffers or, in place, views of one (checked to give nccl-tests' results); all_to_all_single and
@@ -10,6 +12,7 @@ isend / irecv separate buffers only.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +41,12 @@ class Gloo:
 
         warnings.filterwarnings("ignore", category=FutureWarning)
         self.torch, self.dist = torch, dist
-        dist.init_process_group("gloo")
+        if os.environ.get("TENSORWIRE_STORE_HOSTED") == "1":
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group("gloo")
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def placements(self, coll: str) -> tuple[str, ...]:
