@@ -408,41 +408,44 @@ def _apply(data: bytes, edits: list[tuple[int, int]]) -> bytes:
 _STRANGER = stranger_hello() + bytes(auth.MAC_BYTES) + _encode_request(1, ["tw/peer/0"], b"evil")
 
 
-@FUZZ
-@given(st.one_of(st.binary(max_size=300), _mutated(_STRANGER)))
-def test_fuzz_store_unauthenticated(server_once: TCPStoreServer, data: bytes) -> None:
-    """Random and mutated bytes from a stranger: at most the challenge comes back, the server
-    lives on, and the store is unchanged."""
-    with socket.create_connection((LOOPBACK, server_once.port)) as s:
-        send_all(s, data)
-        with_hangup(s)
-        assert len(read_all(s)) <= CHALLENGE
-    assert server_once._thread.is_alive()
-
-
 _REQUESTS = [_encode_request(op, keys, value, timeout) for op, keys, value, timeout in (
     (1, ["a"], b"x" * 10, 0.0), (2, ["a"], b"", 0.01), (3, ["n"], struct.pack(">q", 5), 0.0),
     (4, ["a", "b"], b"", 0.01), (5, ["a", "zz"], b"", 0.0), (6, ["a"], b"", 0.0),
     (2, ["gone"], b"", float("nan")), (4, ["gone"], b"", -1.0), (2, ["gone"], b"", float("inf")))]
 
 
-@FUZZ
-@given(st.lists(st.one_of(st.sampled_from(_REQUESTS), *(_mutated(r) for r in _REQUESTS),
-                          st.binary(max_size=64)), max_size=6))
-def test_fuzz_store_authenticated_frames(server_once: TCPStoreServer, frames: list[bytes]) -> None:
-    """Even a client with the secret cannot crash the server or make it hold more than one
-    bounded frame; whatever it sends, the others are still served."""
-    with socket.create_connection((LOOPBACK, server_once.port)) as s:
-        s.settimeout(5)
-        auth.initiate(s, KEY, b"tensorwire store v2", STORE_MAGIC, b"")
-        send_all(s, b"".join(frames))
-        with_hangup(s)
-        read_all(s)
-    assert server_once._thread.is_alive()
-    with _client(server_once) as good:
-        assert good.add("alive", 1) >= 1
-        with pytest.raises(TimeoutError):  # deadlines still expire: no poisoned waiter queue
-            good.get("never", timeout=0.01)
+class TestFuzzStore:
+    """The store fuzzed over one server (hypothesis runs each test's examples against it): the
+    server's growth is checked when the class is done, before other tests allocate."""
+
+    @FUZZ
+    @given(st.one_of(st.binary(max_size=300), _mutated(_STRANGER)))
+    def test_fuzz_store_unauthenticated(self, server_once: TCPStoreServer, data: bytes) -> None:
+        """Random and mutated bytes from a stranger: at most the challenge comes back, the server
+        lives on, and the store is unchanged."""
+        with socket.create_connection((LOOPBACK, server_once.port)) as s:
+            send_all(s, data)
+            with_hangup(s)
+            assert len(read_all(s)) <= CHALLENGE
+        assert server_once._thread.is_alive()
+
+    @FUZZ
+    @given(st.lists(st.one_of(st.sampled_from(_REQUESTS), *(_mutated(r) for r in _REQUESTS),
+                              st.binary(max_size=64)), max_size=6))
+    def test_fuzz_store_authenticated_frames(self, server_once: TCPStoreServer, frames: list[bytes]) -> None:
+        """Even a client with the secret cannot crash the server or make it hold more than one
+        bounded frame; whatever it sends, the others are still served."""
+        with socket.create_connection((LOOPBACK, server_once.port)) as s:
+            s.settimeout(5)
+            auth.initiate(s, KEY, b"tensorwire store v2", STORE_MAGIC, b"")
+            send_all(s, b"".join(frames))
+            with_hangup(s)
+            read_all(s)
+        assert server_once._thread.is_alive()
+        with _client(server_once) as good:
+            assert good.add("alive", 1) >= 1
+            with pytest.raises(TimeoutError):  # deadlines still expire: no poisoned waiter queue
+                good.get("never", timeout=0.01)
 
 
 def with_hangup(s: socket.socket) -> None:
@@ -452,7 +455,7 @@ def with_hangup(s: socket.socket) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def server_once():
     limits = StoreLimits(max_value=4096, max_connections=256, auth_timeout=1.0, auth_pending=16)
     srv = TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits)
