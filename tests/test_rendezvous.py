@@ -663,14 +663,22 @@ def test_create_store_through_torchrun_agent_store() -> None:
     agent = dist.TCPStore(LOOPBACK, 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(agent.port),
            "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    store = create_store(detect(env=env), timeout=5)
+    info = detect(env=env)
+    store = create_store(info, timeout=5)
+    again = None
     try:
-        assert isinstance(store, TorchStoreAdapter)
-        assert agent.get("tw/world_size") == b"1"  # our keys went into the agent's store
+        assert isinstance(store, PrefixStore) and isinstance(store.inner, TorchStoreAdapter)
+        # our keys went into the agent's store, under the attempt's job id
+        assert agent.get(f"{info.job_id}/tw/world_size") == b"1"
         with pytest.raises(RendezvousError, match="rank 0 joined twice"):
             create_store(detect(env=env), timeout=5)
+        # the next attempt of an elastic job (--max-restarts) finds the store as the last left
+        # it, and joins afresh
+        again = create_store(detect(env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}), timeout=5)
     finally:
         store.close()
+        if again is not None:
+            again.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -396,3 +396,38 @@ def test_elastic_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
     assert "rank 1: killed at step 12 (attempt 0)" in out, out
     assert "resumed from step 10 (attempt 1)" in out, out
     assert "equal to a run without failures: True" in out, out
+
+
+_NATIVE_ATTEMPT = """\
+import os
+import numpy as np
+import tensorwire as tw
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+world = tw.init()
+x = np.ones(4, np.float32)
+tw.all_reduce(x)
+if attempt == 0 and world.rank == 1:
+    os._exit(3)
+tw.barrier()
+tw.all_reduce(x)
+print(f"rank {world.rank} attempt {attempt}: {x[0]:g}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_native_init_under_torchrun_restarts_afresh(tmp_path: Path) -> None:
+    """`tw.init()` (no torch backend) under `torchrun --max-restarts 1`: the agent's store
+    outlives the first attempt, whose roster must not make the second's ranks 'join twice'."""
+    pytest.importorskip("torch")
+    script = tmp_path / "attempt.py"
+    script.write_text(_NATIVE_ATTEMPT)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "TENSORWIRE_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TENSORWIRE_TIMEOUT="30", TENSORWIRE_CALIBRATE="0")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--monitor-interval", "0.2", str(script)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 1: 4" in proc.stdout, proc.stdout + proc.stderr[-3000:]

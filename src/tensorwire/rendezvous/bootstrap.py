@@ -22,6 +22,7 @@ from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutErro
 from tensorwire.rendezvous.store import (
     DEFAULT_LIMITS,
     FileStore,
+    PrefixStore,
     Store,
     StoreLimits,
     TCPStore,
@@ -554,7 +555,9 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
         store = FileStore(path, timeout=timeout, cleanup=True)
     elif scheme == "torch-agent":
         assert host is not None and port is not None
-        store = _torch_agent_store(host, port, timeout)
+        # The agent's store outlives the attempts of an elastic job (--max-restarts): each
+        # attempt's keys live under its job id, which counts the restarts.
+        store = PrefixStore(info.job_id, _torch_agent_store(host, port, timeout), owns=True)
     else:
         raise InvalidArgumentError(f"create_store cannot open init_method {info.init_method!r}; "
                                    f"resolve 'env://' with detect() first")

@@ -1015,15 +1015,17 @@ class FileStore(Store):
 class PrefixStore(Store):
     """A namespace inside another store, so groups and subsystems cannot collide on key names.
 
-    Closing a prefix view does not close the inner store: many views share one connection.
+    Closing a prefix view closes the inner store only where the view owns it (`owns`: the view
+    is its only user); otherwise many views share one connection.
     """
 
-    def __init__(self, prefix: str, inner: Store) -> None:
+    def __init__(self, prefix: str, inner: Store, *, owns: bool = False) -> None:
         super().__init__(inner.default_timeout)
         if not prefix:
             raise InvalidArgumentError("PrefixStore needs a non-empty prefix")
         self.prefix = prefix
         self.inner = inner
+        self.owns = owns
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{_check_key(key)}"
@@ -1050,7 +1052,8 @@ class PrefixStore(Store):
         return self.inner.delete_key(self._k(key))
 
     def close(self) -> None:
-        """Nothing to release: the inner store belongs to whoever created it."""
+        if self.owns:
+            self.inner.close()
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.prefix!r}, {self.inner!r})"
