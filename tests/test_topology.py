@@ -158,6 +158,25 @@ def test_hierarchy_priced_against_the_flat_algorithms() -> None:
                 assert all(0 <= c < float("inf") for c in costs), (coll, alg.name, costs)
 
 
+def test_host_phases_pay_the_wake_up_where_ranks_share_cores() -> None:
+    """Where the busy probe found a step costs far more than the rail's α (ranks sharing cores:
+    421 against 28 µs on emulated hosts on 2 vCPUs), each host phase pays the difference; a
+    table without busy links (a cluster priced by `tensorwire plan`) prices as before."""
+    tcp = tuner.Link("tcp", 28e-6, 1 / 0.119e9, 1 / 7.5e9)
+    links = {"shm": tuner.DEFAULT_LINKS["shm"], "tcp": tcp}
+    quiet, _ = tuner.phase_prices(tuner.LinkTable(links, {}), Config())
+    busy = {tuner.BUSY: tuner.Link(tuner.BUSY, 421e-6, 1 / 0.0565e9, 1 / 3.49e9)}
+    table = tuner.LinkTable({**links, **busy}, {}, extra={"busy_tier": "tcp"})
+    crowded, rail = tuner.phase_prices(table, Config())
+    for coll in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce"):
+        for nbytes in (64, 1 << 20):
+            assert crowded(coll, 2, nbytes) - quiet(coll, 2, nbytes) == pytest.approx(421e-6 - 28e-6), coll
+        assert crowded(coll, 1, 64) == quiet(coll, 1, 64) == 0.0
+    shape = Shape(4, 2, 2)
+    gather = algorithms_for("all_gather")["hierarchical"]
+    assert gather.phases(shape, 64, crowded, rail) > gather.phases(shape, 64, quiet, rail) + 421e-6
+
+
 # -- a real group given a layout of two "hosts" ------------------------------------------------------
 
 def rank_orders_and_hierarchy_on_one_host() -> tuple[int, list]:

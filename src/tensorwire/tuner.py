@@ -376,11 +376,20 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
     out: a host group may not get it). Between hosts on `rail_tier`, its β (and the busy
     links', where the world measured them on that tier: the rails run while every rank works,
     as the flat algorithms do, and are priced alike) multiplied by the flows that share a
-    host's link."""
+    host's link.
+
+    A host phase costs, on top, what the busy probe found a step costs beyond the rail's α
+    (busy α − α): where ranks share cores, each phase waits for its ranks to be woken, as each
+    step of a flat algorithm does (`predict`). Without it, on 4 and 8 emulated hosts x 2 ranks
+    on 2 vCPUs (busy α 421 µs against 28), the hierarchical all_gather and reduce_scatter of
+    64 B-16 KiB measured 2.0-2.5x their price and 1.4-2.8x the flat algorithms' time they were
+    chosen over (docs/benchmarks/hosts-netns.md); where each rank has a core the difference,
+    and so the charge, is small."""
     local_link, rail_link = table.link(local_tier), table.link(rail_tier)
     direct = table.links.get("direct") or DEFAULT_LINKS["direct"]
     across = table.extra.get("busy_tier") == rail_tier
     busy = tuple(table.links.get(b) if across else None for b in (BUSY, BUSY_RING, BUSY_PAIRS))
+    woken = max(0.0, busy[0].alpha - rail_link.alpha) if busy[0] is not None else 0.0
     one_way = table.links.get(ONE_WAY[rail_tier]) if rail_tier in ONE_WAY else None
 
     def cheapest(collective: str, n: int, nbytes: int, price_one: Callable[[Algorithm], float],
@@ -396,8 +405,9 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
 
     def local(collective: str, n: int, nbytes: int) -> float:
         one_shot = local_tier == "shm"
-        return cheapest(collective, n, nbytes,
-                        lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)
+        t = cheapest(collective, n, nbytes,
+                     lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)
+        return t + woken if n >= 2 else t
 
     def rail(collective: str, n: int, nbytes: int, share: float) -> float:
         def shared(link: Link | None) -> Link | None:
