@@ -210,14 +210,17 @@ def matrix(cases: list[int]) -> None:
 
 def mismatch() -> None:
     """Ranks that disagree on a hierarchical all_reduce's count (rank 0 one element more), or on
-    its size so far that rank 0 alone picks another algorithm: every rank raises a mismatch
-    that names the caller's call, not only the phase's sub-group, within seconds."""
+    its size so far that rank 0 alone runs another algorithm (4 elements: the leaders'
+    variant, the others the rails'): every rank raises a mismatch that names the caller's
+    call, not only the phase's sub-group, within seconds. Both are forced: whether the tuner
+    picks a hierarchy for these sizes depends on the machine's load."""
     r = tw.get_rank()
     count = 1 << 20
     for label, mine in (("count", count + (r == 0)), ("algorithm", 4 if r == 0 else count)):
         g = tw.new_group(list(range(tw.get_world_size())), name=label)
         try:
-            g.all_reduce(np.ones(mine, dtype=np.float32), timeout=20)
+            with tuner.override(g, "all_reduce", "hierarchical" if mine >= count else "hierarchical_leaders"):
+                g.all_reduce(np.ones(mine, dtype=np.float32), timeout=20)
         except tw.CollectiveMismatchError as exc:
             assert f" on group {label} (hierarchical)" in str(exc) and "all_reduce #" in str(exc), exc
             say(f"MISMATCH OK rank {r} {label}")
