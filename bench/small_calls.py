@@ -35,12 +35,12 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from selflaunch import run_workers
 
 LAYERS = ("flag", "minimal", "run", "submit", "np", "torch", "dist", "brun", "barrier", "dbarrier")
 
@@ -65,18 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "TENSORWIRE_JOB"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.nproc),
-               LOCAL_WORLD_SIZE=str(args.nproc), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-               PYTHONUNBUFFERED="1", TW_BENCH_FLAGS=f"/tw-bench-flags-{os.getpid()}")
-    forwarded = argv if argv is not None else sys.argv[1:]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *forwarded]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(args.nproc)]
-    codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
+    return run_workers(str(Path(__file__).resolve()), args.nproc, argv,
+                       TW_BENCH_FLAGS=f"/tw-bench-flags-{os.getpid()}")
 
 
 class Flags:
