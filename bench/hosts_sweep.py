@@ -26,19 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from tensorwire.benchmarks.report import fmt_us, human, machine, machine_lines
+from tensorwire.benchmarks.sweep import size_list
 from tensorwire.config import parse_size
 
 HERE = Path(__file__).resolve().parent
 TESTBED = HERE.parent / "scripts" / "netns_cluster.py"
 COLLS = "all_reduce,broadcast,all_gather,reduce_scatter"
-
-
-def sizes(lo: int, hi: int, factor: int) -> list[int]:
-    out, s = [], lo
-    while s <= hi:
-        out.append(s)
-        s *= factor
-    return out
 
 
 def testbed(hosts: int, per: int, args: argparse.Namespace, job: list[str], log: Path, result: Path) -> None:
@@ -117,7 +110,7 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     colls = [c for c in args.colls.split(",") if c]
-    sz = sizes(parse_size(args.b), parse_size(args.e), args.f)
+    sz = size_list(parse_size(args.b), parse_size(args.e), args.f, 0)
     report = []
     combined: dict[str, Any] = {}
     small, large = [v for v in sz if v < args.large_from], [v for v in sz if v >= args.large_from]
