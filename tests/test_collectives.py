@@ -1775,6 +1775,53 @@ def test_gather_scatter_repeated(cl) -> None:
     _expect(cl.run(rank_gather_scatter_repeated), 2 * 2 * 3 * len(cl.procs))
 
 
+def rank_gather_scatter_plans() -> dict:
+    """The planned gather and scatter (GatherPlan, ScatterPlan) in their awkward cases, each
+    signature repeated so that the later calls take the plan: in place (the root's own block
+    is its input), the root's input inside another rank's block, and a root whose list cannot
+    be planned (a tuple) against peers that run the plan: the slot layouts must agree."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    count = 6
+    for root in range(n):
+        for rep in range(4):
+            mine = np.full(count, 10 * me + rep, np.float32)
+            want = np.stack([np.full(count, 10 * r + rep, np.float32) for r in range(n)])
+            if me == root:
+                outs = [np.zeros(count, np.float32) for _ in range(n)]
+                if rep == 1:  # in place
+                    outs[root][...] = mine
+                    mine = outs[root]
+                elif rep == 2:  # the input lies in a peer's block, which the gather overwrites
+                    other = (root + 1) % n
+                    outs[other][...] = mine
+                    mine = outs[other]
+            else:
+                outs = None
+            log.case()
+            g.gather(mine, tuple(outs) if outs is not None and rep == 3 else outs, root)
+            if outs is not None:
+                log.same(f"planned gather from {root} #{rep}", np.stack(outs), want)
+            recv = np.zeros(count, np.float32)
+            ins = [np.full(count, 100 * r + rep, np.float32) for r in range(n)] if me == root else None
+            if ins is not None and rep == 1:  # in place
+                recv = ins[root]
+            elif ins is not None and rep == 2:  # the output lies in a peer's block, read first
+                recv = ins[(root + 1) % n]
+            log.case()
+            g.scatter(recv, tuple(ins) if ins is not None and rep == 3 else ins, root)
+            log.same(f"planned scatter from {root} #{rep}", recv, np.full(count, 100 * me + rep, np.float32))
+    return log.result()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gather_scatter_plans(size: int) -> None:
+    """On the direct path (forced: with ranks outnumbering cores the tuner keeps rooted calls off it)."""
+    env = {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"}
+    _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 2 * 4 * size)
+
+
 def rank_all_reduce_overlapping() -> dict:
     """all_reduce into an `out` that is a view of the input, or shifted over it either way,
     through every eligible algorithm, twice (the second call takes the planned path): the sums

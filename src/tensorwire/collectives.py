@@ -19,7 +19,14 @@ import numpy as np
 
 from . import buffers, tuner
 from .algorithms.base import blocks_of
-from .algorithms.shm_direct import AllReducePlan, BroadcastPlan, ReducePlan, TensorPlan
+from .algorithms.shm_direct import (
+    AllReducePlan,
+    BroadcastPlan,
+    GatherPlan,
+    ReducePlan,
+    ScatterPlan,
+    TensorPlan,
+)
 from .buffers import address, as_array, byte_view, copy
 from .errors import InvalidArgumentError
 from .gpu import is_device_buffer as _on_device
@@ -630,7 +637,10 @@ class Collectives:
             plan = self.plans.get((what, data.dtype, data.size, dst))
             blocks = None if self.rank != dst else _planned_list(gather_list, data, self.size, True, async_op)
             if plan is not None and _usable(data, False) and (self.rank != dst or blocks is not None):
-                call, direct, run = plan
+                call, direct, run, root = plan
+                if root is None:  # its GatherPlan
+                    done = self._submit_planned(call, run, True, async_op, timeout, data, blocks)
+                    return done if async_op else gather_list
                 return self._submit_planned(call, _gather, direct, async_op, timeout, buffers.flat(data),
                                             None if blocks is None else _flats(blocks), dst, gather_list, run)
         if _on_device(tensor):
@@ -644,7 +654,8 @@ class Collectives:
         if inp is _planned(tensor, False) and (
                 outs is None or all(a is _planned(o, False) for a, o in zip(outs, gather_list))):  # type: ignore[arg-type]
             self._remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * self.size,
-                           one_rank=True)
+                           root, one_rank=True, whole=(inp.nbytes, lambda: GatherPlan(
+                               self.direct, inp.dtype, inp.size, root).run))
         return self._submit(fp, what, _gather, async_op, timeout, buffers.flat(inp),
                             None if outs is None else _flats(outs), root, gather_list, _SELECT)
 
@@ -658,7 +669,10 @@ class Collectives:
             blocks = None if self.rank != src else \
                 _planned_list(scatter_list, data, self.size, False, async_op)
             if plan is not None and _usable(data, True) and (self.rank != src or blocks is not None):
-                call, direct, run = plan
+                call, direct, run, root = plan
+                if root is None:  # its ScatterPlan
+                    done = self._submit_planned(call, run, True, async_op, timeout, blocks, data)
+                    return done if async_op else tensor
                 return self._submit_planned(call, _scatter, direct, async_op, timeout,
                                             None if blocks is None else _flats(blocks), buffers.flat(data),
                                             src, tensor, run)
@@ -673,7 +687,8 @@ class Collectives:
         if out is _planned(tensor, False) and (
                 ins is None or all(a is _planned(i, False) for a, i in zip(ins, scatter_list))):  # type: ignore[arg-type]
             self._remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * self.size,
-                           one_rank=True)
+                           root, one_rank=True, whole=(out.nbytes * self.size, lambda: ScatterPlan(
+                               self.direct, out.dtype, out.size, root).run))
         return self._submit(fp, what, _scatter, async_op, timeout, None if ins is None else _flats(ins),
                             buffers.flat(out), root, tensor, _SELECT)
 

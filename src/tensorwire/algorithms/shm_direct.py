@@ -590,6 +590,82 @@ class BroadcastPlan:
         return dst
 
 
+class GatherPlan:
+    """One gather signature (dtype, count, root) on the direct path with the slots looked up
+    once (as BroadcastPlan), the protocol of direct_gather: every other rank copies its block
+    into its slot and publishes it; the root waits for everyone and copies each slot out. The
+    list form's per-block lookups are most of a small gather otherwise: 31 us at 8 ranks on
+    16 cores where a single-tensor all_gather took 13."""
+
+    __slots__ = ("dp", "root", "mine", "theirs")
+
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        self.dp = dp
+        self.root = root
+        views = dp.views(dtype, count)
+        self.mine = tuple(v[dp.rank] for v in views)
+        self.theirs = tuple(tuple((r, v[r]) for r in dp.others) for v in views)  # the root's reads
+
+    def run(self, call, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
+        """The gather body (`blocks`: the root's outputs, any shapes, None elsewhere). The root
+        fills its own block first: `send` may lie in another block."""
+        dp = self.dp
+        p = dp.enter(call)
+        flat = send if send.ndim == 1 else send.reshape(-1)
+        if blocks is None:
+            _into(self.mine[p], flat)
+            dp.publish(call, p)
+            return
+        own = blocks[self.root]
+        if own is not send:
+            own.reshape(-1)[...] = flat
+        dp.publish(call, p, dp.everyone)
+        for r, view in self.theirs[p]:
+            out = blocks[r]
+            _into(out if out.ndim == 1 else out.reshape(-1), view)
+
+
+class ScatterPlan:
+    """One scatter signature (dtype, count, root) on the direct path with the root's slot
+    looked up once, the protocol and layout of direct_scatter (its table included, which an
+    unplanned peer reads): the root copies every other rank's block into its slot; each rank
+    copies its own out."""
+
+    __slots__ = ("dp", "root", "table", "cells", "mine")
+
+    def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        self.dp = dp
+        self.root = root
+        nbytes = count * dtype.itemsize
+        readers = tuple(r for r in dp.everyone if r != root)  # direct_scatter's order
+        starts = {r: _scatter_table(dp.size) + i * nbytes for i, r in enumerate(readers)}
+        slots = [dp.seg.slots[root][p] for p in (0, 1)]
+        self.table = tuple((s[:8 * dp.size].view(np.uint64), np.array(
+            [starts.get(r, 0) for r in dp.everyone], dtype=np.uint64)) for s in slots)
+        cells = tuple({r: s[at:at + nbytes].view(dtype) for r, at in starts.items()} for s in slots)
+        self.cells = tuple(tuple(c.items()) for c in cells)
+        self.mine = tuple(c.get(dp.rank) for c in cells)  # None on the root
+
+    def run(self, call, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
+        """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
+        dp = self.dp
+        p = dp.enter(call)
+        flat = recv if recv.ndim == 1 else recv.reshape(-1)
+        if blocks is None:
+            dp.publish(call, p, (self.root,))
+            _into(flat, self.mine[p])  # type: ignore[arg-type]
+            return
+        table, starts = self.table[p]
+        table[...] = starts
+        for r, cell in self.cells[p]:
+            block = blocks[r]
+            _into(cell, block if block.ndim == 1 else block.reshape(-1))
+        dp.publish(call, p)
+        own = blocks[self.root]
+        if own is not recv:
+            flat[...] = own.reshape(-1)
+
+
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
     """The unplanned entry (Collectives' _reduce finalizes)."""
     ReducePlan(call.group.direct, data.dtype, data.size, op, root).run(call, data, acc)
