@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [cpu]     (default: bench tests ddp)
+#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu]     (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
-# tensors, 2 ranks, then TCP-forced (staged); ddp: examples/ddp_train.py on the GPU, tensorwire
-# and Gloo; cpu: the host collectives at 8 and 16 ranks against Gloo and Open MPI.
+# tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
+# on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
+# daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
+# host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too).
 # Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +33,13 @@ for step in $steps; do
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
     ;;
   bench)
-    TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT \
-    timeout "$BENCH_S" $PY -m tensorwire.benchmarks.cuda all -b 8 -e 64M -f 64 --np 2 --compare gloo,nccl \
-      > "$OUT/bench-cuda-n2.txt" 2>&1
-    note "bench n=2 (rc=$?):"; grep -v "\[tensorwire " "$OUT/bench-cuda-n2.txt"
-    grep -m2 "on CUDA" "$OUT/bench-cuda-n2.txt"
+    for sizes in "-b 8 -e 2M -f 64" "-b 64M -e 64M"; do
+      TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT \
+      timeout "$BENCH_S" $PY -m tensorwire.benchmarks.cuda all $sizes --np 2 --compare gloo,nccl \
+        >> "$OUT/bench-cuda-n2.txt" 2>&1
+      note "bench n=2 $sizes (rc=$?)"
+    done
+    grep -v "\[tensorwire " "$OUT/bench-cuda-n2.txt"; grep -m2 "on CUDA" "$OUT/bench-cuda-n2.txt"
     TENSORWIRE_TRANSPORT=tcp timeout 120 $PY -m tensorwire.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
       --np 2 --compare gloo > "$OUT/bench-cuda-n2-tcp.txt" 2>&1
     note "bench n=2 TCP-forced, staged (rc=$?):"; cat "$OUT/bench-cuda-n2-tcp.txt"
@@ -47,11 +51,26 @@ for step in $steps; do
       note "ddp $backend (rc=$?): $(grep -E 'ms a step' "$OUT/ddp-$backend.txt")"
     done
     ;;
+  mps)
+    if ! command -v nvidia-cuda-mps-control > /dev/null; then note "mps: no nvidia-cuda-mps-control"; continue; fi
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tw-mps CUDA_MPS_LOG_DIRECTORY=/tmp/tw-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && sleep 1
+    for size in 8 64M; do
+      timeout 60 $PY -m tensorwire.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
+        >> "$OUT/bench-cuda-n2-mps.txt" 2>&1
+      note "bench n=2 under MPS, $size (rc=$?)"
+    done
+    echo quit | nvidia-cuda-mps-control; sleep 1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    grep -v "\[tensorwire " "$OUT/bench-cuda-n2-mps.txt"
+    ;;
   cpu)
     for n in 8 16; do
-      timeout 200 $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
-        --compare gloo,mpi --rounds 2 > "$OUT/bench-cpu-n$n.txt" 2>&1
-      note "cpu bench n=$n (rc=$?): see bench-cpu-n$n.txt"
+      timeout 120 $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
+        --compare gloo,mpi --rounds $(( n == 8 ? 2 : 1 )) --json "$OUT/compare-n$n-h100host.json" \
+        --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
+      note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
     done
     ;;
   esac
