@@ -1776,10 +1776,11 @@ def test_gather_scatter_repeated(cl) -> None:
 
 
 def rank_gather_scatter_plans() -> dict:
-    """The planned gather and scatter (GatherPlan, ScatterPlan) in their awkward cases, each
-    signature repeated so that the later calls take the plan: in place (the root's own block
-    is its input), the root's input inside another rank's block, and a root whose list cannot
-    be planned (a tuple) against peers that run the plan: the slot layouts must agree."""
+    """The planned gather, scatter and list all_gather (GatherPlan, ScatterPlan,
+    TensorPlan.run_list) in their awkward cases, each signature repeated so that the later
+    calls take the plan: in place (the root's own block is its input), the input inside
+    another rank's block, and a rank whose list cannot be planned (a tuple) against peers that
+    run the plan: the slot layouts must agree."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
@@ -1812,6 +1813,19 @@ def rank_gather_scatter_plans() -> dict:
             log.case()
             g.scatter(recv, tuple(ins) if ins is not None and rep == 3 else ins, root)
             log.same(f"planned scatter from {root} #{rep}", recv, np.full(count, 100 * me + rep, np.float32))
+            # all_gather's list form, planned alike (TensorPlan.run_list): rank `root` varies the case
+            mine = np.full((2, count // 2), 1000 * me + rep, np.float32)
+            outs = [np.zeros((2, count // 2), np.float32) for _ in range(n)]
+            if me == root and rep == 1:  # in place
+                outs[me][...] = mine
+                mine = outs[me]
+            elif me == root and rep == 2:  # the input lies in a peer's block
+                outs[(me + 1) % n][...] = mine
+                mine = outs[(me + 1) % n]
+            log.case()
+            g.all_gather(tuple(outs) if me == root and rep == 3 else outs, mine)
+            log.same(f"planned all_gather (list), case of rank {root} #{rep}", np.stack(outs),
+                     np.stack([np.full((2, count // 2), 1000 * r + rep, np.float32) for r in range(n)]))
     return log.result()
 
 
@@ -1819,7 +1833,7 @@ def rank_gather_scatter_plans() -> dict:
 def test_gather_scatter_plans(size: int) -> None:
     """On the direct path (forced: with ranks outnumbering cores the tuner keeps rooted calls off it)."""
     env = {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"}
-    _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 2 * 4 * size)
+    _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 3 * 4 * size)
 
 
 def rank_all_reduce_overlapping() -> dict:

@@ -570,13 +570,28 @@ class Collectives:
                    timeout: float | None = None) -> Any:
         """tensor_list[r] receives rank r's tensor (list form; no staging copy)."""
         what = "all_gather"
+        data = _planned(tensor, async_op)
+        if data is not None:  # a checked signature: see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size))
+            blocks = None if plan is None else _planned_list(tensor_list, data, self.size, True, async_op)
+            if blocks is not None and _usable(data, False):
+                call, direct, run, general = plan
+                if general is None:  # its TensorPlan
+                    done = self._submit_planned(call, run, True, async_op, timeout, data, blocks)
+                    return done if async_op else tensor_list
+                return self._submit_planned(call, _all_gather, direct, async_op, timeout, data, blocks, True,
+                                            tensor_list, run)
         if _on_device(tensor):
             return self.device.all_gather(tensor_list, tensor, async_op, timeout)
         self._check_member(what)
         inp = self._arr(tensor, what, writable=False)
         outs = self._list(tensor_list, what, "tensor_list", writable=True, like=inp)
-        return self._submit(self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size), what, _all_gather, async_op,
-                            timeout, inp, outs, True, tensor_list, _SELECT)
+        fp = self._fp(Coll.ALL_GATHER, inp.dtype, count=inp.size)
+        if inp is _planned(tensor, False) and all(a is _planned(o, False) for a, o in zip(outs, tensor_list)):
+            self._remember((what, inp.dtype, inp.size), fp, what, "all_gather", inp.nbytes * self.size, True,
+                           whole=(inp.nbytes, lambda: TensorPlan(self.direct, "all_gather", inp.dtype,
+                                                                 inp.size).run_list))
+        return self._submit(fp, what, _all_gather, async_op, timeout, inp, outs, True, tensor_list, _SELECT)
 
     def all_gather_into_tensor(self: Group, output: Any, input: Any, *, async_op: bool = False,
                                timeout: float | None = None) -> Any:

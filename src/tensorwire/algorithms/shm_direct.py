@@ -482,7 +482,8 @@ class TensorPlan:
         self.mine = tuple(v[dp.rank] for v in dp.views(dtype, count))
         offset = 0 if collective == "all_gather" else dp.rank * block * dtype.itemsize  # this rank's block
         self.grids = dp.grid(dtype, block, offset)
-        self.rows = () if red is None else tuple(tuple(g) for g in self.grids)  # folded row by row
+        self.rows = tuple(tuple(g) for g in self.grids) \
+            if red is not None or collective == "all_gather" else ()  # folded, or copied out, row by row
         self.shape = (dp.size, block)
         self.red = red
         self.kernel = None if red is None else reduction_kernel(red.op, dtype)
@@ -500,6 +501,16 @@ class TensorPlan:
             _fold(self.rows[p], flat, self.kernel)
             finalize(flat, self.red, dp.size)  # type: ignore[arg-type]
         return dst
+
+    def run_list(self, call, src: np.ndarray, outs: list[np.ndarray]) -> None:
+        """all_gather's list form: row r of the grid into outs[r] (contiguous, any shapes), one
+        copy each; `src` is in this rank's slot before any output is written."""
+        dp = self.dp
+        p = dp.enter(call)
+        _into(self.mine[p], src if src.ndim == 1 else src.reshape(-1))
+        dp.publish(call, p, dp.everyone)
+        for out, row in zip(outs, self.rows[p]):
+            _into(out if out.ndim == 1 else out.reshape(-1), row)
 
 
 def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:
