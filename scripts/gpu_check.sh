@@ -17,6 +17,7 @@ PY=${PYTHON:-python3}
 steps=${*:-bench tests ddp}
 TESTS_S=${TESTS_S:-420}  # bounds of each step, seconds
 BENCH_S=${BENCH_S:-300}
+CPU_S=${CPU_S:-120}  # each CPU sweep: ~30-50 s on 16 cores
 PER_TEST_S=${PER_TEST_S:-300}
 summary=()
 note() { summary+=("$*"); echo "== $*"; }
@@ -67,7 +68,7 @@ for step in $steps; do
     ;;
   cpu)
     for n in 8 16; do
-      timeout 120 $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
+      timeout "$CPU_S" $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
         --compare gloo,mpi --rounds $(( n == 8 ? 2 : 1 )) --json "$OUT/compare-n$n-h100host.json" \
         --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
       note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
