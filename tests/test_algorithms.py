@@ -551,3 +551,54 @@ def test_contiguous_span() -> None:
     parts = blocks_of(frozen, [2, 4])
     assert contiguous_span(parts) is None and contiguous_span(parts, writable=False) is not None
     assert contiguous_span([np.empty(0, np.int8), np.empty(0, np.int8)]).size == 0
+
+
+GRID_DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.int64, np.float16, np.float32, np.float64,
+               np.complex64, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", GRID_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_one_call_fold_is_the_rank_ordered_fold(dtype) -> None:
+    """Where shm_direct.grid_folds allows it, ufunc.reduce down the slots' grid gives the bits
+    of folding them one by one in rank order (what every rank must compute alike), for every
+    op, row length and rank count; where it does not (rows of one element: numpy's pairwise
+    sum), it says no, and the pairwise sum does differ for floats."""
+    from tensorwire.algorithms.shm_direct import _fold, _fold_grid, grid_folds
+
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for n in (3, 5, 8, 9, 16, 17):
+        for count in (1, 2, 3, 64, 1000, 10_000):
+            stride = -(-count * dt.itemsize // 64) * 64 + 64  # rows a line apart, as slots are
+            raw = rng.integers(0, 256, n * stride, dtype=np.uint8)
+            if dt.kind in "fc":  # finite values of every magnitude the type has
+                scale = 10.0 ** rng.integers(-3, 4)
+                vals = (rng.standard_normal(n * stride // dt.itemsize) * scale).astype(dt)
+                raw = vals.view(np.uint8)[:n * stride].copy()
+            elif dt.kind == "b":
+                raw = (raw & 1).astype(np.uint8)
+            grid = np.lib.stride_tricks.as_strided(raw.view(dt), (n, count), (stride, dt.itemsize))
+            rows = tuple(grid[r] for r in range(n))
+            for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+                       ReduceOp.BXOR):
+                if ops.op_undefined(op, dt.kind if dt.kind in "biufc" else "f"):
+                    continue
+                kernel = ops.reduction_kernel(op, dt)
+                folds = grid_folds(kernel, dt, n, count)
+                assert folds == (count > 1 and type(kernel) is np.ufunc and dt.num <= 23), (n, count, op)
+                if not folds:
+                    continue
+                want, got = np.empty(count, dt), np.empty(count, dt)
+                with np.errstate(all="ignore"):
+                    _fold(rows, want, kernel)
+                    _fold_grid(grid, got, kernel)
+                assert np.array_equal(want.view(np.uint8), got.view(np.uint8)), (dt, n, count, op)
+                checked += 1
+    assert checked or dt.kind == "V" or dt == np.float16  # their kernels are not numpy ufuncs
+    if dt.kind == "f" and dt.itemsize >= 4:  # why rows of one element are kept out
+        col = np.array([1e8, 1.0, -1e8, 1.0, 1e-3, 3.0, 7.0, -2.0, 0.5] * 2, dtype=dt)
+        seq = col[0]
+        for v in col[1:]:
+            seq = dt.type(seq + v)
+        assert np.add.reduce(col) != seq
