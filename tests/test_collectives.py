@@ -1836,6 +1836,61 @@ def test_gather_scatter_plans(size: int) -> None:
     _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 3 * 4 * size)
 
 
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def rank_one_shot_folds() -> dict:
+    """all_reduce, reduce and reduce_scatter_tensor on the one shot, each signature twice (the
+    second call planned), at row lengths on both sides of shm_direct.grid_folds' limits: the
+    result must be the one-by-one fold in rank order, bit for bit, on every rank."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    dtypes = (np.float32, np.float64, np.int8, np.complex64)
+    for di, dt in enumerate(map(np.dtype, dtypes)):
+        for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX):
+            if ops.op_undefined(op, dt.kind) or (dt.kind == "c" and op is ReduceOp.PRODUCT):
+                continue  # numpy's complex product rounds an ulp apart by length (_complex_product)
+            for count in (1, 2, 7, 1000, 3000):
+                gen = [np.random.default_rng((di, int(op), count, r)).standard_normal(n * count) * 50
+                       for r in range(n)]
+                ins = [(v + 1j * v[::-1] if dt.kind == "c" else v).astype(dt) for v in gen]
+                kernel = ops.reduction_kernel(op, dt)
+                want = np.empty_like(ins[0])
+                with np.errstate(all="ignore"):
+                    kernel(ins[0], ins[1], want)
+                    for v in ins[2:]:
+                        kernel(want, v, want)
+                for rep in range(2):
+                    label = f"{dt.name} {op.name} x{count} #{rep}"
+                    with np.errstate(all="ignore"):
+                        x = ins[me].copy()
+                        log.case()
+                        tw.all_reduce(x, op)
+                        log.check(_bits_equal(x, want), f"all_reduce {label}")
+                        x = ins[me].copy()
+                        log.case()
+                        tw.reduce(x, n - 1, op)
+                        if me == n - 1:
+                            log.check(_bits_equal(x, want), f"reduce {label}")
+                        out = np.empty(count, dt)
+                        log.case()
+                        tw.reduce_scatter_tensor(out, ins[me].copy(), op)
+                        mine = want[me * count:(me + 1) * count]
+                        log.check(_bits_equal(out, mine), f"reduce_scatter_tensor {label}")
+    return log.result()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [5, 8])
+def test_one_shot_folds_in_rank_order(size: int) -> None:
+    """Past 4 ranks the one shot folds its slots in one ufunc.reduce where that is faster."""
+    env = {"TENSORWIRE_ALGO": "allreduce:direct,reduce:direct,reducescatter:direct"}
+    results = _fresh_cluster_run(size, env, rank_one_shot_folds, timeout=200)
+    _expect(results, 3 * 2 * 5 * (3 + 3 + 3 + 1))  # complex64: SUM only
+
+
 def rank_all_reduce_overlapping() -> dict:
     """all_reduce into an `out` that is a view of the input, or shifted over it either way,
     through every eligible algorithm, twice (the second call takes the planned path): the sums

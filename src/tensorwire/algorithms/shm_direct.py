@@ -398,13 +398,15 @@ def _fold(views: tuple[np.ndarray, ...], out: np.ndarray, kernel: Any) -> None:
 
 
 def grid_folds(kernel: Any, dtype: np.dtype, n: int, count: int) -> bool:
-    """Can `kernel.reduce` down a grid of n rows of `count` (DirectPath.grid) stand for
-    _fold over them, bit for bit, as one numpy call instead of n - 1? For a numpy ufunc on a
-    numpy type, yes: numpy's reduce then runs the rows as its outer loop, one elementwise pass
-    per row in rank order; only a reduction along the contiguous axis sums pairwise (another
-    association), which rows of one element would make it. Folding 8 B from 8 slots took 2.6
-    us as seven calls and 1.0 as one (16 slots: 5.9 and 1.1)."""
-    return n > 2 and count > 1 and type(kernel) is np.ufunc and dtype.num <= 23 and dtype.kind in "biufc"
+    """Fold n slots of `count` in one `kernel.reduce` down their grid (DirectPath.grid) instead
+    of n - 1 calls? Bit for bit the same for a numpy ufunc on a numpy type: numpy's reduce runs
+    the rows as its outer loop, one elementwise pass per row in rank order (only a reduction
+    along the contiguous axis sums pairwise, which rows of one element would make it). Faster
+    only where the calls' overhead outweighs reduce's slower passes: float32 sums, one call
+    against n - 1, 2.1 -> 1.0 us at 8 slots of 8 B, 7.7 -> 7.4 at 32 KiB; 16 slots 4.2 -> 1.1
+    and 16.1 -> 13.5; at 3-4 slots no faster, and rows of 256 KiB and more 1.1-1.6x slower."""
+    return (n > 4 and count > 1 and count * dtype.itemsize <= 2048 * n and type(kernel) is np.ufunc
+            and dtype.num <= 23 and dtype.kind in "biufc")
 
 
 def _fold_grid(grid: np.ndarray, out: np.ndarray, kernel: Any) -> None:
