@@ -1776,11 +1776,11 @@ def test_gather_scatter_repeated(cl) -> None:
 
 
 def rank_gather_scatter_plans() -> dict:
-    """The planned gather, scatter and list all_gather (GatherPlan, ScatterPlan,
-    TensorPlan.run_list) in their awkward cases, each signature repeated so that the later
-    calls take the plan: in place (the root's own block is its input), the input inside
-    another rank's block, and a rank whose list cannot be planned (a tuple) against peers that
-    run the plan: the slot layouts must agree."""
+    """The planned gather, scatter, list all_gather and list reduce_scatter (GatherPlan,
+    ScatterPlan, TensorPlan.run_list and run_blocks) in their awkward cases, each signature
+    repeated so that the later calls take the plan: in place (the root's own block is its
+    input), the input inside another rank's block, and a rank whose list cannot be planned
+    (a tuple) against peers that run the plan: the slot layouts must agree."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
@@ -1826,6 +1826,17 @@ def rank_gather_scatter_plans() -> dict:
             g.all_gather(tuple(outs) if me == root and rep == 3 else outs, mine)
             log.same(f"planned all_gather (list), case of rank {root} #{rep}", np.stack(outs),
                      np.stack([np.full((2, count // 2), 1000 * r + rep, np.float32) for r in range(n)]))
+            # reduce_scatter's list form (TensorPlan.run_blocks), alike
+            ins = [np.full((2, count // 2), 10 * me + b + rep, np.int64) for b in range(n)]
+            out = np.zeros((2, count // 2), np.int64)
+            if me == root and rep == 1:  # in place: the output is this rank's own block
+                out = ins[me]
+            elif me == root and rep == 2:  # the output is a peer's block, read before it is written
+                out = ins[(me + 1) % n]
+            log.case()
+            g.reduce_scatter(out, tuple(ins) if me == root and rep == 3 else ins)
+            log.same(f"planned reduce_scatter (list), case of rank {root} #{rep}", out,
+                     np.full((2, count // 2), sum(10 * r + me + rep for r in range(n)), np.int64))
     return log.result()
 
 
@@ -1833,7 +1844,7 @@ def rank_gather_scatter_plans() -> dict:
 def test_gather_scatter_plans(size: int) -> None:
     """On the direct path (forced: with ranks outnumbering cores the tuner keeps rooted calls off it)."""
     env = {"TENSORWIRE_ALGO": "gather:direct,scatter:direct"}
-    _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 3 * 4 * size)
+    _expect(_fresh_cluster_run(size, env, rank_gather_scatter_plans, timeout=60), 4 * 4 * size)
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -455,13 +455,32 @@ class Collectives:
                        async_op: bool = False, timeout: float | None = None) -> Any:
         """Rank r gets the reduction of everybody's input_list[r]."""
         what = "reduce_scatter"
+        data = _planned(output, async_op)
+        if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
+            plan = self.plans.get((what, data.dtype, data.size, op))
+            blocks = None if plan is None else _planned_list(input_list, data, self.size, False, async_op)
+            if blocks is not None and _usable(data, True):
+                call, direct, run, red, general = plan
+                if general is None:  # its TensorPlan
+                    done = self._submit_planned(call, run, True, async_op, timeout, blocks, data)
+                    return done if async_op else output
+                return self._submit_planned(call, _reduce_scatter, direct, async_op, timeout, _flats(blocks),
+                                            data, red, True, output, run)
         if _on_device(output):
             return self.device.reduce_scatter(output, input_list, op, async_op, timeout)
         self._check_member(what)
         out = self._arr(output, what, writable=True, name="output")
         blocks = self._list(input_list, what, "input_list", writable=False, like=out)
-        return self._submit_reduce_scatter(what, output, out, blocks, op, async_op, timeout,
-                                           Coll.REDUCE_SCATTER)
+        red = self._reduction(op, out.dtype, what)
+        fp = self._fp(Coll.REDUCE_SCATTER, out.dtype, red, count=out.size)
+        if out is _planned(output, False) and red.factor is None and type(op) in (ReduceOp, Reduction) \
+                and all(a is _planned(b, False) for a, b in zip(blocks, input_list)):
+            total = out.nbytes * self.size
+            self._remember((what, out.dtype, out.size, op), fp, what, "reduce_scatter", total, red, True,
+                           one_rank=True, whole=(total, lambda: TensorPlan(
+                               self.direct, what, out.dtype, out.size * self.size, red).run_blocks))
+        return self._submit(fp, what, _reduce_scatter, async_op, timeout, _flats(blocks), out, red, True,
+                            output, _SELECT)
 
     def reduce_scatter_tensor(self: Group, output: Any, input: Any, op: Any = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: float | None = None) -> Any:
@@ -514,20 +533,10 @@ class Collectives:
         if inp.size != sum(counts) or out.size != counts[self.rank]:
             self._invalid(what, f"input has {inp.size} elements (want sum(counts)={sum(counts)}), output "
                                 f"{out.size} (want counts[{self.rank}]={counts[self.rank]})")
-        blocks = blocks_of(inp.reshape(-1), counts)
-        return self._submit_reduce_scatter(what, output, out, blocks, op, async_op, timeout,
-                                           Coll.REDUCE_SCATTERV)
-
-    def _submit_reduce_scatter(self: Group, what: str, output: Any, out: np.ndarray,
-                               blocks: list[np.ndarray], op: Any, async_op: bool, timeout: float | None,
-                               coll: Coll) -> Any:
         red = self._reduction(op, out.dtype, what)
-        count = out.size if coll == Coll.REDUCE_SCATTER else -1
-        counts = None if coll == Coll.REDUCE_SCATTER else [b.size for b in blocks]
-        return self._submit(self._fp(coll, out.dtype, red, count=count, counts=counts), what, _reduce_scatter,
-                            async_op,
-                            timeout, [b.reshape(-1) for b in blocks], out, red, coll == Coll.REDUCE_SCATTER,
-                            output, _SELECT)
+        return self._submit(self._fp(Coll.REDUCE_SCATTERV, out.dtype, red, count=-1, counts=counts), what,
+                            _reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1), counts), out, red,
+                            False, output, _SELECT)
 
     # -- data movement ------------------------------------------------------------------------------
     def broadcast(self: Group, tensor: Any, src: int = 0, *, out: Any = None, async_op: bool = False,

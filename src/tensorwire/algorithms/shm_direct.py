@@ -494,7 +494,7 @@ class TensorPlan:
     order. The same protocol and bytes as the list forms below, with a few numpy calls instead
     of one per block."""
 
-    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red", "one_call")
+    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red", "one_call", "cells")
 
     def __init__(self, dp: DirectPath, collective: str, dtype: np.dtype, count: int,
                  red: Reduction | None = None) -> None:
@@ -510,6 +510,8 @@ class TensorPlan:
         self.red = red
         self.kernel = None if red is None else reduction_kernel(red.op, dtype)
         self.one_call = red is not None and grid_folds(self.kernel, dtype, dp.size, block)
+        self.cells = tuple(tuple(m[i * block:(i + 1) * block] for i in range(dp.size)) for m in self.mine) \
+            if collective == "reduce_scatter" else ()  # where run_blocks puts each block
 
     def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Collectives' body for contiguous arrays of the planned signature; `dst` returned."""
@@ -519,13 +521,27 @@ class TensorPlan:
         dp.publish(call, p, dp.everyone)
         if self.kernel is None:
             dst.reshape(self.shape)[...] = self.grids[p]
+            return dst
+        return self._reduced(p, dst)
+
+    def run_blocks(self, call, blocks: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
+        """reduce_scatter's list form: block r into place r of this rank's slot (where run
+        copies the single tensor in one piece), then as run; `dst` returned."""
+        dp = self.dp
+        p = dp.enter(call)
+        for cell, block in zip(self.cells[p], blocks):
+            _into(cell, block if block.ndim == 1 else block.reshape(-1))
+        dp.publish(call, p, dp.everyone)
+        return self._reduced(p, dst)
+
+    def _reduced(self, p: int, dst: np.ndarray) -> np.ndarray:
+        """dst = this rank's block of every slot of parity p, folded in rank order and finalized."""
+        flat = dst if dst.ndim == 1 else dst.reshape(-1)
+        if self.one_call:
+            _fold_grid(self.grids[p], flat, self.kernel)
         else:
-            flat = dst if dst.ndim == 1 else dst.reshape(-1)
-            if self.one_call:
-                _fold_grid(self.grids[p], flat, self.kernel)
-            else:
-                _fold(self.rows[p], flat, self.kernel)
-            finalize(flat, self.red, dp.size)  # type: ignore[arg-type]
+            _fold(self.rows[p], flat, self.kernel)
+        finalize(flat, self.red, self.dp.size)  # type: ignore[arg-type]
         return dst
 
     def run_list(self, call, src: np.ndarray, outs: list[np.ndarray]) -> None:
