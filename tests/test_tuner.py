@@ -876,17 +876,22 @@ def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
     env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
     cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})  # its own start writes no entry
     try:
-        burners = [subprocess.Popen(["nice", "-n", "19", "sh", "-c", "while :; do :; done"])
-                   for _ in range(os.cpu_count() or 1)]
-        try:
-            time.sleep(0.2)
-            busy = cluster.run(rank_reinit_and_choose, free_port(), env)
-        finally:
-            for p in burners:
-                p.kill()
-                p.wait()
-        with open(busy[0]["cache_path"]) as f:
-            entry = json.load(f)
+        for _attempt in range(3):  # niced loops get only what the ranks leave idle: some probes leave none
+            burners = [subprocess.Popen(["nice", "-n", "19", "sh", "-c", "while :; do :; done"])
+                       for _ in range(os.cpu_count() or 1)]
+            try:
+                time.sleep(0.2)
+                busy = cluster.run(rank_reinit_and_choose, free_port(), env)
+            finally:
+                for p in burners:
+                    p.kill()
+                    p.wait()
+            with open(busy[0]["cache_path"]) as f:
+                entry = json.load(f)
+            # a probe the loops did not reach is a clean one, and trusted as such
+            assert entry["trusted"] is (entry["foreign_cores"] <= calibrate.LOAD_SLACK), entry
+            if entry["foreign_cores"] > calibrate.LOAD_SLACK:
+                break
         after = cluster.run(rank_reinit_and_choose, free_port(), {})
     finally:
         cluster.close()
