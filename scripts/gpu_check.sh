@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu]     (default: bench tests ddp)
+#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [profile]     (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
 # daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
-# host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too).
+# host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too);
+# profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
+# CPU and with --idle, as raw stacks (flamegraph.pl's input).
 # Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +67,15 @@ for step in $steps; do
     echo quit | nvidia-cuda-mps-control; sleep 1
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     grep -v "\[tensorwire " "$OUT/bench-cuda-n2-mps.txt"
+    ;;
+  profile)
+    if ! command -v py-spy > /dev/null; then note "profile: no py-spy"; continue; fi
+    for how in oncpu idle; do
+      timeout 60 py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$OUT/spy-8B-$how.txt" \
+        $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.benchmarks.cuda all_reduce -b 8 -e 8 -n 30000 \
+        --np 2 --compare '' > "$OUT/spy-8B-$how.log" 2>&1
+      note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$OUT/spy-8B-$how.txt" 2>/dev/null) stacks"
+    done
     ;;
   cpu)
     for n in 8 16; do
