@@ -675,7 +675,7 @@ class GatherPlan:
             return
         own = blocks[self.root]
         if own is not send:
-            own.reshape(-1)[...] = flat
+            _into(own if own.ndim == 1 else own.reshape(-1), flat)
         dp.publish(call, p, dp.everyone)
         for r, view in self.theirs[p]:
             out = blocks[r]
@@ -720,7 +720,7 @@ class ScatterPlan:
         dp.publish(call, p)
         own = blocks[self.root]
         if own is not recv:
-            flat[...] = own.reshape(-1)
+            _into(flat, own if own.ndim == 1 else own.reshape(-1))
 
 
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
