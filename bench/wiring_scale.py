@@ -131,9 +131,11 @@ def measure(n: int, *, ulimit: int = 0, tcp: bool = False, talk: str = "",
                     raise TimeoutError(f"rank {r} did not report within {timeout:g} s")
         shm_used = max(0, free_before - _shm_free())
         for proc in procs:
-            if proc.poll() is None:
+            try:  # a rank that failed may exit between its report and this release
                 proc.stdin.write("\n")  # type: ignore[union-attr]
                 proc.stdin.flush()  # type: ignore[union-attr]
+            except (BrokenPipeError, ValueError):
+                pass
         codes = [proc.wait(max(1.0, deadline - time.monotonic())) for proc in procs]
     finally:
         for proc in procs:
