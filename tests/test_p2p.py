@@ -102,6 +102,35 @@ def test_send_recv(cluster: Any, n: int) -> None:
     assert cluster.run(_send_recv_ring, n) == [True] * cluster.size
 
 
+def _sendrecv_ring(n: int) -> bool:
+    """sendrecv (MPI_Sendrecv) around the ring, every rank at once: no order of its send and
+    receive can deadlock, even where the message outgrows the ring and the socket buffers.
+    A receive posted before it for the same peer and tag takes the earlier message, a blocking
+    receive the next: FIFO per (peer, tag) across the ways of receiving."""
+    r, right, left = _neighbours()
+    got = np.full(n, -1, np.int64)
+    assert tw.sendrecv(_pattern(r, right, 4, n), right, got, left, tag=4) == left
+    np.testing.assert_array_equal(got, _pattern(left, r, 4, n))
+    first = np.full(n, -1, np.int64)
+    w = tw.irecv(first, left, tag=6)
+    tw.isend(_pattern(r, right, 6, n), right, tag=6).wait(30)
+    tw.sendrecv(_pattern(r, right, 7, n), right, got, left, tag=6)  # tag 6, content of "7"
+    w.wait(30)
+    np.testing.assert_array_equal(first, _pattern(left, r, 6, n))
+    np.testing.assert_array_equal(got, _pattern(left, r, 7, n))
+    tw.isend(_pattern(r, right, 8, n), right, tag=9).wait(30)
+    tw.isend(_pattern(r, right, 9, n), right, tag=9).wait(30)
+    for content in (8, 9):
+        tw.recv(got, left, tag=9)
+        np.testing.assert_array_equal(got, _pattern(left, r, content, n))
+    return True
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 300_000])
+def test_sendrecv(cluster: Any, n: int) -> None:
+    assert cluster.run(_sendrecv_ring, n) == [True] * cluster.size
+
+
 def _arrived_before_posted() -> dict[str, Any]:
     """Each rank sends to its right neighbour, all meet at a barrier, then each posts the
     receive from its left: the message is there already (in the ring; over TCP, on loopback,
@@ -253,6 +282,9 @@ def _size_mismatch() -> dict[str, Any]:
     tw.send(np.ones(2, np.float32), right, tag=12)
     tw.barrier()
     out["unexpected"] = _raises(tw.recv, np.zeros(4, np.float32), left, tag=12, timeout=10)
+    # (c) a sendrecv whose message is smaller than its receive
+    out["sendrecv"] = _raises(tw.sendrecv, np.ones(2, np.float32), right, np.zeros(4, np.float32), left,
+                              tag=14, timeout=10)
     # the group still works
     got = np.zeros(4, np.float32)
     w = tw.irecv(got, left, tag=13)
@@ -270,6 +302,8 @@ def test_size_mismatch_is_a_clear_error(cluster: Any) -> None:
                      f"rank {left} sent 32 bytes where this rank expected 16")
         assert res["posted_state"] == (True, "CollectiveMismatchError")
         _check_error(res["unexpected"], CollectiveMismatchError, f"recv from rank {left} (tag 12)",
+                     f"rank {left} sent 8 bytes where this rank expected 16")
+        _check_error(res["sendrecv"], CollectiveMismatchError, f"recv from rank {left} (tag 14)",
                      f"rank {left} sent 8 bytes where this rank expected 16")
         assert res["after"] == [float(left)] * 4
 

@@ -38,6 +38,7 @@ from .api import (
     scatter_object_list,
     scatterv,
     send,
+    sendrecv,
     shrink,
     split,
     topology,

@@ -291,7 +291,6 @@ def _tw_call(tw: Any, case: Case) -> Callable[[], Any]:
     coll, send, recv, root, red, inplace = (case.coll, case.send, case.recv, case.root, case.reduction,
                                             case.inplace)
     rank, n = case.rank, case.n
-    world = tw.world()
     call: Callable[[], Any]
     if coll == "all_reduce":
         call = (lambda: tw.all_reduce(recv, red)) if inplace else (lambda: tw.all_reduce(send, red, out=recv))
@@ -315,10 +314,7 @@ def _tw_call(tw: Any, case: Case) -> Callable[[], Any]:
     elif coll == "sendrecv":
         dst, src = (rank + 1) % n, (rank - 1) % n
 
-        def call() -> None:
-            reqs = [world.isend(send, dst), world.irecv(recv, src)]
-            for req in reqs:
-                req.wait()
+        call = lambda: tw.sendrecv(send, dst, recv, src)  # noqa: E731
     elif coll == "barrier":
         call = tw.barrier
     else:

@@ -35,7 +35,7 @@ from .transport.wire import Coll, Fingerprint
 from .work import Work
 
 if TYPE_CHECKING:
-    from .group import CollectiveCall, Group
+    from .group import CollectiveCall, Group, P2PRoute
 
 
 _CHECKED: dict[tuple[ReduceOp, np.dtype], Reduction] = {}  # (op, dtype) pairs already validated
@@ -870,20 +870,29 @@ class Collectives:
         return out
 
     # -- point-to-point -----------------------------------------------------------------------------
+    def _p2p_host(self: Group, tensor: Any, sending: bool, peer: int,
+                  tag: int) -> tuple[np.ndarray, P2PRoute]:
+        """A host buffer's bytes and its message's route."""
+        data = byte_view(as_array(tensor, writable=not sending, rank=self.runtime.rank,
+                                  collective="send" if sending else "recv"))
+        return data, self._p2p_route(sending, peer, tag, data.nbytes)
+
     def isend(self: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
         """Non-blocking send; the returned Work completes once the data left this process's hands."""
         if _on_device(tensor):
             return self.device.isend(tensor, dst, tag)
-        data = byte_view(as_array(tensor, writable=False, rank=self.runtime.rank, collective="send"))
-        route = self._p2p_route(True, dst, tag, data.nbytes)
+        data, route = self._p2p_host(tensor, True, dst, tag)
+        if self.engine.send_now(route.peer, route.wire, data):
+            return route.done
         return self._p2p_work(self.engine.isend(route.peer, route.header, data, route.label, route.wire))
 
     def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
         """Non-blocking receive into `tensor` (its size must equal the message's)."""
         if _on_device(tensor):
             return self.device.irecv(tensor, src, tag)
-        data = byte_view(as_array(tensor, writable=True, rank=self.runtime.rank, collective="recv"))
-        route = self._p2p_route(False, src, tag, data.nbytes)
+        data, route = self._p2p_host(tensor, False, src, tag)
+        if self.engine.recv_now(route.peer, route.header, route.wire, data, False):
+            return route.done
         return self._p2p_work(self.engine.irecv(route.peer, route.header, data, None, route.label))
 
     def irecv_any(self: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
@@ -907,10 +916,43 @@ class Collectives:
         return work
 
     def send(self: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
-        self.isend(tensor, dst, tag).wait(timeout if timeout is not None else self.timeout)
+        if _on_device(tensor):
+            self.device.isend(tensor, dst, tag).wait(self.timeout if timeout is None else timeout)
+            return
+        data, route = self._p2p_host(tensor, True, dst, tag)
+        if not self.engine.send_now(route.peer, route.wire, data):
+            self._p2p_wait(self.engine.isend(route.peer, route.header, data, route.label, route.wire),
+                           timeout=timeout)
 
     def recv(self: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
-        self.irecv(tensor, src, tag).wait(timeout if timeout is not None else self.timeout)
+        if _on_device(tensor):
+            self.device.irecv(tensor, src, tag).wait(self.timeout if timeout is None else timeout)
+            return src
+        data, route = self._p2p_host(tensor, False, src, tag)
+        if not self.engine.recv_now(route.peer, route.header, route.wire, data, True):
+            self._p2p_wait(self.engine.irecv(route.peer, route.header, data, None, route.label),
+                           timeout=timeout)
+        return src
+
+    def sendrecv(self: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 0,
+                 timeout: float | None = None) -> int:
+        """Send `send` to `dst` and receive into `recv` from `src` at once (MPI_Sendrecv): no
+        ordering between the two can deadlock, as a blocking send before a blocking receive
+        can on every rank of a ring. Returns `src`."""
+        if _on_device(send) or _on_device(recv):
+            works = [self.isend(send, dst, tag), self.irecv(recv, src, tag)]
+            for work in works:
+                work.wait(self.timeout if timeout is None else timeout)
+            return src
+        out, out_route = self._p2p_host(send, True, dst, tag)
+        into, in_route = self._p2p_host(recv, False, src, tag)
+        sent = self.engine.send_now(out_route.peer, out_route.wire, out)
+        reqs = [] if sent else [self.engine.isend(out_route.peer, out_route.header, out, out_route.label,
+                                                  out_route.wire)]
+        if not self.engine.recv_now(in_route.peer, in_route.header, in_route.wire, into, True):
+            reqs.append(self.engine.irecv(in_route.peer, in_route.header, into, None, in_route.label))
+        if reqs:
+            self._p2p_wait(*reqs, timeout=timeout)
         return src
 
     # -- Python objects -----------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class P2PRoute(NamedTuple):
     header: Header
     wire: bytes  # the header packed
     label: str
+    done: Work  # what a message of this route that completed as it was posted returns
 
 
 def _mix(*parts: int) -> int:
@@ -562,7 +563,8 @@ class Group(Collectives):
             header = Header(Kind.P2P, self.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
             label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
                 f" (tag {tag}) on group {self.name}"
-            route = self._p2p_routes[key] = P2PRoute(world, header, header.pack(), label)
+            route = self._p2p_routes[key] = P2PRoute(world, header, header.pack(), label,
+                                                     _Done(label, self.runtime.rank))
         return route
 
     def _peer(self, peer: int, what: str) -> int:
@@ -595,11 +597,10 @@ class Group(Collectives):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def _p2p_wait(self, req: Request, timeout: float | None) -> None:
+    def _p2p_wait(self, *reqs: Request, timeout: float | None) -> None:
         t = self.timeout if timeout is None else timeout
-        self.engine.wait([req], deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
-                         watch=(req.peer,),
-                         what=req.what)
+        self.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
+                         watch=tuple(r.peer for r in reqs), what=reqs[0].what)
 
     def _p2p_work(self, req: Request) -> Work:
         if req.done and req.error is None:  # a small send, already in the ring or the socket,
@@ -631,7 +632,7 @@ class _P2PWork(Work):
             req = self._req
             if not req.done or req.error is not None:  # else nothing to drive nor raise
                 try:
-                    self._group._p2p_wait(req, timeout)
+                    self._group._p2p_wait(req, timeout=timeout)
                 except TimeoutError:
                     raise  # still pending: the caller may wait again
                 except BaseException as exc:

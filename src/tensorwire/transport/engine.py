@@ -279,6 +279,47 @@ class Engine:
                         self._peer_lost(peer, str(exc))
         return req
 
+    def send_now(self, peer: int, wire_header: bytes, payload: np.ndarray) -> bool:
+        """A small point-to-point message written whole into `peer`'s ring now, with no
+        request (ShmChannel.put_now): the request and its posting were half a small send's
+        time. False: post it the general way (`isend`)."""
+        channel = self.channels.get(peer)
+        put = getattr(channel, "put_now", None)  # shared-memory channels only
+        if put is None or self.aborted or self.lost:
+            return False
+        with self.lock:
+            return self.channels.get(peer) is channel and put(wire_header, payload)
+
+    def recv_now(self, peer: int, header: Header, wire_header: bytes, dst: np.ndarray, spin: bool) -> bool:
+        """A point-to-point receive taken straight from `peer`'s ring where its message is the
+        next one there and no earlier one waits for it (ShmChannel.take_now), spinning up to
+        the waiters' spin time for it to come (`spin`: a blocking receive). Other channels are
+        not driven meanwhile; False: receive the general way (`irecv`), which drives them all,
+        parks, stages, and notices lost peers and aborts."""
+        channel = self.channels.get(peer)
+        take = getattr(channel, "take_now", None)
+        if take is None:
+            return False
+        key = (peer, header.key)
+        until = 0.0
+        while True:
+            with self.lock:
+                if self.aborted or self.lost or self.posted.get(key) or self.unexpected.get(key) \
+                        or self.channels.get(peer) is not channel:
+                    return False
+                taken = take(wire_header, dst)
+            if taken is not None:
+                return taken
+            if not spin:
+                return False
+            now = time.perf_counter()
+            if not until:  # spin only where no send of this process waits to be pushed meanwhile
+                if any(c.pending() for c in self._channel_list):
+                    return False
+                until = now + self.spin_s
+            elif now > until:
+                return False
+
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""
         sink = self.match(self.rank, req.header)

@@ -289,26 +289,38 @@ class ShmChannel:
         """Write a message that fits the ring's free space in one record, without wrapping,
         and finish its request; False leaves it to `_push`. Most small sends end here, with
         no queueing and no piece-by-piece bookkeeping."""
+        if not self._put(req.wire_header, req.payload, req.descriptor):
+            return False
+        req.done = req.descriptor is None  # else done once the peer acknowledges
+        req.sent = req.payload.nbytes
+        return True
+
+    def put_now(self, wire_header: bytes, payload: np.ndarray) -> bool:
+        """Write a small point-to-point message whole, with no request at all, where nothing
+        is queued before it, the ring needs not grow and the payload goes through the ring;
+        False leaves it to `post` (Engine.send_now)."""
+        n = payload.nbytes
+        if self.sendq or n >= REMOTE_BYTES or (n * 2 > self.out.capacity and self.out.capacity < self.target):
+            return False
+        return self._put(wire_header, payload, None)
+
+    def _put(self, wire_header: bytes, payload: np.ndarray, descriptor: bytes | None) -> bool:
         ring = self.out
         words = ring.words
         cap = ring.capacity
         head = words[_HEAD]
-        n = req.payload.nbytes
-        descriptor = req.descriptor
+        n = payload.nbytes
         end = head + HEADER_SIZE + (_pad(n) if descriptor is None else HEADER_SIZE)
         pos = head % cap
         if (n > PIPELINE_BYTES and descriptor is None) or end - words[_TAIL] > cap \
                 or pos + (end - head) > cap:
             return False
-        ring.raw[pos:pos + HEADER_SIZE] = req.wire_header
+        ring.raw[pos:pos + HEADER_SIZE] = wire_header
         pos += HEADER_SIZE
         if descriptor is not None:
-            ring.raw[pos:pos + HEADER_SIZE] = descriptor  # done once the peer acknowledges
-        else:
-            if n:
-                ring.data[pos:pos + n] = req.payload
-            req.done = True
-        req.sent = n
+            ring.raw[pos:pos + HEADER_SIZE] = descriptor
+        elif n:
+            ring.data[pos:pos + n] = payload
         words[_HEAD] = end
         return True
 
@@ -460,6 +472,34 @@ class ShmChannel:
             words[_TAIL] = tail
             return True
         return False
+
+    def take_now(self, wire_header: bytes, dst: np.ndarray) -> bool | None:
+        """Read the message at the ring's tail straight into `dst` (flat uint8) if its header
+        is `wire_header` byte for byte and it lies whole in the ring, unwrapped: a point-to-
+        point receive with no request, no matching and no parsing (Engine.recv_now). None:
+        nothing whole there yet; False: another record comes first (the general path's)."""
+        if self._sink is not None:
+            return False
+        ring = self.inn
+        words = ring.words
+        tail = words[_TAIL]
+        n = dst.nbytes
+        end = tail + HEADER_SIZE + _pad(n)
+        avail = words[_HEAD] - tail
+        if avail < HEADER_SIZE:
+            return None
+        pos = tail % ring.capacity
+        if ring.raw[pos:pos + HEADER_SIZE] != wire_header or pos + HEADER_SIZE + n > ring.capacity:
+            return False
+        if avail < end - tail:
+            return None
+        if n:
+            pos += HEADER_SIZE
+            dst[:] = ring.data[pos:pos + n]
+        self.parked = None
+        self.release = False
+        words[_TAIL] = end
+        return True
 
     def _follow(self, header: Header, pos: int) -> None:
         """The writer moved to a larger ring (its name in the record after the header): map it
