@@ -557,6 +557,13 @@ def _check_p2p(c: _Checker) -> None:
         assert seen == set(range(1, n)), seen
     else:
         dist.send(_data(r, 2, torch.float32), dst=0, tag=7)
+    # a receive into a strided view whose message is there already: completes as it is posted,
+    # the staged copy written back
+    dist.send(_data(r, 6, torch.float32), dst=right, tag=11)
+    dist.barrier()
+    grid = torch.zeros(6, 2)
+    dist.recv(grid[:, 1], src=left, tag=11)
+    c.equal("recv into a strided view", grid, torch.stack([torch.zeros(6), _data(left, 6, torch.float32)], 1))
     # a future on a point-to-point Work completes without anybody calling wait()
     t = torch.zeros(2)
     req = dist.irecv(t, src=left, tag=9)

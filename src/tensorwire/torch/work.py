@@ -187,6 +187,13 @@ class TensorwireWork(dist.Work):
         return f"<TensorwireWork {self._what} {state}>"
 
 
+def finished(part: TwWork) -> bool:
+    """A host part that completed, successfully, as it was posted: a CompletedWork serves it
+    (a TensorwireWork's lock, event and callback were a third of a small send through torch).
+    A point-to-point part counts as done only once waited on, which takes its error."""
+    return part._done and part._exc is None and getattr(part, "stream", None) is None
+
+
 def _needs_waiter(part: TwWork) -> bool:
     """Collective parts complete on their group's worker; point-to-point ones need a waiter."""
     return not part.progresses
