@@ -203,7 +203,7 @@ def _pow2(n: int) -> int:
 class ShmChannel:
     """Data through rings, control and liveness through the peer's socket.
 
-    Rings start small and grow with the traffic: a message of more than half the ring makes
+    Rings start small and grow with the traffic: a message (with its header) of more than half the ring makes
     its writer move to one that holds two such messages (up to `target`, TENSORWIRE_SHM_RING, within
     this rank's share of /dev/shm), announced in the old ring by a MOVE record that the
     reader follows. So a pair that only ever exchanges small messages (setup, barriers,
@@ -236,9 +236,15 @@ class ShmChannel:
         self.awaiting: dict[int, SendRequest] = {}  # REMOTE sends by id, until acknowledged
         self._remote_ids = itertools.count(1)
 
+    def _outgrown(self, n: int) -> bool:
+        """Would a message of `n` bytes leave the ring unable to hold two of them (one written
+        while the other is read) where it may still grow? Counted with its header: a payload
+        of exactly half the ring (a power of two, as most are) must grow it too."""
+        return 2 * (HEADER_SIZE + _pad(n)) > self.out.capacity and self.out.capacity < self.target
+
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
-        if n * 2 > self.out.capacity and self.out.capacity < self.target:
+        if self._outgrown(n):
             self._grow(n)
         if self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
             self._offer(req)
@@ -250,7 +256,8 @@ class ShmChannel:
         one is written while the other is read), once what is queued before has been written:
         a MOVE record in sendq."""
         assert self.source is not None
-        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * nbytes))))
+        record = HEADER_SIZE + _pad(nbytes)
+        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * record))))
         if ring is None:
             self.target = self.out.capacity  # nothing larger fits: stay (and stop asking)
             return
@@ -300,7 +307,7 @@ class ShmChannel:
         is queued before it, the ring needs not grow and the payload goes through the ring;
         False leaves it to `post` (Engine.send_now)."""
         n = payload.nbytes
-        if self.sendq or n >= REMOTE_BYTES or (n * 2 > self.out.capacity and self.out.capacity < self.target):
+        if self.sendq or n >= REMOTE_BYTES or self._outgrown(n):
             return False
         return self._put(wire_header, payload, None)
 
