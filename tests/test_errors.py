@@ -143,6 +143,7 @@ def test_calls_before_init_raise_not_initialized() -> None:
         "all_gather_into_tensor": lambda: tw.all_gather_into_tensor(np.empty(8, np.float32), x),
         "send": lambda: tw.send(x, 1),
         "recv": lambda: tw.recv(x, 1),
+        "sendrecv": lambda: tw.sendrecv(x, 1, x.copy(), 1),
         "isend": lambda: tw.isend(x, 1),
         "irecv": lambda: tw.irecv(x, 1),
         "new_group": lambda: tw.new_group(),
@@ -842,6 +843,41 @@ def test_peer_dies(transport: str, mode: str) -> None:
         assert procs[2].wait(10) != 0
     finally:
         _kill_all(procs)
+
+
+_WAITS_ON_THE_DEAD = """
+mode = ARGS[0]
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=30)
+x = np.ones(2, np.float32)
+tw.sendrecv(x, 1 - rank, x.copy(), 1 - rank)  # the pair is connected, its rings made
+tw.barrier()
+if rank == 1:
+    time.sleep(0.3)  # rank 0 is in its receive by then
+    report(event="died", at=time.time())
+    os._exit(3)
+if mode == "recv":
+    report(event="lost", res=attempt(tw.recv, x, 1))
+else:
+    report(event="lost", res=attempt(tw.sendrecv, x, 1, x.copy(), 1))
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["recv", "sendrecv"])
+def test_a_blocking_receive_from_a_rank_that_dies_fails_within_seconds(transport: str, mode: str) -> None:
+    """A blocking receive (which first spins on the pair's ring for its message) from a peer
+    that dies meanwhile: PeerLostError naming the peer within seconds (the timeout is 30 s)."""
+    port = free_port()
+    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    procs = [_spawn(_WAITS_ON_THE_DEAD, r, 2, port, mode, env=env) for r in (0, 1)]
+    try:
+        died_at = _reports(procs[1], 30)[-1]["at"]
+        res = _reports(procs[0], 30)[-1]["res"]
+    finally:
+        _kill_all(procs)
+    _assert_error(res, PeerLostError, "rank 1", rank=0, within=10.0)
+    assert res["at"] - died_at < 5.0, res
 
 
 _SENDER_DIES = """
