@@ -314,7 +314,7 @@ class Engine:
                 return False
             now = time.perf_counter()
             if not until:  # spin only where no send of this process waits to be pushed meanwhile
-                if any(c.pending() for c in self._channel_list):
+                if any(c.queued() for c in self._channel_list):
                     return False
                 until = now + self.spin_s
             elif now > until:

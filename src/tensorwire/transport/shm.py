@@ -343,6 +343,10 @@ class ShmChannel:
         if self.sendq:
             self._push()
 
+    def queued(self) -> bool:
+        """Sends this process has yet to write (a REMOTE one waiting for its reader is not)."""
+        return bool(self.sendq or self.stream.sendq)
+
     def pending(self) -> list[SendRequest]:
         """Sends not finished yet: through the ring, read by the peer, or control messages on
         the socket."""

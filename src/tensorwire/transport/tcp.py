@@ -340,6 +340,10 @@ class TcpChannel:
     def poll_socket(self) -> bool:
         return self.progress()
 
+    def queued(self) -> bool:
+        """Sends this process has yet to hand to the kernel."""
+        return any(stream.sendq for stream in self.streams)
+
     def pending(self) -> list[SendRequest]:
         """Sends not finished yet."""
         out: dict[int, SendRequest] = {}

@@ -119,6 +119,9 @@ class PendingChannel:
     def pending(self) -> list[SendRequest]:
         return [req for req, _ in self.queue]
 
+    def queued(self) -> bool:
+        return bool(self.queue)
+
     def close(self) -> None:
         self.queue.clear()
 
