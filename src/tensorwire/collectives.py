@@ -884,7 +884,8 @@ class Collectives:
         data, route = self._p2p_host(tensor, True, dst, tag)
         if self.engine.send_now(route.peer, route.wire, data):
             return route.done
-        return self._p2p_work(self.engine.isend(route.peer, route.header, data, route.label, route.wire))
+        req = self.engine.isend(route.peer, route.header, data, route.label, route.wire)
+        return self._p2p_work(req, route)
 
     def irecv(self: Group, tensor: Any, src: int, tag: int = 0) -> Any:
         """Non-blocking receive into `tensor` (its size must equal the message's)."""
@@ -893,7 +894,7 @@ class Collectives:
         data, route = self._p2p_host(tensor, False, src, tag)
         if self.engine.recv_now(route.peer, route.header, route.wire, data, False):
             return route.done
-        return self._p2p_work(self.engine.irecv(route.peer, route.header, data, None, route.label))
+        return self._p2p_work(self.engine.irecv(route.peer, route.header, data, None, route.label), route)
 
     def irecv_any(self: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
         """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's

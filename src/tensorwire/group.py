@@ -602,9 +602,9 @@ class Group(Collectives):
         self.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
                          watch=tuple(r.peer for r in reqs), what=reqs[0].what)
 
-    def _p2p_work(self, req: Request) -> Work:
+    def _p2p_work(self, req: Request, route: P2PRoute) -> Work:
         if req.done and req.error is None:  # a small send, already in the ring or the socket,
-            return _Done(req.label, self.runtime.rank)  # or a receive whose message had arrived
+            return route.done  # or a receive whose message had arrived
         self.engine.watch_in_background(req)
         return _P2PWork(self, req)
 
