@@ -889,7 +889,8 @@ def rank_async(seed: int) -> dict:
     def done(label: str, work, expect_result) -> None:
         log.case()
         log.check(isinstance(work, tw.Work), f"{label}: returned {type(work).__name__}, not Work")
-        log.check(work.wait(timeout=30) is True, f"{label}: wait() did not return True")
+        # no limit: the waiting thread runs the call if the worker has not (Group.run_until)
+        log.check(work.wait() is True, f"{label}: wait() did not return True")
         log.check(work.is_completed() and work.is_success(), f"{label}: not completed after wait()")
         if expect_result is not None:
             log.check(work.result() is expect_result, f"{label}: result() is {type(work.result())}")
@@ -966,11 +967,27 @@ def rank_async(seed: int) -> dict:
         log.check(w.wait(timeout=30) and w.result() is xs[k], f"batch work {k}")
     for k in range(8):
         log.close(f"async batch {k}", xs[k], ins[k], Reduction(ReduceOp.SUM))
+    # waited without a limit from the middle (the waiter runs what is queued up to it), then
+    # from another thread while this one queues more behind them
+    xs = [ins[k][me].copy() for k in range(8)]
+    works = [tw.all_reduce(xs[k], async_op=True) for k in range(4)]
+    works[2].wait()
+    other = threading.Thread(target=works[3].wait)
+    other.start()
+    works += [tw.all_reduce(xs[k], async_op=True) for k in range(4, 7)]
+    tw.all_reduce(xs[7])
+    other.join(30)
+    log.case()
+    log.check(not other.is_alive(), "a waiting thread did not return")
+    for k, w in enumerate(works):
+        log.check(w.wait() and w.result() is xs[k], f"batch waited here: work {k}")
+    for k in range(8):
+        log.close(f"async batch waited here {k}", xs[k], ins[k], Reduction(ReduceOp.SUM))
     return log.result()
 
 
 def test_async_variants(cl) -> None:
-    _expect(cl.run(rank_async, 3), 3 * 16 + 1)
+    _expect(cl.run(rank_async, 3), 3 * 16 + 2)
 
 
 def rank_all_to_all_list(seed: int) -> dict:
