@@ -10,13 +10,16 @@ whose rank r lies on host r mod K (what Slurm's cyclic distribution gives), so b
 job and alternate round by round; with --gloo, so do Gloo and tensorwire's torch backend, both
 through torch.distributed (block placement). A call's time is the slowest rank's; each round
 times --calls calls of each; rank 0 prints one line per call (`TIME <case> <round> <seconds>`)
-and a summary (mean, p50, p99, min, max per case, and the ratios of the means).
+and a summary (mean, p50, p99, min, max per case, and the ratios of the means), with the CPU
+time (user + system, every thread, summed over the ranks) a call took: where the ranks
+outnumber the cores, a case that needs more CPU is slower whatever its link traffic.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -72,7 +75,8 @@ def main() -> None:
     for op in ops.values():  # warm: connections ramped, algorithms chosen, pages touched
         op()
     times: dict[str, list[float]] = {c: [] for c in ops}
-    slowest = np.zeros(1)
+    cpu: dict[str, list[float]] = {c: [] for c in ops}
+    slowest, spent = np.zeros(1), np.zeros(1)
     for rnd in range(args.rounds):
         order = list(ops) if rnd % 2 == 0 else list(reversed(ops))
         for case in order:
@@ -81,11 +85,14 @@ def main() -> None:
                 if args.gloo:
                     t.fill_(1)
                 world.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu(), time.perf_counter()
                 ops[case]()
                 slowest[0] = time.perf_counter() - t0
+                spent[0] = _cpu() - c0
                 world.all_reduce(slowest, op=tw.ReduceOp.MAX)
+                world.all_reduce(spent)
                 times[case].append(float(slowest[0]))
+                cpu[case].append(float(spent[0]))
                 got = t[:8].numpy() if case in ("gloo", "torch-tw") else x[:8]
                 if not np.all(got == n):
                     raise SystemExit(f"rank {r}: {case}: wrong result {x[:4]} (expected {n})")
@@ -96,13 +103,19 @@ def main() -> None:
         for c, v in times.items():
             q = statistics.quantiles(v, n=100) if len(v) > 1 else v * 99
             print(f"SUMMARY {c}: mean {means[c]:.3f} s, p50 {statistics.median(v):.3f}, p99 {q[98]:.3f}, "
-                  f"min {min(v):.3f}, max {max(v):.3f} over {len(v)} calls", flush=True)
+                  f"min {min(v):.3f}, max {max(v):.3f} over {len(v)} calls; "
+                  f"CPU {statistics.fmean(cpu[c]):.3f} s a call (all ranks)", flush=True)
         base = means.get("block") or next(iter(means.values()))
         if base:
             first = "block" if "block" in means else next(iter(means))
             print("RATIO " + ", ".join(f"{c}/{first} {m / base:.2f}" for c, m in means.items() if c != first),
                   flush=True)
     world.barrier()
+
+
+def _cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 if __name__ == "__main__":
