@@ -990,6 +990,74 @@ def test_async_variants(cl) -> None:
     _expect(cl.run(rank_async, 3), 3 * 16 + 2)
 
 
+def rank_async_schedule(seed: int, ops: int) -> dict:
+    """A random mix of blocking and async all_reduces, broadcasts and barriers (one schedule,
+    every rank) whose Works each rank waits for in an order of its own: at random points,
+    without a limit (the waiter runs what is queued: Group.run_until), with one, or from
+    another thread. Every result must be the reference's, whoever ran the call."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    plan = np.random.default_rng([seed, n])
+    mine = np.random.default_rng([seed, n, me])
+    dtypes = (np.dtype(np.int64), np.dtype(np.float32))
+    pending: list[tuple[int, object]] = []
+    checks: list[tuple[str, np.ndarray, object]] = []  # (label, result, expected: array or inputs)
+    threads: list[threading.Thread] = []
+
+    def settle(k: int) -> None:
+        for _ in range(k):
+            if not pending:
+                return
+            i, work = pending.pop(int(mine.integers(len(pending))))
+            how = int(mine.integers(3))
+            if how == 0:
+                work.wait()
+            elif how == 1:
+                work.wait(timeout=30)
+            else:
+                threads.append(threading.Thread(target=work.wait))
+                threads[-1].start()
+
+    for i in range(ops):
+        kind, async_op = int(plan.integers(3)), bool(plan.integers(4))  # 3 in 4 async
+        dt = dtypes[int(plan.integers(2))]
+        count = int(plan.choice([0, 1, 5, 300, 3000]))
+        if kind == 0:
+            ins = [_gen(dt, (count,), (seed, i), r) for r in range(n)]
+            x = ins[me].copy()
+            ret = tw.all_reduce(x, async_op=async_op)
+            checks.append((f"all_reduce {i} {dt.name} x{count}", x, ins))
+        elif kind == 1:
+            root = int(plan.integers(n))
+            want = _bits(dt, (count,), (seed, i), root)
+            x = want.copy() if me == root else _garbage(dt, (count,))
+            ret = tw.broadcast(x, root, async_op=async_op)
+            checks.append((f"broadcast {i} {dt.name} x{count} from {root}", x, want))
+        else:
+            ret = tw.barrier(async_op=async_op)
+        if async_op:
+            pending.append((i, ret))
+        settle(int(mine.integers(3)))
+    settle(len(pending))
+    for t in threads:
+        t.join(30)
+    log.case()
+    log.check(not any(t.is_alive() for t in threads), "a waiting thread did not return")
+    for label, got, want in checks:
+        if isinstance(want, list):
+            log.close(label, got, want, Reduction(ReduceOp.SUM))
+        else:
+            log.same(label, got, want)
+    return log.result()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_async_waits_in_any_order_from_any_thread(world_spec, get_cluster, seed: int) -> None:
+    _expect(get_cluster(*world_spec).run(rank_async_schedule, seed, 40, timeout=60), 1)
+
+
 def rank_all_to_all_list(seed: int) -> dict:
     """all_to_all (list form) with a different size for every (sender, receiver) pair, zeros included.
 
