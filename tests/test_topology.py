@@ -111,11 +111,14 @@ def test_orders_cross_between_hosts_as_little_as_they_can(hosts: int, per: int) 
             assert crossings(layout.ring, t.host_of, [(v, v ^ (1 << k)) for v in range(n)]) == 0
 
 
-def test_layouts_without_hierarchy() -> None:
+def test_layouts_without_rails() -> None:
     t = topo.Topology.from_cards({0: card("a"), 1: card("a"), 2: card("b")})
     assert t.layout([0, 1]) is None  # one host
+    assert t.layout([0, 2]).shape is None  # one rank per host: nothing to do within hosts
     uneven = t.layout([0, 1, 2])
-    assert uneven is not None and uneven.shape is None and uneven.ring == (0, 1, 2)
+    assert uneven is not None and uneven.ring == (0, 1, 2)
+    assert uneven.shape == Shape(2, 2, 2.0, uniform=False)  # the leaders' algorithms only
+    assert uneven.rails == ((0, 2), (1,)) and "leaders" in uneven.describe_hierarchy()
     two_nics = topo.Topology.from_cards({0: card("a", ifname="ib0"), 1: card("a", ifname="ib1"),
                                          2: card("b", ifname="ib0"), 3: card("b", ifname="ib1")})
     assert two_nics.layout(range(4)).shape.nic_share == 1.0  # a rail per interface

@@ -13,6 +13,7 @@ Slurm's cyclic distribution gives), whose orders differ from its numbering. Mode
             flat algorithm, every dtype through the data movement, and a pipelined all_reduce
   algos     the matrix's first part only
   mismatch  ranks that disagree on a hierarchical all_reduce: a clear error on every rank
+  uneven    groups whose hosts hold different numbers of ranks: the leaders' hierarchy
 Data is chosen so that every reduction is exact whatever its order (integers; floats holding
 small integers; powers of two for products), so results must match exactly (bit for bit but
 for the sign of a floating-point zero).
@@ -208,6 +209,46 @@ def matrix(cases: list[int]) -> None:
             cases[0] += 1
 
 
+def uneven(cases: list[int]) -> None:
+    """Groups whose hosts hold different numbers of ranks (on 2 hosts x 3: 3 + 1, and 3 + 2
+    numbered out of order): the leaders' hierarchy is eligible and the rails' is not, every
+    eligible algorithm of every collective agrees with numpy with every rank as the root, and
+    the leaders' all_reduce and reduce every (op, dtype) pair."""
+    hosts, per = placement()
+    n = hosts * per
+    for gi, members in enumerate(([*range(per + 1)], [per + 1, 0, per, 1, n - 1])):
+        g = tw.new_group(members, name=f"uneven{gi}")
+        if not g.is_member:
+            continue
+        shape = g.layout.shape
+        assert shape is not None and not shape.uniform, (g.name, g.layout)
+        hierarchical = {c: eligible(g, c, 3001 * 8) for c in ("all_reduce", "broadcast", "reduce",
+                                                               "barrier", "all_gather", "reduce_scatter")}
+        assert "hierarchical_leaders" in hierarchical["all_reduce"], hierarchical
+        assert "hierarchical" not in hierarchical["all_reduce"], hierarchical  # the rails need even hosts
+        for c in ("broadcast", "reduce", "barrier"):
+            assert "hierarchical" in hierarchical[c], (c, hierarchical)
+        for c in ("all_gather", "reduce_scatter"):
+            assert "hierarchical" not in hierarchical[c], (c, hierarchical)
+        for ci, coll in enumerate(("all_reduce", "reduce", "broadcast", "barrier")):
+            for count in (7, 3001):
+                for name in eligible(g, coll, 0 if coll == "barrier" else count * 8):
+                    for root in (range(g.size) if coll in ROOTED else (0,)):
+                        forced(g, coll, name, np.dtype(np.float64), count, Reduction(ReduceOp.SUM), root,
+                               (gi, ci, count, root, 400))
+                        cases[0] += 1
+        for di, dt in enumerate(DTYPES):
+            for op in ReduceOp:
+                try:
+                    check_op_dtype(reduction(op), dt, rank=0, collective="uneven")
+                except tw.InvalidArgumentError:
+                    continue
+                key = (gi, di, int(op))
+                forced(g, "all_reduce", "hierarchical_leaders", dt, 5, reduction(op), 0, (*key, 500))
+                forced(g, "reduce", "hierarchical", dt, 5, reduction(op), g.size - 1, (*key, 501))
+                cases[0] += 2
+
+
 def mismatch() -> None:
     """Ranks that disagree on a hierarchical all_reduce's count (rank 0 one element more), or on
     its size so far that rank 0 alone runs another algorithm (4 elements: the leaders'
@@ -263,6 +304,8 @@ def main() -> None:
             algos(cases)
         elif mode == "mismatch":
             mismatch()
+        elif mode == "uneven":
+            uneven(cases)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     tw.barrier()

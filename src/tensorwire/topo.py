@@ -286,28 +286,30 @@ class Layout:
 
     @property
     def shape(self) -> Shape | None:
-        """The hierarchy's shape where every host holds the same number (>= 2) of ranks."""
-        per = {len(h) for h in self.hosts}
-        if len(per) != 1 or len(self.hosts[0]) < 2:
+        """The hierarchy's shape where a host holds 2 or more ranks (`uniform` where every host
+        holds as many); None where every host holds one."""
+        per = [len(h) for h in self.hosts]
+        if max(per) < 2:
             return None
-        per_host = len(self.hosts[0])
-        return Shape(len(self.hosts), per_host, per_host / min(self.nics))
+        per_host = max(per)
+        return Shape(len(self.hosts), per_host, per_host / min(self.nics), uniform=min(per) == per_host)
 
     @property
     def rails(self) -> tuple[tuple[int, ...], ...]:
-        """Rail i: the i-th rank of every host (uniform layouts only)."""
-        return tuple(zip(*self.hosts))
+        """Rail i: the i-th rank of every host that has one."""
+        return tuple(tuple(h[i] for h in self.hosts if i < len(h)) for i in range(max(map(len, self.hosts))))
 
     def describe(self) -> str:
         return f"{sum(map(len, self.hosts))} ranks on {len(self.hosts)} hosts " + _lists(self.hosts)
 
     def describe_hierarchy(self) -> str:
-        if self.shape is not None:
-            shape = self.shape
-            return f"hierarchy: {shape.hosts} hosts x {shape.per_host} ranks; rails {_lists(self.rails)}"
-        if all(len(h) == 1 for h in self.hosts):
+        shape = self.shape
+        if shape is None:
             return "no hierarchy (one rank per host)"
-        return "no hierarchy (the hosts hold different numbers of ranks)"
+        if shape.uniform:
+            return f"hierarchy: {shape.hosts} hosts x {shape.per_host} ranks; rails {_lists(self.rails)}"
+        return (f"hierarchy through the leaders: {shape.hosts} hosts of "
+                f"{'/'.join(str(len(h)) for h in self.hosts)} ranks; rail 0 {_lists(self.rails[:1])}")
 
 
 def _lists(groups: Iterable[Iterable[int]]) -> str:

@@ -354,7 +354,7 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     force = forcing(cfg, collective, shape is not None)
     out = []
     for alg in algorithms_for(collective).values():
-        if alg.phases is not None and (shape is None or not direct_ok):
+        if alg.phases is not None and (shape is None or not direct_ok or not (shape.uniform or alg.uneven)):
             continue
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes

@@ -15,9 +15,12 @@ host-reduced block); broadcast and reduce cross along the root's rail and fan ou
 within the hosts; the barrier meets within the hosts, across the first rail, and within them
 again.
 
-The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). They
-need every host to hold the same number of ranks (topo.Layout.shape), and all_gather and
-reduce_scatter even blocks (their phases use the sub-groups' list forms). A failure inside a
+The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). The
+rails need every host to hold the same number of ranks (topo.Layout.shape), and all_gather and
+reduce_scatter even blocks (their phases use the sub-groups' list forms). Where hosts hold
+different numbers, the leaders' all_reduce, the barrier, broadcast and reduce still run: they
+cross between hosts through rail 0 (each host's first rank), which every host has; a root
+whose rail not every host has goes through its host's leader. A failure inside a
 phase aborts the parent group, and with it both sub-groups on every rank (Engine.children).
 """
 
@@ -42,17 +45,15 @@ LEADERS = "hierarchical_leaders"
 
 @dataclass(frozen=True)
 class Shape:
-    """A group over `hosts` hosts of `per_host` ranks each; `nic_share`: how many of a host's
-    ranks share each of its network interfaces (the rails of a phase in which every rank
-    crosses at once divide a link between them)."""
+    """A group over `hosts` hosts of `per_host` ranks each (`uniform` False: of different
+    numbers, the largest `per_host`; only the leaders' algorithms run there); `nic_share`: how
+    many of a host's ranks share each of its network interfaces (the rails of a phase in which
+    every rank crosses at once divide a link between them)."""
 
     hosts: int
     per_host: int
     nic_share: float = 1.0
-
-    @property
-    def size(self) -> int:
-        return self.hosts * self.per_host
+    uniform: bool = True
 
 
 LocalPrice = Callable[[str, int, int], float]
@@ -185,10 +186,27 @@ def leaders_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray
     h.local.broadcast(data, 0, timeout=_left(p2p))
 
 
+def _on_every_host(h: Hierarchy, index: int) -> bool:
+    """Whether every host has a rank at `index` (a rail through all of them)."""
+    return all(index < len(on) for on in h.hosts)
+
+
 def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarray | None = None) -> None:
-    """Along the root's rail, then within every host from that rail's rank."""
+    """Along the root's rail, then within every host from that rail's rank; where not every
+    host has the root's rail: within the root's host, along rail 0, within the other hosts."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     host, index = h.where[root]
+    if not _on_every_host(h, index):
+        if h.host == host:
+            if src is not None:  # the root, out of place
+                h.local.broadcast(src, index, out=data, timeout=_left(p2p))
+            else:
+                h.local.broadcast(data, index, timeout=_left(p2p))
+        if h.index == 0:
+            h.rail.broadcast(data, host, timeout=_left(p2p))
+        if h.host != host:
+            h.local.broadcast(data, 0, timeout=_left(p2p))
+        return
     if h.index == index:
         if src is not None:  # the root, out of place
             h.rail.broadcast(src, host, out=data, timeout=_left(p2p))
@@ -198,16 +216,23 @@ def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarra
 
 
 def hierarchical_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
-    """Within every host onto the rank on the root's rail, then along that rail to the root."""
+    """Within every host onto the rank on the root's rail, then along that rail to the root;
+    where not every host has the root's rail: onto each host's first rank, along rail 0 to
+    the root's host, and from its first rank to the root."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
     host, index = h.where[root]
-    if h.index != index:
-        h.local.reduce(data, index, op, timeout=_left(p2p))
+    through = index if _on_every_host(h, index) else 0
+    if h.index != through:
+        h.local.reduce(data, through, op, timeout=_left(p2p))
+        if p2p.rank == root:
+            h.local.recv(acc, 0, timeout=_left(p2p))
         return
     part = acc if p2p.rank == root else np.empty_like(data)
-    h.local.reduce(data, index, op, out=part, timeout=_left(p2p))
+    h.local.reduce(data, through, op, out=part, timeout=_left(p2p))
     h.rail.reduce(part, host, op, timeout=_left(p2p))
+    if through != index and h.host == host:
+        h.local.send(part, index, timeout=_left(p2p))
 
 
 def hierarchical_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | None = None) -> None:
@@ -307,7 +332,7 @@ def _flat_never(n: int, m: int, link: Link) -> float:
 
 
 register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_never, phases=_leaders_cost,
-                   reorder=False, out_of_place=True))
+                   reorder=False, out_of_place=True, uneven=True))
 register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
                    reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
@@ -316,4 +341,5 @@ for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost
                            ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
                            ("barrier", hierarchical_barrier, _barrier_cost)):
     register(Algorithm(NAME, _coll, _named(_run), _flat_never, phases=_cost, reorder=False,
-                       out_of_place=_coll in ("broadcast", "all_gather")))
+                       out_of_place=_coll in ("broadcast", "all_gather"),
+                       uneven=_coll in ("broadcast", "reduce", "barrier")))

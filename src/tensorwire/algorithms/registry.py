@@ -128,8 +128,11 @@ class Algorithm:
     phases: Callable[..., float] | None = None
     """A hierarchical algorithm's cost (algorithms/hierarchical.py): (Shape, bytes, price of a
     phase within a host, price of a phase between hosts, the link between hosts) -> seconds.
-    It runs only on groups whose hosts hold the same number of ranks, and only where blocks
-    are even; `cost` is never asked."""
+    It runs where every host holds the same number of ranks (or, `uneven`, any numbers),
+    and only where blocks are even; `cost` is never asked."""
+    uneven: bool = False
+    """A hierarchical algorithm whose phases cross between hosts only through each host's
+    first rank (the leaders), so that its hosts may hold different numbers of ranks."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
