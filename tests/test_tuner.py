@@ -24,6 +24,7 @@ import pytest
 import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port
 from tensorwire import calibrate, cli, plan, tuner
+from tensorwire.algorithms.hierarchical import Shape
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
@@ -71,6 +72,18 @@ def test_allowed_follows_the_spec() -> None:
     assert not tuner.allowed(cfg, "all_reduce", "recursive_doubling")
     assert not tuner.allowed(cfg, "broadcast", "binomial") and tuner.allowed(cfg, "broadcast", "direct")
     assert tuner.allowed(Config(), "all_reduce", "recursive_doubling")
+
+
+def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
+    """A group on one host, or the rails' variant on hosts holding different numbers of ranks,
+    cannot run what `allreduce:hierarchical` forces: it chooses freely; the leaders' variant
+    runs on uneven hosts, so forcing it binds them."""
+    even, uneven = Shape(2, 3, 3.0), Shape(2, 3, 3.0, uniform=False)
+    rails, leaders = Config(algo="allreduce:hierarchical"), Config(algo="allreduce:hierarchical_leaders")
+    assert tuner.forcing(rails, "all_reduce", even) and not tuner.forcing(rails, "all_reduce", None)
+    assert not tuner.forcing(rails, "all_reduce", uneven)
+    assert tuner.forcing(leaders, "all_reduce", uneven) and not tuner.forcing(leaders, "all_reduce", None)
+    assert tuner.forcing(Config(algo="allreduce:ring"), "all_reduce", None)
 
 
 @pytest.mark.parametrize("spec, words", [

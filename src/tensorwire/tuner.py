@@ -330,15 +330,22 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
 
 # -- the choice ------------------------------------------------------------------------------------
 
-def forcing(cfg: Config, collective: str, hierarchy: bool) -> bool:
+def forcing(cfg: Config, collective: str, shape: Shape | None) -> bool:
     """Does TENSORWIRE_ALGO's forcing bind a group? Not where it forces only hierarchical
-    algorithms and the group cannot run them (`hierarchy` False: a group on one host, or the
-    host groups and rails its phases run on, which choose their own algorithms)."""
+    algorithms and the group cannot run them (`shape` None: a group on one host, or the host
+    groups and rails its phases run on, which choose their own algorithms; or the rails'
+    variants on hosts holding different numbers of ranks)."""
     forced = parse_algo(cfg.algo, collective)[0] if cfg.algo else frozenset()
-    if not forced or hierarchy:
+    if not forced:
         return True
-    return not all(name in algorithms_for(collective) and algorithms_for(collective)[name].phases
+    algs = algorithms_for(collective)
+    return not all(name in algs and algs[name].phases is not None and not runs_on(algs[name], shape)
                    for name in forced)
+
+
+def runs_on(alg: Algorithm, shape: Shape | None) -> bool:
+    """Whether a hierarchical algorithm can run on a group of this shape."""
+    return shape is not None and (shape.uniform or alg.uneven)
 
 
 def shape_of(group: Group) -> Shape | None:
@@ -351,10 +358,10 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     direct = group.direct
     cfg = group.runtime.config
     shape = shape_of(group)
-    force = forcing(cfg, collective, shape is not None)
+    force = forcing(cfg, collective, shape)
     out = []
     for alg in algorithms_for(collective).values():
-        if alg.phases is not None and (shape is None or not direct_ok or not (shape.uniform or alg.uneven)):
+        if alg.phases is not None and (not direct_ok or not runs_on(alg, shape)):
             continue
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
@@ -396,7 +403,7 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
                  one_host: bool) -> float:
         if n < 2:
             return 0.0
-        force = forcing(cfg, collective, False)
+        force = forcing(cfg, collective, None)
         costs = [price_one(a) for a in algorithms_for(collective).values()
                  if a.phases is None and a.eligible(n, nbytes) and allowed(cfg, collective, a.name, force)
                  and (not a.needs_direct or (one_host and not a.needs_single_copy
