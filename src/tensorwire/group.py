@@ -365,8 +365,8 @@ class Group(Collectives):
 
     def run_until(self, work: Work) -> None:
         """Run the queued calls up to `work` on this (the waiting) thread while the worker has
-        not taken them: a small async call waited for at once then costs what a blocking one
-        does, not two thread wake-ups (8 B all_reduce, 2 ranks: 2.7 against 30 µs)."""
+        not taken them: a small async call waited for at once then costs no thread wake-ups
+        (8 B all_reduce at 2 ranks, async and waited: 6.5 against 28 µs; blocking 2.4)."""
         while not work._done:
             with self._cv:
                 if self._busy or not self._queue or self._stopping:
