@@ -634,6 +634,28 @@ def test_work_wait_on_a_collective_that_never_completes(cluster: Any) -> None:
         _assert_error(other["next"], TimeoutError, "all_reduce", f"seen on rank {rank}", within=1.0)
 
 
+def _async_waited_without_limit() -> dict[str, Any]:
+    """Rank 0's async all_reduce the others never join, waited for without a time limit: the
+    waiter runs the call itself (Group.run_until), so its own deadline must end the wait."""
+    g = _fresh_group()
+    if g.rank != 0:
+        tw.barrier(timeout=30)
+        return {"next": _attempt(g.barrier, timeout=5.0)}
+    work = g.all_reduce(np.ones(4, np.float32), async_op=True, timeout=1.0)
+    final = _attempt(work.wait)
+    tw.barrier(timeout=30)
+    return {"final": final, "completed": work.is_completed(), "success": work.is_success()}
+
+
+def test_an_async_collective_waited_without_limit_ends_at_its_timeout(cluster: Any) -> None:
+    results = cluster.run(_async_waited_without_limit)
+    _assert_error(results[0]["final"], TimeoutError, "all_reduce", "timed out waiting for rank(s) 1", rank=0,
+                  within=5.0)
+    assert results[0]["completed"] is True and results[0]["success"] is False
+    for rank, other in enumerate(results[1:], start=1):
+        _assert_error(other["next"], TimeoutError, "all_reduce", f"seen on rank {rank}", within=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Faults that need their own processes: each child reports JSON lines prefixed with "@@"
 
