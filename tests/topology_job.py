@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -88,6 +89,17 @@ def inputs(dt: np.dtype, count: int, key: tuple, n: int, op: ReduceOp = ReduceOp
 
 def reduction(op: ReduceOp) -> Reduction:
     return tw.premul_sum(0.5) if op is ReduceOp.PREMUL_SUM else Reduction(op)
+
+
+def reductions() -> Iterator[tuple[int, np.dtype, ReduceOp]]:
+    """(index of the dtype, dtype, op) of every pair tensorwire reduces."""
+    for di, dt in enumerate(DTYPES):
+        for op in ReduceOp:
+            try:
+                check_op_dtype(reduction(op), dt, rank=0, collective="reductions")
+            except tw.InvalidArgumentError:
+                continue
+            yield di, dt, op
 
 
 def run_case(g: tw.Group, coll: str, dt: np.dtype, count: int, red: Reduction, root: int, key: tuple) -> None:
@@ -184,15 +196,11 @@ def matrix(cases: list[int]) -> None:
             ("reduce", "hierarchical", 5), ("reduce", "binomial", 5),
             ("reduce_scatter", "hierarchical", 5), ("reduce_scatter", "ring", 5)]
     for gi, (_, g) in enumerate(groups()):
+        for di, dt, op in reductions():
+            for ci, (coll, name, count) in enumerate(runs):
+                forced(g, coll, name, dt, count, reduction(op), g.size - 1, (gi, di, int(op), ci, 100))
+                cases[0] += 1
         for di, dt in enumerate(DTYPES):
-            for op in ReduceOp:
-                try:
-                    check_op_dtype(reduction(op), dt, rank=0, collective="matrix")
-                except tw.InvalidArgumentError:
-                    continue
-                for ci, (coll, name, count) in enumerate(runs):
-                    forced(g, coll, name, dt, count, reduction(op), g.size - 1, (gi, di, int(op), ci, 100))
-                    cases[0] += 1
             for ci, coll in enumerate(("broadcast", "all_gather", "gather", "scatter", "all_to_all")):
                 forced(g, coll, None, dt, 9, Reduction(ReduceOp.SUM), 1, (gi, di, ci, 200))
                 cases[0] += 1
@@ -237,16 +245,11 @@ def uneven(cases: list[int]) -> None:
                         forced(g, coll, name, np.dtype(np.float64), count, Reduction(ReduceOp.SUM), root,
                                (gi, ci, count, root, 400))
                         cases[0] += 1
-        for di, dt in enumerate(DTYPES):
-            for op in ReduceOp:
-                try:
-                    check_op_dtype(reduction(op), dt, rank=0, collective="uneven")
-                except tw.InvalidArgumentError:
-                    continue
-                key = (gi, di, int(op))
-                forced(g, "all_reduce", "hierarchical_leaders", dt, 5, reduction(op), 0, (*key, 500))
-                forced(g, "reduce", "hierarchical", dt, 5, reduction(op), g.size - 1, (*key, 501))
-                cases[0] += 2
+        for di, dt, op in reductions():
+            key = (gi, di, int(op))
+            forced(g, "all_reduce", "hierarchical_leaders", dt, 5, reduction(op), 0, (*key, 500))
+            forced(g, "reduce", "hierarchical", dt, 5, reduction(op), g.size - 1, (*key, 501))
+            cases[0] += 2
 
 
 def mismatch() -> None:
