@@ -299,11 +299,11 @@ def test_every_algorithm_in_topology_order_on_three_hosts(support: dict) -> None
 
 
 @pytest.mark.timeout(90)
-def test_groups_with_uneven_hosts_run_through_the_leaders(support: dict) -> None:
-    """2 hosts x 3 ranks, groups of 3 + 1 and (numbered out of order) 3 + 2 ranks: the leaders'
-    all_reduce, broadcast, reduce and barrier are eligible, the rails' algorithms are not, and
-    every eligible algorithm, every root, and the leaders' reductions for every (op, dtype)
-    pair agree with numpy."""
+def test_groups_with_uneven_hosts_run_hierarchically(support: dict) -> None:
+    """2 hosts x 3 ranks, groups of 3 + 1 and (numbered out of order) 3 + 2 ranks: the
+    hierarchical all_reduces, broadcast, reduce and barrier are eligible, all_gather's and
+    reduce_scatter's are not, and every eligible algorithm, every root, the hierarchical
+    reductions for every (op, dtype) pair and a pipelined all_reduce agree with numpy."""
     res = run_bed(["--hosts", "2", "-n", "3"], [TOPOLOGY_JOB, "uneven"], timeout=80)
     assert res.code == 0, res.out
     done = {int(m.group(1)): int(m.group(2)) for m in res.lines(r"JOB OK rank (\d+) cases (\d+)")}

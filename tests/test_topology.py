@@ -117,8 +117,9 @@ def test_layouts_without_rails() -> None:
     assert t.layout([0, 2]).shape is None  # one rank per host: nothing to do within hosts
     uneven = t.layout([0, 1, 2])
     assert uneven is not None and uneven.ring == (0, 1, 2)
-    assert uneven.shape == Shape(2, 2, 2.0, uniform=False)  # the leaders' algorithms only
-    assert uneven.rails == ((0, 2), (1,)) and "leaders" in uneven.describe_hierarchy()
+    assert uneven.shape == Shape(2, 2, 1.0, least=1) and not uneven.shape.uniform
+    assert uneven.rails == ((0, 2), (1,)) and uneven.shape.rails == 1
+    assert "rails every host has [0 2]" in uneven.describe_hierarchy()
     two_nics = topo.Topology.from_cards({0: card("a", ifname="ib0"), 1: card("a", ifname="ib1"),
                                          2: card("b", ifname="ib0"), 3: card("b", ifname="ib1")})
     assert two_nics.layout(range(4)).shape.nic_share == 1.0  # a rail per interface

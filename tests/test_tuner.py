@@ -75,14 +75,16 @@ def test_allowed_follows_the_spec() -> None:
 
 
 def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
-    """A group on one host, or the rails' variant on hosts holding different numbers of ranks,
-    cannot run what `allreduce:hierarchical` forces: it chooses freely; the leaders' variant
-    runs on uneven hosts, so forcing it binds them."""
-    even, uneven = Shape(2, 3, 3.0), Shape(2, 3, 3.0, uniform=False)
-    rails, leaders = Config(algo="allreduce:hierarchical"), Config(algo="allreduce:hierarchical_leaders")
-    assert tuner.forcing(rails, "all_reduce", even) and not tuner.forcing(rails, "all_reduce", None)
-    assert not tuner.forcing(rails, "all_reduce", uneven)
-    assert tuner.forcing(leaders, "all_reduce", uneven) and not tuner.forcing(leaders, "all_reduce", None)
+    """A group on one host cannot run what `allgather:hierarchical` forces, nor can hosts
+    holding different numbers of ranks: such groups choose freely; the all_reduce's
+    hierarchical variants run on uneven hosts, so forcing them binds those groups."""
+    even, uneven = Shape(2, 3, 3.0), Shape(2, 3, 2.0, least=2)
+    gather = Config(algo="allgather:hierarchical")
+    assert tuner.forcing(gather, "all_gather", even) and not tuner.forcing(gather, "all_gather", None)
+    assert not tuner.forcing(gather, "all_gather", uneven)
+    for name in ("hierarchical", "hierarchical_leaders"):
+        cfg = Config(algo=f"allreduce:{name}")
+        assert tuner.forcing(cfg, "all_reduce", uneven) and not tuner.forcing(cfg, "all_reduce", None)
     assert tuner.forcing(Config(algo="allreduce:ring"), "all_reduce", None)
 
 

@@ -13,7 +13,7 @@ Slurm's cyclic distribution gives), whose orders differ from its numbering. Mode
             flat algorithm, every dtype through the data movement, and a pipelined all_reduce
   algos     the matrix's first part only
   mismatch  ranks that disagree on a hierarchical all_reduce: a clear error on every rank
-  uneven    groups whose hosts hold different numbers of ranks: the leaders' hierarchy
+  uneven    groups whose hosts hold different numbers of ranks: the hierarchy they can run
 Data is chosen so that every reduction is exact whatever its order (integers; floats holding
 small integers; powers of two for products), so results must match exactly (bit for bit but
 for the sign of a floating-point zero).
@@ -219,9 +219,10 @@ def matrix(cases: list[int]) -> None:
 
 def uneven(cases: list[int]) -> None:
     """Groups whose hosts hold different numbers of ranks (on 2 hosts x 3: 3 + 1, and 3 + 2
-    numbered out of order): the leaders' hierarchy is eligible and the rails' is not, every
-    eligible algorithm of every collective agrees with numpy with every rank as the root, and
-    the leaders' all_reduce and reduce every (op, dtype) pair."""
+    numbered out of order): the hierarchical all_reduce (on the rails every host has), the
+    leaders' and the rooted ones are eligible, all_gather's and reduce_scatter's are not; every
+    eligible algorithm of every collective agrees with numpy with every rank as the root; the
+    hierarchical all_reduces and reduce every (op, dtype) pair; a pipelined all_reduce."""
     hosts, per = placement()
     n = hosts * per
     for gi, members in enumerate(([*range(per + 1)], [per + 1, 0, per, 1, n - 1])):
@@ -230,11 +231,10 @@ def uneven(cases: list[int]) -> None:
             continue
         shape = g.layout.shape
         assert shape is not None and not shape.uniform, (g.name, g.layout)
+        assert "hierarchical_leaders" in eligible(g, "all_reduce", 8), g.name
         hierarchical = {c: eligible(g, c, 3001 * 8) for c in ("all_reduce", "broadcast", "reduce",
                                                                "barrier", "all_gather", "reduce_scatter")}
-        assert "hierarchical_leaders" in hierarchical["all_reduce"], hierarchical
-        assert "hierarchical" not in hierarchical["all_reduce"], hierarchical  # the rails need even hosts
-        for c in ("broadcast", "reduce", "barrier"):
+        for c in ("all_reduce", "broadcast", "reduce", "barrier"):
             assert "hierarchical" in hierarchical[c], (c, hierarchical)
         for c in ("all_gather", "reduce_scatter"):
             assert "hierarchical" not in hierarchical[c], (c, hierarchical)
@@ -248,8 +248,16 @@ def uneven(cases: list[int]) -> None:
         for di, dt, op in reductions():
             key = (gi, di, int(op))
             forced(g, "all_reduce", "hierarchical_leaders", dt, 5, reduction(op), 0, (*key, 500))
+            forced(g, "all_reduce", "hierarchical", dt, 1024 * g.size + 5, reduction(op), 0, (*key, 502))
             forced(g, "reduce", "hierarchical", dt, 5, reduction(op), g.size - 1, (*key, 501))
-            cases[0] += 2
+            cases[0] += 3
+        # the rails' all_reduce in pieces (algorithms/hierarchical.PIECE_BYTES), out of place
+        xs = inputs(np.dtype(np.float32), (9 << 20) // 4 + 5, (gi, 503), g.size)
+        out = np.empty_like(xs[g.rank])
+        with tuner.override(g, "all_reduce", "hierarchical"):
+            g.all_reduce(xs[g.rank].copy(), out=out)
+        assert np.array_equal(out, reference(xs, Reduction(ReduceOp.SUM))), f"{g.name} pipelined"
+        cases[0] += 1
 
 
 def mismatch() -> None:

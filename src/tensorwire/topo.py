@@ -286,13 +286,13 @@ class Layout:
 
     @property
     def shape(self) -> Shape | None:
-        """The hierarchy's shape where a host holds 2 or more ranks (`uniform` where every host
-        holds as many); None where every host holds one."""
+        """The hierarchy's shape where a host holds 2 or more ranks; None where every host
+        holds one."""
         per = [len(h) for h in self.hosts]
         if max(per) < 2:
             return None
-        per_host = max(per)
-        return Shape(len(self.hosts), per_host, per_host / min(self.nics), uniform=min(per) == per_host)
+        least = min(per)
+        return Shape(len(self.hosts), max(per), least / min(self.nics), None if least == max(per) else least)
 
     @property
     def rails(self) -> tuple[tuple[int, ...], ...]:
@@ -308,8 +308,8 @@ class Layout:
             return "no hierarchy (one rank per host)"
         if shape.uniform:
             return f"hierarchy: {shape.hosts} hosts x {shape.per_host} ranks; rails {_lists(self.rails)}"
-        return (f"hierarchy through the leaders: {shape.hosts} hosts of "
-                f"{'/'.join(str(len(h)) for h in self.hosts)} ranks; rail 0 {_lists(self.rails[:1])}")
+        return (f"hierarchy: {shape.hosts} hosts of {'/'.join(str(len(h)) for h in self.hosts)} ranks; "
+                f"rails every host has {_lists(self.rails[:shape.rails])}")
 
 
 def _lists(groups: Iterable[Iterable[int]]) -> str:

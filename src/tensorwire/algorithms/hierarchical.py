@@ -15,13 +15,14 @@ host-reduced block); broadcast and reduce cross along the root's rail and fan ou
 within the hosts; the barrier meets within the hosts, across the first rail, and within them
 again.
 
-The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). The
-rails need every host to hold the same number of ranks (topo.Layout.shape), and all_gather and
-reduce_scatter even blocks (their phases use the sub-groups' list forms). Where hosts hold
-different numbers, the leaders' all_reduce, the barrier, broadcast and reduce still run: they
-cross between hosts through rail 0 (each host's first rank), which every host has; a root
-whose rail not every host has goes through its host's leader. A failure inside a
-phase aborts the parent group, and with it both sub-groups on every rank (Engine.children).
+The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). Where
+hosts hold different numbers of ranks (topo.Layout.shape), the all_reduce crosses on the rails
+every host has (as many as the emptiest host's ranks: the others' shares are empty), the
+leaders' all_reduce, barrier, broadcast and reduce through rail 0 (a root whose rail not every
+host has goes through its host's first rank); all_gather and reduce_scatter need the same
+number on every host, and even blocks (their phases use the sub-groups' list forms). A failure
+inside a phase aborts the parent group, and with it both sub-groups on every rank
+(Engine.children).
 """
 
 from __future__ import annotations
@@ -45,15 +46,24 @@ LEADERS = "hierarchical_leaders"
 
 @dataclass(frozen=True)
 class Shape:
-    """A group over `hosts` hosts of `per_host` ranks each (`uniform` False: of different
-    numbers, the largest `per_host`; only the leaders' algorithms run there); `nic_share`: how
-    many of a host's ranks share each of its network interfaces (the rails of a phase in which
-    every rank crosses at once divide a link between them)."""
+    """A group over `hosts` hosts of `per_host` ranks each, or where hosts hold different
+    numbers, `per_host` on the fullest and `least` on the emptiest; `nic_share`: how many of a
+    host's ranks share each of its network interfaces as they cross at once along the rails
+    (the rails of a phase divide a link between them)."""
 
     hosts: int
     per_host: int
     nic_share: float = 1.0
-    uniform: bool = True
+    least: int | None = None
+
+    @property
+    def uniform(self) -> bool:
+        return self.least is None or self.least == self.per_host
+
+    @property
+    def rails(self) -> int:
+        """The rails every host has (one per rank of the emptiest host)."""
+        return self.per_host if self.least is None else self.least
 
 
 LocalPrice = Callable[[str, int, int], float]
@@ -136,12 +146,13 @@ def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.nd
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
     inp = data if src is None else src
-    ranges = pieces(data.size, data.itemsize, h.local.size, p2p.link)
+    rails = min(map(len, h.hosts))  # where hosts hold more, their further ranks get no share
+    ranges = pieces(data.size, data.itemsize, rails, p2p.link)
     pipelined = len(ranges) > 1
     crossing: tuple[Any, np.ndarray, list[int]] | None = None  # the piece on the rails
     for lo, hi in ranges:
         piece = data[lo:hi]
-        counts = split_counts(hi - lo, h.local.size)
+        counts = split_counts(hi - lo, rails) + [0] * (h.local.size - rails)
         offs = offsets_of(counts)
         share = piece[offs[h.index]:offs[h.index + 1]]
         if _even(counts):
@@ -268,10 +279,10 @@ def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
                      link: Link | None = None) -> float:
     """In k pieces (`pieces`), the rails' phase overlapping the hosts': every piece pays its own
     phases once, the rest of the call goes at the pace of the slower side."""
-    k = len(pieces(m, 1, s.per_host, link)) if m else 1
+    k = len(pieces(m, 1, s.rails, link)) if m else 1
     m_k = m // k
     within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
-    across = rail("all_reduce", s.hosts, m_k // s.per_host, s.nic_share)
+    across = rail("all_reduce", s.hosts, m_k // s.rails, s.nic_share)
     return within + across + (k - 1) * max(within, across)
 
 
@@ -334,7 +345,7 @@ def _flat_never(n: int, m: int, link: Link) -> float:
 register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_never, phases=_leaders_cost,
                    reorder=False, out_of_place=True, uneven=True))
 register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
-                   reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN))
+                   reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN, uneven=True))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),

@@ -131,8 +131,8 @@ class Algorithm:
     It runs where every host holds the same number of ranks (or, `uneven`, any numbers),
     and only where blocks are even; `cost` is never asked."""
     uneven: bool = False
-    """A hierarchical algorithm whose phases cross between hosts only through each host's
-    first rank (the leaders), so that its hosts may hold different numbers of ranks."""
+    """A hierarchical algorithm whose hosts may hold different numbers of ranks (it crosses
+    between hosts only on the rails every host has)."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
