@@ -88,6 +88,11 @@ class Hierarchy:
     where: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Group rank -> (host, index)."""
 
+    @property
+    def rails(self) -> int:
+        """The rails every host has: indices below this have a rank on each host."""
+        return min(map(len, self.hosts))
+
 
 def _summing(op: ReduceOp) -> ReduceOp:
     """The phases' op: AVG and PREMUL_SUM accumulate as a sum and are finished once, by the
@@ -146,7 +151,7 @@ def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.nd
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
     inp = data if src is None else src
-    rails = min(map(len, h.hosts))  # where hosts hold more, their further ranks get no share
+    rails = h.rails  # where hosts hold more, their further ranks get no share
     ranges = pieces(data.size, data.itemsize, rails, p2p.link)
     pipelined = len(ranges) > 1
     crossing: tuple[Any, np.ndarray, list[int]] | None = None  # the piece on the rails
@@ -197,9 +202,12 @@ def leaders_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray
     h.local.broadcast(data, 0, timeout=_left(p2p))
 
 
-def _on_every_host(h: Hierarchy, index: int) -> bool:
-    """Whether every host has a rank at `index` (a rail through all of them)."""
-    return all(index < len(on) for on in h.hosts)
+def _broadcast(group: Any, data: np.ndarray, root: int, src: np.ndarray | None, p2p: P2P) -> None:
+    """group.broadcast from `root`, out of place where the root passes `src`."""
+    if src is not None:
+        group.broadcast(src, root, out=data, timeout=_left(p2p))
+    else:
+        group.broadcast(data, root, timeout=_left(p2p))
 
 
 def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarray | None = None) -> None:
@@ -207,22 +215,16 @@ def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarra
     host has the root's rail: within the root's host, along rail 0, within the other hosts."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     host, index = h.where[root]
-    if not _on_every_host(h, index):
+    if index >= h.rails:
         if h.host == host:
-            if src is not None:  # the root, out of place
-                h.local.broadcast(src, index, out=data, timeout=_left(p2p))
-            else:
-                h.local.broadcast(data, index, timeout=_left(p2p))
+            _broadcast(h.local, data, index, src, p2p)
         if h.index == 0:
             h.rail.broadcast(data, host, timeout=_left(p2p))
         if h.host != host:
             h.local.broadcast(data, 0, timeout=_left(p2p))
         return
     if h.index == index:
-        if src is not None:  # the root, out of place
-            h.rail.broadcast(src, host, out=data, timeout=_left(p2p))
-        else:
-            h.rail.broadcast(data, host, timeout=_left(p2p))
+        _broadcast(h.rail, data, host, src, p2p)
     h.local.broadcast(data, index, timeout=_left(p2p))
 
 
@@ -233,7 +235,7 @@ def hierarchical_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceO
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
     host, index = h.where[root]
-    through = index if _on_every_host(h, index) else 0
+    through = index if index < h.rails else 0
     if h.index != through:
         h.local.reduce(data, through, op, timeout=_left(p2p))
         if p2p.rank == root:

@@ -196,6 +196,11 @@ class RingSource(Protocol):
         """A ring of `capacity` bytes this rank wrote is no longer its."""
 
 
+def _record(n: int) -> int:
+    """Ring bytes a message of an n-byte payload takes: its header and the padded payload."""
+    return HEADER_SIZE + _pad(n)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
@@ -203,10 +208,10 @@ def _pow2(n: int) -> int:
 class ShmChannel:
     """Data through rings, control and liveness through the peer's socket.
 
-    Rings start small and grow with the traffic: a message (with its header) of more than half the ring makes
-    its writer move to one that holds two such messages (up to `target`, TENSORWIRE_SHM_RING, within
-    this rank's share of /dev/shm), announced in the old ring by a MOVE record that the
-    reader follows. So a pair that only ever exchanges small messages (setup, barriers,
+    Rings start small and grow with the traffic: a message (with its header) of more than half
+    the ring makes its writer move to one that holds two such messages (up to `target`,
+    TENSORWIRE_SHM_RING, within this rank's share of /dev/shm), announced in the old ring by a
+    MOVE record that the reader follows. So a pair that only ever exchanges small messages (setup, barriers,
     small collectives) holds two small rings, and /dev/shm grows with the traffic, not with
     the number of pairs."""
 
@@ -240,7 +245,7 @@ class ShmChannel:
         """Would a message of `n` bytes leave the ring unable to hold two of them (one written
         while the other is read) where it may still grow? Counted with its header: a payload
         of exactly half the ring (a power of two, as most are) must grow it too."""
-        return 2 * (HEADER_SIZE + _pad(n)) > self.out.capacity and self.out.capacity < self.target
+        return 2 * _record(n) > self.out.capacity and self.out.capacity < self.target
 
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
@@ -256,8 +261,7 @@ class ShmChannel:
         one is written while the other is read), once what is queued before has been written:
         a MOVE record in sendq."""
         assert self.source is not None
-        record = HEADER_SIZE + _pad(nbytes)
-        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * record))))
+        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * _record(nbytes)))))
         if ring is None:
             self.target = self.out.capacity  # nothing larger fits: stay (and stop asking)
             return
