@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [profile]     (default: bench tests ddp)
+#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [tcp] [profile]   (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
 # daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
 # host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too);
+# tcp: the staged path's floor, the host's 64 MiB all_reduce over TCP at 2 ranks, against Gloo,
+# every algorithm, and each send buffer x streams per pair (on the dev VM 256 KiB ran 2x 4 MiB);
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
 # CPU and with --idle, as raw stacks (flamegraph.pl's input).
 # Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
@@ -84,6 +86,21 @@ for step in $steps; do
         --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
       note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
     done
+    ;;
+  tcp)
+    tcp="$PY -m tensorwire.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp"
+    timeout 120 $tcp -n 10 -w 3 --rounds 3 --compare gloo > "$OUT/bench-tcp-n2.txt" 2>&1
+    note "tcp n=2 64 MiB against Gloo (rc=$?): $(grep -E '^ +67108864' "$OUT/bench-tcp-n2.txt")"
+    timeout 90 $tcp -n 10 -w 3 --algo all > "$OUT/bench-tcp-n2-algos.txt" 2>&1
+    note "tcp n=2 64 MiB every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-tcp-n2-algos.txt")"
+    for sb in 256K 1M 4M 0; do
+      for ns in 1 2 4; do
+        TENSORWIRE_TCP_SNDBUF=$sb TENSORWIRE_NSOCKS=$ns timeout 60 $tcp -n 10 -w 3 > "$OUT/tcp.tmp" 2>&1
+        note "tcp n=2 64 MiB SNDBUF=$sb NSOCKS=$ns (rc=$?): $(grep -E '^ +67108864' "$OUT/tcp.tmp")"
+        cat "$OUT/tcp.tmp" >> "$OUT/bench-tcp-n2-buffers.txt"
+      done
+    done
+    rm -f "$OUT/tcp.tmp"
     ;;
   esac
 done
