@@ -817,3 +817,23 @@ def test_hostile_client_against_a_running_job(tmp_path: Path) -> None:
           f"streams cut after {attacker.cut_at} bytes; {len(attacker.idle)} idle; served {attacker.served}")
     assert worst < 300 << 10, f"a process of the job reached {worst >> 10} MiB resident: {peak}, {results}"
     assert "dropped a connection" in err
+
+
+def test_a_send_to_a_peer_that_just_left_finds_its_goodbye() -> None:
+    """A send that fails on a peer which has just left (its goodbye unread behind the failure)
+    is that peer's orderly exit, not a crash that would fail every group it was in."""
+    a, b = engines = _wire(Config())
+    try:
+        assert b.channels[0].kind == "tcp"
+        with b.lock:
+            b.query_peers(7, [0])  # left unread by rank 0: its close then resets the connection
+        time.sleep(0.1)
+        a.close()
+        time.sleep(0.1)  # the goodbye and the reset are at rank 1
+        with b.lock:
+            b.query_peers(7, [0])
+            b.progress()  # the query's send fails before the goodbye is read
+        assert 0 in b.departed and 0 not in b.crashed, b.lost
+        assert "left the job" in b.lost[0], b.lost
+    finally:
+        _close_all(engines)
