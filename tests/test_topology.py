@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tensorwire as tw
@@ -183,15 +184,21 @@ def test_host_phases_pay_the_wake_up_where_ranks_share_cores() -> None:
 
 # -- a real group given a layout of two "hosts" ------------------------------------------------------
 
+def two_hosts() -> tw.Group:
+    """A group of this one-host job's 4 ranks told that ranks 0, 2 and 1, 3 are two hosts."""
+    g = tw.new_group([0, 1, 2, 3], name="two")
+    g._layout = topo.Topology.from_cards({r: card(f"h{r % 2}", pid=r) for r in range(4)}).layout(range(4))
+    g.choices.clear()
+    return g
+
+
 def rank_orders_and_hierarchy_on_one_host() -> tuple[int, list]:
     """Every algorithm of every collective on a one-host group of 4 told that its ranks 0, 2
     and 1, 3 are two hosts: the flat ones then run in that layout's order, the hierarchical
     ones over host groups and rails of real shared-memory groups."""
     import topology_job
 
-    g = tw.new_group([0, 1, 2, 3], name="two")
-    g._layout = topo.Topology.from_cards({r: card(f"h{r % 2}", pid=r) for r in range(4)}).layout(range(4))
-    g.choices.clear()
+    g = two_hosts()
     topology_job._GROUPS[:] = [("two", g)]
     cases = [0]
     topology_job.algos(cases)
@@ -211,8 +218,36 @@ def test_orders_and_hierarchy_over_real_transports(four: Cluster) -> None:
     assert all(res == results[0] for res in results) and cases > 80, results
     hierarchical = {coll for coll, name in ran if name == "hierarchical"}
     assert hierarchical == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
-                            "barrier"}, ran
+                            "all_to_all_single", "barrier"}, ran
     assert ("all_reduce", "hierarchical_leaders") in ran and ("all_gather", "ring") in ran, ran
+
+
+def forced_hierarchy_and_uneven_blocks() -> tuple[list, list, list, str]:
+    """What the list-form all_to_all and all_gatherv (blocks that may differ) and an even
+    all_to_all_single return under TENSORWIRE_ALGO forcing their hierarchical variants."""
+    g, r = two_hosts(), tw.get_rank()
+    outs = [np.empty(3) for _ in range(4)]
+    g.all_to_all(outs, [np.full(3, 10.0 * r + d) for d in range(4)])
+    counts = [1, 2, 3, 4]
+    gathered = np.empty(10)
+    g.all_gatherv(gathered, np.full(counts[r], float(r)), counts)
+    single = np.empty(8)
+    g.all_to_all_single(single, np.arange(8.0) + 100 * r)
+    return [o[0] for o in outs], gathered.tolist(), single.tolist(), tuner.select(g, "all_to_all", 64).name
+
+
+def test_forcing_hierarchical_leaves_calls_with_uneven_blocks_free() -> None:
+    """Blocks that may differ run no hierarchy: forcing it leaves such calls to the flat
+    algorithms (it left them none, an error), and binds the even form."""
+    c = Cluster(4, env={"TENSORWIRE_ALGO": "alltoall:hierarchical,allgather:hierarchical"})
+    try:
+        results = c.run(forced_hierarchy_and_uneven_blocks, timeout=60)
+    finally:
+        c.close()
+    for r, (lists, gathered, single, chosen) in enumerate(results):
+        assert lists == [10.0 * q + r for q in range(4)] and gathered == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+        assert single == [x + 2 * r for q in range(4) for x in (100.0 * q, 100.0 * q + 1)]
+        assert chosen == "hierarchical"
 
 
 def rank_topology() -> dict:

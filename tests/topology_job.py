@@ -138,6 +138,11 @@ def run_case(g: tw.Group, coll: str, dt: np.dtype, count: int, red: Reduction, r
         out = np.empty(count, dtype=dt)
         g.scatter(out, blocks, root)
         mine, want = out, inputs(dt, count, (*key, root), n)[r]
+    elif coll == "all_to_all_single":
+        out = np.empty(count * n, dtype=dt)
+        g.all_to_all_single(out, np.concatenate(inputs(dt, count, (*key, r), n)))
+        mine = out
+        want = np.concatenate([inputs(dt, count, (*key, q), n)[r] for q in range(n)])
     elif coll == "all_to_all":
         outs = [np.empty(count, dtype=dt) for _ in range(n)]
         g.all_to_all(outs, [x.copy() for x in inputs(dt, count, (*key, r), n)])
@@ -159,8 +164,13 @@ def forced(g: tw.Group, coll: str, name: str | None, *case: object) -> None:
     if name is None:
         run_case(g, coll, *case)  # type: ignore[arg-type]
         return
-    with tuner.override(g, coll, name):
+    with tuner.override(g, registered(coll), name):
         run_case(g, coll, *case)  # type: ignore[arg-type]
+
+
+def registered(coll: str) -> str:
+    """The registry's name of what run_case calls `coll`."""
+    return "all_to_all" if coll == "all_to_all_single" else coll
 
 
 def eligible(g: tw.Group, coll: str, nbytes: int) -> list[str]:
@@ -168,16 +178,16 @@ def eligible(g: tw.Group, coll: str, nbytes: int) -> list[str]:
     list form, whose blocks may differ: priced as size 0, without the one-shot path)."""
     if coll == "all_to_all":
         return sorted(name for _, name, _ in tuner.decide(g, coll, 0, direct_ok=False).priced)
-    return sorted(name for _, name, _ in tuner.decide(g, coll, nbytes).priced)
+    return sorted(name for _, name, _ in tuner.decide(g, registered(coll), nbytes).priced)
 
 
 def algos(cases: list[int]) -> None:
     """Every eligible algorithm of every collective, forced, at an uneven and a larger size."""
     for gi, (_, g) in enumerate(groups()):
         for ci, coll in enumerate(("all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather",
-                                   "gather", "scatter", "all_to_all", "barrier")):
+                                   "gather", "scatter", "all_to_all", "all_to_all_single", "barrier")):
             for count in (7, 3001):
-                per_rank = coll in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+                per_rank = coll not in ("all_reduce", "reduce", "broadcast", "barrier")
                 names = eligible(g, coll, 0 if coll == "barrier" else count * 8 * (g.size if per_rank else 1))
                 for name in names:
                     RAN.add((coll, name))
@@ -201,7 +211,8 @@ def matrix(cases: list[int]) -> None:
                 forced(g, coll, name, dt, count, reduction(op), g.size - 1, (gi, di, int(op), ci, 100))
                 cases[0] += 1
         for di, dt in enumerate(DTYPES):
-            for ci, coll in enumerate(("broadcast", "all_gather", "gather", "scatter", "all_to_all")):
+            for ci, coll in enumerate(("broadcast", "all_gather", "gather", "scatter", "all_to_all",
+                                       "all_to_all_single")):
                 forced(g, coll, None, dt, 9, Reduction(ReduceOp.SUM), 1, (gi, di, ci, 200))
                 cases[0] += 1
         # a pipelined all_reduce: more than one piece (algorithms/hierarchical.PIECE_BYTES)

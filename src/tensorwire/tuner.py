@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import log
 from .algorithms import rank_ordered
-from .algorithms.hierarchical import LocalPrice, RailPrice, Shape
+from .algorithms.hierarchical import COPY, LocalPrice, RailPrice, Shape
 from .algorithms.ordered import arrange
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config
@@ -333,8 +333,8 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
 def forcing(cfg: Config, collective: str, shape: Shape | None) -> bool:
     """Does TENSORWIRE_ALGO's forcing bind a group? Not where it forces only hierarchical
     algorithms and the group cannot run them (`shape` None: a group on one host, or the host
-    groups and rails its phases run on, which choose their own algorithms; or the rails'
-    variants on hosts holding different numbers of ranks)."""
+    groups and rails its phases run on, which choose their own algorithms, or a call whose
+    blocks may differ; or the rails' variants on hosts holding different numbers of ranks)."""
     forced = parse_algo(cfg.algo, collective)[0] if cfg.algo else frozenset()
     if not forced:
         return True
@@ -357,7 +357,7 @@ def shape_of(group: Group) -> Shape | None:
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
     direct = group.direct
     cfg = group.runtime.config
-    shape = shape_of(group)
+    shape = shape_of(group) if direct_ok else None  # a call with uneven blocks runs no hierarchy
     force = forcing(cfg, collective, shape)
     out = []
     for alg in algorithms_for(collective).values():
@@ -378,7 +378,8 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
                  rail_tier: str = "tcp") -> tuple[LocalPrice, RailPrice]:
     """How the tuner prices a hierarchical algorithm's phases (Algorithm.phases): each at the
-    cheapest flat algorithm of its collective that the phase's sub-group could run. Within a
+    cheapest flat algorithm of its collective that the phase's sub-group could run (`local`
+    prices a pass through memory too, as the collective COPY on one rank). Within a
     host on `local_tier`, with the one-shot path at its own constants (single copy is left
     out: a host group may not get it). Between hosts on `rail_tier`, its β (and the busy
     links', where the world measured them on that tier: the rails run while every rank works,
@@ -394,6 +395,7 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
     and so the charge, is small."""
     local_link, rail_link = table.link(local_tier), table.link(rail_tier)
     direct = table.links.get("direct") or DEFAULT_LINKS["direct"]
+    memory = table.links.get(MEMORY) or DEFAULT_LINKS[MEMORY]
     across = table.extra.get("busy_tier") == rail_tier
     busy = tuple(table.links.get(b) if across else None for b in (BUSY, BUSY_RING, BUSY_PAIRS))
     woken = max(0.0, busy[0].alpha - rail_link.alpha) if busy[0] is not None else 0.0
@@ -411,6 +413,8 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
         return min(costs, default=float("inf"))
 
     def local(collective: str, n: int, nbytes: int) -> float:
+        if collective == COPY:  # a pass through memory, at the one-shot path's copies
+            return nbytes * (direct.beta + (memory.beta if nbytes > memory.cache else 0.0))
         one_shot = local_tier == "shm"
         t = cheapest(collective, n, nbytes,
                      lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)

@@ -13,14 +13,18 @@ and a broadcast back, one message per host between hosts.
 all_gather and reduce_scatter cross along the rails too (each rank's own block, or each rank's
 host-reduced block); broadcast and reduce cross along the root's rail and fan out or in
 within the hosts; the barrier meets within the hosts, across the first rail, and within them
-again.
+again. all_to_all sends each host, along the rail, all of a rank's blocks for that host in one
+message, which the host's rank on that rail hands out within its host: H - 1 + P - 1 partners
+(H hosts of P ranks) where a flat exchange has n - 1, and a rank connects only to its host and
+its rail, at the price of two passes through memory to regroup the blocks.
 
 The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). Where
 hosts hold different numbers of ranks (topo.Layout.shape), the all_reduce crosses on the rails
 every host has (as many as the emptiest host's ranks: the others' shares are empty), the
 leaders' all_reduce, barrier, broadcast and reduce through rail 0 (a root whose rail not every
-host has goes through its host's first rank); all_gather and reduce_scatter need the same
-number on every host, and even blocks (their phases use the sub-groups' list forms). A failure
+host has goes through its host's first rank); all_gather, reduce_scatter and all_to_all need
+the same number on every host, and even blocks (their phases use the sub-groups' list forms,
+or regroup blocks by host). A failure
 inside a phase aborts the parent group, and with it both sub-groups on every rank
 (Engine.children).
 """
@@ -37,7 +41,7 @@ import numpy as np
 
 from ..errors import TensorwireError
 from ..ops import ReduceOp
-from .base import P2P, offsets_of, split_counts
+from .base import P2P, contiguous_span, offsets_of, split_counts
 from .registry import Algorithm, Link, register
 
 NAME = "hierarchical"
@@ -67,7 +71,9 @@ class Shape:
 
 
 LocalPrice = Callable[[str, int, int], float]
-"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier."""
+"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier; for the
+collective COPY, of a pass of bytes through one rank's memory."""
+COPY = "copy"
 RailPrice = Callable[[str, int, int, float], float]
 """(collective, ranks, bytes, flows sharing a link) -> seconds of the cheapest algorithm
 between hosts, its β multiplied by the flows that share each host's link."""
@@ -267,6 +273,43 @@ def hierarchical_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndar
     h.rail.reduce_scatter(out, list(partial), op, timeout=_left(p2p))
 
 
+def _host_major(blocks: list[np.ndarray], hosts: tuple[tuple[int, ...], ...], out: np.ndarray | None
+                ) -> np.ndarray | None:
+    """The blocks (bytes) in host order (host 0's ranks, host 1's, ...) as one view where they
+    lie so, else packed into `out` (None: no copy wanted)."""
+    ordered = [blocks[g] for on in hosts for g in on]
+    span = contiguous_span(ordered, writable=out is None)
+    if span is not None or out is None:
+        return None if span is None else span.view(np.uint8)
+    for k, block in enumerate(ordered):
+        out[k] = block.view(np.uint8)
+    return out
+
+
+def hierarchical_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
+    """Along each rank's rail, every host's blocks in one message to that host's rank on it; then
+    within every host, from each of its ranks the blocks that came for its host to their owners.
+    Equal blocks only (the tuner offers it to the even form alone)."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    hosts, nbytes = h.hosts, recvs[0].nbytes
+    per_host = len(hosts[0])
+    staged = np.empty((2, len(hosts) * per_host, nbytes), dtype=np.uint8)  # (host, rank on it, bytes)
+    send = _host_major(sends, hosts, staged[1])
+    h.rail.all_to_all_single(staged[0], send, timeout=_left(p2p))
+    # from host k's rank on this rail: its blocks for this host's ranks j; regroup by j
+    by_rank = staged[1].reshape(per_host, len(hosts), nbytes)
+    by_rank[...] = staged[0].reshape(len(hosts), per_host, nbytes).transpose(1, 0, 2)
+    h.local.all_to_all_single(staged[0], staged[1], timeout=_left(p2p))
+    got = staged[0].reshape(per_host, len(hosts), nbytes)  # from this host's rank j: host k's rank j's block
+    out = _host_major(recvs, hosts, None)
+    if out is not None:
+        out.reshape(len(hosts), per_host, nbytes)[...] = got.transpose(1, 0, 2)
+        return
+    for k, on in enumerate(hosts):
+        for j, g in enumerate(on):
+            recvs[g].view(np.uint8)[...] = got[j, k]
+
+
 def hierarchical_barrier(p2p: P2P) -> None:
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     h.local.barrier(timeout=_left(p2p))
@@ -316,6 +359,12 @@ def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
         rail("reduce_scatter", s.hosts, m // s.per_host, s.nic_share)
 
 
+def _all_to_all_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                     link: Link | None = None) -> float:
+    return (rail("all_to_all", s.hosts, m, s.nic_share) + local("all_to_all", s.per_host, m)
+            + 2 * local(COPY, 1, m))
+
+
 def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
                   link: Link | None = None) -> float:
     return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
@@ -352,6 +401,7 @@ for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),
                            ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
+                           ("all_to_all", hierarchical_all_to_all, _all_to_all_cost),
                            ("barrier", hierarchical_barrier, _barrier_cost)):
     register(Algorithm(NAME, _coll, _named(_run), _flat_never, phases=_cost, reorder=False,
                        out_of_place=_coll in ("broadcast", "all_gather"),
