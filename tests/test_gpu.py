@@ -276,6 +276,30 @@ def rooted_vector_p2p_async() -> list[str]:
             w.wait()
         if not torch.equal(into.cpu(), torch.arange(1000) * ((r - 1) % n + 1)):
             wrong.append(f"rank {r}: isend/irecv")
+    if n > 1:  # both buffers checked before anything is sent; one deadline for the pair
+        got = torch.empty(1000, device=dev)
+        tw.sendrecv(torch.arange(1000.0, device=dev) + r, (r + 1) % n, got, (r - 1) % n, tag=8)
+        if not torch.equal(got.cpu(), torch.arange(1000.0) + (r - 1) % n):
+            wrong.append(f"rank {r}: sendrecv")
+    # async calls left queued, then a blocking one: the caller's thread runs the queued bodies
+    # (slots, then a published buffer) in order before its own
+    a = torch.full((1000,), float(r + 1), device=dev)
+    b = torch.full((3 << 18,), 1.0, device=dev)
+    works = [tw.all_reduce(a, async_op=True), tw.all_reduce(b, async_op=True)]
+    c = torch.full((8,), float(r), device=dev)
+    tw.all_reduce(c)
+    for w in works:
+        w.wait()
+    if not (torch.all(a == n * (n + 1) / 2) and torch.all(b == n) and torch.all(c == n * (n - 1) / 2)):
+        wrong.append(f"rank {r}: async calls run by a later blocking call: {a[0].item()} {b[0].item()} "
+                     f"{c[0].item()}")
+    # an empty host tensor, then an empty device one: the device call must not take the host's
+    # kept view (both have address 0)
+    tw.all_reduce(torch.empty(0))
+    empty = torch.empty(0, device=dev)
+    tw.all_reduce(empty)
+    if empty.device != dev or empty.numel():
+        wrong.append(f"rank {r}: empty device all_reduce")
     # async on a side stream: the caller's later work waits for the result, nothing else does
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -480,6 +504,17 @@ def scenario_torch_cuda() -> None:
         got = torch.empty(4, device=dev)
         dist.recv(got, 0)
         assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # an irecv waited on a side stream: what that stream queues next sees the data
+    if rank == 0:
+        dist.send(torch.arange(1 << 20, device=dev, dtype=torch.float32), 1)
+    elif rank == 1:
+        side = torch.cuda.Stream()
+        got = torch.empty(1 << 20, device=dev)
+        with torch.cuda.stream(side):
+            dist.irecv(got, 0).wait()
+            twice = got * 2
+        side.synchronize()
+        assert torch.equal(twice, torch.arange(1 << 20, device=dev, dtype=torch.float32) * 2)
     _ddp_matches_gloo(dev)
     dist.destroy_process_group()
 

@@ -218,7 +218,7 @@ def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
         else:
             why = f"({tdtype}) cannot be viewed as numpy: {exc}"
         raise InvalidArgumentError(f"{where}{name} {why}") from None
-    if kept and arr.nbytes <= VIEWED_BYTES:
+    if kept and 0 < arr.nbytes <= VIEWED_BYTES:  # an empty tensor's address (0) is any device's
         if len(_VIEWS) >= _VIEWS_MAX:
             _VIEWS.clear()
         _VIEWS[(t.data_ptr(), tdtype, t.shape)] = (arr, tdtype.is_complex)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -941,9 +942,14 @@ class Collectives:
         ordering between the two can deadlock, as a blocking send before a blocking receive
         can on every rank of a ring. Returns `src`."""
         if _on_device(send) or _on_device(recv):
-            works = [self.isend(send, dst, tag), self.irecv(recv, src, tag)]
-            for work in works:
-                work.wait(self.timeout if timeout is None else timeout)
+            for buf, what in ((send, "send"), (recv, "recv")):  # both good before anything is sent
+                if _on_device(buf):
+                    self.device.check_p2p(buf, what)
+                else:
+                    as_array(buf, writable=what == "recv", rank=self.runtime.rank, collective="sendrecv")
+            deadline = time.perf_counter() + (self.timeout if timeout is None else timeout)
+            for work in [self.isend(send, dst, tag), self.irecv(recv, src, tag)]:
+                work.wait(max(0.0, deadline - time.perf_counter()))
             return src
         out, out_route = self._p2p_host(send, True, dst, tag)
         into, in_route = self._p2p_host(recv, False, src, tag)

@@ -850,7 +850,7 @@ class DeviceCollectives:
             async_op, output)
 
     def isend(self, tensor: Any, dst: int, tag: int) -> Work:
-        t = self._p2p(tensor, "send")
+        t = self.check_p2p(tensor, "send")
         torch = torch_module()
         buf = staging.take(t.numel() * t.element_size())
         host = staging.mirror(buf, t)
@@ -864,18 +864,19 @@ class DeviceCollectives:
         return work
 
     def irecv(self, tensor: Any, src: int, tag: int) -> Work:
-        t = self._p2p(tensor, "recv")
+        t = self.check_p2p(tensor, "recv")
         buf = staging.take(t.numel() * t.element_size())
         host = staging.mirror(buf, t)
-        return _Landing(self.group.irecv(host, src, tag), t, host, buf)
+        return _Landing(self.group.irecv(host, src, tag), t, host, buf, caller_stream(tensor, t.device.index))
 
     def irecv_any(self, tensor: Any, tag: int, timeout: float | None) -> Work:
-        t = self._p2p(tensor, "recv")
+        t = self.check_p2p(tensor, "recv")
         buf = staging.take(t.numel() * t.element_size())
         host = staging.mirror(buf, t)
-        return _Landing(self.group.irecv_any(host, tag, timeout), t, host, buf)
+        return _Landing(self.group.irecv_any(host, tag, timeout), t, host, buf,
+                        caller_stream(tensor, t.device.index))
 
-    def _p2p(self, tensor: Any, what: str) -> Any:
+    def check_p2p(self, tensor: Any, what: str) -> Any:
         """A bad buffer fails this rank's call only: nobody else waits on a point-to-point call."""
         return as_device_tensor(tensor, rank=self.group.runtime.rank, collective=what, name="tensor")
 
@@ -899,20 +900,22 @@ class _Piece:
 
 
 class _Landing(Work):
-    """A receive into device memory, staged: its copy to the device is queued on the caller's
-    current stream once the message has arrived on the host (on wait, or when a poll sees it)."""
+    """A receive into device memory, staged: its copy to the device is queued, once the message
+    has arrived on the host (on wait, or when a poll sees it), on the stream that was current
+    where the receive was posted, whichever thread lands it (`stream`: what a torch Work orders
+    its waiters after)."""
 
     progresses = False
 
-    def __init__(self, inner: Work, target: Any, host: Any, buf: Any) -> None:
+    def __init__(self, inner: Work, target: Any, host: Any, buf: Any, stream: Any) -> None:
         super().__init__(inner.what, inner.rank)
-        self.inner, self.target, self.host, self.buf = inner, target, host, buf
+        self.inner, self.target, self.host, self.buf, self.stream = inner, target, host, buf, stream
 
     def _land(self) -> None:
         if self._done:
             return
         torch = torch_module()
-        with torch.cuda.device(self.target.device):
+        with torch.cuda.device(self.target.device), torch.cuda.stream(self.stream):
             self.target.copy_(self.host, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
