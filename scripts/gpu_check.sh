@@ -86,6 +86,9 @@ for step in $steps; do
         --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
       note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
     done
+    timeout "$CPU_S" $PY -m tensorwire.cli bench reduce --algo all -b 32K -e 8M -f 16 -I --np 8 \
+      > "$OUT/bench-cpu-reduce-n8.txt" 2>&1
+    note "cpu reduce n=8, every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-cpu-reduce-n8.txt" | tr '\n' ';')"
     ;;
   tcp)
     tcp="$PY -m tensorwire.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp"

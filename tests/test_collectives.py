@@ -1634,20 +1634,22 @@ def test_streamed_direct_all_reduce(size: int, slot: str) -> None:
 
 
 def rank_single_copy_reductions(seed: int) -> dict:
-    """all_reduce and reduce_scatter_tensor by single copy (each rank folds its block out of
-    the peers' inputs, piece by piece): every pair of ALGO_PAIRS, the all_reduce in place and
-    into an `out` misaligned differently on each rank (reads through the bounce buffer), each
-    twice (the second call takes the planned path), at blocks of one element, of none, and of
-    more than one piece. Bitwise the rank-ordered fold for the deterministic sums."""
+    """all_reduce, reduce and reduce_scatter_tensor by single copy (each rank folds its block
+    out of the peers' inputs, piece by piece): every pair of ALGO_PAIRS, the all_reduce and the
+    reduce in place and into an `out` misaligned differently on each rank (reads through the
+    bounce buffer), the reduce to the first and the last rank, each twice (the second call
+    takes the planned path), at blocks of one element, of none, and of more than one piece.
+    Bitwise the rank-ordered fold for the deterministic sums."""
     g = tw.world()
     n, me = g.size, g.rank
     log = _Log()
     crowded = g.direct.crowded
     log.check(crowded == g.engine.oversubscribed, f"crowded {crowded}")
-    for coll, kept in (("all_reduce", True), ("reduce_scatter", True), ("all_gather", not crowded)):
+    for coll, kept in (("all_reduce", True), ("reduce", n >= 3), ("reduce_scatter", True),
+                       ("all_gather", not crowded)):
         names = [name for _, name, _ in tuner.decide(g, coll, 64 << 20).priced]
         log.check(("single_copy" in names) == kept, f"{coll} candidates {names} (crowded: {crowded})")
-    calls = {"all_reduce": 0, "reduce_scatter": 0}
+    calls = {"all_reduce": 0, "reduce": 0, "reduce_scatter": 0}
 
     def run_all() -> None:
         for pi, (dt, op) in enumerate(ALGO_PAIRS):
@@ -1665,6 +1667,19 @@ def rank_single_copy_reductions(seed: int) -> dict:
                         log.close(label, x if out is None else out, ins, red)
                         if out is not None:
                             log.same(f"{label}: input kept", x, ins[me])
+                        for root in (0, n - 1):
+                            x = ins[me].copy()
+                            apart = placement != "in place" and me == root
+                            out = _misaligned(count, dt, 16 * me) if apart else None
+                            log.case()
+                            tw.reduce(x, root, red, out=out)
+                            calls["reduce"] += repeat == 0
+                            label = f"single copy reduce to {root} {dt.name} {red} x{count} {placement} " \
+                                    f"#{repeat}"
+                            if me == root:
+                                log.close(label, x if out is None else out, ins, red)
+                            if me != root or out is not None:
+                                log.same(f"{label}: input kept", x, ins[me])
                 block = max(count // n, 1)
                 rins = [_gen(dt, (block * n,), (seed, pi, count, 1), r, op) for r in range(n)]
                 res = np.empty(block, dt)
@@ -1681,22 +1696,28 @@ def rank_single_copy_reductions(seed: int) -> dict:
                         want += y
                     log.same(f"single copy fold order x{count}", x, want)
 
-    used = {"all_reduce": []}
-    used["reduce_scatter"] = _count_algorithms(lambda: used["all_reduce"].extend(_count_algorithms(run_all)),
-                                               "reduce_scatter")
+    used: dict[str, list[str]] = {"all_reduce": [], "reduce": []}
+
+    def count_reductions() -> None:
+        used["reduce"].extend(_count_algorithms(lambda: used["all_reduce"].extend(_count_algorithms(run_all)),
+                                                "reduce"))
+
+    used["reduce_scatter"] = _count_algorithms(count_reductions, "reduce_scatter")
     for coll, names in used.items():  # repeats on the planned path are not counted
-        log.check(set(names) == {"single_copy"} and len(names) >= calls[coll],
-                  f"{coll} ran {sorted(set(names))} ({len(names)} of {calls[coll]})")
+        if coll != "reduce" or n >= 3:  # (at 2 ranks the reduce is checked, not single copy's)
+            log.check(set(names) == {"single_copy"} and len(names) >= calls[coll],
+                      f"{coll} ran {sorted(set(names))} ({len(names)} of {calls[coll]})")
     return log.result()
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("size", [2, 3])
-def test_single_copy_all_reduce_reduce_scatter(size: int) -> None:
-    """n=3 outnumbers CI's 2 cores: the reductions still read by single copy there."""
-    results = _fresh_cluster_run(size, {"TENSORWIRE_ALGO": "allreduce:single_copy,reducescatter:single_copy"},
-                                 rank_single_copy_reductions, 9, timeout=120)
-    _expect(results, len(ALGO_PAIRS) * 4 * 5)
+def test_single_copy_all_reduce_reduce_reduce_scatter(size: int) -> None:
+    """n=3 outnumbers CI's 2 cores: the reductions still read by single copy there (the reduce
+    where TENSORWIRE_ALGO names it, and from 3 ranks only)."""
+    algo = "allreduce:single_copy,reducescatter:single_copy" + (",reduce:single_copy" if size >= 3 else "")
+    results = _fresh_cluster_run(size, {"TENSORWIRE_ALGO": algo}, rank_single_copy_reductions, 9, timeout=120)
+    _expect(results, len(ALGO_PAIRS) * 4 * 13)
 
 
 def _misaligned(count: int, dt, shift: int) -> np.ndarray:

@@ -108,6 +108,7 @@ class DirectPath:
         self.pids: tuple[int, ...] = ()
         self.reader = cma.Reader()
         self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
+        self.folded: np.ndarray | None = None  # single copy's reduce: a non-root's folded block
         self.huge_eighths = pages.UNKNOWN  # in single copy's last call, the least of its sources' (pages.py)
 
     def offer_single_copy(self, why_not: str) -> None:
