@@ -33,6 +33,20 @@ class PeerLostError(TensorwireError, ConnectionError):
         self.peer = peer
 
 
+def in_call(exc: TensorwireError, where: str) -> TensorwireError:
+    """`exc` with the call it ended named after its rank ('rank 3: all_reduce #12 on group
+    world: lost rank 2: ...'): an error raised below the call (a lost peer, a sub-group's
+    phase) knows the connection or phase, not the call the caller made. The same object where
+    it names `where` already (it came with a peer's abort, or was named below)."""
+    text = str(exc)
+    if where in text:
+        return exc
+    rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
+    named = type(exc)(f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")
+    named.__dict__.update(exc.__dict__)  # PeerLostError's peer
+    return named
+
+
 class CollectiveMismatchError(TensorwireError):
     """Ranks disagree on which collective they call, or on its count, dtype, op or root."""
 

@@ -29,7 +29,15 @@ from .algorithms.shm_direct import DirectPath
 from .algorithms.tree import binomial_broadcast
 from .buffers import byte_view
 from .collectives import Collectives
-from .errors import AbortedError, InvalidArgumentError, ResourceError, TensorwireWarning, TimeoutError
+from .errors import (
+    AbortedError,
+    InvalidArgumentError,
+    PeerLostError,
+    ResourceError,
+    TensorwireWarning,
+    TimeoutError,
+    in_call,
+)
 from .ops import ReduceOp
 from .transport import cma, shm_budget
 from .transport.requests import Request
@@ -287,8 +295,10 @@ class Group(Collectives):
         except MemoryError as exc:
             raise self._out_of_memory(call, exc) from exc
         except Exception as exc:
-            self.abort(exc, call.seq)
-            raise
+            error = self._failed(call, exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self._busy = False  # _release, inline: a tenth of this method's time
             if self._queue:
@@ -342,9 +352,18 @@ class Group(Collectives):
             return result
         except MemoryError as exc:
             raise self._out_of_memory(call, exc) from exc
-        except Exception as exc:  # whatever broke, the peers must not wait for this rank
-            self.abort(exc, call.seq)
-            raise
+        except Exception as exc:
+            error = self._failed(call, exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _failed(self, call: CollectiveCall, exc: Exception) -> Exception:
+        """Whatever broke, the peers must not wait for this rank: the group is aborted with the
+        error, a lost peer's named with the call (the engine's knows the peer, not the call)."""
+        error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
+        self.abort(error, call.seq)
+        return error
 
     def _out_of_memory(self, call: CollectiveCall, exc: MemoryError) -> ResourceError:
         """A call that could not allocate: the error names the limits, and every member gets it."""
@@ -616,8 +635,14 @@ class Group(Collectives):
 
     def _p2p_wait(self, *reqs: Request, timeout: float | None) -> None:
         t = self.timeout if timeout is None else timeout
-        self.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
-                         watch=tuple(r.peer for r in reqs), what=reqs[0].what)
+        try:
+            self.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=self.ctx, seq=P2P_SEQ,
+                             watch=tuple(r.peer for r in reqs), what=reqs[0].what)
+        except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
+            named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))
+            if named is exc:
+                raise
+            raise named from exc
 
     def _p2p_work(self, req: Request, route: P2PRoute) -> Work:
         if req.done and req.error is None:  # a small send, already in the ring or the socket,

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TensorwireError
+from ..errors import TensorwireError, in_call
 from ..ops import ReduceOp
 from .base import P2P, contiguous_span, offsets_of, split_counts
 from .registry import Algorithm, Link, register
@@ -378,13 +378,10 @@ def _named(run: Callable[..., None]) -> Callable[..., None]:
         try:
             run(p2p, *args)
         except TensorwireError as exc:
-            where = f"{p2p.what} (hierarchical)"  # type: ignore[attr-defined]
-            if where in str(exc):  # named on the rank that raised it, and came with the group's abort
+            named = in_call(exc, f"{p2p.what} (hierarchical)")  # type: ignore[attr-defined]
+            if named is exc:  # named on the rank that raised it, and came with the group's abort
                 raise
-            rank, _, inner = str(exc).partition(": ") if str(exc).startswith("rank ") else ("", "", str(exc))
-            outer = type(exc)(f"{rank}: {where}: {inner}" if rank else f"{where}: {inner}")
-            outer.__dict__.update(exc.__dict__)  # PeerLostError's peer
-            raise outer from exc
+            raise named from exc
     return named
 
 
