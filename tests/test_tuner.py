@@ -835,13 +835,15 @@ def rank_reinit_and_choose(port: int, env: dict[str, str]) -> dict:
 
 
 def _plant(path: str, **changes) -> None:
-    """Rewrite a cache entry by hand: `changes` holds top-level fields and, as direct_alpha and
-    busy_alpha, α's (the issue's unlucky probe priced the one shot at 97 us, 14x its 7)."""
+    """Rewrite a cache entry by hand: `changes` holds top-level fields and, as direct_alpha,
+    busy_alpha or busy_ring_beta, constants (the issue's unlucky probe priced the one shot at
+    97 us, 14x its 7)."""
     with open(path) as f:
         doc = json.load(f)
-    for name in ("direct", tuner.BUSY):
-        if f"{name}_alpha" in changes:
-            doc["links"][name]["alpha"] = changes.pop(f"{name}_alpha")
+    for name in ("direct", tuner.BUSY, tuner.BUSY_RING):
+        for field in ("alpha", "beta"):
+            if f"{name}_{field}" in changes:
+                doc["links"][name][field] = changes.pop(f"{name}_{field}")
     doc.update({"trusted": True, "created": time.time(), **changes})
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -880,6 +882,26 @@ def test_a_bad_calibration_in_the_cache_changes_no_choice(tmp_path) -> None:
     assert "direct α" in planted[0]["extra"]["checked"] and "busy α" in planted[0]["extra"]["checked"]
     assert after_planted["direct"][0] != 1e-2 and after_planted[tuner.BUSY][0] != 1e-2
     assert loaded[0]["extra"]["checked"] == expired[0]["extra"]["checked"] == ""  # not read at all
+
+
+def test_a_cached_entry_whose_large_messages_were_slow_is_measured_again(tmp_path) -> None:
+    """An entry whose busy ring moved bytes at a hundredth of what a job measures now (a slow
+    spell of the host when it was probed: such an entry on this VM priced every large message
+    5x too dear for a day, its α's passing the check) is measured again at the next init."""
+    env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
+    cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})
+    try:
+        clean = cluster.run(rank_reinit_and_choose, free_port(), env)
+        path = clean[0]["cache_path"]
+        slow = 100 * _cached_links(path)[tuner.BUSY_RING][1]
+        _plant(path, busy_ring_beta=slow)
+        planted = cluster.run(rank_reinit_and_choose, free_port(), {})
+        after = _cached_links(path)
+    finally:
+        cluster.close()
+    assert "busy_ring β" in planted[0]["extra"]["checked"], planted[0]["extra"]
+    assert planted[0]["sources"][tuner.BUSY_RING] == "calibrated" and planted[0]["probe_s"] > 0
+    assert planted[0]["links"][tuner.BUSY_RING][1] < slow / 3 and after[tuner.BUSY_RING][1] < slow / 3
 
 
 def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:

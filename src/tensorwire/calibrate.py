@@ -111,7 +111,10 @@ DIRECT_BOUND = 0.9  # ... which is priced at most this share of the cheapest oth
 CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
 CHECK_WARM, CHECK_SERIES, CHECK_CALLS, CHECK_BATCHES = 2, 3, 6, 3  # the check of a cache entry at init:
 # the one shot as _typical (these counts), the busy α as measure_busy (this many batches)
-CHECK_TOLERANCE = 3.0  # an entry whose α is this many times what the check measures is measured again
+CHECK_TOLERANCE = 3.0  # an entry whose α (or β) is this many times what the check measures is measured again
+CHECK_BETA_BYTES, CHECK_BETA_WARM, CHECK_BETA_ROUNDS = 256 << 10, 6, 3  # ... β: ring rounds of this size,
+# timed after this many untimed: a fresh ring's first 256 KiB rounds took 400-130 us at n=2 (its
+# pages touched), the sixth on 35-45
 LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle that make its
 # constants untrusted: used by the job that measured them, not cached for the next (foreign_cores)
 FIELDS = ("alpha", "beta", "gamma", "cache")
@@ -948,13 +951,18 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
                  overrides: Mapping[str, Mapping[str, float]]) -> str:
     """Why the cached constants do not hold now ('' where they do): a short probe of the
     one-shot path's α (where the world has it) and the busy α, the constants that settle the
-    small calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks). The
-    entry is measured again where either now comes out more than CHECK_TOLERANCE times faster
-    than cached: a measurement can only be slowed down by what else runs, so a cached value
-    that much above a fresh one was taken at a bad moment. Slower now is no such evidence
-    (the host may be busy this instant) and keeps the entry. Every rank judges the same
-    numbers (the maximum over ranks)."""
-    quick = np.zeros(2)
+    small calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks), and of
+    the busy ring's β where each rank has a core, which settles the large calls (nine 256 KiB
+    rounds: about 2 ms at 2 ranks here, 20 ms over 1 Gbit/s). An entry this VM's n=2 jobs read
+    for a day had shared memory at 2.07 GB/s, the busy ring at 2.19 and the one shot at 6.9,
+    where fresh probes measure 10-11, 11.8-12.9 and 21-27: a slow spell of the host the α check
+    could not see, pricing every large message 5x too dear (a 16 MiB reduce at 10.7 ms against
+    the 0.9 it took). The entry is measured again where any of them now comes out more than
+    CHECK_TOLERANCE times faster than cached: a measurement can only be slowed down by what
+    else runs, so a cached value that much above a fresh one was taken at a bad moment. Slower
+    now is no such evidence (the host may be busy this instant) and keeps the entry. Every
+    rank judges the same numbers (the maximum over ranks)."""
+    quick = np.zeros(3)
     if world.direct is not None:
         run = algorithms_for("all_reduce")["direct"].run
         data = np.ones(2, dtype=np.float32)
@@ -964,14 +972,31 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
     for d in rounds.dists[:2]:  # everyone is here
         rounds.small_shift(d)
     quick[1] = rounds.alpha(rounds.small_shift, CHECK_BATCHES)
+    if world.size > 1 and not world.engine.oversubscribed:
+        # the ring's β: the fastest of a few rounds, once the rings' pages are touched. Not where
+        # ranks outnumber cores: the probe's busy β is then a mean over preempted rounds (4 ranks
+        # on 2 cores: 0.45-0.5 GB/s over loopback TCP, 1.9-2.3 through shared memory), which
+        # the fastest of three rounds beat by 3-12x in every job, measuring each one again
+        big_out, big_in = np.ones(CHECK_BETA_BYTES, np.uint8), np.ones(CHECK_BETA_BYTES, np.uint8)
+        times = []
+        for _ in range(CHECK_BETA_WARM + CHECK_BETA_ROUNDS):
+            t0 = time.perf_counter()
+            rounds.shift(big_out, big_in, 1)
+            times.append(time.perf_counter() - t0)
+        best = min(times[CHECK_BETA_WARM:])
+        quick[2] = max((best - quick[1]) / CHECK_BETA_BYTES, best / CHECK_BETA_BYTES / 2)
     recursive_doubling_all_reduce(world._internal_call("calibration check"), quick, ReduceOp.MAX)
     seen, reasons = [], []
-    for now, name in zip(quick, ("direct", tuner.BUSY)):
+    checks = (("direct", "alpha"), (tuner.BUSY, "alpha"), (tuner.BUSY_RING, "beta"))
+    for now, (name, field) in zip(quick, checks):
         cached = links.get(name)
-        if now > 0 and cached is not None and sources.get(name) == "cached" and "alpha" not in overrides.get(
+        if now > 0 and cached is not None and sources.get(name) == "cached" and field not in overrides.get(
                 name, {}):
-            seen.append(f"{name} α {now * 1e6:.3g} us now against {cached.alpha * 1e6:.3g} us cached")
-            if now * CHECK_TOLERANCE < cached.alpha:
+            then = getattr(cached, field)
+            shown = (f"α {now * 1e6:.3g} us now against {then * 1e6:.3g} us" if field == "alpha" else
+                     f"β {1e-9 / now:.3g} GB/s now against {1e-9 / then:.3g} GB/s")
+            seen.append(f"{name} {shown} cached")
+            if now * CHECK_TOLERANCE < then:
                 reasons.append(seen[-1])
     if world.rank == 0:
         _log.info("check of the cache: %s", "; ".join(seen))
