@@ -257,7 +257,8 @@ _RUNS = {  # collective: (run, cost, table words per rank)
 # too. On this 2-vCPU VM (`bench reduce --algo all -I`, 2026-11-28) it took 1.7-2.0x the
 # linear reduce's time at 2 ranks (1-64 MiB: 0.10 / 0.25 / 1.6 / 8.3 ms against 0.05 / 0.15 /
 # 0.90 / 4.4) and 1.3-2.0x at 3, and 0.47-0.98x at 4 (0.35 / 1.2 / 4.6 / 18 ms against 0.74 /
-# 1.6 / 5.5 / 19), while the messages' prices at those sizes were 5-18x what they measured.
+# 1.6 / 5.5 / 19); a message's price at those sizes is 2-6x what it measures here (5-18x
+# from the cache entry calibrate.check_cached now catches), so the tuner would take it.
 _ONLY = {"reduce": {"eligible": lambda n, m: n >= 3, "crowded_below": 1 << 62}}
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
