@@ -132,9 +132,15 @@ class CollectiveCall:
 
     def wait(self, *reqs: Request) -> None:
         direct = self.group.direct
-        self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, seq=self.seq,
-                               watch=self.group.ranks,
-                               what=self, cross_check=None if direct is None else self._cross_check)
+        try:
+            self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, seq=self.seq,
+                                   watch=self.group.ranks,
+                                   what=self, cross_check=None if direct is None else self._cross_check)
+        except PeerLostError as exc:
+            why = self.group.engine.why_left(exc, self.group.ctx, self.seq)
+            if why is exc:
+                raise
+            raise why from exc
 
     def _cross_check(self) -> None:
         """A peer that entered this call through the shared-memory path, or ran it on the

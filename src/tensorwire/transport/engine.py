@@ -84,6 +84,10 @@ _LIVENESS_S = 0.2
 """How often an idle waiter looks whether peers it has no connection to are still alive (their
 processes, where they run on this machine): a rank that died before anyone talked to it fails
 the calls that wait for it within this, not at their timeout."""
+LEFT = "it left the job"
+"""What a departed peer's PeerLostError says (also as other ranks report it)."""
+_WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the reason it left
+_NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 
 
 class Engine:
@@ -100,6 +104,7 @@ class Engine:
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
         self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
         self.deferred_aborts: list[tuple] = []
+        self._notices: list[SendRequest] = []  # the aborts this rank sent (close() delivers them)
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
         self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
@@ -564,7 +569,7 @@ class Engine:
         if peer not in self.departed:
             self._read_goodbye(channel)
         if peer in self.departed:
-            reason = "it left the job (called destroy() or exited) before this exchange finished"
+            reason = f"{LEFT} (called destroy() or exited) before this exchange finished"
             self._drain(channel)
         else:
             self.crashed.add(peer)
@@ -578,6 +583,27 @@ class Engine:
         for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
             for req in self.posted.pop(key):
                 req.fail(err)
+
+    def why_left(self, error: PeerLostError, ctx: int, seq: int) -> BaseException:
+        """Why a peer that left in the middle of call `seq` of group `ctx` left, where this rank
+        can learn it within _WHY_LEFT_S: such a peer mostly left because the call failed there,
+        and the abort that says why (a mismatch, a bad argument, a crash elsewhere) is on its way
+        to every member, behind the goodbye on some sockets and ahead of it on others. `error`
+        where no other reason comes (a departure other ranks report is none). 64 ranks on 16
+        emulated hosts, one calling broadcast against everyone's all_reduce of 4 MB, each
+        exiting as it raised: 56 of 64 said only that some rank had left the job."""
+        if LEFT not in str(error):
+            return error
+        until = time.perf_counter() + _WHY_LEFT_S
+        while True:
+            with self.lock:
+                self.progress()
+                entry = self.aborted.get(ctx)
+            if entry is not None and seq >= entry[0] and LEFT not in str(entry[1]):
+                return entry[1]
+            if time.perf_counter() >= until:
+                return error
+            time.sleep(_SLEEP_MAX_S)
 
     def _read_goodbye(self, channel) -> None:
         """Read what a closed socket still holds, its peer's goodbye among it: a send to a peer
@@ -627,6 +653,7 @@ class Engine:
                 notices.append(SendRequest(peer, header, payload, "abort"))
                 self.channel(peer).post_control(notices[-1])
             self._poll_sockets()
+            self._notices = [n for n in self._notices if not n.done] + notices
             for notice in notices:
                 self.watch_in_background(notice)
 
@@ -865,7 +892,16 @@ class Engine:
 
     # -- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Say goodbye to every peer (best effort, never blocking), then close the channels."""
+        """Say goodbye to every peer (best effort, never blocking), then close the channels;
+        first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raised a
+        mismatch and exited at once had left most of its notices unsent (those to peers it was
+        not connected to yet, or queued behind the failed call's bytes), and the others then
+        learnt only that it had left (64 ranks on 16 emulated hosts: 54 of 64)."""
+        until = time.perf_counter() + _NOTICES_S
+        while any(not n.done for n in self._notices) and time.perf_counter() < until:
+            with self.lock:
+                self.progress()
+            time.sleep(_SLEEP_MAX_S)
         if self.wiring is not None:
             self.wiring.close()  # no channel is installed after this
         with self.lock:
