@@ -798,6 +798,8 @@ def test_timeout_setting_applies_to_later_calls(how: str) -> None:
     for key, what in (("call", "all_reduce"), ("p2p", "recv from rank 1")):
         _assert_error(first[key], TimeoutError, what, "waiting for rank(s) 1", rank=0)
         assert 1.4 < first[key]["t"] < 5.0, first[key]
+    # rank 1 waits in a barrier of the world meanwhile: asked, it says where it is on the group
+    _assert_error(first["call"], TimeoutError, "Not in this call: rank 1 is at call #")
 
 
 _PEER_DIES = """
@@ -988,6 +990,31 @@ def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed(
     others.fail_locally(7, 5, PeerLostError(f"{left} [reported by rank 1; seen on rank 0]"))
     t0 = time.perf_counter()
     assert others.why_left(left, 7, 5) is left and 0.5 < time.perf_counter() - t0 < 5
+
+
+_SLEEPER = """
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=1.5)
+tw.barrier()
+if rank == size - 1:
+    time.sleep(4)  # outside tensorwire: nobody answers for this rank
+report(res=attempt(tw.all_reduce, np.ones(1 << 18, np.float32)))
+"""
+
+
+@pytest.mark.timeout(40)
+def test_a_timed_out_collective_names_the_rank_not_in_it() -> None:
+    """Rank 3 of 4 sleeps through an all_reduce: every other rank times out naming it as not
+    in the call (it does not answer the query: it is not inside tensorwire), including the
+    ranks that waited only for ranks that waited for it themselves."""
+    port = free_port()
+    procs = [_spawn(_SLEEPER, r, 4, port) for r in range(4)]
+    try:
+        results = [_reports(p, 30)[0]["res"] for p in procs[:3]]
+    finally:
+        _kill_all(procs)
+    for res in results:
+        _assert_error(res, TimeoutError, "all_reduce #", "Not in this call: rank 3 did not answer",
+                      within=5.0)
 
 
 _ABANDON = """

@@ -366,8 +366,12 @@ class Group(Collectives):
 
     def _failed(self, call: CollectiveCall, exc: Exception) -> Exception:
         """Whatever broke, the peers must not wait for this rank: the group is aborted with the
-        error, a lost peer's named with the call (the engine's knows the peer, not the call)."""
+        error, a lost peer's named with the call (the engine's knows the peer, not the call), a
+        timeout's with the members not in the call (Engine.missing)."""
         error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
+        phase = any(self.ctx in kids for kids in self.engine.children.values())  # named by its parent's call
+        if isinstance(exc, TimeoutError) and not phase:
+            error = self.engine.missing(exc, self.ctx, call.seq, self.ranks)
         self.abort(error, call.seq)
         return error
 
