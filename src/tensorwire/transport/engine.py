@@ -90,6 +90,7 @@ _WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the rea
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answers, then for another's abort
 _NOT_IN = "Not in this call"
+_STATES_MAX = 4096
 _REPORTED = "[reported by rank"
 
 
@@ -455,8 +456,15 @@ class Engine:
         self.channels[peer].post_control(SendRequest(peer, Header(Kind.STATE, ctx, seq, 0, 0, fp), _EMPTY,
                                                      "state"))
 
+    def _note_state(self, ctx: int, peer: int, seq: int) -> None:
+        """What a peer said (or showed, by an abort) it runs of group `ctx`, for missing():
+        only answers to a question just asked matter, so the notes are dropped when many."""
+        if len(self.states) >= _STATES_MAX:
+            self.states.clear()
+        self.states[(ctx, peer)] = max(seq, self.states.get((ctx, peer), 0))
+
     def _on_state(self, peer: int, header: Header) -> None:
-        self.states[(header.ctx, peer)] = header.seq
+        self._note_state(header.ctx, peer, header.seq)
         call = self.current.get(header.ctx)
         if call is not None and header.seq == call.seq:
             self._vet(peer, header, call)
@@ -707,7 +715,7 @@ class Engine:
                 self.watch_in_background(notice)
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
-        self.states[(ctx, peer)] = max(seq, self.states.get((ctx, peer), 0))  # it ran call seq (missing())
+        self._note_state(ctx, peer, seq)  # it ran call seq
         name, _, message = raw.decode(errors="replace").partition("\n")
         if ctx in self.aborted:
             return
