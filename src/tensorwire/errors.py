@@ -33,6 +33,13 @@ class PeerLostError(TensorwireError, ConnectionError):
         self.peer = peer
 
 
+def retold(exc: BaseException, message: str) -> BaseException:
+    """An error of `exc`'s class and attributes (PeerLostError's peer) with another message."""
+    told = type(exc)(message)
+    told.__dict__.update(exc.__dict__)
+    return told
+
+
 def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     """`exc` with the call it ended named after its rank ('rank 3: all_reduce #12 on group
     world: lost rank 2: ...'): an error raised below the call (a lost peer, a sub-group's
@@ -42,9 +49,7 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     if where in text:
         return exc
     rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
-    named = type(exc)(f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")
-    named.__dict__.update(exc.__dict__)  # PeerLostError's peer
-    return named
+    return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]
 
 
 class CollectiveMismatchError(TensorwireError):

@@ -361,7 +361,7 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
     force = forcing(cfg, collective, shape)
     out = []
     for alg in algorithms_for(collective).values():
-        if alg.phases is not None and (not direct_ok or not runs_on(alg, shape)):
+        if alg.phases is not None and not runs_on(alg, shape):
             continue
         if alg.needs_direct and (not direct_ok or direct is None
                                  or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes

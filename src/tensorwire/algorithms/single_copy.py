@@ -209,15 +209,15 @@ def single_copy_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, ro
     dp = call.group.direct
     me, n = dp.rank, dp.size
     counts = split_counts(data.size, n)
-    nbytes = counts[me] * data.itemsize
-    folded = blocks_of(acc, counts)[me] if me == root else _scratch(dp, nbytes).view(data.dtype)
+    outs = blocks_of(acc, counts) if me == root else None
+    folded = outs[me] if outs is not None else _scratch(dp, counts[me] * data.itemsize).view(data.dtype)
     p = _offer(dp, call, _block_spans(data, counts) + _spans([folded]))
     _fold_block(dp, p, me, blocks_of(data, counts)[me], folded, op)
     dp.mark_read(call, 1)  # this rank's block is folded, and it reads no input any more
-    if me != root:
+    if outs is None:
         dp.await_readers(call, (root,), 2, p, dp.prev_fp, None)  # until the root has read `folded`
         return
-    table, ab, backoff, outs = dp.views(_WORD, n + 1)[p], dp.prev_fp, None, blocks_of(acc, counts)
+    table, ab, backoff = dp.views(_WORD, n + 1)[p], dp.prev_fp, None
     for r in dp.onward:
         backoff = dp.await_progress(call, r, _READ, (call.seq << _CHUNK_BITS) + 1, p, ab, backoff)
         if outs[r].size:

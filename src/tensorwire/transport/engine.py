@@ -30,6 +30,7 @@ from ..errors import (
     ResourceError,
     TensorwireError,
     TimeoutError,
+    retold,
 )
 from ..ops import ReduceOp, dtype_from_code
 from .requests import (
@@ -624,16 +625,8 @@ class Engine:
             text = "; ".join(f"rank {p} did not answer (not inside a tensorwire call: busy, blocked or "
                              "stopped)" if at is None else f"rank {p} is at call #{at} of the group"
                              for p, at in behind)
-            named = type(error)(f"{error} {_NOT_IN}: {text}.")
-            named.__dict__.update(error.__dict__)
-            return named
-        until = time.perf_counter() + _MISSING_S
-        while time.perf_counter() < until:
-            self._look()
-            entry = self.aborted.get(ctx)
-            if entry is not None and seq >= entry[0] and _NOT_IN in str(entry[1]):
-                return entry[1]
-        return error
+            return retold(error, f"{error} {_NOT_IN}: {text}.")
+        return self._abort_saying(ctx, seq, _MISSING_S, lambda why: _NOT_IN in why) or error
 
     def _look(self) -> None:
         """One round of progress with the sockets read (control messages: answers, aborts,
@@ -653,14 +646,20 @@ class Engine:
         exiting as it raised: 56 of 64 said only that some rank had left the job."""
         if LEFT not in str(error):
             return error
-        until = time.perf_counter() + _WHY_LEFT_S
+        return self._abort_saying(ctx, seq, _WHY_LEFT_S, lambda why: LEFT not in why) or error
+
+    def _abort_saying(self, ctx: int, seq: int, seconds: float,
+                      says: Callable[[str], bool]) -> BaseException | None:
+        """The abort of call `seq` of group `ctx` whose message `says` what is wanted, once it
+        arrives within `seconds` (None if none does)."""
+        until = time.perf_counter() + seconds
         while True:
             self._look()
             entry = self.aborted.get(ctx)
-            if entry is not None and seq >= entry[0] and LEFT not in str(entry[1]):
+            if entry is not None and seq >= entry[0] and says(str(entry[1])):
                 return entry[1]
             if time.perf_counter() >= until:
-                return error
+                return None
 
     def _read_goodbye(self, channel) -> None:
         """Read what a closed socket still holds, its peer's goodbye among it: a send to a peer
