@@ -842,6 +842,7 @@ def at_init(world: Group) -> LinkTable:
                       {"tiers": links_used, "key": key, "busy_tier": tuner.tier_of(world),
                        "huge_pages": bool(info[:, 4].all()), "cores": cores, "hosts": hosts,
                        "checked": checked, "check_s": check_s, "foreign_cores": foreign})
+    table = tuner.per_flow(table, world.layout)
     table = bound_direct(world, table, slower, "alpha" in overrides.get("direct", {}))
     tuner.install(world.runtime, table)
     _log.info("link constants (setup %.1f ms%s%s): %s", table.setup_s * 1e3,

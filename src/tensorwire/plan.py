@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from . import calibrate, tuner
+from . import calibrate, crossing, tuner
 from .algorithms.hierarchical import Shape
 from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
 from .config import Config, parse_size
@@ -349,13 +349,12 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
                    cfg: Config) -> list[tuple[float, str, str]]:
     """(seconds, algorithm, '' or why it cannot run) of every algorithm for `hosts` hosts of
     `per_host` ranks: the flat ones with every step at the price of the slower tier (a step
-    waits for its slowest hop: the network's, as the tuner prices a group across hosts, or a
-    host's where that is the slower, as this host's memory against InfiniBand NDR), the
-    hierarchical ones by their phases, within a host on `local` and between hosts on `net`,
-    `per_host / nics` flows sharing each host link."""
+    waits for its slowest hop: the network's, shared by the flows the algorithm puts on a host
+    link at once as the tuner prices a group across hosts, or a host's where that is the
+    slower, as this host's memory against InfiniBand NDR), the hierarchical ones by their
+    phases, within a host on `local` and between hosts on `net`, `per_host / nics` flows
+    sharing each host link."""
     n = hosts * per_host
-    slowest = Link(net.name, *(max(getattr(local.link, f), getattr(net.link, f)) for f in ("alpha", "beta",
-                                                                                          "gamma")))
     links = {local.name: local.link, net.name: net.link}
     if local.direct is not None:
         links["direct"] = local.direct
@@ -374,9 +373,15 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
                 reason = "not rank-ordered (deterministic mode)"
             t = alg.phases(shape, m, within, across, net.link) if not reason else math.inf
         else:
-            flat = replace(net, link=slowest, direct_ok=False, one_way=None)
+            flat = replace(net, direct_ok=False, one_way=None)
             reason = why_not(alg, collective, n, m, flat, cfg, 0)
-            t = flat.cost(alg, n, m) if not reason else math.inf
+            t = math.inf
+            if not reason:
+                flows = crossing.algorithm_share(alg, (per_host,) * hosts,
+                                                 (max(1, min(nics, per_host)),) * hosts)
+                shared = tuner.shared(net.link, flows)
+                t = replace(flat, link=Link(net.name, *(max(getattr(local.link, f), getattr(shared, f))
+                                                       for f in ("alpha", "beta", "gamma")))).cost(alg, n, m)
         rows.append((t, alg.name, reason))
     return sorted(rows)
 
@@ -391,7 +396,8 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
     rows = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg)
     width = max(len(name) for _, name, _ in rows)
     best = rows[0][0]
-    for kind, phased in (("flat, every step at the slower tier's price", False),
+    for kind, phased in (("flat, every step at the slower tier's price, a host link shared by the flows "
+                          "the step puts on it", False),
                          ("hierarchical, phases within and between hosts", True)):
         out(f"  {kind}:")
         for t, name, reason in rows:

@@ -285,6 +285,12 @@ class Layout:
         return order
 
     @property
+    def placement(self) -> tuple[int, ...]:
+        """Each group rank's host (an index into `hosts`)."""
+        where = {g: k for k, on in enumerate(self.hosts) for g in on}
+        return tuple(where[g] for g in range(len(where)))
+
+    @property
     def shape(self) -> Shape | None:
         """The hierarchy's shape where a host holds 2 or more ranks; None where every host
         holds one."""

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from . import log
+from . import crossing, log
 from .algorithms import rank_ordered
 from .algorithms.hierarchical import COPY, LocalPrice, RailPrice, Shape
 from .algorithms.ordered import arrange
@@ -50,6 +50,7 @@ from .errors import InvalidArgumentError
 if TYPE_CHECKING:
     from .group import Group
     from .runtime import Runtime
+    from .topo import Layout
 
 _log = log.get("TUNING")
 
@@ -421,15 +422,15 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
         return t + woken if n >= 2 else t
 
     def rail(collective: str, n: int, nbytes: int, share: float) -> float:
-        def shared(link: Link | None) -> Link | None:
-            return None if link is None else replace(link, beta=link.beta * share)
-
-        link, way = shared(rail_link), shared(one_way)
-        b, ring, pairs = (shared(x) for x in busy)
-        return cheapest(collective, n, nbytes,
-                        lambda a: predict(a, n, nbytes, link, None, b, ring, None, pairs, way), False)
+        return cheapest(collective, n, nbytes, lambda a: predict(
+            a, n, nbytes, rail_link, None, busy[0], busy[1], None, busy[2], one_way, share), False)
 
     return local, rail
+
+
+def shared(link: Link | None, flows: float) -> Link | None:
+    """`link` (priced per flow) where `flows` of them share it: β that many times."""
+    return None if link is None else replace(link, beta=link.beta * flows)
 
 
 @dataclass(frozen=True)
@@ -488,7 +489,7 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
             busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-            busy_pairs: Link | None = None, one_way: Link | None = None) -> float:
+            busy_pairs: Link | None = None, one_way: Link | None = None, flows: float = 1.0) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
@@ -501,7 +502,11 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     memory's price on top, per copy (Algorithm.copies): a lone rank's on the path over the
     link, a crowded host's (Host.crowded_memory) where every rank works at once (the busy
     links' work, the one-shot path). With a busy link, no step of the path costs less than
-    its α (a rank that shares its core is woken for each message)."""
+    its α (a rank that shares its core is woken for each message). Across hosts, `flows` is the
+    flows the algorithm puts on a host's link at once (crossing.py): the links' β count that
+    many times (each link is priced per flow)."""
+    if flows != 1.0:
+        link, busy, busy_ring, one_way = (shared(x, flows) for x in (link, busy, busy_ring, one_way))  # type: ignore[assignment]
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
@@ -550,21 +555,31 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
+Spread = Callable[[Algorithm], float]
+"""The flows an algorithm puts on a host's link at once (crossing.algorithm_share) in a group."""
+
+
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
           busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-          busy_pairs: Link | None = None, one_way: Link | None = None) -> list[tuple[float, str, Algorithm]]:
+          busy_pairs: Link | None = None, one_way: Link | None = None,
+          spread: Spread | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name: critical paths that differ only in their last bits count as
     one (the same formula written two ways, as the binomial and linear reduce at n=2: ordered
     by rounding, `tensorwire plan` listed a crossover between them at every other size)."""
-    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way),
-                     alg.name, alg) for alg in algs if alg.phases is None)  # phases: see decide
+    def flows(alg: Algorithm) -> float:
+        return 1.0 if spread is None else spread(alg)
+
+    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way,
+                             flows(alg)), alg.name, alg)
+                    for alg in algs if alg.phases is None)  # phases: see decide
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
     if len(tied) > 1:
-        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way) for p in tied}
+        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=flows(p[2]))
+                 for p in tied}
         shortest = min(paths.values()) * (1 + _ROUNDING)
         tied.sort(key=lambda p: (0.0 if paths[p[1]] <= shortest else paths[p[1]], p[1]))
     return tied + priced[len(tied):]
@@ -665,7 +680,8 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     bound = frozenset() if model.busy is None else frozenset(
         name for t, name, alg in priced
         if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
-                                              host=model.host, one_way=model.one_way) * (1 + 1e-9))
+                                              host=model.host, one_way=model.one_way,
+                                              flows=model.flows(alg)) * (1 + 1e-9))
     layout = group.layout
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
@@ -688,6 +704,8 @@ class Model:
     host: Host | None
     single_copy: bool = False
     """The group can read its peers' memory (single copy's algorithms are priced)."""
+    spread: Spread | None = None
+    """Across hosts: the flows each flat algorithm puts on a host's link (crossing.py)."""
 
     @classmethod
     def of(cls, group: Group, table: LinkTable) -> Model:
@@ -696,11 +714,15 @@ class Model:
                 if tier == table.extra.get("busy_tier") else (None, None, None))
         direct = table.links.get("direct") if group.direct is not None else None
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
-                   host_of(group, table), bool(group.direct is not None and group.direct.single_copy))
+                   host_of(group, table), bool(group.direct is not None and group.direct.single_copy),
+                   spread_of(group.layout))
+
+    def flows(self, alg: Algorithm) -> float:
+        return 1.0 if self.spread is None else self.spread(alg)
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
         return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
-                     self.busy_pairs, self.one_way)
+                     self.busy_pairs, self.one_way, self.spread)
 
     def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
         """The price of the cheapest algorithm of `collective` other than `name` that the
@@ -711,6 +733,34 @@ class Model:
                 if a.name != name and a.eligible(self.n, nbytes)
                 and (not a.needs_direct or (a.needs_single_copy and self.single_copy))]
         return self.price(algs, nbytes)[0][0]
+
+
+def spread_of(layout: Layout | None) -> Spread | None:
+    """How many flows each flat algorithm puts on a host's link at once in a group of this
+    layout (None on one host): an algorithm that runs in the topology's order sees its ranks
+    host by host, the others in the group's order; the shared-memory path crosses no link."""
+    if layout is None:
+        return None
+    counts, placement = tuple(len(h) for h in layout.hosts), layout.placement
+    return lambda alg: 1.0 if alg.needs_direct else crossing.algorithm_share(  # (a test's one host)
+        alg, counts, layout.nics, None if alg.reorder else placement)
+
+
+def per_flow(table: LinkTable, layout: Layout | None) -> LinkTable:
+    """`table` with the busy links measured across hosts brought back to one flow: the probe
+    ran on the world's placement, whose ranks shared their hosts' links as its pattern made
+    them (crossing.probe_shares); each algorithm is then priced with the flows its own pattern
+    puts there (spread_of, phase_prices' rails). On 2 emulated hosts of 4 ranks at 1 Gbit/s
+    the probe's shifts measured 0.051 GB/s, its pattern's share there 2.33, the link 0.112."""
+    measured = [b for b in (BUSY, BUSY_RING)
+                if b in table.links and not table.sources.get(b, "").startswith("file")]
+    if layout is None or table.extra.get("busy_tier") != "tcp" or not measured:
+        return table
+    shares = dict(zip((BUSY, BUSY_RING), crossing.probe_shares(layout.placement, layout.nics)))
+    links = dict(table.links)
+    for b in measured:
+        links[b] = shared(links[b], 1 / shares[b])  # type: ignore[assignment]
+    return replace(table, links=links, extra={**table.extra, "busy_flows": shares})
 
 
 def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
