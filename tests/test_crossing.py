@@ -127,6 +127,7 @@ def test_plan_prices_flat_algorithms_with_their_share(capsys) -> None:
     rows = {line.split()[0]: line for line in text.splitlines()
             if line.startswith("    ") and "crossover" not in line}
     assert "x3." in rows["recursive_doubling"] and "x1.0" in rows["ring"], text
+    assert "(3.4 flows a host link)" in rows["recursive_doubling"] and "flows" not in rows["ring"], text
     local = plan.Tier("shm", Link("shm", 2e-6, 1 / 9e9, 1 / 7.5e9), "given")
     net = plan.Tier("net", Link("net", 30e-6, 1 / 3.1e9, 1 / 7.5e9), "given")
     priced = plan.cluster_prices("all_to_all", 16 << 20, 4, 4, 1, local, net, Config())

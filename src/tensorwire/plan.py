@@ -377,13 +377,16 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
             reason = why_not(alg, collective, n, m, flat, cfg, 0)
             t = math.inf
             if not reason:
-                flows = crossing.algorithm_share(alg, (per_host,) * hosts,
-                                                 (max(1, min(nics, per_host)),) * hosts)
-                shared = tuner.shared(net.link, flows)
+                shared = tuner.shared(net.link, _flows(alg, hosts, per_host, nics))
                 t = replace(flat, link=Link(net.name, *(max(getattr(local.link, f), getattr(shared, f))
                                                        for f in ("alpha", "beta", "gamma")))).cost(alg, n, m)
         rows.append((t, alg.name, reason))
     return sorted(rows)
+
+
+def _flows(alg: Algorithm, hosts: int, per_host: int, nics: int) -> float:
+    """The flows a flat algorithm puts on a host's link at once (crossing.py), ranks host by host."""
+    return crossing.algorithm_share(alg, (per_host,) * hosts, (max(1, min(nics, per_host)),) * hosts)
 
 
 def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
@@ -407,6 +410,9 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
                 out(f"    {name:<{width}}  {'-':>10}  ({reason})")
             else:
                 mark = "  <- cheapest" if t == best else f"  x{t / best:.2f}" if best > 0 else ""
+                flows = 1.0 if phased else _flows(algorithms_for(collective)[name], hosts, per_host, nics)
+                if flows > 1 + 1e-9:
+                    mark += f"  ({flows:.3g} flows a host link)"
                 out(f"    {name:<{width}}  {tuner.format_seconds(t):>10}{mark}")
 
     def winner(size: int) -> str | None:

@@ -847,13 +847,26 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         table = table_for(group.runtime)
         tier = decision.tier
         bound = decision.work_bound
-        costs = ", ".join(f"{name} {format_seconds(t)}" + (" (busy-bound)" if name in bound else "")
-                          for t, name, _ in decision.priced)
+        spread = spread_of(group.layout)
+
+        def notes(name: str, alg: Algorithm) -> str:
+            flows = spread(alg) if spread is not None and alg.phases is None else 1.0
+            said = [*(["busy-bound"] if name in bound else []),
+                    *([f"{flows:.3g} flows a host link"] if flows > 1 + 1e-9 else [])]
+            return f" ({', '.join(said)})" if said else ""
+
+        costs = ", ".join(f"{name} {format_seconds(t)}{notes(name, alg)}" for t, name, alg in decision.priced)
         shown = f"{tier} ({table.describe(tier)})"
+        probe = table.extra.get("busy_flows", {})
+
+        def busy(b: str) -> str:
+            return table.describe(b) + (f", per flow: the probe put {probe[b]:.3g} on a host link"
+                                        if probe.get(b, 1.0) > 1 + 1e-9 else "")
+
         if tier == table.extra.get("busy_tier") and BUSY in table.links:
-            shown += f", every rank busy ({table.describe(BUSY)})"
+            shown += f", every rank busy ({busy(BUSY)})"
             if BUSY_RING in table.links:
-                shown += f", in a ring ({table.describe(BUSY_RING)})"
+                shown += f", in a ring ({busy(BUSY_RING)})"
             if BUSY_PAIRS in table.links:
                 shown += f", in pairs ({table.describe(BUSY_PAIRS)})"
         if ONE_WAY[tier] in table.links and any(a.one_way for _, _, a in decision.priced):
