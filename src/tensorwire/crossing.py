@@ -7,10 +7,11 @@ a ring in the topology's order crosses once per host, a pairwise exchange from n
 rank in nearly every step, recursive doubling in its steps of a distance at least the ranks
 per host, a binomial tree as its subtrees fan out. How much depends on the algorithm's pattern
 and the ranks' placement, so it is read off the pattern itself: the algorithm runs on a P2P
-that records its messages and moves nothing (`trace`: no schedule depends on the data), the
-messages are put in rounds by causality (a message goes when its sender has posted it and its
-receiver its receive, after everything either side waited for), and each round costs the
-larger of its busiest rank's bytes and its busiest host link's. `share` is the sum of those
+that records its messages and moves no data (`trace`: no schedule depends on the data, but
+for block counts sent ahead, which the recorder fills in), the messages are put in rounds by
+causality (a message goes when its sender has posted it and its receiver its receive, after
+everything either side waited for), and each round costs the larger of its busiest rank's
+bytes and its busiest host link's. `share` is the sum of those
 over the sum of the busiest ranks' bytes: 1 where no host link carries more than one flow's
 bytes in any round, the ranks per interface where every rank crosses in every round.
 
@@ -76,6 +77,10 @@ class _Recorder:
 
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
               base: np.ndarray | None = None) -> _Req:
+        # the one thing a schedule reads from what arrives: the element counts of blocks a
+        # receiver cannot know (the trees' gather and scatter send them ahead, in int64), each
+        # _BLOCK in the traced call
+        data[...] = _BLOCK if data.dtype == np.int64 else 0
         return self._post(False, peer, data, step)
 
     def wait(self, *reqs: _Req) -> None:
