@@ -357,6 +357,14 @@ class Testbed:
         """net.* settings of every host's namespace (its own copy of the network stack)."""
         self.created: list[str] = []
 
+    def links_label(self) -> str:
+        """A name for what the links are made of (rate, delay, the hosts' net.* settings): each
+        such bed is a network of its own, and keeps its own calibration cache (Runner.environment)."""
+        sysctls = ",".join(f"{k}={v}" for k, v in sorted(self.sysctls.items()))
+        text = f"rate-{self.rate_text or 'none'}_delay-{self.delay_text or 'none'}"
+        text += f"_{sysctls}" if sysctls else ""
+        return re.sub(r"[^A-Za-z0-9_.=,-]", "_", text)[:200]
+
     # -- building ------------------------------------------------------------------------------
 
     def build(self) -> None:
@@ -552,6 +560,11 @@ class Runner:
         env = dict(os.environ)
         env.update(self.opts.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if not env.get("TENSORWIRE_CACHE_DIR"):
+            # the emulated hosts keep their names whatever their links: a 2 x 2 entry cached by
+            # an earlier bed priced a 1 Gbit/s one's TCP at 2.27 GB/s, 19x its rate
+            base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            env["TENSORWIRE_CACHE_DIR"] = os.path.join(base, "tensorwire", f"netns-{self.bed.links_label()}")
         if not env.get("TENSORWIRE_SECRET") and not env.get("TENSORWIRE_SECRET_FILE"):
             # One secret for every host's launcher, as --secret-file gives a real cluster's:
             # the job is authenticated across the emulated hosts too (docs/security.md).

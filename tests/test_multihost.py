@@ -132,6 +132,13 @@ JOB = textwrap.dedent('''\
             with open("/proc/sys/" + key.replace(".", "/")) as f:
                 say(f"SYSCTL rank {tw.get_rank()} {key}={f.read().strip()}")
         tw.barrier()
+    elif mode == "links":
+        from tensorwire import tuner
+        table = tuner.table_for(tw.world().runtime)
+        tcp = table.link("tcp")
+        say(f"LINKS rank {tw.get_rank()} busy_ring {table.sources.get('busy_ring')} "
+            f"tcp {1e-9 / tcp.beta:.4f} GB/s checked {table.extra.get('checked')!r}")
+        tw.barrier()
     elif mode == "fail":
         if tw.get_rank() == 1:
             sys.exit(7)
@@ -372,6 +379,25 @@ def test_rate_limited_links(support: dict, job: str) -> None:
     sent = [int(m.group(1))
             for m in res.lines(r"twhost-0 \(10\.77\.0\.1\): exit code 0; tc sent (\d+) bytes")]
     assert sent and sent[0] > 4 << 20, res.out
+
+
+@pytest.mark.timeout(120)
+def test_a_cache_from_faster_links_is_measured_again(support: dict, job: str, tmp_path) -> None:
+    """Emulated hosts keep their names whatever their links: an entry cached over unshaped links
+    prices a 100 Mbit/s bed's TCP 100x too cheap. Its busy ring, now that much slower across
+    hosts, sends the next job to measure again (on one host a slower ring keeps the entry: the
+    host may be busy this instant)."""
+    if not support.get("tbf"):
+        pytest.skip(f"no tbf qdisc here: {support.get('tbf_reason')}")
+    cache = ["--env", f"TENSORWIRE_CACHE_DIR={tmp_path}"]
+    fast = run_bed(["--hosts", "2", "-n", "1", *cache], [job, "links"])
+    assert fast.code == 0 and len(fast.lines(r"LINKS rank \d+ busy_ring calibrated")) == 2, fast.out
+    slow = run_bed(["--hosts", "2", "-n", "1", "--rate", "100mbit", *cache], [job, "links"])
+    assert slow.code == 0, slow.out
+    found = slow.lines(r"LINKS rank \d+ busy_ring (\S+) tcp ([\d.]+) GB/s checked '(.*)'")
+    assert len(found) == 2, slow.out
+    assert all(m.group(1) == "calibrated" and "busy_ring β" in m.group(3) for m in found), slow.out
+    assert all(float(m.group(2)) < 0.05 for m in found), slow.out  # 100 Mbit/s: 0.0125 GB/s
 
 
 @pytest.mark.timeout(90)
