@@ -222,6 +222,35 @@ def test_orders_and_hierarchy_over_real_transports(four: Cluster) -> None:
     assert ("all_reduce", "hierarchical_leaders") in ran and ("all_gather", "ring") in ran, ran
 
 
+def rank_uneven_hosts_on_one_host(hosts: list[int]) -> tuple[int, list]:
+    """Every algorithm of every collective on a one-host group of 4 told that rank r is on
+    host hosts[r]: hosts of different numbers of ranks."""
+    import topology_job
+
+    g = tw.new_group([0, 1, 2, 3], name="uneven")
+    g._layout = topo.Topology.from_cards({r: card(f"h{hosts[r]}", pid=r) for r in range(4)}).layout(range(4))
+    g.choices.clear()
+    topology_job._GROUPS[:] = [("uneven", g)]
+    topology_job.RAN.clear()
+    cases = [0]
+    topology_job.algos(cases)
+    return cases[0], sorted(topology_job.RAN)
+
+
+@pytest.mark.parametrize("hosts", [[0, 0, 0, 1], [0, 1, 0, 0]], ids=["block", "apart"])
+def test_uneven_hosts_gather_and_scatter_through_their_leaders(four: Cluster, hosts: list[int]) -> None:
+    """3 + 1 ranks: the rails' all_gather and reduce_scatter need as many ranks on every host;
+    the leaders' variants (within each host onto its first rank, between hosts on rail 0, back
+    within each host) run there, with the host's blocks together (block) or apart in the
+    output, every dtype and op of topology_job checked."""
+    results = four.run(rank_uneven_hosts_on_one_host, hosts, timeout=110)
+    cases, ran = results[0]
+    assert all(res == results[0] for res in results) and cases > 50, results
+    leaders = {("all_gather", "hierarchical_leaders"), ("reduce_scatter", "hierarchical_leaders")}
+    assert leaders <= set(ran), ran
+    assert ("all_gather", "hierarchical") not in ran and ("reduce_scatter", "hierarchical") not in ran, ran
+
+
 def forced_hierarchy_and_uneven_blocks() -> tuple[list, list, list, str]:
     """What the list-form all_to_all and all_gatherv (blocks that may differ) and an even
     all_to_all_single return under TENSORWIRE_ALGO forcing their hierarchical variants."""

@@ -21,10 +21,11 @@ its rail, at the price of two passes through memory to regroup the blocks.
 The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). Where
 hosts hold different numbers of ranks (topo.Layout.shape), the all_reduce crosses on the rails
 every host has (as many as the emptiest host's ranks: the others' shares are empty), the
-leaders' all_reduce, barrier, broadcast and reduce through rail 0 (a root whose rail not every
-host has goes through its host's first rank); all_gather, reduce_scatter and all_to_all need
-the same number on every host, and even blocks (their phases use the sub-groups' list forms,
-or regroup blocks by host). A failure
+leaders' all_reduce, all_gather and reduce_scatter, the barrier, broadcast and reduce through
+rail 0 (a root whose rail not every host has goes through its host's first rank); the rails'
+all_gather and reduce_scatter and the all_to_all need the same number on every host. All but
+the all_reduce need even blocks (their phases use the sub-groups' list forms, or regroup
+blocks by host). A failure
 inside a phase aborts the parent group, and with it both sub-groups on every rank
 (Engine.children).
 """
@@ -273,6 +274,49 @@ def hierarchical_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndar
     h.rail.reduce_scatter(out, list(partial), op, timeout=_left(p2p))
 
 
+def leaders_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | None = None) -> None:
+    """Within each host onto its first rank, among those (rail 0) host by host, and the whole
+    back within each host: hosts of any number of ranks (the rails' all_gather needs the same
+    number on each), one flow per host between hosts."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    mine = (blocks[p2p.rank] if src is None else src).view(np.uint8)
+    nbytes = mine.nbytes
+    span = _host_major(blocks, h.hosts, None)  # the output itself where its blocks lie so
+    whole = span if span is not None else np.empty(len(blocks) * nbytes, dtype=np.uint8)
+    counts = [len(on) * nbytes for on in h.hosts]
+    offs = offsets_of(counts)
+    home = whole[offs[h.host]:offs[h.host + 1]]
+    leader = h.index == 0
+    h.local.gather(mine, list(home.reshape(-1, nbytes)) if leader else None, 0, timeout=_left(p2p))
+    if leader:
+        h.rail.all_gatherv(whole, home, counts, timeout=_left(p2p))
+    h.local.broadcast(whole, 0, timeout=_left(p2p))
+    if span is None:
+        for k, g in enumerate(g for on in h.hosts for g in on):
+            blocks[g].view(np.uint8)[...] = whole[k * nbytes:(k + 1) * nbytes]
+
+
+def leaders_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+    """Every block reduced within each host onto its first rank, among those (rail 0) onto the
+    host whose ranks own them, and handed out within it: hosts of any number of ranks."""
+    h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    op = _summing(op)
+    ordered = [blocks[g] for on in h.hosts for g in on]
+    inp = contiguous_span(ordered, writable=False)
+    if inp is None:
+        inp = np.concatenate(ordered)
+    leader = h.index == 0
+    acc = np.empty_like(inp) if leader else None
+    h.local.reduce(inp, 0, op, out=acc, timeout=_left(p2p))
+    home = None
+    if leader:
+        counts = [len(on) * out.size for on in h.hosts]
+        home = np.empty(counts[h.host], dtype=out.dtype)
+        h.rail.reduce_scatterv(home, acc, counts, op, timeout=_left(p2p))
+    parts = list(home.reshape(-1, out.size)) if home is not None else None
+    h.local.scatter(out, parts, 0, timeout=_left(p2p))
+
+
 def _host_major(blocks: list[np.ndarray], hosts: tuple[tuple[int, ...], ...], out: np.ndarray | None
                 ) -> np.ndarray | None:
     """The blocks (bytes) in host order (host 0's ranks, host 1's, ...) as one view where they
@@ -353,6 +397,18 @@ def _all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
         s.hosts * local("all_gather", s.per_host, m // s.hosts)
 
 
+def _leaders_all_gather_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                             link: Link | None = None) -> float:
+    return (local("gather", s.per_host, m // s.hosts) + rail("all_gather", s.hosts, m, 1.0)
+            + local("broadcast", s.per_host, m))
+
+
+def _leaders_reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
+                                 link: Link | None = None) -> float:
+    return (local("reduce", s.per_host, m) + rail("reduce_scatter", s.hosts, m, 1.0)
+            + local("scatter", s.per_host, m // s.hosts))
+
+
 def _reduce_scatter_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
                          link: Link | None = None) -> float:
     return s.hosts * local("reduce_scatter", s.per_host, m // s.hosts) + \
@@ -394,6 +450,10 @@ register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_neve
                    reorder=False, out_of_place=True, uneven=True))
 register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
                    reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN, uneven=True))
+register(Algorithm(LEADERS, "all_gather", _named(leaders_all_gather), _flat_never,
+                   phases=_leaders_all_gather_cost, reorder=False, out_of_place=True, uneven=True))
+register(Algorithm(LEADERS, "reduce_scatter", _named(leaders_reduce_scatter), _flat_never,
+                   phases=_leaders_reduce_scatter_cost, reorder=False, uneven=True))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),
