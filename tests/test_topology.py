@@ -234,6 +234,11 @@ def rank_uneven_hosts_on_one_host(hosts: list[int]) -> tuple[int, list]:
     topology_job.RAN.clear()
     cases = [0]
     topology_job.algos(cases)
+    empty = np.empty(0, np.float32)
+    with tuner.override(g, "all_gather", "hierarchical_leaders"):
+        g.all_gather_into_tensor(empty, empty)
+    with tuner.override(g, "reduce_scatter", "hierarchical_leaders"):
+        g.reduce_scatter_tensor(empty, empty)
     return cases[0], sorted(topology_job.RAN)
 
 

@@ -281,6 +281,8 @@ def leaders_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | Non
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     mine = (blocks[p2p.rank] if src is None else src).view(np.uint8)
     nbytes = mine.nbytes
+    if not nbytes:  # even blocks: empty on every rank
+        return
     span = _host_major(blocks, h.hosts, None)  # the output itself where its blocks lie so
     whole = span if span is not None else np.empty(len(blocks) * nbytes, dtype=np.uint8)
     counts = [len(on) * nbytes for on in h.hosts]
@@ -300,6 +302,8 @@ def leaders_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, 
     """Every block reduced within each host onto its first rank, among those (rail 0) onto the
     host whose ranks own them, and handed out within it: hosts of any number of ranks."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+    if not out.size:  # even blocks: empty on every rank
+        return
     op = _summing(op)
     ordered = [blocks[g] for on in h.hosts for g in on]
     inp = contiguous_span(ordered, writable=False)
