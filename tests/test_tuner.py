@@ -690,7 +690,8 @@ def _table_summary() -> dict:
     return {"links": {k: tuple(getattr(v, f) for f in calibrate.REQUIRED) for k, v in t.links.items()},
             "cache": t.link(tuner.MEMORY).cache, "sources": t.sources,
             "single_copy": bool(g.direct and g.direct.single_copy),
-            "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path}
+            "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path,
+            "checked": t.extra.get("checked", "")}
 
 
 def rank_table() -> dict:
@@ -812,7 +813,13 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     assert skipped[0]["sources"] == {t: "default" for t in tuner.DEFAULT_LINKS} and skipped[0]["probe_s"] == 0
     default = tuner.DEFAULT_LINKS[tier]
     assert skipped[0]["links"][tier] == tuple(getattr(default, f) for f in calibrate.REQUIRED)
-    assert again[0]["sources"][tier] == "cached" and again[0]["links"][tier] == trusted_forced[tier]
+    if again[0]["checked"]:
+        # the forced probe met a slow spell (its busy ring a mean over rounds others preempted,
+        # as in one run of three after the 5-rank TCP job of test_crossing), which the check of
+        # the cache measured 3x faster: measured again, by design (check_cached)
+        assert "busy_ring β" in again[0]["checked"] and again[0]["sources"][tier] == "calibrated", again[0]
+    else:
+        assert again[0]["sources"][tier] == "cached" and again[0]["links"][tier] == trusted_forced[tier]
     assert trusted_forced[tier] == forced[0]["links"][tier]
     with open(first[0]["cache_path"]) as f:
         entry = json.load(f)

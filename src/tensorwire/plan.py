@@ -364,6 +364,8 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
     for alg in algorithms_for(collective).values():
         if alg.phases is not None:
             reason = "" if per_host > 1 and hosts > 1 else "needs several hosts of several ranks"
+            if not reason and not alg.uniform:
+                reason = "for hosts of different numbers of ranks"
             if not reason and not alg.eligible(n, m):
                 reason = f"not for {n} ranks at this size"
             if not reason and cfg.algo and not tuner.allowed(replace(cfg, deterministic=False), collective,

@@ -346,7 +346,7 @@ def forcing(cfg: Config, collective: str, shape: Shape | None) -> bool:
 
 def runs_on(alg: Algorithm, shape: Shape | None) -> bool:
     """Whether a hierarchical algorithm can run on a group of this shape."""
-    return shape is not None and (shape.uniform or alg.uneven)
+    return shape is not None and (alg.uniform if shape.uniform else alg.uneven)
 
 
 def shape_of(group: Group) -> Shape | None:

@@ -455,9 +455,10 @@ register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_neve
 register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
                    reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN, uneven=True))
 register(Algorithm(LEADERS, "all_gather", _named(leaders_all_gather), _flat_never,
-                   phases=_leaders_all_gather_cost, reorder=False, out_of_place=True, uneven=True))
+                   phases=_leaders_all_gather_cost, reorder=False, out_of_place=True, uneven=True,
+                   uniform=False))
 register(Algorithm(LEADERS, "reduce_scatter", _named(leaders_reduce_scatter), _flat_never,
-                   phases=_leaders_reduce_scatter_cost, reorder=False, uneven=True))
+                   phases=_leaders_reduce_scatter_cost, reorder=False, uneven=True, uniform=False))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
                            ("all_gather", hierarchical_all_gather, _all_gather_cost),

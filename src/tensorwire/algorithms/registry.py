@@ -133,6 +133,12 @@ class Algorithm:
     uneven: bool = False
     """A hierarchical algorithm whose hosts may hold different numbers of ranks (it crosses
     between hosts only on the rails every host has)."""
+    uniform: bool = True
+    """A hierarchical algorithm offered where every host holds as many ranks. The leaders'
+    all_gather and reduce_scatter are not: they carry a host's bytes between hosts through one
+    rank where the rails' variants use every rank, the same bytes, and on emulated hosts of 2
+    ranks at 1 Gbit/s they ran 1.2-1.3x slower at 256 KiB-64 MiB while priced alike (one flow
+    a host is one process's work and one connection's pace, which the model does not see)."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the
