@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import log, tuner
+from . import crossing, log, tuner
 from .algorithms.recursive_doubling import recursive_doubling_all_reduce
 from .algorithms.registry import Link, algorithms_for
 from .algorithms.tree import binomial_broadcast
@@ -600,7 +600,7 @@ class _Rounds:
     def __init__(self, call: CollectiveCall, step0: int) -> None:
         self.call, self.step = call, step0
         self.n, self.r = call.group.size, call.group.rank
-        self.dists = [1 << k for k in range(max(1, (self.n - 1).bit_length()))]
+        self.dists = crossing.doubling(self.n)
         self._out, self._in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
 
     def _exchange(self, dst: int, src: int, out: np.ndarray, into: np.ndarray) -> None:

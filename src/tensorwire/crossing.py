@@ -49,11 +49,11 @@ Message = tuple[int, int, int, int]
 
 
 class _Req:
-    __slots__ = ("send", "rank", "peer", "step", "nbytes", "posted", "round")
+    __slots__ = ("send", "peer", "step", "nbytes", "posted", "round")
     done = True
 
-    def __init__(self, send: bool, rank: int, peer: int, step: int, nbytes: int) -> None:
-        self.send, self.rank, self.peer, self.step, self.nbytes = send, rank, peer, step, nbytes
+    def __init__(self, send: bool, peer: int, step: int, nbytes: int) -> None:
+        self.send, self.peer, self.step, self.nbytes = send, peer, step, nbytes
         self.posted = 0
         self.round: int | None = None
 
@@ -68,7 +68,7 @@ class _Recorder:
         self.ops: list[_Req | tuple[_Req, ...]] = []
 
     def _post(self, send: bool, peer: int, data: np.ndarray, step: int) -> _Req:
-        req = _Req(send, self.rank, peer, step, data.nbytes)
+        req = _Req(send, peer, step, data.nbytes)
         self.ops.append(req)
         return req
 
@@ -179,8 +179,7 @@ def share(messages: Iterable[Message], placement: Sequence[int], nics: Sequence[
     flows = total = 0.0
     for t, busiest in ranks.items():
         b = max(busiest.values())
-        crossing = links.get(t)
-        link = max((v / nics[h] for (h, _), v in crossing.items()), default=0.0) if crossing else 0.0
+        link = max((v / nics[h] for (h, _), v in links.get(t, {}).items()), default=0.0)
         flows += b
         total += max(b, link)
     return total / flows if flows else 1.0
@@ -219,6 +218,12 @@ def algorithm_share(alg: Algorithm, counts: tuple[int, ...], nics: tuple[int, ..
     return share(trace(alg.collective, alg.name, len(where)), where, nics)
 
 
+def doubling(n: int) -> list[int]:
+    """The distances 1, 2, 4, ... below n (1 at least) that the busy probe's shifts and pairs
+    run through (calibrate.measure_busy)."""
+    return [1 << k for k in range(max(1, (n - 1).bit_length()))]
+
+
 def shift_rounds(n: int, dists: Sequence[int]) -> tuple[Message, ...]:
     """The busy probe's rounds (calibrate.measure_busy): in round i every rank sends to r + dists[i]."""
     return tuple((i, r, (r + d) % n, 1) for i, d in enumerate(dists) for r in range(n) if d % n)
@@ -229,6 +234,5 @@ def probe_shares(placement: Sequence[int], nics: Sequence[int]) -> tuple[float, 
     placement: its shifts by d = 1, 2, 4, ... in turn (each round as long as the others), and
     its ring (d = 1)."""
     n = len(placement)
-    dists = [1 << k for k in range(max(1, (n - 1).bit_length()))]
-    each = [share(shift_rounds(n, [d]), placement, nics) for d in dists]
+    each = [share(shift_rounds(n, [d]), placement, nics) for d in doubling(n)]
     return sum(each) / len(each), each[0]

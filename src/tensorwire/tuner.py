@@ -559,26 +559,28 @@ Spread = Callable[[Algorithm], float]
 """The flows an algorithm puts on a host's link at once (crossing.algorithm_share) in a group."""
 
 
+def one_flow(alg: Algorithm) -> float:
+    """The Spread of a group on one host: no link shared."""
+    return 1.0
+
+
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
           busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
           busy_pairs: Link | None = None, one_way: Link | None = None,
-          spread: Spread | None = None) -> list[tuple[float, str, Algorithm]]:
+          spread: Spread = one_flow) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name: critical paths that differ only in their last bits count as
     one (the same formula written two ways, as the binomial and linear reduce at n=2: ordered
     by rounding, `tensorwire plan` listed a crossover between them at every other size)."""
-    def flows(alg: Algorithm) -> float:
-        return 1.0 if spread is None else spread(alg)
-
     priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way,
-                             flows(alg)), alg.name, alg)
+                             spread(alg)), alg.name, alg)
                     for alg in algs if alg.phases is None)  # phases: see decide
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
     if len(tied) > 1:
-        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=flows(p[2]))
+        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=spread(p[2]))
                  for p in tied}
         shortest = min(paths.values()) * (1 + _ROUNDING)
         tied.sort(key=lambda p: (0.0 if paths[p[1]] <= shortest else paths[p[1]], p[1]))
@@ -681,7 +683,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         name for t, name, alg in priced
         if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
                                               host=model.host, one_way=model.one_way,
-                                              flows=model.flows(alg)) * (1 + 1e-9))
+                                              flows=model.spread(alg)) * (1 + 1e-9))
     layout = group.layout
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
@@ -704,7 +706,7 @@ class Model:
     host: Host | None
     single_copy: bool = False
     """The group can read its peers' memory (single copy's algorithms are priced)."""
-    spread: Spread | None = None
+    spread: Spread = one_flow
     """Across hosts: the flows each flat algorithm puts on a host's link (crossing.py)."""
 
     @classmethod
@@ -716,9 +718,6 @@ class Model:
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
                    host_of(group, table), bool(group.direct is not None and group.direct.single_copy),
                    spread_of(group.layout))
-
-    def flows(self, alg: Algorithm) -> float:
-        return 1.0 if self.spread is None else self.spread(alg)
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
         return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
@@ -735,12 +734,12 @@ class Model:
         return self.price(algs, nbytes)[0][0]
 
 
-def spread_of(layout: Layout | None) -> Spread | None:
+def spread_of(layout: Layout | None) -> Spread:
     """How many flows each flat algorithm puts on a host's link at once in a group of this
-    layout (None on one host): an algorithm that runs in the topology's order sees its ranks
+    layout (one_flow on one host): an algorithm that runs in the topology's order sees its ranks
     host by host, the others in the group's order; the shared-memory path crosses no link."""
     if layout is None:
-        return None
+        return one_flow
     counts, placement = tuple(len(h) for h in layout.hosts), layout.placement
     return lambda alg: 1.0 if alg.needs_direct else crossing.algorithm_share(  # (a test's one host)
         alg, counts, layout.nics, None if alg.reorder else placement)
@@ -850,7 +849,7 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         spread = spread_of(group.layout)
 
         def notes(name: str, alg: Algorithm) -> str:
-            flows = spread(alg) if spread is not None and alg.phases is None else 1.0
+            flows = spread(alg) if alg.phases is None else 1.0
             said = [*(["busy-bound"] if name in bound else []),
                     *([f"{flows:.3g} flows a host link"] if flows > 1 + 1e-9 else [])]
             return f" ({', '.join(said)})" if said else ""
