@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [tcp] [profile]   (default: bench tests ddp)
+#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [tcp] [tcpprof] [profile]   (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
@@ -10,7 +10,8 @@
 # tcp: the staged path's floor, the host's 64 MiB all_reduce over TCP at 2 ranks, against Gloo,
 # every algorithm, and each send buffer x streams per pair (on the dev VM 256 KiB ran 2x 4 MiB);
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
-# CPU and with --idle, as raw stacks (flamegraph.pl's input).
+# CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
+# and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
 # Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,16 @@ for step in $steps; do
         --np 2 --compare '' > "$OUT/spy-8B-$how.log" 2>&1
       note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$OUT/spy-8B-$how.txt" 2>/dev/null) stacks"
     done
+    ;;
+  tcpprof)
+    (lscpu | head -20; for f in /proc/sys/net/ipv4/tcp_rmem /proc/sys/net/ipv4/tcp_wmem /proc/sys/net/core/rmem_max \
+      /proc/sys/net/core/wmem_max /proc/sys/net/ipv4/tcp_congestion_control /sys/class/net/lo/mtu; do
+      echo "$f: $(cat "$f" 2>/dev/null)"; done) > "$OUT/tcp-machine.txt" 2>&1
+    note "tcp settings: $(grep -E 'Model name|^CPU\(s\)' "$OUT/tcp-machine.txt" | tr -s ' ' | tr '\n' ';') $(grep -E 'rmem|wmem|mtu' "$OUT/tcp-machine.txt" | tr '\n' ';')"
+    if ! command -v py-spy > /dev/null; then note "tcpprof: no py-spy"; continue; fi
+    timeout 90 py-spy record --subprocesses --nonblocking -r 200 -f raw -o "$OUT/spy-tcp64M.txt" -- \
+      $PY -m tensorwire.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp -n 40 -w 3 > "$OUT/spy-tcp64M.log" 2>&1
+    note "profile tcp 64 MiB all_reduce (rc=$?): $(grep -E '^ +67108864' "$OUT/spy-tcp64M.log")"
     ;;
   cpu)
     for n in 8 16; do

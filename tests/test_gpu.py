@@ -11,7 +11,10 @@ stages everything.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
+import threading
 import time
 
 import pytest
@@ -293,6 +296,28 @@ def rooted_vector_p2p_async() -> list[str]:
     if not (torch.all(a == n * (n + 1) / 2) and torch.all(b == n) and torch.all(c == n * (n - 1) / 2)):
         wrong.append(f"rank {r}: async calls run by a later blocking call: {a[0].item()} {b[0].item()} "
                      f"{c[0].item()}")
+    # repeated small all_reduces: the planned path after each signature's first call, two
+    # signatures interleaved (each parity's slot refilled by either), uint32 on its signed
+    # view, AVG, and one call from a thread that made no CUDA call before
+    for i in range(5):
+        v = torch.full((3, 5), float(r + i), device=dev)
+        tw.all_reduce(v)
+        w = torch.full((7,), 4_000_000_000 - r - i, dtype=torch.uint32, device=dev)
+        tw.all_reduce(w, tw.ReduceOp.BAND if i % 2 else tw.ReduceOp.SUM)
+        avg = torch.full((2,), float(2 * r + i), device=dev)
+        tw.all_reduce(avg, tw.ReduceOp.AVG)
+        values = [4_000_000_000 - q - i for q in range(n)]
+        want_w = functools.reduce(operator.and_, values) if i % 2 else sum(values) % 2**32
+        if not (torch.all(v == sum(q + i for q in range(n))) and w.cpu().tolist() == [want_w] * 7
+                and torch.all(avg == sum(2 * q + i for q in range(n)) / n)):
+            wrong.append(f"rank {r}: planned all_reduce, call {i}: {v[0, 0].item()} {w[0].item()} "
+                         f"{avg[0].item()}")
+    got = []
+    thread = threading.Thread(target=lambda: got.append(tw.all_reduce(torch.full((3, 5), 1.0, device=dev))))
+    thread.start()
+    thread.join()
+    if not got or not torch.all(got[0] == n):
+        wrong.append(f"rank {r}: planned all_reduce from another thread: {got}")
     # an empty host tensor, then an empty device one: the device call must not take the host's
     # kept view (both have address 0)
     tw.all_reduce(torch.empty(0))
@@ -360,6 +385,10 @@ def mismatches(kinds: list[str]) -> list[str]:
             elif kind == "mixed":
                 g.all_reduce(x, out=torch.empty(1000)) if r == 0 else g.all_reduce(x)
             elif kind == "count":
+                g.all_reduce(x if r == 0 else torch.ones(999, device=dev))
+            elif kind == "planned count":  # both ranks planned the signature; rank 1 leaves it
+                for _ in range(2):
+                    g.all_reduce(torch.ones(1000, device=dev))
                 g.all_reduce(x if r == 0 else torch.ones(999, device=dev))
             raised.append("nothing")
         except Exception as exc:
@@ -431,6 +460,7 @@ _BAD_CALLS = {
     "device": ("CollectiveMismatchError", "all_reduce of CUDA buffers", "buffers of the same kind"),
     "mixed": ("one call takes buffers of one device",),
     "count": ("CollectiveMismatchError", "count", "1000", "999"),
+    "planned count": ("CollectiveMismatchError", "count", "1000", "999"),
 }
 
 

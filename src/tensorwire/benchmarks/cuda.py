@@ -90,11 +90,17 @@ def _call(dist: Any, coll: str, send: Any, recv: Any, group: Any) -> Any:
 
 def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, rank: int, dev: Any,
              iters: int, gloo: Any) -> dict[str, Any]:
-    send, recv, want = _buffers(torch, coll, nbytes, n, rank, dev)
+    def checked() -> int:
+        """Wrong elements of one call on fresh inputs (a repeated signature may take another
+        path than its first call: the check runs before and after the timed loop)."""
+        send, recv, want = _buffers(torch, coll, nbytes, n, rank, dev)
+        _call(dist, coll, send, recv, lib.group)()
+        torch.cuda.synchronize(dev)
+        return int((recv != want).sum().item())
+
+    wrong = checked()
+    send, recv, _ = _buffers(torch, coll, nbytes, n, rank, dev)
     run = _call(dist, coll, send, recv, lib.group)
-    run()  # checked once, on fresh inputs
-    torch.cuda.synchronize(dev)
-    wrong = int((recv != want).sum().item())
     warm, timed = _iters(nbytes, iters)
     for _ in range(warm):
         run()
@@ -110,6 +116,7 @@ def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, r
     host = (time.perf_counter() - t0) / timed  # the calls queued: what the host spent per call
     torch.cuda.synchronize(dev)
     mean = (time.perf_counter() - t0) / timed
+    wrong += checked()
     calls = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
     stats = torch.tensor([mean, calls[len(calls) // 2], calls[min(len(calls) - 1, int(0.99 * len(calls)))],
                           float(wrong), host], dtype=torch.float64)

@@ -49,6 +49,7 @@ from ..ops import ReduceOp, Reduction, as_reduction, op_undefined
 from ..transport.wire import ON_DEVICE, Coll, Fingerprint
 from ..work import Work
 from . import driver, ipc, kernels, staging
+from .planned import SmallAllReduce
 from .tensors import as_device_tensor, caller_stream, code_of, same_device, torch_module
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ _INFO = struct.Struct("<48s24sqB")  # GPU uuid, PCI bus id, device index, offers
 _SETUP_BYTES = _INFO.size + ipc.RECORD.size + len(_EVENTS) * driver.HANDLE_BYTES
 _ALIGN = 64  # elements per all_reduce block boundary (whole 256-byte lines for float32)
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
+_PLANS = 64  # planned small all_reduce signatures per group
 
 
 class _Call:
@@ -281,6 +283,8 @@ class DeviceCollectives:
     def __init__(self, group: Group) -> None:
         self.group = group
         self.state: DeviceGroup | None = None
+        self.plans: dict[tuple, SmallAllReduce] = {}  # small blocking all_reduces seen: (dtype, shape, op)
+        self.tensor_type: type | None = None  # torch.Tensor, once a plan exists
 
     # -- common -----------------------------------------------------------------------------
     def _tensor(self, obj: Any, what: str, name: str = "tensor") -> Any:
@@ -541,6 +545,12 @@ class DeviceCollectives:
     # -- reductions -------------------------------------------------------------------------------
     def all_reduce(self, tensor: Any, op: Any, out: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "all_reduce", self.group
+        if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
+            plan = self.plans.get((tensor.dtype, tensor.shape, op))
+            if plan is not None and not g._busy and not g._queue and tensor.is_contiguous() \
+                    and not tensor.requires_grad and not tensor.is_neg() \
+                    and tensor.get_device() == plan.device:
+                return plan(tensor, timeout)
         g._check_member(what)
         src = self._tensor(tensor, what)
         dst = src if out is None else self._tensor(out, what, "out")
@@ -558,6 +568,11 @@ class DeviceCollectives:
             return self._pieces(dg, tensor, sf, df, True, lambda s, d, a: g.all_reduce(
                 s, red, out=None if d is s else d, async_op=a, timeout=timeout), async_op, result)
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=n)
+        if self._small(dg, nbytes) and n and src is tensor and type(src) is torch_module().Tensor \
+                and out is None and not async_op and type(op) is ReduceOp and not src.is_complex() \
+                and len(self.plans) < _PLANS:  # repeats take the plan (gpu/planned.py)
+            self.plans[(src.dtype, src.shape, op)] = SmallAllReduce(g, dg, src, red, fp)
+            self.tensor_type = type(src)
         if self._small(dg, nbytes) or dg.mode == "alone":
             def fold_all(shares: list[Any]) -> None:
                 kernels.fold(df, shares, red.op)

@@ -4,8 +4,10 @@ in, and CUDA IPC memory handles to share it with another process of the host.
 torch shares CUDA memory between processes only through `torch.multiprocessing`, which
 rewrites the shared storage's deleter and reference-counts it through a file: right for
 handing tensors to workers, wrong for a collective that reads a peer's buffer for the
-length of one call. The driver's own calls are five, every CUDA process has the driver
-(libcuda) loaded already, and a binding of them costs no dependency.
+length of one call. The driver's own calls are few, every CUDA process has the driver
+(libcuda) loaded already, and a binding of them costs no dependency. A planned call's stream
+work (event waits and records, one copy) goes through the driver too: about a microsecond
+each through ctypes, where torch's Python wrappers cost several.
 
 An allocation is named by its buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID), unique within the
 process for its lifetime: an address freed and allocated again gets a new id, so a peer's
@@ -74,6 +76,11 @@ def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise CudaDriverError(f"{what} failed: {name}")
 
 
+def fail(status: int, what: str) -> None:
+    """Raise the driver's error `status` (a nonzero CUresult) of call `what`."""
+    _check(_cuda(), status, what)
+
+
 def use_device(device: int) -> None:
     """Make `device`'s primary context (the one torch uses) current on this thread; a thread
     that never made a CUDA runtime call (a group's worker) has none."""
@@ -128,3 +135,25 @@ def open_handle(handle: bytes) -> int:
 def close_handle(base: int) -> None:
     lib = _cuda()
     _check(lib, lib.cuIpcCloseMemHandle(ctypes.c_ulonglong(base)), "cuIpcCloseMemHandle")
+
+
+class StreamCalls(NamedTuple):
+    """The driver's stream calls with their argument types set, each returning a CUresult:
+    wait(stream, event, 0), record(event, stream), copy(dst, src, nbytes, stream)."""
+
+    wait: ctypes._CFuncPtr
+    record: ctypes._CFuncPtr
+    copy: ctypes._CFuncPtr
+
+
+def stream_calls() -> StreamCalls:
+    """cuStreamWaitEvent, cuEventRecord and cuMemcpyDtoDAsync (torch's events and streams are
+    the driver's handles: `Event.cuda_event`, `Stream.cuda_stream`)."""
+    lib = _cuda()
+    wait, record, copy = lib.cuStreamWaitEvent, lib.cuEventRecord, lib.cuMemcpyDtoDAsync_v2
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    copy.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p]
+    for fn in (wait, record, copy):
+        fn.restype = ctypes.c_int
+    return StreamCalls(wait, record, copy)

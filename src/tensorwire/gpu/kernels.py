@@ -25,11 +25,28 @@ _SIGNED = {"uint16": "int16", "uint32": "int32", "uint64": "int64"}
 _supported: dict[tuple[ReduceOp, Any], bool] = {}
 
 
-def _signed(t: Any) -> Any:
+def on_signed(t: Any, op: ReduceOp) -> Any:
+    """`t` as `op` folds it: unsigned 16-64-bit integers as their signed views where the
+    result is the same bits (see _WRAPPING)."""
     import torch
 
-    name = _SIGNED.get(str(t.dtype).removeprefix("torch."))
+    name = _SIGNED.get(str(t.dtype).removeprefix("torch.")) if op in _WRAPPING else None
     return t if name is None else t.view(getattr(torch, name))
+
+
+def binary(op: ReduceOp) -> Any:
+    """torch's element-wise function of `op` (its `out=` form folds)."""
+    import torch
+
+    return getattr(torch, _BINARY[op])
+
+
+def chain(out: Any, parts: list[Any], fn: Any) -> None:
+    """out = parts[0] fn parts[1] fn ... in rank order (two or more parts; none of them `out`
+    unless it is the first)."""
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
 
 
 def runs_on_device(red: Reduction, dtype: Any, device: int) -> bool:
@@ -54,11 +71,7 @@ def runs_on_device(red: Reduction, dtype: Any, device: int) -> bool:
 def fold(out: Any, parts: list[Any], op: ReduceOp) -> None:
     """out = parts[0] op parts[1] op ... (element-wise). `out` may be one of `parts`: that one
     is folded first, so nothing is read after it was overwritten."""
-    import torch
-
-    if op in _WRAPPING:
-        out, parts = _signed(out), [_signed(p) for p in parts]
-    binary = getattr(torch, _BINARY[op])
+    out, parts = on_signed(out, op), [on_signed(p, op) for p in parts]
     mine = next((i for i, p in enumerate(parts) if p.data_ptr() == out.data_ptr()), None)
     if mine is not None:
         parts = [parts[mine], *parts[:mine], *parts[mine + 1:]]
@@ -66,9 +79,7 @@ def fold(out: Any, parts: list[Any], op: ReduceOp) -> None:
         if mine is None:
             out.copy_(parts[0])
         return
-    binary(parts[0], parts[1], out=out)
-    for p in parts[2:]:
-        binary(out, p, out=out)
+    chain(out, parts, binary(op))
 
 
 def finalize(out: Any, red: Reduction, n: int) -> None:
