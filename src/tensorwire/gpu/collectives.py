@@ -547,9 +547,7 @@ class DeviceCollectives:
         what, g = "all_reduce", self.group
         if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
             plan = self.plans.get((tensor.dtype, tensor.shape, op))
-            if plan is not None and not g._busy and not g._queue and tensor.is_contiguous() \
-                    and not tensor.requires_grad and not tensor.is_neg() \
-                    and tensor.get_device() == plan.device:
+            if plan is not None and not g._busy and not g._queue and plan.runs(tensor):
                 return plan(tensor, timeout)
         g._check_member(what)
         src = self._tensor(tensor, what)

@@ -8,8 +8,9 @@ of the call's shape, the raw handles of the events, the fold's function, the bar
 and the call object of the host path's planned calls (Group._submit_planned). The stream work
 goes straight to the driver (driver.stream_calls), a microsecond a call, where torch's Python
 wrappers cost several; the fold stays torch's kernel. What a call still checks: its tensor is
-a plain contiguous CUDA tensor of the plan's device that needs no grad, and the group has
-nothing queued (the body runs on the calling thread, on its current stream).
+a plain contiguous CUDA tensor of the plan's device, the thread's current one, that needs no
+grad, and the group has nothing queued (the body runs on the calling thread, on its current
+stream).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class SmallAllReduce:
     """One signature's plan; calling it runs one call."""
 
     __slots__ = ("group", "dg", "device", "call", "barrier", "direct", "nbytes", "fn", "signed", "red",
-                 "parts", "own", "ready", "done", "peer_ready", "peer_done", "cuda", "stream_of", "threads")
+                 "parts", "own", "ready", "done", "peer_ready", "peer_done", "cuda", "stream_of", "threads",
+                 "current_device")
 
     def __init__(self, group: Group, dg: DeviceGroup, t: Any, red: Reduction, fp: Fingerprint) -> None:
         torch = torch_module()
@@ -54,14 +56,23 @@ class SmallAllReduce:
         self.cuda = driver.stream_calls()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.stream_of = raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream
+        self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
         self.threads: set[int] = set()  # threads whose current context this plan has made sure of
+
+    def runs(self, t: Any) -> bool:
+        """Can this call take the plan? (The signature matched already.) Its tensor must be a
+        plain contiguous one needing no grad, on the plan's device, which must be the calling
+        thread's current one: the driver's calls on a default stream go to the current
+        context's."""
+        return t.is_contiguous() and not t.requires_grad and not t.is_neg() \
+            and t.get_device() == self.device == self.current_device()
 
     def __call__(self, t: Any, timeout: float | None) -> Any:
         dg = self.dg
         parity = dg.calls & 1
         dg.calls += 1
         tid = threading.get_ident()
-        if tid not in self.threads:  # the driver's calls on the default stream need a current context
+        if tid not in self.threads:  # a thread's first runtime call makes its context current: not yet?
             driver.use_device(self.device)
             self.threads.add(tid)
         return self.group._submit_planned(self.call, self._body, self.direct, False, timeout, t, parity)
