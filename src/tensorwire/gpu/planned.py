@@ -72,7 +72,7 @@ class SmallAllReduce:
         parity = dg.calls & 1
         dg.calls += 1
         tid = threading.get_ident()
-        if tid not in self.threads:  # a thread's first runtime call makes its context current: not yet?
+        if tid not in self.threads:  # a thread with no CUDA runtime call yet has no current context
             driver.use_device(self.device)
             self.threads.add(tid)
         return self.group._submit_planned(self.call, self._body, self.direct, False, timeout, t, parity)
