@@ -847,17 +847,38 @@ def rank_reinit_and_choose(port: int, env: dict[str, str]) -> dict:
 
 def _plant(path: str, **changes) -> None:
     """Rewrite a cache entry by hand: `changes` holds top-level fields and, as direct_alpha,
-    busy_alpha or busy_ring_beta, constants (the issue's unlucky probe priced the one shot at
+    busy_alpha, busy_ring_beta or shm_alpha, constants (the issue's unlucky probe priced the one shot at
     97 us, 14x its 7)."""
     with open(path) as f:
         doc = json.load(f)
-    for name in ("direct", tuner.BUSY, tuner.BUSY_RING):
+    for name in ("direct", tuner.BUSY, tuner.BUSY_RING, *tuner.TIERS):
         for field in ("alpha", "beta"):
             if f"{name}_{field}" in changes:
                 doc["links"][name][field] = changes.pop(f"{name}_{field}")
     doc.update({"trusted": True, "created": time.time(), **changes})
     with open(path, "w") as f:
         json.dump(doc, f)
+
+
+def test_a_tier_alpha_cached_too_slow_is_measured_again(tmp_path) -> None:
+    """An entry whose only bad constant is a tier's α (a 2 x 4 test bed's cached TCP α was 21
+    ms where fresh probes measure 0.14, its busy α matching, and every flat algorithm across
+    the hosts was priced at its rounds): the check of the cache measures each tier's α on its
+    pair, finds it far faster, and the entry is measured again."""
+    env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
+    cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})
+    try:
+        clean = cluster.run(rank_reinit_and_choose, free_port(), env)
+        path = clean[0]["cache_path"]
+        assert path and os.path.exists(path) and clean[0]["sources"]["shm"] == "calibrated", clean[0]
+        _plant(path, shm_alpha=2e-2)
+        planted = cluster.run(rank_reinit_and_choose, free_port(), {})
+        after = _cached_links(path)
+    finally:
+        cluster.close()
+    assert "shm α" in planted[0]["extra"]["checked"], planted[0]["extra"]
+    assert planted[0]["sources"]["shm"] == "calibrated" and planted[0]["links"]["shm"][0] < 2e-2, planted[0]
+    assert after["shm"][0] < 2e-2, after
 
 
 def test_a_bad_calibration_in_the_cache_changes_no_choice(tmp_path) -> None:

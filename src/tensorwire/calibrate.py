@@ -638,20 +638,9 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> 
     enough to write the ring once around, as the first touch of its pages costs ~1 ms per MiB
     here (the first four of eight 1 MiB exchanges took 0.9-1.6 ms, the next 0.1-0.5 ms, and
     β had come from one of those cold rounds whenever only two were left out)."""
-    small_out, small_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
     big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
-    step = step0
-    for _ in range(2):  # both sides are here (start together), and the path is warm
-        _exchange(call, peer, small_out, small_in, step)
-        step += 1
-    batches = []
-    for _ in range(ALPHA_BATCHES):
-        t0 = time.perf_counter()
-        for _ in range(ALPHA_ROUNDS):
-            _exchange(call, peer, small_out, small_in, step)
-            step += 1
-        batches.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
-    alpha = min(batches)
+    alpha = pair_alpha(call, peer, step0, ALPHA_BATCHES)
+    step = step0 + 2 + ALPHA_BATCHES * ALPHA_ROUNDS
     bigs: list[float] = []
     rounds = warm + BETA_TIMED
     for i in range(rounds):  # fewer on a slow link: the probe stays well under a second
@@ -670,7 +659,24 @@ def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> 
     # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
     # and subtracting it whole would make the link look faster than memory
     beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
-    return max(alpha, 1e-8), beta, _one_way(call, peer, step, alpha, big_out, big_in)
+    return alpha, beta, _one_way(call, peer, step, alpha, big_out, big_in)
+
+
+def pair_alpha(call: CollectiveCall, peer: int, step0: int, batches: int) -> float:
+    """α over the link to `peer`, which runs the same toward this rank: the best of `batches`
+    batch means of ALPHA_ROUNDS 8-byte exchanges, after two that start both sides together and
+    warm the path (2 + batches x ALPHA_ROUNDS message steps from step0)."""
+    out, into = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    for step in range(step0, step0 + 2):
+        _exchange(call, peer, out, into, step)
+    step, best = step0 + 2, math.inf
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(ALPHA_ROUNDS):
+            _exchange(call, peer, out, into, step)
+            step += 1
+        best = min(best, (time.perf_counter() - t0) / ALPHA_ROUNDS)
+    return max(best, 1e-8)
 
 
 def _one_way(call: CollectiveCall, peer: int, step: int, alpha: float, out: np.ndarray,
@@ -807,7 +813,7 @@ def at_init(world: Group) -> LinkTable:
     checked, check_s = "", 0.0
     if not probe and "cached" in sources.values():
         t1 = time.perf_counter()
-        checked = check_cached(world, base, sources, overrides)
+        checked = check_cached(world, base, sources, overrides, pairs)
         check_s = time.perf_counter() - t1
         probe = bool(checked)
         if checked and me == 0:
@@ -949,12 +955,16 @@ def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) 
 
 
 def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, str],
-                 overrides: Mapping[str, Mapping[str, float]]) -> str:
+                 overrides: Mapping[str, Mapping[str, float]], pairs: Mapping[str, tuple[int, int]]) -> str:
     """Why the cached constants do not hold now ('' where they do): a short probe of the
-    one-shot path's α (where the world has it) and the busy α, the constants that settle the
-    small calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks), and of
-    the busy ring's β where each rank has a core, which settles the large calls (nine 256 KiB
-    rounds: about 2 ms at 2 ranks here, 20 ms over 1 Gbit/s). An entry this VM's n=2 jobs read
+    one-shot path's α (where the world has it), the busy α and each tier's α on its probe pair
+    (`pairs`), the constants that settle the small calls, CHECK_* of the probe's calls and rounds
+    (a few hundred µs at 2 ranks; a tier's α, 14 exchanges: 2 ms over 1 Gbit/s), and of the busy
+    ring's β where each rank has a core, which settles the large calls (nine 256 KiB rounds:
+    about 2 ms at 2 ranks here, 20 ms over 1 Gbit/s). A tier's α is checked since an entry of a
+    2 x 4 test bed had TCP's at 21 ms, where fresh probes measure 0.14 (its busy α matched):
+    every flat algorithm across the hosts was priced at its rounds, Bruck's all_to_all taken
+    over pairwise, 1.5x slower. An entry this VM's n=2 jobs read
     for a day had shared memory at 2.07 GB/s, the busy ring at 2.19 and the one shot at 6.9,
     where fresh probes measure 10-11, 11.8-12.9 and 21-27: a slow spell of the host the α check
     could not see, pricing every large message 5x too dear (a 16 MiB reduce at 10.7 ms against
@@ -967,7 +977,7 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
     scripts/netns_cluster.py keep their names whatever their links, and a 2 x 2 entry of one bed
     priced a 1 Gbit/s one's TCP at 2.27 GB/s), and its constants are the ones this job meets.
     Every rank judges the same numbers (the maximum over ranks)."""
-    quick = np.zeros(3)
+    quick = np.zeros(3 + len(TIERS))
     if world.direct is not None:
         run = algorithms_for("all_reduce")["direct"].run
         data = np.ones(2, dtype=np.float32)
@@ -990,10 +1000,16 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
             times.append(time.perf_counter() - t0)
         best = min(times[CHECK_BETA_WARM:])
         quick[2] = max((best - quick[1]) / CHECK_BETA_BYTES, best / CHECK_BETA_BYTES / 2)
+    for i, tier in enumerate(TIERS):  # one pair at a time: the others go on to the reduction below
+        pair = pairs.get(tier)
+        if pair is not None and world.rank in pair:
+            peer = pair[1] if world.rank == pair[0] else pair[0]
+            quick[3 + i] = pair_alpha(rounds.call, peer, rounds.step + 1000 * (i + 1), CHECK_BATCHES)
     recursive_doubling_all_reduce(world._internal_call("calibration check"), quick, ReduceOp.MAX)
     across = world.layout is not None
     seen, reasons = [], []
-    checks = (("direct", "alpha"), (tuner.BUSY, "alpha"), (tuner.BUSY_RING, "beta"))
+    checks = (("direct", "alpha"), (tuner.BUSY, "alpha"), (tuner.BUSY_RING, "beta"),
+              *((tier, "alpha") for tier in TIERS))
     for now, (name, field) in zip(quick, checks):
         cached = links.get(name)
         if now > 0 and cached is not None and sources.get(name) == "cached" and field not in overrides.get(
