@@ -566,13 +566,14 @@ class DeviceCollectives:
             return self._pieces(dg, tensor, sf, df, True, lambda s, d, a: g.all_reduce(
                 s, red, out=None if d is s else d, async_op=a, timeout=timeout), async_op, result)
         fp = self._fp(Coll.ALL_REDUCE, src.dtype, red, count=n)
+        small = self._small(dg, nbytes)
         key = (src.dtype, src.shape, op)
-        if self._small(dg, nbytes) and n and src is tensor and type(src) is torch_module().Tensor \
-                and out is None and not async_op and type(op) is ReduceOp and not src.is_complex() \
+        if small and n and src is tensor and type(src) is torch_module().Tensor and out is None \
+                and not async_op and type(op) is ReduceOp and not src.is_complex() \
                 and key not in self.plans and len(self.plans) < _PLANS:  # repeats: gpu/planned.py
             self.plans[key] = SmallAllReduce(g, dg, src, red, fp)
             self.tensor_type = type(src)
-        if self._small(dg, nbytes) or dg.mode == "alone":
+        if small or dg.mode == "alone":
             def fold_all(shares: list[Any]) -> None:
                 kernels.fold(df, shares, red.op)
                 kernels.finalize(df, red, g.size)

@@ -76,9 +76,10 @@ def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise CudaDriverError(f"{what} failed: {name}")
 
 
-def fail(status: int, what: str) -> None:
-    """Raise the driver's error `status` (a nonzero CUresult) of call `what`."""
-    _check(_cuda(), status, what)
+def check(status: int, what: str) -> None:
+    """Raise the driver's error where call `what` returned a nonzero CUresult `status`."""
+    if status:
+        _check(_cuda(), status, what)
 
 
 def use_device(device: int) -> None:

@@ -80,19 +80,14 @@ class SmallAllReduce:
     def _body(self, call: CollectiveCall, t: Any, p: int) -> Any:
         cuda, s = self.cuda, self.stream_of(self.device)
         for event in self.peer_done[p]:  # their reads of this slot, two calls ago, have run
-            _ok(cuda.wait(s, event, 0), "cuStreamWaitEvent")
-        _ok(cuda.copy(self.own[p], t.data_ptr(), self.nbytes, s), "cuMemcpyDtoDAsync")
-        _ok(cuda.record(self.ready[p], s), "cuEventRecord")
+            driver.check(cuda.wait(s, event, 0), "cuStreamWaitEvent")
+        driver.check(cuda.copy(self.own[p], t.data_ptr(), self.nbytes, s), "cuMemcpyDtoDAsync")
+        driver.check(cuda.record(self.ready[p], s), "cuEventRecord")
         self.barrier(call)
         for event in self.peer_ready[p]:
-            _ok(cuda.wait(s, event, 0), "cuStreamWaitEvent")
+            driver.check(cuda.wait(s, event, 0), "cuStreamWaitEvent")
         kernels.chain(t if self.signed is None else t.view(self.signed), self.parts[p], self.fn)
         if self.red.op is ReduceOp.AVG:
             kernels.finalize(t, self.red, self.group.size)
-        _ok(cuda.record(self.done[p], s), "cuEventRecord")
+        driver.check(cuda.record(self.done[p], s), "cuEventRecord")
         return t
-
-
-def _ok(status: int, what: str) -> None:
-    if status:
-        driver.fail(status, what)
