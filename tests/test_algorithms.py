@@ -27,12 +27,13 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire import ops, tuner
+from tensorwire import ops
 from tensorwire.algorithms import chain, registry
 from tensorwire.algorithms.base import blocks_of, contiguous_span
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.transport.wire import Coll, Fingerprint
+from tensorwire.tuning import tuner
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, F64, I32, BOOL, C64 = (np.dtype(t) for t in (np.float32, np.float64, np.int32, np.bool_, np.complex64))

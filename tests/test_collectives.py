@@ -30,13 +30,15 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import collectives, ops, tuner
+from tensorwire import ops
 from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
+from tensorwire.group import collectives
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.transport.engine import Engine
 from tensorwire.transport.wire import Coll, Fingerprint
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,9 +10,9 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import crossing, topo, tuner
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import Config
+from tensorwire.tuning import crossing, topo, tuner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,7 @@ def test_plan_prices_flat_algorithms_with_their_share(capsys) -> None:
     """16 MiB all_gather over 4 hosts of 4 ranks at 25 Gb/s: recursive doubling moves its
     largest blocks from every rank of a host at once, so the ring (one flow a host) is the
     cheaper flat one, and a pairwise all_to_all costs about 3.2 times its lone price."""
-    from tensorwire import cli, plan
+    from tensorwire.tools import cli, plan
 
     assert cli.main(["plan", "all_gather", "16MiB", "--hosts", "4", "--per-host", "4", "--tier",
                      "shm=2:9,eth25g=30:3.1"]) == 0
@@ -145,7 +145,7 @@ def rank_sends_of_every_flat_algorithm() -> list[str]:
     recording each send, and compare with the trace's sends from this rank."""
     import numpy as np
 
-    from tensorwire import group as group_mod
+    from tensorwire.group import group as group_mod
 
     g = tw.world()
     n, me = g.size, g.rank

@@ -19,9 +19,9 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster, free_port
-from tensorwire import tuner
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import InvalidArgumentError
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,7 +29,6 @@ import pytest
 
 import tensorwire as tw
 from cluster import free_port
-from tensorwire import tuner
 from tensorwire.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -40,6 +39,7 @@ from tensorwire.errors import (
     TimeoutError,
 )
 from tensorwire.transport.engine import Engine
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,7 +114,7 @@ def test_module_functions_have_their_group_methods_signature() -> None:
     api._forward): each takes exactly the method's parameters, with its defaults, plus `group`."""
     import inspect
 
-    from tensorwire.group import Group
+    from tensorwire.group.group import Group
 
     forwarded = [name for name, fn in vars(tw.api).items()
                  if callable(fn) and getattr(fn, "__code__", None) is not None

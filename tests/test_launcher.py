@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from cluster import free_port
-from tensorwire import auth, cli, launcher
+from tensorwire import auth
+from tensorwire.tools import cli, launcher
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire import tuner
 from tensorwire.errors import CollectiveMismatchError, InvalidArgumentError, TensorwireError, TimeoutError
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,12 +29,7 @@ from tensorwire.rendezvous.bootstrap import (
     parse_init_method,
 )
 from tensorwire.rendezvous.store import FileStore, PrefixStore, TCPStore, TCPStoreServer, TorchStoreAdapter
-from tensorwire.transport.netif import (
-    list_interfaces,
-    match_ifname,
-    route_source_address,
-    select_address,
-)
+from tensorwire.transport.netif import list_interfaces, match_ifname, route_source_address, select_address
 
 LOOPBACK = "127.0.0.1"
 

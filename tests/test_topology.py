@@ -20,11 +20,11 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import topo, tuner
 from tensorwire.algorithms.hierarchical import Shape
 from tensorwire.algorithms.ordered import ROOTED, arrange
 from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
 from tensorwire.config import Config
+from tensorwire.tuning import topo, tuner
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,7 +317,7 @@ def test_topo_command() -> None:
 def test_plan_prices_a_cluster_flat_against_hierarchical(capsys) -> None:
     """`tensorwire plan --hosts H --per-host L`: the flat algorithms at the slower tier's price,
     the hierarchical ones by their phases, the cheapest marked, the crossovers between them."""
-    from tensorwire import cli
+    from tensorwire.tools import cli
 
     args = ["plan", "all_reduce", "64MiB", "--hosts", "2", "--per-host", "4", "--tier",
             "shm=2:9,eth1g=60:0.119"]

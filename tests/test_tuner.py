@@ -23,11 +23,12 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port
-from tensorwire import calibrate, cli, plan, tuner
 from tensorwire.algorithms.hierarchical import Shape
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
+from tensorwire.tools import cli, plan
+from tensorwire.tuning import calibrate, tuner
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import numpy as np
 
 import tensorwire as tw
-from tensorwire import tuner
 from tensorwire.ops import ReduceOp, Reduction, check_op_dtype, reference
+from tensorwire.tuning import tuner
 
 try:
     import ml_dtypes

@@ -15,16 +15,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import auth, calibrate, log, memory, tuner
+from . import auth, log, memory
 from .config import Config
 from .errors import NotInitializedError
-from .group import Group
+from .group.group import Group
 from .rendezvous import bootstrap
 from .rendezvous.store import PrefixStore, StoreLimits
 from .runtime import Runtime
-from .topo import Topology, local_card
 from .transport import netif
 from .transport.connect import connect_world
+from .tuning import calibrate, tuner
+from .tuning.topo import Topology, local_card
 
 _runtime: Runtime | None = None
 _generation = 0

@@ -10,8 +10,8 @@ from . import log
 from .config import Config
 from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
-from .topo import Topology
 from .transport.engine import Engine
+from .tuning.topo import Topology
 
 _WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
 

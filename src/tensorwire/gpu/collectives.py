@@ -42,18 +42,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import log, tuner
+from .. import log
 from ..buffers import as_array
 from ..errors import InvalidArgumentError
 from ..ops import ReduceOp, Reduction, as_reduction, op_undefined
 from ..transport.wire import ON_DEVICE, Coll, Fingerprint
+from ..tuning import tuner
 from ..work import Work
 from . import driver, ipc, kernels, staging
 from .planned import SmallAllReduce
 from .tensors import as_device_tensor, caller_stream, code_of, same_device, torch_module
 
 if TYPE_CHECKING:
-    from ..group import CollectiveCall, Group
+    from ..group.group import CollectiveCall, Group
 
 _log = log.get("INIT")
 _coll_log = log.get("COLL")

@@ -18,14 +18,14 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import tuner
 from ..ops import ReduceOp, Reduction
 from ..transport.wire import Fingerprint
+from ..tuning import tuner
 from . import driver, kernels
 from .tensors import torch_module
 
 if TYPE_CHECKING:
-    from ..group import CollectiveCall, Group
+    from ..group.group import CollectiveCall, Group
     from .collectives import DeviceGroup
 
 

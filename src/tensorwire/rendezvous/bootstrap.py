@@ -17,17 +17,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from tensorwire import auth
-from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
-from tensorwire.rendezvous.store import (
-    DEFAULT_LIMITS,
-    FileStore,
-    PrefixStore,
-    Store,
-    StoreLimits,
-    TCPStore,
-    TorchStoreAdapter,
-)
+from .. import auth
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
+from .store import DEFAULT_LIMITS, FileStore, PrefixStore, Store, StoreLimits, TCPStore, TorchStoreAdapter
 
 SOURCES = ("explicit", "tensorwire", "torchrun", "mpirun", "slurm", "env", "single")
 SCHEMES = ("tcp", "file", "env", "torch-agent")

@@ -37,15 +37,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorwire import auth, log
-from tensorwire.config import AUTH_TIMEOUT_S, STORE_MAX_VALUE, Config
-from tensorwire.errors import (
-    AuthenticationError,
-    InvalidArgumentError,
-    RendezvousError,
-    TensorwireError,
-    TimeoutError,
-)
+from .. import auth, log
+from ..config import AUTH_TIMEOUT_S, STORE_MAX_VALUE, Config
+from ..errors import AuthenticationError, InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
 
 DEFAULT_STORE_TIMEOUT_S = 300.0
 

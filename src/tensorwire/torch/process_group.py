@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..buffers import as_array, like_torch
 from ..errors import AbortedError, InvalidArgumentError
-from ..group import Group
+from ..group.group import Group
 from ..ops import ReduceOp, finalize, premul_sum
 from .work import CompletedWork, TensorwireWork, finished, seconds
 

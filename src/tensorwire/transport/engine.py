@@ -33,16 +33,7 @@ from ..errors import (
     retold,
 )
 from ..ops import ReduceOp, dtype_from_code
-from .requests import (
-    ControlSink,
-    Discard,
-    RecvRequest,
-    Request,
-    SendRequest,
-    Sink,
-    Unexpected,
-    deliver,
-)
+from .requests import ControlSink, Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
 from .tcp import PeerClosed
 from .wire import Fingerprint, Header, Kind, coll_label, differences
 from .wiring import PendingChannel

@@ -5,9 +5,9 @@ measures the whole sweep (collectives x sizes x placements, float32 sum, the sam
 R rounds (`--rounds`, default 3) interleave them, so the slow drifts of a shared machine hit
 every library alike, and the tables give the median over rounds of each mean call (see `report`):
 
-    tensorwire  python -m tensorwire run -n N -m tensorwire.bench ARGS  (the user's own arguments)
-    gloo        PY -m torch.distributed.run --nproc-per-node N ... -m tensorwire.benchmarks.gloo_runner
-    mpi         mpiexec --allow-run-as-root --oversubscribe -n N PY -m tensorwire.benchmarks.mpi_runner
+    tensorwire  python -m tensorwire run -n N -m tensorwire.tools.bench ARGS  (the user's own arguments)
+    gloo        PY -m torch.distributed.run --nproc-per-node N ... -m tensorwire.tools.benchmarks.gloo_runner
+    mpi         mpiexec --allow-run-as-root --oversubscribe -n N PY -m tensorwire.tools.benchmarks.mpi_runner
 
 PY is `--compare-python`, else this interpreter where it has the library, else
 /opt/anchors-venv/bin/python. The peers import this very tensorwire (through a PYTHONPATH
@@ -30,16 +30,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import gloo_runner, mpi_runner, progress, report, sweep
 from .loadmeter import OWNER_ENV
+from .options import Options, planned_cells
 from .peer import placements_to_run
 
-if TYPE_CHECKING:
-    from ..bench import Options
-
-LIBRARIES = ("gloo", "mpi")
 FALLBACK_PYTHON = "/opt/anchors-venv/bin/python"
 LAUNCH_TIMEOUT_S = 3600.0
 INSTALL = {
@@ -49,14 +46,6 @@ INSTALL = {
 }
 _PLACEMENTS = {"gloo": gloo_runner.placements, "mpi": mpi_runner.placements}
 _LOG_TAIL = 15
-
-
-def parse_libraries(text: str) -> list[str]:
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    bad = [x for x in names if x not in LIBRARIES]
-    if bad or not names:
-        raise ValueError(f"--compare {text!r}: expected gloo, mpi or gloo,mpi")
-    return list(dict.fromkeys(names))
 
 
 def validate(opts: Options) -> None:
@@ -141,15 +130,15 @@ class Driver:
     def command(self, lib: str, out: Path) -> list[str]:
         n = str(self.n)
         if lib == report.TENSORWIRE:
-            return [sys.executable, "-m", "tensorwire", "run", "-n", n, "-m", "tensorwire.bench",
+            return [sys.executable, "-m", "tensorwire", "run", "-n", n, "-m", "tensorwire.tools.bench",
                     *self.opts.argv, "--compare-member", str(out)]
         python = self.peers[lib]
         if lib == "gloo":
             return [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", n,
                     "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                    "-m", "tensorwire.benchmarks.gloo_runner", *self._peer_args(out)]
+                    "-m", "tensorwire.tools.benchmarks.gloo_runner", *self._peer_args(out)]
         return ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", n, python,
-                "-m", "tensorwire.benchmarks.mpi_runner", *self._peer_args(out)]
+                "-m", "tensorwire.tools.benchmarks.mpi_runner", *self._peer_args(out)]
 
     def env(self, lib: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -187,8 +176,6 @@ class Driver:
 
     def planned_cells(self) -> int:
         """Timed loops per round, for the progress bar."""
-        from ..bench import planned_cells
-
         o = self.opts
         wanted = ["in-place"] if o.inplace_only else list(sweep.PLACEMENTS)
         total = planned_cells(o)

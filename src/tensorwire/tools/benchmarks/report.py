@@ -270,7 +270,7 @@ def machine() -> dict[str, Any]:
     """What a reader needs to judge the numbers: the host, its CPUs and memory, the software."""
     import numpy as np
 
-    from .. import __version__
+    from ... import __version__
 
     info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                             "python": platform.python_version(), "numpy": np.__version__,

@@ -1,6 +1,6 @@
 """Gloo through torch.distributed, timed like tensorwire: a peer of `tensorwire bench --compare`.
 
-Started by `python -m torch.distributed.run --nproc-per-node N -m tensorwire.benchmarks.gloo_runner
+Started by `python -m torch.distributed.run --nproc-per-node N -m tensorwire.tools.benchmarks.gloo_runner
 ...` (see `peer.parse_args` for the arguments), or as the job of `tensorwire run` (across the
 emulated hosts of scripts/netns_cluster.py: bench/hosts_sweep.py), whose launcher's store holds
 MASTER_PORT: Gloo's store then takes the next port. Buffers are tensorwire's numpy views wrapped

@@ -1,12 +1,12 @@
 """How `tensorwire bench` measures any library: sizes, buffers, the timed loop, statistics.
 
-tensorwire's own sweep (`tensorwire.bench`) and the peer runners that time Gloo and Open MPI
+tensorwire's own sweep (`tensorwire.tools.bench`) and the peer runners that time Gloo and Open MPI
 (`gloo_runner`, `mpi_runner`) build their cases and take their figures here, so a time means
 the same thing whichever library it belongs to: W warm-up calls, a barrier, then N calls each
 timed with perf_counter on every rank (with `blocking`, each after a barrier of its own); the
 figure is the mean call, as nccl-tests reports it, with the median and the 99th percentile
 beside it (see `summarize`). Sizes, element counts and bus-bandwidth factors are nccl-tests'
-(see `tensorwire.bench`).
+(see `tensorwire.tools.bench`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..buffers import huge_zeros
+from ...buffers import huge_zeros
 from . import check as checks
 from .loadmeter import ForeignLoad, contaminated
 
@@ -177,7 +177,7 @@ def make_case(coll: str, dtype: np.dtype, op: str | None, root: int, nominal: in
     rank's input from its block of the output, reduce_scatter / scatter write the rank's
     output into its block of the input, every other collective uses one buffer.
     """
-    from ..ops import as_reduction
+    from ...ops import as_reduction
 
     send_count, recv_count, param = coll_counts(coll, nominal // dtype.itemsize, n)
     size = max(send_count, recv_count) * dtype.itemsize
@@ -318,7 +318,7 @@ def cell(coll: str, n: int, size: int, per_rank: Sequence[Sequence[float]], wron
 
 def row(case: Case, nominal: int, result: dict[str, Any], m: Measured) -> dict[str, Any]:
     """A JSON row (rank 0): the case, its cell, its schedule and the foreign load meanwhile."""
-    from ..ops import dtype_name
+    from ...ops import dtype_name
 
     barrier = case.coll == "barrier"
     return {

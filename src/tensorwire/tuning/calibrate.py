@@ -55,14 +55,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import crossing, log, tuner
-from .algorithms.recursive_doubling import recursive_doubling_all_reduce
-from .algorithms.registry import Link, algorithms_for
-from .algorithms.tree import binomial_broadcast
-from .buffers import copy as copy_as_library
-from .buffers import huge_zeros
-from .errors import InvalidArgumentError
-from .ops import ReduceOp
+from .. import log
+from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
+from ..algorithms.registry import Link, algorithms_for
+from ..algorithms.tree import binomial_broadcast
+from ..buffers import copy as copy_as_library
+from ..buffers import huge_zeros
+from ..errors import InvalidArgumentError
+from ..ops import ReduceOp
+from . import crossing, tuner
 from .topo import machine_id
 from .tuner import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable
 
@@ -79,7 +80,7 @@ work; and the host's memory beyond its
 last-level cache (`memory`, see tuner.spill)."""
 
 if TYPE_CHECKING:
-    from .group import CollectiveCall, Group
+    from ..group.group import CollectiveCall, Group
 
 _log = log.get("TUNING")
 
@@ -324,7 +325,7 @@ def measure_gamma(nbytes: int = GAMMA_BYTES, rounds: int = GAMMA_ROUNDS) -> floa
 def _typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, series: int = DIRECT_SERIES,
              calls: int = DIRECT_CALLS) -> float:
     """Seconds of one call of `run` (collective over `world`) as the model is judged
-    (`tensorwire bench --algo`, bench_algo.JUDGED): after DIRECT_WARM untimed calls,
+    (`tensorwire bench --algo`, benchmarks.algos.JUDGED): after DIRECT_WARM untimed calls,
     DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
     DIRECT_SERIES series. The message algorithms' busy links are such means too (measure_busy),
     so the one shot and the messages are priced in one statistic. (From the shm-n4 sweep of

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import buffers, tuner
-from .algorithms.base import blocks_of
-from .algorithms.shm_direct import (
+from .. import buffers
+from ..algorithms.base import blocks_of
+from ..algorithms.shm_direct import (
     AllReducePlan,
     BroadcastPlan,
     GatherPlan,
@@ -28,12 +28,13 @@ from .algorithms.shm_direct import (
     ScatterPlan,
     TensorPlan,
 )
-from .buffers import address, as_array, byte_view, copy
-from .errors import InvalidArgumentError
-from .gpu import is_device_buffer as _on_device
-from .ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
-from .transport.wire import Coll, Fingerprint
-from .work import Work
+from ..buffers import address, as_array, byte_view, copy
+from ..errors import InvalidArgumentError
+from ..gpu import is_device_buffer as _on_device
+from ..ops import ReduceOp, Reduction, as_reduction, check_op_dtype, dtype_code, finalize
+from ..transport.wire import Coll, Fingerprint
+from ..tuning import tuner
+from ..work import Work
 
 if TYPE_CHECKING:
     from .group import CollectiveCall, Group, P2PRoute

@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from . import calibrate, crossing, tuner
-from .algorithms.hierarchical import Shape
-from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
-from .config import Config, parse_size
-from .errors import InvalidArgumentError
+from ..algorithms.hierarchical import Shape
+from ..algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
+from ..config import Config, parse_size
+from ..errors import InvalidArgumentError
+from ..tuning import calibrate, crossing, tuner
 
 
 @dataclass(frozen=True)

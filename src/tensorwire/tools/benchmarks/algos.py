@@ -24,9 +24,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from . import bench, tuner
-from .algorithms.registry import Link
-from .ops import dtype_name
+from ...algorithms.registry import Link
+from ...ops import dtype_name
+from ...tuning import tuner
+from .options import Options
+from .sweep import NO_INPLACE, ROOTED, Buffers, Case, busbw_factor, measure, summarize
+from .tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
 
 REGISTRY_NAME = {"alltoall": "all_to_all"}
 """bench's collective names (nccl-tests') where the registry's differ."""
@@ -44,12 +47,12 @@ slowest rank per call counts in every call (n=4 sendrecv over TCP on 2 cores, 2 
 loop of calls costs its mean, stalls included."""
 
 
-def _timed(tw: Any, case: bench.Case, opts: bench.Options) -> tuple[list[list[float]], int] | None:
-    return bench.collect(tw, bench.measure(tw, case, opts.warmup, opts.iters, opts.check,
+def _timed(tw: Any, case: Case, opts: Options) -> tuple[list[list[float]], int] | None:
+    return collect(tw, measure(tw, case, opts.warmup, opts.iters, opts.check,
                                            blocking=opts.blocking))
 
 
-def _decision(tw: Any, case: bench.Case, coll: str) -> tuner.Decision | None:
+def _decision(tw: Any, case: Case, coll: str) -> tuner.Decision | None:
     """The tuner's priced candidates for this case, learnt from one call (None if the call
     never reached the tuner: nothing to move, or one rank)."""
     with tuner.override(tw.world(), coll, None) as ov:
@@ -58,7 +61,7 @@ def _decision(tw: Any, case: bench.Case, coll: str) -> tuner.Decision | None:
     return ov.decision
 
 
-def measure_size(tw: Any, case: bench.Case, coll: str, wanted: str, opts: bench.Options,
+def measure_size(tw: Any, case: Case, coll: str, wanted: str, opts: Options,
                  rounds: int) -> dict[str, Any] | None:
     """Auto and each wanted algorithm, `rounds` times interleaved; rank 0 gets the result."""
     decision = _decision(tw, case, coll)
@@ -89,18 +92,18 @@ def measure_size(tw: Any, case: bench.Case, coll: str, wanted: str, opts: bench.
     chosen = decision.priced[0][1] if decision is not None else None
     cells = {}
     for name, per_rank in pooled.items():
-        stats = bench.summarize(per_rank)
+        stats = summarize(per_rank)
         algbw = case.size / (stats[JUDGED] * 1e-6) / 1e9 if stats[JUDGED] > 0 else 0.0
         runs_as = chosen if name == AUTO else name
         predicted = decision.predicted(runs_as) * 1e6 if decision is not None and runs_as else None
         cells[name] = {
             "algorithm": runs_as, "wrong": wrong[name], "algbw_GBps": algbw,
-            "busbw_GBps": algbw * bench.busbw_factor(case.coll, n), **stats, "predicted_us": predicted,
+            "busbw_GBps": algbw * busbw_factor(case.coll, n), **stats, "predicted_us": predicted,
         }
     result: dict[str, Any] = {
         "coll": case.coll, "nranks": n, "size": case.size, "count": case.param,
         "type": dtype_name(case.dtype) if case.coll != "barrier" else "none",
-        "redop": case.op or "none", "root": case.root if case.coll in bench._ROOTED else -1,
+        "redop": case.op or "none", "root": case.root if case.coll in ROOTED else -1,
         "placement": "in-place" if case.inplace else "out-of-place", "iters": opts.iters * rounds,
         "tier": decision.tier if decision is not None else None, "auto": chosen,
         "eligible": sorted(n_ for _, n_, _ in decision.priced) if decision is not None else [],
@@ -131,7 +134,7 @@ def judge(result: dict[str, Any], key: str = JUDGED) -> dict[str, Any]:
 
 
 def _us(v: float | None) -> str:
-    return "-" if v is None else bench._time_str(v).strip()
+    return "-" if v is None else time_str(v).strip()
 
 
 def _line(size: str, label: str, *cols: str) -> str:
@@ -178,7 +181,7 @@ def format_size(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[str], None],
+def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
               meta: dict[str, Any]) -> int:
     """The --algo sweep over opts' collectives, dtypes, ops and sizes; returns #wrong in total."""
 
@@ -207,14 +210,14 @@ def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[
             say(f"# Collective: {coll} has no algorithm {wanted!r} (known: "
                 f"{', '.join(sorted(tuner.algorithms_for(reg)))}; skipped)")
             continue
-        say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in bench._ROOTED else "")
+        say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in ROOTED else "")
             + f"  {'in-place' if opts.inplace_only else 'out-of-place'}")
         for line in HEADER:
             say(line)
-        for dt, op in bench.sweep_pairs(opts, coll, rank, say):
+        for dt, op in sweep_pairs(opts, coll, rank, say):
             for nominal in (opts.sizes if coll != "barrier" else [0]):
-                inplace = opts.inplace_only and coll not in bench._NO_INPLACE
-                case = bench.make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
+                inplace = opts.inplace_only and coll not in NO_INPLACE
+                case = make_case(tw, coll, dt, op, opts.root, nominal, inplace, bufs)
                 res = measure_size(tw, case, reg, name, opts, rounds)
                 if res is None:
                     continue
@@ -226,7 +229,7 @@ def run_algos(tw: Any, opts: bench.Options, bufs: bench.Buffers, say: Callable[[
                 total_wrong += sum(max(c["wrong"], 0) for c in res["cells"].values())
                 results.append(res)
         say("#")
-    say(bench.wrong_line(total_wrong, opts.check))
+    say(wrong_line(total_wrong, opts.check))
     if rank == 0 and opts.json_path:
         path = os.path.abspath(opts.json_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)

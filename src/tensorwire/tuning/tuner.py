@@ -39,17 +39,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from . import crossing, log
-from .algorithms import rank_ordered
-from .algorithms.hierarchical import COPY, LocalPrice, RailPrice, Shape
-from .algorithms.ordered import arrange
-from .algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
-from .config import Config
-from .errors import InvalidArgumentError
+from .. import log
+from ..algorithms import rank_ordered
+from ..algorithms.hierarchical import COPY, LocalPrice, RailPrice, Shape
+from ..algorithms.ordered import arrange
+from ..algorithms.registry import COLLECTIVES, Algorithm, Link, algorithms_for, slot_bytes
+from ..config import Config
+from ..errors import InvalidArgumentError
+from . import crossing
 
 if TYPE_CHECKING:
-    from .group import Group
-    from .runtime import Runtime
+    from ..group.group import Group
+    from ..runtime import Runtime
     from .topo import Layout
 
 _log = log.get("TUNING")

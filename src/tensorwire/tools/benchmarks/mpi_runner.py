@@ -1,6 +1,6 @@
 """Open MPI (or any MPI) through mpi4py, timed like tensorwire: a peer of `tensorwire bench --compare`.
 
-Started by `mpiexec -n N python -m tensorwire.benchmarks.mpi_runner ...` (see
+Started by `mpiexec -n N python -m tensorwire.tools.benchmarks.mpi_runner ...` (see
 `peer.parse_args` for the arguments). The buffer-based calls (Allreduce, Bcast, ...) work on
 tensorwire's numpy views directly; in place is MPI_IN_PLACE where its meaning matches
 nccl-tests' (not for Reduce_scatter_block, whose in-place result lands at the start of the

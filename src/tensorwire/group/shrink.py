@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from . import log
-from .errors import AbortedError, PeerLostError
+from .. import log
+from ..errors import AbortedError, PeerLostError
+from ..transport.agreement import agree_on_failed
+from ..transport.engine import Engine
 from .group import Group
 from .group import _mix as mix_context
-from .transport.agreement import agree_on_failed
-from .transport.engine import Engine
 
 _log = log.get("COLL")
 _SHRINK = 0x5348524B  # "SHRK", mixed into the contexts a shrink derives

@@ -94,7 +94,7 @@ def version_text() -> str:
 
 
 def _run(argv: list[str]) -> int:
-    from tensorwire import launcher
+    from . import launcher
 
     return launcher.main(argv, prog="tensorwire run")
 
@@ -102,7 +102,7 @@ def _run(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     device, rest = _take_option(argv, "--device")
     if device == "cuda":
-        from tensorwire.benchmarks import cuda
+        from .benchmarks import cuda
 
         return cuda.main(rest)
     if device not in (None, "cpu"):
@@ -110,7 +110,7 @@ def _bench(argv: list[str]) -> int:
         return 2
     argv = rest
     try:
-        from tensorwire import bench
+        from . import bench
     except ImportError as exc:
         print(f"tensorwire bench: not available in this installation ({exc})", file=sys.stderr)
         return 1
@@ -129,13 +129,13 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def _plan(argv: list[str]) -> int:
-    from tensorwire import plan
+    from . import plan
 
     return plan.main(argv)
 
 
 def _topo(argv: list[str]) -> int:
-    from tensorwire import topo
+    from . import topo
 
     return topo.main(argv)
 

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .algorithms.registry import Algorithm, Link, algorithms_for
-from .ops import ReduceOp, dtype_code
-from .transport.wire import Coll, Fingerprint
+from ..algorithms.registry import Algorithm, Link, algorithms_for
+from ..ops import ReduceOp, dtype_code
+from ..transport.wire import Coll, Fingerprint
 
 TRACE_RANKS = 32
 """Patterns are traced on at most this many ranks (a larger layout is scaled down, hosts

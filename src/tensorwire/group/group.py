@@ -21,15 +21,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import limits, log, tuner
-from .algorithms.hierarchical import Hierarchy
-from .algorithms.recursive_doubling import recursive_doubling_all_reduce
-from .algorithms.registry import Link
-from .algorithms.shm_direct import DirectPath
-from .algorithms.tree import binomial_broadcast
-from .buffers import byte_view
-from .collectives import Collectives
-from .errors import (
+from .. import limits, log
+from ..algorithms.hierarchical import Hierarchy
+from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
+from ..algorithms.registry import Link
+from ..algorithms.shm_direct import DirectPath
+from ..algorithms.tree import binomial_broadcast
+from ..buffers import byte_view
+from ..errors import (
     AbortedError,
     InvalidArgumentError,
     PeerLostError,
@@ -38,17 +37,19 @@ from .errors import (
     TimeoutError,
     in_call,
 )
-from .ops import ReduceOp
-from .transport import cma, shm_budget
-from .transport.requests import Request
-from .transport.shm import GroupSegment
-from .transport.wire import P2P_FINGERPRINT, Coll, Fingerprint, Header, Kind
-from .work import Work
+from ..ops import ReduceOp
+from ..transport import cma, shm_budget
+from ..transport.requests import Request
+from ..transport.shm import GroupSegment
+from ..transport.wire import P2P_FINGERPRINT, Coll, Fingerprint, Header, Kind
+from ..tuning import tuner
+from ..work import Work
+from .collectives import Collectives
 
 if TYPE_CHECKING:
-    from .gpu.collectives import DeviceCollectives
-    from .runtime import Runtime
-    from .topo import Layout
+    from ..gpu.collectives import DeviceCollectives
+    from ..runtime import Runtime
+    from ..tuning.topo import Layout
 
 _log = log.get("COLL")
 P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
@@ -325,7 +326,7 @@ class Group(Collectives):
     def device(self) -> DeviceCollectives:
         """This group's collectives on CUDA buffers (torch is imported with the first)."""
         if self._device is None:
-            from .gpu.collectives import DeviceCollectives
+            from ..gpu.collectives import DeviceCollectives
 
             self._device = DeviceCollectives(self)
         return self._device
@@ -562,7 +563,7 @@ class Group(Collectives):
         order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
         this group stays aborted. Called where nothing failed, it returns an equivalent group
         (same members, a new context) and leaves this one usable. See docs/failures.md."""
-        from .shrinking import shrink_group  # it builds Groups: imported here, not at the top
+        from .shrink import shrink_group  # it builds Groups: imported here, not at the top
 
         return shrink_group(self, timeout)
 

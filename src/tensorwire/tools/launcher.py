@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from tensorwire import auth, limits
-from tensorwire.errors import RendezvousError, ResourceError
+from .. import auth, limits
+from ..errors import RendezvousError, ResourceError
 
 DEFAULT_GRACE_S = 5.0
 TERM_TO_KILL_S = 3.0
@@ -423,8 +423,8 @@ class Launcher:
             print(f"tensorwire run: {exc}", file=sys.stderr)
             return 1
         if plan.node_rank == 0:
-            from tensorwire.config import Config
-            from tensorwire.rendezvous.store import StoreLimits, TCPStoreServer
+            from ..config import Config
+            from ..rendezvous.store import StoreLimits, TCPStoreServer
 
             try:
                 store_limits = StoreLimits.from_config(Config.from_env())

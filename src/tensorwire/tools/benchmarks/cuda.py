@@ -5,7 +5,7 @@ p99 from CUDA events and the host's own time per call (the loop before the final
 synchronize: what queuing the calls cost) beside it, every result checked first.
 
     tensorwire bench all_reduce -b 8 -e 64M -f 8 --np 2 --device cuda --compare gloo,nccl
-    python -m tensorwire.benchmarks.cuda all_reduce --np 2 --compare gloo   # the same, directly
+    python -m tensorwire.tools.benchmarks.cuda all_reduce --np 2 --compare gloo   # the same, directly
 
 Every rank takes GPU `rank % device_count` (on a one-GPU machine ranks share it, which NCCL
 refuses: its column then says why). The world is a Gloo group on env://; tensorwire is a
@@ -200,7 +200,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import parse_size
+    from ...config import parse_size
 
     p = argparse.ArgumentParser(prog="tensorwire bench --device cuda", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
