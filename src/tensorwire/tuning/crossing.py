@@ -1,6 +1,6 @@
 """How many flows a flat algorithm puts on a host's network link at once, as a factor on β.
 
-The network's constants are measured per flow (calibrate.measure_pair: two ranks, one
+The network's constants are measured per flow (probes.measure_pair: two ranks, one
 connection). A flat algorithm across hosts runs every rank at once, and where several ranks of
 a host send across in the same step they divide the host's link (its interfaces) between them:
 a ring in the topology's order crosses once per host, a pairwise exchange from nearly every
@@ -30,15 +30,15 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..algorithms.registry import Algorithm, Link, algorithms_for
-from ..ops import ReduceOp, dtype_code
+from ..ops import ReduceOp
+from ..ops.dtypes import dtype_code
 from ..transport.wire import Coll, Fingerprint
 
 TRACE_RANKS = 32
 """Patterns are traced on at most this many ranks (a larger layout is scaled down, hosts
-first): tracing is Python work per message, once per algorithm and size of group (a ring
-all_reduce over 64 ranks, 8,064 messages, took 70 ms here; over 32, 1,984), and a pattern's
-share changes little once it spans several hosts (pairwise exchange over hosts of 4 ranks:
-3.61 on 8 hosts, 3.81 on 16)."""
+first): tracing is Python work per message, once per algorithm and size of group, and a
+pattern's share changes little once it spans several hosts
+(docs/design/topology.md#tracing-patterns)."""
 _BLOCK = 64
 """Elements (float32) of a traced block: shares are ratios of bytes, whatever their size."""
 _LINK = Link("trace", alpha=1e-5, beta=1e-10, gamma=1e-10)
@@ -220,12 +220,12 @@ def algorithm_share(alg: Algorithm, counts: tuple[int, ...], nics: tuple[int, ..
 
 def doubling(n: int) -> list[int]:
     """The distances 1, 2, 4, ... below n (1 at least) that the busy probe's shifts and pairs
-    run through (calibrate.measure_busy)."""
+    run through (probes.measure_busy)."""
     return [1 << k for k in range(max(1, (n - 1).bit_length()))]
 
 
 def shift_rounds(n: int, dists: Sequence[int]) -> tuple[Message, ...]:
-    """The busy probe's rounds (calibrate.measure_busy): in round i every rank sends to r + dists[i]."""
+    """The busy probe's rounds (probes.measure_busy): in round i every rank sends to r + dists[i]."""
     return tuple((i, r, (r + d) % n, 1) for i, d in enumerate(dists) for r in range(n) if d % n)
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import log
-from ..algorithms.hierarchical import Shape
 from ..transport import netif
+from .shape import Shape
 
 _log = log.get("GRAPH")
 
