@@ -63,8 +63,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorwire.tools.bench import parse_size
 from tensorwire.tools.benchmarks import algos as bench_algo
+from tensorwire.tools.benchmarks.options import parse_size
 from tensorwire.tools.benchmarks.report import human
 from tensorwire.tools.benchmarks.sweep import size_list
 

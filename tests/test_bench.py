@@ -300,7 +300,9 @@ def test_checker_reduction_uses_op() -> None:
 @pytest.mark.parametrize("op", options.OPS)
 def test_patterns_are_order_independent(dtype: str, op: str) -> None:
     """Inputs are chosen so every reduction order gives the same bits: forward == backward fold."""
-    from tensorwire.ops import as_reduction, dtype_from_name, reference
+    from tensorwire.ops.dtypes import dtype_from_name
+    from tensorwire.ops.reduce_op import as_reduction
+    from tensorwire.ops.reference import reference
 
     dt = dtype_from_name(dtype)
     red = as_reduction(op)

@@ -45,8 +45,8 @@ def huge_pages_expected(setting: str) -> bool:
     `auto`: not where the kernel gives none (THP `never`); all where it gives them to every
     mapping (`always`); under `madvise` (the common default) numpy advises its arrays from 4
     MiB, but torch's CPU allocator only with THP_MEM_ALLOC_ENABLE=1 (`tensorwire run` sets it),
-    so not in a process that has imported torch without it. With torch tensors in 4 KiB pages,
-    a 25 MiB all_reduce by single copy took 3.4 ms against the ring's 2.1 (n=2)."""
+    so not in a process that has imported torch without it (why it matters:
+    docs/design/buffers.md#huge-pages)."""
     value = setting.strip().lower() or "auto"
     if value in ("0", "1"):
         return value == "1"
@@ -105,7 +105,7 @@ TCP_RCVBUF = 4 << 20
 """Default SO_RCVBUF of a TCP connection: a whole step of a large collective can land while
 its receiver waits for a core (why: tcp.tune_socket)."""
 TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
-"""The Config fields that shape a TCP connection, and so its measured α and β."""
+"""The Config fields that shape a TCP connection, and so its calibrated α and β."""
 
 AUTH_TIMEOUT_S = 10.0
 """Default time a connection gets to authenticate: a rank's handshake takes a few round trips
@@ -164,17 +164,17 @@ class Config:
     bind: bool = False
     """Where a machine runs more ranks than the cores they may use, bind each rank to one of
     those cores, round robin by its index among the machine's ranks (TENSORWIRE_BIND=1; a
-    trade measured in Engine.adapt_to_machine)."""
+    trade weighed in Engine.adapt_to_machine)."""
     deterministic: bool = False
     """Bitwise-reproducible reductions: every element folded in rank order (TENSORWIRE_DETERMINISTIC)."""
     calibrate: str = "1"
     """Link calibration at init: '0' skip, '1' probe unless cached, 'force' (TENSORWIRE_CALIBRATE)."""
     tuning_file: str = ""
-    """JSON file of per-tier alpha/beta/gamma that override the measured ones (TENSORWIRE_TUNING_FILE)."""
+    """JSON file of per-tier alpha/beta/gamma that override the calibrated ones (TENSORWIRE_TUNING_FILE)."""
     cache_dir: str = ""
     """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
     cache_max_age: float = 86400.0
-    """Seconds after which a cached calibration is measured again (TENSORWIRE_CACHE_MAX_AGE)."""
+    """Seconds after which a cached calibration is redone (TENSORWIRE_CACHE_MAX_AGE)."""
     keep_memory: bool = True
     """Keep freed memory in the process, so temporaries reuse warm pages (TENSORWIRE_KEEP_MEMORY)."""
     single_copy: str = "1"
@@ -184,7 +184,7 @@ class Config:
     all_to_all unless ranks outnumber cores (slower there), 'force' wherever the kernel allows
     (TENSORWIRE_SINGLE_COPY)."""
     huge_pages: bool = True
-    """Presume single copy's sources in huge pages until a call sees otherwise (tuner.HUGE_FROM,
+    """Presume single copy's sources in huge pages until a call sees otherwise (cost_model.HUGE_FROM,
     tuner.PageDependent): TENSORWIRE_HUGE_PAGES=1 or 0, or `auto` (see huge_pages_expected).
     Every rank of a job prices alike: calibration takes it only where all ranks expect them."""
     cuda_ipc: bool = True
@@ -196,7 +196,7 @@ class Config:
     cuda_host_below: int = 0
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
     one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;
-    slower on the one shared H100 measured: docs/design/gpu.md)."""
+    slower where tried: docs/design/gpu.md)."""
     cuda_chunk: int = 4 << 20
     """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
     the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""

@@ -20,7 +20,7 @@ Flags, columns and conventions follow nccl-tests (`all_reduce_perf -b 8 -e 128M 
   tensorwire itself after the loop.
 * #wrong: after the timed loop the inputs are re-initialised, one more call is made and its
   result is compared element by element with a numpy reference built from every rank's
-  input (`tensorwire.ops.reference` for reductions). Inputs are small integers, exact in
+  input (`tensorwire.ops.reference.reference` for reductions). Inputs are small integers, exact in
   every dtype, so any summation order gives the same bits.
 
 `--np N` starts N ranks through the launcher (`tensorwire run -n N -m tensorwire.tools.bench ...`);
@@ -79,7 +79,7 @@ from .benchmarks.tw_calls import collect, make_case, sweep_pairs, time_str, wron
 
 
 # ------------------------------------------------------------------------------------------
-# One measured case
+# One timed case
 
 
 
@@ -261,7 +261,7 @@ def _write_reports(opts: Options, lines: list[str]) -> None:
 
 
 def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
-    from ..ops import dtype_name
+    from ..ops.dtypes import dtype_name
 
     rank, n = tw.get_rank(), tw.get_world_size()
     say = out if rank == 0 else (lambda _line: None)

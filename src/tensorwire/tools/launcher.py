@@ -424,7 +424,8 @@ class Launcher:
             return 1
         if plan.node_rank == 0:
             from ..config import Config
-            from ..rendezvous.store import StoreLimits, TCPStoreServer
+            from ..rendezvous.tcp_protocol import StoreLimits
+            from ..rendezvous.tcp_server import TCPStoreServer
 
             try:
                 store_limits = StoreLimits.from_config(Config.from_env())

@@ -24,9 +24,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ...algorithms.registry import Link
-from ...ops import dtype_name
-from ...tuning import tuner
+from ...algorithms.registry import COLLECTIVES, Link, algorithms_for
+from ...ops.dtypes import dtype_name
+from ...tuning import policy, tuner
 from .options import Options
 from .sweep import NO_INPLACE, ROOTED, Buffers, Case, busbw_factor, measure, summarize
 from .tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
@@ -37,14 +37,9 @@ AUTO = "auto"
 JUDGED = "mean_us"
 """The statistic the model is judged by and algorithms are ranked by: the slowest rank's mean
 call (its loop time over its calls, nccl-tests' `-a 3`, the plain bench's time), not the
-median (per call the slowest rank, the median over calls). Back to back, a rooted collective overlaps its
-next call where a rank has nothing to wait for: most calls find their data there and a few wait
-out the backlog, and the median keeps the fast ones only (tcp-n4 at a4ffeb7: the linear gather
-at 1-4 MiB 0.23-0.24x its price by the median, 0.96x by the mean, its 90th percentile 0.5-5x).
-Where ranks outnumber cores, the one descheduled in a call spans the others' turns, which the
-slowest rank per call counts in every call (n=4 sendrecv over TCP on 2 cores, 2 KiB-128 KiB:
-3.2x the mean). The model's constants are mean calls (calibrate.measure_busy, calibrate._typical): a
-loop of calls costs its mean, stalls included."""
+median over calls, which keeps the fast calls of a backlog only. The model's constants are
+mean calls too: a loop of calls costs its mean, stalls included
+(docs/design/benchmarking.md#the-mean-call)."""
 
 
 def _timed(tw: Any, case: Case, opts: Options) -> tuple[list[list[float]], int] | None:
@@ -202,13 +197,13 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
     total_wrong = 0
     for coll in opts.colls:
         reg = REGISTRY_NAME.get(coll, coll)
-        if reg not in tuner.COLLECTIVES:
+        if reg not in COLLECTIVES:
             say(f"# Collective: {coll}: point-to-point, no algorithms to choose from (skipped)")
             continue
-        name = wanted if wanted == "all" else tuner.resolve(reg, wanted)
+        name = wanted if wanted == "all" else policy.resolve(reg, wanted)
         if name is None:
             say(f"# Collective: {coll} has no algorithm {wanted!r} (known: "
-                f"{', '.join(sorted(tuner.algorithms_for(reg)))}; skipped)")
+                f"{', '.join(sorted(algorithms_for(reg)))}; skipped)")
             continue
         say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in ROOTED else "")
             + f"  {'in-place' if opts.inplace_only else 'out-of-place'}")

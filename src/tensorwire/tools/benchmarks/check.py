@@ -112,7 +112,7 @@ def expected_pieces(coll: str, rank: int, n: int, root: int, param: int) -> list
 def check_result(out: np.ndarray, pieces: Sequence[Piece], patterns: Sequence[np.ndarray],
                  reduction: Any) -> int:
     """Wrong elements of `out` against the pieces, built chunk by chunk (bounded memory)."""
-    from ...ops import reference
+    from ...ops.reference import reference
 
     wrong = 0
     for piece in pieces:

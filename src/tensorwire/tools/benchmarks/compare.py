@@ -114,7 +114,8 @@ class Driver:
         self.opts, self.n, self.peers, self.workdir = opts, n, peers, workdir
         link = workdir / "pythonpath"
         link.mkdir()
-        (link / "tensorwire").symlink_to(Path(__file__).resolve().parent.parent, target_is_directory=True)
+        package = Path(__file__).resolve().parents[2]  # tensorwire/tools/benchmarks/compare.py
+        (link / "tensorwire").symlink_to(package, target_is_directory=True)
         self.pythonpath = str(link)
         self.progress_file = str(workdir / "progress")
 

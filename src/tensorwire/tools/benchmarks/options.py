@@ -197,7 +197,7 @@ class Options:
 
 
 def _dtype_list(text: str) -> list[np.dtype]:
-    from ...ops import dtype_from_name
+    from ...ops.dtypes import dtype_from_name
 
     names = DTYPES if text.strip().lower() == "all" else [t for t in text.split(",") if t.strip()]
     out = []

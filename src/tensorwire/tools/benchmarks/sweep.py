@@ -177,7 +177,7 @@ def make_case(coll: str, dtype: np.dtype, op: str | None, root: int, nominal: in
     rank's input from its block of the output, reduce_scatter / scatter write the rank's
     output into its block of the input, every other collective uses one buffer.
     """
-    from ...ops import as_reduction
+    from ...ops.reduce_op import as_reduction
 
     send_count, recv_count, param = coll_counts(coll, nominal // dtype.itemsize, n)
     size = max(send_count, recv_count) * dtype.itemsize
@@ -318,7 +318,7 @@ def cell(coll: str, n: int, size: int, per_rank: Sequence[Sequence[float]], wron
 
 def row(case: Case, nominal: int, result: dict[str, Any], m: Measured) -> dict[str, Any]:
     """A JSON row (rank 0): the case, its cell, its schedule and the foreign load meanwhile."""
-    from ...ops import dtype_name
+    from ...ops.dtypes import dtype_name
 
     barrier = case.coll == "barrier"
     return {

@@ -75,7 +75,9 @@ def sweep_pairs(opts: Options, coll: str, rank: int, say: Callable[[str], None]
                 ) -> Iterator[tuple[np.dtype, str | None]]:
     """(dtype, op) of every point of `coll` in the sweep; pairs the op cannot reduce are skipped
     with a note (shared by the plain sweep and --algo)."""
-    from ...ops import as_reduction, check_op_dtype, dtype_name
+    from ...ops.dtypes import dtype_name
+    from ...ops.reduce_op import as_reduction
+    from ...ops.validation import check_op_dtype
 
     for dt in (opts.dtypes if coll != "barrier" else opts.dtypes[:1]):
         for op in (opts.ops if coll in REDUCING else [None]):
