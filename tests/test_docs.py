@@ -95,11 +95,10 @@ def test_every_setting_has_its_line_in_configuration_md() -> None:
 
 # -- user pages: current behaviour only ----------------------------------------------------------
 
-# The user pages; docs/design/ keeps the history and the measurements behind it, and
-# architecture.md is the developers' map.
+# The user pages; docs/design/ keeps the history and the measurements behind it.
 DOCS = ROOT / "docs"
 USER_PAGES = sorted({ROOT / "README.md", *DOCS.glob("*.md"), *(DOCS / "reference").glob("*.md"),
-                     DOCS / "benchmarks" / "README.md"} - {DOCS / "architecture.md"})
+                     DOCS / "benchmarks" / "README.md"})
 LAB_NOTE = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"  # a commit hash
                       r"|\b[Ii]ssues? #?[0-9]+"                                    # an issue number
                       r"|\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b")                     # a date

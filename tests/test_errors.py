@@ -638,7 +638,7 @@ def test_work_wait_on_a_collective_that_never_completes(cluster: Any) -> None:
 
 def _async_waited_without_limit() -> dict[str, Any]:
     """Rank 0's async all_reduce the others never join, waited for without a time limit: the
-    waiter runs the call itself (Group.run_until), so its own deadline must end the wait."""
+    waiter runs the call itself (CallQueue.run_until), so its own deadline must end the wait."""
     g = _fresh_group()
     if g.rank != 0:
         tw.barrier(timeout=30)
@@ -1022,7 +1022,7 @@ res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 0:  # two async calls rank 1 never joins, and nobody waits for them
     first = tw.all_reduce(np.ones(4), async_op=True)
     second = tw.all_reduce(np.ones(4), async_op=True)
-    queue, until = tw.world()._queue, time.monotonic() + 10
+    queue, until = tw.world().queue.pending, time.monotonic() + 10
     while len(queue) > 1 and time.monotonic() < until:  # the worker has taken the first call
         time.sleep(0.001)
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ from .config import Config
 from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
 from .transport.engine import Engine
-from .tuning.topo import Topology
+from .tuning.topology import Topology
 
 _WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
 
@@ -34,7 +34,7 @@ class Runtime:
 
     def close(self) -> None:
         for group in list(self.groups):
-            group.stop_worker(_WORKER_GRACE_S)
+            group.queue.stop_worker(_WORKER_GRACE_S)
         self.engine.close()
         for seg in self.segments:
             seg.close()

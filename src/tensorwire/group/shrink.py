@@ -17,38 +17,45 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from .. import log
 from ..errors import AbortedError, PeerLostError
 from ..transport.agreement import agree_on_failed
 from ..transport.engine import Engine
-from .group import Group
-from .group import _mix as mix_context
+from .arguments import check_member
+from .context import mix_context
+
+if TYPE_CHECKING:
+    from .group import Group
 
 _log = log.get("COLL")
-_SHRINK = 0x5348524B  # "SHRK", mixed into the contexts a shrink derives
+SHRINK = 0x5348524B  # "SHRK", mixed into the contexts a shrink derives
 
 
 def shrink_group(group: Group, timeout: float | None = None) -> Group:
-    """The survivors of `group` as a new group. Every live member must call it; `timeout`
-    (default: the group's) bounds the whole of it."""
-    group._check_member("shrink")
+    """After a member failed: a new group of the surviving members, ranked in their old
+    order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
+    this group stays aborted. Called where nothing failed, it returns an equivalent group
+    (same members, a new context) and leaves this one usable. `timeout` (default: the
+    group's) bounds the whole of it. See docs/failures.md."""
+    check_member(group, "shrink")
     limit = group.timeout if timeout is None else timeout
     deadline = time.perf_counter() + limit
     engine = group.engine
     count = group.shrinks = group.shrinks + 1
-    ranks, ctx, name, next_seq = list(group.ranks), group.ctx, group.name, group._seq + 1
+    ranks, ctx, name, next_seq = list(group.ranks), group.ctx, group.name, group.queue.seq + 1
     while True:
-        failed = agree_on_failed(engine, ranks, mix_context(ctx, _SHRINK, count), deadline,
+        failed = agree_on_failed(engine, ranks, mix_context(ctx, SHRINK, count), deadline,
                                  f"shrink of group {name}", limit)
         survivors = [w for w in ranks if w not in failed]
         if failed or ctx in engine.aborted:
             _retire(engine, ctx, next_seq, ranks, name, failed)
-        new_ctx, new_name = mix_context(ctx, _SHRINK, count, *survivors), f"{name}.shrink{count}"
+        new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), f"{name}.shrink{count}"
         _log.info("rank %d: group %s shrunk to %s (ranks %s; failed: %s)", engine.rank, name, new_name,
                   survivors, sorted(failed) or "none")
         try:
-            new = Group(group.runtime, survivors, new_ctx, new_name)
+            new = group.derive(survivors, new_ctx, new_name)
             new.barrier(timeout=max(0.0, deadline - time.perf_counter()))  # every survivor is in
             return new
         except (PeerLostError, AbortedError) as exc:
