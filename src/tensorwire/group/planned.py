@@ -32,6 +32,8 @@ class Plans(dict):
     for all_reduce (call, the direct path's run or None, reduction); "barrier" -> (call,
     run, on the direct path?). A dict, so that taking a plan costs one lookup."""
 
+    __slots__ = ("group", "queue", "engine", "ctx")
+
     def __init__(self, group: Group, queue: CallQueue) -> None:
         super().__init__()
         self.group = group
@@ -84,7 +86,8 @@ class Plans(dict):
         direct path that can run inline, with nothing arrived that must be vetted first,
         reuses that object, its deadline started only if it has to wait: such a body keeps no
         reference to its call, and the setup saved is a fifth of a small call's time."""
-        engine, queue = self.engine, self.queue
+        engine = self.engine
+        queue = self.queue
         if async_op or not direct or queue.busy or queue.pending or engine.unexpected \
                 or engine.deferred_aborts or (engine.aborted and self.ctx in engine.aborted):
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
