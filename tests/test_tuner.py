@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -1058,6 +1059,35 @@ def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
     assert cache.read_cache(path, ["shm"], max_age=600) is not None
     write(created=time.time() + 3600)  # from the future: a clock that moved
     assert cache.read_cache(path, ["shm"], max_age=60) is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "large", "symlink"])
+def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: str) -> None:
+    """Whatever lies where an entry should (valid JSON that is no object, nesting deep enough to
+    break the parser, a FIFO, a file far larger than an entry, a link) is neither trusted nor a
+    crash nor a wait: read_cache names it in one warning, `tensorwire plan` skips it, and the
+    next write replaces it."""
+    path = cache.cache_path(str(tmp_path), "k")
+    if bad == "fifo":
+        os.mkfifo(path)
+    elif bad == "symlink":
+        good = tmp_path / "elsewhere.json"
+        cache.write_cache(str(good), {"shm": Link("shm", 1e-5, 1e-9, 1e-10)},
+                          {"created": time.time(), "trusted": True})
+        os.symlink(good, path)
+    else:
+        text = {"list": "[1, 2, 3]", "null": "null", "nested": "[" * 200_000 + "]" * 200_000,
+                "links_list": json.dumps({"version": cache.PROBE_VERSION, "links": [1]}),
+                "large": json.dumps({"pad": "x" * (cache.MAX_ENTRY_BYTES + 1), "links": {}})}[bad]
+        Path(path).write_text(text)
+    with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
+        assert cache.read_cache(path, ["shm"]) is None
+    assert [r for r in caplog.records if path in r.getMessage()], caplog.text
+    assert cache.cached_entries(str(tmp_path)) == []
+    shm = Link("shm", 1e-5, 1e-9, 1e-10)
+    cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
 
 
 def test_the_cache_key_holds_what_changes_the_measurement(monkeypatch) -> None:

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -31,6 +32,9 @@ _log = log.get("TUNING")
 
 PROBE_VERSION = 22
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
+MAX_ENTRY_BYTES = 1 << 20
+"""An entry is a few KiB; a larger file is not read (a cache directory others can write to
+must not make rank 0 load whatever lies there)."""
 
 
 def cache_dir(configured: str = "") -> str:
@@ -75,19 +79,54 @@ def cache_path(directory: str, key: str) -> str:
     return os.path.join(directory, f"links-{key}.json")
 
 
+class BadEntry(ValueError):
+    """A cache file that is not an entry this library wrote: not a regular file, too large,
+    not JSON, or not an object with a links object."""
+
+
+def load_entry(path: str) -> dict[str, Any] | None:
+    """The JSON object of one cache file, None where there is none; BadEntry for anything else
+    in its place. Opened without following a link or waiting on a FIFO, its type and size
+    checked before a byte is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BadEntry(f"cannot open it: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise BadEntry("not a regular file")
+        if st.st_size > MAX_ENTRY_BYTES:
+            raise BadEntry(f"{st.st_size} bytes, more than an entry's {MAX_ENTRY_BYTES}")
+        raw = f.read(MAX_ENTRY_BYTES + 1)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadEntry("not JSON") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("links"), dict):
+        raise BadEntry("not a JSON object with a links object")
+    return doc
+
+
 def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[dict[str, Link], dict] | None:
     """The cached links of every tier in `tiers` and the entry they come from, or None: missing,
-    unreadable, of another probe version, partial, older than `max_age` seconds, or measured
-    under load (not trusted, see at_init); then it is measured again."""
+    of another probe version, partial, older than `max_age` seconds, or measured under load
+    (not trusted, see at_init); then it is measured again. A file that is no entry at all is
+    named in one warning and measured over (write_cache replaces it)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        if doc.get("version") != PROBE_VERSION:
-            return None
+        doc = load_entry(path)
+    except BadEntry as exc:
+        _log.warning("ignoring the calibration cache file %s: %s; measuring again", path, exc)
+        return None
+    if doc is None or doc.get("version") != PROBE_VERSION:
+        return None
+    try:
         links = parse_tuning(doc["links"], path)
         out = {t: Link(t, **links[t]) for t in tiers}
         age = time.time() - float(doc["created"])
-    except (OSError, ValueError, KeyError, TypeError, InvalidArgumentError):
+    except (ValueError, KeyError, TypeError, InvalidArgumentError):
         return None
     if not doc.get("trusted", False):
         _log.info("re-measuring: %s was measured under load (other processes took %s cores beyond those "
@@ -126,12 +165,11 @@ def cached_entries(directory: str) -> list[dict[str, Any]]:
             continue
         path = os.path.join(directory, name)
         try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-            if doc.get("version") == PROBE_VERSION:
+            doc = load_entry(path)
+            if doc is not None and doc.get("version") == PROBE_VERSION:
                 doc["links"] = parse_tuning(doc["links"], path)
                 doc["path"] = path
                 out.append(doc)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, InvalidArgumentError):
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):  # BadEntry among them
             continue
     return sorted(out, key=lambda d: d.get("created", 0), reverse=True)
