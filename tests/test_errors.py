@@ -304,6 +304,36 @@ def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> N
                           f"seen on rank {rank}", within=5.0)
 
 
+def _object_call_one_rank_cannot_pickle(case: str) -> list[dict[str, Any]]:
+    g = _fresh_group()
+    bad = g.size - 1
+    obj: Any = (lambda: None) if g.rank == bad else {"rank": g.rank}  # a lambda does not pickle
+    if case == "all_gather_object":
+        first = _attempt(g.all_gather_object, [None] * g.size, obj, timeout=10.0)
+    elif case == "gather_object":
+        first = _attempt(g.gather_object, obj, [None] * g.size if g.rank == 0 else None, 0, timeout=10.0)
+    elif case == "broadcast_object_list":
+        first = _attempt(g.broadcast_object_list, [obj], bad, timeout=10.0)
+    else:
+        first = _attempt(g.scatter_object_list, [None], [obj] * g.size if g.rank == bad else None, bad,
+                         timeout=10.0)
+    return [first, _attempt(g.barrier, timeout=10.0)]
+
+
+@pytest.mark.parametrize("case", ["all_gather_object", "gather_object", "broadcast_object_list",
+                                  "scatter_object_list"])
+def test_an_object_one_rank_cannot_pickle_fails_every_rank(cluster: Any, case: str) -> None:
+    """The rank whose object does not pickle raises InvalidArgumentError naming itself, the call
+    and the object's type; its peers, which would wait for its sizes, raise within seconds."""
+    bad = cluster.size - 1
+    for rank, outcomes in enumerate(cluster.run(_object_call_one_rank_cannot_pickle, case)):
+        err = _first_error(outcomes)
+        if rank == bad:
+            _assert_error(err, InvalidArgumentError, case, "cannot pickle", rank=rank, within=1.0)
+        else:
+            _assert_error(err, TensorwireError, "cannot pickle", f"reported by rank {bad}", within=5.0)
+
+
 def _not_a_member() -> dict[str, Any]:
     g = tw.new_group([0])
     if g.rank == 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def array(group: Group, obj: Any, what: str, *, writable: bool, name: str = "ten
         raise  # unreachable: fail_fast raises
 
 
-def invalid(group: Group, what: str, message: str) -> None:
+def invalid(group: Group, what: str, message: str) -> NoReturn:
     group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}"))
 
 

@@ -10,7 +10,7 @@ collectives.py, p2p.py, objects.py, and shrink.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -134,7 +134,7 @@ class Group:
         _log.warning("aborting group %s: %s", self.name, error)
         self.engine.abort_group(self.ctx, self.queue.seq + 1 if seq is None else seq, self.ranks, error)
 
-    def fail_fast(self, error: InvalidArgumentError) -> None:
+    def fail_fast(self, error: InvalidArgumentError) -> NoReturn:
         """A local argument error in the call about to be made: abort the group from that call
         on, so peers raise it too instead of waiting for this rank."""
         self.abort(error)

@@ -28,7 +28,7 @@ def _object_sizes(group: Group, payload: np.ndarray, timeout: float | None) -> l
 def all_gather_object(group: Group, object_list: list[Any], obj: Any, *,
                       timeout: float | None = None) -> list[Any]:
     """object_list[r] = rank r's obj (pickled; the object list must have `size` slots)."""
-    payload = _pickle(obj)
+    payload = _pickle(group, obj, "all_gather_object")
     sizes = _object_sizes(group, payload, timeout)
     buf = np.empty(sum(sizes), dtype=np.uint8)
     group.all_gatherv(buf, payload, sizes, timeout=timeout)
@@ -38,7 +38,7 @@ def all_gather_object(group: Group, object_list: list[Any], obj: Any, *,
 
 def gather_object(group: Group, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, *,
                   timeout: float | None = None) -> list[Any] | None:
-    payload = _pickle(obj)
+    payload = _pickle(group, obj, "gather_object")
     sizes = _object_sizes(group, payload, timeout)
     buf = np.empty(sum(sizes) if group.rank == dst else 0, dtype=np.uint8)
     group.gatherv(buf, payload, sizes, dst, timeout=timeout)
@@ -50,7 +50,8 @@ def gather_object(group: Group, obj: Any, object_gather_list: list[Any] | None =
 def broadcast_object_list(group: Group, object_list: list[Any], src: int = 0, *,
                           timeout: float | None = None) -> list[Any]:
     """Replace object_list's items on every rank with those of rank src."""
-    payload = _pickle(list(object_list)) if group.rank == src else np.empty(0, dtype=np.uint8)
+    payload = (_pickle(group, list(object_list), "broadcast_object_list") if group.rank == src
+               else np.empty(0, dtype=np.uint8))
     size = np.array([payload.size], dtype=np.int64)
     group.broadcast(size, src, timeout=timeout)
     if group.rank != src:
@@ -68,7 +69,7 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
     if group.rank == src:
         if scatter_object_input_list is None or len(scatter_object_input_list) != group.size:
             invalid(group, "scatter_object_list", f"needs {group.size} input objects on rank {src}")
-        payloads = [_pickle(o) for o in scatter_object_input_list]
+        payloads = [_pickle(group, o, "scatter_object_list") for o in scatter_object_input_list]
         sizes = np.array([p.size for p in payloads], dtype=np.int64)
         buf = np.concatenate(payloads)
     else:
@@ -80,5 +81,11 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
     return scatter_object_output_list
 
 
-def _pickle(obj: Any) -> np.ndarray:
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+def _pickle(group: Group, obj: Any, what: str) -> np.ndarray:
+    """The object's bytes; an object that cannot be pickled fails the call on every rank (the
+    others would wait for its sizes), naming this rank and the object's type."""
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        invalid(group, what, f"cannot pickle the {type(obj).__name__} given: {type(exc).__name__}: {exc}")
+    return np.frombuffer(data, dtype=np.uint8).copy()
