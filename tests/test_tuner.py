@@ -1119,6 +1119,32 @@ def test_max_age_setting(monkeypatch) -> None:
             Config.from_env()
 
 
+def test_timeouts_take_units_and_debug_settings_are_checked(monkeypatch) -> None:
+    """configuration.md: durations take ms, s, m, h, d (a bare number is seconds), and a bad
+    value fails with its name, TENSORWIRE_DEBUG and TENSORWIRE_DEBUG_SUBSYS included."""
+    for name, field_name in (("TENSORWIRE_TIMEOUT", "timeout"), ("TENSORWIRE_AUTH_TIMEOUT", "auth_timeout")):
+        for text, seconds in (("45", 45), ("2.5", 2.5), ("500ms", 0.5), ("90s", 90), ("2m", 120),
+                              ("1h", 3600)):
+            monkeypatch.setenv(name, text)
+            assert getattr(Config.from_env(), field_name) == seconds
+        monkeypatch.setenv(name, "2 minutes")
+        with pytest.raises(ValueError, match=name):
+            Config.from_env()
+        monkeypatch.delenv(name)
+    for value in ("info", "TRACE", "warn"):
+        monkeypatch.setenv("TENSORWIRE_DEBUG", value)
+        Config.from_env()
+    monkeypatch.setenv("TENSORWIRE_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match="TENSORWIRE_DEBUG='LOUD': expected one of .*INFO"):
+        Config.from_env()
+    monkeypatch.delenv("TENSORWIRE_DEBUG")
+    monkeypatch.setenv("TENSORWIRE_DEBUG_SUBSYS", "INIT,^coll")
+    Config.from_env()
+    monkeypatch.setenv("TENSORWIRE_DEBUG_SUBSYS", "INIT,NET")
+    with pytest.raises(ValueError, match="TENSORWIRE_DEBUG_SUBSYS.*unknown NET"):
+        Config.from_env()
+
+
 def _one_host_pair() -> tuple[_Group, LinkTable]:
     """Two ranks of one host with the one-shot path, and the constants of issue 35's unlucky
     probe: the one shot at 97 us where the lone pair's α is 11 and the busy one 10.8."""

@@ -9,6 +9,8 @@ import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 
+from . import log
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -62,14 +64,45 @@ def huge_pages_expected(setting: str) -> bool:
     return "torch" not in sys.modules or os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
 
 
+_DURATION_UNITS = (("ms", 1e-3), ("s", 1), ("m", 60), ("h", 3600), ("d", 86400))
+
+
 def parse_duration(text: str) -> float:
-    """'3600', '90s', '30m', '12h', '7d' -> seconds."""
+    """'3600', '500ms', '90s', '30m', '12h', '7d' -> seconds."""
     t = text.strip().lower()
-    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], 1)
+    number, scale = t, 1.0
+    for unit, seconds in _DURATION_UNITS:
+        if t.endswith(unit):
+            number, scale = t[: -len(unit)], seconds
+            break
     try:
-        return float(t[:-1] if t[-1:].isalpha() else t) * scale
+        return float(number) * scale
     except ValueError as exc:
-        raise ValueError(f"cannot read duration {text!r} (use e.g. 3600, 90s, 30m, 12h, 7d)") from exc
+        raise ValueError(f"cannot read duration {text!r} (use e.g. 300, 500ms, 90s, 30m, 12h, 7d)") from exc
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse_duration(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def check_debug_settings() -> None:
+    """TENSORWIRE_DEBUG and TENSORWIRE_DEBUG_SUBSYS name known levels and subsystems: a typo
+    would silently log something else."""
+    level = os.environ.get("TENSORWIRE_DEBUG", "").strip().upper()
+    if level and level not in log.LEVELS:
+        raise ValueError(f"TENSORWIRE_DEBUG={level!r}: expected one of {', '.join(log.LEVELS)}")
+    subsys = os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "").strip().upper()
+    unknown = [s for s in subsys.split(",") if s.strip().lstrip("^") not in (*log.SUBSYSTEMS, "ALL")] \
+        if subsys else []
+    if unknown:
+        raise ValueError(f"TENSORWIRE_DEBUG_SUBSYS={subsys!r}: unknown {', '.join(unknown)} (known: ALL, "
+                         f"{', '.join(log.SUBSYSTEMS)}; ^X excludes X)")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -219,7 +252,7 @@ class Config:
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
         cfg = cls(
-            timeout=_env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
+            timeout=_env_seconds("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
             transport=os.environ.get("TENSORWIRE_TRANSPORT", "auto").strip().lower() or "auto",
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
@@ -245,7 +278,7 @@ class Config:
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
-            auth_timeout=_env_float("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
+            auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
             auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
             store_max_value=_env_size_or("TENSORWIRE_STORE_MAX_VALUE", STORE_MAX_VALUE),
             store_max_connections=_env_int("TENSORWIRE_STORE_MAX_CONNECTIONS", 4096),
@@ -253,6 +286,7 @@ class Config:
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
+        check_debug_settings()
         if cfg.transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
         if cfg.calibrate not in ("0", "1", "force"):
