@@ -645,3 +645,29 @@ def test_algo_sweep_lists_every_exception_by_kind() -> None:
             "(priced 300 µs): priced 2.00x, ran 0.50x the choice; auto 2.00x the best") in text
     assert "(≥ 64 KiB): 1\n\n- all_reduce 1 MiB: ring measured 1.33x its price, its forced run 1.33x" in text
     assert text.count("\n- ") == 3, text
+
+
+def test_bench_command_line_as_the_api_names_it() -> None:
+    """`--device` is in `bench --help`; the API's all_to_all is the sweep's alltoall; CUDA without a
+    device is a clear error, not a crash of every rank."""
+    helped = run_bench("--help")
+    assert helped.returncode == 0 and "--device {cpu,cuda}" in helped.stdout, helped.stdout
+    assert "/opt/" not in helped.stdout  # no machine's path in the help
+    assert options.parse_options(["all_to_all"]).colls == ["alltoall"]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA device")
+    nocuda = run_bench("--device", "cuda", "all_reduce", "-b", "8", "-e", "8")
+    assert nocuda.returncode == 2, nocuda.stdout + nocuda.stderr
+    assert "no CUDA device" in nocuda.stderr or "needs torch" in nocuda.stderr, nocuda.stderr
+    assert "Traceback" not in nocuda.stderr, nocuda.stderr
+
+
+def test_topology_repr_names_ranks_and_hosts() -> None:
+    from tensorwire.tuning.topology import RankInfo, Topology
+
+    ranks = [RankInfo(r, host, host, 100 + r, "127.0.0.1", "lo", (r,), (0,))
+             for r, host in enumerate(("a", "a", "b"))]
+    assert repr(Topology(ranks)) == "<tensorwire.Topology: 3 ranks on 2 host(s)>"

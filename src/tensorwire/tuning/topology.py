@@ -167,6 +167,9 @@ class Topology:
         machines: dict[str, int] = {}
         self.machine_of = [machines.setdefault(i.machine, len(machines)) for i in self.ranks]
 
+    def __repr__(self) -> str:
+        return f"<tensorwire.Topology: {len(self.ranks)} ranks on {len(self.hosts)} host(s)>"
+
     @classmethod
     def from_cards(cls, cards: dict[int, dict[str, Any]]) -> Topology:
         return cls([RankInfo(r, c["host"], c["machine"], int(c.get("pid", 0)), c["addr"], c.get("ifname", ""),

@@ -199,6 +199,17 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _no_device() -> str:
+    """Why CUDA tensors cannot be benchmarked here ('' where they can)."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with CUDA (pip install 'tensorwire[torch]' with a CUDA build of torch)"
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        return "no CUDA device: torch.cuda.is_available() is False (use --device cpu, the default)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     from ...config import parse_size
 
@@ -219,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.colls) - set(COLLECTIVES)
     if bad:
         p.error(f"unknown collectives {sorted(bad)}; choose from {', '.join(COLLECTIVES)}")
+    why = _no_device()
+    if why:
+        print(f"tensorwire bench --device cuda: {why}", file=sys.stderr)
+        return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -108,13 +108,21 @@ def parse_libraries(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _collective(name: str) -> str:
+    """The API's name of the all-to-all as nccl-tests' (the sweep's) name."""
+    return "alltoall" if name == "all_to_all" else name
+
+
 def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Measure collective time, algorithm bandwidth and bus bandwidth over a range "
                     "of message sizes, with the flags and columns of nccl-tests.")
-    p.add_argument("collective", metavar="COLL", choices=(*COLLECTIVES, "all"),
-                   help=f"one of {', '.join(COLLECTIVES)}, or all")
+    p.add_argument("collective", metavar="COLL", type=_collective, choices=(*COLLECTIVES, "all"),
+                   help=f"one of {', '.join(COLLECTIVES)} (all_to_all is alltoall), or all")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: CUDA tensors, ranks round robin over the GPUs, with Gloo and NCCL beside "
+                        "(its options: tensorwire bench --device cuda --help); default cpu")
     p.add_argument("-b", "--minbytes", type=parse_size, default=8, metavar="SIZE",
                    help="smallest size (default 8); sizes read as nccl-tests: 8, 64K, 1M, 2G")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20, metavar="SIZE",
@@ -165,7 +173,7 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                         "defaults to 2)")
     p.add_argument("--compare-python", default=None, metavar="PATH",
                    help="the Python that runs the peers (default: this one if it has torch / mpi4py, "
-                        "else /opt/anchors-venv/bin/python)")
+                        "else a known one that has them)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also plot time and busbw against size, one line per library and placement "
                         "(needs matplotlib)")
