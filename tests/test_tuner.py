@@ -1443,3 +1443,20 @@ def test_plan_probes_when_nothing_is_cached(tmp_path) -> None:
     assert len(cache.cached_entries(str(tmp_path))) == 2
     print(f"\nplan with a probe of both tiers: {time.monotonic() - t0:.1f} s")
 
+
+
+def test_plan_prices_a_hypothetical_tier_alike_whatever_is_listed_beside(tmp_path, monkeypatch) -> None:
+    """A hypothetical tier's reductions take this host's shared-memory γ, whether or not local
+    tiers (whose cache also holds the memory entry, a slower γ) are listed with it."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    links = {"memory": Link("memory", 1e-6, 1 / 6e9, 1 / 6.36e9),
+             "shm": Link("shm", 2e-6, 1 / 9e9, 1 / 11.1e9)}
+    cache.write_cache(cache.cache_path(str(tmp_path), "k"), links,
+                      {"created": time.time(), "trusted": True, "hosts": [format(cache.host_hash(), "016x")],
+                       "world_size": 2})
+    cfg = Config.from_env()
+    local = pricing.cached_links(cfg, 2)
+    assert set(local) == {"memory", "shm"}
+    alone = pricing.tiers(["ib-ndr"], cfg, {}, {}, None)[0].link
+    beside = pricing.tiers(["shm", "ib-ndr"], cfg, {}, local, None)[1].link
+    assert alone == beside and alone.gamma == links["shm"].gamma

@@ -109,10 +109,9 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
     what a probe added), the others hypothetical, given as NAME=ALPHA_US:GBPS or from the
     tuning file (`file`, as tuning_file.load_tuning_file reads it, which also overrides the
     others' constants); `gamma` prices their reductions (None: this host's)."""
-    if gamma is None:
-        gamma = next((link.gamma for link, _ in local.values()), None)
-        if gamma is None:
-            gamma = cached_links(cfg, n).get("shm", (DEFAULT_LINKS["shm"], ""))[0].gamma
+    if gamma is None:  # the shared-memory link's γ, whichever tiers are listed beside
+        shm = local.get("shm") or cached_links(cfg, n).get("shm")
+        gamma = (shm[0] if shm else DEFAULT_LINKS["shm"]).gamma
     out = []
     for name in names:
         custom = _custom(name)
