@@ -1084,3 +1084,36 @@ def test_destroy_ends_abandoned_async_collectives() -> None:
     running, queued = res["errors"]
     assert running.startswith("AbortedError") and "rank 0: tensorwire shut down" in running, running
     assert queued.startswith("AbortedError") and "all_reduce #" in queued and "still queued" in queued, queued
+
+
+_AFTER_DESTROY = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+g = tw.new_group()
+x = np.ones(4, np.float32)
+for _ in range(3):  # planned calls and routes, as a training loop leaves them
+    g.all_reduce(x)
+    g.barrier()
+    tw.all_reduce(x)
+    tw.sendrecv(x, (rank + 1) % size, np.empty_like(x), (rank - 1) % size)
+world = tw.world()
+tw.destroy()
+report(group=attempt(g.all_reduce, x), barrier=attempt(g.barrier), world=attempt(world.broadcast, x, 0),
+       send=attempt(world.send, x, (rank + 1) % size), sub=attempt(world.new_group, [0]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_group_used_after_destroy_names_the_destroy() -> None:
+    """Every call on a group of a destroyed runtime, planned before or not, raises
+    NotInitializedError naming the call, the group and destroy(), never IndexError or a
+    released buffer's ValueError."""
+    port = free_port()
+    procs = [_spawn(_AFTER_DESTROY, r, 2, port) for r in (0, 1)]
+    try:
+        reports = [_reports(p, 40)[0] for p in procs]
+    finally:
+        _kill_all(procs)
+    for rank, rep in enumerate(reports):
+        for key, what in (("group", "all_reduce"), ("barrier", "barrier"), ("world", "broadcast"),
+                          ("send", "send"), ("sub", "making group")):
+            _assert_error(rep[key], NotInitializedError, what, "destroy()", rank=rank, within=1.0)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import buffers
 from ..algorithms.base import blocks_of
 from ..buffers import address, as_array, copy
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotInitializedError
 from ..ops import ReduceOp, Reduction
 from ..ops.dtypes import dtype_code
 from ..ops.reduce_op import as_reduction
@@ -36,7 +36,11 @@ _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more
 
 
 def check_member(group: Group, what: str) -> None:
-    if group.rank < 0:
+    if group.rank < 0 or group.runtime.closed:
+        if group.runtime.closed:
+            raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: "
+                                      f"tensorwire.destroy() was called, which ended this group; call "
+                                      f"init() again and make the group anew")
         raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: this rank is not a member of "
                                    f"group {group.name} (ranks {group.ranks})")
 

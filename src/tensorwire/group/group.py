@@ -18,6 +18,7 @@ from .. import log
 from ..algorithms.hierarchical import Hierarchy
 from ..errors import InvalidArgumentError
 from . import collectives, objects, p2p, shm_setup
+from .arguments import check_member
 from .context import mix_context
 from .execution import CallQueue
 from .planned import Plans
@@ -140,10 +141,17 @@ class Group:
         self.abort(error)
         raise error
 
+    def forget_plans(self) -> None:
+        """Drop the planned calls and point-to-point routes: each next call is checked again."""
+        self.plans.clear()
+        self.p2p_routes.clear()
+
     # -- sub-groups ---------------------------------------------------------------------------
     def derive(self, ranks: Sequence[int], ctx: int, name: str) -> Group:
         """A group of world `ranks` over this group's runtime, with a context every member
         derived alike: sub-groups, a hierarchy's host groups and rails, shrink's survivors."""
+        if self.runtime.closed:
+            check_member(self, f"making group {name}")
         return Group(self.runtime, ranks, ctx, name)
 
     def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
