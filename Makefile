@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TW     := $(VENV)/bin/tensorwire
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test soak lint bench bench-algo clean
+.PHONY: setup demo test soak lint bench bench-algo docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,19 @@ bench: setup
 # settings (shm n=4, TCP n=4, 4 netns hosts at 1 Gbit/s; the last needs root): about 20 minutes
 bench-algo: setup
 	$(PY) bench/algo_sweep.py --out-dir docs/benchmarks
+
+# The API reference from the docstrings (Sphinx, pages in docs/reference/) into build/docs/index.html,
+# warnings as errors, afresh each time (-E: a page kept from the last build would hide its warnings).
+# The suite builds it too (tests/test_docs.py); the extra caps Sphinx's and MyST's major versions,
+# since a new one may add warnings.
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -E -q -b html -d build/doctrees docs/reference build/docs
+	@echo "API reference: build/docs/index.html"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -9,7 +9,7 @@ Settings:
   shm-n4    tensorwire bench COLL --algo all --np 4           (one host, shared memory)
   tcp-n4    tensorwire bench COLL --algo all --np 4 --tcp     (one host, TCP over loopback)
   netns4    scripts/netns_cluster.py --hosts 4 --rate 1gbit --env TENSORWIRE_TCP_CONGESTION=cubic
-            -- -m tensorwire.bench COLL --algo all (4 emulated hosts, one rank each, every host
+            -- -m tensorwire.tools.bench COLL --algo all (4 emulated hosts, one rank each, every host
             link shaped with tc tbf; this kernel has no netem, so no delay can be added). Cubic,
             Linux's default, because this machine's is BBR, which without an fq qdisc paces
             inside TCP at a bandwidth estimate that bursts separated by idle time leave far below
@@ -63,10 +63,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorwire import bench_algo
-from tensorwire.bench import parse_size
-from tensorwire.benchmarks.report import human
-from tensorwire.benchmarks.sweep import size_list
+from tensorwire.tools.benchmarks import algos as bench_algo
+from tensorwire.tools.benchmarks.options import parse_size
+from tensorwire.tools.benchmarks.report import human
+from tensorwire.tools.benchmarks.sweep import size_list
 
 REPO = Path(__file__).resolve().parent.parent
 NETNS_CONGESTION = "cubic"  # netns4's TCP: see the module's docstring
@@ -113,7 +113,7 @@ def command(setting: str, coll: str, a: argparse.Namespace, band: tuple[int, int
         return [py, "-m", "tensorwire", "bench", *args, "--np", "4", "--tcp"]
     return [py, str(REPO / "scripts" / "netns_cluster.py"), "--hosts", "4", "--rate", a.rate,
             "--env", f"TENSORWIRE_TCP_CONGESTION={NETNS_CONGESTION}", "--job-timeout", str(a.launch_timeout),
-            "--", "-m", "tensorwire.bench", *args]
+            "--", "-m", "tensorwire.tools.bench", *args]
 
 
 # -- the machine is shared: wait for quiet, measure what others used -------------------------

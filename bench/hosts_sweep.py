@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorwire.benchmarks.report import fmt_us, human, machine, machine_lines
-from tensorwire.benchmarks.sweep import size_list
 from tensorwire.config import parse_size
+from tensorwire.tools.benchmarks.report import fmt_us, human, machine, machine_lines
+from tensorwire.tools.benchmarks.sweep import size_list
 
 HERE = Path(__file__).resolve().parent
 TESTBED = HERE.parent / "scripts" / "netns_cluster.py"
@@ -130,8 +130,9 @@ def main() -> int:
                         out / f"tw-{shape}-{coll}-{k}.log", path)
                 docs[coll] += json.loads(path.read_text())["results"]
             gpath = out / f"gloo-{shape}-{k}.json"
-            testbed(hosts, per, args, ["-m", "tensorwire.benchmarks.gloo_runner", "--colls", ",".join(colls),
-                                       "--sizes", ",".join(map(str, band)), "--placements", "in-place",
+            testbed(hosts, per, args, ["-m", "tensorwire.tools.benchmarks.gloo_runner",
+                                       "--colls", ",".join(colls), "--sizes", ",".join(map(str, band)),
+                                       "--placements", "in-place",
                                        "--warmup", str(warm), "--iters", str(iters), "--out", str(gpath)],
                     out / f"gloo-{shape}-{k}.log", gpath)
             gloo_rows += json.loads(gpath.read_text())["rows"]

@@ -13,8 +13,8 @@ Layers (every one 8 B = 2 float32 where it carries data, all on the same world):
             array into its own slot, bumps its flag, waits, adds the two slots into its
             output (numpy, as the direct path) -- the protocol in Python, no bookkeeping
   run       the planned all_reduce's body alone (AllReducePlan.run: enter the slot, copy in,
-            publish, wait, fold), called as Group._submit_planned calls it: the data path
-  submit    the same through Group._submit_planned: the data path and the group's queue
+            publish, wait, fold), called as Plans.submit calls it: the data path
+  submit    the same through Plans.submit: the data path and the group's queue
   np        tensorwire's native API on a numpy array: group.all_reduce(a)
   torch     the same call on a CPU torch tensor: group.all_reduce(t)
   dist      torch.distributed on the tensorwire backend: dist.all_reduce(t)
@@ -177,13 +177,13 @@ def _internal_layers(group, a) -> dict:
 
     def body(c, f, *args):
         def once() -> None:
-            group._seq = c.seq = group._seq + 1  # what _submit_planned does before the body
+            group.queue.seq = c.seq = group.queue.seq + 1  # what Plans.submit does before the body
             c.deadline = 0.0
             f(c, *args)
         return once
 
     return {"run": body(call, run, a, a), "brun": body(bcall, brun),
-            "submit": lambda: group._submit_planned(call, run, True, False, None, a, a)}
+            "submit": lambda: group.plans.submit(call, run, True, False, None, a, a)}
 
 
 def _profile(op, iters: int, rank: int, group) -> None:

@@ -77,7 +77,8 @@ def _rank(tw: Any, np: Any, t0: float) -> dict[str, Any]:
     segment = len(world.direct.seg.bytes) if world.direct is not None and rank == 0 else 0
     out = {"rank": rank, "ok": ok, "init_s": init_s, "fds": len(links),
            "sockets": sum(s.startswith("socket:") for s in links), "channels": kinds,
-           "peers": sorted(engine.channels), "ring_bytes": wiring.budget.used if wiring is not None else 0,
+           "peers": sorted(engine.channels),
+           "ring_bytes": wiring.rings.budget.used if wiring is not None else 0,
            "segment_bytes": segment}
     print("@@" + json.dumps(out), flush=True)
     if os.environ.get("WIRING_HOLD"):
@@ -92,7 +93,7 @@ def measure(n: int, *, ulimit: int = 0, tcp: bool = False, talk: str = "",
     the store's counts. `talk`: also exchange a message with the ring neighbours
     ("neighbours") or every other rank ("all")."""
     from tensorwire import auth
-    from tensorwire.rendezvous.store import TCPStoreServer
+    from tensorwire.rendezvous.tcp_server import TCPStoreServer
 
     text = auth.new_secret()
     server = TCPStoreServer("127.0.0.1", 0, secret=auth.configured({auth.ENV_SECRET: text}))

@@ -41,12 +41,12 @@ for step in $steps; do
   bench)
     for sizes in "-b 8 -e 2M -f 64" "-b 64M -e 64M"; do
       TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT \
-      timeout "$BENCH_S" $PY -m tensorwire.benchmarks.cuda all $sizes --np 2 --compare gloo,nccl \
+      timeout "$BENCH_S" $PY -m tensorwire.tools.benchmarks.cuda all $sizes --np 2 --compare gloo,nccl \
         >> "$OUT/bench-cuda-n2.txt" 2>&1
       note "bench n=2 $sizes (rc=$?)"
     done
     grep -v "\[tensorwire " "$OUT/bench-cuda-n2.txt"; grep -m2 "on CUDA" "$OUT/bench-cuda-n2.txt"
-    TENSORWIRE_TRANSPORT=tcp timeout 120 $PY -m tensorwire.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
+    TENSORWIRE_TRANSPORT=tcp timeout 120 $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
       --np 2 --compare gloo > "$OUT/bench-cuda-n2-tcp.txt" 2>&1
     note "bench n=2 TCP-forced, staged (rc=$?):"; cat "$OUT/bench-cuda-n2-tcp.txt"
     ;;
@@ -63,7 +63,7 @@ for step in $steps; do
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && sleep 1
     for size in 8 64M; do
-      timeout 60 $PY -m tensorwire.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
+      timeout 60 $PY -m tensorwire.tools.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
         >> "$OUT/bench-cuda-n2-mps.txt" 2>&1
       note "bench n=2 under MPS, $size (rc=$?)"
     done
@@ -75,7 +75,7 @@ for step in $steps; do
     if ! command -v py-spy > /dev/null; then note "profile: no py-spy"; continue; fi
     for how in oncpu idle; do
       timeout 60 py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$OUT/spy-8B-$how.txt" \
-        $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.benchmarks.cuda all_reduce -b 8 -e 8 -n 30000 \
+        $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 8 -n 30000 \
         --np 2 --compare '' > "$OUT/spy-8B-$how.log" 2>&1
       note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$OUT/spy-8B-$how.txt" 2>/dev/null) stacks"
     done
@@ -87,22 +87,22 @@ for step in $steps; do
     note "tcp settings: $(grep -E 'Model name|^CPU\(s\)' "$OUT/tcp-machine.txt" | tr -s ' ' | tr '\n' ';') $(grep -E 'rmem|wmem|mtu' "$OUT/tcp-machine.txt" | tr '\n' ';')"
     if ! command -v py-spy > /dev/null; then note "tcpprof: no py-spy"; continue; fi
     timeout 90 py-spy record --subprocesses --nonblocking -r 200 -f raw -o "$OUT/spy-tcp64M.txt" -- \
-      $PY -m tensorwire.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp -n 40 -w 3 > "$OUT/spy-tcp64M.log" 2>&1
+      $PY -m tensorwire.tools.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp -n 40 -w 3 > "$OUT/spy-tcp64M.log" 2>&1
     note "profile tcp 64 MiB all_reduce (rc=$?): $(grep -E '^ +67108864' "$OUT/spy-tcp64M.log")"
     ;;
   cpu)
     for n in 8 16; do
-      timeout "$CPU_S" $PY -m tensorwire.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
+      timeout "$CPU_S" $PY -m tensorwire.tools.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
         --compare gloo,mpi --rounds $(( n == 8 ? 2 : 1 )) --json "$OUT/compare-n$n-h100host.json" \
         --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
       note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
     done
-    timeout "$CPU_S" $PY -m tensorwire.cli bench reduce --algo all -b 32K -e 8M -f 16 -I --np 8 \
+    timeout "$CPU_S" $PY -m tensorwire.tools.cli bench reduce --algo all -b 32K -e 8M -f 16 -I --np 8 \
       > "$OUT/bench-cpu-reduce-n8.txt" 2>&1
     note "cpu reduce n=8, every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-cpu-reduce-n8.txt" | tr '\n' ';')"
     ;;
   tcp)
-    tcp="$PY -m tensorwire.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp"
+    tcp="$PY -m tensorwire.tools.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp"
     timeout 120 $tcp -n 10 -w 3 --rounds 3 --compare gloo > "$OUT/bench-tcp-n2.txt" 2>&1
     note "tcp n=2 64 MiB against Gloo (rc=$?): $(grep -E '^ +67108864' "$OUT/bench-tcp-n2.txt")"
     timeout 90 $tcp -n 10 -w 3 --algo all > "$OUT/bench-tcp-n2-algos.txt" 2>&1

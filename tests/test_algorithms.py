@@ -6,8 +6,8 @@ memory and over TCP: sizes 0, 1, not divisible by the group size, a few KB and ~
 float32, float64, int32, bool, bfloat16, complex64; ops SUM, PRODUCT, MIN, MAX, BXOR; roots
 everywhere; equal and unequal blocks in the forms that allow them (the vector forms), and
 outputs both as separate arrays and as views of one buffer (the two layouts the collective
-layer hands over). Algorithms are called as the tuner calls them, through `Group._submit`
-so they get a sequence number and a fingerprint, and checked against `ops.reference` computed
+layer hands over). Algorithms are called as the tuner calls them, through `group.queue.submit`
+so they get a sequence number and a fingerprint, and checked against `reference` computed
 on every rank from every rank's deterministic input: bit-exact for data movement, integers,
 bool, MIN and MAX; within a summation-order bound for floating-point SUM and PRODUCT.
 Replicated results (all_reduce) must also be bitwise identical on every rank.
@@ -27,12 +27,16 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire import ops, tuner
 from tensorwire.algorithms import chain, registry
 from tensorwire.algorithms.base import blocks_of, contiguous_span
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.ops.dtypes import dtype_code
+from tensorwire.ops.kernels import reduction_kernel
+from tensorwire.ops.reference import reference
+from tensorwire.ops.validation import op_undefined
 from tensorwire.transport.wire import Coll, Fingerprint
+from tensorwire.tuning import cost_model
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, F64, I32, BOOL, C64 = (np.dtype(t) for t in (np.float32, np.float64, np.int32, np.bool_, np.complex64))
@@ -180,8 +184,8 @@ class _Log:
                               f"got {got[bad[0]]!r}, want {want[bad[0]]!r}")
 
     def close(self, label: str, got: np.ndarray, inputs: list[np.ndarray], red: Reduction) -> None:
-        """Against ops.reference: exact for bool/int and MIN/MAX, else a summation-order bound."""
-        ref = ops.reference(inputs, red)
+        """Against reference: exact for bool/int and MIN/MAX, else a summation-order bound."""
+        ref = reference(inputs, red)
         if ref.dtype.kind in "biu" or red.op in (ReduceOp.MIN, ReduceOp.MAX) or ref.size == 0:
             self.same(label, got, ref)
             return
@@ -226,8 +230,8 @@ class _Bare:
 # --------------------------------------------------------------------------- the cases (rank side)
 
 def _submit(g, coll: Coll, dt, op, root: int, count: int, label: str, body) -> None:
-    fp = Fingerprint(coll, 0 if dt is None else ops.dtype_code(dt), 0 if op is None else int(op), root, count)
-    g._submit(fp, label, body, False, None)
+    fp = Fingerprint(coll, 0 if dt is None else dtype_code(dt), 0 if op is None else int(op), root, count)
+    g.queue.submit(fp, label, body, False, None)
 
 
 def _case_all_reduce(g, alg, log, key, case) -> None:
@@ -438,7 +442,7 @@ def test_required_families_are_registered() -> None:
         assert not missing, f"{collective} lacks {sorted(missing)}"
 
 
-LINKS = [*(lk for lk in tuner.DEFAULT_LINKS.values() if not lk.cache),  # the memory entry is no link
+LINKS = [*(lk for lk in cost_model.DEFAULT_LINKS.values() if not lk.cache),  # the memory entry is no link
          Link("fabric", alpha=1e-6, beta=1 / 25e9, gamma=1 / 20e9)]
 COST_RANKS = [2, 3, 4, 5, 7, 8, 16, 33, 64]
 COST_BYTES = [0, 1, 7, 1000, 4096, 65_537, 1 << 20, (1 << 20) + 1, 8 << 20, 64 << 20, 1 << 30]
@@ -582,9 +586,9 @@ def test_one_call_fold_is_the_rank_ordered_fold(dtype) -> None:
             rows = tuple(grid[r] for r in range(n))
             for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
                        ReduceOp.BXOR):
-                if ops.op_undefined(op, dt.kind if dt.kind in "biufc" else "f"):
+                if op_undefined(op, dt.kind if dt.kind in "biufc" else "f"):
                     continue
-                kernel = ops.reduction_kernel(op, dt)
+                kernel = reduction_kernel(op, dt)
                 same_bits = count > 1 and type(kernel) is np.ufunc and dt.num <= 23
                 if not same_bits:  # where the one call would differ, it is never taken
                     assert not grid_folds(kernel, dt, n, count), (n, count, op)

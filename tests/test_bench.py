@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensorwire import bench, bench_algo
-from tensorwire.benchmarks import check, compare, report, sweep
 from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.tools.benchmarks import algos as bench_algo
+from tensorwire.tools.benchmarks import check, compare, options, report, sweep
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX launcher")
 
@@ -193,12 +193,12 @@ def test_usage_errors() -> None:
 
 
 def test_parse_size() -> None:
-    assert bench.parse_size("8") == 8
-    assert bench.parse_size("64K") == 64 << 10
-    assert bench.parse_size("1M") == 1 << 20
-    assert bench.parse_size("2G") == 2 << 30
-    assert bench.parse_size("256MB") == 256 << 20
-    assert bench.parse_size("4KiB") == 4 << 10
+    assert options.parse_size("8") == 8
+    assert options.parse_size("64K") == 64 << 10
+    assert options.parse_size("1M") == 1 << 20
+    assert options.parse_size("2G") == 2 << 30
+    assert options.parse_size("256MB") == 256 << 20
+    assert options.parse_size("4KiB") == 4 << 10
 
 
 def test_size_list() -> None:
@@ -296,11 +296,13 @@ def test_checker_reduction_uses_op() -> None:
     assert check.check_result(np.maximum(xs[0], xs[1]), pieces, pats, Reduction(ReduceOp.SUM)) > 0
 
 
-@pytest.mark.parametrize("dtype", bench.DTYPES)
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("dtype", options.DTYPES)
+@pytest.mark.parametrize("op", options.OPS)
 def test_patterns_are_order_independent(dtype: str, op: str) -> None:
     """Inputs are chosen so every reduction order gives the same bits: forward == backward fold."""
-    from tensorwire.ops import as_reduction, dtype_from_name, reference
+    from tensorwire.ops.dtypes import dtype_from_name
+    from tensorwire.ops.reduce_op import as_reduction
+    from tensorwire.ops.reference import reference
 
     dt = dtype_from_name(dtype)
     red = as_reduction(op)
@@ -463,10 +465,10 @@ def test_compare_usage_errors() -> None:
 
 
 def test_auto_schedule() -> None:
-    opts = bench.parse_options(["all_reduce", "-n", "auto", "-w", "auto"])
+    opts = options.parse_options(["all_reduce", "-n", "auto", "-w", "auto"])
     assert opts.iters is None and opts.warmup is None
-    assert bench.parse_options(["all_reduce", "--compare", "gloo"]).args.rounds == 3
-    assert bench.parse_options(["all_reduce"]).args.rounds == 1
+    assert options.parse_options(["all_reduce", "--compare", "gloo"]).args.rounds == 3
+    assert options.parse_options(["all_reduce"]).args.rounds == 1
     schedule = [sweep.schedule(1 << k) for k in range(0, 31)]
     assert all(w >= 1 and n >= 5 for w, n in schedule)
     assert [n for _, n in schedule] == sorted((n for _, n in schedule), reverse=True)  # fewer when larger
@@ -513,7 +515,7 @@ def test_report_rounds_pairing_and_contamination() -> None:
 def test_foreign_load_meter_counts_others_only(monkeypatch: pytest.MonkeyPatch) -> None:
     if not os.path.isdir("/proc/self"):
         pytest.skip("no /proc")
-    from tensorwire.benchmarks.loadmeter import OWNER_ENV, ForeignLoad, contaminated
+    from tensorwire.tools.benchmarks.loadmeter import OWNER_ENV, ForeignLoad, contaminated
 
     monkeypatch.delenv(OWNER_ENV, raising=False)
     busy = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
@@ -643,3 +645,29 @@ def test_algo_sweep_lists_every_exception_by_kind() -> None:
             "(priced 300 µs): priced 2.00x, ran 0.50x the choice; auto 2.00x the best") in text
     assert "(≥ 64 KiB): 1\n\n- all_reduce 1 MiB: ring measured 1.33x its price, its forced run 1.33x" in text
     assert text.count("\n- ") == 3, text
+
+
+def test_bench_command_line_as_the_api_names_it() -> None:
+    """`--device` is in `bench --help`; the API's all_to_all is the sweep's alltoall; CUDA without a
+    device is a clear error, not a crash of every rank."""
+    helped = run_bench("--help")
+    assert helped.returncode == 0 and "--device {cpu,cuda}" in helped.stdout, helped.stdout
+    assert "/opt/" not in helped.stdout  # no machine's path in the help
+    assert options.parse_options(["all_to_all"]).colls == ["alltoall"]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA device")
+    nocuda = run_bench("--device", "cuda", "all_reduce", "-b", "8", "-e", "8")
+    assert nocuda.returncode == 2, nocuda.stdout + nocuda.stderr
+    assert "no CUDA device" in nocuda.stderr or "needs torch" in nocuda.stderr, nocuda.stderr
+    assert "Traceback" not in nocuda.stderr, nocuda.stderr
+
+
+def test_topology_repr_names_ranks_and_hosts() -> None:
+    from tensorwire.tuning.topology import RankInfo, Topology
+
+    ranks = [RankInfo(r, host, host, 100 + r, "127.0.0.1", "lo", (r,), (0,))
+             for r, host in enumerate(("a", "a", "b"))]
+    assert repr(Topology(ranks)) == "<tensorwire.Topology: 3 ranks on 2 host(s)>"

@@ -1,4 +1,4 @@
-"""Every collective on real multi-process worlds, checked against `ops.reference`.
+"""Every collective on real multi-process worlds, checked against `reference`.
 
 Worlds of 1..5 ranks over shared memory ('shm', i.e. TENSORWIRE_TRANSPORT=auto) and over TCP.
 A module-scoped parametrized fixture orders the tests world by world, so each live cluster is
@@ -30,13 +30,19 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import collectives, ops, tuner
 from tensorwire.algorithms import shm_direct
-from tensorwire.algorithms.registry import algorithms_for
+from tensorwire.algorithms.registry import Link, algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
-from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.group import arguments
+from tensorwire.ops import ReduceOp, Reduction, torch_kernels
+from tensorwire.ops.dtypes import dtype_code
+from tensorwire.ops.finalize import finalize
+from tensorwire.ops.kernels import reduce_into, reduction_kernel
+from tensorwire.ops.reference import reference
+from tensorwire.ops.validation import op_undefined
 from tensorwire.transport.engine import Engine
 from tensorwire.transport.wire import Coll, Fingerprint
+from tensorwire.tuning import cost_model, tuner
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +50,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
                                 np.int64, np.uint64, np.float16, np.float32, np.float64, np.complex64,
                                 np.complex128)] + [BF16]
-ACCEPTED = {  # op -> dtype categories it is defined for (independent of ops.check_op_dtype)
+ACCEPTED = {  # op -> dtype categories it is defined for (independent of check_op_dtype)
     ReduceOp.SUM: "biufc",
     ReduceOp.AVG: "iufc",
     ReduceOp.PRODUCT: "biufc",
@@ -178,9 +184,9 @@ class _Log:
                           f"got {got.reshape(-1)[i]!r}, want {want.reshape(-1)[i]!r}")
 
     def close(self, label: str, got, inputs: list[np.ndarray], red: Reduction) -> None:
-        """Compare with ops.reference: exact for bool/int and MIN/MAX, else a summation-order bound."""
-        # flattened: ops.reference breaks on 0-d arrays (np.ascontiguousarray makes them 1-d)
-        ref = ops.reference([x.reshape(-1) for x in inputs], red).reshape(np.shape(inputs[0]))
+        """Compare with reference: exact for bool/int and MIN/MAX, else a summation-order bound."""
+        # flattened: reference breaks on 0-d arrays (np.ascontiguousarray makes them 1-d)
+        ref = reference([x.reshape(-1) for x in inputs], red).reshape(np.shape(inputs[0]))
         got = np.asarray(got)
         dt = ref.dtype
         cat = _cat(dt)
@@ -519,9 +525,9 @@ def rank_complex_product(seed: int) -> dict:
         for count in (7, 1000):
             ins = [_gen(dt, (count,), (seed, dt.num, count), r, ReduceOp.PRODUCT) for r in range(n)]
             x = ins[me].copy()
-            fp = Fingerprint(Coll.ALL_REDUCE, ops.dtype_code(dt), int(ReduceOp.PRODUCT), -1, count)
+            fp = Fingerprint(Coll.ALL_REDUCE, dtype_code(dt), int(ReduceOp.PRODUCT), -1, count)
             log.case()
-            g._submit(fp, "recursive_doubling all_reduce",
+            g.queue.submit(fp, "recursive_doubling all_reduce",
                       lambda call, x=x: _p2p_all_reduce()["recursive_doubling"](call, x, ReduceOp.PRODUCT),
                       False, None)
             log.close(f"{dt.name} PRODUCT x{count}", x, ins, Reduction(ReduceOp.PRODUCT))
@@ -889,7 +895,7 @@ def rank_async(seed: int) -> dict:
     def done(label: str, work, expect_result) -> None:
         log.case()
         log.check(isinstance(work, tw.Work), f"{label}: returned {type(work).__name__}, not Work")
-        # no limit: the waiting thread runs the call if the worker has not (Group.run_until)
+        # no limit: the waiting thread runs the call if the worker has not (CallQueue.run_until)
         log.check(work.wait() is True, f"{label}: wait() did not return True")
         log.check(work.is_completed() and work.is_success(), f"{label}: not completed after wait()")
         if expect_result is not None:
@@ -993,7 +999,7 @@ def test_async_variants(cl) -> None:
 def rank_async_schedule(seed: int, ops: int) -> dict:
     """A random mix of blocking and async all_reduces, broadcasts and barriers (one schedule,
     every rank) whose Works each rank waits for in an order of its own: at random points,
-    without a limit (the waiter runs what is queued: Group.run_until), with one, or from
+    without a limit (the waiter runs what is queued: CallQueue.run_until), with one, or from
     another thread. Every result must be the reference's, whoever ran the call."""
     g = tw.world()
     n, me = g.size, g.rank
@@ -1115,7 +1121,7 @@ def rank_large() -> dict:
         tw.all_reduce(x, op)
         acc = _pattern(count, 0, np.int64)
         for r in range(1, n):
-            ops.reduce_into(acc, _pattern(count, r, np.int64), op)
+            reduce_into(acc, _pattern(count, r, np.int64), op)
         log.same(f"large all_reduce {count} {np.dtype(dt).name} {op.name}", x, acc.astype(dt))
         digests.append(_digest(x))
     count = 6 << 20  # 6 MiB broadcast from the last rank
@@ -1244,7 +1250,7 @@ def rank_torch(seed: int) -> dict:
     # float16/bfloat16 reductions take torch's kernels once torch is imported (>= 16384 elements)
     for dt in (np.dtype(np.float16), BF16):
         for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.PRODUCT):
-            count = ops.TORCH_KERNEL_MIN_ELEMENTS * 2 + 5
+            count = torch_kernels.TORCH_KERNEL_MIN_ELEMENTS * 2 + 5
             ins = [_gen(dt, (count,), (seed, 4, dt.num, op), r, op) for r in range(n)]
             x = ins[me].copy()
             log.case()
@@ -1470,18 +1476,18 @@ def rank_algorithms_direct(seed: int) -> dict:
 
                 def body(call, flat=x, red=red, algo=algo):
                     algo(call, flat, red.op)
-                    ops.finalize(flat, red, n)
+                    finalize(flat, red, n)
 
-                fp = Fingerprint(Coll.ALL_REDUCE, ops.dtype_code(dt), int(op), -1, count)
+                fp = Fingerprint(Coll.ALL_REDUCE, dtype_code(dt), int(op), -1, count)
                 log.case()
-                g._submit(fp, f"{name} all_reduce", body, False, None)
+                g.queue.submit(fp, f"{name} all_reduce", body, False, None)
                 log.close(f"{name} {dt.name} {red} x{count}", x, ins, red)
                 digests.append(_digest(x))
         count = 655_361  # 5 MiB of float64: more than one shared-memory ring in flight both ways
         x = _pattern(count, me, np.float64)
-        fp = Fingerprint(Coll.ALL_REDUCE, ops.dtype_code(np.dtype(np.float64)), 0, -1, count)
+        fp = Fingerprint(Coll.ALL_REDUCE, dtype_code(np.dtype(np.float64)), 0, -1, count)
         log.case()
-        g._submit(fp, f"{name} all_reduce", lambda call, x=x, algo=algo: algo(call, x, ReduceOp.SUM),
+        g.queue.submit(fp, f"{name} all_reduce", lambda call, x=x, algo=algo: algo(call, x, ReduceOp.SUM),
                   False, None)
         log.same(f"{name} 5 MiB", x, sum(_pattern(count, r, np.int64) for r in range(n)).astype(np.float64))
     log.extra["digests"] = digests
@@ -1967,13 +1973,13 @@ def rank_one_shot_folds() -> dict:
     dtypes = (np.float32, np.float64, np.int8, np.complex64)
     for di, dt in enumerate(map(np.dtype, dtypes)):
         for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX):
-            if ops.op_undefined(op, dt.kind) or (dt.kind == "c" and op is ReduceOp.PRODUCT):
+            if op_undefined(op, dt.kind) or (dt.kind == "c" and op is ReduceOp.PRODUCT):
                 continue  # numpy's complex product rounds an ulp apart by length (_complex_product)
             for count in (1, 2, 7, 1000, 3000):
                 gen = [np.random.default_rng((di, int(op), count, r)).standard_normal(n * count) * 50
                        for r in range(n)]
                 ins = [(v + 1j * v[::-1] if dt.kind == "c" else v).astype(dt) for v in gen]
-                kernel = ops.reduction_kernel(op, dt)
+                kernel = reduction_kernel(op, dt)
                 want = np.empty_like(ins[0])
                 with np.errstate(all="ignore"):
                     kernel(ins[0], ins[1], want)
@@ -2219,9 +2225,9 @@ def rank_pages_learned() -> dict:
         log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
         return log.result()
     table = tuner.table_for(world.runtime)
-    slow = tuner.Link(tuner.CMA, 1e-6, 1 / 0.2e9, 1e-12)
-    fast = tuner.Link(tuner.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
-    links = {**table.links, tuner.CMA: slow, tuner.CMA_HUGE: fast}
+    slow = Link(cost_model.CMA, 1e-6, 1 / 0.2e9, 1e-12)
+    fast = Link(cost_model.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    links = {**table.links, cost_model.CMA: slow, cost_model.CMA_HUGE: fast}
     extra = {**table.extra, "huge_pages": True}
     tuner.install(world.runtime, dataclasses.replace(table, links=links, extra=extra))
 
@@ -2464,7 +2470,7 @@ def test_property_based_placements(coll, world, get_cluster, data) -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 5, 11, 40])
 def test_apart_finds_every_overlap(n: int) -> None:
-    """collectives._apart on n inputs and n outputs (a list-form all_to_all: past a few pairs
+    """arguments.apart on n inputs and n outputs (a list-form all_to_all: past a few pairs
     it compares address ranges, and arrays that own their memory by identity) copies the
     inputs exactly where a bounds test of some pair says they share memory."""
     rng = np.random.default_rng(n)
@@ -2473,10 +2479,10 @@ def test_apart_finds_every_overlap(n: int) -> None:
         ins = [buf[o:o + int(rng.integers(0, 30))] for o in rng.integers(0, buf.size - 30, n)]
         outs = [buf[o:o + int(rng.integers(0, 30))] for o in rng.integers(0, buf.size - 30, n)]
         shared = any(np.may_share_memory(a, b) for a in ins for b in outs)
-        assert (collectives._apart(ins, outs) is not ins) == shared
+        assert (arguments.apart(ins, outs) is not ins) == shared
     owned = [np.zeros(3, np.float32) for _ in range(n)]
-    assert collectives._apart(owned, [np.zeros(3, np.float32) for _ in range(n)]) is owned
-    assert collectives._apart(owned, owned[::-1]) is not owned
+    assert arguments.apart(owned, [np.zeros(3, np.float32) for _ in range(n)]) is owned
+    assert arguments.apart(owned, owned[::-1]) is not owned
 
 
 # -- placement of ranks that outnumber their cores ---------------------------------------------------

@@ -10,9 +10,10 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import crossing, topo, tuner
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import Config
+from tensorwire.tuning import cost_model, crossing, pricing, topology, tuner
+from tensorwire.tuning.cost_model import BUSY, BUSY_RING, LinkTable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,34 +95,34 @@ def test_scaled_layouts_keep_at_most_the_traced_ranks() -> None:
 def test_the_tuner_prices_flat_algorithms_with_their_share() -> None:
     """Across hosts, each flat algorithm's β counts the flows it puts on a host link; the busy
     links the probe measured across hosts are first brought back to one flow."""
-    layout = topo.Layout(((0, 1, 2, 3), (4, 5, 6, 7)), (1, 1))
-    spread = tuner.spread_of(layout)
+    layout = topology.Layout(((0, 1, 2, 3), (4, 5, 6, 7)), (1, 1))
+    spread = cost_model.spread_of(layout)
     tcp = Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)
     algs = list(flat("all_gather").values())
     m = 16 << 20
-    alone = dict((name, t) for t, name, _ in tuner.price(algs, 8, m, tcp))
-    shared = dict((name, t) for t, name, _ in tuner.price(algs, 8, m, tcp, spread=spread))
+    alone = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, tcp))
+    shared = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, tcp, spread=spread))
     assert shared["ring"] == alone["ring"]
     assert shared["recursive_doubling"] > 2 * alone["recursive_doubling"]
-    assert tuner.price(algs, 8, m, tcp, spread=spread)[0][1] == "ring"
-    busy = Link(tuner.BUSY, 400e-6, 1 / 0.051e9, 1 / 4e9)
-    ring = Link(tuner.BUSY_RING, 400e-6, 1 / 0.11e9, 1 / 4e9)
-    table = tuner.LinkTable({"tcp": tcp, tuner.BUSY: busy, tuner.BUSY_RING: ring},
-                            {tuner.BUSY: "calibrated", tuner.BUSY_RING: "calibrated"},
+    assert cost_model.price(algs, 8, m, tcp, spread=spread)[0][1] == "ring"
+    busy = Link(BUSY, 400e-6, 1 / 0.051e9, 1 / 4e9)
+    ring = Link(BUSY_RING, 400e-6, 1 / 0.11e9, 1 / 4e9)
+    table = LinkTable({"tcp": tcp, BUSY: busy, BUSY_RING: ring},
+                            {BUSY: "calibrated", BUSY_RING: "calibrated"},
                             extra={"busy_tier": "tcp"})
-    per = tuner.per_flow(table, layout)
-    assert per.links[tuner.BUSY].beta == pytest.approx(busy.beta * 3 / 7)
-    assert per.links[tuner.BUSY_RING] == ring and per.extra["busy_flows"][tuner.BUSY] == pytest.approx(7 / 3)
-    assert tuner.per_flow(table, None) is table
-    given = tuner.LinkTable(table.links, {tuner.BUSY: "file", tuner.BUSY_RING: "file"}, extra=table.extra)
-    assert tuner.per_flow(given, layout) is given  # constants the user gave are taken as they are
+    per = cost_model.per_flow(table, layout)
+    assert per.links[BUSY].beta == pytest.approx(busy.beta * 3 / 7)
+    assert per.links[BUSY_RING] == ring and per.extra["busy_flows"][BUSY] == pytest.approx(7 / 3)
+    assert cost_model.per_flow(table, None) is table
+    given = LinkTable(table.links, {BUSY: "file", BUSY_RING: "file"}, extra=table.extra)
+    assert cost_model.per_flow(given, layout) is given  # constants the user gave are taken as they are
 
 
 def test_plan_prices_flat_algorithms_with_their_share(capsys) -> None:
     """16 MiB all_gather over 4 hosts of 4 ranks at 25 Gb/s: recursive doubling moves its
     largest blocks from every rank of a host at once, so the ring (one flow a host) is the
     cheaper flat one, and a pairwise all_to_all costs about 3.2 times its lone price."""
-    from tensorwire import cli, plan
+    from tensorwire.tools import cli
 
     assert cli.main(["plan", "all_gather", "16MiB", "--hosts", "4", "--per-host", "4", "--tier",
                      "shm=2:9,eth25g=30:3.1"]) == 0
@@ -130,9 +131,9 @@ def test_plan_prices_flat_algorithms_with_their_share(capsys) -> None:
             if line.startswith("    ") and "crossover" not in line}
     assert "x3." in rows["recursive_doubling"] and "x1.0" in rows["ring"], text
     assert "(3.4 flows a host link)" in rows["recursive_doubling"] and "flows" not in rows["ring"], text
-    local = plan.Tier("shm", Link("shm", 2e-6, 1 / 9e9, 1 / 7.5e9), "given")
-    net = plan.Tier("net", Link("net", 30e-6, 1 / 3.1e9, 1 / 7.5e9), "given")
-    priced = plan.cluster_prices("all_to_all", 16 << 20, 4, 4, 1, local, net, Config())
+    local = pricing.Tier("shm", Link("shm", 2e-6, 1 / 9e9, 1 / 7.5e9), "given")
+    net = pricing.Tier("net", Link("net", 30e-6, 1 / 3.1e9, 1 / 7.5e9), "given")
+    priced = pricing.cluster_prices("all_to_all", 16 << 20, 4, 4, 1, local, net, Config())
     rows = {name: t for t, name, _ in priced}
     lone = algorithms_for("all_to_all")["pairwise"].cost(16, 16 << 20, net.link)
     assert rows["pairwise"] == pytest.approx(lone + (4 * 12 / 15 - 1) * 15 / 16 * (16 << 20) * net.link.beta)
@@ -145,7 +146,7 @@ def rank_sends_of_every_flat_algorithm() -> list[str]:
     recording each send, and compare with the trace's sends from this rank."""
     import numpy as np
 
-    from tensorwire import group as group_mod
+    from tensorwire.group import calls as group_mod
 
     g = tw.world()
     n, me = g.size, g.rank

@@ -19,9 +19,9 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster, free_port
-from tensorwire import tuner
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import InvalidArgumentError
+from tensorwire.tuning import policy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,7 @@ def _check_world(results: list[dict], n: int, deterministic: bool = True) -> dic
         bad = [case for case, ok in res["equal"].items() if not ok]
         assert not bad, f"rank {r}: differs from the rank-ordered fold: {bad}"
         for coll, name in res["used"]:
-            assert tuner.is_deterministic(algorithms_for(coll)[name]), f"{coll} ran {name}"
+            assert policy.is_deterministic(algorithms_for(coll)[name]), f"{coll} ran {name}"
     digests = results[0]["digest"]
     assert all(res["digest"] == digests for res in results), "ranks disagree"
     return digests

@@ -1,12 +1,16 @@
-"""The docs hold together: every relative link resolves (file and heading), and every
-TENSORWIRE_* setting the code reads has its line in docs/configuration.md, and no other.
+"""The docs hold together: every relative link resolves (file and heading), every
+TENSORWIRE_* setting the code reads has its line in docs/configuration.md, and no other, the user
+pages state current behaviour (history lives in docs/design/), and the API reference
+(docs/reference/, Sphinx) covers every public name and builds without a warning.
 
-Pure file reading, no processes: a moved page or a renamed heading fails here, not in a reader's
-browser."""
+File reading, except the reference's build: a moved page, a renamed heading or a docstring that
+does not render fails here, not in a reader's browser."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -87,3 +91,71 @@ def test_every_setting_has_its_line_in_configuration_md() -> None:
     undocumented, unknown = sorted(code - documented), sorted(documented - code)
     assert not undocumented, f"read in src/ but not in docs/configuration.md: {undocumented}"
     assert not unknown, f"in docs/configuration.md but read nowhere in src/: {unknown}"
+
+
+# -- user pages: current behaviour only ----------------------------------------------------------
+
+# The user pages; docs/design/ keeps the history and the measurements behind it.
+DOCS = ROOT / "docs"
+USER_PAGES = sorted({ROOT / "README.md", *DOCS.glob("*.md"), *(DOCS / "reference").glob("*.md"),
+                     DOCS / "benchmarks" / "README.md"})
+LAB_NOTE = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"  # a commit hash
+                      r"|\b[Ii]ssues? #?[0-9]+"                                    # an issue number
+                      r"|\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b")                     # a date
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_carry_no_history(page: Path) -> None:
+    """Commit hashes, issue numbers and dates belong to docs/design/history/: a user page says
+    what is, and its results tables name their command and machine. Code blocks (sample output)
+    and link targets (a design note's heading) are exempt."""
+    lines = re.sub(r"\]\([^)\s]*\)", "]", _prose(page.read_text(encoding="utf-8"))).splitlines()
+    notes = [f"line {i}: {line.strip()[:100]}" for i, line in enumerate(lines, 1) if LAB_NOTE.search(line)]
+    assert not notes, f"{page.relative_to(ROOT)}: " + "; ".join(notes)
+
+
+# -- the API reference ---------------------------------------------------------------------------
+
+REFERENCE = ROOT / "docs" / "reference"
+DOCUMENTED = re.compile(r"(?:auto(?!module)\w+|py:\w+)::\s+(tensorwire(?:\.torch)?)\.(\w+)")
+
+
+def _documented() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {"tensorwire": set(), "tensorwire.torch": set()}
+    for page in REFERENCE.glob("*.md"):
+        for module, name in DOCUMENTED.findall(page.read_text(encoding="utf-8")):
+            out[module].add(name)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_reference_covers_every_public_name() -> None:
+    import inspect
+
+    import tensorwire
+
+    public = {n for n in tensorwire.__all__ if not inspect.ismodule(getattr(tensorwire, n))} - {"__version__"}
+    missing = sorted(public - _documented()["tensorwire"])
+    assert not missing, f"public in tensorwire but in no page of docs/reference/: {missing}"
+    unknown = sorted(n for n in _documented()["tensorwire"] if not hasattr(tensorwire, n))
+    assert not unknown, f"docs/reference/ documents names tensorwire does not have: {unknown}"
+    pytest.importorskip("torch", reason="torch is not installed: tensorwire.torch cannot be imported")
+    import tensorwire.torch
+
+    missing = sorted(set(tensorwire.torch.__all__) - _documented()["tensorwire.torch"])
+    assert not missing, f"public in tensorwire.torch but in no page of docs/reference/: {missing}"
+
+
+@pytest.mark.timeout(300)
+def test_reference_builds_without_warnings(tmp_path: Path) -> None:
+    """What `make docs` runs: Sphinx imports the package and renders every docstring the
+    reference names; a missing name or a docstring that does not parse is an error."""
+    for module, name in (("sphinx", "Sphinx"), ("myst_parser", "myst-parser")):
+        pytest.importorskip(module, reason=f"{name} is not installed (the docs or test extra install it)")
+    pytest.importorskip("torch", reason="torch is not installed: the reference documents tensorwire.torch")
+    build = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
+                            "-d", str(tmp_path / "doctrees"), str(REFERENCE), str(tmp_path / "html")],
+                           capture_output=True, text=True, timeout=280)
+    assert build.returncode == 0, f"sphinx-build failed:\n{build.stdout}{build.stderr}"
+    assert (tmp_path / "html" / "index.html").exists()

@@ -29,7 +29,6 @@ import pytest
 
 import tensorwire as tw
 from cluster import free_port
-from tensorwire import tuner
 from tensorwire.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -40,6 +39,7 @@ from tensorwire.errors import (
     TimeoutError,
 )
 from tensorwire.transport.engine import Engine
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,7 +114,7 @@ def test_module_functions_have_their_group_methods_signature() -> None:
     api._forward): each takes exactly the method's parameters, with its defaults, plus `group`."""
     import inspect
 
-    from tensorwire.group import Group
+    from tensorwire.group.group import Group
 
     forwarded = [name for name, fn in vars(tw.api).items()
                  if callable(fn) and getattr(fn, "__code__", None) is not None
@@ -302,6 +302,36 @@ def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> N
             assert err is not None and err["type"] in ("InvalidArgumentError", "AbortedError"), err
             _assert_error(err, TensorwireError, coll, needle, f"reported by rank {bad}",
                           f"seen on rank {rank}", within=5.0)
+
+
+def _object_call_one_rank_cannot_pickle(case: str) -> list[dict[str, Any]]:
+    g = _fresh_group()
+    bad = g.size - 1
+    obj: Any = (lambda: None) if g.rank == bad else {"rank": g.rank}  # a lambda does not pickle
+    if case == "all_gather_object":
+        first = _attempt(g.all_gather_object, [None] * g.size, obj, timeout=10.0)
+    elif case == "gather_object":
+        first = _attempt(g.gather_object, obj, [None] * g.size if g.rank == 0 else None, 0, timeout=10.0)
+    elif case == "broadcast_object_list":
+        first = _attempt(g.broadcast_object_list, [obj], bad, timeout=10.0)
+    else:
+        first = _attempt(g.scatter_object_list, [None], [obj] * g.size if g.rank == bad else None, bad,
+                         timeout=10.0)
+    return [first, _attempt(g.barrier, timeout=10.0)]
+
+
+@pytest.mark.parametrize("case", ["all_gather_object", "gather_object", "broadcast_object_list",
+                                  "scatter_object_list"])
+def test_an_object_one_rank_cannot_pickle_fails_every_rank(cluster: Any, case: str) -> None:
+    """The rank whose object does not pickle raises InvalidArgumentError naming itself, the call
+    and the object's type; its peers, which would wait for its sizes, raise within seconds."""
+    bad = cluster.size - 1
+    for rank, outcomes in enumerate(cluster.run(_object_call_one_rank_cannot_pickle, case)):
+        err = _first_error(outcomes)
+        if rank == bad:
+            _assert_error(err, InvalidArgumentError, case, "cannot pickle", rank=rank, within=1.0)
+        else:
+            _assert_error(err, TensorwireError, "cannot pickle", f"reported by rank {bad}", within=5.0)
 
 
 def _not_a_member() -> dict[str, Any]:
@@ -638,7 +668,7 @@ def test_work_wait_on_a_collective_that_never_completes(cluster: Any) -> None:
 
 def _async_waited_without_limit() -> dict[str, Any]:
     """Rank 0's async all_reduce the others never join, waited for without a time limit: the
-    waiter runs the call itself (Group.run_until), so its own deadline must end the wait."""
+    waiter runs the call itself (CallQueue.run_until), so its own deadline must end the wait."""
     g = _fresh_group()
     if g.rank != 0:
         tw.barrier(timeout=30)
@@ -1022,7 +1052,7 @@ res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 0:  # two async calls rank 1 never joins, and nobody waits for them
     first = tw.all_reduce(np.ones(4), async_op=True)
     second = tw.all_reduce(np.ones(4), async_op=True)
-    queue, until = tw.world()._queue, time.monotonic() + 10
+    queue, until = tw.world().queue.pending, time.monotonic() + 10
     while len(queue) > 1 and time.monotonic() < until:  # the worker has taken the first call
         time.sleep(0.001)
     t0 = time.monotonic()
@@ -1054,3 +1084,36 @@ def test_destroy_ends_abandoned_async_collectives() -> None:
     running, queued = res["errors"]
     assert running.startswith("AbortedError") and "rank 0: tensorwire shut down" in running, running
     assert queued.startswith("AbortedError") and "all_reduce #" in queued and "still queued" in queued, queued
+
+
+_AFTER_DESTROY = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+g = tw.new_group()
+x = np.ones(4, np.float32)
+for _ in range(3):  # planned calls and routes, as a training loop leaves them
+    g.all_reduce(x)
+    g.barrier()
+    tw.all_reduce(x)
+    tw.sendrecv(x, (rank + 1) % size, np.empty_like(x), (rank - 1) % size)
+world = tw.world()
+tw.destroy()
+report(group=attempt(g.all_reduce, x), barrier=attempt(g.barrier), world=attempt(world.broadcast, x, 0),
+       send=attempt(world.send, x, (rank + 1) % size), sub=attempt(world.new_group, [0]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_group_used_after_destroy_names_the_destroy() -> None:
+    """Every call on a group of a destroyed runtime, planned before or not, raises
+    NotInitializedError naming the call, the group and destroy(), never IndexError or a
+    released buffer's ValueError."""
+    port = free_port()
+    procs = [_spawn(_AFTER_DESTROY, r, 2, port) for r in (0, 1)]
+    try:
+        reports = [_reports(p, 40)[0] for p in procs]
+    finally:
+        _kill_all(procs)
+    for rank, rep in enumerate(reports):
+        for key, what in (("group", "all_reduce"), ("barrier", "barrier"), ("world", "broadcast"),
+                          ("send", "send"), ("sub", "making group")):
+            _assert_error(rep[key], NotInitializedError, what, "destroy()", rank=rank, within=1.0)

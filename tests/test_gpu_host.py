@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from tensorwire.gpu import is_device_buffer
-from tensorwire.ops import ReduceOp, Reduction, reference
+from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.ops.reference import reference
 from tensorwire.transport.wire import ON_DEVICE, Coll, Fingerprint, differences
 
 torch = pytest.importorskip("torch")

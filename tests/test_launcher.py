@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 from cluster import free_port
-from tensorwire import auth, cli, launcher
+from tensorwire import auth
+from tensorwire.tools import cli, launcher
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 ENV_SCRIPT = """\
 import json, os, sys
-from tensorwire.rendezvous.store import TCPStore
+from tensorwire.rendezvous.tcp_store import TCPStore
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
         "MASTER_ADDR", "MASTER_PORT", "TENSORWIRE_STORE_HOSTED", "TENSORWIRE_JOB_ID",
         "TENSORWIRE_TRANSPORT", "TENSORWIRE_TIMEOUT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS",

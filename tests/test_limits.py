@@ -21,7 +21,8 @@ import pytest
 from tensorwire import limits
 from tensorwire.errors import ResourceError
 from tensorwire.transport import shm_budget
-from tensorwire.transport.shm import GroupSegment, Ring
+from tensorwire.transport.segment import GroupSegment
+from tensorwire.transport.shm import Ring
 
 MiB = 1 << 20
 

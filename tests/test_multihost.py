@@ -133,7 +133,7 @@ JOB = textwrap.dedent('''\
                 say(f"SYSCTL rank {tw.get_rank()} {key}={f.read().strip()}")
         tw.barrier()
     elif mode == "links":
-        from tensorwire import tuner
+        from tensorwire.tuning import tuner
         table = tuner.table_for(tw.world().runtime)
         tcp = table.link("tcp")
         say(f"LINKS rank {tw.get_rank()} busy_ring {table.sources.get('busy_ring')} "

@@ -14,23 +14,24 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tensorwire import buffers, ops
+from tensorwire import buffers
 from tensorwire.buffers import HUGE_PAGE, PIECE, as_array, byte_view, copy, flat, huge_zeros, like_torch
 from tensorwire.errors import InvalidArgumentError
-from tensorwire.ops import (
-    ReduceOp,
-    Reduction,
-    as_reduction,
-    check_op_dtype,
+from tensorwire.ops import ReduceOp, Reduction, premul_sum, torch_kernels
+from tensorwire.ops.carriers import carrier
+from tensorwire.ops.dtypes import (
+    check_dtype,
+    dtype_category,
     dtype_code,
     dtype_from_code,
     dtype_from_name,
     dtype_name,
-    finalize,
-    premul_sum,
-    reduce_into,
-    reference,
 )
+from tensorwire.ops.finalize import finalize
+from tensorwire.ops.kernels import reduce_into, reduction_kernel
+from tensorwire.ops.reduce_op import as_reduction
+from tensorwire.ops.reference import reference
+from tensorwire.ops.validation import check_op_dtype
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
@@ -270,13 +271,13 @@ def test_reduce_into_invalid_pair_raises() -> None:
                          ids=lambda o: o.name)
 def test_torch_kernel_agrees_with_numpy(op: ReduceOp, dt: np.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(int(op) + dt.itemsize)
-    n = 3 * ops.TORCH_KERNEL_MIN_ELEMENTS
+    n = 3 * torch_kernels.TORCH_KERNEL_MIN_ELEMENTS
     a = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(dt)
     b = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(dt)
     b.flags.writeable = False  # received data is read-only
     fast = a.copy()
     reduce_into(fast, b, op)
-    monkeypatch.setattr(ops, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
+    monkeypatch.setattr(torch_kernels, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
     slow = a.copy()
     with np.errstate(all="ignore"):
         reduce_into(slow, b, op)
@@ -294,10 +295,10 @@ def test_torch_kernel_agrees_with_numpy(op: ReduceOp, dt: np.dtype, monkeypatch:
 def test_torch_finalize_agrees_with_numpy(red: Reduction, dt: np.dtype,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(7)
-    base = (rng.standard_normal(2 * ops.TORCH_KERNEL_MIN_ELEMENTS) * 100).astype(dt)
+    base = (rng.standard_normal(2 * torch_kernels.TORCH_KERNEL_MIN_ELEMENTS) * 100).astype(dt)
     fast = base.copy()
     finalize(fast, red, 3)
-    monkeypatch.setattr(ops, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
+    monkeypatch.setattr(torch_kernels, "TORCH_KERNEL_MIN_ELEMENTS", 1 << 62)
     slow = base.copy()
     finalize(slow, red, 3)
     assert np.array_equal(fast.view(np.uint16), slow.view(np.uint16))
@@ -311,7 +312,7 @@ CARRIED = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float
 def _as_carrier(t: torch.Tensor) -> np.ndarray:
     """A tensor's memory as a numpy array of its carrier (what as_array makes without ml_dtypes)."""
     size_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize]
-    return t.view(size_int).numpy().view(ops.carrier(str(t.dtype).removeprefix("torch.")))
+    return t.view(size_int).numpy().view(carrier(str(t.dtype).removeprefix("torch.")))
 
 
 @pytest.mark.parametrize("name", CARRIED)
@@ -336,7 +337,7 @@ def test_carrier_kernels_agree_with_ml_dtypes(op: ReduceOp, name: str) -> None:
     assert np.array_equal(g64[~np.isnan(g64)], w64[~np.isnan(w64)])
     # kernels take three arrays (out = a op b): the one-shot path folds two slots into a third
     out = _as_carrier(torch.zeros(1000, dtype=tdtype))
-    ops.reduction_kernel(op, got.dtype)(_as_carrier(a), src, out)
+    reduction_kernel(op, got.dtype)(_as_carrier(a), src, out)
     assert np.array_equal(out.view(np.uint8), got.view(np.uint8))
 
 
@@ -378,18 +379,18 @@ def test_carriers_registry() -> None:
     their category does not define with torch's name for the dtype, and stay apart from
     numpy's own structured dtypes."""
     for name in CARRIED:
-        dt, ml = ops.carrier(name), np.dtype(getattr(ml_dtypes, name))
-        assert dt is ops.carrier(name) and dt.itemsize == ml.itemsize
+        dt, ml = carrier(name), np.dtype(getattr(ml_dtypes, name))
+        assert dt is carrier(name) and dt.itemsize == ml.itemsize
         assert dtype_code(dt) == dtype_code(ml) and dtype_name(dt) == dtype_name(ml)
-    c32 = ops.carrier("complex32")
-    assert dtype_code(c32) == 25 and dtype_from_code(25) == c32 and ops.dtype_category(c32) == "c"
+    c32 = carrier("complex32")
+    assert dtype_code(c32) == 25 and dtype_from_code(25) == c32 and dtype_category(c32) == "c"
     with pytest.raises(InvalidArgumentError, match=r"BAND is not defined for torch\.bfloat16"):
-        check_op_dtype(Reduction(ReduceOp.BAND), ops.carrier("bfloat16"), rank=0, collective="all_reduce")
+        check_op_dtype(Reduction(ReduceOp.BAND), carrier("bfloat16"), rank=0, collective="all_reduce")
     with pytest.raises(InvalidArgumentError, match=r"MAX is not defined for torch\.complex32"):
         check_op_dtype(Reduction(ReduceOp.MAX), c32, rank=0, collective="all_reduce")
-    assert ops.carrier("float4_e2m1fn_x2") is None
+    assert carrier("float4_e2m1fn_x2") is None
     with pytest.raises(InvalidArgumentError, match="structured"):
-        ops.check_dtype(np.dtype([("bfloat16", "=u2")]))  # a user's own record type is not a carrier
+        check_dtype(np.dtype([("bfloat16", "=u2")]))  # a user's own record type is not a carrier
     empty = _as_carrier(torch.zeros(0, dtype=torch.bfloat16))
     reduce_into(empty, empty, ReduceOp.SUM)  # nothing to do, and no error
     finalize(empty, Reduction(ReduceOp.AVG), 2)
@@ -403,7 +404,8 @@ def test_torch_dtypes_without_ml_dtypes(tmp_path: object) -> None:
     code = f"""
 import numpy as np, torch
 from tensorwire.buffers import as_array
-from tensorwire.ops import ReduceOp, Reduction, reference
+from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.ops.reference import reference
 for name in {TORCH_DTYPES!r}:
     dtype = getattr(torch, name)
     xs = [(torch.arange(6, dtype=torch.float64) % 3 + k).to(dtype) for k in range(3)]
@@ -591,7 +593,7 @@ def test_dtype_names() -> None:
 
 
 def test_importing_does_not_import_torch_or_ml_dtypes() -> None:
-    code = ("import sys, tensorwire.ops, tensorwire.buffers; "
+    code = ("import sys, tensorwire.ops.reference, tensorwire.ops.carriers, tensorwire.buffers; "
             "assert 'torch' not in sys.modules and 'ml_dtypes' not in sys.modules, "
             "[m for m in ('torch', 'ml_dtypes') if m in sys.modules]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

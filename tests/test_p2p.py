@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire import tuner
 from tensorwire.errors import CollectiveMismatchError, InvalidArgumentError, TensorwireError, TimeoutError
+from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -777,7 +777,7 @@ def test_group_slots_start_half_a_page_in() -> None:
     """memcpy (rep movsb) on AMD runs 10-20x slower when the destination is 1-31 bytes past the
     source modulo 4096, and mmap'd numpy arrays start 16 bytes into a page: slots sit half a page
     in, away from that window for mmap'd, torch (64-aligned) and page-aligned buffers alike."""
-    from tensorwire.transport.shm import GroupSegment
+    from tensorwire.transport.segment import GroupSegment
 
     seg = GroupSegment.create("tw-test-align", 3, 64 << 10)
     try:

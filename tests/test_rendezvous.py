@@ -28,20 +28,20 @@ from tensorwire.rendezvous.bootstrap import (
     expand_tasks_per_node,
     parse_init_method,
 )
-from tensorwire.rendezvous.store import FileStore, PrefixStore, TCPStore, TCPStoreServer, TorchStoreAdapter
-from tensorwire.transport.netif import (
-    list_interfaces,
-    match_ifname,
-    route_source_address,
-    select_address,
-)
+from tensorwire.rendezvous.file_store import FileStore
+from tensorwire.rendezvous.prefix_store import PrefixStore
+from tensorwire.rendezvous.tcp_server import TCPStoreServer
+from tensorwire.rendezvous.tcp_store import TCPStore
+from tensorwire.rendezvous.torch_store import TorchStoreAdapter
+from tensorwire.transport.netif import list_interfaces, match_ifname, route_source_address, select_address
 
 LOOPBACK = "127.0.0.1"
 
 # Prelude of every child: report the result (or the error's class and message) as one JSON line.
 _PRELUDE = """
 import json, sys, time
-from tensorwire.rendezvous.store import TCPStore, FileStore
+from tensorwire.rendezvous.tcp_store import TCPStore
+from tensorwire.rendezvous.file_store import FileStore
 from tensorwire.rendezvous.bootstrap import detect, create_store
 def report(**kw):
     print(json.dumps(kw), flush=True)
@@ -227,7 +227,7 @@ def test_wrong_protocol_peer_is_rejected() -> None:
 @pytest.mark.timeout(30)
 def test_server_going_away_raises_instead_of_hanging() -> None:
     proc = spawn("""
-    from tensorwire.rendezvous.store import TCPStoreServer
+    from tensorwire.rendezvous.tcp_server import TCPStoreServer
     srv = TCPStoreServer("127.0.0.1", 0)
     report(port=srv.port)
     time.sleep(60)

@@ -34,10 +34,13 @@ from tensorwire.config import Config
 from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
 from tensorwire.rendezvous import bootstrap
 from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
-from tensorwire.rendezvous.store import _LEN, StoreLimits, TCPStore, TCPStoreServer, _encode_request
+from tensorwire.rendezvous.tcp_protocol import LEN, StoreLimits, encode_request
+from tensorwire.rendezvous.tcp_server import TCPStoreServer
+from tensorwire.rendezvous.tcp_store import TCPStore
 from tensorwire.transport import handshake
+from tensorwire.transport.channel import PeerClosed
 from tensorwire.transport.engine import Engine
-from tensorwire.transport.tcp import PeerClosed, SocketStream, TcpChannel
+from tensorwire.transport.tcp import SocketStream, TcpChannel
 from tensorwire.transport.wire import (
     HEADER_SIZE,
     ON_DEVICE,
@@ -318,11 +321,11 @@ def test_store_serves_only_clients_that_know_the_secret(server: TCPStoreServer,
                 s.sendall(stranger_hello())
                 s.settimeout(5)
                 assert len(recv_exact(s, CHALLENGE)) == CHALLENGE
-                s.sendall(b"\0" * auth.MAC_BYTES + _encode_request(1, ["addr/0"], b"evil"))
+                s.sendall(b"\0" * auth.MAC_BYTES + encode_request(1, ["addr/0"], b"evil"))
                 assert read_all(s) == b""
             # The first version of the protocol, no handshake at all: dropped at once.
             with socket.create_connection((LOOPBACK, server.port)) as s:
-                s.sendall(b"TWSTORE1" + _encode_request(2, ["addr/0"]))
+                s.sendall(b"TWSTORE1" + encode_request(2, ["addr/0"]))
                 assert read_all(s) == b""
         assert good.get("addr/0") == b"10.0.0.1:1234"
     assert "dropped a connection from 127.0.0.1" in caplog.text
@@ -373,7 +376,7 @@ def test_store_frames_are_bounded(server: TCPStoreServer) -> None:
         s = socket.create_connection((LOOPBACK, server.port))
         s.settimeout(5)
         auth.initiate(s, KEY, b"tensorwire store v2", STORE_MAGIC, b"")
-        sent = send_all(s, _LEN.pack((1 << 31) - 1) + bytes(64 << 20))
+        sent = send_all(s, LEN.pack((1 << 31) - 1) + bytes(64 << 20))
         assert sent < 64 << 20
         assert read_all(s) == b""
         s.close()
@@ -405,10 +408,10 @@ def _apply(data: bytes, edits: list[tuple[int, int]]) -> bytes:
     return bytes(out)
 
 
-_STRANGER = stranger_hello() + bytes(auth.MAC_BYTES) + _encode_request(1, ["tw/peer/0"], b"evil")
+_STRANGER = stranger_hello() + bytes(auth.MAC_BYTES) + encode_request(1, ["tw/peer/0"], b"evil")
 
 
-_REQUESTS = [_encode_request(op, keys, value, timeout) for op, keys, value, timeout in (
+_REQUESTS = [encode_request(op, keys, value, timeout) for op, keys, value, timeout in (
     (1, ["a"], b"x" * 10, 0.0), (2, ["a"], b"", 0.01), (3, ["n"], struct.pack(">q", 5), 0.0),
     (4, ["a", "b"], b"", 0.01), (5, ["a", "zz"], b"", 0.0), (6, ["a"], b"", 0.0),
     (2, ["gone"], b"", float("nan")), (4, ["gone"], b"", -1.0), (2, ["gone"], b"", float("inf")))]
@@ -721,11 +724,11 @@ class Attacker:
 
     def oversized(self, s: socket.socket) -> int:
         """A 2 GiB length prefix (the protocol before authentication), then streaming into it."""
-        self.cut_at.append(send_all(s, b"TWSTORE1" + _LEN.pack(0x7FFFFFFF) + bytes(32 << 20)))
+        self.cut_at.append(send_all(s, b"TWSTORE1" + LEN.pack(0x7FFFFFFF) + bytes(32 << 20)))
         return len(read_all(s, timeout=30))
 
     def request(self, s: socket.socket) -> int:
-        s.sendall(stranger_hello() + os.urandom(auth.MAC_BYTES) + _encode_request(1, ["stranger"], b"x"))
+        s.sendall(stranger_hello() + os.urandom(auth.MAC_BYTES) + encode_request(1, ["stranger"], b"x"))
         return len(read_all(s, timeout=30))
 
     def replay(self, s: socket.socket) -> int:

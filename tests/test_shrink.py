@@ -30,7 +30,7 @@ import json, os, sys, threading, time
 import numpy as np
 sys.path.insert(0, {str(TESTS)!r})
 import tensorwire as tw
-from tensorwire import tuner
+from tensorwire.tuning import tuner
 from soak import check_every_collective
 rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 ARGS = sys.argv[4:]
@@ -237,8 +237,8 @@ def test_second_failure_during_or_after_shrink(transport: str, when: str) -> Non
 
 
 _LOWEST_DIES_DECIDING = """
-from tensorwire.group import _mix
-from tensorwire.shrinking import _SHRINK
+from tensorwire.group.context import mix_context
+from tensorwire.group.shrink import SHRINK
 from tensorwire.transport import agreement as ag
 world = tw.init(rank=rank, world_size=size, init_method=URL)
 tw.barrier()
@@ -246,7 +246,7 @@ if rank == 3:
     os._exit(3)
 time.sleep(0.5)
 if rank == 0:  # the lowest member: reports to rank 1 only, decides "nobody failed", tells rank 1, dies
-    engine, ctx = world.engine, _mix(world.ctx, _SHRINK, 1)
+    engine, ctx = world.engine, mix_context(world.ctx, SHRINK, 1)
     ag._send(engine, [1], ctx, ag._REPORT, ag._mask({3}, world.ranks), "rank 0's report")
     reports = [ag._recv(engine, w, ctx, ag._REPORT, size, "report") for w in (1, 2)]
     engine.wait(reports, deadline=time.perf_counter() + 10, ctx=ctx, seq=1 << 62, watch=(), what="reports")

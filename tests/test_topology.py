@@ -20,11 +20,11 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import topo, tuner
-from tensorwire.algorithms.hierarchical import Shape
 from tensorwire.algorithms.ordered import ROOTED, arrange
-from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
+from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import Config
+from tensorwire.tuning import cost_model, topology, tuner
+from tensorwire.tuning.shape import Shape
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,46 +36,46 @@ def card(host: str, machine: str = "m0", pid: int = 1, cores: str = "0-1", numa:
             "cores": cores, "numa": list(numa), "gpu": None}
 
 
-def cyclic_topology(hosts: int, per: int) -> topo.Topology:
+def cyclic_topology(hosts: int, per: int) -> topology.Topology:
     """World rank r on host r mod `hosts` (Slurm's cyclic distribution)."""
-    return topo.Topology.from_cards({r: card(f"h{r % hosts}", pid=r) for r in range(hosts * per)})
+    return topology.Topology.from_cards({r: card(f"h{r % hosts}", pid=r) for r in range(hosts * per)})
 
 
 def test_cpulists_round_trip() -> None:
-    assert topo.parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
-    assert topo.format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
-    assert topo.parse_cpulist("") == [] and topo.format_cpulist([]) == ""
+    assert topology.parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert topology.format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert topology.parse_cpulist("") == [] and topology.format_cpulist([]) == ""
 
 
 def test_numa_nodes_from_sysfs(tmp_path: Path) -> None:
     for node, cpus in ((0, "0-3"), (1, "4-7")):
         (tmp_path / f"node{node}").mkdir()
         (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
-    assert topo.numa_nodes([1, 2], str(tmp_path)) == [0]
-    assert topo.numa_nodes([3, 4], str(tmp_path)) == [0, 1]
-    assert topo.numa_nodes([9], str(tmp_path)) == []
+    assert topology.numa_nodes([1, 2], str(tmp_path)) == [0]
+    assert topology.numa_nodes([3, 4], str(tmp_path)) == [0, 1]
+    assert topology.numa_nodes([9], str(tmp_path)) == []
 
 
 def test_hosts_are_host_name_and_kernel() -> None:
     """Emulated hosts (one kernel, own host names) are hosts of one machine; two machines that
     share a host name are two hosts."""
-    t = topo.Topology.from_cards({0: card("a", "k1", 10), 1: card("b", "k1", 11), 2: card("a", "k2", 12),
+    t = topology.Topology.from_cards({0: card("a", "k1", 10), 1: card("b", "k1", 11), 2: card("a", "k2", 12),
                                   3: card("a", "k1", 13, numa=(1,))})
     assert t.hosts == [(0, 3), (1,), (2,)] and t.host_of == [0, 1, 2, 0]
     assert t.machine_of == [0, 0, 1, 0]
     assert t.near(0) == (3,) and t.same_host(0, 3) and not t.same_host(0, 2)
     assert t.tier(0, 0) == "self" and t.tier(0, 1) == "net" and t.tier(0, 2) == "net"
     assert t.tier(0, 3) == "host"  # bound to different NUMA nodes
-    same_node = topo.Topology.from_cards({0: card("a", pid=1), 1: card("a", pid=2)})
+    same_node = topology.Topology.from_cards({0: card("a", pid=1), 1: card("a", pid=2)})
     assert same_node.tier(0, 1) == "numa"
-    spans = topo.Topology.from_cards({0: card("a", pid=1, numa=(0, 1)), 1: card("a", pid=2, numa=(0, 1))})
+    spans = topology.Topology.from_cards({0: card("a", pid=1, numa=(0, 1)), 1: card("a", pid=2, numa=(0, 1))})
     assert spans.tier(0, 1) == "host"  # unbound ranks share no one node
 
 
 def test_local_card_describes_this_process() -> None:
-    c = topo.local_card("127.0.0.1")
-    assert c["host"] and c["machine"] == topo.machine_id() and c["pid"] == os.getpid()
-    assert c["ifname"] == "lo" and set(topo.parse_cpulist(c["cores"])) == os.sched_getaffinity(0)
+    c = topology.local_card("127.0.0.1")
+    assert c["host"] and c["machine"] == topology.machine_id() and c["pid"] == os.getpid()
+    assert c["ifname"] == "lo" and set(topology.parse_cpulist(c["cores"])) == os.sched_getaffinity(0)
     assert c["gpu"] is None or "index" in c["gpu"]
     json.dumps(c)  # published as JSON
 
@@ -113,7 +113,7 @@ def test_orders_cross_between_hosts_as_little_as_they_can(hosts: int, per: int) 
 
 
 def test_layouts_without_rails() -> None:
-    t = topo.Topology.from_cards({0: card("a"), 1: card("a"), 2: card("b")})
+    t = topology.Topology.from_cards({0: card("a"), 1: card("a"), 2: card("b")})
     assert t.layout([0, 1]) is None  # one host
     assert t.layout([0, 2]).shape is None  # one rank per host: nothing to do within hosts
     uneven = t.layout([0, 1, 2])
@@ -121,14 +121,14 @@ def test_layouts_without_rails() -> None:
     assert uneven.shape == Shape(2, 2, 1.0, least=1) and not uneven.shape.uniform
     assert uneven.rails == ((0, 2), (1,)) and uneven.shape.rails == 1
     assert "rails every host has [0 2]" in uneven.describe_hierarchy()
-    two_nics = topo.Topology.from_cards({0: card("a", ifname="ib0"), 1: card("a", ifname="ib1"),
+    two_nics = topology.Topology.from_cards({0: card("a", ifname="ib0"), 1: card("a", ifname="ib1"),
                                          2: card("b", ifname="ib0"), 3: card("b", ifname="ib1")})
     assert two_nics.layout(range(4)).shape.nic_share == 1.0  # a rail per interface
 
 
 def test_identity_orders_leave_algorithms_alone() -> None:
     """One host, or hosts numbered together: nothing is added to a call."""
-    block = topo.Topology.from_cards({r: card(f"h{r // 2}", pid=r) for r in range(4)}).layout(range(4))
+    block = topology.Topology.from_cards({r: card(f"h{r // 2}", pid=r) for r in range(4)}).layout(range(4))
     cyclic = cyclic_topology(2, 2).layout(range(4))
     for coll in COLLECTIVES:
         for alg in algorithms_for(coll).values():
@@ -143,9 +143,9 @@ def test_hierarchy_priced_against_the_flat_algorithms() -> None:
     """64 MiB all_reduce over 2 hosts x 4 ranks, 1 Gbit/s between them: a flat ring carries
     2 (n-1)/n of it across each host link, the hierarchy once, pipelined; small calls are left
     to the leaders' variant, one message per host between hosts."""
-    table = tuner.LinkTable({"shm": tuner.DEFAULT_LINKS["shm"],
-                             "tcp": tuner.Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)}, {})
-    local, rail = tuner.phase_prices(table, Config())
+    table = cost_model.LinkTable({"shm": cost_model.DEFAULT_LINKS["shm"],
+                             "tcp": Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)}, {})
+    local, rail = cost_model.phase_prices(table, Config())
     shape = Shape(2, 4, 4)
     m = 64 << 20
     flat = algorithms_for("all_reduce")["ring"].cost(8, m, table.link("tcp"))
@@ -167,12 +167,12 @@ def test_host_phases_pay_the_wake_up_where_ranks_share_cores() -> None:
     """Where the busy probe found a step costs far more than the rail's α (ranks sharing cores:
     421 against 28 µs on emulated hosts on 2 vCPUs), each host phase pays the difference; a
     table without busy links (a cluster priced by `tensorwire plan`) prices as before."""
-    tcp = tuner.Link("tcp", 28e-6, 1 / 0.119e9, 1 / 7.5e9)
-    links = {"shm": tuner.DEFAULT_LINKS["shm"], "tcp": tcp}
-    quiet, _ = tuner.phase_prices(tuner.LinkTable(links, {}), Config())
-    busy = {tuner.BUSY: tuner.Link(tuner.BUSY, 421e-6, 1 / 0.0565e9, 1 / 3.49e9)}
-    table = tuner.LinkTable({**links, **busy}, {}, extra={"busy_tier": "tcp"})
-    crowded, rail = tuner.phase_prices(table, Config())
+    tcp = Link("tcp", 28e-6, 1 / 0.119e9, 1 / 7.5e9)
+    links = {"shm": cost_model.DEFAULT_LINKS["shm"], "tcp": tcp}
+    quiet, _ = cost_model.phase_prices(cost_model.LinkTable(links, {}), Config())
+    busy = {cost_model.BUSY: Link(cost_model.BUSY, 421e-6, 1 / 0.0565e9, 1 / 3.49e9)}
+    table = cost_model.LinkTable({**links, **busy}, {}, extra={"busy_tier": "tcp"})
+    crowded, rail = cost_model.phase_prices(table, Config())
     for coll in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce"):
         for nbytes in (64, 1 << 20):
             assert crowded(coll, 2, nbytes) - quiet(coll, 2, nbytes) == pytest.approx(421e-6 - 28e-6), coll
@@ -187,7 +187,7 @@ def test_host_phases_pay_the_wake_up_where_ranks_share_cores() -> None:
 def two_hosts() -> tw.Group:
     """A group of this one-host job's 4 ranks told that ranks 0, 2 and 1, 3 are two hosts."""
     g = tw.new_group([0, 1, 2, 3], name="two")
-    g._layout = topo.Topology.from_cards({r: card(f"h{r % 2}", pid=r) for r in range(4)}).layout(range(4))
+    g._layout = topology.Topology.from_cards({r: card(f"h{r % 2}", pid=r) for r in range(4)}).layout(range(4))
     g.choices.clear()
     return g
 
@@ -228,7 +228,8 @@ def rank_uneven_hosts_on_one_host(hosts: list[int]) -> tuple[int, list]:
     import topology_job
 
     g = tw.new_group([0, 1, 2, 3], name="uneven")
-    g._layout = topo.Topology.from_cards({r: card(f"h{hosts[r]}", pid=r) for r in range(4)}).layout(range(4))
+    cards = {r: card(f"h{hosts[r]}", pid=r) for r in range(4)}
+    g._layout = topology.Topology.from_cards(cards).layout(range(4))
     g.choices.clear()
     topology_job._GROUPS[:] = [("uneven", g)]
     topology_job.RAN.clear()
@@ -317,7 +318,7 @@ def test_topo_command() -> None:
 def test_plan_prices_a_cluster_flat_against_hierarchical(capsys) -> None:
     """`tensorwire plan --hosts H --per-host L`: the flat algorithms at the slower tier's price,
     the hierarchical ones by their phases, the cheapest marked, the crossovers between them."""
-    from tensorwire import cli
+    from tensorwire.tools import cli
 
     args = ["plan", "all_reduce", "64MiB", "--hosts", "2", "--per-host", "4", "--tier",
             "shm=2:9,eth1g=60:0.119"]
@@ -343,7 +344,7 @@ def test_pieces_follow_the_link() -> None:
     from tensorwire.algorithms import hierarchical
 
     count = (64 << 20) // 4
-    bed = tuner.Link("tcp", 191e-6, 1 / 0.112e9, 1 / 7.5e9)
+    bed = Link("tcp", 191e-6, 1 / 0.112e9, 1 / 7.5e9)
     assert len(hierarchical.pieces(count, 4, 4, bed)) == 8
     assert len(hierarchical.pieces(count, 4, 4, replace(bed, alpha=23e-3))) == 1
     assert len(hierarchical.pieces(count, 4, 4)) == 8 and len(hierarchical.pieces(1000, 4, 4, bed)) == 1

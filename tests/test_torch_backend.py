@@ -213,9 +213,9 @@ class _Checker:
 
     def same_as_gloo(self, what: str, fn) -> None:
         """fn(group) -> output tensors; run on tensorwire (default group) and on Gloo, compare."""
-        before = self.tw._seq
+        before = self.tw.queue.seq
         got = fn(None)
-        assert self.tw._seq > before, f"{what}: tensorwire's group did not run it"
+        assert self.tw.queue.seq > before, f"{what}: tensorwire's group did not run it"
         want = fn(self.gloo)
         self.equal(f"{what} vs gloo", got, want)
 
@@ -475,10 +475,10 @@ def _check_data_movement(c: _Checker) -> None:
 
     c.same_as_gloo("all_to_all_single (even and with splits)", all_to_all_single)
 
-    before = c.tw._seq
+    before = c.tw.queue.seq
     dist.barrier()
     dist.barrier(async_op=True).wait()
-    assert c.tw._seq == before + 2, "barrier did not run on tensorwire"
+    assert c.tw.queue.seq == before + 2, "barrier did not run on tensorwire"
 
 
 def _check_async(c: _Checker) -> None:

@@ -107,7 +107,7 @@ def _check_overlap(gloo) -> None:
     pg = dist.distributed_c10d._get_default_group()
     g = pg.tensorwire_group
     events: list[tuple[str, float, str]] = []
-    submit = g._submit
+    submit = g.queue.submit
 
     def recording_submit(fp, what, body, async_op, timeout, *args):
         if what != "all_reduce":
@@ -128,11 +128,11 @@ def _check_overlap(gloo) -> None:
     x, y = torch.randn(4096, 16, generator=gen), torch.randn(4096, 4, generator=gen)
     F.mse_loss(ddp(x), y).backward()  # first step: DDP rebuilds its buckets
     ddp.zero_grad()
-    g._submit = recording_submit
+    g.queue.submit = recording_submit
     try:
         F.mse_loss(ddp(x), y).backward()
     finally:
-        del g._submit
+        del g.queue.submit
     submits = [e for e in events if e[0] == "submit"]
     starts = [e for e in events if e[0] == "start"]
     assert len(submits) >= 3, f"expected several DDP buckets, got {len(submits)}: {events}"

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,11 +24,33 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port
-from tensorwire import calibrate, cli, plan, tuner
-from tensorwire.algorithms.hierarchical import Shape
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
+from tensorwire.tools import cli, plan
+from tensorwire.tuning import (
+    cache,
+    calibrate,
+    cost_model,
+    host_probes,
+    policy,
+    pricing,
+    probes,
+    tuner,
+    tuning_file,
+)
+from tensorwire.tuning.cost_model import (
+    BUSY,
+    BUSY_PAIRS,
+    BUSY_RING,
+    CMA,
+    CMA_HUGE,
+    DEFAULT_LINKS,
+    MEMORY,
+    ONE_WAY,
+    LinkTable,
+)
+from tensorwire.tuning.shape import Shape
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,16 +85,16 @@ def _bcast_tree() -> str:
     ("", "all_reduce", set(), set()),
 ])
 def test_parse_algo(spec: str, collective: str, forced: set, excluded: set) -> None:
-    tuner.check_algo(spec)
-    assert tuner.parse_algo(spec, collective) == (frozenset(forced), frozenset(excluded))
+    policy.check_algo(spec)
+    assert policy.parse_algo(spec, collective) == (frozenset(forced), frozenset(excluded))
 
 
 def test_allowed_follows_the_spec() -> None:
     cfg = Config(algo="allreduce:ring|direct,^binomial")
-    assert tuner.allowed(cfg, "all_reduce", "ring") and tuner.allowed(cfg, "all_reduce", "direct")
-    assert not tuner.allowed(cfg, "all_reduce", "recursive_doubling")
-    assert not tuner.allowed(cfg, "broadcast", "binomial") and tuner.allowed(cfg, "broadcast", "direct")
-    assert tuner.allowed(Config(), "all_reduce", "recursive_doubling")
+    assert policy.allowed(cfg, "all_reduce", "ring") and policy.allowed(cfg, "all_reduce", "direct")
+    assert not policy.allowed(cfg, "all_reduce", "recursive_doubling")
+    assert not policy.allowed(cfg, "broadcast", "binomial") and policy.allowed(cfg, "broadcast", "direct")
+    assert policy.allowed(Config(), "all_reduce", "recursive_doubling")
 
 
 def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
@@ -80,12 +103,12 @@ def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
     hierarchical variants run on uneven hosts, so forcing them binds those groups."""
     even, uneven = Shape(2, 3, 3.0), Shape(2, 3, 2.0, least=2)
     gather = Config(algo="allgather:hierarchical")
-    assert tuner.forcing(gather, "all_gather", even) and not tuner.forcing(gather, "all_gather", None)
-    assert not tuner.forcing(gather, "all_gather", uneven)
+    assert policy.forcing(gather, "all_gather", even) and not policy.forcing(gather, "all_gather", None)
+    assert not policy.forcing(gather, "all_gather", uneven)
     for name in ("hierarchical", "hierarchical_leaders"):
         cfg = Config(algo=f"allreduce:{name}")
-        assert tuner.forcing(cfg, "all_reduce", uneven) and not tuner.forcing(cfg, "all_reduce", None)
-    assert tuner.forcing(Config(algo="allreduce:ring"), "all_reduce", None)
+        assert policy.forcing(cfg, "all_reduce", uneven) and not policy.forcing(cfg, "all_reduce", None)
+    assert policy.forcing(Config(algo="allreduce:ring"), "all_reduce", None)
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -98,7 +121,7 @@ def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
 ])
 def test_unknown_names_are_errors_naming_the_known(spec: str, words: list[str]) -> None:
     with pytest.raises(InvalidArgumentError) as info:
-        tuner.check_algo(spec, rank=3)
+        policy.check_algo(spec, rank=3)
     text = str(info.value)
     assert text.startswith("rank 3: TENSORWIRE_ALGO="), text
     for w in words:
@@ -108,13 +131,13 @@ def test_unknown_names_are_errors_naming_the_known(spec: str, words: list[str]) 
 def test_deterministic_mode_rejects_specs_that_leave_no_ordered_reduction() -> None:
     for spec in ("allreduce:ring", "^rank_ordered", "allreduce:direct", "reducescatter:ring"):
         with pytest.raises(InvalidArgumentError, match="deterministic mode"):
-            tuner.check_algo(spec, deterministic=True)
+            policy.check_algo(spec, deterministic=True)
     for spec in ("", "allreduce:rank_ordered", "allreduce:^direct", "broadcast:binomial", "^ring"):
-        tuner.check_algo(spec, deterministic=True)
+        policy.check_algo(spec, deterministic=True)
     cfg = Config(deterministic=True)
-    assert not tuner.allowed(cfg, "all_reduce", "ring")
-    assert tuner.allowed(cfg, "all_reduce", "rank_ordered") and tuner.allowed(cfg, "all_reduce", "direct")
-    assert tuner.allowed(cfg, "broadcast", "binomial")  # data movement is deterministic anyway
+    assert not policy.allowed(cfg, "all_reduce", "ring")
+    assert policy.allowed(cfg, "all_reduce", "rank_ordered") and policy.allowed(cfg, "all_reduce", "direct")
+    assert policy.allowed(cfg, "broadcast", "binomial")  # data movement is deterministic anyway
 
 
 def test_a_bad_spec_fails_init_before_connecting() -> None:
@@ -146,8 +169,8 @@ class _Group:
 
 
 def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
-    tier = plan.Tier(link.name, link, "test")
-    changes = plan.crossovers(list(algorithms_for(collective).values()), collective, n, tier, Config(), 0)
+    tier = pricing.Tier(link.name, link, "test")
+    changes = pricing.crossovers(list(algorithms_for(collective).values()), collective, n, tier, Config(), 0)
     assert changes, f"no crossover for {collective} on {n} ranks over {link}"
     size, below, above = changes[0]
     return size, below, above
@@ -160,9 +183,9 @@ def test_algorithms_priced_alike_do_not_take_turns(collective: str) -> None:
     crossovers `tensorwire plan` prints never change back and forth between two algorithms."""
     for tier in ("shm", "tcp"):
         for n in (2, 3, 4, 8):
-            link = tuner.DEFAULT_LINKS[tier]
-            changes = plan.crossovers(list(algorithms_for(collective).values()), collective, n,
-                                      plan.Tier(link.name, link, "test"), Config(), 0)
+            link = DEFAULT_LINKS[tier]
+            changes = pricing.crossovers(list(algorithms_for(collective).values()), collective, n,
+                                      pricing.Tier(link.name, link, "test"), Config(), 0)
             flips = [(a, b) for _, a, b in changes]
             assert len(flips) == len(set(flips)) and len(changes) <= 4, (tier, n, changes)
 
@@ -170,10 +193,10 @@ def test_algorithms_priced_alike_do_not_take_turns(collective: str) -> None:
 @pytest.mark.parametrize("tier", ["shm", "tcp"])
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_choice_on_both_sides_of_a_crossover(tier: str, n: int) -> None:
-    link = tuner.DEFAULT_LINKS[tier]
+    link = DEFAULT_LINKS[tier]
     size, below, above = _first_crossover("all_reduce", n, link)
     g = _Group(n, tier)
-    tuner.install(g.runtime, tuner.LinkTable({tier: link}, {tier: "test"}))
+    tuner.install(g.runtime, LinkTable({tier: link}, {tier: "test"}))
     assert tuner.select(g, "all_reduce", size - 1).name == below
     assert tuner.select(g, "all_reduce", size).name == above
     # the latency-bound side has fewer messages, the bandwidth-bound side fewer bytes per rank
@@ -216,8 +239,8 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     busy = Link("busy", alpha=187e-6, beta=1 / 1.82e9, gamma=1 / 8.7e9)
     algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
     for m in (16, 1 << 10, 64 << 10, 1 << 20):
-        assert tuner.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
-    assert tuner.price(algs, 4, 16, tcp)[0][1] == "bruck"
+        assert cost_model.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+    assert cost_model.price(algs, 4, 16, tcp)[0][1] == "bruck"
 
 
 def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
@@ -231,55 +254,55 @@ def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
     algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
     for m in (16, 1 << 10, 16 << 10):
         alike = replace(busy, name="busy_pairs")
-        assert tuner.price(algs, 4, m, tcp, busy=busy, busy_pairs=alike)[0][1] == "bruck", m
+        assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_pairs=alike)[0][1] == "bruck", m
         dear = replace(busy, name="busy_pairs", alpha=2 * busy.alpha)
-        assert tuner.price(algs, 4, m, tcp, busy=busy, busy_pairs=dear)[0][1] == "pairwise", m
-        assert tuner.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+        assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_pairs=dear)[0][1] == "pairwise", m
+        assert cost_model.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
         # cheaper in pairs than in shifts (the probe's pairs run in step): priced as the shifts
         cheap = replace(busy, name="busy_pairs", alpha=busy.alpha / 2)
         bruck = algorithms_for("all_to_all")["bruck"]
-        assert tuner.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=cheap) == \
-            tuner.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=alike), m
+        assert cost_model.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=cheap) == \
+            cost_model.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=alike), m
 
 
 def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:
     """A tree's or a linear rooted algorithm's steps only send or only receive: through shared
     memory both sides' copies run at once, and such a message cost about half an exchange's
     (9.8 against 6.5 GB/s at n=2). Those algorithms' paths are priced with the tier's one-way
-    link where the probe measured it (tuner.ONE_WAY), the work of every rank busy and the
+    link where the probe measured it (ONE_WAY), the work of every rank busy and the
     algorithms that exchange as before; a tuning file that sets a tier prices both unless it
     also sets the one-way link."""
     shm = Link("shm", 11e-6, 1 / 4.8e9, 1 / 14e9)
-    one_way = Link(tuner.ONE_WAY["shm"], 11e-6, 1 / 10e9, 1 / 14e9)
-    busy = Link(tuner.BUSY, 15e-6, 1 / 3e9, 1 / 14e9)
+    one_way = Link(ONE_WAY["shm"], 11e-6, 1 / 10e9, 1 / 14e9)
+    busy = Link(BUSY, 15e-6, 1 / 3e9, 1 / 14e9)
     m = 64 << 20
     gather, ring = algorithms_for("gather")["binomial"], algorithms_for("all_gather")["ring"]
     assert gather.one_way and not ring.one_way
-    assert tuner.predict(gather, 2, m, shm, one_way=one_way) == pytest.approx(11e-6 + m / 2 / 10e9)
-    assert tuner.predict(gather, 2, m, shm) == pytest.approx(11e-6 + m / 2 / 4.8e9)
-    assert tuner.predict(ring, 2, m, shm, one_way=one_way) == tuner.predict(ring, 2, m, shm)
+    assert cost_model.predict(gather, 2, m, shm, one_way=one_way) == pytest.approx(11e-6 + m / 2 / 10e9)
+    assert cost_model.predict(gather, 2, m, shm) == pytest.approx(11e-6 + m / 2 / 4.8e9)
+    assert cost_model.predict(ring, 2, m, shm, one_way=one_way) == cost_model.predict(ring, 2, m, shm)
     # ... and it is still the tier's link: the linear reduce folds out of shared memory's rings
     linear = algorithms_for("reduce")["linear"]
-    assert tuner.predict(linear, 4, m, shm, one_way=one_way) == pytest.approx(
-        tuner.predict(linear, 4, m, replace(one_way, name="shm")))
-    assert tuner.predict(linear, 4, m, shm, one_way=one_way) < tuner.predict(
+    assert cost_model.predict(linear, 4, m, shm, one_way=one_way) == pytest.approx(
+        cost_model.predict(linear, 4, m, replace(one_way, name="shm")))
+    assert cost_model.predict(linear, 4, m, shm, one_way=one_way) < cost_model.predict(
         linear, 4, m, replace(one_way, name="tcp"))
     # the work of every rank at once is what it was: each byte still costs both sides a copy
-    assert tuner.predict(gather, 2, m, shm, busy=busy, one_way=one_way) == tuner.predict(
+    assert cost_model.predict(gather, 2, m, shm, busy=busy, one_way=one_way) == cost_model.predict(
         gather, 2, m, shm, busy=busy, one_way=replace(one_way, beta=0.0))
     # the tuner takes it from the installed table
     g = _Group(2, "shm")
-    tuner.install(g.runtime, tuner.LinkTable({"shm": shm, one_way.name: one_way}, {}))
+    tuner.install(g.runtime, LinkTable({"shm": shm, one_way.name: one_way}, {}))
     mib = 1 << 20  # (within the default cache)
     assert tuner.decide(g, "gather", mib).predicted("binomial") == pytest.approx(11e-6 + mib / 2 / 10e9)
     # a tuning file's tier prices its messages one way too, unless the file sets those
-    table = tuner.LinkTable({"shm": shm, one_way.name: one_way}, {})
-    assert one_way.name not in calibrate.apply_overrides(table, {"shm": {"beta": 1e-9}}).links
-    kept = calibrate.apply_overrides(table, {"shm": {"beta": 1e-9}, one_way.name: {"beta": 2e-10}})
+    table = LinkTable({"shm": shm, one_way.name: one_way}, {})
+    assert one_way.name not in tuning_file.apply_overrides(table, {"shm": {"beta": 1e-9}}).links
+    kept = tuning_file.apply_overrides(table, {"shm": {"beta": 1e-9}, one_way.name: {"beta": 2e-10}})
     assert kept.links[one_way.name].beta == 2e-10
-    assert calibrate.apply_overrides(table, {"tcp": {"beta": 1e-9}}).links[one_way.name] == one_way
+    assert tuning_file.apply_overrides(table, {"tcp": {"beta": 1e-9}}).links[one_way.name] == one_way
     # ... and where none was measured one way, the file's one-way constants go on the tier's
-    alone = calibrate.apply_overrides(tuner.LinkTable({"shm": shm}, {}), {one_way.name: {"beta": 2e-10}})
+    alone = tuning_file.apply_overrides(LinkTable({"shm": shm}, {}), {one_way.name: {"beta": 2e-10}})
     assert alone.links[one_way.name] == Link(one_way.name, shm.alpha, 2e-10, shm.gamma)
 
 
@@ -290,10 +313,10 @@ def test_decision_names_the_algorithms_priced_at_the_busy_host_s_work() -> None:
     tcp = Link("tcp", alpha=105e-6, beta=1 / 1.18e9, gamma=1 / 8.7e9)
     busy = Link("busy", alpha=187e-6, beta=1 / 1.82e9, gamma=1 / 8.7e9)
     g = _Group(4, "tcp")
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, "busy": busy}, {}, extra={"busy_tier": "tcp"}))
+    tuner.install(g.runtime, LinkTable({"tcp": tcp, "busy": busy}, {}, extra={"busy_tier": "tcp"}))
     decision = tuner.decide(g, "all_to_all", 16)
     assert decision.work_bound == {"pairwise", "bruck"}, decision
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp}, {}))
+    tuner.install(g.runtime, LinkTable({"tcp": tcp}, {}))
     assert tuner.decide(g, "all_to_all", 16).work_bound == frozenset()
 
 
@@ -306,13 +329,13 @@ def test_no_step_of_a_path_costs_less_than_the_busy_alpha() -> None:
     busy = Link("busy", alpha=100e-6, beta=1 / 0.8e9, gamma=1 / 10e9)
     pairs = Link("busy_pairs", alpha=100e-6, beta=1 / 0.8e9, gamma=1 / 10e9)
     g = _Group(4, "tcp")
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, "busy": busy, "busy_pairs": pairs}, {},
+    tuner.install(g.runtime, LinkTable({"tcp": tcp, "busy": busy, "busy_pairs": pairs}, {},
                                              extra={"busy_tier": "tcp"}))
     decision = tuner.decide(g, "all_reduce", 16)
     assert decision.predicted("tree") >= 4 * busy.alpha
     assert decision.priced[0][1] == "recursive_doubling", decision.priced
     assert "tree" in decision.work_bound  # the TUNING log marks it busy-bound
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp}, {}))  # no busy link: the lone link's α
+    tuner.install(g.runtime, LinkTable({"tcp": tcp}, {}))  # no busy link: the lone link's α
     assert tuner.decide(g, "all_reduce", 16).predicted("tree") < 4 * busy.alpha
 
 
@@ -326,12 +349,12 @@ def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_s
     ring = replace(busy, name="busy_ring", beta=1 / 0.10e9)
     algs = [a for a in algorithms_for("reduce_scatter").values() if not a.needs_direct]
     for m in (4 << 20, 64 << 20):
-        priced = tuner.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)
+        priced = cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)
         assert priced[0][1] == "ring", priced
         assert priced[0][0] == pytest.approx(algorithms_for("reduce_scatter")["ring"].cost(4, m, ring))
-        alike = tuner.price(algs, 4, m, tcp, busy=busy, busy_ring=busy)
+        alike = cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=busy)
         cheapest = min(t for t, _, _ in alike)
-        tied = {name for t, name, _ in alike if t <= cheapest * (1 + tuner.TIE)}
+        tied = {name for t, name, _ in alike if t <= cheapest * (1 + cost_model.TIE)}
         assert tied >= {"ring", "pairwise"}, alike
     # a ring measured slower than changing partners prices the ring as changing partners do:
     # its flows are never slower (on a crowded host the probe's ring measured 2-3x below the
@@ -341,29 +364,29 @@ def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_s
     for slower in (busy.beta * 1.01, busy.beta * 3):
         ring = replace(busy, name="busy_ring", beta=slower)
         for m in (16, 64 << 10, 4 << 20):
-            assert tuner.predict(ring_alg, 4, m, tcp, busy=busy, busy_ring=ring) == tuner.predict(
+            assert cost_model.predict(ring_alg, 4, m, tcp, busy=busy, busy_ring=ring) == cost_model.predict(
                 ring_alg, 4, m, tcp, busy=busy, busy_ring=busy)
         # ... which ties with pairwise exchange where latency rules; the tie goes to the shorter
         # critical path, the ring's (pairwise also copies its own block)
         for m in (16, 64 << 10):
-            assert tuner.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)[0][1] == "ring"
+            assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)[0][1] == "ring"
 
 
 def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
-    """What misses the host's last-level cache pays memory's price on top (tuner.spill), once
+    """What misses the host's last-level cache pays memory's price on top (cost_model.spill), once
     per copy a byte's β counts: at 2 ranks an interleaved `--algo all` sweep (2026-11-24)
     measured every message algorithm of all_gather 1.5-4x its price from 8 MiB. Calls that
     fit the cache, and groups across hosts, are priced as before."""
     shm = Link("shm", 12.7e-6, 1 / 14.1e9, 1 / 26.1e9)  # that sweep's calibration
     direct = Link("direct", 4.23e-6, 1 / 31.8e9, 1 / 26.1e9)
-    memory = Link(tuner.MEMORY, 0.0, 0.057e-9, 0.036e-9, cache=32 << 20)
-    host = tuner.Host(memory, 2, 4 << 20)
+    memory = Link(MEMORY, 0.0, 0.057e-9, 0.036e-9, cache=32 << 20)
+    host = cost_model.Host(memory, 2, 4 << 20)
     free = replace(host, memory=replace(memory, beta=0.0, gamma=0.0))  # memory costs nothing more
     algs = list(algorithms_for("all_gather").values())
-    shares = [tuner.spill(algs[0], 2, m, host) for m in (1 << 20, 4 << 20, 16 << 20, 1 << 30)]
+    shares = [cost_model.spill(algs[0], 2, m, host) for m in (1 << 20, 4 << 20, 16 << 20, 1 << 30)]
     assert shares[0] == shares[1] == 0 and 0 < shares[2] < shares[3] < 1, shares
-    def priced(m: int, on: tuner.Host) -> dict[str, float]:
-        return {name: t for t, name, _ in tuner.price(algs, 2, m, shm, direct, host=on)}
+    def priced(m: int, on: cost_model.Host) -> dict[str, float]:
+        return {name: t for t, name, _ in cost_model.price(algs, 2, m, shm, direct, host=on)}
 
     for m in (64 << 10, 4 << 20):  # fits: nothing changes
         assert priced(m, host) == priced(m, free)
@@ -376,18 +399,19 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
         assert extra[rd.name] > 1.9 * extra["single_copy"] > 0, extra
     # ... but the one-shot all_reduce, which folds its pieces while they are in cache, nothing
     ar = algorithms_for("all_reduce")["direct"]
-    assert ar.copies == 0 and tuner.spill(ar, 2, 64 << 20, host) > 0
+    assert ar.copies == 0 and cost_model.spill(ar, 2, 64 << 20, host) > 0
     big = 64 << 20
-    charged = tuner.predict(ar, 2, big, shm, direct, host=host)
-    assert charged == tuner.predict(ar, 2, big, shm, direct, host=free)
+    charged = cost_model.predict(ar, 2, big, shm, direct, host=host)
+    assert charged == cost_model.predict(ar, 2, big, shm, direct, host=free)
     # four ranks' buffers fill the cache sooner than two's
-    assert tuner.spill(algs[0], 4, 8 << 20, replace(host, ranks=4)) > tuner.spill(algs[0], 2, 8 << 20, host)
+    assert (cost_model.spill(algs[0], 4, 8 << 20, replace(host, ranks=4))
+            > cost_model.spill(algs[0], 2, 8 << 20, host))
     # groups across hosts (TCP) are not charged: ranks elsewhere could see another cache
     g = _Group(2, "tcp")
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": shm, tuner.MEMORY: memory}, {}))
+    tuner.install(g.runtime, LinkTable({"tcp": shm, MEMORY: memory}, {}))
     assert tuner.host_of(g) is None
     g = _Group(2, "shm")
-    tuner.install(g.runtime, tuner.LinkTable({"shm": shm, tuner.MEMORY: memory}, {}))
+    tuner.install(g.runtime, LinkTable({"shm": shm, MEMORY: memory}, {}))
     assert tuner.host_of(g) == host
 
 
@@ -398,17 +422,17 @@ def test_memory_is_crowded_where_ranks_outnumber_cores() -> None:
     a lone rank's. The cores come from the calibration (every rank of the host agrees)."""
     shm = Link("shm", 12e-6, 1 / 3.4e9, 1 / 12e9)  # the shm-n4 sweep's calibration (2026-11-26)
     direct = Link("direct", 60e-6, 1 / 6.8e9, 1 / 12e9)
-    busy = Link(tuner.BUSY, 75e-6, 1 / 2.2e9, 1 / 10e9)
-    memory = Link(tuner.MEMORY, 0.0, 0.045e-9, 0.04e-9, cache=2 << 20)
-    alone = tuner.Host(memory, 4, 4 << 20)  # a core each
+    busy = Link(BUSY, 75e-6, 1 / 2.2e9, 1 / 10e9)
+    memory = Link(MEMORY, 0.0, 0.045e-9, 0.04e-9, cache=2 << 20)
+    alone = cost_model.Host(memory, 4, 4 << 20)  # a core each
     crowded = replace(alone, cores=2)
     free = replace(alone, memory=replace(memory, beta=0.0, gamma=0.0))
     m = 64 << 20
     one_shot, ring = algorithms_for("all_gather")["direct"], algorithms_for("all_gather")["ring"]
 
-    def extra(alg, host: tuner.Host, **links: Link) -> float:
-        return (tuner.predict(alg, 4, m, shm, direct, host=host, **links)
-                - tuner.predict(alg, 4, m, shm, direct, host=free, **links))
+    def extra(alg, host: cost_model.Host, **links: Link) -> float:
+        return (cost_model.predict(alg, 4, m, shm, direct, host=host, **links)
+                - cost_model.predict(alg, 4, m, shm, direct, host=free, **links))
 
     assert extra(one_shot, alone) > 0
     assert extra(one_shot, crowded) == pytest.approx(2 * extra(one_shot, alone))
@@ -421,7 +445,7 @@ def test_memory_is_crowded_where_ranks_outnumber_cores() -> None:
     for cores in (4, 8):  # as many cores as ranks, or more: nothing crowds
         assert replace(alone, cores=cores).crowded_memory() == memory
     g = _Group(4, "shm")
-    tuner.install(g.runtime, tuner.LinkTable({"shm": shm, tuner.MEMORY: memory}, {}, extra={"cores": 2}))
+    tuner.install(g.runtime, LinkTable({"shm": shm, MEMORY: memory}, {}, extra={"cores": 2}))
     assert tuner.host_of(g).cores == 2
 
 
@@ -430,46 +454,48 @@ def test_ranks_of_one_host_over_tcp_share_its_memory() -> None:
     the cache as the rings' copies do, so the group is priced with the host (the calibration's
     `hosts` say every rank is on it); ranks on several hosts are not (see host_of)."""
     tcp = Link("tcp", 25e-6, 1 / 1.7e9, 1 / 12e9)
-    memory = Link(tuner.MEMORY, 0.0, 0.045e-9, 0.04e-9, cache=2 << 20)
+    memory = Link(MEMORY, 0.0, 0.045e-9, 0.04e-9, cache=2 << 20)
     g = _Group(4, "tcp")
     for hosts, one_host in (([7, 7, 7, 7], True), ([7, 7, 8, 8], False), (None, False)):
         extra = {"cores": 2} if hosts is None else {"cores": 2, "hosts": hosts}
-        tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, tuner.MEMORY: memory}, {}, extra=extra))
+        tuner.install(g.runtime, LinkTable({"tcp": tcp, MEMORY: memory}, {}, extra=extra))
         host = tuner.host_of(g)
         assert (host is not None) == one_host, hosts
     g.ranks = [0, 1]  # a group of the two ranks on host 7
     assert tuner.host_of(g) is None  # (no hosts known)
-    tuner.install(g.runtime, tuner.LinkTable({"tcp": tcp, tuner.MEMORY: memory}, {},
+    tuner.install(g.runtime, LinkTable({"tcp": tcp, MEMORY: memory}, {},
                                              extra={"cores": 2, "hosts": [7, 7, 8, 8]}))
     assert tuner.host_of(g) is not None
     ring = algorithms_for("all_gather")["ring"]
     big = 64 << 20
-    assert tuner.predict(ring, 2, big, tcp, host=tuner.host_of(g)) > tuner.predict(ring, 2, big, tcp)
+    assert (cost_model.predict(ring, 2, big, tcp, host=tuner.host_of(g))
+            > cost_model.predict(ring, 2, big, tcp))
 
 
 def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
-    """Single copy's reads cost what the host's `cma` link says (calibrate.measure_cma), not the
+    """Single copy's reads cost what the host's `cma` link says (probes.measure_cma), not the
     one-shot path's copies: process_vm_readv of a MiB ran at 14-15 GB/s on the project's
     machine against 55-61 GB/s for memcpy, and priced at 2.5 one-shot β's (the model before)
     single copy's all_gather measured 3.4-3.7x its price at n=2 from 1 to 4 MiB, where the tuner
-    chose it over the one-shot path, 2.3-2.5x faster. From tuner.HUGE_FROM the sources are
+    chose it over the one-shot path, 2.3-2.5x faster. From cost_model.HUGE_FROM the sources are
     presumed in huge pages, read at `cma_huge`'s price (48-53 GB/s measured)."""
     shm = Link("shm", 9e-6, 1 / 15e9, 1 / 60e9)
     direct = Link("direct", 3.3e-6, 1 / 45e9, 1 / 60e9)
-    slow, fast = Link(tuner.CMA, 4e-6, 1 / 15e9, 1 / 60e9), Link(tuner.CMA, 4e-6, 1 / 200e9, 1 / 60e9)
+    slow, fast = Link(CMA, 4e-6, 1 / 15e9, 1 / 60e9), Link(CMA, 4e-6, 1 / 200e9, 1 / 60e9)
     algs = list(algorithms_for("all_gather").values())
     sc = algorithms_for("all_gather")["single_copy"]
     one_shot = algorithms_for("all_gather")["direct"]
-    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 2, 4 << 20)
-    huge = tuner.HUGE_FROM
+    host = cost_model.Host(DEFAULT_LINKS[MEMORY], 2, 4 << 20)
+    huge = cost_model.HUGE_FROM
     for m, read in ((huge // 2, "cma"), (huge - 4096, "cma"), (huge, "cma_huge")):
         slow_host, fast_host = replace(host, **{read: slow}), replace(host, **{read: fast})
         # two flag rounds, and each rank reads (n-1)/n of m out of its peers
-        assert tuner.predict(sc, 2, m, shm, direct, host=slow_host) == pytest.approx(2 * 4e-6 + m / 2 / 15e9)
-        assert tuner.price(algs, 2, m, shm, direct, host=slow_host)[0][1] != "single_copy"
-        assert tuner.price(algs, 2, m, shm, direct, host=fast_host)[0][1] == "single_copy"
+        assert (cost_model.predict(sc, 2, m, shm, direct, host=slow_host)
+                == pytest.approx(2 * 4e-6 + m / 2 / 15e9))
+        assert cost_model.price(algs, 2, m, shm, direct, host=slow_host)[0][1] != "single_copy"
+        assert cost_model.price(algs, 2, m, shm, direct, host=fast_host)[0][1] == "single_copy"
         # the one-shot path keeps its own constants whatever the reads cost
-        assert tuner.predict(one_shot, 2, m, shm, direct, host=slow_host) == tuner.predict(
+        assert cost_model.predict(one_shot, 2, m, shm, direct, host=slow_host) == cost_model.predict(
             one_shot, 2, m, shm, direct, host=fast_host)
 
 
@@ -505,15 +531,15 @@ def test_huge_pages_expected(tmp_path, monkeypatch, setting: str, mode: str, tor
 def test_host_reads_at_the_huge_page_price_only_where_expected() -> None:
     """The link a single-host group prices single copy's large reads with: `cma_huge` where the
     ranks expect huge pages (agreed at calibration, else this rank's config), else `cma`."""
-    small, huge = Link(tuner.CMA, 4e-6, 1 / 14e9, 1 / 30e9), Link(tuner.CMA_HUGE, 4e-6, 1 / 46e9, 1 / 30e9)
+    small, huge = Link(CMA, 4e-6, 1 / 14e9, 1 / 30e9), Link(CMA_HUGE, 4e-6, 1 / 46e9, 1 / 30e9)
     for expected in (True, False):
         g = _Group(2, "shm", Config(huge_pages=expected))
-        links = {"shm": tuner.DEFAULT_LINKS["shm"], tuner.CMA: small, tuner.CMA_HUGE: huge}
-        tuner.install(g.runtime, tuner.LinkTable(links, {}))
-        assert tuner.host_of(g).reads(tuner.HUGE_FROM) == (huge if expected else small)
-        assert tuner.host_of(g).reads(tuner.HUGE_FROM - 1) == small
-        tuner.install(g.runtime, tuner.LinkTable(links, {}, extra={"huge_pages": not expected}))
-        assert tuner.host_of(g).reads(tuner.HUGE_FROM) == (small if expected else huge)
+        links = {"shm": DEFAULT_LINKS["shm"], CMA: small, CMA_HUGE: huge}
+        tuner.install(g.runtime, LinkTable(links, {}))
+        assert tuner.host_of(g).reads(cost_model.HUGE_FROM) == (huge if expected else small)
+        assert tuner.host_of(g).reads(cost_model.HUGE_FROM - 1) == small
+        tuner.install(g.runtime, LinkTable(links, {}, extra={"huge_pages": not expected}))
+        assert tuner.host_of(g).reads(cost_model.HUGE_FROM) == (small if expected else huge)
 
 
 def test_single_copy_turns_on_its_sources_pages() -> None:
@@ -521,20 +547,20 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     copy while its sources are presumed or seen in huge pages, the other choice once a call saw
     one in 4 KiB pages (group.huge_seen), priced so from then on; below HUGE_FROM, and where no
     huge pages are expected, single copy is priced at `cma` and nothing turns on the pages."""
-    small, huge = Link(tuner.CMA, 1e-6, 1 / 0.5e9, 1e-12), Link(tuner.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
-    links = {"shm": tuner.DEFAULT_LINKS["shm"], "direct": tuner.DEFAULT_LINKS["direct"],
-             tuner.CMA: small, tuner.CMA_HUGE: huge}
-    m = 4 * tuner.HUGE_FROM
+    small, huge = Link(CMA, 1e-6, 1 / 0.5e9, 1e-12), Link(CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    links = {"shm": DEFAULT_LINKS["shm"], "direct": DEFAULT_LINKS["direct"],
+             CMA: small, CMA_HUGE: huge}
+    m = 4 * cost_model.HUGE_FROM
     g = _Group(2, "shm")
     g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False, huge_eighths=8)
     g.engine = SimpleNamespace(oversubscribed=False)
-    tuner.install(g.runtime, tuner.LinkTable(links, {}))
+    tuner.install(g.runtime, LinkTable(links, {}))
     choice = tuner.select(g, "all_to_all", m)
     assert isinstance(choice, tuner.PageDependent) and choice.huge.name == "single_copy"
     other = choice.small.name
     assert other != "single_copy" and choice.current() is choice.huge
     assert tuner.decide(g, "all_to_all", m).priced[0][1] == "single_copy"
-    assert not isinstance(tuner.select(g, "all_to_all", tuner.HUGE_FROM // 2), tuner.PageDependent)
+    assert not isinstance(tuner.select(g, "all_to_all", cost_model.HUGE_FROM // 2), tuner.PageDependent)
     # a call whose sources were 3/8 in huge pages: the size goes to the other choice
     ran = []
     choice.huge = replace(choice.huge, run=lambda call, *a: ran.append("single_copy"))
@@ -552,7 +578,7 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     g = _Group(2, "shm", Config(huge_pages=False))
     g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False)
     g.engine = SimpleNamespace(oversubscribed=False)
-    tuner.install(g.runtime, tuner.LinkTable(links, {}))
+    tuner.install(g.runtime, LinkTable(links, {}))
     assert tuner.select(g, "all_to_all", m).name == other
 
 
@@ -561,19 +587,19 @@ def test_memory_probe_charges_what_spill_charges(monkeypatch) -> None:
     prices it: measured on arrays of four times the cache's size each (7/8 of their bytes
     miss) against arrays within a core's reach, and the default where the cache would hide
     most of them."""
-    monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 2 << 20)  # small: quick
-    cache, beta, gamma = calibrate.measure_memory()
+    monkeypatch.setattr(host_probes, "last_level_cache", lambda cpu=None: 2 << 20)  # small: quick
+    cache, beta, gamma = host_probes.measure_memory()
     assert cache <= 2 << 20 and 0 <= beta < 1e-9 and 0 <= gamma < 1e-9
-    monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 1 << 30)
-    monkeypatch.setattr(calibrate, "cache_in_reach", lambda limit: limit)  # all of it within reach
-    default = tuner.DEFAULT_LINKS[tuner.MEMORY]
-    assert calibrate.measure_memory() == (float(1 << 30), default.beta, default.gamma)
+    monkeypatch.setattr(host_probes, "last_level_cache", lambda cpu=None: 1 << 30)
+    monkeypatch.setattr(host_probes, "cache_in_reach", lambda limit: limit)  # all of it within reach
+    default = DEFAULT_LINKS[MEMORY]
+    assert host_probes.measure_memory() == (float(1 << 30), default.beta, default.gamma)
     # a core reaches 1 MiB of a last-level cache said to be 480 MiB (the Intel VM): the host
     # has its cores' share, and the probe compares copies far beyond it with copies well
     # within a core's reach; copies of a MiB on both sides had found memory free there
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(calibrate, "last_level_cache", lambda cpu=None: 480 << 20)
-    monkeypatch.setattr(calibrate, "cache_in_reach", lambda limit: 1 << 20)
+    monkeypatch.setattr(host_probes, "last_level_cache", lambda cpu=None: 480 << 20)
+    monkeypatch.setattr(host_probes, "cache_in_reach", lambda limit: 1 << 20)
     timed = []
 
     def copy_and_add(a, b, batch=1):  # 1 ns a byte out of reach, 0.1 within: memory costs 0.9
@@ -581,10 +607,10 @@ def test_memory_probe_charges_what_spill_charges(monkeypatch) -> None:
         per_byte = 1e-9 if 2 * a.nbytes > 1 << 20 else 1e-10
         return per_byte, 2 * per_byte
 
-    monkeypatch.setattr(calibrate, "_copy_and_add", copy_and_add)
-    cache, beta, gamma = calibrate.measure_memory()
+    monkeypatch.setattr(host_probes, "_copy_and_add", copy_and_add)
+    cache, beta, gamma = host_probes.measure_memory()
     big, small = timed
-    assert cache == cores * (1 << 20) and big == min(4 * cache, calibrate.MEMORY_ARRAY_MAX)
+    assert cache == cores * (1 << 20) and big == min(4 * cache, host_probes.MEMORY_ARRAY_MAX)
     assert 2 * small <= (1 << 20) // 2
     share = 1 - cache / (2 * big)
     assert beta == pytest.approx(0.9e-9 / share) and gamma == pytest.approx(1.8e-9 / share)
@@ -599,27 +625,27 @@ def test_cache_in_reach_is_where_copies_slow_down(monkeypatch) -> None:
 
     sizes = [128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20]
     slow = [s * (1e-11 if s <= 512 << 10 else 2e-11) for s in sizes]
-    monkeypatch.setattr(calibrate, "_best", fake_best(slow))
-    assert calibrate.cache_in_reach(1 << 30) == 1 << 20
-    monkeypatch.setattr(calibrate, "_best", fake_best([s * 1e-11 for s in sizes]))
-    assert calibrate.cache_in_reach(4 << 20) == 4 << 20
+    monkeypatch.setattr(host_probes, "_best", fake_best(slow))
+    assert host_probes.cache_in_reach(1 << 30) == 1 << 20
+    monkeypatch.setattr(host_probes, "_best", fake_best([s * 1e-11 for s in sizes]))
+    assert host_probes.cache_in_reach(4 << 20) == 4 << 20
 
 
 def test_a_preempted_series_of_one_shot_calls_is_not_the_typical_call(monkeypatch) -> None:
-    """calibrate._typical keeps the least of its series' means: a rank that lost its core
+    """probes.typical keeps the least of its series' means: a rank that lost its core
     for a whole series (every call 3 ms here, then 10 us) does not make the one shot look
     slow for the whole job. (One rank: the maximum over ranks is the rank's own times.)"""
-    monkeypatch.setattr(calibrate, "recursive_doubling_all_reduce", lambda call, times, op: None)
+    monkeypatch.setattr(probes, "recursive_doubling_all_reduce", lambda call, times, op: None)
     calls = iter(range(10**6))
-    first_series = calibrate.DIRECT_WARM + calibrate.DIRECT_CALLS
+    first_series = probes.DIRECT_WARM + probes.DIRECT_CALLS
 
     def run() -> None:
         busy_until = time.perf_counter() + (3e-3 if next(calls) < first_series else 1e-5)
         while time.perf_counter() < busy_until:
             pass
 
-    assert calibrate.DIRECT_SERIES > 1
-    assert calibrate._typical(SimpleNamespace(_internal_call=lambda what: None), run) < 1e-3
+    assert probes.DIRECT_SERIES > 1
+    assert probes.typical(SimpleNamespace(queue=SimpleNamespace(internal_call=lambda what: None)), run) < 1e-3
 
 
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
@@ -687,8 +713,8 @@ def rank_choice_at(sizes: list[int]) -> dict:
 def _table_summary() -> dict:
     g = tw.world()
     t = tuner.table_for(g.runtime)
-    return {"links": {k: tuple(getattr(v, f) for f in calibrate.REQUIRED) for k, v in t.links.items()},
-            "cache": t.link(tuner.MEMORY).cache, "sources": t.sources,
+    return {"links": {k: tuple(getattr(v, f) for f in tuning_file.REQUIRED) for k, v in t.links.items()},
+            "cache": t.link(MEMORY).cache, "sources": t.sources,
             "single_copy": bool(g.direct and g.direct.single_copy),
             "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path,
             "checked": t.extra.get("checked", "")}
@@ -703,11 +729,11 @@ def rank_crossover_end_to_end() -> dict:
     g = tw.world()
     t = tuner.table_for(g.runtime)
     tier = tuner.tier_of(g)
-    changes = plan.crossovers(list(algorithms_for("all_reduce").values()), "all_reduce", g.size,
-                              plan.Tier(tier, t.link(tier), "", direct_ok=g.direct is not None,
+    changes = pricing.crossovers(list(algorithms_for("all_reduce").values()), "all_reduce", g.size,
+                              pricing.Tier(tier, t.link(tier), "", direct_ok=g.direct is not None,
                                         direct=t.links.get("direct") if g.direct else None,
-                                        memory=t.link(tuner.MEMORY) if g.all_local else None,
-                                        cma=t.link(tuner.CMA)),
+                                        memory=t.link(MEMORY) if g.all_local else None,
+                                        cma=t.link(CMA)),
                               g.runtime.config, g.direct.slot_bytes if g.direct else 0)
     size, below, above = next((c for c in changes if c[0] <= 4 << 20), (0, None, None))
     if not size:  # measured constants without a crossover below 4 MiB: check two sizes instead
@@ -753,13 +779,13 @@ def test_calibrations_are_cached_per_tcp_setting() -> None:
     with the defaults is not reused once TENSORWIRE_TCP_CONGESTION, TENSORWIRE_TCP_SNDBUF or
     TENSORWIRE_TCP_RCVBUF names another, nor the other way; one that names the default is the
     default's."""
-    hosts, tiers = [calibrate.host_hash()], ["tcp", "tcp_one_way"]
+    hosts, tiers = [cache.host_hash()], ["tcp", "tcp_one_way"]
 
     def key(**settings) -> str:
-        return calibrate.cache_key(hosts, tiers, 4, replace(Config(), **settings).tcp_changed())
+        return cache.cache_key(hosts, tiers, 4, replace(Config(), **settings).tcp_changed())
 
     system = key()
-    assert calibrate.cache_key(hosts, tiers, 4) == system
+    assert cache.cache_key(hosts, tiers, 4) == system
     assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF) == system
     keys = {system, *(key(tcp_congestion=cc) for cc in ("cubic", "reno")),
             *(key(tcp_sndbuf=b) for b in (0, 4 << 20)), *(key(tcp_rcvbuf=b) for b in (0, 256 << 10))}
@@ -790,18 +816,18 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # the first init probed the tier in use (and on one host the one-shot shared-memory path
     # and, where the group has it, single copy), every rank busy at once, the host's memory,
     # and wrote the cache
-    reads = [tuner.CMA, tuner.CMA_HUGE] if first[0]["single_copy"] else []
+    reads = [CMA, CMA_HUGE] if first[0]["single_copy"] else []
     one_host = ["direct", *reads] if tier == "shm" else []
-    used = [tier, tuner.ONE_WAY[tier], *one_host, tuner.BUSY, tuner.BUSY_RING, tuner.BUSY_PAIRS, tuner.MEMORY]
-    unused = {t: "default" for t in tuner.DEFAULT_LINKS if t not in used}
+    used = [tier, ONE_WAY[tier], *one_host, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY]
+    unused = {t: "default" for t in DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
     alpha, beta, gamma = first[0]["links"][tier]
     assert 1e-8 <= alpha < 0.05 and 1e-13 <= beta < 1e-6 and 1e-13 <= gamma < 1e-6, first[0]
     # messages one way: the exchanges' α, a β of their own (at least half a 1 MiB message's time)
-    assert first[0]["links"][tuner.ONE_WAY[tier]][::2] == (alpha, gamma)
-    assert 1e-13 <= first[0]["links"][tuner.ONE_WAY[tier]][1] < 1e-6
-    _, extra_copy, extra_add = first[0]["links"][tuner.MEMORY]  # per byte beyond the cache: >= 0
+    assert first[0]["links"][ONE_WAY[tier]][::2] == (alpha, gamma)
+    assert 1e-13 <= first[0]["links"][ONE_WAY[tier]][1] < 1e-6
+    _, extra_copy, extra_add = first[0]["links"][MEMORY]  # per byte beyond the cache: >= 0
     assert first[0]["cache"] > 0 and 0 <= extra_copy < 1e-8 and 0 <= extra_add < 1e-8, first[0]
     # a second world on the same hosts and topology reads the cache: no probe (unless the
     # first probe met a slow spell, which the check of the cache catches: see `again` below)
@@ -814,9 +840,9 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     assert second[0]["ok"]
     # force probes again (and rewrites the cache); 0 skips cache and probe
     assert forced[0]["sources"][tier] == "calibrated" and forced[0]["probe_s"] > 0
-    assert skipped[0]["sources"] == {t: "default" for t in tuner.DEFAULT_LINKS} and skipped[0]["probe_s"] == 0
-    default = tuner.DEFAULT_LINKS[tier]
-    assert skipped[0]["links"][tier] == tuple(getattr(default, f) for f in calibrate.REQUIRED)
+    assert skipped[0]["sources"] == {t: "default" for t in DEFAULT_LINKS} and skipped[0]["probe_s"] == 0
+    default = DEFAULT_LINKS[tier]
+    assert skipped[0]["links"][tier] == tuple(getattr(default, f) for f in tuning_file.REQUIRED)
     if again[0]["checked"]:
         # the forced probe met a slow spell (its busy ring a mean over rounds others preempted,
         # as in 1 run of 3-4 right after the 5-rank TCP job of test_crossing), which the check
@@ -851,7 +877,7 @@ def _plant(path: str, **changes) -> None:
     97 us, 14x its 7)."""
     with open(path) as f:
         doc = json.load(f)
-    for name in ("direct", tuner.BUSY, tuner.BUSY_RING, *tuner.TIERS):
+    for name in ("direct", BUSY, BUSY_RING, *cost_model.TIERS):
         for field in ("alpha", "beta"):
             if f"{name}_{field}" in changes:
                 doc["links"][name][field] = changes.pop(f"{name}_{field}")
@@ -907,12 +933,12 @@ def test_a_bad_calibration_in_the_cache_changes_no_choice(tmp_path) -> None:
         assert [r["ran"] for r in job] == [clean[0]["ran"]] * 2, (name, job)
         assert all(r["ok"] for r in job)
         # measured again: nothing of the entry was used
-        assert job[0]["sources"]["direct"] == job[0]["sources"][tuner.BUSY] == "calibrated", (name, job[0])
+        assert job[0]["sources"]["direct"] == job[0]["sources"][BUSY] == "calibrated", (name, job[0])
         assert job[0]["probe_s"] > 0
         assert job[0]["links"]["direct"][0] != 1e-2, (name, job[0]["links"]["direct"])
     # the planted entry was caught by the check of the cache, and replaced
     assert "direct α" in planted[0]["extra"]["checked"] and "busy α" in planted[0]["extra"]["checked"]
-    assert after_planted["direct"][0] != 1e-2 and after_planted[tuner.BUSY][0] != 1e-2
+    assert after_planted["direct"][0] != 1e-2 and after_planted[BUSY][0] != 1e-2
     assert loaded[0]["extra"]["checked"] == expired[0]["extra"]["checked"] == ""  # not read at all
 
 
@@ -925,15 +951,15 @@ def test_a_cached_entry_whose_large_messages_were_slow_is_measured_again(tmp_pat
     try:
         clean = cluster.run(rank_reinit_and_choose, free_port(), env)
         path = clean[0]["cache_path"]
-        slow = 100 * _cached_links(path)[tuner.BUSY_RING][1]
+        slow = 100 * _cached_links(path)[BUSY_RING][1]
         _plant(path, busy_ring_beta=slow)
         planted = cluster.run(rank_reinit_and_choose, free_port(), {})
         after = _cached_links(path)
     finally:
         cluster.close()
     assert "busy_ring β" in planted[0]["extra"]["checked"], planted[0]["extra"]
-    assert planted[0]["sources"][tuner.BUSY_RING] == "calibrated" and planted[0]["probe_s"] > 0
-    assert planted[0]["links"][tuner.BUSY_RING][1] < slow / 3 and after[tuner.BUSY_RING][1] < slow / 3
+    assert planted[0]["sources"][BUSY_RING] == "calibrated" and planted[0]["probe_s"] > 0
+    assert planted[0]["links"][BUSY_RING][1] < slow / 3 and after[BUSY_RING][1] < slow / 3
 
 
 def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
@@ -960,14 +986,14 @@ def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
             with open(busy[0]["cache_path"]) as f:
                 entry = json.load(f)
             # a probe the loops did not reach is a clean one, and trusted as such
-            assert entry["trusted"] is (entry["foreign_cores"] <= calibrate.LOAD_SLACK), entry
-            if entry["foreign_cores"] > calibrate.LOAD_SLACK:
+            assert entry["trusted"] is (entry["foreign_cores"] <= probes.LOAD_SLACK), entry
+            if entry["foreign_cores"] > probes.LOAD_SLACK:
                 break
         after = cluster.run(rank_reinit_and_choose, free_port(), {})
     finally:
         cluster.close()
     assert busy[0]["sources"]["direct"] == "calibrated" and busy[0]["probe_s"] > 0
-    assert entry["trusted"] is False and entry["foreign_cores"] > calibrate.LOAD_SLACK, entry
+    assert entry["trusted"] is False and entry["foreign_cores"] > probes.LOAD_SLACK, entry
     assert busy[0]["extra"]["foreign_cores"] == pytest.approx(entry["foreign_cores"], abs=0.01)
     assert after[0]["sources"]["direct"] == "calibrated" and after[0]["probe_s"] > 0
     assert after[0]["ran"] == "direct"
@@ -982,7 +1008,7 @@ def _as_if_trusted(path: str) -> None:
     with open(path) as f:
         doc = json.load(f)
     doc["trusted"] = True
-    for name in ("direct", tuner.BUSY):
+    for name in ("direct", BUSY):
         if name in doc["links"]:
             doc["links"][name]["alpha"] = min(doc["links"][name]["alpha"], 1e-6)
     with open(path, "w") as f:
@@ -991,12 +1017,12 @@ def _as_if_trusted(path: str) -> None:
 
 def _cached_links(path: str) -> dict:
     with open(path) as f:
-        links = calibrate.parse_tuning(json.load(f)["links"], path)
-    return {t: tuple(v[f] for f in calibrate.REQUIRED) for t, v in links.items()}
+        links = tuning_file.parse_tuning(json.load(f)["links"], path)
+    return {t: tuple(v[f] for f in tuning_file.REQUIRED) for t, v in links.items()}
 
 
 def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
-    """calibrate.spread: where a host's ranks outnumber its cores, each rank is measured on a
+    """probes.spread: where a host's ranks outnumber its cores, each rank is measured on a
     core of its own turn (rank order, round the cores), then gets its cores back; elsewhere,
     and for ranks of other hosts, nothing changes."""
     cores = sorted(os.sched_getaffinity(0))
@@ -1004,53 +1030,82 @@ def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
     hosts = [7] * (n + 1) + [9] * 2  # n + 1 ranks here, two on another host
     seen = {}
     for rank in (0, 1, n):
-        with calibrate.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts):
+        with probes.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts):
             seen[rank] = os.sched_getaffinity(0)
         assert sorted(os.sched_getaffinity(0)) == cores
     assert seen[0] == {cores[0]} and seen[n] == {cores[0]} and seen[1] == {cores[1 % n]}
     for rank, where in ((len(hosts) - 1, hosts), (0, [7] * n)):  # not crowded: all cores
-        with calibrate.spread(SimpleNamespace(size=len(where), rank=rank), where):
+        with probes.spread(SimpleNamespace(size=len(where), rank=rank), where):
             assert sorted(os.sched_getaffinity(0)) == cores
 
 
 def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
     """read_cache returns an entry only if it is whole, of this probe's version, trusted (not
     measured under load) and younger than the maximum age."""
-    path = calibrate.cache_path(str(tmp_path), "k")
+    path = cache.cache_path(str(tmp_path), "k")
     shm = Link("shm", 1e-5, 1e-9, 1e-10)
 
     def write(**meta) -> None:
-        calibrate.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True, **meta})
+        cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True, **meta})
 
     write()
-    links, doc = calibrate.read_cache(path, ["shm"], max_age=60)
+    links, doc = cache.read_cache(path, ["shm"], max_age=60)
     assert links == {"shm": shm} and doc["trusted"]
-    assert calibrate.read_cache(path, ["shm", "tcp"]) is None  # a tier it does not have
+    assert cache.read_cache(path, ["shm", "tcp"]) is None  # a tier it does not have
     write(trusted=False, foreign_cores=1.3)  # measured under load
-    assert calibrate.read_cache(path, ["shm"]) is None
+    assert cache.read_cache(path, ["shm"]) is None
     write(created=time.time() - 120)
-    assert calibrate.read_cache(path, ["shm"], max_age=60) is None
-    assert calibrate.read_cache(path, ["shm"], max_age=600) is not None
+    assert cache.read_cache(path, ["shm"], max_age=60) is None
+    assert cache.read_cache(path, ["shm"], max_age=600) is not None
     write(created=time.time() + 3600)  # from the future: a clock that moved
-    assert calibrate.read_cache(path, ["shm"], max_age=60) is None
+    assert cache.read_cache(path, ["shm"], max_age=60) is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "large", "symlink"])
+def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: str) -> None:
+    """Whatever lies where an entry should (valid JSON that is no object, nesting deep enough to
+    break the parser, a FIFO, a file far larger than an entry, a link) is neither trusted nor a
+    crash nor a wait: read_cache names it in one warning, `tensorwire plan` skips it, and the
+    next write replaces it."""
+    path = cache.cache_path(str(tmp_path), "k")
+    if bad == "fifo":
+        os.mkfifo(path)
+    elif bad == "symlink":
+        good = tmp_path / "elsewhere.json"
+        cache.write_cache(str(good), {"shm": Link("shm", 1e-5, 1e-9, 1e-10)},
+                          {"created": time.time(), "trusted": True})
+        os.symlink(good, path)
+    else:
+        text = {"list": "[1, 2, 3]", "null": "null", "nested": "[" * 200_000 + "]" * 200_000,
+                "links_list": json.dumps({"version": cache.PROBE_VERSION, "links": [1]}),
+                "large": json.dumps({"pad": "x" * (cache.MAX_ENTRY_BYTES + 1), "links": {}})}[bad]
+        Path(path).write_text(text)
+    with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
+        assert cache.read_cache(path, ["shm"]) is None
+    assert [r for r in caplog.records if path in r.getMessage()], caplog.text
+    assert cache.cached_entries(str(tmp_path)) == []
+    shm = Link("shm", 1e-5, 1e-9, 1e-10)
+    cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
 
 
 def test_the_cache_key_holds_what_changes_the_measurement(monkeypatch) -> None:
     """An entry measured with other usable cores, another kernel, Python or numpy, or other
     settings of waiting, binding, rings or slots is another entry."""
-    hosts, tiers = [calibrate.host_hash()], ["shm", "direct"]
-    digest = calibrate.environment_digest
+    hosts, tiers = [cache.host_hash()], ["shm", "direct"]
+    digest = cache.environment_digest
     base = digest(Config(), 2)
     others = {digest(Config(), 4), digest(Config(spin_us=0.0), 2), digest(Config(bind=True), 2),
               digest(Config(shm_ring_bytes=1 << 20), 2), digest(Config(direct_bytes=0), 2)}
-    monkeypatch.setattr(calibrate.platform, "release", lambda: "0.0.1-other")
+    monkeypatch.setattr(cache.platform, "release", lambda: "0.0.1-other")
     others.add(digest(Config(), 2))
-    monkeypatch.setattr(calibrate.np, "__version__", "0.1.0")
+    monkeypatch.setattr(cache.np, "__version__", "0.1.0")
     others.add(digest(Config(), 2))
     assert base not in others and len(others) == 7
-    keys = {calibrate.cache_key(hosts, tiers, 2, environments=[e]) for e in (base, *others)}
-    assert len(keys) == 8 and calibrate.cache_key(hosts, tiers, 2, environments=[base, base]) in keys
-    assert calibrate.cache_key(hosts, tiers, 2, environments=[base, next(iter(others))]) not in keys
+    keys = {cache.cache_key(hosts, tiers, 2, environments=[e]) for e in (base, *others)}
+    assert len(keys) == 8 and cache.cache_key(hosts, tiers, 2, environments=[base, base]) in keys
+    assert cache.cache_key(hosts, tiers, 2, environments=[base, next(iter(others))]) not in keys
 
 
 def test_max_age_setting(monkeypatch) -> None:
@@ -1064,7 +1119,33 @@ def test_max_age_setting(monkeypatch) -> None:
             Config.from_env()
 
 
-def _one_host_pair() -> tuple[_Group, tuner.LinkTable]:
+def test_timeouts_take_units_and_debug_settings_are_checked(monkeypatch) -> None:
+    """configuration.md: durations take ms, s, m, h, d (a bare number is seconds), and a bad
+    value fails with its name, TENSORWIRE_DEBUG and TENSORWIRE_DEBUG_SUBSYS included."""
+    for name, field_name in (("TENSORWIRE_TIMEOUT", "timeout"), ("TENSORWIRE_AUTH_TIMEOUT", "auth_timeout")):
+        for text, seconds in (("45", 45), ("2.5", 2.5), ("500ms", 0.5), ("90s", 90), ("2m", 120),
+                              ("1h", 3600)):
+            monkeypatch.setenv(name, text)
+            assert getattr(Config.from_env(), field_name) == seconds
+        monkeypatch.setenv(name, "2 minutes")
+        with pytest.raises(ValueError, match=name):
+            Config.from_env()
+        monkeypatch.delenv(name)
+    for value in ("info", "TRACE", "warn"):
+        monkeypatch.setenv("TENSORWIRE_DEBUG", value)
+        Config.from_env()
+    monkeypatch.setenv("TENSORWIRE_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match="TENSORWIRE_DEBUG='LOUD': expected one of .*INFO"):
+        Config.from_env()
+    monkeypatch.delenv("TENSORWIRE_DEBUG")
+    monkeypatch.setenv("TENSORWIRE_DEBUG_SUBSYS", "INIT,^coll")
+    Config.from_env()
+    monkeypatch.setenv("TENSORWIRE_DEBUG_SUBSYS", "INIT,NET")
+    with pytest.raises(ValueError, match="TENSORWIRE_DEBUG_SUBSYS.*unknown NET"):
+        Config.from_env()
+
+
+def _one_host_pair() -> tuple[_Group, LinkTable]:
     """Two ranks of one host with the one-shot path, and the constants of issue 35's unlucky
     probe: the one shot at 97 us where the lone pair's α is 11 and the busy one 10.8."""
     g = _Group(2, "shm")
@@ -1074,10 +1155,10 @@ def _one_host_pair() -> tuple[_Group, tuner.LinkTable]:
     links = {"shm": Link("shm", 11.3e-6, 1 / 7.6e9, gamma),
              "shm_one_way": Link("shm_one_way", 11.3e-6, 1 / 13e9, gamma),
              "direct": Link("direct", 97e-6, 1 / 24e9, gamma),
-             tuner.BUSY: Link(tuner.BUSY, 10.8e-6, 1 / 10.8e9, gamma),
-             tuner.BUSY_RING: Link(tuner.BUSY_RING, 10.8e-6, 1 / 14.6e9, gamma),
-             tuner.BUSY_PAIRS: Link(tuner.BUSY_PAIRS, 10.8e-6, 1 / 10.8e9, gamma)}
-    return g, tuner.LinkTable(links, {t: "cached" for t in links},
+             BUSY: Link(BUSY, 10.8e-6, 1 / 10.8e9, gamma),
+             BUSY_RING: Link(BUSY_RING, 10.8e-6, 1 / 14.6e9, gamma),
+             BUSY_PAIRS: Link(BUSY_PAIRS, 10.8e-6, 1 / 10.8e9, gamma)}
+    return g, LinkTable(links, {t: "cached" for t in links},
                               extra={"busy_tier": "shm", "hosts": [1, 1], "cores": 2})
 
 
@@ -1108,10 +1189,10 @@ def test_the_one_shot_is_priced_below_the_rest_unless_measured_slower() -> None:
     # probe on the loaded development VM measured it), single copy's price bounds the one shot
     g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False, huge_eighths=8)
     gamma = table.links["shm"].gamma
-    stall = replace(table.links[tuner.BUSY], alpha=12.6e-3)
-    stalled = replace(table, links={**table.links, tuner.BUSY: stall,
-                                    tuner.CMA: Link(tuner.CMA, 5.7e-6, 1 / 10e9, gamma),
-                                    tuner.CMA_HUGE: Link(tuner.CMA_HUGE, 5.7e-6, 1 / 18e9, gamma)})
+    stall = replace(table.links[BUSY], alpha=12.6e-3)
+    stalled = replace(table, links={**table.links, BUSY: stall,
+                                    CMA: Link(CMA, 5.7e-6, 1 / 10e9, gamma),
+                                    CMA_HUGE: Link(CMA_HUGE, 5.7e-6, 1 / 18e9, gamma)})
     tuner.install(g.runtime, stalled)
     assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "single_copy"
     tuner.install(g.runtime, calibrate.bound_direct(g, stalled, slower=False, from_file=False))
@@ -1177,7 +1258,7 @@ def test_tuning_file_overrides_and_flips_the_choice(tmp_path, capfd) -> None:
     err = capfd.readouterr().err
     link = Link("tcp", *after[0]["table"]["links"]["tcp"])
     assert link.alpha == 1.0 and after[0]["table"]["sources"]["tcp"] == "file+default"
-    assert link.beta == tuner.DEFAULT_LINKS["tcp"].beta  # fields the file does not set are kept
+    assert link.beta == DEFAULT_LINKS["tcp"].beta  # fields the file does not set are kept
     expected = min(tuner.candidates(_Group(n, "tcp"), "all_reduce", m),
                    key=lambda a: (a.cost(n, m, link), a.name))
     assert {r["choice"] for r in after} == {expected.name}
@@ -1201,7 +1282,7 @@ def test_bad_tuning_files_are_clear_errors(tmp_path, content: str, words: list[s
     path = tmp_path / "t.json"
     path.write_text(content)
     with pytest.raises(InvalidArgumentError) as info:
-        calibrate.load_tuning_file(str(path))
+        tuning_file.load_tuning_file(str(path))
     for w in words:
         assert w in str(info.value)
     assert str(path) in str(info.value)
@@ -1211,13 +1292,13 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"shm": {"alpha_us": 5, "bandwidth_GBps": 2, "reduce_GBps": 4},
                                 "tcp": {"beta": 1e-9}, "roce": {"alpha_us": 4, "bandwidth_GBps": 23}}))
-    over = calibrate.load_tuning_file(str(path))
+    over = tuning_file.load_tuning_file(str(path))
     assert over["shm"] == pytest.approx({"alpha": 5e-6, "beta": 0.5e-9, "gamma": 0.25e-9})
-    table = calibrate.apply_overrides(tuner.default_table(), over)
+    table = tuning_file.apply_overrides(cost_model.default_table(), over)
     # roce lacks γ: not a runtime tier
     assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
                              "cma_huge": "default", "memory": "default"}
-    assert table.link("tcp").alpha == tuner.DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
+    assert table.link("tcp").alpha == DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 
 def test_a_bad_tuning_file_fails_init_on_every_rank(tmp_path) -> None:
@@ -1233,11 +1314,11 @@ def test_a_bad_tuning_file_fails_init_on_every_rank(tmp_path) -> None:
 
 def _seed_cache(directory: str) -> None:
     """A calibration of both local tiers on this host, as an init would have written it."""
-    me = format(calibrate.host_hash(), "016x")
+    me = format(cache.host_hash(), "016x")
     for tier, link in (("shm", Link("shm", 5e-6, 1 / 4e9, 1 / 10e9)),
                        ("tcp", Link("tcp", 40e-6, 1 / 2e9, 1 / 10e9))):
-        key = calibrate.cache_key([calibrate.host_hash()], [tier], 2)
-        calibrate.write_cache(calibrate.cache_path(directory, key), {tier: link},
+        key = cache.cache_key([cache.host_hash()], [tier], 2)
+        cache.write_cache(cache.cache_path(directory, key), {tier: link},
                               {"created": time.time(), "world_size": 2, "tiers": [tier], "hosts": [me]})
 
 
@@ -1265,10 +1346,11 @@ def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, c
     # the cheapest at 64 MiB is what the tuner picks with those constants, on one host of 16 ranks
     # (with a shared-memory path and single copy, and a core each)
     link = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9)
-    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 16, Config().shm_ring_bytes)
+    host = cost_model.Host(DEFAULT_LINKS[MEMORY], 16, Config().shm_ring_bytes)
     group = _Group(16, "shm")
     group.direct = SimpleNamespace(slot_bytes=Config().direct_slot(16), single_copy=True, crowded=False)
-    best = tuner.price(tuner.candidates(group, "all_reduce", 64 << 20), 16, 64 << 20, link, host=host)[0][1]
+    candidates = tuner.candidates(group, "all_reduce", 64 << 20)
+    best = cost_model.price(candidates, 16, 64 << 20, link, host=host)[0][1]
     first_row = next(line for line in blocks[0].splitlines() if "<- cheapest" in line)
     assert f"    {best} " in first_row
 
@@ -1279,21 +1361,21 @@ def test_plan_prices_the_trees_with_the_link_measured_one_way(tmp_path, monkeypa
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
     monkeypatch.delenv("TENSORWIRE_ALGO", raising=False)
-    shm, one_way = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9), Link(tuner.ONE_WAY["shm"], 5e-6, 1 / 9e9, 1 / 10e9)
-    key = calibrate.cache_key([calibrate.host_hash()], ["shm", one_way.name], 2)
-    calibrate.write_cache(calibrate.cache_path(str(tmp_path), key), {"shm": shm, one_way.name: one_way},
+    shm, one_way = Link("shm", 5e-6, 1 / 4e9, 1 / 10e9), Link(ONE_WAY["shm"], 5e-6, 1 / 9e9, 1 / 10e9)
+    key = cache.cache_key([cache.host_hash()], ["shm", one_way.name], 2)
+    cache.write_cache(cache.cache_path(str(tmp_path), key), {"shm": shm, one_way.name: one_way},
                           {"created": time.time(), "world_size": 2, "tiers": ["shm", one_way.name],
-                           "hosts": [format(calibrate.host_hash(), "016x")]})
+                           "hosts": [format(cache.host_hash(), "016x")]})
     m = 64 << 20
     assert cli.main(["plan", "gather", "64MiB", "--np", "4", "--tier", "shm", "--no-probe"]) == 0
     out = capsys.readouterr().out
     assert "messages one way (trees, linear rooted): α 5 us, β 9 GB/s" in out, out
-    host = tuner.Host(tuner.DEFAULT_LINKS[tuner.MEMORY], 4, Config().shm_ring_bytes)
+    host = cost_model.Host(DEFAULT_LINKS[MEMORY], 4, Config().shm_ring_bytes)
     binomial = algorithms_for("gather")["binomial"]
-    priced = tuner.predict(binomial, 4, m, shm, host=host, one_way=one_way)
-    assert priced < tuner.predict(binomial, 4, m, shm, host=host)
+    priced = cost_model.predict(binomial, 4, m, shm, host=host, one_way=one_way)
+    assert priced < cost_model.predict(binomial, 4, m, shm, host=host)
     row = next(line for line in out.splitlines() if line.startswith("    binomial "))
-    assert tuner.format_seconds(priced) in row, (row, tuner.format_seconds(priced))
+    assert cost_model.format_seconds(priced) in row, (row, cost_model.format_seconds(priced))
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])
@@ -1308,9 +1390,9 @@ def test_plan_prices_huge_page_reads_as_the_tuner_would(tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert ("out of huge pages" in out) == (setting == "1"), out
     tier = plan.resolve(["shm"], Config.from_env(), False, None, lambda _: None)[0]
-    cma = tuner.DEFAULT_LINKS[tuner.CMA]
-    huge = tuner.DEFAULT_LINKS[tuner.CMA_HUGE] if setting == "1" else cma
-    assert tier.host(2).reads(tuner.HUGE_FROM) == huge
+    cma = DEFAULT_LINKS[CMA]
+    huge = DEFAULT_LINKS[CMA_HUGE] if setting == "1" else cma
+    assert tier.host(2).reads(cost_model.HUGE_FROM) == huge
 
 
 def test_plan_takes_the_calibration_nearest_its_rank_count(tmp_path, monkeypatch) -> None:
@@ -1319,12 +1401,12 @@ def test_plan_takes_the_calibration_nearest_its_rank_count(tmp_path, monkeypatch
     nearest N, the newest of those, whatever was calibrated last."""
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
-    me = format(calibrate.host_hash(), "016x")
+    me = format(cache.host_hash(), "016x")
     for age, ranks, alpha in ((30, 2, 4e-6), (20, 8, 80e-6), (10, 4, 40e-6), (40, 4, 99e-6)):
-        key = calibrate.cache_key([calibrate.host_hash()], ["shm"], ranks) + f"-{age}"
+        key = cache.cache_key([cache.host_hash()], ["shm"], ranks) + f"-{age}"
         meta = {"created": time.time() - age, "world_size": ranks, "tiers": ["shm"], "hosts": [me]}
         links = {"shm": Link("shm", alpha, 1e-10, 1e-10)}
-        calibrate.write_cache(calibrate.cache_path(str(tmp_path), key), links, meta)
+        cache.write_cache(cache.cache_path(str(tmp_path), key), links, meta)
 
     def alpha(n: int) -> float:
         return plan.resolve(["shm"], Config.from_env(), False, None, lambda _: None, n)[0].link.alpha
@@ -1358,6 +1440,23 @@ def test_plan_probes_when_nothing_is_cached(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "probing with 2 local ranks" in proc.stdout
     assert proc.stdout.count("cached ") == 2 and "default: no calibration" not in proc.stdout, proc.stdout
-    assert len(calibrate.cached_entries(str(tmp_path))) == 2
+    assert len(cache.cached_entries(str(tmp_path))) == 2
     print(f"\nplan with a probe of both tiers: {time.monotonic() - t0:.1f} s")
 
+
+
+def test_plan_prices_a_hypothetical_tier_alike_whatever_is_listed_beside(tmp_path, monkeypatch) -> None:
+    """A hypothetical tier's reductions take this host's shared-memory γ, whether or not local
+    tiers (whose cache also holds the memory entry, a slower γ) are listed with it."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    links = {"memory": Link("memory", 1e-6, 1 / 6e9, 1 / 6.36e9),
+             "shm": Link("shm", 2e-6, 1 / 9e9, 1 / 11.1e9)}
+    cache.write_cache(cache.cache_path(str(tmp_path), "k"), links,
+                      {"created": time.time(), "trusted": True, "hosts": [format(cache.host_hash(), "016x")],
+                       "world_size": 2})
+    cfg = Config.from_env()
+    local = pricing.cached_links(cfg, 2)
+    assert set(local) == {"memory", "shm"}
+    alone = pricing.tiers(["ib-ndr"], cfg, {}, {}, None)[0].link
+    beside = pricing.tiers(["shm", "ib-ndr"], cfg, {}, local, None)[1].link
+    assert alone == beside and alone.gamma == links["shm"].gamma

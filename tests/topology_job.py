@@ -29,8 +29,10 @@ from collections.abc import Iterator
 import numpy as np
 
 import tensorwire as tw
-from tensorwire import tuner
-from tensorwire.ops import ReduceOp, Reduction, check_op_dtype, reference
+from tensorwire.ops import ReduceOp, Reduction
+from tensorwire.ops.reference import reference
+from tensorwire.ops.validation import check_op_dtype
+from tensorwire.tuning import tuner
 
 try:
     import ml_dtypes

@@ -1,5 +1,5 @@
 """`python -m tensorwire ...` behaves like the `tensorwire` script."""
 
-from tensorwire.cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -15,16 +15,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import auth, calibrate, log, memory, tuner
+from . import auth, log, memory
 from .config import Config
 from .errors import NotInitializedError
-from .group import Group
+from .group.group import Group
 from .rendezvous import bootstrap
-from .rendezvous.store import PrefixStore, StoreLimits
+from .rendezvous.prefix_store import PrefixStore
+from .rendezvous.tcp_protocol import StoreLimits
 from .runtime import Runtime
-from .topo import Topology, local_card
 from .transport import netif
 from .transport.connect import connect_world
+from .tuning import calibrate, policy
+from .tuning.topology import Topology, local_card
 
 _runtime: Runtime | None = None
 _generation = 0
@@ -58,7 +60,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             memory.keep_freed_memory()
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
-        tuner.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
+        policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
         _generation += 1
         # One process opens no connection: nothing to prove (and no per-user secret to create).
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
@@ -182,7 +184,7 @@ def _group(group: Group | None, what: str) -> Group:
 def _forward(name: str) -> Callable[..., Any]:
     """Group.<name> as a module-level function: the same parameters plus `group=None` (the
     world). It is compiled with the method's explicit signature: a *args/**kwargs wrapper
-    cost about 0.5 µs per call, a tenth of a small all_reduce."""
+    costs a noticeable share of a small all_reduce (docs/design/groups.md#forwarding)."""
     method = getattr(Group, name)
     params = list(inspect.signature(method).parameters.values())[1:]  # without self
     env: dict[str, Any] = {"_method": method, "_api": sys.modules[__name__]}

@@ -13,8 +13,8 @@ talks to an impostor that merely took over an address:
 
 The store confirms, so that a client it dropped while crowded retries instead of losing its
 first request. Between ranks the dialer is done once it has sent its proof: the confirmation
-cost one more wait for the other rank to be scheduled on init's critical path (wiring of a
-4-rank job on the loaded 2-core box: +5 ms p50 with it, +2 ms without, against no handshake).
+would cost one more wait for the other rank to be scheduled on init's critical path
+(docs/design/rendezvous.md#handshake).
 
 The responder is a sans-IO state machine (`Responder`) fed by the store's event loop and by a
 rank's accept loop, which read no more than it asks for, so a stranger's bytes are never

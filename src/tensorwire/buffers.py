@@ -16,15 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError
-from .ops import SUPPORTED_NUMS, carrier, check_dtype, is_supported_dtype
+from .errors import InvalidArgumentError, call_prefix
+from .ops.carriers import carrier
+from .ops.dtypes import SUPPORTED_NUMS, check_dtype, is_supported_dtype
 
 __all__ = ["as_array", "flat", "byte_view", "copy", "huge_zeros", "like_torch", "is_torch_tensor",
            "seen_torch_view", "torch_dtype_to_numpy"]
-
-
-def _where(rank: int, collective: str) -> str:
-    return f"rank {rank}, {collective}: "
 
 
 def as_array(obj: Any, *, writable: bool, rank: int, collective: str, name: str = "tensor") -> np.ndarray:
@@ -49,12 +46,12 @@ def as_array(obj: Any, *, writable: bool, rank: int, collective: str, name: str 
         arr = _from_foreign(obj, writable, rank, collective, name)
     if not arr.flags.c_contiguous:
         raise InvalidArgumentError(
-            f"{_where(rank, collective)}{name} is not C-contiguous (shape {arr.shape}, "
+            f"{call_prefix(rank, collective)}{name} is not C-contiguous (shape {arr.shape}, "
             f"strides {arr.strides}); pass np.ascontiguousarray(x) and, for an output, copy the result back"
         )
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError(
-            f"{_where(rank, collective)}{name} is read-only but {collective} writes its result into it; "
+            f"{call_prefix(rank, collective)}{name} is read-only but {collective} writes its result into it; "
             "pass a writable array (e.g. x.copy())"
         )
     if not is_supported_dtype(arr.dtype):
@@ -71,18 +68,18 @@ def _from_foreign(obj: Any, writable: bool, rank: int, collective: str, name: st
     if view is not None:
         if writable and view.readonly:
             raise InvalidArgumentError(
-                f"{_where(rank, collective)}{name} ({type(obj).__name__}) is read-only but {collective} "
+                f"{call_prefix(rank, collective)}{name} ({type(obj).__name__}) is read-only but {collective} "
                 "writes its result into it; pass a bytearray or a writable array"
             )
         if not view.c_contiguous:
             raise InvalidArgumentError(
-                f"{_where(rank, collective)}{name} ({type(obj).__name__}) is not C-contiguous"
+                f"{call_prefix(rank, collective)}{name} ({type(obj).__name__}) is not C-contiguous"
             )
         try:
             return np.asarray(view)
         except (TypeError, ValueError, NotImplementedError) as exc:
             raise InvalidArgumentError(
-                f"{_where(rank, collective)}{name} ({type(obj).__name__}) has buffer format "
+                f"{call_prefix(rank, collective)}{name} ({type(obj).__name__}) has buffer format "
                 f"{view.format!r} that numpy cannot read: {exc}"
             ) from None
     if hasattr(obj, "__dlpack__"):
@@ -90,13 +87,14 @@ def _from_foreign(obj: Any, writable: bool, rank: int, collective: str, name: st
             arr = np.from_dlpack(obj)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(
-                f"{_where(rank, collective)}{name} ({type(obj).__name__}) cannot be viewed through DLPack "
-                f"as host memory ({exc}); move it to the CPU first"
+                f"{call_prefix(rank, collective)}{name} ({type(obj).__name__}) cannot be viewed through "
+                f"DLPack as host memory ({exc}); move it to the CPU first"
             ) from None
         return arr
     raise InvalidArgumentError(
-        f"{_where(rank, collective)}{name} of type {type(obj).__module__}.{type(obj).__qualname__} is not "
-        "supported (pass a numpy array, a CPU torch tensor, or an object with the buffer protocol or DLPack)"
+        f"{call_prefix(rank, collective)}{name} of type {type(obj).__module__}.{type(obj).__qualname__} "
+        "is not supported (pass a numpy array, a CPU torch tensor, or an object with the buffer protocol "
+        "or DLPack)"
     )
 
 
@@ -137,7 +135,7 @@ def _ml_dtype(name: str) -> np.dtype | None:
 
 def torch_dtype_to_numpy(tdtype: Any) -> np.dtype | None:
     """The numpy dtype holding a torch dtype's values (ml_dtypes' where it has one, else a
-    carrier: see ops.carrier), or None when there is none."""
+    carrier: see ops.carriers.carrier), or None when there is none."""
     key = str(tdtype)
     if key in _TORCH_NATIVE:
         return np.dtype(key.removeprefix("torch."))
@@ -153,8 +151,9 @@ _VIEWS: dict[tuple[int, Any, Any], tuple[np.ndarray, bool]] = {}
 its dtype is complex). See `seen_torch_view`."""
 _VIEWS_MAX = 64
 VIEWED_BYTES = 64 << 10
-"""Tensors up to this size keep their views (`_VIEWS`): adapting one costs ~1.5 us, a
-call's whole time at these sizes; a larger call takes long enough for that not to show."""
+"""Tensors up to this size keep their views (`_VIEWS`): adapting one costs as much as a whole
+call at these sizes; a larger call takes long enough for that not to show
+(docs/design/buffers.md#views)."""
 _PLAIN_TENSORS: frozenset[type] = frozenset()  # torch.Tensor, nn.Parameter once torch is seen
 
 
@@ -169,7 +168,7 @@ def seen_torch_view(obj: Any) -> np.ndarray | None:
     (set_, resize_, .data =), and a device tensor never has a kept host view's address (one
     address space). What the key cannot see is checked here: the layout (`x.t()` of a
     square x has x's key) and the lazy negative/conjugate bits (`z.conj()`, `z.conj().imag`
-    of one element), about 0.4 us of attribute reads in all."""
+    of one element)."""
     if type(obj) not in _PLAIN_TENSORS:
         return None
     try:
@@ -182,11 +181,11 @@ def seen_torch_view(obj: Any) -> np.ndarray | None:
 
 
 def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
-    """Checks cheapest first (~1.5 us in all; `.numpy()` is half of it), unless seen before."""
+    """Checks cheapest first (`.numpy()` is half of the cost), unless seen before."""
     seen = seen_torch_view(t)
     if seen is not None:
         return seen
-    where = _where(rank, collective)
+    where = call_prefix(rank, collective)
     if not t.is_cpu:
         raise InvalidArgumentError(
             f"{where}{name} is on {t.device} while the call's other buffers are in host memory; one call "
@@ -276,8 +275,8 @@ _U8 = np.dtype(np.uint8)  # viewing with a dtype object is twice as fast as with
 
 def address(arr: np.ndarray) -> int:
     """The address of arr's first byte. Through ctypes where numpy lends the buffer writable
-    and contiguous: 0.18 us on the project's machine, against 0.8 for `arr.ctypes.data`, which
-    a large single-copy call read 5-8 times."""
+    and contiguous: several times cheaper than `arr.ctypes.data`, which a large single-copy
+    call reads several times (docs/design/buffers.md#address)."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(arr))
     except (TypeError, ValueError, BufferError):  # read-only, empty or strided
@@ -293,18 +292,14 @@ def byte_view(arr: np.ndarray) -> np.ndarray:
 
 
 _ALIASED = 32
-"""glibc copies 4-512 KiB with `rep movsb`, which on this project's AMD machines runs about 10x
-slower when the destination lies 1-31 bytes past the source modulo 4096 (256 KiB: 89-138 us
-against 9-14 us; a 64 KiB copy 23 against 2). numpy arrays served by mmap start 16 bytes into a
-page and two arrays allocated one after the other from the heap often lie 16 bytes apart, so a
-send and a receive buffer meet that window as a rule, not by chance."""
+"""glibc copies 4-512 KiB with `rep movsb`, which runs many times slower when the destination
+lies 1-31 bytes past the source modulo 4096; numpy's buffers meet that window as a rule, not by
+chance (docs/design/buffers.md#aliasing)."""
 _CHECKED = 16 << 10  # below, reading the two addresses costs more than the window can
 PIECE = 512 << 10
-"""Contiguous copies larger than this run in pieces of this size. From 1 MiB (the L2 size
-of this project's AMD machines) glibc's memcpy leaves `rep movsb` for a vector loop, which
-ran 4.8x slower into shared memory that the peer had just read (8.3 against 40-42 GB/s for
-a MiB into a slot at n=2, as two 512 KiB copies; 1020 KiB whole: 42 GB/s) and also slower
-between private buffers (16 MiB: 26 against 40 GB/s; 64 MiB: 18 against 22)."""
+"""Contiguous copies larger than this run in pieces of this size: from 1 MiB glibc's memcpy
+leaves `rep movsb` for a vector loop that is slower, most of all into shared memory the peer
+has just read (docs/design/buffers.md#pieces)."""
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -333,8 +328,8 @@ def huge_zeros(nbytes: int) -> np.ndarray:
     """nbytes of zeros (uint8), aligned to 2 MiB and advised for transparent huge pages.
 
     Where a peer reads a buffer straight out of this process (single copy), the kernel pins
-    its pages one by one: out of huge pages the read ran at 48-53 GB/s, out of 4 KiB pages at
-    14-15 (4 MiB, n=2, the project's machine). numpy advises huge pages only for arrays from
+    its pages one by one, far faster out of huge pages than out of 4 KiB ones
+    (docs/design/buffers.md#huge-pages). numpy advises huge pages only for arrays from
     4 MiB and leaves the alignment to malloc, so the edges of an array stay in small pages;
     buffers from here are huge throughout, where the kernel allows it (THP not `never`)."""
     # Private (a shared anonymous mapping is shmem, whose huge pages are another setting,

@@ -9,6 +9,8 @@ import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 
+from . import log
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -45,8 +47,8 @@ def huge_pages_expected(setting: str) -> bool:
     `auto`: not where the kernel gives none (THP `never`); all where it gives them to every
     mapping (`always`); under `madvise` (the common default) numpy advises its arrays from 4
     MiB, but torch's CPU allocator only with THP_MEM_ALLOC_ENABLE=1 (`tensorwire run` sets it),
-    so not in a process that has imported torch without it. With torch tensors in 4 KiB pages,
-    a 25 MiB all_reduce by single copy took 3.4 ms against the ring's 2.1 (n=2)."""
+    so not in a process that has imported torch without it (why it matters:
+    docs/design/buffers.md#huge-pages)."""
     value = setting.strip().lower() or "auto"
     if value in ("0", "1"):
         return value == "1"
@@ -62,14 +64,45 @@ def huge_pages_expected(setting: str) -> bool:
     return "torch" not in sys.modules or os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
 
 
+_DURATION_UNITS = (("ms", 1e-3), ("s", 1), ("m", 60), ("h", 3600), ("d", 86400))
+
+
 def parse_duration(text: str) -> float:
-    """'3600', '90s', '30m', '12h', '7d' -> seconds."""
+    """'3600', '500ms', '90s', '30m', '12h', '7d' -> seconds."""
     t = text.strip().lower()
-    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], 1)
+    number, scale = t, 1.0
+    for unit, seconds in _DURATION_UNITS:
+        if t.endswith(unit):
+            number, scale = t[: -len(unit)], seconds
+            break
     try:
-        return float(t[:-1] if t[-1:].isalpha() else t) * scale
+        return float(number) * scale
     except ValueError as exc:
-        raise ValueError(f"cannot read duration {text!r} (use e.g. 3600, 90s, 30m, 12h, 7d)") from exc
+        raise ValueError(f"cannot read duration {text!r} (use e.g. 300, 500ms, 90s, 30m, 12h, 7d)") from exc
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse_duration(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def check_debug_settings() -> None:
+    """TENSORWIRE_DEBUG and TENSORWIRE_DEBUG_SUBSYS name known levels and subsystems: a typo
+    would silently log something else."""
+    level = os.environ.get("TENSORWIRE_DEBUG", "").strip().upper()
+    if level and level not in log.LEVELS:
+        raise ValueError(f"TENSORWIRE_DEBUG={level!r}: expected one of {', '.join(log.LEVELS)}")
+    subsys = os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "").strip().upper()
+    unknown = [s for s in subsys.split(",") if s.strip().lstrip("^") not in (*log.SUBSYSTEMS, "ALL")] \
+        if subsys else []
+    if unknown:
+        raise ValueError(f"TENSORWIRE_DEBUG_SUBSYS={subsys!r}: unknown {', '.join(unknown)} (known: ALL, "
+                         f"{', '.join(log.SUBSYSTEMS)}; ^X excludes X)")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -105,7 +138,7 @@ TCP_RCVBUF = 4 << 20
 """Default SO_RCVBUF of a TCP connection: a whole step of a large collective can land while
 its receiver waits for a core (why: tcp.tune_socket)."""
 TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
-"""The Config fields that shape a TCP connection, and so its measured α and β."""
+"""The Config fields that shape a TCP connection, and so its calibrated α and β."""
 
 AUTH_TIMEOUT_S = 10.0
 """Default time a connection gets to authenticate: a rank's handshake takes a few round trips
@@ -164,17 +197,17 @@ class Config:
     bind: bool = False
     """Where a machine runs more ranks than the cores they may use, bind each rank to one of
     those cores, round robin by its index among the machine's ranks (TENSORWIRE_BIND=1; a
-    trade measured in Engine.adapt_to_machine)."""
+    trade weighed in Engine.adapt_to_machine)."""
     deterministic: bool = False
     """Bitwise-reproducible reductions: every element folded in rank order (TENSORWIRE_DETERMINISTIC)."""
     calibrate: str = "1"
     """Link calibration at init: '0' skip, '1' probe unless cached, 'force' (TENSORWIRE_CALIBRATE)."""
     tuning_file: str = ""
-    """JSON file of per-tier alpha/beta/gamma that override the measured ones (TENSORWIRE_TUNING_FILE)."""
+    """JSON file of per-tier alpha/beta/gamma that override the calibrated ones (TENSORWIRE_TUNING_FILE)."""
     cache_dir: str = ""
     """Where calibrations are cached; '' means $XDG_CACHE_HOME or ~/.cache, then /tensorwire."""
     cache_max_age: float = 86400.0
-    """Seconds after which a cached calibration is measured again (TENSORWIRE_CACHE_MAX_AGE)."""
+    """Seconds after which a cached calibration is redone (TENSORWIRE_CACHE_MAX_AGE)."""
     keep_memory: bool = True
     """Keep freed memory in the process, so temporaries reuse warm pages (TENSORWIRE_KEEP_MEMORY)."""
     single_copy: str = "1"
@@ -184,7 +217,7 @@ class Config:
     all_to_all unless ranks outnumber cores (slower there), 'force' wherever the kernel allows
     (TENSORWIRE_SINGLE_COPY)."""
     huge_pages: bool = True
-    """Presume single copy's sources in huge pages until a call sees otherwise (tuner.HUGE_FROM,
+    """Presume single copy's sources in huge pages until a call sees otherwise (cost_model.HUGE_FROM,
     tuner.PageDependent): TENSORWIRE_HUGE_PAGES=1 or 0, or `auto` (see huge_pages_expected).
     Every rank of a job prices alike: calibration takes it only where all ranks expect them."""
     cuda_ipc: bool = True
@@ -196,7 +229,7 @@ class Config:
     cuda_host_below: int = 0
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
     one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;
-    slower on the one shared H100 measured: docs/design/gpu.md)."""
+    slower where tried: docs/design/gpu.md)."""
     cuda_chunk: int = 4 << 20
     """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
     the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""
@@ -219,7 +252,7 @@ class Config:
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
         cfg = cls(
-            timeout=_env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
+            timeout=_env_seconds("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
             transport=os.environ.get("TENSORWIRE_TRANSPORT", "auto").strip().lower() or "auto",
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
@@ -245,7 +278,7 @@ class Config:
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
-            auth_timeout=_env_float("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
+            auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
             auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
             store_max_value=_env_size_or("TENSORWIRE_STORE_MAX_VALUE", STORE_MAX_VALUE),
             store_max_connections=_env_int("TENSORWIRE_STORE_MAX_CONNECTIONS", 4096),
@@ -253,6 +286,7 @@ class Config:
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
+        check_debug_settings()
         if cfg.transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
         if cfg.calibrate not in ("0", "1", "force"):

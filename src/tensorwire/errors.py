@@ -52,6 +52,17 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]
 
 
+def call_prefix(rank: int | None, collective: str | None) -> str:
+    """'rank 3, all_reduce: ' (either part where known, '' with neither): how a message about
+    a caller's argument starts."""
+    parts = []
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    if collective:
+        parts.append(collective)
+    return ", ".join(parts) + ": " if parts else ""
+
+
 class CollectiveMismatchError(TensorwireError):
     """Ranks disagree on which collective they call, or on its count, dtype, op or root."""
 

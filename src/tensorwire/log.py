@@ -13,8 +13,8 @@ import sys
 import warnings
 
 SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "LAUNCH", "BENCH", "AUTH")
-_LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
-           "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG}
+LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
+          "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG}
 _configured = False
 
 
@@ -45,7 +45,7 @@ def configure() -> None:
     root = logging.getLogger("tensorwire")
     if not level_name:
         return
-    root.setLevel(_LEVELS.get(level_name, logging.INFO))
+    root.setLevel(LEVELS.get(level_name, logging.INFO))
     handler = logging.StreamHandler()
     host = socket.gethostname()
     handler.setFormatter(logging.Formatter(

@@ -3,11 +3,10 @@
 Algorithms need temporaries of the message's size (a received block, a copy to reduce into),
 and so does the engine for messages that arrive before their receive is posted. glibc serves
 large allocations with fresh mmap()s and trims the heap on free, so every such temporary is
-new memory whose first touch page-faults: about 1 ms per MiB on the project's KVM machine,
-twenty times a memcpy, which made a 1 MiB recursive-doubling all_reduce three times slower
-than its exchanges. MPI libraries make the same choice (Open MPI's memory hooks turn mmap and
-trimming off for the same reason): with allocations served from the heap and the heap kept,
-a collective's temporaries reuse the pages of the previous call.
+new memory whose first touch page-faults, far slower than copying into warm pages
+(docs/design/buffers.md#kept-memory). MPI libraries make the same choice (Open MPI's memory
+hooks turn mmap and trimming off for the same reason): with allocations served from the heap
+and the heap kept, a collective's temporaries reuse the pages of the previous call.
 
 TENSORWIRE_KEEP_MEMORY=0 leaves the allocator alone. Only glibc is tuned; elsewhere this does
 nothing.

@@ -10,8 +10,8 @@ from . import log
 from .config import Config
 from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
-from .topo import Topology
 from .transport.engine import Engine
+from .tuning.topology import Topology
 
 _WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
 
@@ -29,12 +29,15 @@ class Runtime:
     segments: list = field(default_factory=list)  # shared segments of this process's groups
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
+    closed: bool = False  # destroy() ran: its groups' calls raise NotInitializedError
     topology: Topology | None = None  # who is near whom (None: the torch backend's runtime over another
     # backend's world, which learns its peers group by group)
 
     def close(self) -> None:
+        self.closed = True
         for group in list(self.groups):
-            group.stop_worker(_WORKER_GRACE_S)
+            group.queue.stop_worker(_WORKER_GRACE_S)
+            group.forget_plans()  # a later call takes the checked path, which names the destroy
         self.engine.close()
         for seg in self.segments:
             seg.close()

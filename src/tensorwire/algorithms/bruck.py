@@ -138,8 +138,5 @@ def _all_to_all_cost(n: int, m: int, link: Link) -> float:
 
 register(Algorithm("bruck", "all_gather", bruck_all_gather, _all_gather_cost))
 # exchanges: round k+1 forwards what round k received, so each round waits for the partner's
-# previous one. The 97ad626 tcp-n4 sweep (4 ranks on 2 cores) measured forced Bruck at
-# 1.18-1.41 ms against pairwise's 0.86-1.14 ms from 16 B to 64 KiB, where the plain model priced
-# Bruck's two rounds below pairwise's three steps; a later run measured the reverse by less
-# (0.97-1.28 against 1.01-1.33 ms): the two are close there, and pairwise's worst case is milder.
+# previous one (docs/design/algorithms.md#bruck-all-to-all).
 register(Algorithm("bruck", "all_to_all", bruck_all_to_all, _all_to_all_cost, exchanges=True))

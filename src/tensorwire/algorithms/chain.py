@@ -20,7 +20,7 @@ from .base import P2P
 from .registry import Algorithm, Link, register
 
 MIN_SEGMENT_BYTES = 8 << 10
-"""Below this a segment's α outweighs what it saves on every link measured here."""
+"""Below this a segment's α outweighs what it saves on every link tensorwire runs over."""
 
 
 def best_segments(n: int, m: int, link: Link) -> float:

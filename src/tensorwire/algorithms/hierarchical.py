@@ -19,7 +19,7 @@ message, which the host's rank on that rail hands out within its host: H - 1 + P
 its rail, at the price of two passes through memory to regroup the blocks.
 
 The sub-groups come from the group (`P2P.hierarchy`, built collectively on first use). Where
-hosts hold different numbers of ranks (topo.Layout.shape), the all_reduce crosses on the rails
+hosts hold different numbers of ranks (topology.Layout.shape), the all_reduce crosses on the rails
 every host has (as many as the emptiest host's ranks: the others' shares are empty), the
 leaders' all_reduce, all_gather and reduce_scatter, the barrier, broadcast and reduce through
 rail 0 (a root whose rail not every host has goes through its host's first rank); the rails'
@@ -42,42 +42,12 @@ import numpy as np
 
 from ..errors import TensorwireError, in_call
 from ..ops import ReduceOp
+from ..tuning.shape import COPY, LocalPrice, RailPrice, Shape
 from .base import P2P, contiguous_span, offsets_of, split_counts
 from .registry import Algorithm, Link, register
 
 NAME = "hierarchical"
 LEADERS = "hierarchical_leaders"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A group over `hosts` hosts of `per_host` ranks each, or where hosts hold different
-    numbers, `per_host` on the fullest and `least` on the emptiest; `nic_share`: how many of a
-    host's ranks share each of its network interfaces as they cross at once along the rails
-    (the rails of a phase divide a link between them)."""
-
-    hosts: int
-    per_host: int
-    nic_share: float = 1.0
-    least: int | None = None
-
-    @property
-    def uniform(self) -> bool:
-        return self.least is None or self.least == self.per_host
-
-    @property
-    def rails(self) -> int:
-        """The rails every host has (one per rank of the emptiest host)."""
-        return self.per_host if self.least is None else self.least
-
-
-LocalPrice = Callable[[str, int, int], float]
-"""(collective, ranks, bytes) -> seconds of the cheapest algorithm on one host's tier; for the
-collective COPY, of a pass of bytes through one rank's memory."""
-COPY = "copy"
-RailPrice = Callable[[str, int, int, float], float]
-"""(collective, ranks, bytes, flows sharing a link) -> seconds of the cheapest algorithm
-between hosts, its β multiplied by the flows that share each host's link."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +59,7 @@ class Hierarchy:
     rail: Any
     """This rank's rail: the ranks at its index on every host, hosts in order (a Group)."""
     hosts: tuple[tuple[int, ...], ...]
-    """Group ranks per host (topo.Layout.hosts)."""
+    """Group ranks per host (topology.Layout.hosts)."""
     host: int
     index: int
     where: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -119,16 +89,13 @@ def _even(counts: list[int]) -> bool:
 PIECE_BYTES = 8 << 20
 """A large all_reduce runs in pieces of about this size, pipelined: while the rails carry one
 piece between hosts (on the rail group's worker thread), the hosts reduce-scatter the next and
-all-gather the last one. On 2 emulated hosts x 4 ranks at 1 Gbit/s (one 2-core VM for all 8
-ranks), 64 MiB in one piece spent 0.09-0.14 s in the reduce-scatter, 0.58-0.62 s between the
-hosts and 0.16-0.27 s in the all-gather, one after the other (docs/design/topology.md)."""
+all-gather the last one, instead of the three phases one after the other
+(docs/design/topology.md#pipelining-the-all_reduce)."""
 MAX_PIECES = 8
 PIECE_ALPHAS = 20
 """A piece's share crosses in at least this many of the link's α: each piece pays a step's α
 on the rails, so where α is large against what a piece moves (a slow or distant link, or a
-calibration that measured one) fewer pieces go. At the test bed's measured 0.19 ms and
-0.112 GB/s, 8 MiB pieces of 4 shares each cross in 390 α; a probe that measured 23 ms (loaded
-VM) priced 8 pieces at 0.2 s more than one and left 64 MiB to the leaders' variant."""
+calibration that found one) fewer pieces go (docs/design/topology.md#pipelining-the-all_reduce)."""
 SHARE_MIN = 1 << 10
 """The reduce-scatter/all_reduce/all-gather runs where every rank's block (bytes / group size)
 holds at least this much; smaller calls take the leaders' variant (or a flat algorithm). The
@@ -137,8 +104,8 @@ cost model sees bytes, not elements, so it cannot tell where a call's shares com
 phases through the vector forms, on the message path instead of the one-shot one, and a
 one-element all_reduce (a loss, a flag) would go through two rounds of recursive halving and
 doubling where the leaders' variant takes one shot each way. Above a KiB a block's bytes, not
-the rounds, decide, and the shares' smaller messages between hosts win (a presumption: small
-calls on the loaded 2-core test bed measured 8-30 ms whatever ran)."""
+the rounds, decide, and the shares' smaller messages between hosts win (a presumption:
+docs/design/topology.md#pricing-the-phases)."""
 
 
 def pieces(count: int, itemsize: int, per_host: int, link: Link | None = None) -> list[tuple[int, int]]:

@@ -73,22 +73,16 @@ def _gather_cost(n: int, nbytes: int, link: Link) -> float:
 def _scatter_cost(n: int, nbytes: int, link: Link) -> float:
     """As the gather: the root posts its sends at once and they go into the peers' rings or
     sockets without waiting for the receivers, so their latencies overlap; the bytes leave
-    the root one message after another. Priced at (n-1) α, the tree won every tie of the busy
-    bound at small sizes, while back to back over 20 calls a round (2026-11-26) the linear
-    scatter measured 1.2-1.7x faster at 16 B-64 KiB on shared memory and over TCP. Sweeps of 5
-    calls a round had caught it in a slow mode (77-130 against 18-23 us at n=4) as often as
-    not, and had found it slower than the tree at most n = 4 points."""
+    the root one message after another (why not (n-1) α: docs/design/algorithms.md#linear-scatter)."""
     return _gather_cost(n, nbytes, link)
 
 
 def _reduce_cost(n: int, m: int, link: Link) -> float:
     """n-1 whole buffers into the root, each folded there in rank order, after the overlapped
-    latency. Over a network they share the root's link: (n-1) m (β + γ) (4 emulated hosts at
-    1 Gbit/s measured 1.03-1.11x that from 64 KiB). Through shared memory every sender has a
-    ring of its own to the root, which folds straight out of it (a receive with `reduce=`):
-    the first buffer arrives at β and the root's n-1 folds set the pace, m β + (n-1) m γ.
-    Priced as over a network, the shm-n4 sweeps measured it at 0.42-0.62x its price from 1 MiB
-    and chose the tree or the rank-ordered reduce, 1.2-2.1x slower. (At n=2 the two agree.)"""
+    latency. Over a network they share the root's link: (n-1) m (β + γ). Through shared memory
+    every sender has a ring of its own to the root, which folds straight out of it (a receive
+    with `reduce=`): the first buffer arrives at β and the root's n-1 folds set the pace,
+    m β + (n-1) m γ (docs/design/algorithms.md#linear-reduce)."""
     if link.name == "shm":
         return _root_latency(n, link) + m * link.beta + (n - 1) * m * link.gamma
     return _root_latency(n, link) + (n - 1) * m * (link.beta + link.gamma)

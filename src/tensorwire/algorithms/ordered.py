@@ -5,7 +5,7 @@ An algorithm's pattern follows rank numbers (the ring's neighbours r ± 1, recur
 partners r ^ 2^k, a binomial tree's children root + 2^k), so where ranks are numbered across
 hosts (a cyclic placement: rank r on host r mod H) every hop of a ring crosses between hosts.
 `arrange` gives an algorithm a view of its call in which virtual rank v is group rank
-order[v] (topo.Layout: each host's ranks together; for rooted collectives the root's host
+order[v] (topology.Layout: each host's ranks together; for rooted collectives the root's host
 first, the root at 0): messages go to the group rank behind each virtual one, and the blocks
 of block-wise collectives (all_gather, reduce_scatter, all_to_all, gather, scatter) are handed
 over in virtual order, so every block is still the caller's own. Groups on one host and
@@ -26,7 +26,7 @@ from .registry import Algorithm, Link
 
 
 class Orders(Protocol):
-    """A group's orders (topo.Layout): virtual rank -> group rank."""
+    """A group's orders (topology.Layout): virtual rank -> group rank."""
 
     @property
     def ring(self) -> tuple[int, ...]: ...

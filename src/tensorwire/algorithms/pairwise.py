@@ -26,8 +26,7 @@ def pairwise_all_to_all(p2p: P2P, send_blocks: list[np.ndarray], recv_blocks: li
 
 def _own_block(n: int, m: int, link: Link) -> float:
     """Both collectives first copy this rank's own block: a local pass, priced at γ as the
-    other local passes are (without it, at n=2 the tuner chose the all_to_all of 2-32 MiB,
-    which measured 2.8-3.6x its price, over single copy, which was 1.3-1.5x faster)."""
+    other local passes are (docs/design/algorithms.md#pairwise-own-block)."""
     return m / n * link.gamma
 
 

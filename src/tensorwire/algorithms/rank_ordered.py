@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..buffers import copy
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp
+from ..ops.kernels import reduce_into
 from .base import P2P, blocks_of, split_counts
 from .registry import Algorithm, Link, register
 from .tree import gather_work

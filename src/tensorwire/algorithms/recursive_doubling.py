@@ -25,7 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..buffers import copy
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp
+from ..ops.kernels import reduce_into
 from .base import P2P, contiguous_span, exchange, offsets_of, packed
 from .registry import Algorithm, Link, register
 

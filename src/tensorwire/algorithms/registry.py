@@ -1,9 +1,11 @@
 """The algorithm registry: every algorithm declares the collective it serves and its cost.
 
 The tuner prices every eligible algorithm of a collective with the α-β-γ model (Thakur,
-Rabenseifner & Gropp 2005) for the group's link tier, bounded below by the algorithm's total
-work where ranks share cores (`work`), and runs the cheapest; `tensorwire plan`
-prints the same table. An algorithm module calls `register(...)` at import for each entry.
+Rabenseifner & Gropp 2005; tuning/cost_model.py) for the group's link tier, bounded below by
+the algorithm's total work where ranks share cores (`work`), and runs the cheapest;
+`tensorwire plan` prints the same table. The measurements behind the flags below:
+docs/design/cost-model.md#the-algorithms-flags. An algorithm module calls `register(...)` at
+import for each entry.
 
 `run` signatures, by collective (arrays are flat, contiguous numpy views; `p2p` is the call):
   all_reduce      run(p2p, data, op, src)                 src: the input where it is apart (an
@@ -64,62 +66,41 @@ class Algorithm:
     which a group's setup enables only where every rank could."""
     single_copy_crowded: bool = False
     """needs_single_copy only: still worth it where ranks outnumber cores. There, a flag round
-    costs a turn of the scheduler, which the slots' one shot and streams pay less often: at
-    n=4 on 2 cores (interleaved, 9 calls each) the single copy all_gather took 1.40 ms against
-    0.82 ms on the slots at 1 MiB and 3.45 against 2.28 ms at 4 MiB. The reductions, which
-    read 2(n-1)/n of m per rank instead of the slots' n m, still won: see single_copy.py."""
+    costs a turn of the scheduler, which the slots' one shot and streams pay less often; the
+    reductions, which read 2(n-1)/n of m per rank instead of the slots' n m, still win."""
     crowded_below: int = 0
     """needs_direct only: where ranks outnumber cores, calls smaller than this many bytes leave
     it out (0: none do). The rooted one shots hold every rank to the root's pace (a slot is
     refilled only once all ranks are past the call that last used it), where a tree's or the
-    linear path's senders run ahead: at n=4 on 2 cores the one-shot gather took 119-160 us at
-    16 B-16 KiB against the linear gather's 68-98 us, and the scatter 132-166 us against the
-    binomial tree's 106-137 us (shm-n4 sweep at d277243); the broadcast 28-59 us at 16 B-256
-    KiB against the binomial tree's 19-33 us and the reduce 35-70 us at 16 B-256 KiB against
-    20-54 us for the tree or the linear reduce (shm-n4 sweep of 2026-11-25; in the one of
-    2026-11-22 69-164 against 43-157 us, and the reduce lost at all those sizes but 64 KiB,
-    119 against 129 us). From a MiB the one shot's single copy in and out won there: broadcast
-    152 against 333-397 us (332 against 810-1168), and a broadcast past the slot streams, 2-2.6x
-    faster than the tree at 4-16 MiB. At n=2 the one shots won (gather 20 and scatter 28 us
-    against 50 and 42). TENSORWIRE_ALGO naming it still runs it."""
+    linear path's senders run ahead. TENSORWIRE_ALGO naming it still runs it."""
     out_of_place: bool = False
     """all_reduce, broadcast and all_gather: reads the input where it is (`src`) instead of in
     the output it was first copied into: a pass over the data saved, and (single copy) peers
-    that read lines the source has not just written, which ran 2.3-2.5x faster at 1-8 MiB."""
+    that read lines the source has not just written."""
     exchanges: bool = False
     """Its steps exchange with one partner and reduce what they received before the next step
     (recursive doubling's all_reduce, recursive halving, Rabenseifner). Where ranks share cores
-    such a step waits for both partners to be scheduled: the n=4 sweeps measured 2-2.7x the
-    busy α per step, against about 1x for steps that send to one rank and receive from another
-    (ring, pairwise, dissemination), which let ranks drift; recursive doubling's all_gather,
-    which exchanges but does not reduce, measured no such penalty; Bruck's all_to_all, whose
-    rounds forward what the previous round received, measured it (AMD EPYC VM; on the Intel
-    Xeon VM such steps cost what the others do). The tuner prices the work of these algorithms
-    with the α the probe measured for steps in pairs (`busy_pairs`, calibrate.measure_busy),
-    twice the busy α where it has none."""
+    such a step waits for both partners to be scheduled, where steps that send to one rank and
+    receive from another (ring, pairwise, dissemination) let ranks drift. The tuner prices the
+    work of these algorithms with the α the probe measured for steps in pairs (`busy_pairs`,
+    probes.measure_busy), twice the busy α where it has none."""
     fixed_partners: bool = False
     """Every step sends to the same rank and receives from the same other rank (ring, chain).
-    On shaped links such flows kept the link's pace where partners that change lost up to half
-    of it (4 emulated hosts at 1 Gbit/s: the ring reduce_scatter ran 1.5-2.3x faster than the
-    pairwise and recursive-halving ones at 16-64 MiB, under BBR, whose pacing without fq
-    idle spells slow, and with send buffers deep enough for a rank to run ahead into its next
-    partner: see transport.tcp.tune_socket; with cubic and 256 KiB, recursive halving and
-    doubling ran within 1.02x of the ring at 1-64 MiB, the pairwise reduce_scatter 1.07-1.15x); the
-    tuner prices their work with the busy link measured in a ring (`busy_ring`) where that is
-    the faster one (never slower: see tuner.predict)."""
+    On shaped links such flows kept the link's pace where partners that change lost up to
+    half of it; the tuner prices their work with the busy link measured in a ring
+    (`busy_ring`) where that is the faster one (never slower: see cost_model.predict)."""
     one_way: bool = False
     """Every step only sends or only receives (trees, the linear rooted algorithms): where a
     link is a copy by each side, as through shared memory or TCP on one host, both copies run
     at once and a byte costs about half of an exchange's, whose ranks both copy in and out.
-    The tuner prices its path with the link measured one way (tuner.ONE_WAY)."""
+    The tuner prices its path with the link measured one way (cost_model.ONE_WAY)."""
     copies: float = 2.0
     """Copies of a byte that its β counts once, for what bytes beyond the host's cache cost
-    (tuner.spill): a message is copied into a ring or socket and out of it (2); the one-shot
-    path copies a byte once per β (1), and single copy reads it once (1). 0: none, reductions
-    included: the one-shot all_reduce streams its input through the slots a piece at a time and
-    folds each piece while it is in cache, its one read and one write of memory hidden under
-    the n reads and n-1 folds (n=4, 16 and 64 MiB, four sweeps of 2026-11-25: 0.39-0.61 of its
-    price with memory charged, 0.70-1.18 without)."""
+    (cost_model.spill): a message is copied into a ring or socket and out of it (2); the
+    one-shot path copies a byte once per β (1), and single copy reads it once (1). 0: none,
+    reductions included: the one-shot all_reduce streams its input through the slots a piece
+    at a time and folds each piece while it is in cache, its one read and one write of memory
+    hidden under the n reads and n-1 folds."""
     reorder: bool = True
     """Runs in the group's topology-aware order where its ranks span hosts (algorithms/ordered.py):
     the algorithm sees virtual ranks, the results land in the callers' slots. False where the
@@ -136,9 +117,9 @@ class Algorithm:
     uniform: bool = True
     """A hierarchical algorithm offered where every host holds as many ranks. The leaders'
     all_gather and reduce_scatter are not: they carry a host's bytes between hosts through one
-    rank where the rails' variants use every rank, the same bytes, and on emulated hosts of 2
-    ranks at 1 Gbit/s they ran 1.2-1.3x slower at 256 KiB-64 MiB while priced alike (one flow
-    a host is one process's work and one connection's pace, which the model does not see)."""
+    rank where the rails' variants use every rank, the same bytes, and ran slower while priced
+    alike (one flow a host is one process's work and one connection's pace, which the model
+    does not see)."""
     work: CostFn | None = None
     """The CPU time an average rank spends on the call (all ranks' together / n). Where ranks
     outnumber cores they take turns, and the call cannot end before the host has done all the

@@ -18,12 +18,14 @@ import numpy as np
 
 from ..buffers import address, copy, huge_zeros
 from ..errors import PeerLostError
-from ..ops import ReduceOp, reduction_kernel, writes_where_told
+from ..ops import ReduceOp
+from ..ops.kernels import reduction_kernel, writes_where_told
 from ..transport import pages
 from ..transport.cma import BOUNCE, ProcessGone
+from ..transport.segment import CHUNK_BITS, READ, DirectPath
 from .base import blocks_of, split_counts
 from .registry import Algorithm, register
-from .shm_direct import _CHUNK_BITS, _READ, DirectPath, volume_cost
+from .shm_direct import volume_cost
 
 _WORD = np.dtype(np.uint64)
 _PIECE = BOUNCE
@@ -185,7 +187,7 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
     table, ab, backoff = dp.views(_WORD, 2 * dp.size)[p], dp.prev_fp, None
     for r in dp.onward:
         # rank r's block of this rank's data is its input until rank r has folded it
-        backoff = dp.await_progress(call, r, _READ, (call.seq << _CHUNK_BITS) + 1, p, ab, backoff)
+        backoff = dp.await_progress(call, r, READ, (call.seq << CHUNK_BITS) + 1, p, ab, backoff)
         if outs[r].size:
             dp.reader.read_into(outs[r], dp.pids[r], int(table[r][dp.size + r]))
     dp.mark_read(call, 2)
@@ -204,8 +206,8 @@ def single_copy_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, ro
     """single_copy_all_reduce's reduce-scatter (each rank folds its block out of every rank's
     `data`, kept), then the root alone reads the folded blocks into `acc`: the root reads what an
     all_reduce's ranks read, the others half. A reduce by messages sends the root every byte
-    in n - 1 messages (linear) or log2 n rounds of whole buffers (binomial): on 16 cores a 2 MiB
-    reduce at 8 ranks took 2.3-2.5 ms against 0.95 for the single-copy all_reduce."""
+    in n - 1 messages (linear) or log2 n rounds of whole buffers (binomial), much slower
+    (docs/design/segment.md#single-copy)."""
     dp = call.group.direct
     me, n = dp.rank, dp.size
     counts = split_counts(data.size, n)
@@ -219,27 +221,24 @@ def single_copy_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, ro
         return
     table, ab, backoff = dp.views(_WORD, n + 1)[p], dp.prev_fp, None
     for r in dp.onward:
-        backoff = dp.await_progress(call, r, _READ, (call.seq << _CHUNK_BITS) + 1, p, ab, backoff)
+        backoff = dp.await_progress(call, r, READ, (call.seq << CHUNK_BITS) + 1, p, ab, backoff)
         if outs[r].size:
             dp.reader.read_into(outs[r], dp.pids[r], int(table[r][n]))
     dp.mark_read(call, 2)
 
 
-# Cost, with the host's `cma` link (calibrate.measure_cma): two flag rounds (α) and the bytes
+# Cost, with the host's `cma` link (probes.measure_cma): two flag rounds (α) and the bytes
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
 # own block, a local pass priced at γ as pairwise exchange prices it. The all_gather's copy of
 # its own block (out of place) is left out on purpose: see docs/design/cost-model.md, "Single copy's reads".
 _NOTHING = lambda n: 0  # noqa: E731
 # A broadcast's readers each read all of m. Out of place they read the root's input, not the
-# output it fills meanwhile: lines a core has just written were read from the other core at
-# half speed or worse (n=2, `--algo all`, out of place, 2026-11-25: 1 / 4 / 8 MiB in 33 / 96 /
-# 182 us reading the input, 73 / 243 / 487 reading the filled output, against the slots' 56 /
-# 209 / 427; in place 33 / 94 / 192 against 35 / 131 / 251). A root whose input was itself just
+# output it fills meanwhile: lines a core has just written are read from the other core at
+# half speed or worse (docs/design/segment.md#single-copy). A root whose input was itself just
 # written pays that too, as the slots' readers always do.
 _READ_ONCE = lambda n: (n - 1) / n  # noqa: E731
 # The reductions' reads cost more: they land in the bounce buffer a MiB at a time and are
-# folded from there (1.22-1.45x their price at 1-16 MiB at n=2 priced as plain reads, before
-# the cma link; with it and this factor, 0.68-1.22 at 1-64 MiB at n=2, 0.63-1.34 at n=4).
+# folded from there (docs/design/segment.md#single-copy).
 _FOLD_READ = lambda n: 1.5 * _READ_ONCE(n)  # noqa: E731
 _FOLDED = lambda n: (n - 1) / n  # noqa: E731
 _RUNS = {  # collective: (run, cost, table words per rank)
@@ -254,11 +253,8 @@ _RUNS = {  # collective: (run, cost, table words per rank)
 # The reduce from 3 ranks, and where ranks outnumber cores only when TENSORWIRE_ALGO names it:
 # its root reads what an all_reduce's ranks read, which at 2 ranks is no less than the one
 # message a linear reduce folds, and where the others' folds wait for cores the root waits
-# too. On this 2-vCPU VM (`bench reduce --algo all -I`, 2026-11-28) it took 1.7-2.0x the
-# linear reduce's time at 2 ranks (1-64 MiB: 0.10 / 0.25 / 1.6 / 8.3 ms against 0.05 / 0.15 /
-# 0.90 / 4.4) and 1.3-2.0x at 3, and 0.47-0.98x at 4 (0.35 / 1.2 / 4.6 / 18 ms against 0.74 /
-# 1.6 / 5.5 / 19); a message's price at those sizes is 2-6x what it measures here (5-18x
-# from the cache entry calibrate.check_cached now catches), so the tuner would take it.
+# too; a message's price at those sizes is well above what it measures, so the tuner would
+# take it (docs/design/segment.md#single-copy).
 _ONLY = {"reduce": {"eligible": lambda n, m: n >= 3, "crowded_below": 1 << 62}}
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,

@@ -227,10 +227,10 @@ def _scatter_cost(n: int, m: int, link: Link) -> float:
     each non-leaf child's blocks before sending them, a non-leaf copies its own block out of
     what it received before it forwards (store and forward), and every rank sends to its
     children one after another, farthest first. Sends cost β, local copies γ (a pass over
-    memory, like a reduction). Fewer latencies than the linear scatter's n-1 but more bytes:
-    the sweeps measured the tree 1.1-1.6x slower from 4 MiB on, on shared memory, TCP and
-    shaped links alike. The choice depends on m, which every rank of a scatter or scatterv
-    knows alike (the fingerprint carries it: counts that sum differently fail as a mismatch)."""
+    memory, like a reduction). Fewer latencies than the linear scatter's n-1 but more bytes
+    (docs/design/algorithms.md#tree-scatter). The choice depends on m, which every rank of a
+    scatter or scatterv knows alike (the fingerprint carries it: counts that sum differently
+    fail as a mismatch)."""
     block = m / n
 
     def longest(v: int, t: float) -> float:
@@ -249,7 +249,7 @@ def _scatter_cost(n: int, m: int, link: Link) -> float:
 def gather_work(n: int, m: int, link: Link) -> float:
     """Every block crosses to or from the root once: (n-1)/n (α + m/n β) per rank. Both gathers
     and both scatters declare this one work: where it bounds them all, the critical path
-    breaks the tie (tuner.price)."""
+    breaks the tie (cost_model.price)."""
     return (n - 1) / n * (link.alpha + m / n * link.beta) if n > 1 else 0.0
 
 

@@ -1,4 +1,4 @@
-"""Reductions on the GPU with torch's kernels, with the semantics of the host ones (ops.py):
+"""Reductions on the GPU with torch's kernels, with the semantics of the host ones (ops/):
 bool SUM is any and PRODUCT all, integer AVG floor-divides, a PREMUL_SUM factor multiplies
 the sum.
 

@@ -1,16 +1,16 @@
 """A repeated small blocking all_reduce on CUDA buffers, planned.
 
-The slots' protocol is the general path's (DeviceCollectives._slots: wait for the peers'
-reads of this parity's slot, copy the share in, record, one host flag round, wait for the
-peers' shares, fold, record), but a call of a signature seen before (dtype, shape, op, in
-place, blocking) finds everything that protocol touches looked up already: the slots as views
-of the call's shape, the raw handles of the events, the fold's function, the barrier's body
-and the call object of the host path's planned calls (Group._submit_planned). The stream work
-goes straight to the driver (driver.stream_calls), a microsecond a call, where torch's Python
-wrappers cost several; the fold stays torch's kernel. What a call still checks: its tensor is
-a plain contiguous CUDA tensor of the plan's device, the thread's current one, that needs no
-grad, and the group has nothing queued (the body runs on the calling thread, on its current
-stream).
+The slots' protocol is the general path's (ipc_path._slots: wait for the peers' reads of
+this parity's slot, copy the share in, record, one host flag round, wait for the peers'
+shares, fold, record), but a call of a signature seen before (dtype, shape, op, in place,
+blocking) finds everything that protocol touches looked up already: the slots as views of
+the call's shape, the raw handles of the events, the fold's function, the barrier's body and
+the call object of the host path's planned calls (group/planned.py, Plans.submit). The
+stream work goes straight to the driver (driver.stream_calls), a microsecond a call, where
+torch's Python wrappers cost several; the fold stays torch's kernel. What a call still
+checks: its tensor is a plain contiguous CUDA tensor of the plan's device, the thread's
+current one, that needs no grad, and the group has nothing queued (the body runs on the
+calling thread, on its current stream).
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import tuner
 from ..ops import ReduceOp, Reduction
 from ..transport.wire import Fingerprint
+from ..tuning import tuner
 from . import driver, kernels
 from .tensors import torch_module
 
 if TYPE_CHECKING:
-    from ..group import CollectiveCall, Group
-    from .collectives import DeviceGroup
+    from ..group.calls import CollectiveCall
+    from ..group.group import Group
+    from .device_group import DeviceGroup
 
 
 class SmallAllReduce:
@@ -39,7 +40,7 @@ class SmallAllReduce:
     def __init__(self, group: Group, dg: DeviceGroup, t: Any, red: Reduction, fp: Fingerprint) -> None:
         torch = torch_module()
         self.group, self.dg, self.device, self.red = group, dg, dg.device, red
-        self.call = group.planned_call(fp, "all_reduce")
+        self.call = group.plans.call(fp, "all_reduce")
         alg = tuner.select(group, "barrier", 0)
         self.barrier, self.direct = alg.run, alg.needs_direct
         self.nbytes = t.numel() * t.element_size()
@@ -75,7 +76,7 @@ class SmallAllReduce:
         if tid not in self.threads:  # a thread with no CUDA runtime call yet has no current context
             driver.use_device(self.device)
             self.threads.add(tid)
-        return self.group._submit_planned(self.call, self._body, self.direct, False, timeout, t, parity)
+        return self.group.plans.submit(self.call, self._body, self.direct, False, timeout, t, parity)
 
     def _body(self, call: CollectiveCall, t: Any, p: int) -> Any:
         cuda, s = self.cuda, self.stream_of(self.device)

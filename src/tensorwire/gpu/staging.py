@@ -1,8 +1,8 @@
 """Pinned host buffers that device buffers are staged through where ranks cannot reach each
 other's device memory (other hosts, TCP forced, CUDA IPC unavailable).
 
-Pinned, because a copy from pageable memory runs at a third of the speed (15.8 against
-55 GB/s on the H100 host) and cannot overlap anything. Pinning is slow (a page-locking
+Pinned, because a copy from pageable memory is several times slower and cannot overlap
+anything (docs/design/gpu.md#notes-moved-out-of-the-code). Pinning is slow (a page-locking
 system call per buffer), so buffers are kept and reused; a buffer goes back to the pool
 with the event after the last copy out of it, and is handed out again only once that
 event has passed.

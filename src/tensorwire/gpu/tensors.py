@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 
-# torch dtype name -> (tensorwire's wire code, category): the codes of ops._NUMPY_CODES/_ML_CODES
+# torch dtype name -> (tensorwire's wire code, category): the codes of ops/dtypes.py (_NUMPY_CODES/_ML_CODES)
 _CODES: dict[str, tuple[int, str]] = {
     "bool": (0, "b"), "int8": (1, "i"), "uint8": (2, "u"), "int16": (3, "i"), "uint16": (4, "u"),
     "int32": (5, "i"), "uint32": (6, "u"), "int64": (7, "i"), "uint64": (8, "u"),

@@ -17,17 +17,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from tensorwire import auth
-from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
-from tensorwire.rendezvous.store import (
-    DEFAULT_LIMITS,
-    FileStore,
-    PrefixStore,
-    Store,
-    StoreLimits,
-    TCPStore,
-    TorchStoreAdapter,
-)
+from .. import auth
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
+from .file_store import FileStore
+from .prefix_store import PrefixStore
+from .store import Store
+from .tcp_protocol import DEFAULT_LIMITS, StoreLimits
+from .tcp_store import TCPStore
+from .torch_store import TorchStoreAdapter
 
 SOURCES = ("explicit", "tensorwire", "torchrun", "mpirun", "slurm", "env", "single")
 SCHEMES = ("tcp", "file", "env", "torch-agent")

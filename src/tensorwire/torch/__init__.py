@@ -73,7 +73,7 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
         return
     global _env_inits
     from ..rendezvous import bootstrap
-    from ..rendezvous.store import TCPStore as TwTCPStore
+    from ..rendezvous.tcp_store import TCPStore as TwTCPStore
 
     query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
     rank = int(query.get("rank", os.environ["RANK"]))

@@ -32,14 +32,16 @@ import torch.distributed as dist
 from .. import api, log
 from ..config import Config
 from ..errors import RendezvousError, TimeoutError
-from ..group import Group
+from ..group.group import Group
 from ..rendezvous import bootstrap
-from ..rendezvous.store import Store, TorchStoreAdapter
+from ..rendezvous.store import Store
+from ..rendezvous.torch_store import TorchStoreAdapter
 from ..runtime import Runtime
-from ..topo import local_card
 from ..transport import netif, shm_budget
 from ..transport.engine import Engine
-from ..transport.wiring import Wiring, pid_namespace, process_start
+from ..transport.processes import pid_namespace, process_start
+from ..transport.wiring import Wiring
+from ..tuning.topology import local_card
 
 _log = log.get("INIT")
 _lock = threading.RLock()

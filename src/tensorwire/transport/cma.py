@@ -26,14 +26,12 @@ PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 ALIAS_WINDOW = 64
-"""The kernel copies with `rep movsb`, which on this project's AMD machines runs 4-5x slower
-when the destination lies 1-31 bytes past the source modulo 4096 (measured at 4 MiB: 1.5 GB/s
-against 5-7.7 GB/s at other offsets; 32 bytes still 20% slow). A read whose offsets fall in
-this window goes through a bounce buffer at a good offset instead (see `read_into`)."""
+"""The kernel copies with `rep movsb`, which on some CPUs runs several times slower when the
+destination lies 1-31 bytes past the source modulo 4096 (docs/design/memory.md). A read whose
+offsets fall in this window goes through a bounce buffer at a good offset instead (see `read_into`)."""
 BOUNCE = 1 << 20
-"""Bytes per bounced piece: a read costs ~10 us before its first byte, so pieces are large
-(4 MiB at n=2: 0.64-0.69 ms in 1 MiB pieces, 1.05-1.07 ms in 256 KiB ones), and the copy out
-of a piece still finds it in cache."""
+"""Bytes per bounced piece: large, as a read costs ~10 us before its first byte, yet small
+enough that the copy out of a piece still finds it in cache (docs/design/memory.md)."""
 _BOUNCE_SHIFT = 2048  # the bounce buffer's offset to the source, modulo 4096
 
 
@@ -42,7 +40,8 @@ class _IOVec(ctypes.Structure):
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def load_libc() -> ctypes.CDLL | None:
+    """The C library with process_vm_readv's prototype set; None where it has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         read = libc.process_vm_readv
@@ -57,7 +56,7 @@ def _libc() -> ctypes.CDLL | None:
 @functools.cache
 def allow_peers() -> str:
     """Let processes of this user read this one's memory; '' or why they still cannot."""
-    libc = _libc()
+    libc = load_libc()
     if libc is None:
         return "process_vm_readv is not in this C library"
     try:
@@ -82,7 +81,7 @@ class ProcessGone(ProcessLookupError):
 
 def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
     """Copy nbytes from address `remote` of process `pid` to local address `local`."""
-    libc = _libc()
+    libc = load_libc()
     assert libc is not None
     while nbytes:
         lv, rv = _IOVec(local, nbytes), _IOVec(remote, nbytes)

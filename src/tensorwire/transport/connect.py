@@ -1,7 +1,7 @@
 """Joining the world: every rank's card for a fixed number of store requests, then the wiring
 that connects pairs on first use (wiring.py).
 
-Each rank listens on the address it advertises and publishes its card (topo.local_card, plus
+Each rank listens on the address it advertises and publishes its card (topology.local_card, plus
 the port it listens on and what identifies its process) under its own key; rank 0 reads them
 all in one request (Store.multi_get) and publishes them as one compressed blob, which every
 other rank reads in one request. So a rank's bootstrap costs 2 store requests (rank 0: 3),
@@ -25,7 +25,8 @@ from ..errors import InvalidArgumentError, RendezvousError, ResourceError, Tenso
 from ..rendezvous.store import Store
 from . import shm_budget
 from .engine import Engine
-from .wiring import Wiring, pid_namespace, process_start
+from .processes import pid_namespace, process_start
+from .wiring import Wiring
 
 _log = log.get("INIT")
 _BLOB = "tw/cards"
@@ -82,7 +83,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
                   card: dict, deadline: float, secret: auth.Secret,
                   serving: int = 0) -> tuple[Engine, dict[int, dict]]:
     """The world's engine, wired to connect to any peer on first use (each connection proving
-    `secret`), and every rank's card. `card` is this rank's (topo.local_card: its address
+    `secret`), and every rank's card. `card` is this rank's (topology.local_card: its address
     `addr`, host name `host`, machine `machine`, ...): it is published with the port this rank
     listens on, which makes the job's topology cost no exchange of its own. `serving`: store
     clients this process also serves (it hosts the store), whose descriptors it needs too."""
@@ -126,7 +127,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         raise
     _log.info("rank %d listening on %s:%d (host %s); %d peer(s) on this host, rings grow up to %s within %s "
               "of /dev/shm; pairs connect on first use", rank, card["addr"], wiring.port, card["host"],
-              len(local) - 1, shm_budget.size_text(wiring.ring_max), shm_budget.size_text(share))
+              len(local) - 1, shm_budget.size_text(wiring.rings.ring_max), shm_budget.size_text(share))
     if _log.isEnabledFor(20):
         kinds = {r: engine.planned_kind(r) for r in cards if r != rank}
         _log.info("rank %d wired: shm peers %s, tcp peers %s", rank,

@@ -13,7 +13,7 @@ import socket
 import struct
 from collections.abc import Iterable
 
-from tensorwire.errors import InvalidArgumentError, RendezvousError
+from ..errors import InvalidArgumentError, RendezvousError
 
 _SIOCGIFADDR = 0x8915  # Linux: get the primary IPv4 address of an interface
 

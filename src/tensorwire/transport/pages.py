@@ -1,10 +1,10 @@
 """How much of a buffer lies in transparent huge pages, as the kernel's page tables say.
 
-A read out of another process (transport/cma.py) pins the source's pages one by one, and ran
-at 48-53 GB/s out of huge pages against 14-15 out of 4 KiB ones (4 MiB, n=2, the project's
-machine): what single copy costs depends on where its sources' buffers lie, which only each
-source can see. A source looks with PAGEMAP_SCAN (Linux 6.7+), an ioctl on /proc/self/pagemap
-that lists the huge-page runs of a range: 1-3 us, so the answer is kept a moment per buffer.
+A read out of another process (transport/cma.py) pins the source's pages one by one, and runs
+about 3x faster out of huge pages than out of 4 KiB ones (docs/design/memory.md): what single
+copy costs depends on where its sources' buffers lie, which only each source can see. A source
+looks with PAGEMAP_SCAN (Linux 6.7+), an ioctl on /proc/self/pagemap that lists the huge-page
+runs of a range; a look costs microseconds, so the answer is kept a moment per buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import os
 import time
 
-from .cma import _libc
+from .cma import load_libc
 
 UNKNOWN = 15
 """`eighths` where the kernel cannot tell (no PAGEMAP_SCAN, no /proc), or where no page of the
@@ -47,7 +47,7 @@ class PageScanner:
     def __init__(self) -> None:
         self._fd = -1
         self._ioctl = None
-        libc = _libc()
+        libc = load_libc()
         try:
             if libc is not None:
                 self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)

@@ -11,7 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..ops import ReduceOp, reduce_into, reduce_to
+from ..ops import ReduceOp
+from ..ops.kernels import reduce_into, reduce_to
 from .wire import Header
 
 _U8 = np.dtype(np.uint8)

@@ -25,17 +25,16 @@ import numpy as np
 from ..buffers import address
 from ..errors import PeerLostError
 from . import cma, pages
+from .channel import Channel, ChannelOwner, PeerClosed
 from .requests import RecvRequest, SendRequest, Sink
-from .tcp import PeerClosed, SocketStream
 from .wire import HEADER_SIZE, P2P_FINGERPRINT, Header, Kind, Mode
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .tcp import SocketStream
 
-_CTRL = 4096  # control page: head at word 0, tail at word 8 (separate cache lines), nonce at 16
+CTRL_BYTES = 4096  # control page: head at word 0, tail at word 8 (separate cache lines), nonce at 16
 _HEAD, _TAIL, _NONCE = 0, 8, 16
 SHM_DIR = "/dev/shm"
-_LINE = 128  # a rank's control line in a group segment: two cache lines, as x86 prefetches pairs
 PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
@@ -46,8 +45,7 @@ descriptor where the receiver can read the sender's memory (cross-memory attach)
 the payload once, straight from the sender's buffer into its own, where the ring copies it
 twice, and then tells the sender (Mode.ACK), whose send completes only then (MPI's
 rendezvous). The kernel pins a source's pages one by one, so out of 4 KiB pages the read is
-slower than the ring's two pipelined copies (n=2 sendrecv, 1 / 4 MiB: 333 / 1031 us read, 265
-/ 908 us through the ring; out of huge pages 178 / 490 us): the sender looks (pages.py).
+slower than the ring's two pipelined copies: the sender looks (pages.py; docs/design/memory.md).
 Collectives' messages keep the ring: their receives may fold as they arrive, and the tuner's
 prices are measured through it."""
 _DESCRIPTOR = struct.Struct("<QQ")  # a REMOTE message's payload address and the sender's id for it
@@ -59,8 +57,8 @@ stays this process's until it exits rather than going back to the allocator."""
 PARK_BYTES = 256 << 10
 """A message of at least this size whose receive is not posted yet stays in the ring (the
 sender waits) instead of being staged in a fresh buffer and copied twice: ranks that run ahead
-into the next call (the leaves of back-to-back reduces) otherwise made the receiver stage
-megabytes per call, 3-10x the call's time on an oversubscribed host."""
+into the next call (the leaves of back-to-back reduces) would make the receiver stage
+megabytes per call (docs/design/memory.md)."""
 
 
 class Segment:
@@ -119,8 +117,7 @@ class Segment:
 def reserve(fd: int, nbytes: int) -> None:
     """Make tmpfs allocate a segment's pages now, or fail with ENOSPC (or ENOMEM where a memory
     cgroup is full) having allocated none: a page it could not hand out later would be a SIGBUS
-    at its first touch. 0.25-0.3 ms per MiB, of which the first touch then saves about half
-    (docs/design/shm-degradation.md)."""
+    at its first touch (docs/design/shm-degradation.md)."""
     os.posix_fallocate(fd, 0, nbytes)
 
 
@@ -129,7 +126,7 @@ _PROT_RW, _MAP_SHARED = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
 
 @functools.cache
 def _mmap_calls() -> tuple | None:
-    libc = cma._libc()
+    libc = cma.load_libc()
     if libc is None:
         return None
     mapper, unmapper = libc["mmap"], libc["munmap"]  # own prototypes, not libc.mmap's
@@ -164,12 +161,12 @@ class Ring(Segment):
     def __init__(self, name: str, capacity: int, create: bool, nonce: int = 0) -> None:
         super().__init__(name, self.nbytes(capacity), create, nonce)
         self.capacity = capacity
-        self.data = self.bytes[_CTRL:]
+        self.data = self.bytes[CTRL_BYTES:]
         self.raw = memoryview(self.data)  # headers: a memoryview slice costs a fifth of numpy's
 
     @staticmethod
     def nbytes(capacity: int) -> int:
-        return _CTRL + capacity
+        return CTRL_BYTES + capacity
 
     @classmethod
     def create(cls, prefix: str, capacity: int) -> Ring:
@@ -205,7 +202,7 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-class ShmChannel:
+class ShmChannel(Channel):
     """Data through rings, control and liveness through the peer's socket.
 
     Rings start small and grow with the traffic: a message (with its header) of more than half
@@ -216,11 +213,13 @@ class ShmChannel:
     the number of pairs."""
 
     kind = "shm"
+    direct = True
 
-    def __init__(self, stream: SocketStream, out_ring: Ring, in_ring: Ring, engine: Engine,
+    def __init__(self, stream: SocketStream, out_ring: Ring, in_ring: Ring, engine: ChannelOwner,
                  peer_pid: int = 0, peer_reads: bool = False, source: RingSource | None = None,
                  target: int = 0) -> None:
         self.stream = stream
+        self.streams = (stream,)
         self.sockets = [stream.sock]
         self.peer = stream.peer
         self.engine = engine
@@ -609,46 +608,3 @@ class _Remote:
 
     def discard(self) -> None:
         self.channel.acknowledge(self.rid)
-
-
-_SLOT_SHIFT = 2048
-"""Slots start half a page in. On this project's AMD machines glibc's memcpy (rep movsb) runs
-10-20x slower when the destination lies 1-31 bytes past the source modulo 4096, and numpy
-arrays served by mmap start 16 bytes into a page: copying out of page-aligned slots into them
-was always that slow case (a 256 KiB copy 104 us instead of 9). Half a page in, neither an
-mmap'd (16), a torch (64) nor a page-aligned (0) buffer is near either direction's window."""
-
-
-class GroupSegment(Segment):
-    """One shared segment per single-host group for the one-shot small-message path.
-
-    Per rank: a 128-byte control line [flag; on its second cache line, per slot parity: seq,
-    fp word a, fp word b] and
-    two data slots of `slot_bytes`. A rank fills its slot, writes that slot's seq/fingerprint,
-    then stores `flag = seq`; readers that see the flag see the data (x86-64 store order).
-    Slots alternate, and a rank only refills a slot after every rank has published a later
-    flag, so nobody can still be reading it: no lock and no second handshake are needed.
-    """
-
-    def __init__(self, name: str, size: int, slot_bytes: int, create: bool, nonce: int = 0) -> None:
-        super().__init__(name, self.nbytes(size, slot_bytes), create, nonce)
-        self.size = size
-        self.slot_bytes = slot_bytes
-        base = self.nbytes(size, 0)
-        self.rank_stride = 2 * slot_bytes  # from a rank's slot of one parity to the next rank's
-        self.slots = [[self.bytes[base + (r * 2 + p) * slot_bytes: base + (r * 2 + p + 1) * slot_bytes]
-                       for p in (0, 1)] for r in range(size)]
-        self.lines = [(_CTRL + r * _LINE) // 8 for r in range(size)]  # word index of each control line
-
-    @staticmethod
-    def nbytes(size: int, slot_bytes: int) -> int:
-        """Control page, a control line per rank (whole pages), the slots' shift, two slots per rank."""
-        return _CTRL + (size * _LINE + 4095) // 4096 * 4096 + _SLOT_SHIFT + size * 2 * slot_bytes
-
-    @classmethod
-    def create(cls, prefix: str, size: int, slot_bytes: int) -> GroupSegment:
-        return cls(cls.unique_name(prefix), size, slot_bytes, True, secrets.randbits(63))
-
-    def close(self) -> None:
-        self.slots = []
-        super().close()

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..limits import typical_peers
-from .shm import SHM_DIR, GroupSegment, Ring
+from .segment import GroupSegment
+from .shm import SHM_DIR, Ring
 
 RING_FLOOR = 256 << 10
 """The smallest ring worth having: a large message through a smaller one waits for its reader
-once per ring's worth, and where ranks share cores each wait is a turn of the scheduler (n=2,
-sendrecv of 4 MiB on the shared 2-core machine, medians: rings of 64 KiB 8.1 ms, 256 KiB 3.3,
-1 MiB 2.5, 4 MiB 1.9, TCP 4.3). Below it a host's pairs talk over TCP instead."""
+once per ring's worth, and where ranks share cores each wait is a turn of the scheduler
+(docs/design/memory.md). Below it a host's pairs talk over TCP instead."""
 SLOT_FLOOR = 64 << 10
 """The smallest one-shot slot (the default for groups of more than 64 ranks): the tuner prices
 a call streamed through small slots as it costs, so it is never worse than the message path."""
@@ -59,9 +59,8 @@ def halve(nbytes: int, floor: int) -> int:
 
 INITIAL_RING = 64 << 10
 """The ring a pair of ranks on one host starts with (transport/wiring.py): enough for the small
-messages most pairs only ever exchange (8 KiB sendrecv at n=2: 24 us median with 64 KiB rings,
-20 with 256 KiB: design/shm-degradation.md); a larger message makes its writer move to a larger
-one (shm.ShmChannel), up to TENSORWIRE_SHM_RING."""
+messages most pairs only ever exchange (docs/design/memory.md); a larger message makes
+its writer move to a larger one (shm.ShmChannel), up to TENSORWIRE_SHM_RING."""
 
 
 class RingBudget:

@@ -13,17 +13,14 @@ from __future__ import annotations
 import errno
 import socket
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import Config
 from ..errors import InvalidArgumentError
+from .channel import Channel, ChannelOwner, PeerClosed
 from .requests import SendRequest, Sink
 from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
 SPLIT_BYTES = 256 << 10
@@ -77,49 +74,12 @@ def _proc_text(name: str) -> str:
         return "?"
 
 
-class PeerClosed(Exception):
-    """Raised inside a channel when its socket reached EOF or broke."""
-
-
 def tune_socket(sock: socket.socket, cfg: Config) -> None:
     """No Nagle, the send and receive buffers `cfg` asks for (TENSORWIRE_TCP_SNDBUF and
     TENSORWIRE_TCP_RCVBUF; 0: the kernel's autotuning) and its congestion control
-    (TENSORWIRE_TCP_CONGESTION) if given.
-
-    Why the receive buffer is deep (4 MiB): where ranks outnumber cores a receiver often waits
-    for its turn, and what its buffer cannot hold meanwhile stalls the sender; a fixed request
-    also ends the kernel's autotuning, which starts a connection at net.ipv4.tcp_rmem's middle
-    value (128 KiB) and grows it only as the receiver keeps up. Measured one host over TCP (n=4
-    on 2 cores, the ring all_gather, `tensorwire bench all_gather --algo ring -b 1M -e 16M
-    --np 4 --tcp`, six alternations, 2026-11-27): median mean call with autotuning 1.83, 5.3 and
-    18.5 ms at 1, 4 and 16 MiB, with 4 MiB 1.18, 3.6 and 13.5 (the sweeps without it ran the
-    ring all_gather and reduce_scatter of 16 MiB 1.5-2x slower than at fd01b66, with it). On the
-    multi-host test bed, where 4 namespaces each have a core's share, either way alike. A stock
-    kernel caps the request at net.core.rmem_max (208 KiB; 4 MiB here), which bounds the window
-    of a link whose bandwidth × round trip exceeds it: there, 0 (autotuning, up to tcp_rmem's
-    maximum) is the better setting.
-
-    Why the send buffer is small: a send completes once its last byte is in the socket, so a
-    deep buffer lets a rank start its next step while megabytes of the last one still wait to
-    leave. Where partners change from step to step (recursive doubling, Bruck, pairwise) that
-    next flow shares the rank's uplink with the one its old partner waits for, and ranks drift
-    out of step. Measured on the multi-host test bed (4 namespaces, 1 Gbit/s tbf links, cubic,
-    64 MiB, mean call of 16, 2026-11-27), 6 jobs with 4 MiB (8 MiB in the kernel's accounting):
-    recursive doubling's all_gather 1.01-1.45x the ring's (431-434 ms), the pairwise all_to_all
-    434-580 ms (5 of 6 above 480); 2 jobs each with 256 KiB: 1.02x and 459-463 ms, the ring
-    unchanged; 128 KiB alike; 1 MiB mended the all_gather, not the all_to_all (517-552 ms). One
-    host over TCP (n=4, loopback) the ring's and recursive doubling's 64 MiB all_gather ran
-    50-58 ms against 65-70. What 256 KiB costs: the kernel keeps up to twice it unacknowledged,
-    so a connection moves at most 512 KiB per round trip: 5 GB/s at 100 us, more than this
-    transport moved on loopback (bus bandwidth at most 1.1 GB/s in those jobs).
-
-    Why the congestion control can matter: where the system's is BBR and no fq qdisc paces
-    (BBR then paces inside TCP), a connection that sat idle or app-limited between bursts can
-    keep a bandwidth estimate far below the link's and trickle its next message out at it.
-    Measured on the multi-host test bed (2026-11-26): the pairwise all_to_all of 256 KiB
-    stalled 10-45 ms in 9-14 of 60 calls, its bytes waiting in the sender's socket, not in the
-    qdisc nor the receiver's; with reno or cubic in 0 of 60 (mean call 1.3-1.5 ms against
-    3.4-7.4 ms)."""
+    (TENSORWIRE_TCP_CONGESTION) if given. The receive buffer is deep so that a receiver waiting
+    for its turn does not stall its sender; the send buffer small so that a rank does not run
+    into its next step while its last one's bytes still wait to leave; see docs/design/tcp.md."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if cfg.tcp_congestion:
@@ -141,7 +101,7 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
 class SocketStream:
     """Sends queued requests and parses arriving frames, never blocking."""
 
-    def __init__(self, sock: socket.socket, peer: int, engine: Engine, staging_bytes: int,
+    def __init__(self, sock: socket.socket, peer: int, engine: ChannelOwner, staging_bytes: int,
                  max_message: int) -> None:
         """`max_message`: the largest payload a header may announce (TENSORWIRE_MAX_MESSAGE)."""
         sock.setblocking(False)
@@ -284,7 +244,7 @@ class SocketStream:
             pass
 
 
-class TcpChannel:
+class TcpChannel(Channel):
     """Everything to one peer over its sockets: one stream, or several (TENSORWIRE_NSOCKS) that
     carry the parts of large messages side by side."""
 

@@ -15,10 +15,8 @@ connect (and an abort reaches a rank that is not inside a call).
 Either side may start; where both do at once, the lower rank's dial wins: the higher rank
 accepts it and drops its own, the lower answers the higher's with "crossed" and the higher
 waits for the other. Pairs on one host (same host name and machine, TENSORWIRE_TRANSPORT not
-`tcp`) make their rings in the exchange: each side creates the ring it writes, small at first
-(shm_budget.INITIAL_RING, grown with the traffic by the channel), within its share of /dev/shm,
-and the pair uses shared memory only if both sides mapped the other's ring and read its nonce.
-TCP pairs open TENSORWIRE_NSOCKS streams.
+`tcp`) make their rings in the exchange (pair_rings.py) and use shared memory only if both
+sides mapped the other's ring and read its nonce. TCP pairs open TENSORWIRE_NSOCKS streams.
 
 A dial that nobody answers at the address (refused: the process is gone) or whose host never
 answers (handshake.CONNECT_TIMEOUT_S) makes the peer lost: whatever waits for it fails with a
@@ -42,10 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import auth, limits, log
 from ..config import Config
-from ..errors import RendezvousError, ResourceError, TensorwireError, TensorwireWarning
-from . import cma, shm_budget
+from ..errors import RendezvousError, ResourceError, TensorwireError
+from . import shm_budget
+from .channel import Channel
 from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreachable, job_hash
-from .requests import SendRequest
+from .pair_rings import PairRings
+from .processes import start_of
 from .shm import Ring, ShmChannel
 from .tcp import SocketStream, TcpChannel, tune_socket
 
@@ -60,84 +60,6 @@ _CROSSED_WAIT_S = 1.0
 other may have given its own up, short of descriptors; a dial still under way crosses again)."""
 _SHED_S = 0.1  # how long the listener rests when no descriptor is left to accept with
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
-_POLLERR = select.POLLERR | select.POLLHUP
-
-
-def process_start() -> int:
-    """This process's start time (clock ticks after boot): with its pid, what tells it apart
-    from a later process that reuses the pid."""
-    return _start_of(os.getpid())
-
-
-def _start_of(pid: int) -> int:
-    """`pid`'s start time; -1 where it has exited (a zombie counts as exited) or is not there."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return -1
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-def pid_namespace() -> str:
-    """Which pid namespace this process sees pids in ('' where unknown): pids of ranks in other
-    namespaces (containers) cannot be checked from here."""
-    try:
-        st = os.stat("/proc/self/ns/pid")
-    except OSError:
-        return ""
-    return f"{st.st_dev}:{st.st_ino}"
-
-
-class PendingChannel:
-    """A peer's place in the engine while the wiring connects to it: keeps what is posted, in
-    order, for the channel that replaces it (Engine.install)."""
-
-    kind = "pending"
-    sockets: tuple = ()
-
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
-        self.queue: list[tuple[SendRequest, bool]] = []  # (request, control message?)
-
-    def post(self, req: SendRequest) -> None:
-        self.queue.append((req, False))
-
-    def post_control(self, req: SendRequest) -> None:
-        self.queue.append((req, True))
-
-    def progress(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        pass
-
-    def poll_socket(self) -> bool:
-        return False
-
-    def pending(self) -> list[SendRequest]:
-        return [req for req, _ in self.queue]
-
-    def queued(self) -> bool:
-        return bool(self.queue)
-
-    def close(self) -> None:
-        self.queue.clear()
-
-
-class _PairRings:
-    """The larger rings of one pair's out direction (shm.RingSource)."""
-
-    def __init__(self, wiring: Wiring, peer: int) -> None:
-        self.wiring, self.peer = wiring, peer
-
-    def make(self, capacity: int) -> Ring | None:
-        ring, _ = self.wiring.make_ring(self.peer, capacity, 2 * shm_budget.INITIAL_RING)
-        return ring
-
-    def release(self, capacity: int) -> None:
-        self.wiring.budget.give(Ring.nbytes(capacity))
 
 
 class _Out:
@@ -168,6 +90,7 @@ class _In:
         self.ring: Ring | None = None
         self.theirs: Ring | None = None
         self.pid = 0
+        self.reads = False  # the dialer can read this process's memory
         self.streams: list[tuple[int, socket.socket]] = []  # (index, socket): the order the dialer numbered
         self.want_streams = 1
         self.final = False  # waiting for the dialer's last word on the rings
@@ -193,9 +116,8 @@ class Wiring:
         self.nsocks = max(1, cfg.nsocks)
         self.cards: dict[int, dict[str, Any]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
-        self.budget = shm_budget.RingBudget(0)
-        self.ring_max = 0  # how large rings may grow (shm_budget.plan_rings); 0: none (TCP)
-        self.reads_refused = "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else ""  # see start()
+        self.rings = PairRings(job_id, self.rank,
+                               "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else "")  # see start()
         self.listener = self._listen(address, world_size)
         tune_socket(self.listener, cfg)  # a congestion control the kernel refuses fails init (accepted
         self.port = self.listener.getsockname()[1]  # sockets inherit the listener's settings)
@@ -214,13 +136,12 @@ class Wiring:
         self._pairs = itertools.count(1)
         self._listening_again = 0.0
         self._refused = auth.Refusals(f"rank {self.rank} (listening on port {self.port})")
-        self._warned: set[str] = set()
         self._closing = False
         self._thread: threading.Thread | None = None
 
     # -- what the engine and init see ---------------------------------------------------------
     def learn(self, cards: dict[int, dict[str, Any]]) -> None:
-        """Where the ranks of `cards` listen and run (topo.local_card and connect.py's fields)."""
+        """Where the ranks of `cards` listen and run (topology.local_card and connect.py's fields)."""
         me = self.cards.get(self.rank) or cards.get(self.rank) or {}
         for r, card in cards.items():
             self.cards[r] = card
@@ -237,24 +158,19 @@ class Wiring:
     def planned_kind(self, peer: int) -> str:
         """'shm' where a pair with `peer` will use rings (unless /dev/shm turns it down), else 'tcp'."""
         card = self.cards.get(peer)
-        return "shm" if card is not None and self.local(card) and self.ring_max > 0 else "tcp"
+        return "shm" if card is not None and self.local(card) and self.rings.ring_max > 0 else "tcp"
 
     def gone(self, peer: int) -> str:
         """Why `peer`'s process is known to have exited ('' if it is not, or cannot be watched)."""
         proc = self.procs.get(peer)
-        if proc is None or _start_of(proc[0]) == proc[1]:
+        if proc is None or start_of(proc[0]) == proc[1]:
             return ""
         return f"its process (pid {proc[0]}) exited"
 
     def start(self, share: int, local: int) -> None:
         """Serve and connect from now on, this rank's rings taking at most `share` bytes of
         /dev/shm among its `local` ranks of this host (shm_budget.ring_share)."""
-        self.budget = shm_budget.RingBudget(share)
-        self.ring_max = shm_budget.plan_rings(share, local, self.cfg.shm_ring_bytes) if share else 0
-        self.reads_refused = self.reads_refused or cma.allow_peers()
-        if self.reads_refused and self.ring_max:
-            _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
-                      "messages go through the rings", self.rank, self.reads_refused)
+        self.rings.start(share, local, self.cfg.shm_ring_bytes)
         self._register(self.listener.fileno(), self._on_listener)
         self._register(self._wake, self._on_wake)
         self._thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
@@ -278,71 +194,6 @@ class Wiring:
             thread.join(5.0)
         if thread is None or not thread.is_alive():
             self._release_all()
-
-    # -- rings --------------------------------------------------------------------------------
-    def make_ring(self, peer: int, capacity: int, floor: int) -> tuple[Ring | None, int]:
-        """The ring this rank writes toward `peer`: `capacity` bytes, or less down to `floor`
-        where this rank's share of /dev/shm (or /dev/shm itself) has less room; (None, errno)
-        where even `floor` does not fit. The plan (plan_rings) was warned of at init, when it
-        fell short; /dev/shm refusing what the plan allowed (another program took its space
-        since) is warned of once a process."""
-        made, why, size, by_tmpfs = None, 0, capacity, False
-        while size >= floor:
-            if self.budget.take(Ring.nbytes(size)):
-                made, why = shm_budget.shrinking(
-                    functools.partial(Ring.create, f"tw-{self.job_id[:24]}-{self.rank}-{peer}"), size, floor)
-                self.budget.give(Ring.nbytes(size) - (Ring.nbytes(made.capacity) if made is not None else 0))
-                by_tmpfs = why != 0
-                break
-            why = errno.ENOSPC  # this rank's share is taken
-            size = shm_budget.halve(size, floor) if size > floor else floor - 1
-        if made is None or made.capacity < capacity:
-            refused = by_tmpfs and "tmpfs" not in self._warned
-            text = (f"a ring toward rank {peer} of {shm_budget.size_text(made.capacity)} instead of "
-                    f"{shm_budget.size_text(capacity)}" if made is not None else
-                    f"no ring toward rank {peer} ({os.strerror(why) if why else 'refused'}): that pair talks "
-                    f"over TCP")
-            if refused:
-                self._warned.add("tmpfs")
-                total, free = shm_budget.usage()
-                log.warn(f"rank {self.rank}: /dev/shm holds {shm_budget.size_text(total)} "
-                         f"({shm_budget.size_text(free)} free now): it refused a ring that fit what "
-                         f"tensorwire planned at init (another program took its space since?), so {text}. "
-                         f"Results are unchanged, large messages are slower (docs/limits.md)",
-                         TensorwireWarning)
-            else:
-                _log.info("rank %d: %s (this rank's rings hold %s of their share of %s)", self.rank, text,
-                          shm_budget.size_text(self.budget.used), shm_budget.size_text(self.budget.limit))
-        return made, why
-
-    def _ring_offer(self, ring: Ring | None) -> dict | None:
-        if ring is None:
-            return None
-        offer = {"name": ring.name, "nonce": ring.nonce, "capacity": ring.capacity}
-        if not self.reads_refused:  # the peer may read this process's memory: it tries
-            offer.update(pid=os.getpid(), probe=ring.nonce_address)
-        return offer
-
-    def _map(self, offer: dict | None) -> tuple[Ring | None, int, int]:
-        """(their ring mapped, or None; the errno why not; their pid where this process can read
-        their memory, else 0)."""
-        if not offer:
-            return None, 0, 0
-        try:
-            ring = Ring(offer["name"], int(offer["capacity"]), create=False)
-        except OSError as exc:
-            return None, exc.errno or 0, 0
-        if ring.nonce != offer["nonce"]:  # not the ring it made: another /dev/shm that shares the name
-            ring.close()
-            return None, 0, 0
-        pid = 0
-        if offer.get("pid"):
-            why = cma.can_read(int(offer["pid"]), int(offer["probe"]), int(offer["nonce"]))
-            if why:
-                _log.info("rank %d cannot read rank %s's memory (%s)", self.rank, offer.get("rank", "?"), why)
-            else:
-                pid = int(offer["pid"])
-        return ring, 0, pid
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -481,13 +332,13 @@ class Wiring:
                 out.msgs.send({"op": "stream", "pair": out.pair, "index": out.index})
                 return
             card = self.cards[out.peer]
-            if self.local(card) and self.ring_max:
+            if self.local(card) and self.rings.ring_max:
                 first = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
-                out.ring, why = self.make_ring(out.peer, first, first)
+                out.ring, why = self.rings.make(out.peer, first, first)
                 if out.ring is None:
                     self.engine.shm_refused[out.peer] = why
             out.msgs.send({"op": "pair", "pair": out.pair, "where": self.where,
-                           "ring": self._ring_offer(out.ring), "streams": self.nsocks})
+                           "ring": self.rings.offer(out.ring), "streams": self.nsocks})
             return
         msg = out.msgs.receive()
         if msg is None:
@@ -524,7 +375,7 @@ class Wiring:
         if out.ring is not None:
             out.ring.unlink()  # the peer mapped it or gave up: the name is no longer needed
         if out.ring is not None and msg.get("mapped") and msg.get("ring"):
-            out.theirs, why, out.pid = self._map(msg["ring"])
+            out.theirs, why, out.pid = self.rings.map(msg["ring"])
             if out.theirs is not None:
                 out.theirs.unlink()
             else:
@@ -553,7 +404,7 @@ class Wiring:
             self._install(out.peer, socks, out.ring, out.theirs, out.pid, bool(out.answer.get("reads")))
         else:
             if out.ring is not None:
-                self._discard_ring(out.ring)
+                self.rings.discard(out.ring)
             self._install(out.peer, socks)
 
     def _failed_dial(self, peer: int, exc: Exception, primary: _Out | None) -> None:
@@ -583,14 +434,8 @@ class Wiring:
         self._forget(out.sock)
         for ring in (out.ring, out.theirs):
             if ring is not None:
-                self._discard_ring(ring)
+                self.rings.discard(ring)
         out.ring = out.theirs = None
-
-    def _discard_ring(self, ring: Ring) -> None:
-        ring.unlink()
-        if ring.name.startswith(f"tw-{self.job_id[:24]}-{self.rank}-"):
-            self.budget.give(Ring.nbytes(ring.capacity))
-        ring.close()
 
     # -- accepting ----------------------------------------------------------------------------
     def _on_listener(self) -> None:
@@ -720,23 +565,23 @@ class Wiring:
             self.engine.host_peers.add(peer)
         their_ring = msg.get("ring") if local else None
         if their_ring is not None:
-            link.theirs, why, link.pid = self._map(their_ring)
+            link.theirs, why, link.pid = self.rings.map(their_ring)
             if link.theirs is None:
                 self.engine.shm_refused[peer] = why
-            elif self.ring_max:
+            elif self.rings.ring_max:
                 size = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
-                link.ring, why = self.make_ring(peer, size, size)
+                link.ring, why = self.rings.make(peer, size, size)
                 if link.ring is None:
                     self.engine.shm_refused[peer] = why
         elif local:
             self.engine.shm_refused.setdefault(peer, 0)
         if link.theirs is not None and link.ring is None:
-            self._discard_ring(link.theirs)
+            self.rings.discard(link.theirs)
             link.theirs = None
         shm = link.ring is not None
         link.want_streams = 1 if shm else max(1, min(int(msg.get("streams", 1)), self.nsocks))
         link.msgs.send({"ok": True, "mapped": link.theirs is not None, "reads": link.pid != 0,
-                        "ring": self._ring_offer(link.ring), "streams": link.want_streams})
+                        "ring": self.rings.offer(link.ring), "streams": link.want_streams})
         link.final = shm
         if not shm:
             self._maybe_install_in(link)
@@ -748,11 +593,11 @@ class Wiring:
         link.ring.unlink()
         if not msg.get("mapped"):
             self.engine.shm_refused.setdefault(link.peer, 0)
-            self._discard_ring(link.ring)
-            self._discard_ring(link.theirs)
+            self.rings.discard(link.ring)
+            self.rings.discard(link.theirs)
             link.ring = link.theirs = None
             link.want_streams = 1
-        link.reads = bool(msg.get("reads"))  # type: ignore[attr-defined]
+        link.reads = bool(msg.get("reads"))
         self._maybe_install_in(link)
 
     def _stream_joined(self, link: _In, msg: dict) -> None:
@@ -774,7 +619,7 @@ class Wiring:
         del self._in[link.peer]
         socks = [self._hand_over(link.sock), *(sock for _, sock in sorted(link.streams, key=lambda s: s[0]))]
         if link.ring is not None and link.theirs is not None:
-            self._install(link.peer, socks, link.ring, link.theirs, link.pid, getattr(link, "reads", False))
+            self._install(link.peer, socks, link.ring, link.theirs, link.pid, link.reads)
         else:
             self._install(link.peer, socks)
 
@@ -784,14 +629,15 @@ class Wiring:
         self._joining.pop(link.sock.fileno(), None)
         if self._in.get(link.peer) is link:
             del self._in[link.peer]
-            wanted = getattr(self.engine.channels.get(link.peer), "kind", "") == "pending"
+            channel = self.engine.channels.get(link.peer)
+            wanted = channel is not None and channel.kind == "pending"
             if wanted and link.peer not in self._out:  # this rank waits for the pair: dial it itself
                 self._later.setdefault(link.peer, time.monotonic() + _RETRY_S)
         for sock in (link.sock, *(sock for _, sock in link.streams)):
             self._forget(sock)
         for ring in (link.ring, link.theirs):
             if ring is not None:
-                self._discard_ring(ring)
+                self.rings.discard(ring)
         link.ring = link.theirs = None
 
     # -- channels -----------------------------------------------------------------------------
@@ -808,8 +654,8 @@ class Wiring:
             return
         streams = [SocketStream(sock, peer, engine, cfg.tcp_chunk_bytes, cfg.max_message) for sock in socks]
         if out is not None and inn is not None:
-            channel: Any = ShmChannel(streams[0], out, inn, engine, pid, reads, _PairRings(self, peer),
-                                      self.ring_max)
+            channel: Channel = ShmChannel(streams[0], out, inn, engine, pid, reads, self.rings.source(peer),
+                                      self.rings.ring_max)
         else:
             channel = TcpChannel(streams)
         if not engine.install(peer, channel):

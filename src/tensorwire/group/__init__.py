@@ -1,0 +1,3 @@
+from .group import Group
+
+__all__ = ["Group"]

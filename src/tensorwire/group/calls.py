@@ -1,0 +1,98 @@
+"""The call adapter: one collective's point-to-point view of its group (algorithms.base.P2P).
+
+Algorithms see a call, never a group: its rank and size, messages tagged with the call's
+context, sequence number and fingerprint, and waits bounded by the call's deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..algorithms.hierarchical import Hierarchy
+from ..algorithms.registry import Link
+from ..buffers import byte_view
+from ..errors import PeerLostError
+from ..ops import ReduceOp
+from ..transport.requests import Request
+from ..transport.wire import Fingerprint, Header, Kind
+from ..tuning import tuner
+
+if TYPE_CHECKING:
+    from .group import Group
+
+
+class CollectiveCall:
+    """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
+
+    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline")
+
+    def __init__(self, group: Group, seq: int, fp: Fingerprint, name: str, timeout: float) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.seq = seq
+        self.fp = fp
+        self.name = name
+        self.timeout = timeout
+        self.deadline = 0.0
+
+    @property
+    def what(self) -> str:
+        """The label errors use: 'all_reduce #12 on group world' (built only when needed)."""
+        return f"{self.name} #{self.seq} on group {self.group.name}"
+
+    __str__ = what.fget  # type: ignore[assignment]
+
+    def start(self) -> None:
+        self.deadline = time.perf_counter() + self.timeout
+
+    def started(self) -> CollectiveCall:
+        """The call with its deadline running (a direct-path call starts it when it first waits)."""
+        if not self.deadline:
+            self.start()
+        return self
+
+    def _header(self, step: int, nbytes: int) -> Header:
+        return Header(Kind.COLL, self.group.ctx, self.seq, step, nbytes, self.fp)
+
+    def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
+        payload = byte_view(data)
+        return self.group.engine.isend(self.group.ranks[peer], self._header(step, payload.nbytes),
+                                       payload, self)
+
+    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
+              base: np.ndarray | None = None) -> Request:
+        dst = data.reshape(-1) if reduce is not None else byte_view(data)
+        return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
+                                       dst, reduce, self, base)
+
+    @property
+    def link(self) -> Link:
+        """The group's link constants, as the tuner priced this call with them."""
+        return tuner.link_of(self.group)
+
+    @property
+    def hierarchy(self) -> Hierarchy:
+        """The group's host group and rail for this rank (hierarchical algorithms only)."""
+        return self.group.hierarchy()
+
+    def wait(self, *reqs: Request) -> None:
+        direct = self.group.direct
+        try:
+            self.group.engine.wait(reqs, deadline=self.deadline, ctx=self.group.ctx, seq=self.seq,
+                                   watch=self.group.ranks,
+                                   what=self, cross_check=None if direct is None else self._cross_check)
+        except PeerLostError as exc:
+            why = self.group.engine.why_left(exc, self.group.ctx, self.seq)
+            if why is exc:
+                raise
+            raise why from exc
+
+    def _cross_check(self) -> None:
+        """A peer that entered this call through the shared-memory path, or ran it on the
+        message path as something else."""
+        for r, theirs in self.group.direct.published(self.seq, self.fp):  # type: ignore[union-attr]
+            raise self.group.engine.mismatch_error(self.what, self.fp, theirs, self.group.ranks[r])

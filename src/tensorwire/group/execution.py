@@ -1,0 +1,214 @@
+"""A group's ordered execution: sequence numbers, and who runs each call.
+
+Collectives of one group run in the order they were called, on every rank. A blocking call
+runs inline on the caller's thread when nothing is queued (no thread hop on the fast path);
+async calls, and blocking calls queued behind them, run on the group's worker thread, or on
+the thread that waits for them if the worker has not started them yet (`run_until`).
+Any failure of a collective aborts the group on every member (as NCCL aborts a
+communicator): a group whose messages may be half-delivered is never reused silently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from .. import limits
+from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call
+from ..transport.wire import Coll, Fingerprint
+from ..work import Work
+from .calls import CollectiveCall
+
+if TYPE_CHECKING:
+    from .group import Group
+
+
+class CallQueue:
+    """One group's calls, numbered in call order and run one at a time in that order."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.engine = group.engine
+        self.seq = 0  # the last call's sequence number
+        self.busy = False  # a call is running (inline, on the worker, or on a waiter)
+        self.pending: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
+        self.wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # see wrapping
+        self._cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._stopping = False
+
+    def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
+               timeout: float | None, *args: Any) -> Any:
+        """Give the call its sequence number now (call order is the contract), run it in order
+        as body(call, *args)."""
+        group = self.group
+        self.seq += 1
+        call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
+        aborted = self.engine.aborted.get(group.ctx)
+        if aborted is not None and call.seq >= aborted[0]:
+            raise aborted[1]
+        if self.wrap is not None:
+            body = self.wrap(body)
+        # Only the calling thread enqueues, and the worker marks itself busy before it pops,
+        # so an empty queue and an idle worker seen here mean nothing else can run now.
+        if not async_op and not self.pending and not self.busy:
+            self.busy = True
+            try:
+                return self._run(call, body, args)
+            finally:
+                self._release()
+        work = QueuedWork(self, call.what)
+        with self._cv:
+            self.pending.append((call, body, args, work))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                name=f"tensorwire-group-{group.name}")
+                self._worker.start()
+            self._cv.notify_all()
+        if async_op:
+            return work
+        work.wait()
+        return work._result
+
+    def internal_call(self, what: str) -> CollectiveCall:
+        """A call for the group's own bookkeeping; it takes a sequence number like any other."""
+        self.seq += 1
+        call = CollectiveCall(self.group, self.seq, Fingerprint(Coll.SETUP), what, self.group.timeout)
+        call.start()
+        return call
+
+    @contextmanager
+    def wrapping(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+        """Calls submitted meanwhile run as wrap(body): a staged device call's host collective
+        must start only once its data has reached the host, and queue its copy back as it ends,
+        wherever (whichever thread) the body runs."""
+        self.wrap = wrap
+        try:
+            yield
+        finally:
+            self.wrap = None
+
+    def _release(self) -> None:
+        """An inline call ended: the worker may take what was queued behind it meanwhile."""
+        self.busy = False
+        if self.pending:
+            self.wake()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _run(self, call: CollectiveCall, body: Callable[..., Any], args: tuple) -> Any:
+        group = self.group
+        call.start()
+        try:
+            if self.engine.enter_call(group.ctx, call):
+                aborted = self.engine.aborted.get(group.ctx)
+                if aborted is not None and call.seq >= aborted[0]:
+                    raise aborted[1]  # entering revealed a mismatch with an earlier or this call
+            result = body(call, *args)
+            direct = group.direct
+            if direct is not None and direct.prev_seq != call.seq:
+                direct.stamp(call)  # it ran on the message path
+            return result
+        except MemoryError as exc:
+            raise self.out_of_memory(call, exc) from exc
+        except Exception as exc:
+            error = self.failed(call, exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def failed(self, call: CollectiveCall, exc: Exception) -> Exception:
+        """Whatever broke, the peers must not wait for this rank: the group is aborted with the
+        error, a lost peer's named with the call (the engine's knows the peer, not the call), a
+        timeout's with the members not in the call (Engine.missing)."""
+        group = self.group
+        error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
+        phase = any(group.ctx in kids for kids in self.engine.children.values())  # named by its parent's call
+        if isinstance(exc, TimeoutError) and not phase:
+            error = self.engine.missing(exc, group.ctx, call.seq, group.ranks)
+        group.abort(error, call.seq)
+        return error
+
+    def out_of_memory(self, call: CollectiveCall, exc: MemoryError) -> ResourceError:
+        """A call that could not allocate: the error names the limits, and every member gets it."""
+        error = limits.memory_error(exc, f"rank {self.group.runtime.rank}: {call.what}")
+        self.group.abort(error, call.seq)
+        return error
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.pending or self.busy:
+                    if self._stopping:
+                        return
+                    self._cv.wait()
+                self.busy = True  # before the pop: see submit
+                queued = self.pending.popleft()
+            self._run_queued(*queued)
+
+    def run_until(self, work: Work) -> None:
+        """Run the queued calls up to `work` on this (the waiting) thread while the worker has
+        not taken them: a small async call waited for at once then costs no thread wake-ups
+        (see docs/design/groups.md#stealing)."""
+        while not work._done:
+            with self._cv:
+                if self.busy or not self.pending or self._stopping:
+                    return  # the worker has it, or it is done: wait the usual way
+                self.busy = True  # as the worker does: see submit
+                queued = self.pending.popleft()
+            self._run_queued(*queued)
+
+    def _run_queued(self, call: CollectiveCall, body: Callable[..., Any], args: tuple, work: Work) -> None:
+        try:
+            result = self._run(call, body, args)
+        except BaseException as exc:  # handed to whoever waits on the Work
+            work._finish(exc=exc)
+        else:
+            work._finish(result)
+        finally:
+            with self._cv:
+                self.busy = False
+                if self.pending:
+                    self._cv.notify_all()
+
+    def stop_worker(self, grace: float) -> None:
+        """End the worker thread before the interpreter finalizes: a daemon thread that is
+        still inside a C++ call then (a torch op in an abandoned async collective) aborts the
+        whole process. Queued calls fail; the running one gets `grace` seconds to finish."""
+        group = self.group
+        with self._cv:
+            self._stopping = True
+            dropped = list(self.pending)
+            self.pending.clear()
+            self._cv.notify_all()
+        for call, _body, _args, work in dropped:
+            work._finish(exc=AbortedError(f"rank {group.runtime.rank}: {call.what} was still queued "
+                                          "when tensorwire shut down"))
+        worker = self._worker
+        if worker is None or worker is threading.current_thread():
+            return
+        worker.join(grace)
+        if worker.is_alive():
+            self.engine.fail_locally(group.ctx, 0, AbortedError(
+                f"rank {group.runtime.rank}: tensorwire shut down while group {group.name} was "
+                "running an async collective nobody waited for"))
+            worker.join(grace)
+
+
+class QueuedWork(Work):
+    """A queued call's Work: whoever waits for it without a time limit runs it if the worker
+    has not started it yet (CallQueue.run_until)."""
+
+    def __init__(self, queue: CallQueue, what: str) -> None:
+        super().__init__(what, queue.group.runtime.rank)
+        self._queue = queue
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done and timeout is None:
+            self._queue.run_until(self)
+        return super().wait(timeout)

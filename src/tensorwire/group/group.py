@@ -1,0 +1,221 @@
+"""Groups (communicators): identity, rank maps, topology and sub-groups.
+
+A Group is composed of its parts: the ordered execution of its calls (execution.CallQueue,
+`group.queue`), its planned fast paths (planned.Plans, `group.plans`), its shared-memory
+path (shm_setup, `group.direct`) and its device collectives (`group.device`). The calls
+themselves are plain functions of the group, bound here as methods by family:
+collectives.py, p2p.py, objects.py, and shrink.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from .. import log
+from ..algorithms.hierarchical import Hierarchy
+from ..errors import InvalidArgumentError
+from . import collectives, objects, p2p, shm_setup
+from .arguments import check_member
+from .context import mix_context
+from .execution import CallQueue
+from .planned import Plans
+from .shrink import shrink_group
+
+if TYPE_CHECKING:
+    from ..gpu.collectives import DeviceCollectives
+    from ..runtime import Runtime
+    from ..transport.segment import DirectPath
+    from ..tuning.topology import Layout
+
+_log = log.get("COLL")
+
+
+class Group:
+    """A set of world ranks with its own context id; `rank` is -1 on processes outside it.
+
+    Groups come from `new_group`/`split`; integrations (the torch backend) may also construct
+    one directly over the runtime, with a context id every member derives identically."""
+
+    def __init__(self, runtime: Runtime, ranks: Sequence[int], ctx: int, name: str) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.ranks = list(ranks)
+        self.ctx = ctx
+        self.name = name
+        self.size = len(self.ranks)
+        self._index = {w: i for i, w in enumerate(self.ranks)}
+        self.rank = self._index.get(runtime.rank, -1)
+        runtime.groups.add(self)
+        self.timeout = runtime.config.timeout
+        self._children = 0
+        self.shrinks = 0  # shrink() calls so far: each derives its contexts from this count
+        self.queue = CallQueue(self)  # sequence numbers and the ordered execution
+        self.plans = Plans(self, self.queue)  # checked call signatures -> their plans
+        self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
+        self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
+        self.p2p_routes: dict[tuple[bool, int, int, int], p2p.P2PRoute] = {}  # see p2p._route
+        self._device: DeviceCollectives | None = None
+        me = runtime.rank
+        self.all_local = runtime.config.transport != "tcp" and all(
+            self.engine.planned_kind(w) == "shm" for w in self.ranks if w != me)
+        self.one_host = self.all_local  # every member on this host, rings or not (agreed in shm_setup)
+        self.ring_bytes = runtime.config.shm_ring_bytes  # the smallest ring among members (shm_setup)
+        self._layout: Layout | None | bool = False  # False: not looked up yet
+        self._hierarchy: Hierarchy | None = None
+        self.direct: DirectPath | None = None
+        if self.rank >= 0:
+            shm_setup.setup_direct(self)
+
+    def __repr__(self) -> str:
+        return f"<tensorwire.Group {self.name} rank {self.rank}/{self.size} ranks={self.ranks}>"
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def world_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def group_rank(self, world_rank: int) -> int:
+        """This group's rank of a world rank, -1 if it is not a member."""
+        return self._index.get(world_rank, -1)
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout | None:
+        """Where the group's ranks lie across hosts (topology.Layout: the orders its algorithms
+        run in, its hierarchy); None for a group on one host, or where the runtime knows no
+        topology (the torch backend's runtime over another backend's world)."""
+        if self._layout is False:
+            topo = getattr(self.runtime, "topology", None)
+            self._layout = None if topo is None or self.all_local else topo.layout(self.ranks, self.name)
+        return self._layout  # type: ignore[return-value]
+
+    def hierarchy(self) -> Hierarchy:
+        """This rank's host group and rail (algorithms/hierarchical.py), made on first use:
+        collectively, inside the first call that runs a hierarchical algorithm, which every
+        member runs at the same point. A failure of the group fails them too (Engine.children)."""
+        if self._hierarchy is None:
+            layout = self.layout
+            if layout is None or layout.shape is None:
+                raise InvalidArgumentError(f"rank {self.runtime.rank}: group {self.name} has no hierarchy: "
+                                           "it is on one host, or each of its hosts holds one rank")
+            where = {g: (k, i) for k, on in enumerate(layout.hosts) for i, g in enumerate(on)}
+            host, index = where[self.rank]
+            ctxs = mix_context(self.ctx, -1, host), mix_context(self.ctx, -2, index)
+            self.engine.children.setdefault(self.ctx, []).extend(ctxs)
+            local = self.derive([self.ranks[g] for g in layout.hosts[host]], ctxs[0],
+                                f"{self.name}/host{host}")
+            if local.direct is not None:
+                # single copy's all-gather even where ranks outnumber cores (DirectPath.crowded):
+                # a host's phases run while the link carries another piece, not against every
+                # rank's flag rounds (see docs/design/groups.md#hierarchy)
+                local.direct.crowded = False
+            rail = self.derive([self.ranks[g] for g in layout.rails[index]], ctxs[1],
+                               f"{self.name}/rail{index}")
+            self._hierarchy = Hierarchy(local, rail, layout.hosts, host, index, where)
+        return self._hierarchy
+
+    @property
+    def device(self) -> DeviceCollectives:
+        """This group's collectives on CUDA buffers (torch is imported with the first)."""
+        if self._device is None:
+            from ..gpu.collectives import DeviceCollectives
+
+            self._device = DeviceCollectives(self)
+        return self._device
+
+    # -- failures ------------------------------------------------------------------------------
+    def abort(self, error: BaseException, seq: int | None = None) -> None:
+        """Fail call `seq` (default: the next one) and all later calls of this group, here and
+        on every member, with `error` as the reason."""
+        _log.warning("aborting group %s: %s", self.name, error)
+        self.engine.abort_group(self.ctx, self.queue.seq + 1 if seq is None else seq, self.ranks, error)
+
+    def fail_fast(self, error: InvalidArgumentError) -> NoReturn:
+        """A local argument error in the call about to be made: abort the group from that call
+        on, so peers raise it too instead of waiting for this rank."""
+        self.abort(error)
+        raise error
+
+    def forget_plans(self) -> None:
+        """Drop the planned calls and point-to-point routes: each next call is checked again."""
+        self.plans.clear()
+        self.p2p_routes.clear()
+
+    # -- sub-groups ---------------------------------------------------------------------------
+    def derive(self, ranks: Sequence[int], ctx: int, name: str) -> Group:
+        """A group of world `ranks` over this group's runtime, with a context every member
+        derived alike: sub-groups, a hierarchy's host groups and rails, shrink's survivors."""
+        if self.runtime.closed:
+            check_member(self, f"making group {name}")
+        return Group(self.runtime, ranks, ctx, name)
+
+    def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
+        """Every rank of this group must call it, members or not, in the same order."""
+        ranks = list(range(self.size)) if ranks is None else [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks):
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: duplicate ranks in {ranks}")
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: ranks {bad} out of range "
+                                       f"for group {self.name} of size {self.size}")
+        self._children += 1
+        ctx = mix_context(self.ctx, self._children, *ranks)
+        world = [self.ranks[r] for r in ranks]
+        return self.derive(world, ctx, name or f"{self.name}.{self._children}")
+
+    def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
+        """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).
+
+        A color of None (or negative) leaves this rank out; it gets None back."""
+        mine = np.array([-1 if color is None or color < 0 else color, key], dtype=np.int64)
+        table = np.empty((self.size, 2), dtype=np.int64)
+        self.all_gather_into_tensor(table, mine, timeout=timeout)
+        self._children += 1
+        if mine[0] < 0:
+            return None
+        members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == mine[0])
+        ranks = [self.ranks[r] for _, r in members]
+        return self.derive(ranks, mix_context(self.ctx, self._children, int(mine[0])),
+                           f"{self.name}.split{self._children}c{int(mine[0])}")
+
+    shrink = shrink_group
+
+    # -- reductions (collectives.py) ----------------------------------------------------------
+    all_reduce = collectives.all_reduce
+    reduce = collectives.reduce
+    reduce_scatter = collectives.reduce_scatter
+    reduce_scatter_tensor = collectives.reduce_scatter_tensor
+    reduce_scatterv = collectives.reduce_scatterv
+
+    # -- data movement (collectives.py) -------------------------------------------------------
+    broadcast = collectives.broadcast
+    all_gather = collectives.all_gather
+    all_gather_into_tensor = collectives.all_gather_into_tensor
+    all_gatherv = collectives.all_gatherv
+    gather = collectives.gather
+    scatter = collectives.scatter
+    gatherv = collectives.gatherv
+    scatterv = collectives.scatterv
+    all_to_all = collectives.all_to_all
+    all_to_all_single = collectives.all_to_all_single
+    barrier = collectives.barrier
+
+    # -- point-to-point (p2p.py) --------------------------------------------------------------
+    isend = p2p.isend
+    irecv = p2p.irecv
+    irecv_any = p2p.irecv_any
+    send = p2p.send
+    recv = p2p.recv
+    sendrecv = p2p.sendrecv
+    probe_any = p2p.probe_any
+
+    # -- Python objects (objects.py) ----------------------------------------------------------
+    all_gather_object = objects.all_gather_object
+    gather_object = objects.gather_object
+    broadcast_object_list = objects.broadcast_object_list
+    scatter_object_list = objects.scatter_object_list

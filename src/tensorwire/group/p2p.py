@@ -1,0 +1,241 @@
+"""Point-to-point calls of a Group: send, recv, their async forms, sendrecv, probe_any.
+
+They belong to no collective call: no sequence number, no fingerprint beyond P2P_FINGERPRINT;
+a message's (peer, tag, size) route is kept per group, as its checks and header are most of a
+small message's time. A device buffer is staged through the group's device collectives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ..buffers import as_array, byte_view
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, in_call
+from ..gpu import is_device_buffer as _on_device
+from ..transport.requests import Request
+from ..transport.wire import P2P_FINGERPRINT, Header, Kind
+from ..work import Work
+from .arguments import check_member
+
+if TYPE_CHECKING:
+    from .group import Group
+
+P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
+P2P_ROUTES = 256  # point-to-point routes kept per group (cleared when full)
+
+
+class P2PRoute(NamedTuple):
+    peer: int  # world rank
+    header: Header
+    wire: bytes  # the header packed
+    label: str
+    done: Work  # what a message of this route that completed as it was posted returns
+
+
+def _host(group: Group, tensor: Any, sending: bool, peer: int,
+          tag: int) -> tuple[np.ndarray, P2PRoute]:
+    """A host buffer's bytes and its message's route."""
+    data = byte_view(as_array(tensor, writable=not sending, rank=group.runtime.rank,
+                              collective="send" if sending else "recv"))
+    return data, _route(group, sending, peer, tag, data.nbytes)
+
+
+def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
+    """Non-blocking send; the returned Work completes once the data left this process's hands."""
+    if _on_device(tensor):
+        return group.device.isend(tensor, dst, tag)
+    data, route = _host(group, tensor, True, dst, tag)
+    if group.engine.send_now(route.peer, route.wire, data):
+        return route.done
+    req = group.engine.isend(route.peer, route.header, data, route.label, route.wire)
+    return _work(group, req, route)
+
+
+def irecv(group: Group, tensor: Any, src: int, tag: int = 0) -> Any:
+    """Non-blocking receive into `tensor` (its size must equal the message's)."""
+    if _on_device(tensor):
+        return group.device.irecv(tensor, src, tag)
+    data, route = _host(group, tensor, False, src, tag)
+    if group.engine.recv_now(route.peer, route.header, route.wire, data, False):
+        return route.done
+    return _work(group, group.engine.irecv(route.peer, route.header, data, None, route.label), route)
+
+
+def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
+    """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
+    result() is the sender's group rank. A helper thread waits for the first sender."""
+    if _on_device(tensor):
+        return group.device.irecv_any(tensor, tag, timeout)
+    data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
+    work = Work(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
+
+    def find_and_receive() -> None:
+        try:
+            src = group.probe_any(tag, timeout)
+            group.recv(data, src, tag, timeout)
+        except BaseException as exc:  # handed to whoever waits on the Work
+            work._finish(exc=exc)
+        else:
+            work._finish(src)
+
+    threading.Thread(target=find_and_receive, daemon=True, name="tensorwire-recv-any").start()
+    return work
+
+
+def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+    if _on_device(tensor):
+        group.device.isend(tensor, dst, tag).wait(group.timeout if timeout is None else timeout)
+        return
+    data, route = _host(group, tensor, True, dst, tag)
+    if not group.engine.send_now(route.peer, route.wire, data):
+        _wait(group, group.engine.isend(route.peer, route.header, data, route.label, route.wire),
+              timeout=timeout)
+
+
+def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
+    if _on_device(tensor):
+        group.device.irecv(tensor, src, tag).wait(group.timeout if timeout is None else timeout)
+        return src
+    data, route = _host(group, tensor, False, src, tag)
+    if not group.engine.recv_now(route.peer, route.header, route.wire, data, True):
+        _wait(group, group.engine.irecv(route.peer, route.header, data, None, route.label),
+              timeout=timeout)
+    return src
+
+
+def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 0,
+             timeout: float | None = None) -> int:
+    """Send `send` to `dst` and receive into `recv` from `src` at once (MPI_Sendrecv): no
+    ordering between the two can deadlock, as a blocking send before a blocking receive
+    can on every rank of a ring. Returns `src`."""
+    if _on_device(send) or _on_device(recv):
+        for buf, what in ((send, "send"), (recv, "recv")):  # both good before anything is sent
+            if _on_device(buf):
+                group.device.check_p2p(buf, what)
+            else:
+                as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
+        deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
+        for work in [group.isend(send, dst, tag), group.irecv(recv, src, tag)]:
+            work.wait(max(0.0, deadline - time.perf_counter()))
+        return src
+    out, out_route = _host(group, send, True, dst, tag)
+    into, in_route = _host(group, recv, False, src, tag)
+    sent = group.engine.send_now(out_route.peer, out_route.wire, out)
+    reqs = [] if sent else [group.engine.isend(out_route.peer, out_route.header, out, out_route.label,
+                                               out_route.wire)]
+    if not group.engine.recv_now(in_route.peer, in_route.header, in_route.wire, into, True):
+        reqs.append(group.engine.irecv(in_route.peer, in_route.header, into, None, in_route.label))
+    if reqs:
+        _wait(group, *reqs, timeout=timeout)
+    return src
+
+
+def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int) -> P2PRoute:
+    """Where a point-to-point message goes and how it is labelled, kept per (direction,
+    peer, tag, size): the checks, the header and its wire form, and the label are most of
+    a small message's time otherwise."""
+    key = (sending, peer, tag, nbytes)
+    route = group.p2p_routes.get(key)
+    if route is None:
+        world = _peer(group, peer, "send" if sending else "recv")
+        if len(group.p2p_routes) >= P2P_ROUTES:
+            group.p2p_routes.clear()
+        header = Header(Kind.P2P, group.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
+        label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
+            f" (tag {tag}) on group {group.name}"
+        route = group.p2p_routes[key] = P2PRoute(world, header, header.pack(), label,
+                                                 _Done(label, group.runtime.rank))
+    return route
+
+
+def _peer(group: Group, peer: int, what: str) -> int:
+    check_member(group, what)
+    if not 0 <= peer < group.size:
+        raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: peer {peer} out of range "
+                                   f"for group {group.name} of size {group.size}")
+    return group.ranks[peer]
+
+
+def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
+    """Wait until a point-to-point message with `tag` from any member has arrived; its
+    sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
+    check_member(group, "recv from any rank")
+    peers = {w: r for r, w in enumerate(group.ranks) if r != group.rank}
+    limit = group.timeout if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    pause = 20e-6
+    while True:
+        world = group.engine.arrived_from(group.ctx, tag, peers)
+        if world is not None:
+            return peers[world]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
+                               f"{group.name}: no message arrived within {limit:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def _wait(group: Group, *reqs: Request, timeout: float | None) -> None:
+    t = group.timeout if timeout is None else timeout
+    try:
+        group.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=P2P_SEQ,
+                          watch=tuple(r.peer for r in reqs), what=reqs[0].what)
+    except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
+        named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def _work(group: Group, req: Request, route: P2PRoute) -> Work:
+    if req.done and req.error is None:  # a small send, already in the ring or the socket,
+        return route.done  # or a receive whose message had arrived
+    group.engine.watch_in_background(req)
+    return _P2PWork(group, req)
+
+
+class _Done(Work):
+    """A request that completed as it was posted: nothing to drive, wait or watch."""
+
+    def __init__(self, what: str, rank: int) -> None:
+        super().__init__(what, rank)
+        self._done = True
+
+
+class _P2PWork(Work):
+    """A point-to-point request as a Work: waiting drives the engine instead of a worker."""
+
+    progresses = False
+
+    def __init__(self, group: Group, req: Request) -> None:
+        super().__init__(req.what, group.runtime.rank)
+        self._group = group
+        self._req = req
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done:
+            req = self._req
+            if not req.done or req.error is not None:  # else nothing to drive nor raise
+                try:
+                    _wait(self._group, req, timeout=timeout)
+                except TimeoutError:
+                    raise  # still pending: the caller may wait again
+                except BaseException as exc:
+                    self._finish(exc=exc)
+                    raise
+            self._finish()
+            return True
+        return super().wait(0)
+
+    def is_completed(self) -> bool:
+        """Also one round of progress (as MPI_Test): a caller that polls moves its transfer."""
+        req = self._req
+        if not req.done:
+            engine = self._group.engine
+            with engine.lock:
+                engine.progress()
+        return req.done

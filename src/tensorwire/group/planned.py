@@ -1,0 +1,116 @@
+"""A group's planned calls: the fast path of repeated small calls.
+
+A call whose signature (collective, dtype, count, op, root, in/out of place) passed its checks
+before only needs its arrays' flags re-checked, and on the direct path runs with everything
+else looked up already: most of a small call's Python time. The collectives look their plan
+up at their top (`group.plans.get(key)`, a dict lookup), remember one after a checked call,
+and submit through `Plans.submit`; gpu/planned.py's small device all_reduce does the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..algorithms.shm_direct import AllReducePlan
+from ..ops import Reduction
+from ..transport.wire import Fingerprint
+from ..tuning import tuner
+from .calls import CollectiveCall
+
+if TYPE_CHECKING:
+    from .execution import CallQueue
+    from .group import Group
+
+_PLANS = 256  # checked call signatures kept per group
+
+
+class Plans(dict):
+    """Checked call signatures -> their plans: (call, on the direct path?, run, *extra), or
+    for all_reduce (call, the direct path's run or None, reduction); "barrier" -> (call,
+    run, on the direct path?). A dict, so that taking a plan costs one lookup."""
+
+    __slots__ = ("group", "queue", "engine", "ctx")
+
+    def __init__(self, group: Group, queue: CallQueue) -> None:
+        super().__init__()
+        self.group = group
+        self.queue = queue
+        self.engine = group.engine
+        self.ctx = group.ctx
+
+    def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
+        """A reusable call object for a plan (`submit` numbers it per call)."""
+        return CollectiveCall(self.group, 0, fp, what, self.group.timeout)
+
+    def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction) -> None:
+        """Plan a checked all_reduce: (call, the direct path's run or None, reduction). Where
+        the tuner picks the direct path, its AllReducePlan's run, with nothing left to look
+        up per call; else None, for the general body."""
+        if len(self) >= _PLANS:
+            return
+        group = self.group
+        call = self.call(fp, "all_reduce")
+        if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes).name == "direct":
+            self[key] = call, AllReducePlan(group.direct, src.dtype, src.size, red.op, red).run, red
+        else:
+            self[key] = call, None, red
+
+    def remember(self, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
+                 *extra: Any, one_rank: bool = False,
+                 whole: tuple[int, Callable[[], Callable[..., Any]]] | None = None) -> None:
+        """Plan a signature whose checks passed, for the planned path at the top of its
+        collective: (call, on the direct path?, the chosen algorithm's run or None where
+        nothing moves, *extra). `one_rank`: the algorithm has work even on a single rank.
+        `whole`: (bytes a rank puts in its slot, the factory of a plan's run) of a call the
+        direct path's one shot can run from a plan that takes the arrays themselves
+        (TensorPlan, ReducePlan, BroadcastPlan): where the tuner picks that path and the bytes
+        fit the slot, the run is the plan's, and the last of `extra` (what only the general
+        body needs) is None."""
+        if len(self) >= _PLANS:
+            return
+        group = self.group
+        alg = tuner.select(group, collective, nbytes) if group.size > 1 or one_rank else None
+        run = None if alg is None else alg.run
+        if whole is not None and alg is not None and alg.name == "direct" \
+                and whole[0] <= group.direct.slot_bytes:  # type: ignore[union-attr]
+            run = whole[1]()
+            extra = (*extra[:-1], None)
+        self[key] = (self.call(fp, what), alg is not None and alg.needs_direct, run, *extra)
+
+    def submit(self, call: CollectiveCall, body: Callable[..., Any], direct: bool, async_op: bool,
+               timeout: float | None, *args: Any) -> Any:
+        """CallQueue.submit for a planned call, given the plan's own call object. A body of the
+        direct path that can run inline, with nothing arrived that must be vetted first,
+        reuses that object, its deadline started only if it has to wait: such a body keeps no
+        reference to its call, and the setup saved is a fifth of a small call's time."""
+        engine = self.engine
+        queue = self.queue
+        if async_op or not direct or queue.busy or queue.pending or engine.unexpected \
+                or engine.deferred_aborts or (engine.aborted and self.ctx in engine.aborted):
+            return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
+        queue.seq = call.seq = queue.seq + 1
+        call.timeout = self.group.timeout if timeout is None else timeout
+        call.deadline = 0.0
+        engine.current[self.ctx] = call
+        queue.busy = True
+        try:
+            # CPython calls body(call, *args) its slow way, so the usual arities are spelt
+            # out: two arrays (most planned bodies), none (a barrier)
+            if len(args) == 2:
+                a, b = args
+                return body(call, a, b)
+            return body(call, *args) if args else body(call)
+        except MemoryError as exc:
+            raise queue.out_of_memory(call, exc) from exc
+        except Exception as exc:
+            error = queue.failed(call, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            queue.busy = False  # CallQueue._release, inline: a tenth of this method's time
+            if queue.pending:
+                queue.wake()

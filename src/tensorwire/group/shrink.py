@@ -1,0 +1,80 @@
+"""Shrink: after a rank fails, the survivors agree on who failed and go on in a new group.
+
+ULFM's MPI_Comm_shrink, NCCL's ncclCommShrink. Every surviving member calls `Group.shrink()`;
+they agree on the failed set even if more ranks die meanwhile (transport/agreement.py) and get a
+new group of the survivors, ranked in their old order, with a context of its own (and, on one
+host, a new shared segment and single copy). The shrunk group stays aborted and its context is
+retired in the engine: what its failed call left queued is dropped, and whatever of it is still
+in flight is discarded on arrival. A group in which nothing failed (and that is not aborted)
+stays usable beside its equivalent new one.
+
+A rank that dies after the decision makes the new group's first call fail, so shrink ends with
+a barrier on the new group and, if that fails, shrinks the new group within the same deadline,
+exactly as a member that got it back would by calling its shrink().
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from .. import log
+from ..errors import AbortedError, PeerLostError
+from ..transport.agreement import agree_on_failed
+from ..transport.engine import Engine
+from .arguments import check_member
+from .context import mix_context
+
+if TYPE_CHECKING:
+    from .group import Group
+
+_log = log.get("COLL")
+SHRINK = 0x5348524B  # "SHRK", mixed into the contexts a shrink derives
+
+
+def shrink_group(group: Group, timeout: float | None = None) -> Group:
+    """After a member failed: a new group of the surviving members, ranked in their old
+    order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
+    this group stays aborted. Called where nothing failed, it returns an equivalent group
+    (same members, a new context) and leaves this one usable. `timeout` (default: the
+    group's) bounds the whole of it. See docs/failures.md."""
+    check_member(group, "shrink")
+    limit = group.timeout if timeout is None else timeout
+    deadline = time.perf_counter() + limit
+    engine = group.engine
+    count = group.shrinks = group.shrinks + 1
+    ranks, ctx, name, next_seq = list(group.ranks), group.ctx, group.name, group.queue.seq + 1
+    while True:
+        failed = agree_on_failed(engine, ranks, mix_context(ctx, SHRINK, count), deadline,
+                                 f"shrink of group {name}", limit)
+        survivors = [w for w in ranks if w not in failed]
+        if failed or ctx in engine.aborted:
+            _retire(engine, ctx, next_seq, ranks, name, failed)
+        new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), f"{name}.shrink{count}"
+        _log.info("rank %d: group %s shrunk to %s (ranks %s; failed: %s)", engine.rank, name, new_name,
+                  survivors, sorted(failed) or "none")
+        try:
+            new = group.derive(survivors, new_ctx, new_name)
+            new.barrier(timeout=max(0.0, deadline - time.perf_counter()))  # every survivor is in
+            return new
+        except (PeerLostError, AbortedError) as exc:
+            engine.abort_group(new_ctx, 1, survivors, exc)  # members still setting it up stop too
+            if time.perf_counter() > deadline:
+                raise
+            _log.warning("rank %d: new group %s failed at once (%s); shrinking it", engine.rank,
+                         new_name, exc)
+            ranks, ctx, name, next_seq, count = survivors, new_ctx, new_name, 1, 1
+
+
+def _retire(engine: Engine, ctx: int, seq: int, ranks: Sequence[int], name: str,
+            failed: Iterable[int]) -> None:
+    """The shrunk group fails from its next call on, here and on members that have not noticed
+    yet (they may be waiting for this rank), and its context is retired."""
+    lost = ", ".join(map(str, sorted(failed))) or "none"
+    error = AbortedError(f"rank {engine.rank}: group {name} was shrunk (failed ranks: {lost}); use the "
+                         "group shrink() returned")
+    engine.abort_group(ctx, seq, ranks, error)  # a no-op where it failed already
+    engine.retire(ctx, engine.aborted[ctx][1])
+
+

@@ -1,0 +1,257 @@
+"""The TCP store's client, which can also host the server in its own process (rank 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+from .. import auth
+from ..errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
+from .store import DEFAULT_STORE_TIMEOUT_S, Store, check_key, check_value
+from .tcp_protocol import (
+    DEFAULT_LIMITS,
+    I64,
+    LEN,
+    MAGIC,
+    OP_ADD,
+    OP_CHECK,
+    OP_DELETE,
+    OP_GET,
+    OP_MULTI_GET,
+    OP_SET,
+    OP_WAIT,
+    PURPOSE,
+    ST_OK,
+    ST_TIMEOUT,
+    StoreLimits,
+    encode_request,
+    unpack_values,
+)
+from .tcp_server import TCPStoreServer
+
+# How much longer than the server-side deadline a client waits on its socket before it
+# decides the server (or the network to it) is gone.
+_SOCKET_GRACE_S = 10.0
+
+
+class TCPStore(Store):
+    """Client of a `TCPStoreServer`, optionally hosting that server in this process.
+
+    One socket, one request at a time under a lock: store traffic is rare and small, and a
+    strict request/reply stream keeps failure handling simple (any socket error poisons the
+    client, and every later call says why).
+    """
+
+    def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_STORE_TIMEOUT_S,
+                 server: bool = False, secret: auth.Secret | None = None,
+                 limits: StoreLimits = DEFAULT_LIMITS) -> None:
+        """`secret`: the job's (default: `auth.for_host(host)`); `limits` bound what the
+        server hosted here holds and the replies this client accepts."""
+        super().__init__(timeout)
+        self.host = host
+        self.secret = secret if secret is not None else auth.for_host(host)
+        self.limits = limits
+        self._server: TCPStoreServer | None = (
+            TCPStoreServer(host, port, secret=self.secret, limits=limits) if server else None)
+        self.port: int = self._server.port if self._server is not None else int(port)
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._closed = False
+        try:
+            self._sock = self._connect(self.default_timeout)
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def server(self) -> TCPStoreServer | None:
+        """The server hosted by this client, if it hosts one."""
+        return self._server
+
+    def _connect(self, timeout: float) -> socket.socket:
+        start = time.monotonic()
+        deadline = start + timeout
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            sock: socket.socket | None = None
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=min(remaining, 5.0))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(min(max(deadline - time.monotonic(), 0.1), self.limits.auth_timeout))
+                auth.initiate(sock, self.secret.key, PURPOSE, MAGIC, b"")
+                sock.settimeout(None)
+                return sock
+            except auth.NotTensorwire as exc:
+                sock.close()
+                raise RendezvousError(
+                    f"{self.address} answered, but not as a tensorwire store (wrong protocol)") from exc
+            except auth.WrongSecret as exc:
+                sock.close()
+                raise AuthenticationError(
+                    f"the TCP store at {self.address} could not prove that it knows this job's secret "
+                    f"(this process's: {self.secret.source}): the store's host and every rank need the "
+                    f"same {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}; see docs/security.md") from exc
+            except RendezvousError:
+                if sock is not None:
+                    sock.close()
+                raise
+            except (OSError, ConnectionError, EOFError, auth.HandshakeFailed) as exc:
+                last = exc  # hung up mid-handshake (busy, or our proof refused): try again
+                if sock is not None:
+                    sock.close()
+            if isinstance(last, socket.gaierror):
+                break  # a name that does not resolve will not start resolving by itself
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 2, 0.5)
+        waited = time.monotonic() - start
+        raise RendezvousError(
+            f"could not connect to the TCP store at {self.address} after trying for {waited:.1f} s "
+            f"(last error: {last}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
+
+    @staticmethod
+    def _recv_exact(sock: socket.socket, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            r = sock.recv_into(view[got:], n - got)
+            if r == 0:
+                raise EOFError("the store server closed the connection")
+            got += r
+        return bytes(buf)
+
+    def _read_reply(self, sock: socket.socket) -> tuple[int, bytes]:
+        (n,) = LEN.unpack(self._recv_exact(sock, LEN.size))
+        if not 0 < n <= self.limits.max_frame:
+            raise EOFError(f"the store sent a reply of {n} bytes (at most {self.limits.max_frame} expected)")
+        body = self._recv_exact(sock, n)
+        return body[0], body[1:]
+
+    def _call(self, what: str, op: int, keys: list[str], value: bytes = b"",
+              timeout: float = 0.0) -> tuple[int, bytes]:
+        frame = encode_request(op, keys, value, timeout, self.limits)
+        with self._lock:
+            if self._closed:
+                raise RendezvousError(f"{what}: the store client for {self.address} is closed")
+            if self._broken is not None:
+                raise RendezvousError(f"{what}: the connection to the TCP store at {self.address} "
+                                      f"was lost earlier ({self._broken})")
+            # The server answers blocking requests itself at their deadline; silence beyond
+            # that (plus a grace) means the server or the path to it is gone.
+            if op in (OP_GET, OP_WAIT, OP_MULTI_GET):
+                sock_timeout: float | None = timeout + _SOCKET_GRACE_S
+            else:
+                sock_timeout = self.default_timeout
+            if sock_timeout == float("inf"):
+                sock_timeout = None
+            try:
+                self._sock.settimeout(sock_timeout)
+                self._sock.sendall(frame)
+                return self._read_reply(self._sock)
+            except (OSError, EOFError) as exc:
+                reason = (f"no reply within {sock_timeout:.1f} s"
+                          if isinstance(exc, socket.timeout) else str(exc) or type(exc).__name__)
+                self._broken = reason
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+                raise RendezvousError(f"{what}: lost the TCP store at {self.address}: {reason}; "
+                                      f"did rank 0 (the store host) exit or crash?") from exc
+
+    def _raise_error(self, what: str, payload: bytes) -> None:
+        detail = payload.decode(errors="replace")
+        raise InvalidArgumentError(f"{what} failed on the store at {self.address}: {detail}")
+
+    def set(self, key: str, value: bytes) -> None:
+        check_key(key)
+        status, payload = self._call(f"set({key!r})", OP_SET, [key], check_value(key, value))
+        if status != ST_OK:
+            self._raise_error(f"set({key!r})", payload)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        check_key(key)
+        t = self._timeout(timeout)
+        status, payload = self._call(f"get({key!r})", OP_GET, [key], timeout=t)
+        if status == ST_TIMEOUT:
+            raise TimeoutError(f"store get({key!r}) timed out after {t:g} s waiting for the key to be set "
+                               f"(TCP store at {self.address})")
+        if status != ST_OK:
+            self._raise_error(f"get({key!r})", payload)
+        return payload
+
+    def add(self, key: str, amount: int) -> int:
+        check_key(key)
+        status, payload = self._call(f"add({key!r})", OP_ADD, [key], I64.pack(int(amount)))
+        if status != ST_OK:
+            self._raise_error(f"add({key!r}, {amount})", payload)
+        return I64.unpack(payload)[0]
+
+    def wait(self, keys: list[str], timeout: float | None = None) -> None:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return
+        t = self._timeout(timeout)
+        status, payload = self._call(f"wait({keys!r})", OP_WAIT, keys, timeout=t)
+        if status == ST_TIMEOUT:
+            missing = payload.decode().split("\n")
+            raise TimeoutError(f"store wait timed out after {t:g} s; keys still missing: {missing} "
+                               f"(TCP store at {self.address})")
+        if status != ST_OK:
+            self._raise_error(f"wait({keys!r})", payload)
+
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        t = self._timeout(timeout)
+        what = f"multi_get({len(keys)} keys from {keys[0]!r})"
+        status, payload = self._call(what, OP_MULTI_GET, keys, timeout=t)
+        if status == ST_TIMEOUT:
+            missing = payload.decode().split("\n")
+            raise TimeoutError(f"store multi_get timed out after {t:g} s; keys still missing: {missing} "
+                               f"(TCP store at {self.address})")
+        if status != ST_OK:
+            self._raise_error(what, payload)
+        try:
+            return unpack_values(payload, len(keys))
+        except (EOFError, struct.error) as exc:
+            raise RendezvousError(f"{what}: the TCP store at {self.address} sent a malformed reply ({exc})") \
+                from exc
+
+    def check(self, keys: list[str]) -> bool:
+        keys = [check_key(k) for k in keys]
+        status, payload = self._call(f"check({keys!r})", OP_CHECK, keys)
+        if status != ST_OK:
+            self._raise_error(f"check({keys!r})", payload)
+        return payload == b"\x01"
+
+    def delete_key(self, key: str) -> bool:
+        check_key(key)
+        status, payload = self._call(f"delete_key({key!r})", OP_DELETE, [key])
+        if status != ST_OK:
+            self._raise_error(f"delete_key({key!r})", payload)
+        return payload == b"\x01"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        if self._server is not None:
+            self._server.close()
+
+    def __repr__(self) -> str:
+        return f"TCPStore({self.address}{', hosting' if self._server else ''})"

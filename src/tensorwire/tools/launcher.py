@@ -1,0 +1,515 @@
+"""`tensorwire run`: start N ranks per node, host the rendezvous store, supervise, report.
+
+The launcher exists so that a failure is reported once, clearly, by the process that saw
+all ranks: which rank failed first, how, and its last stderr lines. The other ranks get a
+grace period to report the lost peer themselves before they are terminated, and every wait
+after a failure is bounded, so the launcher itself never hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, TextIO
+
+from .. import auth, limits
+from ..errors import RendezvousError, ResourceError
+
+DEFAULT_GRACE_S = 5.0
+TERM_TO_KILL_S = 3.0
+"""After SIGTERM, how long ranks get before SIGKILL."""
+REAP_AFTER_KILL_S = 5.0
+"""After SIGKILL, how long to wait for the kernel to reap before giving up (never blocks forever)."""
+TAIL_LINES = 20
+SECRET_FILE_WAIT_S = 30.0
+"""How long a node other than 0 waits for --secret-file to appear (node 0 may be creating it
+on a shared file system)."""
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+DESCRIPTION = """\
+Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
+rendezvous store on node rank 0, gives every rank its RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT, passes each rank's stdout through untouched and relays its
+stderr line by line. If a rank fails, the others get --grace seconds to report the lost
+peer, are then terminated, and the launcher prints which rank failed first with its last
+stderr lines and exits with that rank's exit code (128+N if it died of signal N). With
+--keep-going the others run on (they may shrink their groups and continue) and the launcher
+waits for every rank before it reports.
+
+The job is authenticated: its store and its ranks serve only processes that prove they know
+its secret. On one node the launcher makes a fresh secret and hands it to its ranks; across
+nodes, give every launcher the same --secret-file (or TENSORWIRE_SECRET / _SECRET_FILE), else
+the job runs unauthenticated and rank 0 warns (docs/security.md).
+"""
+
+EPILOG = """\
+examples:
+  tensorwire run -n 4 train.py --epochs 3          4 ranks on this host
+  tensorwire run -n 2 -m mypkg.worker              run a module, like python -m
+  tensorwire run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+  tensorwire run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+environment of each rank:
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR,
+  MASTER_PORT, TENSORWIRE_STORE_HOSTED=1, TENSORWIRE_JOB_ID, TENSORWIRE_SECRET (a fresh one on
+  one node, unless set) or TENSORWIRE_SECRET_FILE (--secret-file), PYTHONUNBUFFERED=1,
+  OMP_NUM_THREADS=1 and THP_MEM_ALLOC_ENABLE=1 (torch's CPU tensors from 2 MiB in huge pages,
+  which peers read 3x faster) unless set, TENSORWIRE_TRANSPORT=tcp (--tcp), TENSORWIRE_TIMEOUT
+  (--timeout)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of `tensorwire run` (kept apart so the CLI can show them)."""
+    parser.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
+                        help="ranks to start on this node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="K",
+                        help="number of nodes, one launcher per node (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="I",
+                        help="this node's index in 0..K-1; node 0 hosts the store (default 0)")
+    parser.add_argument("--master-addr", default="127.0.0.1", metavar="A",
+                        help="address of node 0, where the store listens; with --nnodes 1 the "
+                             "store always listens on 127.0.0.1 (default 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, default=0, metavar="P",
+                        help="port of the store; 0 picks a free one, allowed only with --nnodes 1 "
+                             "(default 0)")
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="file holding the job's secret (mode 0600), the same on every node; node 0 "
+                             "creates it if missing (on a shared file system the other nodes then find "
+                             f"it: they wait up to {SECRET_FILE_WAIT_S:g} s). Default: a fresh secret with "
+                             "--nnodes 1, none (and a warning) across nodes unless TENSORWIRE_SECRET or "
+                             "TENSORWIRE_SECRET_FILE is set")
+    parser.add_argument("--tcp", action="store_true",
+                        help="force the TCP transport, even between ranks on one host "
+                             "(sets TENSORWIRE_TRANSPORT=tcp)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="seconds a blocking tensorwire call waits before raising "
+                             "(sets TENSORWIRE_TIMEOUT)")
+    parser.add_argument("--grace", type=float, default=None, metavar="S",
+                        help="after a rank fails, seconds the others get to exit on their own before "
+                             f"SIGTERM, then SIGKILL {TERM_TO_KILL_S:g} s later "
+                             f"(default $TENSORWIRE_LAUNCH_GRACE or {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a failed rank does not stop the others (survivors may call "
+                             "tensorwire.shrink() and go on); wait for every rank, then report and exit "
+                             "with the first failed rank's code")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="treat script_or_module as a module name and run it like python -m")
+    parser.add_argument("script", metavar="script_or_module",
+                        help="the Python script (or, with -m, the module) every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="args",
+                        help="arguments passed unchanged to the script")
+
+
+def build_parser(prog: str = "tensorwire run") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before the first child starts (validated, defaults resolved)."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    command: list[str]
+    grace: float
+    tcp: bool = False
+    timeout: float | None = None
+    keep_going: bool = False
+    secret_file: str | None = None
+
+    @property
+    def bind_addr(self) -> str:
+        # A single-node job never needs to be reachable from elsewhere: keep it on loopback.
+        return self.master_addr if self.nnodes > 1 else "127.0.0.1"
+
+    def job_id(self, port: int) -> str:
+        """Same on every node (derived from what all nodes were told), unique per store."""
+        return re.sub(r"[^A-Za-z0-9_-]", "_", f"{self.bind_addr}-{port}")
+
+    def rank_env(self, local_rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
+        env = dict(base)
+        env.update({
+            "RANK": str(self.node_rank * self.nproc + local_rank),
+            "WORLD_SIZE": str(self.nnodes * self.nproc),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.bind_addr,
+            "MASTER_PORT": str(port),
+            "TENSORWIRE_STORE_HOSTED": "1",
+            "TENSORWIRE_JOB_ID": self.job_id(port),
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # see tuner.PageDependent
+        if self.tcp:
+            env["TENSORWIRE_TRANSPORT"] = "tcp"
+        if self.timeout is not None:
+            env["TENSORWIRE_TIMEOUT"] = repr(self.timeout)
+        return env
+
+
+def make_plan(args: argparse.Namespace) -> LaunchPlan:
+    """Validate the parsed options; raises ValueError with a message meant for the user."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if not 0 <= args.master_port <= 65535:
+        raise ValueError(f"--master-port must be in 0..65535, got {args.master_port}")
+    if args.nnodes > 1 and args.master_port == 0:
+        raise ValueError("--master-port 0 (pick a free port) only works with --nnodes 1: "
+                         "every node must be told the same port")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    grace = args.grace
+    if grace is None:
+        raw = os.environ.get("TENSORWIRE_LAUNCH_GRACE", "")
+        try:
+            grace = float(raw) if raw else DEFAULT_GRACE_S
+        except ValueError as exc:
+            raise ValueError(f"TENSORWIRE_LAUNCH_GRACE={raw!r} is not a number") from exc
+    if grace < 0:
+        raise ValueError(f"--grace must not be negative, got {grace}")
+    if args.module:
+        command = [sys.executable, "-m", args.script, *args.script_args]
+    else:
+        if not os.path.exists(args.script):
+            raise ValueError(f"script {args.script!r} not found")
+        command = [sys.executable, args.script, *args.script_args]
+    return LaunchPlan(nproc=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port, command=command,
+                      grace=grace, tcp=args.tcp, timeout=args.timeout, keep_going=args.keep_going,
+                      secret_file=os.path.abspath(args.secret_file) if args.secret_file else None)
+
+
+def job_secret(plan: LaunchPlan, env: dict[str, str]) -> tuple[auth.Secret, dict[str, str]]:
+    """The job's secret, and the variables that hand it to the ranks (an empty value: unset it).
+
+    --secret-file wins, then a secret the environment configures (the ranks inherit it);
+    else one node makes a fresh one, which its ranks get in their environment (readable by
+    this user's processes only, through /proc/PID/environ); else there is none."""
+    if plan.secret_file is not None:
+        path = plan.secret_file
+        if plan.node_rank == 0:
+            key = auth.create_secret_file(path)
+        else:
+            give_up = time.monotonic() + SECRET_FILE_WAIT_S
+            while not os.path.exists(path) and time.monotonic() < give_up:
+                time.sleep(0.1)
+            key = auth.read_secret_file(path)
+        return auth.Secret(key, f"--secret-file {path}"), {auth.ENV_SECRET_FILE: path, auth.ENV_SECRET: ""}
+    found = auth.configured(env)
+    if found is not None:
+        return found, {}
+    if plan.nnodes == 1:
+        text = auth.new_secret()
+        return auth.Secret(text.encode(), "tensorwire run"), {auth.ENV_SECRET: text}
+    return auth.NO_SECRET, {}
+
+
+@dataclass(eq=False)
+class RankProcess:
+    """One child: its process, the tail of its stderr, and how it ended."""
+
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    signalled_by_launcher: str | None = None
+    reader: threading.Thread | None = None
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.proc.pid})"
+
+    def status(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            return "still running (could not be reaped)"
+        if code >= 0:
+            return f"exit code {code}"
+        return f"killed by signal {_signal_name(-code)} ({-code})"
+
+    def send(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except (ProcessLookupError, OSError):
+                pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own signal forwarding still applies
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell convention: a death by signal N becomes 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Launcher:
+    """Runs one node's ranks to completion; `run()` returns the launcher's exit code."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.ranks: list[RankProcess] = []
+        self._exits: queue.Queue[RankProcess] = queue.Queue()
+        self._output_lock = threading.Lock()
+        self._signal_received: int | None = None
+        self._signal_count = 0
+
+    # -- children -----------------------------------------------------------------------------
+
+    def _relay(self, child: RankProcess, source: IO[bytes], sink: TextIO, keep_tail: bool) -> None:
+        """Copy a child's stream to ours a whole line at a time (lines of ranks never interleave
+        mid-line), keeping stderr's tail for the failure report."""
+        out = getattr(sink, "buffer", None)
+        for line in source:
+            if keep_tail:
+                child.tail.append(line.decode(errors="replace").rstrip("\r\n"))
+            with self._output_lock:
+                try:
+                    if out is not None:
+                        out.write(line)
+                    else:
+                        sink.write(line.decode(errors="replace"))
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # our stream is gone; keep draining so the child never blocks
+        source.close()
+
+    def _await_exit(self, child: RankProcess) -> None:
+        child.proc.wait()
+        self._exits.put(child)
+
+    def _start(self, port: int, secret_env: dict[str, str]) -> None:
+        base = {k: v for k, v in {**os.environ, **secret_env}.items() if v}
+        for local_rank in range(self.plan.nproc):
+            if self._signal_received is not None:
+                break  # interrupted while starting: don't start more
+            env = self.plan.rank_env(local_rank, port, base)
+            proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_die_with_parent)
+            child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
+            self.ranks.append(child)
+            assert proc.stdout is not None and proc.stderr is not None
+            threading.Thread(target=self._relay, args=(child, proc.stdout, sys.stdout, False),
+                             name=f"tw-stdout-{child.rank}", daemon=True).start()
+            child.reader = threading.Thread(target=self._relay, args=(child, proc.stderr, sys.stderr, True),
+                                            name=f"tw-stderr-{child.rank}", daemon=True)
+            child.reader.start()
+            threading.Thread(target=self._await_exit, args=(child,),
+                             name=f"tw-wait-{child.rank}", daemon=True).start()
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Forward to every rank; a second signal means "now": SIGKILL."""
+        self._signal_count += 1
+        if self._signal_received is None:
+            self._signal_received = signum
+        sig = signum if self._signal_count == 1 else signal.SIGKILL
+        for child in self.ranks:
+            if child.proc.returncode is None:
+                child.signalled_by_launcher = _signal_name(sig)
+                child.send(sig)
+
+    def _install_handlers(self) -> dict[int, object]:
+        previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous  # signal handlers can only be set from the main thread
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_handlers(previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    # -- supervision --------------------------------------------------------------------------
+
+    def _signal_all(self, sig: int, pending: set[RankProcess]) -> None:
+        for child in pending:
+            if child.proc.returncode is None:
+                child.signalled_by_launcher = child.signalled_by_launcher or _signal_name(sig)
+                child.send(sig)
+
+    def _supervise(self) -> RankProcess | None:
+        """Wait for all ranks; returns the first that failed on its own (None if none did)."""
+        pending = set(self.ranks)
+        first_failure: RankProcess | None = None
+        deadline: float | None = None  # set once something went wrong: the grace period
+        stage = "grace"
+        while pending:
+            if deadline is None and self._signal_received is not None:
+                deadline = time.monotonic() + self.plan.grace
+            wait = 0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic()))
+            try:
+                child = self._exits.get(timeout=wait)
+            except queue.Empty:
+                child = None
+            if child is not None:
+                pending.discard(child)
+                if (child.proc.returncode != 0 and first_failure is None
+                        and child.signalled_by_launcher is None and self._signal_received is None):
+                    first_failure = child
+                    if deadline is None and not self.plan.keep_going:
+                        deadline = time.monotonic() + self.plan.grace
+                continue
+            if deadline is None or time.monotonic() < deadline or not pending:
+                continue
+            if stage == "grace":
+                self._signal_all(signal.SIGTERM, pending)
+                stage, deadline = "term", time.monotonic() + TERM_TO_KILL_S
+            elif stage == "term":
+                self._signal_all(signal.SIGKILL, pending)
+                stage, deadline = "kill", time.monotonic() + REAP_AFTER_KILL_S
+            else:
+                break  # unkillable (e.g. stuck in the kernel): report rather than hang
+        return first_failure
+
+    def run(self) -> int:
+        plan = self.plan
+        server = None
+        port = plan.master_port
+        clients = plan.nnodes * plan.nproc if plan.node_rank == 0 else 0
+        try:
+            limits.ensure_descriptors(2 * plan.nproc + clients, "tensorwire run",
+                                      f"relaying the output of {plan.nproc} rank(s)"
+                                      + (f" and serving the store to {clients}" if clients else ""))
+        except ResourceError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        try:
+            secret, secret_env = job_secret(plan, dict(os.environ))
+        except RendezvousError as exc:
+            print(f"tensorwire run: {exc}", file=sys.stderr)
+            return 1
+        if plan.node_rank == 0:
+            from ..config import Config
+            from ..rendezvous.tcp_protocol import StoreLimits
+            from ..rendezvous.tcp_server import TCPStoreServer
+
+            try:
+                store_limits = StoreLimits.from_config(Config.from_env())
+            except ValueError as exc:
+                print(f"tensorwire run: {exc}", file=sys.stderr)
+                return 2
+            try:
+                # Several nodes: listen on every interface, since MASTER_ADDR may resolve to a
+                # loopback address on this node (Debian's 127.0.1.1 hostname line).
+                server = TCPStoreServer(plan.bind_addr if plan.nnodes == 1 else "0.0.0.0", port,
+                                        secret=secret, limits=store_limits)
+            except (RendezvousError, OSError) as exc:
+                print(f"tensorwire run: cannot host the store on {plan.bind_addr}:{port}: {exc}",
+                      file=sys.stderr)
+                return 1
+            port = server.port
+        previous = self._install_handlers()
+        try:
+            try:
+                self._start(port, secret_env)
+            except OSError as exc:
+                print(f"tensorwire run: cannot start {plan.command[0]}: {exc}", file=sys.stderr)
+                self._signal_all(signal.SIGTERM, set(self.ranks))
+                self._signal_received = self._signal_received or signal.SIGTERM
+                self._supervise()
+                return 1
+            first_failure = self._supervise()
+        finally:
+            self._restore_handlers(previous)
+            for child in self.ranks:
+                if child.reader is not None:
+                    # A grandchild may hold the pipe open; don't wait for it forever.
+                    child.reader.join(timeout=1.0)
+            if server is not None:
+                server.close()
+        return self._report(first_failure)
+
+    def _report(self, first_failure: RankProcess | None) -> int:
+        if first_failure is None and self._signal_received is None:
+            return 0
+        lines: list[str] = []
+        if first_failure is not None:
+            lines.append(f"tensorwire run: {first_failure.label} failed first: {first_failure.status()}")
+            if first_failure.tail:
+                lines.append(f"  last {len(first_failure.tail)} stderr line(s) of rank {first_failure.rank}:")
+                lines.extend(f"    {text}" for text in first_failure.tail)
+            else:
+                lines.append(f"  (rank {first_failure.rank} wrote nothing to stderr)")
+            code = exit_code_of(first_failure.proc.returncode or 1)
+        else:
+            assert self._signal_received is not None
+            name = _signal_name(self._signal_received)
+            lines.append(f"tensorwire run: received {name}, forwarded it to all ranks")
+            code = 128 + self._signal_received
+        others = [c for c in self.ranks if c is not first_failure]
+        if others:
+            lines.append("tensorwire run: other ranks:" if first_failure else "tensorwire run: ranks:")
+        for child in others:
+            text = f"  {child.label}: {child.status()}"
+            if child.signalled_by_launcher is not None and child.proc.returncode != 0:
+                text += f" (the launcher sent {child.signalled_by_launcher})"
+            elif child.proc.returncode not in (0, None) and child.tail:
+                text += f"; last stderr line: {child.tail[-1]}"
+            lines.append(text)
+        with self._output_lock:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "tensorwire run") -> int:
+    """Entry of `tensorwire run`; returns the exit code (that of the first failing rank)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help or a usage error: argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        plan = make_plan(args)
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return Launcher(plan).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""`tensorwire plan`: price a collective with the cost model, on this host's links or others.
+
+    tensorwire plan all_reduce 64MiB --np 16 --tier shm,tcp,nvlink,ib-ndr
+    tensorwire plan all_reduce 64MiB --hosts 64 --per-host 8 --tier shm,ib-ndr
+
+For every tier asked for (default: the local ones, shared memory and TCP) it prints the link
+constants and where they came from, the predicted time of every algorithm of the collective
+and the message sizes at which the cheapest algorithm changes. Local tiers use this host's
+calibration cache, running the probe (two local ranks per tier, about a second) when there is
+none; the named hypothetical tiers use the latency and bandwidth commonly cited for that
+hardware (docs/tuning.md gives the sources), so a collective can be priced on a machine one
+does not have. Sizes count as in nccl-tests and `tensorwire bench`. With --hosts it prices a
+cluster instead: the flat algorithms at the network's price against the hierarchical ones,
+whose phases run within hosts on the first tier and between hosts on the second. The pricing
+itself is tuning/pricing.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from ..algorithms.registry import COLLECTIVES, Link, algorithms_for
+from ..config import Config, parse_size
+from ..errors import InvalidArgumentError
+from ..tuning import policy, pricing
+from ..tuning.cache import cache_dir
+from ..tuning.cost_model import describe_link, format_seconds
+from ..tuning.pricing import (
+    HYPOTHETICAL,
+    LOCAL,
+    SWEEP,
+    Tier,
+    changes_of,
+    cheapest,
+    cluster_prices,
+    crossovers,
+    format_size,
+    host_link_flows,
+    why_not,
+)
+from ..tuning.tuning_file import load_tuning_file
+
+# -- link constants ----------------------------------------------------------------------------
+
+def local_links(cfg: Config, probe: bool, out: Callable[[str], None],
+                n: int = 2) -> dict[str, tuple[Link, str]]:
+    """The calibration of each local tier on this host alone by the rank count nearest `n`
+    (pricing.cached_links), probing what is missing."""
+    found = pricing.cached_links(cfg, n)
+    missing = [t for t in LOCAL if t not in found]
+    if "shm" not in missing and "direct" not in found and cfg.direct_slot(2) > 0:
+        missing.append("shm")  # calibrated before the one-shot path had its own constants
+    if missing and probe:
+        out(f"# no calibration of {', '.join(missing)} on this host in {cache_dir(cfg.cache_dir)}; "
+            f"probing with 2 local ranks ...")
+        probe_locally(missing, cfg.cache_dir)
+        found = pricing.cached_links(cfg, n)
+    return found
+
+
+def _probe_child(rank: int, ports: dict[str, int], tiers: list[str], cache_dir: str) -> None:
+    os.environ["TENSORWIRE_CALIBRATE"] = "1"
+    if cache_dir:
+        os.environ["TENSORWIRE_CACHE_DIR"] = cache_dir
+    import tensorwire as tw
+
+    for tier in tiers:
+        tw.init(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{ports[tier]}",
+                transport="tcp" if tier == "tcp" else "auto", timeout=60)
+        tw.destroy()
+
+
+def probe_locally(tiers: list[str], cache_dir: str = "", timeout: float = 120.0) -> None:
+    """Start two local ranks per tier whose init calibrates it and writes the cache."""
+    import socket
+
+    ports = {}
+    for tier in tiers:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[tier] = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_probe_child, args=(r, ports, tiers, cache_dir), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def parse_tiers(specs: list[str]) -> list[str]:
+    names: list[str] = []
+    for spec in specs or ["local"]:
+        for name in filter(None, (s.strip().lower() for s in spec.split(","))):
+            if name == "local":
+                names.extend(LOCAL)
+            elif name == "all":
+                names.extend([*LOCAL, *HYPOTHETICAL])
+            else:
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
+            out: Callable[[str], None], n: int = 2) -> list[Tier]:
+    """The tiers `names`, the local ones with the constants calibrated nearest `n` ranks
+    (probed first where missing and `probe`)."""
+    file = load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
+    local = local_links(cfg, probe, out, n) if any(name in LOCAL for name in names) else {}
+    return pricing.tiers(names, cfg, file, local, gamma, n)
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, direct_bytes: int,
+           out: Callable[[str], None]) -> None:
+    algs = list(algorithms_for(collective).values())
+    mode = ", deterministic mode" if cfg.deterministic else ""
+    out(f"{collective} of {format_size(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
+    for tier in tiers:
+        if tier.link is None:
+            continue
+        out("")
+        out(f"  tier {tier.name}: {describe_link(tier.link)}  [{tier.origin}]")
+        if tier.one_way is not None:
+            out(f"    messages one way (trees, linear rooted): {describe_link(tier.one_way)}")
+        if tier.direct is not None:
+            out(f"    one-shot shared-memory path: {describe_link(tier.direct)}")
+        if tier.memory is not None:
+            out(f"    memory of the one host: {describe_link(tier.memory)}")
+        if tier.cma is not None:
+            out(f"    single copy's reads across processes: {describe_link(tier.cma)}")
+        if tier.cma_huge is not None:
+            out(f"    ... out of huge pages (as priced here; a job prices the reads at the line above "
+                f"once its sources are seen in 4 KiB pages): {describe_link(tier.cma_huge)}")
+        rows = []
+        for alg in algs:
+            reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)
+            rows.append((tier.cost(alg, n, m) if not reason else math.inf, alg.name, reason))
+        rows.sort()
+        width = max(len(a.name) for a in algs)
+        for i, (t, name, reason) in enumerate(rows):
+            if reason:
+                out(f"    {name:<{width}}  {'-':>10}  ({reason})")
+            else:
+                mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
+                out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
+        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes)
+        if changes:
+            text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
+            out(f"    crossover: {text}")
+        else:
+            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes)
+            out(f"    crossover: none between {format_size(SWEEP[0])} and {format_size(SWEEP[1])} "
+                f"({only or 'no algorithm'} is cheapest throughout)")
+
+
+def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                   cfg: Config, out: Callable[[str], None]) -> None:
+    n = hosts * per_host
+    out(f"{collective} of {format_size(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} "
+        f"within a host, {net.name} between hosts ({per_host / max(1, min(nics, per_host)):g} rank(s) per "
+        f"host link)")
+    out(f"  within a host: {describe_link(local.link)}  [{local.origin}]")
+    out(f"  between hosts: {describe_link(net.link)}  [{net.origin}]")
+    rows = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg)
+    width = max(len(name) for _, name, _ in rows)
+    best = rows[0][0]
+    for kind, phased in (("flat, every step at the slower tier's price, a host link shared by the flows "
+                          "the step puts on it", False),
+                         ("hierarchical, phases within and between hosts", True)):
+        out(f"  {kind}:")
+        for t, name, reason in rows:
+            if (algorithms_for(collective)[name].phases is not None) != phased:
+                continue
+            if reason:
+                out(f"    {name:<{width}}  {'-':>10}  ({reason})")
+            else:
+                mark = "  <- cheapest" if t == best else f"  x{t / best:.2f}" if best > 0 else ""
+                alg = algorithms_for(collective)[name]
+                flows = 1.0 if phased else host_link_flows(alg, hosts, per_host, nics)
+                if flows > 1 + 1e-9:
+                    mark += f"  ({flows:.3g} flows a host link)"
+                out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
+
+    def winner(size: int) -> str | None:
+        t, name, reason = cluster_prices(collective, size, hosts, per_host, nics, local, net, cfg)[0]
+        return None if reason or math.isinf(t) else name
+
+    changes = changes_of(winner)
+    if changes:
+        text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
+        out(f"    crossover: {text}")
+    else:
+        out(f"    crossover: none ({winner(1) or 'no algorithm'} is cheapest throughout)")
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tensorwire plan",
+        description="Predict the time of every algorithm of a collective with the α-β-γ cost model, "
+                    "and the sizes where the cheapest one changes, on this host's measured links "
+                    "(shm, tcp) or on hypothetical ones (nvlink, pcie, ib-ndr, eth25g).",
+        epilog="examples:\n  tensorwire plan all_reduce 64MiB --np 16\n"
+               "  tensorwire plan all_reduce 64MiB --hosts 64 --per-host 8 --tier shm,ib-ndr\n"
+               "  tensorwire plan all_reduce 1M --np 64 --tier ib-ndr,eth25g\n"
+               "  tensorwire plan broadcast 4K --np 8 --tier all\n"
+               "  tensorwire plan all_gather 256M --np 8 --tier roce=4:23",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("collective", metavar="COLL", help=f"one of {', '.join(COLLECTIVES)}, or all")
+    p.add_argument("size", metavar="SIZE", nargs="?", default="64M",
+                   help="message size as nccl-tests counts it: 8, 64K, 64MiB, 1G (default 64M)")
+    p.add_argument("--np", type=int, default=8, metavar="N", help="number of ranks (default 8)")
+    p.add_argument("--tier", action="append", default=[], metavar="TIER",
+                   help="shm, tcp (this host, measured), nvlink, pcie, ib-ndr, eth25g (hypothetical), "
+                        "local, all, NAME=ALPHA_US:GBPS, or a tier of the tuning file; repeat or use "
+                        "commas (default: local)")
+    p.add_argument("--hosts", type=int, metavar="H",
+                   help="price a cluster of H hosts of --per-host ranks: flat against hierarchical; the "
+                        "first --tier is within a host, the second between hosts (default shm,tcp)")
+    p.add_argument("--per-host", type=int, default=8, metavar="L",
+                   help="ranks per host with --hosts (default 8)")
+    p.add_argument("--nics", type=int, default=1, metavar="K",
+                   help="network interfaces per host with --hosts: a host's ranks share them (default 1)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="only the rank-ordered reductions (as TENSORWIRE_DETERMINISTIC=1)")
+    p.add_argument("--gamma", type=float, metavar="GBPS",
+                   help="reduction rate for hypothetical tiers in GB/s (default: this host's)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not probe missing local tiers; use the defaults")
+    p.add_argument("--tuning-file", metavar="PATH", help="constants that override (default: "
+                   "TENSORWIRE_TUNING_FILE)")
+    return p
+
+
+def main(argv: list[str], out: Callable[[str], None] = print) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = Config.from_env()
+        if args.deterministic:
+            cfg = replace(cfg, deterministic=True)
+        if args.tuning_file is not None:
+            cfg = replace(cfg, tuning_file=args.tuning_file)
+        policy.check_algo(cfg.algo, cfg.deterministic)
+        name = args.collective.strip().lower()
+        if name == "all":
+            colls = [c for c in COLLECTIVES if c != "barrier"]
+        else:
+            coll = {c.replace("_", ""): c for c in COLLECTIVES}.get(name.replace("_", "").replace("-", ""))
+            if coll is None:
+                raise InvalidArgumentError(f"tensorwire plan: unknown collective {args.collective!r} "
+                                           f"(known: {', '.join(COLLECTIVES)}, all)")
+            colls = [coll]
+        m = parse_size(args.size)
+        if args.np < 1 or m < 0:
+            raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
+        gamma = 1 / (args.gamma * 1e9) if args.gamma else None
+        if args.hosts is not None:
+            if args.hosts < 1 or args.per_host < 1 or args.nics < 1:
+                raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1")
+            names = parse_tiers(args.tier or ["shm,tcp"])
+            if len(names) != 2:
+                raise InvalidArgumentError(f"tensorwire plan: --hosts takes two tiers, within a host and "
+                                           f"between hosts (e.g. --tier shm,ib-ndr), got {', '.join(names)}")
+            local, net = resolve(names, cfg, not args.no_probe, gamma, out, args.per_host)
+        else:
+            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np)
+    except (InvalidArgumentError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.hosts is not None:
+        for i, coll in enumerate(colls):
+            if i:
+                out("")
+            report_cluster(coll, 0 if coll == "barrier" else m, args.hosts, args.per_host, args.nics, local,
+                           net, cfg, out)
+        return 0
+    for i, coll in enumerate(colls):
+        if i:
+            out("")
+        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_slot(args.np), out)
+    return 0

@@ -1,0 +1,486 @@
+"""The engine's failure half: lost peers, aborted groups, and calls that differ between ranks.
+
+A peer is lost when its connection closes: after its goodbye that is an orderly exit, without
+one a crash that dooms every group it belongs to. A call that fails on one rank is aborted on
+every member through control messages (transport/agreement.py agrees on who failed, for
+shrink). Each arriving collective message is vetted against the call this rank runs, so ranks
+that called different things fail with a mismatch instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import log
+from ..errors import (
+    AbortedError,
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    PeerLostError,
+    ResourceError,
+    TensorwireError,
+    TimeoutError,
+    retold,
+)
+from ..ops import ReduceOp
+from ..ops.dtypes import dtype_from_code
+from .channel import Channel, PeerClosed
+from .requests import ControlSink, RecvRequest, Request, SendRequest, Sink, Unexpected
+from .wire import Fingerprint, Header, Kind, coll_label, differences
+
+if TYPE_CHECKING:
+    from .wiring import Wiring
+
+_log = log.get("TRANSPORT")
+_LOOK_S = 0.001  # the error paths' pause between looks at what other ranks say
+_EMPTY = np.empty(0, dtype=np.uint8)
+_ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
+                                                AbortedError, InvalidArgumentError, ResourceError,
+                                                TensorwireError)}
+
+
+def _dtype_label(code: int) -> str:
+    try:
+        return str(dtype_from_code(code))
+    except Exception:  # an unknown code is itself the finding
+        return f"dtype#{code}"
+
+
+def _op_label(code: int) -> str:
+    try:
+        return ReduceOp(code).name
+    except ValueError:
+        return f"op#{code}"
+
+
+_LIVENESS_S = 0.2
+"""How often an idle waiter looks whether peers it has no connection to are still alive (their
+processes, where they run on this machine): a rank that died before anyone talked to it fails
+the calls that wait for it within this, not at their timeout."""
+LEFT = "it left the job"
+"""What a departed peer's PeerLostError says (also as other ranks report it)."""
+_WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the reason it left
+_ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answers, then for another's abort
+_NOT_IN = "Not in this call"
+_STATES_MAX = 4096
+_REPORTED = "[reported by rank"
+
+
+class Failures:
+    """What the engine knows and does about failures; the engine (engine.Engine) derives from it
+    and provides the channels, the matching queues, and progress (`progress`, `poll_sockets`,
+    `watch_sockets`, `channel`, `watch_in_background`)."""
+
+    rank: int
+    lock: threading.RLock
+    channels: dict[int, Channel]
+    channel_list: list[Channel]
+    posted: dict[tuple, deque[RecvRequest]]
+    unexpected: dict[tuple, deque[Unexpected]]
+    wiring: Wiring | None
+    closed: bool
+
+    def __init__(self) -> None:
+        self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
+        self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
+        self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
+        self.link_errors: dict[int, BaseException] = {}  # peers that could not be connected, and why
+        self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
+        self.states: dict[tuple[int, int], int] = {}  # (ctx, peer) -> the call it said it runs (missing())
+        self.deferred_aborts: list[tuple] = []
+        self.notices: list[SendRequest] = []  # the aborts this rank sent (close() delivers them)
+        self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
+        self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
+        self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
+        self._next_liveness = 0.0
+
+    # -- lost peers ---------------------------------------------------------------------------
+    def lost_error(self, peer: int) -> BaseException:
+        error = self.link_errors.get(peer)
+        if error is not None:
+            return error
+        return PeerLostError(f"rank {self.rank}: lost rank {peer}: {self.lost[peer]}", peer=peer)
+
+    def peer_lost(self, peer: int, reason: str) -> None:
+        """The peer's socket closed. After a goodbye that is an orderly exit: what it sent before
+        is still delivered, and only requests that need more of it fail. Without one it crashed,
+        which dooms every group it belongs to (see check_group)."""
+        if peer in self.lost or self.closed:
+            return
+        channel = self.channels.get(peer)
+        if peer not in self.departed:
+            self._read_goodbye(channel)
+        if peer in self.departed:
+            reason = f"{LEFT} (called destroy() or exited) before this exchange finished"
+            self._drain(channel)
+        else:
+            self.crashed.add(peer)
+            _log.warning("lost rank %d: %s", peer, reason)
+        self.lost[peer] = reason
+        self.watch_sockets()
+        err = self.lost_error(peer)
+        if channel is not None:
+            for req in channel.pending():
+                req.fail(err)
+        for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
+            for req in self.posted.pop(key):
+                req.fail(err)
+
+    def _read_goodbye(self, channel: Channel | None) -> None:
+        """Read what a closed socket still holds, its peer's goodbye among it: a send to a peer
+        that has just left fails before the goodbye waiting behind it is read (a channel pushes,
+        then pulls), and would make the peer's orderly exit a crash (docs/design/failures.md)."""
+        for stream in channel.streams if channel is not None else ():
+            try:
+                while stream.pull():
+                    pass
+            except PeerClosed:
+                pass
+
+    def _drain(self, channel: Channel | None) -> None:
+        """Deliver whatever a departed peer left in its shared-memory ring."""
+        try:
+            while channel is not None and channel.progress():
+                pass
+        except PeerClosed:
+            pass
+
+    def peer_unreachable(self, peer: int, reason: str, error: BaseException | None = None) -> None:
+        """The wiring could not connect `peer`: lost (`reason`: its process or host is gone, as
+        if its connection had closed), or failing with `error` (another secret, a refusal):
+        what waits for it fails so. A ResourceError (no descriptor, here or there) fails what
+        waits now and leaves the peer to be dialed again by the next message."""
+        with self.lock:
+            if peer in self.lost or self.closed:
+                return
+            if error is None:
+                self.peer_lost(peer, reason)
+                return
+            channel = self.channels.get(peer)
+            if isinstance(error, ResourceError):
+                if channel is not None and channel.kind == "pending":
+                    del self.channels[peer]
+                    self.channel_list = list(self.channels.values())
+            else:
+                self.link_errors[peer] = error
+                self.lost[peer] = str(error)
+            for req in channel.pending() if channel is not None else ():
+                req.fail(error)
+            for key in [k for k in self.posted if k[0] == peer]:
+                for req in self.posted.pop(key):
+                    req.fail(error)
+
+    def check_unconnected(self, watch: Iterable[int]) -> None:
+        """Every _LIVENESS_S at most: the members of `watch` this rank has no connection to and
+        whose process it can see (same machine) that exited are lost (see _LIVENESS_S)."""
+        now = time.perf_counter()
+        if now < self._next_liveness or self.wiring is None:
+            return
+        self._next_liveness = now + _LIVENESS_S
+        for peer in watch:
+            if peer != self.rank and peer not in self.channels and peer not in self.lost:
+                why = self.wiring.gone(peer)
+                if why:
+                    with self.lock:
+                        self.peer_lost(peer, why)
+
+    def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
+        """Raise if the group was aborted or one of its members crashed.
+
+        A member that left in order is not fatal by itself: it may have finished its part of
+        the call; if it had not, the request waiting on it fails instead."""
+        entry = self.aborted.get(ctx)
+        if entry is not None and seq >= entry[0]:
+            raise entry[1]
+        if self.crashed:
+            for peer in watch:
+                if peer in self.crashed:
+                    raise self.lost_error(peer)
+
+    # -- vetting: did every rank make the same call? ------------------------------------------
+    def enter_call(self, ctx: int, call) -> bool:
+        """Note the call a group is running, and vet what already arrived for it or before it;
+        False if there was nothing to vet (so nothing can have aborted the group here)."""
+        self.current[ctx] = call
+        if not self.unexpected and not self.deferred_aborts:
+            return False  # the common case, without the lock: what arrives next is vetted on arrival
+        with self.lock:
+            for (peer, key), queue in list(self.unexpected.items()):
+                if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
+                    self.vet(peer, queue[0].header, call)
+            self.run_deferred_aborts()
+        return True
+
+    def run_deferred_aborts(self) -> None:
+        while self.deferred_aborts:
+            ctx, seq, members, error = self.deferred_aborts.pop(0)
+            self.abort_group(ctx, seq, members, error)
+
+    def check_arrival(self, req: RecvRequest, got: Header) -> bool:
+        """Fingerprint and size of an arriving message against the posted receive."""
+        want = req.header
+        if want.fp != got.fp and differences(want.fp, got.fp, _dtype_label, _op_label):
+            req.fail(self.mismatch_error(req.what, want.fp, got.fp, req.peer))
+            return False
+        if got.nbytes != want.nbytes:
+            req.fail(CollectiveMismatchError(
+                f"rank {self.rank}: {req.what}: rank {req.peer} sent {got.nbytes} bytes where this rank "
+                f"expected {want.nbytes} (message sizes differ: check counts and dtypes on every rank)"))
+            return False
+        return True
+
+    def vet(self, peer: int, header: Header, call) -> None:
+        """A message for the call this rank is in must carry its fingerprint, whatever its step;
+        one for an earlier call arrived after this rank finished it, so that call differed.
+
+        The abort then starts at that earlier call: its sender may still be in it, waiting for
+        this rank to take the rest (a 4 MiB broadcast to a rank that thought itself the root,
+        over TCP with send buffers smaller than the message), and an abort of the later calls
+        only would leave it to time out."""
+        if header.seq == call.seq:
+            if header.fp == call.fp or not differences(call.fp, header.fp, _dtype_label, _op_label):
+                return
+            error = self.mismatch_error(call.what, call.fp, header.fp, peer)
+        else:
+            error = CollectiveMismatchError(
+                f"rank {self.rank}: rank {peer} sent data for call #{header.seq} on group "
+                f"{call.group.name} ({coll_label(header.fp.coll)}) that this rank finished without "
+                f"needing it: the ranks called different collectives or roots there (this rank is now "
+                f"at {call.what})")
+        self.deferred_aborts.append((header.ctx, header.seq, tuple(call.group.ranks), error))
+
+    def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
+                       peer: int) -> CollectiveMismatchError:
+        diffs = differences(mine, theirs, _dtype_label, _op_label)
+        return CollectiveMismatchError(
+            f"rank {self.rank}: {what}: rank {peer} made a different call at the same point: "
+            f"{'; '.join(diffs)} (this rank vs rank {peer})")
+
+    def control_sink(self, peer: int, header: Header) -> Sink:
+        if header.kind == Kind.ABORT:
+            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
+        if header.kind == Kind.BYE:
+            return ControlSink(0, lambda raw: self.departed.add(peer))
+        if header.kind == Kind.QUERY:
+            return ControlSink(0, lambda raw: self._answer_query(peer, header.ctx))
+        if header.kind == Kind.STATE:
+            return ControlSink(0, lambda raw: self._on_state(peer, header))
+        raise ValueError(f"rank {self.rank}: unknown message kind {header.kind} from rank {peer}")
+
+    def query_peers(self, ctx: int, members: Iterable[int]) -> None:
+        """Ask the members which call of group `ctx` they are in; the answers are vetted like
+        arriving messages. This catches disagreements in which no message ever crosses (a
+        reduce to different roots), so they end as a mismatch instead of a timeout."""
+        with self.lock:
+            for peer in members:
+                if peer != self.rank and peer not in self.lost and peer in self.channels:
+                    header = Header(Kind.QUERY, ctx, 0, 0, 0, Fingerprint(0))
+                    self.channels[peer].post_control(SendRequest(peer, header, _EMPTY, "query"))
+
+    def _answer_query(self, peer: int, ctx: int) -> None:
+        call = self.current.get(ctx)
+        seq, fp = (call.seq, call.fp) if call is not None else (0, Fingerprint(0))
+        self.channels[peer].post_control(SendRequest(peer, Header(Kind.STATE, ctx, seq, 0, 0, fp), _EMPTY,
+                                                     "state"))
+
+    def _note_state(self, ctx: int, peer: int, seq: int) -> None:
+        """What a peer said (or showed, by an abort) it runs of group `ctx`, for missing():
+        only answers to a question just asked matter, so the notes are dropped when many."""
+        if len(self.states) >= _STATES_MAX:
+            self.states.clear()
+        self.states[(ctx, peer)] = max(seq, self.states.get((ctx, peer), 0))
+
+    def _on_state(self, peer: int, header: Header) -> None:
+        self._note_state(header.ctx, peer, header.seq)
+        call = self.current.get(header.ctx)
+        if call is not None and header.seq == call.seq:
+            self.vet(peer, header, call)
+
+    # -- aborts -------------------------------------------------------------------------------
+    def abort_error(self, header: Header) -> BaseException | None:
+        """The abort that covers this message: its group failed at or before its call
+        (point-to-point messages belong to no call: any abort of the group covers them)."""
+        entry = self.aborted.get(header.ctx)
+        if entry is None or (header.kind == Kind.COLL and header.seq < entry[0]):
+            return None
+        return entry[1]
+
+    def fail_if_unusable(self, req: Request) -> bool:
+        error = self.abort_error(req.header)
+        if error is not None:
+            req.fail(error)
+        elif req.peer in self.lost:
+            req.fail(self.lost_error(req.peer))
+        return req.done
+
+    def abort_group(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
+        """Fail call `seq` of a group and every later one, here and on every member.
+
+        Earlier calls are left alone: a slower member may still be finishing them, and their
+        messages may arrive after the abort, which travels on the control path.
+
+        Over TCP a notice queues behind what is left of the failed call's sends (the stream
+        must stay framed), and the raise returns control to a caller that may not call again
+        for a while: the background thread delivers what the kernel did not take at once
+        (docs/design/failures.md)."""
+        with self.lock:
+            if not self.fail_locally(ctx, seq, error):
+                return
+            text = f"{type(error).__name__}\n{error}".encode()
+            payload = np.frombuffer(text, dtype=np.uint8)
+            notices = []
+            for peer in members:  # connecting where needed: a member may wait for no one it is connected to
+                unreachable = self.wiring is None and peer not in self.channels
+                if peer == self.rank or peer in self.lost or unreachable:
+                    continue
+                header = Header(Kind.ABORT, ctx, seq, 0, len(payload), Fingerprint(0))
+                notices.append(SendRequest(peer, header, payload, "abort"))
+                self.channel(peer).post_control(notices[-1])
+            self.poll_sockets()
+            self.notices = [n for n in self.notices if not n.done] + notices
+            for notice in notices:
+                self.watch_in_background(notice)
+
+    def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
+        self._note_state(ctx, peer, seq)  # it ran call seq
+        name, _, message = raw.decode(errors="replace").partition("\n")
+        if ctx in self.aborted:
+            return
+        cls = _ERROR_CLASSES.get(name, AbortedError)
+        self.fail_locally(ctx, seq, cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]"))
+
+    def fail_locally(self, ctx: int, seq: int, error: BaseException) -> bool:
+        """Fail call `seq` of a group and every later one on this rank only, and every call of
+        its children (the sub-groups a hierarchical algorithm runs its phases on: a rank may
+        wait in one of them while the abort comes for the group); False if the group had
+        already failed."""
+        with self.lock:
+            if ctx in self.aborted:
+                return False
+            self.aborted[ctx] = (seq, error)
+            self._fail_ctx(ctx, seq, error)
+            for child in self.children.get(ctx, ()):
+                self.fail_locally(child, 0, error)
+            return True
+
+    def _fail_ctx(self, ctx: int, seq: int, err: BaseException) -> None:
+        def covered(header: Header) -> bool:
+            return header.ctx == ctx and (header.kind == Kind.P2P or
+                                          (header.kind == Kind.COLL and header.seq >= seq))
+
+        for queue in list(self.posted.values()):
+            for req in queue:
+                if covered(req.header):
+                    req.fail(err)
+        for channel in self.channel_list:
+            for req in channel.pending():
+                if covered(req.header):
+                    req.fail(err)
+
+    def retire(self, ctx: int, error: BaseException) -> None:
+        """Forget a group that will never run again (it was shrunk): fail what is still posted
+        for it, drop what arrived for it (releasing senders whose payload waits in their own
+        memory) and every later arrival. Its entry in `aborted` stays, so calls on it still
+        raise. Else a failed call's messages from the survivors would stay queued forever and
+        keep every later call off the planned fast path, which runs only while nothing
+        unexpected is queued."""
+        with self.lock:
+            self.retired.add(ctx)
+            for child in self.children.pop(ctx, ()):  # a hierarchy's groups go with it
+                self.retire(child, error)
+            self.current.pop(ctx, None)
+            self.deferred_aborts = [d for d in self.deferred_aborts if d[0] != ctx]
+            for key in [k for k in self.posted if k[1][0] == ctx]:
+                for req in self.posted.pop(key):
+                    req.fail(error)
+            for key in [k for k in self.unexpected if k[1][0] == ctx]:
+                for msg in self.unexpected.pop(key):
+                    if msg.source is not None and key[0] not in self.lost:
+                        msg.source.discard()
+
+    # -- telling why a call failed -----------------------------------------------------------
+    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int]) -> int | None:
+        """The first of `peers` whose point-to-point message with `tag` on group `ctx` has
+        arrived (after one round of progress), or None; raises if the group was aborted or
+        every one of them is gone (MPI_ANY_SOURCE's probe)."""
+        key = (ctx, int(Kind.P2P), 0, int(tag))
+        with self.lock:
+            self.progress()
+            for peer in peers:
+                if self.unexpected.get((peer, key)):
+                    return peer
+                channel = self.channels.get(peer)  # arrived, left in its ring:
+                if channel is not None and channel.parked is not None and channel.parked.key == key:
+                    return peer
+            entry = self.aborted.get(ctx)
+            if entry is not None:
+                raise entry[1]
+            if all(peer in self.lost for peer in peers):
+                raise PeerLostError(f"rank {self.rank}: receive from any rank (tag {tag}): every "
+                                    f"sender is gone")
+        return None
+
+    def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int]) -> BaseException:
+        """`error`, a timeout of call `seq` of group `ctx`, saying which members are not in the
+        call: this rank asks the members it is connected to which call they run (their answers
+        within _ASK_S; one that does not answer is not inside tensorwire: busy, blocked or
+        stopped). Where every one asked is in the call too, this rank only waited for ranks
+        that wait themselves, and for up to _MISSING_S it raises the abort of a rank that
+        could say who is missing (docs/design/failures.md)."""
+        if _NOT_IN in str(error) or _REPORTED in str(error):
+            return error
+        with self.lock:
+            asked = [p for p in members if p != self.rank and p not in self.lost
+                     and p in self.channels and self.channels[p].kind != "pending"]
+            for p in asked:
+                self.states.pop((ctx, p), None)
+            self.query_peers(ctx, asked)
+        until = time.perf_counter() + _ASK_S
+        while any((ctx, p) not in self.states for p in asked) and time.perf_counter() < until:
+            self.look()
+        # a member that left meanwhile, or sent an abort of this call, was in it and failed
+        behind = [(p, self.states.get((ctx, p))) for p in asked
+                  if p not in self.lost and self.states.get((ctx, p), -1) < seq]
+        if behind:
+            text = "; ".join(f"rank {p} did not answer (not inside a tensorwire call: busy, blocked or "
+                             "stopped)" if at is None else f"rank {p} is at call #{at} of the group"
+                             for p, at in behind)
+            return retold(error, f"{error} {_NOT_IN}: {text}.")
+        return self._abort_saying(ctx, seq, _MISSING_S, lambda why: _NOT_IN in why) or error
+
+    def look(self) -> None:
+        """One round of progress with the sockets read (control messages: answers, aborts,
+        goodbyes), then a short sleep: the error paths' waits for what other ranks say."""
+        with self.lock:
+            self.progress()
+            self.poll_sockets()
+        time.sleep(_LOOK_S)
+
+    def why_left(self, error: PeerLostError, ctx: int, seq: int) -> BaseException:
+        """Why a peer that left in the middle of call `seq` of group `ctx` left, where this rank
+        can learn it within _WHY_LEFT_S: such a peer mostly left because the call failed there,
+        and the abort that says why (a mismatch, a bad argument, a crash elsewhere) is on its way
+        to every member, behind the goodbye on some sockets and ahead of it on others. `error`
+        where no other reason comes (a departure other ranks report is none)."""
+        if LEFT not in str(error):
+            return error
+        return self._abort_saying(ctx, seq, _WHY_LEFT_S, lambda why: LEFT not in why) or error
+
+    def _abort_saying(self, ctx: int, seq: int, seconds: float,
+                      says: Callable[[str], bool]) -> BaseException | None:
+        """The abort of call `seq` of group `ctx` whose message `says` what is wanted, once it
+        arrives within `seconds` (None if none does)."""
+        until = time.perf_counter() + seconds
+        while True:
+            self.look()
+            entry = self.aborted.get(ctx)
+            if entry is not None and seq >= entry[0] and says(str(entry[1])):
+                return entry[1]
+            if time.perf_counter() >= until:
+                return None

@@ -1,0 +1,175 @@
+"""The per-host calibration cache: one JSON file of link constants per topology and environment.
+
+The cache lives in TENSORWIRE_CACHE_DIR (default $XDG_CACHE_HOME/tensorwire or
+~/.cache/tensorwire), one file per key (cache_key). An entry is read only if it is of this
+probe's version, trusted (measured without foreign load) and younger than
+TENSORWIRE_CACHE_MAX_AGE; otherwise the job measures again (calibrate.at_init).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import log
+from ..algorithms.registry import Link
+from ..errors import InvalidArgumentError
+from .tuning_file import FIELDS, parse_tuning
+
+_log = log.get("TUNING")
+
+PROBE_VERSION = 22
+"""Bump when the probe changes what it measures: older cache entries are then ignored."""
+MAX_ENTRY_BYTES = 1 << 20
+"""An entry is a few KiB; a larger file is not read (a cache directory others can write to
+must not make rank 0 load whatever lies there)."""
+
+
+def cache_dir(configured: str = "") -> str:
+    if configured:
+        return os.path.expanduser(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tensorwire")
+
+
+def host_hash(hostname: str | None = None) -> int:
+    """63 bits of the host name: enough to tell hosts apart, and it fits an int64 slot."""
+    raw = hashlib.sha256((hostname or socket.gethostname()).encode()).digest()
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+def environment_digest(cfg: Any, cores: int) -> int:
+    """What changes a rank's measurements besides the topology: its usable cores, the kernel,
+    the Python and numpy it runs (the interpreter and the kernels are most of every α and γ),
+    and the settings that shape how it waits and what it moves (spinning, binding, ring and
+    slot sizes)."""
+    text = "|".join(map(str, (cores, platform.release(), *sys.version_info[:2],
+                              ".".join(np.__version__.split(".")[:2]), cfg.spin_us, cfg.bind,
+                              cfg.shm_ring_bytes, cfg.direct_bytes)))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def cache_key(hosts: list[int], tiers: list[str], world_size: int,
+              tcp: Mapping[str, object] | None = None, environments: list[int] | None = None) -> str:
+    """Constants are cached per hosts, tiers and world size, per TCP setting that differs from
+    the defaults (`tcp`: Config.tcp_changed; a TCP link's α and β are those settings'), and
+    per environment of the ranks (environment_digest: a core more or less, another kernel,
+    Python or numpy measures another machine)."""
+    fields: dict[str, object] = {"v": PROBE_VERSION, "hosts": sorted(set(hosts)), "tiers": sorted(tiers),
+                                 "world_size": world_size, **(tcp or {})}
+    if environments:
+        fields["env"] = sorted(set(environments))
+    text = json.dumps(fields, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(directory: str, key: str) -> str:
+    return os.path.join(directory, f"links-{key}.json")
+
+
+class BadEntry(ValueError):
+    """A cache file that is not an entry this library wrote: not a regular file, too large,
+    not JSON, or not an object with a links object."""
+
+
+def load_entry(path: str) -> dict[str, Any] | None:
+    """The JSON object of one cache file, None where there is none; BadEntry for anything else
+    in its place. Opened without following a link or waiting on a FIFO, its type and size
+    checked before a byte is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BadEntry(f"cannot open it: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise BadEntry("not a regular file")
+        if st.st_size > MAX_ENTRY_BYTES:
+            raise BadEntry(f"{st.st_size} bytes, more than an entry's {MAX_ENTRY_BYTES}")
+        raw = f.read(MAX_ENTRY_BYTES + 1)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadEntry("not JSON") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("links"), dict):
+        raise BadEntry("not a JSON object with a links object")
+    return doc
+
+
+def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[dict[str, Link], dict] | None:
+    """The cached links of every tier in `tiers` and the entry they come from, or None: missing,
+    of another probe version, partial, older than `max_age` seconds, or measured under load
+    (not trusted, see at_init); then it is measured again. A file that is no entry at all is
+    named in one warning and measured over (write_cache replaces it)."""
+    try:
+        doc = load_entry(path)
+    except BadEntry as exc:
+        _log.warning("ignoring the calibration cache file %s: %s; measuring again", path, exc)
+        return None
+    if doc is None or doc.get("version") != PROBE_VERSION:
+        return None
+    try:
+        links = parse_tuning(doc["links"], path)
+        out = {t: Link(t, **links[t]) for t in tiers}
+        age = time.time() - float(doc["created"])
+    except (ValueError, KeyError, TypeError, InvalidArgumentError):
+        return None
+    if not doc.get("trusted", False):
+        _log.info("re-measuring: %s was measured under load (other processes took %s cores beyond those "
+                  "the job left idle)", path, doc.get("foreign_cores", "?"))
+        return None
+    if not 0 <= age <= max_age:
+        _log.info("re-measuring: %s is %.0f s old (TENSORWIRE_CACHE_MAX_AGE: %.0f s)", path, age, max_age)
+        return None
+    return out, doc
+
+
+def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None:
+    """Atomically (rename) write one entry; a cache that cannot be written is only logged."""
+    doc = {"version": PROBE_VERSION, **meta,
+           "links": {t: {f: getattr(link, f) for f in FIELDS if f != "cache" or link.cache}
+                     for t, link in links.items()}}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".links-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _log.info("cannot write the calibration cache %s: %s", path, exc)
+
+
+def cached_entries(directory: str) -> list[dict[str, Any]]:
+    """Every readable cache entry of `directory`, newest first (for `tensorwire plan`)."""
+    out = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith("links-") and name.endswith(".json")):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            doc = load_entry(path)
+            if doc is not None and doc.get("version") == PROBE_VERSION:
+                doc["links"] = parse_tuning(doc["links"], path)
+                doc["path"] = path
+                out.append(doc)
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):  # BadEntry among them
+            continue
+    return sorted(out, key=lambda d: d.get("created", 0), reverse=True)

@@ -1,0 +1,293 @@
+"""The pricing core of `tensorwire plan`: the tiers a collective is priced on (this host's
+calibrated links, hypothetical ones, the tuning file's), every algorithm's predicted time, the
+sizes where the cheapest one changes, and a cluster's flat against hierarchical algorithms.
+
+The named hypothetical tiers use the latency and bandwidth commonly cited for that hardware
+(docs/tuning.md gives the sources), so a collective can be priced on a machine one does not
+have. tools/plan.py is the command around it (its arguments, the probe of missing local
+tiers, the report).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..config import Config
+from ..errors import InvalidArgumentError
+from . import crossing
+from .cache import cache_dir, cached_entries, host_hash
+from .cost_model import (
+    CMA,
+    CMA_HUGE,
+    DEFAULT_LINKS,
+    LINKS,
+    MEMORY,
+    ONE_WAY,
+    TIERS,
+    Host,
+    LinkTable,
+    phase_prices,
+    predict,
+    price,
+    shared,
+)
+from .policy import REDUCTIONS, allowed, is_deterministic
+from .shape import Shape
+from .tuning_file import REQUIRED
+
+
+@dataclass(frozen=True)
+class Hypothetical:
+    label: str
+    alpha: float  # seconds
+    bandwidth: float  # bytes per second, one direction
+
+
+HYPOTHETICAL = {  # α and one-direction bandwidth as commonly cited (docs/tuning.md, "Sources")
+    "nvlink": Hypothetical("NVLink, GPU to GPU within a server", 1e-6, 300e9),
+    "pcie": Hypothetical("PCIe 4.0 x16 through the host", 2e-6, 25e9),
+    "ib-ndr": Hypothetical("InfiniBand NDR, 400 Gb/s per port", 3e-6, 50e9),
+    "eth25g": Hypothetical("Ethernet 25 Gb/s", 30e-6, 3.1e9),
+}
+LOCAL = TIERS
+SWEEP = (1, 1 << 40)  # sizes searched for crossovers
+
+
+@dataclass
+class Tier:
+    name: str
+    link: Link | None
+    origin: str
+    direct_ok: bool = False  # the one-shot shared-memory path exists on this tier
+    direct: Link | None = None  # ... and its own constants, where they were measured
+    memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
+    cma: Link | None = None  # ... and its reads across processes (single copy)
+    cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
+    one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
+
+    def host(self, n: int) -> Host | None:
+        """The one host that n ranks on this tier share (its default rings), or None."""
+        if self.memory is None:
+            return None
+        cma = self.cma or DEFAULT_LINKS[CMA]
+        return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
+                    huge=self.cma_huge is not None)
+
+    def cost(self, alg: Algorithm, n: int, m: int) -> float:
+        return predict(alg, n, m, self.link, self.direct, host=self.host(n),  # type: ignore[arg-type]
+                       one_way=self.one_way)
+
+
+# -- link constants ----------------------------------------------------------------------------
+
+def cached_links(cfg: Config, n: int = 2) -> dict[str, tuple[Link, str]]:
+    """This host's calibrated links (on this host alone) from its cache, each from the entry
+    whose rank count is nearest `n`, the newest of those: where ranks outnumber cores the
+    constants differ (docs/design/calibration.md#plans-rank-count)."""
+    me = format(host_hash(), "016x")
+    found: dict[str, tuple[Link, str]] = {}
+    entries = cached_entries(cache_dir(cfg.cache_dir))  # newest first
+    entries.sort(key=lambda e: abs(int(e.get("world_size") or 2) - n))  # stable: newest among equals
+    for entry in entries:
+        if entry.get("hosts") != [me]:
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
+        for tier, values in entry["links"].items():
+            if tier in LINKS and tier not in found and all(f in values for f in REQUIRED):
+                origin = f"cached {when}, {entry.get('world_size', '?')}-rank probe, {entry['path']}"
+                found[tier] = (Link(tier, **values), origin)
+    return found
+
+
+def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
+          local: dict[str, tuple[Link, str]], gamma: float | None, n: int = 2) -> list[Tier]:
+    """The tiers `names`, the local ones with the constants in `local` (cached_links, and
+    what a probe added), the others hypothetical, given as NAME=ALPHA_US:GBPS or from the
+    tuning file (`file`, as tuning_file.load_tuning_file reads it, which also overrides the
+    others' constants); `gamma` prices their reductions (None: this host's)."""
+    if gamma is None:  # the shared-memory link's γ, whichever tiers are listed beside
+        shm = local.get("shm") or cached_links(cfg, n).get("shm")
+        gamma = (shm[0] if shm else DEFAULT_LINKS["shm"]).gamma
+    out = []
+    for name in names:
+        custom = _custom(name)
+        if custom is not None:
+            out.append(Tier(custom.name, Link(custom.name, custom.alpha, custom.beta, gamma),
+                            "given on the command line"))
+            continue
+        if name in LOCAL:
+            link, origin = local.get(name, (DEFAULT_LINKS[name], "default: no calibration found"))
+        elif name in HYPOTHETICAL:
+            h = HYPOTHETICAL[name]
+            link = Link(name, h.alpha, 1 / h.bandwidth, gamma)
+            origin = f"hypothetical: {h.label}; γ of this host"
+        elif name in file:
+            link, origin = None, ""
+        else:
+            known = ", ".join([*LOCAL, *HYPOTHETICAL, *(t for t in file if t not in LOCAL)])
+            raise InvalidArgumentError(f"tensorwire plan: unknown tier {name!r} (known: {known}, local, all, "
+                                       f"or NAME=ALPHA_US:GBPS)")
+        if name in file:
+            values = file[name]
+            base = {f: getattr(link, f) if link else values.get(f, gamma if f == "gamma" else math.nan)
+                    for f in REQUIRED}
+            base.update(values)
+            if any(math.isnan(v) for v in base.values()):
+                raise InvalidArgumentError(f"tensorwire plan: tier {name!r} of {cfg.tuning_file} needs alpha "
+                                           f"and beta (or alpha_us and bandwidth_GBps)")
+            link = Link(name, **base)
+            origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
+        direct = one_way = None
+        if name in LOCAL:  # as the tuner prices it (tuning_file.apply_overrides)
+            one_way_name = ONE_WAY[name]
+            if one_way_name in file:
+                base_link = local.get(one_way_name, (link, ""))[0]
+                one_way = replace(base_link, name=one_way_name, **file[one_way_name])
+            elif name not in file:
+                one_way = local.get(one_way_name, (None, ""))[0]
+        host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None}
+        if name == "shm":
+            direct = local.get("direct", (None, ""))[0]
+            if "direct" in file and direct is not None:
+                direct = replace(direct, **file["direct"])
+            for entry in host:
+                measured = local.get(entry, (DEFAULT_LINKS[entry], ""))[0]
+                host[entry] = replace(measured, **file[entry]) if entry in file else measured
+            if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
+                host[CMA_HUGE] = None
+        out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
+                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], one_way=one_way))
+    return out
+
+
+def _custom(name: str) -> Link | None:
+    """'myfabric=5:12.5' -> α 5 us, 12.5 GB/s."""
+    if "=" not in name:
+        return None
+    label, _, rest = name.partition("=")
+    try:
+        alpha_us, _, gbps = rest.partition(":")
+        alpha, rate = float(alpha_us) * 1e-6, float(gbps) * 1e9
+        if not label or alpha < 0 or rate <= 0 or math.isinf(rate):
+            raise ValueError
+        return Link(label, alpha, 1 / rate, 0.0)
+    except ValueError:
+        raise InvalidArgumentError(f"tensorwire plan: cannot read tier {name!r} (use NAME=ALPHA_US:GBPS, "
+                                   f"e.g. roce=4:23)") from None
+
+
+# -- pricing ---------------------------------------------------------------------------------------
+
+def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Config,
+            direct_bytes: int) -> str:
+    """'' if `alg` can run this call on this tier, else the reason it cannot."""
+    if alg.phases is not None:
+        return "groups across hosts only (--hosts, --per-host)"
+    if alg.needs_direct:
+        if not tier.direct_ok:
+            return "one-host shared-memory path only"
+        if slot_bytes(alg, n, m) > direct_bytes:
+            return f"shared-memory path holds <= {format_size(direct_bytes)}"
+    if not alg.eligible(n, m):
+        return f"not for {n} ranks at this size"
+    if cfg.algo and not allowed(replace(cfg, deterministic=False), collective, alg.name):
+        return "excluded by TENSORWIRE_ALGO"
+    if cfg.deterministic and collective in REDUCTIONS and not is_deterministic(alg):
+        return "not rank-ordered (deterministic mode)"
+    return ""
+
+
+def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
+             direct_bytes: int) -> str | None:
+    ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
+    return price(ok, n, m, tier.link, tier.direct, host=tier.host(n))[0][1] if ok else None
+
+
+def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
+               direct_bytes: int) -> list[tuple[int, str | None, str | None]]:
+    """(size, winner below, winner from there on) for every change of the cheapest algorithm."""
+    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes), direct_bytes)
+
+
+def changes_of(best: Callable[[int], str | None],
+               direct_bytes: int = 0) -> list[tuple[int, str | None, str | None]]:
+    """(size, `best` below, `best` from there on) for every change of `best` between 1 B and 1 TiB."""
+    grid = {int(round(2 ** (k / 8))) for k in range(8 * 40 + 1)}  # 1 B .. 1 TiB, 8 steps per doubling
+    samples = sorted(grid | {direct_bytes, direct_bytes + 1})
+    out = []
+    i, prev_m, prev = 1, samples[0], best(samples[0])
+    while i < len(samples):
+        m = samples[i]
+        if best(m) == prev:
+            prev_m, i = m, i + 1
+            continue
+        lo, hi = prev_m, m  # best(lo) == prev != best(hi): find the first size that differs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if best(mid) == prev:
+                lo = mid
+            else:
+                hi = mid
+        out.append((hi, prev, best(hi)))
+        prev_m, prev = hi, best(hi)  # and look again at the same sample: another change may follow
+    return out
+
+
+def format_size(m: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if m >= 1 << shift:
+            v = m / (1 << shift)
+            return f"{v:.3g} {unit}" if v != int(v) else f"{int(v)} {unit}"
+    return f"{m} B"
+
+
+# -- a cluster: hosts of several ranks -------------------------------------------------------------
+
+def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                   cfg: Config) -> list[tuple[float, str, str]]:
+    """(seconds, algorithm, '' or why it cannot run) of every algorithm for `hosts` hosts of
+    `per_host` ranks: the flat ones with every step at the price of the slower tier (a step
+    waits for its slowest hop: the network's, shared by the flows the algorithm puts on a host
+    link at once as the tuner prices a group across hosts, or a host's where that is the
+    slower, as this host's memory against InfiniBand NDR), the hierarchical ones by their
+    phases, within a host on `local` and between hosts on `net`, `per_host / nics` flows
+    sharing each host link."""
+    n = hosts * per_host
+    links = {local.name: local.link, net.name: net.link}
+    if local.direct is not None:
+        links["direct"] = local.direct
+    within, across = phase_prices(LinkTable(links, {}), cfg, local.name, net.name)
+    shape = Shape(hosts, per_host, per_host / max(1, min(nics, per_host)))
+    rows = []
+    for alg in algorithms_for(collective).values():
+        if alg.phases is not None:
+            reason = "" if per_host > 1 and hosts > 1 else "needs several hosts of several ranks"
+            if not reason and not alg.uniform:
+                reason = "for hosts of different numbers of ranks"
+            if not reason and not alg.eligible(n, m):
+                reason = f"not for {n} ranks at this size"
+            if not reason and cfg.algo and not allowed(replace(cfg, deterministic=False), collective,
+                                                       alg.name):
+                reason = "excluded by TENSORWIRE_ALGO"
+            if not reason and cfg.deterministic and collective in REDUCTIONS:
+                reason = "not rank-ordered (deterministic mode)"
+            t = alg.phases(shape, m, within, across, net.link) if not reason else math.inf
+        else:
+            flat = replace(net, direct_ok=False, one_way=None)
+            reason = why_not(alg, collective, n, m, flat, cfg, 0)
+            t = math.inf
+            if not reason:
+                flowing = shared(net.link, host_link_flows(alg, hosts, per_host, nics))
+                t = replace(flat, link=Link(net.name, *(max(getattr(local.link, f), getattr(flowing, f))
+                                                       for f in ("alpha", "beta", "gamma")))).cost(alg, n, m)
+        rows.append((t, alg.name, reason))
+    return sorted(rows)
+
+
+def host_link_flows(alg: Algorithm, hosts: int, per_host: int, nics: int) -> float:
+    """The flows a flat algorithm puts on a host's link at once (crossing.py), ranks host by host."""
+    return crossing.algorithm_share(alg, (per_host,) * hosts, (max(1, min(nics, per_host)),) * hosts)

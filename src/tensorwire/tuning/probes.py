@@ -1,0 +1,465 @@
+"""The probe at init: α and β of every link the job uses, measured on the world group.
+
+For each tier present, the lowest pair of ranks joined by it runs a few small exchanges (α),
+1 MiB exchanges (β) and 1 MiB messages one way; then every rank exchanges at once, with
+changing partners (`busy`), with a ring's fixed ones (`busy_ring`) and in pairs
+(`busy_pairs`): what a step costs when every rank works (on a host with more ranks than cores
+they take turns, which the lone pair never sees). On one host every rank takes part in
+all_reduces through the group's shared segment (the one-shot path) and in single copy's
+all_gathers, and rank 0 measures its memory (host_probes.py). The maximum over ranks of each
+measurement becomes everybody's. The reasoning and the measurements behind each count:
+docs/design/calibration.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
+from ..algorithms.registry import algorithms_for
+from ..buffers import huge_zeros
+from ..ops import ReduceOp
+from . import crossing
+from .cost_model import BUSY, CMA, CMA_HUGE, MEMORY, TIERS
+from .host_probes import measure_copy, measure_gamma, measure_memory
+
+if TYPE_CHECKING:
+    from ..group.calls import CollectiveCall
+    from ..group.group import Group
+
+# Short batches, best one kept for a link: on a busy machine a batch that was not preempted is
+# likelier the shorter it is, and those constants describe the links, not the neighbours'
+# load. The busy links and the direct path take typical rounds instead (see measure_busy).
+ALPHA_BATCHES, ALPHA_ROUNDS = 12, 4  # small exchanges: the best (busy: median) batch mean is α
+BETA_BYTES, BETA_TIMED = 1 << 20, 8  # 1 MiB exchanges: the median of this many gives β, after
+# untimed ones that write a shared-memory ring once around (two over TCP, see measure_pair)
+BETA_BUDGET_S = 0.15  # ... but no more of them than fit in this time (at least one timed)
+ONE_WAY_TIMED = 4  # 1 MiB sent one way and acknowledged: the median of this many gives β one way
+BUSY_BYTES, BUSY_BETA_ROUNDS = 2 << 20, 6  # rounds with every rank busy: their mean gives the busy β;
+# twice the cached 1 MiB (a large message's bytes cost more) and half a default ring (no stalls)
+BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring written once around)
+BUSY_WARM_ROUNDS_ACROSS_HOSTS = 6  # ... or this many where ranks are on several hosts (TCP ramp-up)
+DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, back to back, in
+# this many series, the least series' mean call kept: the direct path
+DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
+DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
+# steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
+DIRECT_ROUNDS = 3  # rounds of the one shot's 8 B calls against recursive doubling's, spread over
+# the probe: the median round gives the one shot's α (see probe, calibrate.bound_direct)
+CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
+LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle that make its
+# constants untrusted: used by the job that measured them, not cached for the next (foreign_cores)
+
+
+# -- the one-shot path and single copy: every rank of one host -------------------------------------
+
+def typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, series: int = DIRECT_SERIES,
+            calls: int = DIRECT_CALLS) -> float:
+    """Seconds of one call of `run` (collective over `world`) as the model is judged
+    (`tensorwire bench --algo`, benchmarks.algos.JUDGED): after DIRECT_WARM untimed calls,
+    DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
+    DIRECT_SERIES series. The message algorithms' busy links are such means too (measure_busy),
+    so the one shot and the messages are priced in one statistic. Several series, since one
+    alone meets a rank that lost its core for a while (docs/design/calibration.md#typical-calls)."""
+    for _ in range(warm):
+        run()
+    means = np.zeros(series)
+    for s in range(series):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        means[s] = (time.perf_counter() - t0) / calls
+    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), means, ReduceOp.MAX)
+    return float(means.min())
+
+
+def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
+    """One round of evidence: the one shot's 8-byte all_reduce and recursive doubling's (the
+    message algorithm such calls would otherwise take), each timed as `typical` times it, back
+    to back, so that both meet the same conditions (`counts`: typical's)."""
+    algs = algorithms_for("all_reduce")
+    data = np.ones(2, dtype=np.float32)
+
+    def timed(name: str) -> float:
+        run = algs[name].run
+        return max(typical(world, lambda: run(world.queue.internal_call("calibration probe"), data,
+                                              ReduceOp.MAX),
+                           **counts), 1e-8)
+
+    return timed("direct"), timed("recursive_doubling")
+
+
+def measure_direct(world: Group) -> tuple[float, float, float]:
+    """(α, recursive doubling's 8-byte call, β) of the one-shot shared-memory path, from
+    all_reduces through the group segment (every rank of the world takes part, see `typical`):
+    α is a call's time at 8 bytes, in the first round of small_all_reduces (`probe` takes the
+    median of DIRECT_ROUNDS); β is fitted to the time at DIRECT_BYTES (up to the slot),
+    counting a reduced byte like a copied one, and never below a lone copy's.
+    Every rank works in these calls, contention included, as for the busy link. Not
+    a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
+    cost as much as the flag round, and each rank copies while the others do."""
+    run = algorithms_for("all_reduce")["direct"].run
+    n = world.size
+    big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
+    alpha, messages = small_all_reduces(world)
+    one = typical(world, lambda: run(world.queue.internal_call("calibration probe"), big, ReduceOp.MAX))
+    slope = (one - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
+    return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
+
+
+def measure_cma(world: Group) -> tuple[float, float, float]:
+    """(α, β, β out of huge pages) of single copy, from its all_gather (every rank of the world
+    takes part, as in measure_direct): α is half a call's time at 8 bytes a rank (two flag
+    rounds), each β is fitted to the time at about CMA_BYTES read by each rank, in n-1 blocks
+    out of its peers' memory (the block shrinks as n grows, so that n blocks stay near
+    CMA_BYTES of memory a rank). A read across processes pins the source's pages and costs far
+    more than a copy out of 4 KiB pages, so the one-shot path's β does not price it; out of
+    huge pages it costs less (which sources are: tuner.PageDependent;
+    docs/design/cost-model.md#single-copys-reads)."""
+    run = algorithms_for("all_gather")["single_copy"].run
+    n = world.size
+
+    def timed(blocks: list[np.ndarray]) -> float:
+        return typical(world, lambda: run(world.queue.internal_call("calibration probe"), blocks, None))
+
+    small = timed([np.ones(8, dtype=np.uint8) for _ in range(n)])
+    block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
+
+    def slope(blocks: list[np.ndarray]) -> float:
+        return max((timed(blocks) - small) / ((n - 1) * block), measure_copy())
+
+    whole = huge_zeros(n * block)
+    whole[...] = 1  # the pages exist before the timing
+    return (max(small / 2, 1e-8), slope([np.ones(block, dtype=np.uint8) for _ in range(n)]),
+            slope([whole[r * block:(r + 1) * block] for r in range(n)]))
+
+
+# -- messages: a pair of ranks, and every rank at once ---------------------------------------------
+
+def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray, step: int) -> None:
+    call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
+
+
+def measure_busy(call: CollectiveCall, step0: int,
+                 across_hosts: bool = False) -> tuple[float, float, float, float]:
+    """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
+    round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
+    pattern: every rank takes part whatever n is, and the partners change from round to round
+    as in pairwise exchange, recursive doubling or a tree); then the same with d = 1
+    throughout, the fixed partners of a ring or a chain; then 8-byte rounds in pairs, each rank
+    exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
+    recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
+
+    The median 8-byte batch gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
+    included: contention is the point, and a long call meets the preempted rounds that a median
+    would drop. Each pattern is run untimed BUSY_WARM_ROUNDS per distance first, more across
+    hosts, where fresh TCP connections ramp up (BUSY_WARM_ROUNDS_ACROSS_HOSTS); there the
+    dissemination rounds are timed twice, before and after the ring's, and the faster kept: the
+    collectives that follow run in the steady state (docs/design/calibration.md#the-busy-links)."""
+    rounds = Rounds(call, step0)
+    dists = rounds.dists
+    big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
+
+    def mean_round(distances: list[int], count: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(count):
+            rounds.shift(big_out, big_in, distances[i % len(distances)])
+        return (time.perf_counter() - t0) / count
+
+    for i in range(2):  # everyone is here
+        rounds.small_shift(dists[i % len(dists)])
+    # every ring written once around: its pages are touched, as in steady use
+    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
+    mean_round(dists, warm * len(dists))
+    alpha = rounds.alpha(rounds.small_shift)
+
+    def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
+        return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
+
+    count = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
+    shifting = beta(mean_round(dists, count))
+    mean_round([1], warm)  # untimed: right after the change of pattern a shaped ring ran slow
+    ring = beta(mean_round([1], count))
+    if across_hosts:
+        shifting = min(shifting, beta(mean_round(dists, count)))
+    for d in dists:  # the pairs once round, untimed: every rank is past the ring
+        rounds.pair(d)
+    return alpha, shifting, ring, rounds.alpha(rounds.pair)
+
+
+class Rounds:
+    """Rounds in which every rank exchanges at once, each message step numbered from `step0`
+    (measure_busy, and the check of a cached entry): shifts by d (send to rank r + d, receive
+    from r - d) and pairs (exchange with r XOR d), d = 1, 2, 4, ..."""
+
+    def __init__(self, call: CollectiveCall, step0: int) -> None:
+        self.call, self.step = call, step0
+        self.n, self.r = call.group.size, call.group.rank
+        self.dists = crossing.doubling(self.n)
+        self._out, self._in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+
+    def _exchange(self, dst: int, src: int, out: np.ndarray, into: np.ndarray) -> None:
+        if dst < self.n:  # in pairs, a rank without a partner sits the round out
+            self.call.wait(self.call.irecv(src, into, self.step), self.call.isend(dst, out, self.step))
+        self.step += 1
+
+    def shift(self, out: np.ndarray, into: np.ndarray, d: int) -> None:
+        self._exchange((self.r + d) % self.n, (self.r - d) % self.n, out, into)
+
+    def small_shift(self, d: int) -> None:
+        self.shift(self._out, self._in, d)
+
+    def pair(self, d: int) -> None:
+        self._exchange(self.r ^ d, self.r ^ d, self._out, self._in)
+
+    def alpha(self, round_: Callable[[int], None], batches: int = ALPHA_BATCHES) -> float:
+        """The median batch's mean round: ALPHA_ROUNDS 8-byte rounds a batch, distances in turn."""
+        means = []
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            for i in range(ALPHA_ROUNDS):
+                round_(self.dists[i % len(self.dists)])
+            means.append((time.perf_counter() - t0) / ALPHA_ROUNDS)
+        return max(statistics.median(means), 1e-8)
+
+
+def measure_pair(call: CollectiveCall, peer: int, step0: int, warm: int = 2) -> tuple[float, float, float]:
+    """(α, β, β one way) over the link to `peer`, which runs the same function toward this rank.
+
+    α is the time of one exchange of 8 bytes (both ranks send and receive, as an algorithm's
+    step does), the best batch mean; β comes from the median of a few 1 MiB exchanges after
+    `warm` untimed ones: over TCP two, which may ride a shaper's burst allowance (tc tbf lets
+    its bucket through at line rate) that a long transfer does not get; through shared memory
+    enough to write the ring once around, as the first touch of its pages is slow
+    (docs/design/calibration.md#a-pairs-β)."""
+    big_out, big_in = np.ones(BETA_BYTES, np.uint8), np.ones(BETA_BYTES, np.uint8)  # pages touched
+    alpha = pair_alpha(call, peer, step0, ALPHA_BATCHES)
+    step = step0 + 2 + ALPHA_BATCHES * ALPHA_ROUNDS
+    bigs: list[float] = []
+    rounds = warm + BETA_TIMED
+    for i in range(rounds):  # fewer on a slow link: the probe stays well under a second
+        # the first byte says whether this side wants another round; both sides see both
+        # flags, so they stop after the same exchange
+        big_out[0] = i + 1 < rounds and (i <= warm or sum(bigs) < BETA_BUDGET_S)
+        t0 = time.perf_counter()
+        _exchange(call, peer, big_out, big_in, step)
+        step += 1
+        bigs.append(time.perf_counter() - t0)
+        if not (big_out[0] and big_in[0]):
+            break
+    # the median, not the best: the odd fast exchange had swung the best of a few from launch
+    # to launch
+    big = statistics.median(bigs[warm:])
+    # at least half of a 1 MiB exchange is bandwidth: on a busy machine α comes out inflated,
+    # and subtracting it whole would make the link look faster than memory
+    beta = max((big - alpha) / BETA_BYTES, big / BETA_BYTES / 2, 1e-13)
+    return alpha, beta, one_way_beta(call, peer, step, alpha, big_out, big_in)
+
+
+def pair_alpha(call: CollectiveCall, peer: int, step0: int, batches: int) -> float:
+    """α over the link to `peer`, which runs the same toward this rank: the best of `batches`
+    batch means of ALPHA_ROUNDS 8-byte exchanges, after two that start both sides together and
+    warm the path (2 + batches x ALPHA_ROUNDS message steps from step0)."""
+    out, into = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    for step in range(step0, step0 + 2):
+        _exchange(call, peer, out, into, step)
+    step, best = step0 + 2, math.inf
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(ALPHA_ROUNDS):
+            _exchange(call, peer, out, into, step)
+            step += 1
+        best = min(best, (time.perf_counter() - t0) / ALPHA_ROUNDS)
+    return max(best, 1e-8)
+
+
+def one_way_beta(call: CollectiveCall, peer: int, step: int, alpha: float, out: np.ndarray,
+                 into: np.ndarray) -> float:
+    """β of a message that goes one way (the lower rank sends, the other acknowledges with 8
+    bytes), as the steps of a tree or a linear rooted algorithm do: the median of
+    ONE_WAY_TIMED after one untimed. Where the link is a copy by each side (shared memory, TCP
+    on one host) the two copies run at once, and a byte costs about half what an exchange's
+    does, whose ranks both copy in and out; a wire of full duplex costs the same either way
+    (docs/design/cost-model.md#messages-one-way)."""
+    ack_out, ack_in = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    sends = call.group.rank < peer
+    times = []
+    for _ in range(1 + ONE_WAY_TIMED):
+        t0 = time.perf_counter()
+        if sends:
+            call.wait(call.isend(peer, out, step))
+            call.wait(call.irecv(peer, ack_in, step + 1))
+        else:
+            call.wait(call.irecv(peer, into, step))
+            call.wait(call.isend(peer, ack_out, step + 1))
+        times.append(time.perf_counter() - t0)
+        step += 2
+    one = statistics.median(times[1:])
+    return max((one - alpha) / BETA_BYTES, one / BETA_BYTES / 2, 1e-13)
+
+
+# -- the whole probe --------------------------------------------------------------------------------
+
+def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool,
+          across_hosts: bool) -> dict[str, Any]:
+    """Measure the direct path and single copy on everyone, every tier on its pair, every rank
+    at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
+    same everywhere. The one shot's α is the median of DIRECT_ROUNDS rounds of
+    small_all_reduces spread over the probe (at its start, after single copy, after the busy
+    link), each against recursive doubling: a rank preempted for a whole round (every series
+    of it) moves neither the median nor the evidence of calibrate.bound_direct.
+
+    Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
+    spinning: on a host with more ranks than cores a spinning bystander would be measured
+    along with the link."""
+    me = world.rank
+    # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
+    # memory (cache, β, γ), cma (α, β, β out of huge pages), then the rounds: the one shot's
+    # 8 B call and recursive doubling's, per round
+    measured = np.zeros(3 * len(TIERS) + 14 + 2 * DIRECT_ROUNDS, dtype=np.float64)
+    busy = slice(3 * len(TIERS), 3 * len(TIERS) + 5)
+    own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
+    reads = slice(memory.stop, memory.stop + 3)
+    rounds = measured[reads.stop:].reshape(2, DIRECT_ROUNDS)
+    if direct:  # first: they need every rank anyway
+        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world)
+    if cma:
+        measured[reads] = measure_cma(world)
+    if direct:
+        rounds[:, 1] = small_all_reduces(world)
+    call = world.queue.internal_call("calibration probe")
+    for i, tier in enumerate(TIERS):
+        pair = pairs.get(tier)
+        if pair is not None and me in pair:
+            peer = pair[1] if me == pair[0] else pair[0]
+            warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
+            measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
+    _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
+    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts)
+    measured[busy.stop - 1] = measure_gamma()
+    if direct:
+        for r in range(2, DIRECT_ROUNDS):
+            rounds[:, r] = small_all_reduces(world)
+        measured[own.start] = statistics.median(rounds[0])
+    if me == 0:
+        measured[gamma] = measure_gamma()
+        measured[memory] = measure_memory()
+        parts = np.zeros((world.size, len(measured)))
+        parts[0] = measured
+        _wait_politely(world, call, [call.irecv(r, parts[r], _RESULTS) for r in range(1, world.size)])
+        measured[:] = parts.max(axis=0)
+        _wait_politely(world, call, [call.isend(r, measured, _RESULTS + 1) for r in range(1, world.size)])
+    else:
+        _wait_politely(world, call, [call.isend(0, measured, _RESULTS)])
+        _wait_politely(world, call, [call.irecv(0, measured, _RESULTS + 1)])
+    out: dict[str, Any] = {t: tuple(float(v) for v in measured[3 * i: 3 * i + 3])
+                           for i, t in enumerate(TIERS)}
+    out["direct"] = tuple(float(v) for v in measured[own])
+    out["rounds"] = [[float(v) for v in row] for row in rounds]
+    out[BUSY] = tuple(float(v) for v in measured[busy])
+    out["gamma"] = float(measured[gamma])
+    out[MEMORY] = tuple(float(v) for v in measured[memory])
+    alpha, beta, huge_beta = (float(v) for v in measured[reads])
+    out[CMA], out[CMA_HUGE] = (alpha, beta), (alpha, huge_beta)
+    return out
+
+
+@contextlib.contextmanager
+def spread(world: Any, hosts: list[int]) -> Iterator[None]:
+    """Within: where a host's ranks outnumber its cores, each runs on one core, the host's
+    ranks dealt round the cores in rank order; as before after. The probe otherwise measures
+    whichever placement the scheduler picked, which differs from launch to launch
+    (docs/design/calibration.md#spread-over-the-cores)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        yield
+        return
+    mine = [r for r in range(world.size) if hosts[r] == hosts[world.rank]]
+    if len(mine) <= len(cores):
+        yield
+        return
+    os.sched_setaffinity(0, {cores[mine.index(world.rank) % len(cores)]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def _sync_politely(world: Group, call: CollectiveCall) -> None:
+    """Everyone arrives at rank 0, which then releases everyone; waiting without spinning."""
+    token = np.zeros(1, dtype=np.uint8)
+    others = range(1, world.size)
+    if world.rank == 0:
+        _wait_politely(world, call, [call.irecv(r, np.zeros(1, np.uint8), _SYNC) for r in others])
+        _wait_politely(world, call, [call.isend(r, token, _SYNC + 1) for r in others])
+    else:
+        _wait_politely(world, call, [call.isend(0, token, _SYNC)])
+        _wait_politely(world, call, [call.irecv(0, token, _SYNC + 1)])
+
+
+_SYNC = 40_000
+_RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
+_POLITE_SLEEP_S = 0.0005
+
+
+def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
+    """call.wait without the busy phase: poll, then sleep on the sockets (which wake at once
+    for TCP data or a peer that went away; shared-memory data is seen at the next poll)."""
+    engine = world.engine
+    while not all(r.done for r in reqs):
+        with engine.lock:
+            engine.progress()
+        if all(r.done for r in reqs):
+            break
+        engine.check_group(world.ctx, call.seq, world.ranks)  # aborted, or a member crashed
+        if time.perf_counter() > call.deadline:
+            break  # call.wait raises the TimeoutError naming whom it waited for
+        engine.sleep_on_sockets(_POLITE_SLEEP_S)
+    call.wait(*reqs)
+
+
+# -- what else ran -----------------------------------------------------------------------------------
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the machine has spent busy since boot, steal included: a neighbour VM's turn
+    is load too; NaN where /proc/stat cannot say), CPU seconds of this process (every thread)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        machine = math.nan
+    return machine, time.process_time()
+
+
+def foreign_cores(world: Group, machines: list[int], before: tuple[float, float], t0: float) -> float:
+    """On the busiest of the job's machines (ranks that share a kernel: topology.machine_id), the
+    cores' worth of CPU that processes outside the job used since `before` (cpu_seconds at
+    perf_counter `t0`) beyond the cores the job left idle and /proc/stat's resolution (a tick
+    per CPU at each end): above LOAD_SLACK the probe measured the neighbours as much as the
+    links. Collective; 0 where /proc/stat cannot say."""
+    machine, own = cpu_seconds()
+    rows = np.zeros((world.size, 4))
+    rows[world.rank] = (machine - before[0], own - before[1], time.perf_counter() - t0, os.cpu_count() or 1)
+    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), rows.reshape(-1),
+                                  ReduceOp.SUM)
+    hz = os.sysconf("SC_CLK_TCK")
+    worst = 0.0
+    for m in set(machines):
+        ranks = [r for r in range(world.size) if machines[r] == m]
+        busy, _, wall, cpus = rows[ranks[0]]
+        if not math.isfinite(busy) or wall <= 0:
+            continue
+        others = (busy - rows[ranks, 1].sum()) / wall
+        worst = max(worst, float(others - max(cpus - len(ranks), 0) - 2 * cpus / (hz * wall)))
+    return worst

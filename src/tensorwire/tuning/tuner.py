@@ -1,0 +1,404 @@
+"""Which algorithm runs a call: the cheapest eligible one under the cost model.
+
+The tuner prices every eligible algorithm of a collective (cost_model.py) with the link
+constants installed at init (calibrate.py) for the group's tier, and runs the cheapest; the
+choice is cached per group, collective and size. TENSORWIRE_ALGO and deterministic mode narrow
+what is eligible (policy.py); `override` forces one algorithm for a block (`tensorwire bench
+--algo`).
+
+The one-shot shared-memory path is priced with constants of its own (a flag round, a memory
+copy) where calibration measured them, single copy with its reads' (`cma`, or `cma_huge` out
+of sources in huge pages: presumed where huge pages are expected, then as its sources report,
+see PageDependent); everything else with its tier's.
+
+A group spread over hosts (topology.Layout) gets every algorithm in its topology-aware order
+(algorithms/ordered.arrange), and, where its hosts hold the same number of ranks, the
+hierarchical algorithms too, each priced by its phases (cost_model.phase_prices) against the
+flat ones.
+
+With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
+cost table and the link constants behind it (and where they came from): `explain`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from .. import log
+from ..algorithms.ordered import arrange
+from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..errors import InvalidArgumentError
+from .cost_model import (
+    BUSY,
+    BUSY_PAIRS,
+    BUSY_RING,
+    CMA,
+    CMA_HUGE,
+    MEMORY,
+    ONE_WAY,
+    Host,
+    LinkTable,
+    Spread,
+    format_seconds,
+    one_flow,
+    phase_prices,
+    predict,
+    price,
+    spread_of,
+)
+from .policy import REDUCTIONS, allowed, forcing, parse_algo, runs_on
+from .shape import Shape
+from .tuning_file import defaults_with_file
+
+if TYPE_CHECKING:
+    from ..group.group import Group
+    from ..runtime import Runtime
+
+_log = log.get("TUNING")
+
+HUGE_SEEN = 4
+"""Single copy's sources count as in huge pages where at least this many eighths of each one's
+bytes are (transport/pages.py): a numpy array of 4 MiB, advised by numpy but not aligned to
+2 MiB, has about half of them there."""
+
+
+# -- the installed constants ------------------------------------------------------------------------
+
+_installed: tuple[weakref.ref, LinkTable] | None = None
+_fallbacks: dict[str, LinkTable] = {}
+
+
+def install(runtime: Runtime, table: LinkTable) -> None:
+    """Make `table` the constants of `runtime`'s groups (done once, at init)."""
+    global _installed
+    _installed = (weakref.ref(runtime), table)
+
+
+def table_for(runtime: Runtime) -> LinkTable:
+    """The runtime's installed constants; runtimes that never calibrated (a torch backend on
+    top of another backend's world) get the defaults, overridden by their tuning file."""
+    if _installed is not None and _installed[0]() is runtime:
+        return _installed[1]
+    path = runtime.config.tuning_file
+    table = _fallbacks.get(path)
+    if table is None:
+        table = _fallbacks[path] = defaults_with_file(path)
+    return table
+
+
+def tier_of(group: Group) -> str:
+    """The tier a group's collectives run over: its slowest link."""
+    return "shm" if group.all_local else "tcp"
+
+
+def link_of(group: Group) -> Link:
+    return table_for(group.runtime).link(tier_of(group))
+
+
+# -- the choice ------------------------------------------------------------------------------------
+
+def shape_of(group: Group) -> Shape | None:
+    """The shape a group's hierarchical algorithms run in (topology.Layout.shape), or None."""
+    layout = group.layout
+    return None if layout is None else layout.shape
+
+
+def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
+    direct = group.direct
+    cfg = group.runtime.config
+    shape = shape_of(group) if direct_ok else None  # a call with uneven blocks runs no hierarchy
+    force = forcing(cfg, collective, shape)
+    out = []
+    for alg in algorithms_for(collective).values():
+        if alg.phases is not None and not runs_on(alg, shape):
+            continue
+        if alg.needs_direct and (not direct_ok or direct is None
+                                 or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
+                                 or (alg.needs_single_copy and (not direct.single_copy or (
+                                     direct.crowded and not alg.single_copy_crowded)))
+                                 or (nbytes < alg.crowded_below and group.engine.oversubscribed
+                                     and alg.name not in parse_algo(cfg.algo, collective)[0])):
+            continue
+        if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name, force):
+            out.append(alg)
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the tuner saw for one call: every eligible algorithm with its predicted time."""
+
+    collective: str
+    nbytes: int
+    nranks: int
+    tier: str
+    priced: list[tuple[float, str, Algorithm]]
+    """(predicted seconds, name, algorithm), cheapest first, with single copy's sources as they
+    are presumed or were last seen: priced[0] is what runs next."""
+    choice: Algorithm | PageDependent
+    """What the tuner hands out: priced[0], or a PageDependent where single copy wins only out
+    of huge pages."""
+    work_bound: frozenset[str] = frozenset()
+    """The algorithms priced with the constants of a host whose ranks are all busy (predict: at
+    their work, or their path at the busy α a step) rather than at their path over the link:
+    what the TUNING log marks busy-bound."""
+
+    def predicted(self, name: str) -> float:
+        return next(t for t, n, _ in self.priced if n == name)
+
+
+class PageDependent:
+    """The choice for a call size where single copy wins only if its sources' buffers lie in
+    huge pages (Host.huge), which the tuner cannot see when it chooses: single copy where they
+    are presumed to (Config.huge_pages) or were in single copy's last call of this collective
+    and size (every source reports its own, transport/pages.py), else the other choice.
+
+    Resolved as each call runs, never when it is planned: calls run in the same order on every
+    rank, and each rank learns the same report from every source in that call, so every rank
+    takes the same branch, however far ahead a rank queued its calls. Sizes found out of huge
+    pages stay with the other choice (single copy no longer runs to report otherwise; see
+    docs/design/cost-model.md#huge-pages-from-huge_from)."""
+
+    def __init__(self, group: Group, key: tuple[str, int], huge: Algorithm, small: Algorithm) -> None:
+        self.group, self.key, self.huge, self.small = group, key, huge, small
+        self.name = f"{huge.name}|{small.name}"
+        self.collective = huge.collective
+        self.needs_direct = huge.needs_direct and small.needs_direct
+
+    def current(self) -> Algorithm:
+        """What the next call runs."""
+        return self.huge if self.group.huge_seen.get(self.key, True) else self.small
+
+    def run(self, call: Any, *args: Any) -> None:
+        alg = self.current()
+        alg.run(call, *args)
+        if alg is self.huge:
+            seen = self.group.direct.huge_eighths  # type: ignore[union-attr]
+            if seen < HUGE_SEEN:
+                self.group.huge_seen[self.key] = False
+                _log.info("%s %d B on group %s: single copy's sources were %d/8 in huge pages; "
+                          "from now on %s runs", self.key[0], self.key[1], self.group.name, seen,
+                          self.small.name)
+
+
+def phased(group: Group, table: LinkTable, algs: list[Algorithm],
+           nbytes: int) -> list[tuple[float, str, Algorithm]]:
+    """(predicted seconds, name, algorithm) of the hierarchical ones among `algs`, by their phases."""
+    cfg = group.runtime.config
+    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
+    shape = shape_of(group)
+    between = table.link(tier_of(group))  # what the group's calls see as P2P.link
+    return [(a.phases(shape, nbytes, local, rail, between), a.name, a) for a in algs if a.phases is not None]
+
+
+def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:
+    """Price every eligible algorithm for one call (uncached, unlogged: `select` does that)."""
+    options = candidates(group, collective, nbytes, direct_ok)
+    if not options:
+        cfg = group.runtime.config
+        known = ", ".join(algorithms_for(collective))
+        mode = " in deterministic mode" if cfg.deterministic and collective in REDUCTIONS else ""
+        raise InvalidArgumentError(
+            f"rank {group.runtime.rank}: TENSORWIRE_ALGO={cfg.algo!r} leaves no {collective} algorithm{mode} "
+            f"for {nbytes} bytes on {group.size} ranks (known: {known})")
+    tier = tier_of(group)
+    table = table_for(group.runtime)
+    model = Model.of(group, table)
+    key = (collective, nbytes)
+    if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
+        model = replace(model, host=replace(model.host, huge=False))
+    priced = model.price(options, nbytes)
+    if any(a.phases is not None for a in options):
+        priced = sorted(priced + phased(group, table, options, nbytes), key=lambda p: p[0])
+    choice: Algorithm | PageDependent = priced[0][2]
+    if model.host is not None and model.host.huge and choice.needs_single_copy:
+        small = replace(model, host=replace(model.host, huge=False)).price(options, nbytes)[0][2]
+        if small is not choice:
+            choice = PageDependent(group, key, choice, small)
+    bound = frozenset() if model.busy is None else frozenset(
+        name for t, name, alg in priced
+        if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
+                                              host=model.host, one_way=model.one_way,
+                                              flows=model.spread(alg)) * (1 + 1e-9))
+    layout = group.layout
+    if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
+        priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
+        choice = priced[0][2]
+    return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What prices a group's calls under one table of constants: its tier's link and the links
+    beside it (see predict)."""
+
+    n: int
+    link: Link
+    direct: Link | None
+    busy: Link | None
+    busy_ring: Link | None
+    busy_pairs: Link | None
+    one_way: Link | None
+    host: Host | None
+    single_copy: bool = False
+    """The group can read its peers' memory (single copy's algorithms are priced)."""
+    spread: Spread = one_flow
+    """Across hosts: the flows each flat algorithm puts on a host's link (crossing.py)."""
+
+    @classmethod
+    def of(cls, group: Group, table: LinkTable) -> Model:
+        tier = tier_of(group)
+        busy = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
+                if tier == table.extra.get("busy_tier") else (None, None, None))
+        direct = table.links.get("direct") if group.direct is not None else None
+        return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
+                   host_of(group, table), bool(group.direct is not None and group.direct.single_copy),
+                   spread_of(group.layout))
+
+    def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
+        return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
+                     self.busy_pairs, self.one_way, self.spread)
+
+    def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
+        """The price of the cheapest algorithm of `collective` other than `name` that the
+        group has (by messages, or single copy where it reads its peers), whatever
+        TENSORWIRE_ALGO allows: what the one-shot path is built to beat at small sizes
+        (calibrate.bound_direct)."""
+        algs = [a for a in algorithms_for(collective).values()
+                if a.name != name and a.eligible(self.n, nbytes)
+                and (not a.needs_direct or (a.needs_single_copy and self.single_copy))]
+        return self.price(algs, nbytes)[0][0]
+
+
+def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
+    """The host a single-host group's ranks share, for the cost of what misses its cache and of
+    single copy's reads; None for groups across hosts (their links cost more than memory, and
+    ranks on other hosts could see another cache: every rank must price alike). Ranks of one
+    host that talk over TCP (TENSORWIRE_TRANSPORT=tcp) share it too, as the calibration found
+    (its `hosts`): loopback copies through the kernel's socket buffers cost memory like the
+    rings do (docs/design/cost-model.md#the-spill)."""
+    table = table or table_for(group.runtime)
+    if not group.all_local:
+        hosts = table.extra.get("hosts")
+        if not hosts or len({hosts[r] for r in group.ranks}) != 1:
+            return None
+    huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
+    return Host(table.link(MEMORY), group.size, group.ring_bytes, table.link(CMA),
+                table.link(CMA_HUGE), huge, table.extra.get("cores", 0))
+
+
+class Override:
+    """Within `override(group, collective, name)`: that collective on that group runs `name`
+    (None: the tuner's own choice), and the decision behind each call size is kept, so a
+    benchmark can time every algorithm and set the measurement beside the prediction."""
+
+    def __init__(self, group: Group, collective: str, name: str | None) -> None:
+        self.group, self.collective, self.name = group, collective, name
+        self.decisions: dict[tuple[int, bool], Decision] = {}
+        self._picked: dict[tuple[int, bool], Algorithm | PageDependent] = {}
+
+    @property
+    def decision(self) -> Decision | None:
+        """The decision of the most recent call size (None before the first call)."""
+        return next(reversed(self.decisions.values()), None)
+
+    def pick(self, nbytes: int, direct_ok: bool) -> Algorithm | PageDependent:
+        key = (nbytes, direct_ok)
+        alg = self._picked.get(key)
+        if alg is None:
+            decision = decide(self.group, self.collective, nbytes, direct_ok)
+            self.decisions[key] = decision
+            names = [n for _, n, _ in decision.priced]
+            if self.name is not None and self.name not in names:
+                g = self.group
+                raise InvalidArgumentError(
+                    f"rank {g.runtime.rank}: {self.collective} of {nbytes} bytes on {g.size} ranks cannot "
+                    f"run {self.name!r} (eligible: {', '.join(names)})")
+            alg = decision.priced[names.index(self.name)][2] if self.name is not None else decision.choice
+            self._picked[key] = alg
+        return alg
+
+
+_override: Override | None = None
+
+
+@contextlib.contextmanager
+def override(group: Group, collective: str, name: str | None = None) -> Iterator[Override]:
+    """Run `collective` on `group` with algorithm `name` (or the tuner's choice) inside the
+    block; every rank of the group must do the same. Not nested, not meant for training."""
+    global _override
+    if _override is not None:
+        raise RuntimeError("tuner.override is already active")
+    _override = Override(group, collective, name)
+    group.plans.clear()  # calls planned before (or inside) the block chose their algorithm then
+    try:
+        yield _override
+    finally:
+        _override = None
+        group.plans.clear()
+
+
+def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm | PageDependent:
+    """The cheapest eligible algorithm (cached per group, collective and size)."""
+    if _override is not None and _override.group is group and _override.collective == collective:
+        return _override.pick(nbytes, direct_ok)
+    key = (collective, nbytes, direct_ok)
+    choice = group.choices.get(key)
+    if choice is not None:
+        return choice
+    decision = decide(group, collective, nbytes, direct_ok)
+    choice = decision.choice
+    if _log.isEnabledFor(20):
+        _log.info("%s", explain(group, decision))
+    if len(group.choices) < 4096:
+        group.choices[key] = choice
+    return choice
+
+
+def explain(group: Group, decision: Decision) -> str:
+    """The TUNING log's line for a new choice: every price, what bounds it (busy-bound, flows
+    sharing a host's link), and the link constants behind it with where they came from."""
+    cfg = group.runtime.config
+    table = table_for(group.runtime)
+    tier = decision.tier
+    bound = decision.work_bound
+    spread = spread_of(group.layout)
+
+    def notes(name: str, alg: Algorithm) -> str:
+        flows = spread(alg) if alg.phases is None else 1.0
+        said = [*(["busy-bound"] if name in bound else []),
+                *([f"{flows:.3g} flows a host link"] if flows > 1 + 1e-9 else [])]
+        return f" ({', '.join(said)})" if said else ""
+
+    costs = ", ".join(f"{name} {format_seconds(t)}{notes(name, alg)}" for t, name, alg in decision.priced)
+    shown = f"{tier} ({table.describe(tier)})"
+    probe = table.extra.get("busy_flows", {})
+
+    def busy(b: str) -> str:
+        return table.describe(b) + (f", per flow: the probe put {probe[b]:.3g} on a host link"
+                                    if probe.get(b, 1.0) > 1 + 1e-9 else "")
+
+    if tier == table.extra.get("busy_tier") and BUSY in table.links:
+        shown += f", every rank busy ({busy(BUSY)})"
+        if BUSY_RING in table.links:
+            shown += f", in a ring ({busy(BUSY_RING)})"
+        if BUSY_PAIRS in table.links:
+            shown += f", in pairs ({table.describe(BUSY_PAIRS)})"
+    if ONE_WAY[tier] in table.links and any(a.one_way for _, _, a in decision.priced):
+        shown += f", one way ({table.describe(ONE_WAY[tier])})"
+    if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
+        shown += f", direct path ({table.describe('direct')})"
+    collective, choice = decision.collective, decision.choice
+    mode = " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else ""
+    chosen = (choice.name if not isinstance(choice, PageDependent) else
+              f"{choice.huge.name} while its sources are in huge pages, else {choice.small.name}")
+    return (f"{collective} {decision.nbytes} B on {group.size} ranks of group {group.name} over "
+            f"{shown}{mode}: {costs} -> {chosen}")
+
+
+def run(group: Group, call: Any, collective: str, nbytes: int, *args: Any, direct_ok: bool = True) -> None:
+    select(group, collective, nbytes, direct_ok).run(call, *args)

@@ -1,0 +1,101 @@
+"""TENSORWIRE_TUNING_FILE: link constants a user sets, read and laid over a table.
+
+The file is JSON, {tier: {field: value}}, with values in SI units or friendlier ones
+(`alpha_us`, `bandwidth_GBps`, ...: docs/tuning.md gives the format); a calibration cache
+entry works as a tuning file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..algorithms.registry import Link
+from ..errors import InvalidArgumentError
+from .cost_model import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable, default_table
+
+FIELDS = ("alpha", "beta", "gamma", "cache")
+REQUIRED = FIELDS[:3]  # every link has these; `cache` only the memory entry (else 0)
+
+_UNITS = {  # accepted key -> (field, factor to SI, is a rate)
+    "alpha": ("alpha", 1.0, False), "alpha_us": ("alpha", 1e-6, False),
+    "beta": ("beta", 1.0, False), "bandwidth_gbps": ("beta", 1e9, True),
+    "gamma": ("gamma", 1.0, False), "reduce_gbps": ("gamma", 1e9, True),
+    "cache": ("cache", 1.0, False), "cache_mib": ("cache", float(1 << 20), False),
+}
+
+
+def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
+    """{tier: {field: SI value}} from a tuning document (see docs/tuning.md for the format)."""
+    if isinstance(doc, Mapping) and "links" in doc:
+        doc = doc["links"]  # a cache file works as a tuning file
+    if not isinstance(doc, Mapping):
+        raise InvalidArgumentError(f"{where}: expected a JSON object of tiers, e.g. "
+                                   f'{{"tcp": {{"alpha_us": 50, "bandwidth_GBps": 1.2}}}}')
+    out: dict[str, dict[str, float]] = {}
+    for tier, fields in doc.items():
+        if not isinstance(fields, Mapping):
+            raise InvalidArgumentError(f"{where}: tier {tier!r} must map to an object of constants")
+        values: dict[str, float] = {}
+        for key, raw in fields.items():
+            unit = _UNITS.get(str(key).lower())
+            if unit is None:
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: unknown key {key!r} (known: alpha, "
+                                           f"alpha_us, beta, bandwidth_GBps, gamma, reduce_GBps, "
+                                           f"cache, cache_MiB)")
+            name, factor, is_rate = unit
+            number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+            if not number or not math.isfinite(raw) or raw < 0 or (is_rate and raw == 0):
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a "
+                                           f"{'positive' if is_rate else 'non-negative'} number, got {raw!r}")
+            if name in values:
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {name} given twice")
+            values[name] = 1.0 / (raw * factor) if is_rate else raw * factor
+        out[str(tier)] = values
+    return out
+
+
+def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
+    where = f"TENSORWIRE_TUNING_FILE={path!r}"
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise InvalidArgumentError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{where}: not valid JSON ({exc})") from None
+    return parse_tuning(doc, where)
+
+
+_TIER_OF_ONE_WAY = {one_way: tier for tier, one_way in ONE_WAY.items()}
+
+
+def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float]]) -> LinkTable:
+    """The table with the file's constants in place; tiers the file adds are kept too. A tier
+    set by the file prices its one-way messages too, unless the file sets those as well (on top
+    of the tier's constants where none were measured one way)."""
+    links, sources = dict(table.links), dict(table.sources)
+    for tier, values in overrides.items():
+        of = _TIER_OF_ONE_WAY.get(tier, "")  # a one-way link the probe did not measure: its tier's
+        base = (links.get(tier) or DEFAULT_LINKS.get(tier) or links.get(of) or DEFAULT_LINKS.get(of)
+                or Link(tier, **{f: math.nan for f in REQUIRED}))
+        merged = {f: values.get(f, getattr(base, f)) for f in FIELDS}
+        if any(math.isnan(v) for v in merged.values()):
+            continue  # a new tier needs all three constants; plan reports it as incomplete
+        links[tier] = Link(tier, **merged)
+        origin = sources.get(tier, "default")
+        sources[tier] = "file" if all(f in values for f in REQUIRED) else f"file+{origin}"
+    for tier in TIERS:  # a tier the file sets and whose messages one way it does not: its link prices all
+        if tier in overrides and ONE_WAY[tier] not in overrides:
+            links.pop(ONE_WAY[tier], None)
+            sources.pop(ONE_WAY[tier], None)
+    return LinkTable(links, sources, table.probe_s, table.setup_s, table.cache_path, dict(table.extra))
+
+
+def defaults_with_file(path: str) -> LinkTable:
+    """The default constants, overridden by the tuning file at `path` (if any): the table of a
+    runtime that does not calibrate."""
+    return apply_overrides(default_table(), load_tuning_file(path)) if path else default_table()
