@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "tensorwire"
@@ -100,3 +103,31 @@ def test_no_import_circles():
 def test_small_package_root():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root
+
+
+LAB_NOTE = re.compile(r"\b20\d\d-\d\d-\d\d\b"                                   # a date
+                      r"|\b[Ii]ssues? #?\d+"                                     # an issue number
+                      r"|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")   # a commit hash
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    lines = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.COMMENT:
+            lines.append((tok.start[0], tok.string))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                start = node.body[0].lineno
+                lines.extend((start + i, line) for i, line in enumerate(doc.splitlines()))
+    return lines
+
+
+def test_code_carries_no_lab_notes():
+    """Dates, issue numbers and commit hashes belong to docs/design/ and commit messages; a
+    comment or docstring says what and why (and may link the note)."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {text.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py")) for n, text in _comments_and_docstrings(path)
+             if LAB_NOTE.search(text)]
+    assert found == []
