@@ -34,8 +34,8 @@ the slowest reader empties it (docs/design/segment.md)."""
 
 
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src, where copies larger than a piece go through buffers.copy: one memcpy of
-    a MiB into a slot that a peer has just read ran 4.8x slower (see buffers.PIECE)."""
+    """dst[...] = src, where copies larger than a piece go through buffers.copy: glibc's memcpy
+    of a MiB or more is slow into a slot a peer has just read (docs/design/buffers.md#pieces)."""
     if src.nbytes > PIECE:
         copy(dst, src)
     else:

@@ -36,11 +36,11 @@ _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more
 
 
 def check_member(group: Group, what: str) -> None:
-    if group.rank < 0 or group.runtime.closed:
-        if group.runtime.closed:
-            raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: "
-                                      f"tensorwire.destroy() was called, which ended this group; call "
-                                      f"init() again and make the group anew")
+    if group.runtime.closed:
+        raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: "
+                                  f"tensorwire.destroy() was called, which ended this group; call "
+                                  f"init() again and make the group anew")
+    if group.rank < 0:
         raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: this rank is not a member of "
                                    f"group {group.name} (ranks {group.ranks})")
 
