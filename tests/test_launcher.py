@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -363,3 +364,59 @@ def test_tcp_settings_are_the_ones_asked_for(tmp_path: Path, monkeypatch: pytest
     assert "InvalidArgumentError: TENSORWIRE_TCP_CONGESTION='no-such-algorithm': the kernel refused it" \
         in failed.stderr
     assert "available here: " in failed.stderr and "reno" in failed.stderr
+
+
+EARLY_EXIT_SCRIPT = """\
+import os, sys, time
+if os.environ["RANK"] == "2":
+    sys.exit(3)
+import tensorwire as tw
+start = time.monotonic()
+try:
+    tw.init()
+except tw.TensorwireError as exc:
+    print(f"rank {os.environ['RANK']} after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_before_init_fails_the_others_at_once(tmp_path: Path) -> None:
+    """Under --keep-going nobody stops the others: the launcher tells the store, whose blocked
+    reads then end, so ranks waiting in init() for the dead one fail in seconds, naming it and
+    how it ended, not at their timeout."""
+    script = tmp_path / "early_exit.py"
+    script.write_text(EARLY_EXIT_SCRIPT)
+    start = time.monotonic()
+    res = _run(["-n", "3", "--keep-going", "--timeout", "120", str(script)], tmp_path)
+    assert time.monotonic() - start < 20, res.stderr
+    assert res.returncode == 3, res.stderr
+    lines = sorted(res.stdout.splitlines())
+    assert [line.split(" after ")[0] for line in lines] == ["rank 0", "rank 1"], res.stdout
+    for line in lines:
+        assert float(line.split(" after ")[1].split(" s:")[0]) < 15, line
+        assert re.search(r"rank 2 \(local rank 2, pid \d+\) on node 0 ended with exit code 3", line), line
+
+
+REINIT_SCRIPT = """\
+import numpy as np
+import tensorwire as tw
+for cycle in range(3):
+    world = tw.init()
+    x = np.full(4, world.rank + 1.0, np.float32)
+    tw.all_reduce(x)
+    assert x[0] == world.size * (world.size + 1) / 2, (cycle, x)
+    tw.destroy()
+print(f"rank {world.rank}: 3 cycles", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_init_after_destroy_joins_again(tmp_path: Path) -> None:
+    """The launcher's store lives as long as the job: each init() of a rank is a new generation
+    of the roster, not a second process with the same rank."""
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT_SCRIPT)
+    res = _run(["-n", "2", "--timeout", "30", str(script)], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["rank 0: 3 cycles", "rank 1: 3 cycles"]

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -30,6 +31,7 @@ from tensorwire.rendezvous.bootstrap import (
 )
 from tensorwire.rendezvous.file_store import FileStore
 from tensorwire.rendezvous.prefix_store import PrefixStore
+from tensorwire.rendezvous.tcp_protocol import EXITED_KEY
 from tensorwire.rendezvous.tcp_server import TCPStoreServer
 from tensorwire.rendezvous.tcp_store import TCPStore
 from tensorwire.rendezvous.torch_store import TorchStoreAdapter
@@ -265,6 +267,35 @@ def test_server_going_away_raises_instead_of_hanging() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_rank_reported_exited_ends_every_blocked_read() -> None:
+    """What `tensorwire run` does when a rank exits: reads blocked on keys nobody will set end
+    at once with the report (the first one kept), and so do later ones; set keys still read."""
+    with TCPStore(LOOPBACK, 0, timeout=20, server=True) as host, \
+            TCPStore(LOOPBACK, host.port, timeout=20) as waiter:
+        host.set("here", b"v")
+        errors: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                waiter.multi_get(["here", "never"], timeout=20)
+            except BaseException as exc:  # recorded for the assertion below
+                errors.append(exc)
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        host.set(EXITED_KEY, b"rank 2 ended with exit code 3")
+        t.join(10)
+        assert time.monotonic() - t0 < 5 and len(errors) == 1 and isinstance(errors[0], RendezvousError)
+        assert "cannot complete: rank 2 ended with exit code 3" in str(errors[0])
+        host.set(EXITED_KEY, b"rank 1 ended with exit code 0")
+        with pytest.raises(RendezvousError, match="rank 2 ended with exit code 3"):
+            waiter.get("never", timeout=20)
+        assert waiter.get("here") == b"v" and waiter.multi_get(["here"]) == [b"v"]
+
+
+@pytest.mark.timeout(30)
 def test_tcp_store_is_thread_safe() -> None:
     with TCPStore(LOOPBACK, 0, timeout=20, server=True) as store:
         results: list[int] = []
@@ -450,7 +481,7 @@ def test_detect_open_mpi_single_host_uses_file_store() -> None:
     info = detect(env=env)
     assert (info.source, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
         ("mpirun", 2, 4, 2, 4)
-    assert info.init_method == f"file:///tmp/tensorwire-{info.job_id}"
+    assert info.init_method == f"file://{tempfile.gettempdir()}/tensorwire-{os.geteuid()}/{info.job_id}"
     assert info.master_addr is None and info.node_rank == 0
     assert detect(env={**env, "OMPI_COMM_WORLD_RANK": "0"}).job_id == info.job_id
     other_job = detect(env={**env, "OMPI_MCA_orte_hnp_uri": "999.0;tcp://127.0.0.1:4001"})
@@ -474,7 +505,7 @@ def test_detect_mpich() -> None:
     info = detect(env=env)
     assert (info.source, info.rank, info.world_size, info.local_rank) == ("mpirun", 1, 3, 1)
     assert info.job_id == f"mpi-ppid{os.getppid()}"  # single host: the shared launcher parent
-    assert info.init_method.startswith("file:///tmp/tensorwire-mpi-")
+    assert info.init_method.startswith(f"file://{tempfile.gettempdir()}/tensorwire-{os.geteuid()}/mpi-")
 
 
 def test_detect_slurm() -> None:
@@ -604,8 +635,8 @@ def test_create_store_single_process() -> None:
     info = detect(env={})
     store = create_store(info, timeout=5)
     try:
-        assert store.get("tw/world_size") == b"1"
-        assert store.get("tw/join/0") == b"1"
+        assert store.get("tw/world_size/1") == b"1"
+        assert store.get("tw/join/1/0") == b"1"
     finally:
         store.close()
 
@@ -669,12 +700,17 @@ def test_create_store_through_torchrun_agent_store() -> None:
     try:
         assert isinstance(store, PrefixStore) and isinstance(store.inner, TorchStoreAdapter)
         # our keys went into the agent's store, under the attempt's job id
-        assert agent.get(f"{info.job_id}/tw/world_size") == b"1"
+        assert agent.get(f"{info.job_id}/tw/world_size/1") == b"1"
         with pytest.raises(RendezvousError, match="rank 0 joined twice"):
             create_store(detect(env=env), timeout=5)
         # the next attempt of an elastic job (--max-restarts) finds the store as the last left
         # it, and joins afresh
         again = create_store(detect(env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}), timeout=5)
+        # init() after destroy() in the same process (the agent's store lives on): the roster's
+        # next generation, joined afresh (tests/test_launcher.py runs it end to end)
+        store.close()
+        store = create_store(detect(env=env), timeout=5, generation=2)
+        assert agent.get(f"{info.job_id}/tw/join/2/0") == b"1"
     finally:
         store.close()
         if again is not None:

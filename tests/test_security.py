@@ -14,14 +14,17 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,7 @@ from tensorwire.config import Config
 from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
 from tensorwire.rendezvous import bootstrap
 from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
+from tensorwire.rendezvous.file_store import FileStore
 from tensorwire.rendezvous.tcp_protocol import LEN, StoreLimits, encode_request
 from tensorwire.rendezvous.tcp_server import TCPStoreServer
 from tensorwire.rendezvous.tcp_store import TCPStore
@@ -211,6 +215,124 @@ def test_a_job_spanning_hosts_without_secret_warns_once(monkeypatch: pytest.Monk
     assert len(seen) == 1 and seen[0].category is UnauthenticatedJobWarning
     text = str(seen[0].message)
     assert "spans hosts (4 ranks, 2 on this host)" in text and "--secret-file" in text
+
+
+# --------------------------------------------------------------------------------------------
+# The file store (mpirun on one host): the job's own directory, or a clear error
+
+STRANGER = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+needs_stranger = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                    reason="acting as a second user needs root and setpriv")
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A /tmp of the test's own (world-writable, sticky, reachable by a second user), which
+    tempfile and so the job take for the temporary directory."""
+    path = Path(tempfile.mkdtemp(prefix="tw-shared-", dir="/tmp"))
+    path.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    return {str(p): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _mpirun(rank: int) -> bootstrap.LaunchInfo:
+    """A rank of a one-host Open MPI job of 2 (no launcher store: a file store)."""
+    return bootstrap.detect(env={"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                 "PMIX_NAMESPACE": "prterun-test-7@1"})
+
+
+@needs_stranger
+@pytest.mark.timeout(60)
+def test_file_store_refuses_what_another_user_planted(shared_tmp: Path) -> None:
+    mine = shared_tmp / f"tensorwire-{os.geteuid()}"  # where the job keeps its stores
+    job = _mpirun(0).job_id
+    plants = {  # what a second user made first, and how the job must name it
+        f"mkdir -m 777 {mine} {mine}/{job} && mkfifo -m 666 {mine}/{job}/tw%2Fworld_size%2F1":
+            rf"{mine}, the parent of the file store .*, belongs to nobody \(uid 65534\)",
+        f"mkdir -m 777 {shared_tmp}/theirs && ln -s {shared_tmp}/theirs {mine}":
+            rf"{mine}, the parent of the file store .*, is a symbolic link of nobody",
+        f"mkfifo -m 666 {mine}": rf"{mine}, the parent of the file store .*, is a FIFO of nobody",
+    }
+    for plant, message in plants.items():
+        subprocess.run([*STRANGER, "sh", "-ec", plant], check=True, timeout=10)
+        before = _snapshot(shared_tmp)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=message):
+            bootstrap.create_store(_mpirun(1), timeout=60)
+        assert time.monotonic() - t0 < 5
+        assert _snapshot(shared_tmp) == before  # nothing of theirs read into, written or removed
+        subprocess.run(["rm", "-rf", str(mine), f"{shared_tmp}/theirs"], check=True)
+    # A store directory of theirs where the user asked for one is refused the same way.
+    subprocess.run([*STRANGER, "mkdir", "-m", "777", f"{shared_tmp}/job"], check=True, timeout=10)
+    with pytest.raises(RendezvousError, match=rf"directory {shared_tmp}/job belongs to nobody"):
+        FileStore(shared_tmp / "job", timeout=5)
+    # Nothing planted in this user's place (a predictable name of the job's, elsewhere, is no
+    # concern): the job makes its own, private place, and removes its store at the end.
+    old_place = shared_tmp / f"tensorwire-{job}"
+    subprocess.run([*STRANGER, "sh", "-ec", f"mkdir -m 777 {old_place} && mkfifo -m 666 {old_place}/x"],
+                   check=True, timeout=10)
+    before = _snapshot(shared_tmp)
+    stores = [bootstrap.create_store(_mpirun(r), timeout=10) for r in (0, 1)]
+    store_dir = Path(stores[0].path)  # type: ignore[attr-defined]
+    assert store_dir.parent == mine and store_dir.stat().st_mode & 0o777 == 0o700
+    assert mine.stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in store_dir.iterdir())
+    for s in stores:
+        s.close()
+    assert not store_dir.exists()
+    assert {k: v for k, v in _snapshot(shared_tmp).items() if not k.startswith(str(mine))} == before
+
+
+@pytest.mark.timeout(60)
+def test_file_store_names_planted_fifos_and_links_without_blocking(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "job", timeout=30)
+    target = tmp_path / "target"
+    target.write_bytes(b"theirs")
+    os.mkfifo(tmp_path / "job" / "fifo")
+    (tmp_path / "job" / "link").symlink_to(target)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"fifo is a FIFO .*not a regular file"):
+        store.get("fifo")
+    with pytest.raises(RendezvousError, match=r"link is a symbolic link"):
+        store.get("link")
+    store.set("link", b"mine")  # replaces the link, never writes through it
+    assert store.get("link") == b"mine" and target.read_bytes() == b"theirs"
+    os.mkfifo(tmp_path / "job" / ".lock")
+    with pytest.raises(RendezvousError, match=r"\.lock is a FIFO"):
+        store.add("n", 1)
+    assert time.monotonic() - t0 < 10  # errors, not the 30 s timeout, nor a read that never ends
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_file_store_left_by_a_killed_job_is_emptied_at_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "job"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from tensorwire.rendezvous.file_store import FileStore
+        FileStore({str(path)!r}, timeout=10, cleanup=True).set("old", b"1")
+        print("ready", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        alive = FileStore(path, timeout=5, cleanup=True)
+        assert alive.get("old") == b"1"  # its job is still running: nothing is taken from it
+        alive.close()
+        assert path.exists()
+    finally:
+        child.kill()
+        child.wait()
+    fresh = FileStore(path, timeout=5, cleanup=True)
+    assert not fresh.check(["old"])  # the dead job's keys are gone
+    fresh.close()
+    assert not path.exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         root_store = store
         if root_store is None and info.world_size > 1:
             root_store = bootstrap.create_store(info, cfg.timeout, secret=secret,
-                                                limits=StoreLimits.from_config(cfg))
+                                                limits=StoreLimits.from_config(cfg), generation=_generation)
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)

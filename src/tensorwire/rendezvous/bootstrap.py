@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ SCHEMES = ("tcp", "file", "env", "torch-agent")
 UNKNOWN = -1
 """Value of local_rank / local_world_size / node_rank when the launcher does not say."""
 
-JOIN_KEY = "tw/join/{rank}"
-WORLD_SIZE_KEY = "tw/world_size"
+JOIN_KEY = "tw/join/{generation}/{rank}"
+WORLD_SIZE_KEY = "tw/world_size/{generation}"
+"""Roster keys carry the generation (the how-many-th init() of the process): a store the launcher
+keeps for the whole job sees each rank join once per generation, so init() after destroy() is
+no second process with the same rank."""
 
 
 @dataclass
@@ -284,7 +288,7 @@ def _from_mpi(e: _Env) -> _Found:
             port = 20000 + int(_hash(job_id, n=8), 16) % 20000
         init = _tcp_url("tcp", addr, port)
     elif single_host:
-        init = f"file:///tmp/tensorwire-{job_id}"
+        init = f"file://{_private_store_dir(job_id)}"
     else:
         raise RendezvousError(
             f"mpirun started {size} ranks on more than one host (this host has {local_size}"
@@ -293,6 +297,13 @@ def _from_mpi(e: _Env) -> _Found:
             f"-x MASTER_PORT=29500 ...)")
     return _Found("mpirun", rank, size, local, local_size, 0 if single_host else UNKNOWN,
                   addr, port, init, job_id, False)
+
+
+def _private_store_dir(job_id: str) -> str:
+    """Where a one-host job without a launcher's store keeps its file store: inside this user's
+    directory, the per-user secret's (<tmp>/tensorwire-<uid>), which FileStore makes mode 0700
+    and refuses if it is another user's."""
+    return os.path.join(tempfile.gettempdir(), f"tensorwire-{os.geteuid()}", job_id)
 
 
 def _from_slurm(e: _Env) -> _Found:
@@ -532,11 +543,12 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
 
 
 def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
-                 limits: StoreLimits = DEFAULT_LIMITS) -> Store:
+                 limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
     `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
-    clients that do (torch's stores and file stores have no such handshake). The checks catch
+    clients that do (torch's stores and file stores have no such handshake). `generation`: the
+    process's count of init() calls, the same on every rank (see JOIN_KEY). The checks catch
     the two launch mistakes that otherwise surface as a hang much later: two processes given
     the same rank, and ranks started with different world sizes.
     """
@@ -559,29 +571,30 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
         raise InvalidArgumentError(f"create_store cannot open init_method {info.init_method!r}; "
                                    f"resolve 'env://' with detect() first")
     try:
-        _check_roster(store, info, timeout)
+        _check_roster(store, info, timeout, generation)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _check_roster(store: Store, info: LaunchInfo, timeout: float) -> None:
-    joined = store.add(JOIN_KEY.format(rank=info.rank), 1)
+def _check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int) -> None:
+    joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
+    size_key = WORLD_SIZE_KEY.format(generation=generation)
     if joined > 1:
         raise RendezvousError(
             f"rank {info.rank} joined twice: two processes were given the same rank "
             f"(store {info.init_method}, world_size={info.world_size}, source {info.source}); if the "
             f"store is left over from an earlier run, remove it or use a fresh address")
     if info.rank == 0:
-        store.set(WORLD_SIZE_KEY, str(info.world_size).encode())
+        store.set(size_key, str(info.world_size).encode())
         return
     try:
-        theirs = store.get(WORLD_SIZE_KEY, timeout)
+        theirs = store.get(size_key, timeout)
     except TimeoutError as exc:
         raise TimeoutError(
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
-            f"('{WORLD_SIZE_KEY}') in the store {info.init_method}; did rank 0 start?") from exc
+            f"('{size_key}') in the store {info.init_method}; did rank 0 start?") from exc
     if int(theirs) != info.world_size:
         raise RendezvousError(
             f"world size mismatch: rank {info.rank} was started with world_size={info.world_size} "

@@ -41,6 +41,15 @@ OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_WAIT: "wait", OP_CHE
 ST_OK = 0
 ST_TIMEOUT = 1
 ST_ERROR = 2
+ST_EXITED = 3
+"""A blocking read of a key that is not set, after a rank of the job has exited: the payload says
+which rank and how (EXITED_KEY)."""
+
+EXITED_KEY = "tw/exited"
+"""Set by `tensorwire run` when one of its ranks exits. The launcher's ranks form one world of
+fixed size, and every store read they block on waits for every rank (or for rank 0), so from
+then on the server answers such a read at once with ST_EXITED and this key's value, instead of
+letting it wait out the timeout."""
 
 
 @dataclass(frozen=True)

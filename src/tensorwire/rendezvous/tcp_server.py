@@ -23,6 +23,7 @@ from .. import auth
 from ..errors import RendezvousError
 from .tcp_protocol import (
     DEFAULT_LIMITS,
+    EXITED_KEY,
     I64,
     LEN,
     MAGIC,
@@ -36,6 +37,7 @@ from .tcp_protocol import (
     OPS,
     PURPOSE,
     ST_ERROR,
+    ST_EXITED,
     ST_OK,
     ST_TIMEOUT,
     StoreLimits,
@@ -377,12 +379,18 @@ class TCPStoreServer:
             if not missing:
                 self._send(conn, self._answer(op, keys))
                 return
+            if EXITED_KEY in self._data:
+                self._send(conn, reply(ST_EXITED, self._data[EXITED_KEY]))
+                return
             w = _Waiter(conn, op, keys, missing, time.monotonic() + timeout)
             for k in missing:
                 self._waiters.setdefault(k, []).append(w)
             heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
 
     def _set(self, key: str, value: bytes) -> None:
+        if key == EXITED_KEY:
+            self._exited(value)
+            return
         self._data[key] = value
         waiters = self._waiters.pop(key, None)
         if not waiters:
@@ -394,6 +402,16 @@ class TCPStoreServer:
             if not w.missing:
                 w.done = True
                 self._send(w.conn, self._answer(w.op, w.keys))
+
+    def _exited(self, value: bytes) -> None:
+        """A rank has exited (the first report is kept): every blocked read ends now."""
+        value = self._data.setdefault(EXITED_KEY, value)
+        waiters = {id(w): w for lst in self._waiters.values() for w in lst}
+        self._waiters.clear()
+        for w in waiters.values():
+            if not (w.done or w.conn.closed):
+                w.done = True
+                self._send(w.conn, reply(ST_EXITED, value))
 
     def _answer(self, op: int, keys: list[str]) -> bytes:
         """The reply to a GET, WAIT or MULTI_GET whose keys are all set."""

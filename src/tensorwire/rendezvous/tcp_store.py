@@ -24,6 +24,7 @@ from .tcp_protocol import (
     OP_SET,
     OP_WAIT,
     PURPOSE,
+    ST_EXITED,
     ST_OK,
     ST_TIMEOUT,
     StoreLimits,
@@ -169,15 +170,17 @@ class TCPStore(Store):
                 raise RendezvousError(f"{what}: lost the TCP store at {self.address}: {reason}; "
                                       f"did rank 0 (the store host) exit or crash?") from exc
 
-    def _raise_error(self, what: str, payload: bytes) -> None:
+    def _raise_error(self, what: str, status: int, payload: bytes) -> None:
         detail = payload.decode(errors="replace")
+        if status == ST_EXITED:
+            raise RendezvousError(f"{what} on the store at {self.address} cannot complete: {detail}")
         raise InvalidArgumentError(f"{what} failed on the store at {self.address}: {detail}")
 
     def set(self, key: str, value: bytes) -> None:
         check_key(key)
         status, payload = self._call(f"set({key!r})", OP_SET, [key], check_value(key, value))
         if status != ST_OK:
-            self._raise_error(f"set({key!r})", payload)
+            self._raise_error(f"set({key!r})", status, payload)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         check_key(key)
@@ -187,14 +190,14 @@ class TCPStore(Store):
             raise TimeoutError(f"store get({key!r}) timed out after {t:g} s waiting for the key to be set "
                                f"(TCP store at {self.address})")
         if status != ST_OK:
-            self._raise_error(f"get({key!r})", payload)
+            self._raise_error(f"get({key!r})", status, payload)
         return payload
 
     def add(self, key: str, amount: int) -> int:
         check_key(key)
         status, payload = self._call(f"add({key!r})", OP_ADD, [key], I64.pack(int(amount)))
         if status != ST_OK:
-            self._raise_error(f"add({key!r}, {amount})", payload)
+            self._raise_error(f"add({key!r}, {amount})", status, payload)
         return I64.unpack(payload)[0]
 
     def wait(self, keys: list[str], timeout: float | None = None) -> None:
@@ -208,7 +211,7 @@ class TCPStore(Store):
             raise TimeoutError(f"store wait timed out after {t:g} s; keys still missing: {missing} "
                                f"(TCP store at {self.address})")
         if status != ST_OK:
-            self._raise_error(f"wait({keys!r})", payload)
+            self._raise_error(f"wait({keys!r})", status, payload)
 
     def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
         keys = [check_key(k) for k in keys]
@@ -222,7 +225,7 @@ class TCPStore(Store):
             raise TimeoutError(f"store multi_get timed out after {t:g} s; keys still missing: {missing} "
                                f"(TCP store at {self.address})")
         if status != ST_OK:
-            self._raise_error(what, payload)
+            self._raise_error(what, status, payload)
         try:
             return unpack_values(payload, len(keys))
         except (EOFError, struct.error) as exc:
@@ -233,14 +236,14 @@ class TCPStore(Store):
         keys = [check_key(k) for k in keys]
         status, payload = self._call(f"check({keys!r})", OP_CHECK, keys)
         if status != ST_OK:
-            self._raise_error(f"check({keys!r})", payload)
+            self._raise_error(f"check({keys!r})", status, payload)
         return payload == b"\x01"
 
     def delete_key(self, key: str) -> bool:
         check_key(key)
         status, payload = self._call(f"delete_key({key!r})", OP_DELETE, [key])
         if status != ST_OK:
-            self._raise_error(f"delete_key({key!r})", payload)
+            self._raise_error(f"delete_key({key!r})", status, payload)
         return payload == b"\x01"
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import os
 import queue
@@ -25,7 +26,7 @@ from types import FrameType
 from typing import IO, TextIO
 
 from .. import auth, limits
-from ..errors import RendezvousError, ResourceError
+from ..errors import RendezvousError, ResourceError, TensorwireError
 
 DEFAULT_GRACE_S = 5.0
 TERM_TO_KILL_S = 3.0
@@ -37,6 +38,8 @@ SECRET_FILE_WAIT_S = 30.0
 """How long a node other than 0 waits for --secret-file to appear (node 0 may be creating it
 on a shared file system)."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_NOTICE_TIMEOUT_S = 10.0
+"""How long telling the store that a rank exited may try (in the background)."""
 
 DESCRIPTION = """\
 Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
@@ -292,6 +295,8 @@ class Launcher:
         self._output_lock = threading.Lock()
         self._signal_received: int | None = None
         self._signal_count = 0
+        self._store_at: tuple[int, auth.Secret] | None = None  # the job store's port and secret
+        self._exit_told = False
 
     # -- children -----------------------------------------------------------------------------
 
@@ -316,6 +321,30 @@ class Launcher:
     def _await_exit(self, child: RankProcess) -> None:
         child.proc.wait()
         self._exits.put(child)
+
+    def _tell_store(self, child: RankProcess) -> None:
+        """The first rank of this node to exit: tell the job's store, whose server then ends every
+        read blocked on a key not set yet (ranks waiting for it in init() fail at once, naming
+        it, instead of at their timeout)."""
+        if self._exit_told or self._store_at is None or self.plan.nnodes * self.plan.nproc == 1:
+            return
+        self._exit_told = True
+        port, secret = self._store_at
+        text = (f"{child.label} on node {self.plan.node_rank} ended with {child.status()} (seen by "
+                f"tensorwire run), so the job's ranks can no longer all meet")
+
+        def post() -> None:
+            from ..rendezvous.tcp_protocol import EXITED_KEY
+            from ..rendezvous.tcp_store import TCPStore
+
+            with contextlib.suppress(TensorwireError, OSError):
+                store = TCPStore(self.plan.bind_addr, port, timeout=EXIT_NOTICE_TIMEOUT_S, secret=secret)
+                try:
+                    store.set(EXITED_KEY, text.encode())
+                finally:
+                    store.close()
+
+        threading.Thread(target=post, name="tw-exit-notice", daemon=True).start()
 
     def _start(self, port: int, secret_env: dict[str, str]) -> None:
         base = {k: v for k, v in {**os.environ, **secret_env}.items() if v}
@@ -387,6 +416,7 @@ class Launcher:
                 child = None
             if child is not None:
                 pending.discard(child)
+                self._tell_store(child)
                 if (child.proc.returncode != 0 and first_failure is None
                         and child.signalled_by_launcher is None and self._signal_received is None):
                     first_failure = child
@@ -442,6 +472,7 @@ class Launcher:
                       file=sys.stderr)
                 return 1
             port = server.port
+        self._store_at = (port, secret)
         previous = self._install_handlers()
         try:
             try:
