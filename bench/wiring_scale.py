@@ -58,6 +58,8 @@ def _rank(tw: Any, np: Any, t0: float) -> dict[str, Any]:
     x = np.full(ALL_REDUCE_COUNT, rank + 1, np.float32)
     tw.all_reduce(x)
     ok = bool((x == n * (n + 1) / 2).all())
+    if os.environ.get("WIRING_ALL_TO_ALL"):  # an all_to_all of 0 bytes (bench/first_job.py's job)
+        tw.all_to_all_single(np.empty(0, np.float32), np.empty(0, np.float32))
     talk = os.environ.get("WIRING_TALK", "")  # "neighbours": the ring's; "all": every rank
     if n > 1 and talk:
         shift = range(1, 2) if talk == "neighbours" else range(1, n)
@@ -79,7 +81,7 @@ def _rank(tw: Any, np: Any, t0: float) -> dict[str, Any]:
            "sockets": sum(s.startswith("socket:") for s in links), "channels": kinds,
            "peers": sorted(engine.channels),
            "ring_bytes": wiring.rings.budget.used if wiring is not None else 0,
-           "segment_bytes": segment}
+           "segment_bytes": segment, "rss_kib": _rss_kib()}
     print("@@" + json.dumps(out), flush=True)
     if os.environ.get("WIRING_HOLD"):
         sys.stdin.readline()
@@ -149,6 +151,12 @@ def measure(n: int, *, ulimit: int = 0, tcp: bool = False, talk: str = "",
              for s in served]
     return {"np": n, "ulimit": ulimit, "tcp": tcp, "codes": codes, "reports": [reports[r] for r in range(n)],
             "store": store, "shm_bytes": shm_used}
+
+
+def _rss_kib() -> int:
+    """This process's resident memory (VmRSS), mapped /dev/shm pages it touched included."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def _shm_free() -> int:

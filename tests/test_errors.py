@@ -256,21 +256,30 @@ LOCAL_CASES: dict[str, tuple[str, str]] = {
 }
 
 
-def _every_rank_bad(case: str) -> list[dict[str, Any]]:
+def _every_rank_bad(case: str) -> list[Any]:
     g = _fresh_group()
-    return [_attempt(_bad_call, case, g, 5.0), _attempt(g.barrier, timeout=5.0)]
+    outcomes: list[Any] = [_attempt(_bad_call, case, g, 5.0), _attempt(g.barrier, timeout=5.0)]
+    x = np.full(4, g.rank + 1, np.float32)
+    outcomes.append(_attempt(g.all_reduce, x, timeout=5.0))  # planned or checked, as before
+    outcomes.append(_attempt(_bad_call, case, g, 5.0))  # the same mistake again, then a good call
+    y = np.full(4, g.rank, np.float32)
+    outcomes.append(_attempt(g.broadcast, y, src=g.size - 1, timeout=5.0))
+    return [*outcomes, float(x[0]), float(y[0])]
 
 
 @pytest.mark.parametrize("case", sorted(LOCAL_CASES))
 def test_bad_argument_on_every_rank(cluster: Any, case: str) -> None:
+    """Every rank refuses the call: it fails on each (naming that rank and why), and the group
+    goes on with the next calls, which return the right results."""
     coll, needle = LOCAL_CASES[case]
-    for rank, (call, barrier) in enumerate(cluster.run(_every_rank_bad, case)):
+    n = cluster.size
+    results = cluster.run(_every_rank_bad, case)
+    for rank, (call, barrier, good, again, after, total, root) in enumerate(results):
         _assert_error(call, InvalidArgumentError, coll, needle, rank=rank, within=1.0)
         assert "ValueError" in call["mro"]  # InvalidArgumentError is also a ValueError
-        # The group is aborted: later calls on it raise at once instead of waiting.
-        _assert_error(barrier, TensorwireError, needle, within=1.0)
-    # ... and the world, which never saw the bad call, is untouched.
-    assert cluster.run(tw.get_rank) == list(range(cluster.size))
+        _assert_error(again, InvalidArgumentError, coll, needle, rank=rank, within=1.0)
+        assert barrier["type"] is good["type"] is after["type"] is None, (barrier, good, after)
+        assert (total, root) == (n * (n + 1) / 2, n - 1)
 
 
 def _one_rank_bad(case: str) -> list[dict[str, Any]]:
@@ -486,6 +495,22 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
     for rank, err in enumerate(firsts):
         # detected, not timed out: well within the timeout
         _assert_error(err, CollectiveMismatchError, *needles, rank=rank, within=TIMEOUT - 1.0)
+
+
+def _mismatch_after(good_calls: int, t: float) -> dict[str, Any]:
+    g = _fresh_group()
+    for _ in range(good_calls):  # the first checked, the others planned
+        g.all_reduce(np.ones(4, np.float32), timeout=t)
+    return _attempt(g.all_reduce, np.ones(4 + g.rank, np.float32), timeout=t)
+
+
+@pytest.mark.parametrize("good_calls", [0, 2])
+def test_calls_are_numbered_per_group_from_one(cluster: Any, good_calls: int) -> None:
+    """Errors number the user's calls on a group from 1: the group's own (its shared-memory
+    setup) are not counted. (The world's, at init: test_peer_dies, idle.)"""
+    for rank, err in enumerate(cluster.run(_mismatch_after, good_calls, TIMEOUT)):
+        _assert_error(err, CollectiveMismatchError, f"all_reduce #{good_calls + 1} on group world.",
+                      rank=rank)
 
 
 def _paths_interleaved(t: float) -> list[float]:
@@ -897,6 +922,8 @@ def test_peer_dies(transport: str, mode: str) -> None:
             assert delay < 10.0, f"rank {rank} noticed the death of rank 2 only after {delay:.1f} s"
             if mode == "idle":
                 assert res["lost"]["t"] < 2.0, res["lost"]  # known dead: the call fails at once
+                # the user's second call on the world (after the barrier): init's own are not counted
+                _assert_error(res["lost"], PeerLostError, "all_reduce #2 on group world:")
             _assert_error(res["after"], PeerLostError, "rank 2", within=1.0)
             assert res["pair"]["type"] is None, res["pair"]
             assert res["y"] == [3.0] * 4
@@ -1045,9 +1072,9 @@ def test_a_timed_out_collective_names_the_rank_not_in_it() -> None:
         results = [_reports(p, 30)[0]["res"] for p in procs[:3]]
     finally:
         _kill_all(procs)
-    for res in results:
-        _assert_error(res, TimeoutError, "all_reduce #", "Not in this call: rank 3 did not answer",
-                      within=5.0)
+    for res in results:  # the user's second call on the world, after the barrier
+        _assert_error(res, TimeoutError, "all_reduce #2 on group world",
+                      "Not in this call: rank 3 did not answer", within=5.0)
 
 
 _ABANDON = """

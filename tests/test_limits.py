@@ -117,26 +117,28 @@ needs_namespace = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
 
 
 def _job_on_small_shm(tmp_path: Path, size: str, np_: int = 4, fill: int = 0,
-                      env: dict[str, str] | None = None, timeout: float = 150):
-    """Run JOB with `np_` ranks on a private /dev/shm mounted with options `size`, `fill` bytes
-    of it taken first: (exit code, per-rank reports, stderr, files left in /dev/shm after)."""
+                      env: dict[str, str] | None = None, timeout: float = 150, job: str = JOB,
+                      before: str = "", after: str = "", run_args: tuple[str, ...] = ()):
+    """Run `job` with `np_` ranks on a private /dev/shm mounted with options `size`, `fill` bytes
+    of it taken first, shell commands `before` and `after` it: (exit code, per-rank reports,
+    stderr, the files left in /dev/shm after)."""
     script = tmp_path / "job.py"
-    script.write_text(JOB)
+    script.write_text(job)
     prefill = f"fallocate -l {fill} /dev/shm/eater && " if fill else ""
-    shell = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && {prefill}"
-             f'"$@"; rc=$?; echo "LEFT $(ls -A /dev/shm | grep -v eater | wc -l)"; exit $rc')
+    shell = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && {prefill}{before}"
+             f'"$@"; rc=$?; {after}echo "LEFT $(ls -A /dev/shm | grep -v eater | tr "\\n" " ")"; exit $rc')
     run_env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "60", **(env or {})}
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell, "sh",
-                           sys.executable, "-m", "tensorwire", "run", "-n", str(np_), str(script)],
+                           sys.executable, "-m", "tensorwire", "run", *run_args, "-n", str(np_), str(script)],
                           capture_output=True, text=True, timeout=timeout, env=run_env)
     reports = {}
-    left = -1
+    left = None
     for line in proc.stdout.splitlines():
         if line.startswith("REPORT "):
             report = json.loads(line[7:])
             reports[report["rank"]] = report
-        elif line.startswith("LEFT "):
-            left = int(line.split()[1])
+        elif line.startswith("LEFT"):
+            left = line.split()[1:]
     return proc.returncode, reports, proc.stderr, left
 
 
@@ -160,7 +162,7 @@ def test_small_dev_shm_shrinks_rings_and_slots(tmp_path: Path) -> None:
     assert len(warned) == 1, stderr
     assert "/dev/shm holds 16 MiB" in warned[0] and "--shm-size=128m" in warned[0]
     assert "TENSORWIRE_SHM_RING=" in warned[0]
-    assert left == 0  # every segment unlinked
+    assert left == []  # every segment unlinked
 
 
 @needs_namespace
@@ -179,7 +181,7 @@ def test_no_room_for_rings(tmp_path: Path) -> None:
     assert "TCP for the pairs of ranks whose rings did not fit (12 of 12 rings" in warned[0]
     assert "one-shot slots of 64 KiB" in warned[0]
     assert "TENSORWIRE_SHM_RING" not in warned[0]  # no setting fixes it: only more /dev/shm
-    assert left == 0
+    assert left == []
 
 
 @needs_namespace
@@ -200,7 +202,7 @@ def test_full_dev_shm_pairs_agree_on_tcp(tmp_path: Path) -> None:
     assert len({report["world"]["slot"] for report in reports.values()}) == 1
     refused = [w for w in _warnings(stderr) if "it refused a ring" in w]
     assert refused and all("No space left on device" in w for w in refused), stderr
-    assert left == 0
+    assert left == []
 
 
 @needs_namespace
@@ -221,7 +223,164 @@ def test_dev_shm_filled_after_init(tmp_path: Path) -> None:
     warned = _warnings(stderr)
     assert len(warned) == 2, stderr  # the rings at init (64 MiB wanted 56), the segment later
     assert "no one-shot segment" in warned[1] and "rings of" not in warned[1]
-    assert left == 0
+    assert left == []
+
+
+GROUPS_JOB = """\
+import gc, json, os
+import numpy as np
+import tensorwire as tw
+
+world = tw.init()
+x = np.ones(1000, dtype=np.float32)
+
+
+def used():
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def cycle(end):
+    g = tw.new_group()
+    g.all_reduce(x)
+    g.all_reduce(x, async_op=True).wait()  # its worker thread too
+    slot = g.direct.slot_bytes if g.direct is not None else 0
+    if end == "destroy":
+        g.destroy()
+    else:
+        del g
+        gc.collect()
+    world.barrier()  # every rank let go of it
+    return slot, used()
+
+
+world.all_reduce(x)
+base = used()
+report = {"rank": world.rank, "base": base}
+for end in ("gc", "destroy"):
+    report[end] = [cycle(end) for _ in range(8)]
+print("REPORT " + json.dumps(report), flush=True)
+tw.destroy()
+"""
+
+
+@needs_namespace
+def test_groups_give_their_segment_back(tmp_path: Path) -> None:
+    """Groups made and left again and again on a 16 MiB /dev/shm, by garbage collection and by
+    destroy(): each gets the whole slot the first got, and /dev/shm is back where it was after
+    each (they kept their segments for good before: the third had less, the fifth none)."""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "16m", np_=2, job=GROUPS_JOB)
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1], stderr
+    for report in reports.values():
+        slot = report["gc"][0][0]
+        assert slot > 0
+        for end in ("gc", "destroy"):
+            assert report[end] == [[slot, report["base"]]] * 8, (end, report)
+    assert left == []
+
+
+SETUP_CRASH_JOB = """\
+import json, os, signal
+import tensorwire as tw
+from tensorwire.transport.segment import GroupSegment
+
+world = tw.init()
+world.barrier()
+if world.rank == 0:  # killed right after it made the group's segment, before anyone mapped it
+    made = GroupSegment.create
+
+    def make_and_die(*args):
+        made(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    GroupSegment.create = make_and_die
+try:
+    tw.new_group()
+    error = ""
+except tw.TensorwireError as exc:
+    error = type(exc).__name__
+print("REPORT " + json.dumps({"rank": world.rank, "error": error}), flush=True)
+"""
+
+
+@needs_namespace
+def test_rank_killed_in_group_setup_leaves_no_segment(tmp_path: Path) -> None:
+    """Rank 0 is SIGKILLed between making a new group's segment and anyone mapping it: the
+    survivors fail with PeerLostError and unlink it (it stayed in /dev/shm for good before)."""
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "64m", np_=3, job=SETUP_CRASH_JOB,
+                                                  run_args=("--keep-going",))
+    assert rc != 0 and "rank 0" in stderr and "SIGKILL" in stderr, stderr
+    assert sorted(reports) == [1, 2], stderr
+    assert all(report["error"] == "PeerLostError" for report in reports.values()), reports
+    assert left == []
+
+
+WHOLE_CRASH_JOB = """\
+import os, signal
+import tensorwire as tw
+from tensorwire.group import shm_setup
+from tensorwire.transport.segment import GroupSegment
+
+world = tw.init()
+world.barrier()
+
+
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if world.rank == 0:  # killed right after it made the group's segment
+    made = GroupSegment.create
+
+    def make_and_die(*args):
+        made(*args)
+        die()
+
+    GroupSegment.create = make_and_die
+else:  # killed as it would learn the segment's name: nobody is left to unlink it
+    shm_setup.binomial_broadcast = die
+tw.new_group()
+"""
+
+
+@needs_namespace
+def test_job_killed_in_group_setup_leaves_no_segment(tmp_path: Path) -> None:
+    """Every rank is SIGKILLed during a group's setup, the segment made and nobody left to
+    unlink it: `tensorwire run` removes it once its ranks are gone (it stayed before)."""
+    rc, _, stderr, left = _job_on_small_shm(tmp_path, "64m", np_=2, job=WHOLE_CRASH_JOB,
+                                            run_args=("--keep-going",))
+    assert rc != 0 and stderr.count("SIGKILL") >= 2, stderr
+    assert left == []
+
+
+STALE_JOB = """\
+import json, os
+import tensorwire as tw
+
+world = tw.init()
+print("REPORT " + json.dumps({"rank": world.rank, "shm": sorted(os.listdir("/dev/shm"))}), flush=True)
+tw.destroy()
+"""
+_MAKE = "from tensorwire.transport.shm import Ring; import os, sys; Ring.create(sys.argv[1], 1 << 16); "
+
+
+@needs_namespace
+def test_job_start_removes_segments_of_exited_processes(tmp_path: Path) -> None:
+    """A segment whose maker exited without unlinking it (a job killed whole) is removed when
+    the next job starts; one whose maker still runs is kept."""
+    py = sys.executable
+    before = (f"{py} -c '{_MAKE}os._exit(0)' tw-gone; "
+              f"{py} -c '{_MAKE}os.execvp(\"sleep\", [\"sleep\", \"100\"])' tw-alive & live=$!; "
+              f"until ls /dev/shm/tw-alive-* >/dev/null 2>&1; do sleep 0.05; done; ls /dev/shm/tw-gone-* && ")
+    rc, reports, stderr, left = _job_on_small_shm(tmp_path, "16m", np_=2, job=STALE_JOB, before=before,
+                                                  after="kill $live; ")
+    assert rc == 0, stderr
+    assert sorted(reports) == [0, 1], stderr
+    for report in reports.values():
+        made = [n.rsplit("-", 1)[0] for n in report["shm"] if n.startswith(("tw-gone", "tw-alive"))]
+        assert made == ["tw-alive"], report
+    assert [n.rsplit("-", 1)[0] for n in left] == ["tw-alive"]
 
 
 def test_plans_fit_half_the_free_space() -> None:

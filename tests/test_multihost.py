@@ -115,6 +115,36 @@ JOB = textwrap.dedent('''\
             sys.exit(3)
         say(f"SURVIVED rank {r}")
 
+    def cut(late):
+        """Rank 0 sends the last rank more than the sockets' buffers hold, which it reads only
+        `late` seconds later (its receive window closed meanwhile, its kernel still answering).
+        Then all_reduces until host 1 is cut off; then a shrink to the ranks still reachable
+        and a checked all_reduce on them (ranks on both sides of the cut do the same)."""
+        r, n = tw.get_rank(), tw.get_world_size()
+        data = np.arange(4 << 20, dtype=np.float64)  # 32 MiB
+        if r == 0:
+            tw.send(data, dst=n - 1)
+        elif r == n - 1:
+            time.sleep(late)
+            got = np.empty_like(data)
+            tw.recv(got, src=0)
+            assert np.array_equal(got, data), "32 MiB read late"
+        x = np.ones(1 << 12)
+        tw.all_reduce(x)
+        tw.barrier()
+        if r == 0:
+            say("READY")
+        try:
+            while True:
+                tw.all_reduce(x)
+        except tw.TensorwireError as e:
+            say(f"FAILED rank {r} at {time.time():.3f} {type(e).__name__}: {e}")
+        new = tw.shrink()
+        y = np.full(1000, r + 1.0)
+        new.all_reduce(y)
+        assert np.all(y == sum(w + 1.0 for w in new.ranks)), ("all_reduce after shrink", y[:4])
+        say(f"SHRUNK rank {r} at {time.time():.3f} to {new.ranks}: all_reduce ok")
+
     mode = sys.argv[1]
     tw.init()
     if mode == "collectives":
@@ -125,6 +155,8 @@ JOB = textwrap.dedent('''\
     elif mode == "latency":
         collectives()
         latency()
+    elif mode == "cut":
+        cut(float(sys.argv[2]))
     elif mode == "loop":
         loop(float(sys.argv[2]))
     elif mode == "sysctl":
@@ -465,6 +497,39 @@ def test_failing_rank_gives_worst_exit_code_and_cleans_up(support: dict, job: st
     res = run_bed(["--hosts", "2", "-n", "1", "--grace", "2"], [job, "fail"])
     assert res.code == 7, res.out
     assert "twhost-1 (10.77.0.2): exit code 7" in res.out, res.out
+
+
+@pytest.mark.timeout(90)
+def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(support: dict, job: str) -> None:
+    """TENSORWIRE_PEER_TIMEOUT is 2 s here (the calls' timeout 30 s). First a live rank that
+    reads 32 MiB sent to it 3 s late is not lost (its sender waits on a closed receive window,
+    whose probes the reader's kernel answers). Then host 1's link goes down mid-job (no reset
+    ever reaches anyone): within the peer timeout every rank raises PeerLostError naming a rank
+    of the other host, shrinks the world to the ranks of its own host, and an all_reduce there
+    is right."""
+    peer_timeout = 2.0
+    res = run_bed(["--hosts", "2", "-n", "2", "--kill-host", "1", "--kill-mode", "link", "--kill-when",
+                   "^READY$", "--env", f"TENSORWIRE_PEER_TIMEOUT={peer_timeout:g}"], [job, "cut", "3"],
+                  timeout=80)
+    injected = res.lines(r"fault injection at t=[\d.]+ s \(wall ([\d.]+)\): twhost-1: link down")
+    assert injected, res.out
+    t_cut = float(injected[0].group(1))
+    failed = {int(m.group(1)): (float(m.group(2)), m.group(3), m.group(4))
+              for m in res.lines(r"FAILED rank (\d+) at ([\d.]+) (\w+): (.*)")}
+    shrunk = {int(m.group(1)): (float(m.group(2)), m.group(3))
+              for m in res.lines(r"SHRUNK rank (\d+) at ([\d.]+) to (\[[\d, ]*\]): all_reduce ok")}
+    assert sorted(failed) == sorted(shrunk) == [0, 1, 2, 3], res.out
+    for r, (when, kind, message) in failed.items():
+        other = {2, 3} if r < 2 else {0, 1}
+        assert kind == "PeerLostError", f"rank {r}: {kind}: {message}"
+        named = {int(w) for w in re.findall(r"lost rank (\d+)", message)}
+        assert named and named <= other, f"rank {r}: {message}"
+        # a loaded machine may add a few seconds; the calls' own timeout (30 s) would be far later
+        assert when - t_cut < peer_timeout + 7, f"rank {r} noticed the cut only after {when - t_cut:.1f} s"
+    for r, (when, ranks) in shrunk.items():
+        assert ranks == ("[0, 1]" if r < 2 else "[2, 3]"), f"rank {r} shrunk to {ranks}"
+        assert when - t_cut < 2 * peer_timeout + 10, f"rank {r} shrunk only after {when - t_cut:.1f} s"
+    assert res.code == 0, res.out
 
 
 @pytest.mark.timeout(90)

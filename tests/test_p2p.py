@@ -255,57 +255,89 @@ def _zero_bytes() -> dict[str, Any]:
     first, second = np.empty(0, np.float32), np.zeros(3, np.float32)
     tw.recv(first, left, tag=6)
     tw.recv(second, left, tag=6)
-    assert (second == 1).all()
-    # An empty message where data is expected is a size mismatch, not a silent success.
-    tw.send(empty, right, tag=7)
-    return {"mismatch": _raises(tw.recv, np.zeros(2, np.float32), left, tag=7, timeout=10), "left": left}
+    return bool((second == 1).all())
 
 
 def test_zero_byte_messages(cluster: Any) -> None:
-    for rank, res in enumerate(cluster.run(_zero_bytes)):
-        _check_error(res["mismatch"], CollectiveMismatchError, f"rank {rank}:", f"rank {res['left']} sent 0 "
-                     "bytes where this rank expected 8", f"recv from rank {res['left']} (tag 7)")
+    """(An empty message where data is expected: test_a_receive_that_differs_from_its_send_fails_both.)"""
+    assert cluster.run(_zero_bytes) == [True] * cluster.size
 
 
-def _size_mismatch() -> dict[str, Any]:
-    """Sender and receiver disagree on the size: the receiver raises, naming both, and the group
-    stays usable (point-to-point errors do not abort it)."""
-    r, right, left = _neighbours()
-    out: dict[str, Any] = {"left": left}
-    # (a) receive posted first, then a larger message arrives
-    w = tw.irecv(np.zeros(4, np.float32), left, tag=11)
-    tw.barrier()
-    tw.send(np.ones(8, np.float32), right, tag=11)
-    out["posted"] = _raises(w.wait, 10)
-    out["posted_state"] = (w.is_completed(), type(w.exception()).__name__)
-    # (b) a smaller message arrives before the receive is posted
-    tw.send(np.ones(2, np.float32), right, tag=12)
-    tw.barrier()
-    out["unexpected"] = _raises(tw.recv, np.zeros(4, np.float32), left, tag=12, timeout=10)
-    # (c) a sendrecv whose message is smaller than its receive
-    out["sendrecv"] = _raises(tw.sendrecv, np.ones(2, np.float32), right, np.zeros(4, np.float32), left,
-                              tag=14, timeout=10)
-    # the group still works
-    got = np.zeros(4, np.float32)
-    w = tw.irecv(got, left, tag=13)
-    tw.send(np.full(4, r, np.float32), right, tag=13)
-    w.wait(10)
-    out["after"] = got.tolist()
+def _fresh_group() -> Any:
+    """A new group of every rank, set up everywhere before anyone uses it (a mismatch aborts
+    the group it happens on: the world of the shared cluster must stay usable)."""
+    g = tw.new_group()
+    tw.barrier(timeout=30)
+    return g
+
+
+def _p2p_mismatch(case: str) -> dict[str, Any]:
+    """Rank 0 sends to rank 1 what rank 1 receives otherwise; every other rank only calls the
+    group's next barrier."""
+    g = _fresh_group()
+    sender, receiver = 0, 1
+    out: dict[str, Any] = {"send": None, "recv": None}
+    sent, want, tag = {
+        "dtype": (np.ones(4, np.float32), np.zeros(2, np.float64), 11),  # the same 16 bytes
+        "posted": (np.ones(8, np.float32), np.zeros(4, np.float32), 12),
+        "unexpected": (np.ones(2, np.float32), np.zeros(4, np.float32), 13),
+        "empty": (np.empty(0, np.float32), np.zeros(2, np.float32), 14),
+        "sendrecv": (np.ones(4, np.float32), np.zeros(4, np.int32), 15),
+        "large": (np.ones(1 << 20, np.float32), np.zeros(1 << 19, np.float64), 16),  # past the ring
+    }[case]
+    if case == "posted":  # the receive waits when the message comes
+        work = g.irecv(want, sender, tag=tag) if g.rank == receiver else None
+        g.barrier(timeout=10)
+        if g.rank == sender:
+            out["send"] = _raises(lambda: g.isend(sent, receiver, tag=tag).wait(10))
+        if work is not None:
+            out["recv"] = _raises(work.wait, 10)
+    elif case == "sendrecv" and g.rank in (sender, receiver):
+        peer = receiver if g.rank == sender else sender
+        into = np.zeros(4, np.float32) if g.rank == sender else want
+        out["send" if g.rank == sender else "recv"] = _raises(g.sendrecv, sent, peer, into, peer, tag=tag,
+                                                              timeout=10)
+    else:
+        if g.rank == sender:
+            out["send"] = _raises(g.send, sent, receiver, tag=tag, timeout=10)
+        if case == "unexpected":
+            g.barrier(timeout=10)  # the message has arrived before its receive is posted
+        if g.rank == receiver:
+            out["recv"] = _raises(g.recv, want, sender, tag=tag, timeout=10)
+    out["next"] = _raises(g.barrier, timeout=10)
     return out
 
 
-def test_size_mismatch_is_a_clear_error(cluster: Any) -> None:
-    for rank, res in enumerate(cluster.run(_size_mismatch)):
-        left = res["left"]
-        _check_error(res["posted"], CollectiveMismatchError, f"rank {rank}:",
-                     f"recv from rank {left} (tag 11)",
-                     f"rank {left} sent 32 bytes where this rank expected 16")
-        assert res["posted_state"] == (True, "CollectiveMismatchError")
-        _check_error(res["unexpected"], CollectiveMismatchError, f"recv from rank {left} (tag 12)",
-                     f"rank {left} sent 8 bytes where this rank expected 16")
-        _check_error(res["sendrecv"], CollectiveMismatchError, f"recv from rank {left} (tag 14)",
-                     f"rank {left} sent 8 bytes where this rank expected 16")
-        assert res["after"] == [float(left)] * 4
+P2P_MISMATCHES = {  # case -> (what the receive wanted, what the send held)
+    "dtype": ("2 x float64", "4 x float32"),
+    "posted": ("4 x float32", "8 x float32"),
+    "unexpected": ("4 x float32", "2 x float32"),
+    "empty": ("2 x float32", "0 x float32"),
+    "sendrecv": ("4 x int32", "4 x float32"),
+    "large": (f"{1 << 19} x float64", f"{1 << 20} x float32"),
+}
+
+
+@pytest.mark.parametrize("world_spec", [(2, "shm"), (3, "shm"), (2, "tcp"), (3, "tcp")], indirect=True,
+                         ids=["shm2", "shm3", "tcp2", "tcp3"])
+@pytest.mark.parametrize("case", list(P2P_MISMATCHES))
+def test_a_receive_that_differs_from_its_send_fails_both(cluster: Any, case: str) -> None:
+    """A receive whose dtype or element count differs from its message's (the same bytes
+    included) fails on the receiver before a byte lands, naming both ranks, the call and both
+    sides; the group is aborted, so the sender raises too (its send, if it had not returned, or
+    its next call) and so does every other member."""
+    mine, theirs = P2P_MISMATCHES[case]
+    tag = {"dtype": 11, "posted": 12, "unexpected": 13, "empty": 14, "sendrecv": 15, "large": 16}[case]
+    receiver = 1
+    what = f"receive of {mine} vs send of {theirs}"
+    for rank, res in enumerate(cluster.run(_p2p_mismatch, case)):
+        if rank == receiver:
+            _check_error(res["recv"], CollectiveMismatchError, f"rank {rank}: recv from rank 0 (tag {tag})",
+                         what)
+        first = res["send"] or res["next"] if rank == 0 else res["next"]
+        _check_error(first, CollectiveMismatchError, f"rank {receiver}: recv from rank 0 (tag {tag})", what)
+        if rank != receiver:
+            _check_error(first, CollectiveMismatchError, f"reported by rank {receiver}; seen on rank {rank}")
 
 
 def _bad_arguments() -> dict[str, Any]:
@@ -533,15 +565,20 @@ def _remote_edge_cases() -> dict[str, Any]:
     waiting, only polling: a receive of the wrong size, posted after the descriptor arrived;
     an acknowledgement behind a large ring message that its reader has no receive for yet
     (such a message may wait in the ring, shm.PARK_BYTES); ranks that all send first."""
-    g = tw.world()
-    r, right, left = _neighbours(g)
+    m = _fresh_group()  # the mismatch aborts it
+    r, right, left = _neighbours(m)
     out: dict[str, Any] = {}
     send = _huge_pattern(r, right, 46, 1 << 20)
-    work = g.isend(send, right, tag=46)
-    if g.size > 1:
-        g.probe_any(tag=46, timeout=10)  # the descriptor has arrived: the receive finds it waiting
-    out["mismatch"] = _raises(g.recv, np.zeros(send.size // 2, np.int64), left, tag=46, timeout=10)
+    work = m.isend(send, right, tag=46)
+
+    def receive() -> None:  # the probe raises too where another rank's abort came first
+        if m.size > 1:
+            m.probe_any(tag=46, timeout=10)  # the descriptor has arrived: the receive finds it waiting
+        m.recv(np.zeros(send.size // 2, np.int64), left, tag=46, timeout=10)
+
+    out["mismatch"] = _raises(receive)
     out["mismatch_send_s"] = _poll(work)
+    g = tw.world()
     # The acknowledgement of a REMOTE send comes behind 1 MiB of ring message that the sender
     # has no receive for while it polls. At n=2 rank 0 sends the REMOTE message and rank 1 the
     # ring one; from n=3 every rank does both, the ring one to its left.
@@ -572,9 +609,8 @@ def _remote_edge_cases() -> dict[str, Any]:
 
 def test_remote_sends_are_never_left_waiting(cluster: Any) -> None:
     for rank, res in enumerate(cluster.run(_remote_edge_cases)):
-        left = (rank - 1) % cluster.size
-        _check_error(res["mismatch"], CollectiveMismatchError, f"recv from rank {left} (tag 46)",
-                     f"rank {left} sent {1 << 20} bytes where this rank expected {1 << 19}")
+        _check_error(res["mismatch"], CollectiveMismatchError, "(tag 46)",  # its own, or another's first
+                     f"receive of {1 << 16} x int64 vs send of {1 << 17} x int64")
         assert res["mismatch_send_s"] < 5, (rank, res)
         assert res["behind_right"] and res["behind_s"] < 5, (rank, res)
         assert res["first_right"] and res["first_s"] < 5, (rank, res)

@@ -305,32 +305,38 @@ def test_shrink_when_nothing_failed_returns_an_equivalent_group() -> None:
             assert res["sub"] == [0, 2] and res["sub_rank"] == rank // 2 and res["sub_calls"] >= 60, res
 
 
-_ABSENT = """
+_LATE = """
 tw.init(rank=rank, world_size=size, init_method=URL)
 tw.barrier()
 if rank == 2:
     os._exit(3)
 if rank == 1:
-    time.sleep(4)  # alive, but never joins the shrink
-    os._exit(0)
+    time.sleep(4)  # alive, but calls shrink only after rank 0's first one timed out
 time.sleep(0.5)
-report(shrink=outcome(tw.shrink, timeout=2))
+if rank == 0:
+    report(shrink=outcome(tw.shrink, timeout=2))
+new = tw.shrink()  # rank 0: again
+y = np.full(5, rank + 1.0)
+new.all_reduce(y)
+report(ranks=new.ranks, rank=new.rank, sum=y.tolist())
+tw.barrier()
 report(done=True)
-os._exit(0)  # rank 1 never answers: no goodbye to wait for
 """
 
 
 @pytest.mark.timeout(60)
-def test_shrink_names_a_live_rank_that_never_joins() -> None:
-    """Rank 2 dies; rank 1 lives on without calling shrink: rank 0's shrink ends with a
-    TimeoutError within its timeout, naming rank 1 and saying every survivor must call it."""
-    reports = _job(_ABSENT, 3, "tcp")
-    res = _final(reports[0])
-    assert res.get("done"), res
-    shrink = res["shrink"]
+def test_shrink_names_a_late_rank_and_a_retry_meets_it() -> None:
+    """Rank 2 dies; rank 1 lives on and calls shrink late: rank 0's shrink ends with a
+    TimeoutError within its timeout, naming rank 1 and saying every survivor must call it;
+    rank 0 calls shrink again, which goes on where the first stopped and meets rank 1's."""
+    finals = _survivors_ok(_job(_LATE, 3, "tcp"), {2})
+    shrink = finals[0]["shrink"]
     assert shrink["type"] == "TimeoutError" and 1.9 < shrink["t"] < 5, shrink
     assert re.search(r"rank\(s\) 1 did not send", shrink["msg"]), shrink["msg"]
     assert "every surviving member must call shrink()" in shrink["msg"], shrink["msg"]
+    for rank in (0, 1):
+        res = finals[rank]
+        assert res["ranks"] == [0, 1] and res["rank"] == rank and res["sum"] == [3.0] * 5, res
 
 
 # ------------------------------------------------------------------------------ tensorwire run --keep-going

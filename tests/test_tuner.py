@@ -962,6 +962,44 @@ def test_a_cached_entry_whose_large_messages_were_slow_is_measured_again(tmp_pat
     assert planted[0]["links"][BUSY_RING][1] < slow / 3 and after[BUSY_RING][1] < slow / 3
 
 
+def rank_holds(port: int, env: dict[str, str]) -> dict:
+    """A new job (rank_reinit; this world's own where `port` is 0), then what this rank holds:
+    its peers, the bytes of the rings it writes and of /dev/shm its process maps."""
+    out = rank_reinit(port, env) if port else _table_summary()
+    engine = tw.world().runtime.engine
+    mapped = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/dev/shm/tw-"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                mapped += high - low
+    return {**out, "peers": sorted(engine.channels), "rings": engine.wiring.rings.budget.used,
+            "mapped": mapped}
+
+
+def test_a_first_job_holds_what_a_cached_one_does(tmp_path) -> None:
+    """The probe's large messages grow rings, and its results meet on every rank: once init
+    returns, every rank of the job that measured holds no more than those of the next job,
+    which finds the entry cached: no more peers (6 ranks: the probe's partners r ± 1, 2, 4 are
+    not every rank, so a gather at rank 0 would show), its rings back at their first size, no
+    more /dev/shm mapped."""
+    env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
+    cluster = Cluster(6, env)
+    try:
+        first = cluster.run(rank_holds, 0, {})
+        # whatever this loaded machine does meanwhile, the check passes it (see _as_if_trusted)
+        _plant(first[0]["cache_path"], direct_alpha=1e-7, busy_alpha=1e-7, shm_alpha=1e-7,
+               busy_ring_beta=1e-13)
+        cached = cluster.run(rank_holds, free_port(), {})
+    finally:
+        cluster.close()
+    assert first[0]["probe_s"] > 0 and cached[0]["probe_s"] == 0, (first[0], cached[0])
+    for r, (new, old) in enumerate(zip(first, cached)):
+        assert len(new["peers"]) <= len(old["peers"]), (r, new["peers"], old["peers"])
+        assert new["rings"] <= old["rings"] and new["mapped"] <= old["mapped"], (r, new, old)
+
+
 def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
     """A probe that shares the cores with other processes measures them as much as the links:
     its job uses what it measured, but the entry it writes is not trusted, so the next job

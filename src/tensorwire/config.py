@@ -143,6 +143,8 @@ TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
 AUTH_TIMEOUT_S = 10.0
 """Default time a connection gets to authenticate: a rank's handshake takes a few round trips
 (under a millisecond on loopback), so only strangers and wedged processes ever reach it."""
+PEER_TIMEOUT_S = 10.0
+"""Default time in which a peer whose host stopped answering is declared lost."""
 STORE_MAX_VALUE = 16 << 20
 """Default largest store value: tensorwire's own are addresses and counters of a few hundred bytes."""
 
@@ -236,6 +238,11 @@ class Config:
     auth_timeout: float = AUTH_TIMEOUT_S
     """Seconds a connection to the store or to a rank may take to prove it knows the job's
     secret before it is dropped (TENSORWIRE_AUTH_TIMEOUT)."""
+    peer_timeout: float = PEER_TIMEOUT_S
+    """Seconds after which a peer whose host stopped answering (down, cut off: no connection
+    reset ever comes) is lost: TCP keepalive on every connection, what waits for an
+    acknowledgement looked at by idle waiters, and the bound of a dial (TENSORWIRE_PEER_TIMEOUT;
+    transport/tcp.py tune_socket, transport/failures.py check_silent)."""
     auth_pending: int = 64
     """Connections a store or a listening rank holds while they authenticate; a new one beyond
     drops the oldest (TENSORWIRE_AUTH_PENDING)."""
@@ -279,6 +286,7 @@ class Config:
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
             auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
+            peer_timeout=_env_seconds("TENSORWIRE_PEER_TIMEOUT", PEER_TIMEOUT_S),
             auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
             store_max_value=_env_size_or("TENSORWIRE_STORE_MAX_VALUE", STORE_MAX_VALUE),
             store_max_connections=_env_int("TENSORWIRE_STORE_MAX_CONNECTIONS", 4096),
@@ -309,6 +317,9 @@ class Config:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if not 0 < cfg.auth_timeout < float("inf"):
             raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout}: expected positive seconds")
+        if not 1 <= cfg.peer_timeout < 1e6:
+            raise ValueError(f"TENSORWIRE_PEER_TIMEOUT={cfg.peer_timeout:g}: expected at least 1 s (and "
+                             f"less than 1e6 s)")
         for name, value, least in (("NSOCKS", cfg.nsocks, 1), ("AUTH_PENDING", cfg.auth_pending, 1),
                                    ("STORE_MAX_CONNECTIONS", cfg.store_max_connections, 1),
                                    ("STORE_MAX_VALUE", cfg.store_max_value, 1 << 10),

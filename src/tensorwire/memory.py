@@ -29,16 +29,31 @@ KEEP_BYTES = 1 << 30
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Serve large allocations from the heap and keep up to KEEP_BYTES of it once freed; True
     when glibc took the settings. Process-wide and idempotent."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
     _log.info("allocator: large allocations from the heap, %s kept after free%s", "1 GiB",
               "" if ok else " (mallopt refused)")
     return ok
+
+
+def give_back() -> None:
+    """Return the heap's free pages to the kernel now (glibc's malloc_trim; elsewhere nothing):
+    what a one-off burst of large arrays left (calibration's at init) is not kept for the job."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        trim(0)

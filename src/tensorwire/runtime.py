@@ -26,7 +26,6 @@ class Runtime:
     engine: Engine
     started: float = field(default_factory=time.monotonic)
     world: object = None  # the world Group, set right after construction
-    segments: list = field(default_factory=list)  # shared segments of this process's groups
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
     closed: bool = False  # destroy() ran: its groups' calls raise NotInitializedError
@@ -36,11 +35,8 @@ class Runtime:
     def close(self) -> None:
         self.closed = True
         for group in list(self.groups):
-            group.queue.stop_worker(_WORKER_GRACE_S)
-            group.forget_plans()  # a later call takes the checked path, which names the destroy
+            group.release(_WORKER_GRACE_S)  # a later call takes the checked path, which names the destroy
         self.engine.close()
-        for seg in self.segments:
-            seg.close()
         if self.store is not None:
             self.store.close()
         log.get("INIT").info("rank %d shut down", self.rank)

@@ -40,6 +40,9 @@ def check_member(group: Group, what: str) -> None:
         raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: "
                                   f"tensorwire.destroy() was called, which ended this group; call "
                                   f"init() again and make the group anew")
+    if group.destroyed:
+        raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: the group's "
+                                  f"destroy() was called on this rank; make a new group")
     if group.rank < 0:
         raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: this rank is not a member of "
                                    f"group {group.name} (ranks {group.ranks})")

@@ -7,6 +7,7 @@ context, sequence number and fingerprint, and waits bounded by the call's deadli
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..buffers import byte_view
 from ..errors import PeerLostError
 from ..ops import ReduceOp
 from ..transport.requests import Request
-from ..transport.wire import Fingerprint, Header, Kind
+from ..transport.wire import Coll, Fingerprint, Header, Kind
 from ..tuning import tuner
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 class CollectiveCall:
     """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
 
-    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline")
+    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline", "ref", "__weakref__")
 
     def __init__(self, group: Group, seq: int, fp: Fingerprint, name: str, timeout: float) -> None:
         self.group = group
@@ -38,11 +39,20 @@ class CollectiveCall:
         self.name = name
         self.timeout = timeout
         self.deadline = 0.0
+        self.ref = weakref.ref(self)  # how the engine notes it (Engine.current): never keeping a group alive
 
     @property
     def what(self) -> str:
-        """The label errors use: 'all_reduce #12 on group world' (built only when needed)."""
-        return f"{self.name} #{self.seq} on group {self.group.name}"
+        """The label errors use: 'all_reduce #12 on group world', the user's 12th call on the
+        group (built only when needed); the group's own calls are labelled apart."""
+        if self.fp.coll == Coll.SETUP:
+            return f"{self.name} (the group's internal call {self.seq}) on group {self.group.name}"
+        return f"{self.name} #{self.number(self.seq)} on group {self.group.name}"
+
+    def number(self, seq: int) -> int:
+        """The user's number of this group's call `seq`: its calls counted from 1, without the
+        group's own (shared-memory setup, calibration), which take sequence numbers too."""
+        return seq - self.group.queue.internal
 
     __str__ = what.fget  # type: ignore[assignment]
 

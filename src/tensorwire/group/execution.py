@@ -5,16 +5,21 @@ runs inline on the caller's thread when nothing is queued (no thread hop on the 
 async calls, and blocking calls queued behind them, run on the group's worker thread, or on
 the thread that waits for them if the worker has not started them yet (`run_until`).
 Any failure of a collective aborts the group on every member (as NCCL aborts a
-communicator): a group whose messages may be half-delivered is never reused silently.
+communicator): a group whose messages may be half-delivered is never reused silently. A call
+that every member refused before sending anything (`refuse`: a local argument error) left
+nothing in flight, and fails alone.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import limits
 from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call
@@ -33,6 +38,8 @@ class CallQueue:
         self.group = group
         self.engine = group.engine
         self.seq = 0  # the last call's sequence number
+        self.internal = 0  # how many of them were the group's own (internal_call)
+        self.current: CollectiveCall | None = None  # the last call run: the engine notes it weakly
         self.busy = False  # a call is running (inline, on the worker, or on a waiter)
         self.pending: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
         self.wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # see wrapping
@@ -45,6 +52,9 @@ class CallQueue:
         """Give the call its sequence number now (call order is the contract), run it in order
         as body(call, *args)."""
         group = self.group
+        refusals = self.engine.refusals
+        if refusals and group.ctx in refusals:
+            self._after_refusals(timeout)
         self.seq += 1
         call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
         aborted = self.engine.aborted.get(group.ctx)
@@ -64,18 +74,60 @@ class CallQueue:
         with self._cv:
             self.pending.append((call, body, args, work))
             if self._worker is None:
-                self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                                name=f"tensorwire-group-{group.name}")
+                self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
+                                                daemon=True, name=f"tensorwire-group-{group.name}")
                 self._worker.start()
+                weakref.finalize(self, _wake, self._cv)
             self._cv.notify_all()
         if async_op:
             return work
         work.wait()
         return work._result
 
+    def refuse(self, error: Exception) -> NoReturn:
+        """A local argument error in the call about to be made, found before it sent anything:
+        the call takes its number and fails here, and every member is told, so peers raise it
+        too instead of waiting for this rank. The group lives on if every member refused that
+        call too (its next call here waits until they all said so: `_after_refusals`); a member
+        that ran it instead fails the group, as a failed call does."""
+        group = self.group
+        if group.ctx not in self.engine.aborted:
+            self.seq += 1
+            self.engine.refuse(group.ctx, self.seq, group.ranks, error)
+        raise error
+
+    def _after_refusals(self, timeout: float | None) -> None:
+        """Before the next call is numbered: for each call of this group a member refused, wait
+        until every member refused it too where this rank did; where this rank runs or ran that
+        call instead, fail the group with the refusal."""
+        group, engine = self.group, self.engine
+        for seq in sorted(engine.refusals.get(group.ctx, {})):
+            if seq > self.seq + 1:
+                break  # a later call, which this rank has yet to reach
+            notes = engine.refused_by(group.ctx, seq)
+            if group.runtime.rank not in notes:
+                error = next(iter(notes.values()))
+                engine.settle_refusal(group.ctx, seq)
+                group.abort(error, seq)
+                raise error
+            limit = group.timeout if timeout is None else timeout
+            deadline = time.perf_counter() + limit
+            while any(r not in notes for r in group.ranks):
+                engine.check_group(group.ctx, seq, group.ranks)
+                if time.perf_counter() > deadline:
+                    waits = ", ".join(str(r) for r in group.ranks if r not in notes)
+                    raise TimeoutError(f"rank {group.runtime.rank}: the next call on group {group.name} "
+                                       f"waited {limit:g} s for rank(s) {waits} to refuse or run call "
+                                       f"#{seq - self.internal} too, which this rank refused")
+                engine.look()
+                notes = engine.refused_by(group.ctx, seq)
+            engine.settle_refusal(group.ctx, seq)
+
     def internal_call(self, what: str) -> CollectiveCall:
-        """A call for the group's own bookkeeping; it takes a sequence number like any other."""
+        """A call for the group's own bookkeeping; it takes a sequence number like any other,
+        but is not counted among the user's (CollectiveCall.number)."""
         self.seq += 1
+        self.internal += 1
         call = CollectiveCall(self.group, self.seq, Fingerprint(Coll.SETUP), what, self.group.timeout)
         call.start()
         return call
@@ -104,6 +156,7 @@ class CallQueue:
     def _run(self, call: CollectiveCall, body: Callable[..., Any], args: tuple) -> Any:
         group = self.group
         call.start()
+        self.current = call
         try:
             if self.engine.enter_call(group.ctx, call):
                 aborted = self.engine.aborted.get(group.ctx)
@@ -130,7 +183,7 @@ class CallQueue:
         error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
         phase = any(group.ctx in kids for kids in self.engine.children.values())  # named by its parent's call
         if isinstance(exc, TimeoutError) and not phase:
-            error = self.engine.missing(exc, group.ctx, call.seq, group.ranks)
+            error = self.engine.missing(exc, group.ctx, call.seq, group.ranks, self.internal)
         group.abort(error, call.seq)
         return error
 
@@ -139,17 +192,6 @@ class CallQueue:
         error = limits.memory_error(exc, f"rank {self.group.runtime.rank}: {call.what}")
         self.group.abort(error, call.seq)
         return error
-
-    def _work_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self.pending or self.busy:
-                    if self._stopping:
-                        return
-                    self._cv.wait()
-                self.busy = True  # before the pop: see submit
-                queued = self.pending.popleft()
-            self._run_queued(*queued)
 
     def run_until(self, work: Work) -> None:
         """Run the queued calls up to `work` on this (the waiting) thread while the worker has
@@ -161,15 +203,19 @@ class CallQueue:
                     return  # the worker has it, or it is done: wait the usual way
                 self.busy = True  # as the worker does: see submit
                 queued = self.pending.popleft()
-            self._run_queued(*queued)
+            self._run_queued(*queued)()
 
-    def _run_queued(self, call: CollectiveCall, body: Callable[..., Any], args: tuple, work: Work) -> None:
+    def _run_queued(self, call: CollectiveCall, body: Callable[..., Any], args: tuple,
+                    work: Work) -> Callable[[], None]:
+        """Run a queued call; returns what finishes its Work, for the runner to call once it let
+        go of the call: a waiter may drop the group as it wakes, and be right to expect it
+        collected."""
         try:
             result = self._run(call, body, args)
         except BaseException as exc:  # handed to whoever waits on the Work
-            work._finish(exc=exc)
+            return functools.partial(work._finish, exc=exc)
         else:
-            work._finish(result)
+            return functools.partial(work._finish, result)
         finally:
             with self._cv:
                 self.busy = False
@@ -200,15 +246,47 @@ class CallQueue:
             worker.join(grace)
 
 
+def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
+    """A group's worker thread. It holds the group only while it runs a call of it, so a
+    group nobody refers to any more is collected (and its finalizer wakes this to end)."""
+    while True:
+        with cv:
+            queue = ref()
+            while queue is not None and (not queue.pending or queue.busy):
+                if queue._stopping:
+                    return
+                queue = None
+                cv.wait()
+                queue = ref()
+            if queue is None:
+                return
+            queue.busy = True  # before the pop: see submit
+            queued = queue.pending.popleft()
+        finish = queue._run_queued(*queued)
+        del queue, queued
+        finish()
+        del finish
+
+
+def _wake(cv: threading.Condition) -> None:
+    with cv:
+        cv.notify_all()
+
+
 class QueuedWork(Work):
     """A queued call's Work: whoever waits for it without a time limit runs it if the worker
     has not started it yet (CallQueue.run_until)."""
 
     def __init__(self, queue: CallQueue, what: str) -> None:
         super().__init__(what, queue.group.runtime.rank)
-        self._queue = queue
+        self._queue: CallQueue | None = queue
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self._done and timeout is None:
-            self._queue.run_until(self)
+        queue = self._queue
+        if queue is not None and not self._done and timeout is None:
+            queue.run_until(self)
         return super().wait(timeout)
+
+    def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+        self._queue = None  # nothing left to run: a finished Work keeps no group alive
+        super()._finish(result, exc)

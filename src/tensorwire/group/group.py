@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import log
 from ..algorithms.hierarchical import Hierarchy
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotInitializedError
 from . import collectives, objects, p2p, shm_setup
 from .arguments import check_member
 from .context import mix_context
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..tuning.topology import Layout
 
 _log = log.get("COLL")
+_WORKER_GRACE_S = 1.0  # how long an unfinished async call may still run when its group is destroyed
 
 
 class Group:
@@ -66,6 +67,7 @@ class Group:
         self._layout: Layout | None | bool = False  # False: not looked up yet
         self._hierarchy: Hierarchy | None = None
         self.direct: DirectPath | None = None
+        self.destroyed = False  # destroy() ran: its calls raise NotInitializedError
         if self.rank >= 0:
             shm_setup.setup_direct(self)
 
@@ -136,21 +138,52 @@ class Group:
         self.engine.abort_group(self.ctx, self.queue.seq + 1 if seq is None else seq, self.ranks, error)
 
     def fail_fast(self, error: InvalidArgumentError) -> NoReturn:
-        """A local argument error in the call about to be made: abort the group from that call
-        on, so peers raise it too instead of waiting for this rank."""
-        self.abort(error)
-        raise error
+        """A local argument error in the call about to be made: that call fails on every member
+        (execution.CallQueue.refuse), so peers raise it too instead of waiting for this rank."""
+        self.queue.refuse(error)
 
     def forget_plans(self) -> None:
         """Drop the planned calls and point-to-point routes: each next call is checked again."""
         self.plans.clear()
         self.p2p_routes.clear()
 
+    # -- lifetime -----------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """End this group on this rank and give back what it holds: its shared-memory segment
+        (the space returns once every member has destroyed the group or exited), its worker
+        thread, its planned calls, its hierarchy's groups. Every member calls it after its last
+        call on the group, as with torch's destroy_process_group(group); it waits for no one.
+        Later calls on it raise NotInitializedError; groups made from it are not affected. A
+        group nothing refers to any more gives its segment back when it is garbage collected."""
+        if self.destroyed:
+            return
+        if self is self.runtime.world:
+            raise InvalidArgumentError(f"rank {self.runtime.rank}: destroy: the world group ends with "
+                                       "tensorwire.destroy()")
+        self.destroyed = True
+        self.runtime.groups.discard(self)
+        self.release(_WORKER_GRACE_S)
+        self.engine.retire(self.ctx, NotInitializedError(
+            f"rank {self.runtime.rank}: group {self.name} was destroyed on this rank"))
+
+    def release(self, grace: float) -> None:
+        """Stop the worker (a running call gets `grace` seconds), forget the planned calls and
+        drop the segment and the hierarchy's groups: their memory goes with the last
+        reference, so a call still running keeps what it uses."""
+        self.queue.stop_worker(grace)
+        self.forget_plans()
+        self.choices.clear()
+        self.direct = None
+        if self._hierarchy is not None:
+            self._hierarchy.local.release(grace)
+            self._hierarchy.rail.release(grace)
+            self._hierarchy = None
+
     # -- sub-groups ---------------------------------------------------------------------------
     def derive(self, ranks: Sequence[int], ctx: int, name: str) -> Group:
         """A group of world `ranks` over this group's runtime, with a context every member
         derived alike: sub-groups, a hierarchy's host groups and rails, shrink's survivors."""
-        if self.runtime.closed:
+        if self.runtime.closed or self.destroyed:
             check_member(self, f"making group {name}")
         return Group(self.runtime, ranks, ctx, name)
 

@@ -1,8 +1,11 @@
 """Point-to-point calls of a Group: send, recv, their async forms, sendrecv, probe_any.
 
-They belong to no collective call: no sequence number, no fingerprint beyond P2P_FINGERPRINT;
-a message's (peer, tag, size) route is kept per group, as its checks and header are most of a
-small message's time. A device buffer is staged through the group's device collectives.
+They belong to no collective call: no sequence number. Their header's fingerprint carries the
+message's dtype and element count, so a receive that differs from its send in either fails on
+the receiver before a byte lands, and aborts the group so the sender learns it too (its send
+if still in flight, else its next call on the group). A message's (peer, tag, size, dtype)
+route is kept per group, as its checks and header are most of a small message's time. A
+device buffer is staged through the group's device collectives.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ..buffers import as_array, byte_view
-from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, in_call
+from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerLostError, TimeoutError, in_call
 from ..gpu import is_device_buffer as _on_device
 from ..transport.requests import Request
-from ..transport.wire import P2P_FINGERPRINT, Header, Kind
+from ..transport.wire import Coll, Header, Kind
 from ..work import Work
-from .arguments import check_member
+from .arguments import check_member, fingerprint
 
 if TYPE_CHECKING:
     from .group import Group
@@ -34,14 +37,18 @@ class P2PRoute(NamedTuple):
     wire: bytes  # the header packed
     label: str
     done: Work  # what a message of this route that completed as it was posted returns
+    dtype: np.dtype
 
 
 def _host(group: Group, tensor: Any, sending: bool, peer: int,
           tag: int) -> tuple[np.ndarray, P2PRoute]:
     """A host buffer's bytes and its message's route."""
-    data = byte_view(as_array(tensor, writable=not sending, rank=group.runtime.rank,
-                              collective="send" if sending else "recv"))
-    return data, _route(group, sending, peer, tag, data.nbytes)
+    arr = as_array(tensor, writable=not sending, rank=group.runtime.rank,
+                   collective="send" if sending else "recv")
+    route = group.p2p_routes.get((sending, peer, tag, arr.nbytes))
+    if route is None or route.dtype is not arr.dtype:  # a route per size; its dtype checked apart
+        route = _route(group, sending, peer, tag, arr)
+    return byte_view(arr), route
 
 
 def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
@@ -134,21 +141,18 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     return src
 
 
-def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int) -> P2PRoute:
+def _route(group: Group, sending: bool, peer: int, tag: int, arr: np.ndarray) -> P2PRoute:
     """Where a point-to-point message goes and how it is labelled, kept per (direction,
-    peer, tag, size): the checks, the header and its wire form, and the label are most of
-    a small message's time otherwise."""
-    key = (sending, peer, tag, nbytes)
-    route = group.p2p_routes.get(key)
-    if route is None:
-        world = _peer(group, peer, "send" if sending else "recv")
-        if len(group.p2p_routes) >= P2P_ROUTES:
-            group.p2p_routes.clear()
-        header = Header(Kind.P2P, group.ctx, 0, tag, nbytes, P2P_FINGERPRINT)
-        label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
-            f" (tag {tag}) on group {group.name}"
-        route = group.p2p_routes[key] = P2PRoute(world, header, header.pack(), label,
-                                                 _Done(label, group.runtime.rank))
+    peer, tag, size) with its dtype: the checks, the header and its wire form, and the label
+    are most of a small message's time otherwise."""
+    world = _peer(group, peer, "send" if sending else "recv")
+    if len(group.p2p_routes) >= P2P_ROUTES:
+        group.p2p_routes.clear()
+    header = Header(Kind.P2P, group.ctx, 0, tag, arr.nbytes, fingerprint(Coll.P2P, arr.dtype, count=arr.size))
+    label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
+        f" (tag {tag}) on group {group.name}"
+    route = group.p2p_routes[(sending, peer, tag, arr.nbytes)] = P2PRoute(
+        world, header, header.pack(), label, _Done(label, group.runtime.rank), arr.dtype)
     return route
 
 
@@ -189,6 +193,10 @@ def _wait(group: Group, *reqs: Request, timeout: float | None) -> None:
         if named is exc:
             raise
         raise named from exc
+    except CollectiveMismatchError as exc:  # a receive that differs from its send: the sender,
+        if group.ctx not in group.engine.aborted:  # whose send may have returned, learns it
+            group.abort(exc)  # from the abort
+        raise
 
 
 def _work(group: Group, req: Request, route: P2PRoute) -> Work:

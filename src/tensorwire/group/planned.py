@@ -89,12 +89,14 @@ class Plans(dict):
         engine = self.engine
         queue = self.queue
         if async_op or not direct or queue.busy or queue.pending or engine.unexpected \
-                or engine.deferred_aborts or (engine.aborted and self.ctx in engine.aborted):
+                or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
+                or (engine.aborted and self.ctx in engine.aborted):
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
         queue.seq = call.seq = queue.seq + 1
         call.timeout = self.group.timeout if timeout is None else timeout
         call.deadline = 0.0
-        engine.current[self.ctx] = call
+        engine.current[self.ctx] = call.ref
+        queue.current = call
         queue.busy = True
         try:
             # CPython calls body(call, *args) its slow way, so the usual arities are spelt

@@ -18,7 +18,7 @@ from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.tree import binomial_broadcast
 from ..errors import TensorwireWarning
 from ..ops import ReduceOp
-from ..transport import cma, shm_budget
+from ..transport import cma, shm, shm_budget
 from ..transport.segment import DirectPath, GroupSegment
 
 if TYPE_CHECKING:
@@ -82,10 +82,22 @@ def _shm_facts(group: Group) -> tuple[int, ...]:
 
 def _setup_segment(group: Group, slot: int) -> tuple[int, int]:
     """Rank 0 makes the segment, as large as fits up to `slot` a rank, the others map it;
-    the group uses it only if every rank did. (the slot it got, errno why it is smaller)"""
+    the group uses it only if every rank did. Its name is unlinked once every rank mapped it
+    or gave up, and by the others where rank 0 was lost before it could: nothing of it is left
+    in /dev/shm (a job killed whole leaves it to the next start, shm.remove_stale).
+    (the slot it got, errno why it is smaller)"""
+    prefix = f"tw-{group.runtime.info.job_id[:24]}-g{group.ctx}"
+    try:
+        return _map_segment(group, slot, prefix)
+    except BaseException:
+        if group.rank and group.ranks[0] in group.engine.lost:
+            shm.unlink_prefixed(prefix)
+        raise
+
+
+def _map_segment(group: Group, slot: int, prefix: str) -> tuple[int, int]:
     offer = np.zeros(4, dtype=np.uint64)  # (name token, nonce, slot, errno) of rank 0's segment
     seg = None
-    prefix = f"tw-{group.runtime.info.job_id[:24]}-g{group.ctx}"
     if group.rank == 0:
         seg, why = shm_budget.shrinking(functools.partial(GroupSegment.create, prefix, group.size),
                                         shm_budget.plan_slot(shm_budget.usage()[1], group.size, slot),
@@ -116,7 +128,6 @@ def _setup_segment(group: Group, slot: int) -> tuple[int, int]:
             seg.unlink()  # everyone mapped it, gave up or failed: nothing is left in /dev/shm
     if verdict[0] and seg is not None:
         group.direct = direct
-        group.runtime.segments.append(seg)
         _setup_single_copy(group, direct)
     elif seg is not None:
         seg.close()

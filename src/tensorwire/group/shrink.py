@@ -11,17 +11,23 @@ stays usable beside its equivalent new one.
 A rank that dies after the decision makes the new group's first call fail, so shrink ends with
 a barrier on the new group and, if that fails, shrinks the new group within the same deadline,
 exactly as a member that got it back would by calling its shrink().
+
+A member that stopped answering without its connection closing (its host down or cut off) is
+lost within TENSORWIRE_PEER_TIMEOUT (tcp.tune_socket, failures.Failures.check_silent), which
+ends the wait for its report. A shrink that times out (a live member that has not called it yet) can be called
+again: it resumes the same agreement, which the late member's first call joins.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from .. import log
-from ..errors import AbortedError, PeerLostError
-from ..transport.agreement import agree_on_failed
+from ..errors import AbortedError, PeerLostError, TimeoutError
+from ..transport.agreement import Agreement
 from ..transport.engine import Engine
 from .arguments import check_member
 from .context import mix_context
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 
 _log = log.get("COLL")
 SHRINK = 0x5348524B  # "SHRK", mixed into the contexts a shrink derives
+_PENDING: weakref.WeakKeyDictionary[Group, tuple[int, Agreement]] = weakref.WeakKeyDictionary()
+"""A group's shrink that timed out in its agreement: the shrink's count and that agreement."""
 
 
 def shrink_group(group: Group, timeout: float | None = None) -> Group:
@@ -38,16 +46,26 @@ def shrink_group(group: Group, timeout: float | None = None) -> Group:
     order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
     this group stays aborted. Called where nothing failed, it returns an equivalent group
     (same members, a new context) and leaves this one usable. `timeout` (default: the
-    group's) bounds the whole of it. See docs/failures.md."""
+    group's) bounds the whole of it; after a TimeoutError it can be called again, and goes on
+    where it stopped. See docs/failures.md."""
     check_member(group, "shrink")
     limit = group.timeout if timeout is None else timeout
     deadline = time.perf_counter() + limit
     engine = group.engine
-    count = group.shrinks = group.shrinks + 1
+    count, agreement = _PENDING.pop(group, (group.shrinks + 1, None))
     ranks, ctx, name, next_seq = list(group.ranks), group.ctx, group.name, group.queue.seq + 1
     while True:
-        failed = agree_on_failed(engine, ranks, mix_context(ctx, SHRINK, count), deadline,
-                                 f"shrink of group {name}", limit)
+        if agreement is None:
+            agreement = Agreement(engine, ranks, mix_context(ctx, SHRINK, count), f"shrink of group {name}")
+        try:
+            failed = agreement.decide(deadline, limit)
+        except TimeoutError:
+            if ctx == group.ctx:
+                _PENDING[group] = count, agreement
+            raise
+        agreement = None
+        if ctx == group.ctx:
+            group.shrinks = count
         survivors = [w for w in ranks if w not in failed]
         if failed or ctx in engine.aborted:
             _retire(engine, ctx, next_seq, ranks, name, failed)

@@ -492,6 +492,9 @@ class Launcher:
                     child.reader.join(timeout=1.0)
             if server is not None:
                 server.close()
+            from ..transport.shm import remove_stale
+
+            remove_stale()  # segments of ranks killed before they unlinked them (in group setup)
         return self._report(first_failure)
 
     def _report(self, first_failure: RankProcess | None) -> int:

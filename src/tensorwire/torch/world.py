@@ -165,7 +165,7 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
               rank, size, dist.get_backend())
     engine = Engine(rank, size, cfg.spin_us)
     card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
-    _, free = shm_budget.usage()
+    free = shm_budget.free_at_start()
     wiring = Wiring(engine, cfg, info.job_id, bootstrap.job_secret(info), card["addr"],
                     (card["host"], card["machine"]), size)
     engine.wiring = wiring

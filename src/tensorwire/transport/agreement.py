@@ -12,7 +12,9 @@ rounds of point-to-point messages on a context that nothing else uses:
 
 Agreement needs a failure detector that never suspects a live member: here a member is lost
 when its connection closes, which the kernel does when its process ends (or when it calls
-destroy()). The lowest member that stays alive is heard by every higher one, and each of those
+destroy()), or fails, when its host stopped acknowledging anything for TENSORWIRE_PEER_TIMEOUT
+(keepalive answers come from the peer's kernel: a live process is never suspected, however
+busy or stopped). The lowest member that stays alive is heard by every higher one, and each of those
 adopts from a member at or above it that, by induction, decided alike. See docs/design/shrink.md.
 """
 
@@ -31,36 +33,55 @@ _REPORT, _DECIDE = 1, 2  # tags of the two rounds
 _NO_CALL = 1 << 62  # the waits belong to no collective call (as group.P2P_SEQ)
 
 
-def agree_on_failed(engine: Engine, members: Sequence[int], ctx: int, deadline: float, what: str,
-                    limit: float) -> frozenset[int]:
-    """The set of failed `members` (world ranks) every surviving member decides alike; messages
-    go on context `ctx`, used by nothing else. Raises TimeoutError naming the members that
-    neither answered nor failed by `deadline` (perf_counter time)."""
-    me = engine.rank
-    n = len(members)
-    engine.poll_peers()  # a peer that died before this call is known now
-    known = {w for w in members if w in engine.lost}
-    others = [w for w in members if w != me]
-    try:
-        _send(engine, [w for w in others if w not in known], ctx, _REPORT, _mask(known, members), what)
-        reports = {w: _recv(engine, w, ctx, _REPORT, n, what) for w in others}
-        _wait(engine, reports, ctx, deadline, what, limit, "its report of the failed ranks")
-        candidate = set(known)
-        for w, req in reports.items():
-            candidate |= {w} if req.error is not None else _members(req.dst, members)
-        lower = members[:members.index(me)]
-        decisions = {w: _recv(engine, w, ctx, _DECIDE, n, what) for w in lower}
-        _wait(engine, decisions, ctx, deadline, what, limit, "its decision")
-        heard = [w for w in lower if decisions[w].error is None]
-        failed = _members(decisions[heard[-1]].dst, members) if heard else frozenset(candidate)
+class Agreement:
+    """One agreement on the failed `members` (world ranks), on context `ctx` (used by nothing
+    else): this rank's report is sent and every message it needs posted when it is made.
+
+    `decide` can be called again after a TimeoutError: it goes on where it stopped, with its
+    messages still posted and its context live, so a member that retries a timed-out shrink
+    meets the others' first try (a new agreement would wait on a context no one else uses)."""
+
+    def __init__(self, engine: Engine, members: Sequence[int], ctx: int, what: str) -> None:
+        self.engine, self.members, self.ctx, self.what = engine, list(members), ctx, what
+        me, n = engine.rank, len(members)
+        engine.poll_peers()  # a peer that died before this call is known now
+        self.known = {w for w in members if w in engine.lost}
+        others = [w for w in members if w != me]
+        _send(engine, [w for w in others if w not in self.known], ctx, _REPORT, _mask(self.known, members),
+              what)
+        self.reports = {w: _recv(engine, w, ctx, _REPORT, n, what) for w in others}
+        self.lower = self.members[:self.members.index(me)]
+        self.decisions = {w: _recv(engine, w, ctx, _DECIDE, n, what) for w in self.lower}
+
+    def decide(self, deadline: float, limit: float) -> frozenset[int]:
+        """The set of failed members every surviving member decides alike. TimeoutError naming
+        the members that neither answered nor failed by `deadline` (perf_counter time), after
+        which `decide` may be called again."""
+        engine, members, ctx, what = self.engine, self.members, self.ctx, self.what
+        me = engine.rank
+        try:
+            _wait(engine, self.reports, ctx, deadline, what, limit, "its report of the failed ranks")
+            candidate = set(self.known)
+            for w, req in self.reports.items():
+                candidate |= {w} if req.error is not None else _members(req.dst, members)
+            _wait(engine, self.decisions, ctx, deadline, what, limit, "its decision")
+        except TimeoutError:
+            raise  # the agreement stays as it stands, for the next try
+        except BaseException:
+            engine.retire(ctx, AbortedError(f"rank {me}: {what} ended"))
+            raise
+        heard = [w for w in self.lower if self.decisions[w].error is None]
+        failed = _members(self.decisions[heard[-1]].dst, members) if heard else frozenset(candidate)
         higher = members[members.index(me) + 1:]
-        _send(engine, [w for w in higher if w not in engine.lost], ctx, _DECIDE, _mask(failed, members), what)
-    finally:
-        engine.retire(ctx, AbortedError(f"rank {me}: {what} ended"))
-    if me in failed:
-        raise PeerLostError(f"rank {me}: {what}: the other survivors lost their connection to this rank "
-                            f"and count it as failed (failed ranks: {sorted(failed)})", peer=me)
-    return failed
+        try:
+            _send(engine, [w for w in higher if w not in engine.lost], ctx, _DECIDE, _mask(failed, members),
+                  what)
+        finally:
+            engine.retire(ctx, AbortedError(f"rank {me}: {what} ended"))
+        if me in failed:
+            raise PeerLostError(f"rank {me}: {what}: the other survivors lost their connection to this rank "
+                                f"and count it as failed (failed ranks: {sorted(failed)})", peer=me)
+        return failed
 
 
 def _mask(ranks: Iterable[int], members: Sequence[int]) -> np.ndarray:
@@ -98,7 +119,8 @@ def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, w
         raise TimeoutError(
             f"rank {engine.rank}: {what}: rank(s) {missing} did not send {awaited} within {limit:g} s "
             "though their connections are alive: every surviving member must call shrink() (is one "
-            "blocked outside tensorwire, or in a call of another group?)") from None
+            "blocked outside tensorwire, or in a call of another group?); calling shrink() again goes "
+            "on where this call stopped") from None
     except PeerLostError:
         pass  # a member died before it answered: the agreement counts it as failed
     for req in reqs.values():

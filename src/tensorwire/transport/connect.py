@@ -102,7 +102,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
             raise
         error, wiring = exc, None  # rank 0 still gathers the cards: the others learn of it from them
     try:
-        _, shm_free = shm_budget.usage()  # before it publishes: before any segment of the job exists
+        shm_free = shm_budget.free_at_start()  # before it publishes: before any segment of the job exists
         mine = {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()} \
             if wiring is not None else {"error": str(error), "class": type(error).__name__}
         cards = exchange_cards(rank, world_size, store, mine, deadline, cfg.timeout)

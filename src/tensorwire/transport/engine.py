@@ -269,7 +269,7 @@ class Engine(Failures):
             self.staged_bytes += header.nbytes
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
-            call = self.current.get(header.ctx)
+            call = self.current_call(header.ctx)
             if call is not None and header.seq <= call.seq:
                 self.vet(peer, header, call)
         return msg
@@ -284,7 +284,7 @@ class Engine(Failures):
         if self.posted.get((peer, header.key)) or (self.retired and header.ctx in self.retired):
             return False
         if header.kind == Kind.COLL:
-            call = self.current.get(header.ctx)
+            call = self.current_call(header.ctx)
             if call is not None and header.seq < call.seq:
                 return False
         return not any(p == peer for p, _ in self.posted)

@@ -1,14 +1,19 @@
 """The engine's failure half: lost peers, aborted groups, and calls that differ between ranks.
 
 A peer is lost when its connection closes: after its goodbye that is an orderly exit, without
-one a crash that dooms every group it belongs to. A call that fails on one rank is aborted on
-every member through control messages (transport/agreement.py agrees on who failed, for
-shrink). Each arriving collective message is vetted against the call this rank runs, so ranks
-that called different things fail with a mismatch instead of waiting for a timeout.
+one a crash that dooms every group it belongs to. A host that dies silently (no reset ever
+comes) fails its connections within TENSORWIRE_PEER_TIMEOUT (tcp.tune_socket): a crash too.
+A call that fails on one rank is aborted on every member through control messages
+(transport/agreement.py agrees on who failed, for shrink). Each arriving collective message is
+vetted against the call this rank runs, so ranks that called different things fail with a
+mismatch instead of waiting for a timeout.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -63,6 +68,28 @@ _LIVENESS_S = 0.2
 """How often an idle waiter looks whether peers it has no connection to are still alive (their
 processes, where they run on this machine): a rank that died before anyone talked to it fails
 the calls that wait for it within this, not at their timeout."""
+_PEER_SILENT = "its host stopped answering for TENSORWIRE_PEER_TIMEOUT={:g} s (down or cut off: {})"
+
+
+def unanswered_ms(sock: socket.socket) -> int:
+    """How long `sock`'s peer has not acknowledged anything while this end waits for it to
+    (data in flight, or probes unanswered), in ms, from TCP_INFO; 0 where it waits for nothing.
+
+    A live peer that does not read (its receive window closed) answers the sender's window
+    probes from its kernel, but one of the first, sent within 500 ms of the last answer, may go
+    unanswered (the receiver rate-limits its answers to segments outside the window), so one
+    unanswered probe is no sign: two are."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return 0
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+    except OSError:
+        return 0
+    probes = raw[3]  # struct tcp_info: tcpi_probes; tcpi_unacked at 24, tcpi_last_ack_recv at 56
+    unacked = int.from_bytes(raw[24:28], sys.byteorder)
+    return int.from_bytes(raw[56:60], sys.byteorder) if unacked or probes >= 2 else 0
+
+
 LEFT = "it left the job"
 """What a departed peer's PeerLostError says (also as other ranks report it)."""
 _WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the reason it left
@@ -70,6 +97,8 @@ _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answer
 _NOT_IN = "Not in this call"
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
+REFUSAL = 1
+"""An ABORT header's tag for a refusal: one call failed on every member, the group lives on."""
 
 
 class Failures:
@@ -91,14 +120,20 @@ class Failures:
         self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
         self.link_errors: dict[int, BaseException] = {}  # peers that could not be connected, and why
-        self.current: dict[int, object] = {}  # ctx -> the collective call the group is running
+        self.current: dict[int, Callable[[], object]] = {}
+        """ctx -> the collective call the group is running, weakly (its group's queue holds it):
+        a group nothing else refers to is collected, and its shared segment with it."""
         self.states: dict[tuple[int, int], int] = {}  # (ctx, peer) -> the call it said it runs (missing())
         self.deferred_aborts: list[tuple] = []
         self.notices: list[SendRequest] = []  # the aborts this rank sent (close() delivers them)
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
         self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
+        self.refusals: dict[int, dict[int, dict[int, BaseException]]] = {}
+        """ctx -> call -> {world rank: why}: the members that refused that call of the group (a local
+        argument error, before they sent anything), this rank among them or not (`refuse`)."""
         self._next_liveness = 0.0
+        self._silent: dict[int, float] = {}  # peer -> when check_silent first saw it unanswering
 
     # -- lost peers ---------------------------------------------------------------------------
     def lost_error(self, peer: int) -> BaseException:
@@ -120,6 +155,8 @@ class Failures:
             reason = f"{LEFT} (called destroy() or exited) before this exchange finished"
             self._drain(channel)
         else:
+            if f"[Errno {errno.ETIMEDOUT}]" in reason and self.wiring is not None:  # keepalive (tune_socket)
+                reason = _PEER_SILENT.format(self.wiring.cfg.peer_timeout, reason)
             self.crashed.add(peer)
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
@@ -189,15 +226,42 @@ class Failures:
                 if why:
                     with self.lock:
                         self.peer_lost(peer, why)
+        self.check_silent(now)
+
+    def check_silent(self, now: float) -> None:
+        """The peers whose host acknowledged nothing this rank waits for in
+        TENSORWIRE_PEER_TIMEOUT, seen so at two looks in a row, are lost. The kernel's keepalive
+        covers connections with nothing in flight (tcp.tune_socket) but sends nothing while data
+        waits for an acknowledgement; and TCP_USER_TIMEOUT, which would, also ends connections
+        whose peer is alive but not reading (its receive window closed) for that long."""
+        assert self.wiring is not None
+        limit_ms = self.wiring.cfg.peer_timeout * 1000
+        with self.lock:
+            for channel in self.channel_list:
+                peer = channel.peer
+                if peer in self.lost:
+                    continue
+                waited = max((unanswered_ms(sock) for sock in channel.sockets), default=0)
+                if waited < limit_ms:
+                    self._silent.pop(peer, None)
+                elif now - self._silent.setdefault(peer, now) >= _LIVENESS_S:  # not a probe just sent
+                    self.peer_lost(peer, _PEER_SILENT.format(
+                        self.wiring.cfg.peer_timeout, f"nothing acknowledged for {waited / 1000:.1f} s"))
 
     def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
-        """Raise if the group was aborted or one of its members crashed.
+        """Raise if the group was aborted, a member refused this call (which then fails the
+        group: this rank runs it), or one of its members crashed.
 
         A member that left in order is not fatal by itself: it may have finished its part of
         the call; if it had not, the request waiting on it fails instead."""
         entry = self.aborted.get(ctx)
         if entry is not None and seq >= entry[0]:
             raise entry[1]
+        refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
+        if refused and self.rank not in refused:  # a member refused the call this rank runs
+            error = next(iter(refused.values()))
+            self.abort_group(ctx, seq, watch, error)
+            raise error
         if self.crashed:
             for peer in watch:
                 if peer in self.crashed:
@@ -207,7 +271,7 @@ class Failures:
     def enter_call(self, ctx: int, call) -> bool:
         """Note the call a group is running, and vet what already arrived for it or before it;
         False if there was nothing to vet (so nothing can have aborted the group here)."""
-        self.current[ctx] = call
+        self.current[ctx] = call.ref
         if not self.unexpected and not self.deferred_aborts:
             return False  # the common case, without the lock: what arrives next is vetted on arrival
         with self.lock:
@@ -216,6 +280,11 @@ class Failures:
                     self.vet(peer, queue[0].header, call)
             self.run_deferred_aborts()
         return True
+
+    def current_call(self, ctx: int):
+        """The call group `ctx` is running (or ran last); None if none or the group is gone."""
+        ref = self.current.get(ctx)
+        return None if ref is None else ref()
 
     def run_deferred_aborts(self) -> None:
         while self.deferred_aborts:
@@ -249,7 +318,7 @@ class Failures:
             error = self.mismatch_error(call.what, call.fp, header.fp, peer)
         else:
             error = CollectiveMismatchError(
-                f"rank {self.rank}: rank {peer} sent data for call #{header.seq} on group "
+                f"rank {self.rank}: rank {peer} sent data for call #{call.number(header.seq)} on group "
                 f"{call.group.name} ({coll_label(header.fp.coll)}) that this rank finished without "
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
@@ -264,7 +333,8 @@ class Failures:
 
     def control_sink(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
-            return ControlSink(header.nbytes, lambda raw: self._on_abort(peer, header.ctx, header.seq, raw))
+            on = self._on_refusal if header.tag == REFUSAL else self._on_abort
+            return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw))
         if header.kind == Kind.BYE:
             return ControlSink(0, lambda raw: self.departed.add(peer))
         if header.kind == Kind.QUERY:
@@ -284,7 +354,7 @@ class Failures:
                     self.channels[peer].post_control(SendRequest(peer, header, _EMPTY, "query"))
 
     def _answer_query(self, peer: int, ctx: int) -> None:
-        call = self.current.get(ctx)
+        call = self.current_call(ctx)
         seq, fp = (call.seq, call.fp) if call is not None else (0, Fingerprint(0))
         self.channels[peer].post_control(SendRequest(peer, Header(Kind.STATE, ctx, seq, 0, 0, fp), _EMPTY,
                                                      "state"))
@@ -298,7 +368,7 @@ class Failures:
 
     def _on_state(self, peer: int, header: Header) -> None:
         self._note_state(header.ctx, peer, header.seq)
-        call = self.current.get(header.ctx)
+        call = self.current_call(header.ctx)
         if call is not None and header.seq == call.seq:
             self.vet(peer, header, call)
 
@@ -330,30 +400,69 @@ class Failures:
         for a while: the background thread delivers what the kernel did not take at once
         (docs/design/failures.md)."""
         with self.lock:
-            if not self.fail_locally(ctx, seq, error):
-                return
-            text = f"{type(error).__name__}\n{error}".encode()
-            payload = np.frombuffer(text, dtype=np.uint8)
-            notices = []
-            for peer in members:  # connecting where needed: a member may wait for no one it is connected to
-                unreachable = self.wiring is None and peer not in self.channels
-                if peer == self.rank or peer in self.lost or unreachable:
-                    continue
-                header = Header(Kind.ABORT, ctx, seq, 0, len(payload), Fingerprint(0))
-                notices.append(SendRequest(peer, header, payload, "abort"))
-                self.channel(peer).post_control(notices[-1])
-            self.poll_sockets()
-            self.notices = [n for n in self.notices if not n.done] + notices
-            for notice in notices:
-                self.watch_in_background(notice)
+            if self.fail_locally(ctx, seq, error):
+                self._tell(ctx, seq, members, error, 0)
+
+    def _tell(self, ctx: int, seq: int, members: Iterable[int], error: BaseException, tag: int) -> None:
+        """An ABORT notice (`tag`: 0, or REFUSAL) of call `seq` of group `ctx` to every member."""
+        text = f"{type(error).__name__}\n{error}".encode()
+        payload = np.frombuffer(text, dtype=np.uint8)
+        notices = []
+        for peer in members:  # connecting where needed: a member may wait for no one it is connected to
+            unreachable = self.wiring is None and peer not in self.channels
+            if peer == self.rank or peer in self.lost or unreachable:
+                continue
+            header = Header(Kind.ABORT, ctx, seq, tag, len(payload), Fingerprint(0))
+            notices.append(SendRequest(peer, header, payload, "abort"))
+            self.channel(peer).post_control(notices[-1])
+        self.poll_sockets()
+        self.notices = [n for n in self.notices if not n.done] + notices
+        for notice in notices:
+            self.watch_in_background(notice)
+
+    def _reported(self, peer: int, raw: bytes) -> BaseException:
+        name, _, message = raw.decode(errors="replace").partition("\n")
+        cls = _ERROR_CLASSES.get(name, AbortedError)
+        return cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]")
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
         self._note_state(ctx, peer, seq)  # it ran call seq
-        name, _, message = raw.decode(errors="replace").partition("\n")
+        if ctx not in self.aborted:
+            self.fail_locally(ctx, seq, self._reported(peer, raw))
+
+    # -- refusals: a call that fails on every member, the group living on ---------------------
+    def refuse(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
+        """This rank refused call `seq` of group `ctx` (a local argument error, found before it
+        sent anything): the members are told, and the group lives on if each of them refused
+        that call too (`refused_by`); any that ran it instead fails the group (`_on_refusal`)."""
+        with self.lock:
+            self.refusals.setdefault(ctx, {}).setdefault(seq, {})[self.rank] = error
+            self._tell(ctx, seq, members, error, REFUSAL)
+
+    def _on_refusal(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
         if ctx in self.aborted:
             return
-        cls = _ERROR_CLASSES.get(name, AbortedError)
-        self.fail_locally(ctx, seq, cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]"))
+        error = self._reported(peer, raw)
+        call = self.current_call(ctx)
+        if call is not None and call.seq >= seq:  # this rank runs or ran that call: the group fails
+            self.deferred_aborts.append((ctx, seq, tuple(call.group.ranks), error))
+        else:  # still to come here: refused too (refused_by), or failed as it starts (the group's queue)
+            self.refusals.setdefault(ctx, {}).setdefault(seq, {})[peer] = error
+
+    def refused_by(self, ctx: int, seq: int) -> dict[int, BaseException]:
+        """The members known to have refused call `seq` of group `ctx`, after a round of progress."""
+        with self.lock:
+            self.progress()
+            self.poll_sockets()
+            return self.refusals.get(ctx, {}).get(seq, {})
+
+    def settle_refusal(self, ctx: int, seq: int) -> None:
+        """Forget call `seq` of group `ctx`: every member refused it."""
+        with self.lock:
+            calls = self.refusals.get(ctx, {})
+            calls.pop(seq, None)
+            if not calls:
+                self.refusals.pop(ctx, None)
 
     def fail_locally(self, ctx: int, seq: int, error: BaseException) -> bool:
         """Fail call `seq` of a group and every later one on this rank only, and every call of
@@ -426,13 +535,15 @@ class Failures:
                                     f"sender is gone")
         return None
 
-    def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int]) -> BaseException:
+    def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int],
+                internal: int = 0) -> BaseException:
         """`error`, a timeout of call `seq` of group `ctx`, saying which members are not in the
         call: this rank asks the members it is connected to which call they run (their answers
         within _ASK_S; one that does not answer is not inside tensorwire: busy, blocked or
         stopped). Where every one asked is in the call too, this rank only waited for ranks
         that wait themselves, and for up to _MISSING_S it raises the abort of a rank that
-        could say who is missing (docs/design/failures.md)."""
+        could say who is missing (docs/design/failures.md). `internal`: the group's own calls,
+        left out of the numbers shown (they count the user's calls)."""
         if _NOT_IN in str(error) or _REPORTED in str(error):
             return error
         with self.lock:
@@ -449,8 +560,8 @@ class Failures:
                   if p not in self.lost and self.states.get((ctx, p), -1) < seq]
         if behind:
             text = "; ".join(f"rank {p} did not answer (not inside a tensorwire call: busy, blocked or "
-                             "stopped)" if at is None else f"rank {p} is at call #{at} of the group"
-                             for p, at in behind)
+                             "stopped)" if at is None else f"rank {p} is at call #{at - internal} of the "
+                             "group" for p, at in behind)
             return retold(error, f"{error} {_NOT_IN}: {text}.")
         return self._abort_saying(ctx, seq, _MISSING_S, lambda why: _NOT_IN in why) or error
 

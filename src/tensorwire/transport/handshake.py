@@ -8,7 +8,7 @@ never to an impostor. After it, the two sides exchange small length-prefixed JSO
 
 What a failed dial means decides what the rank does next, so it is classified here:
 `Refused` (nobody listens at the address: the rank exited) and `Unreachable` (its host did not
-answer within CONNECT_TIMEOUT_S) make the peer lost; `Retry` (hung up or silent during the
+answer within TENSORWIRE_PEER_TIMEOUT) make the peer lost; `Retry` (hung up or silent during the
 handshake: a crowded listener may drop a connection) is tried again; a wrong secret or another
 protocol are errors of their own.
 
@@ -33,9 +33,6 @@ from ..errors import AuthenticationError, RendezvousError
 HELLO = struct.Struct("<IIQ")  # rank, world size, job hash
 MAGIC = b"TWpeer3\n"
 PURPOSE = b"tensorwire peer v3"
-CONNECT_TIMEOUT_S = 10.0
-"""A TCP connect that has not completed by then reached no host: the peer's machine is down or
-cut off (a live host refuses at once where nobody listens). The kernel would try for ~2 min."""
 _MAX_MESSAGE = 1 << 16
 _LEN = struct.Struct("<I")
 _LOST_ERRNOS = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN)
@@ -81,12 +78,15 @@ class Dial:
     side of the handshake. `step()` on every event of `sock`; True once authenticated."""
 
     def __init__(self, peer: int, addr: tuple[str, int], hello: bytes, secret: auth.Secret,
-                 auth_timeout: float, who: str) -> None:
+                 auth_timeout: float, connect_timeout: float, who: str) -> None:
+        """`connect_timeout` (TENSORWIRE_PEER_TIMEOUT): a TCP connect not completed by then
+        reached no host, whose machine is down or cut off (a live host refuses at once where
+        nobody listens); the kernel would try for ~2 min."""
         self.peer, self.addr, self.secret, self.who = peer, addr, secret, who
-        self.auth_timeout = auth_timeout
+        self.auth_timeout, self.connect_timeout = auth_timeout, connect_timeout
         self.side = auth.Initiator(secret.key, PURPOSE, MAGIC, hello, confirm=False)
         self.connecting = True
-        self.expires = time.monotonic() + CONNECT_TIMEOUT_S
+        self.expires = time.monotonic() + connect_timeout
         try:
             family, _, _, _, address = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)[0]
         except socket.gaierror as exc:
@@ -116,7 +116,7 @@ class Dial:
     def expired(self, now: float) -> None:
         """Raise what an attempt that ran out of time amounts to (call once `expires` passed)."""
         if self.connecting:
-            raise Unreachable(f"no answer to a connection within {CONNECT_TIMEOUT_S:g} s "
+            raise Unreachable(f"no answer to a connection within {self.connect_timeout:g} s "
                               f"({self.addr[0]}:{self.addr[1]})")
         raise Retry(f"no answer to the handshake within {self.auth_timeout:g} s")
 

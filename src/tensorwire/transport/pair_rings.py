@@ -30,6 +30,7 @@ class PairRings:
         self.rank = rank
         self.budget = shm_budget.RingBudget(0)
         self.ring_max = 0  # how large rings may grow (shm_budget.plan_rings); 0: none (TCP)
+        self.first = shm_budget.INITIAL_RING  # the size a pair's rings start at
         self.reads_refused = reads_refused  # why peers may not read this process's memory ('': they may)
         self._warned = False  # of /dev/shm refusing a ring the plan allowed (once a process)
 
@@ -38,6 +39,7 @@ class PairRings:
         to `ring_bytes` (TENSORWIRE_SHM_RING)."""
         self.budget = shm_budget.RingBudget(share)
         self.ring_max = shm_budget.plan_rings(share, local, ring_bytes) if share else 0
+        self.first = min(ring_bytes, shm_budget.INITIAL_RING)
         self.reads_refused = self.reads_refused or cma.allow_peers()
         if self.reads_refused and self.ring_max:
             _log.info("rank %d: peers will not read this process's memory (%s): large point-to-point "
@@ -103,6 +105,7 @@ class PairRings:
         if ring.nonce != offer["nonce"]:  # not the ring it made: another /dev/shm that shares the name
             ring.close()
             return None, 0, 0
+        ring.unlink()  # mapped by the one rank that needs its name: its maker dying now leaves nothing
         pid = 0
         if offer.get("pid"):
             why = cma.can_read(int(offer["pid"]), int(offer["probe"]), int(offer["nonce"]))
@@ -121,13 +124,14 @@ class PairRings:
 
 
 class RingGrower:
-    """The larger rings of one pair's out direction (shm.RingSource)."""
+    """The further rings of one pair's out direction (shm.RingSource): larger ones as messages
+    grow (at least twice the first size), or a smaller one to give /dev/shm back (ShmChannel.shrink)."""
 
     def __init__(self, rings: PairRings, peer: int) -> None:
         self.rings, self.peer = rings, peer
 
     def make(self, capacity: int) -> Ring | None:
-        ring, _ = self.rings.make(self.peer, capacity, 2 * shm_budget.INITIAL_RING)
+        ring, _ = self.rings.make(self.peer, capacity, min(capacity, 2 * shm_budget.INITIAL_RING))
         return ring
 
     def release(self, capacity: int) -> None:

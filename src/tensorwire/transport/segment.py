@@ -222,7 +222,7 @@ class DirectPath:
                 line = flags[r] + base
                 if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
                     theirs = _fp_from_words(words[line + 1], words[line + 2])
-                    prev = f"{self.prev_name} #{self.prev_seq} on group {call.group.name}"
+                    prev = f"{self.prev_name} #{call.number(self.prev_seq)} on group {call.group.name}"
                     raise self.engine.mismatch_error(
                         f"{prev} (found at {call.what})",
                         _fp_from_words(*self.prev_fp), theirs, self.members[r])
@@ -372,7 +372,7 @@ class DirectPath:
                 return self.engine.mismatch_error(call.what, mine, theirs, self.members[r])
         return CollectiveMismatchError(
             f"rank {self.engine.rank}: {call.what}: group rank {r} is out of step with this rank "
-            f"(it published call #{words[line]})")
+            f"(it published call #{call.number(words[line])})")
 
     def _timeout(self, call, pending: list[int]):
         world = [self.members[r] for r in pending]

@@ -16,6 +16,7 @@ import itertools
 import mmap
 import os
 import secrets
+import stat
 import struct
 import weakref
 from typing import TYPE_CHECKING, Protocol
@@ -26,6 +27,7 @@ from ..buffers import address
 from ..errors import PeerLostError
 from . import cma, pages
 from .channel import Channel, ChannelOwner, PeerClosed
+from .processes import pid_namespace, process_start, start_of
 from .requests import RecvRequest, SendRequest, Sink
 from .wire import HEADER_SIZE, P2P_FINGERPRINT, Header, Kind, Mode
 
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
 CTRL_BYTES = 4096  # control page: head at word 0, tail at word 8 (separate cache lines), nonce at 16
 _HEAD, _TAIL, _NONCE = 0, 8, 16
 SHM_DIR = "/dev/shm"
+PREFIX = "tw-"  # every segment's name starts so
+_OWNER = struct.Struct("<8sQq32s")
+"""The creator's record at _OWNER_AT of the control page (magic, pid, start time, pid
+namespace), written before the segment has a size: what tells a segment whose creator is gone
+(`remove_stale`) from a live job's."""
+_OWNER_AT, _MAGIC = 192, b"tw-owner"
 PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
@@ -75,6 +83,7 @@ class Segment:
         fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         try:
             if create:
+                os.pwrite(fd, _owner(), _OWNER_AT)
                 os.ftruncate(fd, nbytes)
                 reserve(fd, nbytes)
             self.bytes = map_shared(fd, nbytes)
@@ -103,15 +112,77 @@ class Segment:
         return address(self.bytes) + _NONCE * 8
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        _unlink(self.path)
 
     def close(self) -> None:
         """Drop this object's views; the mapping goes with the last view anywhere."""
         self.words.release()
         self.bytes = None  # type: ignore[assignment]
+
+
+def _owner() -> bytes:
+    """This process's owner record (read afresh: a forked child is another process)."""
+    return _OWNER.pack(_MAGIC, os.getpid(), process_start(), pid_namespace().encode())
+
+
+def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
+    """Unlink the segments in `directory` whose creating process is gone: a job killed before
+    it unlinked them (a live job's are unlinked as soon as mapped). Only where the creator is
+    provably gone: in this process's pid namespace, its pid exited or reused (start time); a
+    creator in another namespace (container) is never judged. (segments, bytes) removed."""
+    mine = pid_namespace().encode()
+    if process_start() < 0 or not mine:  # no /proc to tell the living from the dead
+        return 0, 0
+    removed = freed = 0
+    for name in _named(directory, PREFIX):
+        path = os.path.join(directory, name)
+        held = _held_by_the_gone(path, mine)
+        if held >= 0 and _unlink(path):
+            removed, freed = removed + 1, freed + held
+    return removed, freed
+
+
+def _held_by_the_gone(path: str, pidns: bytes) -> int:
+    """The bytes segment `path` holds if its creator (in namespace `pidns`) is gone; else -1
+    (alive, elsewhere, unknown, or not a segment)."""
+    try:  # never blocks (a FIFO) nor follows a link
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        st = os.fstat(fd)
+        record = os.pread(fd, _OWNER.size, _OWNER_AT) if stat.S_ISREG(st.st_mode) else b""
+    except OSError:
+        return -1
+    finally:
+        os.close(fd)
+    if len(record) < _OWNER.size:
+        return -1
+    magic, pid, start, ns = _OWNER.unpack(record)
+    if magic != _MAGIC or ns.rstrip(b"\0") != pidns or start < 0 or start_of(pid) == start:
+        return -1
+    return st.st_blocks * 512
+
+
+def unlink_prefixed(prefix: str, directory: str = SHM_DIR) -> int:
+    """Unlink every segment named `prefix`-*: a group's whose creator was lost before it could
+    (group/shm_setup.py). How many."""
+    return sum(_unlink(os.path.join(directory, n)) for n in _named(directory, f"{prefix}-"))
+
+
+def _named(directory: str, prefix: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def reserve(fd: int, nbytes: int) -> None:
@@ -183,11 +254,11 @@ def _pad(n: int) -> int:
 
 
 class RingSource(Protocol):
-    """Where a channel gets a larger ring for its direction (transport/wiring.py: named for the
+    """Where a channel gets another ring for its direction (transport/wiring.py: named for the
     pair, within this rank's share of /dev/shm)."""
 
     def make(self, capacity: int) -> Ring | None:
-        """A new ring of at most `capacity` bytes, reserved; None where none larger fits."""
+        """A new ring of at most `capacity` bytes, reserved; None where none fits."""
 
     def release(self, capacity: int) -> None:
         """A ring of `capacity` bytes this rank wrote is no longer its."""
@@ -259,16 +330,30 @@ class ShmChannel(Channel):
         """Move to a ring that holds two messages of `nbytes` (at least twice the current one:
         one is written while the other is read), once what is queued before has been written:
         a MOVE record in sendq."""
-        assert self.source is not None
-        ring = self.source.make(min(self.target, max(2 * self.out.capacity, _pow2(2 * _record(nbytes)))))
-        if ring is None:
+        if not self._move(min(self.target, max(2 * self.out.capacity, _pow2(2 * _record(nbytes))))):
             self.target = self.out.capacity  # nothing larger fits: stay (and stop asking)
-            return
+
+    def shrink(self, capacity: int) -> None:
+        """Give back the /dev/shm of an out ring grown beyond `capacity`: move to one of that
+        size (a burst of large messages, such as calibration's, need not hold it for the rest of
+        the job; it grows again with the traffic)."""
+        if self.source is not None and self.out.capacity > capacity and not any(
+                req.header.mode == Mode.MOVE for req in self.sendq) and self._move(capacity):
+            self._push()
+
+    def _move(self, capacity: int) -> bool:
+        """Write into a new ring of `capacity` bytes once what is queued before has been written
+        (a MOVE record in sendq); False where none could be made."""
+        assert self.source is not None
+        ring = self.source.make(capacity)
+        if ring is None:
+            return False
         move = SendRequest(self.peer, Header(Kind.ACK, 0, ring.nonce, ring.capacity, 0, P2P_FINGERPRINT,
                                              Mode.MOVE), _EMPTY, "ring move")
         move.descriptor = ring.name.encode().ljust(HEADER_SIZE, b"\0")
         move.ring = ring  # type: ignore[attr-defined]
         self.sendq.append(move)
+        return True
 
     def _offer(self, req: SendRequest) -> None:
         """Send `req` as a descriptor of its payload where that lies in huge pages (REMOTE_BYTES)."""
@@ -516,7 +601,7 @@ class ShmChannel(Channel):
         return True
 
     def _follow(self, header: Header, pos: int) -> None:
-        """The writer moved to a larger ring (its name in the record after the header): map it
+        """The writer moved to another ring (its name in the record after the header): map it
         and read on from there. Its name is unlinked once mapped: nothing is left behind."""
         old = self.inn
         at = (pos + HEADER_SIZE) % old.capacity
@@ -524,7 +609,7 @@ class ShmChannel(Channel):
         try:
             ring = Ring(name, header.tag, create=False)
         except OSError as exc:
-            raise PeerClosed(f"cannot map the larger ring rank {self.peer} moved to ({exc})") from exc
+            raise PeerClosed(f"cannot map the ring rank {self.peer} moved to ({exc})") from exc
         ring.unlink()
         if ring.nonce != header.seq:
             ring.close()
@@ -566,6 +651,9 @@ class ShmChannel(Channel):
             _UNACKNOWLEDGED.extend(req.payload for req in self.awaiting.values())
         self.stream.close()
         self.out.unlink()
+        for req in self.sendq:  # a move not written yet: the peer never learnt its ring's name
+            if req.header.mode == Mode.MOVE:
+                req.ring.unlink()  # type: ignore[attr-defined]
         self.inn.close()
         self.out.close()
 

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .. import log
 from ..limits import typical_peers
 from .segment import GroupSegment
-from .shm import SHM_DIR, Ring
+from .shm import SHM_DIR, Ring, remove_stale
 
 RING_FLOOR = 256 << 10
 """The smallest ring worth having: a large message through a smaller one waits for its reader
@@ -44,6 +45,16 @@ def usage(path: str = SHM_DIR) -> tuple[int, int]:
     except OSError:
         return 0, 0
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def free_at_start(path: str = SHM_DIR) -> int:
+    """The free bytes of `path` a job plans its rings with, read once the segments of jobs
+    that died before unlinking theirs are removed (shm.remove_stale)."""
+    removed, freed = remove_stale(path)
+    if removed:
+        log.get("INIT").info("removed %d segment(s) of exited processes from %s (%s)", removed, path,
+                             size_text(freed))
+    return usage(path)[1]
 
 
 def _inodes_left(path: str = SHM_DIR) -> int:

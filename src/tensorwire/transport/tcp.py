@@ -79,9 +79,21 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
     TENSORWIRE_TCP_RCVBUF; 0: the kernel's autotuning) and its congestion control
     (TENSORWIRE_TCP_CONGESTION) if given. The receive buffer is deep so that a receiver waiting
     for its turn does not stall its sender; the send buffer small so that a rank does not run
-    into its next step while its last one's bytes still wait to leave; see docs/design/tcp.md."""
+    into its next step while its last one's bytes still wait to leave; see docs/design/tcp.md.
+
+    A connection with nothing to send whose peer's host stops answering (down, cut off: no
+    reset ever comes) fails within TENSORWIRE_PEER_TIMEOUT: keepalive, the kernel's timers,
+    nothing per message. One with data waiting for an acknowledgement sends no keepalive: idle
+    waiters look at those (failures.Failures.check_silent)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bound = max(1, int(cfg.peer_timeout))
+        interval = max(1, bound // 5)
+        idle = max(1, bound - 3 * interval)
+        for opt, value in ((socket.TCP_KEEPIDLE, idle), (socket.TCP_KEEPINTVL, interval),
+                           (socket.TCP_KEEPCNT, max(1, (bound - idle) // interval))):
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if cfg.tcp_congestion:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.tcp_congestion.encode())

@@ -93,12 +93,17 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
 
 
 def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
-    """Human-readable fields that differ between our fingerprint and a peer's."""
+    """Human-readable fields that differ between our fingerprint and a peer's (both
+    fingerprints of a point-to-point message: its element count and dtype)."""
     if mine.coll != other.coll:
         if mine.coll ^ other.coll == ON_DEVICE:
             return [f"{coll_label(mine.coll)} vs {coll_label(other.coll)} (every rank must pass buffers "
                     "of the same kind: all CUDA or all host)"]
         return [f"collective {coll_label(mine.coll)} vs {coll_label(other.coll)}"]
+    if mine.coll == Coll.P2P and mine.count >= 0 and other.count >= 0:  # a receive vs its send
+        return [f"receive of {mine.count} x {dtype_name(mine.dtype)} vs send of {other.count} x "
+                f"{dtype_name(other.dtype)} "
+                "(a receive must match its send's dtype and element count)"]
     out = []
     if mine.dtype != other.dtype:
         out.append(f"dtype {dtype_name(mine.dtype)} vs {dtype_name(other.dtype)}")

@@ -19,7 +19,7 @@ waits for the other. Pairs on one host (same host name and machine, TENSORWIRE_T
 sides mapped the other's ring and read its nonce. TCP pairs open TENSORWIRE_NSOCKS streams.
 
 A dial that nobody answers at the address (refused: the process is gone) or whose host never
-answers (handshake.CONNECT_TIMEOUT_S) makes the peer lost: whatever waits for it fails with a
+answers (within TENSORWIRE_PEER_TIMEOUT) makes the peer lost: whatever waits for it fails with a
 PeerLostError naming it, within seconds, as if its connection had closed.
 """
 
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 from .. import auth, limits, log
 from ..config import Config
 from ..errors import RendezvousError, ResourceError, TensorwireError
-from . import shm_budget
 from .channel import Channel
 from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreachable, job_hash
 from .pair_rings import PairRings
@@ -68,7 +67,8 @@ class _Out:
 
     def __init__(self, wiring: Wiring, peer: int, addr: tuple[str, int], index: int, pair: int) -> None:
         self.peer, self.index, self.pair = peer, index, pair
-        self.dial = Dial(peer, addr, wiring.hello, wiring.secret, wiring.cfg.auth_timeout, wiring.who)
+        self.dial = Dial(peer, addr, wiring.hello, wiring.secret, wiring.cfg.auth_timeout,
+                         wiring.cfg.peer_timeout, wiring.who)
         self.sock = self.dial.sock
         self.msgs: Messages | None = None
         self.ring: Ring | None = None  # the ring this rank writes (index 0, a pair on one host)
@@ -183,6 +183,14 @@ class Wiring:
         self._want.append(peer)
         with contextlib.suppress(OSError, ValueError):
             os.eventfd_write(self._wake, 1)
+
+    def shrink_rings(self) -> None:
+        """Every ring this rank writes back to its first size, giving back the /dev/shm that a
+        burst of large messages (calibration's) grew them to; they grow again with the traffic."""
+        with self.engine.lock:
+            for channel in self.engine.channel_list:
+                if isinstance(channel, ShmChannel):
+                    channel.shrink(self.rings.first)
 
     def close(self) -> None:
         """Stop connecting: no channel is installed after this returns."""
@@ -333,8 +341,7 @@ class Wiring:
                 return
             card = self.cards[out.peer]
             if self.local(card) and self.rings.ring_max:
-                first = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
-                out.ring, why = self.rings.make(out.peer, first, first)
+                out.ring, why = self.rings.make(out.peer, self.rings.first, self.rings.first)
                 if out.ring is None:
                     self.engine.shm_refused[out.peer] = why
             out.msgs.send({"op": "pair", "pair": out.pair, "where": self.where,
@@ -376,9 +383,7 @@ class Wiring:
             out.ring.unlink()  # the peer mapped it or gave up: the name is no longer needed
         if out.ring is not None and msg.get("mapped") and msg.get("ring"):
             out.theirs, why, out.pid = self.rings.map(msg["ring"])
-            if out.theirs is not None:
-                out.theirs.unlink()
-            else:
+            if out.theirs is None:
                 self.engine.shm_refused[peer] = why
             out.msgs.send({"mapped": out.theirs is not None, "reads": out.pid != 0})  # type: ignore[union-attr]
         elif out.ring is not None and self.local(self.cards[peer]):
@@ -569,8 +574,7 @@ class Wiring:
             if link.theirs is None:
                 self.engine.shm_refused[peer] = why
             elif self.rings.ring_max:
-                size = min(self.cfg.shm_ring_bytes, shm_budget.INITIAL_RING)
-                link.ring, why = self.rings.make(peer, size, size)
+                link.ring, why = self.rings.make(peer, self.rings.first, self.rings.first)
                 if link.ring is None:
                     self.engine.shm_refused[peer] = why
         elif local:

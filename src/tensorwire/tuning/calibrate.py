@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import log
+from .. import log, memory
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.registry import Link, algorithms_for
 from ..algorithms.tree import binomial_broadcast
@@ -101,6 +101,13 @@ def _lowest_peers(group: Group) -> tuple[int, int]:
         if shm >= 0 and tcp >= 0:
             break
     return shm, tcp
+
+
+def _crowding(info: np.ndarray) -> float:
+    """The most ranks per usable core of any machine of the job (the agreement's rows)."""
+    machines = [int(m) for m in info[:, 7]]
+    return max(machines.count(m) / max(1, int(min(info[r, 5] for r in range(len(info)) if machines[r] == m)))
+               for m in set(machines))
 
 
 def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
@@ -198,7 +205,7 @@ def at_init(world: Group) -> LinkTable:
         t1 = time.perf_counter()
         before = probes.cpu_seconds()
         with probes.spread(world, hosts):
-            measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1)
+            measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info))
         probe_s = time.perf_counter() - t1
         foreign = probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1)
         slower = _install_measured(base, sources, measured, pairs, direct, cma)
@@ -215,6 +222,8 @@ def at_init(world: Group) -> LinkTable:
         if foreign > probes.LOAD_SLACK and me == 0:
             _log.info("the probe ran under load (other processes took %.2f cores beyond those the job "
                       "left idle): its constants serve this job, and the next one measures again", foreign)
+    if probe_s or check_s:
+        give_back(world)
     table = apply_overrides(LinkTable(base, sources), overrides)
     used_cache = any(s.endswith(("cached", "calibrated")) for s in table.sources.values())
     table = LinkTable(table.links, table.sources, probe_s, time.perf_counter() - t0,
@@ -231,6 +240,18 @@ def at_init(world: Group) -> LinkTable:
               "; ".join(f"{t} {table.describe(t)}" + ("" if t in links_used else ", not used by this job")
                         for t in table.links))
     return table
+
+
+def give_back(world: Group) -> None:
+    """Give back what the probe's (or the check's) large messages and arrays took, so that a
+    job that measured holds what one that found its constants cached does: every rank's rings
+    back to their first size (the old ones unmapped by their readers once every rank has
+    passed a barrier and read its peers' moves) and the heap's free pages. Collective."""
+    if world.engine.wiring is not None:
+        world.engine.wiring.shrink_rings()
+    recursive_doubling_all_reduce(world.queue.internal_call("calibration"), np.zeros(1), ReduceOp.MAX)
+    world.engine.poll_peers()  # every peer's move is in its ring by now: follow it
+    memory.give_back()
 
 
 def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: dict[str, Any],

@@ -49,6 +49,8 @@ BUSY_WARM_ROUNDS = 2  # ... after this many per partner distance (every ring wri
 BUSY_WARM_ROUNDS_ACROSS_HOSTS = 6  # ... or this many where ranks are on several hosts (TCP ramp-up)
 DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, back to back, in
 # this many series, the least series' mean call kept: the direct path
+CROWDED_CALLS, CROWDED_WARM, CROWDED_BATCHES = 6, 2, 3  # ... and the busy α's batches: down to this
+# many where a machine's ranks crowd its cores (crowded), as the check of a cache entry counts them
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
 # steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
@@ -81,6 +83,15 @@ def typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, se
     return float(means.min())
 
 
+def crowded(count: int, least: int, crowding: float) -> int:
+    """How many of the probe's `count` repeated calls (or batches) to make where a machine of
+    the job runs `crowding` ranks per core: all up to 2, fewer beyond in proportion, down to
+    `least`. Each call then waits for every rank's turn on a core, so it is itself a mean over
+    the ranks' turns, and the probe's time would otherwise grow with the ranks
+    (docs/design/calibration.md#what-a-first-job-holds)."""
+    return max(least, min(count, int(2 * count / max(crowding, 1e-9))))
+
+
 def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
     """One round of evidence: the one shot's 8-byte all_reduce and recursive doubling's (the
     message algorithm such calls would otherwise take), each timed as `typical` times it, back
@@ -97,25 +108,26 @@ def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
     return timed("direct"), timed("recursive_doubling")
 
 
-def measure_direct(world: Group) -> tuple[float, float, float]:
+def measure_direct(world: Group, **counts: int) -> tuple[float, float, float]:
     """(α, recursive doubling's 8-byte call, β) of the one-shot shared-memory path, from
     all_reduces through the group segment (every rank of the world takes part, see `typical`):
     α is a call's time at 8 bytes, in the first round of small_all_reduces (`probe` takes the
     median of DIRECT_ROUNDS); β is fitted to the time at DIRECT_BYTES (up to the slot),
-    counting a reduced byte like a copied one, and never below a lone copy's.
-    Every rank works in these calls, contention included, as for the busy link. Not
+    counting a reduced byte like a copied one, and never below a lone copy's (`counts`:
+    typical's). Every rank works in these calls, contention included, as for the busy link. Not
     a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
     cost as much as the flag round, and each rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
     n = world.size
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
-    alpha, messages = small_all_reduces(world)
-    one = typical(world, lambda: run(world.queue.internal_call("calibration probe"), big, ReduceOp.MAX))
+    alpha, messages = small_all_reduces(world, **counts)
+    one = typical(world, lambda: run(world.queue.internal_call("calibration probe"), big, ReduceOp.MAX),
+                  **counts)
     slope = (one - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
     return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
 
-def measure_cma(world: Group) -> tuple[float, float, float]:
+def measure_cma(world: Group, **counts: int) -> tuple[float, float, float]:
     """(α, β, β out of huge pages) of single copy, from its all_gather (every rank of the world
     takes part, as in measure_direct): α is half a call's time at 8 bytes a rank (two flag
     rounds), each β is fitted to the time at about CMA_BYTES read by each rank, in n-1 blocks
@@ -123,12 +135,13 @@ def measure_cma(world: Group) -> tuple[float, float, float]:
     CMA_BYTES of memory a rank). A read across processes pins the source's pages and costs far
     more than a copy out of 4 KiB pages, so the one-shot path's β does not price it; out of
     huge pages it costs less (which sources are: tuner.PageDependent;
-    docs/design/cost-model.md#single-copys-reads)."""
+    docs/design/cost-model.md#single-copys-reads). `counts`: typical's."""
     run = algorithms_for("all_gather")["single_copy"].run
     n = world.size
 
     def timed(blocks: list[np.ndarray]) -> float:
-        return typical(world, lambda: run(world.queue.internal_call("calibration probe"), blocks, None))
+        return typical(world, lambda: run(world.queue.internal_call("calibration probe"), blocks, None),
+                       **counts)
 
     small = timed([np.ones(8, dtype=np.uint8) for _ in range(n)])
     block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
@@ -148,8 +161,8 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
-def measure_busy(call: CollectiveCall, step0: int,
-                 across_hosts: bool = False) -> tuple[float, float, float, float]:
+def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
+                 batches: int = ALPHA_BATCHES) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -158,7 +171,7 @@ def measure_busy(call: CollectiveCall, step0: int,
     exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
     recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
 
-    The median 8-byte batch gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
+    The median of `batches` 8-byte batches gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
     included: contention is the point, and a long call meets the preempted rounds that a median
     would drop. Each pattern is run untimed BUSY_WARM_ROUNDS per distance first, more across
     hosts, where fresh TCP connections ramp up (BUSY_WARM_ROUNDS_ACROSS_HOSTS); there the
@@ -179,7 +192,7 @@ def measure_busy(call: CollectiveCall, step0: int,
     # every ring written once around: its pages are touched, as in steady use
     warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
     mean_round(dists, warm * len(dists))
-    alpha = rounds.alpha(rounds.small_shift)
+    alpha = rounds.alpha(rounds.small_shift, batches)
 
     def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
         return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
@@ -192,7 +205,7 @@ def measure_busy(call: CollectiveCall, step0: int,
         shifting = min(shifting, beta(mean_round(dists, count)))
     for d in dists:  # the pairs once round, untimed: every rank is past the ring
         rounds.pair(d)
-    return alpha, shifting, ring, rounds.alpha(rounds.pair)
+    return alpha, shifting, ring, rounds.alpha(rounds.pair, batches)
 
 
 class Rounds:
@@ -309,13 +322,14 @@ def one_way_beta(call: CollectiveCall, peer: int, step: int, alpha: float, out: 
 # -- the whole probe --------------------------------------------------------------------------------
 
 def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool,
-          across_hosts: bool) -> dict[str, Any]:
+          across_hosts: bool, crowding: float) -> dict[str, Any]:
     """Measure the direct path and single copy on everyone, every tier on its pair, every rank
     at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
     same everywhere. The one shot's α is the median of DIRECT_ROUNDS rounds of
     small_all_reduces spread over the probe (at its start, after single copy, after the busy
     link), each against recursive doubling: a rank preempted for a whole round (every series
-    of it) moves neither the median nor the evidence of calibrate.bound_direct.
+    of it) moves neither the median nor the evidence of calibrate.bound_direct. `crowding`:
+    the most ranks per core of any machine of the job (crowded), the same on every rank.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
@@ -329,12 +343,14 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 3)
     rounds = measured[reads.stop:].reshape(2, DIRECT_ROUNDS)
+    counts = {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
+              "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding)}
     if direct:  # first: they need every rank anyway
-        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world)
+        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, **counts)
     if cma:
-        measured[reads] = measure_cma(world)
+        measured[reads] = measure_cma(world, **counts)
     if direct:
-        rounds[:, 1] = small_all_reduces(world)
+        rounds[:, 1] = small_all_reduces(world, **counts)
     call = world.queue.internal_call("calibration probe")
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
@@ -342,24 +358,18 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
             peer = pair[1] if me == pair[0] else pair[0]
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
-    _sync_politely(world, call)  # the busy pairs start together, after the lone pairs are done
-    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts)
+    _max_politely(world, call, np.zeros(1), _SYNC)  # the busy rounds start together, after the lone pairs
+    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts,
+                                                        crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding))
     measured[busy.stop - 1] = measure_gamma()
     if direct:
         for r in range(2, DIRECT_ROUNDS):
-            rounds[:, r] = small_all_reduces(world)
+            rounds[:, r] = small_all_reduces(world, **counts)
         measured[own.start] = statistics.median(rounds[0])
     if me == 0:
         measured[gamma] = measure_gamma()
         measured[memory] = measure_memory()
-        parts = np.zeros((world.size, len(measured)))
-        parts[0] = measured
-        _wait_politely(world, call, [call.irecv(r, parts[r], _RESULTS) for r in range(1, world.size)])
-        measured[:] = parts.max(axis=0)
-        _wait_politely(world, call, [call.isend(r, measured, _RESULTS + 1) for r in range(1, world.size)])
-    else:
-        _wait_politely(world, call, [call.isend(0, measured, _RESULTS)])
-        _wait_politely(world, call, [call.irecv(0, measured, _RESULTS + 1)])
+    _max_politely(world, call, measured, _RESULTS)
     out: dict[str, Any] = {t: tuple(float(v) for v in measured[3 * i: 3 * i + 3])
                            for i, t in enumerate(TIERS)}
     out["direct"] = tuple(float(v) for v in measured[own])
@@ -394,16 +404,18 @@ def spread(world: Any, hosts: list[int]) -> Iterator[None]:
         os.sched_setaffinity(0, cores)
 
 
-def _sync_politely(world: Group, call: CollectiveCall) -> None:
-    """Everyone arrives at rank 0, which then releases everyone; waiting without spinning."""
-    token = np.zeros(1, dtype=np.uint8)
-    others = range(1, world.size)
-    if world.rank == 0:
-        _wait_politely(world, call, [call.irecv(r, np.zeros(1, np.uint8), _SYNC) for r in others])
-        _wait_politely(world, call, [call.isend(r, token, _SYNC + 1) for r in others])
-    else:
-        _wait_politely(world, call, [call.isend(0, token, _SYNC)])
-        _wait_politely(world, call, [call.irecv(0, token, _SYNC + 1)])
+def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0: int) -> None:
+    """`values` becomes its maximum over ranks, the same on every rank (and no rank returns
+    before all have arrived), waiting without spinning: rounds in which rank r sends to r + d
+    and receives from r - d, d = 1, 2, 4, ... (the maximum of what arrived is all a rank sends
+    on). Only the busy rounds' partners: no rank is wired to more peers than a cached job's
+    check wires it to (a gather at rank 0 would wire rank 0 to every rank, and every rank to it)."""
+    n, r = world.size, world.rank
+    got = np.empty_like(values)
+    for step, d in enumerate(crossing.doubling(n), step0):
+        reqs = [call.irecv((r - d) % n, got, step), call.isend((r + d) % n, values, step)]
+        _wait_politely(world, call, reqs)
+        np.maximum(values, got, out=values)
 
 
 _SYNC = 40_000
