@@ -357,6 +357,23 @@ def test_hierarchical_mismatch_fails_every_rank_naming_the_call(support: dict) -
 
 
 @pytest.mark.timeout(90)
+def test_compressed_all_reduce_across_hosts(support: dict) -> None:
+    """compress= bf16 and fp16 of float32 and float64, SUM and AVG, on 2 hosts x 2 ranks and
+    on groups of one rank per host and of hosts holding 2 and 1: every element within the
+    documented bound, every rank's result the same bits (tests/compress_job.py); and the
+    TUNING log says the compressed path ran."""
+    env = ["TENSORWIRE_CALIBRATE=0", "TENSORWIRE_DEBUG=INFO", "TENSORWIRE_DEBUG_SUBSYS=TUNING"]
+    res = run_bed(["--hosts", "2", "-n", "2", *(a for e in env for a in ("--env", e))],
+                  [str(ROOT / "tests" / "compress_job.py")], timeout=80)
+    assert res.code == 0, res.out
+    done = {int(m.group(1)): int(m.group(2)) for m in res.lines(r"COMPRESS OK rank (\d+) cases (\d+)")}
+    assert done == {0: 25, 1: 17, 2: 25, 3: 9}, res.out
+    chose = res.lines(r"all_reduce \d+ B compress=(bf16|fp16) on (\d) ranks of group \S+ over 2 hosts: "
+                      r"compressed [^,]+, exact \S+ [^-]+ -> compressed")
+    assert {m.groups() for m in chose} == {(c, w) for c in ("bf16", "fp16") for w in "234"}, res.out
+
+
+@pytest.mark.timeout(90)
 def test_topo_command_across_hosts(support: dict) -> None:
     """`tensorwire topo` as the job: rank 0 prints the hosts, their ranks and interfaces, and
     the orders; TENSORWIRE_DEBUG_SUBSYS=GRAPH logs the world group's layout on every rank."""
@@ -485,21 +502,6 @@ def test_host_crash_fails_the_others_with_peer_lost(support: dict, job: str) -> 
 
 
 @pytest.mark.timeout(90)
-def test_launcher_killed_alone_fails_the_job(support: dict, job: str) -> None:
-    res = run_bed(["--hosts", "2", "-n", "1", "--kill-host", "1", "--kill-mode", "launcher",
-                   "--kill-when", "^READY$", "--job-timeout", "40"], [job, "loop", "4"])
-    assert "SURVIVED rank 1" not in res.out, res.out
-    assert res.lines(r"\[twhost-0\] FAILED rank 0 at [\d.]+ PeerLostError"), res.out
-
-
-@pytest.mark.timeout(90)
-def test_failing_rank_gives_worst_exit_code_and_cleans_up(support: dict, job: str) -> None:
-    res = run_bed(["--hosts", "2", "-n", "1", "--grace", "2"], [job, "fail"])
-    assert res.code == 7, res.out
-    assert "twhost-1 (10.77.0.2): exit code 7" in res.out, res.out
-
-
-@pytest.mark.timeout(90)
 def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(support: dict, job: str) -> None:
     """TENSORWIRE_PEER_TIMEOUT is 2 s here (the calls' timeout 30 s). First a live rank that
     reads 32 MiB sent to it 3 s late is not lost (its sender waits on a closed receive window,
@@ -530,6 +532,21 @@ def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(suppo
         assert ranks == ("[0, 1]" if r < 2 else "[2, 3]"), f"rank {r} shrunk to {ranks}"
         assert when - t_cut < 2 * peer_timeout + 10, f"rank {r} shrunk only after {when - t_cut:.1f} s"
     assert res.code == 0, res.out
+
+
+@pytest.mark.timeout(90)
+def test_launcher_killed_alone_fails_the_job(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--kill-host", "1", "--kill-mode", "launcher",
+                   "--kill-when", "^READY$", "--job-timeout", "40"], [job, "loop", "4"])
+    assert "SURVIVED rank 1" not in res.out, res.out
+    assert res.lines(r"\[twhost-0\] FAILED rank 0 at [\d.]+ PeerLostError"), res.out
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_gives_worst_exit_code_and_cleans_up(support: dict, job: str) -> None:
+    res = run_bed(["--hosts", "2", "-n", "1", "--grace", "2"], [job, "fail"])
+    assert res.code == 7, res.out
+    assert "twhost-1 (10.77.0.2): exit code 7" in res.out, res.out
 
 
 @pytest.mark.timeout(90)

@@ -25,7 +25,8 @@ pytest.importorskip("torch")
 @pytest.mark.timeout(120)
 def test_ddp_fsdp2_two_ranks() -> None:
     # the Gloo world's store gets a port of its own (MASTER_PORT + 1 was once taken: EADDRINUSE)
-    assert_all_ok(launch("train", 2, script=_SELF, GLOO_PORT=str(free_port())), "train")
+    assert_all_ok(launch("train", 2, script=_SELF, GLOO_PORT=str(free_port()), TENSORWIRE_COMPRESS="bf16"),
+                  "train")
 
 
 @pytest.mark.timeout(120)
@@ -190,6 +191,7 @@ def _train_fsdp2(mesh, steps: int) -> tuple[list[float], object]:
 
 
 def scenario_train() -> None:
+    import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.device_mesh import init_device_mesh
@@ -208,6 +210,15 @@ def scenario_train() -> None:
     for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):
         _compare_with_gloo(f"DDP {hook.__name__}", _train_ddp(None, gloo, steps=steps, hook=hook),
                            _train_ddp(gloo, gloo, steps=steps, hook=hook), rtol=1e-3)
+    # tensorwire's compress hook, and TENSORWIRE_COMPRESS=bf16 (the test sets it): asked for, and
+    # on one host (nothing crosses between hosts) exact
+    _compare_with_gloo("DDP bf16_allreduce_hook",
+                       _train_ddp(None, gloo, steps=steps, hook=tensorwire.torch.bf16_allreduce_hook),
+                       _train_ddp(gloo, gloo, steps=steps))
+    choices = dist.distributed_c10d._get_default_group().tensorwire_group.choices
+    dist.all_reduce(torch.ones(10))
+    dist.all_reduce(torch.ones(10, dtype=torch.int64))
+    assert choices.get(("all_reduce", 40, "bf16")) is False and ("all_reduce", 80, "bf16") not in choices
     _check_overlap(gloo)
     # sparse gradients (an embedding bag): DDP all-reduces sparse COO tensors
     _compare_with_gloo("DDP sparse embedding", _train_sparse(None), _train_sparse(gloo))

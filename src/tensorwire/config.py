@@ -193,6 +193,9 @@ class Config:
     (TENSORWIRE_SHM_DIRECT)."""
     algo: str = ""
     """Forced algorithms, NCCL-style: 'allreduce:ring' (TENSORWIRE_ALGO)."""
+    compress: str = ""
+    """'bf16' or 'fp16': the torch backend's float32/float64 SUM and AVG all_reduces run with
+    that compress= (TENSORWIRE_COMPRESS; ops/compress.py); '' none."""
     spin_us: float | None = None
     """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US);
     None: 50 us, or 0 on a host with more ranks than usable cores (TENSORWIRE_SPIN_US)."""
@@ -270,6 +273,7 @@ class Config:
             tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
+            compress=os.environ.get("TENSORWIRE_COMPRESS", "").strip().lower(),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
             bind=_env_bool("TENSORWIRE_BIND", False),
             deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
@@ -300,6 +304,8 @@ class Config:
         if cfg.calibrate not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
                              f"cached) or force (probe and rewrite the cache)")
+        if cfg.compress not in ("", "bf16", "fp16"):
+            raise ValueError(f"TENSORWIRE_COMPRESS={cfg.compress!r}: expected bf16, fp16 or nothing")
         if cfg.single_copy not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (the "
                              f"reductions always, the rest unless ranks outnumber cores) or force "

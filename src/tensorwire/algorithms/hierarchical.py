@@ -7,7 +7,8 @@ all_reduce is a reduce-scatter within each host, an all_reduce of each rank's sh
 rail (every rank of a host carries its share across at once), and an all-gather within each
 host: a host's link carries m per direction whatever the number of its ranks, where a flat
 ring carries 2 (n-1)/n m, with every other hop of it on shared memory waiting for the link.
-Large calls run in pieces, the rails carrying one while the hosts work on the next. Small ones
+Large calls run in pieces, the rails carrying one while the hosts work on the next. What
+crosses the rails is a parameter (`Crossing`): the compressed all_reduce sends 16-bit pieces. Small ones
 take `hierarchical_leaders`: a reduce onto each host's first rank, an all_reduce among those
 and a broadcast back, one message per host between hosts.
 all_gather and reduce_scatter cross along the rails too (each rank's own block, or each rank's
@@ -77,8 +78,8 @@ def _summing(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
 
 
-def _left(p2p: P2P) -> float:
-    """The call's remaining time, which bounds every phase."""
+def time_left(p2p: P2P) -> float:
+    """The call's remaining time, which bounds every phase (and a crossing's steps)."""
     return max(1e-3, p2p.deadline - time.perf_counter())  # type: ignore[attr-defined]
 
 
@@ -121,43 +122,73 @@ def pieces(count: int, itemsize: int, per_host: int, link: Link | None = None) -
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+class Crossing:
+    """How a piece's shares cross between hosts, along the rails: `steps` steps per piece, each
+    started by `step` (which may leave a Work running on the rail's worker thread where the
+    call is pipelined, returned as the piece's state), the last waited for by `finish`, which
+    leaves the reduced share in place. This one is an all_reduce of each share;
+    algorithms/compressed.py sends 16-bit pieces instead."""
+
+    steps = 1
+
+    def __init__(self, op: ReduceOp) -> None:
+        self.op = op
+
+    def itemsize(self, data: np.ndarray) -> int:
+        """Bytes an element takes on the rails, which size the pieces (`pieces`)."""
+        return data.itemsize
+
+    def step(self, k: int, rail: Any, share: np.ndarray, state: Any, pipelined: bool, p2p: P2P) -> Any:
+        work = rail.all_reduce(share, self.op, async_op=pipelined, timeout=time_left(p2p))
+        return work if pipelined else None
+
+    def finish(self, rail: Any, share: np.ndarray, state: Any, p2p: P2P) -> None:
+        if state is not None:
+            state.wait(time_left(p2p))
+
+
+def hierarchical_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None,
+                            crossing: Crossing | None = None) -> None:
+    """Pipelined over the pieces: at each tick one piece is reduce-scattered within the hosts and
+    starts crossing, the ones before it take their next crossing step, and the oldest one is
+    all-gathered within the hosts; the rails run the crossing steps in the order every rank
+    submits them."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     op = _summing(op)
+    cross = crossing if crossing is not None else Crossing(op)
     inp = data if src is None else src
     rails = h.rails  # where hosts hold more, their further ranks get no share
-    ranges = pieces(data.size, data.itemsize, rails, p2p.link)
+    ranges = pieces(data.size, cross.itemsize(data), rails, p2p.link)
     pipelined = len(ranges) > 1
-    crossing: tuple[Any, np.ndarray, list[int]] | None = None  # the piece on the rails
-    for lo, hi in ranges:
-        piece = data[lo:hi]
-        counts = split_counts(hi - lo, rails) + [0] * (h.local.size - rails)
-        offs = offsets_of(counts)
-        share = piece[offs[h.index]:offs[h.index + 1]]
-        if _even(counts):
-            h.local.reduce_scatter_tensor(share, inp[lo:hi], op, timeout=_left(p2p))
-        else:
-            h.local.reduce_scatterv(share, inp[lo:hi], counts, op, timeout=_left(p2p))
-        work = None  # the rails' Work where they run in the background
-        if share.size:
-            done = h.rail.all_reduce(share, op, async_op=pipelined, timeout=_left(p2p))
-            work = done if pipelined else None
-        if crossing is not None:
-            _gather_piece(h, p2p, *crossing)
-        crossing = (work, piece, counts)
-    if crossing is not None:
-        _gather_piece(h, p2p, *crossing)
-
-
-def _gather_piece(h: Hierarchy, p2p: P2P, work: Any, piece: np.ndarray, counts: list[int]) -> None:
-    """Wait for a piece's rails (where they ran in the background), then all-gather it."""
-    if work is not None:
-        work.wait(_left(p2p))
-    share = piece[sum(counts[:h.index]):sum(counts[:h.index + 1])]
-    if _even(counts):
-        h.local.all_gather_into_tensor(piece, share, timeout=_left(p2p))
-    else:
-        h.local.all_gatherv(piece, share, counts, timeout=_left(p2p))
+    parts: list[tuple[np.ndarray, list[int], np.ndarray]] = []  # (piece, counts, this rank's share)
+    states: list[Any] = []
+    for tick in range(len(ranges) + cross.steps):
+        if tick < len(ranges):
+            lo, hi = ranges[tick]
+            piece = data[lo:hi]
+            counts = split_counts(hi - lo, rails) + [0] * (h.local.size - rails)
+            offs = offsets_of(counts)
+            share = piece[offs[h.index]:offs[h.index + 1]]
+            if _even(counts):
+                h.local.reduce_scatter_tensor(share, inp[lo:hi], op, timeout=time_left(p2p))
+            else:
+                h.local.reduce_scatterv(share, inp[lo:hi], counts, op, timeout=time_left(p2p))
+            parts.append((piece, counts, share))
+            states.append(None)
+        for k in range(cross.steps):
+            i = tick - k
+            if 0 <= i < len(ranges) and parts[i][2].size:
+                states[i] = cross.step(k, h.rail, parts[i][2], states[i], pipelined, p2p)
+        i = tick - cross.steps
+        if i >= 0:
+            piece, counts, share = parts[i]
+            if share.size:
+                cross.finish(h.rail, share, states[i], p2p)
+            states[i] = None
+            if _even(counts):
+                h.local.all_gather_into_tensor(piece, share, timeout=time_left(p2p))
+            else:
+                h.local.all_gatherv(piece, share, counts, timeout=time_left(p2p))
 
 
 def leaders_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
@@ -168,20 +199,20 @@ def leaders_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.ndarray
     op = _summing(op)
     leader = h.index == 0
     if src is None:
-        h.local.reduce(data, 0, op, timeout=_left(p2p))
+        h.local.reduce(data, 0, op, timeout=time_left(p2p))
     else:
-        h.local.reduce(src, 0, op, out=data if leader else None, timeout=_left(p2p))
+        h.local.reduce(src, 0, op, out=data if leader else None, timeout=time_left(p2p))
     if leader:
-        h.rail.all_reduce(data, op, timeout=_left(p2p))
-    h.local.broadcast(data, 0, timeout=_left(p2p))
+        h.rail.all_reduce(data, op, timeout=time_left(p2p))
+    h.local.broadcast(data, 0, timeout=time_left(p2p))
 
 
 def _broadcast(group: Any, data: np.ndarray, root: int, src: np.ndarray | None, p2p: P2P) -> None:
     """group.broadcast from `root`, out of place where the root passes `src`."""
     if src is not None:
-        group.broadcast(src, root, out=data, timeout=_left(p2p))
+        group.broadcast(src, root, out=data, timeout=time_left(p2p))
     else:
-        group.broadcast(data, root, timeout=_left(p2p))
+        group.broadcast(data, root, timeout=time_left(p2p))
 
 
 def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarray | None = None) -> None:
@@ -193,13 +224,13 @@ def hierarchical_broadcast(p2p: P2P, data: np.ndarray, root: int, src: np.ndarra
         if h.host == host:
             _broadcast(h.local, data, index, src, p2p)
         if h.index == 0:
-            h.rail.broadcast(data, host, timeout=_left(p2p))
+            h.rail.broadcast(data, host, timeout=time_left(p2p))
         if h.host != host:
-            h.local.broadcast(data, 0, timeout=_left(p2p))
+            h.local.broadcast(data, 0, timeout=time_left(p2p))
         return
     if h.index == index:
         _broadcast(h.rail, data, host, src, p2p)
-    h.local.broadcast(data, index, timeout=_left(p2p))
+    h.local.broadcast(data, index, timeout=time_left(p2p))
 
 
 def hierarchical_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
@@ -211,24 +242,24 @@ def hierarchical_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceO
     host, index = h.where[root]
     through = index if index < h.rails else 0
     if h.index != through:
-        h.local.reduce(data, through, op, timeout=_left(p2p))
+        h.local.reduce(data, through, op, timeout=time_left(p2p))
         if p2p.rank == root:
-            h.local.recv(acc, 0, timeout=_left(p2p))
+            h.local.recv(acc, 0, timeout=time_left(p2p))
         return
     part = acc if p2p.rank == root else np.empty_like(data)
-    h.local.reduce(data, through, op, out=part, timeout=_left(p2p))
-    h.rail.reduce(part, host, op, timeout=_left(p2p))
+    h.local.reduce(data, through, op, out=part, timeout=time_left(p2p))
+    h.rail.reduce(part, host, op, timeout=time_left(p2p))
     if through != index and h.host == host:
-        h.local.send(part, index, timeout=_left(p2p))
+        h.local.send(part, index, timeout=time_left(p2p))
 
 
 def hierarchical_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | None = None) -> None:
     """Each rank's block along its rail, then each host's blocks within every host."""
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
     mine = blocks[p2p.rank] if src is None else src
-    h.rail.all_gather([blocks[on[h.index]] for on in h.hosts], mine, timeout=_left(p2p))
+    h.rail.all_gather([blocks[on[h.index]] for on in h.hosts], mine, timeout=time_left(p2p))
     for on in h.hosts:
-        h.local.all_gather([blocks[g] for g in on], blocks[on[h.index]], timeout=_left(p2p))
+        h.local.all_gather([blocks[g] for g in on], blocks[on[h.index]], timeout=time_left(p2p))
 
 
 def hierarchical_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
@@ -237,8 +268,8 @@ def hierarchical_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndar
     op = _summing(op)
     partial = np.empty((len(h.hosts), out.size), dtype=out.dtype)
     for k, on in enumerate(h.hosts):
-        h.local.reduce_scatter(partial[k], [blocks[g] for g in on], op, timeout=_left(p2p))
-    h.rail.reduce_scatter(out, list(partial), op, timeout=_left(p2p))
+        h.local.reduce_scatter(partial[k], [blocks[g] for g in on], op, timeout=time_left(p2p))
+    h.rail.reduce_scatter(out, list(partial), op, timeout=time_left(p2p))
 
 
 def leaders_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | None = None) -> None:
@@ -256,10 +287,10 @@ def leaders_all_gather(p2p: P2P, blocks: list[np.ndarray], src: np.ndarray | Non
     offs = offsets_of(counts)
     home = whole[offs[h.host]:offs[h.host + 1]]
     leader = h.index == 0
-    h.local.gather(mine, list(home.reshape(-1, nbytes)) if leader else None, 0, timeout=_left(p2p))
+    h.local.gather(mine, list(home.reshape(-1, nbytes)) if leader else None, 0, timeout=time_left(p2p))
     if leader:
-        h.rail.all_gatherv(whole, home, counts, timeout=_left(p2p))
-    h.local.broadcast(whole, 0, timeout=_left(p2p))
+        h.rail.all_gatherv(whole, home, counts, timeout=time_left(p2p))
+    h.local.broadcast(whole, 0, timeout=time_left(p2p))
     if span is None:
         for k, g in enumerate(g for on in h.hosts for g in on):
             blocks[g].view(np.uint8)[...] = whole[k * nbytes:(k + 1) * nbytes]
@@ -278,14 +309,14 @@ def leaders_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndarray, 
         inp = np.concatenate(ordered)
     leader = h.index == 0
     acc = np.empty_like(inp) if leader else None
-    h.local.reduce(inp, 0, op, out=acc, timeout=_left(p2p))
+    h.local.reduce(inp, 0, op, out=acc, timeout=time_left(p2p))
     home = None
     if leader:
         counts = [len(on) * out.size for on in h.hosts]
         home = np.empty(counts[h.host], dtype=out.dtype)
-        h.rail.reduce_scatterv(home, acc, counts, op, timeout=_left(p2p))
+        h.rail.reduce_scatterv(home, acc, counts, op, timeout=time_left(p2p))
     parts = list(home.reshape(-1, out.size)) if home is not None else None
-    h.local.scatter(out, parts, 0, timeout=_left(p2p))
+    h.local.scatter(out, parts, 0, timeout=time_left(p2p))
 
 
 def _host_major(blocks: list[np.ndarray], hosts: tuple[tuple[int, ...], ...], out: np.ndarray | None
@@ -310,11 +341,11 @@ def hierarchical_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.nd
     per_host = len(hosts[0])
     staged = np.empty((2, len(hosts) * per_host, nbytes), dtype=np.uint8)  # (host, rank on it, bytes)
     send = _host_major(sends, hosts, staged[1])
-    h.rail.all_to_all_single(staged[0], send, timeout=_left(p2p))
+    h.rail.all_to_all_single(staged[0], send, timeout=time_left(p2p))
     # from host k's rank on this rail: its blocks for this host's ranks j; regroup by j
     by_rank = staged[1].reshape(per_host, len(hosts), nbytes)
     by_rank[...] = staged[0].reshape(len(hosts), per_host, nbytes).transpose(1, 0, 2)
-    h.local.all_to_all_single(staged[0], staged[1], timeout=_left(p2p))
+    h.local.all_to_all_single(staged[0], staged[1], timeout=time_left(p2p))
     got = staged[0].reshape(per_host, len(hosts), nbytes)  # from this host's rank j: host k's rank j's block
     out = _host_major(recvs, hosts, None)
     if out is not None:
@@ -327,23 +358,25 @@ def hierarchical_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.nd
 
 def hierarchical_barrier(p2p: P2P) -> None:
     h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
-    h.local.barrier(timeout=_left(p2p))
+    h.local.barrier(timeout=time_left(p2p))
     if h.index == 0:
-        h.rail.barrier(timeout=_left(p2p))
-    h.local.barrier(timeout=_left(p2p))
+        h.rail.barrier(timeout=time_left(p2p))
+    h.local.barrier(timeout=time_left(p2p))
 
 
 # Costs: the phases' own cheapest algorithms, priced by the tuner (or `tensorwire plan`) on the
 # host tier (`local`) and between hosts (`rail`); m as nccl-tests counts it for the collective.
-def _all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
-                     link: Link | None = None) -> float:
+def all_reduce_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice, link: Link | None = None,
+                    across: Callable[[int], float] | None = None, wire: float = 1.0) -> float:
     """In k pieces (`pieces`), the rails' phase overlapping the hosts': every piece pays its own
-    phases once, the rest of the call goes at the pace of the slower side."""
-    k = len(pieces(m, 1, s.rails, link)) if m else 1
+    phases once, the rest of the call goes at the pace of the slower side. `across`: the
+    price of a piece of m bytes crossing (default: the shares' all_reduce, `Crossing`);
+    `wire`: the bytes on the rails per byte of the call (Crossing.itemsize)."""
+    k = len(pieces(int(m * wire), 1, s.rails, link)) if m else 1
     m_k = m // k
     within = local("reduce_scatter", s.per_host, m_k) + local("all_gather", s.per_host, m_k)
-    across = rail("all_reduce", s.hosts, m_k // s.rails, s.nic_share)
-    return within + across + (k - 1) * max(within, across)
+    crossing = across(m_k) if across is not None else rail("all_reduce", s.hosts, m_k // s.rails, s.nic_share)
+    return within + crossing + (k - 1) * max(within, crossing)
 
 
 def _leaders_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
@@ -397,7 +430,7 @@ def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
     return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
 
 
-def _named(run: Callable[..., None]) -> Callable[..., None]:
+def naming(run: Callable[..., None]) -> Callable[..., None]:
     """`run`, its phases' errors naming the caller's call too: a phase fails as a call of a
     sub-group ('reduce_scatterv #5 on group world/host0'), which the caller never made."""
     @functools.wraps(run)
@@ -417,14 +450,14 @@ def _flat_never(n: int, m: int, link: Link) -> float:
     return float("inf")
 
 
-register(Algorithm(LEADERS, "all_reduce", _named(leaders_all_reduce), _flat_never, phases=_leaders_cost,
+register(Algorithm(LEADERS, "all_reduce", naming(leaders_all_reduce), _flat_never, phases=_leaders_cost,
                    reorder=False, out_of_place=True, uneven=True))
-register(Algorithm(NAME, "all_reduce", _named(hierarchical_all_reduce), _flat_never, phases=_all_reduce_cost,
+register(Algorithm(NAME, "all_reduce", naming(hierarchical_all_reduce), _flat_never, phases=all_reduce_cost,
                    reorder=False, out_of_place=True, eligible=lambda n, m: m >= n * SHARE_MIN, uneven=True))
-register(Algorithm(LEADERS, "all_gather", _named(leaders_all_gather), _flat_never,
+register(Algorithm(LEADERS, "all_gather", naming(leaders_all_gather), _flat_never,
                    phases=_leaders_all_gather_cost, reorder=False, out_of_place=True, uneven=True,
                    uniform=False))
-register(Algorithm(LEADERS, "reduce_scatter", _named(leaders_reduce_scatter), _flat_never,
+register(Algorithm(LEADERS, "reduce_scatter", naming(leaders_reduce_scatter), _flat_never,
                    phases=_leaders_reduce_scatter_cost, reorder=False, uneven=True, uniform=False))
 for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost),
                            ("reduce", hierarchical_reduce, _reduce_cost),
@@ -432,6 +465,6 @@ for _coll, _run, _cost in (("broadcast", hierarchical_broadcast, _broadcast_cost
                            ("reduce_scatter", hierarchical_reduce_scatter, _reduce_scatter_cost),
                            ("all_to_all", hierarchical_all_to_all, _all_to_all_cost),
                            ("barrier", hierarchical_barrier, _barrier_cost)):
-    register(Algorithm(NAME, _coll, _named(_run), _flat_never, phases=_cost, reorder=False,
+    register(Algorithm(NAME, _coll, naming(_run), _flat_never, phases=_cost, reorder=False,
                        out_of_place=_coll in ("broadcast", "all_gather"),
                        uneven=_coll in ("broadcast", "reduce", "barrier")))

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import buffers
+from ..algorithms.compressed import compressed_all_reduce
 from ..buffers import copy
 from ..ops import Reduction
+from ..ops.compress import Codec
 from ..ops.finalize import finalize
 from ..tuning import tuner
 from .arguments import apart, flats, input_apart
@@ -23,12 +25,17 @@ if TYPE_CHECKING:
 SELECT = object()  # a body's `run` argument: ask the tuner (unplanned calls)
 
 
-def all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any) -> Any:
+def all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Reduction, result: Any,
+               codec: Codec | None = None) -> Any:
+    """`codec`: compress= asked for, which only a group over hosts has a use for."""
     group = call.group
     flat = buffers.flat(dst)
     apart = None if dst is src else input_apart([flat], 0, src)
     if group.size > 1 and flat.size:
-        tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
+        if codec is not None and tuner.compresses(group, flat.nbytes, codec, flat.itemsize):
+            compressed_all_reduce(call, flat, red.op, apart, codec)
+        else:
+            tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
     elif apart is not None:
         copy(flat, apart)
     finalize(flat, red, group.size)

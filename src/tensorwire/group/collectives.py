@@ -15,8 +15,10 @@ import numpy as np
 from .. import buffers
 from ..algorithms.base import blocks_of
 from ..algorithms.shm_direct import BroadcastPlan, GatherPlan, ReducePlan, ScatterPlan, TensorPlan
+from ..errors import InvalidArgumentError
 from ..gpu import is_device_buffer as _on_device
 from ..ops import ReduceOp, Reduction
+from ..ops.compress import codec_for
 from ..transport.wire import Coll, Fingerprint
 from ..tuning import tuner
 from . import bodies
@@ -49,14 +51,19 @@ _BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
 
 # -- reductions -------------------------------------------------------------------------------
 def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = None,
-               async_op: bool = False, timeout: float | None = None) -> Any:
-    """Reduce `tensor` over the group; in place, or into `out` leaving `tensor` untouched."""
+               async_op: bool = False, timeout: float | None = None, compress: str | None = None) -> Any:
+    """Reduce `tensor` over the group; in place, or into `out` leaving `tensor` untouched.
+
+    `compress="bf16"` or `"fp16"` (float32/float64, SUM or AVG, host memory; every rank alike):
+    on a group over hosts the shares cross between hosts in 16 bits and are summed in the
+    tensor's precision, exact within each host, the same result on every rank; on one host
+    the call is exact (docs/multihost.md#compressed-all_reduce gives the error bound)."""
     what = "all_reduce"
     # The hot path of small all_reduces (gradient norms, loss values, flags): a signature
     # (dtype, count, op, in/out of place) whose checks passed before only needs its arrays'
     # flags re-checked, and on the direct path runs with everything else looked up already:
     # most of a small call's Python time.
-    src = planned(tensor, async_op)
+    src = planned(tensor, async_op) if compress is None else None
     if src is not None and (type(op) is ReduceOp or type(op) is Reduction):
         plan = group.plans.get((what, src.dtype, src.size, op, out is None))
         if plan is not None:
@@ -75,6 +82,9 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
                 done = group.plans.submit(call, run, True, async_op, timeout, src, dst)
                 return done if async_op else result
     if _on_device(tensor):
+        if compress is not None:
+            invalid(group, what, f"compress={compress!r} compresses tensors in host memory only, "
+                    f"not CUDA ones")
         return group.device.all_reduce(tensor, op, out, async_op, timeout)
     check_member(group, what)
     src = array(group, tensor, what, writable=out is None)
@@ -83,6 +93,13 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
         invalid(group, what, f"out has {dst.size} x {dst.dtype}, tensor {src.size} x {src.dtype}")
     red = reduction(group, op, src.dtype, what)
     fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
+    if compress is not None:
+        try:
+            codec = codec_for(compress, src.dtype, red.op, rank=group.runtime.rank, collective=what)
+        except InvalidArgumentError as exc:
+            group.fail_fast(exc)
+        return group.queue.submit(fp, what, bodies.all_reduce, async_op, timeout, src, dst, red,
+                                  out if out is not None else tensor, codec)
     if src is planned(tensor, False) and (out is None or dst is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
         group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red)

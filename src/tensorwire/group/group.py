@@ -102,9 +102,9 @@ class Group:
         member runs at the same point. A failure of the group fails them too (Engine.children)."""
         if self._hierarchy is None:
             layout = self.layout
-            if layout is None or layout.shape is None:
+            if layout is None:  # one rank a host: host groups of one (the compressed all_reduce)
                 raise InvalidArgumentError(f"rank {self.runtime.rank}: group {self.name} has no hierarchy: "
-                                           "it is on one host, or each of its hosts holds one rank")
+                                           "it is on one host")
             where = {g: (k, i) for k, on in enumerate(layout.hosts) for i, g in enumerate(on)}
             host, index = where[self.rank]
             ctxs = mix_context(self.ctx, -1, host), mix_context(self.ctx, -2, index)

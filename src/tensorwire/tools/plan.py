@@ -194,6 +194,10 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
                 if flows > 1 + 1e-9:
                     mark += f"  ({flows:.3g} flows a host link)"
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
+    if collective == "all_reduce" and hosts > 1 and best > 0:
+        out("  compress='bf16' or 'fp16' (16 bits between hosts, exact within them):")
+        for dtype, t in pricing.compressed_prices(m, hosts, per_host, nics, local, net, cfg):
+            out(f"    {dtype:<{width}}  {format_seconds(t):>10}  x{t / best:.2f}")
 
     def winner(size: int) -> str | None:
         t, name, reason = cluster_prices(collective, size, hosts, per_host, nics, local, net, cfg)[0]

@@ -6,7 +6,8 @@
 Importing this module registers the backend name "tensorwire" for CPU and CUDA tensors. Every c10d
 operation of a tensorwire process group is run by tensorwire itself (see process_group.py);
 errors are tensorwire's (PeerLostError, CollectiveMismatchError, TimeoutError, ...), raised on
-every rank. See docs/torch.md.
+every rank. `bf16_allreduce_hook` and `fp16_allreduce_hook` are DDP communication hooks that
+compress only between hosts (hooks.py). See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
 
 from . import world
+from .hooks import bf16_allreduce_hook, fp16_allreduce_hook
 from .process_group import BACKEND_NAME, ProcessGroupTensorwire
 from .work import TensorwireWork
 
-__all__ = ["BACKEND_NAME", "ProcessGroupTensorwire", "TensorwireWork", "create_backend"]
+__all__ = ["BACKEND_NAME", "ProcessGroupTensorwire", "TensorwireWork", "bf16_allreduce_hook",
+           "create_backend", "fp16_allreduce_hook"]
 
 
 def create_backend(opts: Any, pg_options: Any = None) -> ProcessGroupTensorwire:

@@ -144,6 +144,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._group_desc = ""
         self._release = release
         self._closed = False
+        self._compress = group.runtime.config.compress or None  # TENSORWIRE_COMPRESS
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -201,7 +202,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if factor is None and len(tensors) == 1 and not opts.asyncOp:
             t = tensors[0]
             if t.is_contiguous() and (t.is_cpu or t.is_cuda):  # a plain dist.all_reduce(t): most direct
-                self._tw.all_reduce(t, op, timeout=self._timeout_of(opts))
+                self._tw.all_reduce(t, op, timeout=self._timeout_of(opts),
+                                    compress=None if self._compress is None else self._compressing(t, op))
                 return CompletedWork(tensors)
         if len(tensors) == 1 and tensors[0].is_sparse:
             self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
@@ -211,8 +213,16 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if factor is not None:
             _scaled(buf, factor, self._tw, in_place=True)
         g = self._tw
+        compress = None if self._compress is None else self._compressing(buf, op)
         return self._run("all_reduce", opts, tensors,
-                         [lambda a, t: g.all_reduce(buf, op, async_op=a, timeout=t)], st.finish())
+                         [lambda a, t: g.all_reduce(buf, op, async_op=a, timeout=t, compress=compress)],
+                         st.finish())
+
+    def _compressing(self, t: torch.Tensor, op: ReduceOp) -> str | None:
+        """TENSORWIRE_COMPRESS where it applies: float32/float64 SUM and AVG in host memory."""
+        if t.is_cpu and t.dtype in (torch.float32, torch.float64) and op in (ReduceOp.SUM, ReduceOp.AVG):
+            return self._compress
+        return None
 
     def _sparse_all_reduce(self, t: torch.Tensor, op: ReduceOp, factor: Any, timeout: float | None) -> None:
         """SUM of sparse COO tensors (what DDP sends for sparse gradients, and all Gloo offers):

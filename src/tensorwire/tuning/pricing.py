@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..algorithms.compressed import compressed_cost
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..config import Config
 from ..errors import InvalidArgumentError
@@ -36,7 +37,7 @@ from .cost_model import (
     shared,
 )
 from .policy import REDUCTIONS, allowed, is_deterministic
-from .shape import Shape
+from .shape import LocalPrice, RailPrice, Shape
 from .tuning_file import REQUIRED
 
 
@@ -257,11 +258,7 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
     phases, within a host on `local` and between hosts on `net`, `per_host / nics` flows
     sharing each host link."""
     n = hosts * per_host
-    links = {local.name: local.link, net.name: net.link}
-    if local.direct is not None:
-        links["direct"] = local.direct
-    within, across = phase_prices(LinkTable(links, {}), cfg, local.name, net.name)
-    shape = Shape(hosts, per_host, per_host / max(1, min(nics, per_host)))
+    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg)
     rows = []
     for alg in algorithms_for(collective).values():
         if alg.phases is not None:
@@ -286,6 +283,25 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
                                                        for f in ("alpha", "beta", "gamma")))).cost(alg, n, m)
         rows.append((t, alg.name, reason))
     return sorted(rows)
+
+
+def _cluster_phases(hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                    cfg: Config) -> tuple[LocalPrice, RailPrice, Shape]:
+    """How cluster_prices prices a hierarchical algorithm's phases, and the cluster's shape."""
+    links = {local.name: local.link, net.name: net.link}
+    if local.direct is not None:
+        links["direct"] = local.direct
+    within, across = phase_prices(LinkTable(links, {}), cfg, local.name, net.name)
+    return within, across, Shape(hosts, per_host, per_host / max(1, min(nics, per_host)))
+
+
+def compressed_prices(m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                      cfg: Config) -> list[tuple[str, float]]:
+    """(dtype, seconds) of an all_reduce of m bytes with compress= ('bf16' and 'fp16' move the
+    same bytes) of float32 and of float64, on the cluster cluster_prices prices."""
+    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg)
+    return [(name, compressed_cost(shape, m, within, across, net.link, size))
+            for name, size in (("float32", 4), ("float64", 8))]
 
 
 def host_link_flows(alg: Algorithm, hosts: int, per_host: int, nics: int) -> float:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import log
+from ..algorithms.compressed import compressed_cost
 from ..algorithms.ordered import arrange
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..errors import InvalidArgumentError
@@ -56,6 +57,7 @@ from .tuning_file import defaults_with_file
 
 if TYPE_CHECKING:
     from ..group.group import Group
+    from ..ops.compress import Codec
     from ..runtime import Runtime
 
 _log = log.get("TUNING")
@@ -357,6 +359,39 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     if len(group.choices) < 4096:
         group.choices[key] = choice
     return choice
+
+
+def compresses(group: Group, nbytes: int, codec: Codec, itemsize: int) -> bool:
+    """Whether an all_reduce with compress= runs compressed: where the group spans hosts, so
+    that shares cross a link between them; on one host it is exact (nothing crosses). Logged
+    once per group, size and codec under TUNING, priced against the exact choice."""
+    key = ("all_reduce", nbytes, codec.name)
+    known = group.choices.get(key)
+    if known is not None:
+        return known  # type: ignore[no-any-return]
+    layout = group.layout
+    if _log.isEnabledFor(20):
+        where = f"all_reduce {nbytes} B compress={codec.name} on {group.size} ranks of group {group.name}"
+        if layout is None:
+            _log.info("%s: on one host nothing crosses a link between hosts -> exact", where)
+        else:
+            exact = decide(group, "all_reduce", nbytes)
+            _log.info("%s over %d hosts: compressed %s, exact %s %s -> compressed", where, len(layout.hosts),
+                      format_seconds(compressed_price(group, layout.hosts, nbytes, itemsize)),
+                      exact.choice.name, format_seconds(exact.priced[0][0]))
+    if len(group.choices) < 4096:
+        group.choices[key] = layout is not None
+    return layout is not None
+
+
+def compressed_price(group: Group, hosts: tuple[tuple[int, ...], ...], nbytes: int, itemsize: int) -> float:
+    """The compressed all_reduce's predicted time at the group's constants (as `phased`), its
+    ranks on `hosts` (topology.Layout.hosts)."""
+    shape = shape_of(group) or Shape(len(hosts), 1, 1.0)
+    cfg = group.runtime.config
+    table = table_for(group.runtime)
+    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
+    return compressed_cost(shape, nbytes, local, rail, table.link(tier_of(group)), itemsize)
 
 
 def explain(group: Group, decision: Decision) -> str:
