@@ -671,3 +671,21 @@ def test_topology_repr_names_ranks_and_hosts() -> None:
     ranks = [RankInfo(r, host, host, 100 + r, "127.0.0.1", "lo", (r,), (0,))
              for r, host in enumerate(("a", "a", "b"))]
     assert repr(Topology(ranks)) == "<tensorwire.Topology: 3 ranks on 2 host(s)>"
+
+
+@pytest.mark.timeout(90)
+def test_tcp_ceiling_beside_sendrecv() -> None:
+    """--tcp-ceiling prints what raw sockets move here with 1, 2, 4 and 8 streams, and sendrecv's
+    bandwidth as a fraction of it; the probe moves every byte (an odd size over 3 sockets)."""
+    from tensorwire.tools.benchmarks import tcp_ceiling
+
+    small = tcp_ceiling.measure(streams=(1, 3), nbytes=(1 << 20) + 5, rounds=2)
+    assert [c.streams for c in small] == [1, 3] and all(len(c.seconds) == 2 and c.gbps() > 0 for c in small)
+    p = run_bench("sendrecv", "-b", "1M", "-e", "1M", "-n", "3", "-w", "1", "--np", "2", "--tcp",
+                  "--tcp-ceiling", timeout=80)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# TCP ceiling of this machine"))
+    assert [int(line.split()[1]) for line in lines[at + 2:at + 6]] == [1, 2, 4, 8]
+    assert all(float(line.split()[-1]) > 0 for line in lines[at + 2:at + 6])
+    assert any(line.startswith("# sendrecv    1048576 B:") and "of one raw socket" in line for line in lines)

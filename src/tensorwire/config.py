@@ -38,6 +38,16 @@ def _env_int(name: str, default: int) -> int:
     return int(_env_float(name, default))
 
 
+def _env_threads(name: str) -> int | None:
+    """A count of threads, or None for `auto` (or unset)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if not raw.isdigit() or int(raw) > 64:
+        raise ValueError(f"{name}={raw!r}: expected auto or a number of threads from 0 to 64")
+    return int(raw)
+
+
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -185,6 +195,9 @@ class Config:
     nsocks: int = 1
     """TCP streams per pair of ranks over TCP, over which messages from 256 KiB are split
     (TENSORWIRE_NSOCKS; transport/tcp.py)."""
+    socket_threads: int | None = None
+    """Threads per rank that move large TCP messages; None: by the cores each rank has
+    (TENSORWIRE_SOCKET_THREADS; transport/pumps.py)."""
     tcp_congestion: str = ""
     """Congestion control of tensorwire's TCP connections, e.g. 'cubic'; '' keeps the system's
     (net.ipv4.tcp_congestion_control) (TENSORWIRE_TCP_CONGESTION): see tcp.tune_socket."""
@@ -269,6 +282,7 @@ class Config:
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
             nsocks=_env_int("TENSORWIRE_NSOCKS", 1),
+            socket_threads=_env_threads("TENSORWIRE_SOCKET_THREADS"),
             tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
             tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),

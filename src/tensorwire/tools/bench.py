@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .benchmarks import progress, report, sweep
+from .benchmarks import progress, report, sweep, tcp_ceiling
 from .benchmarks.loadmeter import job_meter
 from .benchmarks.options import Options, parse_options, planned_cells
 from .benchmarks.sweep import NO_INPLACE as _NO_INPLACE
@@ -281,6 +281,9 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
 
     for line in _rank_banner(tw, opts):
         say(line)
+    ceilings = _tcp_ceiling(tw) if args is not None and args.tcp_ceiling else []
+    for line in tcp_ceiling.table(ceilings) if ceilings else []:
+        say(line)
     meta = {
         "tool": "tensorwire bench", "version": getattr(tw, "__version__", "?"), "nranks": n,
         "transport": _transport_of(tw), "host": platform.node(), "python": platform.python_version(),
@@ -334,6 +337,14 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
             say(f"# Avg bus bandwidth ({coll}) : {c_sum / c_count if c_count else 0.0:.6g}")
             say("#")
     say(wrong_line(total_wrong, opts.check))
+    if ceilings:
+        best = max(ceilings, key=lambda c: c.gbps())
+        for row in rows:
+            bw = row.get("algbw_GBps")
+            if row["coll"] == "sendrecv" and row["size"] >= 1 << 20 and bw:
+                say(f"# sendrecv {row['size']:>10d} B: {bw:.2f} GB/s one way = "
+                    f"{bw / ceilings[0].gbps():.2f} of one raw socket, "
+                    f"{bw / best.gbps():.2f} of {best.streams} ({row['placement']})")
     dirty = sum(1 for r in rows if r["contaminated"])
     if dirty:
         say(f"# Foreign CPU load     : {dirty} of {len(rows)} timed loops (other processes used the CPU; "
@@ -350,6 +361,13 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
     return exit_code(tw, total_wrong)
 
 
+
+
+def _tcp_ceiling(tw: Any) -> list[tcp_ceiling.Ceiling]:
+    """Rank 0 measures the machine's raw TCP while the others wait (their ranks idle)."""
+    ceilings = tcp_ceiling.measure() if tw.get_rank() == 0 else []
+    tw.barrier()
+    return ceilings
 
 
 def exit_code(tw: Any, total_wrong: int) -> int:

@@ -173,7 +173,8 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     local = max(info.local_world_size, 1)
     wiring.start(shm_budget.ring_share(free, local) if cfg.transport != "tcp" else 0, local)
     if info.local_world_size > 0:
-        engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind)
+        engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind, cfg.socket_threads,
+                                cfg.nsocks)
     return Runtime(rank, size, cfg, info, None, engine)
 
 

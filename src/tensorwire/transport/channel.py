@@ -19,6 +19,7 @@ from .requests import Request, SendRequest, Sink
 from .wire import Header
 
 if TYPE_CHECKING:
+    from .pumps import Pumps
     from .tcp import SocketStream
 
 
@@ -30,6 +31,8 @@ class ChannelOwner(Protocol):
     """The engine as its channels see it: where arriving messages go."""
 
     rank: int
+    pumps: Pumps | None
+    """The threads that move large TCP parts (None: the rank's own thread moves every byte)."""
 
     def match(self, peer: int, header: Header, remote: bool = False) -> Sink:
         """The sink for an arriving message (`remote`: its payload stays in the sender's memory)."""

@@ -114,7 +114,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         where = (card["host"], card["machine"])
         local = [r for r, c in cards.items() if (c["host"], c["machine"]) == where]
         mates = sorted(r for r, c in cards.items() if c["machine"] == card["machine"])
-        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind)
+        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind, cfg.socket_threads, cfg.nsocks)
         share = 0
         if cfg.transport != "tcp" and len(local) > 1:
             alone = len(local) == world_size  # the world group will want a one-shot segment too

@@ -28,6 +28,7 @@ from ..errors import TimeoutError
 from ..ops import ReduceOp
 from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures
+from .pumps import Pumps, pump_threads
 from .requests import Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
 from .wire import Fingerprint, Header, Kind
 
@@ -82,6 +83,7 @@ class Engine(Failures):
         self._foreground = 0  # threads inside wait(), each driving progress for everyone
         self.closed = False
         self.wiring: Wiring | None = None  # makes channels on first use; None: only add_channel
+        self.pumps: Pumps | None = None  # threads for large TCP parts (adapt_to_machine)
 
     def add_channel(self, peer: int, channel: Channel) -> None:
         self.channels[peer] = channel
@@ -301,7 +303,8 @@ class Engine(Failures):
                     self.staged_bytes += msg.stage()
             self.progress()
 
-    def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool) -> None:
+    def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool,
+                         socket_threads: int | None = None, nsocks: int = 1) -> None:
         """Wait, and sit, as the ranks that share this machine's cores need. The ranks are
         those that share its cores, whatever host name each has (the emulated hosts of the
         multi-host test bed share one kernel: topology.machine_id); `index` is this rank's
@@ -313,9 +316,13 @@ class Engine(Failures):
         round robin by `index`, which puts ring neighbours on different cores. A trade, hence
         off by default (docs/design/waiting.md#binding-tensorwire_bind). Threads that exist
         already (torch's pools, if made before init) keep their placement; close() gives the
-        cores back."""
+        cores back. `socket_threads` (TENSORWIRE_SOCKET_THREADS; None: by the cores each rank
+        has) sizes the pool of threads that move large TCP parts."""
         usable = sorted(os.sched_getaffinity(0))
         self.cores = cores = len(usable)
+        threads = pump_threads(socket_threads, cores, machine_ranks, nsocks)
+        if threads and self.pumps is None:
+            self.pumps = Pumps(threads)
         self.oversubscribed = machine_ranks > cores
         if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
@@ -332,8 +339,10 @@ class Engine(Failures):
                     waiting += f"; bound to core {core} (TENSORWIRE_BIND)"
                 except OSError as exc:
                     waiting += f"; could not bind to core {core} ({exc})"
-        _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s",
-                       self.rank, machine_ranks, cores, waiting)
+        _init_log.info("rank %d: %d rank(s) on this machine, %d usable cores: %s; %s",
+                       self.rank, machine_ranks, cores, waiting,
+                       f"{threads} thread(s) move large TCP messages" if threads
+                       else "this rank's thread moves every TCP byte")
 
     # -- failures ---------------------------------------------------------------------------
     def poll_peers(self) -> None:
@@ -413,12 +422,24 @@ class Engine(Failures):
         """Sleep until a socket is readable (data, a control message, a closed peer) or `seconds`."""
         with self.lock:
             self.poll_sockets()
-        try:
-            select.select(self._sockets, [], [], seconds)
-        except (OSError, ValueError):
-            time.sleep(seconds)
+        self._select(seconds)
         with self.lock:
             self.poll_sockets()
+
+    def _select(self, seconds: float) -> None:
+        """Sleep on the sockets, or, while pump threads run, on their finishing too (leaving out
+        the sockets they read, which are readable all along)."""
+        pumps = self.pumps
+        try:
+            if pumps is not None and pumps.busy:
+                ready, _, _ = select.select(
+                    [s for s in self._sockets if s not in pumps.receiving] + [pumps.fd], [], [], seconds)
+                if ready:
+                    pumps.drain()
+            else:
+                select.select(self._sockets, [], [], seconds)
+        except (OSError, ValueError):
+            time.sleep(seconds)
 
     def _timeout(self, pending: Sequence[Request], what: object) -> TimeoutError:
         waits = sorted({r.peer for r in pending})
@@ -495,10 +516,7 @@ class Engine(Failures):
                     stalled_since = None  # that wait for each other, with nobody waiting here
                     self.release_parked()
             if not moved:
-                try:
-                    select.select(self._sockets, [], [], 200e-6)
-                except (OSError, ValueError):
-                    time.sleep(200e-6)
+                self._select(200e-6)
 
     # -- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -529,6 +547,9 @@ class Engine(Failures):
                         pass
             for channel in self.channel_list:
                 channel.close()
+            if self.pumps is not None:
+                self.pumps.close()
+                self.pumps = None
             self.channels.clear()
             self.channel_list = []
             self._sockets = []
@@ -569,7 +590,9 @@ class Backoff:
         now = time.perf_counter()
         idle = now - self.since
         self.checks += 1
-        if idle < self.spin_s + _YIELD_S:
+        pumps = self.engine.pumps  # while pump threads run, a spinning waiter would hold the
+        # interpreter lock they need between their system calls: it sleeps at once instead
+        if idle < self.spin_s + _YIELD_S and not (pumps is not None and pumps.busy):
             # spinning or yielding: the group's health and the deadline every so many rounds,
             # which cost more than a round (with ranks outnumbering cores, what a waiter
             # spends in a round is taken from the rank it waits for)

@@ -163,6 +163,8 @@ class Failures:
         self.watch_sockets()
         err = self.lost_error(peer)
         if channel is not None:
+            for stream in channel.streams:
+                stream.stop_pumps()
             for req in channel.pending():
                 req.fail(err)
         for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them

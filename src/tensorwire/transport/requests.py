@@ -133,17 +133,21 @@ class RecvRequest(Request, Sink):
         self.write_at(self.received, data)
 
     def write_at(self, offset: int, data: np.ndarray) -> None:
-        start = offset
+        self.place_at(offset, data)
+        self.received += len(data)
+
+    def place_at(self, offset: int, data: np.ndarray) -> None:
+        """Copy or reduce payload bytes [offset, offset + len(data)) into place, counting
+        nothing: a pump thread's part, counted once it is all in (tcp.SocketStream)."""
         n = len(data)
         if self.reduce_op is None:
-            self.dst_u8[start:start + n] = data
+            self.dst_u8[offset:offset + n] = data
         else:
-            i, j = start // self.itemsize, (start + n) // self.itemsize
+            i, j = offset // self.itemsize, (offset + n) // self.itemsize
             if self.base is None:
                 reduce_into(self.dst[i:j], data.view(self.dst.dtype), self.reduce_op)
             else:
                 reduce_to(self.dst[i:j], self.base[i:j], data.view(self.dst.dtype), self.reduce_op)
-        self.received += n
 
     def finish(self) -> None:
         self.done = True

@@ -19,7 +19,8 @@ import numpy as np
 from ..config import Config
 from ..errors import InvalidArgumentError
 from .channel import Channel, ChannelOwner, PeerClosed
-from .requests import SendRequest, Sink
+from .pumps import PUMP_BYTES, Job, fold_job, recv_job, send_job
+from .requests import RecvRequest, SendRequest, Sink
 from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
@@ -133,34 +134,48 @@ class SocketStream:
         self.others: list[SocketStream] = []  # a pair's further streams, where this is its first
         self.headers = True  # this stream carries the headers (the pair's first)
         self.expect: deque[tuple[Sink, int, int]] = deque()  # parts it carries next (further streams)
+        self._tx: Job | None = None  # a pump thread writes the head of sendq's payload
+        self._rx: Job | None = None  # a pump thread reads this stream's part of _sink
 
     # -- sending ------------------------------------------------------------------------
     def post(self, req: SendRequest) -> None:
         self.sendq.append(req)
 
     def push(self) -> bool:
-        """Write as much of the queue as the kernel takes now."""
+        """Write as much of the queue as the kernel takes now; hand a large rest to a pump."""
         moved = False
         while self.sendq:
             req = self.sendq[0]
-            try:
-                if self._hdr_sent < HEADER_SIZE and req.wire_header is None:  # a part without header
-                    self._hdr_sent = HEADER_SIZE
-                if self._hdr_sent < HEADER_SIZE:
-                    bufs = [memoryview(req.wire_header)[self._hdr_sent:]]
-                    if req.payload.nbytes:
-                        bufs.append(memoryview(req.payload[:_MAX_IO]))
-                    n = self.sock.sendmsg(bufs)
-                    head = min(n, HEADER_SIZE - self._hdr_sent)
-                    self._hdr_sent += head
-                    req.sent += n - head
-                else:
-                    n = self.sock.send(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
-                    req.sent += n
-            except (BlockingIOError, InterruptedError):
-                return moved
-            except OSError as exc:
-                raise PeerClosed(f"send failed: {exc}") from exc
+            job = self._tx
+            if job is not None:  # a pump thread writes this part's payload
+                if not job.done:
+                    return moved
+                self._tx = None
+                if job.error is not None:
+                    raise PeerClosed(f"send failed: {job.error}")
+                req.sent = req.payload.nbytes
+                n = 1
+            else:
+                try:
+                    if self._hdr_sent < HEADER_SIZE and req.wire_header is None:  # a part without header
+                        self._hdr_sent = HEADER_SIZE
+                    if self._hdr_sent < HEADER_SIZE:
+                        bufs = [memoryview(req.wire_header)[self._hdr_sent:]]
+                        if req.payload.nbytes:
+                            bufs.append(memoryview(req.payload[:_MAX_IO]))
+                        n = self.sock.sendmsg(bufs)
+                        head = min(n, HEADER_SIZE - self._hdr_sent)
+                        self._hdr_sent += head
+                        req.sent += n - head
+                    elif self._pump_send(req):
+                        return True
+                    else:
+                        n = self.sock.send(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
+                        req.sent += n
+                except (BlockingIOError, InterruptedError):
+                    return moved
+                except OSError as exc:
+                    raise PeerClosed(f"send failed: {exc}") from exc
             moved = moved or n > 0
             if self._hdr_sent == HEADER_SIZE and req.sent == req.payload.nbytes:
                 self.sendq.popleft()
@@ -170,11 +185,24 @@ class SocketStream:
                 return moved
         return moved
 
+    def _pump_send(self, req: SendRequest) -> bool:
+        """Hand the rest of `req`'s payload to a pump thread, if it is large and one is idle."""
+        pumps = self.engine.pumps
+        if pumps is None or req.payload.nbytes - req.sent < PUMP_BYTES:
+            return False
+        job = send_job(self.sock, memoryview(req.payload[req.sent:]))
+        if not pumps.start(job):
+            return False
+        self._tx = job
+        return True
+
     # -- receiving ----------------------------------------------------------------------
     def pull(self) -> bool:
         """Read every frame the kernel holds now, handing payloads to their sinks."""
         moved = False
         while True:
+            if self._rx is not None and not self._collect():
+                return moved
             try:
                 if self._sink is None:
                     if self.expect:  # a further stream: the next part the headers announced
@@ -220,6 +248,9 @@ class SocketStream:
     def _read_payload(self) -> bool:
         sink = self._sink
         assert sink is not None
+        if self.engine.pumps is not None and self._staged == 0 and self._end - self._at >= PUMP_BYTES \
+                and self._pump_recv(sink):
+            return True
         want = min(self._end - self._at - self._staged, _MAX_IO)
         view = sink.direct_at(self._at, want) if self._staged == 0 else None
         if view is not None:
@@ -242,6 +273,43 @@ class SocketStream:
             self._complete()
         return n > 0
 
+    def _pump_recv(self, sink: Sink) -> bool:
+        """Hand the rest of this stream's bytes of `sink` to a pump thread, if one is idle: it
+        receives straight into the destination, or through the staging buffer and folds."""
+        start, nbytes = self._at, self._end - self._at
+        view = sink.direct_at(start, nbytes)
+        if view is not None:
+            job = recv_job(self.sock, view)
+        elif isinstance(sink, RecvRequest):
+            job = fold_job(self.sock, nbytes, lambda offset, data: sink.place_at(start + offset, data),
+                           self._staging)
+        else:
+            return False
+        pumps = self.engine.pumps
+        assert pumps is not None
+        if not pumps.start(job):
+            return False
+        self._rx = job
+        pumps.receiving.add(self.sock)
+        return True
+
+    def _collect(self) -> bool:
+        """Take back a pumped receive that is done (False: still running)."""
+        job = self._rx
+        assert job is not None
+        if not job.done:
+            return False
+        self._rx = None
+        self._unregister()
+        if job.error is not None:
+            raise PeerClosed(f"receive failed: {job.error}")
+        sink = self._sink
+        assert sink is not None
+        sink.advance(self._end - self._at)
+        self._at = self._end
+        self._complete()
+        return True
+
     def _complete(self) -> None:
         """This stream's bytes of the sink are in; the message is, once every stream's are."""
         sink, self._sink = self._sink, None
@@ -249,7 +317,22 @@ class SocketStream:
         if sink.received >= sink.nbytes:
             sink.finish()
 
+    def stop_pumps(self) -> None:
+        """End this stream's pump jobs (its peer is lost, or it closes): each sees it within
+        its next wait for the socket."""
+        for job in (self._tx, self._rx):
+            if job is not None:
+                job.cancelled = True
+        if self._rx is not None:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        pumps = self.engine.pumps
+        if pumps is not None:
+            pumps.receiving.discard(self.sock)
+
     def close(self) -> None:
+        self.stop_pumps()
         try:
             self.sock.close()
         except OSError:

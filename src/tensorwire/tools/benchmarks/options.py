@@ -153,6 +153,10 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                         "against the world size, inside a launched job)")
     p.add_argument("--tcp", action="store_true",
                    help="force the TCP transport (TENSORWIRE_TRANSPORT=tcp) even between local ranks")
+    p.add_argument("--tcp-ceiling", action="store_true",
+                   help="first measure what raw sockets move between two processes of this machine "
+                        "(64 MiB over 1, 2, 4 and 8 sockets, a thread each) and print it above the "
+                        "tables, with sendrecv's bandwidth as a fraction of it")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every row, with mean, p10/p50/p90/p99, min and max, as JSON to PATH "
                         "(rank 0)")
