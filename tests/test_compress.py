@@ -115,6 +115,22 @@ def test_bad_arguments_are_errors_naming_what(get_cluster: Callable[..., Any]) -
         assert "SUM and AVG only" in op and "MAX" in op
 
 
+def rank_compress_differs() -> str:
+    """Rank 0 asks for bf16, the others for nothing, on a fresh group (the mismatch aborts it)."""
+    g = tw.new_group()
+    try:
+        g.all_reduce(np.ones(64, np.float32), compress="bf16" if tw.get_rank() == 0 else None, timeout=20)
+    except tw.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_differ_in_compress_are_a_mismatch(get_cluster: Callable[..., Any]) -> None:
+    """compress= is part of the call every rank must make alike (the paths differ across hosts)."""
+    for rank, msg in enumerate(get_cluster(2, "shm").run(rank_compress_differs)):
+        assert f"rank {rank}: all_reduce #1" in msg and "compress=" in msg, msg
+
+
 def rank_one_host() -> dict[str, Any]:
     r, n = tw.get_rank(), tw.get_world_size()
     data = np.random.default_rng(7).standard_normal((n, 5000))

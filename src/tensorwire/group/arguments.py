@@ -106,11 +106,14 @@ def array_list(group: Group, objs: Sequence[Any] | None, what: str, name: str, *
 
 
 def fingerprint(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None = None, root: int = -1,
-                count: int = -1, counts: list[int] | None = None) -> Fingerprint:
+                count: int = -1, counts: list[int] | None = None, variant: str = "") -> Fingerprint:
     """`counts`: a vector collective's per-rank counts, which every rank must pass alike: the
     one-shot path lays blocks out by them without messages whose sizes would tell (a
-    gatherv whose ranks disagreed on them with the same total returned a stale element)."""
+    gatherv whose ranks disagreed on them with the same total returned a stale element).
+    `variant`: how the call runs where every rank must choose alike (all_reduce's compress=)."""
     digest = 0 if counts is None else zlib.crc32(struct.pack(f"<{len(counts)}q", *counts))
+    if variant:
+        digest ^= zlib.crc32(variant.encode())
     key = (coll, dtype, root, count, digest) if op is None else \
         (coll, dtype, root, count, digest, op.op, op.factor)
     fp = _FINGERPRINTS.get(key)

@@ -92,14 +92,15 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
     if dst is not src and (dst.dtype != src.dtype or dst.size != src.size):
         invalid(group, what, f"out has {dst.size} x {dst.dtype}, tensor {src.size} x {src.dtype}")
     red = reduction(group, op, src.dtype, what)
-    fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
     if compress is not None:
         try:
             codec = codec_for(compress, src.dtype, red.op, rank=group.runtime.rank, collective=what)
         except InvalidArgumentError as exc:
             group.fail_fast(exc)
+        fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size, variant=codec.name)
         return group.queue.submit(fp, what, bodies.all_reduce, async_op, timeout, src, dst, red,
                                   out if out is not None else tensor, codec)
+    fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
     if src is planned(tensor, False) and (out is None or dst is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
         group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red)
