@@ -7,8 +7,8 @@
 # on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
 # daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
 # host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too);
-# tcp: the staged path's floor, the host's 64 MiB all_reduce over TCP at 2 ranks, against Gloo,
-# every algorithm, and each send buffer x streams per pair (on the dev VM 256 KiB ran 2x 4 MiB);
+# tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce and sendrecv
+# over TCP at 2 ranks for each streams per pair x pump threads, then against Gloo at 2 and 8 ranks;
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
 # CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
 # and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
@@ -102,19 +102,25 @@ for step in $steps; do
     note "cpu reduce n=8, every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-cpu-reduce-n8.txt" | tr '\n' ';')"
     ;;
   tcp)
-    tcp="$PY -m tensorwire.tools.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp"
-    timeout 120 $tcp -n 10 -w 3 --rounds 3 --compare gloo > "$OUT/bench-tcp-n2.txt" 2>&1
-    note "tcp n=2 64 MiB against Gloo (rc=$?): $(grep -E '^ +67108864' "$OUT/bench-tcp-n2.txt")"
-    timeout 90 $tcp -n 10 -w 3 --algo all > "$OUT/bench-tcp-n2-algos.txt" 2>&1
-    note "tcp n=2 64 MiB every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-tcp-n2-algos.txt")"
-    for sb in 256K 1M 4M 0; do
-      for ns in 1 2 4; do
-        TENSORWIRE_TCP_SNDBUF=$sb TENSORWIRE_NSOCKS=$ns timeout 60 $tcp -n 10 -w 3 > "$OUT/tcp.tmp" 2>&1
-        note "tcp n=2 64 MiB SNDBUF=$sb NSOCKS=$ns (rc=$?): $(grep -E '^ +67108864' "$OUT/tcp.tmp")"
-        cat "$OUT/tcp.tmp" >> "$OUT/bench-tcp-n2-buffers.txt"
+    tw="$PY -m tensorwire.tools.cli bench"
+    timeout 150 $tw sendrecv -b 64M -e 64M --np 2 --tcp --tcp-ceiling -n 10 -w 3 > "$OUT/bench-tcp-ceiling.txt" 2>&1
+    note "tcp ceiling (rc=$?):"; grep -E "^#   +[0-9]|of one raw socket" "$OUT/bench-tcp-ceiling.txt"
+    for ns in 1 2 4; do
+      for th in 0 auto 2 4 8; do
+        for coll in "all_reduce -I" sendrecv; do
+          TENSORWIRE_NSOCKS=$ns TENSORWIRE_SOCKET_THREADS=$th timeout 60 $tw $coll -b 64M -e 64M --np 2 --tcp \
+            -n 10 -w 3 > "$OUT/tcp.tmp" 2>&1
+          note "tcp n=2 64 MiB $coll NSOCKS=$ns THREADS=$th (rc=$?): $(grep -E '^ +67108864' "$OUT/tcp.tmp")"
+          cat "$OUT/tcp.tmp" >> "$OUT/bench-tcp-n2-pumps.txt"
+        done
       done
     done
     rm -f "$OUT/tcp.tmp"
+    for np in 2 8; do
+      timeout 240 $tw all_reduce -b 64M -e 64M -I --np $np --tcp -n 5 -w 2 --rounds 2 --compare gloo \
+        > "$OUT/bench-tcp-n$np.txt" 2>&1
+      note "tcp n=$np 64 MiB against Gloo, default threads (rc=$?): $(grep -E '^ +67108864' "$OUT/bench-tcp-n$np.txt")"
+    done
     ;;
   esac
 done
