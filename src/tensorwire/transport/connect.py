@@ -46,25 +46,33 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
     TimeoutError naming the ranks that published nothing in time; where a rank published an
     error instead of its card (it cannot join), an error of that class naming it."""
     store.set(_card_key(rank), json.dumps(card).encode())
-    if rank == 0:
-        others = list(range(1, world_size))
-        try:
-            left = max(deadline - time.monotonic(), 0.001)
-            values = store.multi_get([_card_key(r) for r in others], timeout=left)
-            blob: Any = [card, *(json.loads(v) for v in values)]
-        except TimeoutError:
-            blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
-        raw = json.dumps(blob).encode()
-        packed = zlib.compress(raw, 6)
-        store.set(_BLOB, packed)
-        _log.info("rank 0 gathered %d cards: %d bytes, %d compressed", world_size, len(raw), len(packed))
-    else:
-        try:
-            packed = store.get(_BLOB, timeout=max(deadline - time.monotonic(), 0.001) + _GATHER_GRACE_S)
-        except TimeoutError as exc:
-            raise TimeoutError(f"rank {rank}: init: rank 0 never published the ranks' addresses (within "
-                               f"{timeout + _GATHER_GRACE_S:g} s): did it fail or exit?") from exc
-        blob = json.loads(zlib.decompress(packed))
+    try:
+        if rank == 0:
+            others = list(range(1, world_size))
+            try:
+                left = max(deadline - time.monotonic(), 0.001)
+                values = store.multi_get([_card_key(r) for r in others], timeout=left)
+                blob: Any = [card, *(json.loads(v) for v in values)]
+            except TimeoutError:
+                blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
+            raw = json.dumps(blob).encode()
+            packed = zlib.compress(raw, 6)
+            store.set(_BLOB, packed)
+            _log.info("rank 0 gathered %d cards: %d bytes, %d compressed", world_size, len(raw), len(packed))
+        else:
+            try:
+                packed = store.get(_BLOB, timeout=max(deadline - time.monotonic(), 0.001) + _GATHER_GRACE_S)
+            except TimeoutError as exc:
+                raise TimeoutError(f"rank {rank}: init: rank 0 never published the ranks' addresses (within "
+                                   f"{timeout + _GATHER_GRACE_S:g} s): did it fail or exit?") from exc
+            blob = json.loads(zlib.decompress(packed))
+    except RendezvousError as exc:  # a rank exited (tensorwire run told the store): say why, if it did
+        for r in range(world_size):
+            if r != rank and store.check([_card_key(r)]):
+                cause = _cannot_join(rank, r, json.loads(store.get(_card_key(r))))
+                if cause is not None:
+                    raise cause from exc
+        raise
     if isinstance(blob, dict):
         missing = blob["missing"] or ["?"]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
@@ -72,11 +80,19 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
             f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
             f"running with the same WORLD_SIZE={world_size} and store?")
     for r, theirs in enumerate(blob):
-        if "error" in theirs and r != rank:
-            cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
-                theirs.get("class", ""), RendezvousError)
-            raise cls(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
+        cause = _cannot_join(rank, r, theirs) if r != rank else None
+        if cause is not None:
+            raise cause
     return dict(enumerate(blob))
+
+
+def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError | None:
+    """The error rank `r` published instead of its card, as this rank raises it (None: a card)."""
+    if "error" not in theirs:
+        return None
+    cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
+        theirs.get("class", ""), RendezvousError)
+    return cls(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
