@@ -170,7 +170,9 @@ def test_what_a_rank_holds_grows_with_its_peers_not_the_job() -> None:
         conns = sum(rep["channels"].values())
         assert rep["ok"], rep
         assert conns <= most < n - 1, rep
-        assert rep["sockets"] <= conns + 2, rep  # the channels', the listener, the store client
+        # the channels', the listener, the store client, and at most one dial still being
+        # resolved (two ranks that dialed each other at once: the loser is closed by its peer)
+        assert rep["sockets"] <= conns + 3, rep
         assert rep["fds"] <= rep["sockets"] + 12, rep  # stdio, pipes, the wiring's eventfd and spare
         assert rep["ring_bytes"] <= rep["channels"].get("shm", 0) * Ring.nbytes(4 << 20), rep
     assert len(job["store"]) == n
