@@ -24,8 +24,9 @@ from .reduce_op import ReduceOp
 WORD = np.dtype(np.uint16)
 """What crosses: the 16-bit floats as raw words, so no 16-bit float dtype is needed to move them."""
 COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
-LIMIT = 1000
-"""The largest |exponent| of a scale (2.0 ** 1000 is a float; float64's tails underflow)."""
+LIMIT = 1100
+"""The largest |exponent| of a scale: float64's whole range, subnormals included, minus a
+16-bit format's top (scales are applied with ldexp, so no power of two is formed)."""
 OPS = (ReduceOp.SUM, ReduceOp.AVG)
 """Sums only: the bound is a sum's, and MIN/MAX/PRODUCT gain nothing a rounding could justify."""
 
@@ -66,8 +67,7 @@ class Codec:
         if e or (values.dtype == np.float64 and self.name == "bf16"):
             # bfloat16 rounds from float32's bits; float16 from either (one rounding)
             kind = np.float32 if self.name == "bf16" else values.dtype
-            narrow = np.multiply(values, 2.0 ** -e, dtype=values.dtype).astype(kind, copy=False) if e \
-                else values.astype(kind)
+            narrow = np.ldexp(values, -e).astype(kind, copy=False) if e else values.astype(kind)
         self._round(narrow, words[:-1])
 
     def decode(self, words: np.ndarray, out: np.ndarray, add: bool = False) -> None:
@@ -78,7 +78,7 @@ class Codec:
         if narrow is None:  # bfloat16 without ml_dtypes: its bits are a float32's high half
             narrow = np.left_shift(words[:-1], 16, dtype=np.uint32).view(np.float32)
         if e:
-            narrow = np.multiply(narrow, 2.0 ** e, dtype=out.dtype)
+            narrow = np.ldexp(narrow.astype(out.dtype, copy=False), e)
         if add:
             np.add(out, narrow, out=out, dtype=out.dtype)
         else:
