@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,22 @@ def test_wrong_protocol_peer_is_rejected() -> None:
         t.join(5)
 
 
+def _blocked(read: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """`read` running in a thread, given 0.3 s to block; what it raises lands in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read()
+        except BaseException as exc:  # recorded for the caller's assertions
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    return t, errors
+
+
 @pytest.mark.timeout(30)
 def test_server_going_away_raises_instead_of_hanging() -> None:
     proc = spawn("""
@@ -239,17 +256,7 @@ def test_server_going_away_raises_instead_of_hanging() -> None:
     client = TCPStore(LOOPBACK, port, timeout=20)
     try:
         client.set("k", b"v")
-        errors: list[BaseException] = []
-
-        def blocked_get() -> None:
-            try:
-                client.get("never", timeout=20)
-            except BaseException as exc:  # recorded for the assertion below
-                errors.append(exc)
-
-        t = threading.Thread(target=blocked_get)
-        t.start()
-        time.sleep(0.3)
+        t, errors = _blocked(lambda: client.get("never", timeout=20))
         t0 = time.monotonic()
         proc.kill()
         proc.wait(10)
@@ -273,17 +280,7 @@ def test_a_rank_reported_exited_ends_every_blocked_read() -> None:
     with TCPStore(LOOPBACK, 0, timeout=20, server=True) as host, \
             TCPStore(LOOPBACK, host.port, timeout=20) as waiter:
         host.set("here", b"v")
-        errors: list[BaseException] = []
-
-        def blocked() -> None:
-            try:
-                waiter.multi_get(["here", "never"], timeout=20)
-            except BaseException as exc:  # recorded for the assertion below
-                errors.append(exc)
-
-        t = threading.Thread(target=blocked)
-        t.start()
-        time.sleep(0.3)
+        t, errors = _blocked(lambda: waiter.multi_get(["here", "never"], timeout=20))
         t0 = time.monotonic()
         host.set(EXITED_KEY, b"rank 2 ended with exit code 3")
         t.join(10)

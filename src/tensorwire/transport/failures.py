@@ -75,10 +75,9 @@ def unanswered_ms(sock: socket.socket) -> int:
     """How long `sock`'s peer has not acknowledged anything while this end waits for it to
     (data in flight, or probes unanswered), in ms, from TCP_INFO; 0 where it waits for nothing.
 
-    A live peer that does not read (its receive window closed) answers the sender's window
-    probes from its kernel, but one of the first, sent within 500 ms of the last answer, may go
-    unanswered (the receiver rate-limits its answers to segments outside the window), so one
-    unanswered probe is no sign: two are."""
+    A live peer that does not read (its receive window closed) answers window probes from its
+    kernel, which rate-limits those answers: one unanswered probe is no sign, two are
+    (docs/design/shrink.md)."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return 0
     try:
