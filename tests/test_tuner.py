@@ -1335,7 +1335,7 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     table = tuning_file.apply_overrides(cost_model.default_table(), over)
     # roce lacks γ: not a runtime tier
     assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
-                             "cma_huge": "default", "memory": "default"}
+                             "cma_huge": "default", "memory": "default", "tcp_stream": "default"}
     assert table.link("tcp").alpha == DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 

@@ -11,8 +11,9 @@ none; the named hypothetical tiers use the latency and bandwidth commonly cited 
 hardware (docs/tuning.md gives the sources), so a collective can be priced on a machine one
 does not have. Sizes count as in nccl-tests and `tensorwire bench`. With --hosts it prices a
 cluster instead: the flat algorithms at the network's price against the hierarchical ones,
-whose phases run within hosts on the first tier and between hosts on the second. The pricing
-itself is tuning/pricing.py.
+whose phases run within hosts on the first tier and between hosts on the second, and what the
+TCP streams between hosts (TENSORWIRE_NSOCKS, TENSORWIRE_SOCKET_THREADS) reach at the configured
+settings and at more streams. The pricing itself is tuning/pricing.py.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from dataclasses import replace
 from ..algorithms.registry import COLLECTIVES, Link, algorithms_for
 from ..config import Config, parse_size
 from ..errors import InvalidArgumentError
+from ..transport.pumps import pump_threads
 from ..tuning import policy, pricing
 from ..tuning.cache import cache_dir
-from ..tuning.cost_model import describe_link, format_seconds
+from ..tuning.cost_model import STREAM, Streams, describe_link, describe_rate, format_seconds, shared
 from ..tuning.pricing import (
     HYPOTHETICAL,
     LOCAL,
@@ -122,10 +124,69 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
     return pricing.tiers(names, cfg, file, local, gamma, n)
 
 
+# -- streams over TCP ------------------------------------------------------------------------------
+
+def streams_at(tier: Tier, ranks: int, cores: int, nsocks: int, threads: int | None) -> Streams:
+    """`tier`'s streams where `ranks` ranks share a host of `cores` cores: `nsocks` streams a
+    pair (TENSORWIRE_NSOCKS) and the pump threads `threads` gives (TENSORWIRE_SOCKET_THREADS;
+    None: `auto`, resolved as the transport does, transport/pumps.py)."""
+    return tier.streams(nsocks, pump_threads(threads, cores, ranks, nsocks), cores / max(1, ranks))
+
+
+def describe_streams(streams: Streams, cfg: Config, cores: int, ranks: int) -> str:
+    setting = "auto" if cfg.socket_threads is None else str(cfg.socket_threads)
+    return (f"TENSORWIRE_NSOCKS={cfg.nsocks}, TENSORWIRE_SOCKET_THREADS={setting} ({streams.threads} a rank, "
+            f"{ranks} rank(s) on {cores} cores)")
+
+
+def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                 cfg: Config, cores: int) -> list[tuple[int, int, float, float, str]]:
+    """(streams, threads, rate a rank's connection reaches while every rank of a host crosses,
+    seconds of the cheapest algorithm, its name) at the configured settings and at 1, 2, 4 and 8
+    streams, the threads as configured (and as `auto` gives them where they are set)."""
+    crossing = shared(net.link, per_host / max(1, min(nics, per_host)))
+    settings = [(cfg.nsocks, cfg.socket_threads)]
+    for k in (1, 2, 4, 8):
+        settings.append((k, cfg.socket_threads))
+        if cfg.socket_threads is not None:
+            settings.append((k, None))
+    rows = {}
+    for k, threads in settings:
+        streams = streams_at(net, per_host, cores, k, threads)
+        if (k, streams.threads) in rows:
+            continue
+        rate = 1 / streams.link(crossing, 1 << 40).beta  # type: ignore[union-attr]
+        t, name, _ = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg, streams)[0]
+        rows[(k, streams.threads)] = (k, streams.threads, rate, t, name)
+    return sorted(rows.values())
+
+
+def report_streams(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
+                   cfg: Config, cores: int, out: Callable[[str], None]) -> None:
+    """The streams between hosts at the configured settings and at 1, 2, 4 and 8 (streams_rows)."""
+    configured = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads)
+    out(f"  streams between hosts: {describe_streams(configured, cfg, cores, per_host)}")
+    if net.stream is None:
+        out(f"  (the {net.name} link was measured through them: more are not priced; give the link's "
+            f"rate, --tier {local.name},NAME=ALPHA_US:GBPS or the tuning file's {net.name} entry, to see "
+            f"what they give)")
+        return
+    origin = "the tuning file's" if net.stream != pricing.DEFAULT_LINKS[STREAM] else "default"
+    out(f"  (one stream moves at most {describe_rate(net.stream)}, {origin} {STREAM}; a rank reaches "
+        f"min(its share of the link, streams moving x that), one stream for messages under NSOCKS x 1 MiB)")
+    rows = streams_rows(collective, m, hosts, per_host, nics, local, net, cfg, cores)
+    base = next(t for k, th, _, t, _ in rows if (k, th) == (configured.nsocks, configured.threads))
+    for k, threads, rate, t, name in rows:
+        mark = "  <- configured" if (k, threads) == (configured.nsocks, configured.threads) else (
+            f"  x{t / base:.2f}" if base > 0 else "")
+        out(f"  at NSOCKS={k} threads={threads}: {rate / 1e9:.3g} GB/s a rank, {format_seconds(t)} "
+            f"({name}){mark}")
+
+
 # -- the report ------------------------------------------------------------------------------------
 
 def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, direct_bytes: int,
-           out: Callable[[str], None]) -> None:
+           out: Callable[[str], None], cores: int = 1) -> None:
     algs = list(algorithms_for(collective).values())
     mode = ", deterministic mode" if cfg.deterministic else ""
     out(f"{collective} of {format_size(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
@@ -145,10 +206,15 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.cma_huge is not None:
             out(f"    ... out of huge pages (as priced here; a job prices the reads at the line above "
                 f"once its sources are seen in 4 KiB pages): {describe_link(tier.cma_huge)}")
+        streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads) if tier.name == "tcp" else None
+        if streams is not None:
+            bound = (f"one stream at most {describe_rate(tier.stream)}" if tier.stream is not None
+                     else "measured through them")
+            out(f"    streams: {describe_streams(streams, cfg, cores, n)}; {bound}")
         rows = []
         for alg in algs:
             reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)
-            rows.append((tier.cost(alg, n, m) if not reason else math.inf, alg.name, reason))
+            rows.append((tier.cost(alg, n, m, streams) if not reason else math.inf, alg.name, reason))
         rows.sort()
         width = max(len(a.name) for a in algs)
         for i, (t, name, reason) in enumerate(rows):
@@ -157,25 +223,26 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             else:
                 mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
-        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes)
+        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams)
         if changes:
             text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
             out(f"    crossover: {text}")
         else:
-            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes)
+            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes, streams)
             out(f"    crossover: none between {format_size(SWEEP[0])} and {format_size(SWEEP[1])} "
                 f"({only or 'no algorithm'} is cheapest throughout)")
 
 
 def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
-                   cfg: Config, out: Callable[[str], None]) -> None:
+                   cfg: Config, out: Callable[[str], None], cores: int = 1) -> None:
     n = hosts * per_host
+    streams = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads)
     out(f"{collective} of {format_size(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} "
         f"within a host, {net.name} between hosts ({per_host / max(1, min(nics, per_host)):g} rank(s) per "
         f"host link)")
     out(f"  within a host: {describe_link(local.link)}  [{local.origin}]")
     out(f"  between hosts: {describe_link(net.link)}  [{net.origin}]")
-    rows = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg)
+    rows = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg, streams)
     width = max(len(name) for _, name, _ in rows)
     best = rows[0][0]
     for kind, phased in (("flat, every step at the slower tier's price, a host link shared by the flows "
@@ -196,11 +263,11 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
     if collective == "all_reduce" and hosts > 1 and best > 0:
         out("  compress='bf16' or 'fp16' (16 bits between hosts, exact within them):")
-        for dtype, t in pricing.compressed_prices(m, hosts, per_host, nics, local, net, cfg):
+        for dtype, t in pricing.compressed_prices(m, hosts, per_host, nics, local, net, cfg, streams):
             out(f"    {dtype:<{width}}  {format_seconds(t):>10}  x{t / best:.2f}")
 
     def winner(size: int) -> str | None:
-        t, name, reason = cluster_prices(collective, size, hosts, per_host, nics, local, net, cfg)[0]
+        t, name, reason = cluster_prices(collective, size, hosts, per_host, nics, local, net, cfg, streams)[0]
         return None if reason or math.isinf(t) else name
 
     changes = changes_of(winner)
@@ -209,6 +276,8 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
         out(f"    crossover: {text}")
     else:
         out(f"    crossover: none ({winner(1) or 'no algorithm'} is cheapest throughout)")
+    if hosts > 1 and m > 0:
+        report_streams(collective, m, hosts, per_host, nics, local, net, cfg, cores, out)
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -240,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per host with --hosts (default 8)")
     p.add_argument("--nics", type=int, default=1, metavar="K",
                    help="network interfaces per host with --hosts: a host's ranks share them (default 1)")
+    p.add_argument("--cores", type=int, default=0, metavar="C",
+                   help="cores of a host, for what TENSORWIRE_SOCKET_THREADS=auto gives its ranks (default: "
+                        "this host's)")
     p.add_argument("--deterministic", action="store_true",
                    help="only the rank-ordered reductions (as TENSORWIRE_DETERMINISTIC=1)")
     p.add_argument("--gamma", type=float, metavar="GBPS",
@@ -274,8 +346,9 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
             raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
         gamma = 1 / (args.gamma * 1e9) if args.gamma else None
         if args.hosts is not None:
-            if args.hosts < 1 or args.per_host < 1 or args.nics < 1:
-                raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1")
+            if args.hosts < 1 or args.per_host < 1 or args.nics < 1 or args.cores < 0:
+                raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1, "
+                                           "--cores >= 0")
             names = parse_tiers(args.tier or ["shm,tcp"])
             if len(names) != 2:
                 raise InvalidArgumentError(f"tensorwire plan: --hosts takes two tiers, within a host and "
@@ -286,15 +359,16 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
     except (InvalidArgumentError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    cores = args.cores or len(os.sched_getaffinity(0))
     if args.hosts is not None:
         for i, coll in enumerate(colls):
             if i:
                 out("")
             report_cluster(coll, 0 if coll == "barrier" else m, args.hosts, args.per_host, args.nics, local,
-                           net, cfg, out)
+                           net, cfg, out, cores)
         return 0
     for i, coll in enumerate(colls):
         if i:
             out("")
-        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_slot(args.np), out)
+        report(coll, 0 if coll == "barrier" else m, args.np, tiers, cfg, cfg.direct_slot(args.np), out, cores)
     return 0

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..config import Config
+from ..transport.pumps import PUMP_BYTES
+from ..transport.tcp import SPLIT_BYTES
 from . import crossing
 from .policy import allowed, forcing
 from .shape import COPY, LocalPrice, RailPrice
@@ -44,20 +46,25 @@ DEFAULT_LINKS = {
     "cma_huge": Link("cma_huge", alpha=1e-6, beta=1 / 12e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache, and that cache's size
     "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
+    # one TCP stream driven by one thread: the default TCP link's (only its β bounds a link, see Streams)
+    "tcp_stream": Link("tcp_stream", alpha=30e-6, beta=1 / 3e9, gamma=1 / 7.5e9),
 }
 MEMORY = "memory"
+STREAM = "tcp_stream"
 CMA = "cma"
 CMA_HUGE = "cma_huge"
 BUSY, BUSY_RING, BUSY_PAIRS = "busy", "busy_ring", "busy_pairs"
 """The world's tier measured with every rank at work at once (probes.measure_busy): partners
 that change, a ring's fixed ones, and partners in pairs (the α of a step that exchanges with one
 partner, see Algorithm.exchanges)."""
-LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY)
+LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY, STREAM)
 """Every link the model prices and the probe measures: the message path of each tier (in
 exchanges, and one way), the one-shot shared-memory path (`direct`: a flag round and a memory
 copy), single copy's reads out of a peer process (`cma`; `cma_huge` out of huge pages), the
 world's tier with every rank busy (`busy`, `busy_ring`, `busy_pairs`: the bound on an
-algorithm's work), and the host's memory beyond its last-level cache (`memory`, see spill)."""
+algorithm's work), and the host's memory beyond its last-level cache (`memory`, see spill);
+and, measured by no probe, what one TCP stream moves (`tcp_stream`, see Streams: a default
+that a tuning file may set)."""
 HUGE_FROM = 1 << 20
 """Single copy's reads are priced out of huge pages (`cma_huge`, where they are expected and not
 seen otherwise: tuner.PageDependent) only for messages from this size; below it, at what they
@@ -114,6 +121,11 @@ def describe_link(link: Link) -> str:
     return (f"α {link.alpha * 1e6:.3g} us, β {_rate(link.beta)}, γ {_rate(link.gamma)}")
 
 
+def describe_rate(link: Link) -> str:
+    """A link's β as a rate: '3 GB/s'."""
+    return _rate(link.beta)
+
+
 def _rate(seconds_per_byte: float) -> str:
     return f"{1e-9 / seconds_per_byte:.3g} GB/s" if seconds_per_byte > 0 else "inf GB/s"
 
@@ -133,6 +145,49 @@ def default_table() -> LinkTable:
 def shared(link: Link | None, flows: float) -> Link | None:
     """`link` (priced per flow) where `flows` of them share it: β that many times."""
     return None if link is None else replace(link, beta=link.beta * flows)
+
+
+# -- streams over TCP -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Streams:
+    """How a rank's large TCP messages move: over `nsocks` streams a pair (TENSORWIRE_NSOCKS),
+    with `threads` pump threads (TENSORWIRE_SOCKET_THREADS, resolved), on `cores` cores a rank
+    (0: not known). A stream driven by one thread moves at most `stream`'s rate, so a
+    connection reaches min(link, drivers × stream) (docs/design/tcp.md#streams-in-the-cost-model).
+    `stream` None: the link's β already holds its streams (it was measured through them)."""
+
+    nsocks: int = 1
+    threads: int = 0
+    stream: Link | None = None
+    cores: float = 0.0
+
+    def drivers(self, piece: int) -> int:
+        """The streams that move a message of `piece` bytes at once: one where it is not split
+        (below SPLIT_BYTES) or its parts are too small for a pump (PUMP_BYTES), as the rank's
+        own thread then moves every part; else a pumped stream per two threads (one each way)
+        and one more driven by the rank's thread, no more than the rank's cores."""
+        if self.nsocks < 2 or piece < SPLIT_BYTES or piece // self.nsocks < PUMP_BYTES:
+            return 1
+        moving = min(self.nsocks, 1 + self.threads // 2)
+        return max(1, min(moving, int(self.cores))) if self.cores else moving
+
+    def link(self, link: Link | None, piece: int) -> Link | None:
+        """`link` at the rate its streams reach for messages of `piece` bytes."""
+        if link is None or self.stream is None:
+            return link
+        return replace(link, beta=max(link.beta, self.stream.beta / self.drivers(piece)))
+
+
+def streams_of(table: LinkTable, tier: str, nsocks: int, threads: int, cores: float = 0.0) -> Streams | None:
+    """The Streams of `tier`'s connections (None on shared memory). A link the tuning file or
+    the defaults give is the link's rate, which streams fill up to what each moves (the
+    `tcp_stream` entry); a measured one already holds the streams it was measured through."""
+    if tier != "tcp":
+        return None
+    source = table.sources.get(tier, "")
+    stated = source == "default" or source.startswith("file")
+    return Streams(max(1, nsocks), max(0, threads), table.link(STREAM) if stated else None, cores)
 
 
 # -- one host's memory ------------------------------------------------------------------------------
@@ -191,7 +246,8 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 
 def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
             busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-            busy_pairs: Link | None = None, one_way: Link | None = None, flows: float = 1.0) -> float:
+            busy_pairs: Link | None = None, one_way: Link | None = None, flows: float = 1.0,
+            streams: Streams | None = None) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
@@ -206,9 +262,14 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     links' work, the one-shot path). With a busy link, no step of the path costs less than
     its α (a rank that shares its core is woken for each message). Across hosts, `flows` is the
     flows the algorithm puts on a host's link at once (crossing.py): the links' β count that
-    many times (each link is priced per flow). The evidence: docs/design/cost-model.md."""
+    many times (each link is priced per flow), and then no more than `streams` reach (a rank's
+    streams are its own, not shared), at a message of the call's share a rank. The evidence:
+    docs/design/cost-model.md."""
     if flows != 1.0:
         link, busy, busy_ring, one_way = (shared(x, flows) for x in (link, busy, busy_ring, one_way))  # type: ignore[assignment]
+    if streams is not None:
+        piece = nbytes // max(1, n)
+        link, one_way = streams.link(link, piece), streams.link(one_way, piece)  # type: ignore[assignment]
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
         own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
@@ -258,19 +319,20 @@ def one_flow(alg: Algorithm) -> float:
 def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
           busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
           busy_pairs: Link | None = None, one_way: Link | None = None,
-          spread: Spread = one_flow) -> list[tuple[float, str, Algorithm]]:
+          spread: Spread = one_flow, streams: Streams | None = None) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name: critical paths that differ only in their last bits count as
     one (the same formula written two ways, as the binomial and linear reduce at n=2)."""
     priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way,
-                             spread(alg)), alg.name, alg)
+                             spread(alg), streams), alg.name, alg)
                     for alg in algs if alg.phases is None)  # phases: see tuner.decide
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
     if len(tied) > 1:
-        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=spread(p[2]))
+        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=spread(p[2]),
+                               streams=streams)
                  for p in tied}
         shortest = min(paths.values()) * (1 + ROUNDING)
         tied.sort(key=lambda p: (0.0 if paths[p[1]] <= shortest else paths[p[1]], p[1]))
@@ -279,8 +341,8 @@ def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link |
 
 # -- groups across hosts ----------------------------------------------------------------------------
 
-def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
-                 rail_tier: str = "tcp") -> tuple[LocalPrice, RailPrice]:
+def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm", rail_tier: str = "tcp",
+                 streams: Streams | None = None) -> tuple[LocalPrice, RailPrice]:
     """How a hierarchical algorithm's phases (Algorithm.phases) are priced: each at the
     cheapest flat algorithm of its collective that the phase's sub-group could run (`local`
     prices a pass through memory too, as the collective COPY on one rank). Within a
@@ -288,7 +350,7 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
     out: a host group may not get it). Between hosts on `rail_tier`, its β (and the busy
     links', where the world measured them on that tier: the rails run while every rank works,
     as the flat algorithms do, and are priced alike) multiplied by the flows that share a
-    host's link.
+    host's link, up to what the rails' `streams` reach.
 
     A host phase costs, on top, what the busy probe found a step costs beyond the rail's α
     (busy α − α): where ranks share cores, each phase waits for its ranks to be woken, as each
@@ -322,7 +384,7 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm",
 
     def rail(collective: str, n: int, nbytes: int, share: float) -> float:
         return cheapest(collective, n, nbytes, lambda a: predict(
-            a, n, nbytes, rail_link, None, busy[0], busy[1], None, busy[2], one_way, share), False)
+            a, n, nbytes, rail_link, None, busy[0], busy[1], None, busy[2], one_way, share, streams), False)
 
     return local, rail
 

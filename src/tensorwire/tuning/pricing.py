@@ -28,9 +28,11 @@ from .cost_model import (
     LINKS,
     MEMORY,
     ONE_WAY,
+    STREAM,
     TIERS,
     Host,
     LinkTable,
+    Streams,
     phase_prices,
     predict,
     price,
@@ -69,6 +71,7 @@ class Tier:
     cma: Link | None = None  # ... and its reads across processes (single copy)
     cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
     one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
+    stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
 
     def host(self, n: int) -> Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
@@ -78,9 +81,14 @@ class Tier:
         return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
                     huge=self.cma_huge is not None)
 
-    def cost(self, alg: Algorithm, n: int, m: int) -> float:
+    def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
         return predict(alg, n, m, self.link, self.direct, host=self.host(n),  # type: ignore[arg-type]
-                       one_way=self.one_way)
+                       one_way=self.one_way, streams=streams)
+
+    def streams(self, nsocks: int, threads: int, cores: float = 0.0) -> Streams:
+        """This tier's connections over `nsocks` streams a pair and `threads` pump threads a
+        rank, on `cores` cores a rank (0: not known)."""
+        return Streams(max(1, nsocks), max(0, threads), self.stream, cores)
 
 
 # -- link constants ----------------------------------------------------------------------------
@@ -109,16 +117,19 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
     """The tiers `names`, the local ones with the constants in `local` (cached_links, and
     what a probe added), the others hypothetical, given as NAME=ALPHA_US:GBPS or from the
     tuning file (`file`, as tuning_file.load_tuning_file reads it, which also overrides the
-    others' constants); `gamma` prices their reductions (None: this host's)."""
+    others' constants); `gamma` prices their reductions (None: this host's). Every tier but
+    shared memory carries what one TCP stream moves (`tcp_stream`, the file's or the default),
+    unless its link was measured here, through the streams."""
     if gamma is None:  # the shared-memory link's γ, whichever tiers are listed beside
         shm = local.get("shm") or cached_links(cfg, n).get("shm")
         gamma = (shm[0] if shm else DEFAULT_LINKS["shm"]).gamma
     out = []
+    stream = replace(DEFAULT_LINKS[STREAM], **file.get(STREAM, {}))
     for name in names:
         custom = _custom(name)
         if custom is not None:
             out.append(Tier(custom.name, Link(custom.name, custom.alpha, custom.beta, gamma),
-                            "given on the command line"))
+                            "given on the command line", stream=stream))
             continue
         if name in LOCAL:
             link, origin = local.get(name, (DEFAULT_LINKS[name], "default: no calibration found"))
@@ -160,8 +171,10 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 host[entry] = replace(measured, **file[entry]) if entry in file else measured
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
+        measured = name in local and name not in file
         out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
-                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], one_way=one_way))
+                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], one_way=one_way,
+                        stream=None if name == "shm" or measured else stream))
     return out
 
 
@@ -203,15 +216,16 @@ def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Co
 
 
 def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
-             direct_bytes: int) -> str | None:
+             direct_bytes: int, streams: Streams | None = None) -> str | None:
     ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
-    return price(ok, n, m, tier.link, tier.direct, host=tier.host(n))[0][1] if ok else None
+    return price(ok, n, m, tier.link, tier.direct, host=tier.host(n), streams=streams)[0][1] if ok else None
 
 
 def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
-               direct_bytes: int) -> list[tuple[int, str | None, str | None]]:
+               direct_bytes: int, streams: Streams | None = None) -> list[tuple[int, str | None, str | None]]:
     """(size, winner below, winner from there on) for every change of the cheapest algorithm."""
-    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes), direct_bytes)
+    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes, streams),
+                      direct_bytes)
 
 
 def changes_of(best: Callable[[int], str | None],
@@ -249,16 +263,16 @@ def format_size(m: int) -> str:
 # -- a cluster: hosts of several ranks -------------------------------------------------------------
 
 def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
-                   cfg: Config) -> list[tuple[float, str, str]]:
+                   cfg: Config, streams: Streams | None = None) -> list[tuple[float, str, str]]:
     """(seconds, algorithm, '' or why it cannot run) of every algorithm for `hosts` hosts of
     `per_host` ranks: the flat ones with every step at the price of the slower tier (a step
     waits for its slowest hop: the network's, shared by the flows the algorithm puts on a host
     link at once as the tuner prices a group across hosts, or a host's where that is the
     slower, as this host's memory against InfiniBand NDR), the hierarchical ones by their
     phases, within a host on `local` and between hosts on `net`, `per_host / nics` flows
-    sharing each host link."""
+    sharing each host link; every connection between hosts at no more than its `streams` reach."""
     n = hosts * per_host
-    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg)
+    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg, streams)
     rows = []
     for alg in algorithms_for(collective).values():
         if alg.phases is not None:
@@ -279,27 +293,29 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
             t = math.inf
             if not reason:
                 flowing = shared(net.link, host_link_flows(alg, hosts, per_host, nics))
+                if streams is not None:
+                    flowing = streams.link(flowing, m // n)
                 t = replace(flat, link=Link(net.name, *(max(getattr(local.link, f), getattr(flowing, f))
                                                        for f in ("alpha", "beta", "gamma")))).cost(alg, n, m)
         rows.append((t, alg.name, reason))
     return sorted(rows)
 
 
-def _cluster_phases(hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
-                    cfg: Config) -> tuple[LocalPrice, RailPrice, Shape]:
+def _cluster_phases(hosts: int, per_host: int, nics: int, local: Tier, net: Tier, cfg: Config,
+                    streams: Streams | None = None) -> tuple[LocalPrice, RailPrice, Shape]:
     """How cluster_prices prices a hierarchical algorithm's phases, and the cluster's shape."""
     links = {local.name: local.link, net.name: net.link}
     if local.direct is not None:
         links["direct"] = local.direct
-    within, across = phase_prices(LinkTable(links, {}), cfg, local.name, net.name)
+    within, across = phase_prices(LinkTable(links, {}), cfg, local.name, net.name, streams)
     return within, across, Shape(hosts, per_host, per_host / max(1, min(nics, per_host)))
 
 
 def compressed_prices(m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
-                      cfg: Config) -> list[tuple[str, float]]:
+                      cfg: Config, streams: Streams | None = None) -> list[tuple[str, float]]:
     """(dtype, seconds) of an all_reduce of m bytes with compress= ('bf16' and 'fp16' move the
     same bytes) of float32 and of float64, on the cluster cluster_prices prices."""
-    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg)
+    within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg, streams)
     return [(name, compressed_cost(shape, m, within, across, net.link, size))
             for name, size in (("float32", 4), ("float64", 8))]
 

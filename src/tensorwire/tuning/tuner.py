@@ -41,15 +41,19 @@ from .cost_model import (
     CMA_HUGE,
     MEMORY,
     ONE_WAY,
+    STREAM,
     Host,
     LinkTable,
     Spread,
+    Streams,
+    describe_rate,
     format_seconds,
     one_flow,
     phase_prices,
     predict,
     price,
     spread_of,
+    streams_of,
 )
 from .policy import REDUCTIONS, allowed, forcing, parse_algo, runs_on
 from .shape import Shape
@@ -99,6 +103,16 @@ def tier_of(group: Group) -> str:
 
 def link_of(group: Group) -> Link:
     return table_for(group.runtime).link(tier_of(group))
+
+
+def streams_for(group: Group, table: LinkTable) -> Streams | None:
+    """The Streams a group's TCP calls are priced with: TENSORWIRE_NSOCKS, and the threads
+    TENSORWIRE_SOCKET_THREADS gives, `auto` as one per direction of each stream (the pool a
+    rank with cores to spare gets). From the settings, not from this host's cores: every rank
+    must price alike, and hosts may differ."""
+    cfg = group.runtime.config
+    threads = cfg.socket_threads if cfg.socket_threads is not None else 2 * cfg.nsocks
+    return streams_of(table, tier_of(group), cfg.nsocks, threads)
 
 
 # -- the choice ------------------------------------------------------------------------------------
@@ -191,7 +205,8 @@ def phased(group: Group, table: LinkTable, algs: list[Algorithm],
            nbytes: int) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm) of the hierarchical ones among `algs`, by their phases."""
     cfg = group.runtime.config
-    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
+    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm",
+                               streams=streams_for(group, table))
     shape = shape_of(group)
     between = table.link(tier_of(group))  # what the group's calls see as P2P.link
     return [(a.phases(shape, nbytes, local, rail, between), a.name, a) for a in algs if a.phases is not None]
@@ -225,7 +240,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
         name for t, name, alg in priced
         if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
                                               host=model.host, one_way=model.one_way,
-                                              flows=model.spread(alg)) * (1 + 1e-9))
+                                              flows=model.spread(alg), streams=model.streams) * (1 + 1e-9))
     layout = group.layout
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
@@ -250,6 +265,8 @@ class Model:
     """The group can read its peers' memory (single copy's algorithms are priced)."""
     spread: Spread = one_flow
     """Across hosts: the flows each flat algorithm puts on a host's link (crossing.py)."""
+    streams: Streams | None = None
+    """Over TCP: what the pair's streams and threads reach (cost_model.Streams)."""
 
     @classmethod
     def of(cls, group: Group, table: LinkTable) -> Model:
@@ -259,11 +276,11 @@ class Model:
         direct = table.links.get("direct") if group.direct is not None else None
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
                    host_of(group, table), bool(group.direct is not None and group.direct.single_copy),
-                   spread_of(group.layout))
+                   spread_of(group.layout), streams_for(group, table))
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
         return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
-                     self.busy_pairs, self.one_way, self.spread)
+                     self.busy_pairs, self.one_way, self.spread, self.streams)
 
     def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
         """The price of the cheapest algorithm of `collective` other than `name` that the
@@ -390,7 +407,8 @@ def compressed_price(group: Group, hosts: tuple[tuple[int, ...], ...], nbytes: i
     shape = shape_of(group) or Shape(len(hosts), 1, 1.0)
     cfg = group.runtime.config
     table = table_for(group.runtime)
-    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm")
+    local, rail = phase_prices(table, cfg, "tcp" if cfg.transport == "tcp" else "shm",
+                               streams=streams_for(group, table))
     return compressed_cost(shape, nbytes, local, rail, table.link(tier_of(group)), itemsize)
 
 
@@ -423,6 +441,10 @@ def explain(group: Group, decision: Decision) -> str:
             shown += f", in a ring ({busy(BUSY_RING)})"
         if BUSY_PAIRS in table.links:
             shown += f", in pairs ({table.describe(BUSY_PAIRS)})"
+    streams = streams_for(group, table)
+    if streams is not None and streams.stream is not None:
+        shown += (f", {streams.nsocks} stream(s) a pair with {streams.threads} thread(s) a rank, each stream "
+                  f"at most {describe_rate(streams.stream)} ({table.sources.get(STREAM, 'default')})")
     if ONE_WAY[tier] in table.links and any(a.one_way for _, _, a in decision.priced):
         shown += f", one way ({table.describe(ONE_WAY[tier])})"
     if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
