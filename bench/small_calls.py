@@ -18,6 +18,9 @@ Layers (every one 8 B = 2 float32 where it carries data, all on the same world):
   np        tensorwire's native API on a numpy array: group.all_reduce(a)
   torch     the same call on a CPU torch tensor: group.all_reduce(t)
   dist      torch.distributed on the tensorwire backend: dist.all_reduce(t)
+  dgroup    the same on a torch group of both ranks: dist.all_reduce(t, group=g)
+  dnull     torch's own dispatch, on a group of both ranks whose backend returns a completed
+            Work at once (the floor under `dgroup`: torch's wrapper, its pybind and our Work)
   brun      the planned barrier's body alone (as `run`)
   barrier   group.barrier()
   dbarrier  dist.barrier()
@@ -42,7 +45,8 @@ from pathlib import Path
 
 from selflaunch import run_workers
 
-LAYERS = ("flag", "minimal", "run", "submit", "np", "torch", "dist", "brun", "barrier", "dbarrier")
+LAYERS = ("flag", "minimal", "run", "submit", "np", "torch", "dist", "dgroup", "dnull", "brun", "barrier",
+          "dbarrier")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,9 +134,13 @@ def worker(args: argparse.Namespace) -> None:
     group.barrier()
     if rank == 0:
         flags.path.unlink()  # both mapped it: nothing is left behind however the job ends
+    both = dist.new_group(backend="tensorwire")
+    null = dist.new_group(backend=_null_backend())
     ops = {"flag": flags.round, "minimal": lambda: flags.reduce(a), **_internal_layers(group, a),
            "np": lambda: group.all_reduce(a), "torch": lambda: group.all_reduce(t),
-           "dist": lambda: dist.all_reduce(t), "barrier": group.barrier, "dbarrier": dist.barrier}
+           "dist": lambda: dist.all_reduce(t), "dgroup": lambda: dist.all_reduce(t, group=both),
+           "dnull": lambda: dist.all_reduce(t, group=null), "barrier": group.barrier,
+           "dbarrier": dist.barrier}
     layers = [x for x in args.layers.split(",") if x]
     unknown = set(layers) - set(ops)
     if unknown:
@@ -162,6 +170,26 @@ def worker(args: argparse.Namespace) -> None:
         _profile(ops[args.profile], args.iters, rank, group)
     group.barrier()
     dist.destroy_process_group()
+
+
+def _null_backend() -> str:
+    """A backend whose all_reduce returns a completed Work at once, registered; its name."""
+    import torch.distributed as dist
+
+    from tensorwire.torch.work import CompletedWork
+
+    class Null(dist.ProcessGroup):
+        def allreduce(self, tensors, opts=None):
+            return CompletedWork(tensors)
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's virtual
+            return "twnull"
+
+    if "TWNULL" not in dist.Backend._plugins:
+        dist.Backend.register_backend("twnull", lambda opts, pg_options=None: Null(opts.group_rank,
+                                                                                   opts.group_size),
+                                      extended_api=True, devices=["cpu"])
+    return "twnull"
 
 
 def _internal_layers(group, a) -> dict:

@@ -89,12 +89,17 @@ def _check_tensor(t: Any, group: Group | None) -> None:
 
 
 _OPS = tuple(ReduceOp)  # by value: tensorwire numbers its ops as torch's RedOpType does
+_SUM = dist.ReduceOp.SUM
+_UNSET = dist.AllreduceOptions().timeout  # torch's "no timeout of the call's own"
 
 
 def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
-    """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options (reading
-    the op's value and indexing costs half of hashing torch's enum)."""
+    """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options (SUM by
+    one comparison, the rest by reading the op's value and indexing: each read through torch's
+    bindings costs a tenth of a small call)."""
     rop = opts.reduceOp
+    if rop == _SUM:
+        return ReduceOp.SUM, None
     value = rop.op.value
     if not 0 <= value < len(_OPS):
         raise InvalidArgumentError(f"tensorwire backend: unknown reduce op {rop.op}")
@@ -145,6 +150,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._release = release
         self._closed = False
         self._compress = group.runtime.config.compress or None  # TENSORWIRE_COMPRESS
+        self._done = CompletedWork(None)  # see _completed
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -173,8 +179,19 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- running -----------------------------------------------------------------------------
     def _timeout_of(self, opts: Any) -> float | None:
-        own = seconds(opts.timeout) if opts is not None else None
-        return own if own is not None else self._timeout
+        own = opts.timeout if opts is not None else _UNSET
+        if own == _UNSET:  # the common case, without seconds()' conversions
+            return self._timeout
+        limit = seconds(own)
+        return self._timeout if limit is None else limit
+
+    def _completed(self, outputs: Any) -> CompletedWork:
+        """The Work of a synchronous call: one per process group, aimed at each call's outputs
+        in turn (a new Work costs about as much as a small all_reduce, and torch only waits on
+        it; dist.all_reduce returns None)."""
+        done = self._done
+        done.outputs = outputs
+        return done
 
     def _run(self, what: str, opts: Any, outputs: Any, calls: Sequence[Call],
              finish: Callable[[], None] | None = None) -> dist.Work:
@@ -184,7 +201,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 call(False, timeout)
             if finish is not None:
                 finish()
-            return CompletedWork(outputs)
+            return self._completed(outputs)
         parts = [call(True, timeout) for call in calls]
         return TensorwireWork(parts, outputs, what, finish=finish, timeout=timeout)
 
@@ -204,10 +221,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             if t.is_contiguous() and (t.is_cpu or t.is_cuda):  # a plain dist.all_reduce(t): most direct
                 self._tw.all_reduce(t, op, timeout=self._timeout_of(opts),
                                     compress=None if self._compress is None else self._compressing(t, op))
-                return CompletedWork(tensors)
+                return self._completed(tensors)
         if len(tensors) == 1 and tensors[0].is_sparse:
             self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
-            return CompletedWork(tensors)
+            return self._completed(tensors)
         st = _Staging(self._tw)
         buf = st.out(_one(tensors, "allreduce", self._tw))
         if factor is not None:
@@ -465,7 +482,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         data = _Staging(None).inp(_one(tensors, "send", None))
         part = self._tw.isend(data, dst, tag)
         if finished(part):  # a small send, in the peer's ring already
-            return CompletedWork(tensors)
+            return self._completed(tensors)
         return TensorwireWork([part], tensors, f"send to rank {dst}", timeout=self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
@@ -476,7 +493,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if finished(part):  # its message had arrived
             if finish is not None:
                 finish()
-            return CompletedWork(tensors)
+            return self._completed(tensors)
         return TensorwireWork([part], tensors, f"recv from rank {src}", finish=finish,
                               timeout=self._timeout, source_rank=src)
 

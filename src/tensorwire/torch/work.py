@@ -215,19 +215,19 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
 
 
 class CompletedWork(dist.Work):
-    """What a synchronous call returns: already done, so nothing to track (cheap to create:
-    a plain `dist.all_reduce(t)` pays for this object on every call)."""
+    """What a synchronous call returns: already done, so nothing to track but its outputs
+    (a process group reuses one: ProcessGroupTensorwire._completed)."""
 
     def __init__(self, outputs: Any) -> None:
         super().__init__()
-        self._outputs = outputs
+        self.outputs = outputs
 
     def wait(self, timeout: Any = None) -> bool:
         return True
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = _future(self._outputs)
-        fut.set_result(self._outputs)  # CUDA outputs: after their work, queued on the current stream
+        fut: torch.futures.Future = _future(self.outputs)
+        fut.set_result(self.outputs)  # CUDA outputs: after their work, queued on the current stream
         return fut
 
     def is_completed(self) -> bool:
@@ -240,7 +240,7 @@ class CompletedWork(dist.Work):
         return None
 
     def result(self) -> Any:
-        return self._outputs
+        return self.outputs
 
     def synchronize(self) -> None:
         pass
