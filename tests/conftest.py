@@ -13,6 +13,8 @@ _MAX_LIVE = 3  # clusters kept alive at once: each rank is a process on a 2-core
 _live: OrderedDict[tuple[int, str], Cluster] = OrderedDict()
 
 TRANSPORTS = ("shm", "tcp")
+PYTHON = "shm-python"
+"""A `transport` of get_cluster: shared memory with the Python bodies only (TENSORWIRE_NATIVE=0)."""
 
 
 def _get(size: int, transport: str = "shm") -> Cluster:
@@ -24,6 +26,8 @@ def _get(size: int, transport: str = "shm") -> Cluster:
         while len(_live) >= _MAX_LIVE:
             _live.popitem(last=False)[1].close()
         env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+        if transport == PYTHON:
+            env["TENSORWIRE_NATIVE"] = "0"
         cluster = Cluster(size, env)
     _live[key] = cluster
     return cluster

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from cluster import Cluster
+from conftest import PYTHON
 from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import Link, algorithms_for
 from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
@@ -65,7 +66,7 @@ EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "flo
        "complex64": 2.0 ** -23, "complex128": 2.0 ** -52}
 REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatterv")
 
-WORLDS = [(size, transport) for size in (1, 2, 3, 4, 5) for transport in ("shm", "tcp")]
+WORLDS = [(size, transport) for size in (1, 2, 3, 4, 5) for transport in ("shm", "tcp")] + [(3, PYTHON)]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 

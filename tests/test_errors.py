@@ -29,6 +29,7 @@ import pytest
 
 import tensorwire as tw
 from cluster import free_port
+from conftest import PYTHON
 from tensorwire.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -43,7 +44,7 @@ from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
 
-WORLDS = [(2, "shm"), (3, "shm"), (2, "tcp"), (3, "tcp")]
+WORLDS = [(2, "shm"), (3, "shm"), (3, PYTHON), (2, "tcp"), (3, "tcp")]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{t}{n}" for n, t in WORLDS])
@@ -891,7 +892,7 @@ attempt(survivors.barrier, timeout=10)  # leave together
 """
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", PYTHON, "tcp"])
 @pytest.mark.parametrize("mode", ["exit", "sigkill", "idle"])
 def test_peer_dies(transport: str, mode: str) -> None:
     """Rank 2 dies while ranks 0 and 1 are in all_reduce (os._exit inside it, or SIGKILL from
@@ -899,7 +900,8 @@ def test_peer_dies(transport: str, mode: str) -> None:
     seconds (the timeout is 30 s), later calls on the world raise at once, and a group without
     rank 2 keeps working."""
     port = free_port()
-    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto",
+           "TENSORWIRE_NATIVE": "0" if transport == PYTHON else "auto"}
     procs = [_spawn(_PEER_DIES, r, 3, port, mode, env=env) for r in range(3)]
     try:
         for p in procs:

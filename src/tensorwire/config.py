@@ -147,8 +147,9 @@ flight, no more (why: tcp.tune_socket)."""
 TCP_RCVBUF = 4 << 20
 """Default SO_RCVBUF of a TCP connection: a whole step of a large collective can land while
 its receiver waits for a core (why: tcp.tune_socket)."""
-TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf")
-"""The Config fields that shape a TCP connection, and so its calibrated α and β."""
+TCP_SETTINGS = ("tcp_congestion", "tcp_sndbuf", "tcp_rcvbuf", "nsocks", "socket_threads")
+"""The Config fields that shape a TCP connection or what moves its bytes, and so its calibrated
+α and β."""
 
 AUTH_TIMEOUT_S = 10.0
 """Default time a connection gets to authenticate: a rank's handshake takes a few round trips
@@ -193,8 +194,8 @@ class Config:
     kernel doubles it, and stops autotuning it); 0 leaves it to the kernel's autotuning
     (TENSORWIRE_TCP_RCVBUF): see tcp.tune_socket."""
     nsocks: int = 1
-    """TCP streams per pair of ranks over TCP, over which messages from 256 KiB are split
-    (TENSORWIRE_NSOCKS; transport/tcp.py)."""
+    """TCP streams per pair of ranks over TCP, over which messages from 2 MiB are split, a part
+    per MiB (TENSORWIRE_NSOCKS; transport/tcp.py)."""
     socket_threads: int | None = None
     """Threads per rank that move large TCP messages; None: by the cores each rank has
     (TENSORWIRE_SOCKET_THREADS; transport/pumps.py)."""
@@ -212,6 +213,9 @@ class Config:
     spin_us: float | None = None
     """How long a waiting rank busy-polls before yielding, then sleeping (TENSORWIRE_SPIN_US);
     None: 50 us, or 0 on a host with more ranks than usable cores (TENSORWIRE_SPIN_US)."""
+    native: str = "auto"
+    """The direct path's compiled bodies: 'auto' where the install built them, '0' the Python
+    ones, '1' the compiled ones or an error (TENSORWIRE_NATIVE; transport/native.py)."""
     bind: bool = False
     """Where a machine runs more ranks than the cores they may use, bind each rank to one of
     those cores, round robin by its index among the machine's ranks (TENSORWIRE_BIND=1; a
@@ -289,6 +293,7 @@ class Config:
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             compress=os.environ.get("TENSORWIRE_COMPRESS", "").strip().lower(),
             spin_us=_env_float("TENSORWIRE_SPIN_US", None),
+            native=os.environ.get("TENSORWIRE_NATIVE", "auto").strip().lower() or "auto",
             bind=_env_bool("TENSORWIRE_BIND", False),
             deterministic=_env_bool("TENSORWIRE_DETERMINISTIC", False),
             calibrate=_CALIBRATE_ALIASES.get(os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower(),
@@ -320,6 +325,9 @@ class Config:
                              f"cached) or force (probe and rewrite the cache)")
         if cfg.compress not in ("", "bf16", "fp16"):
             raise ValueError(f"TENSORWIRE_COMPRESS={cfg.compress!r}: expected bf16, fp16 or nothing")
+        if cfg.native not in ("auto", "0", "1"):
+            raise ValueError(f"TENSORWIRE_NATIVE={cfg.native!r}: expected auto, 0 (the Python bodies) or 1 "
+                             f"(the compiled ones, an error where they were not built)")
         if cfg.single_copy not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_SINGLE_COPY={cfg.single_copy!r}: expected 0 (never), 1 (the "
                              f"reductions always, the rest unless ranks outnumber cores) or force "

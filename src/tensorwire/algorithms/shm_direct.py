@@ -22,6 +22,7 @@ from ..errors import InvalidArgumentError
 from ..ops import ReduceOp, Reduction
 from ..ops.finalize import finalize
 from ..ops.kernels import apply_to, reduction_kernel, writes_where_told
+from ..transport import native
 from ..transport.engine import Backoff
 from ..transport.segment import CHUNK_BITS, WRITTEN, DirectPath
 from .registry import Algorithm, Link, register
@@ -67,6 +68,11 @@ def _fold_grid(grid: np.ndarray, out: np.ndarray, kernel: Any) -> None:
     kernel.reduce(grid, axis=0, dtype=out.dtype, out=out)
 
 
+def _native_fold(dp: DirectPath, op: ReduceOp, dtype: np.dtype) -> int:
+    """The compiled fold of a plan's signature where dp has the compiled bodies, else 0."""
+    return native.fold_code(op, dtype) if dp.native is not None else 0
+
+
 def _finalized(red: Reduction | None) -> Reduction | None:
     """`red` where a plan's run must finalize it after the fold (AVG, PREMUL_SUM), else None."""
     return red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
@@ -78,7 +84,7 @@ class AllReducePlan:
     finalization. A small all_reduce is mostly such lookups; a planned one skips them (see
     group/collectives.py all_reduce)."""
 
-    __slots__ = ("dp", "slots", "kernel", "red", "general", "big", "grids")
+    __slots__ = ("dp", "slots", "kernel", "red", "general", "big", "grids", "code")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp,
                  red: Reduction | None = None) -> None:
@@ -93,12 +99,23 @@ class AllReducePlan:
         self.big = count * dtype.itemsize > PIECE  # copied in through buffers.copy (see _into)
         self.grids = dp.grid(dtype, count, 0) \
             if not self.general and grid_folds(self.kernel, dtype, dp.size, count) else ()
+        self.code = _native_fold(dp, op, dtype) if not self.general and not self.big else 0
 
     def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The all_reduce body for arrays of the signature, any shapes, in any overlap (the
         slots' way copies src in first; the stream folds in place where they overlap at all):
         dst = the fold of every rank's src in rank order, the same bits on every rank; dst
         returned. One frame for the whole slot path: it is most of a small call."""
+        if self.code:
+            dp = self.dp
+            p = dp.enter(call)
+            a, b = dp.stamp_words(call)
+            if dp.after_native(call, dp.native.all_reduce(call.seq, p, a, b, src, dst, self.code), p,
+                               dp.everyone):
+                dp.native.fold(p, dst, self.code)
+            if self.red is not None:
+                finalize(dst.reshape(-1), self.red, dp.size)
+            return dst
         flat = dst if dst.ndim == 1 else dst.reshape(-1)
         if src.ndim != 1:
             src = src.reshape(-1)
@@ -236,7 +253,7 @@ class ReducePlan:
     into its slot and publishes it; the root waits for everyone and folds the slots in rank
     order into its output."""
 
-    __slots__ = ("dp", "root", "slots", "kernel", "red", "grids")
+    __slots__ = ("dp", "root", "slots", "kernel", "red", "grids", "code")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp, root: int,
                  red: Reduction | None = None) -> None:
@@ -247,12 +264,22 @@ class ReducePlan:
         self.kernel = reduction_kernel(op, dtype)
         self.red = _finalized(red)
         self.grids = dp.grid(dtype, count, 0) if grid_folds(self.kernel, dtype, dp.size, count) else ()
+        self.code = _native_fold(dp, op, dtype) if count * dtype.itemsize <= PIECE else 0
 
     def run(self, call, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """The reduce body for arrays of the signature (`acc`: the root's output, else `src`);
         `acc` returned."""
         dp = self.dp
         p = dp.enter(call)
+        if self.code:
+            a, b = dp.stamp_words(call)
+            root = dp.rank == self.root
+            if dp.after_native(call, dp.native.reduce(call.seq, p, a, b, src, acc, self.code, self.root), p,
+                               dp.everyone if root else ()):
+                dp.native.fold(p, acc, self.code)
+            if root and self.red is not None:
+                finalize(acc.reshape(-1), self.red, dp.size)
+            return acc
         mine, views = self.slots[p]
         _into(mine, src if src.ndim == 1 else src.reshape(-1))
         if dp.rank != self.root:
@@ -276,12 +303,14 @@ class BroadcastPlan:
     an output overlapping the input is no matter; the others wait for the root's flag and copy
     the slot out."""
 
-    __slots__ = ("dp", "root", "slots")
+    __slots__ = ("dp", "root", "slots", "native", "whom")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
         self.dp = dp
         self.root = root
         self.slots = tuple(v[root] for v in dp.views(dtype, count))  # the root's slot per parity
+        self.native = dp.native is not None and count * dtype.itemsize <= PIECE
+        self.whom = () if dp.rank == root else (root,)  # whom this rank waits for
 
     def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The broadcast body for arrays of the signature (`src` is read on the root only);
@@ -289,6 +318,12 @@ class BroadcastPlan:
         dp = self.dp
         p = dp.enter(call)
         slot = self.slots[p]
+        if self.native:
+            a, b = dp.stamp_words(call)
+            if dp.after_native(call, dp.native.broadcast(call.seq, p, a, b, src, dst, self.root), p,
+                               self.whom):
+                _into(dst.reshape(-1), slot)
+            return dst
         if dp.rank == self.root:
             _into(slot, src if src.ndim == 1 else src.reshape(-1))
             dp.publish(call, p)

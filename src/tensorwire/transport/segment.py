@@ -17,7 +17,7 @@ import secrets
 import numpy as np
 
 from ..errors import CollectiveMismatchError, TimeoutError
-from . import cma, pages
+from . import cma, native, pages
 from .engine import Backoff, Engine
 from .shm import CTRL_BYTES, Segment
 from .wire import Fingerprint
@@ -66,6 +66,7 @@ class GroupSegment(Segment):
 
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
+_PRESPIN_S = 20e-6  # the same spell in the compiled bodies (transport/native.py)
 _PREYIELD = 16
 """Where ranks share cores: yields in a bare loop before a flag wait sets up its Backoff, whose
 setup and rounds are Python that the rank being waited for does not get to run
@@ -103,7 +104,9 @@ def _fp_from_words(a: int, b: int) -> Fingerprint:
 class DirectPath:
     """The direct path of one group on this rank: which slot is next, and how to wait."""
 
-    def __init__(self, seg: GroupSegment, rank: int, engine: Engine, ctx: int, members: list[int]) -> None:
+    def __init__(self, seg: GroupSegment, rank: int, engine: Engine, ctx: int, members: list[int],
+                 compiled: str = "auto") -> None:
+        """`compiled`: whether to run the compiled bodies (Config.native)."""
         self.seg = seg
         self.rank = rank
         self.size = seg.size
@@ -138,6 +141,9 @@ class DirectPath:
         self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
         self.folded: np.ndarray | None = None  # single copy's reduce: a non-root's folded block
         self.huge_eighths = pages.UNKNOWN  # in single copy's last call, the least of its sources' (pages.py)
+        self.native = native.path(compiled, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
+                                  _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD)
+        """The compiled bodies over this segment, or None (transport/native.py)."""
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test
@@ -214,7 +220,10 @@ class DirectPath:
         self.parity ^= 1
         if self.message is not None:
             self._check_message(call)
-        if not self.settled:
+        if not self.settled and self.native is not None \
+                and self.native.settle(self.prev_seq, self.parity ^ 1, *self.prev_fp) == native.DONE:
+            self.settled = True
+        if not self.settled:  # what the compiled settle hands back too: it waits and explains here
             self._wait(call, self.everyone, self.prev_seq)
             words, flags = self.words, self.flags
             base = _STAMP + (self.parity ^ 1) * 3
@@ -254,26 +263,55 @@ class DirectPath:
                                                  _fp_from_words(words[line + 1], words[line + 2]),
                                                  self.members[r])
 
-    def publish(self, call, parity: int, ranks: tuple[int, ...] = ()) -> None:
-        """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`
-        or others) to publish it too, and check they called the same thing. One method for
-        both halves: this pair is most of a small call's protocol."""
+    def stamp_words(self, call) -> tuple[int, int]:
+        """The fingerprint words `call` publishes; a repeated call (the same fingerprint
+        object) skips the hashing."""
         fp = call.fp
-        # a repeated call (the same fingerprint object) skips the hashing
+        return self.prev_fp if fp is self._last_fp else self.words_of(fp)
+
+    def publish(self, call, parity: int, ranks: tuple[int, ...] = ()) -> None:
+        """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`,
+        one rank, or none) to publish it too, and check they called the same thing. One method
+        for both halves: this pair is most of a small call's protocol."""
+        fp = call.fp  # stamp_words, inline: a frame is a tenth of a small call's protocol
         a, b = self.prev_fp if fp is self._last_fp else self.words_of(fp)
+        if self.native is not None:
+            whom = -1 if ranks is self.everyone else ranks[0] if ranks else -2
+            self.after_native(call, self.native.round(call.seq, parity, a, b, whom), parity, ranks)
+            return
         words, seq = self.words, call.seq
-        off = _STAMP + 3 * parity
-        at = self.own + off
+        at = self.own + _STAMP + 3 * parity
         words[at] = seq
         words[at + 1] = a
         words[at + 2] = b
         words[self.own] = seq  # last: publishes the data and the fingerprint above
         self.prev_seq = seq
         self.prev_name = call.name
-        if not ranks:
+        if ranks:
+            self._settle(call, parity, ranks)
+        else:
             self.settled = False
-            return
-        flags = self.flags
+
+    def after_native(self, call, status: int, parity: int, ranks: tuple[int, ...]) -> bool:
+        """Take over from a compiled body that published `call` and waited for `ranks`: its
+        bookkeeping, and where it handed the wait back (a peer not there within its spin), the
+        wait and the checks in Python; True then, and the caller finishes the body. A peer
+        that published another call is raised as the mismatch."""
+        self.prev_seq = call.seq
+        self.prev_name = call.name
+        if status == native.DONE:
+            self.settled = ranks is self.everyone
+            return False
+        if status >= 0:
+            raise self._mismatch_with(call, status)
+        self._settle(call, parity, ranks)
+        return True
+
+    def _settle(self, call, parity: int, ranks: tuple[int, ...]) -> None:
+        """publish's second half: wait for `ranks` to publish `call`, check their stamps."""
+        words, flags, seq = self.words, self.flags, call.seq
+        a, b = self.prev_fp
+        off = _STAMP + 3 * parity
         everyone = ranks is self.everyone
         if everyone:
             ranks = self.others  # this rank's own flag is set

@@ -1,0 +1,472 @@
+/* The direct path's one-shot bodies in C: the same protocol, layout and fold order as
+ * transport/segment.py and algorithms/shm_direct.py, which stay the reference (and the whole
+ * implementation with TENSORWIRE_NATIVE=0). Only the common case runs here: every waited-for
+ * rank arrives within the spin budget. Anything else (a slow or lost peer, a timeout, a
+ * mismatch to explain) is handed back to Python as a status: PENDING (published; wait in
+ * Python, then finish with fold/copy_out) or the group rank whose stamp differs.
+ *
+ * Loads and stores of flags and stamps are acquire/release atomics: what x86-64's store order
+ * gives the Python path for free, spelt out for any machine. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define DONE (-1)
+#define PENDING (-2)
+#define STAMP 8 /* word of a control line where the per-parity (seq, a, b) stamps start */
+#define MAX_RANKS 4096
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer seg;          /* the whole segment, held for the object's life */
+    uint64_t *words;
+    Py_ssize_t *lines;      /* word index of each rank's control line */
+    char *slots;            /* rank 0's slot of parity 0; slot (r, p) is 2r + p slots on */
+    Py_ssize_t slot_bytes;
+    int rank, size;
+    long long spin_ns;      /* busy-poll budget; 0: yield instead (ranks share cores) */
+    int yields;
+} Path;
+
+static inline uint64_t load(const uint64_t *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+static inline void store(uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
+
+static inline char *slot(const Path *p, int r, int parity) {
+    return p->slots + (Py_ssize_t)(2 * r + parity) * p->slot_bytes;
+}
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ---- waiting ------------------------------------------------------------------------------- */
+
+/* Whether every other rank (or only rank `only`, if >= 0) has a flag >= seq. */
+static int arrived(const Path *p, int only, uint64_t seq) {
+    if (only >= 0) return load(p->words + p->lines[only]) >= seq;
+    for (int r = 0; r < p->size; r++)
+        if (r != p->rank && load(p->words + p->lines[r]) < seq) return 0;
+    return 1;
+}
+
+/* Poll until the awaited flags reach seq: a short spell holding the interpreter lock (a peer
+ * already there costs nothing more), then the rest of the budget without it. */
+static int await_flags(const Path *p, int only, uint64_t seq) {
+    for (int i = 0; i < 64; i++)
+        if (arrived(p, only, seq)) return 1;
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (p->spin_ns > 0) {
+        long long end = now_ns() + p->spin_ns;
+        for (;;) {
+            for (int i = 0; i < 256 && !ok; i++) ok = arrived(p, only, seq);
+            if (ok || now_ns() > end) break;
+        }
+    } else {
+        for (int i = 0; i < p->yields && !ok; i++) {
+            sched_yield();
+            ok = arrived(p, only, seq);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* Stamp (seq, a, b) beside this rank's flag for `parity`, then store the flag (last). */
+static void stamp(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t b) {
+    uint64_t *line = p->words + p->lines[p->rank];
+    uint64_t *at = line + STAMP + 3 * parity;
+    at[1] = a;
+    at[2] = b;
+    store(at, seq);
+    store(line, seq);
+}
+
+/* Publish, then wait for `only` (>= 0), everyone else (-1) or no one (-2); a status. */
+static int round_trip(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t b, int only) {
+    stamp(p, seq, parity, a, b);
+    if (only == -2) return DONE;
+    if (!await_flags(p, only, seq)) return PENDING;
+    for (int r = 0; r < p->size; r++) {
+        if (r == p->rank || (only >= 0 && r != only)) continue;
+        const uint64_t *at = p->words + p->lines[r] + STAMP + 3 * parity;
+        if (load(at) != seq || at[1] != a || at[2] != b) return r;
+    }
+    return DONE;
+}
+
+/* ---- folds: dst = slot_0 op slot_1 op ... in rank order, elementwise ------------------------ */
+
+typedef void (*fold_fn)(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count);
+
+/* Signed integers add and multiply as unsigned: numpy wraps, and C leaves signed overflow undefined. */
+#define ADD(T, U) (T)((U)x + (U)y)
+#define MUL(T, U) (T)((U)x * (U)y)
+#define MIN(T, U) (y < x ? y : x)
+#define MAX(T, U) (y > x ? y : x)
+#define AND(T, U) (T)(x & y)
+#define OR(T, U) (T)(x | y)
+#define XOR(T, U) (T)(x ^ y)
+#define FADD(T, U) (x + y)
+#define FMUL(T, U) (x * y)
+
+#define FOLD(NAME, T, U, OP)                                                                    \
+    static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) { \
+        T *o = (T *)dst;                                                                        \
+        const T *s0 = (const T *)first, *s1 = (const T *)(first + stride);                     \
+        for (Py_ssize_t i = 0; i < count; i++) {                                                \
+            T x = s0[i], y = s1[i];                                                             \
+            o[i] = OP(T, U);                                                                    \
+        }                                                                                       \
+        for (int r = 2; r < n; r++) {                                                           \
+            const T *s = (const T *)(first + r * stride);                                       \
+            for (Py_ssize_t i = 0; i < count; i++) {                                            \
+                T x = o[i], y = s[i];                                                           \
+                o[i] = OP(T, U);                                                                \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+#define INT_FOLDS(S, T, U)                                                                      \
+    FOLD(sum_##S, T, U, ADD) FOLD(prod_##S, T, U, MUL) FOLD(min_##S, T, U, MIN)                 \
+    FOLD(max_##S, T, U, MAX) FOLD(band_##S, T, U, AND) FOLD(bor_##S, T, U, OR)                  \
+    FOLD(bxor_##S, T, U, XOR)
+
+INT_FOLDS(i8, int8_t, uint8_t)
+INT_FOLDS(u8, uint8_t, uint8_t)
+INT_FOLDS(i16, int16_t, uint16_t)
+INT_FOLDS(u16, uint16_t, uint16_t)
+INT_FOLDS(i32, int32_t, uint32_t)
+INT_FOLDS(u32, uint32_t, uint32_t)
+INT_FOLDS(i64, int64_t, uint64_t)
+INT_FOLDS(u64, uint64_t, uint64_t)
+FOLD(sum_f32, float, float, FADD)
+FOLD(prod_f32, float, float, FMUL)
+FOLD(sum_f64, double, double, FADD)
+FOLD(prod_f64, double, double, FMUL)
+
+/* Indexed by dtype code * 8 + op code, the codes of transport/native.py's FOLD_CODES. */
+#define INT_ROW(S) {NULL, sum_##S, prod_##S, min_##S, max_##S, band_##S, bor_##S, bxor_##S}
+static const fold_fn FOLDS[11][8] = {
+    {NULL},
+    INT_ROW(i8), INT_ROW(u8), INT_ROW(i16), INT_ROW(u16),
+    INT_ROW(i32), INT_ROW(u32), INT_ROW(i64), INT_ROW(u64),
+    {NULL, sum_f32, prod_f32},
+    {NULL, sum_f64, prod_f64},
+};
+static const int ITEMSIZE[11] = {0, 1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+
+/* ---- arguments ------------------------------------------------------------------------------ */
+
+static int to_u64(PyObject *o, uint64_t *v) {
+    *v = (uint64_t)PyLong_AsUnsignedLongLong(o);
+    return !(*v == (uint64_t)-1 && PyErr_Occurred());
+}
+
+static int to_int(PyObject *o, int lo, int hi, const char *what, int *v) {
+    long x = PyLong_AsLong(o);
+    if (x == -1 && PyErr_Occurred()) return 0;
+    if (x < lo || x >= hi) {
+        PyErr_Format(PyExc_ValueError, "%s %ld out of range [%d, %d)", what, x, lo, hi);
+        return 0;
+    }
+    *v = (int)x;
+    return 1;
+}
+
+/* (seq, parity, a, b) leading every protocol call. */
+static int head(PyObject *const *args, uint64_t *seq, int *parity, uint64_t *a, uint64_t *b) {
+    return to_u64(args[0], seq) && to_int(args[1], 0, 2, "parity", parity) && to_u64(args[2], a) &&
+           to_u64(args[3], b);
+}
+
+/* A C-contiguous buffer of at most the slot's bytes; `writable` for outputs. */
+static int buffer(const Path *p, PyObject *o, int writable, Py_buffer *view) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return 0;
+    if (view->len > p->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes do not fit the %zd-byte slot", view->len, p->slot_bytes);
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static fold_fn fold_of(PyObject *o, Py_ssize_t nbytes, Py_ssize_t *count) {
+    long code = PyLong_AsLong(o);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    fold_fn f = code > 0 && code < 11 * 8 ? FOLDS[code / 8][code % 8] : NULL;
+    if (f == NULL) {
+        PyErr_Format(PyExc_ValueError, "no fold with code %ld", code);
+        return NULL;
+    }
+    *count = nbytes / ITEMSIZE[code / 8];
+    return f;
+}
+
+static PyObject *status(int s) { return PyLong_FromLong(s); }
+
+/* ---- the bodies ----------------------------------------------------------------------------- */
+
+/* A group of one has nothing to fold: its slot is the result. */
+static void fold_into(const Path *p, fold_fn f, int parity, Py_buffer *dst, Py_ssize_t count) {
+    if (p->size == 1)
+        memcpy(dst->buf, slot(p, 0, parity), (size_t)dst->len);
+    else
+        f(dst->buf, slot(p, 0, parity), 2 * p->slot_bytes, p->size, count);
+}
+
+/* all_reduce(seq, parity, a, b, src, dst, code): copy src into this rank's slot, publish, wait
+ * for everyone, fold every slot into dst. */
+static PyObject *Path_all_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity;
+    Py_buffer src, dst;
+    Py_ssize_t count;
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "all_reduce takes 7 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !buffer(self, args[4], 0, &src)) return NULL;
+    if (!buffer(self, args[5], 1, &dst)) goto fail_src;
+    fold_fn f = fold_of(args[6], dst.len, &count);
+    if (f == NULL) goto fail;
+    if (src.len != dst.len) {
+        PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
+        goto fail;
+    }
+    memcpy(slot(self, self->rank, parity), src.buf, (size_t)src.len);
+    int s = round_trip(self, seq, parity, a, b, -1);
+    if (s == DONE) fold_into(self, f, parity, &dst, count);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return status(s);
+fail:
+    PyBuffer_Release(&dst);
+fail_src:
+    PyBuffer_Release(&src);
+    return NULL;
+}
+
+/* reduce(seq, parity, a, b, src, dst, code, root): as all_reduce, but only the root waits and
+ * folds (dst is read on the root only). */
+static PyObject *Path_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity, root, s;
+    Py_buffer src, dst;
+    Py_ssize_t count;
+    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "reduce takes 8 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[7], 0, self->size, "root", &root) ||
+        !buffer(self, args[4], 0, &src))
+        return NULL;
+    memcpy(slot(self, self->rank, parity), src.buf, (size_t)src.len);
+    if (self->rank != root) {
+        PyBuffer_Release(&src);
+        return status(round_trip(self, seq, parity, a, b, -2));
+    }
+    if (!buffer(self, args[5], 1, &dst)) goto fail_src;
+    fold_fn f = fold_of(args[6], dst.len, &count);
+    if (f == NULL || src.len != dst.len) {
+        if (f != NULL) PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
+        PyBuffer_Release(&dst);
+        goto fail_src;
+    }
+    s = round_trip(self, seq, parity, a, b, -1);
+    if (s == DONE) fold_into(self, f, parity, &dst, count);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return status(s);
+fail_src:
+    PyBuffer_Release(&src);
+    return NULL;
+}
+
+/* broadcast(seq, parity, a, b, src, dst, root): the root copies src into its slot and
+ * publishes, then fills dst from the slot unless dst is src; the others wait for the root
+ * and copy its slot into dst. */
+static PyObject *Path_broadcast(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity, root, s;
+    Py_buffer view;
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "broadcast takes 7 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root)) return NULL;
+    char *from = slot(self, root, parity);
+    if (self->rank == root) {
+        if (!buffer(self, args[4], 0, &view)) return NULL;
+        memcpy(from, view.buf, (size_t)view.len);
+        PyBuffer_Release(&view);
+        s = round_trip(self, seq, parity, a, b, -2);
+        if (args[5] == args[4]) return status(s);
+    } else {
+        s = round_trip(self, seq, parity, a, b, root);
+        if (s != DONE) return status(s);
+    }
+    if (!buffer(self, args[5], 1, &view)) return NULL;
+    memcpy(view.buf, from, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return status(s);
+}
+
+/* round(seq, parity, a, b, whom): publish, then wait for everyone else (-1), rank `whom`
+ * (>= 0) or no one (-2): DirectPath.publish of any body. */
+static PyObject *Path_round(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity, whom;
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "round takes 5 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[4], -2, self->size, "whom", &whom)) return NULL;
+    return status(round_trip(self, seq, parity, a, b, whom));
+}
+
+/* settle(seq, parity, a, b): wait for everyone else to have published call `seq`, which this
+ * rank published on `parity` as (a, b) without waiting for all (DirectPath.enter); a rank
+ * that stamped `seq` otherwise is returned. */
+static PyObject *Path_settle(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "settle takes 4 arguments");
+    if (!head(args, &seq, &parity, &a, &b)) return NULL;
+    if (!await_flags(self, -1, seq)) return status(PENDING);
+    for (int r = 0; r < self->size; r++) {
+        const uint64_t *at = self->words + self->lines[r] + STAMP + 3 * parity;
+        if (r != self->rank && load(at) == seq && (at[1] != a || at[2] != b)) return status(r);
+    }
+    return status(DONE);
+}
+
+/* fold(parity, dst, code): finish an all_reduce or a root's reduce after a wait in Python. */
+static PyObject *Path_fold(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    int parity;
+    Py_buffer dst;
+    Py_ssize_t count;
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "fold takes 3 arguments");
+    if (!to_int(args[0], 0, 2, "parity", &parity) || !buffer(self, args[1], 1, &dst)) return NULL;
+    fold_fn f = fold_of(args[2], dst.len, &count);
+    if (f != NULL) fold_into(self, f, parity, &dst, count);
+    PyBuffer_Release(&dst);
+    if (f == NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- the type ------------------------------------------------------------------------------- */
+
+static int Path_init(Path *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"segment", "lines", "rank", "slots", "slot_bytes", "spin_ns", "yields", NULL};
+    PyObject *seg, *lines;
+    Py_ssize_t slots_at, slot_bytes;
+    long long spin_ns;
+    int rank, yields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOinnLi", kwlist, &seg, &lines, &rank, &slots_at,
+                                     &slot_bytes, &spin_ns, &yields))
+        return -1;
+    if (self->words != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Path is set up once");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(lines, "lines must be a sequence");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > MAX_RANKS || rank < 0 || rank >= n || slot_bytes < 0 || slots_at < 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "bad group shape");
+        return -1;
+    }
+    if (PyObject_GetBuffer(seg, &self->seg, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    self->lines = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
+    int ok = self->lines != NULL;
+    for (Py_ssize_t r = 0; ok && r < n; r++) {
+        Py_ssize_t w = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, r));
+        ok = !(w == -1 && PyErr_Occurred()) && w >= 0 && (w + STAMP + 6) * 8 <= self->seg.len;
+        self->lines[r] = w;
+    }
+    Py_DECREF(seq);
+    if (!ok || slots_at + 2 * n * slot_bytes > self->seg.len) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the layout does not fit the segment");
+        PyBuffer_Release(&self->seg);
+        PyMem_Free(self->lines);
+        self->lines = NULL;
+        return -1;
+    }
+    self->words = (uint64_t *)self->seg.buf;
+    self->slots = (char *)self->seg.buf + slots_at;
+    self->slot_bytes = slot_bytes;
+    self->rank = rank;
+    self->size = (int)n;
+    self->spin_ns = spin_ns;
+    self->yields = yields;
+    return 0;
+}
+
+static void Path_dealloc(Path *self) {
+    if (self->words != NULL) PyBuffer_Release(&self->seg);
+    PyMem_Free(self->lines);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Every method needs a set-up Path: one made without __init__ has no segment. */
+#define GUARDED(NAME)                                                                   \
+    static PyObject *NAME##_checked(Path *self, PyObject *const *args, Py_ssize_t n) {  \
+        if (self->words == NULL) {                                                      \
+            PyErr_SetString(PyExc_RuntimeError, "Path was not set up");                 \
+            return NULL;                                                                \
+        }                                                                               \
+        return NAME(self, args, n);                                                     \
+    }
+GUARDED(Path_all_reduce)
+GUARDED(Path_reduce)
+GUARDED(Path_broadcast)
+GUARDED(Path_round)
+GUARDED(Path_settle)
+GUARDED(Path_fold)
+
+static PyMethodDef Path_methods[] = {
+    {"all_reduce", (PyCFunction)(void (*)(void))Path_all_reduce_checked, METH_FASTCALL,
+     "all_reduce(seq, parity, a, b, src, dst, code) -> status"},
+    {"reduce", (PyCFunction)(void (*)(void))Path_reduce_checked, METH_FASTCALL,
+     "reduce(seq, parity, a, b, src, dst, code, root) -> status"},
+    {"broadcast", (PyCFunction)(void (*)(void))Path_broadcast_checked, METH_FASTCALL,
+     "broadcast(seq, parity, a, b, src, dst, root) -> status"},
+    {"round", (PyCFunction)(void (*)(void))Path_round_checked, METH_FASTCALL,
+     "round(seq, parity, a, b, whom) -> status"},
+    {"settle", (PyCFunction)(void (*)(void))Path_settle_checked, METH_FASTCALL,
+     "settle(seq, parity, a, b) -> status"},
+    {"fold", (PyCFunction)(void (*)(void))Path_fold_checked, METH_FASTCALL,
+     "fold(parity, dst, code): every slot of parity folded into dst"},
+    {NULL},
+};
+
+static PyTypeObject PathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tensorwire.transport._native.Path",
+    .tp_basicsize = sizeof(Path),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One rank's view of a group segment's one-shot protocol (see transport/native.py).",
+    .tp_new = PyType_GenericNew, /* zeroed: words NULL until init */
+    .tp_init = (initproc)Path_init,
+    .tp_dealloc = (destructor)Path_dealloc,
+    .tp_methods = Path_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "The direct path's one-shot bodies in C.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&PathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&PathType);
+    if (PyModule_AddObject(m, "Path", (PyObject *)&PathType) < 0 ||
+        PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0) {
+        Py_DECREF(&PathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

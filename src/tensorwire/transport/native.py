@@ -1,0 +1,81 @@
+"""The direct path's compiled inner loops (transport/_native.c), where the install built them.
+
+The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
+the whole one-shot all_reduce, reduce and broadcast of a planned call: the same protocol,
+layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
+reference and run everything the C code hands back: a peer that does not arrive
+within the spin budget, a mismatch to explain, a dtype or op it does not fold.
+TENSORWIRE_NATIVE=0 runs the Python reference only; 1 makes a missing module an error; auto
+(the default) uses the module where it was built and says once where it was not.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .. import log
+from ..ops import ReduceOp
+
+_log = log.get("INIT")
+
+DONE, PENDING = -1, -2
+"""A compiled body's status besides a group rank (whose stamp differs): finished; or published,
+the wait handed back to Python."""
+
+_DTYPES = {np.dtype(t).num: code for code, t in enumerate(
+    (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+     np.float32, np.float64), start=1)}
+_FLOATS = frozenset({np.dtype(np.float32).num, np.dtype(np.float64).num})
+_OPS = {ReduceOp.SUM: 1, ReduceOp.AVG: 1, ReduceOp.PREMUL_SUM: 1, ReduceOp.PRODUCT: 2, ReduceOp.MIN: 3,
+        ReduceOp.MAX: 4, ReduceOp.BAND: 5, ReduceOp.BOR: 6, ReduceOp.BXOR: 7}
+"""AVG and PREMUL_SUM fold as SUM; the caller finalizes them, as on the Python path."""
+_FLOAT_OPS = frozenset({1, 2})
+"""Floats fold natively by sum and product only: numpy's minimum and maximum choose among NaNs
+and signed zeros by rules a C comparison would not copy bit for bit."""
+
+_loaded: ModuleType | None = None
+_tried = False
+
+
+def module(want: str) -> ModuleType | None:
+    """The compiled module for setting `want` (Config.native): None where it is '0', or 'auto'
+    and the module was not built."""
+    global _loaded, _tried
+    if want == "0":
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            from . import _native  # type: ignore[attr-defined]
+            _loaded = _native
+        except ImportError as exc:
+            if want == "1":
+                raise ImportError(f"TENSORWIRE_NATIVE=1, but tensorwire's compiled module is missing "
+                                  f"({exc}); reinstall with a C compiler and the Python headers") from exc
+            _log.warning("tensorwire's compiled module was not built (%s): small calls run their "
+                         "Python bodies, which are slower (TENSORWIRE_NATIVE=0 silences this)", exc)
+    if _loaded is None and want == "1":
+        raise ImportError("TENSORWIRE_NATIVE=1, but tensorwire's compiled module is missing")
+    return _loaded
+
+
+def fold_code(op: ReduceOp, dtype: np.dtype) -> int:
+    """The C fold of `op` over `dtype` in native byte order; 0 where only Python folds it."""
+    code = _DTYPES.get(dtype.num, 0) if dtype.isnative else 0
+    op_code = _OPS.get(op, 0)
+    if not code or not op_code or (dtype.num in _FLOATS and op_code not in _FLOAT_OPS):
+        return 0
+    return code * 8 + op_code
+
+
+
+def path(want: str, seg: Any, lines: tuple[int, ...], rank: int, slots_at: int, spin_s: float,
+         yields: int) -> Any:
+    """A compiled Path over `seg` (a GroupSegment) for this rank, or None (see `module`)."""
+    mod = module(want)
+    if mod is None:
+        return None
+    return mod.Path(seg.bytes, lines, rank, slots_at, seg.slot_bytes, int(spin_s * 1e9), yields)
