@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import PYTHON
 from tensorwire.ops import ReduceOp
 from tensorwire.ops.kernels import reduction_kernel
 from tensorwire.transport import native
@@ -74,7 +75,8 @@ def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, special
 
 def test_what_would_leave_the_segment_is_refused() -> None:
     """Buffers larger than a slot, read-only outputs, unknown folds, parities and roots, a
-    layout that does not fit the segment, a Path never set up: exceptions, never a stray write."""
+    root's list of the wrong length, a scatter table pointing past the slot, a layout that does
+    not fit the segment, a Path never set up: exceptions, never a stray write."""
     seg = _segment(2)
     try:
         path = _path(seg)
@@ -95,6 +97,11 @@ def test_what_would_leave_the_segment_is_refused() -> None:
             path.round(1, 0, 0, 0, 5)
         with pytest.raises(ValueError, match="differ in size"):
             path.all_reduce(1, 0, 0, 0, np.zeros(4, np.float32), np.zeros(5, np.float32), code)
+        block = np.zeros(4, np.float32)
+        with pytest.raises(ValueError, match="list of 2"):
+            path.gather(1, 0, 0, 0, block, [block], 0)
+        with pytest.raises(ValueError, match="within the slot"):
+            path.scatter(1, 0, 0, 0, [block, block], block, 0, np.array([0, SLOT - 8], np.uint64))
         with pytest.raises(ValueError, match="does not fit"):
             _native.Path(seg.bytes, tuple(seg.lines), 0, GroupSegment.nbytes(2, 0), SLOT * 2, 0, 0)
         with pytest.raises(RuntimeError, match="not set up"):
@@ -158,3 +165,65 @@ def test_a_bad_setting_is_named() -> None:
         mp.setenv("TENSORWIRE_NATIVE", "yes")
         with pytest.raises(ValueError, match="TENSORWIRE_NATIVE='yes'"):
             Config.from_env()
+
+
+def rank_planned(seed: int, dtype: str, count: int, calls: int) -> dict:
+    """Every collective the compiled bodies run, on the direct path, called again and again
+    with new data (the second call of a signature on is planned): the results' bytes per
+    collective and call, and whether this rank ran the compiled bodies."""
+    import tensorwire as tw
+    from tensorwire.tuning import tuner
+
+    g = tw.world()
+    n, me = g.size, g.rank
+    rng = np.random.default_rng([seed, me])
+    xs = [(rng.standard_normal(count) * 100).astype(dtype) for _ in range(calls)]
+    y = np.empty_like(xs[0])
+    blocks = [np.empty_like(y) for _ in range(n)]
+    op = ReduceOp.MAX if np.dtype(dtype).kind in "iu" else ReduceOp.SUM
+    runs = {
+        "all_reduce": lambda x: tw.all_reduce(x, out=y),
+        "reduce": lambda x: tw.reduce(x, 1, op, out=y),
+        "broadcast": lambda x: tw.broadcast(x, n - 1, out=y),
+        "gather": lambda x: tw.gather(x, blocks if me == 0 else None, 0),
+        "scatter": lambda x: tw.scatter(y, [x + r for r in range(n)] if me == n - 1 else None, n - 1),
+        "barrier": lambda x: tw.barrier(),
+    }
+    out: dict[str, list[bytes]] = {}
+    for coll, run in runs.items():
+        with tuner.override(g, coll, "direct"):
+            for x in xs:
+                y[...] = 0
+                run(x)
+                if coll == "gather":  # the root's blocks; elsewhere unwritten
+                    out.setdefault(coll, []).append(b"".join(b.tobytes() for b in blocks) if me == 0 else b"")
+                else:
+                    out.setdefault(coll, []).append(y.tobytes())
+    return {"native": g.direct is not None and g.direct.native is not None, "bytes": out}
+
+
+@pytest.mark.parametrize("dtype, count", [("float32", 3), ("float64", 100), ("int32", 7), ("uint8", 64)])
+def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> None:
+    """The same calls on two ranks (rooted one shots need a core a rank) with the compiled
+    bodies and with the Python ones, every collective on the direct path: the same bytes, call
+    for call, on every rank (each world running the bodies it was set to), and the right ones
+    (numpy's, in rank order)."""
+    n, seen = 2, {}
+    for transport in ("shm", PYTHON):
+        results = get_cluster(n, transport).run(rank_planned, 7, dtype, count, 6, timeout=60)
+        assert [r["native"] for r in results] == [transport == "shm"] * n
+        seen[transport] = [r["bytes"] for r in results]
+    for r in range(n):
+        for coll, calls in seen["shm"][r].items():
+            assert calls == seen[PYTHON][r][coll], f"rank {r}: {coll}"
+    rngs = [np.random.default_rng([7, r]) for r in range(n)]
+    xs = [[(g.standard_normal(count) * 100).astype(dtype) for _ in range(6)] for g in rngs]
+    op = np.maximum if np.dtype(dtype).kind in "iu" else np.add
+    for k in range(6):
+        mine = [x[k] for x in xs]
+        for r, got in enumerate(seen["shm"]):
+            assert got["all_reduce"][k] == (mine[0] + mine[1]).tobytes()
+            assert got["broadcast"][k] == mine[n - 1].tobytes()
+            assert got["scatter"][k] == (mine[n - 1] + r).tobytes()
+        assert seen["shm"][1]["reduce"][k] == op(mine[0], mine[1]).tobytes()
+        assert seen["shm"][0]["gather"][k] == b"".join(m.tobytes() for m in mine)

@@ -341,7 +341,7 @@ class GatherPlan:
     into its slot and publishes it; the root waits for everyone and copies each slot out. The
     list form's per-block lookups are most of a small gather otherwise."""
 
-    __slots__ = ("dp", "root", "mine", "theirs")
+    __slots__ = ("dp", "root", "mine", "theirs", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
         self.dp = dp
@@ -349,12 +349,19 @@ class GatherPlan:
         views = dp.views(dtype, count)
         self.mine = tuple(v[dp.rank] for v in views)
         self.theirs = tuple(tuple((r, v[r]) for r in dp.others) for v in views)  # the root's reads
+        self.native = dp.native is not None and count * dtype.itemsize <= PIECE
 
     def run(self, call, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
         """The gather body (`blocks`: the root's outputs, any shapes, None elsewhere). The root
         fills its own block first: `send` may lie in another block."""
         dp = self.dp
         p = dp.enter(call)
+        if self.native:
+            a, b = dp.stamp_words(call)
+            if dp.after_native(call, dp.native.gather(call.seq, p, a, b, send, blocks, self.root), p,
+                               () if blocks is None else dp.everyone):
+                self._copy_out(p, blocks)  # type: ignore[arg-type]
+            return
         flat = send if send.ndim == 1 else send.reshape(-1)
         if blocks is None:
             _into(self.mine[p], flat)
@@ -364,6 +371,10 @@ class GatherPlan:
         if own is not send:
             _into(own if own.ndim == 1 else own.reshape(-1), flat)
         dp.publish(call, p, dp.everyone)
+        self._copy_out(p, blocks)
+
+    def _copy_out(self, p: int, blocks: list[np.ndarray]) -> None:
+        """The root's last step: every other rank's slot of parity p into its block."""
         for r, view in self.theirs[p]:
             out = blocks[r]
             _into(out if out.ndim == 1 else out.reshape(-1), view)
@@ -375,7 +386,7 @@ class ScatterPlan:
     unplanned peer reads): the root copies every other rank's block into its slot; each rank
     copies its own out."""
 
-    __slots__ = ("dp", "root", "table", "cells", "mine")
+    __slots__ = ("dp", "root", "table", "cells", "mine", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
         self.dp = dp
@@ -389,12 +400,19 @@ class ScatterPlan:
         cells = tuple({r: s[at:at + nbytes].view(dtype) for r, at in starts.items()} for s in slots)
         self.cells = tuple(tuple(c.items()) for c in cells)
         self.mine = tuple(c.get(dp.rank) for c in cells)  # None on the root
+        self.native = dp.native is not None and nbytes <= PIECE
 
     def run(self, call, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
         dp = self.dp
         p = dp.enter(call)
         flat = recv if recv.ndim == 1 else recv.reshape(-1)
+        if self.native:
+            a, b = dp.stamp_words(call)
+            status = dp.native.scatter(call.seq, p, a, b, blocks, recv, self.root, self.table[p][1])
+            if dp.after_native(call, status, p, () if blocks is not None else (self.root,)):
+                _into(flat, self.mine[p])  # type: ignore[arg-type]
+            return
         if blocks is None:
             dp.publish(call, p, (self.root,))
             _into(flat, self.mine[p])  # type: ignore[arg-type]

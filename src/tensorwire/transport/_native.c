@@ -308,6 +308,108 @@ static PyObject *Path_broadcast(Path *self, PyObject *const *args, Py_ssize_t na
     return status(s);
 }
 
+/* copy `from` into the buffer `o` (a block of the caller's list), which must hold `len` bytes. */
+static int fill(const Path *p, PyObject *o, const char *from, Py_ssize_t len) {
+    Py_buffer view;
+    if (!buffer(p, o, 1, &view)) return 0;
+    int ok = view.len == len;
+    if (ok)
+        memcpy(view.buf, from, (size_t)len);
+    else
+        PyErr_Format(PyExc_ValueError, "a block of %zd bytes where %zd were expected", view.len, len);
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+/* gather(seq, parity, a, b, send, blocks, root): every rank but the root copies send into its
+ * slot and publishes; the root fills its own block from send (unless it is send), waits for
+ * everyone and copies each slot into its block (blocks: the root's list of size ranks, None
+ * elsewhere). */
+static PyObject *Path_gather(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity, root, s;
+    Py_buffer send;
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "gather takes 7 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root) ||
+        !buffer(self, args[4], 0, &send))
+        return NULL;
+    Py_ssize_t len = send.len;
+    if (self->rank != root) {
+        memcpy(slot(self, self->rank, parity), send.buf, (size_t)len);
+        PyBuffer_Release(&send);
+        return status(round_trip(self, seq, parity, a, b, -2));
+    }
+    PyObject *blocks = args[5];
+    if (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size) {
+        PyBuffer_Release(&send);
+        return PyErr_Format(PyExc_ValueError, "the root's blocks must be a list of %d", self->size);
+    }
+    PyObject *own = PyList_GET_ITEM(blocks, root);
+    int ok = own == args[4] || fill(self, own, send.buf, len);
+    PyBuffer_Release(&send);
+    if (!ok) return NULL;
+    s = round_trip(self, seq, parity, a, b, -1);
+    for (int r = 0; s == DONE && r < self->size; r++)
+        if (r != root && !fill(self, PyList_GET_ITEM(blocks, r), slot(self, r, parity), len)) return NULL;
+    return status(s);
+}
+
+/* scatter(seq, parity, a, b, blocks, recv, root, starts): the root writes `starts` (where each
+ * rank's block begins in its slot, uint64 per rank: the table the Python bodies write and
+ * read) and every other rank's block after it, publishes, then fills recv from its own block
+ * (unless it is recv); the others wait for the root and copy their block into recv. */
+static PyObject *Path_scatter(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t seq, a, b;
+    int parity, root, s = DONE;
+    Py_buffer table, recv, view;
+    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "scatter takes 8 arguments");
+    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root) ||
+        !buffer(self, args[7], 0, &table))
+        return NULL;
+    if (!buffer(self, args[5], 1, &recv)) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    const uint64_t *starts = table.buf;
+    char *base = slot(self, root, parity);
+    PyObject *blocks = args[4];
+    int ok = table.len == 8 * (Py_ssize_t)self->size;
+    for (int r = 0; ok && r < self->size; r++)
+        ok = r == root || starts[r] + (uint64_t)recv.len <= (uint64_t)self->slot_bytes;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "starts do not place the blocks within the slot");
+    } else if (self->rank != root) {
+        s = round_trip(self, seq, parity, a, b, root);
+        if (s == DONE) memcpy(recv.buf, base + starts[self->rank], (size_t)recv.len);
+    } else if (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size) {
+        PyErr_Format(PyExc_ValueError, "the root's blocks must be a list of %d", self->size);
+        ok = 0;
+    } else {
+        memcpy(base, starts, (size_t)table.len);
+        for (int r = 0; ok && r < self->size; r++) {
+            if (r == root) continue;
+            if (!(ok = buffer(self, PyList_GET_ITEM(blocks, r), 0, &view))) break;
+            if (!(ok = view.len == recv.len))
+                PyErr_Format(PyExc_ValueError, "a block of %zd bytes where %zd were expected", view.len,
+                             recv.len);
+            else
+                memcpy(base + starts[r], view.buf, (size_t)view.len);
+            PyBuffer_Release(&view);
+        }
+        if (ok) s = round_trip(self, seq, parity, a, b, -2);
+    }
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&recv);
+    if (!ok) return NULL;
+    if (self->rank == root && PyList_GET_ITEM(blocks, root) != args[5]) {
+        if (!buffer(self, PyList_GET_ITEM(blocks, root), 0, &view)) return NULL;
+        ok = fill(self, args[5], view.buf, view.len);
+        PyBuffer_Release(&view);
+        if (!ok) return NULL;
+    }
+    return status(s);
+}
+
 /* round(seq, parity, a, b, whom): publish, then wait for everyone else (-1), rank `whom`
  * (>= 0) or no one (-2): DirectPath.publish of any body. */
 static PyObject *Path_round(Path *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -418,6 +520,8 @@ static void Path_dealloc(Path *self) {
 GUARDED(Path_all_reduce)
 GUARDED(Path_reduce)
 GUARDED(Path_broadcast)
+GUARDED(Path_gather)
+GUARDED(Path_scatter)
 GUARDED(Path_round)
 GUARDED(Path_settle)
 GUARDED(Path_fold)
@@ -429,6 +533,10 @@ static PyMethodDef Path_methods[] = {
      "reduce(seq, parity, a, b, src, dst, code, root) -> status"},
     {"broadcast", (PyCFunction)(void (*)(void))Path_broadcast_checked, METH_FASTCALL,
      "broadcast(seq, parity, a, b, src, dst, root) -> status"},
+    {"gather", (PyCFunction)(void (*)(void))Path_gather_checked, METH_FASTCALL,
+     "gather(seq, parity, a, b, send, blocks, root) -> status"},
+    {"scatter", (PyCFunction)(void (*)(void))Path_scatter_checked, METH_FASTCALL,
+     "scatter(seq, parity, a, b, blocks, recv, root, starts) -> status"},
     {"round", (PyCFunction)(void (*)(void))Path_round_checked, METH_FASTCALL,
      "round(seq, parity, a, b, whom) -> status"},
     {"settle", (PyCFunction)(void (*)(void))Path_settle_checked, METH_FASTCALL,

@@ -1,7 +1,7 @@
 """The direct path's compiled inner loops (transport/_native.c), where the install built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
-the whole one-shot all_reduce, reduce and broadcast of a planned call: the same protocol,
+the whole one-shot all_reduce, reduce, broadcast, gather and scatter of a planned call: the same protocol,
 layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
 within the spin budget, a mismatch to explain, a dtype or op it does not fold.
