@@ -37,7 +37,7 @@ def _segment(n: int) -> GroupSegment:
 
 
 def _path(seg: GroupSegment, rank: int = 0) -> object:
-    return native.path("1", seg, tuple(seg.lines), rank, GroupSegment.nbytes(seg.size, 0), 0.0, 0)
+    return native.path(_native, seg, tuple(seg.lines), rank, GroupSegment.nbytes(seg.size, 0), 0.0, 0)
 
 
 @settings(max_examples=300, deadline=None)
@@ -227,3 +227,45 @@ def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> 
             assert got["scatter"][k] == (mine[n - 1] + r).tobytes()
         assert seen["shm"][1]["reduce"][k] == op(mine[0], mine[1]).tobytes()
         assert seen["shm"][0]["gather"][k] == b"".join(m.tobytes() for m in mine)
+
+
+def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
+    """ring_put and ring_take on a real ring: the record lies where ShmChannel._put writes it
+    (header, padded payload, the head moved past them), reads back once, in order; a header
+    that differs is False, an empty ring None; a record that would overrun the reader is left
+    to the general path (False); bad layouts are refused."""
+    from tensorwire.transport.shm import CTRL_BYTES, Ring
+
+    cap = 1024
+    ring = Ring.create("tw-test-native-ring", cap)
+    ring.unlink()
+    try:
+        head = [b"h" * 63 + bytes([i]) for i in range(8)]
+        put = lambda h, p: _native.ring_put(ring.bytes, CTRL_BYTES, cap, h, p)  # noqa: E731
+        take = lambda h, d: _native.ring_take(ring.bytes, CTRL_BYTES, cap, h, d)  # noqa: E731
+        out = np.zeros(100, np.uint8)
+        assert take(head[0], out) is None  # nothing there yet
+        assert put(head[0], np.arange(100, dtype=np.uint8))
+        assert ring.words[0] == 64 + 128 and bytes(ring.raw[:64]) == head[0]
+        assert bytes(ring.raw[64:164]) == bytes(range(100))
+        assert take(head[1], out) is False  # another message comes first
+        assert take(head[0], out) is True and out.tobytes() == bytes(range(100))
+        assert ring.words[8] == 64 + 128 and take(head[0], out) is None
+        assert put(head[2], b"") and take(head[2], np.zeros(0, np.uint8)) is True
+        big = np.ones(cap, np.uint8)
+        assert put(head[3], big) is False  # more than the ring holds
+        for i in range(4):  # records of 256 from 256 to the end, then at 0, behind the reader
+            assert put(head[4], np.full(192, i, np.uint8))
+        assert ring.words[0] == 1280 and bytes(ring.raw[:64]) == head[4]
+        assert put(head[5], np.zeros(192, np.uint8)) is False  # over the unread record at 256
+        assert put(head[5], np.zeros(0, np.uint8)) is False
+        with pytest.raises(ValueError, match="64 bytes"):
+            put(b"short", big)
+        with pytest.raises(ValueError, match="does not fit"):
+            _native.ring_put(ring.bytes, CTRL_BYTES, cap * 2, head[0], big)
+        ro = np.zeros(4, np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            take(head[4], ro)
+    finally:
+        ring.close()

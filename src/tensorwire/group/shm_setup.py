@@ -119,8 +119,7 @@ def _map_segment(group: Group, slot: int, prefix: str) -> tuple[int, int]:
                 seg = None
         verdict[0] = seg is not None
         if seg is not None:
-            direct = DirectPath(seg, group.rank, group.engine, group.ctx, group.ranks,
-                                group.runtime.config.native)
+            direct = DirectPath(seg, group.rank, group.engine, group.ctx, group.ranks)
             direct.offer_single_copy(_single_copy_refused(group.runtime.config.single_copy))
             direct.crowded = group.runtime.config.single_copy == "1" and group.engine.oversubscribed
         recursive_doubling_all_reduce(group.queue.internal_call("shm setup"), verdict, ReduceOp.MIN)

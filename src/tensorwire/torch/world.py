@@ -163,7 +163,7 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     log.set_rank(rank)
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
-    engine = Engine(rank, size, cfg.spin_us)
+    engine = Engine(rank, size, cfg.spin_us, cfg.native)
     card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
     free = shm_budget.free_at_start()
     wiring = Wiring(engine, cfg, info.job_id, bootstrap.job_secret(info), card["addr"],

@@ -450,6 +450,108 @@ static PyObject *Path_fold(Path *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+/* ---- a pair's ring: the small point-to-point message (transport/shm.py) ---------------------- */
+
+#define HEADER 64  /* wire.HEADER_SIZE: a record's header, and the ring's alignment */
+#define HEAD_WORD 0
+#define TAIL_WORD 8
+
+/* The ring segment `o` (its whole mapping) as words, and its data: `at` bytes in, `capacity`
+ * long; the header `h` as 64 bytes. */
+static int ring_args(PyObject *const *args, Py_buffer *ring, uint64_t **words, char **data,
+                     uint64_t *capacity, const char **header) {
+    Py_ssize_t at = PyLong_AsSsize_t(args[1]), cap = PyLong_AsSsize_t(args[2]);
+    if ((at == -1 || cap == -1) && PyErr_Occurred()) return 0;
+    if (!PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) != HEADER) {
+        PyErr_SetString(PyExc_ValueError, "a header is 64 bytes");
+        return 0;
+    }
+    if (PyObject_GetBuffer(args[0], ring, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return 0;
+    if (at < (TAIL_WORD + 1) * 8 || cap <= 0 || cap % HEADER || at > ring->len - cap) {
+        PyBuffer_Release(ring);
+        PyErr_SetString(PyExc_ValueError, "the ring does not fit its segment");
+        return 0;
+    }
+    *words = ring->buf;
+    *data = (char *)ring->buf + at;
+    *capacity = (uint64_t)cap;
+    *header = PyBytes_AS_STRING(args[3]);
+    return 1;
+}
+
+static inline uint64_t padded(uint64_t n) { return (n + 63) & ~(uint64_t)63; }
+
+/* ring_put(segment, at, capacity, header, payload) -> bool: the header and payload written as
+ * one record at the ring's head where it fits unwrapped (ShmChannel._put without a descriptor);
+ * False: it does not, for the general path. */
+static PyObject *ring_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer ring, payload;
+    uint64_t *words, cap;
+    char *data;
+    const char *header;
+    (void)module;
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "ring_put takes 5 arguments");
+    if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
+    if (PyObject_GetBuffer(args[4], &payload, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    uint64_t head = words[HEAD_WORD], n = (uint64_t)payload.len, end = head + HEADER + padded(n);
+    uint64_t pos = head % cap;
+    int fits = end - load(words + TAIL_WORD) <= cap && pos + (end - head) <= cap;
+    if (fits) {
+        memcpy(data + pos, header, HEADER);
+        memcpy(data + pos + HEADER, payload.buf, (size_t)n);
+        store(words + HEAD_WORD, end);
+    }
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&ring);
+    return PyBool_FromLong(fits);
+}
+
+/* ring_take(segment, at, capacity, header, dst) -> True, False or None: the record at the
+ * ring's tail read into dst where its header is `header` byte for byte and it lies whole and
+ * unwrapped (ShmChannel.take_now); False: another record comes first; None: nothing whole yet. */
+static PyObject *ring_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer ring, dst;
+    uint64_t *words, cap;
+    char *data;
+    const char *header;
+    PyObject *result;
+    (void)module;
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "ring_take takes 5 arguments");
+    if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
+    if (PyObject_GetBuffer(args[4], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst.len, end = tail + HEADER + padded(n);
+    uint64_t avail = load(words + HEAD_WORD) - tail, pos = tail % cap;
+    if (avail < HEADER) {
+        result = Py_None;
+    } else if (memcmp(data + pos, header, HEADER) != 0 || pos + HEADER + n > cap) {
+        result = Py_False;
+    } else if (avail < end - tail) {
+        result = Py_None;
+    } else {
+        memcpy(dst.buf, data + pos + HEADER, (size_t)n);
+        store(words + TAIL_WORD, end);
+        result = Py_True;
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&ring);
+    Py_INCREF(result);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
+     "ring_put(segment, at, capacity, header, payload) -> bool"},
+    {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
+     "ring_take(segment, at, capacity, header, dst) -> True, False or None"},
+    {NULL},
+};
+
 /* ---- the type ------------------------------------------------------------------------------- */
 
 static int Path_init(Path *self, PyObject *args, PyObject *kwds) {
@@ -563,6 +665,7 @@ static struct PyModuleDef module = {
     .m_name = "_native",
     .m_doc = "The direct path's one-shot bodies in C.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
@@ -33,6 +34,8 @@ class ChannelOwner(Protocol):
     rank: int
     pumps: Pumps | None
     """The threads that move large TCP parts (None: the rank's own thread moves every byte)."""
+    native: ModuleType | None
+    """The compiled inner loops (transport/native.py), or None."""
 
     def match(self, peer: int, header: Header, remote: bool = False) -> Sink:
         """The sink for an arriving message (`remote`: its payload stays in the sender's memory)."""

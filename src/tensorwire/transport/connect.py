@@ -103,7 +103,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
     `addr`, host name `host`, machine `machine`, ...): it is published with the port this rank
     listens on, which makes the job's topology cost no exchange of its own. `serving`: store
     clients this process also serves (it hosts the store), whose descriptors it needs too."""
-    engine = Engine(rank, world_size, cfg.spin_us)
+    engine = Engine(rank, world_size, cfg.spin_us, cfg.native)
     if world_size == 1:
         return engine, {rank: card}
     error = None

@@ -26,6 +26,7 @@ import numpy as np
 from .. import log
 from ..errors import TimeoutError
 from ..ops import ReduceOp
+from . import native
 from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures
 from .pumps import Pumps, pump_threads
@@ -56,10 +57,13 @@ _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 class Engine(Failures):
     """One per process: the channels to its peers and the requests of all its groups."""
 
-    def __init__(self, rank: int, world_size: int, spin_us: float | None) -> None:
+    def __init__(self, rank: int, world_size: int, spin_us: float | None, compiled: str = "auto") -> None:
+        """`compiled`: whether to run the compiled inner loops (Config.native; transport/native.py)."""
         super().__init__()
         self.rank = rank
         self.world_size = world_size
+        self.native = native.module(compiled)
+        """The compiled inner loops (transport/_native.c), or None: the Python ones."""
         self.channels: dict[int, Channel] = {}
         self.lock = threading.RLock()
         self.posted: dict[tuple, deque[RecvRequest]] = {}

@@ -1,7 +1,8 @@
 """The direct path's compiled inner loops (transport/_native.c), where the install built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
-the whole one-shot all_reduce, reduce, broadcast, gather and scatter of a planned call: the same protocol,
+the whole one-shot all_reduce, reduce, broadcast, gather and scatter of a planned call, and a
+small point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
 layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
 within the spin budget, a mismatch to explain, a dtype or op it does not fold.
@@ -72,10 +73,10 @@ def fold_code(op: ReduceOp, dtype: np.dtype) -> int:
 
 
 
-def path(want: str, seg: Any, lines: tuple[int, ...], rank: int, slots_at: int, spin_s: float,
+def path(mod: ModuleType | None, seg: Any, lines: tuple[int, ...], rank: int, slots_at: int, spin_s: float,
          yields: int) -> Any:
-    """A compiled Path over `seg` (a GroupSegment) for this rank, or None (see `module`)."""
-    mod = module(want)
+    """A compiled Path over `seg` (a GroupSegment) for this rank, or None where `mod` (the
+    engine's `module`) is."""
     if mod is None:
         return None
     return mod.Path(seg.bytes, lines, rank, slots_at, seg.slot_bytes, int(spin_s * 1e9), yields)

@@ -104,9 +104,7 @@ def _fp_from_words(a: int, b: int) -> Fingerprint:
 class DirectPath:
     """The direct path of one group on this rank: which slot is next, and how to wait."""
 
-    def __init__(self, seg: GroupSegment, rank: int, engine: Engine, ctx: int, members: list[int],
-                 compiled: str = "auto") -> None:
-        """`compiled`: whether to run the compiled bodies (Config.native)."""
+    def __init__(self, seg: GroupSegment, rank: int, engine: Engine, ctx: int, members: list[int]) -> None:
         self.seg = seg
         self.rank = rank
         self.size = seg.size
@@ -141,9 +139,9 @@ class DirectPath:
         self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
         self.folded: np.ndarray | None = None  # single copy's reduce: a non-root's folded block
         self.huge_eighths = pages.UNKNOWN  # in single copy's last call, the least of its sources' (pages.py)
-        self.native = native.path(compiled, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
+        self.native = native.path(engine.native, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
                                   _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD)
-        """The compiled bodies over this segment, or None (transport/native.py)."""
+        """The compiled bodies over this segment, or None: the engine runs the Python ones."""
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test

@@ -308,6 +308,7 @@ class ShmChannel(Channel):
         self.peer_pid = peer_pid  # non-zero where this process can read the peer's memory
         self.peer_reads = peer_reads  # the peer can read this process's: large sends go REMOTE
         self.reader = cma.Reader()
+        self.native = engine.native  # the compiled ring loops of put_now and take_now, or None
         self.awaiting: dict[int, SendRequest] = {}  # REMOTE sends by id, until acknowledged
         self._remote_ids = itertools.count(1)
 
@@ -397,6 +398,9 @@ class ShmChannel(Channel):
         n = payload.nbytes
         if self.sendq or n >= REMOTE_BYTES or self._outgrown(n):
             return False
+        if self.native is not None:  # _put's record, written in C
+            out = self.out
+            return self.native.ring_put(out.bytes, CTRL_BYTES, out.capacity, wire_header, payload)
         return self._put(wire_header, payload, None)
 
     def _put(self, wire_header: bytes, payload: np.ndarray, descriptor: bytes | None) -> bool:
@@ -580,6 +584,12 @@ class ShmChannel(Channel):
         if self._sink is not None:
             return False
         ring = self.inn
+        if self.native is not None:  # the same, in C
+            taken = self.native.ring_take(ring.bytes, CTRL_BYTES, ring.capacity, wire_header, dst)
+            if taken:
+                self.parked = None
+                self.release = False
+            return taken
         words = ring.words
         tail = words[_TAIL]
         n = dst.nbytes
