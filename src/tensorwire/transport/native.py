@@ -1,4 +1,5 @@
-"""The direct path's compiled inner loops (transport/_native.c), where the install built them.
+"""The compiled inner loops of small calls on one host (transport/_native.c), where the install
+built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
 the whole one-shot all_reduce, reduce, broadcast, gather and scatter of a planned call, and a
@@ -18,9 +19,8 @@ from typing import Any
 import numpy as np
 
 from .. import log
+from ..errors import TensorwireWarning
 from ..ops import ReduceOp
-
-_log = log.get("INIT")
 
 DONE, PENDING = -1, -2
 """A compiled body's status besides a group rank (whose stamp differs): finished; or published,
@@ -56,8 +56,9 @@ def module(want: str) -> ModuleType | None:
             if want == "1":
                 raise ImportError(f"TENSORWIRE_NATIVE=1, but tensorwire's compiled module is missing "
                                   f"({exc}); reinstall with a C compiler and the Python headers") from exc
-            _log.warning("tensorwire's compiled module was not built (%s): small calls run their "
-                         "Python bodies, which are slower (TENSORWIRE_NATIVE=0 silences this)", exc)
+            log.warn(f"tensorwire's compiled module was not built ({exc}): small calls on one host run "
+                     f"their Python inner loops, which are slower (TENSORWIRE_NATIVE=0 silences this)",
+                     TensorwireWarning)
     if _loaded is None and want == "1":
         raise ImportError("TENSORWIRE_NATIVE=1, but tensorwire's compiled module is missing")
     return _loaded
