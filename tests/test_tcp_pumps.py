@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -16,6 +18,11 @@ import numpy as np
 import pytest
 
 from cluster import Cluster, RankFailure
+from tensorwire.transport.channel import PeerClosed
+from tensorwire.transport.engine import Engine
+from tensorwire.transport.pumps import PUMP_BYTES
+from tensorwire.transport.tcp import SPLIT_BYTES, SocketStream, TcpChannel, parts_of, split
+from tensorwire.transport.wire import P2P_FINGERPRINT, Header, Kind
 
 # (streams per pair, pump threads): the rank's thread alone; pumps on one stream (a send and a
 # receive of one socket side by side, folds in a pump); pumps on three streams, fewer threads
@@ -96,6 +103,120 @@ def test_results_identical_across_streams_and_threads() -> None:
         digests.append({k: v for k, v in results[0].items() if k.startswith("all_reduce")})
         assert all({k: v for k, v in r.items() if k.startswith("all_reduce")} == digests[-1] for r in results)
     assert all(d == digests[0] for d in digests), digests
+
+
+def test_messages_are_split_into_parts_a_pump_takes() -> None:
+    """With pump threads a message goes over as many of a pair's streams as it has PUMP_BYTES, so
+    every part of a split one is a pump's and a stream more never means fewer parts; without,
+    over all of them from SPLIT_BYTES. The parts cover it in order from multiples of 64 bytes."""
+    sizes = [0, 1, 63, 64, SPLIT_BYTES - 1, SPLIT_BYTES, PUMP_BYTES, 2 * PUMP_BYTES - 1, 2 * PUMP_BYTES,
+             2 * PUMP_BYTES + 3, 3 * PUMP_BYTES + 65, 4 * PUMP_BYTES, 9 * PUMP_BYTES + 1, 64 * PUMP_BYTES]
+    for nbytes in sizes:
+        counts = []
+        for streams in range(1, 9):
+            pumped = parts_of(nbytes, streams, True)
+            assert pumped == (1 if nbytes < SPLIT_BYTES else max(1, min(streams, nbytes // PUMP_BYTES)))
+            assert parts_of(nbytes, streams, False) == (1 if nbytes < SPLIT_BYTES else streams)
+            for count in {pumped, parts_of(nbytes, streams, False)}:
+                parts = split(nbytes, count)
+                assert len(parts) == count and parts[0][0] == 0 and parts[-1][1] == nbytes, parts
+                assert all(a[1] == b[0] > a[0] and b[0] % 64 == 0 for a, b in zip(parts, parts[1:])), parts
+            assert pumped == 1 or all(end - start >= PUMP_BYTES for start, end in split(nbytes, pumped))
+            counts.append(pumped)
+        assert counts == sorted(counts), (nbytes, counts)
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the receiver closed the pair on a bad count
+        pass
+
+
+def test_the_receiver_splits_as_the_count_after_the_header_says() -> None:
+    """A large message's header is followed by the count of its parts, which decides what each
+    stream carries: 2 parts over 3 streams arrive whole; a count of none or of more parts than
+    the pair has streams closes the pair as a malformed stream, naming the count."""
+    nbytes = 2 * PUMP_BYTES + 3
+    payload = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    header = Header(Kind.P2P, 0, 1, 7, nbytes, P2P_FINGERPRINT).pack()
+    for count in (2, 0, 4, 2**32 - 1):
+        engine = Engine(0, 2, 0)
+        pairs = [socket.socketpair() for _ in range(3)]
+        channel = TcpChannel([SocketStream(a, 1, engine, 4096, 1 << 30) for a, _ in pairs])
+        engine.add_channel(1, channel)
+        (s0, e0), (s1, e1) = split(nbytes, 2)
+        senders = [threading.Thread(target=_send_quietly, args=(pairs[0][1], header + struct.pack("<I", count)
+                                                                + payload[s0:e0].tobytes())),
+                   threading.Thread(target=_send_quietly, args=(pairs[1][1], payload[s1:e1].tobytes()))]
+        for t in senders:
+            t.start()
+        error, arrived, deadline = "", None, time.monotonic() + 20
+        try:
+            while arrived is None and time.monotonic() < deadline:
+                try:
+                    channel.progress()
+                except PeerClosed as exc:
+                    error = str(exc)
+                    break
+                msgs = [m for q in engine.unexpected.values() for m in q if m.received == m.nbytes]
+                arrived = msgs[0].buf if msgs else None
+        finally:
+            for a, b in pairs:
+                a.close()
+                b.close()
+            for t in senders:
+                t.join(5)
+        if count == 2:
+            assert arrived is not None and np.array_equal(arrived, payload), error
+        else:
+            assert arrived is None and f"in {count} parts over 3 streams" in error, (count, error)
+
+
+def _thresholds() -> dict[str, Any]:
+    """Messages of sizes about the split's and the pumps' thresholds, each way between two ranks
+    into a posted receive, and folded by a reduce: first as the job's settings have it, then with
+    pump threads on rank 0 only (the two then split their messages by different rules)."""
+    import tensorwire as tw
+    from tensorwire.transport.pumps import Pumps
+
+    rank = tw.get_rank()
+    peer = 1 - rank
+    engine = tw.world().runtime.engine
+    threads = 0 if engine.pumps is None else engine.pumps.threads
+    for mixed in (False, True):
+        if mixed and rank == 0 and engine.pumps is None:
+            engine.pumps = Pumps(2)  # closed with the engine
+        tw.barrier()
+        for nbytes in (SPLIT_BYTES - 1, SPLIT_BYTES, _MIB - 1, _MIB, 2 * _MIB - 1, 2 * _MIB + 3,
+                       3 * _MIB + 65, 4 * _MIB):
+            mine = np.random.default_rng(nbytes + rank).integers(0, 256, nbytes, dtype=np.uint8)
+            theirs = np.random.default_rng(nbytes + peer).integers(0, 256, nbytes, dtype=np.uint8)
+            got = np.empty(nbytes, np.uint8)
+            work = tw.isend(mine, peer)
+            tw.recv(got, peer)
+            work.wait()
+            assert np.array_equal(got, theirs), f"{nbytes} bytes from rank {peer} arrived changed ({mixed=})"
+            total = mine.copy()
+            tw.reduce(total, dst=0)
+            if rank == 0:
+                assert np.array_equal(total, mine + theirs), f"reduce of {nbytes} bytes wrong ({mixed=})"
+    return {"threads": threads, "pumps": any(t.name == "tensorwire-pump" for t in threading.enumerate())}
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_messages_about_the_thresholds_arrive_intact_over_four_streams(threads: int) -> None:
+    """Four streams a pair, with and without pump threads, and with them on one side only:
+    messages just under, at and over the sizes where they are split and where a pump takes a part
+    arrive as sent."""
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_NSOCKS": "4",
+                          "TENSORWIRE_SOCKET_THREADS": str(threads)})
+    try:
+        results = cluster.run(_thresholds, timeout=60)
+    finally:
+        cluster.close()
+    assert [r["threads"] for r in results] == [threads, threads], results
+    assert results[0]["pumps"] and results[1]["pumps"] == bool(threads), results
 
 
 def _killed_mid_stream(report_dir: str) -> None:

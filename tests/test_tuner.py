@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from cluster import Cluster, RankFailure, free_port
+from cluster import Cluster, RankFailure, free_port, free_ports
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
@@ -775,10 +775,10 @@ def rank_reinit(port: int, env: dict[str, str]) -> dict:
 
 
 def test_calibrations_are_cached_per_tcp_setting() -> None:
-    """A TCP link's constants are its congestion control's and buffers': a calibration made
-    with the defaults is not reused once TENSORWIRE_TCP_CONGESTION, TENSORWIRE_TCP_SNDBUF or
-    TENSORWIRE_TCP_RCVBUF names another, nor the other way; one that names the default is the
-    default's."""
+    """A TCP link's constants are its congestion control's, buffers' and streams': a calibration
+    made with the defaults is not reused once TENSORWIRE_TCP_CONGESTION, TENSORWIRE_TCP_SNDBUF,
+    TENSORWIRE_TCP_RCVBUF, TENSORWIRE_NSOCKS or TENSORWIRE_SOCKET_THREADS names another, nor the
+    other way; one that names the default is the default's."""
     hosts, tiers = [cache.host_hash()], ["tcp", "tcp_one_way"]
 
     def key(**settings) -> str:
@@ -786,10 +786,50 @@ def test_calibrations_are_cached_per_tcp_setting() -> None:
 
     system = key()
     assert cache.cache_key(hosts, tiers, 4) == system
-    assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF) == system
+    assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF, nsocks=1, socket_threads=None) == system
     keys = {system, *(key(tcp_congestion=cc) for cc in ("cubic", "reno")),
-            *(key(tcp_sndbuf=b) for b in (0, 4 << 20)), *(key(tcp_rcvbuf=b) for b in (0, 256 << 10))}
-    assert len(keys) == 7
+            *(key(tcp_sndbuf=b) for b in (0, 4 << 20)), *(key(tcp_rcvbuf=b) for b in (0, 256 << 10)),
+            *(key(nsocks=k) for k in (2, 4)), *(key(socket_threads=t) for t in (0, 2))}
+    assert len(keys) == 11
+
+
+def rank_init_differing(ports: list[int], env: dict[str, str]) -> str:
+    """Join a new world with `env` on rank 1 only and return what init raised ('' if nothing);
+    then join one with the settings as they were, for the next test."""
+    g = tw.world()
+    rank, size = g.rank, g.size
+    tw.destroy()
+    before = {name: os.environ.get(name) for name in env}
+    if rank == 1:
+        os.environ.update(env)
+    error = ""
+    try:
+        tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{ports[0]}")
+    except InvalidArgumentError as exc:
+        error = str(exc)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    tw.destroy()
+    tw.init(rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{ports[1]}")
+    return error
+
+
+def test_ranks_with_other_stream_settings_are_told_at_init(get_cluster) -> None:
+    """The tuner prices TCP calls at TENSORWIRE_NSOCKS and TENSORWIRE_SOCKET_THREADS, so ranks
+    that differ in either would pick different algorithms: init fails on every rank, naming the
+    rank that differs and this rank's settings."""
+    cluster = get_cluster(2)
+    for env, mine in (({"TENSORWIRE_NSOCKS": "4"}, "nsocks=4"),
+                      ({"TENSORWIRE_SOCKET_THREADS": "0"}, "socket_threads=0")):
+        errors = cluster.run(rank_init_differing, free_ports(2), env)
+        for rank, error in enumerate(errors):
+            assert f"rank {rank}: init: rank(s) 1 run with other" in error, (env, errors)
+            assert "TENSORWIRE_NSOCKS or TENSORWIRE_SOCKET_THREADS" in error, error
+        assert mine in errors[1] and "nsocks=1, socket_threads=auto" in errors[0], errors
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -194,8 +194,8 @@ class Config:
     kernel doubles it, and stops autotuning it); 0 leaves it to the kernel's autotuning
     (TENSORWIRE_TCP_RCVBUF): see tcp.tune_socket."""
     nsocks: int = 1
-    """TCP streams per pair of ranks over TCP, over which messages from 2 MiB are split, a part
-    per MiB (TENSORWIRE_NSOCKS; transport/tcp.py)."""
+    """TCP streams per pair of ranks over TCP, over which messages from 256 KiB are split, with
+    pump threads a part per MiB (TENSORWIRE_NSOCKS; transport/tcp.py)."""
     socket_threads: int | None = None
     """Threads per rank that move large TCP messages; None: by the cores each rank has
     (TENSORWIRE_SOCKET_THREADS; transport/pumps.py)."""

@@ -173,7 +173,7 @@ def report_streams(collective: str, m: int, hosts: int, per_host: int, nics: int
         return
     origin = "the tuning file's" if net.stream != pricing.DEFAULT_LINKS[STREAM] else "default"
     out(f"  (one stream moves at most {describe_rate(net.stream)}, {origin} {STREAM}; a rank reaches "
-        f"min(its share of the link, streams moving x that), one stream for messages under NSOCKS x 1 MiB)")
+        f"min(its share of the link, streams moving x that), a message over a stream per MiB of it)")
     rows = streams_rows(collective, m, hosts, per_host, nics, local, net, cfg, cores)
     base = next(t for k, th, _, t, _ in rows if (k, th) == (configured.nsocks, configured.threads))
     for k, threads, rate, t, name in rows:

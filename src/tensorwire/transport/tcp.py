@@ -1,18 +1,21 @@
 """Framed, non-blocking message streams over the sockets of a peer pair.
 
 A `SocketStream` per socket; a TCP channel has one, or TENSORWIRE_NSOCKS of them, over which
-it splits large messages (SPLIT_BYTES): the first stream carries every header, the payload's
-first part and whole small messages, the others the other parts in the same message order, so
-the receiver knows what each stream carries next from the headers alone. The shared-memory
-channel keeps one stream too, for control messages and because a closed socket is the fastest
-way to learn that a peer died.
+it splits large messages (`parts_of`): the first stream carries every header, the payload's
+first part and whole small messages, the others the other parts in the same message order. The
+header of a message that may be split (from SPLIT_BYTES) is followed by the count of its parts,
+so the receiver learns what each stream carries next from the first stream alone, whatever pump
+threads the sender has. The shared-memory channel keeps one stream too, for control messages and
+because a closed socket is the fastest way to learn that a peer died.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import struct
 from collections import deque
+from typing import NoReturn
 
 import numpy as np
 
@@ -25,14 +28,26 @@ from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
 SPLIT_BYTES = 256 << 10
-"""Messages from this size are split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
+"""Messages from this size may be split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
+_PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
 
 
-def split(nbytes: int, streams: int) -> list[tuple[int, int]]:
-    """[start, end) of each stream's part of a message: equal parts, multiples of 64 bytes (so
-    a folding receive stages whole elements), the last one shorter."""
-    per = ((nbytes + streams - 1) // streams + 63) // 64 * 64
-    return [(min(i * per, nbytes), min((i + 1) * per, nbytes)) for i in range(streams)]
+def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
+    """Over how many of a pair's `streams` a rank sends a message of `nbytes`: all of them from
+    SPLIT_BYTES where it has no pump threads (the kernel's buffers of each then take a share at
+    once); with pumps (`pumped`) one per PUMP_BYTES, so that every part is one a pump takes and a
+    stream more never leaves the rank's own thread moving several parts in turn
+    (docs/design/tcp.md#splitting-a-message-over-streams)."""
+    if nbytes < SPLIT_BYTES:
+        return 1
+    return max(1, min(streams, nbytes // PUMP_BYTES)) if pumped else min(streams, nbytes // 64)
+
+
+def split(nbytes: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of each of `parts` parts of a message: equal ones that start at multiples of
+    64 bytes (so a folding receive stages whole elements), the last longer by the rest."""
+    per = nbytes // parts // 64 * 64
+    return [(i * per, nbytes if i == parts - 1 else (i + 1) * per) for i in range(parts)]
 
 
 class _Part:
@@ -41,10 +56,10 @@ class _Part:
 
     __slots__ = ("req", "payload", "wire_header", "sent", "left")
 
-    def __init__(self, req: SendRequest, start: int, end: int, header: bool, left: list[int]) -> None:
+    def __init__(self, req: SendRequest, start: int, end: int, header: bytes | None, left: list[int]) -> None:
         self.req = req
         self.payload = req.payload[start:end]
-        self.wire_header = req.wire_header if header else None
+        self.wire_header = header
         self.sent = 0
         self.left = left  # parts of the message not sent yet (shared)
 
@@ -123,9 +138,10 @@ class SocketStream:
         self.engine = engine
         self.sendq: deque[SendRequest] = deque()
         self._hdr_sent = 0
-        self._hdr = bytearray(HEADER_SIZE)
+        self._hdr = bytearray(HEADER_SIZE + _PARTS.size)
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
+        self._hdr_want = HEADER_SIZE  # and the parts' count, once the header says it follows
         self._sink: Sink | None = None
         self._at = self._end = 0  # the bytes of the sink this stream fills: [_at, _end)
         self._staging = np.empty(max(staging_bytes, 64) // 64 * 64, dtype=np.uint8)
@@ -146,6 +162,8 @@ class SocketStream:
         moved = False
         while self.sendq:
             req = self.sendq[0]
+            head = req.wire_header  # None: a part whose message's header another stream carries
+            size = 0 if head is None else len(head)
             job = self._tx
             if job is not None:  # a pump thread writes this part's payload
                 if not job.done:
@@ -157,16 +175,14 @@ class SocketStream:
                 n = 1
             else:
                 try:
-                    if self._hdr_sent < HEADER_SIZE and req.wire_header is None:  # a part without header
-                        self._hdr_sent = HEADER_SIZE
-                    if self._hdr_sent < HEADER_SIZE:
-                        bufs = [memoryview(req.wire_header)[self._hdr_sent:]]
+                    if self._hdr_sent < size:
+                        bufs = [memoryview(head)[self._hdr_sent:]]  # type: ignore[arg-type]
                         if req.payload.nbytes:
                             bufs.append(memoryview(req.payload[:_MAX_IO]))
                         n = self.sock.sendmsg(bufs)
-                        head = min(n, HEADER_SIZE - self._hdr_sent)
-                        self._hdr_sent += head
-                        req.sent += n - head
+                        took = min(n, size - self._hdr_sent)
+                        self._hdr_sent += took
+                        req.sent += n - took
                     elif self._pump_send(req):
                         return True
                     else:
@@ -177,7 +193,7 @@ class SocketStream:
                 except OSError as exc:
                     raise PeerClosed(f"send failed: {exc}") from exc
             moved = moved or n > 0
-            if self._hdr_sent == HEADER_SIZE and req.sent == req.payload.nbytes:
+            if self._hdr_sent == size and req.sent == req.payload.nbytes:
                 self.sendq.popleft()
                 self._hdr_sent = 0
                 req.done = True
@@ -210,30 +226,13 @@ class SocketStream:
                         continue
                     if not self.headers:
                         return moved
-                    n = self.sock.recv_into(self._hdr_view[self._hdr_got:])
+                    n = self.sock.recv_into(self._hdr_view[self._hdr_got:self._hdr_want])
                     if n == 0:
                         raise PeerClosed("connection closed by peer")
                     moved = True
                     self._hdr_got += n
-                    if self._hdr_got < HEADER_SIZE:
-                        continue
-                    self._hdr_got = 0
-                    header = Header.unpack(self._hdr)
-                    try:
-                        check_tcp(header, self.max_message)
-                    except MalformedHeader as exc:
-                        self.sock.shutdown(socket.SHUT_RDWR)  # the stream is lost: say so to the peer
-                        raise PeerClosed(f"sent a malformed message header ({exc})") from exc
-                    sink = self._sink = self.engine.match(self.peer, header)
-                    self._at, self._end = 0, sink.nbytes
-                    if self.others and header.kind <= 1 and sink.nbytes >= SPLIT_BYTES:
-                        parts = split(sink.nbytes, len(self.others) + 1)
-                        self._end = parts[0][1]
-                        for stream, (start, end) in zip(self.others, parts[1:]):
-                            if end > start:
-                                stream.expect.append((sink, start, end))
-                    if self._end == 0:
-                        self._complete()
+                    if self._hdr_got == self._hdr_want:
+                        self._begin()
                     continue
                 if not self._read_payload():
                     return moved
@@ -244,6 +243,39 @@ class SocketStream:
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                     return moved
                 raise PeerClosed(f"receive failed: {exc}") from exc
+
+    def _begin(self) -> None:
+        """A header is in, and the count of its parts where one follows it: match the message to
+        its sink, and tell the pair's other streams which of its bytes they carry."""
+        header = Header.unpack(self._hdr)
+        parts = 1
+        if self._hdr_want == HEADER_SIZE:
+            try:
+                check_tcp(header, self.max_message)
+            except MalformedHeader as exc:
+                self._malformed(f"a malformed message header ({exc})")
+            if self.others and header.kind <= 1 and header.nbytes >= SPLIT_BYTES:
+                self._hdr_want += _PARTS.size  # the count of its parts follows
+                return
+        else:
+            (parts,) = _PARTS.unpack_from(self._hdr, HEADER_SIZE)
+            if not 1 <= parts <= min(len(self.others) + 1, header.nbytes // 64):
+                self._malformed(f"a message of {header.nbytes} bytes in {parts} parts over "
+                                f"{len(self.others) + 1} streams")
+        self._hdr_got, self._hdr_want = 0, HEADER_SIZE
+        sink = self._sink = self.engine.match(self.peer, header)
+        self._at, self._end = 0, sink.nbytes
+        if parts > 1:
+            cuts = split(sink.nbytes, parts)
+            self._end = cuts[0][1]
+            for stream, (start, end) in zip(self.others, cuts[1:]):
+                stream.expect.append((sink, start, end))
+        if self._end == 0:
+            self._complete()
+
+    def _malformed(self, what: str) -> NoReturn:
+        self.sock.shutdown(socket.SHUT_RDWR)  # the stream is lost: say so to the peer
+        raise PeerClosed(f"sent {what}")
 
     def _read_payload(self) -> bool:
         sink = self._sink
@@ -357,13 +389,14 @@ class TcpChannel(Channel):
 
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
-        if not self.others or n < SPLIT_BYTES:
+        if not self.others or n < SPLIT_BYTES or req.header.kind > 1:
             self.stream.post(req)
             return
-        parts = [(start, end) for start, end in split(n, len(self.streams)) if end > start]
-        left = [len(parts)]
-        for i, (stream, (start, end)) in enumerate(zip(self.streams, parts)):
-            stream.post(_Part(req, start, end, i == 0, left))  # type: ignore[arg-type]
+        parts = parts_of(n, len(self.streams), self.stream.engine.pumps is not None)
+        head = req.wire_header + _PARTS.pack(parts)
+        left = [parts]
+        for i, (stream, (start, end)) in enumerate(zip(self.streams, split(n, parts))):
+            stream.post(_Part(req, start, end, head if i == 0 else None, left))  # type: ignore[arg-type]
 
     def post_control(self, req: SendRequest) -> None:
         self.stream.post(req)

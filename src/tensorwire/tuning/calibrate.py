@@ -82,9 +82,16 @@ _SOURCE_NAMES = {v: k for k, v in _SOURCE_CODES.items()}
 
 # -- the collective setup at init ---------------------------------------------------------------
 
+def agreed_settings(cfg: Any) -> str:
+    """The settings every rank must share, as the tuner prices calls with them: it picks the same
+    algorithm on every rank only where all price alike."""
+    threads = "auto" if cfg.socket_threads is None else cfg.socket_threads
+    return (f"algo={cfg.algo.strip()!r}, deterministic={bool(cfg.deterministic)}, nsocks={cfg.nsocks}, "
+            f"socket_threads={threads}")
+
+
 def settings_digest(cfg: Any) -> int:
-    text = f"deterministic={bool(cfg.deterministic)}|algo={cfg.algo.strip()}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return int.from_bytes(hashlib.sha256(agreed_settings(cfg).encode()).digest()[:8], "little") >> 1
 
 
 def _lowest_peers(group: Group) -> tuple[int, int]:
@@ -151,8 +158,8 @@ def at_init(world: Group) -> LinkTable:
     if differ:
         raise InvalidArgumentError(
             f"rank {world.runtime.rank}: init: rank(s) {', '.join(map(str, differ))} run with other "
-            f"TENSORWIRE_ALGO or TENSORWIRE_DETERMINISTIC settings than rank 0 (this rank has "
-            f"algo={cfg.algo!r}, deterministic={cfg.deterministic}); every rank must use the same")
+            f"TENSORWIRE_ALGO, TENSORWIRE_DETERMINISTIC, TENSORWIRE_NSOCKS or TENSORWIRE_SOCKET_THREADS "
+            f"settings than rank 0 (this rank has {agreed_settings(cfg)}); every rank must use the same")
     pairs = _probe_pairs(info)
     direct = world.direct is not None  # the same on every rank: its setup was collective
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this

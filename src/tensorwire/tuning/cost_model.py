@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..config import Config
-from ..transport.pumps import PUMP_BYTES
-from ..transport.tcp import SPLIT_BYTES
+from ..transport.tcp import parts_of
 from . import crossing
 from .policy import allowed, forcing
 from .shape import COPY, LocalPrice, RailPrice
@@ -163,13 +162,11 @@ class Streams:
     cores: float = 0.0
 
     def drivers(self, piece: int) -> int:
-        """The streams that move a message of `piece` bytes at once: one where it is not split
-        (below SPLIT_BYTES) or its parts are too small for a pump (PUMP_BYTES), as the rank's
-        own thread then moves every part; else a pumped stream per two threads (one each way)
-        and one more driven by the rank's thread, no more than the rank's cores."""
-        if self.nsocks < 2 or piece < SPLIT_BYTES or piece // self.nsocks < PUMP_BYTES:
-            return 1
-        moving = min(self.nsocks, 1 + self.threads // 2)
+        """The streams that move a message of `piece` bytes at once: one without pump threads
+        (the rank's own thread moves every part); with them, the parts it is split into
+        (`tcp.parts_of`: one per PUMP_BYTES, each a pump's), a pumped one per two threads (one
+        each way) and one more driven by the rank's thread, no more than the rank's cores."""
+        moving = min(parts_of(piece, self.nsocks, self.threads > 0), 1 + self.threads // 2)
         return max(1, min(moving, int(self.cores))) if self.cores else moving
 
     def link(self, link: Link | None, piece: int) -> Link | None:
