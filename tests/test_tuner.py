@@ -1305,7 +1305,8 @@ def test_ranks_with_different_settings_fail_at_init(tmp_path) -> None:
             if p.is_alive():
                 p.kill()
     for rank, text in got.items():
-        assert "TENSORWIRE_DETERMINISTIC settings than rank 0" in text, (rank, text)
+        assert "TENSORWIRE_DETERMINISTIC" in text and "settings than rank 0" in text, (rank, text)
+        assert "deterministic=" in text, (rank, text)  # this rank's own values, to compare
 
 
 # ============================================================================ the tuning file
