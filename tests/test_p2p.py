@@ -309,6 +309,31 @@ def _p2p_mismatch(case: str) -> dict[str, Any]:
     return out
 
 
+def _timed_out_then_sent() -> dict[str, Any]:
+    """Rank 1's receive times out; then rank 0 sends to that key, and rank 1 receives again."""
+    g = tw.world()
+    old, new, out = np.zeros(4, np.float32), np.zeros(4, np.float32), {}
+    if g.rank == 1:
+        out["first"] = _raises(g.recv, old, 0, tag=77, timeout=0.3)
+    g.barrier(timeout=10)
+    if g.rank == 0:
+        g.send(np.full(4, 7, np.float32), 1, tag=77)
+    elif g.rank == 1:
+        out["second"] = _raises(g.recv, new, 0, tag=77, timeout=10)
+        out["old"], out["new"] = old.tolist(), new.tolist()
+    g.barrier(timeout=10)
+    return out
+
+
+@pytest.mark.parametrize("world_spec", [(2, "shm"), (2, "tcp")], indirect=True, ids=["shm2", "tcp2"])
+def test_a_receive_that_timed_out_takes_no_later_message(cluster: Any) -> None:
+    """A blocking receive that timed out is taken back: the next message of its key goes to the
+    next receive, not into the buffer of the one that failed (which its caller believes unfilled)."""
+    res = cluster.run(_timed_out_then_sent)[1]
+    _check_error(res["first"], TimeoutError, "tag 77")
+    assert res["second"] is None and res["new"] == [7.0] * 4 and res["old"] == [0.0] * 4, res
+
+
 P2P_MISMATCHES = {  # case -> (what the receive wanted, what the send held)
     "dtype": ("2 x float64", "4 x float32"),
     "posted": ("4 x float32", "8 x float32"),

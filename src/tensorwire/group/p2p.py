@@ -183,7 +183,9 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
         pause = min(pause * 2, 1e-3)
 
 
-def _wait(group: Group, *reqs: Request, timeout: float | None) -> None:
+def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = True) -> None:
+    """Wait for `reqs`. A blocking call that times out takes its receives back (Engine.withdraw);
+    a Work's wait leaves them posted, to be waited on again."""
     t = group.timeout if timeout is None else timeout
     try:
         group.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=P2P_SEQ,
@@ -196,6 +198,10 @@ def _wait(group: Group, *reqs: Request, timeout: float | None) -> None:
     except CollectiveMismatchError as exc:  # a receive that differs from its send: the sender,
         if group.ctx not in group.engine.aborted:  # whose send may have returned, learns it
             group.abort(exc)  # from the abort
+        raise
+    except TimeoutError:
+        if blocking:
+            group.engine.withdraw(reqs)
         raise
 
 
@@ -229,7 +235,7 @@ class _P2PWork(Work):
             req = self._req
             if not req.done or req.error is not None:  # else nothing to drive nor raise
                 try:
-                    _wait(self._group, req, timeout=timeout)
+                    _wait(self._group, req, timeout=timeout, blocking=False)
                 except TimeoutError:
                     raise  # still pending: the caller may wait again
                 except BaseException as exc:

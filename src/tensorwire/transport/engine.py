@@ -383,6 +383,20 @@ class Engine(Failures):
             except PeerClosed as exc:
                 self.peer_lost(channel.peer, str(exc))
 
+    def withdraw(self, reqs: Iterable[Request]) -> None:
+        """Take back the receives among `reqs` that no message has matched yet (a blocking
+        receive that timed out): else the next message of their key would land in a buffer
+        its caller was told was never filled, and a later receive of that key would wait in
+        vain. A matched one keeps its message, which was meant for it."""
+        with self.lock:
+            for req in reqs:
+                key = (req.peer, req.header.key)
+                queue = self.posted.get(key)
+                if queue and isinstance(req, RecvRequest) and req in queue:
+                    queue.remove(req)
+                    if not queue:
+                        del self.posted[key]
+
     def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, seq: int, watch: Iterable[int],
              what: object, cross_check: Callable[[], None] | None = None) -> None:
         """Drive progress until every request is done; raise the first failure.
