@@ -23,7 +23,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check src tests bench examples
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # Random collectives, ops, dtypes, sizes (0-4 MiB), subgroups and async calls on 4 ranks, every
 # result checked against numpy, on shared memory then TCP (SOAK_SEED=N reproduces a run)
