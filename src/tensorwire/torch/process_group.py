@@ -94,9 +94,8 @@ _UNSET = dist.AllreduceOptions().timeout  # torch's "no timeout of the call's ow
 
 
 def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
-    """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options (SUM by
-    one comparison, the rest by reading the op's value and indexing: each read through torch's
-    bindings costs a tenth of a small call)."""
+    """(the op tensorwire runs, the PREMUL_SUM factor or None) from torch's options: SUM by
+    one comparison, the rest by the op's value, as few reads through torch's bindings as can be."""
     rop = opts.reduceOp
     if rop == _SUM:
         return ReduceOp.SUM, None
@@ -187,8 +186,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     def _completed(self, outputs: Any) -> CompletedWork:
         """The Work of a synchronous call: one per process group, aimed at each call's outputs
-        in turn (a new Work costs about as much as a small all_reduce, and torch only waits on
-        it; dist.all_reduce returns None)."""
+        in turn. Making a Work goes through torch's bindings, and torch only waits on this one
+        (dist.all_reduce returns None)."""
         done = self._done
         done.outputs = outputs
         return done

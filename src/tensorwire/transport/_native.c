@@ -220,66 +220,53 @@ static void fold_into(const Path *p, fold_fn f, int parity, Py_buffer *dst, Py_s
         f(dst->buf, slot(p, 0, parity), 2 * p->slot_bytes, p->size, count);
 }
 
-/* all_reduce(seq, parity, a, b, src, dst, code): copy src into this rank's slot, publish, wait
- * for everyone, fold every slot into dst. */
-static PyObject *Path_all_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+/* (seq, parity, a, b, src, dst, code, ...): copy src into this rank's slot and publish; where
+ * this rank `folds`, wait for everyone and fold every slot into dst (read only then). */
+static PyObject *publish_and_fold(Path *self, PyObject *const *args, int folds) {
     uint64_t seq, a, b;
-    int parity;
+    int parity, s;
     Py_buffer src, dst;
-    Py_ssize_t count;
-    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "all_reduce takes 7 arguments");
+    Py_ssize_t count = 0;
+    fold_fn f = NULL;
     if (!head(args, &seq, &parity, &a, &b) || !buffer(self, args[4], 0, &src)) return NULL;
-    if (!buffer(self, args[5], 1, &dst)) goto fail_src;
-    fold_fn f = fold_of(args[6], dst.len, &count);
-    if (f == NULL) goto fail;
-    if (src.len != dst.len) {
-        PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
-        goto fail;
+    if (folds) {
+        if (!buffer(self, args[5], 1, &dst)) {
+            PyBuffer_Release(&src);
+            return NULL;
+        }
+        f = fold_of(args[6], dst.len, &count);
+        if (f != NULL && src.len != dst.len) {
+            PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
+            f = NULL;
+        }
+        if (f == NULL) {
+            PyBuffer_Release(&dst);
+            PyBuffer_Release(&src);
+            return NULL;
+        }
     }
     memcpy(slot(self, self->rank, parity), src.buf, (size_t)src.len);
-    int s = round_trip(self, seq, parity, a, b, -1);
-    if (s == DONE) fold_into(self, f, parity, &dst, count);
-    PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
+    s = round_trip(self, seq, parity, a, b, folds ? -1 : -2);
+    if (folds) {
+        if (s == DONE) fold_into(self, f, parity, &dst, count);
+        PyBuffer_Release(&dst);
+    }
     return status(s);
-fail:
-    PyBuffer_Release(&dst);
-fail_src:
-    PyBuffer_Release(&src);
-    return NULL;
 }
 
-/* reduce(seq, parity, a, b, src, dst, code, root): as all_reduce, but only the root waits and
- * folds (dst is read on the root only). */
+/* all_reduce(seq, parity, a, b, src, dst, code): every rank folds. */
+static PyObject *Path_all_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "all_reduce takes 7 arguments");
+    return publish_and_fold(self, args, 1);
+}
+
+/* reduce(seq, parity, a, b, src, dst, code, root): the root folds. */
 static PyObject *Path_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity, root, s;
-    Py_buffer src, dst;
-    Py_ssize_t count;
+    int root;
     if (nargs != 8) return PyErr_Format(PyExc_TypeError, "reduce takes 8 arguments");
-    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[7], 0, self->size, "root", &root) ||
-        !buffer(self, args[4], 0, &src))
-        return NULL;
-    memcpy(slot(self, self->rank, parity), src.buf, (size_t)src.len);
-    if (self->rank != root) {
-        PyBuffer_Release(&src);
-        return status(round_trip(self, seq, parity, a, b, -2));
-    }
-    if (!buffer(self, args[5], 1, &dst)) goto fail_src;
-    fold_fn f = fold_of(args[6], dst.len, &count);
-    if (f == NULL || src.len != dst.len) {
-        if (f != NULL) PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
-        PyBuffer_Release(&dst);
-        goto fail_src;
-    }
-    s = round_trip(self, seq, parity, a, b, -1);
-    if (s == DONE) fold_into(self, f, parity, &dst, count);
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return status(s);
-fail_src:
-    PyBuffer_Release(&src);
-    return NULL;
+    if (!to_int(args[7], 0, self->size, "root", &root)) return NULL;
+    return publish_and_fold(self, args, self->rank == root);
 }
 
 /* broadcast(seq, parity, a, b, src, dst, root): the root copies src into its slot and

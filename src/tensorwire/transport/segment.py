@@ -271,7 +271,7 @@ class DirectPath:
         """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`,
         one rank, or none) to publish it too, and check they called the same thing. One method
         for both halves: this pair is most of a small call's protocol."""
-        fp = call.fp  # stamp_words, inline: a frame is a tenth of a small call's protocol
+        fp = call.fp  # stamp_words, inline: this runs in every small call
         a, b = self.prev_fp if fp is self._last_fp else self.words_of(fp)
         if self.native is not None:
             whom = -1 if ranks is self.everyone else ranks[0] if ranks else -2
