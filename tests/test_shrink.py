@@ -339,6 +339,31 @@ def test_shrink_names_a_late_rank_and_a_retry_meets_it() -> None:
         assert res["ranks"] == [0, 1] and res["rank"] == rank and res["sum"] == [3.0] * 5, res
 
 
+_DONE_THEN_CRASHES = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+tw.barrier()
+if rank == 1:
+    time.sleep(float(ARGS[0]))  # late: rank 0 sees rank 2 crash while it waits for this one
+x = np.full(3, rank + 1.0)
+tw.reduce(x, dst=0)
+if rank == 2:
+    os._exit(3)  # its part is done, and it leaves without a goodbye
+report(x=x.tolist())
+tw.shrink().barrier()
+report(done=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_crashes_after_its_part_does_not_fail_the_call() -> None:
+    """Rank 2 sends its part of a reduce to rank 0 and dies at once, while rank 1 is still on
+    its way: rank 0's reduce finishes with every part (what it waits for is alive), and the
+    survivors shrink as usual."""
+    from tensorwire.transport.failures import _CRASH_GRACE_S
+    finals = _survivors_ok(_job(_DONE_THEN_CRASHES, 3, "tcp", _CRASH_GRACE_S / 2), {2})
+    assert finals[0]["x"] == [6.0] * 3, finals[0]
+
+
 # ------------------------------------------------------------------------------ tensorwire run --keep-going
 
 _KEEP_GOING = """

@@ -401,8 +401,8 @@ class Engine(Failures):
              what: object, cross_check: Callable[[], None] | None = None) -> None:
         """Drive progress until every request is done; raise the first failure.
 
-        `watch` are the world ranks whose loss dooms this wait (the group's members): a
-        collective cannot finish once any member is gone, even if we wait on someone else.
+        `watch` are the world ranks whose crash dooms this wait (the group's members): even one
+        it does not wait for, unless the call ends soon after (Failures.check_group).
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]

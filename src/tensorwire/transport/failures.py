@@ -68,6 +68,11 @@ _LIVENESS_S = 0.2
 """How often an idle waiter looks whether peers it has no connection to are still alive (their
 processes, where they run on this machine): a rank that died before anyone talked to it fails
 the calls that wait for it within this, not at their timeout."""
+
+_CRASH_GRACE_S = 1.0
+"""How long a call goes on after a member crashed that it does not wait for: that member may
+have finished its part (it exited right after), and a member that waits for it fails at once
+and aborts the group; past this the call fails here too (that member may not know yet)."""
 _PEER_SILENT = "its host stopped answering for TENSORWIRE_PEER_TIMEOUT={:g} s (down or cut off: {})"
 
 
@@ -116,7 +121,7 @@ class Failures:
 
     def __init__(self) -> None:
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
-        self.crashed: set[int] = set()  # ...of which those that vanished without a goodbye
+        self.crashed: dict[int, float] = {}  # ...of which those that vanished without a goodbye: when seen
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
         self.link_errors: dict[int, BaseException] = {}  # peers that could not be connected, and why
         self.current: dict[int, Callable[[], object]] = {}
@@ -156,7 +161,7 @@ class Failures:
         else:
             if f"[Errno {errno.ETIMEDOUT}]" in reason and self.wiring is not None:  # keepalive (tune_socket)
                 reason = _PEER_SILENT.format(self.wiring.cfg.peer_timeout, reason)
-            self.crashed.add(peer)
+            self.crashed[peer] = time.perf_counter()
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
         self.watch_sockets()
@@ -251,7 +256,8 @@ class Failures:
 
     def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
         """Raise if the group was aborted, a member refused this call (which then fails the
-        group: this rank runs it), or one of its members crashed.
+        group: this rank runs it), or one of its members crashed _CRASH_GRACE_S ago (the requests
+        that wait for a crashed member failed when it was lost).
 
         A member that left in order is not fatal by itself: it may have finished its part of
         the call; if it had not, the request waiting on it fails instead."""
@@ -264,8 +270,9 @@ class Failures:
             self.abort_group(ctx, seq, watch, error)
             raise error
         if self.crashed:
+            doomed = time.perf_counter() - _CRASH_GRACE_S
             for peer in watch:
-                if peer in self.crashed:
+                if self.crashed.get(peer, doomed) < doomed:
                     raise self.lost_error(peer)
 
     # -- vetting: did every rank make the same call? ------------------------------------------
