@@ -48,8 +48,10 @@ class Plans(dict):
     def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction) -> None:
         """Plan a checked all_reduce: (call, the direct path's run or None, reduction). Where
         the tuner picks the direct path, its AllReducePlan's run, with nothing left to look
-        up per call; else None, for the general body."""
-        if len(self) >= _PLANS:
+        up per call; else None, for the general body. A signature planned already is kept:
+        the checked path also runs for calls the planned path does not take (an async call
+        on a torch tensor), and planning again would cost them more than the call."""
+        if len(self) >= _PLANS or key in self:
             return
         group = self.group
         call = self.call(fp, "all_reduce")
@@ -68,8 +70,8 @@ class Plans(dict):
         direct path's one shot can run from a plan that takes the arrays themselves
         (TensorPlan, ReducePlan, BroadcastPlan): where the tuner picks that path and the bytes
         fit the slot, the run is the plan's, and the last of `extra` (what only the general
-        body needs) is None."""
-        if len(self) >= _PLANS:
+        body needs) is None. A signature planned already is kept (see remember_all_reduce)."""
+        if len(self) >= _PLANS or key in self:
             return
         group = self.group
         alg = tuner.select(group, collective, nbytes) if group.size > 1 or one_rank else None
