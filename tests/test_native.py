@@ -92,16 +92,17 @@ def test_what_would_leave_the_segment_is_refused() -> None:
         with pytest.raises(ValueError, match="read-only"):
             path.fold(0, small, code)
         with pytest.raises(ValueError, match="root"):
-            path.reduce(1, 0, 0, 0, np.zeros(4, np.float32), np.zeros(4, np.float32), code, 2)
+            path.reduce(1, 0, 0, "reduce", np.zeros(4, np.float32), np.zeros(4, np.float32), code, 2)
         with pytest.raises(ValueError, match="whom"):
-            path.round(1, 0, 0, 0, 5)
+            path.round(1, 0, 0, "barrier", 5)
         with pytest.raises(ValueError, match="differ in size"):
-            path.all_reduce(1, 0, 0, 0, np.zeros(4, np.float32), np.zeros(5, np.float32), code)
+            path.all_reduce(1, 0, 0, "all_reduce", np.zeros(4, np.float32), np.zeros(5, np.float32), code)
         block = np.zeros(4, np.float32)
         with pytest.raises(ValueError, match="list of 2"):
-            path.gather(1, 0, 0, 0, block, [block], 0)
+            path.gather(1, 0, 0, "gather", block, [block], 0)
         with pytest.raises(ValueError, match="within the slot"):
-            path.scatter(1, 0, 0, 0, [block, block], block, 0, np.array([0, SLOT - 8], np.uint64))
+            path.scatter(1, 0, 0, "scatter", [block, block], block, 0, np.array([0, SLOT - 8], np.uint64))
+        assert (path.parity, path.prev_seq) == (1, 0)  # nothing refused entered or published
         with pytest.raises(ValueError, match="does not fit"):
             _native.Path(seg.bytes, tuple(seg.lines), 0, GroupSegment.nbytes(2, 0), SLOT * 2, 0, 0)
         with pytest.raises(RuntimeError, match="not set up"):
@@ -116,11 +117,36 @@ def test_a_lone_publisher_hands_the_wait_back_and_a_stranger_is_named() -> None:
     seg = _segment(2)
     try:
         me, peer = _path(seg, 0), _path(seg, 1)
-        assert me.round(1, 1, 11, 12, -1) == native.PENDING
-        assert peer.round(1, 1, 11, 99, -2) == native.DONE  # rank 1: the same call number, another call
-        assert me.round(1, 1, 11, 12, -1) == 1
-        assert me.settle(1, 1, 11, 12) == 1
-        assert peer.settle(1, 1, 11, 99) == 0
+        assert me.round(1, 11, 12, "barrier", -1) == native.PENDING
+        assert peer.round(1, 11, 99, "broadcast", -2) == native.DONE  # the same call number, another call
+        assert me.round(1, 11, 12, "barrier", -1) == 1
+        assert me.settle() == 1
+        assert peer.settle() == 0
+    finally:
+        seg.close()
+
+
+def test_a_body_enters_only_where_nothing_waits_or_is_to_be_vetted() -> None:
+    """A compiled body takes the next parity itself, and hands the entry back untouched
+    (NOT_ENTERED) while the previous call is unsettled (a peer not there yet) or a
+    message-path call's notes are to be checked; it notes the call it publishes."""
+    seg = _segment(2)
+    try:
+        me, peer = _path(seg, 0), _path(seg, 1)
+        code = native.fold_code(ReduceOp.SUM, np.dtype(np.float32))
+        x, y = np.ones(4, np.float32), np.zeros(4, np.float32)
+        assert me.round(1, 11, 12, "broadcast", -2) == native.DONE  # a root's call: nobody waited for
+        assert (me.parity, me.settled, me.prev_seq, me.prev_name) == (1, 0, 1, "broadcast")
+        assert me.all_reduce(2, 21, 22, "all_reduce", x, y, code) == native.NOT_ENTERED
+        assert (me.parity, me.prev_seq) == (1, 1)
+        assert peer.round(1, 11, 12, "broadcast", 0) == native.DONE
+        assert me.all_reduce(2, 21, 22, "all_reduce", x, y, code) == native.PENDING  # entered: rank 1 is late
+        assert (me.parity, me.settled, me.prev_seq, me.prev_a, me.prev_b) == (0, 0, 2, 21, 22)
+        assert peer.all_reduce(2, 21, 22, "all_reduce", 2 * x, y, code) == native.DONE
+        assert y.tolist() == [3.0] * 4 and peer.settled == 1
+        peer.unvetted = 1
+        assert peer.broadcast(3, 31, 32, "broadcast", x, x, 0) == native.NOT_ENTERED
+        assert peer.parity == 0
     finally:
         seg.close()
 

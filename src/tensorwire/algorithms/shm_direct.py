@@ -73,12 +73,27 @@ def _native_fold(dp: DirectPath, op: ReduceOp, dtype: np.dtype) -> int:
     return native.fold_code(op, dtype) if dp.native is not None else 0
 
 
+class _Stamped:
+    """A plan's fingerprint words, looked up once for the fingerprint its calls carry."""
+
+    __slots__ = ("fp", "ab")
+
+    def __init__(self) -> None:
+        self.fp = None
+        self.ab = (0, 0)
+
+    def stamp(self, dp: DirectPath, fp) -> tuple[int, int]:
+        """`fp`'s words (`self.ab if call.fp is self.fp else self.stamp(dp, call.fp)`)."""
+        self.fp, self.ab = fp, dp.words_of(fp)
+        return self.ab
+
+
 def _finalized(red: Reduction | None) -> Reduction | None:
     """`red` where a plan's run must finalize it after the fold (AVG, PREMUL_SUM), else None."""
     return red if red is not None and red.op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else None
 
 
-class AllReducePlan:
+class AllReducePlan(_Stamped):
     """One all_reduce signature (dtype, count, reduction) on the direct path with everything
     looked up once: per parity this rank's slot and every rank's, the kernel, the
     finalization. A small all_reduce is mostly such lookups; a planned one skips them (see
@@ -89,6 +104,7 @@ class AllReducePlan:
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp,
                  red: Reduction | None = None) -> None:
         """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
+        super().__init__()
         self.dp = dp
         self.kernel = reduction_kernel(op, dtype)
         self.red = _finalized(red)
@@ -106,13 +122,15 @@ class AllReducePlan:
         slots' way copies src in first; the stream folds in place where they overlap at all):
         dst = the fold of every rank's src in rank order, the same bits on every rank; dst
         returned. One frame for the whole slot path: it is most of a small call."""
-        if self.code:
+        if self.code:  # one C call (see transport/native.py), unless it hands something back
             dp = self.dp
-            p = dp.enter(call)
-            a, b = dp.stamp_words(call)
-            if dp.after_native(call, dp.native.all_reduce(call.seq, p, a, b, src, dst, self.code), p,
-                               dp.everyone):
-                dp.native.fold(p, dst, self.code)
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name = call.seq, call.name
+            status = st.all_reduce(seq, a, b, name, src, dst, self.code)
+            if status != native.DONE and dp.resume(call, status, dp.everyone,
+                                                   st.all_reduce, seq, a, b, name, src, dst, self.code):
+                st.fold(st.parity, dst, self.code)
             if self.red is not None:
                 finalize(dst.reshape(-1), self.red, dp.size)
             return dst
@@ -247,7 +265,7 @@ def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | No
     AllReducePlan(call.group.direct, data.dtype, data.size, op).run(call, data if src is None else src, data)
 
 
-class ReducePlan:
+class ReducePlan(_Stamped):
     """One reduce signature (dtype, count, reduction, root) whose input fits the slot, on the
     direct path with its slots looked up once (as AllReducePlan): every rank copies its input
     into its slot and publishes it; the root waits for everyone and folds the slots in rank
@@ -258,6 +276,7 @@ class ReducePlan:
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp, root: int,
                  red: Reduction | None = None) -> None:
         """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
+        super().__init__()
         self.dp = dp
         self.root = root
         self.slots = tuple((v[dp.rank], v) for v in dp.views(dtype, count))  # (mine, all) per parity
@@ -270,16 +289,20 @@ class ReducePlan:
         """The reduce body for arrays of the signature (`acc`: the root's output, else `src`);
         `acc` returned."""
         dp = self.dp
-        p = dp.enter(call)
         if self.code:
-            a, b = dp.stamp_words(call)
-            root = dp.rank == self.root
-            if dp.after_native(call, dp.native.reduce(call.seq, p, a, b, src, acc, self.code, self.root), p,
-                               dp.everyone if root else ()):
-                dp.native.fold(p, acc, self.code)
-            if root and self.red is not None:
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name = call.seq, call.name
+            code, root = self.code, self.root
+            status = st.reduce(seq, a, b, name, src, acc, code, root)
+            mine = dp.rank == root
+            if status != native.DONE and dp.resume(call, status, dp.everyone if mine else (),
+                                                   st.reduce, seq, a, b, name, src, acc, code, root):
+                st.fold(st.parity, acc, self.code)
+            if mine and self.red is not None:
                 finalize(acc.reshape(-1), self.red, dp.size)
             return acc
+        p = dp.enter(call)
         mine, views = self.slots[p]
         _into(mine, src if src.ndim == 1 else src.reshape(-1))
         if dp.rank != self.root:
@@ -296,7 +319,7 @@ class ReducePlan:
         return acc
 
 
-class BroadcastPlan:
+class BroadcastPlan(_Stamped):
     """One broadcast signature (dtype, count, root) whose data fits the slot, on the direct path
     with the root's slot looked up once (as AllReducePlan): the root copies its input into its
     slot and publishes it, then fills its output (where that is apart) from the slot, so that
@@ -306,6 +329,7 @@ class BroadcastPlan:
     __slots__ = ("dp", "root", "slots", "native", "whom")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        super().__init__()
         self.dp = dp
         self.root = root
         self.slots = tuple(v[root] for v in dp.views(dtype, count))  # the root's slot per parity
@@ -316,14 +340,17 @@ class BroadcastPlan:
         """The broadcast body for arrays of the signature (`src` is read on the root only);
         `dst` returned."""
         dp = self.dp
+        if self.native:
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name = call.seq, call.name
+            status = st.broadcast(seq, a, b, name, src, dst, self.root)
+            if status != native.DONE and dp.resume(call, status, self.whom,
+                                                   st.broadcast, seq, a, b, name, src, dst, self.root):
+                _into(dst.reshape(-1), self.slots[st.parity])
+            return dst
         p = dp.enter(call)
         slot = self.slots[p]
-        if self.native:
-            a, b = dp.stamp_words(call)
-            if dp.after_native(call, dp.native.broadcast(call.seq, p, a, b, src, dst, self.root), p,
-                               self.whom):
-                _into(dst.reshape(-1), slot)
-            return dst
         if dp.rank == self.root:
             _into(slot, src if src.ndim == 1 else src.reshape(-1))
             dp.publish(call, p)
@@ -335,7 +362,7 @@ class BroadcastPlan:
         return dst
 
 
-class GatherPlan:
+class GatherPlan(_Stamped):
     """One gather signature (dtype, count, root) on the direct path with the slots looked up
     once (as BroadcastPlan), the protocol of direct_gather: every other rank copies its block
     into its slot and publishes it; the root waits for everyone and copies each slot out. The
@@ -344,6 +371,7 @@ class GatherPlan:
     __slots__ = ("dp", "root", "mine", "theirs", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        super().__init__()
         self.dp = dp
         self.root = root
         views = dp.views(dtype, count)
@@ -355,13 +383,16 @@ class GatherPlan:
         """The gather body (`blocks`: the root's outputs, any shapes, None elsewhere). The root
         fills its own block first: `send` may lie in another block."""
         dp = self.dp
-        p = dp.enter(call)
         if self.native:
-            a, b = dp.stamp_words(call)
-            if dp.after_native(call, dp.native.gather(call.seq, p, a, b, send, blocks, self.root), p,
-                               () if blocks is None else dp.everyone):
-                self._copy_out(p, blocks)  # type: ignore[arg-type]
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name = call.seq, call.name
+            status = st.gather(seq, a, b, name, send, blocks, self.root)
+            if status != native.DONE and dp.resume(call, status, () if blocks is None else dp.everyone,
+                                                   st.gather, seq, a, b, name, send, blocks, self.root):
+                self._copy_out(st.parity, blocks)  # type: ignore[arg-type]
             return
+        p = dp.enter(call)
         flat = send if send.ndim == 1 else send.reshape(-1)
         if blocks is None:
             _into(self.mine[p], flat)
@@ -380,7 +411,7 @@ class GatherPlan:
             _into(out if out.ndim == 1 else out.reshape(-1), view)
 
 
-class ScatterPlan:
+class ScatterPlan(_Stamped):
     """One scatter signature (dtype, count, root) on the direct path with the root's slot
     looked up once, the protocol and layout of direct_scatter (its table included, which an
     unplanned peer reads): the root copies every other rank's block into its slot; each rank
@@ -389,6 +420,7 @@ class ScatterPlan:
     __slots__ = ("dp", "root", "table", "cells", "mine", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
+        super().__init__()
         self.dp = dp
         self.root = root
         nbytes = count * dtype.itemsize
@@ -405,14 +437,18 @@ class ScatterPlan:
     def run(self, call, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
         dp = self.dp
-        p = dp.enter(call)
         flat = recv if recv.ndim == 1 else recv.reshape(-1)
         if self.native:
-            a, b = dp.stamp_words(call)
-            status = dp.native.scatter(call.seq, p, a, b, blocks, recv, self.root, self.table[p][1])
-            if dp.after_native(call, status, p, () if blocks is not None else (self.root,)):
-                _into(flat, self.mine[p])  # type: ignore[arg-type]
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name = call.seq, call.name
+            root, starts = self.root, self.table[0][1]  # the same offsets on either parity
+            status = st.scatter(seq, a, b, name, blocks, recv, root, starts)
+            if status != native.DONE and dp.resume(call, status, () if blocks is not None else (root,),
+                                                   st.scatter, seq, a, b, name, blocks, recv, root, starts):
+                _into(flat, self.mine[st.parity])  # type: ignore[arg-type]
             return
+        p = dp.enter(call)
         if blocks is None:
             dp.publish(call, p, (self.root,))
             _into(flat, self.mine[p])  # type: ignore[arg-type]
@@ -583,7 +619,14 @@ def direct_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root
 
 def direct_barrier(call) -> None:
     dp = call.group.direct
-    dp.publish(call, dp.enter(call), dp.everyone)
+    st = dp.native
+    if st is None:
+        dp.publish(call, dp.enter(call), dp.everyone)
+        return
+    a, b = dp.stamp_words(call)
+    status = st.barrier(call.seq, a, b, call.name)
+    if status != native.DONE:
+        dp.resume(call, status, dp.everyone, st.barrier, call.seq, a, b, call.name)
 
 
 def direct_all_gather(call, blocks: list[np.ndarray]) -> None:

@@ -164,7 +164,7 @@ class CallQueue:
                     raise aborted[1]  # entering revealed a mismatch with an earlier or this call
             result = body(call, *args)
             direct = group.direct
-            if direct is not None and direct.prev_seq != call.seq:
+            if direct is not None and direct.st.prev_seq != call.seq:
                 direct.stamp(call)  # it ran on the message path
             return result
         except MemoryError as exc:

@@ -1,14 +1,18 @@
 /* The direct path's one-shot bodies in C: the same protocol, layout and fold order as
  * transport/segment.py and algorithms/shm_direct.py, which stay the reference (and the whole
- * implementation with TENSORWIRE_NATIVE=0). Only the common case runs here: every waited-for
- * rank arrives within the spin budget. Anything else (a slow or lost peer, a timeout, a
- * mismatch to explain) is handed back to Python as a status: PENDING (published; wait in
- * Python, then finish with fold/copy_out) or the group rank whose stamp differs.
+ * implementation with TENSORWIRE_NATIVE=0). A Path holds the protocol's state (DirectPath.st),
+ * so a planned call is one C call: it enters (takes the next parity once every rank is past
+ * the call that last used it), publishes, waits and finishes. Only the common case runs
+ * here: every waited-for rank arrives within the spin budget. Anything else is handed back to
+ * Python as a status: NOT_ENTERED (nothing done: the previous call is to be settled or a
+ * message-path call vetted first), PENDING (published; wait in Python, then finish with
+ * fold/copy_out) or the group rank whose stamp differs.
  *
  * Loads and stores of flags and stamps are acquire/release atomics: what x86-64's store order
  * gives the Python path for free, spelt out for any machine. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -16,6 +20,7 @@
 
 #define DONE (-1)
 #define PENDING (-2)
+#define NOT_ENTERED (-3)
 #define STAMP 8 /* word of a control line where the per-parity (seq, a, b) stamps start */
 #define MAX_RANKS 4096
 
@@ -29,7 +34,19 @@ typedef struct {
     int rank, size;
     long long spin_ns;      /* busy-poll budget; 0: yield instead (ranks share cores) */
     int yields;
+    /* the protocol's state, as segment.State holds it on the Python path */
+    int parity;             /* the slot parity of the last call entered */
+    int settled;            /* every rank is known past that call, its stamps checked */
+    int unvetted;           /* a message-path call's notes to check before the next entry */
+    unsigned long long prev_seq, prev_a, prev_b; /* the last call published, its fingerprint words */
+    PyObject *prev_name;    /* its collective */
 } Path;
+
+/* A protocol call's (seq, a, b, name): its number, fingerprint words and collective. */
+typedef struct {
+    uint64_t seq, a, b;
+    PyObject *name;
+} Head;
 
 static inline uint64_t load(const uint64_t *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
 static inline void store(uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
@@ -87,17 +104,44 @@ static void stamp(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t 
     store(line, seq);
 }
 
-/* Publish, then wait for `only` (>= 0), everyone else (-1) or no one (-2); a status. */
-static int round_trip(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t b, int only) {
-    stamp(p, seq, parity, a, b);
+/* Publish on the entered parity and note the call as the last published, then wait for
+ * `only` (>= 0), everyone else (-1) or no one (-2); a status. */
+static int round_trip(Path *p, const Head *h, int only) {
+    int parity = p->parity;
+    stamp(p, h->seq, parity, h->a, h->b);
+    p->prev_seq = h->seq;
+    p->prev_a = h->a;
+    p->prev_b = h->b;
+    if (p->prev_name != h->name) Py_SETREF(p->prev_name, Py_NewRef(h->name));
+    p->settled = 0;
     if (only == -2) return DONE;
-    if (!await_flags(p, only, seq)) return PENDING;
+    if (!await_flags(p, only, h->seq)) return PENDING;
     for (int r = 0; r < p->size; r++) {
         if (r == p->rank || (only >= 0 && r != only)) continue;
         const uint64_t *at = p->words + p->lines[r] + STAMP + 3 * parity;
-        if (load(at) != seq || at[1] != a || at[2] != b) return r;
+        if (load(at) != h->seq || at[1] != h->a || at[2] != h->b) return r;
     }
+    p->settled = only == -1;
     return DONE;
+}
+
+/* Whether every other rank published the last call (on the current parity) with its
+ * fingerprint; a status. */
+static int settle(Path *p) {
+    if (!await_flags(p, -1, p->prev_seq)) return PENDING;
+    for (int r = 0; r < p->size; r++) {
+        const uint64_t *at = p->words + p->lines[r] + STAMP + 3 * p->parity;
+        if (r != p->rank && load(at) == p->prev_seq && (at[1] != p->prev_a || at[2] != p->prev_b)) return r;
+    }
+    p->settled = 1;
+    return DONE;
+}
+
+/* Take the next parity where nothing is left to vet or wait for first (DirectPath.enter). */
+static int enter(Path *p) {
+    if (p->unvetted || (!p->settled && settle(p) != DONE)) return 0;
+    p->parity ^= 1;
+    return 1;
 }
 
 /* ---- folds: dst = slot_0 op slot_1 op ... in rank order, elementwise ------------------------ */
@@ -179,10 +223,10 @@ static int to_int(PyObject *o, int lo, int hi, const char *what, int *v) {
     return 1;
 }
 
-/* (seq, parity, a, b) leading every protocol call. */
-static int head(PyObject *const *args, uint64_t *seq, int *parity, uint64_t *a, uint64_t *b) {
-    return to_u64(args[0], seq) && to_int(args[1], 0, 2, "parity", parity) && to_u64(args[2], a) &&
-           to_u64(args[3], b);
+/* (seq, a, b, name) leading every protocol call. */
+static int head(PyObject *const *args, Head *h) {
+    h->name = args[3];
+    return to_u64(args[0], &h->seq) && to_u64(args[1], &h->a) && to_u64(args[2], &h->b);
 }
 
 /* A C-contiguous buffer of at most the slot's bytes; `writable` for outputs. */
@@ -220,15 +264,15 @@ static void fold_into(const Path *p, fold_fn f, int parity, Py_buffer *dst, Py_s
         f(dst->buf, slot(p, 0, parity), 2 * p->slot_bytes, p->size, count);
 }
 
-/* (seq, parity, a, b, src, dst, code, ...): copy src into this rank's slot and publish; where
- * this rank `folds`, wait for everyone and fold every slot into dst (read only then). */
+/* (seq, a, b, name, src, dst, code, ...): enter, copy src into this rank's slot and publish;
+ * where this rank `folds`, wait for everyone and fold every slot into dst (read only then). */
 static PyObject *publish_and_fold(Path *self, PyObject *const *args, int folds) {
-    uint64_t seq, a, b;
-    int parity, s;
+    Head h;
+    int s;
     Py_buffer src, dst;
     Py_ssize_t count = 0;
     fold_fn f = NULL;
-    if (!head(args, &seq, &parity, &a, &b) || !buffer(self, args[4], 0, &src)) return NULL;
+    if (!head(args, &h) || !buffer(self, args[4], 0, &src)) return NULL;
     if (folds) {
         if (!buffer(self, args[5], 1, &dst)) {
             PyBuffer_Release(&src);
@@ -245,23 +289,25 @@ static PyObject *publish_and_fold(Path *self, PyObject *const *args, int folds) 
             return NULL;
         }
     }
-    memcpy(slot(self, self->rank, parity), src.buf, (size_t)src.len);
-    PyBuffer_Release(&src);
-    s = round_trip(self, seq, parity, a, b, folds ? -1 : -2);
-    if (folds) {
-        if (s == DONE) fold_into(self, f, parity, &dst, count);
-        PyBuffer_Release(&dst);
+    if (!enter(self)) {
+        s = NOT_ENTERED;
+    } else {
+        memcpy(slot(self, self->rank, self->parity), src.buf, (size_t)src.len);
+        s = round_trip(self, &h, folds ? -1 : -2);
+        if (folds && s == DONE) fold_into(self, f, self->parity, &dst, count);
     }
+    PyBuffer_Release(&src);
+    if (folds) PyBuffer_Release(&dst);
     return status(s);
 }
 
-/* all_reduce(seq, parity, a, b, src, dst, code): every rank folds. */
+/* all_reduce(seq, a, b, name, src, dst, code): every rank folds. */
 static PyObject *Path_all_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) return PyErr_Format(PyExc_TypeError, "all_reduce takes 7 arguments");
     return publish_and_fold(self, args, 1);
 }
 
-/* reduce(seq, parity, a, b, src, dst, code, root): the root folds. */
+/* reduce(seq, a, b, name, src, dst, code, root): the root folds. */
 static PyObject *Path_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs) {
     int root;
     if (nargs != 8) return PyErr_Format(PyExc_TypeError, "reduce takes 8 arguments");
@@ -269,28 +315,32 @@ static PyObject *Path_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs
     return publish_and_fold(self, args, self->rank == root);
 }
 
-/* broadcast(seq, parity, a, b, src, dst, root): the root copies src into its slot and
+/* broadcast(seq, a, b, name, src, dst, root): the root copies src into its slot and
  * publishes, then fills dst from the slot unless dst is src; the others wait for the root
  * and copy its slot into dst. */
 static PyObject *Path_broadcast(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity, root, s;
+    Head h;
+    int root, s;
     Py_buffer view;
     if (nargs != 7) return PyErr_Format(PyExc_TypeError, "broadcast takes 7 arguments");
-    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root)) return NULL;
-    char *from = slot(self, root, parity);
+    if (!head(args, &h) || !to_int(args[6], 0, self->size, "root", &root)) return NULL;
     if (self->rank == root) {
         if (!buffer(self, args[4], 0, &view)) return NULL;
-        memcpy(from, view.buf, (size_t)view.len);
+        if (!enter(self)) {
+            PyBuffer_Release(&view);
+            return status(NOT_ENTERED);
+        }
+        memcpy(slot(self, root, self->parity), view.buf, (size_t)view.len);
         PyBuffer_Release(&view);
-        s = round_trip(self, seq, parity, a, b, -2);
+        s = round_trip(self, &h, -2);
         if (args[5] == args[4]) return status(s);
     } else {
-        s = round_trip(self, seq, parity, a, b, root);
+        if (!enter(self)) return status(NOT_ENTERED);
+        s = round_trip(self, &h, root);
         if (s != DONE) return status(s);
     }
     if (!buffer(self, args[5], 1, &view)) return NULL;
-    memcpy(view.buf, from, (size_t)view.len);
+    memcpy(view.buf, slot(self, root, self->parity), (size_t)view.len);
     PyBuffer_Release(&view);
     return status(s);
 }
@@ -308,70 +358,74 @@ static int fill(const Path *p, PyObject *o, const char *from, Py_ssize_t len) {
     return ok;
 }
 
-/* gather(seq, parity, a, b, send, blocks, root): every rank but the root copies send into its
+/* gather(seq, a, b, name, send, blocks, root): every rank but the root copies send into its
  * slot and publishes; the root fills its own block from send (unless it is send), waits for
  * everyone and copies each slot into its block (blocks: the root's list of size ranks, None
  * elsewhere). */
 static PyObject *Path_gather(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity, root, s;
+    Head h;
+    int root, s;
     Py_buffer send;
     if (nargs != 7) return PyErr_Format(PyExc_TypeError, "gather takes 7 arguments");
-    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root) ||
-        !buffer(self, args[4], 0, &send))
+    if (!head(args, &h) || !to_int(args[6], 0, self->size, "root", &root) || !buffer(self, args[4], 0, &send))
         return NULL;
     Py_ssize_t len = send.len;
-    if (self->rank != root) {
-        memcpy(slot(self, self->rank, parity), send.buf, (size_t)len);
-        PyBuffer_Release(&send);
-        return status(round_trip(self, seq, parity, a, b, -2));
-    }
     PyObject *blocks = args[5];
-    if (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size) {
+    if (self->rank == root && (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size)) {
         PyBuffer_Release(&send);
         return PyErr_Format(PyExc_ValueError, "the root's blocks must be a list of %d", self->size);
+    }
+    if (!enter(self)) {
+        PyBuffer_Release(&send);
+        return status(NOT_ENTERED);
+    }
+    if (self->rank != root) {
+        memcpy(slot(self, self->rank, self->parity), send.buf, (size_t)len);
+        PyBuffer_Release(&send);
+        return status(round_trip(self, &h, -2));
     }
     PyObject *own = PyList_GET_ITEM(blocks, root);
     int ok = own == args[4] || fill(self, own, send.buf, len);
     PyBuffer_Release(&send);
     if (!ok) return NULL;
-    s = round_trip(self, seq, parity, a, b, -1);
+    s = round_trip(self, &h, -1);
     for (int r = 0; s == DONE && r < self->size; r++)
-        if (r != root && !fill(self, PyList_GET_ITEM(blocks, r), slot(self, r, parity), len)) return NULL;
+        if (r != root && !fill(self, PyList_GET_ITEM(blocks, r), slot(self, r, self->parity), len)) return NULL;
     return status(s);
 }
 
-/* scatter(seq, parity, a, b, blocks, recv, root, starts): the root writes `starts` (where each
+/* scatter(seq, a, b, name, blocks, recv, root, starts): the root writes `starts` (where each
  * rank's block begins in its slot, uint64 per rank: the table the Python bodies write and
  * read) and every other rank's block after it, publishes, then fills recv from its own block
  * (unless it is recv); the others wait for the root and copy their block into recv. */
 static PyObject *Path_scatter(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity, root, s = DONE;
+    Head h;
+    int root, s = DONE;
     Py_buffer table, recv, view;
     if (nargs != 8) return PyErr_Format(PyExc_TypeError, "scatter takes 8 arguments");
-    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[6], 0, self->size, "root", &root) ||
-        !buffer(self, args[7], 0, &table))
+    if (!head(args, &h) || !to_int(args[6], 0, self->size, "root", &root) || !buffer(self, args[7], 0, &table))
         return NULL;
     if (!buffer(self, args[5], 1, &recv)) {
         PyBuffer_Release(&table);
         return NULL;
     }
     const uint64_t *starts = table.buf;
-    char *base = slot(self, root, parity);
     PyObject *blocks = args[4];
     int ok = table.len == 8 * (Py_ssize_t)self->size;
     for (int r = 0; ok && r < self->size; r++)
         ok = r == root || starts[r] + (uint64_t)recv.len <= (uint64_t)self->slot_bytes;
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "starts do not place the blocks within the slot");
-    } else if (self->rank != root) {
-        s = round_trip(self, seq, parity, a, b, root);
-        if (s == DONE) memcpy(recv.buf, base + starts[self->rank], (size_t)recv.len);
-    } else if (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size) {
+    } else if (self->rank == root && (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != self->size)) {
         PyErr_Format(PyExc_ValueError, "the root's blocks must be a list of %d", self->size);
         ok = 0;
+    } else if (!enter(self)) {
+        s = NOT_ENTERED;
+    } else if (self->rank != root) {
+        s = round_trip(self, &h, root);
+        if (s == DONE) memcpy(recv.buf, slot(self, root, self->parity) + starts[self->rank], (size_t)recv.len);
     } else {
+        char *base = slot(self, root, self->parity);
         memcpy(base, starts, (size_t)table.len);
         for (int r = 0; ok && r < self->size; r++) {
             if (r == root) continue;
@@ -383,12 +437,12 @@ static PyObject *Path_scatter(Path *self, PyObject *const *args, Py_ssize_t narg
                 memcpy(base + starts[r], view.buf, (size_t)view.len);
             PyBuffer_Release(&view);
         }
-        if (ok) s = round_trip(self, seq, parity, a, b, -2);
+        if (ok) s = round_trip(self, &h, -2);
     }
     PyBuffer_Release(&table);
     PyBuffer_Release(&recv);
     if (!ok) return NULL;
-    if (self->rank == root && PyList_GET_ITEM(blocks, root) != args[5]) {
+    if (s != NOT_ENTERED && self->rank == root && PyList_GET_ITEM(blocks, root) != args[5]) {
         if (!buffer(self, PyList_GET_ITEM(blocks, root), 0, &view)) return NULL;
         ok = fill(self, args[5], view.buf, view.len);
         PyBuffer_Release(&view);
@@ -397,30 +451,31 @@ static PyObject *Path_scatter(Path *self, PyObject *const *args, Py_ssize_t narg
     return status(s);
 }
 
-/* round(seq, parity, a, b, whom): publish, then wait for everyone else (-1), rank `whom`
- * (>= 0) or no one (-2): DirectPath.publish of any body. */
+/* round(seq, a, b, name, whom): publish on the parity DirectPath.enter took, then wait for
+ * everyone else (-1), rank `whom` (>= 0) or no one (-2): DirectPath.publish of any body. */
 static PyObject *Path_round(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity, whom;
+    Head h;
+    int whom;
     if (nargs != 5) return PyErr_Format(PyExc_TypeError, "round takes 5 arguments");
-    if (!head(args, &seq, &parity, &a, &b) || !to_int(args[4], -2, self->size, "whom", &whom)) return NULL;
-    return status(round_trip(self, seq, parity, a, b, whom));
+    if (!head(args, &h) || !to_int(args[4], -2, self->size, "whom", &whom)) return NULL;
+    return status(round_trip(self, &h, whom));
 }
 
-/* settle(seq, parity, a, b): wait for everyone else to have published call `seq`, which this
- * rank published on `parity` as (a, b) without waiting for all (DirectPath.enter); a rank
- * that stamped `seq` otherwise is returned. */
+/* barrier(seq, a, b, name): enter, publish and wait for everyone else. */
+static PyObject *Path_barrier(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    Head h;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "barrier takes 4 arguments");
+    if (!head(args, &h)) return NULL;
+    return status(enter(self) ? round_trip(self, &h, -1) : NOT_ENTERED);
+}
+
+/* settle(): wait for everyone else to have published the last call, which this rank
+ * published without waiting for all (DirectPath.settle_previous); a rank that stamped it
+ * otherwise is returned. */
 static PyObject *Path_settle(Path *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t seq, a, b;
-    int parity;
-    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "settle takes 4 arguments");
-    if (!head(args, &seq, &parity, &a, &b)) return NULL;
-    if (!await_flags(self, -1, seq)) return status(PENDING);
-    for (int r = 0; r < self->size; r++) {
-        const uint64_t *at = self->words + self->lines[r] + STAMP + 3 * parity;
-        if (r != self->rank && load(at) == seq && (at[1] != a || at[2] != b)) return status(r);
-    }
-    return status(DONE);
+    (void)args;
+    if (nargs != 0) return PyErr_Format(PyExc_TypeError, "settle takes no arguments");
+    return status(settle(self));
 }
 
 /* fold(parity, dst, code): finish an all_reduce or a root's reduce after a wait in Python. */
@@ -588,12 +643,16 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwds) {
     self->size = (int)n;
     self->spin_ns = spin_ns;
     self->yields = yields;
-    return 0;
+    self->parity = 1;
+    self->settled = 1;
+    self->prev_name = PyUnicode_FromString("");
+    return self->prev_name == NULL ? -1 : 0;
 }
 
 static void Path_dealloc(Path *self) {
     if (self->words != NULL) PyBuffer_Release(&self->seg);
     PyMem_Free(self->lines);
+    Py_XDECREF(self->prev_name);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -612,26 +671,40 @@ GUARDED(Path_broadcast)
 GUARDED(Path_gather)
 GUARDED(Path_scatter)
 GUARDED(Path_round)
+GUARDED(Path_barrier)
 GUARDED(Path_settle)
 GUARDED(Path_fold)
 
 static PyMethodDef Path_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Path_all_reduce_checked, METH_FASTCALL,
-     "all_reduce(seq, parity, a, b, src, dst, code) -> status"},
+     "all_reduce(seq, a, b, name, src, dst, code) -> status"},
     {"reduce", (PyCFunction)(void (*)(void))Path_reduce_checked, METH_FASTCALL,
-     "reduce(seq, parity, a, b, src, dst, code, root) -> status"},
+     "reduce(seq, a, b, name, src, dst, code, root) -> status"},
     {"broadcast", (PyCFunction)(void (*)(void))Path_broadcast_checked, METH_FASTCALL,
-     "broadcast(seq, parity, a, b, src, dst, root) -> status"},
+     "broadcast(seq, a, b, name, src, dst, root) -> status"},
     {"gather", (PyCFunction)(void (*)(void))Path_gather_checked, METH_FASTCALL,
-     "gather(seq, parity, a, b, send, blocks, root) -> status"},
+     "gather(seq, a, b, name, send, blocks, root) -> status"},
     {"scatter", (PyCFunction)(void (*)(void))Path_scatter_checked, METH_FASTCALL,
-     "scatter(seq, parity, a, b, blocks, recv, root, starts) -> status"},
+     "scatter(seq, a, b, name, blocks, recv, root, starts) -> status"},
     {"round", (PyCFunction)(void (*)(void))Path_round_checked, METH_FASTCALL,
-     "round(seq, parity, a, b, whom) -> status"},
+     "round(seq, a, b, name, whom) -> status"},
+    {"barrier", (PyCFunction)(void (*)(void))Path_barrier_checked, METH_FASTCALL,
+     "barrier(seq, a, b, name) -> status"},
     {"settle", (PyCFunction)(void (*)(void))Path_settle_checked, METH_FASTCALL,
-     "settle(seq, parity, a, b) -> status"},
+     "settle() -> status"},
     {"fold", (PyCFunction)(void (*)(void))Path_fold_checked, METH_FASTCALL,
      "fold(parity, dst, code): every slot of parity folded into dst"},
+    {NULL},
+};
+
+static PyMemberDef Path_members[] = {
+    {"parity", T_INT, offsetof(Path, parity), 0, "the slot parity of the last call entered"},
+    {"settled", T_INT, offsetof(Path, settled), 0, "every rank is known past that call"},
+    {"unvetted", T_INT, offsetof(Path, unvetted), 0, "a message-path call to check before the next entry"},
+    {"prev_seq", T_ULONGLONG, offsetof(Path, prev_seq), 0, "the last call published"},
+    {"prev_a", T_ULONGLONG, offsetof(Path, prev_a), 0, "its fingerprint's first word"},
+    {"prev_b", T_ULONGLONG, offsetof(Path, prev_b), 0, "its fingerprint's second word"},
+    {"prev_name", T_OBJECT_EX, offsetof(Path, prev_name), 0, "its collective"},
     {NULL},
 };
 
@@ -645,6 +718,7 @@ static PyTypeObject PathType = {
     .tp_init = (initproc)Path_init,
     .tp_dealloc = (destructor)Path_dealloc,
     .tp_methods = Path_methods,
+    .tp_members = Path_members,
 };
 
 static struct PyModuleDef module = {
@@ -661,7 +735,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     Py_INCREF(&PathType);
     if (PyModule_AddObject(m, "Path", (PyObject *)&PathType) < 0 ||
-        PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0) {
+        PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
+        PyModule_AddIntConstant(m, "NOT_ENTERED", NOT_ENTERED) < 0) {
         Py_DECREF(&PathType);
         Py_DECREF(m);
         return NULL;

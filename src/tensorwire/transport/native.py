@@ -2,7 +2,8 @@
 built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
-the whole one-shot all_reduce, reduce, broadcast, gather and scatter of a planned call, and a
+the whole one-shot all_reduce, reduce, broadcast, gather, scatter of a planned call and the
+barrier, entry included (its Path holds the protocol's state: DirectPath.st), and a
 small point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
 layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
@@ -22,9 +23,9 @@ from .. import log
 from ..errors import TensorwireWarning
 from ..ops import ReduceOp
 
-DONE, PENDING = -1, -2
-"""A compiled body's status besides a group rank (whose stamp differs): finished; or published,
-the wait handed back to Python."""
+DONE, PENDING, NOT_ENTERED = -1, -2, -3
+"""A compiled body's status besides a group rank (whose stamp differs): finished; published,
+the wait handed back to Python; or nothing done, the entry handed back (DirectPath.settle_previous)."""
 
 _DTYPES = {np.dtype(t).num: code for code, t in enumerate(
     (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,

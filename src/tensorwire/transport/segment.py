@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+from typing import Any
 
 import numpy as np
 
@@ -101,6 +102,21 @@ def _fp_from_words(a: int, b: int) -> Fingerprint:
                        (b & 0xFFFFFFFF) - 1, b >> 32)
 
 
+class State:
+    """The protocol's state on the Python path; a compiled Path holds the same fields itself,
+    so that a planned call is one C call (transport/native.py)."""
+
+    __slots__ = ("parity", "settled", "unvetted", "prev_seq", "prev_a", "prev_b", "prev_name")
+
+    def __init__(self) -> None:
+        self.parity = 1  # the slot parity of the last call entered
+        self.settled = 1  # every rank is known to be past that call, its fingerprint checked
+        self.unvetted = 0  # a message-path call's notes to check before the next entry (stamp)
+        self.prev_seq = 0  # the last call published
+        self.prev_a = self.prev_b = 0  # its fingerprint's words
+        self.prev_name = ""  # its collective
+
+
 class DirectPath:
     """The direct path of one group on this rank: which slot is next, and how to wait."""
 
@@ -120,14 +136,10 @@ class DirectPath:
         self.words = seg.words
         self.flags = tuple(seg.lines)  # word index of each rank's flag (its control line)
         self.own = self.flags[rank]
-        self.parity = 1
-        self.prev_seq = 0
-        self.prev_fp = (0, 0)
-        self._last_fp: Fingerprint | None = None  # the fingerprint prev_fp's words are of
-        self.prev_name = ""  # the previous call's collective (its number is prev_seq)
-        self.settled = True  # every rank is known to be past the previous call, its fingerprint checked
         self.message: tuple[int, int, int, str] | None = None  # a message-path call to check (stamp)
         self._fp_words: dict[Fingerprint, tuple[int, int]] = {}
+        self._last_fp: Fingerprint | None = None  # the fingerprint last looked up (stamp_words)
+        self._last_ab = (0, 0)
         self._views: dict[tuple, tuple] = {}
         self.single_copy = False  # see offer_single_copy
         self.crowded = False
@@ -142,6 +154,13 @@ class DirectPath:
         self.native = native.path(engine.native, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
                                   _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD)
         """The compiled bodies over this segment, or None: the engine runs the Python ones."""
+        self.st = self.native if self.native is not None else State()
+        """The protocol's state: the compiled Path's own where there is one (see State)."""
+
+    @property
+    def prev_fp(self) -> tuple[int, int]:
+        """The fingerprint words of the last call published."""
+        return self.st.prev_a, self.st.prev_b
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test
@@ -198,43 +217,47 @@ class DirectPath:
         return grids  # type: ignore[return-value]
 
     def words_of(self, fp: Fingerprint) -> tuple[int, int]:
-        """`fp` as stamped, remembered as the last one published."""
+        """`fp` as stamped (cached)."""
         ab = self._fp_words.get(fp)
         if ab is None:
             if len(self._fp_words) >= _CACHED:
                 self._fp_words.clear()
             ab = self._fp_words[fp] = _fp_words(fp)
-        self._last_fp = fp
-        self.prev_fp = ab
         return ab
 
     # -- the protocol -----------------------------------------------------------------------------
     def enter(self, call) -> int:
-        """Take the next slot parity, once every rank is past the call that last used it.
+        """Take the next slot parity, once every rank is past the call that last used it
+        (settle_previous)."""
+        st = self.st
+        if st.unvetted or not st.settled:
+            self.settle_previous(call)
+        st.parity ^= 1
+        return st.parity
 
-        Unless this rank already saw everyone publish the previous call (then it is settled),
-        that call's fingerprints are checked here too: a rank that returned without waiting
-        (a broadcast root) learns of a mismatch now."""
-        self.parity ^= 1
-        if self.message is not None:
+    def settle_previous(self, call) -> None:
+        """Before `call` enters: check the peers' notes of a message-path call (stamp), and
+        unless this rank already saw everyone publish the previous call, wait until they have
+        and check its fingerprints: a rank that returned without waiting (a broadcast root)
+        learns of a mismatch now. A compiled body does this itself where nothing has to wait
+        or be explained, and hands it back here otherwise (native.NOT_ENTERED)."""
+        st = self.st
+        if st.unvetted:
             self._check_message(call)
-        if not self.settled and self.native is not None \
-                and self.native.settle(self.prev_seq, self.parity ^ 1, *self.prev_fp) == native.DONE:
-            self.settled = True
-        if not self.settled:  # what the compiled settle hands back too: it waits and explains here
-            self._wait(call, self.everyone, self.prev_seq)
-            words, flags = self.words, self.flags
-            base = _STAMP + (self.parity ^ 1) * 3
-            for r in self.everyone:
-                line = flags[r] + base
-                if words[line] == self.prev_seq and (words[line + 1], words[line + 2]) != self.prev_fp:
-                    theirs = _fp_from_words(words[line + 1], words[line + 2])
-                    prev = f"{self.prev_name} #{call.number(self.prev_seq)} on group {call.group.name}"
-                    raise self.engine.mismatch_error(
-                        f"{prev} (found at {call.what})",
-                        _fp_from_words(*self.prev_fp), theirs, self.members[r])
-            self.settled = True
-        return self.parity
+        if st.settled or (self.native is not None and self.native.settle() == native.DONE):
+            return
+        self._wait(call, self.everyone, st.prev_seq)
+        words, flags = self.words, self.flags
+        base = _STAMP + st.parity * 3
+        for r in self.everyone:
+            line = flags[r] + base
+            if words[line] == st.prev_seq and (words[line + 1], words[line + 2]) != (st.prev_a, st.prev_b):
+                theirs = _fp_from_words(words[line + 1], words[line + 2])
+                prev = f"{st.prev_name} #{call.number(st.prev_seq)} on group {call.group.name}"
+                raise self.engine.mismatch_error(
+                    f"{prev} (found at {call.what})", _fp_from_words(st.prev_a, st.prev_b), theirs,
+                    self.members[r])
+        st.settled = 1
 
     def stamp(self, call) -> None:
         """Note a call that ran on the message path where every rank can read it, waiting for
@@ -242,17 +265,19 @@ class DirectPath:
         In a chain broadcast to different roots (rank 0 sends to 1, while 1 and 2 agree on
         root 1: 1 -> 2 -> 0) every message a rank receives comes from a rank that agrees with
         it, and a barrier through the segment after it returned everywhere, the mismatch unseen."""
-        a, b = _fp_words(call.fp)  # not words_of: prev_fp is the last call through the segment
+        a, b = self.words_of(call.fp)
         line = self.own + _MESSAGE
         self.words[line + 1], self.words[line + 2] = a, b
         self.words[line] = call.seq  # last: the fingerprint above is this call's
         self.message = (call.seq, a, b, call.what)
+        self.st.unvetted = 1
 
     def _check_message(self, call) -> None:
         """Raise if a peer noted this rank's last message-path call with another fingerprint.
         Every rank notes it before it enters this call, so the last to enter sees all notes."""
         seq, a, b, what = self.message  # type: ignore[misc]
         self.message = None
+        self.st.unvetted = 0
         words = self.words
         for r in self.others:
             line = self.flags[r] + _MESSAGE
@@ -265,50 +290,57 @@ class DirectPath:
         """The fingerprint words `call` publishes; a repeated call (the same fingerprint
         object) skips the hashing."""
         fp = call.fp
-        return self.prev_fp if fp is self._last_fp else self.words_of(fp)
+        if fp is not self._last_fp:
+            self._last_fp, self._last_ab = fp, self.words_of(fp)
+        return self._last_ab
 
     def publish(self, call, parity: int, ranks: tuple[int, ...] = ()) -> None:
         """Publish this rank's slot and fingerprint for `call`; then wait for `ranks` (`everyone`,
         one rank, or none) to publish it too, and check they called the same thing. One method
         for both halves: this pair is most of a small call's protocol."""
         fp = call.fp  # stamp_words, inline: this runs in every small call
-        a, b = self.prev_fp if fp is self._last_fp else self.words_of(fp)
+        if fp is not self._last_fp:
+            self._last_fp, self._last_ab = fp, self.words_of(fp)
+        a, b = self._last_ab
         if self.native is not None:
             whom = -1 if ranks is self.everyone else ranks[0] if ranks else -2
-            self.after_native(call, self.native.round(call.seq, parity, a, b, whom), parity, ranks)
+            status = self.native.round(call.seq, a, b, call.name, whom)
+            if status != native.DONE:
+                self.resume(call, status, ranks)
             return
-        words, seq = self.words, call.seq
+        words, seq, st = self.words, call.seq, self.st
         at = self.own + _STAMP + 3 * parity
         words[at] = seq
         words[at + 1] = a
         words[at + 2] = b
         words[self.own] = seq  # last: publishes the data and the fingerprint above
-        self.prev_seq = seq
-        self.prev_name = call.name
+        st.prev_seq, st.prev_a, st.prev_b, st.prev_name = seq, a, b, call.name
         if ranks:
             self._settle(call, parity, ranks)
         else:
-            self.settled = False
+            st.settled = 0
 
-    def after_native(self, call, status: int, parity: int, ranks: tuple[int, ...]) -> bool:
-        """Take over from a compiled body that published `call` and waited for `ranks`: its
-        bookkeeping, and where it handed the wait back (a peer not there within its spin), the
-        wait and the checks in Python; True then, and the caller finishes the body. A peer
-        that published another call is raised as the mismatch."""
-        self.prev_seq = call.seq
-        self.prev_name = call.name
+    def resume(self, call, status: int, ranks: tuple[int, ...], *again: Any) -> bool:
+        """Take over from a compiled body of `call` that waits for `ranks`, given its `status`.
+        Where it did not enter (NOT_ENTERED), the previous call is settled here and the body
+        run again (`again`: it and its arguments). Where it handed the wait back (a peer not
+        there within its spin), the wait and the checks run in Python; True then, and the
+        caller finishes the body. A peer that published another call is raised as the
+        mismatch."""
+        if status == native.NOT_ENTERED:
+            self.settle_previous(call)
+            status = again[0](*again[1:])
         if status == native.DONE:
-            self.settled = ranks is self.everyone
             return False
         if status >= 0:
             raise self._mismatch_with(call, status)
-        self._settle(call, parity, ranks)
+        self._settle(call, self.st.parity, ranks)
         return True
 
     def _settle(self, call, parity: int, ranks: tuple[int, ...]) -> None:
         """publish's second half: wait for `ranks` to publish `call`, check their stamps."""
         words, flags, seq = self.words, self.flags, call.seq
-        a, b = self.prev_fp
+        a, b = self.st.prev_a, self.st.prev_b
         off = _STAMP + 3 * parity
         everyone = ranks is self.everyone
         if everyone:
@@ -321,7 +353,7 @@ class DirectPath:
             at = flags[r] + off
             if words[at] != seq or words[at + 1] != a or words[at + 2] != b:
                 raise self._mismatch_with(call, r)
-        self.settled = everyone
+        self.st.settled = everyone
 
     def _wait(self, call, ranks: tuple[int, ...], seq: int) -> None:
         words, flags = self.words, self.flags
