@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -268,7 +270,7 @@ def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
     try:
         head = [b"h" * 63 + bytes([i]) for i in range(8)]
         put = lambda h, p: _native.ring_put(ring.bytes, CTRL_BYTES, cap, h, p)  # noqa: E731
-        take = lambda h, d: _native.ring_take(ring.bytes, CTRL_BYTES, cap, h, d)  # noqa: E731
+        take = lambda h, d: _native.ring_take(ring.bytes, CTRL_BYTES, cap, h, d, 0)  # noqa: E731
         out = np.zeros(100, np.uint8)
         assert take(head[0], out) is None  # nothing there yet
         assert put(head[0], np.arange(100, dtype=np.uint8))
@@ -293,5 +295,30 @@ def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
         ro.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):
             take(head[4], ro)
+    finally:
+        ring.close()
+
+
+def test_ring_take_spins_for_its_record_and_takes_any_array() -> None:
+    """A take that may spin waits (without the interpreter lock: a thread of this process
+    writes meanwhile) for the record and takes it; on a ring left empty it gives up after its
+    spin. Payloads and destinations are any C-contiguous arrays, read as their bytes."""
+    from tensorwire.transport.shm import CTRL_BYTES, Ring
+
+    cap = 1024
+    ring = Ring.create("tw-test-native-spin", cap)
+    ring.unlink()
+    try:
+        header = b"s" * 64
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        got = np.zeros((2, 3), np.float32)
+        t0 = time.perf_counter()
+        assert _native.ring_take(ring.bytes, CTRL_BYTES, cap, header, got, 3_000_000) is None
+        assert time.perf_counter() - t0 >= 0.003
+        writer = threading.Timer(0.005, _native.ring_put, (ring.bytes, CTRL_BYTES, cap, header, x))
+        writer.start()
+        assert _native.ring_take(ring.bytes, CTRL_BYTES, cap, header, got, 10_000_000_000) is True
+        writer.join()
+        assert got.tobytes() == x.tobytes()
     finally:
         ring.close()

@@ -35,6 +35,7 @@ class P2PRoute(NamedTuple):
     peer: int  # world rank
     header: Header
     wire: bytes  # the header packed
+    key: tuple  # its matching key, as the engine files it: (peer, header.key)
     label: str
     done: Work  # what a message of this route that completed as it was posted returns
     dtype: np.dtype
@@ -42,13 +43,14 @@ class P2PRoute(NamedTuple):
 
 def _host(group: Group, tensor: Any, sending: bool, peer: int,
           tag: int) -> tuple[np.ndarray, P2PRoute]:
-    """A host buffer's bytes and its message's route."""
+    """A host buffer as a C-contiguous array (what a ring takes whole: Engine.send_now,
+    recv_now; byte_view for the rest) and its message's route."""
     arr = as_array(tensor, writable=not sending, rank=group.runtime.rank,
                    collective="send" if sending else "recv")
     route = group.p2p_routes.get((sending, peer, tag, arr.nbytes))
     if route is None or route.dtype is not arr.dtype:  # a route per size; its dtype checked apart
         route = _route(group, sending, peer, tag, arr)
-    return byte_view(arr), route
+    return arr, route
 
 
 def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
@@ -58,7 +60,7 @@ def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
     data, route = _host(group, tensor, True, dst, tag)
     if group.engine.send_now(route.peer, route.wire, data):
         return route.done
-    req = group.engine.isend(route.peer, route.header, data, route.label, route.wire)
+    req = group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire)
     return _work(group, req, route)
 
 
@@ -67,9 +69,10 @@ def irecv(group: Group, tensor: Any, src: int, tag: int = 0) -> Any:
     if _on_device(tensor):
         return group.device.irecv(tensor, src, tag)
     data, route = _host(group, tensor, False, src, tag)
-    if group.engine.recv_now(route.peer, route.header, route.wire, data, False):
+    if group.engine.recv_now(route.peer, route.key, route.wire, data, False):
         return route.done
-    return _work(group, group.engine.irecv(route.peer, route.header, data, None, route.label), route)
+    req = group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label)
+    return _work(group, req, route)
 
 
 def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
@@ -99,7 +102,7 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
         return
     data, route = _host(group, tensor, True, dst, tag)
     if not group.engine.send_now(route.peer, route.wire, data):
-        _wait(group, group.engine.isend(route.peer, route.header, data, route.label, route.wire),
+        _wait(group, group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire),
               timeout=timeout)
 
 
@@ -108,8 +111,8 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
         group.device.irecv(tensor, src, tag).wait(group.timeout if timeout is None else timeout)
         return src
     data, route = _host(group, tensor, False, src, tag)
-    if not group.engine.recv_now(route.peer, route.header, route.wire, data, True):
-        _wait(group, group.engine.irecv(route.peer, route.header, data, None, route.label),
+    if not group.engine.recv_now(route.peer, route.key, route.wire, data, True):
+        _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label),
               timeout=timeout)
     return src
 
@@ -119,7 +122,8 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     """Send `send` to `dst` and receive into `recv` from `src` at once (MPI_Sendrecv): no
     ordering between the two can deadlock, as a blocking send before a blocking receive
     can on every rank of a ring. Returns `src`."""
-    if _on_device(send) or _on_device(recv):
+    if (type(send) is not np.ndarray or type(recv) is not np.ndarray) \
+            and (_on_device(send) or _on_device(recv)):
         for buf, what in ((send, "send"), (recv, "recv")):  # both good before anything is sent
             if _on_device(buf):
                 group.device.check_p2p(buf, what)
@@ -132,10 +136,10 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     out, out_route = _host(group, send, True, dst, tag)
     into, in_route = _host(group, recv, False, src, tag)
     sent = group.engine.send_now(out_route.peer, out_route.wire, out)
-    reqs = [] if sent else [group.engine.isend(out_route.peer, out_route.header, out, out_route.label,
-                                               out_route.wire)]
-    if not group.engine.recv_now(in_route.peer, in_route.header, in_route.wire, into, True):
-        reqs.append(group.engine.irecv(in_route.peer, in_route.header, into, None, in_route.label))
+    reqs = [] if sent else [group.engine.isend(out_route.peer, out_route.header, byte_view(out),
+                                               out_route.label, out_route.wire)]
+    if not group.engine.recv_now(in_route.peer, in_route.key, in_route.wire, into, True):
+        reqs.append(group.engine.irecv(in_route.peer, in_route.header, byte_view(into), None, in_route.label))
     if reqs:
         _wait(group, *reqs, timeout=timeout)
     return src
@@ -152,7 +156,7 @@ def _route(group: Group, sending: bool, peer: int, tag: int, arr: np.ndarray) ->
     label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
         f" (tag {tag}) on group {group.name}"
     route = group.p2p_routes[(sending, peer, tag, arr.nbytes)] = P2PRoute(
-        world, header, header.pack(), label, _Done(label, group.runtime.rank), arr.dtype)
+        world, header, header.pack(), (world, header.key), label, _Done(label, group.runtime.rank), arr.dtype)
     return route
 
 

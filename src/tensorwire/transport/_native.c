@@ -551,9 +551,25 @@ static PyObject *ring_put(PyObject *module, PyObject *const *args, Py_ssize_t na
     return PyBool_FromLong(fits);
 }
 
-/* ring_take(segment, at, capacity, header, dst) -> True, False or None: the record at the
- * ring's tail read into dst where its header is `header` byte for byte and it lies whole and
- * unwrapped (ShmChannel.take_now); False: another record comes first; None: nothing whole yet. */
+/* How many bytes past `tail` the writer has published, polled for up to spin_ns (without the
+ * interpreter lock) until that is `want`. */
+static uint64_t await_head(const uint64_t *words, uint64_t tail, uint64_t want, long long spin_ns) {
+    uint64_t avail = load(words + HEAD_WORD) - tail;
+    if (avail >= want || spin_ns <= 0) return avail;
+    Py_BEGIN_ALLOW_THREADS
+    long long end = now_ns() + spin_ns;
+    for (;;) {
+        for (int i = 0; i < 256 && avail < want; i++) avail = load(words + HEAD_WORD) - tail;
+        if (avail >= want || now_ns() > end) break;
+    }
+    Py_END_ALLOW_THREADS
+    return avail;
+}
+
+/* ring_take(segment, at, capacity, header, dst, spin_ns) -> True, False or None: the record at
+ * the ring's tail read into dst where its header is `header` byte for byte and it lies whole
+ * and unwrapped, waiting up to spin_ns for it (ShmChannel.take_now); False: another record
+ * comes first; None: nothing whole yet. */
 static PyObject *ring_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer ring, dst;
     uint64_t *words, cap;
@@ -561,19 +577,22 @@ static PyObject *ring_take(PyObject *module, PyObject *const *args, Py_ssize_t n
     const char *header;
     PyObject *result;
     (void)module;
-    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "ring_take takes 5 arguments");
+    long long spin_ns;
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "ring_take takes 6 arguments");
+    spin_ns = PyLong_AsLongLong(args[5]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
     if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
     if (PyObject_GetBuffer(args[4], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&ring);
         return NULL;
     }
     uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst.len, end = tail + HEADER + padded(n);
-    uint64_t avail = load(words + HEAD_WORD) - tail, pos = tail % cap;
+    uint64_t avail = await_head(words, tail, HEADER, spin_ns), pos = tail % cap;
     if (avail < HEADER) {
         result = Py_None;
     } else if (memcmp(data + pos, header, HEADER) != 0 || pos + HEADER + n > cap) {
         result = Py_False;
-    } else if (avail < end - tail) {
+    } else if (avail < end - tail && await_head(words, tail, end - tail, spin_ns) < end - tail) {
         result = Py_None;
     } else {
         memcpy(dst.buf, data + pos + HEADER, (size_t)n);
@@ -590,7 +609,7 @@ static PyMethodDef module_methods[] = {
     {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "ring_put(segment, at, capacity, header, payload) -> bool"},
     {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
-     "ring_take(segment, at, capacity, header, dst) -> True, False or None"},
+     "ring_take(segment, at, capacity, header, dst, spin_ns) -> True, False or None"},
     {NULL},
 };
 

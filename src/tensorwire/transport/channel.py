@@ -102,9 +102,9 @@ class Channel(ABC):
         """Write a small point-to-point message whole, with no request; False: post it instead."""
         return False
 
-    def take_now(self, wire_header: bytes, dst: np.ndarray) -> bool | None:
-        """Read the next message straight into `dst` if it is `wire_header`'s; None: not there
-        yet, False: receive the general way."""
+    def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float = 0.0) -> bool | None:
+        """Read the next message straight into `dst` if it is `wire_header`'s, waiting for it
+        up to `spin_s`; None: not there yet, False: receive the general way."""
         return False
 
 

@@ -214,35 +214,25 @@ class Engine(Failures):
         with self.lock:
             return self.channels.get(peer) is channel and channel.put_now(wire_header, payload)
 
-    def recv_now(self, peer: int, header: Header, wire_header: bytes, dst: np.ndarray, spin: bool) -> bool:
+    def recv_now(self, peer: int, key: tuple, wire_header: bytes, dst: np.ndarray, spin: bool) -> bool:
         """A point-to-point receive taken straight from `peer`'s ring where its message is the
-        next one there and no earlier one waits for it (ShmChannel.take_now), spinning up to
-        the waiters' spin time for it to come (`spin`: a blocking receive). Other channels are
-        not driven meanwhile; False: receive the general way (`irecv`), which drives them all,
-        parks, stages, and notices lost peers and aborts."""
+        next one there and no earlier one waits for it (ShmChannel.take_now; `key`: its
+        matching key, (peer, header.key)), spinning up to the waiters' spin time for it to
+        come (`spin`: a blocking receive, where no send of this process waits to be pushed
+        meanwhile). Nothing else is driven meanwhile, and the lock is held: False: receive
+        the general way (`irecv`), which drives everything, parks, stages, and notices lost
+        peers and aborts."""
         channel = self.channels.get(peer)
         if channel is None or not channel.direct:
             return False
-        take = channel.take_now
-        key = (peer, header.key)
-        until = 0.0
-        while True:
-            with self.lock:
-                if self.aborted or self.lost or self.posted.get(key) or self.unexpected.get(key) \
-                        or self.channels.get(peer) is not channel:
-                    return False
-                taken = take(wire_header, dst)
-            if taken is not None:
-                return taken
-            if not spin:
+        with self.lock:
+            if self.aborted or self.lost or self.posted.get(key) or self.unexpected.get(key) \
+                    or self.channels.get(peer) is not channel:
                 return False
-            now = time.perf_counter()
-            if not until:  # spin only where no send of this process waits to be pushed meanwhile
-                if any(c.queued() for c in self.channel_list):
-                    return False
-                until = now + self.spin_s
-            elif now > until:
-                return False
+            taken = channel.take_now(wire_header, dst)
+            if taken is None and spin and self.spin_s and not any(c.queued() for c in self.channel_list):
+                taken = channel.take_now(wire_header, dst, self.spin_s)
+        return bool(taken)
 
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""

@@ -18,12 +18,13 @@ import os
 import secrets
 import stat
 import struct
+import time
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..buffers import address
+from ..buffers import address, byte_view
 from ..errors import PeerLostError
 from . import cma, pages
 from .channel import Channel, ChannelOwner, PeerClosed
@@ -392,16 +393,16 @@ class ShmChannel(Channel):
         return True
 
     def put_now(self, wire_header: bytes, payload: np.ndarray) -> bool:
-        """Write a small point-to-point message whole, with no request at all, where nothing
-        is queued before it, the ring needs not grow and the payload goes through the ring;
-        False leaves it to `post` (Engine.send_now)."""
+        """Write a small point-to-point message (`payload`: a C-contiguous array) whole, with
+        no request at all, where nothing is queued before it, the ring needs not grow and the
+        payload goes through the ring; False leaves it to `post` (Engine.send_now)."""
         n = payload.nbytes
-        if self.sendq or n >= REMOTE_BYTES or self._outgrown(n):
-            return False
+        out = self.out
+        if self.sendq or n >= REMOTE_BYTES or (n > (out.capacity >> 1) - 127 and self._outgrown(n)):
+            return False  # (below that bound no record outgrows the ring)
         if self.native is not None:  # _put's record, written in C
-            out = self.out
             return self.native.ring_put(out.bytes, CTRL_BYTES, out.capacity, wire_header, payload)
-        return self._put(wire_header, payload, None)
+        return self._put(wire_header, byte_view(payload), None)
 
     def _put(self, wire_header: bytes, payload: np.ndarray, descriptor: bytes | None) -> bool:
         ring = self.out
@@ -576,20 +577,32 @@ class ShmChannel(Channel):
             return True
         return False
 
-    def take_now(self, wire_header: bytes, dst: np.ndarray) -> bool | None:
-        """Read the message at the ring's tail straight into `dst` (flat uint8) if its header
-        is `wire_header` byte for byte and it lies whole in the ring, unwrapped: a point-to-
-        point receive with no request, no matching and no parsing (Engine.recv_now). None:
-        nothing whole there yet; False: another record comes first (the general path's)."""
+    def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float = 0.0) -> bool | None:
+        """Read the message at the ring's tail straight into `dst` (a writable C-contiguous
+        array) if its header is `wire_header` byte for byte and it lies whole in the ring,
+        unwrapped, waiting for it up to `spin_s`: a point-to-point receive with no request,
+        no matching and no parsing (Engine.recv_now). None: nothing whole there yet; False:
+        another record comes first (the general path's)."""
         if self._sink is not None:
             return False
         ring = self.inn
-        if self.native is not None:  # the same, in C
-            taken = self.native.ring_take(ring.bytes, CTRL_BYTES, ring.capacity, wire_header, dst)
-            if taken:
-                self.parked = None
-                self.release = False
-            return taken
+        if self.native is not None:  # the same, in C (spinning without the interpreter lock)
+            taken = self.native.ring_take(ring.bytes, CTRL_BYTES, ring.capacity, wire_header, dst,
+                                          int(spin_s * 1e9))
+        else:
+            dst = byte_view(dst)
+            taken = self._take(ring, wire_header, dst)
+            until = time.perf_counter() + spin_s if taken is None and spin_s else 0.0
+            while taken is None and time.perf_counter() < until:
+                taken = self._take(ring, wire_header, dst)
+        if taken:
+            self.parked = None
+            self.release = False
+        return taken
+
+    @staticmethod
+    def _take(ring: Ring, wire_header: bytes, dst: np.ndarray) -> bool | None:
+        """take_now's one look at the ring (`dst`: flat uint8)."""
         words = ring.words
         tail = words[_TAIL]
         n = dst.nbytes
@@ -605,8 +618,6 @@ class ShmChannel(Channel):
         if n:
             pos += HEADER_SIZE
             dst[:] = ring.data[pos:pos + n]
-        self.parked = None
-        self.release = False
         words[_TAIL] = end
         return True
 
