@@ -104,6 +104,10 @@ def test_what_would_leave_the_segment_is_refused() -> None:
             path.gather(1, 0, 0, "gather", block, [block], 0)
         with pytest.raises(ValueError, match="within the slot"):
             path.scatter(1, 0, 0, "scatter", [block, block], block, 0, np.array([0, SLOT - 8], np.uint64))
+        with pytest.raises(ValueError, match="leaves the"):
+            path.exchange(1, 0, 0, "all_gather", block, block, SLOT - 8, 16, 0)
+        with pytest.raises(ValueError, match="dst has 16 bytes where 32"):
+            path.exchange(1, 0, 0, "all_gather", block, block, 0, 16, 0)
         assert (path.parity, path.prev_seq) == (1, 0)  # nothing refused entered or published
         with pytest.raises(ValueError, match="does not fit"):
             _native.Path(seg.bytes, tuple(seg.lines), 0, GroupSegment.nbytes(2, 0), SLOT * 2, 0, 0)
@@ -207,8 +211,10 @@ def rank_planned(seed: int, dtype: str, count: int, calls: int) -> dict:
     rng = np.random.default_rng([seed, me])
     xs = [(rng.standard_normal(count) * 100).astype(dtype) for _ in range(calls)]
     y = np.empty_like(xs[0])
+    big = np.empty(n * count, dtype)
     blocks = [np.empty_like(y) for _ in range(n)]
     op = ReduceOp.MAX if np.dtype(dtype).kind in "iu" else ReduceOp.SUM
+    spread = lambda x: np.concatenate([x + r for r in range(n)])  # noqa: E731 - block r for rank r
     runs = {
         "all_reduce": lambda x: tw.all_reduce(x, out=y),
         "reduce": lambda x: tw.reduce(x, 1, op, out=y),
@@ -216,17 +222,21 @@ def rank_planned(seed: int, dtype: str, count: int, calls: int) -> dict:
         "gather": lambda x: tw.gather(x, blocks if me == 0 else None, 0),
         "scatter": lambda x: tw.scatter(y, [x + r for r in range(n)] if me == n - 1 else None, n - 1),
         "barrier": lambda x: tw.barrier(),
+        "all_gather": lambda x: tw.all_gather_into_tensor(big, x),
+        "reduce_scatter": lambda x: tw.reduce_scatter_tensor(y, spread(x), op),
+        "all_to_all": lambda x: tw.all_to_all_single(big, spread(x)),
     }
     out: dict[str, list[bytes]] = {}
     for coll, run in runs.items():
         with tuner.override(g, coll, "direct"):
             for x in xs:
-                y[...] = 0
+                y[...] = big[...] = 0
                 run(x)
                 if coll == "gather":  # the root's blocks; elsewhere unwritten
                     out.setdefault(coll, []).append(b"".join(b.tobytes() for b in blocks) if me == 0 else b"")
                 else:
-                    out.setdefault(coll, []).append(y.tobytes())
+                    whole = big if coll in ("all_gather", "all_to_all") else y
+                    out.setdefault(coll, []).append(whole.tobytes())
     return {"native": g.direct is not None and g.direct.native is not None, "bytes": out}
 
 
@@ -253,6 +263,9 @@ def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> 
             assert got["all_reduce"][k] == (mine[0] + mine[1]).tobytes()
             assert got["broadcast"][k] == mine[n - 1].tobytes()
             assert got["scatter"][k] == (mine[n - 1] + r).tobytes()
+            assert got["all_gather"][k] == b"".join(m.tobytes() for m in mine)
+            assert got["all_to_all"][k] == b"".join((m + r).tobytes() for m in mine)
+            assert got["reduce_scatter"][k] == op(mine[0] + r, mine[1] + r).tobytes()
         assert seen["shm"][1]["reduce"][k] == op(mine[0], mine[1]).tobytes()
         assert seen["shm"][0]["gather"][k] == b"".join(m.tobytes() for m in mine)
 

@@ -174,7 +174,7 @@ class AllReducePlan(_Stamped):
         _fold(views, dst, self.kernel)
 
 
-class TensorPlan:
+class TensorPlan(_Stamped):
     """One signature (dtype, count) of a single-tensor all_gather, all_to_all or reduce_scatter
     whose input fits the slot, with everything looked up once (as AllReducePlan): the input
     goes into this rank's slot in one copy, and what this rank takes from every slot comes out
@@ -182,10 +182,12 @@ class TensorPlan:
     order. The same protocol and bytes as the list forms below, with a few numpy calls instead
     of one per block."""
 
-    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red", "one_call", "cells")
+    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red", "one_call", "cells",
+                 "compiled", "offset", "block", "code")
 
     def __init__(self, dp: DirectPath, collective: str, dtype: np.dtype, count: int,
                  red: Reduction | None = None) -> None:
+        super().__init__()
         self.collective = collective
         self.dp = dp
         block = count if collective == "all_gather" else count // dp.size
@@ -200,13 +202,32 @@ class TensorPlan:
         self.one_call = red is not None and grid_folds(self.kernel, dtype, dp.size, block)
         self.cells = tuple(tuple(m[i * block:(i + 1) * block] for i in range(dp.size)) for m in self.mine) \
             if collective == "reduce_scatter" else ()  # where run_blocks puts each block
+        self.offset, self.block = offset, block * dtype.itemsize  # run's compiled body: Path.exchange
+        self.code = 0 if red is None else _native_fold(dp, red.op, dtype)
+        self.compiled = dp.native is not None and count * dtype.itemsize <= PIECE \
+            and (red is None or self.code > 0)
 
     def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Collectives' body for contiguous arrays of the planned signature; `dst` returned."""
         dp = self.dp
+        if self.compiled:
+            st = dp.st
+            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            seq, name, offset, block, code = call.seq, call.name, self.offset, self.block, self.code
+            status = st.exchange(seq, a, b, name, src, dst, offset, block, code)
+            if status != native.DONE and dp.resume(call, status, dp.everyone, st.exchange,
+                                                   seq, a, b, name, src, dst, offset, block, code):
+                return self._out(st.parity, dst)
+            if self.red is not None:
+                finalize(dst if dst.ndim == 1 else dst.reshape(-1), self.red, dp.size)
+            return dst
         p = dp.enter(call)
         _into(self.mine[p], src if src.ndim == 1 else src.reshape(-1))
         dp.publish(call, p, dp.everyone)
+        return self._out(p, dst)
+
+    def _out(self, p: int, dst: np.ndarray) -> np.ndarray:
+        """What this rank takes from every slot of parity p once all are published; `dst` returned."""
         if self.kernel is None:
             dst.reshape(self.shape)[...] = self.grids[p]
             return dst

@@ -451,6 +451,54 @@ static PyObject *Path_scatter(Path *self, PyObject *const *args, Py_ssize_t narg
     return status(s);
 }
 
+/* exchange(seq, a, b, name, src, dst, offset, block, code): every rank copies src into its
+ * slot, publishes and waits for everyone; then takes `block` bytes from `offset` of every
+ * slot: into dst back to back in rank order (code 0: all_gather, all_to_all), or folded in
+ * rank order into dst (a fold code: reduce_scatter). TensorPlan.run's one-shot body. */
+static PyObject *Path_exchange(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    Head h;
+    Py_buffer src, dst;
+    Py_ssize_t offset, block, count = 0;
+    fold_fn f = NULL;
+    int s;
+    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "exchange takes 9 arguments");
+    if (!head(args, &h)) return NULL;
+    offset = PyLong_AsSsize_t(args[6]);
+    block = PyLong_AsSsize_t(args[7]);
+    if ((offset == -1 || block == -1) && PyErr_Occurred()) return NULL;
+    if (offset < 0 || block < 0 || offset + block > self->slot_bytes)
+        return PyErr_Format(PyExc_ValueError, "a block of %zd bytes at %zd leaves the %zd-byte slot", block,
+                            offset, self->slot_bytes);
+    if (PyLong_AsLong(args[8]) != 0) {
+        if ((f = fold_of(args[8], block, &count)) == NULL) return NULL;
+    } else if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!buffer(self, args[4], 0, &src)) return NULL;
+    if (PyObject_GetBuffer(args[5], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (dst.len != (f != NULL ? block : block * self->size)) {
+        PyErr_Format(PyExc_ValueError, "dst has %zd bytes where %zd were expected", dst.len,
+                     f != NULL ? block : block * self->size);
+        s = 0;
+    } else if (!enter(self)) {
+        s = NOT_ENTERED;
+    } else {
+        memcpy(slot(self, self->rank, self->parity), src.buf, (size_t)src.len);
+        s = round_trip(self, &h, -1);
+        if (s == DONE && f != NULL && self->size > 1)
+            f(dst.buf, slot(self, 0, self->parity) + offset, 2 * self->slot_bytes, self->size, count);
+        else if (s == DONE)
+            for (int r = 0; r < self->size; r++)
+                memcpy((char *)dst.buf + r * block, slot(self, r, self->parity) + offset, (size_t)block);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return PyErr_Occurred() ? NULL : status(s);
+}
+
 /* round(seq, a, b, name, whom): publish on the parity DirectPath.enter took, then wait for
  * everyone else (-1), rank `whom` (>= 0) or no one (-2): DirectPath.publish of any body. */
 static PyObject *Path_round(Path *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -690,6 +738,7 @@ GUARDED(Path_broadcast)
 GUARDED(Path_gather)
 GUARDED(Path_scatter)
 GUARDED(Path_round)
+GUARDED(Path_exchange)
 GUARDED(Path_barrier)
 GUARDED(Path_settle)
 GUARDED(Path_fold)
@@ -707,6 +756,8 @@ static PyMethodDef Path_methods[] = {
      "scatter(seq, a, b, name, blocks, recv, root, starts) -> status"},
     {"round", (PyCFunction)(void (*)(void))Path_round_checked, METH_FASTCALL,
      "round(seq, a, b, name, whom) -> status"},
+    {"exchange", (PyCFunction)(void (*)(void))Path_exchange_checked, METH_FASTCALL,
+     "exchange(seq, a, b, name, src, dst, offset, block, code) -> status"},
     {"barrier", (PyCFunction)(void (*)(void))Path_barrier_checked, METH_FASTCALL,
      "barrier(seq, a, b, name) -> status"},
     {"settle", (PyCFunction)(void (*)(void))Path_settle_checked, METH_FASTCALL,

@@ -2,8 +2,9 @@
 built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
-the whole one-shot all_reduce, reduce, broadcast, gather, scatter of a planned call and the
-barrier, entry included (its Path holds the protocol's state: DirectPath.st), and a
+the whole one-shot all_reduce, reduce, broadcast, gather, scatter, single-tensor all_gather,
+reduce_scatter and all_to_all of a planned call and the barrier, entry included (its Path
+holds the protocol's state: DirectPath.st), and a
 small point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
 layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
