@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -381,6 +382,21 @@ def test_job_start_removes_segments_of_exited_processes(tmp_path: Path) -> None:
         made = [n.rsplit("-", 1)[0] for n in report["shm"] if n.startswith(("tw-gone", "tw-alive"))]
         assert made == ["tw-alive"], report
     assert [n.rsplit("-", 1)[0] for n in left] == ["tw-alive"]
+
+
+def test_a_segment_left_without_its_owner_record_is_removed_once_old(tmp_path: Path) -> None:
+    """A creator killed between making a segment and writing its owner record leaves an empty
+    file that says nothing of who made it: removed once older than a live creator could
+    take, kept before (it may be a live job's segment a microsecond old)."""
+    from tensorwire.transport import shm
+
+    old, new = tmp_path / "tw-old", tmp_path / "tw-new"
+    old.touch()
+    new.touch()
+    long_ago = time.time() - 2 * shm._UNWRITTEN_S
+    os.utime(old, (long_ago, long_ago))
+    assert shm.remove_stale(str(tmp_path)) == (1, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tw-new"]
 
 
 def test_plans_fit_half_the_free_space() -> None:

@@ -44,6 +44,9 @@ _OWNER = struct.Struct("<8sQq32s")
 namespace), written before the segment has a size: what tells a segment whose creator is gone
 (`remove_stale`) from a live job's."""
 _OWNER_AT, _MAGIC = 192, b"tw-owner"
+_UNWRITTEN_S = 60.0
+"""A segment without its owner record this long after it was made lost its creator in the
+microseconds between making it and writing the record (a job killed whole): stale too."""
 PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
@@ -130,7 +133,8 @@ def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
     """Unlink the segments in `directory` whose creating process is gone: a job killed before
     it unlinked them (a live job's are unlinked as soon as mapped). Only where the creator is
     provably gone: in this process's pid namespace, its pid exited or reused (start time); a
-    creator in another namespace (container) is never judged. (segments, bytes) removed."""
+    creator in another namespace (container) is never judged; a segment that never got its
+    owner record, after _UNWRITTEN_S. (segments, bytes) removed."""
     mine = pid_namespace().encode()
     if process_start() < 0 or not mine:  # no /proc to tell the living from the dead
         return 0, 0
@@ -158,7 +162,8 @@ def _held_by_the_gone(path: str, pidns: bytes) -> int:
     finally:
         os.close(fd)
     if len(record) < _OWNER.size:
-        return -1
+        unwritten = stat.S_ISREG(st.st_mode) and not record.strip(b"\0")
+        return st.st_blocks * 512 if unwritten and time.time() - st.st_mtime > _UNWRITTEN_S else -1
     magic, pid, start, ns = _OWNER.unpack(record)
     if magic != _MAGIC or ns.rstrip(b"\0") != pidns or start < 0 or start_of(pid) == start:
         return -1
