@@ -469,11 +469,8 @@ static PyObject *Path_exchange(Path *self, PyObject *const *args, Py_ssize_t nar
     if (offset < 0 || block < 0 || offset + block > self->slot_bytes)
         return PyErr_Format(PyExc_ValueError, "a block of %zd bytes at %zd leaves the %zd-byte slot", block,
                             offset, self->slot_bytes);
-    if (PyLong_AsLong(args[8]) != 0) {
-        if ((f = fold_of(args[8], block, &count)) == NULL) return NULL;
-    } else if (PyErr_Occurred()) {
-        return NULL;
-    }
+    int folds = PyObject_IsTrue(args[8]); /* a fold code, or 0: copies */
+    if (folds < 0 || (folds && (f = fold_of(args[8], block, &count)) == NULL)) return NULL;
     if (!buffer(self, args[4], 0, &src)) return NULL;
     if (PyObject_GetBuffer(args[5], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&src);
