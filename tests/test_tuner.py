@@ -1117,6 +1117,32 @@ def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
             assert sorted(os.sched_getaffinity(0)) == cores
 
 
+def rank_probe_at(crowding: float) -> dict:
+    """probes.probe run directly, at the given crowding; rank 0 alone among the busy γ's ranks."""
+    g = tw.world()
+    direct = g.direct is not None
+    out = probes.probe(g, {"shm": (0, 1)}, direct, direct and g.direct.single_copy, False, crowding,
+                       g.rank == 0)
+    return {"rounds": out["rounds"], "busy": out[BUSY], "shm": out["shm"], "direct": out["direct"]}
+
+
+def test_a_crowded_probe_measures_once_what_a_quiet_one_repeats() -> None:
+    """Beyond two ranks per core the probe's one shot runs one round against recursive
+    doubling (three otherwise), and the busy γ comes from the ranks given a core of their own:
+    every constant is still measured, positive and the same on every rank."""
+    cluster = Cluster(3, {"TENSORWIRE_CALIBRATE": "0"})
+    try:
+        crowded, quiet = cluster.run(rank_probe_at, 32.0), cluster.run(rank_probe_at, 1.0)
+    finally:
+        cluster.close()
+    for runs, rounds in ((crowded, 1), (quiet, probes.DIRECT_ROUNDS)):
+        assert all(r == runs[0] for r in runs), runs  # the maximum over ranks, everywhere
+        got = runs[0]
+        assert [len(row) for row in got["rounds"]] == [rounds, rounds], got
+        values = [*got["busy"], *got["shm"], *(v for row in got["rounds"] for v in row)]
+        assert all(0 < v < 1 for v in values), got  # the busy γ too: rank 0 measured it
+
+
 def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
     """read_cache returns an entry only if it is whole, of this probe's version, trusted (not
     measured under load) and younger than the maximum age."""

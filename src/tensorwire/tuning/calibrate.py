@@ -211,8 +211,10 @@ def at_init(world: Group) -> LinkTable:
     if probe:
         t1 = time.perf_counter()
         before = probes.cpu_seconds()
+        local = [r for r in range(n) if hosts[r] == hosts[me]].index(me)
         with probes.spread(world, hosts):
-            measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info))
+            measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info),
+                                    local < cores)
         probe_s = time.perf_counter() - t1
         foreign = probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1)
         slower = _install_measured(base, sources, measured, pairs, direct, cma)

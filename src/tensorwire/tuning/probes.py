@@ -51,6 +51,8 @@ DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, b
 # this many series, the least series' mean call kept: the direct path
 CROWDED_CALLS, CROWDED_WARM, CROWDED_BATCHES = 6, 2, 3  # ... and the busy α's batches: down to this
 # many where a machine's ranks crowd its cores (crowded), as the check of a cache entry counts them
+CROWDED_BUSY_BYTES = 256 << 10  # ... and the busy rounds' size there: 2 MiB rounds grew every
+# partner's ring to its full size, most of a crowded probe's time and /dev/shm
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
 # steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
@@ -162,7 +164,7 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
 
 
 def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
-                 batches: int = ALPHA_BATCHES) -> tuple[float, float, float, float]:
+                 batches: int = ALPHA_BATCHES, nbytes: int = BUSY_BYTES) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -171,7 +173,7 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
     recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
 
-    The median of `batches` 8-byte batches gives α; β is the mean of a few BUSY_BYTES rounds, slow ones
+    The median of `batches` 8-byte batches gives α; β is the mean of a few `nbytes` rounds, slow ones
     included: contention is the point, and a long call meets the preempted rounds that a median
     would drop. Each pattern is run untimed BUSY_WARM_ROUNDS per distance first, more across
     hosts, where fresh TCP connections ramp up (BUSY_WARM_ROUNDS_ACROSS_HOSTS); there the
@@ -179,7 +181,7 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     collectives that follow run in the steady state (docs/design/calibration.md#the-busy-links)."""
     rounds = Rounds(call, step0)
     dists = rounds.dists
-    big_out, big_in = np.ones(BUSY_BYTES, np.uint8), np.ones(BUSY_BYTES, np.uint8)  # pages touched
+    big_out, big_in = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # pages touched
 
     def mean_round(distances: list[int], count: int) -> float:
         t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     alpha = rounds.alpha(rounds.small_shift, batches)
 
     def beta(mean: float) -> float:  # at least half of a round is bandwidth, as in measure_pair
-        return max((mean - alpha) / BUSY_BYTES, mean / BUSY_BYTES / 2, 1e-13)
+        return max((mean - alpha) / nbytes, mean / nbytes / 2, 1e-13)
 
     count = -(-BUSY_BETA_ROUNDS // len(dists)) * len(dists)  # every distance as often
     shifting = beta(mean_round(dists, count))
@@ -322,14 +324,17 @@ def one_way_beta(call: CollectiveCall, peer: int, step: int, alpha: float, out: 
 # -- the whole probe --------------------------------------------------------------------------------
 
 def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bool,
-          across_hosts: bool, crowding: float) -> dict[str, Any]:
+          across_hosts: bool, crowding: float, own_core: bool = True) -> dict[str, Any]:
     """Measure the direct path and single copy on everyone, every tier on its pair, every rank
     at once (the busy link), and γ and memory on rank 0; the maximum over ranks of each, the
     same everywhere. The one shot's α is the median of DIRECT_ROUNDS rounds of
     small_all_reduces spread over the probe (at its start, after single copy, after the busy
     link), each against recursive doubling: a rank preempted for a whole round (every series
     of it) moves neither the median nor the evidence of calibrate.bound_direct. `crowding`:
-    the most ranks per core of any machine of the job (crowded), the same on every rank.
+    the most ranks per core of any machine of the job, the same on every rank; beyond two the
+    series, the rounds, the busy batches and the busy rounds' size shrink (crowded,
+    CROWDED_BUSY_BYTES). `own_core`: this rank is among the first of its host's ranks, one a
+    core (spread), which alone measure the busy γ: no more of them contend for memory at once.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
@@ -338,20 +343,24 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
     # memory (cache, β, γ), cma (α, β, β out of huge pages), then the rounds: the one shot's
     # 8 B call and recursive doubling's, per round
-    measured = np.zeros(3 * len(TIERS) + 14 + 2 * DIRECT_ROUNDS, dtype=np.float64)
+    n_rounds = crowded(DIRECT_ROUNDS, 1, crowding)
+    measured = np.zeros(3 * len(TIERS) + 14 + 2 * n_rounds, dtype=np.float64)
     busy = slice(3 * len(TIERS), 3 * len(TIERS) + 5)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 3)
-    rounds = measured[reads.stop:].reshape(2, DIRECT_ROUNDS)
+    rounds = measured[reads.stop:].reshape(2, n_rounds)
     counts = {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
-              "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding)}
+              "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding),
+              "series": crowded(DIRECT_SERIES, 1, crowding)}
     if direct:  # first: they need every rank anyway
         rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, **counts)
     if cma:
         measured[reads] = measure_cma(world, **counts)
-    if direct:
+    if direct and n_rounds > 1:
         rounds[:, 1] = small_all_reduces(world, **counts)
     call = world.queue.internal_call("calibration probe")
+    _max_politely(world, call, np.zeros(1), _SETTLE)  # the lone pairs start once every rank is done with
+    # the calls above: on a crowded host their last ranks take turns with the pair for a second
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
         if pair is not None and me in pair:
@@ -359,11 +368,13 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
             warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
     _max_politely(world, call, np.zeros(1), _SYNC)  # the busy rounds start together, after the lone pairs
-    measured[busy.start: busy.start + 4] = measure_busy(call, len(TIERS) * 1000, across_hosts,
-                                                        crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding))
-    measured[busy.stop - 1] = measure_gamma()
+    measured[busy.start: busy.start + 4] = measure_busy(
+        call, len(TIERS) * 1000, across_hosts, crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding),
+        BUSY_BYTES if crowding <= 2 else CROWDED_BUSY_BYTES)
+    if own_core:
+        measured[busy.stop - 1] = measure_gamma()
     if direct:
-        for r in range(2, DIRECT_ROUNDS):
+        for r in range(2, n_rounds):
             rounds[:, r] = small_all_reduces(world, **counts)
         measured[own.start] = statistics.median(rounds[0])
     if me == 0:
@@ -418,15 +429,18 @@ def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0:
         np.maximum(values, got, out=values)
 
 
-_SYNC = 40_000
+_SETTLE, _SYNC = 30_000, 40_000
 _RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
-_POLITE_SLEEP_S = 0.0005
+_POLITE_SLEEP_S, _POLITE_SLEEP_MAX_S = 0.0005, 0.02  # a long wait's naps double up to the most: ranks
+# that sit out a lone measurement wake 50 times a second, not 2,000 (on a crowded host each wake
+# takes a turn from the ranks measured)
 
 
 def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
     """call.wait without the busy phase: poll, then sleep on the sockets (which wake at once
     for TCP data or a peer that went away; shared-memory data is seen at the next poll)."""
     engine = world.engine
+    nap = _POLITE_SLEEP_S
     while not all(r.done for r in reqs):
         with engine.lock:
             engine.progress()
@@ -435,7 +449,8 @@ def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
         engine.check_group(world.ctx, call.seq, world.ranks)  # aborted, or a member crashed
         if time.perf_counter() > call.deadline:
             break  # call.wait raises the TimeoutError naming whom it waited for
-        engine.sleep_on_sockets(_POLITE_SLEEP_S)
+        engine.sleep_on_sockets(nap)
+        nap = min(2 * nap, _POLITE_SLEEP_MAX_S)
     call.wait(*reqs)
 
 
