@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -995,6 +996,38 @@ def rank_async(seed: int) -> dict:
 
 def test_async_variants(cl) -> None:
     _expect(cl.run(rank_async, 3), 3 * 16 + 2)
+
+
+def rank_async_left_to_the_worker() -> dict:
+    """Async calls waited for at once (their callers run them: CallQueue.run_until) stop waking
+    the group's worker; it looks for queued calls by itself, so one nobody waits for still runs
+    on its own, and calls wake it again after it."""
+    g = tw.world().new_group()  # a worker of its own
+    x = np.ones(4, np.float32)
+    looking = np.zeros(1, np.int64)
+    for _ in range(40):  # until every rank's worker looks by itself (how soon depends on its wakes)
+        for _ in range(25):
+            g.all_reduce(x, async_op=True).wait()
+        looking[0] = not g.queue.wake_worker
+        g.all_reduce(looking, tw.ReduceOp.MIN)
+        if looking[0]:
+            break
+    y = np.full(4, g.rank + 1, np.float32)
+    work = g.all_reduce(y, async_op=True)
+    deadline = time.perf_counter() + 10
+    while not work.is_completed() and time.perf_counter() < deadline:
+        time.sleep(0.001)
+    out = {"looking": bool(looking[0]), "completed": work.is_completed(), "woken_again": g.queue.wake_worker,
+           "sum": float(y[0])}
+    g.destroy()
+    return out
+
+
+def test_an_async_call_left_unwaited_runs_after_waited_ones(cl) -> None:
+    n = cl.size
+    for rank, res in enumerate(cl.run(rank_async_left_to_the_worker)):
+        assert res["completed"] and res["woken_again"] and res["sum"] == n * (n + 1) / 2, (rank, res)
+        assert res["looking"] or n == 1, (rank, res)  # one rank's calls may finish as they are made
 
 
 def rank_async_schedule(seed: int, ops: int) -> dict:

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from .group import Group
 
 
+_MISSES = 8  # calls the worker was woken for and found run by their callers before it looks by itself
+_LOOK_S, _LOOK_MAX_S = 0.001, 0.002  # its first and longest pause between looks
+_PARK_S = 1.0  # it sleeps until woken once no call was queued for this long
+
+
 class CallQueue:
     """One group's calls, numbered in call order and run one at a time in that order."""
 
@@ -46,6 +51,8 @@ class CallQueue:
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._stopping = False
+        self.wake_worker = True  # a queued call wakes the worker; False while it looks by itself (_work_loop)
+        self.submitted = 0  # calls queued so far: the worker's looks tell from it whether calls still come
 
     def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
                timeout: float | None, *args: Any) -> Any:
@@ -73,12 +80,14 @@ class CallQueue:
         work = QueuedWork(self, call.what)
         with self._cv:
             self.pending.append((call, body, args, work))
+            self.submitted += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
                                                 daemon=True, name=f"tensorwire-group-{group.name}")
                 self._worker.start()
                 weakref.finalize(self, _wake, self._cv)
-            self._cv.notify_all()
+            elif self.wake_worker:
+                self._cv.notify_all()
         if async_op:
             return work
         work.wait()
@@ -150,8 +159,10 @@ class CallQueue:
             self.wake()
 
     def wake(self) -> None:
+        """Wake the worker for a queued call, unless it looks for them by itself."""
         with self._cv:
-            self._cv.notify_all()
+            if self.wake_worker:
+                self._cv.notify_all()
 
     def _run(self, call: CollectiveCall, body: Callable[..., Any], args: tuple) -> Any:
         group = self.group
@@ -219,7 +230,7 @@ class CallQueue:
         finally:
             with self._cv:
                 self.busy = False
-                if self.pending:
+                if self.pending and self.wake_worker:
                     self._cv.notify_all()
 
     def stop_worker(self, grace: float) -> None:
@@ -248,18 +259,47 @@ class CallQueue:
 
 def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
     """A group's worker thread. It holds the group only while it runs a call of it, so a
-    group nobody refers to any more is collected (and its finalizer wakes this to end)."""
+    group nobody refers to any more is collected (and its finalizer wakes this to end).
+
+    A queued call wakes it (a futex wake, then this thread taking the GIL, which the caller
+    needs back as its call returns: most of a small async call's time) until it found,
+    _MISSES times in a row, that the caller had run the call itself (an async call waited
+    for at once: run_until). From then on it looks for queued calls by itself, every
+    _LOOK_S, less often while it finds none, up to _LOOK_MAX_S: a call left to it (its
+    caller went on with other work) makes calls wake it again, and _PARK_S without any call
+    queued puts it back to sleep until one comes (docs/design/groups.md#the-worker)."""
+    look: float | None = None  # seconds between looks; None: asleep until a call wakes it
+    misses = 0
+    quiet_since = 0.0
     while True:
         with cv:
             queue = ref()
+            looked = False  # the call it takes was found by a look, not woken for
             while queue is not None and (not queue.pending or queue.busy):
                 if queue._stopping:
                     return
+                seen = queue.submitted
                 queue = None
-                cv.wait()
+                woken = cv.wait(look)
                 queue = ref()
+                if queue is None:
+                    return
+                looked = not woken
+                now = time.perf_counter()
+                if woken:
+                    misses = misses + 1 if queue.busy or not queue.pending else 0
+                    if misses >= _MISSES and look is None:
+                        queue.wake_worker, look, quiet_since = False, _LOOK_S, now
+                elif queue.submitted != seen:  # calls came, and their callers ran them
+                    quiet_since, look = now, min(2 * look, _LOOK_MAX_S)  # type: ignore[operator]
+                elif now - quiet_since >= _PARK_S:
+                    queue.wake_worker, look, misses = True, None, 0
+                else:
+                    look = min(2 * look, _LOOK_MAX_S)  # type: ignore[operator]
             if queue is None:
                 return
+            if looked:  # a call its caller left to this thread: calls wake it again
+                queue.wake_worker, look, misses = True, None, 0
             queue.busy = True  # before the pop: see submit
             queued = queue.pending.popleft()
         finish = queue._run_queued(*queued)
