@@ -191,8 +191,9 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
 
     for i in range(2):  # everyone is here
         rounds.small_shift(dists[i % len(dists)])
-    # every ring written once around: its pages are touched, as in steady use
-    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS
+    # every ring written once around: its pages are touched, as in steady use (one round a
+    # distance of the crowded probe's small rounds)
+    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS if nbytes == BUSY_BYTES else 1
     mean_round(dists, warm * len(dists))
     alpha = rounds.alpha(rounds.small_shift, batches)
 
