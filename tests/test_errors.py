@@ -292,18 +292,25 @@ def _one_rank_bad(case: str) -> list[dict[str, Any]]:
         first = _attempt(g.broadcast, np.ones(4, np.float32), src=0, timeout=10.0)
     else:
         first = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=10.0)
-    return [first, _attempt(g.barrier, timeout=10.0)]
+    outcomes = [first, _attempt(g.barrier, timeout=10.0)]
+    # every member shrinks the aborted group: nobody is lost, so an equivalent clean one comes back
+    fresh = g.shrink(timeout=20.0)
+    x = np.full(4, g.rank + 1, np.float32)
+    fresh.all_reduce(x, timeout=10.0)
+    return [*outcomes, {"size": fresh.size, "sum": float(x[0])}]
 
 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_band_float",
                                   "broadcast_src_out_of_range", "broadcast_readonly_receiver"])
 def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> None:
     """Peers of the faulty rank raise too (the call, or for a pure sender its next call on the
-    group), promptly and naming the faulty rank and the problem, instead of waiting for it."""
+    group), promptly and naming the faulty rank and the problem, instead of waiting for it. The
+    group is aborted; shrink() on every member gives back a clean group of them all."""
     needle = {"broadcast_readonly_receiver": "read-only"}.get(case) or LOCAL_CASES[case][1]
     coll = case.split("_")[0] if case.startswith("broadcast") else "all_reduce"
-    bad = cluster.size - 1
-    for rank, outcomes in enumerate(cluster.run(_one_rank_bad, case)):
+    bad, n = cluster.size - 1, cluster.size
+    for rank, (*outcomes, fresh) in enumerate(cluster.run(_one_rank_bad, case)):
+        assert fresh == {"size": n, "sum": n * (n + 1) / 2}, (rank, fresh)
         err = _first_error(outcomes)
         if rank == bad:
             _assert_error(err, InvalidArgumentError, coll, needle, rank=rank, within=1.0)
