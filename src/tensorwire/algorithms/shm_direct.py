@@ -32,6 +32,7 @@ STREAM_CHUNK = 512 << 10
 through it in pieces of up to this size (whole pages): readers copy one piece out while its
 source copies the next in, and a message of any size fits, the source refilling its slot as
 the slowest reader empties it (docs/design/segment.md)."""
+_UNPLANNED = 64  # signatures whose plan a group's unplanned all_reduces keep (cleared when full)
 
 
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -282,8 +283,16 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
 
 
 def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
-    """The unplanned entry (group/bodies.py's all_reduce finalizes)."""
-    AllReducePlan(call.group.direct, data.dtype, data.size, op).run(call, data if src is None else src, data)
+    """The unplanned entry (group/bodies.py's all_reduce finalizes), with the path's plan of
+    the signature (DirectPath.unplanned, up to _UNPLANNED of them)."""
+    dp = call.group.direct
+    key = (data.dtype, data.size, op)
+    plan = dp.unplanned.get(key)
+    if plan is None:
+        if len(dp.unplanned) >= _UNPLANNED:
+            dp.unplanned.clear()
+        plan = dp.unplanned[key] = AllReducePlan(dp, data.dtype, data.size, op)
+    plan.run(call, data if src is None else src, data)
 
 
 class ReducePlan(_Stamped):
