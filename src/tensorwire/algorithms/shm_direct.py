@@ -283,15 +283,17 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
 
 
 def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
-    """The unplanned entry (group/bodies.py's all_reduce finalizes), with the path's plan of
-    the signature (DirectPath.unplanned, up to _UNPLANNED of them)."""
-    dp = call.group.direct
+    """The unplanned entry (group/bodies.py's all_reduce finalizes), with the group's plan of
+    the signature (Group.direct_plans, up to _UNPLANNED of them: the path itself holding them
+    would make a cycle, and a destroyed group's segment would wait for the garbage collector)."""
+    group = call.group
+    plans = group.direct_plans
     key = (data.dtype, data.size, op)
-    plan = dp.unplanned.get(key)
+    plan = plans.get(key)
     if plan is None:
-        if len(dp.unplanned) >= _UNPLANNED:
-            dp.unplanned.clear()
-        plan = dp.unplanned[key] = AllReducePlan(dp, data.dtype, data.size, op)
+        if len(plans) >= _UNPLANNED:
+            plans.clear()
+        plan = plans[key] = AllReducePlan(group.direct, data.dtype, data.size, op)
     plan.run(call, data if src is None else src, data)
 
 

@@ -58,6 +58,7 @@ class Group:
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
         self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.p2p_routes: dict[tuple[bool, int, int, int], p2p.P2PRoute] = {}  # see p2p._route
+        self.direct_plans: dict[tuple, Any] = {}  # see shm_direct.direct_all_reduce
         self._device: DeviceCollectives | None = None
         me = runtime.rank
         self.all_local = runtime.config.transport != "tcp" and all(
@@ -143,9 +144,11 @@ class Group:
         self.queue.refuse(error)
 
     def forget_plans(self) -> None:
-        """Drop the planned calls and point-to-point routes: each next call is checked again."""
+        """Drop the planned calls, point-to-point routes and direct plans: each next call is
+        checked again."""
         self.plans.clear()
         self.p2p_routes.clear()
+        self.direct_plans.clear()
 
     # -- lifetime -----------------------------------------------------------------------------
     def destroy(self) -> None:

@@ -156,9 +156,6 @@ class DirectPath:
         """The compiled bodies over this segment, or None: the engine runs the Python ones."""
         self.st = self.native if self.native is not None else State()
         """The protocol's state: the compiled Path's own where there is one (see State)."""
-        self.unplanned: dict[tuple, Any] = {}
-        """Signature -> the plan the unplanned entries run (shm_direct.direct_all_reduce): made
-        once, not per call (an async call on a torch tensor is never planned)."""
 
     @property
     def prev_fp(self) -> tuple[int, int]:
