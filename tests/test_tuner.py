@@ -1102,19 +1102,21 @@ def _cached_links(path: str) -> dict:
 def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
     """probes.spread: where a host's ranks outnumber its cores, each rank is measured on a
     core of its own turn (rank order, round the cores), then gets its cores back; elsewhere,
-    and for ranks of other hosts, nothing changes."""
+    and for ranks of other hosts, nothing changes. It tells each rank whether it is the first
+    on its core (the busy γ's ranks)."""
     cores = sorted(os.sched_getaffinity(0))
     n = len(cores)
     hosts = [7] * (n + 1) + [9] * 2  # n + 1 ranks here, two on another host
-    seen = {}
+    seen, own = {}, {}
     for rank in (0, 1, n):
-        with probes.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts):
+        with probes.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts) as own[rank]:
             seen[rank] = os.sched_getaffinity(0)
         assert sorted(os.sched_getaffinity(0)) == cores
     assert seen[0] == {cores[0]} and seen[n] == {cores[0]} and seen[1] == {cores[1 % n]}
+    assert own == {0: True, 1: n > 1, n: False}  # the first rank on each core
     for rank, where in ((len(hosts) - 1, hosts), (0, [7] * n)):  # not crowded: all cores
-        with probes.spread(SimpleNamespace(size=len(where), rank=rank), where):
-            assert sorted(os.sched_getaffinity(0)) == cores
+        with probes.spread(SimpleNamespace(size=len(where), rank=rank), where) as first:
+            assert sorted(os.sched_getaffinity(0)) == cores and first
 
 
 def rank_probe_at(crowding: float) -> dict:

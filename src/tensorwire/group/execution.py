@@ -261,8 +261,8 @@ def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
     """A group's worker thread. It holds the group only while it runs a call of it, so a
     group nobody refers to any more is collected (and its finalizer wakes this to end).
 
-    A queued call wakes it (a futex wake, then this thread taking the GIL, which the caller
-    needs back as its call returns: most of a small async call's time) until it found,
+    A queued call wakes it (this thread then takes the GIL the caller needs back as its call
+    returns) until it found,
     _MISSES times in a row, that the caller had run the call itself (an async call waited
     for at once: run_until). From then on it looks for queued calls by itself, every
     _LOOK_S, less often while it finds none, up to _LOOK_MAX_S: a call left to it (its

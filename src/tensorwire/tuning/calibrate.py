@@ -211,10 +211,9 @@ def at_init(world: Group) -> LinkTable:
     if probe:
         t1 = time.perf_counter()
         before = probes.cpu_seconds()
-        local = [r for r in range(n) if hosts[r] == hosts[me]].index(me)
-        with probes.spread(world, hosts):
+        with probes.spread(world, hosts) as own_core:
             measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info),
-                                    local < cores)
+                                    own_core)
         probe_s = time.perf_counter() - t1
         foreign = probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1)
         slower = _install_measured(base, sources, measured, pairs, direct, cma)

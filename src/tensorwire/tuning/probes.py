@@ -51,8 +51,8 @@ DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, b
 # this many series, the least series' mean call kept: the direct path
 CROWDED_CALLS, CROWDED_WARM, CROWDED_BATCHES = 6, 2, 3  # ... and the busy α's batches: down to this
 # many where a machine's ranks crowd its cores (crowded), as the check of a cache entry counts them
-CROWDED_BUSY_BYTES = 256 << 10  # ... and the busy rounds' size there: 2 MiB rounds grew every
-# partner's ring to its full size, most of a crowded probe's time and /dev/shm
+CROWDED_BUSY_BYTES = 256 << 10  # ... and the busy rounds' size there, one warm-up round a distance:
+# rounds that do not grow every partner's ring (docs/design/calibration.md#the-crowded-probes-time)
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
 # steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
@@ -164,7 +164,7 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
 
 
 def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
-                 batches: int = ALPHA_BATCHES, nbytes: int = BUSY_BYTES) -> tuple[float, float, float, float]:
+                 batches: int = ALPHA_BATCHES, crowded: bool = False) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -173,7 +173,8 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
     recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
 
-    The median of `batches` 8-byte batches gives α; β is the mean of a few `nbytes` rounds, slow ones
+    The median of `batches` 8-byte batches gives α; β is the mean of a few BUSY_BYTES rounds
+    (`crowded`: CROWDED_BUSY_BYTES), slow ones
     included: contention is the point, and a long call meets the preempted rounds that a median
     would drop. Each pattern is run untimed BUSY_WARM_ROUNDS per distance first, more across
     hosts, where fresh TCP connections ramp up (BUSY_WARM_ROUNDS_ACROSS_HOSTS); there the
@@ -181,6 +182,7 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     collectives that follow run in the steady state (docs/design/calibration.md#the-busy-links)."""
     rounds = Rounds(call, step0)
     dists = rounds.dists
+    nbytes = CROWDED_BUSY_BYTES if crowded else BUSY_BYTES
     big_out, big_in = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # pages touched
 
     def mean_round(distances: list[int], count: int) -> float:
@@ -191,9 +193,8 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
 
     for i in range(2):  # everyone is here
         rounds.small_shift(dists[i % len(dists)])
-    # every ring written once around: its pages are touched, as in steady use (one round a
-    # distance of the crowded probe's small rounds)
-    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else BUSY_WARM_ROUNDS if nbytes == BUSY_BYTES else 1
+    # every ring written once around: its pages are touched, as in steady use
+    warm = BUSY_WARM_ROUNDS_ACROSS_HOSTS if across_hosts else 1 if crowded else BUSY_WARM_ROUNDS
     mean_round(dists, warm * len(dists))
     alpha = rounds.alpha(rounds.small_shift, batches)
 
@@ -334,8 +335,8 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     of it) moves neither the median nor the evidence of calibrate.bound_direct. `crowding`:
     the most ranks per core of any machine of the job, the same on every rank; beyond two the
     series, the rounds, the busy batches and the busy rounds' size shrink (crowded,
-    CROWDED_BUSY_BYTES). `own_core`: this rank is among the first of its host's ranks, one a
-    core (spread), which alone measure the busy γ: no more of them contend for memory at once.
+    CROWDED_BUSY_BYTES). `own_core`: this rank is the first on its core (as `spread` yields),
+    and such ranks alone measure the busy γ: no more of them contend for memory at once.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
@@ -361,7 +362,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
         rounds[:, 1] = small_all_reduces(world, **counts)
     call = world.queue.internal_call("calibration probe")
     _max_politely(world, call, np.zeros(1), _SETTLE)  # the lone pairs start once every rank is done with
-    # the calls above: on a crowded host their last ranks take turns with the pair for a second
+    # the calls above, not while the last ranks still share the cores with them
     for i, tier in enumerate(TIERS):
         pair = pairs.get(tier)
         if pair is not None and me in pair:
@@ -371,7 +372,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     _max_politely(world, call, np.zeros(1), _SYNC)  # the busy rounds start together, after the lone pairs
     measured[busy.start: busy.start + 4] = measure_busy(
         call, len(TIERS) * 1000, across_hosts, crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding),
-        BUSY_BYTES if crowding <= 2 else CROWDED_BUSY_BYTES)
+        crowding > 2)
     if own_core:
         measured[busy.stop - 1] = measure_gamma()
     if direct:
@@ -395,23 +396,25 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
 
 
 @contextlib.contextmanager
-def spread(world: Any, hosts: list[int]) -> Iterator[None]:
+def spread(world: Any, hosts: list[int]) -> Iterator[bool]:
     """Within: where a host's ranks outnumber its cores, each runs on one core, the host's
     ranks dealt round the cores in rank order; as before after. The probe otherwise measures
     whichever placement the scheduler picked, which differs from launch to launch
-    (docs/design/calibration.md#spread-over-the-cores)."""
+    (docs/design/calibration.md#spread-over-the-cores). Yields whether this rank is the
+    first on its core (probe's `own_core`)."""
     try:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        yield
+        yield True
         return
     mine = [r for r in range(world.size) if hosts[r] == hosts[world.rank]]
     if len(mine) <= len(cores):
-        yield
+        yield True
         return
-    os.sched_setaffinity(0, {cores[mine.index(world.rank) % len(cores)]})
+    index = mine.index(world.rank)
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
     try:
-        yield
+        yield index < len(cores)
     finally:
         os.sched_setaffinity(0, cores)
 
@@ -432,9 +435,8 @@ def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0:
 
 _SETTLE, _SYNC = 30_000, 40_000
 _RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
-_POLITE_SLEEP_S, _POLITE_SLEEP_MAX_S = 0.0005, 0.02  # a long wait's naps double up to the most: ranks
-# that sit out a lone measurement wake 50 times a second, not 2,000 (on a crowded host each wake
-# takes a turn from the ranks measured)
+_POLITE_SLEEP_S, _POLITE_SLEEP_MAX_S = 0.0005, 0.02  # a long wait's naps double up to the most: on a
+# crowded host each wake of a rank sitting out a lone measurement takes a turn from the ranks measured
 
 
 def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
