@@ -47,8 +47,11 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def _rank_main(rank: int, size: int, port: int, env: dict[str, str], conn: Connection) -> None:
+def _rank_main(rank: int, size: int, port: int, env: dict[str, str], conn: Connection,
+               cores: list[int] | None = None) -> None:
     os.environ.update(env)
+    if cores:  # as a launcher binds its ranks (mpirun --bind-to core)
+        os.sched_setaffinity(0, cores)
     import tensorwire as tw
 
     try:
@@ -73,7 +76,9 @@ def _rank_main(rank: int, size: int, port: int, env: dict[str, str], conn: Conne
 
 
 class Cluster:
-    def __init__(self, size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(self, size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0,
+                 cores: list[list[int]] | None = None) -> None:
+        """`cores`: each rank's cores, bound before it starts tensorwire (None: inherited)."""
         self.size = size
         # Calibration off: the tuner's choices come from the default constants, so every run of
         # the suite exercises the same algorithms (test_tuner covers calibration itself).
@@ -85,7 +90,8 @@ class Cluster:
         self.procs = []
         for rank in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(rank, size, port, self.env, child), daemon=True)
+            p = ctx.Process(target=_rank_main, args=(rank, size, port, self.env, child,
+                                                     cores[rank] if cores else None), daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)

@@ -23,6 +23,7 @@ from cluster import Cluster
 from tensorwire.algorithms.ordered import ROOTED, arrange
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import Config
+from tensorwire.transport.processes import core_sharers
 from tensorwire.tuning import cost_model, topology, tuner
 from tensorwire.tuning.shape import Shape
 
@@ -45,6 +46,13 @@ def test_cpulists_round_trip() -> None:
     assert topology.parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     assert topology.format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
     assert topology.parse_cpulist("") == [] and topology.format_cpulist([]) == ""
+
+
+def test_ranks_that_may_share_a_core_are_counted_per_machine() -> None:
+    """core_sharers: the ranks of this rank's machine whose cores meet its own, itself included."""
+    cards = {0: {"machine": "m", "cores": "0"}, 1: {"machine": "m", "cores": "1"},
+             2: {"machine": "m", "cores": "0-1"}, 3: {"machine": "other", "cores": "0"}}
+    assert [core_sharers(cards, r) for r in range(4)] == [2, 2, 3, 1]
 
 
 def test_numa_nodes_from_sysfs(tmp_path: Path) -> None:

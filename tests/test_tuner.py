@@ -1102,20 +1102,25 @@ def _cached_links(path: str) -> dict:
 def test_the_probe_deals_a_crowded_hosts_ranks_round_its_cores() -> None:
     """probes.spread: where a host's ranks outnumber its cores, each rank is measured on a
     core of its own turn (rank order, round the cores), then gets its cores back; elsewhere,
-    and for ranks of other hosts, nothing changes. It tells each rank whether it is the first
-    on its core (the busy γ's ranks)."""
+    for ranks of other hosts, and where a launcher bound the ranks apart (the engine does not
+    count them crowded), nothing changes. It tells each rank whether it is the first on its
+    core (the busy γ's ranks)."""
     cores = sorted(os.sched_getaffinity(0))
     n = len(cores)
     hosts = [7] * (n + 1) + [9] * 2  # n + 1 ranks here, two on another host
+
+    def world(rank: int, where: list[int], crowded: bool) -> SimpleNamespace:
+        return SimpleNamespace(size=len(where), rank=rank, engine=SimpleNamespace(oversubscribed=crowded))
+
     seen, own = {}, {}
     for rank in (0, 1, n):
-        with probes.spread(SimpleNamespace(size=len(hosts), rank=rank), hosts) as own[rank]:
+        with probes.spread(world(rank, hosts, True), hosts) as own[rank]:
             seen[rank] = os.sched_getaffinity(0)
         assert sorted(os.sched_getaffinity(0)) == cores
     assert seen[0] == {cores[0]} and seen[n] == {cores[0]} and seen[1] == {cores[1 % n]}
     assert own == {0: True, 1: n > 1, n: False}  # the first rank on each core
-    for rank, where in ((len(hosts) - 1, hosts), (0, [7] * n)):  # not crowded: all cores
-        with probes.spread(SimpleNamespace(size=len(where), rank=rank), where) as first:
+    for rank, where, crowded in ((len(hosts) - 1, hosts, False), (0, [7] * n, False), (n, hosts, False)):
+        with probes.spread(world(rank, where, crowded), where) as first:
             assert sorted(os.sched_getaffinity(0)) == cores and first
 
 

@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError, RendezvousError, ResourceError, Tenso
 from ..rendezvous.store import Store
 from . import shm_budget
 from .engine import Engine
-from .processes import pid_namespace, process_start
+from .processes import core_sharers, pid_namespace, process_start
 from .wiring import Wiring
 
 _log = log.get("INIT")
@@ -130,7 +130,8 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
         where = (card["host"], card["machine"])
         local = [r for r, c in cards.items() if (c["host"], c["machine"]) == where]
         mates = sorted(r for r, c in cards.items() if c["machine"] == card["machine"])
-        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind, cfg.socket_threads, cfg.nsocks)
+        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind, cfg.socket_threads, cfg.nsocks,
+                                core_sharers(cards, rank))
         share = 0
         if cfg.transport != "tcp" and len(local) > 1:
             alone = len(local) == world_size  # the world group will want a one-shot segment too

@@ -74,7 +74,7 @@ class Engine(Failures):
         self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
         self.host_peers: set[int] = set()  # peers on this host (sharing /dev/shm), rings or not
         self.shm_refused: dict[int, int] = {}  # host peers without rings: the errno why (0: the peer's)
-        self.cores = len(os.sched_getaffinity(0))  # usable cores, counted before any binding
+        self.cores = len(os.sched_getaffinity(0))  # the cores this machine's ranks spread over
         self._unbound: set[int] | None = None  # the cores to give back at close, where bound
         self._sockets: list = []
         self.channel_list: list[Channel] = []
@@ -298,11 +298,14 @@ class Engine(Failures):
             self.progress()
 
     def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool,
-                         socket_threads: int | None = None, nsocks: int = 1) -> None:
+                         socket_threads: int | None = None, nsocks: int = 1,
+                         sharing: int | None = None) -> None:
         """Wait, and sit, as the ranks that share this machine's cores need. The ranks are
         those that share its cores, whatever host name each has (the emulated hosts of the
         multi-host test bed share one kernel: topology.machine_id); `index` is this rank's
-        among them (negative: unknown).
+        among them (negative: unknown); `sharing` how many of them, this one included, may run
+        on this rank's cores (processes.core_sharers; None: all of them). Ranks a launcher
+        bound apart count as the cores they spread over.
 
         With more ranks than cores, a spinning waiter only keeps the rank it waits for off
         the CPU: waiters yield at once instead (unless TENSORWIRE_SPIN_US says). With `bind`
@@ -313,7 +316,8 @@ class Engine(Failures):
         cores back. `socket_threads` (TENSORWIRE_SOCKET_THREADS; None: by the cores each rank
         has) sizes the pool of threads that move large TCP parts."""
         usable = sorted(os.sched_getaffinity(0))
-        self.cores = cores = len(usable)
+        sharing = machine_ranks if sharing is None else max(1, min(sharing, machine_ranks))
+        self.cores = cores = len(usable) * machine_ranks // sharing
         threads = pump_threads(socket_threads, cores, machine_ranks, nsocks)
         if threads and self.pumps is None:
             self.pumps = Pumps(threads)
@@ -322,11 +326,13 @@ class Engine(Failures):
             self.spin_s = 0.0
         waiting = ("oversubscribed, waiters yield at once instead of spinning" if self.oversubscribed
                    else f"waiters spin up to {self.spin_s * 1e6:g} us before yielding")
-        if self.oversubscribed and cores > 1 and bind:
+        if sharing < machine_ranks:
+            waiting += f"; {sharing} of them may run on this rank's {len(usable)} core(s)"
+        if self.oversubscribed and len(usable) > 1 and bind:
             if index < 0:
                 waiting += "; not bound to a core (this rank's index on the machine is unknown)"
             else:
-                core = usable[index % cores]
+                core = usable[index % len(usable)]
                 try:
                     os.sched_setaffinity(0, {core})
                     self._unbound = set(usable)

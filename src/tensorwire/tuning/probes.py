@@ -408,7 +408,7 @@ def spread(world: Any, hosts: list[int]) -> Iterator[bool]:
         yield True
         return
     mine = [r for r in range(world.size) if hosts[r] == hosts[world.rank]]
-    if len(mine) <= len(cores):
+    if len(mine) <= len(cores) or not world.engine.oversubscribed:  # or a launcher bound them apart
         yield True
         return
     index = mine.index(world.rank)

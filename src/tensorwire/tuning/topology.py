@@ -35,6 +35,7 @@ from typing import Any
 
 from .. import log
 from ..transport import netif
+from ..transport.processes import parse_cpulist
 from .shape import Shape
 
 _log = log.get("GRAPH")
@@ -57,15 +58,6 @@ def machine_id() -> str:
             return f.read().strip() or socket.gethostname()
     except OSError:
         return socket.gethostname()
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """'0-3,8,10-11' (the kernel's cpulist format) -> [0, 1, 2, 3, 8, 10, 11]."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:
