@@ -204,6 +204,12 @@ def _bad_call(case: str, g: tw.Group, timeout: float) -> None:
     elif case == "gather_readonly_output":  # the root's first block
         g.gather(x, [readonly, *(np.empty(4, np.float32) for _ in range(n - 1))] if g.rank == 0 else None,
                  dst=0, timeout=timeout)
+    elif case == "gather_block_dtype":  # the root's last block: int32, as many bytes as float32
+        g.gather(x, [*(np.empty(4, np.float32) for _ in range(n - 1)), np.empty(4, np.int32)]
+                 if g.rank == 0 else None, dst=0, timeout=timeout)
+    elif case == "scatter_noncontiguous_block":
+        g.scatter(x, [*(np.ones(4, np.float32) for _ in range(n - 1)), np.ones(8, np.float32)[::2]]
+                  if g.rank == 0 else None, src=0, timeout=timeout)
     elif case == "scatter_readonly_output":
         g.scatter(readonly, [np.ones(4, np.float32) for _ in range(n)] if g.rank == 0 else None, src=0,
                   timeout=timeout)
@@ -571,9 +577,12 @@ def _after_a_good_call(case: str, t: float) -> list[dict[str, Any]]:
     return [_attempt(call, case, g, t), _attempt(g.barrier, timeout=t)]
 
 
-_WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank != 0),
-                 "reduce_readonly_root": ("reduce", lambda rank: rank == 0),
-                 "gather_readonly_output": ("gather", lambda rank: rank == 0)}
+_SOME_RANKS = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank != 0, "read-only"),
+               "reduce_readonly_root": ("reduce", lambda rank: rank == 0, "read-only"),
+               "gather_readonly_output": ("gather", lambda rank: rank == 0, "read-only"),
+               "gather_block_dtype": ("gather", lambda rank: rank == 0, "int32"),
+               "scatter_noncontiguous_block": ("scatter", lambda rank: rank == 0, "not C-contiguous")}
+"""Cases only some ranks refuse (those that write the array, the root's list): collective, who, why."""
 
 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_op",
@@ -581,18 +590,18 @@ _WRITERS_ONLY = {"broadcast_readonly_receiver": ("broadcast", lambda rank: rank 
                                   "reduce_root", "all_gather_readonly_output", "all_gather_count",
                                   "all_to_all_readonly_output", "reduce_scatter_noncontiguous_output",
                                   "reduce_scatter_op", "gather_readonly_output", "scatter_readonly_output",
-                                  "gather_dtype"])
+                                  "gather_dtype", "gather_block_dtype", "scatter_noncontiguous_block"])
 def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
     for rank, outcomes in enumerate(cluster.run(_after_a_good_call, case, TIMEOUT)):
         if case in MISMATCH_CASES:
             _assert_error(_first_error(outcomes), CollectiveMismatchError, *MISMATCH_CASES[case], rank=rank,
                           within=TIMEOUT - 1.0)
-        elif case in _WRITERS_ONLY:  # only the ranks that write the array raise; they tell the others
-            coll, writes = _WRITERS_ONLY[case]
-            if writes(rank):
-                _assert_error(outcomes[0], InvalidArgumentError, coll, "read-only", rank=rank, within=1.0)
+        elif case in _SOME_RANKS:  # only the ranks whose arrays are wrong raise; they tell the others
+            coll, refuses, needle = _SOME_RANKS[case]
+            if refuses(rank):
+                _assert_error(outcomes[0], InvalidArgumentError, coll, needle, rank=rank, within=1.0)
             else:
-                _assert_error(_first_error(outcomes), TensorwireError, coll, "read-only", within=5.0)
+                _assert_error(_first_error(outcomes), TensorwireError, coll, needle, within=5.0)
         else:
             _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
 

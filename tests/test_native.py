@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -335,3 +336,24 @@ def test_ring_take_spins_for_its_record_and_takes_any_array() -> None:
         assert got.tobytes() == x.tobytes()
     finally:
         ring.close()
+
+
+def test_a_list_passes_the_compiled_check_only_as_arrays_of_the_same_dtype_and_size() -> None:
+    """blocks_like: True only for a list of arrays of like's exact type, dtype and size,
+    C-contiguous and (where asked) writable; anything else goes to the Python checks, which
+    accept what they accept (a list of torch tensors) and name the rest."""
+    like = np.ones(4, np.float32)
+    ok = [np.zeros(4, np.float32), np.zeros((2, 2), np.float32)]
+    assert _native.blocks_like(ok, like, True) and _native.blocks_like([], like, True)
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    assert _native.blocks_like([ro], like, False) and not _native.blocks_like([ro], like, True)
+    for bad in ([np.zeros(4, np.int32)],  # same bytes, another dtype
+                [np.zeros(4, np.float32).astype(">f4")],  # another byte order
+                [np.zeros(8, np.float32)[::2]],  # not contiguous
+                [np.zeros(5, np.float32)], [np.zeros(2, np.float64)],
+                [np.zeros(4, np.float32).view(np.matrix)], [memoryview(np.zeros(4, np.float32))],
+                [bytearray(16)], [None], (np.zeros(4, np.float32),)):
+        assert not _native.blocks_like(bad, like, False), bad
+    bf16 = np.zeros(4, ml_dtypes.bfloat16)  # numpy gives no buffer format for it
+    assert not _native.blocks_like([bf16], bf16, False)

@@ -238,13 +238,16 @@ def input_apart(outs: list[np.ndarray], mine: int, inp: np.ndarray) -> np.ndarra
     return None
 
 
-def planned_list(objs: Any, like: np.ndarray, n: int, writable: bool,
-                 async_op: bool) -> list[np.ndarray] | None:
+def planned_list(objs: Any, like: np.ndarray, n: int, writable: bool, async_op: bool,
+                 compiled: Any = None) -> list[np.ndarray] | None:
     """What a planned gather or scatter runs on for `objs` (see planned): a list of n arrays
     of like's dtype and size, contiguous (and writable), else None. The per-call part of
-    array_list's checks."""
+    array_list's checks; a list of arrays passes them in one call where `compiled` (the
+    engine's compiled module) is given."""
     if type(objs) is not list or len(objs) != n:
         return None
+    if compiled is not None and compiled.blocks_like(objs, like, writable):
+        return objs
     arrays = [planned(o, async_op) for o in objs]
     if all(a is not None and a.dtype == like.dtype and a.size == like.size and usable(a, writable)
            for a in arrays):

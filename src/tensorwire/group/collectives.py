@@ -159,7 +159,8 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
     data = planned(output, async_op)
     if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, op))
-        blocks = None if plan is None else planned_list(input_list, data, group.size, False, async_op)
+        blocks = None if plan is None else planned_list(input_list, data, group.size, False, async_op,
+                                                        group.engine.native)
         if blocks is not None and usable(data, True):
             call, direct, run, red, general = plan
             if general is None:  # its TensorPlan
@@ -294,7 +295,8 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
     data = planned(tensor, async_op)
     if data is not None:  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size))
-        blocks = None if plan is None else planned_list(tensor_list, data, group.size, True, async_op)
+        blocks = None if plan is None else planned_list(tensor_list, data, group.size, True, async_op,
+                                                        group.engine.native)
         if blocks is not None and usable(data, False):
             call, direct, run, general = plan
             if general is None:  # its TensorPlan
@@ -378,7 +380,8 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
     data = planned(tensor, async_op)
     if data is not None:  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, dst))
-        blocks = None if group.rank != dst else planned_list(gather_list, data, group.size, True, async_op)
+        blocks = None if group.rank != dst else \
+            planned_list(gather_list, data, group.size, True, async_op, group.engine.native)
         if plan is not None and usable(data, False) and (group.rank != dst or blocks is not None):
             call, direct, run, root = plan
             if root is None:  # its GatherPlan
@@ -412,7 +415,7 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
     if data is not None:  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, src))
         blocks = None if group.rank != src else \
-            planned_list(scatter_list, data, group.size, False, async_op)
+            planned_list(scatter_list, data, group.size, False, async_op, group.engine.native)
         if plan is not None and usable(data, True) and (group.rank != src or blocks is not None):
             call, direct, run, root = plan
             if root is None:  # its ScatterPlan
