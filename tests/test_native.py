@@ -357,3 +357,37 @@ def test_a_list_passes_the_compiled_check_only_as_arrays_of_the_same_dtype_and_s
         assert not _native.blocks_like(bad, like, False), bad
     bf16 = np.zeros(4, ml_dtypes.bfloat16)  # numpy gives no buffer format for it
     assert not _native.blocks_like([bf16], bf16, False)
+
+
+def test_ring_sendrecv_puts_then_takes_as_the_two_loops_do() -> None:
+    """ring_sendrecv: the record put into one ring as ring_put writes it, then the one at the
+    other's tail taken as ring_take takes it; 1 where nothing is there to take, 0 where the
+    put does not fit (nothing taken then), -1 with nothing done for buffers the general path
+    names (a non-contiguous payload, a read-only dst)."""
+    from tensorwire.transport.shm import CTRL_BYTES, Ring
+
+    cap = 1024
+    a, b = Ring.create("tw-test-native-sr-a", cap), Ring.create("tw-test-native-sr-b", cap)
+    a.unlink()
+    b.unlink()
+    try:
+        h = b"x" * 64
+
+        def sendrecv(payload, dst) -> int:
+            return _native.ring_sendrecv(a.bytes, CTRL_BYTES, cap, h, payload, b.bytes, CTRL_BYTES, cap, h,
+                                         dst, 0)
+
+        got = np.zeros(3, np.int32)
+        assert sendrecv(np.arange(3, dtype=np.int32), got) == 1  # sent; b is empty
+        assert _native.ring_take(a.bytes, CTRL_BYTES, cap, h, got, 0) is True and got.tolist() == [0, 1, 2]
+        assert _native.ring_put(b.bytes, CTRL_BYTES, cap, h, np.full(3, 7, np.int32))
+        assert sendrecv(np.full(3, 5, np.int32), got) == 2 and got.tolist() == [7, 7, 7]
+        assert a.words[0] == 2 * 128 and b.words[8] == 128  # a: two records put; b: one taken
+        ro = np.zeros(3, np.int32)
+        ro.flags.writeable = False
+        assert sendrecv(np.zeros(6, np.int32)[::2], got) == -1 and sendrecv(got, ro) == -1
+        assert a.words[0] == 2 * 128  # nothing put
+        assert sendrecv(np.zeros(cap, np.uint8), got) == 0
+    finally:
+        a.close()
+        b.close()

@@ -132,6 +132,36 @@ def test_sendrecv(cluster: Any, n: int) -> None:
     assert cluster.run(_sendrecv_ring, n) == [True] * cluster.size
 
 
+def _sendrecv_repeated(n: int) -> list[str]:
+    """The same sendrecv signature again and again (its routes kept: the engine's one call
+    for both messages): every call's content arrives, and a send or receive buffer it cannot
+    take as it is (not C-contiguous, read-only) is still named, with nothing sent."""
+    r, right, left = _neighbours()
+    send, got = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(50):
+        send[:] = _pattern(r, right, i, n)
+        assert tw.sendrecv(send, right, got, left, tag=3) == left
+        np.testing.assert_array_equal(got, _pattern(left, r, i, n))
+    wide = np.zeros((n, 2), np.int64)
+    readonly = np.zeros(n, np.int64)
+    readonly.flags.writeable = False
+    errors = []
+    for bad in ((wide[:, 0], got), (send, readonly)):
+        with pytest.raises(InvalidArgumentError) as info:
+            tw.sendrecv(*bad[:1], right, bad[1], left, tag=3)
+        errors.append(str(info.value))
+    send[:] = _pattern(r, right, 99, n)  # nothing of the refused calls arrives: this comes next
+    tw.sendrecv(send, right, got, left, tag=3)
+    np.testing.assert_array_equal(got, _pattern(left, r, 99, n))
+    return errors
+
+
+@pytest.mark.parametrize("n", [2, 1000])  # (one element is contiguous however it is strided)
+def test_sendrecv_of_one_signature_repeated(cluster: Any, n: int) -> None:
+    for errors in cluster.run(_sendrecv_repeated, n):
+        assert "not C-contiguous" in errors[0] and "read-only" in errors[1], errors
+
+
 def _arrived_before_posted() -> dict[str, Any]:
     """Each rank sends to its right neighbour, all meet at a barrier, then each posts the
     receive from its left: the message is there already (in the ring; over TCP, on loopback,

@@ -58,6 +58,7 @@ class Group:
         self.choices: dict[tuple, Any] = {}  # the tuner's algorithm per (collective, size, ...)
         self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.p2p_routes: dict[tuple[bool, int, int, int], p2p.P2PRoute] = {}  # see p2p._route
+        self.p2p_pairs: dict[tuple, tuple[p2p.P2PRoute, p2p.P2PRoute]] = {}  # see p2p.sendrecv
         self.direct_plans: dict[tuple, Any] = {}  # see shm_direct.direct_all_reduce
         self._device: DeviceCollectives | None = None
         me = runtime.rank
@@ -148,6 +149,7 @@ class Group:
         checked again."""
         self.plans.clear()
         self.p2p_routes.clear()
+        self.p2p_pairs.clear()
         self.direct_plans.clear()
 
     # -- lifetime -----------------------------------------------------------------------------

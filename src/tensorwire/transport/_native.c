@@ -568,32 +568,16 @@ static int ring_args(PyObject *const *args, Py_buffer *ring, uint64_t **words, c
 
 static inline uint64_t padded(uint64_t n) { return (n + 63) & ~(uint64_t)63; }
 
-/* ring_put(segment, at, capacity, header, payload) -> bool: the header and payload written as
- * one record at the ring's head where it fits unwrapped (ShmChannel._put without a descriptor);
- * False: it does not, for the general path. */
-static PyObject *ring_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer ring, payload;
-    uint64_t *words, cap;
-    char *data;
-    const char *header;
-    (void)module;
-    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "ring_put takes 5 arguments");
-    if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
-    if (PyObject_GetBuffer(args[4], &payload, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&ring);
-        return NULL;
-    }
-    uint64_t head = words[HEAD_WORD], n = (uint64_t)payload.len, end = head + HEADER + padded(n);
+/* Write `payload` as one record (the header, then the payload) at the ring's head where it
+ * fits unwrapped (ShmChannel._put without a descriptor); whether it did. */
+static int put_record(uint64_t *words, char *data, uint64_t cap, const char *header, const Py_buffer *payload) {
+    uint64_t head = words[HEAD_WORD], n = (uint64_t)payload->len, end = head + HEADER + padded(n);
     uint64_t pos = head % cap;
-    int fits = end - load(words + TAIL_WORD) <= cap && pos + (end - head) <= cap;
-    if (fits) {
-        memcpy(data + pos, header, HEADER);
-        memcpy(data + pos + HEADER, payload.buf, (size_t)n);
-        store(words + HEAD_WORD, end);
-    }
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&ring);
-    return PyBool_FromLong(fits);
+    if (end - load(words + TAIL_WORD) > cap || pos + (end - head) > cap) return 0;
+    memcpy(data + pos, header, HEADER);
+    memcpy(data + pos + HEADER, payload->buf, (size_t)n);
+    store(words + HEAD_WORD, end);
+    return 1;
 }
 
 /* How many bytes past `tail` the writer has published, polled for up to spin_ns (without the
@@ -611,43 +595,99 @@ static uint64_t await_head(const uint64_t *words, uint64_t tail, uint64_t want, 
     return avail;
 }
 
-/* ring_take(segment, at, capacity, header, dst, spin_ns) -> True, False or None: the record at
- * the ring's tail read into dst where its header is `header` byte for byte and it lies whole
- * and unwrapped, waiting up to spin_ns for it (ShmChannel.take_now); False: another record
- * comes first; None: nothing whole yet. */
+/* Read the record at the ring's tail into dst where its header is `header` byte for byte and
+ * it lies whole and unwrapped, waiting up to spin_ns for it (ShmChannel.take_now): 1 taken,
+ * 0 another record comes first, -1 nothing whole yet. */
+static int take_record(uint64_t *words, const char *data, uint64_t cap, const char *header, Py_buffer *dst,
+                       long long spin_ns) {
+    uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst->len, end = tail + HEADER + padded(n);
+    uint64_t avail = await_head(words, tail, HEADER, spin_ns), pos = tail % cap;
+    if (avail < HEADER) return -1;
+    if (memcmp(data + pos, header, HEADER) != 0 || pos + HEADER + n > cap) return 0;
+    if (avail < end - tail && await_head(words, tail, end - tail, spin_ns) < end - tail) return -1;
+    memcpy(dst->buf, data + pos + HEADER, (size_t)n);
+    store(words + TAIL_WORD, end);
+    return 1;
+}
+
+/* ring_put(segment, at, capacity, header, payload) -> bool: put_record; False leaves the
+ * message to the general path. */
+static PyObject *ring_put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer ring, payload;
+    uint64_t *words, cap;
+    char *data;
+    const char *header;
+    (void)module;
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "ring_put takes 5 arguments");
+    if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
+    if (PyObject_GetBuffer(args[4], &payload, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    int fits = put_record(words, data, cap, header, &payload);
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&ring);
+    return PyBool_FromLong(fits);
+}
+
+/* ring_take(segment, at, capacity, header, dst, spin_ns) -> True, False or None: take_record
+ * (False: another record comes first; None: nothing whole yet). */
 static PyObject *ring_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer ring, dst;
     uint64_t *words, cap;
     char *data;
     const char *header;
-    PyObject *result;
     (void)module;
-    long long spin_ns;
     if (nargs != 6) return PyErr_Format(PyExc_TypeError, "ring_take takes 6 arguments");
-    spin_ns = PyLong_AsLongLong(args[5]);
+    long long spin_ns = PyLong_AsLongLong(args[5]);
     if (spin_ns == -1 && PyErr_Occurred()) return NULL;
     if (!ring_args(args, &ring, &words, &data, &cap, &header)) return NULL;
     if (PyObject_GetBuffer(args[4], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&ring);
         return NULL;
     }
-    uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst.len, end = tail + HEADER + padded(n);
-    uint64_t avail = await_head(words, tail, HEADER, spin_ns), pos = tail % cap;
-    if (avail < HEADER) {
-        result = Py_None;
-    } else if (memcmp(data + pos, header, HEADER) != 0 || pos + HEADER + n > cap) {
-        result = Py_False;
-    } else if (avail < end - tail && await_head(words, tail, end - tail, spin_ns) < end - tail) {
-        result = Py_None;
-    } else {
-        memcpy(dst.buf, data + pos + HEADER, (size_t)n);
-        store(words + TAIL_WORD, end);
-        result = Py_True;
-    }
+    int taken = take_record(words, data, cap, header, &dst, spin_ns);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&ring);
-    Py_INCREF(result);
-    return result;
+    PyObject *result = taken > 0 ? Py_True : taken == 0 ? Py_False : Py_None;
+    return Py_NewRef(result);
+}
+
+/* ring_sendrecv(out_segment, at, capacity, header, payload, in_segment, at, capacity, header,
+ * dst, spin_ns) -> int: put_record into the out ring, then take_record from the in ring (a
+ * small MPI_Sendrecv, ShmChannel.exchange_now): 2 both done, 1 put only, 0 neither; -1 neither,
+ * for a payload that is not C-contiguous or a dst that is not that or writable, which the
+ * general path names. */
+static PyObject *ring_sendrecv(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer out, in, payload, dst;
+    uint64_t *out_words, *in_words, out_cap, in_cap;
+    char *out_data, *in_data;
+    const char *out_header, *in_header;
+    (void)module;
+    if (nargs != 11) return PyErr_Format(PyExc_TypeError, "ring_sendrecv takes 11 arguments");
+    long long spin_ns = PyLong_AsLongLong(args[10]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    if (!ring_args(args, &out, &out_words, &out_data, &out_cap, &out_header)) return NULL;
+    if (!ring_args(args + 5, &in, &in_words, &in_data, &in_cap, &in_header)) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    int s = -1;
+    if (PyObject_GetBuffer(args[4], &payload, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+    } else {
+        if (PyObject_GetBuffer(args[9], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+        } else {
+            s = put_record(out_words, out_data, out_cap, out_header, &payload);
+            if (s) s += take_record(in_words, in_data, in_cap, in_header, &dst, spin_ns) > 0;
+            PyBuffer_Release(&dst);
+        }
+        PyBuffer_Release(&payload);
+    }
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return PyLong_FromLong(s);
 }
 
 /* blocks_like(blocks, like, writable) -> bool: whether `blocks` is a list whose every item is
@@ -694,6 +734,9 @@ static PyMethodDef module_methods[] = {
      "ring_put(segment, at, capacity, header, payload) -> bool"},
     {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
      "ring_take(segment, at, capacity, header, dst, spin_ns) -> True, False or None"},
+    {"ring_sendrecv", (PyCFunction)(void (*)(void))ring_sendrecv, METH_FASTCALL,
+     "ring_sendrecv(out_segment, at, capacity, header, payload, in_segment, at, capacity, header, dst, "
+     "spin_ns) -> 2, 1, 0 or -1"},
     {"blocks_like", (PyCFunction)(void (*)(void))blocks_like, METH_FASTCALL,
      "blocks_like(blocks, like, writable) -> bool"},
     {NULL},

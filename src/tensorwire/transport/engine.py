@@ -234,6 +234,18 @@ class Engine(Failures):
                 taken = channel.take_now(wire_header, dst, self.spin_s)
         return bool(taken)
 
+    def sendrecv_now(self, to: int, out_header: bytes, payload: np.ndarray, frm: int, key: tuple,
+                     in_header: bytes, dst: np.ndarray) -> tuple[bool, bool]:
+        """send_now, then a blocking recv_now, under one lock (ShmChannel.exchange_now): a
+        small MPI_Sendrecv's common case. (sent, received); what is not done is posted the
+        general way."""
+        with self.lock:
+            out, inn = self.channels.get(to), self.channels.get(frm)
+            if out is None or inn is None or not (out.direct and inn.direct) or self.aborted or self.lost \
+                    or self.posted.get(key) or self.unexpected.get(key):  # (an earlier receive comes first)
+                return False, False
+            return out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
+
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""
         sink = self.match(self.rank, req.header)
