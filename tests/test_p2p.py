@@ -162,6 +162,32 @@ def test_sendrecv_of_one_signature_repeated(cluster: Any, n: int) -> None:
         assert "not C-contiguous" in errors[0] and "read-only" in errors[1], errors
 
 
+def _sends_into_a_full_socket(count: int, size: int) -> bool:
+    """Rank 0 sends `count` messages from one array it refills at once after each send; rank 1
+    reads nothing for a while (the socket's buffers fill: the kernel takes some message only in
+    part, whose rest the sender queues with a copy), then receives them all in order."""
+    g = tw.world()
+    buf = np.empty(size, np.int64)
+    if g.rank == 0:
+        for i in range(count):
+            buf[:] = i
+            g.send(buf, 1, tag=21)
+            buf[:] = -1  # the send has returned: its message no longer needs this array
+    else:
+        time.sleep(1.0)
+        for i in range(count):
+            g.recv(buf, 0, tag=21)
+            assert (buf == i).all(), (i, buf[:4])
+    g.barrier()
+    return True
+
+
+def test_small_sends_into_a_full_socket_arrive_whole_and_in_order(get_cluster: Callable[..., Any]) -> None:
+    """TCP sends of small messages go to the socket at once (TcpChannel.put_now); one the kernel
+    takes only in part is finished later from a copy, before anything sent after it."""
+    assert get_cluster(2, "tcp").run(_sends_into_a_full_socket, 3000, 125) == [True, True]
+
+
 def _arrived_before_posted() -> dict[str, Any]:
     """Each rank sends to its right neighbour, all meet at a barrier, then each posts the
     receive from its left: the message is there already (in the ring; over TCP, on loopback,

@@ -2,8 +2,8 @@
 
 Every peer the engine talks to has one `Channel`: shared-memory rings (shm.ShmChannel, which
 also reads large point-to-point payloads across processes, cma.py), sockets (tcp.TcpChannel),
-or a `PendingChannel` while the wiring connects the pair. The fast paths only the rings have
-are declared here with the answer "none", so the engine reads an attribute, never probes.
+or a `PendingChannel` while the wiring connects the pair. The fast paths only some channels
+have are declared here with the answer "none", so the engine reads an attribute, never probes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class Channel(ABC):
     kind: ClassVar[str]
     """'shm', 'tcp' or 'pending'."""
     direct: ClassVar[bool] = False
-    """`put_now` and `take_now` work (a shared-memory ring): the engine calls them only then."""
+    """`take_now` and `exchange_now` work (a shared-memory ring): the engine calls them only then."""
+    sends_now: ClassVar[bool] = False
+    """`put_now` works (a ring, or sockets): a small message handed over whole, with no request."""
     peer: int
     sockets: Sequence[socket.socket] = ()
     """What a sleeping waiter selects on: data, control messages and a closed peer wake it."""

@@ -205,14 +205,20 @@ class Engine(Failures):
         return req
 
     def send_now(self, peer: int, wire_header: bytes, payload: np.ndarray) -> bool:
-        """A small point-to-point message written whole into `peer`'s ring now, with no
-        request (ShmChannel.put_now): the request and its posting were half a small send's
-        time. False: post it the general way (`isend`)."""
+        """A small point-to-point message handed whole to `peer`'s ring or socket now, with no
+        request (ShmChannel.put_now, TcpChannel.put_now): the request and its posting were half
+        a small send's time. False: post it the general way (`isend`)."""
         channel = self.channels.get(peer)
-        if channel is None or not channel.direct or self.aborted or self.lost:
+        if channel is None or not channel.sends_now or self.aborted or self.lost:
             return False
         with self.lock:
-            return self.channels.get(peer) is channel and channel.put_now(wire_header, payload)
+            if self.channels.get(peer) is not channel:
+                return False
+            try:
+                return channel.put_now(wire_header, payload)
+            except PeerClosed as exc:  # the general way then fails as every send to a lost peer
+                self.peer_lost(peer, str(exc))
+                return False
 
     def recv_now(self, peer: int, key: tuple, wire_header: bytes, dst: np.ndarray, spin: bool) -> bool:
         """A point-to-point receive taken straight from `peer`'s ring where its message is the
@@ -241,9 +247,18 @@ class Engine(Failures):
         general way."""
         with self.lock:
             out, inn = self.channels.get(to), self.channels.get(frm)
-            if out is None or inn is None or not (out.direct and inn.direct) or self.aborted or self.lost \
-                    or self.posted.get(key) or self.unexpected.get(key):  # (an earlier receive comes first)
+            if out is None or inn is None or self.aborted or self.lost:
                 return False, False
+            if not (out.direct and inn.direct) or self.posted.get(key) or self.unexpected.get(key):
+                # the send alone (sockets; or an earlier receive for that peer and tag comes first)
+                flags, into = payload.flags, dst.flags
+                if not (out.sends_now and flags.c_contiguous and into.c_contiguous and into.writeable):
+                    return False, False
+                try:
+                    return out.put_now(out_header, payload), False
+                except PeerClosed as exc:
+                    self.peer_lost(to, str(exc))
+                    return False, False
             return out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
 
     def _self_deliver(self, req: SendRequest) -> None:

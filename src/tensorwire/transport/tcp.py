@@ -30,6 +30,9 @@ _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call
 SPLIT_BYTES = 256 << 10
 """Messages from this size may be split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
+NOW_BYTES = 64 << 10
+"""Point-to-point payloads up to this size go to the socket at once, with no request
+(TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small."""
 
 
 def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
@@ -156,6 +159,18 @@ class SocketStream:
     # -- sending ------------------------------------------------------------------------
     def post(self, req: SendRequest) -> None:
         self.sendq.append(req)
+
+    def queue_rest(self, wire_header: bytes, payload: np.ndarray, n: int) -> None:
+        """A message the kernel took only `n` bytes of (TcpChannel.put_now): its rest queued
+        first, with a copy of the payload (its caller may reuse the array at once), and kept
+        moving by the engine while nobody waits on it."""
+        header = Header.unpack(wire_header)
+        req = SendRequest(self.peer, header, payload.reshape(-1).view(np.uint8).copy(),
+                          f"send to rank {self.peer} (tag {header.tag})", wire_header)
+        self._hdr_sent = min(n, len(wire_header))
+        req.sent = n - self._hdr_sent
+        self.sendq.append(req)
+        self.engine.watch_in_background(req)
 
     def push(self) -> bool:
         """Write as much of the queue as the kernel takes now; hand a large rest to a pump."""
@@ -376,6 +391,7 @@ class TcpChannel(Channel):
     carry the parts of large messages side by side."""
 
     kind = "tcp"
+    sends_now = True
 
     def __init__(self, streams: list[SocketStream] | SocketStream) -> None:
         self.streams = streams if isinstance(streams, list) else [streams]
@@ -400,6 +416,23 @@ class TcpChannel(Channel):
 
     def post_control(self, req: SendRequest) -> None:
         self.stream.post(req)
+
+    def put_now(self, wire_header: bytes, payload: np.ndarray) -> bool:
+        """Hand a small point-to-point message (`payload`: a C-contiguous array) to the first
+        stream's socket in one `sendmsg`, with no request, where nothing is queued before it;
+        False: nothing sent, `post` it (Engine.send_now)."""
+        stream = self.stream
+        if stream.sendq or payload.nbytes > NOW_BYTES:
+            return False
+        try:
+            n = stream.sock.sendmsg([wire_header, payload])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise PeerClosed(f"send failed: {exc}") from exc
+        if n < len(wire_header) + payload.nbytes:
+            stream.queue_rest(wire_header, payload, n)
+        return True
 
     def progress(self) -> bool:
         if not self.others:
