@@ -53,9 +53,11 @@ class Channel(ABC):
     kind: ClassVar[str]
     """'shm', 'tcp' or 'pending'."""
     direct: ClassVar[bool] = False
-    """`take_now` and `exchange_now` work (a shared-memory ring): the engine calls them only then."""
+    """`exchange_now` works (a shared-memory ring): the engine calls it only then."""
     sends_now: ClassVar[bool] = False
     """`put_now` works (a ring, or sockets): a small message handed over whole, with no request."""
+    takes_now: ClassVar[bool] = False
+    """`take_now` works (a ring, or sockets): a small message read straight into place, with no request."""
     peer: int
     sockets: Sequence[socket.socket] = ()
     """What a sleeping waiter selects on: data, control messages and a closed peer wake it."""

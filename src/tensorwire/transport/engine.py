@@ -229,37 +229,38 @@ class Engine(Failures):
         the general way (`irecv`), which drives everything, parks, stages, and notices lost
         peers and aborts."""
         channel = self.channels.get(peer)
-        if channel is None or not channel.direct:
+        if channel is None or not channel.takes_now:
             return False
         with self.lock:
             if self.aborted or self.lost or self.posted.get(key) or self.unexpected.get(key) \
                     or self.channels.get(peer) is not channel:
                 return False
-            taken = channel.take_now(wire_header, dst)
-            if taken is None and spin and self.spin_s and not any(c.queued() for c in self.channel_list):
-                taken = channel.take_now(wire_header, dst, self.spin_s)
+            try:
+                taken = channel.take_now(wire_header, dst)
+                if taken is None and spin and self.spin_s and not any(c.queued() for c in self.channel_list):
+                    taken = channel.take_now(wire_header, dst, self.spin_s)
+            except PeerClosed as exc:  # the general way then fails as every receive from a lost peer
+                self.peer_lost(peer, str(exc))
+                return False
         return bool(taken)
 
     def sendrecv_now(self, to: int, out_header: bytes, payload: np.ndarray, frm: int, key: tuple,
                      in_header: bytes, dst: np.ndarray) -> tuple[bool, bool]:
-        """send_now, then a blocking recv_now, under one lock (ShmChannel.exchange_now): a
-        small MPI_Sendrecv's common case. (sent, received); what is not done is posted the
-        general way."""
+        """send_now, then a blocking recv_now: a small MPI_Sendrecv's common case, under one
+        lock and in one compiled call where both go through rings (ShmChannel.exchange_now).
+        (sent, received); what is not done is posted the general way."""
         with self.lock:
             out, inn = self.channels.get(to), self.channels.get(frm)
             if out is None or inn is None or self.aborted or self.lost:
                 return False, False
-            if not (out.direct and inn.direct) or self.posted.get(key) or self.unexpected.get(key):
-                # the send alone (sockets; or an earlier receive for that peer and tag comes first)
-                flags, into = payload.flags, dst.flags
-                if not (out.sends_now and flags.c_contiguous and into.c_contiguous and into.writeable):
-                    return False, False
-                try:
-                    return out.put_now(out_header, payload), False
-                except PeerClosed as exc:
-                    self.peer_lost(to, str(exc))
-                    return False, False
-            return out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
+            if out.direct and inn.direct and not (self.posted.get(key) or self.unexpected.get(key)):
+                return out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
+        # sockets (or an earlier receive for that peer and tag comes first): send_now, recv_now
+        flags, into = payload.flags, dst.flags
+        if not (flags.c_contiguous and into.c_contiguous and into.writeable):
+            return False, False
+        sent = self.send_now(to, out_header, payload)
+        return sent, sent and self.recv_now(frm, key, in_header, dst, True)
 
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""

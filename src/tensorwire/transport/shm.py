@@ -292,6 +292,7 @@ class ShmChannel(Channel):
     kind = "shm"
     direct = True
     sends_now = True
+    takes_now = True
 
     def __init__(self, stream: SocketStream, out_ring: Ring, in_ring: Ring, engine: ChannelOwner,
                  peer_pid: int = 0, peer_reads: bool = False, source: RingSource | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import time
 from collections import deque
 from typing import NoReturn
 
@@ -32,7 +33,9 @@ SPLIT_BYTES = 256 << 10
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
 NOW_BYTES = 64 << 10
 """Point-to-point payloads up to this size go to the socket at once, with no request
-(TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small."""
+(TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small. Receives
+take them so too (SocketStream.take_now)."""
+_PEEK_BYTES = HEADER_SIZE + NOW_BYTES
 
 
 def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
@@ -155,6 +158,7 @@ class SocketStream:
         self.expect: deque[tuple[Sink, int, int]] = deque()  # parts it carries next (further streams)
         self._tx: Job | None = None  # a pump thread writes the head of sendq's payload
         self._rx: Job | None = None  # a pump thread reads this stream's part of _sink
+        self._peek: memoryview | None = None  # take_now's look at the next message (made on first use)
 
     # -- sending ------------------------------------------------------------------------
     def post(self, req: SendRequest) -> None:
@@ -228,6 +232,39 @@ class SocketStream:
         return True
 
     # -- receiving ----------------------------------------------------------------------
+    def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float) -> bool | None:
+        """Read the next message straight into `dst` (a writable C-contiguous array of at most
+        NOW_BYTES) if its header is `wire_header` byte for byte and it is whole in the socket,
+        looking for it up to `spin_s`: a point-to-point receive with no request, matching or
+        parsing (Engine.recv_now). None: not whole yet; False: something else comes first, or
+        this stream is inside a message (the general path's)."""
+        n = HEADER_SIZE + dst.nbytes
+        if self._sink is not None or self._hdr_got or self.expect or not self.headers or n > _PEEK_BYTES:
+            return False
+        if self._peek is None:
+            self._peek = memoryview(bytearray(_PEEK_BYTES))
+        peek, sock = self._peek, self.sock
+        until = time.perf_counter() + spin_s if spin_s else 0.0
+        while True:
+            try:
+                got = sock.recv_into(peek, n, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                got = -1
+            except OSError as exc:
+                raise PeerClosed(f"receive failed: {exc}") from exc
+            if got == 0:
+                raise PeerClosed("connection closed by peer")
+            if got >= HEADER_SIZE and peek[:HEADER_SIZE] != wire_header:
+                return False
+            if got == n:
+                break
+            if not until or time.perf_counter() > until:
+                return None
+        sock.recv_into(peek, HEADER_SIZE)  # both are in the socket already: no wait, no short read
+        if dst.nbytes:
+            sock.recv_into(memoryview(dst.reshape(-1).view(np.uint8)), dst.nbytes)
+        return True
+
     def pull(self) -> bool:
         """Read every frame the kernel holds now, handing payloads to their sinks."""
         moved = False
@@ -392,6 +429,7 @@ class TcpChannel(Channel):
 
     kind = "tcp"
     sends_now = True
+    takes_now = True
 
     def __init__(self, streams: list[SocketStream] | SocketStream) -> None:
         self.streams = streams if isinstance(streams, list) else [streams]
@@ -433,6 +471,10 @@ class TcpChannel(Channel):
         if n < len(wire_header) + payload.nbytes:
             stream.queue_rest(wire_header, payload, n)
         return True
+
+    def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float = 0.0) -> bool | None:
+        """ShmChannel.take_now over the first stream (SocketStream.take_now)."""
+        return self.stream.take_now(wire_header, dst, spin_s)
 
     def progress(self) -> bool:
         if not self.others:
