@@ -16,7 +16,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import PYTHON
@@ -44,6 +44,7 @@ def _path(seg: GroupSegment, rank: int = 0) -> object:
 
 
 @settings(max_examples=300, deadline=None)
+@example(dtype=np.dtype(np.float32), op=ReduceOp.PRODUCT, n=5, count=2, parity=0, seed=1, specials=True)
 @given(dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS), n=st.integers(1, 6),
        count=st.integers(1, SLOT // 8), parity=st.integers(0, 1), seed=st.integers(0, 2 ** 32 - 1),
        specials=st.booleans())
