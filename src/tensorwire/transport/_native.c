@@ -159,24 +159,18 @@ typedef void (*fold_fn)(char *dst, const char *first, Py_ssize_t stride, int n, 
 /* A float op with a NaN operand gives that NaN, quieted, the first operand's where both are
  * (numpy's result on x86); left to the compiler, which may swap a commutative op's operands,
  * the sign and payload of such a NaN could differ from numpy's. */
-static inline float nan_first_f(float x, float y, float r) {
-    if (r == r) return r;
-    float n = x != x ? x : y != y ? y : r;
-    uint32_t bits;
-    memcpy(&bits, &n, sizeof bits);
-    bits |= (uint32_t)1 << 22;
-    memcpy(&n, &bits, sizeof n);
-    return n;
-}
-static inline double nan_first_d(double x, double y, double r) {
-    if (r == r) return r;
-    double n = x != x ? x : y != y ? y : r;
-    uint64_t bits;
-    memcpy(&bits, &n, sizeof bits);
-    bits |= (uint64_t)1 << 51;
-    memcpy(&n, &bits, sizeof n);
-    return n;
-}
+#define NAN_FIRST_FN(NAME, T, BITS, QUIET)                                                      \
+    static inline T NAME(T x, T y, T r) {                                                       \
+        if (r == r) return r;                                                                   \
+        T n = x != x ? x : y != y ? y : r;                                                      \
+        BITS bits;                                                                              \
+        memcpy(&bits, &n, sizeof bits);                                                         \
+        bits |= (BITS)1 << QUIET;                                                               \
+        memcpy(&n, &bits, sizeof n);                                                            \
+        return n;                                                                               \
+    }
+NAN_FIRST_FN(nan_first_f, float, uint32_t, 22)
+NAN_FIRST_FN(nan_first_d, double, uint64_t, 51)
 #define NAN_FIRST(x, y, r) _Generic((x), float: nan_first_f, double: nan_first_d)(x, y, r)
 #define FADD(T, U) NAN_FIRST(x, y, x + y)
 #define FMUL(T, U) NAN_FIRST(x, y, x * y)

@@ -206,8 +206,8 @@ class Engine(Failures):
 
     def send_now(self, peer: int, wire_header: bytes, payload: np.ndarray) -> bool:
         """A small point-to-point message handed whole to `peer`'s ring or socket now, with no
-        request (ShmChannel.put_now, TcpChannel.put_now): the request and its posting were half
-        a small send's time. False: post it the general way (`isend`)."""
+        request to make, post and wait for (ShmChannel.put_now, TcpChannel.put_now). False:
+        post it the general way (`isend`)."""
         channel = self.channels.get(peer)
         if channel is None or not channel.sends_now or self.aborted or self.lost:
             return False
@@ -254,8 +254,10 @@ class Engine(Failures):
             if out is None or inn is None or self.aborted or self.lost:
                 return False, False
             if out.direct and inn.direct and not (self.posted.get(key) or self.unexpected.get(key)):
-                return out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
-        # sockets (or an earlier receive for that peer and tag comes first): send_now, recv_now
+                done = out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
+                if done is not None:
+                    return done
+        # one by one (sockets, no compiled loops, or an earlier receive for that peer and tag first)
         flags, into = payload.flags, dst.flags
         if not (flags.c_contiguous and into.c_contiguous and into.writeable):
             return False, False

@@ -412,25 +412,21 @@ class ShmChannel(Channel):
         return self._put(wire_header, byte_view(payload), None)
 
     def exchange_now(self, out_header: bytes, payload: np.ndarray, inn: ShmChannel, in_header: bytes,
-                     dst: np.ndarray, spin_s: float) -> tuple[bool, bool]:
+                     dst: np.ndarray, spin_s: float) -> tuple[bool, bool] | None:
         """put_now here, then inn.take_now waiting up to spin_s (none where a send to inn's
-        peer waits to be pushed, which that peer may need first): a small MPI_Sendrecv
-        (Engine.sendrecv_now), one compiled call where the message needs nothing put_now
-        checks further. (sent, taken); False, False also for buffers the general path must
-        name (not C-contiguous, a read-only dst)."""
+        peer waits to be pushed, which that peer may need first), in one compiled call: a small
+        MPI_Sendrecv (Engine.sendrecv_now). (sent, taken); False, False also for buffers the
+        general path must name (not C-contiguous, a read-only dst). None: no compiled loops, or
+        the message needs more than that call checks; the engine then sends and receives."""
         n = payload.nbytes
-        out, ring = self.out, inn.inn
-        if inn.sendq or inn.stream.sendq:  # inn.queued()
-            spin_s = 0.0
+        out = self.out
         if self.native is None or self.sendq or n >= REMOTE_BYTES or n > (out.capacity >> 1) - 127 \
                 or inn._sink is not None:
-            flags, into = payload.flags, dst.flags
-            if not (flags.c_contiguous and into.c_contiguous and into.writeable):
-                return False, False
-            sent = self.put_now(out_header, payload)
-            return sent, sent and bool(inn.take_now(in_header, dst, spin_s))
+            return None
+        ring = inn.inn
         done = self.native.ring_sendrecv(out.bytes, CTRL_BYTES, out.capacity, out_header, payload, ring.bytes,
-                                         CTRL_BYTES, ring.capacity, in_header, dst, int(spin_s * 1e9))
+                                         CTRL_BYTES, ring.capacity, in_header, dst,
+                                         0 if inn.queued() else int(spin_s * 1e9))
         if done == 2:
             inn.parked = None
             inn.release = False

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from ..buffers import byte_view
 from ..config import Config
 from ..errors import InvalidArgumentError
 from .channel import Channel, ChannelOwner, PeerClosed
@@ -169,7 +170,7 @@ class SocketStream:
         first, with a copy of the payload (its caller may reuse the array at once), and kept
         moving by the engine while nobody waits on it."""
         header = Header.unpack(wire_header)
-        req = SendRequest(self.peer, header, payload.reshape(-1).view(np.uint8).copy(),
+        req = SendRequest(self.peer, header, byte_view(payload).copy(),
                           f"send to rank {self.peer} (tag {header.tag})", wire_header)
         self._hdr_sent = min(n, len(wire_header))
         req.sent = n - self._hdr_sent
@@ -262,7 +263,7 @@ class SocketStream:
                 return None
         sock.recv_into(peek, HEADER_SIZE)  # both are in the socket already: no wait, no short read
         if dst.nbytes:
-            sock.recv_into(memoryview(dst.reshape(-1).view(np.uint8)), dst.nbytes)
+            sock.recv_into(byte_view(dst), dst.nbytes)
         return True
 
     def pull(self) -> bool:
