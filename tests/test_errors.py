@@ -511,6 +511,25 @@ def test_mismatch_raises_on_every_rank(cluster: Any, case: str) -> None:
         _assert_error(err, CollectiveMismatchError, *needles, rank=rank, within=TIMEOUT - 1.0)
 
 
+def _mismatch_behind_a_backlog(t: float) -> list[dict[str, Any]]:
+    """The root starts late: each leaf's reduces are queued on it by the hundred, then a
+    broadcast that the leaves root elsewhere, whose message the root, a pure sender there, must
+    find when it enters that call."""
+    g = _fresh_group()
+    x = np.ones(4, np.float32)
+    if g.rank == 0:
+        time.sleep(0.5)
+    for _ in range(300):
+        g.reduce(x, dst=0, timeout=t)
+    return [_attempt(g.broadcast, x, src=min(g.rank, 1), timeout=t), _attempt(g.barrier, timeout=t)]
+
+
+def test_a_mismatch_behind_a_backlog_of_calls_raises_on_every_rank(cluster: Any) -> None:
+    for rank, outcomes in enumerate(cluster.run(_mismatch_behind_a_backlog, TIMEOUT)):
+        _assert_error(_first_error(outcomes), CollectiveMismatchError, "broadcast", "root",
+                      rank=rank, within=TIMEOUT - 1.0)
+
+
 def _mismatch_after(good_calls: int, t: float) -> dict[str, Any]:
     g = _fresh_group()
     for _ in range(good_calls):  # the first checked, the others planned

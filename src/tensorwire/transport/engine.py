@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import os
 import select
 import threading
@@ -295,6 +296,7 @@ class Engine(Failures):
             self.staged_bytes += header.nbytes
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
+            heapq.heappush(self.unvetted.setdefault(header.ctx, []), (header.seq, peer, header.key))
             call = self.current_call(header.ctx)
             if call is not None and header.seq <= call.seq:
                 self.vet(peer, header, call)
@@ -437,6 +439,10 @@ class Engine(Failures):
         for r in reqs:
             if r.error is not None:
                 raise r.error
+        if self.aborted:  # found while driving, after this wait's messages came
+            entry = self.aborted.get(ctx)
+            if entry is not None and seq >= entry[0]:
+                raise entry[1]
 
     def _drive(self, pending: list[Request], deadline: float, ctx: int, seq: int, watch: Iterable[int],
                what: object, cross_check: Callable[[], None] | None) -> None:

@@ -12,6 +12,7 @@ mismatch instead of waiting for a timeout.
 from __future__ import annotations
 
 import errno
+import heapq
 import socket
 import sys
 import threading
@@ -128,6 +129,10 @@ class Failures:
         """ctx -> the collective call the group is running, weakly (its group's queue holds it):
         a group nothing else refers to is collected, and its shared segment with it."""
         self.states: dict[tuple[int, int], int] = {}  # (ctx, peer) -> the call it said it runs (missing())
+        self.unvetted: dict[int, list[tuple[int, int, tuple]]] = {}
+        """ctx -> a heap of (seq, peer, key) of the collective messages queued unexpected (some
+        since taken): entering a call vets those for it or before it without a scan of the rest,
+        which a peer running ahead (a reduce's leaf) makes long."""
         self.deferred_aborts: list[tuple] = []
         self.notices: list[SendRequest] = []  # the aborts this rank sent (close() delivers them)
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
@@ -280,12 +285,22 @@ class Failures:
         """Note the call a group is running, and vet what already arrived for it or before it;
         False if there was nothing to vet (so nothing can have aborted the group here)."""
         self.current[ctx] = call.ref
-        if not self.unexpected and not self.deferred_aborts:
+        heap = self.unvetted.get(ctx)
+        if not (heap and heap[0][0] <= call.seq) and not self.deferred_aborts:
             return False  # the common case, without the lock: what arrives next is vetted on arrival
         with self.lock:
-            for (peer, key), queue in list(self.unexpected.items()):
-                if key[0] == ctx and key[1] == Kind.COLL and key[2] <= call.seq and queue:
-                    self.vet(peer, queue[0].header, call)
+            seen = set()
+            held = []  # this call's messages: still queued when the next call enters, they were not needed
+            while heap and heap[0][0] <= call.seq:
+                entry = heapq.heappop(heap)
+                queue = self.unexpected.get(entry[1:])
+                if queue and entry not in seen:
+                    seen.add(entry)
+                    self.vet(entry[1], queue[0].header, call)
+                    if entry[0] == call.seq:
+                        held.append(entry)
+            for entry in held:
+                heapq.heappush(heap, entry)
             self.run_deferred_aborts()
         return True
 
@@ -512,6 +527,7 @@ class Failures:
             for child in self.children.pop(ctx, ()):  # a hierarchy's groups go with it
                 self.retire(child, error)
             self.current.pop(ctx, None)
+            self.unvetted.pop(ctx, None)
             self.deferred_aborts = [d for d in self.deferred_aborts if d[0] != ctx]
             for key in [k for k in self.posted if k[1][0] == ctx]:
                 for req in self.posted.pop(key):
