@@ -37,14 +37,36 @@ class P2P(Protocol):
 
     def wait(self, *reqs: Request) -> None: ...
 
+    def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
+                     reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
+        """A small exchange (or, with `send` None, a receive) done at once where the transport
+        can, with no request: (sent, received); what is not done is left to isend/irecv.
+        (False, False) is always correct."""
+
 
 def exchange(p2p: P2P, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
              reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> None:
     """One step: `send` to dst, `recv` from src (reduced into it with `reduce`). The receive is
     posted first, so the peer's bytes go straight from the ring or socket into `recv`: posted
     after the send (whose progress already drains the channel) they would often arrive
-    unexpected and take a detour through a fresh buffer and a second copy."""
-    p2p.wait(p2p.irecv(src, recv, step, reduce, base), p2p.isend(dst, send, step))
+    unexpected and take a detour through a fresh buffer and a second copy. A small step often
+    needs neither request (`exchange_now`)."""
+    sent, received = p2p.exchange_now(dst, send, src, recv, step, reduce, base)
+    if received:
+        return
+    recv_req = p2p.irecv(src, recv, step, reduce, base)
+    if sent:
+        p2p.wait(recv_req)
+    else:
+        p2p.wait(recv_req, p2p.isend(dst, send, step))
+
+
+def receive(p2p: P2P, src: int, recv: np.ndarray, step: int, reduce: ReduceOp | None = None,
+            base: np.ndarray | None = None) -> None:
+    """A blocking receive: taken at once where it is small and comes soon (`exchange_now`),
+    else posted and waited for."""
+    if not p2p.exchange_now(None, None, src, recv, step, reduce, base)[1]:
+        p2p.wait(p2p.irecv(src, recv, step, reduce, base))
 
 
 def split_counts(total: int, parts: int) -> list[int]:

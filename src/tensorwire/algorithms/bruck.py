@@ -30,7 +30,7 @@ import numpy as np
 
 from ..buffers import copy
 from ..transport.wire import Coll
-from .base import P2P, exchange, offsets_of
+from .base import P2P, exchange, offsets_of, receive
 from .pairwise import pairwise_all_to_all
 from .registry import Algorithm, Link, register
 
@@ -92,7 +92,7 @@ def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray])
         if travelling:  # sizes and data leave at once; the data is received once the sizes are in
             reqs += [p2p.isend(dst, sizes[travelling], 2 * step), p2p.isend(dst, out, 2 * step + 1)]
             incoming_sizes = np.empty(len(travelling), dtype=np.int64)
-            p2p.wait(p2p.irecv(src, incoming_sizes, 2 * step))
+            receive(p2p, src, incoming_sizes, 2 * step)
             sizes[travelling] = incoming_sizes
         for j in moving:
             if j < 2 * dist:  # arrived: the size is this rank's receive count from rank - j

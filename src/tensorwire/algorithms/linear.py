@@ -6,7 +6,7 @@ import numpy as np
 
 from ..buffers import copy
 from ..ops import ReduceOp
-from .base import P2P
+from .base import P2P, receive
 from .rank_ordered import fold_in_rank_order
 from .registry import Algorithm, Link, register
 from .tree import gather_work, reduce_work
@@ -26,7 +26,7 @@ def linear_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | No
 
 def linear_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
     if p2p.rank != root:
-        p2p.wait(p2p.irecv(root, recv, 0))
+        receive(p2p, root, recv, 0)
         return
     assert send_blocks is not None
     reqs = [p2p.isend(peer, send_blocks[peer], 0) for peer in range(p2p.size) if peer != root]

@@ -59,6 +59,10 @@ class Reordered:
     def wait(self, *reqs: Request) -> None:
         self.call.wait(*reqs)
 
+    def exchange_now(self, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
+                     reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
+        return self.call.exchange_now(self.order[dst], send, self.order[src], recv, step, reduce, base)
+
 
 def _inverse(order: Sequence[int]) -> list[int]:
     out = [0] * len(order)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..buffers import copy
 from ..ops import ReduceOp
-from .base import P2P, offsets_of, split_counts
+from .base import P2P, offsets_of, receive, split_counts
 from .recursive_doubling import acting_rank, doubling_all_gather, fold_shape, halving_reduce_scatter
 from .registry import Algorithm, Link, register
 
@@ -38,9 +38,9 @@ def rabenseifner_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp, src: np.nd
     if r < 2 * rem:
         if r % 2 == 0:  # folded away
             p2p.wait(p2p.isend(r + 1, data if src is None else src, 0))
-            p2p.wait(p2p.irecv(r + 1, data, _RESULT_STEP))
+            receive(p2p, r + 1, data, _RESULT_STEP)
             return
-        p2p.wait(p2p.irecv(r - 1, data, 0, reduce=op, base=src))
+        receive(p2p, r - 1, data, 0, reduce=op, base=src)
         inputs = None  # the fold wrote all of data
         vr = r // 2
     else:

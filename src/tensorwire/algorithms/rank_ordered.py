@@ -26,7 +26,7 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into
-from .base import P2P, blocks_of, split_counts
+from .base import P2P, blocks_of, receive, split_counts
 from .registry import Algorithm, Link, register
 from .tree import gather_work
 
@@ -50,9 +50,9 @@ def fold_in_rank_order(p2p: P2P, acc: np.ndarray, own: np.ndarray, op: ReduceOp,
             else:
                 reduce_into(acc, own, op)
         elif r == 0:
-            p2p.wait(p2p.irecv(0, acc, step))
+            receive(p2p, 0, acc, step)
         else:
-            p2p.wait(p2p.irecv(r, acc, step, reduce=op))
+            receive(p2p, r, acc, step, reduce=op)
 
 
 def _send_foreign(p2p: P2P, blocks: list[np.ndarray], step: int) -> list:

@@ -27,7 +27,7 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into
-from .base import P2P, contiguous_span, exchange, offsets_of, packed
+from .base import P2P, contiguous_span, exchange, offsets_of, packed, receive
 from .registry import Algorithm, Link, register
 
 _RESULT_STEP = 1 << 20
@@ -50,9 +50,9 @@ def recursive_doubling_all_reduce(p2p: P2P, data: np.ndarray, op: ReduceOp) -> N
     if r < 2 * rem:
         if r % 2 == 0:
             p2p.wait(p2p.isend(r + 1, data, 0))
-            p2p.wait(p2p.irecv(r + 1, data, _RESULT_STEP))
+            receive(p2p, r + 1, data, _RESULT_STEP)
             return
-        p2p.wait(p2p.irecv(r - 1, incoming, 0))
+        receive(p2p, r - 1, incoming, 0)
         _combine(data, incoming, op, mine_first=False)
         vr = r // 2
     else:
@@ -161,10 +161,10 @@ def recursive_doubling_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
     p, rem = fold_shape(n)
     if r < 2 * rem and r % 2 == 0:  # folded away: hand my block over, get everything back
         p2p.wait(p2p.isend(r + 1, buf[offs[r]:offs[r + 1]], 0))
-        p2p.wait(p2p.irecv(r + 1, buf, _RESULT_STEP))
+        receive(p2p, r + 1, buf, _RESULT_STEP)
     else:
         if r < 2 * rem:
-            p2p.wait(p2p.irecv(r - 1, buf[offs[r - 1]:offs[r]], 0))
+            receive(p2p, r - 1, buf[offs[r - 1]:offs[r]], 0)
         vr = r // 2 if r < 2 * rem else r - rem
         doubling_all_gather(p2p, buf, lambda v: offs[first_rank(v, rem)], vr, p,
                             lambda v: acting_rank(v, rem), 1)
@@ -194,7 +194,7 @@ def recursive_halving_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np
     work = np.empty(offs[-1], dtype=out.dtype)
     inputs: np.ndarray | None = packed(blocks)
     if r < 2 * rem:
-        p2p.wait(p2p.irecv(r - 1, work, 0, reduce=op, base=inputs))
+        receive(p2p, r - 1, work, 0, reduce=op, base=inputs)
         inputs = None  # the fold wrote all of work
     vr = r // 2 if r < 2 * rem else r - rem
     halving_reduce_scatter(p2p, work, lambda v: offs[first_rank(v, rem)], vr, p,

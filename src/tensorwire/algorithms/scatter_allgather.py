@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .base import P2P, blocks_of, offsets_of, split_counts
+from .base import P2P, blocks_of, offsets_of, receive, split_counts
 from .registry import Algorithm, Link, register
 from .ring import ring_all_gather_blocks
 
@@ -28,7 +28,7 @@ def scatter_allgather_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:
     if vr:
         low = vr & -vr
         top = min(vr + low, n)
-        p2p.wait(p2p.irecv((vr - low + root) % n, data[offs[vr]:offs[top]], 0))
+        receive(p2p, (vr - low + root) % n, data[offs[vr]:offs[top]], 0)
     else:
         low = 1 << (n - 1).bit_length()
     sends, mask = [], low >> 1

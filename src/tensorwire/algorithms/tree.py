@@ -19,7 +19,7 @@ import numpy as np
 
 from ..buffers import copy
 from ..ops import ReduceOp
-from .base import P2P
+from .base import P2P, receive
 from .registry import Algorithm, Link, register
 
 
@@ -29,7 +29,7 @@ def binomial_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:
     mask = 1
     while mask < n:
         if vr & mask:
-            p2p.wait(p2p.irecv((vr - mask + root) % n, data, 0))
+            receive(p2p, (vr - mask + root) % n, data, 0)
             break
         mask <<= 1
     mask >>= 1
@@ -55,7 +55,7 @@ def binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, r
                 if current is not acc:
                     copy(acc, current)
                     current = acc
-                p2p.wait(p2p.irecv((child + root) % n, acc, mask, reduce=op))
+                receive(p2p, (child + root) % n, acc, mask, reduce=op)
         else:
             p2p.wait(p2p.isend(((vr & ~mask) + root) % n, current, mask))
             return
@@ -198,13 +198,13 @@ def binomial_scatter(p2p: P2P, send_blocks: list[np.ndarray] | None, recv: np.nd
         return
     parent = real(vr - (vr & -vr))
     if not kids:
-        p2p.wait(p2p.irecv(parent, recv, _DATA_STEP))
+        receive(p2p, parent, recv, _DATA_STEP)
         return
     counts = np.empty(_subtree(vr, n), dtype=np.int64)
-    p2p.wait(p2p.irecv(parent, counts, _SIZES_STEP))
+    receive(p2p, parent, counts, _SIZES_STEP)
     offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
     buf = np.empty(offs[-1], dtype=recv.dtype)
-    p2p.wait(p2p.irecv(parent, buf, _DATA_STEP))
+    receive(p2p, parent, buf, _DATA_STEP)
     copy(recv, buf[:offs[1]])
     reqs = []
     for c in kids:

@@ -17,7 +17,8 @@ from ..algorithms.registry import Link
 from ..buffers import byte_view
 from ..errors import PeerLostError
 from ..ops import ReduceOp
-from ..transport.requests import Request
+from ..ops.kernels import reduce_into, reduce_to
+from ..transport.requests import SENT, Request
 from ..transport.wire import Coll, Fingerprint, Header, Kind
 from ..tuning import tuner
 
@@ -69,15 +70,44 @@ class CollectiveCall:
         return Header(Kind.COLL, self.group.ctx, self.seq, step, nbytes, self.fp)
 
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
+        """A small message goes to its ring or socket at once where it can (Engine.send_now)."""
         payload = byte_view(data)
-        return self.group.engine.isend(self.group.ranks[peer], self._header(step, payload.nbytes),
-                                       payload, self)
+        header = self._header(step, payload.nbytes)
+        world, engine = self.group.ranks[peer], self.group.engine
+        if engine.send_now(world, header.pack(), payload):
+            return SENT
+        return engine.isend(world, header, payload, self)
 
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
               base: np.ndarray | None = None) -> Request:
         dst = data.reshape(-1) if reduce is not None else byte_view(data)
         return self.group.engine.irecv(self.group.ranks[peer], self._header(step, data.nbytes),
                                        dst, reduce, self, base)
+
+    def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
+                     reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
+        """The send handed whole to its ring or socket and the peer's message taken straight
+        from its own, spinning briefly for it (Engine.sendrecv_now, or recv_now where `send` is
+        None); with `reduce` it lands in a scratch array and is folded from there."""
+        ranks, ctx, seq, fp, engine = self.group.ranks, self.group.ctx, self.seq, self.fp, self.group.engine
+        into = recv if reduce is None else np.empty(recv.shape, recv.dtype)
+        inn = Header(Kind.COLL, ctx, seq, step, recv.nbytes, fp)
+        peer = ranks[src]
+        if send is None:
+            sent = False
+            received = into.flags.c_contiguous and engine.recv_now(peer, (peer, inn.key), inn.pack(), into,
+                                                                    True)
+        else:
+            payload = byte_view(send)
+            sent, received = engine.sendrecv_now(
+                ranks[dst], Header(Kind.COLL, ctx, seq, step, payload.nbytes, fp).pack(), payload,  # type: ignore[index]
+                peer, (peer, inn.key), inn.pack(), into)
+        if received and reduce is not None:
+            if base is None:
+                reduce_into(recv.reshape(-1), into.reshape(-1), reduce)
+            else:
+                reduce_to(recv.reshape(-1), base.reshape(-1), into.reshape(-1), reduce)
+        return sent, received
 
     @property
     def link(self) -> Link:

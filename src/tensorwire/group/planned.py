@@ -9,6 +9,7 @@ and submit through `Plans.submit`; gpu/planned.py's small device all_reduce does
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -84,19 +85,21 @@ class Plans(dict):
 
     def submit(self, call: CollectiveCall, body: Callable[..., Any], direct: bool, async_op: bool,
                timeout: float | None, *args: Any) -> Any:
-        """CallQueue.submit for a planned call, given the plan's own call object. A body of the
-        direct path that can run inline, with nothing arrived that must be vetted first,
-        reuses that object, its deadline started only if it has to wait: such a body keeps no
-        reference to its call, and the setup saved is a fifth of a small call's time."""
+        """CallQueue.submit for a planned call, given the plan's own call object. A body that
+        can run inline, with nothing arrived that must be vetted first, reuses that object: the
+        setup saved is a fifth of a small call's time. A body of the direct path starts its
+        deadline only if it has to wait; one of the message path runs so only in a group
+        without a segment (else the segment must be stamped with the call, CallQueue._run)."""
         engine = self.engine
         queue = self.queue
-        if async_op or not direct or queue.busy or queue.pending or engine.unexpected \
+        if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
+                or engine.unexpected \
                 or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
                 or (engine.aborted and self.ctx in engine.aborted):
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
         queue.seq = call.seq = queue.seq + 1
         call.timeout = self.group.timeout if timeout is None else timeout
-        call.deadline = 0.0
+        call.deadline = 0.0 if direct else time.perf_counter() + call.timeout
         engine.current[self.ctx] = call.ref
         queue.current = call
         queue.busy = True

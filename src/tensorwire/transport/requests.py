@@ -39,6 +39,17 @@ class Request:
             self.done = True
 
 
+def _sent() -> Request:
+    req = Request(-1, None, "a message sent as it was posted")  # type: ignore[arg-type]
+    req.done = True
+    return req
+
+
+SENT = _sent()
+"""What a send handed whole to its ring or socket at once returns (Engine.send_now): done,
+never failed, shared."""
+
+
 class SendRequest(Request):
     descriptor: bytes | None = None  # set where the receiver reads the payload itself (shm REMOTE)
 
