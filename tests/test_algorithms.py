@@ -29,6 +29,7 @@ import pytest
 import tensorwire as tw
 from tensorwire.algorithms import chain, registry
 from tensorwire.algorithms.base import blocks_of, contiguous_span
+from tensorwire.algorithms.ordered import arrange
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.ops.dtypes import dtype_code
@@ -377,12 +378,30 @@ CASES = {"all_reduce": _case_all_reduce, "reduce": _case_reduce, "broadcast": _c
          "barrier": _case_barrier}
 
 
-def rank_every_algorithm(seed: int) -> dict:
-    """Every message-path algorithm of every collective over its plan, on this rank."""
+class _Reversed:
+    """Orders as topology.Layout gives them, none the identity on 3 ranks: the ring reversed,
+    and each root first with the others after it in descending order."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @property
+    def ring(self) -> tuple[int, ...]:
+        return tuple(reversed(range(self.n)))
+
+    def rooted(self, root: int) -> tuple[int, ...]:
+        return (root, *sorted((r for r in range(self.n) if r != root), reverse=True))
+
+
+def rank_every_algorithm(seed: int, arranged: bool = False) -> dict:
+    """Every message-path algorithm of every collective over its plan, on this rank; arranged:
+    each seen through ordered.arrange in other rank orders."""
     g = tw.world()
     log = _Log()
     for ci, collective in enumerate(COLLECTIVES):
         for name, alg in _message_algorithms(collective).items():
+            if arranged:
+                alg = arrange(alg, _Reversed(g.size))
             for i, case in enumerate(_plan(collective, g.size)):
                 try:
                     CASES[collective](g, alg, log, (seed, ci, i), case)
@@ -418,6 +437,14 @@ def test_every_algorithm(get_cluster, size: int, transport: str) -> None:
 def test_every_algorithm_on_eight_ranks(get_cluster) -> None:
     results = get_cluster(8, "shm").run(rank_every_algorithm, 8, timeout=230)
     _expect(results, 8)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_every_algorithm_in_another_rank_order(get_cluster, transport: str) -> None:
+    """As a group over hosts runs them where its ranks are not numbered host by host."""
+    results = get_cluster(3, transport).run(rank_every_algorithm, 7, True, timeout=140)
+    _expect(results, 3)
 
 
 def test_runs_that_reduce_in_place_take_the_input_apart() -> None:

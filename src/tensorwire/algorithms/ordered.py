@@ -61,7 +61,8 @@ class Reordered:
 
     def exchange_now(self, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
                      reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
-        return self.call.exchange_now(self.order[dst], send, self.order[src], recv, step, reduce, base)
+        return self.call.exchange_now(None if dst is None else self.order[dst], send, self.order[src], recv,
+                                      step, reduce, base)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:
