@@ -151,11 +151,17 @@ def rank_sends_of_every_flat_algorithm() -> list[str]:
     g = tw.world()
     n, me = g.size, g.rank
     sent: list[tuple[int, int]] = []
-    original = group_mod.CollectiveCall.isend
+    original, original_exchange = group_mod.CollectiveCall.isend, group_mod.CollectiveCall.exchange_now
 
     def isend(self, peer, data, step):
         sent.append((peer, data.nbytes))
         return original(self, peer, data, step)
+
+    def exchange_now(self, dst, send, *args):
+        done = original_exchange(self, dst, send, *args)
+        if done[0]:  # else its send is posted through isend
+            sent.append((dst, send.nbytes))
+        return done
 
     block = crossing._BLOCK
 
@@ -177,7 +183,7 @@ def rank_sends_of_every_flat_algorithm() -> list[str]:
         "barrier": lambda: g.barrier(),
     }
     wrong = []
-    group_mod.CollectiveCall.isend = isend
+    group_mod.CollectiveCall.isend, group_mod.CollectiveCall.exchange_now = isend, exchange_now
     try:
         for coll in COLLECTIVES:
             for name in flat(coll):
@@ -189,7 +195,7 @@ def rank_sends_of_every_flat_algorithm() -> list[str]:
                 if got != want:
                     wrong.append(f"{coll} {name}: sent {got}, traced {want}")
     finally:
-        group_mod.CollectiveCall.isend = original
+        group_mod.CollectiveCall.isend, group_mod.CollectiveCall.exchange_now = original, original_exchange
     return wrong
 
 
