@@ -19,11 +19,14 @@ from ..errors import PeerLostError
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into, reduce_to
 from ..transport.requests import SENT, Request
-from ..transport.wire import Coll, Fingerprint, Header, Kind
+from ..transport.wire import Coll, Fingerprint, Header, Kind, pack_header
 from ..tuning import tuner
 
 if TYPE_CHECKING:
     from .group import Group
+
+
+_COLL = int(Kind.COLL)
 
 
 class CollectiveCall:
@@ -72,11 +75,12 @@ class CollectiveCall:
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
         """A small message goes to its ring or socket at once where it can (Engine.send_now)."""
         payload = byte_view(data)
-        header = self._header(step, payload.nbytes)
-        world, engine = self.group.ranks[peer], self.group.engine
-        if engine.send_now(world, header.pack(), payload):
+        group = self.group
+        world, engine = group.ranks[peer], group.engine
+        if engine.send_now(world, pack_header(_COLL, group.ctx, self.seq, step, payload.nbytes, self.fp),
+                           payload):
             return SENT
-        return engine.isend(world, header, payload, self)
+        return engine.isend(world, self._header(step, payload.nbytes), payload, self)
 
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
               base: np.ndarray | None = None) -> Request:
@@ -91,17 +95,17 @@ class CollectiveCall:
         None); with `reduce` it lands in a scratch array and is folded from there."""
         ranks, ctx, seq, fp, engine = self.group.ranks, self.group.ctx, self.seq, self.fp, self.group.engine
         into = recv if reduce is None else np.empty(recv.shape, recv.dtype)
-        inn = Header(Kind.COLL, ctx, seq, step, recv.nbytes, fp)
         peer = ranks[src]
+        key = (peer, (ctx, _COLL, seq, step))  # Header.key's, as the engine files messages
+        inn = pack_header(_COLL, ctx, seq, step, recv.nbytes, fp)
         if send is None:
             sent = False
-            received = into.flags.c_contiguous and engine.recv_now(peer, (peer, inn.key), inn.pack(), into,
-                                                                    True)
+            received = into.flags.c_contiguous and engine.recv_now(peer, key, inn, into, True)
         else:
             payload = byte_view(send)
-            sent, received = engine.sendrecv_now(
-                ranks[dst], Header(Kind.COLL, ctx, seq, step, payload.nbytes, fp).pack(), payload,  # type: ignore[index]
-                peer, (peer, inn.key), inn.pack(), into)
+            out = pack_header(_COLL, ctx, seq, step, payload.nbytes, fp)
+            to = ranks[dst]  # type: ignore[index]
+            sent, received = engine.sendrecv_now(to, out, payload, peer, key, inn, into)
         if received and reduce is not None:
             if base is None:
                 reduce_into(recv.reshape(-1), into.reshape(-1), reduce)

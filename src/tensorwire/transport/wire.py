@@ -137,9 +137,7 @@ class Header(NamedTuple):
         return (self.ctx, self.kind, self.seq, self.tag)
 
     def pack(self) -> bytes:
-        fp = self.fp
-        return HEADER.pack(self.kind, fp.coll, fp.dtype, fp.op, self.ctx, self.seq, self.tag,
-                           self.nbytes, fp.count & 0xFFFFFFFFFFFFFFFF, fp.root, fp.aux, self.mode)
+        return pack_header(self.kind, self.ctx, self.seq, self.tag, self.nbytes, self.fp, self.mode)
 
     @classmethod
     def unpack(cls, raw, offset: int = 0) -> Header:
@@ -186,5 +184,8 @@ def check_tcp(header: Header, max_message: int) -> None:
     raise MalformedHeader(f"unknown message kind {kind}")
 
 
-def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint) -> bytes:
-    return Header(kind, ctx, seq, tag, nbytes, fp).pack()
+def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint,
+                mode: int = 0) -> bytes:
+    """A header's wire form, with no Header made first (half of its cost on a small message's path)."""
+    return HEADER.pack(kind, fp.coll, fp.dtype, fp.op, ctx, seq, tag, nbytes, fp.count & 0xFFFFFFFFFFFFFFFF,
+                       fp.root, fp.aux, mode)
