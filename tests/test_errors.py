@@ -530,6 +530,32 @@ def test_a_mismatch_behind_a_backlog_of_calls_raises_on_every_rank(cluster: Any)
                       rank=rank, within=TIMEOUT - 1.0)
 
 
+def _root_sends_on(t: float) -> dict[str, Any]:
+    """A broadcast root that only ever sends, while the other ranks' first call differs: the
+    root must learn of the abort within a bounded number of its calls, not when its link is full."""
+    g = _fresh_group()
+    x = np.ones(4, np.float32)
+    if g.rank:
+        outcome = _attempt(g.broadcast, np.ones(5, np.float32), src=0, timeout=t)
+        time.sleep(1.0)
+        return outcome
+    calls = 0
+
+    def broadcasts() -> None:
+        nonlocal calls
+        for calls in range(1, 1001):  # noqa: B007 (read after an exception)
+            g.broadcast(x, src=0, timeout=t)
+
+    return {**_attempt(broadcasts), "calls": calls}
+
+
+def test_a_root_that_only_sends_learns_of_an_abort_within_a_few_calls(cluster: Any) -> None:
+    outcomes = cluster.run(_root_sends_on, TIMEOUT)
+    for outcome in outcomes:
+        _assert_error(outcome, CollectiveMismatchError, "broadcast", "count", within=TIMEOUT - 1.0)
+    assert outcomes[0]["calls"] <= 200, outcomes[0]
+
+
 def _mismatch_after(good_calls: int, t: float) -> dict[str, Any]:
     g = _fresh_group()
     for _ in range(good_calls):  # the first checked, the others planned

@@ -52,6 +52,7 @@ _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long t
 _BG_LOOK_MAX_S = 0.04  # its longest pause between looks while waits keep coming
 _BG_PARK_S = 1.0  # it sleeps until woken once this long has passed without a pending request
 _BG_PRUNE = 256  # finished requests the set may hold before a registration drops them
+_GLANCE = 64  # calls that never wait between two rounds of progress (glance)
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 
 
@@ -85,6 +86,7 @@ class Engine(Failures):
         self._background: set[Request] = set()
         self._bg_parked = False  # the background thread sleeps until a request wakes it
         self._waits = 0  # waits begun by any thread: while they keep coming, the thread looks less often
+        self.until_glance = _GLANCE  # calls that never wait left before the next glance()
         self._foreground = 0  # threads inside wait(), each driving progress for everyone
         self.closed = False
         self.wiring: Wiring | None = None  # makes channels on first use; None: only add_channel
@@ -434,8 +436,12 @@ class Engine(Failures):
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        if pending:  # else all finished as they were posted (a small send into a ring)
+        if pending:
             self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
+        else:  # all finished as posted (small sends)
+            self.until_glance -= 1
+            if not self.until_glance:
+                self.glance()
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -443,6 +449,16 @@ class Engine(Failures):
             entry = self.aborted.get(ctx)
             if entry is not None and seq >= entry[0]:
                 raise entry[1]
+
+    def glance(self) -> None:
+        """One round of progress and of the sockets, which callers make every _GLANCE calls
+        that never wait (counting `until_glance` down): a rank whose calls end as posted (a
+        broadcast's root) still reads what comes for it, an abort above all, within that many
+        calls instead of when its link is full."""
+        self.until_glance = _GLANCE
+        with self.lock:
+            self.progress()
+            self.poll_sockets()  # shared memory's control messages come through its sockets
 
     def _drive(self, pending: list[Request], deadline: float, ctx: int, seq: int, watch: Iterable[int],
                what: object, cross_check: Callable[[], None] | None) -> None:
