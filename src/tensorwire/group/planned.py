@@ -91,9 +91,10 @@ class Plans(dict):
         deadline only if it has to wait; one of the message path runs so only in a group
         without a segment (else the segment must be stamped with the call, CallQueue._run)."""
         engine = self.engine
-        engine.until_glance -= 1
-        if not engine.until_glance:
-            engine.glance()
+        if direct:  # a one-shot body reads no ring nor socket (a message-path call's wait glances)
+            engine.until_glance -= 1
+            if not engine.until_glance:
+                engine.glance()
         queue = self.queue
         if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
                 or engine.unexpected \
