@@ -59,7 +59,7 @@ class Reordered:
     def wait(self, *reqs: Request) -> None:
         self.call.wait(*reqs)
 
-    def exchange_now(self, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,
+    def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
                      reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
         return self.call.exchange_now(None if dst is None else self.order[dst], send, self.order[src], recv,
                                       step, reduce, base)

@@ -135,7 +135,7 @@ def binomial_gather(p2p: P2P, send: np.ndarray, recv_blocks: list[np.ndarray] | 
         assert recv_blocks is not None
         if recv_blocks[root] is not send:
             copy(recv_blocks[root], send)
-        if kids == [1] and n == 2:  # one leaf, one message: a blocking receive, straight into its block
+        if n == 2:  # one child, a leaf: its one message straight into its block
             receive(p2p, real(1), recv_blocks[real(1)], _DATA_STEP)
             return
         reqs, unpack = [], []

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 
 _COLL = int(Kind.COLL)
+_SCRATCH_BYTES = 16 << 10  # the largest reducing receive exchange_now takes through a scratch array
 
 
 class CollectiveCall:
@@ -92,7 +93,10 @@ class CollectiveCall:
                      reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
         """The send handed whole to its ring or socket and the peer's message taken straight
         from its own, spinning briefly for it (Engine.sendrecv_now, or recv_now where `send` is
-        None); with `reduce` it lands in a scratch array and is folded from there."""
+        None); with `reduce` it lands in a scratch array and is folded from there, where it is
+        small (a larger one is folded as it arrives, with no scratch nor second pass)."""
+        if reduce is not None and recv.nbytes > _SCRATCH_BYTES:
+            return False, False
         ranks, ctx, seq, fp, engine = self.group.ranks, self.group.ctx, self.seq, self.fp, self.group.engine
         into = recv if reduce is None else np.empty(recv.shape, recv.dtype)
         peer = ranks[src]

@@ -9,7 +9,6 @@ and submit through `Plans.submit`; gpu/planned.py's small device all_reduce does
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +102,9 @@ class Plans(dict):
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
         queue.seq = call.seq = queue.seq + 1
         call.timeout = self.group.timeout if timeout is None else timeout
-        call.deadline = 0.0 if direct else time.perf_counter() + call.timeout
+        call.deadline = 0.0
+        if not direct:
+            call.start()
         engine.current[self.ctx] = call.ref
         queue.current = call
         queue.busy = True
