@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [mps] [cpu] [tcp] [tcpprof] [profile]   (default: bench tests ddp)
+#   scripts/gpu_check.sh [bench] [tests] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
+#   (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
-# on the GPU, tensorwire and Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
+# on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
+# (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
 # daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
 # host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too);
 # tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce and sendrecv
@@ -55,6 +57,14 @@ for step in $steps; do
       timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29517 examples/ddp_train.py \
         --device cuda --backend "$backend" --steps 40 --hidden 2048 > "$OUT/ddp-$backend.txt" 2>&1
       note "ddp $backend (rc=$?): $(grep -E 'ms a step' "$OUT/ddp-$backend.txt")"
+    done
+    ;;
+  pipeline)
+    for run in "tensorwire 2 --device cuda --hidden 2048" "tensorwire 4" "gloo 4"; do
+      set -- $run
+      timeout 120 $PY -m torch.distributed.run --nproc-per-node "$2" --master-port 29518 examples/pipeline_train.py \
+        --backend "$1" --steps 40 "${@:3}" > "$OUT/pipeline-$1-$2.txt" 2>&1
+      note "pipeline $run (rc=$?): $(grep -E 'ms a step' "$OUT/pipeline-$1-$2.txt")"
     done
     ;;
   mps)

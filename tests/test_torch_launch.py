@@ -1,6 +1,7 @@
 """Starting the tensorwire backend every way torch users do: torchrun, `tensorwire run`, and the
 env://, tcp:// and file:// init methods (with destroy and re-init in one process), a single
-process, the 'cpu:tensorwire' device syntax; and examples/ddp_train.py under both launchers."""
+process, the 'cpu:tensorwire' device syntax; examples/ddp_train.py under both launchers, and
+examples/pipeline_train.py (send/recv through batch_isend_irecv) against its single-process run."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def test_example_under_torchrun() -> None:
 def test_example_under_tensorwire_run() -> None:
     argv = [str(BIN / "tensorwire"), "run", "-n", "2", str(EXAMPLE), "--steps", "6"]
     _check_example(run_command(argv, env=clean_env(), timeout=100), "tensorwire run")
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_example_matches_its_single_process_run() -> None:
+    """Three stages on a 1F1B schedule: every stage's parameters and the losses after 5 steps
+    are those of the whole model trained in one process (the example exits 1 where not)."""
+    argv = [str(BIN / "tensorwire"), "run", "-n", "3", str(REPO / "examples" / "pipeline_train.py"),
+            "--steps", "5", "--hidden", "64", "--micro-batches", "5"]
+    result = run_command(argv, env=clean_env(), timeout=100)
+    text = result.out + result.err
+    assert result.rc == 0, f"pipeline example exited {result.rc}:\n{text[-4000:]}"
+    assert "3 stages on cpu" in result.out, text[-4000:]
+    assert "matches a single-process run: True" in result.out, text[-4000:]
 
 
 @pytest.mark.timeout(120)
