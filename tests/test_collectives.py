@@ -425,16 +425,10 @@ REPEAT_SHAPES = [(7,), (3, 5), (40_000,)]
 REPEAT_ROOTED_OPS = (ReduceOp.SUM, ReduceOp.MAX)
 
 
-def _repeat_roots(n: int) -> list[int]:
-    """The first, a middle and the last rank: a root's cases differ by where it sits."""
-    return sorted({0, n // 2, n - 1})
-
-
 def _repeat_cases(n: int) -> int:
     ops = [(dt, op) for dt in REPEAT_DTYPES for op in ReduceOp
            if op is not ReduceOp.PREMUL_SUM and _accepts(op, dt)]
-    # per root, in place and out=, 3 times
-    rooted = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * len(_repeat_roots(n)) * 2 * 3
+    rooted = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * n * 2 * 3  # per root, in place and out=, 3 times
     # all_gather_into_tensor (also in place), all_to_all_single
     moves = len(REPEAT_DTYPES) * len(REPEAT_SHAPES) * 3 * 3
     # all_reduce in place and out=, reduce_scatter_tensor into its own block and into a fresh array
@@ -460,7 +454,7 @@ def rank_repeated_signatures(seed: int) -> dict:
                                           (di, int(op), si, use_out, rep, 7), in_place=not use_out,
                                           spelled=op if rep % 2 else None)
         for si, shape in enumerate(REPEAT_SHAPES):
-            for root in _repeat_roots(n):
+            for root in range(n):
                 for use_out in (False, True):
                     for rep in range(3):
                         want = _gen(dt, shape, (seed, 4, di, si, root, use_out, rep), root)
@@ -2498,10 +2492,10 @@ def rank_placed(case: dict) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [(2, "shm"), (3, "shm"), (3, "tcp"), (4, "shm")],
-                         ids=["2-shm", "3-shm", "3-tcp", "4-shm"])
 @pytest.mark.parametrize("coll", sorted(PLACED))
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("world", [(2, "shm"), (3, "shm"), (3, "tcp"), (4, "shm")],
+                         ids=["2-shm", "3-shm", "3-tcp", "4-shm"])  # the outer loop: conftest keeps 3 worlds
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_property_based_placements(coll, world, get_cluster, data) -> None:
     case = data.draw(_placement(coll, world[0]), label="case")
