@@ -62,13 +62,14 @@ class Stage:
         self.shape, self.device = (micro, hidden), device
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
 
-    def exchange(self, send: torch.Tensor | None, to: int, recv: bool, frm: int) -> torch.Tensor | None:
-        """Send `send` to rank `to` and receive a tensor from `frm`, in one batch (either may be
-        absent): the neighbours' messages cross without either waiting for the other."""
+    def exchange(self, send: torch.Tensor | None = None, to: int | None = None,
+                 frm: int | None = None) -> torch.Tensor | None:
+        """Send `send` to rank `to` and receive a tensor from rank `frm`, in one batch (either
+        may be absent: None): the neighbours' messages cross without either waiting for the other."""
         ops, got = [], None
-        if send is not None:
+        if send is not None and to is not None:
             ops.append(dist.P2POp(dist.isend, send.contiguous(), to))
-        if recv:
+        if frm is not None:
             got = torch.empty(self.shape, device=self.device)
             ops.append(dist.P2POp(dist.irecv, got, frm))
         if ops:
@@ -92,36 +93,30 @@ class Stage:
 
     def step(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
         """One 1F1B step over the micro-batches; the batch's loss on the last stage (else 0)."""
-        m, r = len(xs), self.rank
-        prev, nxt = r - 1, r + 1
-        warm = min(self.world - r - 1, m)
-        loss = 0.0
+        m = len(xs)
+        prev = None if self.first else self.rank - 1
+        nxt = None if self.last else self.rank + 1
+        warm = min(self.world - self.rank - 1, m)
+        losses: list[float] = []
 
-        def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            nonlocal loss
-            out = self.forward(i, xs[i] if self.first else x, ys[i], m)  # type: ignore[arg-type]
+        def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            out = self.forward(i, xs[i] if x is None else x, ys[i], m)
             if self.last:
-                loss += out.item()
+                losses.append(out.item())
             return out
 
         for i in range(warm):
-            x = None if self.first else self.exchange(None, 0, True, prev)
-            out = fwd(i, x)
-            self.exchange(out.detach(), nxt, False, 0)
-        x = None if self.first or warm == m else self.exchange(None, 0, True, prev)
+            self.exchange(forward(i, self.exchange(frm=prev)).detach(), to=nxt)
+        x = self.exchange(frm=prev) if warm < m else None
         for j in range(m - warm):
-            out = fwd(warm + j, x)
+            out = forward(warm + j, x)
             # send this output on, take the gradient of micro-batch j back
-            grad = None if self.last else self.exchange(out.detach(), nxt, True, nxt)
-            gx = self.backward(j, grad)
-            more = j < m - warm - 1
+            gx = self.backward(j, self.exchange(out.detach(), to=nxt, frm=nxt))
             # send its input's gradient back, take the next micro-batch's input
-            x = self.exchange(gx, prev, more and not self.first, prev)
+            x = self.exchange(gx, to=prev, frm=prev if j < m - warm - 1 else None)
         for j in range(m - warm, m):
-            grad = self.exchange(None, 0, True, nxt)
-            gx = self.backward(j, grad)
-            self.exchange(gx, prev, False, 0)
-        return loss
+            self.exchange(self.backward(j, self.exchange(frm=nxt)), to=prev)
+        return sum(losses)
 
 
 def reference(blocks: list[nn.Sequential], steps: int, size: int, micro_batches: int, lr: float,

@@ -6,9 +6,10 @@
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
-# (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B and 64 MiB bench again under CUDA MPS (a control
-# daemon of this script's own, stopped after; where nvidia-cuda-mps-control exists); cpu: the
-# host collectives at 8 and 16 ranks against Gloo and Open MPI (JSON and markdown tables too);
+# (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B
+# and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
+# where nvidia-cuda-mps-control exists); cpu: the host collectives at 8 and 16 ranks against
+# Gloo and Open MPI (JSON and markdown tables too);
 # tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce and sendrecv
 # over TCP at 2 ranks for each streams per pair x pump threads, then against Gloo at 2 and 8 ranks;
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
