@@ -37,6 +37,9 @@ NOW_BYTES = 64 << 10
 (TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small. Receives
 take them so too (SocketStream.take_now)."""
 _PEEK_BYTES = HEADER_SIZE + NOW_BYTES
+_PULL_FRAMES = 64
+"""Headers one `pull` reads at most: a peer that sends as fast as this rank reads must not keep
+one round of progress (and the engine's lock) going forever, or nothing it read gets matched."""
 
 
 def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
@@ -267,8 +270,10 @@ class SocketStream:
         return True
 
     def pull(self) -> bool:
-        """Read every frame the kernel holds now, handing payloads to their sinks."""
+        """Read the frames the kernel holds now (up to _PULL_FRAMES headers), handing payloads
+        to their sinks."""
         moved = False
+        frames = 0
         while True:
             if self._rx is not None and not self._collect():
                 return moved
@@ -286,6 +291,9 @@ class SocketStream:
                     self._hdr_got += n
                     if self._hdr_got == self._hdr_want:
                         self._begin()
+                        frames += 1
+                        if frames == _PULL_FRAMES:
+                            return True
                     continue
                 if not self._read_payload():
                     return moved
