@@ -1,5 +1,5 @@
-"""The short soak inside `make test`: random collectives on 4 ranks for about 20 s per transport,
-and 10 s on shared memory with the Python bodies only (TENSORWIRE_NATIVE=0), every result
+"""The short soak inside `make test`: random collectives on 4 ranks for about 12 s per transport,
+and 6 s on shared memory with the Python bodies only (TENSORWIRE_NATIVE=0), every result
 checked against numpy (tests/soak.py; `make soak` runs thousands of steps). The
 seed is fresh each run (SOAK_SEED=N fixes it) and printed; a failure names the step and the command
 replaying it."""
@@ -17,7 +17,7 @@ SOAK = Path(__file__).resolve().parent / "soak.py"
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("transport, seconds, native", [("both", 20, "auto"), ("shm", 10, "0")],
+@pytest.mark.parametrize("transport, seconds, native", [("both", 12, "auto"), ("shm", 6, "0")],
                          ids=["both-transports", "python-bodies"])
 def test_short_soak(transport: str, seconds: int, native: str) -> None:
     proc = subprocess.run([sys.executable, str(SOAK), "--np", "4", "--seconds", str(seconds), "--transport",
