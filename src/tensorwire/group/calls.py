@@ -83,6 +83,13 @@ class CollectiveCall:
             return SENT
         return engine.isend(world, self._header(step, payload.nbytes), payload, self)
 
+    def isend_waking(self, peer: int, data: np.ndarray, step: int) -> Request:
+        """A message over the pair's socket, which wakes a peer asleep on its sockets at once
+        (Engine.isend's `waking`): for waits that sleep rather than spin."""
+        payload = byte_view(data)
+        header = self._header(step, payload.nbytes)
+        return self.group.engine.isend(self.group.ranks[peer], header, payload, self, waking=True)
+
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
               base: np.ndarray | None = None) -> Request:
         dst = data.reshape(-1) if reduce is not None else byte_view(data)

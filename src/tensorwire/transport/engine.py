@@ -148,7 +148,9 @@ class Engine(Failures):
 
     # -- posting ----------------------------------------------------------------------------
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
-              wire_header: bytes | None = None) -> SendRequest:
+              wire_header: bytes | None = None, waking: bool = False) -> SendRequest:
+        """`waking`: over the pair's socket even where a ring joins them, so that a peer asleep
+        on its sockets wakes for it at once (a ring's data is seen at its next poll)."""
         req = SendRequest(peer, header, payload, what, wire_header)
         with self.lock:
             if peer == self.rank:
@@ -157,8 +159,12 @@ class Engine(Failures):
             if (self.aborted or self.lost) and self.fail_if_unusable(req):
                 return req
             channel = self.channels.get(peer) or self._connect(peer)
-            channel.post(req)
             try:
+                if waking:
+                    channel.post_control(req)
+                    channel.poll_socket()
+                    return req
+                channel.post(req)
                 if header.kind == Kind.P2P:
                     # Sends only: a message read now, before its receive is posted (a sendrecv
                     # posts its send first), would be staged and copied twice. Waiters read.

@@ -428,22 +428,22 @@ def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0:
     n, r = world.size, world.rank
     got = np.empty_like(values)
     for step, d in enumerate(crossing.doubling(n), step0):
-        reqs = [call.irecv((r - d) % n, got, step), call.isend((r + d) % n, values, step)]
+        reqs = [call.irecv((r - d) % n, got, step), call.isend_waking((r + d) % n, values, step)]
         _wait_politely(world, call, reqs)
         np.maximum(values, got, out=values)
 
 
 _SETTLE, _SYNC = 30_000, 40_000
 _RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
-_POLITE_SLEEP_S, _POLITE_SLEEP_MAX_S = 0.0005, 0.02  # a long wait's naps double up to the most: on a
-# crowded host each wake of a rank sitting out a lone measurement takes a turn from the ranks measured
+_POLITE_NAP_S = 0.02  # the longest sleep of a polite wait, which its message's arrival cuts short
 
 
 def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
-    """call.wait without the busy phase: poll, then sleep on the sockets (which wake at once
-    for TCP data or a peer that went away; shared-memory data is seen at the next poll)."""
+    """call.wait without spinning: poll, then sleep on the sockets, which wake at once for the
+    round's message (sent on the pair's socket: `isend_waking`), TCP data or a peer that went
+    away. On a crowded host every wake of a rank sitting out a lone measurement (or a round)
+    takes a turn from the ranks that work (docs/design/calibration.md#polite-rounds)."""
     engine = world.engine
-    nap = _POLITE_SLEEP_S
     while not all(r.done for r in reqs):
         with engine.lock:
             engine.progress()
@@ -452,8 +452,7 @@ def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
         engine.check_group(world.ctx, call.seq, world.ranks)  # aborted, or a member crashed
         if time.perf_counter() > call.deadline:
             break  # call.wait raises the TimeoutError naming whom it waited for
-        engine.sleep_on_sockets(nap)
-        nap = min(2 * nap, _POLITE_SLEEP_MAX_S)
+        engine.sleep_on_sockets(_POLITE_NAP_S)
     call.wait(*reqs)
 
 
