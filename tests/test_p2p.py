@@ -825,7 +825,7 @@ def _late_root_reduces() -> dict[str, Any]:
     r, n = g.rank, g.size
     x = np.full(1 << 19, r + 1, np.float32)
     y = np.empty_like(x)
-    before = g.engine.staged_bytes
+    before, releases = g.engine.staged_bytes, g.engine.releases
     right = 0
     for _ in range(6):
         if r == 0:
@@ -833,18 +833,22 @@ def _late_root_reduces() -> dict[str, Any]:
         y[...] = x
         tw.reduce(y, dst=0)
         right += r != 0 or bool((y == n * (n + 1) / 2).all())
-    return {"right": right, "staged": g.engine.staged_bytes - before}
+    engine = g.engine
+    return {"right": right, "staged": engine.staged_bytes - before, "released": engine.releases - releases}
 
 
 def test_large_collective_messages_wait_in_the_ring_for_their_receive(cluster: Any) -> None:
     """On shared memory a large message that arrives before its receive stays in the ring (the
     sender waits) instead of being copied into a fresh buffer and again out of it: without
     this, ranks running ahead made back-to-back large reduces 3-10x slower at n=4 on 2 cores.
-    Over TCP the payload must leave the socket, so it is staged: only the results count there."""
+    Over TCP the payload must leave the socket, so it is staged: only the results count there.
+    A wait idle for 0.1 s stages what is parked (Engine.release_parked: else two ranks that both
+    send first could wait on each other for good), which a loaded machine's scheduler can cause:
+    a rank that staged must have released."""
     for rank, res in enumerate(cluster.run(_late_root_reduces)):
         assert res["right"] == 6, (rank, res)
         if cluster.env["TENSORWIRE_TRANSPORT"] != "tcp":
-            assert res["staged"] == 0, (rank, res)
+            assert res["staged"] == 0 or res["released"], (rank, res)
 
 
 def _parked_sender_needed_elsewhere() -> dict[str, Any]:

@@ -71,6 +71,7 @@ class Engine(Failures):
         self.posted: dict[tuple, deque[RecvRequest]] = {}
         self.unexpected: dict[tuple, deque[Unexpected]] = {}
         self.staged_bytes = 0  # payload that arrived before its receive and was buffered (a 2nd copy)
+        self.releases = 0  # waits that grew idle enough to stage what was parked (release_parked)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
         self.oversubscribed = False  # more ranks on this machine than usable cores (adapt_to_machine)
@@ -329,6 +330,7 @@ class Engine(Failures):
         """Stage every parked message (and vet it), and every unexpected one still in its
         sender's memory, whose sender waits for it: called by waiters idle for _RELEASE_PARKED_S."""
         with self.lock:
+            self.releases += 1
             for channel in self.channel_list:
                 if channel.parked is not None:
                     channel.release = True
