@@ -125,6 +125,16 @@ class Engine(Failures):
         self.wiring.want(peer)
         return channel
 
+    def reach(self, peers: Iterable[int]) -> None:
+        """Start wiring those of `peers` that have no channel yet, in the background: a first
+        message to one then finds its channel made, or on its way, while this rank worked."""
+        if self.wiring is None:
+            return
+        with self.lock:
+            for peer in peers:
+                if peer != self.rank and peer not in self.channels and peer not in self.lost:
+                    self._connect(peer)
+
     def install(self, peer: int, channel: Channel) -> bool:
         """The wiring connected `peer`: `channel` takes the place of its PendingChannel (and what
         was posted to that goes out first, in order). False if the peer is no longer wanted."""

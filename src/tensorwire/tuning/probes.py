@@ -342,6 +342,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     spinning: on a host with more ranks than cores a spinning bystander would be measured
     along with the link."""
     me = world.rank
+    wire_partners(world)
     # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
     # memory (cache, β, γ), cma (α, β, β out of huge pages), then the rounds: the one shot's
     # 8 B call and recursive doubling's, per round
@@ -419,6 +420,24 @@ def spread(world: Any, hosts: list[int]) -> Iterator[bool]:
         os.sched_setaffinity(0, cores)
 
 
+def wire_partners(world: Group) -> None:
+    """Connect, all at once, the ranks this one exchanges with in the busy rounds' shifts and
+    the polite maxima (r ± d, d = 1, 2, 4, ...; recursive doubling's r XOR d talk already), and
+    wait until they are: else each round waits for its pairs' setup in turn, and a setup
+    running beside a measurement is measured with it. Collective over the world."""
+    n, r, engine = world.size, world.rank, world.engine
+    peers = {world.ranks[(r + s * d) % n] for d in crossing.doubling(n) for s in (1, -1)}
+    engine.reach(peers)
+    deadline = time.perf_counter() + world.timeout  # past it, the rounds' waits name the missing
+
+    def pending() -> bool:
+        return any(getattr(engine.channels.get(p), "kind", None) == "pending" and p not in engine.lost
+                   for p in peers)
+
+    while pending() and time.perf_counter() < deadline:
+        engine.sleep_on_sockets(_WIRING_NAP_S)
+
+
 def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0: int) -> None:
     """`values` becomes its maximum over ranks, the same on every rank (and no rank returns
     before all have arrived), waiting without spinning: rounds in which rank r sends to r + d
@@ -436,6 +455,7 @@ def _max_politely(world: Group, call: CollectiveCall, values: np.ndarray, step0:
 _SETTLE, _SYNC = 30_000, 40_000
 _RESULTS = 50_000  # message steps of the probe's results (the pairs use steps below)
 _POLITE_NAP_S = 0.02  # the longest sleep of a polite wait, which its message's arrival cuts short
+_WIRING_NAP_S = 0.005  # a wait for the wiring thread's connections (no socket of theirs to wake it)
 
 
 def _wait_politely(world: Group, call: CollectiveCall, reqs: list) -> None:
