@@ -32,6 +32,7 @@ from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures
 from .pumps import Pumps, pump_threads
 from .requests import Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
+from .tcp import SPLIT_BYTES
 from .wire import Fingerprint, Header, Kind
 
 if TYPE_CHECKING:
@@ -161,7 +162,8 @@ class Engine(Failures):
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
               wire_header: bytes | None = None, waking: bool = False) -> SendRequest:
         """`waking`: over the pair's socket even where a ring joins them, so that a peer asleep
-        on its sockets wakes for it at once (a ring's data is seen at its next poll)."""
+        on its sockets wakes for it at once (a ring's data is seen at its next poll); for a
+        message below SPLIT_BYTES, which no stream splits (a larger one goes the usual way)."""
         req = SendRequest(peer, header, payload, what, wire_header)
         with self.lock:
             if peer == self.rank:
@@ -171,7 +173,7 @@ class Engine(Failures):
                 return req
             channel = self.channels.get(peer) or self._connect(peer)
             try:
-                if waking:
+                if waking and payload.nbytes < SPLIT_BYTES:
                     channel.post_control(req)
                     channel.poll_socket()
                     return req
