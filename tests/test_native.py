@@ -45,12 +45,16 @@ def _path(seg: GroupSegment, rank: int = 0) -> object:
 
 @settings(max_examples=300, deadline=None)
 @example(dtype=np.dtype(np.float32), op=ReduceOp.PRODUCT, n=5, count=2, parity=0, seed=1, specials=True)
+@example(dtype=np.dtype(np.float32), op=ReduceOp.SUM, n=3, count=136, parity=0, seed=1, specials=True)
 @given(dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS), n=st.integers(1, 6),
        count=st.integers(1, SLOT // 8), parity=st.integers(0, 1), seed=st.integers(0, 2 ** 32 - 1),
        specials=st.booleans())
 def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, specials) -> None:
     """Every fold the C code has gives the bits of the numpy kernel folding the slots in rank
-    order, as the Python bodies do: wrapping integers, infinities, NaNs, signed zeros."""
+    order, as the Python bodies do: wrapping integers, infinities, NaNs, signed zeros. Where
+    two NaNs meet, which one's sign and payload numpy keeps depends on the element's place in
+    its vector loop (on an AVX-512 machine the first operand's, but the second's in the rest
+    after the last full vector), so there both must only be NaN (docs/design/native.md)."""
     code = native.fold_code(op, dtype)
     if not code:
         assert dtype.kind == "f" and op not in (ReduceOp.SUM, ReduceOp.PRODUCT)
@@ -72,6 +76,10 @@ def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, special
                     kernel(want, s, want)
         got = np.full(count, 7, dtype=dtype)
         _path(seg).fold(parity, got, code)
+        if dtype.kind == "f":
+            nan = np.isnan(want)
+            assert (np.isnan(got) == nan).all()
+            got, want = got[~nan], want[~nan]
         assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
     finally:
         seg.close()
