@@ -172,11 +172,15 @@ typedef void (*fold_fn)(char *dst, const char *first, Py_ssize_t stride, int n, 
 NAN_FIRST_FN(nan_first_f, float, uint32_t, 22)
 NAN_FIRST_FN(nan_first_d, double, uint64_t, 51)
 #define NAN_FIRST(x, y, r) _Generic((x), float: nan_first_f, double: nan_first_d)(x, y, r)
-#define FADD(T, U) NAN_FIRST(x, y, x + y)
-#define FMUL(T, U) NAN_FIRST(x, y, x * y)
 
+/* The folds are built for the widest vectors of x86-64 and picked when the module loads. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target_clones("avx512f", "avx2", "default"))) /* chosen at load */
+#else
+#define WIDE
+#endif
 #define FOLD(NAME, T, U, OP)                                                                    \
-    static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) { \
+    WIDE static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) { \
         T *o = (T *)dst;                                                                        \
         const T *s0 = (const T *)first, *s1 = (const T *)(first + stride);                     \
         for (Py_ssize_t i = 0; i < count; i++) {                                                \
@@ -205,10 +209,39 @@ INT_FOLDS(i32, int32_t, uint32_t)
 INT_FOLDS(u32, uint32_t, uint32_t)
 INT_FOLDS(i64, int64_t, uint64_t)
 INT_FOLDS(u64, uint64_t, uint64_t)
-FOLD(sum_f32, float, float, FADD)
-FOLD(prod_f32, float, float, FMUL)
-FOLD(sum_f64, double, double, FADD)
-FOLD(prod_f64, double, double, FMUL)
+/* Floats fold a chunk at a time with a flag of any NaN result: loops the compiler vectorizes.
+ * Only a chunk that met a NaN is folded again element by element, the NaN chosen as above; its
+ * operands are still in place (a dst that is also an operand is written from a scratch array
+ * after the check). */
+#define CHUNK 256
+#define FLOAT_FOLD(NAME, T, OP)                                                                 \
+    WIDE static void NAME##_pair(T *o, const T *s0, const T *s1, Py_ssize_t count) {                 \
+        T tmp[CHUNK];                                                                           \
+        T *to = o == s0 ? tmp : NULL;                                                           \
+        for (Py_ssize_t at = 0; at < count; at += CHUNK) {                                      \
+            Py_ssize_t m = count - at < CHUNK ? count - at : CHUNK;                             \
+            T *out = to != NULL ? to : o + at;                                                  \
+            const T *x = s0 + at, *y = s1 + at;                                                 \
+            int nan = 0;                                                                        \
+            for (Py_ssize_t i = 0; i < m; i++) {                                                \
+                T r = x[i] OP y[i];                                                             \
+                out[i] = r;                                                                     \
+                nan |= r != r;                                                                  \
+            }                                                                                   \
+            if (nan)                                                                            \
+                for (Py_ssize_t i = 0; i < m; i++) out[i] = NAN_FIRST(x[i], y[i], x[i] OP y[i]); \
+            if (to != NULL) memcpy(o + at, to, (size_t)m * sizeof(T));                          \
+        }                                                                                       \
+    }                                                                                           \
+    static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) { \
+        T *o = (T *)dst;                                                                        \
+        NAME##_pair(o, (const T *)first, (const T *)(first + stride), count);                   \
+        for (int r = 2; r < n; r++) NAME##_pair(o, o, (const T *)(first + r * stride), count);  \
+    }
+FLOAT_FOLD(sum_f32, float, +)
+FLOAT_FOLD(prod_f32, float, *)
+FLOAT_FOLD(sum_f64, double, +)
+FLOAT_FOLD(prod_f64, double, *)
 
 /* Indexed by dtype code * 8 + op code, the codes of transport/native.py's FOLD_CODES. */
 #define INT_ROW(S) {NULL, sum_##S, prod_##S, min_##S, max_##S, band_##S, bor_##S, bxor_##S}
