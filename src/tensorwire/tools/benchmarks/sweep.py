@@ -32,7 +32,7 @@ NO_INPLACE = frozenset({"alltoall", "sendrecv", "barrier"})
 """In-place alltoall / sendrecv would send and receive through the same bytes at once."""
 PLACEMENTS = ("out-of-place", "in-place")
 
-_SCHEDULE = ((64 << 10, 10, 100), (1 << 20, 5, 50), (16 << 20, 3, 20), (64 << 20, 2, 10))
+_SCHEDULE = ((4 << 10, 20, 1000), (64 << 10, 10, 200), (1 << 20, 5, 50), (16 << 20, 3, 20), (64 << 20, 2, 10))
 _SCHEDULE_LARGEST = (1, 5)
 
 
