@@ -1851,6 +1851,69 @@ def test_single_copy_broadcast_all_gather_all_to_all(size: int) -> None:
     _expect(results, (2 * size + 3) * 12)
 
 
+def rank_single_copy_rooted() -> dict:
+    """Gathers and scatters forced onto single copy (the root reads every other rank's block,
+    or each rank its own out of the root's list): below and past the slot, at offsets that go
+    through the bounce buffer, from every root; gatherv and scatterv with uneven blocks, one of
+    them empty."""
+    g = tw.world()
+    n, me = g.size, g.rank
+    log = _Log()
+    slot = g.direct.slot_bytes
+    cases = [(64, np.float64, 0), (slot + 1, np.uint8, 0), (3 * slot + 13, np.complex64, 0),
+             ((1 << 20) + 5, np.uint8, 16), ((1 << 20) + 5, np.uint8, 2048)]
+
+    def gathers():
+        for nbytes, dt, shift in cases:
+            count = max(1, nbytes // np.dtype(dt).itemsize)
+            for root in range(n):
+                outs = [_misaligned(count, dt, shift * r) for r in range(n)] if me == root else None
+                log.case()
+                tw.gather(_pattern(count, me, dt), outs, root)
+                if outs is not None:
+                    want = np.stack([_pattern(count, r, dt) for r in range(n)])
+                    log.same(f"gather {count} x {np.dtype(dt).name} to {root}", np.stack(outs), want)
+        counts = [0 if r == 1 else (1 << 18) + 7 * r for r in range(n)]
+        for root in range(n):
+            out = _misaligned(sum(counts), np.float32, 8) if me == root else None
+            log.case()
+            tw.gatherv(out, _pattern(counts[me], me, np.float32), counts, root)
+            if out is not None:
+                want = np.concatenate([_pattern(c, r, np.float32) for r, c in enumerate(counts)])
+                log.same(f"gatherv {counts} to {root}", out, want)
+
+    def scatters():
+        for nbytes, dt, shift in cases:
+            count = max(1, nbytes // np.dtype(dt).itemsize)
+            for root in range(n):
+                blocks = [_pattern(count, r + root, dt) for r in range(n)]
+                recv = _misaligned(count, dt, shift * me)
+                log.case()
+                tw.scatter(recv, blocks if me == root else None, root)
+                log.same(f"scatter {count} x {np.dtype(dt).name} from {root}", recv, blocks[me])
+        counts = [0 if r == 1 else (1 << 18) + 7 * r for r in range(n)]
+        for root in range(n):
+            blocks = [_pattern(c, r + root, np.float32) for r, c in enumerate(counts)]
+            out = _misaligned(counts[me], np.float32, 8)
+            log.case()
+            tw.scatterv(out, np.concatenate(blocks) if me == root else None, counts, root)
+            log.same(f"scatterv {counts} from {root}", out, blocks[me])
+
+    used = _count_algorithms(gathers, "gather")
+    log.check(used == ["single_copy"] * (len(cases) + 1) * n, f"gather ran {used}")
+    used = _count_algorithms(scatters, "scatter")
+    log.check(used == ["single_copy"] * (len(cases) + 1) * n, f"scatter ran {used}")
+    return log.result()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_single_copy_gather_scatter(size: int) -> None:
+    env = {"TENSORWIRE_ALGO": "gather:single_copy,scatter:single_copy", "TENSORWIRE_SINGLE_COPY": "force"}
+    results = _fresh_cluster_run(size, env, rank_single_copy_rooted, timeout=100)
+    _expect(results, 2 * 6 * size)
+
+
 def rank_overlapping_input() -> dict:
     """An out-of-place broadcast or all_gather whose input overlaps its output (a view of the
     same buffer, shifted): every rank gets the input as it was before the call, whichever way

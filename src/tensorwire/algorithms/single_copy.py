@@ -1,13 +1,13 @@
 """Single copy on one host: readers copy large messages straight out of their source's buffer.
 
-A broadcast, all_gather or all_to_all on the direct path moves every byte twice, into the
-source's slot and out of it (one shot or streamed). Here a source publishes the addresses of its buffers in
-its slot instead, each reader copies what it needs directly out of the source process
-(cross-memory attach, transport/cma.py) and then marks itself done in its progress word; a
-source returns only once its readers are done, as its buffer must not change under them. Two
-flag rounds, and one copy of each byte received. Mismatched calls are caught as on the direct
-path: every rank publishes its fingerprint first, and a source waiting for a reader checks
-what that reader published.
+A broadcast, all_gather, all_to_all, gather or scatter on the direct path moves every byte
+twice, into the source's slot and out of it (one shot or streamed). Here a source publishes the
+addresses of its buffers in its slot instead, each reader copies what it needs directly out of
+the source process (cross-memory attach, transport/cma.py) and then marks itself done in its
+progress word; a source returns only once its readers are done, as its buffer must not change
+under them. Two flag rounds, and one copy of each byte received. Mismatched calls are caught as
+on the direct path: every rank publishes its fingerprint first, and a source waiting for a
+reader checks what that reader published.
 """
 
 from __future__ import annotations
@@ -109,6 +109,42 @@ def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | N
         if data.nbytes:
             dp.reader.read_into(data, dp.pids[root], int(dp.views(_WORD, 1)[p][root][0]))
         _finish(dp, call, p, ())
+
+
+def single_copy_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
+    """The root reads every other rank's input; each of them returns once it has (blocks may
+    differ in size: gatherv, whose sizes only the root's list shows)."""
+    dp = call.group.direct
+    me = dp.rank
+    p = _offer(dp, call, _spans([send]), read=me != root)
+    if me != root:
+        _finish(dp, call, p, (root,))
+        return
+    assert blocks is not None
+    for r in dp.onward:
+        if blocks[r].nbytes:
+            _fetch(dp, p, r, 0, blocks[r])
+    if blocks[root] is not send:
+        copy(blocks[root], send)
+    _finish(dp, call, p, ())
+
+
+def single_copy_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
+    """Every other rank reads its block out of the root's list; the root returns once they
+    have (scatterv as gatherv above)."""
+    dp = call.group.direct
+    me = dp.rank
+    if me == root:
+        assert blocks is not None
+        p = _offer(dp, call, _spans(blocks))
+        if blocks[root] is not recv:
+            copy(recv, blocks[root])
+        _finish(dp, call, p, dp.others)
+        return
+    p = _offer(dp, call, [(0, 0)] * dp.size, read=False)  # the table's shape: the root's is read
+    if recv.nbytes:
+        _fetch(dp, p, root, me, recv)
+    _finish(dp, call, p, ())
 
 
 def _lost_if_gone(run):
@@ -249,6 +285,10 @@ _RUNS = {  # collective: (run, cost, table words per rank)
     "all_reduce": (single_copy_all_reduce,
                    volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
     "reduce": (single_copy_reduce, volume_cost(_NOTHING, lambda n: 2 * _FOLD_READ(n), _FOLDED, rounds=3), 2),
+    # a gather's root reads every other block, then copies its own; a scatter's readers read
+    # their own while its root copies its own
+    "gather": (single_copy_gather, volume_cost(_NOTHING, _READ_ONCE, lambda n: 1 / n, rounds=2), 1),
+    "scatter": (single_copy_scatter, volume_cost(_NOTHING, lambda n: 1 / n, _NOTHING, rounds=2), 1),
 }
 # The reduce from 3 ranks, and where ranks outnumber cores only when TENSORWIRE_ALGO names it:
 # its root reads what an all_reduce's ranks read, which at 2 ranks is no less than the one
