@@ -173,14 +173,16 @@ NAN_FIRST_FN(nan_first_f, float, uint32_t, 22)
 NAN_FIRST_FN(nan_first_d, double, uint64_t, 51)
 #define NAN_FIRST(x, y, r) _Generic((x), float: nan_first_f, double: nan_first_d)(x, y, r)
 
-/* The folds are built for the widest vectors of x86-64 and picked when the module loads. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define WIDE __attribute__((target_clones("avx512f", "avx2", "default"))) /* chosen at load */
+/* The folds are built for the widest vectors of x86-64 and picked when the module loads (an
+ * ifunc: GCC with glibc; elsewhere the baseline build only). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define WIDE __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define WIDE
 #endif
 #define FOLD(NAME, T, U, OP)                                                                    \
-    WIDE static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) { \
+    WIDE static void NAME(char *dst, const char *first, Py_ssize_t stride, int n, Py_ssize_t count) \
+    {                                                                                           \
         T *o = (T *)dst;                                                                        \
         const T *s0 = (const T *)first, *s1 = (const T *)(first + stride);                     \
         for (Py_ssize_t i = 0; i < count; i++) {                                                \
@@ -215,7 +217,7 @@ INT_FOLDS(u64, uint64_t, uint64_t)
  * after the check). */
 #define CHUNK 256
 #define FLOAT_FOLD(NAME, T, OP)                                                                 \
-    WIDE static void NAME##_pair(T *o, const T *s0, const T *s1, Py_ssize_t count) {                 \
+    WIDE static void NAME##_pair(T *o, const T *s0, const T *s1, Py_ssize_t count) {            \
         T tmp[CHUNK];                                                                           \
         T *to = o == s0 ? tmp : NULL;                                                           \
         for (Py_ssize_t at = 0; at < count; at += CHUNK) {                                      \
