@@ -42,6 +42,7 @@ from tensorwire.ops.finalize import finalize
 from tensorwire.ops.kernels import reduce_into, reduction_kernel
 from tensorwire.ops.reference import reference
 from tensorwire.ops.validation import op_undefined
+from tensorwire.transport import cma
 from tensorwire.transport.engine import Engine
 from tensorwire.transport.wire import Coll, Fingerprint
 from tensorwire.tuning import cost_model, tuner
@@ -1912,6 +1913,33 @@ def test_single_copy_gather_scatter(size: int) -> None:
     env = {"TENSORWIRE_ALGO": "gather:single_copy,scatter:single_copy", "TENSORWIRE_SINGLE_COPY": "force"}
     results = _fresh_cluster_run(size, env, rank_single_copy_rooted, timeout=100)
     _expect(results, 2 * 6 * size)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_read_in_the_alias_window_bounces_where_the_cpu_is_slow_there(monkeypatch, slow: bool) -> None:
+    """A read whose destination lies 1-63 bytes past its source modulo 4096 goes through the
+    bounce buffer where this CPU copies slowly there (cma.aliasing_is_slow), else straight: the
+    same bytes either way, from every offset in and around the window and across pieces."""
+    word = np.array([7], np.uint64)
+    why = "no process_vm_readv" if cma.load_libc() is None else cma.can_read(os.getpid(), word.ctypes.data, 7)
+    if why:
+        pytest.skip(f"this process cannot read itself: {why}")
+    assert cma.aliasing_is_slow() in (True, False)  # measured once, here or at a collective's read
+    monkeypatch.setattr(cma, "aliasing_is_slow", lambda: slow)
+    reader = cma.Reader()
+    bounced = []
+    monkeypatch.setattr(reader, "fetch", lambda *a, f=reader.fetch: bounced.append(a[2]) or f(*a))
+    source = np.arange(cma.BOUNCE + 3 * 4096 + 77, dtype=np.uint32).view(np.uint8)
+    for shift in (0, 1, 16, 63, 64, 2048):
+        raw = np.zeros(source.nbytes + 8192, np.uint8)
+        at = (source.ctypes.data + shift - raw.ctypes.data) % 4096
+        dst = raw[at:at + source.nbytes]
+        assert (dst.ctypes.data - source.ctypes.data) % 4096 == shift
+        bounced.clear()
+        reader.read_into(dst, os.getpid(), source.ctypes.data)
+        assert np.array_equal(dst, source), shift
+        assert bool(bounced) == (slow and 0 < shift < cma.ALIAS_WINDOW), (shift, bounced)
 
 
 def rank_overlapping_input() -> dict:

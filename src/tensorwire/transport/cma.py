@@ -14,6 +14,7 @@ import ctypes.util
 import errno
 import functools
 import os
+import time
 
 import numpy as np
 
@@ -27,8 +28,13 @@ PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 ALIAS_WINDOW = 64
 """The kernel copies with `rep movsb`, which on some CPUs runs several times slower when the
-destination lies 1-31 bytes past the source modulo 4096 (docs/design/memory.md). A read whose
-offsets fall in this window goes through a bounce buffer at a good offset instead (see `read_into`)."""
+destination lies 1-31 bytes past the source modulo 4096 (docs/design/memory.md). On such a CPU
+(`aliasing_is_slow`) a read whose offsets fall in this window goes through a bounce buffer at a
+good offset instead (see `read_into`)."""
+ALIAS_SLOW = 1.5
+"""A CPU is such a one where a read into the window takes this many times one elsewhere: the
+bounce's second copy costs about one more read."""
+_ALIAS_PROBE = 256 << 10  # bytes of each read that decides it
 BOUNCE = 1 << 20
 """Bytes per bounced piece: large, as a read costs ~10 us before its first byte, yet small
 enough that the copy out of a piece still finds it in cache (docs/design/memory.md)."""
@@ -94,6 +100,26 @@ def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
         local, remote, nbytes = local + got, remote + got, nbytes - got
 
 
+@functools.cache
+def aliasing_is_slow() -> bool:
+    """Is this CPU's kernel copy slow into the alias window? The best of a few reads out of
+    this process into a destination 16 bytes past the source against 2048 past (a few ms,
+    once); where this process cannot read itself, yes (bounce, as every CPU once did)."""
+    region = np.ones(2 * _ALIAS_PROBE + 3 * 4096, np.uint8)
+    src = region.ctypes.data + -region.ctypes.data % 4096
+    best: dict[int, float] = {}
+    try:
+        for shift in (16, 2048, 16, 2048):
+            dst = src + _ALIAS_PROBE + 4096 + shift
+            for _ in range(4):
+                t0 = time.perf_counter()
+                _read(os.getpid(), dst, src, _ALIAS_PROBE)
+                best[shift] = min(best.get(shift, 1.0), time.perf_counter() - t0)
+    except OSError:
+        return True
+    return best[16] > ALIAS_SLOW * best[2048]
+
+
 class Reader:
     """Reads peers' memory into local arrays; keeps the bounce buffer of misaligned reads."""
 
@@ -104,7 +130,7 @@ class Reader:
     def read_into(self, dst: np.ndarray, pid: int, remote: int) -> None:
         """Fill contiguous `dst` from address `remote` of process `pid`."""
         local, nbytes = address(dst), dst.nbytes
-        if not 0 < (local - remote) % 4096 < ALIAS_WINDOW:
+        if not 0 < (local - remote) % 4096 < ALIAS_WINDOW or not aliasing_is_slow():
             _read(pid, local, remote, nbytes)
             return
         raw = dst.reshape(-1).view(np.uint8)
