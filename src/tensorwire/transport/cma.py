@@ -103,8 +103,8 @@ def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
 @functools.cache
 def aliasing_is_slow() -> bool:
     """Is this CPU's kernel copy slow into the alias window? The best of a few reads out of
-    this process into a destination 16 bytes past the source against 2048 past (a few ms,
-    once); where this process cannot read itself, yes (bounce, as every CPU once did)."""
+    this process into a destination 16 bytes past the source against 2048 past, once; yes
+    where this process cannot read itself (the safe answer: bounce)."""
     region = np.ones(2 * _ALIAS_PROBE + 3 * 4096, np.uint8)
     src = region.ctypes.data + -region.ctypes.data % 4096
     best: dict[int, float] = {}

@@ -129,7 +129,7 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="increment between sizes when --stepfactor is 1 (default 1M)")
     p.add_argument("-n", "--iters", type=_count_or_auto(_positive_int), default=20, metavar="N",
                    help="timed iterations per size (default 20); auto: by size, 1000 up to 4 KiB "
-                        "(a mean of µs calls is stable only over many) down to 5 above 64 MiB")
+                        "down to 5 above 64 MiB")
     p.add_argument("-w", "--warmup_iters", type=_count_or_auto(_nonneg_int), default=5, metavar="W",
                    help="warm-up iterations per size, not timed (default 5); auto: by size, 20 down to 1")
     p.add_argument("-z", "--blocking", type=int, choices=(0, 1), default=0, metavar="0|1",
