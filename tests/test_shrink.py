@@ -247,8 +247,8 @@ if rank == 3:
 time.sleep(0.5)
 if rank == 0:  # the lowest member: reports to rank 1 only, decides "nobody failed", tells rank 1, dies
     engine, ctx = world.engine, mix_context(world.ctx, SHRINK, 1)
-    ag._send(engine, [1], ctx, ag._REPORT, ag._mask({3}, world.ranks), "rank 0's report")
-    reports = [ag._recv(engine, w, ctx, ag._REPORT, size, "report") for w in (1, 2)]
+    ag._send(engine, [1], ctx, ag._REPORT, ag._report({3}, world.ranks, 0), "rank 0's report")
+    reports = [ag._recv(engine, w, ctx, ag._REPORT, size + ag._NOTE_BYTES, "report") for w in (1, 2)]
     engine.wait(reports, deadline=time.perf_counter() + 10, ctx=ctx, seq=1 << 62, watch=(), what="reports")
     ag._send(engine, [1], ctx, ag._DECIDE, ag._mask(set(), world.ranks), "rank 0's decision")
     time.sleep(0.3)  # rank 1 reads it before the connection closes

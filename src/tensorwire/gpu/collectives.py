@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ..group.arguments import check_member, check_root, invalid
+from ..group.planned import REPLAN
 from ..ops import ReduceOp, Reduction
 from ..ops.reduce_op import as_reduction
 from ..ops.validation import op_undefined
@@ -136,7 +137,10 @@ class DeviceCollectives:
         if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
             plan = self.plans.get((tensor.dtype, tensor.shape, op))
             if plan is not None and not g.queue.busy and not g.queue.pending and plan.runs(tensor):
-                return plan(tensor, timeout)
+                done = plan(tensor, timeout)
+                if done is not REPLAN:
+                    return done
+                return g.device.all_reduce(tensor, op, out, async_op, timeout)  # the group renewed itself
         check_member(g, what)
         src = self._tensor(tensor, what)
         dst = src if out is None else self._tensor(out, what, "out")

@@ -41,6 +41,7 @@ from .arguments import (
     usable,
 )
 from .bodies import SELECT
+from .planned import REPLAN
 
 if TYPE_CHECKING:
     from .calls import CollectiveCall
@@ -77,10 +78,14 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
                 call, run, red = plan
                 result = tensor if out is None else out
                 if run is None:
-                    return group.plans.submit(call, bodies.all_reduce, False, async_op, timeout,
+                    done = group.plans.submit(call, bodies.all_reduce, False, async_op, timeout,
                                               src, dst, red, result)
-                done = group.plans.submit(call, run, True, async_op, timeout, src, dst)
-                return done if async_op else result
+                    if done is not REPLAN:
+                        return done
+                else:
+                    done = group.plans.submit(call, run, True, async_op, timeout, src, dst)
+                    if done is not REPLAN:
+                        return done if async_op else result
     if _on_device(tensor):
         if compress is not None:
             invalid(group, what, f"compress={compress!r} compresses tensors in host memory only, "
@@ -126,10 +131,14 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
                 call, direct, run, red = plan
                 result = out if mine and out is not None else tensor
                 if red is not None:
-                    return group.plans.submit(call, bodies.reduce, direct, async_op, timeout, data, acc, red,
+                    done = group.plans.submit(call, bodies.reduce, direct, async_op, timeout, data, acc, red,
                                               dst, result, run)
-                done = group.plans.submit(call, run, True, async_op, timeout, data, acc)  # ReducePlan
-                return done if async_op else result
+                    if done is not REPLAN:
+                        return done
+                else:
+                    done = group.plans.submit(call, run, True, async_op, timeout, data, acc)  # ReducePlan
+                    if done is not REPLAN:
+                        return done if async_op else result
     if _on_device(tensor):
         return group.device.reduce(tensor, dst, op, out, async_op, timeout)
     root = check_root(group, dst, what, "dst")
@@ -165,9 +174,13 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
             call, direct, run, red, general = plan
             if general is None:  # its TensorPlan
                 done = group.plans.submit(call, run, True, async_op, timeout, blocks, data)
-                return done if async_op else output
-            return group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout, flats(blocks),
-                                      data, red, True, output, run)
+                if done is not REPLAN:
+                    return done if async_op else output
+            else:
+                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout,
+                                          flats(blocks), data, red, True, output, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(output):
         return group.device.reduce_scatter(output, input_list, op, async_op, timeout)
     check_member(group, what)
@@ -197,11 +210,15 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
         if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
             call, direct, run, red, counts = plan
             if counts is not None:
-                return group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout,
+                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout,
                                           blocks_of(inp.reshape(-1), counts), out, red, True, output,
                                           run)
-            done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-            return done if async_op else output
+                if done is not REPLAN:
+                    return done
+            else:
+                done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
+                if done is not REPLAN:
+                    return done if async_op else output
     if _on_device(output):
         return group.device.reduce_scatter_tensor(output, input, op, async_op, timeout)
     check_member(group, what)
@@ -266,10 +283,14 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
                 call, direct, run, root = plan
                 result = tensor if out is None else out
                 if root is not None:
-                    return group.plans.submit(call, bodies.broadcast, direct, async_op, timeout, data, dst,
+                    done = group.plans.submit(call, bodies.broadcast, direct, async_op, timeout, data, dst,
                                               root, result, run)
-                done = group.plans.submit(call, run, True, async_op, timeout, data, dst)  # its Plan
-                return done if async_op else result
+                    if done is not REPLAN:
+                        return done
+                else:
+                    done = group.plans.submit(call, run, True, async_op, timeout, data, dst)  # its Plan
+                    if done is not REPLAN:
+                        return done if async_op else result
     if _on_device(tensor):
         return group.device.broadcast(tensor, src, out, async_op, timeout)
     root = check_root(group, src, what, "src")
@@ -301,9 +322,13 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
             call, direct, run, general = plan
             if general is None:  # its TensorPlan
                 done = group.plans.submit(call, run, True, async_op, timeout, data, blocks)
-                return done if async_op else tensor_list
-            return group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, data, blocks, True,
-                                      tensor_list, run)
+                if done is not REPLAN:
+                    return done if async_op else tensor_list
+            else:
+                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, data, blocks,
+                                          True, tensor_list, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return group.device.all_gather(tensor_list, tensor, async_op, timeout)
     check_member(group, what)
@@ -329,10 +354,14 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
         if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
             call, direct, run, counts = plan
             if counts is not None:
-                return group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, inp,
+                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, inp,
                                           blocks_of(out.reshape(-1), counts), True, output, run)
-            done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-            return done if async_op else output
+                if done is not REPLAN:
+                    return done
+            else:
+                done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
+                if done is not REPLAN:
+                    return done if async_op else output
     if _on_device(output):
         return group.device.all_gather_into_tensor(output, input, async_op, timeout)
     check_member(group, what)
@@ -386,9 +415,13 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
             call, direct, run, root = plan
             if root is None:  # its GatherPlan
                 done = group.plans.submit(call, run, True, async_op, timeout, data, blocks)
-                return done if async_op else gather_list
-            return group.plans.submit(call, bodies.gather, direct, async_op, timeout, buffers.flat(data),
-                                      None if blocks is None else flats(blocks), dst, gather_list, run)
+                if done is not REPLAN:
+                    return done if async_op else gather_list
+            else:
+                done = group.plans.submit(call, bodies.gather, direct, async_op, timeout, buffers.flat(data),
+                                          None if blocks is None else flats(blocks), dst, gather_list, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return group.device.gather(tensor, gather_list, dst, async_op, timeout)
     root = check_root(group, dst, what, "dst")
@@ -420,10 +453,14 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
             call, direct, run, root = plan
             if root is None:  # its ScatterPlan
                 done = group.plans.submit(call, run, True, async_op, timeout, blocks, data)
-                return done if async_op else tensor
-            return group.plans.submit(call, bodies.scatter, direct, async_op, timeout,
-                                      None if blocks is None else flats(blocks), buffers.flat(data),
-                                      src, tensor, run)
+                if done is not REPLAN:
+                    return done if async_op else tensor
+            else:
+                done = group.plans.submit(call, bodies.scatter, direct, async_op, timeout,
+                                          None if blocks is None else flats(blocks), buffers.flat(data),
+                                          src, tensor, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return group.device.scatter(tensor, scatter_list, src, async_op, timeout)
     root = check_root(group, src, what, "src")
@@ -531,11 +568,14 @@ def all_to_all_single(group: Group, output: Any, input: Any,
             call, direct, run, counts = plan
             if counts is None:  # the one shot through the slots: in place is fine there
                 done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-                return done if async_op else output
-            if not np.may_share_memory(inp, out):
-                return group.plans.submit(call, bodies.all_to_all, direct, async_op, timeout,
+                if done is not REPLAN:
+                    return done if async_op else output
+            elif not np.may_share_memory(inp, out):
+                done = group.plans.submit(call, bodies.all_to_all, direct, async_op, timeout,
                                           blocks_of(inp.reshape(-1), counts),
                                           blocks_of(out.reshape(-1), counts), True, output, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(output):
         return group.device.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                               async_op, timeout)
@@ -582,4 +622,5 @@ def barrier(group: Group, *, async_op: bool = False, timeout: float | None = Non
                                          bodies.no_op if alg is None else alg.run,
                                          alg is not None and alg.needs_direct)
     call, body, direct = plan
-    return group.plans.submit(call, body, direct, async_op, timeout)
+    done = group.plans.submit(call, body, direct, async_op, timeout)
+    return barrier(group, async_op=async_op, timeout=timeout) if done is REPLAN else done

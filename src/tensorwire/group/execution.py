@@ -7,7 +7,8 @@ the thread that waits for them if the worker has not started them yet (`run_unti
 Any failure of a collective aborts the group on every member (as NCCL aborts a
 communicator): a group whose messages may be half-delivered is never reused silently. A call
 that every member refused before sending anything (`refuse`: a local argument error) left
-nothing in flight, and fails alone.
+nothing in flight, and fails alone; one that some member refused and others ran fails on
+every member, and the group renews itself at the next call (renewal.py).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .. import limits
+from .. import limits, log
 from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call
 from ..transport.wire import Coll, Fingerprint
 from ..work import Work
 from .calls import CollectiveCall
+from .renewal import renew
 
 if TYPE_CHECKING:
     from .group import Group
 
 
+_log = log.get("COLL")
 _MISSES = 8  # calls the worker was woken for and found run by their callers before it looks by itself
 _LOOK_S, _LOOK_MAX_S = 0.001, 0.002  # its first and longest pause between looks
 _PARK_S = 1.0  # it sleeps until woken once no call was queued for this long
@@ -53,15 +56,17 @@ class CallQueue:
         self._stopping = False
         self.wake_worker = True  # a queued call wakes the worker; False while it looks by itself (_work_loop)
         self.submitted = 0  # calls queued so far: the worker's looks tell from it whether calls still come
+        self.doomed = 0
+        """Calls to fail without running (with `doom`): after a renewal, those another member
+        made on the old context before it learned of a refusal (renewal.py)."""
+        self.doom: BaseException | None = None
 
     def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
                timeout: float | None, *args: Any) -> Any:
         """Give the call its sequence number now (call order is the contract), run it in order
         as body(call, *args)."""
         group = self.group
-        refusals = self.engine.refusals
-        if refusals and group.ctx in refusals:
-            self._after_refusals(timeout)
+        self.settle(timeout)
         self.seq += 1
         call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
         aborted = self.engine.aborted.get(group.ctx)
@@ -97,31 +102,64 @@ class CallQueue:
         """A local argument error in the call about to be made, found before it sent anything:
         the call takes its number and fails here, and every member is told, so peers raise it
         too instead of waiting for this rank. The group lives on if every member refused that
-        call too (its next call here waits until they all said so: `_after_refusals`); a member
-        that ran it instead fails the group, as a failed call does."""
+        call too (its next call here waits until they all said so: `_after_refusals`); where a
+        member ran it instead, the group renews itself (renewal.py)."""
         group = self.group
+        try:
+            self._settle(None, False)  # earlier calls' refusals, a renewal
+        except Exception:  # noqa: BLE001 - the group stays failed; this call's own error says more
+            pass
+        if self.doomed:
+            self.doomed -= 1
+            raise error
+        self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
         if group.ctx not in self.engine.aborted:
-            self.seq += 1
             self.engine.refuse(group.ctx, self.seq, group.ranks, error)
         raise error
 
-    def _after_refusals(self, timeout: float | None) -> None:
-        """Before the next call is numbered: for each call of this group a member refused, wait
-        until every member refused it too where this rank did; where this rank runs or ran that
-        call instead, fail the group with the refusal."""
+    def settle(self, timeout: float | None) -> None:
+        """Before a call is numbered: what a refusal left to do (`_settle`), if anything."""
+        engine = self.engine
+        if (engine.refusals and self.group.ctx in engine.refusals) or engine.renewable or self.doomed:
+            self._settle(timeout, True)
+
+    def _settle(self, timeout: float | None, numbering: bool) -> None:
+        """Before a call: settle the refusals of this group's calls up to it (`numbering`: the
+        call about to be numbered among them), renew the group if a member refused a call
+        others ran, and fail the call here if another member made it on the old context
+        already (`doomed`)."""
+        group, engine = self.group, self.engine
+        if engine.refusals and group.ctx in engine.refusals:
+            self._after_refusals(timeout, self.seq + numbering)
+        if group.ctx in engine.renewable and engine.aborted[group.ctx][0] <= self.seq + 1 \
+                and not (self.busy or self.pending):  # calls before the failed one run as they were
+            renew(group, timeout)
+        if self.doomed and numbering:
+            self.doomed -= 1
+            raise self.doom  # type: ignore[misc]
+
+    def _after_refusals(self, timeout: float | None, upto: int) -> None:
+        """For each call of this group up to `upto` a member refused: where this rank refused it
+        too, wait until every member refused it (the group goes on) or one ran it (the group
+        renews); where this rank ran it, fail the group so that it renews; where this rank is
+        about to make it, refuse it too (nothing was sent)."""
         group, engine = self.group, self.engine
         for seq in sorted(engine.refusals.get(group.ctx, {})):
-            if seq > self.seq + 1:
+            if seq > upto:
                 break  # a later call, which this rank has yet to reach
             notes = engine.refused_by(group.ctx, seq)
             if group.runtime.rank not in notes:
                 error = next(iter(notes.values()))
-                engine.settle_refusal(group.ctx, seq)
-                group.abort(error, seq)
+                if seq <= self.seq:  # ran it: a sender finished before the refusal came
+                    engine.settle_refusal(group.ctx, seq)
+                    engine.abort_group(group.ctx, seq, group.ranks, error, renew=True)
+                    return
+                self.seq += 1
+                engine.refuse(group.ctx, self.seq, group.ranks, error)
                 raise error
             limit = group.timeout if timeout is None else timeout
             deadline = time.perf_counter() + limit
-            while any(r not in notes for r in group.ranks):
+            while any(r not in notes for r in group.ranks) and group.ctx not in engine.aborted:
                 engine.check_group(group.ctx, seq, group.ranks)
                 if time.perf_counter() > deadline:
                     waits = ", ".join(str(r) for r in group.ranks if r not in notes)
@@ -196,6 +234,12 @@ class CallQueue:
         if isinstance(exc, TimeoutError) and not phase:
             error = self.engine.missing(exc, group.ctx, call.seq, group.ranks, self.internal)
         group.abort(error, call.seq)
+        engine = self.engine
+        if group.ctx in engine.renewable and call.seq > engine.aborted[group.ctx][0] and not self.pending:
+            try:  # it ran past a call a member refused: its next call is this one, as the others'
+                renew(group, call.timeout)
+            except Exception as exc2:  # noqa: BLE001 - the group stays aborted; the call's error says why
+                _log.info("rank %d: group %s not renewed: %s", engine.rank, group.name, exc2)
         return error
 
     def out_of_memory(self, call: CollectiveCall, exc: MemoryError) -> ResourceError:

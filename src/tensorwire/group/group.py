@@ -176,13 +176,27 @@ class Group:
         drop the segment and the hierarchy's groups: their memory goes with the last
         reference, so a call still running keeps what it uses."""
         self.queue.stop_worker(grace)
-        self.forget_plans()
         self.choices.clear()
+        self._forget(grace)
+
+    def _forget(self, grace: float) -> None:
+        """Drop the planned calls, the segment, the device state and the hierarchy's groups."""
+        self.forget_plans()
         self.direct = None
+        self._device = None
         if self._hierarchy is not None:
             self._hierarchy.local.release(grace)
             self._hierarchy.rail.release(grace)
             self._hierarchy = None
+
+    def renew(self, ctx: int) -> None:
+        """Collectively: go on under context `ctx`, what the old one held dropped and the
+        segment made afresh (renewal.py; the caller retired the old context)."""
+        self._forget(0.0)
+        self.ctx = self.plans.ctx = ctx
+        self.queue.current = None
+        if self.rank >= 0:
+            shm_setup.setup_direct(self)
 
     # -- sub-groups ---------------------------------------------------------------------------
     def derive(self, ranks: Sequence[int], ctx: int, name: str) -> Group:

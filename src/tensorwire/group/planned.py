@@ -5,6 +5,8 @@ before only needs its arrays' flags re-checked, and on the direct path runs with
 else looked up already: most of a small call's Python time. The collectives look their plan
 up at their top (`group.plans.get(key)`, a dict lookup), remember one after a checked call,
 and submit through `Plans.submit`; gpu/planned.py's small device all_reduce does the same.
+A plan is bound to the group's segment: where the group renews itself before the call
+(renewal.py), `Plans.submit` returns REPLAN, and the collective takes its checked path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from .group import Group
 
 _PLANS = 256  # checked call signatures kept per group
+REPLAN = object()
+"""What Plans.submit returns for a plan the group's renewal made stale: take the checked path."""
 
 
 class Plans(dict):
@@ -96,9 +100,13 @@ class Plans(dict):
                 engine.glance()
         queue = self.queue
         if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
-                or engine.unexpected \
+                or queue.doomed or engine.unexpected \
                 or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
                 or (engine.aborted and self.ctx in engine.aborted):
+            ctx = self.ctx
+            queue.settle(timeout)
+            if self.ctx != ctx:  # renewed: the plan was bound to the old segment
+                return REPLAN
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
         queue.seq = call.seq = queue.seq + 1
         call.timeout = self.group.timeout if timeout is None else timeout

@@ -3,7 +3,8 @@
 Every member that is alive ends with the same set, even if more members die meanwhile, in two
 rounds of point-to-point messages on a context that nothing else uses:
 
-1. reports: every member sends the set of members it knows are lost to every other member and
+1. reports: every member sends the set of members it knows are lost (and a number of its own,
+   whose maximum the agreement also gives, where nobody failed) to every other member and
    waits for every member's report, or for that member's loss. Its candidate is the union.
 2. decision (the hierarchical consensus of Cachin, Guerraoui and Rodrigues, *Introduction to
    Reliable and Secure Distributed Programming*, 5.1): member i waits for the decision of every
@@ -30,7 +31,10 @@ from .requests import Request
 from .wire import P2P_FINGERPRINT, Header, Kind
 
 _REPORT, _DECIDE = 1, 2  # tags of the two rounds
+_NOTE_BYTES = 8  # a report's number, after its mask
 _NO_CALL = 1 << 62  # the waits belong to no collective call (as group.P2P_SEQ)
+SHRINK_HINT = ("every surviving member must call shrink() (is one blocked outside tensorwire, or in a call "
+               "of another group?); calling shrink() again goes on where this call stopped")
 
 
 class Agreement:
@@ -39,17 +43,21 @@ class Agreement:
 
     `decide` can be called again after a TimeoutError: it goes on where it stopped, with its
     messages still posted and its context live, so a member that retries a timed-out shrink
-    meets the others' first try (a new agreement would wait on a context no one else uses)."""
+    meets the others' first try (a new agreement would wait on a context no one else uses).
+    `note`: this rank's number; `note` after `decide` is the largest of the reports'. `hint`:
+    what a timed-out member should do, for the TimeoutError."""
 
-    def __init__(self, engine: Engine, members: Sequence[int], ctx: int, what: str) -> None:
+    def __init__(self, engine: Engine, members: Sequence[int], ctx: int, what: str, note: int = 0,
+                 hint: str = SHRINK_HINT) -> None:
         self.engine, self.members, self.ctx, self.what = engine, list(members), ctx, what
+        self.note, self.hint = note, hint
         me, n = engine.rank, len(members)
         engine.poll_peers()  # a peer that died before this call is known now
         self.known = {w for w in members if w in engine.lost}
         others = [w for w in members if w != me]
-        _send(engine, [w for w in others if w not in self.known], ctx, _REPORT, _mask(self.known, members),
-              what)
-        self.reports = {w: _recv(engine, w, ctx, _REPORT, n, what) for w in others}
+        _send(engine, [w for w in others if w not in self.known], ctx, _REPORT,
+              _report(self.known, members, note), what)
+        self.reports = {w: _recv(engine, w, ctx, _REPORT, n + _NOTE_BYTES, what) for w in others}
         self.lower = self.members[:self.members.index(me)]
         self.decisions = {w: _recv(engine, w, ctx, _DECIDE, n, what) for w in self.lower}
 
@@ -60,11 +68,16 @@ class Agreement:
         engine, members, ctx, what = self.engine, self.members, self.ctx, self.what
         me = engine.rank
         try:
-            _wait(engine, self.reports, ctx, deadline, what, limit, "its report of the failed ranks")
+            _wait(engine, self.reports, ctx, deadline, what, limit, "its report of the failed ranks",
+                  self.hint)
             candidate = set(self.known)
             for w, req in self.reports.items():
-                candidate |= {w} if req.error is not None else _members(req.dst, members)
-            _wait(engine, self.decisions, ctx, deadline, what, limit, "its decision")
+                if req.error is not None:
+                    candidate.add(w)
+                else:
+                    candidate |= _members(req.dst[:len(members)], members)
+                    self.note = max(self.note, int(req.dst[len(members):].view(np.int64)[0]))
+            _wait(engine, self.decisions, ctx, deadline, what, limit, "its decision", self.hint)
         except TimeoutError:
             raise  # the agreement stays as it stands, for the next try
         except BaseException:
@@ -92,6 +105,11 @@ def _mask(ranks: Iterable[int], members: Sequence[int]) -> np.ndarray:
     return mask
 
 
+def _report(lost: Iterable[int], members: Sequence[int], note: int) -> np.ndarray:
+    """A report: the mask of the members this rank knows are lost, then its number."""
+    return np.concatenate([_mask(lost, members), np.array([note], dtype=np.int64).view(np.uint8)])
+
+
 def _members(mask: np.ndarray, members: Sequence[int]) -> frozenset[int]:
     return frozenset(members[i] for i in np.flatnonzero(mask))
 
@@ -110,7 +128,7 @@ def _recv(engine: Engine, peer: int, ctx: int, tag: int, n: int, what: str) -> R
 
 
 def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, what: str, limit: float,
-          awaited: str) -> None:
+          awaited: str, hint: str) -> None:
     """Until every receive has its message or has failed with its sender's loss."""
     try:
         engine.wait(list(reqs.values()), deadline=deadline, ctx=ctx, seq=_NO_CALL, watch=(), what=what)
@@ -118,9 +136,7 @@ def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, w
         missing = ", ".join(str(w) for w, req in reqs.items() if not req.done)
         raise TimeoutError(
             f"rank {engine.rank}: {what}: rank(s) {missing} did not send {awaited} within {limit:g} s "
-            "though their connections are alive: every surviving member must call shrink() (is one "
-            "blocked outside tensorwire, or in a call of another group?); calling shrink() again goes "
-            "on where this call stopped") from None
+            f"though their connections are alive: {hint}") from None
     except PeerLostError:
         pass  # a member died before it answered: the agreement counts it as failed
     for req in reqs.values():

@@ -102,8 +102,10 @@ _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answer
 _NOT_IN = "Not in this call"
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
-REFUSAL = 1
-"""An ABORT header's tag for a refusal: one call failed on every member, the group lives on."""
+REFUSAL, RENEWED = 1, 2
+"""An ABORT header's tags: a refusal (one call failed on every member, the group lives on), and
+an abort because a member refused a call this rank ran (the group renews itself at its next
+call: group/renewal.py)."""
 
 
 class Failures:
@@ -136,6 +138,7 @@ class Failures:
         self.deferred_aborts: list[tuple] = []
         self.notices: list[SendRequest] = []  # the aborts this rank sent (close() delivers them)
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
+        self.renewable: set[int] = set()  # aborted groups that renew at their next call (RENEWED)
         self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
         self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
         self.refusals: dict[int, dict[int, dict[int, BaseException]]] = {}
@@ -272,7 +275,7 @@ class Failures:
         refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
         if refused and self.rank not in refused:  # a member refused the call this rank runs
             error = next(iter(refused.values()))
-            self.abort_group(ctx, seq, watch, error)
+            self.abort_group(ctx, seq, watch, error, renew=True)
             raise error
         if self.crashed:
             doomed = time.perf_counter() - _CRASH_GRACE_S
@@ -311,8 +314,8 @@ class Failures:
 
     def run_deferred_aborts(self) -> None:
         while self.deferred_aborts:
-            ctx, seq, members, error = self.deferred_aborts.pop(0)
-            self.abort_group(ctx, seq, members, error)
+            ctx, seq, members, error, renew = self.deferred_aborts.pop(0)
+            self.abort_group(ctx, seq, members, error, renew)
 
     def check_arrival(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
@@ -345,7 +348,7 @@ class Failures:
                 f"{call.group.name} ({coll_label(header.fp.coll)}) that this rank finished without "
                 f"needing it: the ranks called different collectives or roots there (this rank is now "
                 f"at {call.what})")
-        self.deferred_aborts.append((header.ctx, header.seq, tuple(call.group.ranks), error))
+        self.deferred_aborts.append((header.ctx, header.seq, tuple(call.group.ranks), error, False))
 
     def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
                        peer: int) -> CollectiveMismatchError:
@@ -357,7 +360,7 @@ class Failures:
     def control_sink(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
             on = self._on_refusal if header.tag == REFUSAL else self._on_abort
-            return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw))
+            return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw, header.tag))
         if header.kind == Kind.BYE:
             return ControlSink(0, lambda raw: self.departed.add(peer))
         if header.kind == Kind.QUERY:
@@ -412,8 +415,10 @@ class Failures:
             req.fail(self.lost_error(req.peer))
         return req.done
 
-    def abort_group(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
-        """Fail call `seq` of a group and every later one, here and on every member.
+    def abort_group(self, ctx: int, seq: int, members: Iterable[int], error: BaseException,
+                    renew: bool = False) -> None:
+        """Fail call `seq` of a group and every later one, here and on every member; `renew`:
+        because a member refused that call, so the group renews itself (group/renewal.py).
 
         Earlier calls are left alone: a slower member may still be finishing them, and their
         messages may arrive after the abort, which travels on the control path.
@@ -424,7 +429,9 @@ class Failures:
         (docs/design/failures.md)."""
         with self.lock:
             if self.fail_locally(ctx, seq, error):
-                self._tell(ctx, seq, members, error, 0)
+                if renew:
+                    self.renewable.add(ctx)
+                self._tell(ctx, seq, members, error, RENEWED if renew else 0)
 
     def _tell(self, ctx: int, seq: int, members: Iterable[int], error: BaseException, tag: int) -> None:
         """An ABORT notice (`tag`: 0, or REFUSAL) of call `seq` of group `ctx` to every member."""
@@ -448,27 +455,30 @@ class Failures:
         cls = _ERROR_CLASSES.get(name, AbortedError)
         return cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]")
 
-    def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
+    def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         self._note_state(ctx, peer, seq)  # it ran call seq
         if ctx not in self.aborted:
             self.fail_locally(ctx, seq, self._reported(peer, raw))
+            if tag == RENEWED:
+                self.renewable.add(ctx)
 
     # -- refusals: a call that fails on every member, the group living on ---------------------
     def refuse(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
         """This rank refused call `seq` of group `ctx` (a local argument error, found before it
         sent anything): the members are told, and the group lives on if each of them refused
-        that call too (`refused_by`); any that ran it instead fails the group (`_on_refusal`)."""
+        that call too (`refused_by`); any that ran it instead fails the group, which then renews
+        itself (`_on_refusal`, group/renewal.py)."""
         with self.lock:
             self.refusals.setdefault(ctx, {}).setdefault(seq, {})[self.rank] = error
             self._tell(ctx, seq, members, error, REFUSAL)
 
-    def _on_refusal(self, peer: int, ctx: int, seq: int, raw: bytes) -> None:
+    def _on_refusal(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         if ctx in self.aborted:
             return
         error = self._reported(peer, raw)
         call = self.current_call(ctx)
         if call is not None and call.seq >= seq:  # this rank runs or ran that call: the group fails
-            self.deferred_aborts.append((ctx, seq, tuple(call.group.ranks), error))
+            self.deferred_aborts.append((ctx, seq, tuple(call.group.ranks), error, True))
         else:  # still to come here: refused too (refused_by), or failed as it starts (the group's queue)
             self.refusals.setdefault(ctx, {}).setdefault(seq, {})[peer] = error
 
@@ -524,6 +534,7 @@ class Failures:
         unexpected is queued."""
         with self.lock:
             self.retired.add(ctx)
+            self.renewable.discard(ctx)
             for child in self.children.pop(ctx, ()):  # a hierarchy's groups go with it
                 self.retire(child, error)
             self.current.pop(ctx, None)

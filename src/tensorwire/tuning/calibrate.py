@@ -215,7 +215,7 @@ def at_init(world: Group) -> LinkTable:
             measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info),
                                     own_core)
         probe_s = time.perf_counter() - t1
-        foreign = probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1)
+        foreign = round(probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1), 2)  # as cached
         slower = _install_measured(base, sources, measured, pairs, direct, cma)
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
