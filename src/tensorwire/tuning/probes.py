@@ -51,6 +51,8 @@ DIRECT_CALLS, DIRECT_SERIES = 24, 3  # all_reduces through the shared segment, b
 # this many series, the least series' mean call kept: the direct path
 CROWDED_CALLS, CROWDED_WARM, CROWDED_BATCHES = 6, 2, 3  # ... and the busy α's batches: down to this
 # many where a machine's ranks crowd its cores (crowded), as the check of a cache entry counts them
+CROWDED_LONG_WARM, CROWDED_LONG_CALLS = 1, 3  # ... and the long calls' series there (the one shot's β,
+# single copy): each call is a mean over every rank's turn, and the check does not measure them
 CROWDED_BUSY_BYTES = 256 << 10  # ... and the busy rounds' size there, one warm-up round a distance:
 # rounds that do not grow every partner's ring (docs/design/calibration.md#the-crowded-probes-time)
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
@@ -110,21 +112,22 @@ def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
     return timed("direct"), timed("recursive_doubling")
 
 
-def measure_direct(world: Group, **counts: int) -> tuple[float, float, float]:
+def measure_direct(world: Group, long: dict[str, int], **counts: int) -> tuple[float, float, float]:
     """(α, recursive doubling's 8-byte call, β) of the one-shot shared-memory path, from
     all_reduces through the group segment (every rank of the world takes part, see `typical`):
     α is a call's time at 8 bytes, in the first round of small_all_reduces (`probe` takes the
     median of DIRECT_ROUNDS); β is fitted to the time at DIRECT_BYTES (up to the slot),
     counting a reduced byte like a copied one, and never below a lone copy's (`counts`:
-    typical's). Every rank works in these calls, contention included, as for the busy link. Not
-    a bare barrier, nor a copy timed alone: when ranks share cores the copy in and the fold
-    cost as much as the flag round, and each rank copies while the others do."""
+    typical's; `long`: those of the call at DIRECT_BYTES). Every rank works in these calls,
+    contention included, as for the busy link. Not a bare barrier, nor a copy timed alone:
+    when ranks share cores the copy in and the fold cost as much as the flag round, and each
+    rank copies while the others do."""
     run = algorithms_for("all_reduce")["direct"].run
     n = world.size
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
     alpha, messages = small_all_reduces(world, **counts)
     one = typical(world, lambda: run(world.queue.internal_call("calibration probe"), big, ReduceOp.MAX),
-                  **counts)
+                  **long)
     slope = (one - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
     return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
@@ -335,8 +338,9 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     of it) moves neither the median nor the evidence of calibrate.bound_direct. `crowding`:
     the most ranks per core of any machine of the job, the same on every rank; beyond two the
     series, the rounds, the busy batches and the busy rounds' size shrink (crowded,
-    CROWDED_BUSY_BYTES). `own_core`: this rank is the first on its core (as `spread` yields),
-    and such ranks alone measure the busy γ: no more of them contend for memory at once.
+    CROWDED_BUSY_BYTES), the long calls' series most (CROWDED_LONG_CALLS). `own_core`: this
+    rank is the first on its core (as `spread` yields), and such ranks alone measure the busy
+    γ: no more of them contend for memory at once.
 
     Ranks with nothing (more) to measure wait politely, sleeping between polls, rather than
     spinning: on a host with more ranks than cores a spinning bystander would be measured
@@ -355,10 +359,11 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     counts = {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
               "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding),
               "series": crowded(DIRECT_SERIES, 1, crowding)}
+    long = counts if crowding <= 2 else {**counts, "warm": CROWDED_LONG_WARM, "calls": CROWDED_LONG_CALLS}
     if direct:  # first: they need every rank anyway
-        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, **counts)
+        rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, long, **counts)
     if cma:
-        measured[reads] = measure_cma(world, **counts)
+        measured[reads] = measure_cma(world, **long)
     if direct and n_rounds > 1:
         rounds[:, 1] = small_all_reduces(world, **counts)
     call = world.queue.internal_call("calibration probe")
