@@ -1049,7 +1049,7 @@ def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
     env = {"TENSORWIRE_CACHE_DIR": str(tmp_path), "TENSORWIRE_CALIBRATE": "1"}
     cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})  # its own start writes no entry
     try:
-        for _attempt in range(5):  # niced loops get only what the ranks leave idle: some probes leave none
+        for _attempt in range(10):  # niced loops get only what the ranks leave idle: some probes leave none
             for clean in tmp_path.glob("links-*.json"):  # a clean attempt's entry is trusted: the
                 clean.unlink()  # next would read it instead of probing
             burners = [subprocess.Popen(["nice", "-n", "19", "sh", "-c", "while :; do :; done"])
