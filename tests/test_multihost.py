@@ -356,6 +356,12 @@ def test_hierarchical_mismatch_fails_every_rank_naming_the_call(support: dict) -
     assert len(res.lines(r"MISMATCH OK rank \d+ (count|algorithm)")) == 8, res.out
 
 
+def test_one_ranks_refusal_of_a_hierarchical_call_leaves_the_group_usable(support: dict) -> None:
+    res = run_bed(["--hosts", "2", "-n", "2", "--timeout", "30"], [TOPOLOGY_JOB, "refusal"])
+    _job_ok(res, 4)
+    assert len(res.lines(r"REFUSAL OK rank \d+")) == 4, res.out
+
+
 @pytest.mark.timeout(90)
 def test_compressed_all_reduce_across_hosts(support: dict) -> None:
     """compress= bf16 and fp16 of float32 and float64, SUM and AVG, on 2 hosts x 2 ranks and

@@ -13,6 +13,8 @@ Slurm's cyclic distribution gives), whose orders differ from its numbering. Mode
             flat algorithm, every dtype through the data movement, and a pipelined all_reduce
   algos     the matrix's first part only
   mismatch  ranks that disagree on a hierarchical all_reduce: a clear error on every rank
+  refusal   the last rank refuses a hierarchical all_reduce the others run: it fails on every
+            rank, and the group renews itself and goes on, three times over
   uneven    groups whose hosts hold different numbers of ranks: the hierarchy they can run
 Data is chosen so that every reduction is exact whatever its order (integers; floats holding
 small integers; powers of two for products), so results must match exactly (bit for bit but
@@ -293,6 +295,30 @@ def mismatch() -> None:
         raise AssertionError(f"rank {r}: {label}: no error")
 
 
+def refusal() -> None:
+    """The last rank passes a non-contiguous array to a 2 MiB all_reduce (hierarchical: its
+    phases run on the hosts' groups and the rails), the others a good one: every rank raises
+    the refusal naming that rank, and the next all_reduce on the same group is right (the
+    group renewed itself, its hierarchy with it)."""
+    r, n = tw.get_rank(), tw.get_world_size()
+    g = tw.new_group(list(range(n)), name="refusal")
+    for k in range(3):
+        half = np.ones(1 << 20, np.float32)
+        mine = half[::2] if r == n - 1 else np.ones(1 << 19, np.float32)
+        try:
+            with tuner.override(g, "all_reduce", "hierarchical"):
+                g.all_reduce(mine, timeout=20)
+        except tw.InvalidArgumentError as exc:
+            assert f"rank {n - 1}" in str(exc) and "not C-contiguous" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {r}: round {k}: no error")
+        x = np.full(1 << 19, r + 1.0, np.float32)
+        with tuner.override(g, "all_reduce", "hierarchical"):
+            g.all_reduce(x, timeout=20)
+        assert np.all(x == n * (n + 1) / 2), (r, k, x[:4])
+    say(f"REFUSAL OK rank {r}")
+
+
 def topology() -> None:
     """The topology as a job sees it: one host per namespace, one machine, tiers, orders."""
     hosts, per = placement()
@@ -328,6 +354,8 @@ def main() -> None:
             algos(cases)
         elif mode == "mismatch":
             mismatch()
+        elif mode == "refusal":
+            refusal()
         elif mode == "uneven":
             uneven(cases)
         else:
