@@ -269,6 +269,8 @@ class Failures:
 
         A member that left in order is not fatal by itself: it may have finished its part of
         the call; if it had not, the request waiting on it fails instead."""
+        if self.deferred_aborts:  # found while reading a channel (a refusal of the call this rank runs)
+            self.run_deferred_aborts()
         entry = self.aborted.get(ctx)
         if entry is not None and seq >= entry[0]:
             raise entry[1]
@@ -313,9 +315,10 @@ class Failures:
         return None if ref is None else ref()
 
     def run_deferred_aborts(self) -> None:
-        while self.deferred_aborts:
-            ctx, seq, members, error, renew = self.deferred_aborts.pop(0)
-            self.abort_group(ctx, seq, members, error, renew)
+        with self.lock:  # a waiter's check_group and the progress of another thread both run them
+            while self.deferred_aborts:
+                ctx, seq, members, error, renew = self.deferred_aborts.pop(0)
+                self.abort_group(ctx, seq, members, error, renew)
 
     def check_arrival(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
