@@ -342,6 +342,41 @@ def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> N
             assert (total, root, left) == (n * (n + 1) / 2, n - 1, (rank - 1) % n), (rank, k)
 
 
+def _async_buckets_one_refused() -> list[tuple[int, int]]:
+    """DDP's pattern: four async all_reduces, then a wait for each, over a few steps; on one step
+    the last rank refuses the second bucket (its call raises at once). Per step: (failed, right)."""
+    g = _fresh_group()
+    n, bad = g.size, g.size - 1
+    steps = []
+    for step in range(4):
+        xs, works, failed = [], [], 0
+        for b in range(4):
+            xs.append(np.full(1000 * (b + 1), g.rank + 1.0, np.float32))
+            refuse = step == 1 and b == 1 and g.rank == bad
+            arg = np.ones((4, 4), np.float32)[:, ::2] if refuse else xs[-1]
+            try:
+                works.append(g.all_reduce(arg, async_op=True, timeout=10.0))
+            except TensorwireError:
+                failed += 1
+        for work in works:
+            try:
+                work.wait()
+            except TensorwireError:
+                failed += 1
+        steps.append((failed, sum(bool(np.all(x == n * (n + 1) / 2)) for x in xs)))
+    return steps
+
+
+def test_async_calls_one_rank_refused_fail_alike_and_the_group_goes_on(cluster: Any) -> None:
+    """The refused bucket fails on every rank, and so do the buckets queued behind it (they ran
+    on the old context); the buckets before it are right, and so is every later step."""
+    results = cluster.run(_async_buckets_one_refused)
+    assert all(r == results[0] for r in results), results
+    (f0, g0), (f1, g1), *later = results[0]
+    assert (f0, g0) == (0, 4) and f1 >= 1 and f1 + g1 == 4 and g1 >= 1, results[0]
+    assert all(step == (0, 4) for step in later), results[0]
+
+
 def _object_call_one_rank_cannot_pickle(case: str) -> list[dict[str, Any]]:
     g = _fresh_group()
     bad = g.size - 1

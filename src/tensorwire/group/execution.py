@@ -235,7 +235,8 @@ class CallQueue:
             error = self.engine.missing(exc, group.ctx, call.seq, group.ranks, self.internal)
         group.abort(error, call.seq)
         engine = self.engine
-        if group.ctx in engine.renewable and call.seq > engine.aborted[group.ctx][0] and not self.pending:
+        if group.ctx in engine.renewable and call.seq > engine.aborted[group.ctx][0] and not self.pending \
+                and threading.current_thread() is not self._worker:  # the caller: nothing queues meanwhile
             try:  # it ran past a call a member refused: its next call is this one, as the others'
                 renew(group, call.timeout)
             except Exception as exc2:  # noqa: BLE001 - the group stays aborted; the call's error says why
