@@ -390,16 +390,23 @@ def _object_call_one_rank_cannot_pickle(case: str) -> list[dict[str, Any]]:
     else:
         first = _attempt(g.scatter_object_list, [None], [obj] * g.size if g.rank == bad else None, bad,
                          timeout=10.0)
-    return [first, _attempt(g.barrier, timeout=10.0)]
+    outcomes = [first, _attempt(g.barrier, timeout=10.0)]
+    got: list[Any] = [None] * g.size  # the group goes on: an object call that pickles
+    outcomes.append(_attempt(g.all_gather_object, got, {"rank": g.rank}, timeout=10.0))
+    return [*outcomes, got == [{"rank": r} for r in range(g.size)]]
 
 
 @pytest.mark.parametrize("case", ["all_gather_object", "gather_object", "broadcast_object_list",
                                   "scatter_object_list"])
 def test_an_object_one_rank_cannot_pickle_fails_every_rank(cluster: Any, case: str) -> None:
     """The rank whose object does not pickle raises InvalidArgumentError naming itself, the call
-    and the object's type; its peers, which would wait for its sizes, raise within seconds."""
+    and the object's type; its peers, which would wait for its sizes, raise within seconds; and
+    the group goes on (an object call after it is right on every rank)."""
     bad = cluster.size - 1
-    for rank, outcomes in enumerate(cluster.run(_object_call_one_rank_cannot_pickle, case)):
+    results = cluster.run(_object_call_one_rank_cannot_pickle, case)
+    assert len({r[1]["type"] for r in results}) == 1, results  # the barrier: alike on every rank
+    for rank, (*outcomes, right) in enumerate(results):
+        assert outcomes[-1]["type"] is None and right, (rank, outcomes[-1])
         err = _first_error(outcomes)
         if rank == bad:
             _assert_error(err, InvalidArgumentError, case, "cannot pickle", rank=rank, within=1.0)
