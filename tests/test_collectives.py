@@ -1560,6 +1560,10 @@ def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
             used.append("direct")
         return plan_run(plan, *args)
 
+    # the compiled caller runs a planned call's body without the plan's run: the group's
+    # methods are the Python functions here, so that every run is seen
+    world = vars(tw.world())
+    compiled = {name: world.pop(name) for name in list(world) if callable(world[name])}
     try:
         table.update({k: wrap(a) for k, a in saved.items()})
         shm_direct.TensorPlan.run = planned  # type: ignore[method-assign]
@@ -1567,6 +1571,7 @@ def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
         tw.world().plans.clear()
         fn()
     finally:
+        world.update(compiled)
         table.update(saved)
         shm_direct.TensorPlan.run = plan_run  # type: ignore[method-assign]
         tw.world().choices.clear()

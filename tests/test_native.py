@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -280,6 +281,88 @@ def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> 
             assert got["reduce_scatter"][k] == op(mine[0] + r, mine[1] + r).tobytes()
         assert seen["shm"][1]["reduce"][k] == op(mine[0], mine[1]).tobytes()
         assert seen["shm"][0]["gather"][k] == b"".join(m.tobytes() for m in mine)
+
+
+def rank_frames(t: float, calls: int) -> dict:
+    """The fewest Python frames a planned call of each collective entered, out of `calls` (none
+    where the compiled caller ran it whole: a call whose peer was late takes a few), in the
+    forms users write them, keywords included; the same for an async call (the caller hands
+    those to Python); whether each result was right."""
+    import tensorwire as tw
+    from tensorwire.tuning import tuner
+
+    g = tw.world()
+    n, me = g.size, g.rank
+    x, y = np.full(4, me + 1, np.float32), np.empty(4, np.float32)
+    big, spread = np.empty(4 * n, np.float32), np.repeat(np.arange(n, dtype=np.float32), 4) + me
+    blocks = [np.full(4, r + 10, np.float32) for r in range(n)]
+    total = n * (n + 1) / 2
+    runs = {  # collective: (the call, whether its result is right)
+        "all_reduce": (lambda: g.all_reduce(x, out=y), lambda: (y == total).all()),
+        "reduce": (lambda: g.reduce(x, dst=n - 1, op=ReduceOp.SUM, out=y, timeout=t),
+                   lambda: me != n - 1 or (y == total).all()),
+        "broadcast": (lambda: g.broadcast(x.copy() if me else x, src=0, out=y), lambda: (y == 1).all()),
+        "gather": (lambda: g.gather(x, gather_list=blocks if me == 0 else None, dst=0),
+                   lambda: me != 0 or all((b == r + 1).all() for r, b in enumerate(blocks))),
+        "scatter": (lambda: g.scatter(y, blocks if me == n - 1 else None, n - 1, timeout=t),
+                    lambda: (y == me + 10).all()),
+        "barrier": (lambda: g.barrier(timeout=t), lambda: True),
+        "all_gather_into_tensor": (lambda: g.all_gather_into_tensor(big, x),
+                                   lambda: (big == np.repeat(np.arange(1, n + 1), 4)).all()),
+        "reduce_scatter_tensor": (lambda: g.reduce_scatter_tensor(y, spread, op=ReduceOp.SUM),
+                                  lambda: (y == n * me + n * (n - 1) / 2).all()),
+        "all_to_all_single": (lambda: g.all_to_all_single(big, spread, timeout=t),
+                              lambda: (big == np.repeat(np.arange(n), 4) + me).all()),
+    }
+    frames = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code not in ours:
+            frames[0] += 1
+
+    ours = {run.__code__ for run, _ in runs.values()}
+
+    out = {}
+    tuned = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
+    for coll, (run, right) in runs.items():
+        fewest, ok = [], True
+        blocks[:] = [np.full(4, r + 10, np.float32) for r in range(n)]  # a gather wrote them
+        with tuner.override(g, tuned.get(coll, coll), "direct"):
+            for i in range(calls):
+                frames[0] = 0
+                sys.setprofile(count)
+                run()
+                sys.setprofile(None)
+                ok = ok and bool(right())
+                if i >= 2:  # the first checked, the second planned, then every call as the plan ran it
+                    fewest.append(frames[0])
+        out[coll] = {"fewest": min(fewest), "right": ok}
+    work = g.all_reduce(x, out=y, async_op=True)
+    work.wait()
+    frames[0] = 0
+    sys.setprofile(count)
+    g.all_reduce(x, out=y, async_op=True).wait()
+    sys.setprofile(None)
+    compiled = type(g.all_reduce).__name__ == "builtin_function_or_method"
+    return {"colls": out, "async": frames[0], "compiled": compiled}
+
+
+def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
+    """With the compiled module, a planned one-shot call of every collective the caller takes
+    enters no Python frame at all (group/planned.py, Plans._compile), in positional and keyword
+    forms, with and without a timeout; async calls still go through Python. Without it, every
+    call runs the Python functions. Results right either way."""
+    for transport in ("shm", PYTHON):
+        for rank, result in enumerate(get_cluster(2, transport).run(rank_frames, 30.0, 40, timeout=120)):
+            assert result["compiled"] == (transport == "shm")
+            assert result["async"] > 0
+            for coll, seen in result["colls"].items():
+                assert seen["right"], (transport, rank, coll)
+                if transport == "shm":
+                    assert seen["fewest"] == 0, (rank, coll, seen)
+                else:
+                    assert seen["fewest"] > 0, (rank, coll, seen)
 
 
 def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:

@@ -187,7 +187,7 @@ def _forward(name: str) -> Callable[..., Any]:
     costs a noticeable share of a small all_reduce (docs/design/groups.md#forwarding)."""
     method = getattr(Group, name)
     params = list(inspect.signature(method).parameters.values())[1:]  # without self
-    env: dict[str, Any] = {"_method": method, "_api": sys.modules[__name__]}
+    env: dict[str, Any] = {"_api": sys.modules[__name__]}
     declared, passed, star = [], [], False
     for i, p in enumerate(params):
         if p.kind is p.KEYWORD_ONLY and not star:
@@ -203,7 +203,7 @@ def _forward(name: str) -> Callable[..., Any]:
     source = (f"def {name}({', '.join(declared)}):\n"
               f"    if group is None:\n"
               f"        group = (_api._runtime or _api.require_runtime({name!r})).world\n"
-              f"    return _method(group, {', '.join(passed)})\n")
+              f"    return group.{name}({', '.join(passed)})\n")
     exec(compile(source, f"<tensorwire.api.{name}: forwards to Group.{name}>", "exec"), env)  # noqa: S102
     call = env[name]
     functools.update_wrapper(call, method)

@@ -125,16 +125,9 @@ class AllReducePlan(_Stamped):
         returned. One frame for the whole slot path: it is most of a small call."""
         if self.code:  # one C call (see transport/native.py), unless it hands something back
             dp = self.dp
-            st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name = call.seq, call.name
-            status = st.all_reduce(seq, a, b, name, src, dst, self.code)
-            if status != native.DONE and dp.resume(call, status, dp.everyone,
-                                                   st.all_reduce, seq, a, b, name, src, dst, self.code):
-                st.fold(st.parity, dst, self.code)
-            if self.red is not None:
-                finalize(dst.reshape(-1), self.red, dp.size)
-            return dst
+            status = dp.st.all_reduce(call.seq, a, b, call.name, src, dst, self.code)
+            return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
         flat = dst if dst.ndim == 1 else dst.reshape(-1)
         if src.ndim != 1:
             src = src.reshape(-1)
@@ -158,6 +151,23 @@ class AllReducePlan(_Stamped):
         if self.red is not None:
             finalize(flat, self.red, self.dp.size)
         return dst
+
+    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The rest of run's compiled body, given its `status`; `dst` returned."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        if dp.resume(call, status, dp.everyone, st.all_reduce, call.seq, a, b, call.name, src, dst,
+                     self.code):
+            st.fold(st.parity, dst, self.code)
+        if self.red is not None:
+            finalize(dst.reshape(-1), self.red, dp.size)
+        return dst
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """(root, the body's arguments after the arrays) where the compiled caller can run this
+        plan's calls whole (transport/_native.c Caller), else None."""
+        return (-1, (self.code,)) if self.code and self.red is None else None
 
     def _fold_apart(self, call, src: np.ndarray, dst: np.ndarray) -> None:
         """run's way for a message larger than the slot, or a kernel that takes no third array."""
@@ -214,18 +224,29 @@ class TensorPlan(_Stamped):
         if self.compiled:
             st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name, offset, block, code = call.seq, call.name, self.offset, self.block, self.code
-            status = st.exchange(seq, a, b, name, src, dst, offset, block, code)
-            if status != native.DONE and dp.resume(call, status, dp.everyone, st.exchange,
-                                                   seq, a, b, name, src, dst, offset, block, code):
-                return self._out(st.parity, dst)
-            if self.red is not None:
-                finalize(dst if dst.ndim == 1 else dst.reshape(-1), self.red, dp.size)
-            return dst
+            status = st.exchange(call.seq, a, b, call.name, src, dst, self.offset, self.block, self.code)
+            return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
         p = dp.enter(call)
         _into(self.mine[p], src if src.ndim == 1 else src.reshape(-1))
         dp.publish(call, p, dp.everyone)
         return self._out(p, dst)
+
+    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The rest of run's compiled body, given its `status`; `dst` returned."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        if dp.resume(call, status, dp.everyone, st.exchange, call.seq, a, b, call.name, src, dst, self.offset,
+                     self.block, self.code):
+            return self._out(st.parity, dst)
+        if self.red is not None:
+            finalize(dst if dst.ndim == 1 else dst.reshape(-1), self.red, dp.size)
+        return dst
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """See AllReducePlan.compiled_call."""
+        return (-1, (self.offset, self.block, self.code)) \
+            if self.compiled and _finalized(self.red) is None else None
 
     def _out(self, p: int, dst: np.ndarray) -> np.ndarray:
         """What this rank takes from every slot of parity p once all are published; `dst` returned."""
@@ -322,18 +343,9 @@ class ReducePlan(_Stamped):
         `acc` returned."""
         dp = self.dp
         if self.code:
-            st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name = call.seq, call.name
-            code, root = self.code, self.root
-            status = st.reduce(seq, a, b, name, src, acc, code, root)
-            mine = dp.rank == root
-            if status != native.DONE and dp.resume(call, status, dp.everyone if mine else (),
-                                                   st.reduce, seq, a, b, name, src, acc, code, root):
-                st.fold(st.parity, acc, self.code)
-            if mine and self.red is not None:
-                finalize(acc.reshape(-1), self.red, dp.size)
-            return acc
+            status = dp.st.reduce(call.seq, a, b, call.name, src, acc, self.code, self.root)
+            return acc if status == native.DONE and self.red is None else self.after(call, status, src, acc)
         p = dp.enter(call)
         mine, views = self.slots[p]
         _into(mine, src if src.ndim == 1 else src.reshape(-1))
@@ -349,6 +361,23 @@ class ReducePlan(_Stamped):
         if self.red is not None:
             finalize(flat, self.red, dp.size)
         return acc
+
+    def after(self, call, status: int, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
+        """The rest of run's compiled body, given its `status`; `acc` returned."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        mine = dp.rank == self.root
+        if dp.resume(call, status, dp.everyone if mine else (), st.reduce, call.seq, a, b, call.name, src,
+                     acc, self.code, self.root):
+            st.fold(st.parity, acc, self.code)
+        if mine and self.red is not None:
+            finalize(acc.reshape(-1), self.red, dp.size)
+        return acc
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """See AllReducePlan.compiled_call."""
+        return (self.root, (self.code, self.root)) if self.code and self.red is None else None
 
 
 class BroadcastPlan(_Stamped):
@@ -373,14 +402,9 @@ class BroadcastPlan(_Stamped):
         `dst` returned."""
         dp = self.dp
         if self.native:
-            st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name = call.seq, call.name
-            status = st.broadcast(seq, a, b, name, src, dst, self.root)
-            if status != native.DONE and dp.resume(call, status, self.whom,
-                                                   st.broadcast, seq, a, b, name, src, dst, self.root):
-                _into(dst.reshape(-1), self.slots[st.parity])
-            return dst
+            status = dp.st.broadcast(call.seq, a, b, call.name, src, dst, self.root)
+            return dst if status == native.DONE else self.after(call, status, src, dst)
         p = dp.enter(call)
         slot = self.slots[p]
         if dp.rank == self.root:
@@ -392,6 +416,19 @@ class BroadcastPlan(_Stamped):
             dp.publish(call, p, (self.root,))
         _into(dst if dst.ndim == 1 else dst.reshape(-1), slot)
         return dst
+
+    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The rest of run's compiled body, given its `status`; `dst` returned."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        if dp.resume(call, status, self.whom, st.broadcast, call.seq, a, b, call.name, src, dst, self.root):
+            _into(dst.reshape(-1), self.slots[st.parity])
+        return dst
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """See AllReducePlan.compiled_call."""
+        return (self.root, (self.root,)) if self.native else None
 
 
 class GatherPlan(_Stamped):
@@ -416,13 +453,10 @@ class GatherPlan(_Stamped):
         fills its own block first: `send` may lie in another block."""
         dp = self.dp
         if self.native:
-            st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name = call.seq, call.name
-            status = st.gather(seq, a, b, name, send, blocks, self.root)
-            if status != native.DONE and dp.resume(call, status, () if blocks is None else dp.everyone,
-                                                   st.gather, seq, a, b, name, send, blocks, self.root):
-                self._copy_out(st.parity, blocks)  # type: ignore[arg-type]
+            status = dp.st.gather(call.seq, a, b, call.name, send, blocks, self.root)
+            if status != native.DONE:
+                self.after(call, status, send, blocks)
             return
         p = dp.enter(call)
         flat = send if send.ndim == 1 else send.reshape(-1)
@@ -435,6 +469,19 @@ class GatherPlan(_Stamped):
             _into(own if own.ndim == 1 else own.reshape(-1), flat)
         dp.publish(call, p, dp.everyone)
         self._copy_out(p, blocks)
+
+    def after(self, call, status: int, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
+        """The rest of run's compiled body, given its `status`."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        whom = () if blocks is None else dp.everyone
+        if dp.resume(call, status, whom, st.gather, call.seq, a, b, call.name, send, blocks, self.root):
+            self._copy_out(st.parity, blocks)  # type: ignore[arg-type]
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """See AllReducePlan.compiled_call."""
+        return (self.root, (self.root,)) if self.native else None
 
     def _copy_out(self, p: int, blocks: list[np.ndarray]) -> None:
         """The root's last step: every other rank's slot of parity p into its block."""
@@ -469,17 +516,13 @@ class ScatterPlan(_Stamped):
     def run(self, call, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
         dp = self.dp
-        flat = recv if recv.ndim == 1 else recv.reshape(-1)
         if self.native:
-            st = dp.st
             a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
-            seq, name = call.seq, call.name
-            root, starts = self.root, self.table[0][1]  # the same offsets on either parity
-            status = st.scatter(seq, a, b, name, blocks, recv, root, starts)
-            if status != native.DONE and dp.resume(call, status, () if blocks is not None else (root,),
-                                                   st.scatter, seq, a, b, name, blocks, recv, root, starts):
-                _into(flat, self.mine[st.parity])  # type: ignore[arg-type]
+            status = dp.st.scatter(call.seq, a, b, call.name, blocks, recv, self.root, self.table[0][1])
+            if status != native.DONE:
+                self.after(call, status, blocks, recv)
             return
+        flat = recv if recv.ndim == 1 else recv.reshape(-1)
         p = dp.enter(call)
         if blocks is None:
             dp.publish(call, p, (self.root,))
@@ -494,6 +537,24 @@ class ScatterPlan(_Stamped):
         own = blocks[self.root]
         if own is not recv:
             _into(flat, own if own.ndim == 1 else own.reshape(-1))
+
+    def after(self, call, status: int, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
+        """The rest of run's compiled body, given its `status`."""
+        dp = self.dp
+        st = dp.st
+        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        starts = self.table[0][1]  # the same offsets on either parity
+        if dp.resume(call, status, () if blocks is not None else (self.root,), st.scatter, call.seq, a, b,
+                     call.name, blocks, recv, self.root, starts):
+            _into(recv if recv.ndim == 1 else recv.reshape(-1), self.mine[st.parity])  # type: ignore[arg-type]
+
+    def compiled_call(self) -> tuple[int, tuple] | None:
+        """See AllReducePlan.compiled_call."""
+        return (self.root, (self.root, self.table[0][1])) if self.native else None
+
+
+COMPILED_PLANS = (AllReducePlan, ReducePlan, BroadcastPlan, GatherPlan, ScatterPlan, TensorPlan)
+"""The plans whose calls the compiled caller can run whole (their `compiled_call`)."""
 
 
 def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
@@ -658,7 +719,15 @@ def direct_barrier(call) -> None:
     a, b = dp.stamp_words(call)
     status = st.barrier(call.seq, a, b, call.name)
     if status != native.DONE:
-        dp.resume(call, status, dp.everyone, st.barrier, call.seq, a, b, call.name)
+        barrier_after(call, status)
+
+
+def barrier_after(call, status: int) -> None:
+    """The rest of direct_barrier's compiled body, given its `status` (also the compiled
+    caller's, transport/_native.c Caller)."""
+    dp = call.group.direct
+    a, b = dp.stamp_words(call)
+    dp.resume(call, status, dp.everyone, dp.native.barrier, call.seq, a, b, call.name)
 
 
 def direct_all_gather(call, blocks: list[np.ndarray]) -> None:

@@ -42,6 +42,9 @@ _PARK_S = 1.0  # it sleeps until woken once no call was queued for this long
 class CallQueue:
     """One group's calls, numbered in call order and run one at a time in that order."""
 
+    # slots: the compiled caller reads and writes these where they lie (group/planned.py)
+    __slots__ = ("seq", "busy", "doomed", "current", "__dict__", "__weakref__")
+
     def __init__(self, group: Group) -> None:
         self.group = group
         self.engine = group.engine

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from .. import log
+from .. import buffers, log
 from ..algorithms.hierarchical import Hierarchy
 from ..errors import InvalidArgumentError, NotInitializedError
+from ..ops import ReduceOp
 from . import collectives, objects, p2p, shm_setup
 from .arguments import check_member
+from .calls import CollectiveCall
 from .context import mix_context
 from .execution import CallQueue
 from .planned import Plans
@@ -71,7 +73,21 @@ class Group:
         self.direct: DirectPath | None = None
         self.destroyed = False  # destroy() ran: its calls raise NotInitializedError
         if self.rank >= 0:
+            if self.engine.native is not None:
+                self._compile_api()
             shm_setup.setup_direct(self)
+
+    def _compile_api(self) -> None:
+        """Take the compiled caller's methods as this group's collectives of those names: a
+        call that the group planned on the one-shot path runs in one C call, and any other
+        goes to collectives.py's function, as without it (planned.Plans._compile)."""
+        names = self.engine.native.COMPILED_CALLS
+        caller = self.engine.native.Caller(self, self.queue, self.engine, self.plans.finish,
+                                           tuple(getattr(collectives, name) for name in names), ReduceOp.SUM,
+                                           np.ndarray, buffers.seen_torch_view, CollectiveCall, self.rank)
+        self.plans.caller = caller
+        for name in names:
+            setattr(self, name, getattr(caller, name))
 
     def __repr__(self) -> str:
         return f"<tensorwire.Group {self.name} rank {self.rank}/{self.size} ranks={self.ranks}>"

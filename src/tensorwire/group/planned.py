@@ -11,12 +11,13 @@ A plan is bound to the group's segment: where the group renews itself before the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..algorithms.shm_direct import AllReducePlan
+from ..algorithms.shm_direct import COMPILED_PLANS, AllReducePlan, barrier_after, direct_barrier
 from ..ops import Reduction
 from ..transport.wire import Fingerprint
 from ..tuning import tuner
@@ -36,7 +37,7 @@ class Plans(dict):
     for all_reduce (call, the direct path's run or None, reduction); "barrier" -> (call,
     run, on the direct path?). A dict, so that taking a plan costs one lookup."""
 
-    __slots__ = ("group", "queue", "engine", "ctx")
+    __slots__ = ("group", "queue", "engine", "ctx", "caller")
 
     def __init__(self, group: Group, queue: CallQueue) -> None:
         super().__init__()
@@ -44,6 +45,57 @@ class Plans(dict):
         self.queue = queue
         self.engine = group.engine
         self.ctx = group.ctx
+        self.caller: Any = None
+        """The compiled caller (transport/_native.c Caller), where Group made one: it runs the
+        planned one-shot calls it was given (`_compile`) from the group's API in one C call."""
+
+    def clear(self) -> None:
+        super().clear()
+        if self.caller is not None:
+            self.caller.clear()
+
+    def __setitem__(self, key: Any, plan: tuple) -> None:
+        super().__setitem__(key, plan)
+        if self.caller is not None:
+            self._compile(key, plan)
+
+    def _compile(self, key: Any, plan: tuple) -> None:
+        """Give the compiled caller a plan whose calls it can run whole: a barrier on the
+        direct path, or a plan of COMPILED_PLANS of a collective the caller takes, matched by
+        the key collectives.py made it under."""
+        dp = self.group.direct
+        if dp is None or dp.native is None:
+            return
+        call = plan[0]
+        a, b = dp.words_of(call.fp)
+        if key == "barrier":
+            if plan[1] is direct_barrier:
+                self.caller.add("barrier", None, 0, 0, -1, None, True, dp.native, call, self.ctx, a, b,
+                                barrier_after)
+            return
+        what = key[0]
+        run = plan[1] if what == "all_reduce" else plan[2]
+        owner = getattr(run, "__self__", None)
+        spec = owner.compiled_call() if isinstance(owner, COMPILED_PLANS) else None
+        if spec is None or what not in self.engine.native.COMPILED_CALLS:
+            return
+        root, extra = spec
+        dtype = key[1]
+        nbytes = out_bytes = dtype.itemsize * math.prod(key[2]) if what == "all_to_all_single" \
+            else dtype.itemsize * key[2]
+        op, inplace = None, True
+        if what == "all_to_all_single":  # (.., input's shape, output's)
+            out_bytes = dtype.itemsize * math.prod(key[3])
+        elif what in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # (.., output's count[, op])
+            out_bytes = dtype.itemsize * key[3]
+            op = key[4] if len(key) > 4 else None
+        elif what in ("all_reduce", "reduce"):  # (..[, root], op, in place)
+            op, inplace = key[-2], key[-1]
+        elif what == "broadcast":  # (.., root, in place)
+            inplace = key[-1]
+        owner.stamp(dp, call.fp)
+        self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
+                        owner.after, *extra)
 
     def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan (`submit` numbers it per call)."""
@@ -123,10 +175,8 @@ class Plans(dict):
                 a, b = args
                 return body(call, a, b)
             return body(call, *args) if args else body(call)
-        except MemoryError as exc:
-            raise queue.out_of_memory(call, exc) from exc
         except Exception as exc:
-            error = queue.failed(call, exc)
+            error = _failure(queue, call, exc)
             if error is exc:
                 raise
             raise error from exc
@@ -134,3 +184,28 @@ class Plans(dict):
             queue.busy = False  # CallQueue._release, inline: a tenth of this method's time
             if queue.pending:
                 queue.wake()
+
+    def finish(self, call: CollectiveCall, tail: Callable[..., Any], status: int | BaseException,
+               *arrays: Any) -> Any:
+        """The rest of a call the compiled caller numbered and began: its body handed back
+        `status` (transport/native.py) or raised it; `tail(call, status, *arrays)` finishes it
+        as `submit`'s body would."""
+        queue = self.queue
+        try:
+            if isinstance(status, BaseException):
+                raise status
+            return tail(call, status, *arrays)
+        except Exception as exc:
+            error = _failure(queue, call, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            queue.busy = False
+            if queue.pending:
+                queue.wake()
+
+
+def _failure(queue: CallQueue, call: CollectiveCall, exc: Exception) -> BaseException:
+    """What a planned call's body that raised `exc` raises (CallQueue.failed)."""
+    return queue.out_of_memory(call, exc) if isinstance(exc, MemoryError) else queue.failed(call, exc)

@@ -60,6 +60,8 @@ _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 class Engine(Failures):
     """One per process: the channels to its peers and the requests of all its groups."""
 
+    __slots__ = ("until_glance",)  # a slot: the compiled caller counts it down (group/planned.py)
+
     def __init__(self, rank: int, world_size: int, spin_us: float | None, compiled: str = "auto") -> None:
         """`compiled`: whether to run the compiled inner loops (Config.native; transport/native.py)."""
         super().__init__()

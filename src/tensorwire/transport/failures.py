@@ -542,7 +542,7 @@ class Failures:
                 self.retire(child, error)
             self.current.pop(ctx, None)
             self.unvetted.pop(ctx, None)
-            self.deferred_aborts = [d for d in self.deferred_aborts if d[0] != ctx]
+            self.deferred_aborts[:] = [d for d in self.deferred_aborts if d[0] != ctx]  # one list for life
             for key in [k for k in self.posted if k[1][0] == ctx]:
                 for req in self.posted.pop(key):
                     req.fail(error)

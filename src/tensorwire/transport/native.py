@@ -4,8 +4,9 @@ built them.
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
 the whole one-shot all_reduce, reduce, broadcast, gather, scatter, single-tensor all_gather,
 reduce_scatter and all_to_all of a planned call and the barrier, entry included (its Path
-holds the protocol's state: DirectPath.st), and a
-small point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
+holds the protocol's state: DirectPath.st); its Caller runs such a planned call from the
+group's API down, numbering included, in one C call (group/planned.py); and a small
+point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
 layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
 within the spin budget, a mismatch to explain, a dtype or op it does not fold.
