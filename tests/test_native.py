@@ -7,6 +7,7 @@ paths elsewhere (the `shm-python` worlds of test_collectives and test_errors, te
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -284,10 +285,11 @@ def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> 
 
 
 def rank_frames(t: float, calls: int) -> dict:
-    """The fewest Python frames a planned call of each collective entered, out of `calls` (none
-    where the compiled caller ran it whole: a call whose peer was late takes a few), in the
-    forms users write them, keywords included; the same for an async call (the caller hands
-    those to Python); whether each result was right."""
+    """The fewest Python frames a planned call of each collective (and a sendrecv of a pair of
+    routes used before) entered, out of `calls` (none where the compiled caller ran it whole: a
+    call whose peer was late takes a few), in the forms users write them, keywords included;
+    the same for an async call (the caller hands those to Python); whether each result was
+    right."""
     import tensorwire as tw
     from tensorwire.tuning import tuner
 
@@ -313,6 +315,8 @@ def rank_frames(t: float, calls: int) -> dict:
                                   lambda: (y == n * me + n * (n - 1) / 2).all()),
         "all_to_all_single": (lambda: g.all_to_all_single(big, spread, timeout=t),
                               lambda: (big == np.repeat(np.arange(n), 4) + me).all()),
+        "sendrecv": (lambda: g.sendrecv(x, (me + 1) % n, y, (me - 1) % n, 0, t),
+                     lambda: (y == (me - 1) % n + 1).all()),
     }
     frames = [0]
 
@@ -328,7 +332,8 @@ def rank_frames(t: float, calls: int) -> dict:
     for coll, (run, right) in runs.items():
         fewest, ok = [], True
         blocks[:] = [np.full(4, r + 10, np.float32) for r in range(n)]  # a gather wrote them
-        with tuner.override(g, tuned.get(coll, coll), "direct"):
+        one_shot = tuner.override(g, tuned.get(coll, coll), "direct") if coll != "sendrecv" else None
+        with one_shot or contextlib.nullcontext():
             for i in range(calls):
                 frames[0] = 0
                 sys.setprofile(count)
@@ -349,10 +354,11 @@ def rank_frames(t: float, calls: int) -> dict:
 
 
 def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
-    """With the compiled module, a planned one-shot call of every collective the caller takes
-    enters no Python frame at all (group/planned.py, Plans._compile), in positional and keyword
-    forms, with and without a timeout; async calls still go through Python. Without it, every
-    call runs the Python functions. Results right either way."""
+    """With the compiled module, a planned one-shot call of every collective the caller takes,
+    and a sendrecv on one host, enter no Python frame at all (group/planned.py,
+    Plans._compile; p2p.sendrecv), in positional and keyword forms, with and without a timeout;
+    async calls still go through Python. Without it, every call runs the Python functions.
+    Results right either way."""
     for transport in ("shm", PYTHON):
         for rank, result in enumerate(get_cluster(2, transport).run(rank_frames, 30.0, 40, timeout=120)):
             assert result["compiled"] == (transport == "shm")

@@ -78,12 +78,13 @@ class Group:
             shm_setup.setup_direct(self)
 
     def _compile_api(self) -> None:
-        """Take the compiled caller's methods as this group's collectives of those names: a
-        call that the group planned on the one-shot path runs in one C call, and any other
-        goes to collectives.py's function, as without it (planned.Plans._compile)."""
+        """Take the compiled caller's methods as this group's methods of those names: a call
+        that the group planned on the one-shot path (planned.Plans._compile), or a sendrecv of
+        a pair of routes used before (p2p.sendrecv), runs in one C call, and any other goes to
+        the class's Python function, as without it."""
         names = self.engine.native.COMPILED_CALLS
         caller = self.engine.native.Caller(self, self.queue, self.engine, self.plans.finish,
-                                           tuple(getattr(collectives, name) for name in names), ReduceOp.SUM,
+                                           tuple(getattr(Group, name) for name in names), ReduceOp.SUM,
                                            np.ndarray, buffers.seen_torch_view, CollectiveCall, self.rank)
         self.plans.caller = caller
         for name in names:
@@ -165,8 +166,14 @@ class Group:
         checked again."""
         self.plans.clear()
         self.p2p_routes.clear()
-        self.p2p_pairs.clear()
+        self.forget_pairs()
         self.direct_plans.clear()
+
+    def forget_pairs(self) -> None:
+        """Drop sendrecv's pairs of routes (p2p.sendrecv), the compiled caller's too."""
+        self.p2p_pairs.clear()
+        if self.plans.caller is not None:
+            self.plans.caller.clear_pairs()
 
     # -- lifetime -----------------------------------------------------------------------------
     def destroy(self) -> None:

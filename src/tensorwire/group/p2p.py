@@ -20,6 +20,7 @@ from ..buffers import as_array, byte_view
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerLostError, TimeoutError, in_call
 from ..gpu import is_device_buffer as _on_device
 from ..transport.requests import Request
+from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
 from .arguments import check_member, fingerprint
@@ -148,8 +149,11 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     data, out = _host(group, send, True, dst, tag)
     into, inn = _host(group, recv, False, src, tag)
     if len(group.p2p_pairs) >= P2P_ROUTES:
-        group.p2p_pairs.clear()
+        group.forget_pairs()
     group.p2p_pairs[(dst, src, tag, data.nbytes, into.nbytes)] = (out, inn)
+    if group.plans.caller is not None:  # its sendrecv takes the pair's next calls whole
+        group.plans.caller.add_pair(dst, src, tag, data.nbytes, into.nbytes, out.dtype, inn.dtype, out, inn,
+                                    REMOTE_BYTES, CTRL_BYTES, _finish)
     sent, taken = group.engine.sendrecv_now(out.peer, out.wire, data, inn.peer, inn.key, inn.wire, into)
     if not taken:
         _finish(group, data, out, into, inn, sent, timeout)

@@ -934,13 +934,16 @@ static PyTypeObject PathType = {
  * here; any other call goes to the Python function untouched. A body that hands back a status
  * or raises is finished by Plans.finish, as Plans.submit's body would be. */
 
-enum { ALL_REDUCE, REDUCE, BROADCAST, BARRIER, GATHER, SCATTER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, N_COLLS };
+enum { ALL_REDUCE, REDUCE, BROADCAST, BARRIER, GATHER, SCATTER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SENDRECV,
+       N_COLLS };
 static const char *const COLLS[N_COLLS] = {"all_reduce", "reduce", "broadcast", "barrier", "gather", "scatter",
-                                           "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"};
+                                           "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                                           "sendrecv"};
 
 typedef PyObject *(*body_fn)(Path *, PyObject *const *, Py_ssize_t);
 static const body_fn BODIES[N_COLLS] = {Path_all_reduce, Path_reduce, Path_broadcast, Path_barrier,
-                                        Path_gather, Path_scatter, Path_exchange, Path_exchange, Path_exchange};
+                                        Path_gather, Path_scatter, Path_exchange, Path_exchange, Path_exchange,
+                                        NULL};
 
 #define HEAD_ARGS 4 /* (seq, a, b, name) */
 #define MAX_ARGS 9
@@ -954,9 +957,20 @@ typedef struct {
     PyObject *args[MAX_ARGS]; /* the body's arguments; seq and the arrays filled per call */
 } Entry;
 
+/* A pair of point-to-point routes sendrecv used before (group.p2p_pairs), and what their one
+ * call through the rings needs (ShmChannel.exchange_now). */
+typedef struct {
+    long dst, src, tag;
+    Py_ssize_t send_bytes, recv_bytes, remote, ctrl;
+    PyObject *send_dtype, *recv_dtype, *out_peer, *out_wire, *in_peer, *in_key, *in_wire, *out_route, *in_route,
+        *finish;
+} Pair;
+
 typedef struct {
     PyObject_HEAD
-    PyObject *group, *queue, *engine, *finish;
+    PyObject *group, *queue, *engine, *finish, *lock, *channels, *lost, *posted;
+    Pair *pairs;
+    Py_ssize_t npairs, pairs_cap;
     PyObject *pending, *unexpected, *deferred, *refusals, *aborted, *current; /* never replaced */
     PyObject *fallback[N_COLLS];
     PyObject *sum, *array_type, *view_of, *zero;
@@ -967,7 +981,9 @@ typedef struct {
     Py_ssize_t n, cap;
 } Caller;
 
-static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake;
+static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake, *S_acquire, *S_release_,
+    *S_direct, *S_native, *S_sendq, *S_sink, *S_out_ring, *S_in_ring, *S_bytes, *S_capacity, *S_stream, *S_parked,
+    *S_release, *S_spin_s;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -1027,7 +1043,9 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     struct { PyObject *obj; const char *name; PyObject **to; int dict; } parts[] = {
         {queue, "pending", &self->pending, 0}, {engine, "unexpected", &self->unexpected, 1},
         {engine, "deferred_aborts", &self->deferred, 0}, {engine, "refusals", &self->refusals, 1},
-        {engine, "aborted", &self->aborted, 1}, {engine, "current", &self->current, 1}};
+        {engine, "aborted", &self->aborted, 1}, {engine, "current", &self->current, 1},
+        {engine, "channels", &self->channels, 1}, {engine, "lost", &self->lost, 1},
+        {engine, "posted", &self->posted, 1}};
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         PyObject *v = PyObject_GetAttrString(parts[i].obj, parts[i].name);
         if (v == NULL) return -1;
@@ -1045,7 +1063,8 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         !slot_offset(ct, "timeout", &self->c_timeout) || !slot_offset(ct, "deadline", &self->c_deadline))
         return -1;
     self->zero = PyFloat_FromDouble(0.0);
-    if (self->zero == NULL) return -1;
+    self->lock = PyObject_GetAttrString(engine, "lock");
+    if (self->zero == NULL || self->lock == NULL) return -1;
     self->group = Py_NewRef(group);
     self->queue = Py_NewRef(queue);
     self->engine = Py_NewRef(engine);
@@ -1217,10 +1236,10 @@ static PyObject *fall_back(Caller *c, int coll, PyObject *const *args, Py_ssize_
     return done;
 }
 
-/* A call's arguments: up to four positional ones (the rest NULL), and the keywords `out` and
- * `timeout` (NULL where None or absent). */
+/* A call's arguments: its parameters before the keyword-only ones (NULL where not given), and
+ * the keyword-only `out` and `timeout` (NULL where None or absent). */
 typedef struct {
-    PyObject *pos[4], *out, *timeout;
+    PyObject *pos[6], *out, *timeout;
 } Args;
 
 static int is_name(PyObject *name, PyObject *interned) {
@@ -1228,10 +1247,11 @@ static int is_name(PyObject *name, PyObject *interned) {
 }
 
 /* Each method's parameters before its keyword-only ones (collectives.py's, after the group). */
-static const char *const PARAMS[N_COLLS][4] = {
+static const char *const PARAMS[N_COLLS][6] = {
     {"tensor", "op"}, {"tensor", "dst", "op"}, {"tensor", "src"}, {NULL},
     {"tensor", "gather_list", "dst"}, {"tensor", "scatter_list", "src"}, {"output", "input"},
-    {"output", "input", "op"}, {"output", "input", "output_split_sizes", "input_split_sizes"}};
+    {"output", "input", "op"}, {"output", "input", "output_split_sizes", "input_split_sizes"},
+    {"send", "dst", "recv", "src", "tag", "timeout"}};
 enum { KW_OUT = 1, KW_COMPRESS = 2 }; /* the keyword-only ones besides async_op and timeout */
 
 /* Fill `a` from a call of method `coll` (`has`: its keyword-only parameters); 0 where an
@@ -1239,14 +1259,14 @@ enum { KW_OUT = 1, KW_COMPRESS = 2 }; /* the keyword-only ones besides async_op 
  * its default (the Python function takes those calls, and names what is wrong). */
 static int parse(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int coll, int has, Args *a) {
     Py_ssize_t max = 0;
-    while (max < 4 && PARAMS[coll][max] != NULL) max++;
+    while (max < 6 && PARAMS[coll][max] != NULL) max++;
     if (nargs > max) return 0;
-    for (Py_ssize_t i = 0; i < 4; i++) a->pos[i] = i < nargs ? args[i] : NULL;
+    for (Py_ssize_t i = 0; i < 6; i++) a->pos[i] = i < nargs ? args[i] : NULL;
     a->out = a->timeout = NULL;
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
-        if (is_name(name, S_timeout))
+        if (is_name(name, S_timeout) && coll != SENDRECV) /* sendrecv's is among its PARAMS */
             a->timeout = value == Py_None ? NULL : value;
         else if (is_name(name, S_async_op)) {
             if (value != Py_False) return 0;
@@ -1449,8 +1469,211 @@ static PyObject *Caller_barrier(Caller *c, PyObject *const *args, Py_ssize_t nar
     return fall_back(c, BARRIER, args, nargs, kwnames);
 }
 
+static void pair_clear(Pair *p) {
+    PyObject **objs[] = {&p->send_dtype, &p->recv_dtype, &p->out_peer, &p->out_wire, &p->in_peer, &p->in_key,
+                         &p->in_wire, &p->out_route, &p->in_route, &p->finish};
+    for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_CLEAR(*objs[i]);
+}
+
+static PyObject *Caller_clear_pairs(Caller *self, PyObject *unused) {
+    (void)unused;
+    for (Py_ssize_t i = 0; i < self->npairs; i++) pair_clear(&self->pairs[i]);
+    self->npairs = 0;
+    Py_RETURN_NONE;
+}
+
+/* add_pair(dst, src, tag, send_bytes, recv_bytes, send_dtype, recv_dtype, out_route, in_route,
+ * remote, ctrl, finish): a pair of p2p.P2PRoute, what shm.py's rings take (REMOTE_BYTES,
+ * CTRL_BYTES) and p2p._finish. */
+static PyObject *Caller_add_pair(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) return PyErr_Format(PyExc_TypeError, "add_pair takes 12 arguments");
+    if (self->group == NULL) return PyErr_Format(PyExc_RuntimeError, "Caller was not set up");
+    Pair p;
+    memset(&p, 0, sizeof p);
+    p.dst = PyLong_AsLong(args[0]);
+    p.src = PyLong_AsLong(args[1]);
+    p.tag = PyLong_AsLong(args[2]);
+    p.send_bytes = PyLong_AsSsize_t(args[3]);
+    p.recv_bytes = PyLong_AsSsize_t(args[4]);
+    p.remote = PyLong_AsSsize_t(args[9]);
+    p.ctrl = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    struct { PyObject *route; const char *name; PyObject **to; } fields[] = {
+        {args[7], "peer", &p.out_peer}, {args[7], "wire", &p.out_wire}, {args[8], "peer", &p.in_peer},
+        {args[8], "key", &p.in_key}, {args[8], "wire", &p.in_wire}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        if ((*fields[i].to = PyObject_GetAttrString(fields[i].route, fields[i].name)) == NULL) {
+            pair_clear(&p);
+            return NULL;
+        }
+    if (self->npairs == self->pairs_cap) {
+        Py_ssize_t cap = self->pairs_cap ? 2 * self->pairs_cap : 8;
+        Pair *grown = PyMem_Realloc(self->pairs, (size_t)cap * sizeof(Pair));
+        if (grown == NULL) {
+            pair_clear(&p);
+            return PyErr_NoMemory();
+        }
+        self->pairs = grown;
+        self->pairs_cap = cap;
+    }
+    p.send_dtype = Py_NewRef(args[5]);
+    p.recv_dtype = Py_NewRef(args[6]);
+    p.out_route = Py_NewRef(args[7]);
+    p.in_route = Py_NewRef(args[8]);
+    p.finish = Py_NewRef(args[11]);
+    self->pairs[self->npairs++] = p;
+    Py_RETURN_NONE;
+}
+
+/* obj.name, true or not; -1 on an error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    int t = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    return t;
+}
+
+/* ShmChannel.exchange_now through `out` and `inn` (the engine's lock held, both checked direct
+ * and nothing filed under the receive's key): the ring call's result (2, 1, 0 or -1), or -2
+ * where exchange_now would return None (the engine then goes one by one). */
+static int exchange(Caller *c, Pair *p, PyObject *out, PyObject *inn, PyObject *send, PyObject *recv) {
+    PyObject *ring = NULL, *in_ring = NULL, *native = PyObject_GetAttr(out, S_native), *call[11] = {NULL};
+    int s = -2, queued;
+    if (native == NULL || native == Py_None || attr_true(out, S_sendq) != 0 || p->send_bytes >= p->remote)
+        goto done;
+    if ((ring = PyObject_GetAttr(out, S_out_ring)) == NULL || (call[2] = PyObject_GetAttr(ring, S_capacity)) == NULL)
+        goto done;
+    Py_ssize_t cap = PyLong_AsSsize_t(call[2]);
+    PyObject *sink = PyObject_GetAttr(inn, S_sink);
+    Py_XDECREF(sink);
+    if (sink != Py_None || p->send_bytes > (cap >> 1) - 127) goto done;
+    PyObject *stream = PyObject_GetAttr(inn, S_stream);
+    queued = stream == NULL ? -1 : attr_true(inn, S_sendq);
+    if (queued == 0) queued = attr_true(stream, S_sendq);
+    Py_XDECREF(stream);
+    double spin = 0.0;
+    if (queued == 0) {
+        PyObject *spin_s = PyObject_GetAttr(c->engine, S_spin_s);
+        spin = spin_s == NULL ? -1.0 : PyFloat_AsDouble(spin_s);
+        Py_XDECREF(spin_s);
+    }
+    if (queued < 0 || spin < 0.0 || (in_ring = PyObject_GetAttr(inn, S_in_ring)) == NULL ||
+        (call[0] = PyObject_GetAttr(ring, S_bytes)) == NULL || (call[5] = PyObject_GetAttr(in_ring, S_bytes)) == NULL ||
+        (call[7] = PyObject_GetAttr(in_ring, S_capacity)) == NULL || (call[1] = PyLong_FromSsize_t(p->ctrl)) == NULL ||
+        (call[10] = PyLong_FromLongLong((long long)(spin * 1e9))) == NULL)
+        goto done;
+    call[6] = Py_NewRef(call[1]);
+    call[3] = Py_NewRef(p->out_wire);
+    call[4] = Py_NewRef(send);
+    call[8] = Py_NewRef(p->in_wire);
+    call[9] = Py_NewRef(recv);
+    PyObject *done_obj = ring_sendrecv(NULL, call, 11);
+    if (done_obj == NULL) {
+        s = -3;
+        goto done;
+    }
+    s = (int)PyLong_AsLong(done_obj);
+    Py_DECREF(done_obj);
+    if (s == 2 && (PyObject_SetAttr(inn, S_parked, Py_None) < 0 || PyObject_SetAttr(inn, S_release, Py_False) < 0))
+        s = -3;
+done:
+    for (int i = 0; i < 11; i++) Py_XDECREF(call[i]);
+    Py_XDECREF(native);
+    Py_XDECREF(ring);
+    Py_XDECREF(in_ring);
+    if (s == -2 && PyErr_Occurred()) s = -3;
+    return s;
+}
+
+/* sendrecv(send, dst, recv, src, tag=0, timeout=None): p2p.sendrecv's first way, a pair of
+ * routes used before between numpy arrays, run as Engine.sendrecv_now runs it where both
+ * channels are rings: what goes at once is sent and received here, a receive that did not come
+ * within the spin goes to p2p._finish, and anything else to the Python function, nothing done. */
+static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Args a;
+    PyObject **pos = a.pos;
+    Pair *p = NULL;
+    Py_ssize_t send_bytes, recv_bytes;
+    if (c->npairs && parse(args, nargs, kwnames, SENDRECV, 0, &a) && pos[0] != NULL && pos[1] != NULL &&
+        pos[2] != NULL && pos[3] != NULL) {
+        a.timeout = pos[5] == Py_None ? NULL : pos[5];
+        long dst = small(pos[1]), src = small(pos[3]), tag = pos[4] == NULL ? 0 : small(pos[4]);
+        int ints = pos[4] == NULL || PyLong_CheckExact(pos[4]); /* small() says -1 for a tag of another type */
+        PyObject *send_dtype = ints ? array_of(c, pos[0], 0, &send_bytes) : NULL, *recv_dtype = NULL;
+        if (send_dtype != NULL) recv_dtype = array_of(c, pos[2], 1, &recv_bytes);
+        for (Py_ssize_t i = 0; recv_dtype != NULL && i < c->npairs; i++) {
+            Pair *q = &c->pairs[i];
+            if (q->dst == dst && q->src == src && q->tag == tag && q->send_bytes == send_bytes &&
+                q->recv_bytes == recv_bytes && q->send_dtype == send_dtype && q->recv_dtype == recv_dtype) {
+                p = q;
+                break;
+            }
+        }
+        Py_XDECREF(send_dtype);
+        Py_XDECREF(recv_dtype);
+        int s = -2;
+        if (p != NULL) {
+            PyObject *took = PyObject_CallMethodNoArgs(c->lock, S_acquire);
+            if (took == NULL) return NULL;
+            Py_DECREF(took);
+            PyObject *out = PyDict_GetItemWithError(c->channels, p->out_peer);
+            PyObject *inn = out == NULL ? NULL : PyDict_GetItemWithError(c->channels, p->in_peer);
+            if (inn != NULL && !PyDict_GET_SIZE(c->aborted) && !PyDict_GET_SIZE(c->lost)) {
+                Py_INCREF(out);
+                Py_INCREF(inn);
+                int direct = attr_true(out, S_direct);
+                if (direct > 0) direct = attr_true(inn, S_direct);
+                PyObject *filed = direct > 0 ? PyDict_GetItemWithError(c->posted, p->in_key) : NULL;
+                int busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
+                if (direct > 0 && !busy && !PyErr_Occurred()) {
+                    filed = PyDict_GetItemWithError(c->unexpected, p->in_key);
+                    busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
+                }
+                if (direct < 0 || busy < 0 || PyErr_Occurred())
+                    s = -3;
+                else if (direct > 0 && !busy)
+                    s = exchange(c, p, out, inn, pos[0], pos[2]);
+                Py_DECREF(out);
+                Py_DECREF(inn);
+            } else if (PyErr_Occurred()) {
+                s = -3;
+            }
+            PyObject *exc = s == -3 ? take_exception() : NULL;
+            PyObject *released = PyObject_CallMethodNoArgs(c->lock, S_release_);
+            if (exc != NULL) {
+                Py_XDECREF(released);
+#if PY_VERSION_HEX >= 0x030C0000
+                PyErr_SetRaisedException(exc);
+#else
+                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                Py_DECREF(exc);
+#endif
+                return NULL;
+            }
+            if (released == NULL) return NULL;
+            Py_DECREF(released);
+        }
+        if (s == 1) { /* sent; the receive goes the general way (held: the call may clear the pairs) */
+            PyObject *finish = Py_NewRef(p->finish), *out_route = Py_NewRef(p->out_route);
+            PyObject *in_route = Py_NewRef(p->in_route);
+            PyObject *rest[7] = {c->group, pos[0], out_route, pos[2], in_route, Py_True,
+                                 a.timeout != NULL ? a.timeout : Py_None};
+            PyObject *done = PyObject_Vectorcall(finish, rest, 7, NULL);
+            Py_DECREF(finish);
+            Py_DECREF(out_route);
+            Py_DECREF(in_route);
+            if (done == NULL) return NULL;
+            Py_DECREF(done);
+        }
+        if (s >= 1) return Py_NewRef(pos[3]);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return fall_back(c, SENDRECV, args, nargs, kwnames);
+}
+
 static int Caller_traverse(Caller *self, visitproc visit, void *arg) {
-    PyObject *objs[] = {self->group, self->queue, self->engine, self->finish, self->pending, self->unexpected,
+    PyObject *objs[] = {self->group, self->queue, self->engine, self->finish, self->lock, self->channels,
+                        self->lost, self->posted, self->pending, self->unexpected,
                         self->deferred, self->refusals, self->aborted, self->current, self->sum,
                         self->array_type, self->view_of, (PyObject *)self->call_type};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_VISIT(objs[i]);
@@ -1461,11 +1684,21 @@ static int Caller_traverse(Caller *self, visitproc visit, void *arg) {
         Py_VISIT(e->tail);
         Py_VISIT((PyObject *)e->path);
     }
+    for (Py_ssize_t i = 0; i < self->npairs; i++) {
+        Py_VISIT(self->pairs[i].out_route);
+        Py_VISIT(self->pairs[i].in_route);
+        Py_VISIT(self->pairs[i].finish);
+    }
     return 0;
 }
 
 static int Caller_clear(Caller *self) {
     Py_DECREF(Caller_clear_entries(self, NULL));
+    Py_DECREF(Caller_clear_pairs(self, NULL));
+    Py_CLEAR(self->lock);
+    Py_CLEAR(self->channels);
+    Py_CLEAR(self->lost);
+    Py_CLEAR(self->posted);
     Py_CLEAR(self->group);
     Py_CLEAR(self->queue);
     Py_CLEAR(self->engine);
@@ -1489,6 +1722,7 @@ static void Caller_dealloc(Caller *self) {
     PyObject_GC_UnTrack(self);
     Caller_clear(self);
     PyMem_Free(self->entries);
+    PyMem_Free(self->pairs);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1497,6 +1731,11 @@ static PyMethodDef Caller_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Caller_add, METH_FASTCALL,
      "add(collective, dtype, nbytes, root, op, inplace, path, call, ctx, a, b, tail, *extra)"},
     {"clear", (PyCFunction)Caller_clear_entries, METH_NOARGS, "clear(): forget every signature"},
+    {"add_pair", (PyCFunction)(void (*)(void))Caller_add_pair, METH_FASTCALL,
+     "add_pair(dst, src, tag, send_bytes, recv_bytes, send_dtype, recv_dtype, out_route, in_route, remote, ctrl, "
+     "finish)"},
+    {"clear_pairs", (PyCFunction)Caller_clear_pairs, METH_NOARGS, "clear_pairs(): forget every pair of routes"},
+    {"sendrecv", API(Caller_sendrecv), "Group.sendrecv, a pair of routes used before in C"},
     {"all_reduce", API(Caller_all_reduce), "Group.all_reduce, planned calls in C"},
     {"reduce", API(Caller_reduce), "Group.reduce, planned calls in C"},
     {"broadcast", API(Caller_broadcast), "Group.broadcast, planned calls in C"},
@@ -1534,7 +1773,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&PathType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
     struct { PyObject **to; const char *s; } names[] = {{&S_out, "out"}, {&S_async_op, "async_op"},
-        {&S_timeout, "timeout"}, {&S_compress, "compress"}, {&S_dtype, "dtype"}, {&S_wake, "wake"}};
+        {&S_timeout, "timeout"}, {&S_compress, "compress"}, {&S_dtype, "dtype"}, {&S_wake, "wake"},
+        {&S_acquire, "acquire"}, {&S_release_, "release"}, {&S_direct, "direct"}, {&S_native, "native"},
+        {&S_sendq, "sendq"}, {&S_sink, "_sink"}, {&S_out_ring, "out"}, {&S_in_ring, "inn"}, {&S_bytes, "bytes"},
+        {&S_capacity, "capacity"}, {&S_stream, "stream"}, {&S_parked, "parked"}, {&S_release, "release"},
+        {&S_spin_s, "spin_s"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].to == NULL && (*names[i].to = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
