@@ -978,7 +978,7 @@ typedef struct {
     int rank, size;
     Py_ssize_t q_seq, q_busy, q_doomed, q_current, e_glance, c_seq, c_timeout, c_deadline;
     Entry *entries;
-    Py_ssize_t n, cap;
+    Py_ssize_t n, cap, hint;
 } Caller;
 
 static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake, *S_acquire, *S_release_,
@@ -1319,13 +1319,18 @@ static PyObject *array_of(Caller *c, PyObject *o, int writable, Py_ssize_t *nbyt
     return shaped_array_of(c, o, writable, nbytes, &rows);
 }
 
+/* The entry of a signature: the one found last first (a loop repeats one), then the rest. */
 static Entry *lookup(Caller *c, int coll, PyObject *dtype, Py_ssize_t nbytes, Py_ssize_t out_bytes, int root,
                      PyObject *op, int inplace) {
-    for (Py_ssize_t i = 0; i < c->n; i++) {
+    for (Py_ssize_t k = 0; k <= c->n; k++) {
+        Py_ssize_t i = k == 0 ? c->hint : k - 1;
+        if (i >= c->n) continue;
         Entry *e = &c->entries[i];
         if (e->coll == coll && e->dtype == dtype && e->nbytes == nbytes && e->out_bytes == out_bytes &&
-            e->root == root && e->op == op && e->inplace == inplace)
+            e->root == root && e->op == op && e->inplace == inplace) {
+            c->hint = i;
             return e;
+        }
     }
     return NULL;
 }
