@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup demo test soak lint bench bench-algo docs clean
 
-$(STAMP): pyproject.toml setup.py src/tensorwire/transport/_native.c
+$(STAMP): pyproject.toml setup.py $(wildcard src/tensorwire/transport/_native.[ch] src/tensorwire/transport/_caller.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 exactly: the CPU build on this machine (any other spec pulls CUDA wheels)

@@ -166,7 +166,7 @@ class AllReducePlan(_Stamped):
 
     def compiled_call(self) -> tuple[int, tuple] | None:
         """(root, the body's arguments after the arrays) where the compiled caller can run this
-        plan's calls whole (transport/_native.c Caller), else None."""
+        plan's calls whole (transport/_caller.c), else None."""
         return (-1, (self.code,)) if self.code and self.red is None else None
 
     def _fold_apart(self, call, src: np.ndarray, dst: np.ndarray) -> None:
@@ -724,7 +724,7 @@ def direct_barrier(call) -> None:
 
 def barrier_after(call, status: int) -> None:
     """The rest of direct_barrier's compiled body, given its `status` (also the compiled
-    caller's, transport/_native.c Caller)."""
+    caller's, transport/_caller.c)."""
     dp = call.group.direct
     a, b = dp.stamp_words(call)
     dp.resume(call, status, dp.everyone, dp.native.barrier, call.seq, a, b, call.name)

@@ -46,7 +46,7 @@ class Plans(dict):
         self.engine = group.engine
         self.ctx = group.ctx
         self.caller: Any = None
-        """The compiled caller (transport/_native.c Caller), where Group made one: it runs the
+        """The compiled caller (transport/_caller.c), where Group made one: it runs the
         planned one-shot calls it was given (`_compile`) from the group's API in one C call."""
 
     def clear(self) -> None:

@@ -1,5 +1,5 @@
-"""The compiled inner loops of small calls on one host (transport/_native.c), where the install
-built them.
+"""The compiled inner loops of small calls on one host (transport/_native.c, and the caller
+above them in _caller.c), where the install built them.
 
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
 the whole one-shot all_reduce, reduce, broadcast, gather, scatter, single-tensor all_gather,
