@@ -7,6 +7,8 @@ up at their top (`group.plans.get(key)`, a dict lookup), remember one after a ch
 and submit through `Plans.submit`; gpu/planned.py's small device all_reduce does the same.
 A plan is bound to the group's segment: where the group renews itself before the call
 (renewal.py), `Plans.submit` returns REPLAN, and the collective takes its checked path.
+Where the compiled module is built, each plan of the one-shot path also goes to the group's
+compiled caller (`Plans._compile`), which runs its calls whole before any Python runs.
 """
 
 from __future__ import annotations
