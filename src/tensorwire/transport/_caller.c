@@ -43,17 +43,19 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *group, *queue, *engine, *finish, *lock, *channels, *lost, *posted;
-    Pair *pairs;
-    Py_ssize_t npairs, pairs_cap;
-    PyObject *pending, *unexpected, *deferred, *refusals, *aborted, *current; /* never replaced */
-    PyObject *fallback[N_COLLS];
+    PyObject *group, *queue, *engine, *finish;
+    /* the queue's and engine's containers, never replaced (read in place), and the engine's lock */
+    PyObject *pending, *unexpected, *deferred, *refusals, *aborted, *current, *channels, *lost, *posted, *lock;
+    PyObject *fallback[N_COLLS]; /* the group's Python methods */
     PyObject *sum, *array_type, *view_of, *zero;
     PyTypeObject *call_type;
     int rank, size;
+    /* the offsets of the state's scalars: the queue's, the engine's, a CollectiveCall's */
     Py_ssize_t q_seq, q_busy, q_doomed, q_current, e_glance, c_seq, c_timeout, c_deadline;
-    Entry *entries;
+    Entry *entries; /* the planned signatures */
     Py_ssize_t n, cap, hint;
+    Pair *pairs; /* sendrecv's pairs of routes */
+    Py_ssize_t npairs, pairs_cap;
 } Caller;
 
 static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake, *S_acquire, *S_release_,
@@ -255,33 +257,51 @@ static PyObject *take_exception(void) {
  * lists; NULL: a barrier) and return `result`, through Plans.finish where the body does not
  * finish here. */
 static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObject *y, PyObject *result) {
+    /* what the call uses of its entry, held first: the body lets other threads run, and one may
+     * add a plan (the table moves) or clear them */
+    PyObject *args[MAX_ARGS], *call = Py_NewRef(e->call), *tail = Py_NewRef(e->tail);
+    PyObject *ctx = Py_NewRef(e->ctx), *ref = Py_NewRef(e->ref);
+    Path *path = (Path *)Py_NewRef(e->path);
+    int nargs = e->nargs;
+    body_fn body = BODIES[e->coll];
+    for (int i = 0; i < nargs; i++) args[i] = Py_XNewRef(e->args[i]); /* seq and the arrays: NULL */
     long long last = PyLong_AsLongLong(SLOT(c->queue, c->q_seq));
     PyObject *seq = last == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(last + 1);
     PyObject *glance = PyLong_FromLong(small(SLOT(c->engine, c->e_glance)) - 1);
     timeout = timeout != NULL ? Py_NewRef(timeout) : PyObject_GetAttr(c->group, S_timeout);
-    if (seq == NULL || glance == NULL || timeout == NULL || PyDict_SetItem(c->current, e->ctx, e->ref) < 0) {
+    int ok = seq != NULL && glance != NULL && timeout != NULL && PyDict_SetItem(c->current, ctx, ref) == 0;
+    Py_DECREF(ctx);
+    Py_DECREF(ref);
+    if (!ok) {
         Py_XDECREF(seq);
         Py_XDECREF(glance);
         Py_XDECREF(timeout);
+        for (int i = 0; i < nargs; i++) Py_XDECREF(args[i]);
+        Py_DECREF(path);
+        Py_DECREF(call);
+        Py_DECREF(tail);
         return NULL;
     }
     set_slot(c->engine, c->e_glance, glance);
     set_slot(c->queue, c->q_seq, Py_NewRef(seq));
-    set_slot(e->call, c->c_seq, Py_NewRef(seq));
-    set_slot(e->call, c->c_timeout, timeout);
-    set_slot(e->call, c->c_deadline, Py_NewRef(c->zero));
-    set_slot(c->queue, c->q_current, Py_NewRef(e->call));
+    set_slot(call, c->c_seq, Py_NewRef(seq));
+    set_slot(call, c->c_timeout, timeout);
+    set_slot(call, c->c_deadline, Py_NewRef(c->zero));
+    set_slot(c->queue, c->q_current, Py_NewRef(call));
     set_slot(c->queue, c->q_busy, Py_NewRef(Py_True));
-    PyObject **args = e->args;
     args[0] = seq;
-    args[4] = x;
-    args[5] = y;
-    PyObject *status = BODIES[e->coll](e->path, args, e->nargs);
-    args[0] = args[4] = args[5] = NULL;
-    Py_DECREF(seq);
+    if (nargs > 4) {
+        args[4] = Py_NewRef(x);
+        args[5] = Py_NewRef(y);
+    }
+    PyObject *status = body(path, args, nargs);
+    for (int i = 0; i < nargs; i++) Py_DECREF(args[i]); /* seq's with them */
+    Py_DECREF(path);
     long s = status == NULL ? 0 : PyLong_AsLong(status);
     if (status != NULL && s == DONE) {
         Py_DECREF(status);
+        Py_DECREF(call);
+        Py_DECREF(tail);
         set_slot(c->queue, c->q_busy, Py_NewRef(Py_False));
         if (PyObject_Length(c->pending) > 0) {
             PyObject *woke = PyObject_CallMethodNoArgs(c->queue, S_wake);
@@ -291,9 +311,11 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
         return Py_NewRef(result);
     }
     if (status == NULL) status = take_exception();
-    PyObject *finish_args[5] = {e->call, e->tail, status, x, y};
+    PyObject *finish_args[5] = {call, tail, status, x, y};
     PyObject *done = PyObject_Vectorcall(c->finish, finish_args, x == NULL ? 3 : 5, NULL);
     Py_DECREF(status);
+    Py_DECREF(call);
+    Py_DECREF(tail);
     if (done == NULL) return NULL;
     Py_DECREF(done);
     return Py_NewRef(result);
@@ -301,6 +323,7 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
 
 /* The Python function's call (the group first). */
 static PyObject *fall_back(Caller *c, int coll, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (c->group == NULL) return PyErr_Format(PyExc_RuntimeError, "the group of this Caller is gone");
     PyObject *few[16], **stack = few;
     Py_ssize_t total = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
     if (total >= 16 && (stack = PyMem_Malloc((size_t)(total + 1) * sizeof *stack)) == NULL) return PyErr_NoMemory();
@@ -438,14 +461,15 @@ static PyObject *array_call(Caller *c, int coll, PyObject *const *args, Py_ssize
         }
         if (tensor != NULL && (coll == ALL_REDUCE || root >= 0) && (src = planned_array(c, tensor)) != NULL)
             dtype = array_of(c, src, writable, &nbytes);
-        if (dtype != NULL) e = lookup(c, coll, dtype, nbytes, nbytes, root, op, out == NULL);
         PyObject *result = tensor;
-        if (e != NULL && out != NULL && (coll != REDUCE || root == c->rank)) {
+        if (dtype != NULL && out != NULL && (coll != REDUCE || root == c->rank)) {
             PyObject *out_dtype = (dst = planned_array(c, out)) == NULL ? NULL : array_of(c, dst, 1, &out_bytes);
             Py_XDECREF(out_dtype);
-            if (out_dtype != dtype || out_bytes != nbytes) e = NULL;
+            if (out_dtype != dtype || out_bytes != nbytes) Py_CLEAR(dtype);
             result = out;
         }
+        /* looked up last: the Python code above (a tensor's view) may let a thread add a plan */
+        if (dtype != NULL) e = lookup(c, coll, dtype, nbytes, nbytes, root, op, out == NULL);
         Py_XDECREF(dtype);
         if (e != NULL && clear_to_run(c, e)) done = run(c, e, a.timeout, src, dst != NULL ? dst : src, result);
         Py_XDECREF(src);
@@ -665,6 +689,53 @@ done:
     return s;
 }
 
+/* Engine.sendrecv_now's way through two rings for pair `p`, under the engine's lock: the ring
+ * call's result (2: sent and received, 1: sent), -2 where it did nothing (the Python function
+ * then takes the call), -3 on an error (raised). */
+static int through_rings(Caller *c, Pair *p, PyObject *send, PyObject *recv) {
+    PyObject *took = PyObject_CallMethodNoArgs(c->lock, S_acquire);
+    if (took == NULL) return -3;
+    Py_DECREF(took);
+    int s = -2;
+    PyObject *out = PyDict_GetItemWithError(c->channels, p->out_peer);
+    PyObject *inn = out == NULL ? NULL : PyDict_GetItemWithError(c->channels, p->in_peer);
+    if (inn != NULL && !PyDict_GET_SIZE(c->aborted) && !PyDict_GET_SIZE(c->lost)) {
+        Py_INCREF(out);
+        Py_INCREF(inn);
+        int direct = attr_true(out, S_direct);
+        if (direct > 0) direct = attr_true(inn, S_direct);
+        PyObject *filed = direct > 0 ? PyDict_GetItemWithError(c->posted, p->in_key) : NULL;
+        int busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
+        if (direct > 0 && !busy && !PyErr_Occurred()) {
+            filed = PyDict_GetItemWithError(c->unexpected, p->in_key);
+            busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
+        }
+        if (direct < 0 || busy < 0 || PyErr_Occurred())
+            s = -3;
+        else if (direct > 0 && !busy)
+            s = exchange(c, p, out, inn, send, recv);
+        Py_DECREF(out);
+        Py_DECREF(inn);
+    } else if (PyErr_Occurred()) {
+        s = -3;
+    }
+    PyObject *exc = s == -3 ? take_exception() : NULL;
+    PyObject *released = PyObject_CallMethodNoArgs(c->lock, S_release_);
+    if (exc != NULL) {
+        Py_XDECREF(released);
+#if PY_VERSION_HEX >= 0x030C0000
+        PyErr_SetRaisedException(exc);
+#else
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+#endif
+        return -3;
+    }
+    if (released == NULL) return -3;
+    Py_DECREF(released);
+    return s;
+}
+
 /* sendrecv(send, dst, recv, src, tag=0, timeout=None): p2p.sendrecv's first way, a pair of
  * routes used before between numpy arrays, run as Engine.sendrecv_now runs it where both
  * channels are rings: what goes at once is sent and received here, a receive that did not come
@@ -672,7 +743,8 @@ done:
 static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Args a;
     PyObject **pos = a.pos;
-    Pair *p = NULL;
+    Pair *p = NULL, held; /* held: the pair found, its objects held (the lock's wait lets another
+                           * thread add a pair, and the table move, or clear them) */
     Py_ssize_t send_bytes, recv_bytes;
     if (c->npairs && parse(args, nargs, kwnames, SENDRECV, 0, &a) && pos[0] != NULL && pos[1] != NULL &&
         pos[2] != NULL && pos[3] != NULL) {
@@ -685,68 +757,27 @@ static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t na
             Pair *q = &c->pairs[i];
             if (q->dst == dst && q->src == src && q->tag == tag && q->send_bytes == send_bytes &&
                 q->recv_bytes == recv_bytes && q->send_dtype == send_dtype && q->recv_dtype == recv_dtype) {
-                p = q;
+                held = *q;
+                PyObject *objs[] = {held.send_dtype, held.recv_dtype, held.out_peer, held.out_wire, held.in_peer,
+                                    held.in_key, held.in_wire, held.out_route, held.in_route, held.finish};
+                for (size_t k = 0; k < sizeof objs / sizeof objs[0]; k++) Py_XINCREF(objs[k]);
+                p = &held;
                 break;
             }
         }
         Py_XDECREF(send_dtype);
         Py_XDECREF(recv_dtype);
-        int s = -2;
-        if (p != NULL) {
-            PyObject *took = PyObject_CallMethodNoArgs(c->lock, S_acquire);
-            if (took == NULL) return NULL;
-            Py_DECREF(took);
-            PyObject *out = PyDict_GetItemWithError(c->channels, p->out_peer);
-            PyObject *inn = out == NULL ? NULL : PyDict_GetItemWithError(c->channels, p->in_peer);
-            if (inn != NULL && !PyDict_GET_SIZE(c->aborted) && !PyDict_GET_SIZE(c->lost)) {
-                Py_INCREF(out);
-                Py_INCREF(inn);
-                int direct = attr_true(out, S_direct);
-                if (direct > 0) direct = attr_true(inn, S_direct);
-                PyObject *filed = direct > 0 ? PyDict_GetItemWithError(c->posted, p->in_key) : NULL;
-                int busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
-                if (direct > 0 && !busy && !PyErr_Occurred()) {
-                    filed = PyDict_GetItemWithError(c->unexpected, p->in_key);
-                    busy = filed != NULL ? PyObject_IsTrue(filed) : 0;
-                }
-                if (direct < 0 || busy < 0 || PyErr_Occurred())
-                    s = -3;
-                else if (direct > 0 && !busy)
-                    s = exchange(c, p, out, inn, pos[0], pos[2]);
-                Py_DECREF(out);
-                Py_DECREF(inn);
-            } else if (PyErr_Occurred()) {
-                s = -3;
-            }
-            PyObject *exc = s == -3 ? take_exception() : NULL;
-            PyObject *released = PyObject_CallMethodNoArgs(c->lock, S_release_);
-            if (exc != NULL) {
-                Py_XDECREF(released);
-#if PY_VERSION_HEX >= 0x030C0000
-                PyErr_SetRaisedException(exc);
-#else
-                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-                Py_DECREF(exc);
-#endif
-                return NULL;
-            }
-            if (released == NULL) return NULL;
-            Py_DECREF(released);
-        }
-        if (s == 1) { /* sent; the receive goes the general way (held: the call may clear the pairs) */
-            PyObject *finish = Py_NewRef(p->finish), *out_route = Py_NewRef(p->out_route);
-            PyObject *in_route = Py_NewRef(p->in_route);
-            PyObject *rest[7] = {c->group, pos[0], out_route, pos[2], in_route, Py_True,
+        int s = p == NULL ? -2 : through_rings(c, p, pos[0], pos[2]);
+        if (s == 1) { /* sent; the receive goes the general way */
+            PyObject *rest[7] = {c->group, pos[0], p->out_route, pos[2], p->in_route, Py_True,
                                  a.timeout != NULL ? a.timeout : Py_None};
-            PyObject *done = PyObject_Vectorcall(finish, rest, 7, NULL);
-            Py_DECREF(finish);
-            Py_DECREF(out_route);
-            Py_DECREF(in_route);
-            if (done == NULL) return NULL;
-            Py_DECREF(done);
+            PyObject *done = PyObject_Vectorcall(p->finish, rest, 7, NULL);
+            if (done == NULL) s = -3;
+            Py_XDECREF(done);
         }
+        if (p != NULL) pair_clear(&held);
         if (s >= 1) return Py_NewRef(pos[3]);
-        if (PyErr_Occurred()) return NULL;
+        if (s == -3 || PyErr_Occurred()) return NULL;
     }
     return fall_back(c, SENDRECV, args, nargs, kwnames);
 }
