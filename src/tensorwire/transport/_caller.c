@@ -479,18 +479,6 @@ static PyObject *array_call(Caller *c, int coll, PyObject *const *args, Py_ssize
     return fall_back(c, coll, args, nargs, kwnames);
 }
 
-static PyObject *Caller_all_reduce(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return array_call(c, ALL_REDUCE, args, nargs, kwnames);
-}
-
-static PyObject *Caller_reduce(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return array_call(c, REDUCE, args, nargs, kwnames);
-}
-
-static PyObject *Caller_broadcast(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return array_call(c, BROADCAST, args, nargs, kwnames);
-}
-
 /* gather and scatter: (tensor, list, root); the list is the root's blocks, ignored elsewhere. */
 static PyObject *list_call(Caller *c, int coll, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Args a;
@@ -543,25 +531,19 @@ static PyObject *tensor_call(Caller *c, int coll, PyObject *const *args, Py_ssiz
     return fall_back(c, coll, args, nargs, kwnames);
 }
 
-static PyObject *Caller_gather(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return list_call(c, GATHER, args, nargs, kwnames);
-}
-
-static PyObject *Caller_scatter(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return list_call(c, SCATTER, args, nargs, kwnames);
-}
-
-static PyObject *Caller_all_gather(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return tensor_call(c, ALL_GATHER, args, nargs, kwnames);
-}
-
-static PyObject *Caller_reduce_scatter(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return tensor_call(c, REDUCE_SCATTER, args, nargs, kwnames);
-}
-
-static PyObject *Caller_all_to_all(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return tensor_call(c, ALL_TO_ALL, args, nargs, kwnames);
-}
+/* The methods that are one of the shapes above for one collective. */
+#define METHOD(NAME, SHAPE, COLL)                                                                    \
+    static PyObject *NAME(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {  \
+        return SHAPE(c, COLL, args, nargs, kwnames);                                               \
+    }
+METHOD(Caller_all_reduce, array_call, ALL_REDUCE)
+METHOD(Caller_reduce, array_call, REDUCE)
+METHOD(Caller_broadcast, array_call, BROADCAST)
+METHOD(Caller_gather, list_call, GATHER)
+METHOD(Caller_scatter, list_call, SCATTER)
+METHOD(Caller_all_gather, tensor_call, ALL_GATHER)
+METHOD(Caller_reduce_scatter, tensor_call, REDUCE_SCATTER)
+METHOD(Caller_all_to_all, tensor_call, ALL_TO_ALL)
 
 static PyObject *Caller_barrier(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Args a;
