@@ -342,6 +342,50 @@ def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> N
             assert (total, root, left) == (n * (n + 1) / 2, n - 1, (rank - 1) % n), (rank, k)
 
 
+def _p2p_before_a_refused_call() -> dict[str, Any]:
+    """Rank 1 roots a broadcast, which returns at once, and tells the last rank so; the last
+    rank then sends to rank 0 and refuses that broadcast. Rank 1 ran the refused call, so the
+    group is aborted and renews itself; rank 0 posts its receive of the message sent before it
+    only once that abort has reached it. Then every rank makes the broadcast, and two more
+    all_reduces."""
+    g = _fresh_group()
+    bad, got, token = g.size - 1, np.zeros(4, np.float32), np.zeros(1, np.int64)
+    recv = None
+    if g.rank == 1:
+        first = _attempt(g.broadcast, np.ones(4, np.float32), src=1, timeout=10.0)
+        g.send(token, bad, timeout=10.0)
+    elif g.rank == bad:
+        g.recv(token, 1, timeout=10.0)
+        g.send(np.full(4, 7.0, np.float32), 0, timeout=10.0)
+        first = _attempt(g.broadcast, np.ones(4, np.float32), src=g.size, timeout=10.0)
+    else:
+        deadline = time.monotonic() + 10.0
+        while g.ctx not in g.engine.aborted and time.monotonic() < deadline:
+            g.engine.look()
+        recv = _attempt(g.recv, got, bad, timeout=10.0)
+        first = _attempt(g.broadcast, np.ones(4, np.float32), src=1, timeout=10.0)
+    out = {"recv": recv, "got": float(got[0]), "first": first}
+    for name in ("summed", "again"):
+        x = np.full(4, g.rank + 1.0, np.float32)
+        out[name], out[name + "_total"] = _attempt(g.all_reduce, x, timeout=10.0), float(x[0])
+    return out
+
+
+def test_a_receive_made_before_a_refused_call_is_not_failed_by_its_abort(cluster: Any) -> None:
+    """A point-to-point message belongs to no call, but its place in each rank's program is
+    between two calls: an abort of a later call (here, the renewal of a group after a call one
+    rank refused and another ran) does not fail it, however late its receive is posted."""
+    n = cluster.size
+    if n != 3:
+        pytest.skip("the scenario needs exactly three ranks")
+    results = cluster.run(_p2p_before_a_refused_call)
+    assert results[0]["recv"]["type"] is None and results[0]["got"] == 7.0, results
+    refused = "InvalidArgumentError"
+    assert [res["first"]["type"] for res in results] == [refused, None, refused], results
+    assert len({res["summed"]["type"] for res in results}) == 1, results  # alike on every rank
+    assert all(res["again"]["type"] is None and res["again_total"] == 6 for res in results), results
+
+
 def _async_buckets_one_refused() -> list[tuple[int, int]]:
     """DDP's pattern: four async all_reduces, then a wait for each, over a few steps; on one step
     the last rank refuses the second bucket (its call raises at once). Per step: (failed, right)."""

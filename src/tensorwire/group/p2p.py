@@ -19,7 +19,7 @@ import numpy as np
 from ..buffers import as_array, byte_view
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerLostError, TimeoutError, in_call
 from ..gpu import is_device_buffer as _on_device
-from ..transport.requests import Request
+from ..transport.requests import P2P_SEQ, Request
 from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
@@ -28,7 +28,6 @@ from .arguments import check_member, fingerprint
 if TYPE_CHECKING:
     from .group import Group
 
-P2P_SEQ = 1 << 62  # point-to-point waits belong to no call: every abort of the group covers them
 P2P_ROUTES = 256  # point-to-point routes kept per group (cleared when full)
 
 
@@ -61,7 +60,8 @@ def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
     data, route = _host(group, tensor, True, dst, tag)
     if group.engine.send_now(route.peer, route.wire, data):
         return route.done
-    req = group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire)
+    req = group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
+                             seq=_seq(group))
     return _work(group, req, route)
 
 
@@ -72,7 +72,7 @@ def irecv(group: Group, tensor: Any, src: int, tag: int = 0) -> Any:
     data, route = _host(group, tensor, False, src, tag)
     if group.engine.recv_now(route.peer, route.key, route.wire, data, False):
         return route.done
-    req = group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label)
+    req = group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label, seq=_seq(group))
     return _work(group, req, route)
 
 
@@ -103,8 +103,8 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
         return
     data, route = _host(group, tensor, True, dst, tag)
     if not group.engine.send_now(route.peer, route.wire, data):
-        _wait(group, group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire),
-              timeout=timeout)
+        _wait(group, group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
+                                        seq=_seq(group)), timeout=timeout)
 
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
@@ -113,8 +113,8 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
         return src
     data, route = _host(group, tensor, False, src, tag)
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True):
-        _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label),
-              timeout=timeout)
+        _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
+                                        seq=_seq(group)), timeout=timeout)
     return src
 
 
@@ -163,10 +163,17 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
 def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute, sent: bool,
             timeout: float | None) -> None:
     """sendrecv's messages that did not go at once (Engine.sendrecv_now): posted, waited for."""
-    engine = group.engine
-    reqs = [] if sent else [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire)]
-    reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label))
+    engine, seq = group.engine, _seq(group)
+    reqs = [] if sent else [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
+    reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))
     _wait(group, *reqs, timeout=timeout)
+
+
+def _seq(group: Group) -> int:
+    """Where a point-to-point message posted now stands among the group's calls: after the
+    last one it made (an abort of a later call leaves it alone where the group renews itself:
+    Failures.covering)."""
+    return P2P_SEQ + group.queue.seq
 
 
 def _route(group: Group, sending: bool, peer: int, tag: int, arr: np.ndarray) -> P2PRoute:
@@ -216,7 +223,7 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
     a Work's wait leaves them posted, to be waited on again."""
     t = group.timeout if timeout is None else timeout
     try:
-        group.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=P2P_SEQ,
+        group.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=reqs[0].seq,
                           watch=tuple(r.peer for r in reqs), what=reqs[0].what)
     except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
         named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))

@@ -10,7 +10,8 @@ them made, and the group goes on under a new context (what the failed call left 
 dropped with the old one: Engine.retire), with a new shared segment and its plans made
 afresh. The calls a member made past the refused one before it learned of it (a broadcast's
 root needs nothing back) fail on the members that had not made them yet, so every member
-fails the same calls. Until the renewal, the group's point-to-point calls raise the refusal.
+fails the same calls. Until the renewal, the group's point-to-point calls made after the
+failed call raise the refusal (those made before it go on: Failures.covering).
 A member lost meanwhile ends it: the group stays aborted, for shrink(). See
 docs/design/failures.md#renewing-a-group-after-a-refused-call.
 """

@@ -27,12 +27,11 @@ import numpy as np
 
 from ..errors import AbortedError, PeerLostError, TimeoutError
 from .engine import Engine
-from .requests import Request
+from .requests import P2P_SEQ, Request
 from .wire import P2P_FINGERPRINT, Header, Kind
 
 _REPORT, _DECIDE = 1, 2  # tags of the two rounds
 _NOTE_BYTES = 8  # a report's number, after its mask
-_NO_CALL = 1 << 62  # the waits belong to no collective call (as group.P2P_SEQ)
 SHRINK_HINT = ("every surviving member must call shrink() (is one blocked outside tensorwire, or in a call "
                "of another group?); calling shrink() again goes on where this call stopped")
 
@@ -131,7 +130,7 @@ def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, w
           awaited: str, hint: str) -> None:
     """Until every receive has its message or has failed with its sender's loss."""
     try:
-        engine.wait(list(reqs.values()), deadline=deadline, ctx=ctx, seq=_NO_CALL, watch=(), what=what)
+        engine.wait(list(reqs.values()), deadline=deadline, ctx=ctx, seq=P2P_SEQ, watch=(), what=what)
     except TimeoutError:
         missing = ", ".join(str(w) for w, req in reqs.items() if not req.done)
         raise TimeoutError(

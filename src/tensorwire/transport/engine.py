@@ -31,7 +31,7 @@ from . import native
 from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures
 from .pumps import Pumps, pump_threads
-from .requests import Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
+from .requests import P2P_SEQ, Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
 from .tcp import SPLIT_BYTES
 from .wire import Fingerprint, Header, Kind
 
@@ -162,11 +162,12 @@ class Engine(Failures):
 
     # -- posting ----------------------------------------------------------------------------
     def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
-              wire_header: bytes | None = None, waking: bool = False) -> SendRequest:
+              wire_header: bytes | None = None, waking: bool = False, seq: int = P2P_SEQ) -> SendRequest:
         """`waking`: over the pair's socket even where a ring joins them, so that a peer asleep
         on its sockets wakes for it at once (a ring's data is seen at its next poll); for a
-        message below SPLIT_BYTES, which no stream splits (a larger one goes the usual way)."""
-        req = SendRequest(peer, header, payload, what, wire_header)
+        message below SPLIT_BYTES, which no stream splits (a larger one goes the usual way).
+        `seq`: a point-to-point message's place among its group's calls (requests.P2P_SEQ)."""
+        req = SendRequest(peer, header, payload, what, wire_header, seq)
         with self.lock:
             if peer == self.rank:
                 self._self_deliver(req)
@@ -191,12 +192,12 @@ class Engine(Failures):
         return req
 
     def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-              what: str, base: np.ndarray | None = None) -> RecvRequest:
-        req = RecvRequest(peer, header, dst, reduce_op, what, base)
+              what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ) -> RecvRequest:
+        req = RecvRequest(peer, header, dst, reduce_op, what, base, seq)
         with self.lock:
             key = (peer, header.key)
             queue = self.unexpected.get(key)
-            error = self.abort_error(header) if self.aborted else None
+            error = self.abort_error(req) if self.aborted else None
             if error is not None:
                 req.fail(error)
             elif not queue and peer in self.lost:
@@ -467,10 +468,9 @@ class Engine(Failures):
         for r in reqs:
             if r.error is not None:
                 raise r.error
-        if self.aborted:  # found while driving, after this wait's messages came
-            entry = self.aborted.get(ctx)
-            if entry is not None and seq >= entry[0]:
-                raise entry[1]
+        error = self.covering(ctx, seq) if self.aborted else None
+        if error is not None:  # found while driving, after this wait's messages came
+            raise error
 
     def glance(self) -> None:
         """One round of progress and of the sockets, which callers make every _GLANCE calls

@@ -37,7 +37,7 @@ from ..errors import (
 from ..ops import ReduceOp
 from ..ops.dtypes import dtype_from_code
 from .channel import Channel, PeerClosed
-from .requests import ControlSink, RecvRequest, Request, SendRequest, Sink, Unexpected
+from .requests import P2P_SEQ, ControlSink, RecvRequest, Request, SendRequest, Sink, Unexpected
 from .wire import Fingerprint, Header, Kind, coll_label, differences
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answer
 _NOT_IN = "Not in this call"
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
+_DATA = (Kind.P2P, Kind.COLL)  # the messages an abort fails
 REFUSAL, RENEWED = 1, 2
 """An ABORT header's tags: a refusal (one call failed on every member, the group lives on), and
 an abort because a member refused a call this rank ran (the group renews itself at its next
@@ -271,9 +272,9 @@ class Failures:
         the call; if it had not, the request waiting on it fails instead."""
         if self.deferred_aborts:  # found while reading a channel (a refusal of the call this rank runs)
             self.run_deferred_aborts()
-        entry = self.aborted.get(ctx)
-        if entry is not None and seq >= entry[0]:
-            raise entry[1]
+        error = self.covering(ctx, seq) if self.aborted else None
+        if error is not None:
+            raise error
         refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
         if refused and self.rank not in refused:  # a member refused the call this rank runs
             error = next(iter(refused.values()))
@@ -402,16 +403,26 @@ class Failures:
             self.vet(peer, header, call)
 
     # -- aborts -------------------------------------------------------------------------------
-    def abort_error(self, header: Header) -> BaseException | None:
-        """The abort that covers this message: its group failed at or before its call
-        (point-to-point messages belong to no call: any abort of the group covers them)."""
-        entry = self.aborted.get(header.ctx)
-        if entry is None or (header.kind == Kind.COLL and header.seq < entry[0]):
+    def covering(self, ctx: int, seq: int) -> BaseException | None:
+        """The abort of group `ctx` that covers its call `seq`: one of that call or an earlier
+        one. A point-to-point message (seq P2P_SEQ + n, posted after the group's call n) is
+        covered by any abort, except one after which the group renews itself: that covers only
+        those posted after the failed call, as every member of a renewed group fails the same
+        calls, and a message posted before it may be its peer's part of a completed exchange."""
+        entry = self.aborted.get(ctx)
+        if entry is None:
             return None
-        return entry[1]
+        if seq >= P2P_SEQ and ctx in self.renewable:
+            seq -= P2P_SEQ
+        return entry[1] if seq >= entry[0] else None
+
+    def abort_error(self, req: Request) -> BaseException | None:
+        """The abort that covers this request (`covering`)."""
+        header = req.header
+        return self.covering(header.ctx, header.seq if header.kind == Kind.COLL else req.seq)
 
     def fail_if_unusable(self, req: Request) -> bool:
-        error = self.abort_error(req.header)
+        error = self.abort_error(req)
         if error is not None:
             req.fail(error)
         elif req.peer in self.lost:
@@ -431,9 +442,7 @@ class Failures:
         for a while: the background thread delivers what the kernel did not take at once
         (docs/design/failures.md)."""
         with self.lock:
-            if self.fail_locally(ctx, seq, error):
-                if renew:
-                    self.renewable.add(ctx)
+            if self.fail_locally(ctx, seq, error, renew):
                 self._tell(ctx, seq, members, error, RENEWED if renew else 0)
 
     def _tell(self, ctx: int, seq: int, members: Iterable[int], error: BaseException, tag: int) -> None:
@@ -461,9 +470,7 @@ class Failures:
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         self._note_state(ctx, peer, seq)  # it ran call seq
         if ctx not in self.aborted:
-            self.fail_locally(ctx, seq, self._reported(peer, raw))
-            if tag == RENEWED:
-                self.renewable.add(ctx)
+            self.fail_locally(ctx, seq, self._reported(peer, raw), tag == RENEWED)
 
     # -- refusals: a call that fails on every member, the group living on ---------------------
     def refuse(self, ctx: int, seq: int, members: Iterable[int], error: BaseException) -> None:
@@ -500,32 +507,34 @@ class Failures:
             if not calls:
                 self.refusals.pop(ctx, None)
 
-    def fail_locally(self, ctx: int, seq: int, error: BaseException) -> bool:
+    def fail_locally(self, ctx: int, seq: int, error: BaseException, renew: bool = False) -> bool:
         """Fail call `seq` of a group and every later one on this rank only, and every call of
         its children (the sub-groups a hierarchical algorithm runs its phases on: a rank may
         wait in one of them while the abort comes for the group); False if the group had
-        already failed."""
+        already failed. `renew`: it renews itself at its next call (abort_group)."""
         with self.lock:
             if ctx in self.aborted:
                 return False
             self.aborted[ctx] = (seq, error)
-            self._fail_ctx(ctx, seq, error)
+            if renew:
+                self.renewable.add(ctx)
+            self._fail_ctx(ctx, error)
             for child in self.children.get(ctx, ()):
                 self.fail_locally(child, 0, error)
             return True
 
-    def _fail_ctx(self, ctx: int, seq: int, err: BaseException) -> None:
-        def covered(header: Header) -> bool:
-            return header.ctx == ctx and (header.kind == Kind.P2P or
-                                          (header.kind == Kind.COLL and header.seq >= seq))
+    def _fail_ctx(self, ctx: int, err: BaseException) -> None:
+        def covered(req: Request) -> bool:
+            header = req.header
+            return header.ctx == ctx and header.kind in _DATA and self.abort_error(req) is not None
 
         for queue in list(self.posted.values()):
             for req in queue:
-                if covered(req.header):
+                if covered(req):
                     req.fail(err)
         for channel in self.channel_list:
             for req in channel.pending():
-                if covered(req.header):
+                if covered(req):
                     req.fail(err)
 
     def retire(self, ctx: int, error: BaseException) -> None:
@@ -628,8 +637,8 @@ class Failures:
         until = time.perf_counter() + seconds
         while True:
             self.look()
-            entry = self.aborted.get(ctx)
-            if entry is not None and seq >= entry[0] and says(str(entry[1])):
-                return entry[1]
+            error = self.covering(ctx, seq)
+            if error is not None and says(str(error)):
+                return error
             if time.perf_counter() >= until:
                 return None

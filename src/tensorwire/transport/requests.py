@@ -16,15 +16,22 @@ from ..ops.kernels import reduce_into, reduce_to
 from .wire import Header
 
 _U8 = np.dtype(np.uint8)
+P2P_SEQ = 1 << 62
+"""A point-to-point message belongs to no call: its requests' `seq` is P2P_SEQ plus the last
+call its group had made when it was posted (Failures.covers); P2P_SEQ alone, any abort of its
+group covers it."""
 
 
 class Request:
-    """One point-to-point transfer; `done` flips once, `error` is set if it failed."""
+    """One point-to-point transfer; `done` flips once, `error` is set if it failed. `seq`: where
+    a point-to-point message stands among its group's calls (P2P_SEQ); a collective's call is
+    its header's."""
 
 
-    def __init__(self, peer: int, header: Header, label: object) -> None:
+    def __init__(self, peer: int, header: Header, label: object, seq: int = P2P_SEQ) -> None:
         self.peer = peer
         self.header = header
+        self.seq = seq
         self.done = False
         self.error: BaseException | None = None
         self.label = label  # a str, or an object whose str() is the label (built only for errors)
@@ -54,8 +61,8 @@ class SendRequest(Request):
     descriptor: bytes | None = None  # set where the receiver reads the payload itself (shm REMOTE)
 
     def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
-                 wire_header: bytes | None = None) -> None:
-        super().__init__(peer, header, what)
+                 wire_header: bytes | None = None, seq: int = P2P_SEQ) -> None:
+        super().__init__(peer, header, what, seq)
         self.wire_header = header.pack() if wire_header is None else wire_header  # given: cached
         self.payload = payload  # uint8, flat, contiguous
         self.sent = 0  # payload bytes handed to the channel
@@ -125,8 +132,8 @@ class RecvRequest(Request, Sink):
 
 
     def __init__(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-                 what: str, base: np.ndarray | None = None) -> None:
-        Request.__init__(self, peer, header, what)
+                 what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ) -> None:
+        Request.__init__(self, peer, header, what, seq)
         Sink.__init__(self, header.nbytes)
         dst = dst if dst.ndim == 1 else dst.reshape(-1)  # callers mostly pass flat views already
         self.dst = dst
