@@ -364,6 +364,106 @@ def rooted_vector_p2p_async() -> list[str]:
     return wrong
 
 
+def device_p2p(in_place: bool) -> list[str]:
+    """Point-to-point of CUDA buffers between ranks 0 and 1 (the others idle): blocking
+    ping-pong from 8 B to 64 MiB, data a kernel wrote just before (no synchronize), the
+    sender's buffer overwritten right after its send returns, two tags interleaved out of
+    order, host buffers on either side, then a size mismatch on a fresh group. `in_place`:
+    every CUDA-to-CUDA receive must have come device to device (gpu/p2p.py), else staged."""
+    import numpy as np
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    r = world.rank
+    dev = _device(r)
+    wrong: list[str] = []
+    g = tw.new_group()
+    if r > 1:
+        world.barrier()
+        return wrong
+    peer = 1 - r
+
+    def landed(work, what: str) -> None:
+        work.wait()
+        came = getattr(work, "device", None) is not None and work.device.copied is not None
+        if came != in_place:
+            wrong.append(f"rank {r}: {what}: {'device to device' if came else 'staged'}")
+
+    for count in (2, 1 << 14, 1 << 20, 16 << 20):  # float32: 8 B to 64 MiB
+        mine = torch.empty(count, device=dev).fill_(float(r + 1)).mul_(3)  # queued, not run yet
+        got = torch.empty(count, device=dev)
+        if r == 0:
+            tw.send(mine, peer, tag=1)
+            mine.fill_(-1.0)  # after the send returned: the receiver's copy must be done first
+            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B")
+        else:
+            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B")
+            tw.send(mine, peer, tag=1)
+            mine.fill_(-1.0)
+        twice = got * 2  # on the current stream, after the receive
+        if not torch.all(twice == 2 * 3 * (peer + 1)).item():
+            wrong.append(f"rank {r}: ping-pong of {count * 4} B: got {got[:3].tolist()}")
+    # tags interleaved: rank 0 sends a(2), b(3), c(2); rank 1 receives tag 3 first
+    if r == 0:
+        works = [tw.isend(torch.full((1000,), v, device=dev), peer, tag=t) for v, t in ((1.0, 2), (2.0, 3),
+                                                                                       (3.0, 2))]
+        for w in works:
+            w.wait()
+    else:
+        into = [torch.empty(1000, device=dev) for _ in range(3)]
+        works = [tw.irecv(into[1], peer, tag=3), tw.irecv(into[0], peer, tag=2),
+                 tw.irecv(into[2], peer, tag=2)]
+        for w in works:
+            w.wait()
+        if [t[0].item() for t in into] != [1.0, 2.0, 3.0]:
+            wrong.append(f"rank {r}: tags out of order: {[t[0].item() for t in into]}")
+    # host buffers on one side: a CUDA send into host memory, a host send into CUDA memory
+    host = np.zeros(1 << 16, np.float32)
+    if r == 0:
+        tw.send(torch.full((1 << 16,), 5.0, device=dev), peer, tag=4)
+        tw.recv(got := torch.empty(1 << 16, device=dev), peer, tag=5)
+        if not torch.all(got == 6.0).item():
+            wrong.append(f"rank {r}: host send into CUDA memory: {got[:3].tolist()}")
+    else:
+        tw.recv(host, peer, tag=4)
+        tw.send(np.full(1 << 16, 6.0, np.float32), peer, tag=5)
+        if not (host == 5.0).all():
+            wrong.append(f"rank {r}: CUDA send into host memory: {host[:3].tolist()}")
+    # a size mismatch: the receiver raises it and aborts the group, the sender learns it
+    try:
+        if r == 0:
+            g.send(torch.ones(1000, device=dev), peer)
+            g.barrier()
+        else:
+            g.recv(torch.empty(1001, device=dev), peer)
+        wrong.append(f"rank {r}: size mismatch: nothing raised")
+    except tw.CollectiveMismatchError:
+        pass
+    world.barrier()
+    return wrong
+
+
+def lose_a_receiver() -> float:
+    """Rank 1 leaves while rank 0 sends it a CUDA buffer: PeerLostError, not a hang."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    dev = _device(world.rank)
+    x = torch.ones(1 << 22, device=dev)
+    world.send(x, 1 - world.rank) if world.rank == 0 else world.recv(x, 0)  # the pair is wired
+    world.barrier()
+    if world.rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    start = time.monotonic()
+    world.send(x, 1)
+    return time.monotonic() - start
+
+
 def mismatches(kinds: list[str]) -> list[str]:
     """Each kind of bad call on a fresh group of the world; what each raised, on this rank."""
     import numpy as np
@@ -474,6 +574,29 @@ def test_errors_on_every_rank() -> None:
     for rank, texts in enumerate(raised):
         for (kind, expect), text in zip(_BAD_CALLS.items(), texts):
             assert all(e in text for e in expect), f"rank {rank}, {kind}: {text}"
+
+
+@pytest.mark.timeout(240)
+def test_point_to_point_device_to_device() -> None:
+    """Between ranks of one host CUDA buffers go device to device; TENSORWIRE_CUDA_IPC=0
+    stages them, with the same results."""
+    for env, in_place in (({}, True), ({"TENSORWIRE_CUDA_IPC": "0"}, False)):
+        cluster = _cluster(3, **env)
+        try:
+            _none_wrong(cluster.run(device_p2p, in_place, timeout=200))
+        finally:
+            cluster.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_lost_during_a_device_send_is_an_error() -> None:
+    cluster = _cluster(2)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            cluster.run(lose_a_receiver, timeout=60)
+        assert "PeerLostError" in failure.value.errors.get(0, ""), failure.value.errors
+    finally:
+        cluster.close()
 
 
 @pytest.mark.timeout(120)

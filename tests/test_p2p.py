@@ -883,6 +883,120 @@ def test_a_parked_message_is_staged_when_its_sender_is_needed_elsewhere(cluster:
     assert all(res["sum"] == 6.0 and res["s"] < 10 for res in results), results
 
 
+class _Landing:
+    """Where a CUDA buffer's copy would land (gpu/p2p.Target; the copy itself is
+    tests/test_gpu.py's): what its descriptor said, on any machine. The acknowledgement
+    carries back, as the copy's event, the descriptor's first record."""
+
+    def __init__(self) -> None:
+        self.body: bytes | None = None
+
+    def read(self, body: bytes, peer: int) -> bytes:
+        self.body = body
+        return body[:64]
+
+
+_PLAN = 512  # int64s: how many padding messages, then their sizes
+
+
+def _device_descriptors() -> dict[str, Any]:
+    """Rank 0 sends rank 1, on one tag, host messages and CUDA buffers' descriptors in turn;
+    pads its ring so that the next descriptor wraps the ring's end, and sends one; then one
+    that rank 1 receives into host memory (no GPU reads it: the receive fails), and one of
+    another size (a mismatch). Rank 1's receives each take a host buffer and a landing."""
+    from tensorwire.group import p2p
+
+    g = _fresh_group()
+    if g.rank > 1 or g.size < 2:
+        return {}
+    engine, f32 = g.engine, np.dtype(np.float32)
+    out: dict[str, Any] = {}
+    if g.rank == 0:
+        g.send(np.zeros(1, np.float32), 1, tag=9)  # the pair is wired
+        route = p2p.route_of(g, True, 1, 4, 1024, f32)
+        channel = engine.channels[route.peer]
+        sent = []
+
+        def device(i: int, on: Any = route) -> Any:
+            req = engine.isend_device(on.peer, on.header, bytes([i]) * 160, None, on.label, p2p.position(g))
+            sent.append(req)
+            return req
+
+        if channel.kind != "shm":
+            return {"staged": device(0) is None}
+        for i in range(4):
+            g.send(np.full(256, float(i), np.float32), 1, tag=4)
+            device(i)
+        ring = channel.out
+        cap = ring.capacity
+        gap = (cap - 128 - (int(ring.words[0]) + 64 + 8 * _PLAN)) % cap  # after the plan's record
+        pads = []
+        while gap:
+            pads.append(min(gap, 16 << 10) - 64)  # a record of header and payload
+            gap -= pads[-1] + 64
+        plan = np.zeros(_PLAN, np.int64)
+        plan[0], plan[1:len(pads) + 1] = len(pads), pads
+        g.send(plan, 1, tag=5)
+        for q in pads:
+            g.send(np.zeros(q, np.uint8), 1, tag=5)
+        out["aligned"] = channel.out is ring and int(ring.words[0]) % cap == cap - 128
+        device(4)  # its header is the ring's last record but one: its descriptor wraps
+        device(5)
+        for req in sent:
+            p2p.P2PWork(g, req).wait(10.0)
+        mismatched = device(6, p2p.route_of(g, True, 1, 4, 2048, f32))  # aborts the group
+        out["mismatch"] = _raises(p2p.P2PWork(g, mismatched).wait, 10.0)  # or the abort comes later
+        out["copied"] = [req.copied for req in sent]
+        return out
+    g.recv(np.zeros(1, np.float32), 0, tag=9)
+    if engine.channels[g.ranks[0]].kind != "shm":
+        return out
+    got = []
+    for _ in range(4):
+        for _kind in ("host", "device"):
+            host, landing = np.zeros(256, np.float32), _Landing()
+            p2p.receive(g, host, 0, 4, landing).wait(10.0)
+            got.append((float(host[0]), landing.body))
+    plan = np.zeros(_PLAN, np.int64)
+    g.recv(plan, 0, tag=5)
+    for q in plan[1:plan[0] + 1]:
+        g.recv(np.empty(int(q), np.uint8), 0, tag=5)
+    landing = _Landing()
+    p2p.receive(g, np.zeros(256, np.float32), 0, 4, landing).wait(10.0)
+    got.append((0.0, landing.body))
+    out["got"] = got
+    out["host"] = _raises(g.recv, np.zeros(256, np.float32), 0, tag=4, timeout=10.0)
+    out["size"] = _raises(p2p.receive(g, np.zeros(256, np.float32), 0, 4, _Landing()).wait, 10.0)
+    return out
+
+
+def test_cuda_buffers_descriptors_travel_in_order_through_the_ring(
+        cluster: Any, world_spec: tuple[int, str]) -> None:
+    """The shared-memory protocol that carries a CUDA buffer device to device (gpu/p2p.py),
+    on any machine: its descriptor is matched in order with host messages on the same tag,
+    lands in the receive's device landing (a host message in its host buffer), survives the
+    ring's end, and its acknowledgement carries the copy's event back; a host receive that
+    cannot read it fails naming why, and one of another size is a mismatch, while the send
+    completes. Over TCP nothing goes so: the send is staged."""
+    if cluster.size < 2:
+        pytest.skip("needs two ranks")
+    sender, receiver = cluster.run(_device_descriptors)[:2]
+    if "staged" in sender:
+        assert sender["staged"] and world_spec[1] == "tcp", sender
+        return
+    bodies = [bytes([i]) * 160 for i in range(7)]
+    assert sender["aligned"], sender
+    assert sender["copied"] == [b[:64] for b in bodies[:5]] + [None, None], sender["copied"]
+    want = [(float(i), None) for i in range(4)]
+    got = receiver["got"]
+    assert got[0:8:2] == want and [g[0] for g in got[1:8:2]] == [0.0] * 4, got
+    assert [g[1][:160] for g in got[1:8:2]] + [got[8][1][:160]] == bodies[:5], got
+    _check_error(receiver["host"], TensorwireError, "cannot read rank 0's CUDA buffer")
+    _check_error(receiver["size"], CollectiveMismatchError, "rank 0")
+    if sender["mismatch"] is not None:
+        _check_error(sender["mismatch"], CollectiveMismatchError, "reported by rank 1")
+
+
 def _timeout_and_errors_do_not_leak() -> bool:
     """After all of the above the world still works (nothing left half-matched)."""
     x = np.ones(4, np.float32)

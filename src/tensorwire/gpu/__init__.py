@@ -6,8 +6,9 @@ device to device between ranks of one host (CUDA IPC: each rank reads its peers'
 reductions run as torch kernels on the GPU) and stages them through pinned host memory
 everywhere else. See docs/gpu.md.
 
-Only `is_device_buffer` is imported with tensorwire; the rest, and torch, load with the
-first device buffer a collective sees, so machines without CUDA, torch or CuPy pay nothing.
+Only `is_device_buffer` is imported with tensorwire (and a hook for the transport, which
+copies a CUDA buffer a peer sent into a host receive); the rest, and torch, load with the
+first device buffer a call sees, so machines without CUDA, torch or CuPy pay nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from typing import Any
 
 import numpy as np
+
+from ..transport import requests
 
 _CUDA_DLPACK = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -36,3 +39,12 @@ def is_device_buffer(obj: Any) -> bool:
         return int(device()[0]) in _CUDA_DLPACK
     except Exception:  # a broken producer is as_array's to report
         return False
+
+
+def _device_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
+    from .p2p import read_to_host
+
+    read_to_host(body, peer, out)
+
+
+requests.device_to_host = _device_to_host  # a CUDA buffer sent to a host receive (gpu/p2p.py)

@@ -38,8 +38,10 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..buffers import torch_dtype_to_numpy
 from ..errors import InvalidArgumentError
 from ..group.arguments import check_member, check_root, invalid
+from ..group.p2p import P2PWork, position, receive, route_of
 from ..group.planned import REPLAN
 from ..ops import ReduceOp, Reduction
 from ..ops.reduce_op import as_reduction
@@ -47,6 +49,7 @@ from ..ops.validation import op_undefined
 from ..transport.wire import ON_DEVICE, Coll, Fingerprint
 from ..work import Work
 from . import ipc_path, kernels, staged, staging
+from . import p2p as p2p_ipc
 from .device_group import DeviceGroup
 from .ipc_path import Spec
 from .planned import SmallAllReduce
@@ -55,6 +58,7 @@ from .tensors import as_device_tensor, caller_stream, code_of, same_device, torc
 
 if TYPE_CHECKING:
     from ..group.group import Group
+    from ..transport.requests import SendRequest
 
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 _PLANS = 64  # planned small all_reduce signatures per group
@@ -405,7 +409,7 @@ class DeviceCollectives:
         return ipc_path.run(dg, what, self._fp(Coll.ALL_TO_ALL, dtype, count=flat.numel()), spec, result,
                             [flat, *outs], async_op, timeout)
 
-    # -- staged only: rooted, vector and point-to-point calls -----------------------------------
+    # -- staged only: rooted and vector calls; point-to-point device to device where it can ---
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, dst: int, async_op: bool,
                timeout: float | None) -> Any:
         what, g = "gather", self.group
@@ -458,10 +462,15 @@ class DeviceCollectives:
 
     def isend(self, tensor: Any, dst: int, tag: int) -> Work:
         t = self.check_p2p(tensor, "send")
+        stream = caller_stream(tensor, t.device.index)
+        if self.p2p_in_place():
+            sent = self._send_in_place(t, stream, dst, tag)
+            if sent is not None:
+                return sent
         torch = torch_module()
         buf = staging.take(t.numel() * t.element_size())
         host = staging.mirror(buf, t)
-        with torch.cuda.stream(caller_stream(tensor, t.device.index)):
+        with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record()
@@ -472,9 +481,11 @@ class DeviceCollectives:
 
     def irecv(self, tensor: Any, src: int, tag: int) -> Work:
         t = self.check_p2p(tensor, "recv")
+        stream = caller_stream(tensor, t.device.index)
         buf = staging.take(t.numel() * t.element_size())
         host = staging.mirror(buf, t)
-        return Landing(self.group.irecv(host, src, tag), t, host, buf, caller_stream(tensor, t.device.index))
+        target = p2p_ipc.Target(t, stream) if self.p2p_in_place() and t.numel() else None
+        return Landing(receive(self.group, host, src, tag, target), t, host, buf, stream, target)
 
     def irecv_any(self, tensor: Any, tag: int, timeout: float | None) -> Work:
         t = self.check_p2p(tensor, "recv")
@@ -483,6 +494,49 @@ class DeviceCollectives:
         return Landing(self.group.irecv_any(host, tag, timeout), t, host, buf,
                        caller_stream(tensor, t.device.index))
 
+    def _send_in_place(self, t: Any, stream: Any, dst: int, tag: int) -> Work | None:
+        """Send `t` (written on `stream`, the caller's) device to device where shared memory
+        joins this rank to `dst` (gpu/p2p.py); None where it cannot go so: stage it."""
+        g = self.group
+        dtype = torch_dtype_to_numpy(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if dtype is None or not nbytes:
+            return None
+        route = route_of(g, True, dst, tag, nbytes, dtype)
+        channel = g.engine.channels.get(route.peer)
+        if channel is None or channel.kind != "shm":
+            return None  # not wired yet (its first send connects), or on another host
+        body = p2p_ipc.describe(t, stream)
+        req = None if body is None else g.engine.isend_device(route.peer, route.header, body, t, route.label,
+                                                               position(g))
+        if req is None:
+            return None
+        g.engine.watch_in_background(req)
+        return _Sent(g, req, t.device.index)
+
+    def p2p_in_place(self) -> bool:
+        """May point-to-point messages go device to device (gpu/p2p.py) where shared memory
+        joins the ranks? Not with TENSORWIRE_CUDA_IPC=0 or TENSORWIRE_TRANSPORT=tcp."""
+        cfg = self.group.runtime.config
+        return cfg.cuda_ipc and cfg.transport != "tcp"
+
     def check_p2p(self, tensor: Any, what: str) -> Any:
         """A bad buffer fails this rank's call only: nobody else waits on a point-to-point call."""
         return as_device_tensor(tensor, rank=self.group.runtime.rank, collective=what, name="tensor")
+
+
+class _Sent(P2PWork):
+    """A send device to device: done once the receiver queued its copy; a waiter's current
+    stream then waits for that copy before it may write the buffer again."""
+
+    def __init__(self, group: Group, req: SendRequest, device: int) -> None:
+        super().__init__(group, req)
+        self.sent = req
+        self.device = device
+
+    def wait(self, timeout: float | None = None) -> bool:
+        super().wait(timeout)
+        copied = self.sent.copied
+        if copied is not None:
+            p2p_ipc.wait_copied(copied, self.sent.peer, torch_module().cuda.current_stream(self.device))
+        return True

@@ -11,6 +11,7 @@ segments), and the cache is bounded: the least recently used are closed past `KE
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -27,6 +28,7 @@ KEPT = 256
 _exported: OrderedDict[int, bytes] = OrderedDict()  # allocation id -> its handle
 _opened: OrderedDict[tuple[int, int], tuple[int, Any]] = OrderedDict()  # (peer, id) -> (base, view)
 _kept: set[tuple[int, int]] = set()  # opened for good: never evicted
+_lock = threading.Lock()
 
 
 class _Range:
@@ -66,18 +68,19 @@ def peer_tensor(peer: int, record: bytes | np.ndarray, dtype: Any, device: int, 
     if not nbytes:
         return torch.empty(0, dtype=dtype, device=device)
     key = (peer, buffer_id)
-    entry = _opened.get(key)
-    if entry is None:
-        driver.use_device(device)
-        base = driver.open_handle(handle)
-        whole = torch.as_tensor(_Range(base, size))  # on the device the memory is on
-        entry = _opened[key] = (base, whole)
-        if len(_opened) > KEPT + len(_kept):
-            _evict(device)
-    else:
-        _opened.move_to_end(key)
-    if keep:
-        _kept.add(key)
+    with _lock:  # a point-to-point receive may open one on the progress thread (gpu/p2p.py)
+        entry = _opened.get(key)
+        if entry is None:
+            driver.use_device(device)
+            base = driver.open_handle(handle)
+            whole = torch.as_tensor(_Range(base, size))  # on the device the memory is on
+            entry = _opened[key] = (base, whole)
+            if len(_opened) > KEPT + len(_kept):
+                _evict(device)
+        else:
+            _opened.move_to_end(key)
+        if keep:
+            _kept.add(key)
     return entry[1][offset:offset + nbytes].view(dtype)
 
 

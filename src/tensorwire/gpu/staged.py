@@ -137,19 +137,27 @@ class Piece:
 
 
 class Landing(Work):
-    """A receive into device memory, staged: its copy to the device is queued, once the message
-    has arrived on the host (on wait, or when a poll sees it), on the stream that was current
-    where the receive was posted, whichever thread lands it (`stream`: what a torch Work orders
-    its waiters after)."""
+    """A receive into device memory: a message staged through host memory is copied to the
+    device once it has arrived (on wait, or when a poll sees it), on the stream that was
+    current where the receive was posted, whichever thread lands it (`stream`: what a torch
+    Work orders its waiters after); one that came device to device (`device`, gpu/p2p.py)
+    only orders that stream after its copy."""
 
     progresses = False
 
-    def __init__(self, inner: Work, target: Any, host: Any, buf: Any, stream: Any) -> None:
+    def __init__(self, inner: Work, target: Any, host: Any, buf: Any, stream: Any,
+                 device: Any = None) -> None:
         super().__init__(inner.what, inner.rank)
         self.inner, self.target, self.host, self.buf, self.stream = inner, target, host, buf, stream
+        self.device = device
 
     def _land(self) -> None:
         if self._done:
+            return
+        if self.device is not None and self.device.copied is not None:
+            self.stream.wait_event(self.device.copied)
+            staging.give_back(self.buf)
+            self._finish(self.inner._result)
             return
         torch = torch_module()
         with torch.cuda.device(self.target.device), torch.cuda.stream(self.stream):

@@ -26,6 +26,7 @@ from ..work import Work
 from .arguments import check_member, fingerprint
 
 if TYPE_CHECKING:
+    from ..transport.requests import DeviceTarget
     from .group import Group
 
 P2P_ROUTES = 256  # point-to-point routes kept per group (cleared when full)
@@ -47,10 +48,16 @@ def _host(group: Group, tensor: Any, sending: bool, peer: int,
     recv_now; byte_view for the rest) and its message's route."""
     arr = as_array(tensor, writable=not sending, rank=group.runtime.rank,
                    collective="send" if sending else "recv")
-    route = group.p2p_routes.get((sending, peer, tag, arr.nbytes))
-    if route is None or route.dtype is not arr.dtype:  # a route per size; its dtype checked apart
-        route = _route(group, sending, peer, tag, arr)
-    return arr, route
+    return arr, route_of(group, sending, peer, tag, arr.nbytes, arr.dtype)
+
+
+def route_of(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype: np.dtype) -> P2PRoute:
+    """The route of a message of `nbytes` bytes of `dtype` (a host buffer's, or a device
+    buffer's: gpu/p2p.py): kept per size, its dtype checked apart."""
+    found = group.p2p_routes.get((sending, peer, tag, nbytes))
+    if found is None or found.dtype is not dtype:
+        found = _route(group, sending, peer, tag, nbytes, dtype)
+    return found
 
 
 def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
@@ -61,7 +68,7 @@ def isend(group: Group, tensor: Any, dst: int, tag: int = 0) -> Any:
     if group.engine.send_now(route.peer, route.wire, data):
         return route.done
     req = group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
-                             seq=_seq(group))
+                             seq=position(group))
     return _work(group, req, route)
 
 
@@ -69,11 +76,19 @@ def irecv(group: Group, tensor: Any, src: int, tag: int = 0) -> Any:
     """Non-blocking receive into `tensor` (its size must equal the message's)."""
     if _on_device(tensor):
         return group.device.irecv(tensor, src, tag)
-    data, route = _host(group, tensor, False, src, tag)
-    if group.engine.recv_now(route.peer, route.key, route.wire, data, False):
-        return route.done
-    req = group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label, seq=_seq(group))
-    return _work(group, req, route)
+    return receive(group, tensor, src, tag)
+
+
+def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget | None = None) -> Any:
+    """irecv of a host buffer. `device`: of a receive into device memory, whose pinned host
+    buffer `tensor` is (gpu/collectives.py): a device message lands there instead
+    (RecvRequest.device)."""
+    data, found = _host(group, tensor, False, src, tag)
+    if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
+        return found.done
+    req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
+                             seq=position(group), device=device)
+    return _work(group, req, found)
 
 
 def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
@@ -104,7 +119,7 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
     data, route = _host(group, tensor, True, dst, tag)
     if not group.engine.send_now(route.peer, route.wire, data):
         _wait(group, group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
-                                        seq=_seq(group)), timeout=timeout)
+                                        seq=position(group)), timeout=timeout)
 
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
@@ -114,7 +129,7 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
     data, route = _host(group, tensor, False, src, tag)
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True):
         _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
-                                        seq=_seq(group)), timeout=timeout)
+                                        seq=position(group)), timeout=timeout)
     return src
 
 
@@ -163,32 +178,33 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
 def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute, sent: bool,
             timeout: float | None) -> None:
     """sendrecv's messages that did not go at once (Engine.sendrecv_now): posted, waited for."""
-    engine, seq = group.engine, _seq(group)
+    engine, seq = group.engine, position(group)
     reqs = [] if sent else [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
     reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))
     _wait(group, *reqs, timeout=timeout)
 
 
-def _seq(group: Group) -> int:
+def position(group: Group) -> int:
     """Where a point-to-point message posted now stands among the group's calls: after the
     last one it made (an abort of a later call leaves it alone where the group renews itself:
     Failures.covering)."""
     return P2P_SEQ + group.queue.seq
 
 
-def _route(group: Group, sending: bool, peer: int, tag: int, arr: np.ndarray) -> P2PRoute:
+def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype: np.dtype) -> P2PRoute:
     """Where a point-to-point message goes and how it is labelled, kept per (direction,
     peer, tag, size) with its dtype: the checks, the header and its wire form, and the label
     are most of a small message's time otherwise."""
     world = _peer(group, peer, "send" if sending else "recv")
     if len(group.p2p_routes) >= P2P_ROUTES:
         group.p2p_routes.clear()
-    header = Header(Kind.P2P, group.ctx, 0, tag, arr.nbytes, fingerprint(Coll.P2P, arr.dtype, count=arr.size))
+    fp = fingerprint(Coll.P2P, dtype, count=nbytes // dtype.itemsize)
+    header = Header(Kind.P2P, group.ctx, 0, tag, nbytes, fp)
     label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
         f" (tag {tag}) on group {group.name}"
-    route = group.p2p_routes[(sending, peer, tag, arr.nbytes)] = P2PRoute(
-        world, header, header.pack(), (world, header.key), label, _Done(label, group.runtime.rank), arr.dtype)
-    return route
+    made = group.p2p_routes[(sending, peer, tag, nbytes)] = P2PRoute(
+        world, header, header.pack(), (world, header.key), label, _Done(label, group.runtime.rank), dtype)
+    return made
 
 
 def _peer(group: Group, peer: int, what: str) -> int:
@@ -244,7 +260,7 @@ def _work(group: Group, req: Request, route: P2PRoute) -> Work:
     if req.done and req.error is None:  # a small send, already in the ring or the socket,
         return route.done  # or a receive whose message had arrived
     group.engine.watch_in_background(req)
-    return _P2PWork(group, req)
+    return P2PWork(group, req)
 
 
 class _Done(Work):
@@ -255,7 +271,7 @@ class _Done(Work):
         self._done = True
 
 
-class _P2PWork(Work):
+class P2PWork(Work):
     """A point-to-point request as a Work: waiting drives the engine instead of a worker."""
 
     progresses = False

@@ -36,6 +36,7 @@ from .tcp import SPLIT_BYTES
 from .wire import Fingerprint, Header, Kind
 
 if TYPE_CHECKING:
+    from .requests import DeviceTarget
     from .wiring import Wiring
 
 _log = log.get("TRANSPORT")
@@ -191,9 +192,34 @@ class Engine(Failures):
                 self.peer_lost(peer, str(exc))
         return req
 
+    def isend_device(self, peer: int, header: Header, body: bytes, tensor: object, what: str,
+                     seq: int = P2P_SEQ) -> SendRequest | None:
+        """A CUDA buffer's send as its descriptor `body` (gpu/p2p.py) where shared memory joins
+        this rank to `peer`: the receiver copies it device to device, then acknowledges
+        (ShmChannel._offer_device). None where no such channel is up yet: stage it."""
+        with self.lock:
+            channel = self.channels.get(peer)
+            if peer == self.rank or channel is None or channel.kind != "shm" or peer in self.lost:
+                return None
+            req = SendRequest(peer, header, _EMPTY, what, seq=seq)
+            req.device_body, req.holds = body, tensor
+            if self.aborted and self.fail_if_unusable(req):
+                return req
+            try:
+                channel.post(req)
+                channel.flush()
+            except PeerClosed as exc:
+                self.peer_lost(peer, str(exc))
+        return req
+
     def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-              what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ) -> RecvRequest:
+              what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ,
+              device: DeviceTarget | None = None) -> RecvRequest:
+        """`device`: a receive into device memory (a device message lands there, any other in
+        `dst`: RecvRequest.device)."""
         req = RecvRequest(peer, header, dst, reduce_op, what, base, seq)
+        if device is not None:
+            req.device = device
         with self.lock:
             key = (peer, header.key)
             queue = self.unexpected.get(key)

@@ -7,6 +7,7 @@ arrives and then hands it byte ranges, either as a writable view of the final de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -59,6 +60,9 @@ never failed, shared."""
 
 class SendRequest(Request):
     descriptor: bytes | None = None  # set where the receiver reads the payload itself (shm REMOTE)
+    device_body: bytes | None = None  # a CUDA buffer's descriptor (Engine.isend_device)
+    holds: object = None  # what the receiver reads in place of `payload` (a CUDA tensor): kept alive
+    copied: bytes | None = None  # the receiver's event after its copy of a CUDA buffer (Mode.COPIED)
 
     def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
                  wire_header: bytes | None = None, seq: int = P2P_SEQ) -> None:
@@ -85,6 +89,19 @@ class RemotePayload(Protocol):
 
     def discard(self) -> None:
         """Read nothing (the receive failed)."""
+
+
+class DeviceTarget(Protocol):
+    """Device memory a receive lands in (gpu/p2p.Target)."""
+
+    def read(self, body: bytes, peer: int) -> bytes:
+        """Queue the copy of `peer`'s CUDA buffer that `body` describes; the handle of the event
+        recorded after it."""
+
+
+device_to_host: Callable[[bytes, int, np.ndarray], None] | None = None
+"""Copies a device message (`body`, from world rank `peer`) into host memory and waits for it;
+set by tensorwire.gpu as it loads (gpu/p2p.read_to_host)."""
 
 
 class Sink:
@@ -129,6 +146,10 @@ class Sink:
 class RecvRequest(Request, Sink):
     """A posted receive: plain copy into `dst`, or reduce into it as the payload arrives
     (`dst op= payload`, or with `base`, `dst = base op payload`: no copy of base first)."""
+
+    device: DeviceTarget | None = None
+    """A receive into device memory: where a device message (Mode.DEVICE) goes; any other
+    message lands in `dst`, its host buffer (gpu/p2p.py)."""
 
 
     def __init__(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..buffers import address, byte_view
-from ..errors import PeerLostError
-from . import cma, pages
+from ..errors import PeerLostError, TensorwireError
+from . import cma, pages, requests
 from .channel import Channel, ChannelOwner, PeerClosed
 from .processes import pid_namespace, process_start, start_of
 from .requests import RecvRequest, SendRequest, Sink
@@ -61,8 +61,12 @@ slower than the ring's two pipelined copies: the sender looks (pages.py; docs/de
 Collectives' messages keep the ring: their receives may fold as they arrive, and the tuner's
 prices are measured through it."""
 _DESCRIPTOR = struct.Struct("<QQ")  # a REMOTE message's payload address and the sender's id for it
+_RID = struct.Struct("<Q")  # a DEVICE message's id, before the body gpu/p2p.py describes its buffer with
+DEVICE_UNITS = 3
+"""Records (of HEADER_SIZE bytes) of a DEVICE message's descriptor: its id, the buffer's
+allocation record and the sender's event (gpu/p2p.BODY)."""
 _EMPTY = np.empty(0, dtype=np.uint8)
-_UNACKNOWLEDGED: list[np.ndarray] = []
+_UNACKNOWLEDGED: list[object] = []
 """Payloads of REMOTE sends that were never acknowledged when their channel closed (destroy()
 with a send nobody waited for): a receive posted later may still read them, so their memory
 stays this process's until it exits rather than going back to the allocator."""
@@ -330,7 +334,9 @@ class ShmChannel(Channel):
         n = req.payload.nbytes
         if self._outgrown(n):
             self._grow(n)
-        if self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
+        if req.device_body is not None:
+            self._offer_device(req)
+        elif self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
             self._offer(req)
         if self.sendq or not self._put_whole(req):
             self.sendq.append(req)
@@ -375,18 +381,32 @@ class ShmChannel(Channel):
         req.wire_header = req.header._replace(mode=Mode.REMOTE).pack()
         req.descriptor = _DESCRIPTOR.pack(where, rid).ljust(HEADER_SIZE, b"\0")
 
-    def acknowledge(self, rid: int) -> None:
-        """Tell the peer its REMOTE message `rid` was read: its send completes."""
-        ack = SendRequest(self.peer, Header(Kind.ACK, 0, rid, 0, 0, P2P_FINGERPRINT, Mode.ACK), _EMPTY,
+    def _offer_device(self, req: SendRequest) -> None:
+        """Send a CUDA buffer as its descriptor (Engine.isend_device): the receiver copies it
+        device to device, and acknowledges."""
+        rid = next(self._remote_ids)
+        self.awaiting[rid] = req
+        req.wire_header = req.header._replace(mode=Mode.DEVICE).pack()
+        body = req.device_body or b""
+        req.descriptor = (_RID.pack(rid) + body).ljust(DEVICE_UNITS * HEADER_SIZE, b"\0")
+
+    def acknowledge(self, rid: int, copied: bytes | None = None) -> None:
+        """Tell the peer its REMOTE or DEVICE message `rid` was read (`copied`: the handle of the
+        event after a device copy, which its sender's stream waits for): its send completes."""
+        mode = Mode.ACK if copied is None else Mode.COPIED
+        ack = SendRequest(self.peer, Header(Kind.ACK, 0, rid, 0, 0, P2P_FINGERPRINT, mode), _EMPTY,
                           "acknowledgement")
+        if copied is not None:
+            ack.descriptor = copied.ljust(HEADER_SIZE, b"\0")
         self.post(ack)
         if self.sendq:  # behind other sends: push now, the peer may wait for nothing else
             self._push()
             self.engine.watch_in_background(ack)  # and later, should this rank stop calling
 
-    def _acked(self, rid: int) -> None:
+    def _acked(self, rid: int, copied: bytes | None = None) -> None:
         req = self.awaiting.pop(rid, None)
         if req is not None:
+            req.copied = copied
             req.done = True  # no-op effect where it already failed (done, with its error)
 
     def _put_whole(self, req: SendRequest) -> bool:
@@ -395,7 +415,7 @@ class ShmChannel(Channel):
         no queueing and no piece-by-piece bookkeeping."""
         if not self._put(req.wire_header, req.payload, req.descriptor):
             return False
-        req.done = req.descriptor is None  # else done once the peer acknowledges
+        req.done = req.descriptor is None or req.header.kind == Kind.ACK  # else once the peer acknowledges
         req.sent = req.payload.nbytes
         return True
 
@@ -438,7 +458,7 @@ class ShmChannel(Channel):
         cap = ring.capacity
         head = words[_HEAD]
         n = payload.nbytes
-        end = head + HEADER_SIZE + (_pad(n) if descriptor is None else HEADER_SIZE)
+        end = head + HEADER_SIZE + (_pad(n) if descriptor is None else len(descriptor))
         pos = head % cap
         if (n > PIPELINE_BYTES and descriptor is None) or end - words[_TAIL] > cap \
                 or pos + (end - head) > cap:
@@ -446,7 +466,7 @@ class ShmChannel(Channel):
         ring.raw[pos:pos + HEADER_SIZE] = wire_header
         pos += HEADER_SIZE
         if descriptor is not None:
-            ring.raw[pos:pos + HEADER_SIZE] = descriptor
+            ring.raw[pos:pos + len(descriptor)] = descriptor
         elif n:
             ring.data[pos:pos + n] = payload
         words[_HEAD] = end
@@ -488,13 +508,14 @@ class ShmChannel(Channel):
         while self.sendq and free >= 64:
             req = self.sendq[0]
             if req.descriptor is not None:
-                if free < 2 * HEADER_SIZE:
+                record = req.wire_header + req.descriptor
+                if free < len(record):
                     break
-                for record in (req.wire_header, req.descriptor):
+                for at in range(0, len(record), HEADER_SIZE):  # 64-byte records: one may wrap after any
                     pos = head % cap
-                    ring.raw[pos:pos + HEADER_SIZE] = record
+                    ring.raw[pos:pos + HEADER_SIZE] = record[at:at + HEADER_SIZE]
                     head += HEADER_SIZE
-                free -= 2 * HEADER_SIZE
+                free -= len(record)
                 req.sent = req.payload.nbytes
                 self.sendq.pop(0)
                 if req.header.mode == Mode.MOVE:  # the rest goes into the new ring
@@ -503,6 +524,8 @@ class ShmChannel(Channel):
                     req.done = True
                     self._push()
                     return True
+                if req.header.kind == Kind.ACK:  # else done once the peer acknowledges
+                    req.done = True
                 continue
             if not self._hdr_written:
                 pos = head % cap
@@ -667,15 +690,32 @@ class ShmChannel(Channel):
         old.close()
 
     def _take_remote(self, header: Header, tail: int) -> int:
-        """Act on a REMOTE message (hand it to its receive) or an ACK; the tail past it."""
+        """Act on a REMOTE or DEVICE message (hand it to its receive) or an ACK; the tail past it."""
         tail += HEADER_SIZE
-        if header.mode == Mode.ACK:
+        mode = header.mode
+        if mode == Mode.ACK:
             self._acked(header.seq)
             return tail
+        if mode == Mode.COPIED:
+            self._acked(header.seq, self._records(tail, 1))
+            return tail + HEADER_SIZE
+        if mode == Mode.DEVICE:
+            descriptor = self._records(tail, DEVICE_UNITS)
+            rid = _RID.unpack_from(descriptor)[0]
+            self.engine.match(self.peer, header, remote=True).fetch(
+                _DeviceRemote(self, descriptor[_RID.size:], rid, header.nbytes))
+            return tail + DEVICE_UNITS * HEADER_SIZE
         ring = self.inn
         where, rid = _DESCRIPTOR.unpack_from(ring.raw, tail % ring.capacity)
         self.engine.match(self.peer, header, remote=True).fetch(_Remote(self, where, rid, header.nbytes))
         return tail + HEADER_SIZE
+
+    def _records(self, at: int, units: int) -> bytes:
+        """`units` records of the in ring from position `at` on (a descriptor may wrap)."""
+        ring = self.inn
+        cap = ring.capacity
+        return b"".join(bytes(ring.raw[(at + i) % cap:(at + i) % cap + HEADER_SIZE])
+                        for i in range(0, units * HEADER_SIZE, HEADER_SIZE))
 
     def _header(self, raw: memoryview, pos: int) -> Header:
         """The header at `pos`; point-to-point headers repeat byte for byte (no sequence
@@ -697,7 +737,8 @@ class ShmChannel(Channel):
 
     def close(self) -> None:
         if self.awaiting:  # the peer may still read them (its receive posted late): keep them
-            _UNACKNOWLEDGED.extend(req.payload for req in self.awaiting.values())
+            _UNACKNOWLEDGED.extend(req.payload if req.holds is None else req.holds
+                                   for req in self.awaiting.values())
         self.stream.close()
         self.out.unlink()
         for req in self.sendq:  # a move not written yet: the peer never learnt its ring's name
@@ -742,6 +783,54 @@ class _Remote:
             return None  # the receive that takes it will say why
         channel.acknowledge(self.rid)
         return buf
+
+    def discard(self) -> None:
+        self.channel.acknowledge(self.rid)
+
+
+class _DeviceRemote:
+    """A DEVICE message: a CUDA buffer in the peer's process (requests.RemotePayload), which
+    gpu/p2p.py reads through CUDA IPC."""
+
+    __slots__ = ("channel", "body", "rid", "nbytes")
+
+    def __init__(self, channel: ShmChannel, body: bytes, rid: int, nbytes: int) -> None:
+        self.channel = channel
+        self.body = body
+        self.rid = rid
+        self.nbytes = nbytes
+
+    def read_into(self, req: RecvRequest) -> None:
+        """Into device memory, queued on the GPU (the acknowledgement carries the event after
+        the copy); into host memory, copied before it is acknowledged."""
+        channel, copied = self.channel, None
+        try:
+            if req.device is not None:
+                copied = req.device.read(self.body, channel.peer)
+            else:
+                self._to_host(req.dst_u8)
+        except Exception as exc:  # noqa: BLE001 - the receive fails, naming why; the sender goes on
+            req.fail(TensorwireError(f"rank {channel.engine.rank}: {req.what}: cannot read rank "
+                                     f"{channel.peer}'s CUDA buffer ({type(exc).__name__}: {exc}); "
+                                     "TENSORWIRE_CUDA_IPC=0 on the sender stages it through host memory"))
+        else:
+            req.received = self.nbytes
+            req.finish()
+        channel.acknowledge(self.rid, copied)
+
+    def read_all(self) -> np.ndarray | None:
+        buf = np.empty(self.nbytes, dtype=np.uint8)
+        try:
+            self._to_host(buf)
+        except Exception:  # noqa: BLE001 - the receive that takes it will say why
+            return None
+        self.channel.acknowledge(self.rid)
+        return buf
+
+    def _to_host(self, out: np.ndarray) -> None:
+        if requests.device_to_host is None:
+            raise TensorwireError("tensorwire's GPU support is not loaded in this process")
+        requests.device_to_host(self.body, self.channel.peer, out)
 
     def discard(self) -> None:
         self.channel.acknowledge(self.rid)

@@ -23,10 +23,12 @@ import sys
 import time
 from typing import Any
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "alltoall")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "alltoall", "pingpong")
+"""pingpong: rank 0 sends to rank 1, which sends it back (send/recv; other ranks idle): the
+time is the round trip, busbw the bandwidth one way."""
 _BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0,
           "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-          "alltoall": lambda n: (n - 1) / n}
+          "alltoall": lambda n: (n - 1) / n, "pingpong": lambda n: 2.0}
 
 
 def _sizes(lo: int, hi: int, factor: int) -> list[int]:
@@ -70,6 +72,9 @@ def _buffers(torch: Any, coll: str, nbytes: int, n: int, rank: int, dev: Any) ->
         block = count // n
         send = ar + rank
         return send, torch.empty(block, device=dev), ar[rank * block:(rank + 1) * block] * n + n * (n - 1) / 2
+    if coll == "pingpong":  # rank 1 returns what rank 0 sent; the idle ranks' buffers stay as they are
+        recv = torch.empty(count, device=dev) if rank < 2 else ar + 0
+        return ar + 0, recv, ar + 0
     block = count // n  # alltoall: block q of rank r's input is r * 1000 + q
     send = torch.cat([torch.full((block,), float(rank * 1000 + q), device=dev) for q in range(n)])
     want = torch.cat([torch.full((block,), float(q * 1000 + rank), device=dev) for q in range(n)])
@@ -77,6 +82,13 @@ def _buffers(torch: Any, coll: str, nbytes: int, n: int, rank: int, dev: Any) ->
 
 
 def _call(dist: Any, coll: str, send: Any, recv: Any, group: Any) -> Any:
+    if coll == "pingpong":
+        rank = dist.get_rank()
+        if rank == 0:
+            return lambda: (dist.send(send, 1, group=group), dist.recv(recv, 1, group=group))
+        if rank == 1:
+            return lambda: (dist.recv(recv, 0, group=group), dist.send(recv, 0, group=group))
+        return lambda: None
     if coll == "all_reduce":
         return lambda: dist.all_reduce(recv, group=group)
     if coll == "broadcast":
@@ -155,10 +167,13 @@ def _rank(rank: int, n: int, port: int, args: argparse.Namespace, out: Any) -> N
             notes.append(f"nccl: not run: {n} ranks share {torch.cuda.device_count()} GPU(s), which NCCL "
                          "refuses ('Duplicate GPU detected')")
     rows = []
+    if "pingpong" in args.colls and "gloo" in args.compare:
+        notes.append("gloo: no pingpong: it cannot send CUDA tensors")
     for coll in args.colls:
         for nbytes in _sizes(args.minbytes, args.maxbytes, args.stepfactor):
             for lib in libs:  # interleaved: every library at this size before the next size
-                rows.append(_measure(torch, dist, lib, coll, nbytes, n, rank, dev, args.iters, gloo))
+                if coll != "pingpong" or lib.name != "gloo":
+                    rows.append(_measure(torch, dist, lib, coll, nbytes, n, rank, dev, args.iters, gloo))
     if rank == 0:
         out.put({"rows": rows, "notes": notes, "device": torch.cuda.get_device_name(dev), "n": n,
                  "torch": torch.__version__, "transport": os.environ.get("TENSORWIRE_TRANSPORT", "auto")})
