@@ -445,6 +445,33 @@ def device_p2p(in_place: bool) -> list[str]:
     return wrong
 
 
+def graph_capture() -> list[str]:
+    """A collective and a send made while the current stream captures a CUDA graph: a clear
+    error on every rank, nothing queued, and the group goes on."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    n, r = world.size, world.rank
+    dev = _device(r)
+    x = torch.ones(8, device=dev)
+    wrong: list[str] = []
+    for call in (lambda: tw.all_reduce(x), lambda: tw.all_reduce(x), lambda: tw.send(x, (r + 1) % n)):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                call()
+            wrong.append(f"rank {r}: captured without an error")
+        except tw.InvalidArgumentError as exc:
+            if "CUDA graph" not in str(exc):
+                wrong.append(f"rank {r}: {exc}")
+        tw.all_reduce(x)  # outside the capture: planned after the first
+    if not torch.all(x == n ** 3).item():
+        wrong.append(f"rank {r}: the calls after the captures: {x[:3].tolist()}")
+    return wrong
+
+
 def lose_a_receiver() -> float:
     """Rank 1 leaves while rank 0 sends it a CUDA buffer: PeerLostError, not a hang."""
     import torch
@@ -586,6 +613,15 @@ def test_point_to_point_device_to_device() -> None:
             _none_wrong(cluster.run(device_p2p, in_place, timeout=200))
         finally:
             cluster.close()
+
+
+@pytest.mark.timeout(120)
+def test_capture_in_a_cuda_graph_is_a_clear_error() -> None:
+    cluster = _cluster(2)
+    try:
+        _none_wrong(cluster.run(graph_capture, timeout=90))
+    finally:
+        cluster.close()
 
 
 @pytest.mark.timeout(120)

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 _PLANS = 64  # planned small all_reduce signatures per group
+_CAPTURED = ("the current stream is capturing a CUDA graph, which cannot hold a tensorwire call yet: its GPU "
+             "work is ordered after the peers' through host rounds that a replay would skip; make the call "
+             "outside torch.cuda.graph()")
 
 
 class DeviceCollectives:
@@ -96,6 +99,8 @@ class DeviceCollectives:
     def _device(self, tensors: list[Any], what: str, coll: Coll, timeout: float | None) -> DeviceGroup:
         """The group's device state, set up by the first device call (`coll`, `what`)."""
         g = self.group
+        if torch_module().cuda.is_current_stream_capturing():
+            invalid(g, what, _CAPTURED)
         try:
             dev = same_device(tensors, rank=g.runtime.rank, collective=what)
         except InvalidArgumentError as exc:
@@ -522,7 +527,10 @@ class DeviceCollectives:
 
     def check_p2p(self, tensor: Any, what: str) -> Any:
         """A bad buffer fails this rank's call only: nobody else waits on a point-to-point call."""
-        return as_device_tensor(tensor, rank=self.group.runtime.rank, collective=what, name="tensor")
+        rank = self.group.runtime.rank
+        if torch_module().cuda.is_current_stream_capturing():
+            raise InvalidArgumentError(f"rank {rank}: {what}: {_CAPTURED}")
+        return as_device_tensor(tensor, rank=rank, collective=what, name="tensor")
 
 
 class _Sent(P2PWork):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..errors import TensorwireError
@@ -84,10 +86,39 @@ def check(status: int, what: str) -> None:
 
 def use_device(device: int) -> None:
     """Make `device`'s primary context (the one torch uses) current on this thread; a thread
-    that never made a CUDA runtime call (a group's worker) has none."""
+    that never made a CUDA runtime call (a group's worker) has none. For a thread whose
+    current device is `device` (planned.py): elsewhere, `on_device`."""
     lib = _cuda()
+    ctx = _primary(lib, device)
+    if _current(lib) != ctx:
+        _check(lib, lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+
+
+@contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Run the enclosed driver calls in `device`'s primary context, then give the thread its
+    own back: a buffer on another device than the caller's current one leaves the caller's
+    current device as it was."""
+    lib = _cuda()
+    ctx = _primary(lib, device)
+    if _current(lib) == ctx:
+        yield
+        return
+    _check(lib, lib.cuCtxPushCurrent(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        _check(lib, lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+
+
+def _current(lib: ctypes.CDLL) -> int:
     current = ctypes.c_void_p()
     _check(lib, lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    return current.value or 0
+
+
+def _primary(lib: ctypes.CDLL, device: int) -> int:
+    """`device`'s primary context (retained once: torch's own)."""
     ctx = _contexts.get(device)
     if ctx is None:
         dev = ctypes.c_int()
@@ -95,8 +126,7 @@ def use_device(device: int) -> None:
         primary = ctypes.c_void_p()
         _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev), "cuDevicePrimaryCtxRetain")
         ctx = _contexts[device] = primary.value or 0
-    if current.value != ctx:
-        _check(lib, lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+    return ctx
 
 
 def allocation(ptr: int) -> Allocation:

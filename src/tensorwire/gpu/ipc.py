@@ -44,18 +44,18 @@ def describe(t: Any) -> bytes:
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     if not nbytes:
         return RECORD.pack(0, 0, 0, 0, b"")
-    driver.use_device(t.device.index)
-    where = driver.allocation(ptr)
-    if not where.ipc_capable:
-        raise driver.CudaDriverError(
-            "this tensor's memory cannot be shared with other processes through CUDA IPC (torch's "
-            "expandable segments? unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or set "
-            "TENSORWIRE_CUDA_IPC=0)")
-    handle = _exported.get(where.buffer_id)
-    if handle is None:
-        handle = _exported[where.buffer_id] = driver.export_handle(where.base)
-        if len(_exported) > KEPT:
-            _exported.popitem(last=False)
+    with driver.on_device(t.device.index):
+        where = driver.allocation(ptr)
+        if not where.ipc_capable:
+            raise driver.CudaDriverError(
+                "this tensor's memory cannot be shared with other processes through CUDA IPC (torch's "
+                "expandable segments? unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or set "
+                "TENSORWIRE_CUDA_IPC=0)")
+        handle = _exported.get(where.buffer_id)
+        if handle is None:
+            handle = _exported[where.buffer_id] = driver.export_handle(where.base)
+            if len(_exported) > KEPT:
+                _exported.popitem(last=False)
     return RECORD.pack(where.buffer_id, where.size, ptr - where.base, nbytes, handle)
 
 
@@ -71,8 +71,8 @@ def peer_tensor(peer: int, record: bytes | np.ndarray, dtype: Any, device: int, 
     with _lock:  # a point-to-point receive may open one on the progress thread (gpu/p2p.py)
         entry = _opened.get(key)
         if entry is None:
-            driver.use_device(device)
-            base = driver.open_handle(handle)
+            with driver.on_device(device):
+                base = driver.open_handle(handle)
             whole = torch.as_tensor(_Range(base, size))  # on the device the memory is on
             entry = _opened[key] = (base, whole)
             if len(_opened) > KEPT + len(_kept):
@@ -93,7 +93,8 @@ def _evict(device: int) -> None:
     import torch
 
     torch.cuda.synchronize(device)
-    _close(*_opened.pop(victim))
+    with driver.on_device(device):
+        _close(*_opened.pop(victim))
 
 
 def _close(base: int, view: Any) -> None:

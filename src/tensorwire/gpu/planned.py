@@ -58,6 +58,7 @@ class SmallAllReduce:
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.stream_of = raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream
         self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+        self.capturing = torch.cuda.is_current_stream_capturing  # a capture takes the general path's error
         self.threads: set[int] = set()  # threads whose current context this plan has made sure of
 
     def runs(self, t: Any) -> bool:
@@ -66,7 +67,7 @@ class SmallAllReduce:
         thread's current one: the driver's calls on a default stream go to the current
         context's."""
         return t.is_contiguous() and not t.requires_grad and not t.is_neg() \
-            and t.get_device() == self.device == self.current_device()
+            and t.get_device() == self.device == self.current_device() and not self.capturing()
 
     def __call__(self, t: Any, timeout: float | None) -> Any:
         dg = self.dg
