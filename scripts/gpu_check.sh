@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
+#   scripts/gpu_check.sh [bench] [tests] [p2p] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
 #   (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
-# tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); ddp: examples/ddp_train.py
+# tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); p2p: the point-to-point
+# tests of tests/test_gpu.py, then ping-pong device to device and staged (TENSORWIRE_CUDA_IPC=0),
+# 8 B to 64 MiB, and the pipeline example on the GPU both ways; ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
 # (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B
 # and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
@@ -58,6 +60,21 @@ for step in $steps; do
       timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29517 examples/ddp_train.py \
         --device cuda --backend "$backend" --steps 40 --hidden 2048 > "$OUT/ddp-$backend.txt" 2>&1
       note "ddp $backend (rc=$?): $(grep -E 'ms a step' "$OUT/ddp-$backend.txt")"
+    done
+    ;;
+  p2p)
+    timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+      -k "point_to_point or receiver_lost or capture" > "$OUT/p2p-tests.log" 2>&1
+    note "p2p tests: rc=$? $(tail -1 "$OUT/p2p-tests.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/p2p-tests.log" | head -20
+    for ipc in 1 0; do
+      TENSORWIRE_CUDA_IPC=$ipc timeout "$BENCH_S" $PY -m tensorwire.tools.benchmarks.cuda pingpong -b 8 -e 64M -f 8 \
+        --np 2 --compare nccl > "$OUT/bench-pingpong-ipc$ipc.txt" 2>&1
+      note "pingpong TENSORWIRE_CUDA_IPC=$ipc (rc=$?):"; grep -v "\[tensorwire " "$OUT/bench-pingpong-ipc$ipc.txt"
+      TENSORWIRE_CUDA_IPC=$ipc timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29519 \
+        examples/pipeline_train.py --backend tensorwire --steps 40 --device cuda --hidden 2048 \
+        > "$OUT/pipeline-ipc$ipc.txt" 2>&1
+      note "pipeline 2 stages on the GPU, TENSORWIRE_CUDA_IPC=$ipc (rc=$?): $(grep -E 'ms a step' "$OUT/pipeline-ipc$ipc.txt")"
     done
     ;;
   pipeline)
