@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from ..transport import shm
+from ..transport import remote
 from ..transport.wire import HEADER_SIZE
 from . import driver, ipc
 from .tensors import torch_module
 
 BODY = struct.Struct(f"<{ipc.RECORD.size}s{driver.HANDLE_BYTES}s")
 """A device message's descriptor: the buffer's record (ipc.RECORD) and the sender's event."""
-assert 8 + BODY.size <= shm.DEVICE_UNITS * HEADER_SIZE  # with its id, it fits the ring's records
+assert remote.DEVICE_ID.size + BODY.size <= remote.DEVICE_UNITS * HEADER_SIZE  # fits the ring's records
 STREAMS = 64
 """Streams per process whose sends go device to device; a send from another stream is staged
 (each needs an interprocess event of its own, kept for the process's life)."""

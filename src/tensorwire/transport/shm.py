@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..buffers import address, byte_view
-from ..errors import PeerLostError, TensorwireError
-from . import cma, pages, requests
+from . import cma, pages
 from .channel import Channel, ChannelOwner, PeerClosed
 from .processes import pid_namespace, process_start, start_of
-from .requests import RecvRequest, SendRequest, Sink
+from .remote import CMA_DESCRIPTOR, DEVICE_ID, DEVICE_UNITS, CmaPayload, DevicePayload
+from .requests import SendRequest, Sink
 from .wire import HEADER_SIZE, P2P_FINGERPRINT, Header, Kind, Mode
 
 if TYPE_CHECKING:
@@ -60,11 +60,6 @@ rendezvous). The kernel pins a source's pages one by one, so out of 4 KiB pages 
 slower than the ring's two pipelined copies: the sender looks (pages.py; docs/design/memory.md).
 Collectives' messages keep the ring: their receives may fold as they arrive, and the tuner's
 prices are measured through it."""
-_DESCRIPTOR = struct.Struct("<QQ")  # a REMOTE message's payload address and the sender's id for it
-_RID = struct.Struct("<Q")  # a DEVICE message's id, before the body gpu/p2p.py describes its buffer with
-DEVICE_UNITS = 3
-"""Records (of HEADER_SIZE bytes) of a DEVICE message's descriptor: its id, the buffer's
-allocation record and the sender's event (gpu/p2p.BODY)."""
 _EMPTY = np.empty(0, dtype=np.uint8)
 _UNACKNOWLEDGED: list[object] = []
 """Payloads of REMOTE sends that were never acknowledged when their channel closed (destroy()
@@ -379,7 +374,7 @@ class ShmChannel(Channel):
         rid = next(self._remote_ids)
         self.awaiting[rid] = req
         req.wire_header = req.header._replace(mode=Mode.REMOTE).pack()
-        req.descriptor = _DESCRIPTOR.pack(where, rid).ljust(HEADER_SIZE, b"\0")
+        req.descriptor = CMA_DESCRIPTOR.pack(where, rid).ljust(HEADER_SIZE, b"\0")
 
     def _offer_device(self, req: SendRequest) -> None:
         """Send a CUDA buffer as its descriptor (Engine.isend_device): the receiver copies it
@@ -388,7 +383,7 @@ class ShmChannel(Channel):
         self.awaiting[rid] = req
         req.wire_header = req.header._replace(mode=Mode.DEVICE).pack()
         body = req.device_body or b""
-        req.descriptor = (_RID.pack(rid) + body).ljust(DEVICE_UNITS * HEADER_SIZE, b"\0")
+        req.descriptor = (DEVICE_ID.pack(rid) + body).ljust(DEVICE_UNITS * HEADER_SIZE, b"\0")
 
     def acknowledge(self, rid: int, copied: bytes | None = None) -> None:
         """Tell the peer its REMOTE or DEVICE message `rid` was read (`copied`: the handle of the
@@ -701,13 +696,13 @@ class ShmChannel(Channel):
             return tail + HEADER_SIZE
         if mode == Mode.DEVICE:
             descriptor = self._records(tail, DEVICE_UNITS)
-            rid = _RID.unpack_from(descriptor)[0]
+            rid = DEVICE_ID.unpack_from(descriptor)[0]
             self.engine.match(self.peer, header, remote=True).fetch(
-                _DeviceRemote(self, descriptor[_RID.size:], rid, header.nbytes))
+                DevicePayload(self, descriptor[DEVICE_ID.size:], rid, header.nbytes))
             return tail + DEVICE_UNITS * HEADER_SIZE
         ring = self.inn
-        where, rid = _DESCRIPTOR.unpack_from(ring.raw, tail % ring.capacity)
-        self.engine.match(self.peer, header, remote=True).fetch(_Remote(self, where, rid, header.nbytes))
+        where, rid = CMA_DESCRIPTOR.unpack_from(ring.raw, tail % ring.capacity)
+        self.engine.match(self.peer, header, remote=True).fetch(CmaPayload(self, where, rid, header.nbytes))
         return tail + HEADER_SIZE
 
     def _records(self, at: int, units: int) -> bytes:
@@ -746,91 +741,3 @@ class ShmChannel(Channel):
                 req.ring.unlink()  # type: ignore[attr-defined]
         self.inn.close()
         self.out.close()
-
-
-class _Remote:
-    """A REMOTE message's payload in the peer's memory (requests.RemotePayload)."""
-
-    __slots__ = ("channel", "where", "rid", "nbytes")
-
-    def __init__(self, channel: ShmChannel, where: int, rid: int, nbytes: int) -> None:
-        self.channel = channel
-        self.where = where
-        self.rid = rid
-        self.nbytes = nbytes
-
-    def read_into(self, req: RecvRequest) -> None:
-        """Point-to-point receives only (REMOTE_BYTES): a plain copy, never a fold."""
-        channel = self.channel
-        peer = channel.peer
-        try:
-            channel.reader.read_into(req.dst_u8, channel.peer_pid, self.where)
-        except OSError as exc:
-            why = (f"rank {peer} exited before this rank read its message" if isinstance(exc, cma.ProcessGone)
-                   else f"cannot read rank {peer}'s memory ({exc})")
-            req.fail(PeerLostError(f"rank {channel.engine.rank}: {req.what}: {why}", peer=peer))
-        else:
-            req.received = self.nbytes
-            req.finish()
-        channel.acknowledge(self.rid)
-
-    def read_all(self) -> np.ndarray | None:
-        buf = np.empty(self.nbytes, dtype=np.uint8)
-        channel = self.channel
-        try:
-            channel.reader.read_into(buf, channel.peer_pid, self.where)
-        except OSError:
-            return None  # the receive that takes it will say why
-        channel.acknowledge(self.rid)
-        return buf
-
-    def discard(self) -> None:
-        self.channel.acknowledge(self.rid)
-
-
-class _DeviceRemote:
-    """A DEVICE message: a CUDA buffer in the peer's process (requests.RemotePayload), which
-    gpu/p2p.py reads through CUDA IPC."""
-
-    __slots__ = ("channel", "body", "rid", "nbytes")
-
-    def __init__(self, channel: ShmChannel, body: bytes, rid: int, nbytes: int) -> None:
-        self.channel = channel
-        self.body = body
-        self.rid = rid
-        self.nbytes = nbytes
-
-    def read_into(self, req: RecvRequest) -> None:
-        """Into device memory, queued on the GPU (the acknowledgement carries the event after
-        the copy); into host memory, copied before it is acknowledged."""
-        channel, copied = self.channel, None
-        try:
-            if req.device is not None:
-                copied = req.device.read(self.body, channel.peer)
-            else:
-                self._to_host(req.dst_u8)
-        except Exception as exc:  # noqa: BLE001 - the receive fails, naming why; the sender goes on
-            req.fail(TensorwireError(f"rank {channel.engine.rank}: {req.what}: cannot read rank "
-                                     f"{channel.peer}'s CUDA buffer ({type(exc).__name__}: {exc}); "
-                                     "TENSORWIRE_CUDA_IPC=0 on the sender stages it through host memory"))
-        else:
-            req.received = self.nbytes
-            req.finish()
-        channel.acknowledge(self.rid, copied)
-
-    def read_all(self) -> np.ndarray | None:
-        buf = np.empty(self.nbytes, dtype=np.uint8)
-        try:
-            self._to_host(buf)
-        except Exception:  # noqa: BLE001 - the receive that takes it will say why
-            return None
-        self.channel.acknowledge(self.rid)
-        return buf
-
-    def _to_host(self, out: np.ndarray) -> None:
-        if requests.device_to_host is None:
-            raise TensorwireError("tensorwire's GPU support is not loaded in this process")
-        requests.device_to_host(self.body, self.channel.peer, out)
-
-    def discard(self) -> None:
-        self.channel.acknowledge(self.rid)
