@@ -33,7 +33,7 @@ class Mode(IntEnum):
     REMOTE = 1  # a descriptor follows: the receiver reads the payload out of the sender's memory
     ACK = 2  # no payload: the answer to a REMOTE message, which completes its send
     MOVE = 3  # the writer goes on in a larger ring: its name follows (seq: its nonce, tag: its capacity)
-    DEVICE = 4  # a CUDA buffer's descriptor follows (shm.DEVICE_UNITS records): the receiver copies it
+    DEVICE = 4  # a CUDA buffer's descriptor follows (remote.DEVICE_UNITS records): the receiver copies it
     COPIED = 5  # an ACK of a DEVICE message; the event recorded after the receiver's copy follows
 
 
