@@ -84,8 +84,8 @@ class Target:
         t = self.tensor
         device = t.device.index
         stream, event, handle = _copy_stream(device)
-        src = _source(body, peer, device)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # this thread's (the progress thread's, maybe) current device
+            src = _source(body, peer, device)
             stream.wait_event(self.ready)
             stream.wait_event(_peer_event(peer, BODY.unpack(body[:BODY.size])[1], device))
             with torch.cuda.stream(stream):
@@ -102,8 +102,8 @@ def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
     torch = torch_module()
     device = torch.cuda.current_device()
     stream, _event, _handle = _copy_stream(device)
-    src = _source(body, peer, device)
     with torch.cuda.device(device):
+        src = _source(body, peer, device)
         stream.wait_event(_peer_event(peer, BODY.unpack(body[:BODY.size])[1], device))
         with torch.cuda.stream(stream):
             torch.from_numpy(out).copy_(src)
