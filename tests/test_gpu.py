@@ -705,6 +705,14 @@ def scenario_torch_cuda() -> None:
             twice = got * 2
         side.synchronize()
         assert torch.equal(twice, torch.arange(1 << 20, device=dev, dtype=torch.float32) * 2)
+    # batch_isend_irecv around the ring (torch's P2POp), 4 MiB each way, each rank's send first
+    right, left = (rank + 1) % n, (rank - 1) % n
+    got = torch.empty(1 << 20, device=dev)
+    ops = [dist.P2POp(dist.isend, torch.full((1 << 20,), float(rank), device=dev), right),
+           dist.P2POp(dist.irecv, got, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert torch.all(got == left).item(), got[:4]
     _ddp_matches_gloo(dev)
     dist.destroy_process_group()
 
