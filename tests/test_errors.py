@@ -386,6 +386,39 @@ def test_a_receive_made_before_a_refused_call_is_not_failed_by_its_abort(cluster
     assert all(res["again"]["type"] is None and res["again_total"] == 6 for res in results), results
 
 
+def _late_to_a_timed_out_call() -> dict[str, Any]:
+    """Rank 0's all_reduce on a fresh group times out (the others are not there); the others
+    then make it, late, having read nothing meanwhile (the abort is in their sockets, unread),
+    and one more."""
+    g = _fresh_group()
+    x = np.ones(4, np.float32)
+    if g.rank == 0:
+        return {"first": _attempt(g.all_reduce, x, timeout=1.0)}
+    time.sleep(2.5)  # no call: nothing reads the abort rank 0 sent
+    first = _attempt(g.all_reduce, x, timeout=10.0)
+    after = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=10.0)
+    return {"first": first, "x": float(x[0]), "next": after}
+
+
+def test_a_call_made_after_a_peer_gave_up_on_it_fails_too(cluster: Any, world_spec: tuple[int, str]) -> None:
+    """A rank that timed out in a one-shot call had published its share into the group's
+    segment; it takes that back as it aborts, so a member that makes the call late waits,
+    reads the abort and raises it, instead of completing on the share of a rank that failed.
+    Over TCP the share was a message already delivered: the late member may complete the call
+    with it (the right sum), and its next call raises."""
+    if cluster.size < 2:
+        pytest.skip("needs two ranks")
+    results = cluster.run(_late_to_a_timed_out_call)
+    assert results[0]["first"]["type"] == "TimeoutError", results[0]
+    for rank, res in enumerate(results[1:], 1):
+        first, after = res["first"], res["next"]
+        if first["type"] is None and world_spec[1] == "tcp":
+            assert res["x"] == cluster.size, (rank, res)
+            first = after
+        assert first["type"] == "TimeoutError" and first["t"] < 5.0, (rank, res)
+        assert "reported by rank 0" in first["msg"], (rank, res)
+
+
 def _async_buckets_one_refused() -> list[tuple[int, int]]:
     """DDP's pattern: four async all_reduces, then a wait for each, over a few steps; on one step
     the last rank refuses the second bucket (its call raises at once). Per step: (failed, right)."""

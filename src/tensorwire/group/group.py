@@ -154,7 +154,10 @@ class Group:
         """Fail call `seq` (default: the next one) and all later calls of this group, here and
         on every member, with `error` as the reason."""
         _log.warning("aborting group %s: %s", self.name, error)
-        self.engine.abort_group(self.ctx, self.queue.seq + 1 if seq is None else seq, self.ranks, error)
+        seq = self.queue.seq + 1 if seq is None else seq
+        if self.direct is not None:
+            self.direct.withdraw(seq)
+        self.engine.abort_group(self.ctx, seq, self.ranks, error)
 
     def fail_fast(self, error: InvalidArgumentError) -> NoReturn:
         """A local argument error in the call about to be made: that call fails on every member

@@ -320,6 +320,14 @@ class DirectPath:
         else:
             st.settled = 0
 
+    def withdraw(self, seq: int) -> None:
+        """Take back this rank's publication of call `seq`, which failed here (it aborts the
+        group): a member that makes the call later then waits, reads the abort and raises it,
+        instead of completing on the share of a rank that gave up. Earlier calls stay
+        published, so no peer waits for those."""
+        if self.words[self.own] >= seq:
+            self.words[self.own] = seq - 1
+
     def resume(self, call, status: int, ranks: tuple[int, ...], *again: Any) -> bool:
         """Take over from a compiled body of `call` that waits for `ranks`, given its `status`.
         Where it did not enter (NOT_ENTERED), the previous call is settled here and the body
