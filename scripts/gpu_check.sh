@@ -64,7 +64,7 @@ for step in $steps; do
     ;;
   p2p)
     timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
-      -k "point_to_point or receiver_lost or capture" > "$OUT/p2p-tests.log" 2>&1
+      -k "point_to_point or device-send or capture" > "$OUT/p2p-tests.log" 2>&1
     note "p2p tests: rc=$? $(tail -1 "$OUT/p2p-tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/p2p-tests.log" | head -20
     for ipc in 1 0; do

@@ -626,22 +626,13 @@ def test_capture_in_a_cuda_graph_is_a_clear_error() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_receiver_lost_during_a_device_send_is_an_error() -> None:
+@pytest.mark.parametrize("scenario", [lose_a_rank, lose_a_receiver], ids=["collective", "device-send"])
+def test_lost_peer_is_an_error_within_seconds(scenario) -> None:
+    """A rank lost in a collective, or while a CUDA send to it waits for its copy."""
     cluster = _cluster(2)
     try:
         with pytest.raises(RankFailure) as failure:
-            cluster.run(lose_a_receiver, timeout=60)
-        assert "PeerLostError" in failure.value.errors.get(0, ""), failure.value.errors
-    finally:
-        cluster.close()
-
-
-@pytest.mark.timeout(120)
-def test_lost_peer_is_an_error_within_seconds() -> None:
-    cluster = _cluster(2)
-    try:
-        with pytest.raises(RankFailure) as failure:
-            cluster.run(lose_a_rank, timeout=60)
+            cluster.run(scenario, timeout=60)
         assert "PeerLostError" in failure.value.errors.get(0, ""), failure.value.errors
     finally:
         cluster.close()

@@ -25,89 +25,93 @@ DEVICE_UNITS = 3
 allocation record and the sender's event (gpu/p2p.BODY)."""
 
 
-class CmaPayload:
-    """A REMOTE message's payload in the peer's memory (requests.RemotePayload)."""
+class _HeldPayload:
+    """A message whose payload is still in the peer's memory (requests.RemotePayload): `where`
+    says where (an address, or a CUDA buffer's descriptor); the subclass reads it there. Every
+    way it ends acknowledges it, which completes the send."""
 
     __slots__ = ("channel", "where", "rid", "nbytes")
+    unreadable: type[Exception] = OSError  # what a read that failed raises
 
-    def __init__(self, channel: ShmChannel, where: int, rid: int, nbytes: int) -> None:
+    def __init__(self, channel: ShmChannel, where: int | bytes, rid: int, nbytes: int) -> None:
         self.channel = channel
         self.where = where
         self.rid = rid
         self.nbytes = nbytes
 
     def read_into(self, req: RecvRequest) -> None:
-        """Point-to-point receives only (REMOTE_BYTES): a plain copy, never a fold."""
-        channel = self.channel
-        peer = channel.peer
+        copied = None
         try:
-            channel.reader.read_into(req.dst_u8, channel.peer_pid, self.where)
-        except OSError as exc:
-            why = (f"rank {peer} exited before this rank read its message" if isinstance(exc, cma.ProcessGone)
-                   else f"cannot read rank {peer}'s memory ({exc})")
-            req.fail(PeerLostError(f"rank {channel.engine.rank}: {req.what}: {why}", peer=peer))
+            copied = self._copy(req)
+        except self.unreadable as exc:
+            req.fail(self._error(req, exc))
         else:
             req.received = self.nbytes
             req.finish()
-        channel.acknowledge(self.rid)
-
-    def read_all(self) -> np.ndarray | None:
-        buf = np.empty(self.nbytes, dtype=np.uint8)
-        channel = self.channel
-        try:
-            channel.reader.read_into(buf, channel.peer_pid, self.where)
-        except OSError:
-            return None  # the receive that takes it will say why
-        channel.acknowledge(self.rid)
-        return buf
-
-    def discard(self) -> None:
-        self.channel.acknowledge(self.rid)
-
-
-class DevicePayload:
-    """A DEVICE message: a CUDA buffer in the peer's process (requests.RemotePayload), which
-    gpu/p2p.py reads through CUDA IPC."""
-
-    __slots__ = ("channel", "body", "rid", "nbytes")
-
-    def __init__(self, channel: ShmChannel, body: bytes, rid: int, nbytes: int) -> None:
-        self.channel = channel
-        self.body = body
-        self.rid = rid
-        self.nbytes = nbytes
-
-    def read_into(self, req: RecvRequest) -> None:
-        """Into device memory, queued on the GPU (the acknowledgement carries the event after
-        the copy); into host memory, copied before it is acknowledged."""
-        channel, copied = self.channel, None
-        try:
-            if req.device is not None:
-                copied = req.device.read(self.body, channel.peer)
-            else:
-                self._to_host(req.dst_u8)
-        except Exception as exc:  # noqa: BLE001 - the receive fails, naming why; the sender goes on
-            req.fail(TensorwireError(f"rank {channel.engine.rank}: {req.what}: cannot read rank "
-                                     f"{channel.peer}'s CUDA buffer ({type(exc).__name__}: {exc}); "
-                                     "TENSORWIRE_CUDA_IPC=0 on the sender stages it through host memory"))
-        else:
-            req.received = self.nbytes
-            req.finish()
-        channel.acknowledge(self.rid, copied)
+        self.channel.acknowledge(self.rid, copied)
 
     def read_all(self) -> np.ndarray | None:
         buf = np.empty(self.nbytes, dtype=np.uint8)
         try:
             self._to_host(buf)
-        except Exception:  # noqa: BLE001 - the receive that takes it will say why
-            return None
+        except self.unreadable:
+            return None  # the receive that takes it will say why
         self.channel.acknowledge(self.rid)
         return buf
+
+    def discard(self) -> None:
+        self.channel.acknowledge(self.rid)
+
+    def _copy(self, req: RecvRequest) -> bytes | None:
+        """Fill `req`; what the acknowledgement carries back (gpu/p2p.Target.read's event)."""
+        self._to_host(req.dst_u8)
+        return None
+
+    def _to_host(self, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _error(self, req: RecvRequest, exc: Exception) -> Exception:
+        raise NotImplementedError
+
+
+class CmaPayload(_HeldPayload):
+    """A REMOTE message: a host buffer in the peer's memory, read across processes (point-to-
+    point receives only, REMOTE_BYTES: a plain copy, never a fold)."""
+
+    __slots__ = ()
+
+    def _to_host(self, out: np.ndarray) -> None:
+        channel = self.channel
+        channel.reader.read_into(out, channel.peer_pid, self.where)
+
+    def _error(self, req: RecvRequest, exc: Exception) -> Exception:
+        channel = self.channel
+        peer = channel.peer
+        why = (f"rank {peer} exited before this rank read its message" if isinstance(exc, cma.ProcessGone)
+               else f"cannot read rank {peer}'s memory ({exc})")
+        return PeerLostError(f"rank {channel.engine.rank}: {req.what}: {why}", peer=peer)
+
+
+class DevicePayload(_HeldPayload):
+    """A DEVICE message: a CUDA buffer in the peer's process, which gpu/p2p.py reads through
+    CUDA IPC: into device memory queued on the GPU (the acknowledgement carries the event after
+    the copy), into host memory copied before it is acknowledged."""
+
+    __slots__ = ()
+    unreadable = Exception  # whatever CUDA or torch raised: the receive fails naming it, the sender goes on
+
+    def _copy(self, req: RecvRequest) -> bytes | None:
+        if req.device is not None:
+            return req.device.read(self.where, self.channel.peer)  # type: ignore[arg-type]
+        return super()._copy(req)
 
     def _to_host(self, out: np.ndarray) -> None:
         if requests.device_to_host is None:
             raise TensorwireError("tensorwire's GPU support is not loaded in this process")
-        requests.device_to_host(self.body, self.channel.peer, out)
+        requests.device_to_host(self.where, self.channel.peer, out)  # type: ignore[arg-type]
 
-    def discard(self) -> None:
-        self.channel.acknowledge(self.rid)
+    def _error(self, req: RecvRequest, exc: Exception) -> Exception:
+        channel = self.channel
+        return TensorwireError(f"rank {channel.engine.rank}: {req.what}: cannot read rank {channel.peer}'s "
+                               f"CUDA buffer ({type(exc).__name__}: {exc}); TENSORWIRE_CUDA_IPC=0 on the "
+                               "sender stages it through host memory")
