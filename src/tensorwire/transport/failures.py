@@ -141,6 +141,9 @@ class Failures:
         self.aborted: dict[int, tuple[int, BaseException]] = {}  # ctx -> (first failing call, why)
         self.renewable: set[int] = set()  # aborted groups that renew at their next call (RENEWED)
         self.children: dict[int, list[int]] = {}  # ctx -> the groups that fail with it (a hierarchy's)
+        self.alarms: dict[int, Callable[[int | None], None]] = {}
+        """ctx -> told when the group fails (None) or any rank is lost (its rank): GPU kernels that
+        wait for peers with no host in the loop stop waiting (gpu/device_flags.py)."""
         self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
         self.refusals: dict[int, dict[int, dict[int, BaseException]]] = {}
         """ctx -> call -> {world rank: why}: the members that refused that call of the group (a local
@@ -174,6 +177,8 @@ class Failures:
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
         self.watch_sockets()
+        for alarm in list(self.alarms.values()):
+            alarm(peer)
         err = self.lost_error(peer)
         if channel is not None:
             for stream in channel.streams:
@@ -518,6 +523,8 @@ class Failures:
             self.aborted[ctx] = (seq, error)
             if renew:
                 self.renewable.add(ctx)
+            elif ctx in self.alarms:
+                self.alarms[ctx](None)
             self._fail_ctx(ctx, error)
             for child in self.children.get(ctx, ()):
                 self.fail_locally(child, 0, error)
@@ -547,6 +554,9 @@ class Failures:
         with self.lock:
             self.retired.add(ctx)
             self.renewable.discard(ctx)
+            alarm = self.alarms.pop(ctx, None)
+            if alarm is not None:
+                alarm(None)
             for child in self.children.pop(ctx, ()):  # a hierarchy's groups go with it
                 self.retire(child, error)
             self.current.pop(ctx, None)

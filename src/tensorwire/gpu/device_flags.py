@@ -1,0 +1,153 @@
+"""The device-flag path: a small all_reduce on CUDA buffers as one kernel launch per rank.
+
+Where every rank's kernels run at once (a GPU per rank, or ranks sharing a GPU under MPS), a
+small all_reduce needs no host round: each rank's kernel (gpu/flag_kernel.py, Triton) writes
+its share into its slot, raises its flag and polls its peers' flags in IPC memory. With no
+host in the loop, a CUDA graph can capture the call. Where the processes' kernels time-slice
+one GPU (no MPS), a kernel waiting for another's would wait a time slice each call, so the
+host-flag path (ipc_path) stays. The group's device setup (device_group.py) chooses, the same
+on every rank, and names the choice in the init log.
+
+Errors: a kernel that finds a peer's call differ, waits past the group's timeout, or is told
+the group failed, leaves its output untouched and says so in status words in pinned host
+memory; the host raises at the group's next call, on every rank through the group's abort.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import AbortedError, CollectiveMismatchError, TimeoutError
+from ..ops import ReduceOp
+from .tensors import code_of
+
+_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3, ReduceOp.AVG: 4}
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_TYPES = _FLOATS + ("int8", "uint8", "int32", "int64")
+_WIDE = {"float16": "float32", "bfloat16": "float32"}  # folded in float32, rounded once
+_BLOCK = 1024
+_INTERPRETED_SPIN_NS = 20_000  # Triton's CPU interpreter has no clock: a spin there takes about this
+
+
+def available() -> str:
+    """Why the path cannot run in this process ('' where it can): Triton must import."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"Triton cannot be imported ({type(exc).__name__}: {exc})"
+    return ""
+
+
+def mps_running() -> bool:
+    """Is an MPS control daemon serving this process's clients (its pipe directory)?"""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipes, "control"))
+
+
+def area_bytes(slot: int) -> int:
+    """Bytes of a rank's IPC area the path uses after the host-flag slots: two slots, flags."""
+    from .flag_kernel import CHUNK_BYTES, WORDS
+
+    return 2 * slot + -(-slot // CHUNK_BYTES) * WORDS * 8
+
+
+def fingerprint(nbytes: int, dtype: Any, op: ReduceOp) -> int:
+    """A call's signature in one int64: what a peer's kernel compares."""
+    return nbytes << 16 | code_of(dtype)[0] << 8 | int(op)
+
+
+def describe(fp: int) -> str:
+    names = {code_of(name)[0]: name for name in _TYPES}
+    return f"{fp >> 16} B of {names.get(fp >> 8 & 0xFF, '?')}, {ReduceOp(fp & 0xFF).name}"
+
+
+class DeviceFlags:
+    """One group's device-flag path on this rank.
+
+    Built from where every rank's flag area and two slots begin in this process (`areas`,
+    `area_bytes` long each); its table of addresses goes to `device`, its status words to
+    host memory the kernel can write (pinned, for a CUDA device). A failure of the group, or
+    the loss of a member, tells waiting kernels to stop (Failures.alarms)."""
+
+    def __init__(self, group: Any, areas: list[int], device: Any) -> None:
+        import torch
+        import triton.language as tl
+
+        from . import flag_kernel
+
+        self.kernel, self.tl = flag_kernel, tl
+        cfg, self.engine = group.runtime.config, group.engine
+        self.rank, self.size, self.slot, self.timeout = group.rank, group.size, cfg.cuda_slot, cfg.timeout
+        self.status = torch.zeros(flag_kernel.STATUS_WORDS, dtype=torch.int64,
+                                  pin_memory=torch.device(device).type == "cuda")
+        self.words = self.status.numpy()
+        self.table = torch.tensor([a + 2 * self.slot for a in areas] + list(areas) + [self.status.data_ptr()],
+                                  dtype=torch.int64, device=device)
+        self.members = set(group.ranks) - {group.runtime.rank}
+        self.abort = group.abort  # every member raises the error
+        engine, ctx = group.engine, group.ctx
+        self.reason: Callable[[], BaseException | None] = lambda: engine.aborted.get(ctx, (0, None))[1]
+        self.interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.error: BaseException | None = None
+        self.lost: int | None = None  # the member whose loss stopped the path
+        engine.alarms[ctx] = self.alarm
+
+    def takes(self, nbytes: int, dtype: Any, op: Any) -> bool:
+        """Does an all_reduce of this signature take the path? The same answer on every rank
+        for the same call: it depends on nothing else."""
+        name = str(dtype).removeprefix("torch.")
+        return 0 < nbytes <= self.slot and name in _TYPES and op in _OPS \
+            and (op is not ReduceOp.AVG or name in _FLOATS)
+
+    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, timeout: float | None = None) -> None:
+        """Queue the call's kernel on the current stream (of `src`'s device). `dst` is `src`
+        or does not overlap it. No host round: every _GLANCE calls, one look at the sockets
+        (an abort, a lost rank) as other calls that never wait make."""
+        engine = self.engine
+        engine.until_glance -= 1
+        if engine.until_glance <= 0:
+            engine.glance()
+        self.check()
+        k, n, esize = self.kernel, src.numel(), src.element_size()
+        nbytes = n * esize
+        name = str(src.dtype).removeprefix("torch.")
+        acc = getattr(self.tl, _WIDE.get(name, name))
+        ns = int((self.timeout if timeout is None else timeout) * 1e9)
+        limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
+        grid = (-(-nbytes // k.CHUNK_BYTES),)
+        k.all_reduce[grid](src, dst, self.table, n, self.rank, fingerprint(nbytes, src.dtype, op), limit,
+                           NRANKS=self.size, OP=_OPS[op], ACC=acc, CHUNK=k.CHUNK_BYTES // esize,
+                           BLOCK=min(_BLOCK, k.CHUNK_BYTES // esize), SLOT=self.slot // esize,
+                           CLOCK=not self.interpreted)
+
+    def check(self) -> None:
+        """Raise what ended an earlier call early (and abort the group with it, once)."""
+        if self.error is not None:
+            raise self.error
+        code = int(self.words[0])
+        if code == 0:
+            return
+        peer, theirs, mine = (int(w) for w in self.words[1:4])
+        k = self.kernel
+        where = f"rank {self.rank}: all_reduce on CUDA (device flags)"
+        if code == k.MISMATCH:
+            self.error = CollectiveMismatchError(f"{where}: group rank {peer} called it with "
+                                                 f"{describe(theirs)}, this rank with {describe(mine)}")
+        elif code == k.TIMEOUT:
+            waited = theirs * (_INTERPRETED_SPIN_NS if self.interpreted else 1) / 1e9
+            self.error = TimeoutError(f"{where}: group rank {peer} did not make the call within "
+                                      f"{waited:g} s (its kernel never raised its flag)")
+        else:  # the group failed, or a member was lost (alarm)
+            self.error = self.reason() or (self.engine.lost_error(self.lost) if self.lost is not None else
+                                           AbortedError(f"{where}: the group failed"))
+        self.abort(self.error)
+        raise self.error
+
+    def alarm(self, peer: int | None) -> None:
+        """The group failed (peer None) or a rank was lost: kernels waiting stop waiting."""
+        if (peer is None or peer in self.members) and self.words[0] == 0:
+            self.lost = peer
+            self.words[0] = self.kernel.ABORTED
+

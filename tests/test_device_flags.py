@@ -1,0 +1,270 @@
+"""The device-flag path's kernel and protocol (gpu/flag_kernel.py, gpu/device_flags.py) on any
+machine: Triton's interpreter runs the same kernel on the CPU, in real rank processes whose
+flags and slots lie in shared memory, as they lie in IPC memory on a GPU. What this cannot
+show (the GPU's memory ordering, the launch cost, graph capture) tests/test_gpu.py does on a
+GPU. The interpreter has no clock: a kernel's limit counts spins there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorwire as tw
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+_INTS = ("int32", "int64", "int8", "uint8")
+_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+
+
+def _connect(g):
+    """The device-flag path of group `g`, its areas in files of /dev/shm that every rank maps."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel's module is first imported here
+    from tensorwire.gpu.device_flags import DeviceFlags, area_bytes
+
+    size = area_bytes(g.runtime.config.cuda_slot)
+    token = np.array([random.getrandbits(62) if g.rank == 0 else 0], dtype=np.int64)
+    g.broadcast(token, 0)
+    path = f"/dev/shm/tw-test-flags-{token[0]}-" + "{}"
+    with open(path.format(g.rank), "wb") as f:
+        f.truncate(size)  # zeros: the flags start at zero
+    g.barrier()
+    views = []
+    for r in range(g.size):
+        with open(path.format(r), "r+b") as f:
+            views.append(np.frombuffer(mmap.mmap(f.fileno(), size), dtype=np.uint8))
+    g.barrier()
+    os.unlink(path.format(g.rank))
+    return DeviceFlags(g, [v.ctypes.data for v in views], "cpu"), views
+
+
+def _inputs(case: tuple, rank: int, size: int) -> list:
+    dtype, op, count, seed = case[:4]
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(size):
+        if dtype in _INTS or dtype == "bfloat16":  # bfloat16: whole numbers, as the interpreter rounds
+            lo = 0 if dtype == "uint8" else -3          # float32 to bfloat16 its own way
+            t = torch.randint(lo, 4, (count,), generator=gen, dtype=torch.int64)
+        else:
+            t = torch.randn(count, generator=gen, dtype=torch.float64)
+        if dtype in _FLOATS and op in ("MIN", "MAX") and count > 3 and r == size - 1:
+            t = t.double()
+            t[3] = float("nan")  # a NaN wins, as on the host
+        out.append(t.to(getattr(torch, dtype)))
+    return out
+
+
+def _expected(xs: list, dtype: str, op: str):
+    """Every rank's input folded in rank order; float16 and bfloat16 in float32, rounded once."""
+    wide = torch.float32 if dtype in ("float16", "bfloat16") else getattr(torch, dtype)
+    acc = xs[0].to(wide)
+    fold = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum,
+            "MAX": torch.maximum}[op]
+    for x in xs[1:]:
+        acc = fold(acc, x.to(wide))
+    if op == "AVG":
+        acc = acc / len(xs)
+    return acc.to(getattr(torch, dtype))
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.is_floating_point() else t
+
+
+def _all_cases(cases: list[tuple]) -> list[str]:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    wrong = []
+    try:
+        for case in cases:
+            dtype, op, count, seed, in_place = case
+            xs = _inputs(case, g.rank, g.size)
+            x = xs[g.rank].clone()
+            y = x if in_place else torch.full_like(x, 7)
+            assert flags.takes(x.numel() * x.element_size(), x.dtype, tw.ReduceOp[op])
+            flags.all_reduce(x, y, tw.ReduceOp[op])
+            want = _expected(xs, dtype, op)
+            if dtype == "bfloat16" and op == "AVG":  # a third rounds in the interpreter its own way: an ulp
+                ok = torch.allclose(y.float(), want.float(), rtol=2**-7, atol=0)
+                if not ok:
+                    wrong.append(f"rank {g.rank}: {case}: {y[:8].tolist()} != {want[:8].tolist()}")
+                continue
+            nan = torch.isnan(want) if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
+            if not (torch.equal(torch.isnan(y) if y.is_floating_point() else nan, nan)
+                    and torch.equal(_bits(y[~nan]), _bits(want[~nan]))):
+                wrong.append(f"rank {g.rank}: {case}: {y[:8].tolist()} != {want[:8].tolist()}")
+        flags.check()
+    finally:
+        g.destroy()
+        del views
+    return wrong
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_device_flag_all_reduce_matches_the_reference(get_cluster, size):
+    """Every dtype and op the path takes, one element to more than one program's part (16 KiB),
+    in place and not: bit for bit the rank-ordered fold (NaNs included), on every rank."""
+    rng = random.Random(size)
+    cases = []
+    for dtype in _FLOATS + _INTS:
+        for op in _OPS:
+            if op == "AVG" and dtype in _INTS:
+                continue
+            two = (16 << 10) // getattr(torch, dtype).itemsize + 5  # two programs' parts
+            count = rng.choice([1, 7, 1000, two])
+            cases.append((dtype, op, count, rng.getrandbits(31), rng.random() < 0.5))
+    results = get_cluster(size, "shm").run(_all_cases, cases, timeout=550)
+    assert results == [[]] * size
+
+
+def _runs_ahead(calls: int) -> list[str]:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    rng = random.Random(g.rank)
+    wrong = []
+    try:
+        for k in range(calls):
+            if g.rank != 0 and rng.random() < 0.5:
+                time.sleep(0.05)  # rank 0 runs ahead: its next call finds its peers still in this one
+            n = 5 + k % 3  # sizes vary with the call, alike on every rank
+            x = torch.arange(n, dtype=torch.float32) + 100 * g.rank + k
+            flags.all_reduce(x, x, tw.ReduceOp.SUM)
+            want = sum(torch.arange(n, dtype=torch.float32) + 100 * r + k for r in range(g.size))
+            if not torch.equal(x, want):
+                wrong.append(f"rank {g.rank} call {k}: {x.tolist()} != {want.tolist()}")
+        flags.check()
+    finally:
+        g.destroy()
+        del views
+    return wrong
+
+
+@pytest.mark.timeout(300)
+def test_calls_reuse_their_slots_while_a_rank_runs_ahead(get_cluster):
+    """Twelve calls on three ranks, rank 0 ahead: each slot is written again two calls later,
+    only once every peer has read it; each result is right."""
+    assert get_cluster(3, "shm").run(_runs_ahead, 12, timeout=250) == [[]] * 3
+
+
+def _mismatch(counts: list[int], ops: list[str]) -> str:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    try:
+        x = torch.ones(counts[g.rank], dtype=torch.float32)
+        flags.all_reduce(x, x, tw.ReduceOp[ops[g.rank]])
+        assert torch.equal(x, torch.ones_like(x)), "the output was touched"
+        try:
+            flags.check()
+        except tw.CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        g.destroy()
+        del views
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("what", ["size", "op"])
+def test_a_mismatched_call_is_an_error_on_every_rank(get_cluster, what):
+    """Ranks that call with different sizes (one program's part, or more on one side) or ops:
+    each raises, naming the peer and both calls, and leaves its output as it was."""
+    counts, ops = ([100, 100, 5000], ["SUM"] * 3) if what == "size" else ([64] * 3, ["SUM", "SUM", "MAX"])
+    errors = get_cluster(3, "shm").run(_mismatch, counts, ops, timeout=250)
+    for rank, text in enumerate(errors):
+        assert text.startswith(f"rank {rank}: all_reduce on CUDA (device flags): group rank "), text
+        if what == "size":
+            assert "20000 B of float32, SUM" in text and "400 B of float32, SUM" in text, text
+        else:
+            assert "256 B of float32, MAX" in text and "256 B of float32, SUM" in text, text
+
+
+def _timeout() -> str:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    try:
+        if g.rank == 0:
+            x = torch.ones(10, dtype=torch.float64)
+            started = time.perf_counter()
+            flags.all_reduce(x, x, tw.ReduceOp.SUM, timeout=0.5)
+            waited = time.perf_counter() - started
+            assert waited < 30, f"the kernel waited {waited:.1f} s"
+            assert torch.equal(x, torch.ones_like(x)), "the output was touched"
+            try:
+                flags.check()
+            except tw.TimeoutError as exc:
+                return str(exc)
+            return "no error"
+        try:
+            g.barrier()  # rank 1 never makes the call: rank 0's abort reaches it here
+        except tw.TensorwireError as exc:
+            seen = str(exc)
+        else:
+            return "no abort"
+        try:
+            flags.check()  # the abort stopped this rank's path too
+        except tw.TensorwireError as exc:
+            return f"{seen} | {exc}"
+        return "path still open"
+    finally:
+        g.destroy()
+        del views
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(get_cluster):
+    """Rank 0's kernel gives up after its limit, leaves its output alone; rank 0 raises a
+    TimeoutError naming the missing rank and aborts the group, so rank 1 raises it too."""
+    first, second = get_cluster(2, "shm").run(_timeout, timeout=250)
+    assert first.startswith("rank 0: all_reduce on CUDA (device flags): group rank 1 did not make the "
+                            "call within 0.5 s"), first
+    seen, later = second.split(" | ")
+    assert all("group rank 1 did not make the call" in text for text in (seen, later)), second
+
+
+def _alarm() -> str:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    try:
+        if g.rank == 1:
+            time.sleep(0.5)
+            g.abort(tw.AbortedError("rank 1 gave up"))
+            return "aborted"
+        x = torch.ones(10, dtype=torch.float32)
+        kernel = threading.Thread(target=flags.all_reduce, args=(x, x, tw.ReduceOp.SUM, 600.0))
+        started = time.perf_counter()
+        kernel.start()
+        time.sleep(1.0)
+        try:
+            g.barrier()  # the host reads the abort, which tells the waiting kernel to stop
+        except tw.TensorwireError:
+            pass
+        kernel.join(60)
+        waited = time.perf_counter() - started
+        assert not kernel.is_alive() and waited < 30, f"the kernel still waits after {waited:.1f} s"
+        try:
+            flags.check()
+        except tw.TensorwireError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        g.destroy()
+        del views
+
+
+@pytest.mark.timeout(300)
+def test_an_abort_stops_a_kernel_waiting_for_a_peer(get_cluster):
+    """A kernel waiting (limit 600 s) for a rank that aborts the group instead: once the host
+    reads the abort, the kernel stops, and the path raises the group's error."""
+    first, second = get_cluster(2, "shm").run(_alarm, timeout=250)
+    assert "rank 1 gave up" in first and second == "aborted", (first, second)
