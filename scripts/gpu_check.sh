@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU (no install: the source tree on
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
-#   scripts/gpu_check.sh [bench] [tests] [p2p] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
+#   scripts/gpu_check.sh [bench] [tests] [p2p] [flags] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
 #   (default: bench tests ddp)
 # tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); p2p: the point-to-point
 # tests of tests/test_gpu.py, then ping-pong device to device and staged (TENSORWIRE_CUDA_IPC=0),
-# 8 B to 64 MiB, and the pipeline example on the GPU both ways; ddp: examples/ddp_train.py
+# 8 B to 64 MiB, and the pipeline example on the GPU both ways; flags: the device-flag tests (forced
+# without MPS, then chosen by auto under MPS) and 8 B to 1 MiB all_reduces under MPS with the device
+# flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0), Gloo beside; ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
 # (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B
 # and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
@@ -32,8 +34,19 @@ PER_TEST_S=${PER_TEST_S:-300}
 summary=()
 note() { summary+=("$*"); echo "== $*"; }
 
+mps_on() {  # a CUDA MPS control daemon of this script's own, for the steps that want one
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then note "no nvidia-cuda-mps-control: MPS skipped"; return 1; fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/tw-mps CUDA_MPS_LOG_DIRECTORY=/tmp/tw-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && sleep 1
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control; sleep 1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 (nvidia-smi; nproc; $PY -c 'import torch, numpy; print("torch", torch.__version__, "cuda",
- torch.version.cuda, "numpy", numpy.__version__)') 2>&1 | tee "$OUT/machine.txt"
+ torch.version.cuda, "numpy", numpy.__version__); import triton; print("triton", triton.__version__)') 2>&1 | tee "$OUT/machine.txt"
 
 for step in $steps; do
   case $step in
@@ -86,18 +99,33 @@ for step in $steps; do
     done
     ;;
   mps)
-    if ! command -v nvidia-cuda-mps-control > /dev/null; then note "mps: no nvidia-cuda-mps-control"; continue; fi
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/tw-mps CUDA_MPS_LOG_DIRECTORY=/tmp/tw-mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && sleep 1
+    mps_on || continue
     for size in 8 64M; do
       timeout 60 $PY -m tensorwire.tools.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
         >> "$OUT/bench-cuda-n2-mps.txt" 2>&1
       note "bench n=2 under MPS, $size (rc=$?)"
     done
-    echo quit | nvidia-cuda-mps-control; sleep 1
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    mps_off
     grep -v "\[tensorwire " "$OUT/bench-cuda-n2-mps.txt"
+    ;;
+  flags)
+    flag_tests() {  # $1: the log's name
+      timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_device_flags.py \
+        tests/test_gpu.py -k "device_flags or device-flags or flag" > "$OUT/$1.log" 2>&1
+      note "$1: rc=$? $(tail -1 "$OUT/$1.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/$1.log" | head -20
+    }
+    flag_tests flags-tests
+    mps_on || continue
+    flag_tests flags-tests-mps
+    for flags in 1 0; do
+      TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$BENCH_S" \
+        $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 1M -f 8 --np 2 --compare gloo \
+        > "$OUT/bench-flags$flags-mps.txt" 2>&1
+      note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small all_reduces: [a-z ]*' "$OUT/bench-flags$flags-mps.txt")"
+      grep -v "\[tensorwire " "$OUT/bench-flags$flags-mps.txt"
+    done
+    mps_off
     ;;
   profile)
     if ! command -v py-spy > /dev/null; then note "profile: no py-spy"; continue; fi

@@ -447,8 +447,8 @@ def device_p2p(in_place: bool) -> list[str]:
 
 
 def graph_capture() -> list[str]:
-    """A collective and a send made while the current stream captures a CUDA graph: a clear
-    error on every rank, nothing queued, and the group goes on."""
+    """A collective and a send made while the current stream captures a CUDA graph, on the
+    host-flag path: a clear error on every rank, nothing queued, and the group goes on."""
     import torch
 
     import tensorwire as tw
@@ -471,6 +471,115 @@ def graph_capture() -> list[str]:
     if not torch.all(x == n ** 3).item():
         wrong.append(f"rank {r}: the calls after the captures: {x[:3].tolist()}")
     return wrong
+
+
+def device_flags() -> list[str]:
+    """Small all_reduces on the device-flag path: every dtype and op it takes, one element to
+    the slot, in place, into `out`, async, each checked; then a mismatched size, raised at the
+    group's next call on every rank."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    n, r = world.size, world.rank
+    dev = _device(r)
+    g = tw.new_group()
+    g.all_reduce(torch.ones(1, device=dev))  # sets the group's device path up
+    if g.device.flags is None:
+        return [f"rank {r}: no device flags (see the init log)"]
+    wrong: list[str] = []
+    salt = 0
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                  torch.int8, torch.uint8):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG"):
+            if op == "AVG" and not dtype.is_floating_point:
+                continue
+            for count, how in ((1, "in place"), (4099, "out"), (SLOT // dtype.itemsize, "async")):
+                salt += 1
+                parts = [_input(dtype, count, k, salt, op) for k in range(n)]
+                x = parts[r].to(dev)
+                if how == "in place":
+                    g.all_reduce(x, op=tw.ReduceOp[op])
+                    out = x
+                elif how == "out":
+                    out = torch.empty_like(x)
+                    g.all_reduce(x, op=tw.ReduceOp[op], out=out)
+                else:
+                    g.all_reduce(x, op=tw.ReduceOp[op], async_op=True).wait()
+                    out = x
+                why = _close(out.cpu(), _reference(op, parts, dtype), parts, op, dtype)
+                if why:
+                    wrong.append(f"rank {r}: {dtype} {op} x{count} {how}: {why}")
+    g.all_reduce(torch.ones(1000 if r == 0 else 999, device=dev))
+    try:
+        g.all_reduce(torch.ones(8, device=dev))
+        torch.cuda.synchronize()
+        g.all_reduce(torch.ones(8, device=dev))
+        wrong.append(f"rank {r}: a mismatched size raised nothing")
+    except tw.CollectiveMismatchError as exc:
+        if "4000 B of float32, SUM" not in str(exc) or "3996 B of float32, SUM" not in str(exc):
+            wrong.append(f"rank {r}: {exc}")
+    return wrong
+
+
+def device_flags_graph() -> list[str]:
+    """100 all_reduces of three sizes captured in one CUDA graph, replayed 10 times, each replay
+    checked; a call off the device-flag path inside a capture is still a clear error."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    n, r = world.size, world.rank
+    dev = _device(r)
+    xs = [torch.ones(c, dtype=torch.float64, device=dev) for c in (1, 512, SLOT // 8)]
+    for x in xs:  # the group's setup and each size's compile happen outside the capture
+        tw.all_reduce(x)
+    if world.device.flags is None:
+        return [f"rank {r}: no device flags (see the init log)"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k in range(100):
+            tw.all_reduce(xs[k % 3])
+    wrong: list[str] = []
+    for replay in range(10):
+        for x in xs:
+            x.fill_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, calls in zip(xs, (34, 33, 33)):
+            if not torch.all(x == float(n) ** calls).item():
+                wrong.append(f"rank {r}: replay {replay}, {x.numel()} elements: {x[:3].tolist()}")
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            tw.broadcast(xs[0], 0)
+        wrong.append(f"rank {r}: a broadcast was captured")
+    except tw.InvalidArgumentError as exc:
+        if "CUDA graph" not in str(exc):
+            wrong.append(f"rank {r}: {exc}")
+    return wrong
+
+
+def device_flags_lose_a_rank() -> float:
+    """Rank 1 exits while rank 0 keeps making small all_reduces on the device-flag path: its
+    kernels stop waiting once the host sees the loss, and a call raises PeerLostError."""
+    import torch
+
+    import tensorwire as tw
+
+    world = tw.world()
+    dev = _device(world.rank)
+    x = torch.ones(8, device=dev)
+    tw.all_reduce(x)
+    world.barrier()
+    if world.rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    while time.monotonic() - start < 60:
+        tw.all_reduce(x)
+        time.sleep(0.001)
+    return time.monotonic() - start
 
 
 def lose_a_receiver() -> float:
@@ -594,7 +703,9 @@ _BAD_CALLS = {
 
 @pytest.mark.timeout(120)
 def test_errors_on_every_rank() -> None:
-    cluster = _cluster(2)
+    """Each raised by the call itself: the host-flag path (the device-flag path raises a
+    mismatch at the next call: test_small_all_reduces_with_device_flags)."""
+    cluster = _cluster(2, TENSORWIRE_CUDA_DEVICE_FLAGS="0")
     try:
         raised = cluster.run(mismatches, list(_BAD_CALLS), timeout=90)
     finally:
@@ -618,18 +729,34 @@ def test_point_to_point_device_to_device() -> None:
 
 @pytest.mark.timeout(120)
 def test_capture_in_a_cuda_graph_is_a_clear_error() -> None:
-    cluster = _cluster(2)
+    """On the host-flag path every call (test_small_all_reduces_with_device_flags: the other)."""
+    cluster = _cluster(2, TENSORWIRE_CUDA_DEVICE_FLAGS="0")
     try:
         _none_wrong(cluster.run(graph_capture, timeout=90))
     finally:
         cluster.close()
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scenario", [device_flags, device_flags_graph])
+def test_small_all_reduces_with_device_flags(scenario) -> None:
+    """The device-flag path (forced: without MPS the ranks' kernels take turns on one GPU, slower
+    but the same results) at 2 and 3 ranks."""
+    for n in (2, 3):
+        cluster = _cluster(n, TENSORWIRE_CUDA_DEVICE_FLAGS="1")
+        try:
+            _none_wrong(cluster.run(scenario, timeout=200))
+        finally:
+            cluster.close()
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scenario", [lose_a_rank, lose_a_receiver], ids=["collective", "device-send"])
+@pytest.mark.parametrize("scenario", [lose_a_rank, lose_a_receiver, device_flags_lose_a_rank],
+                         ids=["collective", "device-send", "device-flags"])
 def test_lost_peer_is_an_error_within_seconds(scenario) -> None:
-    """A rank lost in a collective, or while a CUDA send to it waits for its copy."""
-    cluster = _cluster(2)
+    """A rank lost in a collective, while a CUDA send to it waits for its copy, or while small
+    all_reduces wait for it on the GPU."""
+    cluster = _cluster(2, TENSORWIRE_CUDA_DEVICE_FLAGS="1" if scenario is device_flags_lose_a_rank else "0")
     try:
         with pytest.raises(RankFailure) as failure:
             cluster.run(scenario, timeout=60)

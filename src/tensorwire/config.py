@@ -248,6 +248,10 @@ class Config:
     cuda_slot: int = 1 << 20
     """Per-rank device slot of the small CUDA path (a call whose share fits takes one flag round);
     0 sends every CUDA call through the buffers themselves (TENSORWIRE_CUDA_SLOT)."""
+    cuda_device_flags: str = "auto"
+    """Small CUDA all_reduces as one kernel per rank that polls its peers' flags in GPU memory
+    (Triton): 'auto' where every rank has a GPU of its own or MPS runs, '1' wherever Triton
+    imports and ranks share memory through IPC, '0' never (TENSORWIRE_CUDA_DEVICE_FLAGS)."""
     cuda_host_below: int = 0
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
     one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;
@@ -306,6 +310,7 @@ class Config:
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
             cuda_ipc=_env_bool("TENSORWIRE_CUDA_IPC", True),
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
+            cuda_device_flags=os.environ.get("TENSORWIRE_CUDA_DEVICE_FLAGS", "").strip().lower() or "auto",
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
             cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
             auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
@@ -341,6 +346,9 @@ class Config:
             if size and size < 4096:
                 raise ValueError(f"TENSORWIRE_TCP_{name}={size}: expected 0 (the kernel's autotuning) or "
                                  f"at least 4K")
+        if cfg.cuda_device_flags not in ("auto", "0", "1"):
+            raise ValueError(f"TENSORWIRE_CUDA_DEVICE_FLAGS={cfg.cuda_device_flags!r}: expected auto (a GPU "
+                             f"per rank or MPS), 1 (wherever Triton imports) or 0 (never)")
         if cfg.cuda_chunk < 64 << 10:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if not 0 < cfg.auth_timeout < float("inf"):

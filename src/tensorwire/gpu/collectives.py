@@ -9,6 +9,9 @@ A group's device path is chosen at its first call on CUDA buffers, collectively:
     slot of its parity, one host flag round (a barrier) says every share is there, and each
     rank reads what it needs straight out of its peers' slots. As on the host's one-shot
     path, a slot is refilled only once every peer's reads of it two calls ago have run.
+    Where every rank's kernels run at once (a GPU per rank, or MPS), a small all_reduce is
+    instead one kernel per rank that polls its peers' flags in GPU memory (device_flags.py):
+    no host round, so CUDA graphs can capture it.
   - larger calls: each rank publishes where its buffers are (allocation handle and offset,
     an all_gather of small records) and reads its peers' buffers in place, one copy per byte
     at device speed; all_reduce is a reduce-scatter (rank r folds block r of every input)
@@ -50,7 +53,8 @@ from ..transport.wire import ON_DEVICE, Coll, Fingerprint
 from ..work import Work
 from . import ipc_path, kernels, staged, staging
 from . import p2p as p2p_ipc
-from .device_group import DeviceGroup
+from .device_flags import DeviceFlags
+from .device_group import DeviceGroup, DeviceWork
 from .ipc_path import Spec
 from .planned import SmallAllReduce
 from .staged import Landing
@@ -62,9 +66,9 @@ if TYPE_CHECKING:
 
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 _PLANS = 64  # planned small all_reduce signatures per group
-_CAPTURED = ("the current stream is capturing a CUDA graph, which cannot hold a tensorwire call yet: its GPU "
-             "work is ordered after the peers' through host rounds that a replay would skip; make the call "
-             "outside torch.cuda.graph()")
+_CAPTURED = ("the current stream is capturing a CUDA graph, which can hold only small all_reduces on the "
+             "device-flag path (docs/gpu.md): this call's GPU work is ordered after the peers' through host "
+             "rounds that a replay would skip; make it outside torch.cuda.graph()")
 
 
 class DeviceCollectives:
@@ -74,7 +78,11 @@ class DeviceCollectives:
         self.group = group
         self.state: DeviceGroup | None = None
         self.plans: dict[tuple, SmallAllReduce] = {}  # small blocking all_reduces seen: (dtype, shape, op)
-        self.tensor_type: type | None = None  # torch.Tensor, once a plan exists
+        self.tensor_type: type | None = None  # torch.Tensor, once a plan or the device-flag path exists
+        self.flags: DeviceFlags | None = None  # the device-flag path, where the group has it
+        self.current_device: Any = None  # torch's current-device lookup, with the path
+        self.raw_stream: Any = None  # torch's current-raw-stream lookup, with the path
+        self.flag_stream = 0  # the stream of this rank's last device-flag kernel
 
     # -- common -----------------------------------------------------------------------------
     def _tensor(self, obj: Any, what: str, name: str = "tensor") -> Any:
@@ -96,10 +104,14 @@ class DeviceCollectives:
                         f"{like.dtype}")
         return out
 
-    def _device(self, tensors: list[Any], what: str, coll: Coll, timeout: float | None) -> DeviceGroup:
-        """The group's device state, set up by the first device call (`coll`, `what`)."""
+    def _device(self, tensors: list[Any], what: str, coll: Coll, timeout: float | None,
+                capturable: bool = False) -> DeviceGroup:
+        """The group's device state, set up by the first device call (`coll`, `what`). Under
+        graph capture only a `capturable` call on a group set up already gets it: the caller
+        then refuses the capture unless its call takes the device-flag path."""
         g = self.group
-        if torch_module().cuda.is_current_stream_capturing():
+        if torch_module().cuda.is_current_stream_capturing() and (
+                not capturable or self.state is None or self.state.flags is None):
             invalid(g, what, _CAPTURED)
         try:
             dev = same_device(tensors, rank=g.runtime.rank, collective=what)
@@ -109,6 +121,12 @@ class DeviceCollectives:
         if state is None:
             fp = Fingerprint(coll | ON_DEVICE, code_of(tensors[0].dtype)[0])
             state = self.state = DeviceGroup(g, dev, fp, what, timeout)
+            if state.flags is not None:
+                self.flags, self.tensor_type = state.flags, torch_module().Tensor
+                torch = torch_module()
+                self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+                self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                                          lambda d: torch.cuda.current_stream(d).cuda_stream)
         elif state.device != dev:
             invalid(g, what, f"group {g.name} moves CUDA buffers of cuda:{state.device} (its first device "
                     f"call's); this call passed cuda:{dev}: make one group per device")
@@ -144,6 +162,13 @@ class DeviceCollectives:
     def all_reduce(self, tensor: Any, op: Any, out: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "all_reduce", self.group
         if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
+            flags = self.flags
+            if flags is not None and flags.takes(tensor.numel() * tensor.element_size(), tensor.dtype, op) \
+                    and tensor.is_contiguous() and not g.destroyed \
+                    and tensor.get_device() == self.state.device == self.current_device():  # type: ignore[union-attr]
+                self._in_order(self.state.device)  # type: ignore[union-attr]
+                flags.all_reduce(tensor, tensor, op, timeout)  # on the current stream
+                return tensor
             plan = self.plans.get((tensor.dtype, tensor.shape, op))
             if plan is not None and not g.queue.busy and not g.queue.pending and plan.runs(tensor):
                 done = plan(tensor, timeout)
@@ -155,12 +180,17 @@ class DeviceCollectives:
         dst = src if out is None else self._tensor(out, what, "out")
         if dst is not src and (dst.dtype != src.dtype or dst.numel() != src.numel()):
             invalid(g, what, f"out has {dst.numel()} x {dst.dtype}, tensor {src.numel()} x {src.dtype}")
-        dg = self._device([src, dst], what, Coll.ALL_REDUCE, timeout)
+        dg = self._device([src, dst], what, Coll.ALL_REDUCE, timeout, capturable=True)
         red = self._reduction(op, src.dtype, what)
         result = tensor if out is None else out
         sf = src.reshape(-1)
         df = sf if dst is src else dst.reshape(-1)  # one object where one memory: staged, one mirror
         n, nbytes = sf.numel(), sf.numel() * sf.element_size()
+        flags = dg.flags
+        if flags is not None and nbytes >= dg.host_below and flags.takes(nbytes, src.dtype, red.op):
+            return self._flag_all_reduce(dg, flags, tensor, sf, df, red.op, async_op, timeout, result)
+        if torch_module().cuda.is_current_stream_capturing():
+            invalid(g, what, _CAPTURED)
         if not self._on_device(dg, red, src.dtype, nbytes):
             if not async_op and dg.mode != "alone" and nbytes <= _LEAN:
                 return staged.host_all_reduce(dg, tensor, sf, df, red, timeout, result)
@@ -205,6 +235,36 @@ class DeviceCollectives:
 
             spec = Spec(sf, nbytes, src.dtype, fold_mine, result, gather, df)
         return ipc_path.run(dg, what, fp, spec, tensor, [src, dst], async_op, timeout)
+
+    def _flag_all_reduce(self, dg: DeviceGroup, flags: DeviceFlags, obj: Any, sf: Any, df: Any, op: ReduceOp,
+                         async_op: bool, timeout: float | None, result: Any) -> Any:
+        """One kernel launch (gpu/device_flags.py) on the call's stream."""
+        if df is not sf and ipc_path.overlap(sf, df):  # the kernel reads its part before it writes
+            sf = sf.clone()
+        st = dg.begin(obj, [sf, df], async_op, False)
+        with dg.on(st), torch_module().cuda.device(dg.device):
+            self._in_order(dg.device)
+            flags.all_reduce(sf, df, op, timeout)
+            if st.end is not None:
+                st.end.record(st.stream)
+        if not async_op:
+            return result
+        queued = Work("all_reduce", self.group.runtime.rank)
+        queued._finish()
+        return DeviceWork(queued, st.end, st.stream, dg.device, result)
+
+    def _in_order(self, device: int) -> None:
+        """A rank's device-flag kernels of a group run one after another (each advances its
+        own call counts, device_flags.py): a call on another stream than the last one's waits
+        for it there (not inside a graph capture, which may not wait on work outside it)."""
+        stream = self.raw_stream(device)
+        if stream != self.flag_stream:
+            torch = torch_module()
+            if self.flag_stream and not torch.cuda.is_current_stream_capturing():
+                last = torch.cuda.Event()
+                last.record(torch.cuda.ExternalStream(self.flag_stream, device=device))
+                torch.cuda.current_stream(device).wait_event(last)
+            self.flag_stream = stream
 
     def reduce(self, tensor: Any, dst: int, op: Any, out: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "reduce", self.group

@@ -20,7 +20,7 @@ from ..ops import ReduceOp
 from ..transport.wire import Fingerprint
 from ..tuning import tuner
 from ..work import Work
-from . import driver, ipc
+from . import device_flags, driver, ipc
 from .tensors import caller_stream, torch_module
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ class DeviceGroup:
         self.one_gpu = True  # every rank on the same GPU (set up: from their UUIDs)
         self.host_below = 0  # calls whose share is smaller go through host memory (see _setup)
         self.host_plans: dict[tuple, tuple] = {}  # small blocking all_reduces: their pinned buffers
+        self.flags: device_flags.DeviceFlags | None = None  # small all_reduces with device-side flags
         if group.size > 1:
             self._setup(fp, what, timeout)
 
@@ -109,12 +110,17 @@ class DeviceGroup:
         elif not cfg.cuda_ipc:
             why = "TENSORWIRE_CUDA_IPC=0"
         handles, area = b"", ipc.RECORD.pack(0, 0, 0, 0, b"")
+        no_flags = self._no_flags()
         if not why:
             try:
                 with torch.cuda.device(dev):
                     self.own = {name: torch.cuda.Event(interprocess=True) for name in _EVENTS}
                     handles = b"".join(bytes(self.own[name].ipc_handle()) for name in _EVENTS)
-                    mine = torch.empty(2 * self.slot, dtype=torch.uint8, device=dev)
+                    extra = 0 if no_flags else device_flags.area_bytes(self.slot)
+                    mine = torch.empty(2 * self.slot + extra, dtype=torch.uint8, device=dev)
+                    if extra:  # the flags start at zero, before any peer can read them
+                        mine[2 * self.slot:].zero_()
+                        torch.cuda.current_stream(dev).synchronize()
                     if self.slot:
                         area = ipc.describe(mine)
             except Exception as exc:  # expandable segments, no IPC on this platform, ...
@@ -136,14 +142,34 @@ class DeviceGroup:
         elif not why:
             refused = ", ".join(str(r) for r, info in enumerate(infos) if not info[3])
             why = f"rank {refused} cannot use IPC"
-        verdict = np.array([ok], dtype=np.uint8)
+        gpus = len({info[0] for info in infos})
+        if ok and not no_flags:
+            if any(s.numel() < 2 * self.slot + device_flags.area_bytes(self.slot) for s in self.slots):
+                no_flags = "a rank keeps no flags (TENSORWIRE_CUDA_DEVICE_FLAGS=0 or no Triton there)"
+            elif cfg.cuda_device_flags == "auto" and gpus < g.size and not device_flags.mps_running():
+                no_flags = (f"rank {g.rank}: ranks share a GPU without MPS, where their kernels take turns "
+                            "(TENSORWIRE_CUDA_DEVICE_FLAGS=1 forces it)")
+        verdict = np.array([ok, ok and not no_flags], dtype=np.uint8)
         g.queue.submit(fp, what, _agree, False, timeout, verdict)
         self.mode = "ipc" if verdict[0] else "staged"
-        self.one_gpu = len({info[0] for info in infos}) == 1
+        self.one_gpu = gpus == 1
         self.host_below = cfg.cuda_host_below
         if self.mode == "staged":
             self.own, self.peer, self.slots = {}, {}, []
-        self._describe(infos, why)
+        elif verdict[1]:
+            self.flags = device_flags.DeviceFlags(g, [s.data_ptr() + 2 * self.slot for s in self.slots], dev)
+        elif not no_flags:
+            no_flags = "a peer cannot run them"
+        self._describe(infos, why, no_flags)
+
+    def _no_flags(self) -> str:
+        """Why this rank cannot take the device-flag path ('' where it can)."""
+        cfg = self.group.runtime.config
+        if cfg.cuda_device_flags == "0":
+            return "TENSORWIRE_CUDA_DEVICE_FLAGS=0"
+        if not self.slot:
+            return "TENSORWIRE_CUDA_SLOT=0"
+        return device_flags.available()
 
     def _open_peers(self, table: np.ndarray, mine: Any) -> None:
         torch = torch_module()
@@ -162,7 +188,7 @@ class DeviceGroup:
                                                             keep=True)
             self.slots.append(area)
 
-    def _describe(self, infos: list[tuple], why: str) -> None:
+    def _describe(self, infos: list[tuple], why: str, no_flags: str) -> None:
         if not _log.isEnabledFor(20):
             return
         g = self.group
@@ -172,11 +198,15 @@ class DeviceGroup:
         for r, info in enumerate(infos):
             sharing.setdefault(info[0], []).append(r)
         shared = [ranks for ranks in sharing.values() if len(ranks) > 1]
-        _log.info("group %s on CUDA: %s; %s; %s; path: %s%s", g.name, gpus,
+        small = ""
+        if self.mode == "ipc":
+            small = "; small all_reduces: " + ("device flags (one Triton kernel a call)"
+                                               if self.flags is not None else f"host flags ({no_flags})")
+        _log.info("group %s on CUDA: %s; %s; %s; path: %s%s%s", g.name, gpus,
                   "one host" if g.one_host else "several hosts",
                   "ranks sharing a GPU: " + ", ".join(map(str, shared)) if shared else "one GPU per rank",
                   "device to device (CUDA IPC)" if self.mode == "ipc" else "staged through pinned memory",
-                  f" ({why})" if why and self.mode != "ipc" else "")
+                  f" ({why})" if why and self.mode != "ipc" else "", small)
 
     # -- calls -------------------------------------------------------------------------------
     def begin(self, obj: Any, tensors: Sequence[Any], async_op: bool, small: bool) -> CallStream:
