@@ -122,7 +122,7 @@ for step in $steps; do
       TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$BENCH_S" \
         $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 1M -f 8 --np 2 --compare gloo \
         > "$OUT/bench-flags$flags-mps.txt" 2>&1
-      note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small all_reduces: [a-z ]*' "$OUT/bench-flags$flags-mps.txt")"
+      note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small calls: [a-z ]*' "$OUT/bench-flags$flags-mps.txt")"
       grep -v "\[tensorwire " "$OUT/bench-flags$flags-mps.txt"
     done
     mps_off

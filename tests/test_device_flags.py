@@ -1,6 +1,7 @@
-"""The device-flag path's kernel and protocol (gpu/flag_kernel.py, gpu/device_flags.py) on any
-machine: Triton's interpreter runs the same kernel on the CPU, in real rank processes whose
-flags and slots lie in shared memory, as they lie in IPC memory on a GPU. What this cannot
+"""The device-flag path's kernel and protocol (gpu/flag_kernel.py, gpu/device_flags.py: small
+all_reduce, broadcast and all_gather) on any machine: Triton's interpreter runs the same
+kernel on the CPU, in real rank processes whose flags and slots lie in shared memory, as they
+lie in IPC memory on a GPU. What this cannot
 show (the GPU's memory ordering, the launch cost, graph capture) tests/test_gpu.py does on a
 GPU. The interpreter has no clock: a kernel's limit counts spins there.
 """
@@ -128,6 +129,50 @@ def test_device_flag_all_reduce_matches_the_reference(get_cluster, size):
     assert results == [[]] * size
 
 
+def _movements(cases: list[tuple]) -> list[str]:
+    g = tw.new_group()
+    flags, views = _connect(g)
+    wrong = []
+    try:
+        for dtype, count, root, in_place in cases:
+            gen = torch.Generator().manual_seed(count)
+            xs = [torch.randint(0, 256, (count * getattr(torch, dtype).itemsize,), generator=gen,
+                                dtype=torch.uint8).view(getattr(torch, dtype)) for _ in range(g.size)]
+            if dtype == "bool":
+                xs = [x.view(torch.uint8).bitwise_and(1).view(torch.bool) for x in xs]
+            assert flags.moves(xs[0].numel() * xs[0].element_size())
+            x = xs[g.rank].clone()
+            y = x if in_place else torch.zeros_like(x)
+            flags.broadcast(x, y, root)
+            if not torch.equal(y.view(torch.uint8), xs[root].view(torch.uint8)):
+                wrong.append(f"rank {g.rank}: broadcast {dtype} x{count} from {root}")
+            out = torch.zeros(g.size * count, dtype=x.dtype)
+            x = out[g.rank * count:(g.rank + 1) * count] if in_place else xs[g.rank].clone()
+            x.copy_(xs[g.rank])
+            flags.all_gather(x, out)
+            if not torch.equal(out.view(torch.uint8), torch.cat(xs).view(torch.uint8)):
+                wrong.append(f"rank {g.rank}: all_gather {dtype} x{count}")
+        flags.check()
+    finally:
+        g.destroy()
+        del views
+    return wrong
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3])
+def test_device_flag_broadcast_and_all_gather_move_every_byte(get_cluster, size):
+    """Any dtype, moved as 32-bit words where they fit and as bytes where not (an odd number of
+    int16, bool), one element to two programs' parts, in place and not, every root."""
+    rng = random.Random(size)
+    cases = []
+    for dtype in ("float32", "complex64", "bool", "int16", "float16", "uint8", "float64"):
+        for _ in range(2):
+            count = rng.choice([1, 7, (16 << 10) // getattr(torch, dtype).itemsize + 3])
+            cases.append((dtype, count, rng.randrange(size), rng.random() < 0.5))
+    assert get_cluster(size, "shm").run(_movements, cases, timeout=250) == [[]] * size
+
+
 def _runs_ahead(calls: int) -> list[str]:
     g = tw.new_group()
     flags, views = _connect(g)
@@ -162,7 +207,10 @@ def _mismatch(counts: list[int], ops: list[str]) -> str:
     flags, views = _connect(g)
     try:
         x = torch.ones(counts[g.rank], dtype=torch.float32)
-        flags.all_reduce(x, x, tw.ReduceOp[ops[g.rank]])
+        if ops[g.rank] == "broadcast":
+            flags.broadcast(x, x, 0)
+        else:
+            flags.all_reduce(x, x, tw.ReduceOp[ops[g.rank]])
         assert torch.equal(x, torch.ones_like(x)), "the output was touched"
         try:
             flags.check()
@@ -175,18 +223,21 @@ def _mismatch(counts: list[int], ops: list[str]) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("what", ["size", "op"])
+@pytest.mark.parametrize("what", ["size", "op", "collective"])
 def test_a_mismatched_call_is_an_error_on_every_rank(get_cluster, what):
-    """Ranks that call with different sizes (one program's part, or more on one side) or ops:
-    each raises, naming the peer and both calls, and leaves its output as it was."""
-    counts, ops = ([100, 100, 5000], ["SUM"] * 3) if what == "size" else ([64] * 3, ["SUM", "SUM", "MAX"])
+    """Ranks that call with different sizes (one program's part, or more on one side), ops or
+    collectives: each raises, naming the peer and both calls, and leaves its output as it was."""
+    counts, ops = {"size": ([100, 100, 5000], ["SUM"] * 3), "op": ([64] * 3, ["SUM", "SUM", "MAX"]),
+                   "collective": ([64] * 3, ["SUM", "broadcast", "SUM"])}[what]
     errors = get_cluster(3, "shm").run(_mismatch, counts, ops, timeout=250)
     for rank, text in enumerate(errors):
-        assert text.startswith(f"rank {rank}: all_reduce on CUDA (device flags): group rank "), text
-        if what == "size":
-            assert "20000 B of float32, SUM" in text and "400 B of float32, SUM" in text, text
-        else:
-            assert "256 B of float32, MAX" in text and "256 B of float32, SUM" in text, text
+        kind = "broadcast" if ops[rank] == "broadcast" else "all_reduce"
+        assert text.startswith(f"rank {rank}: {kind} on CUDA (device flags): group rank "), text
+        expect = {"size": ("all_reduce of 20000 B of float32, SUM", "all_reduce of 400 B of float32, SUM"),
+                  "op": ("all_reduce of 256 B of float32, MAX", "all_reduce of 256 B of float32, SUM"),
+                  "collective": ("broadcast of 256 B of float32 from group rank 0",
+                                 "all_reduce of 256 B of float32, SUM")}[what]
+        assert all(e in text for e in expect), text
 
 
 def _timeout() -> str:

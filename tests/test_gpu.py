@@ -474,9 +474,10 @@ def graph_capture() -> list[str]:
 
 
 def device_flags() -> list[str]:
-    """Small all_reduces on the device-flag path: every dtype and op it takes, one element to
-    the slot, in place, into `out`, async, each checked; then a mismatched size, raised at the
-    group's next call on every rank."""
+    """Small calls on the device-flag path: all_reduce of every dtype and op it takes, one
+    element to the slot, in place, into `out`, async; broadcast and all_gather (list and
+    tensor forms) of 32-bit and odd-sized types; each checked; then a mismatched size, raised
+    at the group's next call on every rank."""
     import torch
 
     import tensorwire as tw
@@ -511,6 +512,22 @@ def device_flags() -> list[str]:
                 why = _close(out.cpu(), _reference(op, parts, dtype), parts, op, dtype)
                 if why:
                     wrong.append(f"rank {r}: {dtype} {op} x{count} {how}: {why}")
+    for dtype in (torch.float32, torch.bool, torch.complex64, torch.int16):
+        for count in (1, 4099, SLOT // dtype.itemsize):
+            salt += 1
+            parts = [_input(dtype, count, k, salt) for k in range(n)]
+            root = salt % n
+            x = parts[r].to(dev)
+            g.broadcast(x, root)
+            if not torch.equal(x.cpu(), parts[root]):
+                wrong.append(f"rank {r}: broadcast {dtype} x{count} from {root}")
+            outs = [torch.empty(count, dtype=dtype, device=dev) for _ in range(n)]
+            g.all_gather(outs, parts[r].to(dev))
+            whole = torch.empty(n * count, dtype=dtype, device=dev)
+            g.all_gather_into_tensor(whole, parts[r].to(dev), async_op=True).wait()
+            if not torch.equal(torch.cat([o.cpu() for o in outs]), torch.cat(parts)) \
+                    or not torch.equal(whole.cpu(), torch.cat(parts)):
+                wrong.append(f"rank {r}: all_gather {dtype} x{count}")
     g.all_reduce(torch.ones(1000 if r == 0 else 999, device=dev))
     try:
         g.all_reduce(torch.ones(8, device=dev))
@@ -524,8 +541,9 @@ def device_flags() -> list[str]:
 
 
 def device_flags_graph() -> list[str]:
-    """100 all_reduces of three sizes captured in one CUDA graph, replayed 10 times, each replay
-    checked; a call off the device-flag path inside a capture is still a clear error."""
+    """100 all_reduces of three sizes, an all_gather and a broadcast captured in one CUDA graph,
+    replayed 10 times, each replay checked; a call off the device-flag path inside a capture is
+    still a clear error."""
     import torch
 
     import tensorwire as tw
@@ -534,27 +552,37 @@ def device_flags_graph() -> list[str]:
     n, r = world.size, world.rank
     dev = _device(r)
     xs = [torch.ones(c, dtype=torch.float64, device=dev) for c in (1, 512, SLOT // 8)]
-    for x in xs:  # the group's setup and each size's compile happen outside the capture
+    mine, gathered = torch.full((4,), float(r), device=dev), torch.empty(4 * n, device=dev)
+    for x in xs:  # the group's setup and each kind's compile happen outside the capture
         tw.all_reduce(x)
+    tw.broadcast(mine, 0)
+    tw.all_gather_into_tensor(gathered, mine)
     if world.device.flags is None:
         return [f"rank {r}: no device flags (see the init log)"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for k in range(100):
             tw.all_reduce(xs[k % 3])
+        tw.all_gather_into_tensor(gathered, mine)
+        tw.broadcast(mine, n - 1)
     wrong: list[str] = []
+    want = torch.arange(n, dtype=torch.float32).repeat_interleave(4)
     for replay in range(10):
         for x in xs:
             x.fill_(1)
+        mine.fill_(float(r))
         graph.replay()
         torch.cuda.synchronize()
         for x, calls in zip(xs, (34, 33, 33)):
             if not torch.all(x == float(n) ** calls).item():
                 wrong.append(f"rank {r}: replay {replay}, {x.numel()} elements: {x[:3].tolist()}")
+        if not torch.equal(gathered.cpu(), want) or not torch.all(mine == n - 1).item():
+            wrong.append(f"rank {r}: replay {replay}: all_gather {gathered.tolist()}, "
+                         f"broadcast {mine.tolist()}")
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            tw.broadcast(xs[0], 0)
-        wrong.append(f"rank {r}: a broadcast was captured")
+            tw.all_reduce(torch.ones(SLOT // 4 + 1, device=dev))
+        wrong.append(f"rank {r}: an all_reduce larger than the slot was captured")
     except tw.InvalidArgumentError as exc:
         if "CUDA graph" not in str(exc):
             wrong.append(f"rank {r}: {exc}")
@@ -704,7 +732,7 @@ _BAD_CALLS = {
 @pytest.mark.timeout(120)
 def test_errors_on_every_rank() -> None:
     """Each raised by the call itself: the host-flag path (the device-flag path raises a
-    mismatch at the next call: test_small_all_reduces_with_device_flags)."""
+    mismatch at the next call: test_small_calls_with_device_flags)."""
     cluster = _cluster(2, TENSORWIRE_CUDA_DEVICE_FLAGS="0")
     try:
         raised = cluster.run(mismatches, list(_BAD_CALLS), timeout=90)
@@ -729,7 +757,7 @@ def test_point_to_point_device_to_device() -> None:
 
 @pytest.mark.timeout(120)
 def test_capture_in_a_cuda_graph_is_a_clear_error() -> None:
-    """On the host-flag path every call (test_small_all_reduces_with_device_flags: the other)."""
+    """On the host-flag path every call (test_small_calls_with_device_flags: the other)."""
     cluster = _cluster(2, TENSORWIRE_CUDA_DEVICE_FLAGS="0")
     try:
         _none_wrong(cluster.run(graph_capture, timeout=90))
@@ -739,7 +767,7 @@ def test_capture_in_a_cuda_graph_is_a_clear_error() -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("scenario", [device_flags, device_flags_graph])
-def test_small_all_reduces_with_device_flags(scenario) -> None:
+def test_small_calls_with_device_flags(scenario) -> None:
     """The device-flag path (forced: without MPS the ranks' kernels take turns on one GPU, slower
     but the same results) at 2 and 3 ranks."""
     for n in (2, 3):

@@ -249,9 +249,10 @@ class Config:
     """Per-rank device slot of the small CUDA path (a call whose share fits takes one flag round);
     0 sends every CUDA call through the buffers themselves (TENSORWIRE_CUDA_SLOT)."""
     cuda_device_flags: str = "auto"
-    """Small CUDA all_reduces as one kernel per rank that polls its peers' flags in GPU memory
-    (Triton): 'auto' where every rank has a GPU of its own or MPS runs, '1' wherever Triton
-    imports and ranks share memory through IPC, '0' never (TENSORWIRE_CUDA_DEVICE_FLAGS)."""
+    """Small CUDA all_reduces, broadcasts and all_gathers as one kernel per rank that polls its
+    peers' flags in GPU memory (Triton): 'auto' where every rank has a GPU of its own or MPS
+    runs, '1' wherever Triton imports and ranks share memory through IPC, '0' never
+    (TENSORWIRE_CUDA_DEVICE_FLAGS)."""
     cuda_host_below: int = 0
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
     one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;

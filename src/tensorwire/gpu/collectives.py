@@ -9,9 +9,9 @@ A group's device path is chosen at its first call on CUDA buffers, collectively:
     slot of its parity, one host flag round (a barrier) says every share is there, and each
     rank reads what it needs straight out of its peers' slots. As on the host's one-shot
     path, a slot is refilled only once every peer's reads of it two calls ago have run.
-    Where every rank's kernels run at once (a GPU per rank, or MPS), a small all_reduce is
-    instead one kernel per rank that polls its peers' flags in GPU memory (device_flags.py):
-    no host round, so CUDA graphs can capture it.
+    Where every rank's kernels run at once (a GPU per rank, or MPS), a small all_reduce,
+    broadcast or all_gather is instead one kernel per rank that polls its peers' flags in GPU
+    memory (device_flags.py): no host round, so CUDA graphs can capture it.
   - larger calls: each rank publishes where its buffers are (allocation handle and offset,
     an all_gather of small records) and reads its peers' buffers in place, one copy per byte
     at device speed; all_reduce is a reduce-scatter (rank r folds block r of every input)
@@ -66,9 +66,10 @@ if TYPE_CHECKING:
 
 _LEAN = 1 << 20  # blocking all_reduces up to this size keep their pinned buffer (host_plans)
 _PLANS = 64  # planned small all_reduce signatures per group
-_CAPTURED = ("the current stream is capturing a CUDA graph, which can hold only small all_reduces on the "
-             "device-flag path (docs/gpu.md): this call's GPU work is ordered after the peers' through host "
-             "rounds that a replay would skip; make it outside torch.cuda.graph()")
+_CAPTURED = ("the current stream is capturing a CUDA graph, which can hold only small all_reduces, "
+             "broadcasts and all_gathers on the device-flag path (docs/gpu.md): this call's GPU work is "
+             "ordered after the peers' through host rounds that a replay would skip; make it outside "
+             "torch.cuda.graph()")
 
 
 class DeviceCollectives:
@@ -188,9 +189,11 @@ class DeviceCollectives:
         n, nbytes = sf.numel(), sf.numel() * sf.element_size()
         flags = dg.flags
         if flags is not None and nbytes >= dg.host_below and flags.takes(nbytes, src.dtype, red.op):
-            return self._flag_all_reduce(dg, flags, tensor, sf, df, red.op, async_op, timeout, result)
-        if torch_module().cuda.is_current_stream_capturing():
-            invalid(g, what, _CAPTURED)
+            if df is not sf and ipc_path.overlap(sf, df):  # the kernel reads its part before it writes
+                sf = sf.clone()
+            return self._flag_call(dg, what, tensor, [sf, df],
+                                   lambda: flags.all_reduce(sf, df, red.op, timeout), async_op, result)
+        self._refuse_capture(what)
         if not self._on_device(dg, red, src.dtype, nbytes):
             if not async_op and dg.mode != "alone" and nbytes <= _LEAN:
                 return staged.host_all_reduce(dg, tensor, sf, df, red, timeout, result)
@@ -236,22 +239,28 @@ class DeviceCollectives:
             spec = Spec(sf, nbytes, src.dtype, fold_mine, result, gather, df)
         return ipc_path.run(dg, what, fp, spec, tensor, [src, dst], async_op, timeout)
 
-    def _flag_all_reduce(self, dg: DeviceGroup, flags: DeviceFlags, obj: Any, sf: Any, df: Any, op: ReduceOp,
-                         async_op: bool, timeout: float | None, result: Any) -> Any:
-        """One kernel launch (gpu/device_flags.py) on the call's stream."""
-        if df is not sf and ipc_path.overlap(sf, df):  # the kernel reads its part before it writes
-            sf = sf.clone()
-        st = dg.begin(obj, [sf, df], async_op, False)
+    def _flag_call(self, dg: DeviceGroup, what: str, obj: Any, tensors: list[Any], launch: Any,
+                   async_op: bool, result: Any, after: Any = None) -> Any:
+        """One kernel launch (gpu/device_flags.py), `launch()`, on the call's stream; then
+        `after()` there, if given."""
+        st = dg.begin(obj, tensors, async_op, False)
         with dg.on(st), torch_module().cuda.device(dg.device):
             self._in_order(dg.device)
-            flags.all_reduce(sf, df, op, timeout)
+            launch()
+            if after is not None:
+                after()
             if st.end is not None:
                 st.end.record(st.stream)
         if not async_op:
             return result
-        queued = Work("all_reduce", self.group.runtime.rank)
+        queued = Work(what, self.group.runtime.rank)
         queued._finish()
         return DeviceWork(queued, st.end, st.stream, dg.device, result)
+
+    def _refuse_capture(self, what: str) -> None:
+        """A call off the device-flag path cannot be captured (see _CAPTURED)."""
+        if torch_module().cuda.is_current_stream_capturing():
+            invalid(self.group, what, _CAPTURED)
 
     def _in_order(self, device: int) -> None:
         """A rank's device-flag kernels of a group run one after another (each advances its
@@ -355,11 +364,18 @@ class DeviceCollectives:
         if target is not data and (target.dtype != data.dtype or target.numel() != data.numel()):
             invalid(g, what, f"out has {target.numel()} x {target.dtype}, tensor {data.numel()} x "
                     f"{data.dtype}")
-        dg = self._device([data, target], what, Coll.BROADCAST, timeout)
+        dg = self._device([data, target], what, Coll.BROADCAST, timeout, capturable=True)
         result = tensor if out is None else out
         df = data.reshape(-1)
         tf = df if target is data else target.reshape(-1)
         mine = g.rank == root
+        flags, nbytes = dg.flags, df.numel() * df.element_size()
+        if flags is not None and nbytes >= dg.host_below and flags.moves(nbytes):
+            if tf is not df and ipc_path.overlap(df, tf):
+                df = df.clone()
+            return self._flag_call(dg, what, tensor, [df, tf], lambda: flags.broadcast(df, tf, root, timeout),
+                                   async_op, result)
+        self._refuse_capture(what)
         if not self._on_device(dg, None, data.dtype, df.numel() * df.element_size()):
             return staged.chunked(dg, tensor, df, tf, mine, lambda s, d, a: g.broadcast(
                 s, root, out=None if d is s else d, async_op=a, timeout=timeout), async_op, result)
@@ -380,7 +396,8 @@ class DeviceCollectives:
         check_member(g, what)
         inp = self._tensor(tensor, what)
         outs = self._tensors(tensor_list, what, "tensor_list", inp)
-        return self._all_gather(what, tensor_list, inp, [o.reshape(-1) for o in outs], async_op, timeout)
+        return self._all_gather(what, tensor_list, inp, [o.reshape(-1) for o in outs], async_op, timeout,
+                                None)
 
     def all_gather_into_tensor(self, output: Any, input: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "all_gather_into_tensor", self.group
@@ -391,13 +408,31 @@ class DeviceCollectives:
                     f"({inp.numel()} x {inp.dtype})")
         of, m = out.reshape(-1), inp.numel()
         return self._all_gather(what, output, inp, [of[r * m:(r + 1) * m] for r in range(g.size)],
-                                async_op, timeout)
+                                async_op, timeout, of)
 
     def _all_gather(self, what: str, result: Any, inp: Any, outs: list[Any], async_op: bool,
-                    timeout: float | None) -> Any:
+                    timeout: float | None, whole: Any) -> Any:
+        """`whole`: the flat output `outs` are parts of (all_gather_into_tensor), else None."""
         g = self.group
-        dg = self._device([inp, *outs], what, Coll.ALL_GATHER, timeout)
+        dg = self._device([inp, *outs], what, Coll.ALL_GATHER, timeout, capturable=True)
         flat = inp.reshape(-1)
+        flags, nbytes = dg.flags, flat.numel() * flat.element_size()
+        if flags is not None and nbytes >= dg.host_below and flags.moves(nbytes):
+            if any(ipc_path.overlap(flat, o) for r, o in enumerate(outs) if r != g.rank):
+                flat = flat.clone()
+            m = flat.numel()
+            gathered = whole if whole is not None else torch_module().empty(g.size * m, dtype=flat.dtype,
+                                                                            device=flat.device)
+
+            def scatter_list() -> None:  # the list form: from one buffer into the caller's tensors
+                if whole is None:
+                    for r, o in enumerate(outs):
+                        o.copy_(gathered[r * m:(r + 1) * m])
+
+            return self._flag_call(dg, what, result, [flat, *outs, gathered],
+                                   lambda: flags.all_gather(flat, gathered, timeout), async_op, result,
+                                   scatter_list)
+        self._refuse_capture(what)
         if not self._on_device(dg, None, inp.dtype, flat.numel() * flat.element_size()):
             return staged.whole(dg, result, [flat], outs, lambda h, a: g.all_gather(
                 [h(o) for o in outs], h(flat), async_op=a, timeout=timeout), async_op, result)

@@ -1,8 +1,9 @@
-"""The device-flag path: a small all_reduce on CUDA buffers as one kernel launch per rank.
+"""The device-flag path: a small all_reduce, broadcast or all_gather on CUDA buffers as one
+kernel launch per rank.
 
 Where every rank's kernels run at once (a GPU per rank, or ranks sharing a GPU under MPS), a
-small all_reduce needs no host round: each rank's kernel (gpu/flag_kernel.py, Triton) writes
-its share into its slot, raises its flag and polls its peers' flags in IPC memory. With no
+small call needs no host round: each rank's kernel (gpu/flag_kernel.py, Triton) writes its
+share into its slot, raises its flag and polls its peers' flags in IPC memory. With no
 host in the loop, a CUDA graph can capture the call. Where the processes' kernels time-slice
 one GPU (no MPS), a kernel waiting for another's would wait a time slice each call, so the
 host-flag path (ipc_path) stays. The group's device setup (device_group.py) chooses, the same
@@ -26,6 +27,8 @@ from .tensors import code_of
 _OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3, ReduceOp.AVG: 4}
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _TYPES = _FLOATS + ("int8", "uint8", "int32", "int64")
+_NAMES = (*_TYPES, "bool", "int16", "uint16", "uint32", "uint64", "complex64", "complex128", "float8_e4m3fn",
+          "float8_e5m2")  # what a message may name (a broadcast or all_gather moves any dtype)
 _WIDE = {"float16": "float32", "bfloat16": "float32"}  # folded in float32, rounded once
 _BLOCK = 1024
 _INTERPRETED_SPIN_NS = 20_000  # Triton's CPU interpreter has no clock: a spin there takes about this
@@ -53,14 +56,24 @@ def area_bytes(slot: int) -> int:
     return 2 * slot + -(-slot // CHUNK_BYTES) * WORDS * 8
 
 
-def fingerprint(nbytes: int, dtype: Any, op: ReduceOp) -> int:
-    """A call's signature in one int64: what a peer's kernel compares."""
-    return nbytes << 16 | code_of(dtype)[0] << 8 | int(op)
+_KINDS = ("all_reduce", "broadcast", "all_gather")  # flag_kernel's ALL_REDUCE, BROADCAST, ALL_GATHER
+
+
+def fingerprint(mode: int, nbytes: int, dtype: Any, aux: int) -> int:
+    """A call's signature in one int64, what a peer's kernel compares: the collective, one
+    rank's share in bytes, the dtype, and the op (all_reduce) or root (broadcast, its low 12
+    bits)."""
+    return nbytes << 24 | mode << 20 | code_of(dtype)[0] << 12 | (aux & 0xFFF)
 
 
 def describe(fp: int) -> str:
-    names = {code_of(name)[0]: name for name in _TYPES}
-    return f"{fp >> 16} B of {names.get(fp >> 8 & 0xFF, '?')}, {ReduceOp(fp & 0xFF).name}"
+    names = {code_of(name)[0]: name for name in _NAMES}
+    mode, aux = fp >> 20 & 0xF, fp & 0xFFF
+    kind = _KINDS[mode] if mode < len(_KINDS) else "?"
+    what = f"{kind} of {fp >> 24} B of {names.get(fp >> 12 & 0xFF, '?')}"
+    if mode == 0:
+        return f"{what}, {ReduceOp(aux).name}"
+    return f"{what} from group rank {aux}" if mode == 1 else what
 
 
 class DeviceFlags:
@@ -101,26 +114,45 @@ class DeviceFlags:
         return 0 < nbytes <= self.slot and name in _TYPES and op in _OPS \
             and (op is not ReduceOp.AVG or name in _FLOATS)
 
+    def moves(self, nbytes: int) -> bool:
+        """Does a broadcast or all_gather whose every rank's share is `nbytes` take the path?"""
+        return 0 < nbytes <= self.slot
+
     def all_reduce(self, src: Any, dst: Any, op: ReduceOp, timeout: float | None = None) -> None:
         """Queue the call's kernel on the current stream (of `src`'s device). `dst` is `src`
-        or does not overlap it. No host round: every _GLANCE calls, one look at the sockets
-        (an abort, a lost rank) as other calls that never wait make."""
+        or does not overlap it."""
+        name = str(src.dtype).removeprefix("torch.")
+        acc = getattr(self.tl, _WIDE.get(name, name))
+        self._launch(self.kernel.ALL_REDUCE, src, dst, src.dtype, int(op), 0, (_OPS[op], acc), timeout)
+
+    def broadcast(self, src: Any, dst: Any, root: int, timeout: float | None = None) -> None:
+        """dst = the root's src (any dtype; dst may be src, a non-root's src is not read)."""
+        self._launch(self.kernel.BROADCAST, *_words(src, dst), src.dtype, root, root, (0, None), timeout)
+
+    def all_gather(self, src: Any, dst: Any, timeout: float | None = None) -> None:
+        """dst (size x src's elements, flat) = every rank's src in rank order; src may be this
+        rank's part of dst, and overlaps no other part."""
+        self._launch(self.kernel.ALL_GATHER, *_words(src, dst), src.dtype, 0, 0, (0, None), timeout)
+
+    def _launch(self, mode: int, x: Any, y: Any, dtype: Any, aux: int, root: int, fold: tuple[int, Any],
+                timeout: float | None) -> None:
+        """`aux`: the fingerprint's op (ReduceOp) or root; `fold`: the kernel's op and the
+        type it accumulates in (all_reduce). No host round: every _GLANCE calls, one look at
+        the sockets (an abort, a lost rank), as other calls that never wait make."""
         engine = self.engine
         engine.until_glance -= 1
         if engine.until_glance <= 0:
             engine.glance()
         self.check()
-        k, n, esize = self.kernel, src.numel(), src.element_size()
+        k, n, esize = self.kernel, x.numel(), x.element_size()
         nbytes = n * esize
-        name = str(src.dtype).removeprefix("torch.")
-        acc = getattr(self.tl, _WIDE.get(name, name))
         ns = int((self.timeout if timeout is None else timeout) * 1e9)
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
-        grid = (-(-nbytes // k.CHUNK_BYTES),)
-        k.all_reduce[grid](src, dst, self.table, n, self.rank, fingerprint(nbytes, src.dtype, op), limit,
-                           NRANKS=self.size, OP=_OPS[op], ACC=acc, CHUNK=k.CHUNK_BYTES // esize,
-                           BLOCK=min(_BLOCK, k.CHUNK_BYTES // esize), SLOT=self.slot // esize,
-                           CLOCK=not self.interpreted)
+        fp = fingerprint(mode, nbytes, dtype, aux)
+        k.one_shot[(-(-nbytes // k.CHUNK_BYTES),)](
+            x, y, self.table, n, self.rank, root, fp, limit, NRANKS=self.size, MODE=mode,
+            OP=fold[0], ACC=fold[1], CHUNK=k.CHUNK_BYTES // esize,
+            BLOCK=min(_BLOCK, k.CHUNK_BYTES // esize), SLOT=self.slot // esize, CLOCK=not self.interpreted)
 
     def check(self) -> None:
         """Raise what ended an earlier call early (and abort the group with it, once)."""
@@ -131,7 +163,7 @@ class DeviceFlags:
             return
         peer, theirs, mine = (int(w) for w in self.words[1:4])
         k = self.kernel
-        where = f"rank {self.rank}: all_reduce on CUDA (device flags)"
+        where = f"rank {self.rank}: {_KINDS[mine >> 20 & 0xF]} on CUDA (device flags)"
         if code == k.MISMATCH:
             self.error = CollectiveMismatchError(f"{where}: group rank {peer} called it with "
                                                  f"{describe(theirs)}, this rank with {describe(mine)}")
@@ -151,3 +183,14 @@ class DeviceFlags:
             self.lost = peer
             self.words[0] = self.kernel.ABORTED
 
+
+
+def _words(*buffers: Any) -> list[Any]:
+    """Flat buffers as one type that views them all, the wider of int32 and uint8: moving
+    bytes needs no dtype."""
+    import torch
+
+    flat = [b.reshape(-1).view(torch.uint8) for b in buffers]
+    if all(f.numel() % 4 == 0 and f.data_ptr() % 4 == 0 for f in flat):
+        return [f.view(torch.int32) for f in flat]
+    return flat

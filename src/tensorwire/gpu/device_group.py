@@ -87,7 +87,7 @@ class DeviceGroup:
         self.one_gpu = True  # every rank on the same GPU (set up: from their UUIDs)
         self.host_below = 0  # calls whose share is smaller go through host memory (see _setup)
         self.host_plans: dict[tuple, tuple] = {}  # small blocking all_reduces: their pinned buffers
-        self.flags: device_flags.DeviceFlags | None = None  # small all_reduces with device-side flags
+        self.flags: device_flags.DeviceFlags | None = None  # small calls with device-side flags
         if group.size > 1:
             self._setup(fp, what, timeout)
 
@@ -110,7 +110,7 @@ class DeviceGroup:
         elif not cfg.cuda_ipc:
             why = "TENSORWIRE_CUDA_IPC=0"
         handles, area = b"", ipc.RECORD.pack(0, 0, 0, 0, b"")
-        no_flags = self._no_flags()
+        no_flags = why or self._no_flags()
         if not why:
             try:
                 with torch.cuda.device(dev):
@@ -143,22 +143,30 @@ class DeviceGroup:
             refused = ", ".join(str(r) for r, info in enumerate(infos) if not info[3])
             why = f"rank {refused} cannot use IPC"
         gpus = len({info[0] for info in infos})
+        flags = None
         if ok and not no_flags:
             if any(s.numel() < 2 * self.slot + device_flags.area_bytes(self.slot) for s in self.slots):
                 no_flags = "a rank keeps no flags (TENSORWIRE_CUDA_DEVICE_FLAGS=0 or no Triton there)"
             elif cfg.cuda_device_flags == "auto" and gpus < g.size and not device_flags.mps_running():
                 no_flags = (f"rank {g.rank}: ranks share a GPU without MPS, where their kernels take turns "
                             "(TENSORWIRE_CUDA_DEVICE_FLAGS=1 forces it)")
-        verdict = np.array([ok, ok and not no_flags], dtype=np.uint8)
+            else:
+                try:  # before the agreement: a rank that cannot make it says so there
+                    areas = [s.data_ptr() + 2 * self.slot for s in self.slots]
+                    flags = device_flags.DeviceFlags(g, areas, dev)
+                except Exception as exc:
+                    no_flags = f"rank {g.rank}: {exc}"
+        verdict = np.array([ok, ok and flags is not None], dtype=np.uint8)
         g.queue.submit(fp, what, _agree, False, timeout, verdict)
         self.mode = "ipc" if verdict[0] else "staged"
         self.one_gpu = gpus == 1
         self.host_below = cfg.cuda_host_below
         if self.mode == "staged":
             self.own, self.peer, self.slots = {}, {}, []
-        elif verdict[1]:
-            self.flags = device_flags.DeviceFlags(g, [s.data_ptr() + 2 * self.slot for s in self.slots], dev)
-        elif not no_flags:
+        if verdict[1]:
+            self.flags = flags
+        elif flags is not None:  # a peer could not
+            g.engine.alarms.pop(g.ctx, None)
             no_flags = "a peer cannot run them"
         self._describe(infos, why, no_flags)
 
@@ -200,7 +208,7 @@ class DeviceGroup:
         shared = [ranks for ranks in sharing.values() if len(ranks) > 1]
         small = ""
         if self.mode == "ipc":
-            small = "; small all_reduces: " + ("device flags (one Triton kernel a call)"
+            small = "; small calls: " + ("device flags (one Triton kernel a call)"
                                                if self.flags is not None else f"host flags ({no_flags})")
         _log.info("group %s on CUDA: %s; %s; %s; path: %s%s%s", g.name, gpus,
                   "one host" if g.one_host else "several hosts",
