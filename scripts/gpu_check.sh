@@ -111,7 +111,7 @@ for step in $steps; do
   flags)
     flag_tests() {  # $1: the log's name
       timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_device_flags.py \
-        tests/test_gpu.py -k "device_flags or device-flags or flag" > "$OUT/$1.log" 2>&1
+        tests/test_gpu.py -k "device_flags or device-flags or flag or cuda_graph" > "$OUT/$1.log" 2>&1
       note "$1: rc=$? $(tail -1 "$OUT/$1.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/$1.log" | head -20
     }

@@ -863,6 +863,44 @@ def scenario_torch_cuda() -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.timeout(240)
+def test_torch_distributed_all_reduce_in_a_cuda_graph() -> None:
+    """torch.cuda.graph around dist.all_reduce on the device-flag path (forced)."""
+    from test_torch_backend import assert_all_ok, launch
+
+    assert_all_ok(launch("torch_cuda_graph", 2, script=_SELF, timeout=200, TENSORWIRE_CUDA_DEVICE_FLAGS="1"),
+                  "torch_cuda_graph")
+
+
+def scenario_torch_cuda_graph() -> None:
+    """100 dist.all_reduce captured, the graph replayed 10 times, each replay checked."""
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    rank = int(os.environ["RANK"])
+    dev = _device(rank)
+    dist.init_process_group("tensorwire")
+    n = dist.get_world_size()
+    x = torch.ones(1024, dtype=torch.float64, device=dev)
+    dist.all_reduce(x)  # sets the group up and compiles the kernel, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            dist.all_reduce(x)
+            x /= n - 0.5  # the data between calls changes too: a replay is the whole step
+    for _ in range(10):
+        x.fill_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = 1.0
+        for _ in range(100):
+            want = want * n / (n - 0.5)
+        assert torch.allclose(x, torch.full_like(x, want), rtol=1e-12), (x[:3].tolist(), want)
+    dist.destroy_process_group()
+
+
 def _ddp_matches_gloo(dev) -> None:
     """DDP with a CUDA model: tensorwire's losses equal Gloo's (Gloo moves CUDA tensors too)."""
     import torch

@@ -49,10 +49,17 @@ def mps_running() -> bool:
     return os.path.exists(os.path.join(pipes, "control"))
 
 
+def slot_bytes(slot: int) -> int:
+    """The path's slot for TENSORWIRE_CUDA_SLOT=`slot`: at most 1 MiB, 64 programs, so every
+    rank's programs of a call fit on the GPU at once (a program waits for its peers')."""
+    return min(slot, 1 << 20)
+
+
 def area_bytes(slot: int) -> int:
     """Bytes of a rank's IPC area the path uses after the host-flag slots: two slots, flags."""
     from .flag_kernel import CHUNK_BYTES, WORDS
 
+    slot = slot_bytes(slot)
     return 2 * slot + -(-slot // CHUNK_BYTES) * WORDS * 8
 
 
@@ -92,7 +99,8 @@ class DeviceFlags:
 
         self.kernel, self.tl = flag_kernel, tl
         cfg, self.engine = group.runtime.config, group.engine
-        self.rank, self.size, self.slot, self.timeout = group.rank, group.size, cfg.cuda_slot, cfg.timeout
+        self.rank, self.size, self.timeout = group.rank, group.size, cfg.timeout
+        self.slot = slot_bytes(cfg.cuda_slot)
         self.status = torch.zeros(flag_kernel.STATUS_WORDS, dtype=torch.int64,
                                   pin_memory=torch.device(device).type == "cuda")
         self.words = self.status.numpy()
@@ -163,7 +171,8 @@ class DeviceFlags:
             return
         peer, theirs, mine = (int(w) for w in self.words[1:4])
         k = self.kernel
-        where = f"rank {self.rank}: {_KINDS[mine >> 20 & 0xF]} on CUDA (device flags)"
+        kind = _KINDS[mine >> 20 & 0xF] if code in (k.MISMATCH, k.TIMEOUT) else "a small call"
+        where = f"rank {self.rank}: {kind} on CUDA (device flags)"
         if code == k.MISMATCH:
             self.error = CollectiveMismatchError(f"{where}: group rank {peer} called it with "
                                                  f"{describe(theirs)}, this rank with {describe(mine)}")
@@ -182,7 +191,6 @@ class DeviceFlags:
         if (peer is None or peer in self.members) and self.words[0] == 0:
             self.lost = peer
             self.words[0] = self.kernel.ABORTED
-
 
 
 def _words(*buffers: Any) -> list[Any]:
