@@ -131,3 +131,75 @@ def test_code_carries_no_lab_notes():
              for path in sorted(PACKAGE.rglob("*.py")) for n, text in _comments_and_docstrings(path)
              if LAB_NOTE.search(text)]
     assert found == []
+
+
+def _classes() -> dict[str, list[tuple[str, ast.ClassDef]]]:
+    """Every class of the package by name: (module file, definition)."""
+    found: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append((str(path.relative_to(PACKAGE)), node))
+    return found
+
+
+def _slots(node: ast.ClassDef) -> set[str] | None:
+    for stmt in node.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
+            stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets) and stmt.value is not None:
+            value = ast.literal_eval(stmt.value)
+            return {value} if isinstance(value, str) else set(value)
+    return None
+
+
+def _assigned(node: ast.ClassDef) -> set[str]:
+    """Attributes the class's own methods set on `self`."""
+    names: set[str] = set()
+    for method in node.body:
+        if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for sub in ast.walk(method):
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                sub, ast.AnnAssign | ast.AugAssign) else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store) \
+                            and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        names.add(t.attr)
+    return names
+
+
+def test_classes_with_slots_set_only_their_slots() -> None:
+    """An instance of a class with __slots__ all the way up has no __dict__: setting anything
+    else raises AttributeError, on whatever path first does it. Paths this machine cannot run
+    (CUDA) meet that only on a GPU; this finds it everywhere."""
+    classes = _classes()
+
+    def allowed(node: ast.ClassDef, seen: frozenset[str] = frozenset()) -> set[str] | None:
+        own = _slots(node)
+        if own is None or "__dict__" in own:
+            return None
+        total = set(own)
+        for base in node.bases:
+            name = base.id if isinstance(base, ast.Name) else None
+            if name == "object":
+                continue
+            defs = classes.get(name or "", [])
+            if len(defs) != 1 or name in seen:
+                return None  # from outside the package, or ambiguous: it may give a __dict__
+            inherited = allowed(defs[0][1], seen | {name})  # type: ignore[operator]
+            if inherited is None:
+                return None
+            total |= inherited
+        return total
+
+    wrong = []
+    for name, defs in classes.items():
+        for module, node in defs:
+            slots = allowed(node)
+            if slots is not None:
+                extra = _assigned(node) - slots
+                if extra:
+                    wrong.append(f"{module}: {name} sets {sorted(extra)} outside its __slots__")
+    assert not wrong, "\n".join(wrong)

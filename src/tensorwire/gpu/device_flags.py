@@ -135,12 +135,14 @@ class DeviceFlags:
 
     def broadcast(self, src: Any, dst: Any, root: int, timeout: float | None = None) -> None:
         """dst = the root's src (any dtype; dst may be src, a non-root's src is not read)."""
-        self._launch(self.kernel.BROADCAST, *_words(src, dst), src.dtype, root, root, (0, None), timeout)
+        x, y = _words(src, dst)
+        self._launch(self.kernel.BROADCAST, x, y, src.dtype, root, root, (0, None), timeout)
 
     def all_gather(self, src: Any, dst: Any, timeout: float | None = None) -> None:
         """dst (size x src's elements, flat) = every rank's src in rank order; src may be this
         rank's part of dst, and overlaps no other part."""
-        self._launch(self.kernel.ALL_GATHER, *_words(src, dst), src.dtype, 0, 0, (0, None), timeout)
+        x, y = _words(src, dst)
+        self._launch(self.kernel.ALL_GATHER, x, y, src.dtype, 0, 0, (0, None), timeout)
 
     def _launch(self, mode: int, x: Any, y: Any, dtype: Any, aux: int, root: int, fold: tuple[int, Any],
                 timeout: float | None) -> None:

@@ -35,7 +35,7 @@ class SmallAllReduce:
 
     __slots__ = ("group", "dg", "device", "call", "barrier", "direct", "nbytes", "fn", "signed", "red",
                  "parts", "own", "ready", "done", "peer_ready", "peer_done", "cuda", "stream_of", "threads",
-                 "current_device")
+                 "current_device", "capturing")
 
     def __init__(self, group: Group, dg: DeviceGroup, t: Any, red: Reduction, fp: Fingerprint) -> None:
         torch = torch_module()
