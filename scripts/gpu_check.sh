@@ -8,7 +8,8 @@
 # tests of tests/test_gpu.py, then ping-pong device to device and staged (TENSORWIRE_CUDA_IPC=0),
 # 8 B to 64 MiB, and the pipeline example on the GPU both ways; flags: the device-flag tests (forced
 # without MPS, then chosen by auto under MPS) and 8 B to 1 MiB all_reduces under MPS with the device
-# flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0), Gloo beside; ddp: examples/ddp_train.py
+# flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0; with them, also replayed from a CUDA graph),
+# broadcast and all_gather too, Gloo beside; ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
 # (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B
 # and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
@@ -120,8 +121,8 @@ for step in $steps; do
     flag_tests flags-tests-mps
     for flags in 1 0; do
       TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$BENCH_S" \
-        $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 1M -f 8 --np 2 --compare gloo \
-        > "$OUT/bench-flags$flags-mps.txt" 2>&1
+        $PY -m tensorwire.tools.benchmarks.cuda all_reduce broadcast all_gather -b 8 -e 1M -f 16 --np 2 \
+        --compare gloo $([ $flags = 1 ] && echo --graph) > "$OUT/bench-flags$flags-mps.txt" 2>&1
       note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small calls: [a-z ]*' "$OUT/bench-flags$flags-mps.txt")"
       grep -v "\[tensorwire " "$OUT/bench-flags$flags-mps.txt"
     done

@@ -7,6 +7,10 @@ synchronize: what queuing the calls cost) beside it, every result checked first.
     tensorwire bench all_reduce -b 8 -e 64M -f 8 --np 2 --device cuda --compare gloo,nccl
     python -m tensorwire.tools.benchmarks.cuda all_reduce --np 2 --compare gloo   # the same, directly
 
+`--graph` adds, for each library whose calls a CUDA graph can hold (NCCL; tensorwire's small
+all_reduce, broadcast and all_gather on its device-flag path), a row timed from replays of one
+graph of 100 calls: the cost of a call with no host in the loop (results are checked eagerly).
+
 Every rank takes GPU `rank % device_count` (on a one-GPU machine ranks share it, which NCCL
 refuses: its column then says why). The world is a Gloo group on env://; tensorwire is a
 `new_group(backend="tensorwire")` over the same ranks, so both move the same tensors.
@@ -26,6 +30,8 @@ from typing import Any
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "alltoall", "pingpong")
 """pingpong: rank 0 sends to rank 1, which sends it back (send/recv; other ranks idle): the
 time is the round trip, busbw the bandwidth one way."""
+_GRAPH_CALLS = 100  # calls captured in one graph (--graph): a replay runs them all
+_CAPTURABLE = ("all_reduce", "broadcast", "all_gather")
 _BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0,
           "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
           "alltoall": lambda n: (n - 1) / n, "pingpong": lambda n: 2.0}
@@ -100,8 +106,22 @@ def _call(dist: Any, coll: str, send: Any, recv: Any, group: Any) -> Any:
     return lambda: dist.all_to_all_single(recv, send, group=group)
 
 
+def _captured(torch: Any, run: Any) -> tuple[Any, str]:
+    """(a graph of _GRAPH_CALLS calls of `run`, '') or (None, why not)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(_GRAPH_CALLS):
+                run()
+    except Exception as exc:  # the library refuses (every rank alike), or CUDA does
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return graph, ""
+
+
 def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, rank: int, dev: Any,
-             iters: int, gloo: Any) -> dict[str, Any]:
+             iters: int, gloo: Any, graph: bool = False) -> dict[str, Any] | str:
+    """One row; `graph`: timed from replays of one graph of _GRAPH_CALLS calls (a str: why the
+    calls could not be captured)."""
     def checked() -> int:
         """Wrong elements of one call on fresh inputs (a repeated signature may take another
         path than its first call: the check runs before and after the timed loop)."""
@@ -114,6 +134,12 @@ def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, r
     send, recv, _ = _buffers(torch, coll, nbytes, n, rank, dev)
     run = _call(dist, coll, send, recv, lib.group)
     warm, timed = _iters(nbytes, iters)
+    per = 1
+    if graph:
+        captured, why = _captured(torch, run)
+        if captured is None:
+            return why
+        run, per, warm, timed = captured.replay, _GRAPH_CALLS, 1, max(3, timed // 20)
     for _ in range(warm):
         run()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(timed)]
@@ -125,20 +151,19 @@ def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, r
         starts[i].record()
         run()
         ends[i].record()
-    host = (time.perf_counter() - t0) / timed  # the calls queued: what the host spent per call
+    host = (time.perf_counter() - t0) / timed / per  # the calls queued: what the host spent per call
     torch.cuda.synchronize(dev)
-    mean = (time.perf_counter() - t0) / timed
+    mean = (time.perf_counter() - t0) / timed / per
     wrong += checked()
-    calls = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
+    calls = sorted(s.elapsed_time(e) / 1e3 / per for s, e in zip(starts, ends))
     stats = torch.tensor([mean, calls[len(calls) // 2], calls[min(len(calls) - 1, int(0.99 * len(calls)))],
                           float(wrong), host], dtype=torch.float64)
     dist.all_reduce(stats, dist.ReduceOp.MAX, group=gloo)  # the slowest rank
     mean, p50, p99, wrong, host = stats.tolist()
-    return {"lib": lib.name, "coll": coll, "bytes": recv.numel() * 4 if coll != "reduce_scatter"
-            else send.numel() * 4, "mean_s": mean, "p50_s": p50, "p99_s": p99, "host_s": host,
-            "wrong": int(wrong),
-            "busbw_GBps": (recv.numel() * 4 if coll != "reduce_scatter" else send.numel() * 4)
-            * _BUSBW[coll](n) / mean / 1e9}
+    moved = recv.numel() * 4 if coll != "reduce_scatter" else send.numel() * 4
+    return {"lib": lib.name + (" graph" if graph else ""), "coll": coll, "bytes": moved, "mean_s": mean,
+            "p50_s": p50, "p99_s": p99, "host_s": host, "wrong": int(wrong),
+            "busbw_GBps": moved * _BUSBW[coll](n) / mean / 1e9}
 
 
 def _rank(rank: int, n: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -174,6 +199,12 @@ def _rank(rank: int, n: int, port: int, args: argparse.Namespace, out: Any) -> N
             for lib in libs:  # interleaved: every library at this size before the next size
                 if coll != "pingpong" or lib.name != "gloo":
                     rows.append(_measure(torch, dist, lib, coll, nbytes, n, rank, dev, args.iters, gloo))
+                if args.graph and coll in _CAPTURABLE and lib.name != "gloo":
+                    row = _measure(torch, dist, lib, coll, nbytes, n, rank, dev, args.iters, gloo, graph=True)
+                    if isinstance(row, str):
+                        notes.append(f"{lib.name}: {coll} of {nbytes} B not captured: {row}")
+                    else:
+                        rows.append(row)
     if rank == 0:
         out.put({"rows": rows, "notes": notes, "device": torch.cuda.get_device_name(dev), "n": n,
                  "torch": torch.__version__, "transport": os.environ.get("TENSORWIRE_TRANSPORT", "auto")})
@@ -237,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-f", "--stepfactor", type=int, default=8)
     p.add_argument("-n", "--iters", type=int, default=0, help="timed calls per size (0: by size)")
     p.add_argument("--compare", default="gloo", help="gloo, nccl or both, comma-separated ('' for none)")
+    p.add_argument("--graph", action="store_true", help=f"also time {', '.join(_CAPTURABLE)} replayed "
+                   f"from a CUDA graph of {_GRAPH_CALLS} calls")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
     args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
