@@ -691,11 +691,14 @@ def _cluster(n: int, **env: str) -> Cluster:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_collective_op_and_dtype(n: int) -> None:
+@pytest.mark.parametrize("n, flags", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, "1")],
+                         ids=["1", "2", "3", "4", "3-device-flags"])
+def test_every_collective_op_and_dtype(n: int, flags: str) -> None:
+    """`3-device-flags`: small all_reduces, broadcasts and all_gathers on the device-flag path
+    (forced), between every other call on the same groups."""
     names = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool",
              "complex64"]
-    cluster = _cluster(n)
+    cluster = _cluster(n, TENSORWIRE_CUDA_DEVICE_FLAGS=flags)
     try:
         _none_wrong(cluster.run(every_collective, names, False, timeout=240))
         if n in (2, 3):  # both device-to-device paths: past the slot, reading buffers in place
