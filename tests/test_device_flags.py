@@ -8,11 +8,14 @@ GPU. The interpreter has no clock: a kernel's limit counts spins there.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,11 +30,14 @@ _INTS = ("int32", "int64", "int8", "uint8")
 _OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 
 
-def _connect(g):
-    """The device-flag path of group `g`, its areas in files of /dev/shm that every rank maps."""
+@contextlib.contextmanager
+def _flag_path() -> Iterator[tuple[Any, Any]]:
+    """A fresh group of the world and its device-flag path, whose areas are files of /dev/shm
+    that every rank maps; the group is destroyed after."""
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel's module is first imported here
     from tensorwire.gpu.device_flags import DeviceFlags, area_bytes
 
+    g = tw.new_group()
     size = area_bytes(g.runtime.config.cuda_slot)
     token = np.array([random.getrandbits(62) if g.rank == 0 else 0], dtype=np.int64)
     g.broadcast(token, 0)
@@ -45,7 +51,19 @@ def _connect(g):
             views.append(np.frombuffer(mmap.mmap(f.fileno(), size), dtype=np.uint8))
     g.barrier()
     os.unlink(path.format(g.rank))
-    return DeviceFlags(g, [v.ctypes.data for v in views], "cpu"), views
+    try:
+        yield g, DeviceFlags(g, [v.ctypes.data for v in views], "cpu")
+    finally:
+        g.destroy()
+
+
+def _raised(call: Callable[[], Any], error: type[BaseException] = tw.TensorwireError) -> str:
+    """What `call` raised (an `error`), or 'no error'."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    return "no error"
 
 
 def _inputs(case: tuple, rank: int, size: int) -> list:
@@ -83,10 +101,8 @@ def _bits(t):
 
 
 def _all_cases(cases: list[tuple]) -> list[str]:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    wrong = []
-    try:
+    with _flag_path() as (g, flags):
+        wrong = []
         for case in cases:
             dtype, op, count, seed, in_place = case
             xs = _inputs(case, g.rank, g.size)
@@ -105,9 +121,6 @@ def _all_cases(cases: list[tuple]) -> list[str]:
                     and torch.equal(_bits(y[~nan]), _bits(want[~nan]))):
                 wrong.append(f"rank {g.rank}: {case}: {y[:8].tolist()} != {want[:8].tolist()}")
         flags.check()
-    finally:
-        g.destroy()
-        del views
     return wrong
 
 
@@ -130,10 +143,8 @@ def test_device_flag_all_reduce_matches_the_reference(get_cluster, size):
 
 
 def _movements(cases: list[tuple]) -> list[str]:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    wrong = []
-    try:
+    with _flag_path() as (g, flags):
+        wrong = []
         for dtype, count, root, in_place in cases:
             gen = torch.Generator().manual_seed(count)
             xs = [torch.randint(0, 256, (count * getattr(torch, dtype).itemsize,), generator=gen,
@@ -153,9 +164,6 @@ def _movements(cases: list[tuple]) -> list[str]:
             if not torch.equal(out.view(torch.uint8), torch.cat(xs).view(torch.uint8)):
                 wrong.append(f"rank {g.rank}: all_gather {dtype} x{count}")
         flags.check()
-    finally:
-        g.destroy()
-        del views
     return wrong
 
 
@@ -174,11 +182,9 @@ def test_device_flag_broadcast_and_all_gather_move_every_byte(get_cluster, size)
 
 
 def _runs_ahead(calls: int) -> list[str]:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    rng = random.Random(g.rank)
-    wrong = []
-    try:
+    with _flag_path() as (g, flags):
+        rng = random.Random(g.rank)
+        wrong = []
         for k in range(calls):
             if g.rank == k % g.size or rng.random() < 0.2:
                 time.sleep(0.05)  # the others run ahead: they finish this call while it still reads
@@ -189,9 +195,6 @@ def _runs_ahead(calls: int) -> list[str]:
             if not torch.equal(x, want):
                 wrong.append(f"rank {g.rank} call {k}: {x.tolist()} != {want.tolist()}")
         flags.check()
-    finally:
-        g.destroy()
-        del views
     return wrong
 
 
@@ -204,23 +207,14 @@ def test_calls_reuse_their_slots_while_a_rank_runs_ahead(get_cluster):
 
 
 def _mismatch(counts: list[int], ops: list[str]) -> str:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    try:
+    with _flag_path() as (g, flags):
         x = torch.ones(counts[g.rank], dtype=torch.float32)
         if ops[g.rank] == "broadcast":
             flags.broadcast(x, x, 0)
         else:
             flags.all_reduce(x, x, tw.ReduceOp[ops[g.rank]])
         assert torch.equal(x, torch.ones_like(x)), "the output was touched"
-        try:
-            flags.check()
-        except tw.CollectiveMismatchError as exc:
-            return str(exc)
-        return "no error"
-    finally:
-        g.destroy()
-        del views
+        return _raised(flags.check, tw.CollectiveMismatchError)
 
 
 @pytest.mark.timeout(300)
@@ -242,9 +236,7 @@ def test_a_mismatched_call_is_an_error_on_every_rank(get_cluster, what):
 
 
 def _timeout() -> str:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    try:
+    with _flag_path() as (g, flags):
         if g.rank == 0:
             x = torch.ones(10, dtype=torch.float64)
             started = time.perf_counter()
@@ -252,25 +244,9 @@ def _timeout() -> str:
             waited = time.perf_counter() - started
             assert waited < 30, f"the kernel waited {waited:.1f} s"
             assert torch.equal(x, torch.ones_like(x)), "the output was touched"
-            try:
-                flags.check()
-            except tw.TimeoutError as exc:
-                return str(exc)
-            return "no error"
-        try:
-            g.barrier()  # rank 1 never makes the call: rank 0's abort reaches it here
-        except tw.TensorwireError as exc:
-            seen = str(exc)
-        else:
-            return "no abort"
-        try:
-            flags.check()  # the abort stopped this rank's path too
-        except tw.TensorwireError as exc:
-            return f"{seen} | {exc}"
-        return "path still open"
-    finally:
-        g.destroy()
-        del views
+            return _raised(flags.check, tw.TimeoutError)
+        seen = _raised(g.barrier)  # rank 1 never makes the call: rank 0's abort reaches it here
+        return f"{seen} | {_raised(flags.check)}"  # the abort stopped this rank's path too
 
 
 @pytest.mark.timeout(300)
@@ -285,9 +261,7 @@ def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(get_cluster):
 
 
 def _alarm() -> str:
-    g = tw.new_group()
-    flags, views = _connect(g)
-    try:
+    with _flag_path() as (g, flags):
         if g.rank == 1:
             time.sleep(0.5)
             g.abort(tw.AbortedError("rank 1 gave up"))
@@ -297,21 +271,11 @@ def _alarm() -> str:
         started = time.perf_counter()
         kernel.start()
         time.sleep(1.0)
-        try:
-            g.barrier()  # the host reads the abort, which tells the waiting kernel to stop
-        except tw.TensorwireError:
-            pass
+        _raised(g.barrier)  # the host reads the abort, which tells the waiting kernel to stop
         kernel.join(60)
         waited = time.perf_counter() - started
         assert not kernel.is_alive() and waited < 30, f"the kernel still waits after {waited:.1f} s"
-        try:
-            flags.check()
-        except tw.TensorwireError as exc:
-            return str(exc)
-        return "no error"
-    finally:
-        g.destroy()
-        del views
+        return _raised(flags.check)
 
 
 @pytest.mark.timeout(300)
