@@ -20,11 +20,17 @@
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
 # CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
 # and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
-# Logs go to $OUT (or ./gpu-check-out); a short table is printed last.
+# BUDGET_S (seconds, 0 = none) bounds the whole run: each step's timeout is cut to what is left,
+# and a step that would start with under a minute left is skipped. The compiled module is built
+# first where this Python has none (setup.py, else the compiler directly); one built elsewhere for
+# the same Python can be carried in src/tensorwire/transport/.
+# Logs go to $OUT/logs (or ./gpu-check-out/logs), packed into $OUT/gpu-check-logs.tgz at exit
+# beside summary.txt (the device tool brings back few files); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
-mkdir -p "$OUT"
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 PY=${PYTHON:-python3}
 steps=${*:-bench tests ddp}
@@ -32,8 +38,17 @@ TESTS_S=${TESTS_S:-420}  # bounds of each step, seconds
 BENCH_S=${BENCH_S:-300}
 CPU_S=${CPU_S:-120}  # each CPU sweep: ~30-50 s on 16 cores
 PER_TEST_S=${PER_TEST_S:-300}
+BUDGET_S=${BUDGET_S:-0}
 summary=()
 note() { summary+=("$*"); echo "== $*"; }
+left() { echo $(( BUDGET_S > 0 ? BUDGET_S - SECONDS : 1000000 )); }
+cap() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }  # a timeout within the budget
+pack() {
+  printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
+  tar czf "$OUT/gpu-check-logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 
 mps_on() {  # a CUDA MPS control daemon of this script's own, for the steps that want one
   if ! command -v nvidia-cuda-mps-control > /dev/null; then note "no nvidia-cuda-mps-control: MPS skipped"; return 1; fi
@@ -46,137 +61,152 @@ mps_off() {
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
+native_built() { $PY -c 'import tensorwire.transport._native' 2> /dev/null; }
+if ! native_built; then  # the compiled module for this Python: setup.py, else the compiler directly
+  timeout 120 $PY setup.py -q build_ext --inplace > "$LOGS/native-build.log" 2>&1 || {
+    inc=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    ext=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    timeout 120 cc -O3 -DNDEBUG -fPIC -shared -I"$inc" src/tensorwire/transport/_native.c \
+      src/tensorwire/transport/_caller.c -o "src/tensorwire/transport/_native$ext" >> "$LOGS/native-build.log" 2>&1
+  }
+fi
+native_built && note "compiled module: loaded" || note "compiled module: MISSING, the CPU steps time the Python path"
+host=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]\+' | tr H h)
+host=${host:-gpu}host  # names the CPU sweep's tables, as docs/benchmarks/compare-n16-h200host.md
+
 (nvidia-smi; nproc; $PY -c 'import torch, numpy; print("torch", torch.__version__, "cuda",
- torch.version.cuda, "numpy", numpy.__version__); import triton; print("triton", triton.__version__)') 2>&1 | tee "$OUT/machine.txt"
+ torch.version.cuda, "numpy", numpy.__version__); import triton; print("triton", triton.__version__)') 2>&1 | tee "$LOGS/machine.txt"
 
 for step in $steps; do
+  if [ "$(left)" -lt 60 ]; then note "$step: skipped, the budget is spent"; continue; fi
   case $step in
   tests)
-    timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
-      > "$OUT/tests.log" 2>&1
-    note "tests: rc=$? $(tail -1 "$OUT/tests.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
+    timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+      > "$LOGS/tests.log" 2>&1
+    note "tests: rc=$? $(tail -1 "$LOGS/tests.log")"
+    grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20
     ;;
   bench)
     for sizes in "-b 8 -e 2M -f 64" "-b 64M -e 64M"; do
       TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT \
-      timeout "$BENCH_S" $PY -m tensorwire.tools.benchmarks.cuda all $sizes --np 2 --compare gloo,nccl \
-        >> "$OUT/bench-cuda-n2.txt" 2>&1
+      timeout "$(cap $BENCH_S)" $PY -m tensorwire.tools.benchmarks.cuda all $sizes --np 2 --compare gloo,nccl \
+        >> "$LOGS/bench-cuda-n2.txt" 2>&1
       note "bench n=2 $sizes (rc=$?)"
     done
-    grep -v "\[tensorwire " "$OUT/bench-cuda-n2.txt"; grep -m2 "on CUDA" "$OUT/bench-cuda-n2.txt"
-    TENSORWIRE_TRANSPORT=tcp timeout 120 $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
-      --np 2 --compare gloo > "$OUT/bench-cuda-n2-tcp.txt" 2>&1
-    note "bench n=2 TCP-forced, staged (rc=$?):"; cat "$OUT/bench-cuda-n2-tcp.txt"
+    grep -v "\[tensorwire " "$LOGS/bench-cuda-n2.txt"; grep -m2 "on CUDA" "$LOGS/bench-cuda-n2.txt"
+    TENSORWIRE_TRANSPORT=tcp timeout "$(cap 120)" $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 1M -e 64M -f 64 \
+      --np 2 --compare gloo > "$LOGS/bench-cuda-n2-tcp.txt" 2>&1
+    note "bench n=2 TCP-forced, staged (rc=$?):"; cat "$LOGS/bench-cuda-n2-tcp.txt"
     ;;
   ddp)
     for backend in tensorwire gloo; do
-      timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29517 examples/ddp_train.py \
-        --device cuda --backend "$backend" --steps 40 --hidden 2048 > "$OUT/ddp-$backend.txt" 2>&1
-      note "ddp $backend (rc=$?): $(grep -E 'ms a step' "$OUT/ddp-$backend.txt")"
+      timeout "$(cap 120)" $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29517 examples/ddp_train.py \
+        --device cuda --backend "$backend" --steps 40 --hidden 2048 > "$LOGS/ddp-$backend.txt" 2>&1
+      note "ddp $backend (rc=$?): $(grep -E 'ms a step' "$LOGS/ddp-$backend.txt")"
     done
     ;;
   p2p)
-    timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
-      -k "point_to_point or device-send or capture" > "$OUT/p2p-tests.log" 2>&1
-    note "p2p tests: rc=$? $(tail -1 "$OUT/p2p-tests.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/p2p-tests.log" | head -20
+    timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+      -k "point_to_point or device-send or capture" > "$LOGS/p2p-tests.log" 2>&1
+    note "p2p tests: rc=$? $(tail -1 "$LOGS/p2p-tests.log")"
+    grep -E "^(FAILED|ERROR)" "$LOGS/p2p-tests.log" | head -20
     for ipc in 1 0; do
-      TENSORWIRE_CUDA_IPC=$ipc timeout "$BENCH_S" $PY -m tensorwire.tools.benchmarks.cuda pingpong -b 8 -e 64M -f 8 \
-        --np 2 --compare nccl > "$OUT/bench-pingpong-ipc$ipc.txt" 2>&1
-      note "pingpong TENSORWIRE_CUDA_IPC=$ipc (rc=$?):"; grep -v "\[tensorwire " "$OUT/bench-pingpong-ipc$ipc.txt"
-      TENSORWIRE_CUDA_IPC=$ipc timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29519 \
+      TENSORWIRE_CUDA_IPC=$ipc timeout "$(cap $BENCH_S)" $PY -m tensorwire.tools.benchmarks.cuda pingpong -b 8 -e 64M -f 8 \
+        --np 2 --compare nccl > "$LOGS/bench-pingpong-ipc$ipc.txt" 2>&1
+      note "pingpong TENSORWIRE_CUDA_IPC=$ipc (rc=$?):"; grep -v "\[tensorwire " "$LOGS/bench-pingpong-ipc$ipc.txt"
+      TENSORWIRE_CUDA_IPC=$ipc timeout "$(cap 120)" $PY -m torch.distributed.run --nproc-per-node 2 --master-port 29519 \
         examples/pipeline_train.py --backend tensorwire --steps 40 --device cuda --hidden 2048 \
-        > "$OUT/pipeline-ipc$ipc.txt" 2>&1
-      note "pipeline 2 stages on the GPU, TENSORWIRE_CUDA_IPC=$ipc (rc=$?): $(grep -E 'ms a step' "$OUT/pipeline-ipc$ipc.txt")"
+        > "$LOGS/pipeline-ipc$ipc.txt" 2>&1
+      note "pipeline 2 stages on the GPU, TENSORWIRE_CUDA_IPC=$ipc (rc=$?): $(grep -E 'ms a step' "$LOGS/pipeline-ipc$ipc.txt")"
     done
     ;;
   pipeline)
     for run in "tensorwire 2 --device cuda --hidden 2048" "tensorwire 4" "gloo 4"; do
       set -- $run
-      timeout 120 $PY -m torch.distributed.run --nproc-per-node "$2" --master-port 29518 examples/pipeline_train.py \
-        --backend "$1" --steps 40 "${@:3}" > "$OUT/pipeline-$1-$2.txt" 2>&1
-      note "pipeline $run (rc=$?): $(grep -E 'ms a step' "$OUT/pipeline-$1-$2.txt")"
+      timeout "$(cap 120)" $PY -m torch.distributed.run --nproc-per-node "$2" --master-port 29518 examples/pipeline_train.py \
+        --backend "$1" --steps 40 "${@:3}" > "$LOGS/pipeline-$1-$2.txt" 2>&1
+      note "pipeline $run (rc=$?): $(grep -E 'ms a step' "$LOGS/pipeline-$1-$2.txt")"
     done
     ;;
   mps)
     mps_on || continue
     for size in 8 64M; do
-      timeout 60 $PY -m tensorwire.tools.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
-        >> "$OUT/bench-cuda-n2-mps.txt" 2>&1
+      timeout "$(cap 60)" $PY -m tensorwire.tools.benchmarks.cuda all -b $size -e $size --np 2 --compare gloo \
+        >> "$LOGS/bench-cuda-n2-mps.txt" 2>&1
       note "bench n=2 under MPS, $size (rc=$?)"
     done
     mps_off
-    grep -v "\[tensorwire " "$OUT/bench-cuda-n2-mps.txt"
+    grep -v "\[tensorwire " "$LOGS/bench-cuda-n2-mps.txt"
     ;;
   flags)
     flag_tests() {  # $1: the log's name
-      timeout "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_device_flags.py \
-        tests/test_gpu.py -k "device_flags or device-flags or flag or cuda_graph" > "$OUT/$1.log" 2>&1
-      note "$1: rc=$? $(tail -1 "$OUT/$1.log")"
-      grep -E "^(FAILED|ERROR)" "$OUT/$1.log" | head -20
+      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_device_flags.py \
+        tests/test_gpu.py -k "device_flags or device-flags or flag or cuda_graph" > "$LOGS/$1.log" 2>&1
+      note "$1: rc=$? $(tail -1 "$LOGS/$1.log")"
+      grep -E "^(FAILED|ERROR)" "$LOGS/$1.log" | head -20
     }
     flag_tests flags-tests
     mps_on || continue
     flag_tests flags-tests-mps
     for flags in 1 0; do
-      TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$BENCH_S" \
+      TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$(cap $BENCH_S)" \
         $PY -m tensorwire.tools.benchmarks.cuda all_reduce broadcast all_gather -b 8 -e 1M -f 16 --np 2 \
-        --compare gloo $([ $flags = 1 ] && echo --graph) > "$OUT/bench-flags$flags-mps.txt" 2>&1
-      note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small calls: [a-z ]*' "$OUT/bench-flags$flags-mps.txt")"
-      grep -v "\[tensorwire " "$OUT/bench-flags$flags-mps.txt"
+        --compare gloo $([ $flags = 1 ] && echo --graph) > "$LOGS/bench-flags$flags-mps.txt" 2>&1
+      note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small calls: [a-z ]*' "$LOGS/bench-flags$flags-mps.txt")"
+      grep -v "\[tensorwire " "$LOGS/bench-flags$flags-mps.txt"
     done
     mps_off
     ;;
   profile)
     if ! command -v py-spy > /dev/null; then note "profile: no py-spy"; continue; fi
     for how in oncpu idle; do
-      timeout 60 py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$OUT/spy-8B-$how.txt" \
+      timeout "$(cap 60)" py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$LOGS/spy-8B-$how.txt" \
         $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 8 -n 30000 \
-        --np 2 --compare '' > "$OUT/spy-8B-$how.log" 2>&1
-      note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$OUT/spy-8B-$how.txt" 2>/dev/null) stacks"
+        --np 2 --compare '' > "$LOGS/spy-8B-$how.log" 2>&1
+      note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$LOGS/spy-8B-$how.txt" 2>/dev/null) stacks"
     done
     ;;
   tcpprof)
     (lscpu | head -20; for f in /proc/sys/net/ipv4/tcp_rmem /proc/sys/net/ipv4/tcp_wmem /proc/sys/net/core/rmem_max \
       /proc/sys/net/core/wmem_max /proc/sys/net/ipv4/tcp_congestion_control /sys/class/net/lo/mtu; do
-      echo "$f: $(cat "$f" 2>/dev/null)"; done) > "$OUT/tcp-machine.txt" 2>&1
-    note "tcp settings: $(grep -E 'Model name|^CPU\(s\)' "$OUT/tcp-machine.txt" | tr -s ' ' | tr '\n' ';') $(grep -E 'rmem|wmem|mtu' "$OUT/tcp-machine.txt" | tr '\n' ';')"
+      echo "$f: $(cat "$f" 2>/dev/null)"; done) > "$LOGS/tcp-machine.txt" 2>&1
+    note "tcp settings: $(grep -E 'Model name|^CPU\(s\)' "$LOGS/tcp-machine.txt" | tr -s ' ' | tr '\n' ';') $(grep -E 'rmem|wmem|mtu' "$LOGS/tcp-machine.txt" | tr '\n' ';')"
     if ! command -v py-spy > /dev/null; then note "tcpprof: no py-spy"; continue; fi
-    timeout 90 py-spy record --subprocesses --nonblocking -r 200 -f raw -o "$OUT/spy-tcp64M.txt" -- \
-      $PY -m tensorwire.tools.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp -n 40 -w 3 > "$OUT/spy-tcp64M.log" 2>&1
-    note "profile tcp 64 MiB all_reduce (rc=$?): $(grep -E '^ +67108864' "$OUT/spy-tcp64M.log")"
+    timeout "$(cap 90)" py-spy record --subprocesses --nonblocking -r 200 -f raw -o "$LOGS/spy-tcp64M.txt" -- \
+      $PY -m tensorwire.tools.cli bench all_reduce -b 64M -e 64M -I --np 2 --tcp -n 40 -w 3 > "$LOGS/spy-tcp64M.log" 2>&1
+    note "profile tcp 64 MiB all_reduce (rc=$?): $(grep -E '^ +67108864' "$LOGS/spy-tcp64M.log")"
     ;;
   cpu)
     for n in 8 16; do
-      timeout "$CPU_S" $PY -m tensorwire.tools.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
-        --compare gloo,mpi --rounds $(( n == 8 ? 2 : 1 )) --json "$OUT/compare-n$n-h100host.json" \
-        --markdown "$OUT/compare-n$n-h100host.md" > "$OUT/bench-cpu-n$n.txt" 2>&1
-      note "cpu bench n=$n (rc=$?): $(grep -c geometric "$OUT/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
+      timeout "$(cap $CPU_S)" $PY -m tensorwire.tools.cli bench all -b 8 -e 16M -f 64 -n auto -w auto --np $n \
+        --compare gloo,mpi --rounds $(( n == 8 ? 2 : 1 )) --json "$LOGS/compare-n$n-$host.json" \
+        --markdown "$LOGS/compare-n$n-$host.md" > "$LOGS/bench-cpu-n$n.txt" 2>&1
+      note "cpu bench n=$n (rc=$?): $(grep -c geometric "$LOGS/bench-cpu-n$n.txt") collectives, see bench-cpu-n$n.txt"
     done
-    timeout "$CPU_S" $PY -m tensorwire.tools.cli bench reduce --algo all -b 32K -e 8M -f 16 -I --np 8 \
-      > "$OUT/bench-cpu-reduce-n8.txt" 2>&1
-    note "cpu reduce n=8, every algorithm (rc=$?): $(grep -o 'auto .*' "$OUT/bench-cpu-reduce-n8.txt" | tr '\n' ';')"
+    timeout "$(cap $CPU_S)" $PY -m tensorwire.tools.cli bench reduce --algo all -b 32K -e 8M -f 16 -I --np 8 \
+      > "$LOGS/bench-cpu-reduce-n8.txt" 2>&1
+    note "cpu reduce n=8, every algorithm (rc=$?): $(grep -o 'auto .*' "$LOGS/bench-cpu-reduce-n8.txt" | tr '\n' ';')"
     ;;
   tcp)
     tw="$PY -m tensorwire.tools.cli bench"
-    timeout 150 $tw sendrecv -b 64M -e 64M --np 2 --tcp --tcp-ceiling -n 10 -w 3 > "$OUT/bench-tcp-ceiling.txt" 2>&1
-    note "tcp ceiling (rc=$?):"; grep -E "^#   +[0-9]|of one raw socket" "$OUT/bench-tcp-ceiling.txt"
+    timeout "$(cap 150)" $tw sendrecv -b 64M -e 64M --np 2 --tcp --tcp-ceiling -n 10 -w 3 > "$LOGS/bench-tcp-ceiling.txt" 2>&1
+    note "tcp ceiling (rc=$?):"; grep -E "^#   +[0-9]|of one raw socket" "$LOGS/bench-tcp-ceiling.txt"
     for ns in 1 2 4; do
       for th in 0 auto 2 4 8; do
         for coll in "all_reduce -I" sendrecv; do
-          TENSORWIRE_NSOCKS=$ns TENSORWIRE_SOCKET_THREADS=$th timeout 60 $tw $coll -b 64M -e 64M --np 2 --tcp \
-            -n 10 -w 3 > "$OUT/tcp.tmp" 2>&1
-          note "tcp n=2 64 MiB $coll NSOCKS=$ns THREADS=$th (rc=$?): $(grep -E '^ +67108864' "$OUT/tcp.tmp")"
-          cat "$OUT/tcp.tmp" >> "$OUT/bench-tcp-n2-pumps.txt"
+          [ "$(left)" -lt 30 ] && break 3
+          TENSORWIRE_NSOCKS=$ns TENSORWIRE_SOCKET_THREADS=$th timeout "$(cap 60)" $tw $coll -b 64M -e 64M --np 2 --tcp \
+            -n 10 -w 3 > "$LOGS/tcp.tmp" 2>&1
+          note "tcp n=2 64 MiB $coll NSOCKS=$ns THREADS=$th (rc=$?): $(grep -E '^ +67108864' "$LOGS/tcp.tmp")"
+          cat "$LOGS/tcp.tmp" >> "$LOGS/bench-tcp-n2-pumps.txt"
         done
       done
     done
-    rm -f "$OUT/tcp.tmp"
+    rm -f "$LOGS/tcp.tmp"
     for np in 2 8; do
-      timeout 240 $tw all_reduce -b 64M -e 64M -I --np $np --tcp -n 5 -w 2 --rounds 2 --compare gloo \
-        > "$OUT/bench-tcp-n$np.txt" 2>&1
-      note "tcp n=$np 64 MiB against Gloo, default threads (rc=$?): $(grep -E '^ +67108864' "$OUT/bench-tcp-n$np.txt")"
+      timeout "$(cap 240)" $tw all_reduce -b 64M -e 64M -I --np $np --tcp -n 5 -w 2 --rounds 2 --compare gloo \
+        > "$LOGS/bench-tcp-n$np.txt" 2>&1
+      note "tcp n=$np 64 MiB against Gloo, default threads (rc=$?): $(grep -E '^ +67108864' "$LOGS/bench-tcp-n$np.txt")"
     done
     ;;
   esac
