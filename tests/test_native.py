@@ -334,7 +334,11 @@ def rank_frames(t: float, calls: int) -> dict:
         blocks[:] = [np.full(4, r + 10, np.float32) for r in range(n)]  # a gather wrote them
         one_shot = tuner.override(g, tuned.get(coll, coll), "direct") if coll != "sendrecv" else None
         with one_shot or contextlib.nullcontext():
-            for i in range(calls):
+            # sendrecv: both ranks in at once and more calls, since a receive that outwaits its
+            # spin (a peer descheduled on a crowded machine) finishes in Python
+            for i in range(calls * 5 if coll == "sendrecv" else calls):
+                if coll == "sendrecv":
+                    g.barrier()
                 frames[0] = 0
                 sys.setprofile(count)
                 run()
