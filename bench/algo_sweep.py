@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorwire.tools.benchmarks import algos as bench_algo
+from tensorwire.tools.benchmarks.loadmeter import busy_seconds, wait_quiet
 from tensorwire.tools.benchmarks.options import parse_size
 from tensorwire.tools.benchmarks.report import human
 from tensorwire.tools.benchmarks.sweep import size_list
@@ -118,12 +119,6 @@ def command(setting: str, coll: str, a: argparse.Namespace, band: tuple[int, int
 
 # -- the machine is shared: wait for quiet, measure what others used -------------------------
 
-def _busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq
-
-
 def _children_cpu() -> float:
     import resource
 
@@ -131,22 +126,10 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def wait_quiet(limit_s: float, threshold: float = 0.3) -> float:
-    """Wait (at most limit_s) until the machine's busy CPU stays under `threshold` cores for
-    three 1-second windows; returns the last window's busy cores."""
-    end, quiet, busy = time.monotonic() + limit_s, 0, 0.0
-    while quiet < 3 and time.monotonic() < end:
-        b0, t0 = _busy_seconds(), time.monotonic()
-        time.sleep(1.0)
-        busy = (_busy_seconds() - b0) / (time.monotonic() - t0)
-        quiet = quiet + 1 if busy < threshold else 0
-    return busy
-
-
 def run_launch(cmd: list[str], env: dict[str, str], timeout: float,
                log_path: Path) -> tuple[int, float, float]:
     """(exit code, wall seconds, foreign CPU cores on average while it ran)."""
-    b0, c0, t0 = _busy_seconds(), _children_cpu(), time.monotonic()
+    b0, c0, t0 = busy_seconds(), _children_cpu(), time.monotonic()
     with open(log_path, "w") as log:
         try:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
@@ -154,7 +137,7 @@ def run_launch(cmd: list[str], env: dict[str, str], timeout: float,
         except subprocess.TimeoutExpired:
             rc = 124
     wall = time.monotonic() - t0
-    foreign = max(0.0, (_busy_seconds() - b0) - (_children_cpu() - c0)) / wall
+    foreign = max(0.0, (busy_seconds() - b0) - (_children_cpu() - c0)) / wall
     return rc, wall, foreign
 
 

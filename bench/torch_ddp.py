@@ -16,19 +16,18 @@ of a shared machine hit both alike. Rows:
   all_reduce 8 B    dist.all_reduce of 2 float32, back to back (latency)
   all_reduce 64 MiB dist.all_reduce of 16M float32 (bandwidth)
 
-Timing (the anchors' method): warm-up, a barrier, then N ops each timed with perf_counter on
-every rank; an op's time is the max over ranks; a row's time is the median over its N ops.
-The table gives the median over rounds, and the median over rounds of the per-round ratio
-gloo / tensorwire (> 1: tensorwire is faster). With the anchors' sysmon.py available
-(../shared/anchors), every round first waits for a quiet machine and every row is measured
-again (up to --retries times) when other processes used more than 0.03 s + 5% of its wall
-time in CPU meanwhile; rows still contaminated are marked with a dagger.
+Timing: warm-up, a barrier, then N ops each timed with perf_counter on every rank; an op's
+time is the max over ranks; a row's time is the median over its N ops. The table gives the
+median over rounds, and the median over rounds of the per-round ratio gloo / tensorwire (> 1:
+tensorwire is faster). Every round first waits for a quiet machine (--quiet-wait), and every
+row is measured again (up to --retries times) when other processes used more than 0.03 s + 5%
+of its wall time in CPU meanwhile (tensorwire.tools.benchmarks.loadmeter, where /proc exists);
+rows still contaminated are marked with a dagger.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -38,8 +37,9 @@ from pathlib import Path
 
 from selflaunch import run_workers
 
+from tensorwire.tools.benchmarks import loadmeter
+
 REPO = Path(__file__).resolve().parent.parent
-ANCHORS = REPO.parent / "shared" / "anchors"
 ROWS = ("ddp", "compute", "ar8", "ar64m")
 LABELS = {"ddp": "DDP step", "compute": "compute only (no_sync)", "ar8": "all_reduce 8 B",
           "ar64m": "all_reduce 64 MiB"}
@@ -77,18 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ ranks
 
-def _load_sysmon():
-    """The anchors' sysmon/common modules (by path, nothing copied), or None."""
-    if not (ANCHORS / "sysmon.py").is_file():
-        return None
-    sys.path.insert(0, str(ANCHORS))
-    spec = importlib.util.spec_from_file_location("anchors_sysmon", ANCHORS / "sysmon.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -105,7 +93,6 @@ def worker(args: argparse.Namespace) -> None:
     groups = {"tensorwire": None, "gloo": gloo}
     pids = [None] * size
     dist.all_gather_object(pids, os.getpid(), group=control)
-    sysmon = _load_sysmon() if rank == 0 else None
 
     def make_model() -> nn.Module:
         torch.manual_seed(0)
@@ -158,9 +145,8 @@ def worker(args: argparse.Namespace) -> None:
     def measure(row: str, backend: str) -> dict:
         best = None
         for _attempt in range(args.retries + 1):
-            meter = None
-            if sysmon is not None:
-                meter = sysmon.ForeignMeter(rank_pids=pids)
+            meter = loadmeter.job_meter(pids) if rank == 0 else None
+            if meter is not None:
                 meter.start()
             dist.barrier(group=control)
             wall0 = time.perf_counter()
@@ -171,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
             if meter is not None:
                 foreign = meter.stop()
                 verdict[0] = foreign
-                verdict[1] = float(foreign > 0.03 + 0.05 * wall)
+                verdict[1] = float(loadmeter.contaminated(foreign, wall))
             dist.broadcast(verdict, src=0, group=control)
             result = {"median_s": statistics.median(times.tolist()), "foreign_cpu_s": verdict[0].item(),
                       "contaminated": bool(verdict[1].item())}
@@ -183,8 +169,9 @@ def worker(args: argparse.Namespace) -> None:
 
     results: dict[str, dict[str, list[dict]]] = {row: {"tensorwire": [], "gloo": []} for row in ROWS}
     for rnd in range(args.rounds):
-        if sysmon is not None and args.quiet_wait > 0:
-            sysmon.wait_quiet(timeout=args.quiet_wait, log=lambda m: print(m, flush=True))
+        if rank == 0 and args.quiet_wait > 0:
+            busy = loadmeter.wait_quiet(args.quiet_wait)
+            print(f"round {rnd + 1}: the machine's other load {busy:.2f} cores", flush=True)
         dist.barrier(group=control)
         order = ("tensorwire", "gloo") if rnd % 2 == 0 else ("gloo", "tensorwire")
         for row in ROWS:

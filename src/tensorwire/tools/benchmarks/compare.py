@@ -9,8 +9,7 @@ every library alike, and the tables give the median over rounds of each mean cal
     gloo        PY -m torch.distributed.run --nproc-per-node N ... -m tensorwire.tools.benchmarks.gloo_runner
     mpi         mpiexec --allow-run-as-root --oversubscribe -n N PY -m tensorwire.tools.benchmarks.mpi_runner
 
-PY is `--compare-python`, else this interpreter where it has the library, else
-/opt/anchors-venv/bin/python. The peers import this very tensorwire (through a PYTHONPATH
+PY is `--compare-python`, else this interpreter. The peers import this very tensorwire (through a PYTHONPATH
 folder holding nothing but a link to the package) for the shared sweep, inputs and checks.
 A library that cannot run here is skipped with the command that installs it.
 """
@@ -37,10 +36,9 @@ from .loadmeter import OWNER_ENV
 from .options import Options, planned_cells
 from .peer import placements_to_run
 
-FALLBACK_PYTHON = "/opt/anchors-venv/bin/python"
 LAUNCH_TIMEOUT_S = 3600.0
 INSTALL = {
-    "torch": "pip install torch==2.13.0",
+    "torch": "pip install 'tensorwire[torch]'",
     "mpiexec": "apt-get install -y openmpi-bin libopenmpi-dev",
     "mpi4py": "pip install mpi4py",
 }
@@ -67,10 +65,7 @@ def _has_modules(python: str, modules: list[str]) -> bool:
 
 def find_peers(names: list[str], explicit: str | None) -> tuple[dict[str, str], list[str]]:
     """({library: python that runs it}, messages about the libraries skipped and why)."""
-    if explicit:
-        candidates = [explicit]
-    else:
-        candidates = [sys.executable] + ([FALLBACK_PYTHON] if os.path.exists(FALLBACK_PYTHON) else [])
+    python = explicit or sys.executable
     found, notes = {}, []
     for name in names:
         module = "torch" if name == "gloo" else "mpi4py"
@@ -78,11 +73,10 @@ def find_peers(names: list[str], explicit: str | None) -> tuple[dict[str, str], 
             notes.append("tensorwire bench: --compare mpi skipped: mpiexec not found on PATH. Install Open "
                          f"MPI with `{INSTALL['mpiexec']}`, then `{INSTALL['mpi4py']}`.")
             continue
-        python = next((py for py in candidates if _has_modules(py, ["numpy", module])), None)
-        if python is None:
+        if not _has_modules(python, ["numpy", module]):
             hint = INSTALL[module] + (f" (Open MPI first: {INSTALL['mpiexec']})" if name == "mpi" else "")
             notes.append(f"tensorwire bench: --compare {name} skipped: no Python with {module} and numpy "
-                         f"(tried {', '.join(candidates)}). Install it with `{hint}`, or pass "
+                         f"(tried {python}). Install it with `{hint}`, or pass "
                          "--compare-python PATH.")
             continue
         found[name] = python

@@ -7,13 +7,13 @@ shell, pytest) and not the descendants of the job's owner (the launcher, or the 
 `--compare` started the launches from, named by TENSORWIRE_BENCH_OWNER). Kernel threads are
 left out, and so is a process that only became foreign during the loop (a child of ours that
 was orphaned): its earlier CPU time is not the loop's. A cell is contaminated when the foreign
-CPU time exceeds 30 ms plus 5% of the timed wall time (the anchors' threshold). Resolution:
-one clock tick per process.
+CPU time exceeds 30 ms plus 5% of the timed wall time. Resolution: one clock tick per process.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 OWNER_ENV = "TENSORWIRE_BENCH_OWNER"
@@ -22,6 +22,25 @@ _KTHREADD = 2
 
 def contaminated(foreign_s: float, wall_s: float) -> bool:
     return foreign_s > 0.03 + 0.05 * wall_s
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.3) -> float:
+    """Wait (at most limit_s) until the machine's busy CPU stays under `threshold` cores for
+    three 1-second windows; returns the last window's busy cores."""
+    end, quiet, busy = time.monotonic() + limit_s, 0, 0.0
+    while quiet < 3 and time.monotonic() < end:
+        b0, t0 = busy_seconds(), time.monotonic()
+        time.sleep(1.0)
+        busy = (busy_seconds() - b0) / (time.monotonic() - t0)
+        quiet = quiet + 1 if busy < threshold else 0
+    return busy
 
 
 def _stat(pid: int) -> tuple[int, int, int] | None:

@@ -42,7 +42,7 @@ collective: per size the median over rounds of each library's mean call (us) and
 tw/gloo and tw/mpi (tensorwire time / other time: < 1 means tensorwire is faster). A row uses
 the rounds in which none of its cells saw foreign CPU load (other processes on the machine); a
 dagger marks the cells measured under it anyway, when every round saw some.
-Peers need torch (pip install torch==2.13.0), mpi4py (pip install mpi4py) and mpiexec
+Peers need torch (pip install 'tensorwire[torch]'), mpi4py (pip install mpi4py) and mpiexec
 (apt-get install -y openmpi-bin libopenmpi-dev); a missing one is skipped with that hint.
 Plots need matplotlib and the progress bar uses rich: pip install 'tensorwire[bench]'.
 
