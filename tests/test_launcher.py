@@ -7,6 +7,7 @@ bounded shutdown, signals).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -310,6 +311,24 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert "not found" in capsys.readouterr().err
     assert cli.main(["version"]) == 0
     assert capsys.readouterr().out.startswith("tensorwire ")
+    assert cli.main(["version", "--al"]) == 2
+    assert "unknown argument '--al'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_version_all_reports_the_installation_and_hides_the_secret() -> None:
+    env = {**os.environ, "TENSORWIRE_SECRET": "s3cr3t-value", "TENSORWIRE_NSOCKS": "2"}
+    p = subprocess.run([sys.executable, "-m", "tensorwire", "version", "--all"], capture_output=True,
+                       text=True, timeout=50, env=env)
+    assert p.returncode == 0, p.stderr
+    rows = {line[:16].strip(): line[16:].strip() for line in p.stdout.splitlines()[1:]}
+    native = importlib.util.find_spec("tensorwire.transport._native") is not None
+    assert rows["compiled module"].startswith("built, used" if native else "not built"), rows
+    has_torch = importlib.util.find_spec("torch") is not None
+    assert rows["torch"].startswith("not installed") != has_torch and ("CUDA" in rows) == has_torch
+    assert "GiB free of" in rows["/dev/shm"] and "soft limit" in rows["open files"]
+    assert "TENSORWIRE_NSOCKS=2" in rows["settings"] and "TENSORWIRE_SECRET=(hidden)" in rows["settings"]
+    assert "s3cr3t" not in p.stdout + p.stderr
 
 
 @pytest.mark.timeout(30)

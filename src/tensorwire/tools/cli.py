@@ -49,8 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "(see tensorwire topo --help)",
     ),
     "version": (
-        "print the versions of tensorwire, Python and numpy",
-        "Example: tensorwire version",
+        "print the versions of tensorwire, Python and numpy (--all: what this installation can do)",
+        "With --all also the compiled module, torch, CUDA and the device-flag path, ml_dtypes, mpi4py, "
+        "/dev/shm, the open-files limit and the TENSORWIRE_* settings in force: the lines a bug report "
+        "needs. Example: tensorwire version --all",
     ),
 }
 
@@ -142,9 +144,18 @@ def _topo(argv: list[str]) -> int:
 
 def _version(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: tensorwire version\n\nPrint the versions of tensorwire, Python and numpy.")
+        print("usage: tensorwire version [--all]\n\nPrint the versions of tensorwire, Python and numpy; "
+              "with --all also what this installation can do\n(compiled module, torch, CUDA, device flags, "
+              "ml_dtypes, mpi4py, /dev/shm, open files, TENSORWIRE_* settings).")
         return 0
+    if argv and argv != ["--all"]:
+        print(f"tensorwire version: unknown argument {argv[0]!r} (expected --all)", file=sys.stderr)
+        return 2
     print(version_text())
+    if argv:
+        from . import about
+
+        print(about.report())
     return 0
 
 
