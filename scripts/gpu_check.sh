@@ -7,7 +7,7 @@
 # tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); p2p: the point-to-point
 # tests of tests/test_gpu.py, then ping-pong device to device and staged (TENSORWIRE_CUDA_IPC=0),
 # 8 B to 64 MiB, and the pipeline example on the GPU both ways; flags: the device-flag tests (forced
-# without MPS, then chosen by auto under MPS) and 8 B to 1 MiB all_reduces under MPS with the device
+# without MPS unless `tests` ran first, then chosen by auto under MPS) and 8 B to 1 MiB all_reduces under MPS with the device
 # flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0; with them, also replayed from a CUDA graph),
 # broadcast and all_gather too, Gloo beside; ddp: examples/ddp_train.py
 # on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
@@ -84,6 +84,7 @@ for step in $steps; do
     timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
       > "$LOGS/tests.log" 2>&1
     note "tests: rc=$? $(tail -1 "$LOGS/tests.log")"
+    gpu_tests_ran=1  # the p2p and flags steps then skip their plain test runs
     grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20
     ;;
   bench)
@@ -106,10 +107,12 @@ for step in $steps; do
     done
     ;;
   p2p)
-    timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
-      -k "point_to_point or device-send or capture" > "$LOGS/p2p-tests.log" 2>&1
-    note "p2p tests: rc=$? $(tail -1 "$LOGS/p2p-tests.log")"
-    grep -E "^(FAILED|ERROR)" "$LOGS/p2p-tests.log" | head -20
+    if [ -z "${gpu_tests_ran:-}" ]; then
+      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+        -k "point_to_point or device-send or capture" > "$LOGS/p2p-tests.log" 2>&1
+      note "p2p tests: rc=$? $(tail -1 "$LOGS/p2p-tests.log")"
+      grep -E "^(FAILED|ERROR)" "$LOGS/p2p-tests.log" | head -20
+    fi
     for ipc in 1 0; do
       TENSORWIRE_CUDA_IPC=$ipc timeout "$(cap $BENCH_S)" $PY -m tensorwire.tools.benchmarks.cuda pingpong -b 8 -e 64M -f 8 \
         --np 2 --compare nccl > "$LOGS/bench-pingpong-ipc$ipc.txt" 2>&1
@@ -139,13 +142,13 @@ for step in $steps; do
     grep -v "\[tensorwire " "$LOGS/bench-cuda-n2-mps.txt"
     ;;
   flags)
-    flag_tests() {  # $1: the log's name
-      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_device_flags.py \
+    flag_tests() {  # $1: the log's name (tests/test_device_flags.py is Triton's CPU interpreter: not here)
+      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" \
         tests/test_gpu.py -k "device_flags or device-flags or flag or cuda_graph" > "$LOGS/$1.log" 2>&1
       note "$1: rc=$? $(tail -1 "$LOGS/$1.log")"
       grep -E "^(FAILED|ERROR)" "$LOGS/$1.log" | head -20
     }
-    flag_tests flags-tests
+    [ -z "${gpu_tests_ran:-}" ] && flag_tests flags-tests
     mps_on || continue
     flag_tests flags-tests-mps
     for flags in 1 0; do
