@@ -260,12 +260,16 @@ def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(get_cluster):
     assert all("group rank 1 did not make the call" in text for text in (seen, later)), second
 
 
-def _alarm() -> str:
+def _alarm(how: str) -> str:
     with _flag_path() as (g, flags):
         if g.rank == 1:
             time.sleep(0.5)
-            g.abort(tw.AbortedError("rank 1 gave up"))
-            return "aborted"
+            if how == "abort":
+                g.abort(tw.AbortedError("rank 1 gave up"))
+                return "aborted"
+            x = torch.ones(10, dtype=torch.float32)  # a launch that fails: a type no kernel accumulates in
+            return _raised(lambda: flags._launch(flags.kernel.ALL_REDUCE, x, x, x.dtype, tw.ReduceOp.SUM, 0,
+                                                 (0, "no such type"), None), Exception)
         x = torch.ones(10, dtype=torch.float32)
         kernel = threading.Thread(target=flags.all_reduce, args=(x, x, tw.ReduceOp.SUM, 600.0))
         started = time.perf_counter()
@@ -279,8 +283,13 @@ def _alarm() -> str:
 
 
 @pytest.mark.timeout(300)
-def test_an_abort_stops_a_kernel_waiting_for_a_peer(get_cluster):
-    """A kernel waiting (limit 600 s) for a rank that aborts the group instead: once the host
-    reads the abort, the kernel stops, and the path raises the group's error."""
-    first, second = get_cluster(2, "shm").run(_alarm, timeout=250)
-    assert "rank 1 gave up" in first and second == "aborted", (first, second)
+@pytest.mark.parametrize("how", ["abort", "launch"])
+def test_an_abort_stops_a_kernel_waiting_for_a_peer(get_cluster, how):
+    """A kernel waiting (limit 600 s) for a rank that aborts the group instead, or whose own
+    launch fails (the launch aborts the group): once the host reads the abort, the kernel
+    stops, and the path raises the group's error."""
+    first, second = get_cluster(2, "shm").run(_alarm, how, timeout=250)
+    if how == "abort":
+        assert "rank 1 gave up" in first and second == "aborted", (first, second)
+    else:
+        assert second != "no error" and second.splitlines()[0][:60] in first, (first, second)

@@ -236,6 +236,8 @@ def every_collective(dtype_names: list[str], large: bool) -> list[str]:
             want = torch.cat([b[r * count:(r + 1) * count] for b in big])
             if not torch.equal(got.cpu(), want):
                 wrong.append(f"rank {r}: all_to_all_single {name} x{count}")
+    if os.environ.get("TENSORWIRE_CUDA_DEVICE_FLAGS") == "1" and n > 1 and world.device.flags is None:
+        wrong.append(f"rank {r}: the device-flag path was forced but not taken (see the init log)")
     return wrong
 
 
@@ -600,6 +602,7 @@ def device_flags_lose_a_rank() -> float:
     dev = _device(world.rank)
     x = torch.ones(8, device=dev)
     tw.all_reduce(x)
+    assert world.device.flags is not None, f"rank {world.rank}: no device flags (see the init log)"
     world.barrier()
     if world.rank == 1:
         os._exit(3)

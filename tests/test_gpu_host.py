@@ -123,3 +123,17 @@ def test_a_cuda_buffer_without_cuda_is_an_error_on_every_rank(get_cluster) -> No
         pytest.skip("this machine has CUDA: tests/test_gpu.py covers it")
     for rank, text in enumerate(get_cluster(2).run(device_buffer_without_cuda)):
         assert "InvalidArgumentError" in text and "cannot be viewed as a CUDA tensor" in text, (rank, text)
+
+
+@pytest.mark.parametrize("setting, error", [("1000", "TENSORWIRE_CUDA_SLOT=1000: expected a multiple of 256"),
+                                            ("32K", None), ("0", None)])
+def test_the_cuda_slot_keeps_every_dtype_aligned(monkeypatch: pytest.MonkeyPatch, setting: str,
+                                                 error: str | None) -> None:
+    from tensorwire.config import Config
+
+    monkeypatch.setenv("TENSORWIRE_CUDA_SLOT", setting)
+    if error is None:
+        assert Config.from_env().cuda_slot % 256 == 0
+    else:
+        with pytest.raises(ValueError, match=error):
+            Config.from_env()

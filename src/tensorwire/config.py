@@ -350,6 +350,9 @@ class Config:
         if cfg.cuda_device_flags not in ("auto", "0", "1"):
             raise ValueError(f"TENSORWIRE_CUDA_DEVICE_FLAGS={cfg.cuda_device_flags!r}: expected auto (a GPU "
                              f"per rank or MPS), 1 (wherever Triton imports) or 0 (never)")
+        if cfg.cuda_slot % 256:  # slots and the flag words behind them stay aligned for every dtype
+            raise ValueError(f"TENSORWIRE_CUDA_SLOT={cfg.cuda_slot}: expected a multiple of 256 bytes "
+                             f"(0 turns the slots off)")
         if cfg.cuda_chunk < 64 << 10:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if not 0 < cfg.auth_timeout < float("inf"):

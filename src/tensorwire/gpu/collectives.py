@@ -83,7 +83,7 @@ class DeviceCollectives:
         self.flags: DeviceFlags | None = None  # the device-flag path, where the group has it
         self.current_device: Any = None  # torch's current-device lookup, with the path
         self.raw_stream: Any = None  # torch's current-raw-stream lookup, with the path
-        self.flag_stream = 0  # the stream of this rank's last device-flag kernel
+        self.flag_stream: int | None = None  # the stream of this rank's last flag kernel (0: the default)
 
     # -- common -----------------------------------------------------------------------------
     def _tensor(self, obj: Any, what: str, name: str = "tensor") -> Any:
@@ -163,11 +163,11 @@ class DeviceCollectives:
     def all_reduce(self, tensor: Any, op: Any, out: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "all_reduce", self.group
         if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
-            flags = self.flags
-            if flags is not None and flags.takes(tensor.numel() * tensor.element_size(), tensor.dtype, op) \
-                    and tensor.is_contiguous() and not g.destroyed \
-                    and tensor.get_device() == self.state.device == self.current_device():  # type: ignore[union-attr]
-                self._in_order(self.state.device)  # type: ignore[union-attr]
+            flags, state, nbytes = self.flags, self.state, tensor.numel() * tensor.element_size()
+            if flags is not None and state is not None and nbytes >= state.host_below \
+                    and flags.takes(nbytes, tensor.dtype, op) and tensor.is_contiguous() and not g.destroyed \
+                    and tensor.get_device() == state.device == self.current_device():
+                self._in_order(state.device)
                 flags.all_reduce(tensor, tensor, op, timeout)  # on the current stream
                 return tensor
             plan = self.plans.get((tensor.dtype, tensor.shape, op))
@@ -269,7 +269,7 @@ class DeviceCollectives:
         stream = self.raw_stream(device)
         if stream != self.flag_stream:
             torch = torch_module()
-            if self.flag_stream and not torch.cuda.is_current_stream_capturing():
+            if self.flag_stream is not None and not torch.cuda.is_current_stream_capturing():
                 last = torch.cuda.Event()
                 last.record(torch.cuda.ExternalStream(self.flag_stream, device=device))
                 torch.cuda.current_stream(device).wait_event(last)

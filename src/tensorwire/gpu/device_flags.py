@@ -32,6 +32,7 @@ _NAMES = (*_TYPES, "bool", "int16", "uint16", "uint32", "uint64", "complex64", "
 _WIDE = {"float16": "float32", "bfloat16": "float32"}  # folded in float32, rounded once
 _BLOCK = 1024
 _INTERPRETED_SPIN_NS = 20_000  # Triton's CPU interpreter has no clock: a spin there takes about this
+_MAX_WAIT_NS = 1 << 62  # an infinite timeout, as the kernel's int64 takes it
 
 
 def available() -> str:
@@ -111,6 +112,8 @@ class DeviceFlags:
         engine, ctx = group.engine, group.ctx
         self.reason: Callable[[], BaseException | None] = lambda: engine.aborted.get(ctx, (0, None))[1]
         self.interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.capturing: Callable[[], bool] = (lambda: False) if self.interpreted else \
+            torch.cuda.is_current_stream_capturing
         self.error: BaseException | None = None
         self.lost: int | None = None  # the member whose loss stopped the path
         engine.alarms[ctx] = self.alarm
@@ -151,18 +154,23 @@ class DeviceFlags:
         the sockets (an abort, a lost rank), as other calls that never wait make."""
         engine = self.engine
         engine.until_glance -= 1
-        if engine.until_glance <= 0:
+        if engine.until_glance <= 0 and not self.capturing():  # a glance may synchronize (p2p arrivals)
             engine.glance()
         self.check()
         k, n, esize = self.kernel, x.numel(), x.element_size()
-        nbytes = n * esize
-        ns = int((self.timeout if timeout is None else timeout) * 1e9)
+        nbytes, chunk = n * esize, k.CHUNK_BYTES // esize
+        seconds = self.timeout if timeout is None else timeout
+        ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
         fp = fingerprint(mode, nbytes, dtype, aux)
-        k.one_shot[(-(-nbytes // k.CHUNK_BYTES),)](
-            x, y, self.table, n, self.rank, root, fp, limit, NRANKS=self.size, MODE=mode,
-            OP=fold[0], ACC=fold[1], CHUNK=k.CHUNK_BYTES // esize,
-            BLOCK=min(_BLOCK, k.CHUNK_BYTES // esize), SLOT=self.slot // esize, CLOCK=not self.interpreted)
+        try:
+            k.one_shot[(-(-nbytes // k.CHUNK_BYTES),)](
+                x, y, self.table, n, self.rank, root, fp, limit, NRANKS=self.size, MODE=mode,
+                OP=fold[0], ACC=fold[1], CHUNK=chunk, BLOCK=min(_BLOCK, chunk), SLOT=self.slot // esize,
+                CLOCK=not self.interpreted)
+        except BaseException as exc:  # a compile or launch error: the peers' kernels are already waiting
+            self.abort(exc)
+            raise
 
     def check(self) -> None:
         """Raise what ended an earlier call early (and abort the group with it, once)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import log
+from ..errors import TensorwireWarning
 from ..ops import ReduceOp
 from ..transport.wire import Fingerprint
 from ..tuning import tuner
@@ -168,6 +169,9 @@ class DeviceGroup:
         elif flags is not None:  # a peer could not
             g.engine.alarms.pop(g.ctx, None)
             no_flags = "a peer cannot run them"
+        if no_flags and cfg.cuda_device_flags == "1" and verdict[0]:
+            log.warn(f"group {g.name}: TENSORWIRE_CUDA_DEVICE_FLAGS=1, but small CUDA calls take the "
+                     f"host-flag path: {no_flags}", TensorwireWarning)
         self._describe(infos, why, no_flags)
 
     def _no_flags(self) -> str:

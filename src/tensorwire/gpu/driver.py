@@ -104,11 +104,12 @@ def on_device(device: int) -> Iterator[None]:
     if _current(lib) == ctx:
         yield
         return
-    _check(lib, lib.cuCtxPushCurrent(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
+    # the _v2 entry points, as cuda.h maps these names (the v1 ones refuse a context current elsewhere)
+    _check(lib, lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
     try:
         yield
     finally:
-        _check(lib, lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+        _check(lib, lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 
 
 def _current(lib: ctypes.CDLL) -> int:
