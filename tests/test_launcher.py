@@ -321,7 +321,7 @@ def test_version_all_reports_the_installation_and_hides_the_secret() -> None:
     p = subprocess.run([sys.executable, "-m", "tensorwire", "version", "--all"], capture_output=True,
                        text=True, timeout=50, env=env)
     assert p.returncode == 0, p.stderr
-    rows = {line[:16].strip(): line[16:].strip() for line in p.stdout.splitlines()[1:]}
+    rows = dict(map(str.strip, line.split("  ", 1)) for line in p.stdout.splitlines()[1:])  # name, text
     native = importlib.util.find_spec("tensorwire.transport._native") is not None
     assert rows["compiled module"].startswith("built, used" if native else "not built"), rows
     has_torch = importlib.util.find_spec("torch") is not None

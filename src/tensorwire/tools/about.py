@@ -1,7 +1,8 @@
 """`tensorwire version --all`: what this installation can do, in the lines a bug report needs.
 
-Nothing here starts a job or a CUDA context: each line is read from an import, a library's own
-query or the operating system, and says what is missing and what turns it on."""
+Nothing here starts a job: each line is read from an import, a library's own query (torch's
+device queries for the GPUs) or the operating system, and says what is missing and what turns
+it on."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ every library alike, and the tables give the median over rounds of each mean cal
     gloo        PY -m torch.distributed.run --nproc-per-node N ... -m tensorwire.tools.benchmarks.gloo_runner
     mpi         mpiexec --allow-run-as-root --oversubscribe -n N PY -m tensorwire.tools.benchmarks.mpi_runner
 
-PY is `--compare-python`, else this interpreter. The peers import this very tensorwire (through a PYTHONPATH
-folder holding nothing but a link to the package) for the shared sweep, inputs and checks.
+PY is `--compare-python`, else this interpreter. The peers import this very tensorwire
+(through a PYTHONPATH folder holding nothing but a link to the package) for the shared sweep,
+inputs and checks.
 A library that cannot run here is skipped with the command that installs it.
 """
 
