@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
+from cluster import Cluster, RankFailure
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
@@ -293,3 +294,34 @@ def test_an_abort_stops_a_kernel_waiting_for_a_peer(get_cluster, how):
         assert "rank 1 gave up" in first and second == "aborted", (first, second)
     else:
         assert second != "no error" and second.splitlines()[0][:60] in first, (first, second)
+
+
+def _lose_a_rank() -> str:
+    with _flag_path() as (g, flags):
+        if g.rank == 1:
+            time.sleep(1.0)  # rank 0's kernel waits for this rank meanwhile
+            os._exit(3)
+        x = torch.ones(10, dtype=torch.float32)
+        started = time.perf_counter()
+        flags.all_reduce(x, x, tw.ReduceOp.SUM, 600.0)  # the interpreter runs the kernel here: this
+        waited = time.perf_counter() - started            # thread is held as a synchronize holds it
+        try:
+            flags.check()
+        except tw.PeerLostError as exc:
+            assert waited < 30 and "rank 1" in str(exc), (waited, str(exc))
+            return str(exc)
+        raise AssertionError(f"no PeerLostError after {waited:.1f} s")
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_rank_stops_a_kernel_while_the_host_is_held():
+    """Rank 1 exits while rank 0's kernel waits for it (limit 600 s) and rank 0's thread makes
+    no call (held by the kernel, as by a synchronize or a full launch queue): the progress
+    thread sees the loss, the kernel stops, and the path raises PeerLostError."""
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "auto"})
+    try:
+        with pytest.raises(RankFailure) as failure:
+            cluster.run(_lose_a_rank, timeout=250)
+        assert list(failure.value.errors) == [1], failure.value.errors  # rank 0 returned
+    finally:
+        cluster.close()

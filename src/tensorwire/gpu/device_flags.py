@@ -151,15 +151,19 @@ class DeviceFlags:
                 timeout: float | None) -> None:
         """`aux`: the fingerprint's op (ReduceOp) or root; `fold`: the kernel's op and the
         type it accumulates in (all_reduce). No host round: every _GLANCE calls, one look at
-        the sockets (an abort, a lost rank), as other calls that never wait make."""
+        the sockets (an abort, a lost rank), as other calls that never wait make; and while
+        the kernel may wait, the progress thread looks too (Engine.watch_peers), for a graph's
+        replays as long as the process lives."""
         engine = self.engine
+        capturing = self.capturing()
         engine.until_glance -= 1
-        if engine.until_glance <= 0 and not self.capturing():  # a glance may synchronize (p2p arrivals)
+        if engine.until_glance <= 0 and not capturing:  # a glance may synchronize (p2p arrivals)
             engine.glance()
         self.check()
         k, n, esize = self.kernel, x.numel(), x.element_size()
         nbytes, chunk = n * esize, k.CHUNK_BYTES // esize
         seconds = self.timeout if timeout is None else timeout
+        engine.watch_peers(float("inf") if capturing else seconds)
         ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
         fp = fingerprint(mode, nbytes, dtype, aux)

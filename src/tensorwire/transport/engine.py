@@ -36,7 +36,7 @@ from .tcp import SPLIT_BYTES
 from .wire import Fingerprint, Header, Kind
 
 if TYPE_CHECKING:
-    from .requests import DeviceTarget
+    from .requests import DeviceSource, DeviceTarget
     from .wiring import Wiring
 
 _log = log.get("TRANSPORT")
@@ -54,6 +54,7 @@ _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long t
 _BG_LOOK_MAX_S = 0.04  # its longest pause between looks while waits keep coming
 _BG_PARK_S = 1.0  # it sleeps until woken once this long has passed without a pending request
 _BG_PRUNE = 256  # finished requests the set may hold before a registration drops them
+_WATCH_S = 0.1  # while peers are watched (watch_peers), the background thread looks this often
 _GLANCE = 64  # calls that never wait between two rounds of progress (glance)
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 
@@ -90,6 +91,8 @@ class Engine(Failures):
         self._bg_wakeup = threading.Condition(self.lock)
         self._background: set[Request] = set()
         self._bg_parked = False  # the background thread sleeps until a request wakes it
+        self._watch_until = 0.0  # the background thread looks at the peers until then (watch_peers)
+        self._next_look = 0.0
         self._waits = 0  # waits begun by any thread: while they keep coming, the thread looks less often
         self.until_glance = _GLANCE  # calls that never wait left before the next glance()
         self._foreground = 0  # threads inside wait(), each driving progress for everyone
@@ -192,7 +195,7 @@ class Engine(Failures):
                 self.peer_lost(peer, str(exc))
         return req
 
-    def isend_device(self, peer: int, header: Header, body: bytes, tensor: object, what: str,
+    def isend_device(self, peer: int, header: Header, body: bytes, source: DeviceSource, what: str,
                      seq: int = P2P_SEQ) -> SendRequest | None:
         """A CUDA buffer's send as its descriptor `body` (gpu/p2p.py) where shared memory joins
         this rank to `peer`: the receiver copies it device to device, then acknowledges
@@ -202,7 +205,7 @@ class Engine(Failures):
             if peer == self.rank or channel is None or channel.kind != "shm" or peer in self.lost:
                 return None
             req = SendRequest(peer, header, _EMPTY, what, seq=seq)
-            req.device_body, req.holds = body, tensor
+            req.device_body, req.holds = body, source
             if self.aborted and self.fail_if_unusable(req):
                 return req
             try:
@@ -576,19 +579,37 @@ class Engine(Failures):
             background.add(req)
             if len(background) > _BG_PRUNE:
                 self._background = {r for r in background if not r.done}
-            if self._bg is None:
-                self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress",
-                                            daemon=True)
-                self._bg.start()
-            elif self._bg_parked:
-                self._bg_wakeup.notify()
+            self._wake_background()
+
+    def watch_peers(self, seconds: float) -> None:
+        """Have the background thread look at the peers every _WATCH_S for at least `seconds`,
+        with no request pending: a kernel waiting for peers on the GPU (gpu/device_flags.py)
+        stops only when told (Failures.alarms), while this process may be blocked anywhere,
+        in a synchronize or a full launch queue. Cheap to call per launch: the lock is taken
+        only where the watch ends sooner."""
+        until = time.perf_counter() + seconds
+        if until <= self._watch_until:
+            return
+        with self.lock:
+            self._watch_until = until + _BG_PARK_S  # the next calls within a second skip the lock
+            if not self.closed:
+                self._wake_background()
+
+    def _wake_background(self) -> None:
+        """Start the background thread, or wake it from its long sleep (the lock held)."""
+        if self._bg is None:
+            self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress", daemon=True)
+            self._bg.start()
+        elif self._bg_parked:
+            self._bg_wakeup.notify()
 
     def _background_loop(self) -> None:
         """Drive progress for requests nobody has waited on for _BG_GRACE_S. Most isend/irecv
         are waited on at once, and the waiter drives everything itself: a thread woken for each
         of them would only take the GIL, and on a busy host a core, from the ranks. While waits
         keep coming it looks ever less often (up to _BG_LOOK_MAX_S): each look takes the GIL
-        from a spinning waiter (docs/design/waiting.md#the-background-thread)."""
+        from a spinning waiter (docs/design/waiting.md#the-background-thread). While the peers
+        are watched (watch_peers) it also looks at the sockets every _WATCH_S."""
         quiet_since = None  # when pending requests were first seen without a waiter
         stalled_since = None  # when its own progress last stopped moving anything
         period = _BG_GRACE_S
@@ -600,12 +621,19 @@ class Engine(Failures):
                 if self.closed:
                     return
                 now = time.perf_counter()
+                watching = now < self._watch_until
+                if watching and now >= self._next_look and not self._foreground:
+                    self._next_look = now + _WATCH_S  # (a waiter in the foreground looks itself)
+                    self.poll_peers()
                 busy = self._waits != seen or self._foreground
                 seen = self._waits
                 period = min(2 * period, _BG_LOOK_MAX_S) if busy else _BG_GRACE_S
                 if not self._background:
                     quiet_since = None
-                    if now - idle_since < _BG_PARK_S:
+                    if watching:
+                        idle_since = now
+                        self._bg_wakeup.wait(_WATCH_S)
+                    elif now - idle_since < _BG_PARK_S:
                         self._bg_wakeup.wait(period)
                     else:  # point-to-point has gone quiet: sleep until a request comes
                         self._bg_parked = True
