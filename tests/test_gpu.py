@@ -370,8 +370,9 @@ def device_p2p(in_place: bool) -> list[str]:
     """Point-to-point of CUDA buffers between ranks 0 and 1 (the others idle): blocking
     ping-pong from 8 B to 64 MiB, data a kernel wrote just before (no synchronize), the
     sender's buffer overwritten right after its send returns, two tags interleaved out of
-    order, host buffers on either side, then a size mismatch on a fresh group. `in_place`:
-    every CUDA-to-CUDA receive must have come device to device (gpu/p2p.py), else staged."""
+    order, a send whose Work is dropped and its buffer freed, host buffers on either side, then
+    a size mismatch on a fresh group. `in_place`: every CUDA-to-CUDA receive must have come
+    device to device (gpu/p2p.py), else staged."""
     import numpy as np
     import torch
 
@@ -422,6 +423,21 @@ def device_p2p(in_place: bool) -> list[str]:
             w.wait()
         if [t[0].item() for t in into] != [1.0, 2.0, 3.0]:
             wrong.append(f"rank {r}: tags out of order: {[t[0].item() for t in into]}")
+    # a send whose Work is dropped unwaited and its tensor freed once acknowledged: the block
+    # must not go to a new tensor before the receiver's copy, held back by a long kernel, ran
+    if r == 0:
+        work = tw.isend(torch.full((1 << 20,), 7.0, device=dev), peer, tag=6)
+        while not work.is_completed():  # acknowledged: the receiver's copy is queued, not run
+            time.sleep(0.001)
+        del work
+        for _ in range(4):
+            torch.full((1 << 20,), -2.0, device=dev)  # the freed block's size: it may come back
+    else:
+        late = torch.empty(1 << 20, device=dev)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock before the receive: its copy waits
+        tw.irecv(late, peer, tag=6).wait()
+        if not torch.all(late == 7.0).item():
+            wrong.append(f"rank {r}: a dropped send's buffer was reused before the copy: {late[:3].tolist()}")
     # host buffers on one side: a CUDA send into host memory, a host send into CUDA memory
     host = np.zeros(1 << 16, np.float32)
     if r == 0:

@@ -607,8 +607,10 @@ class DeviceCollectives:
         if channel is None or channel.kind != "shm":
             return None  # not wired yet (its first send connects), or on another host
         body = p2p_ipc.describe(t, stream)
-        req = None if body is None else g.engine.isend_device(route.peer, route.header, body, t, route.label,
-                                                               position(g))
+        if body is None:
+            return None
+        source = p2p_ipc.Source(t)
+        req = g.engine.isend_device(route.peer, route.header, body, source, route.label, position(g))
         if req is None:
             return None
         g.engine.watch_in_background(req)

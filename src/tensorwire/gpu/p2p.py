@@ -7,9 +7,10 @@ The receive that takes it queues, on its GPU's copy stream, a wait for that even
 receiver's own earlier work on its buffer, the copy, and a record of the copy stream's
 interprocess event, whose handle goes back with the acknowledgement (`Mode.COPIED`). The send
 completes on that acknowledgement (MPI's rendezvous), and its waiter's stream waits for the
-receiver's copy before it may write the buffer again. A receive into host memory copies out
-of the device synchronously; a host or staged message into device memory lands through
-pinned memory (staged.Landing). Each side chooses its buffers, as on the host.
+receiver's copy before it may write the buffer again; the buffer's memory outlives that copy
+even where nobody waits (Source). A receive into host memory copies out of the device
+synchronously; a host or staged message into device memory lands through pinned memory
+(staged.Landing). Each side chooses its buffers, as on the host.
 
 Events are kept per stream and re-recorded by every send or copy on it: a wait covers the
 last record made before it, this message's or a later one's on the same stream, so a later
@@ -39,6 +40,7 @@ STREAMS = 64
 _lock = threading.Lock()
 _written: dict[tuple[int, int], tuple[Any, bytes]] = {}  # (device, stream) -> (its event, handle)
 _copies: dict[int, tuple[Any, Any, bytes]] = {}  # device -> (copy stream, its interprocess event, handle)
+_holds: dict[int, Any] = {}  # device -> the stream sent buffers are recorded on (Source)
 _opened: dict[tuple[int, bytes, int], Any] = {}  # (peer, handle, device) -> the peer's event opened here
 
 
@@ -62,6 +64,23 @@ def describe(t: Any, stream: Any) -> bytes | None:
                 entry = _written[key] = (event, bytes(event.ipc_handle()))
     entry[0].record(stream)
     return BODY.pack(record, entry[1])
+
+
+class Source:
+    """A CUDA buffer sent device to device (the engine's SendRequest.holds). Its memory goes back
+    to torch's allocator only after the receiver's copy out of it has run, as the allocator
+    waits for the hold stream, which waits for that copy: a Work dropped unwaited, and its
+    tensor freed, cannot hand the block to another tensor while the peer still reads it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        tensor.record_stream(_hold_stream(tensor.device.index))
+
+    def copied(self, handle: bytes, peer: int) -> None:
+        device = self.tensor.device.index
+        _hold_stream(device).wait_event(_peer_event(peer, handle, device))
 
 
 class Target:
@@ -118,6 +137,17 @@ def wait_copied(handle: bytes, peer: int, stream: Any) -> None:
 def _source(body: bytes, peer: int, device: int) -> Any:
     record = BODY.unpack(body[:BODY.size])[0]
     return ipc.peer_tensor(peer, record, torch_module().uint8, device)
+
+
+def _hold_stream(device: int) -> Any:
+    """The stream that waits for receivers' copies out of this process's sent buffers (Source)."""
+    stream = _holds.get(device)
+    if stream is None:
+        with _lock:
+            stream = _holds.get(device)
+            if stream is None:
+                stream = _holds[device] = torch_module().cuda.Stream(device)
+    return stream
 
 
 def _copy_stream(device: int) -> tuple[Any, Any, bytes]:

@@ -61,7 +61,7 @@ never failed, shared."""
 class SendRequest(Request):
     descriptor: bytes | None = None  # set where the receiver reads the payload itself (shm REMOTE)
     device_body: bytes | None = None  # a CUDA buffer's descriptor (Engine.isend_device)
-    holds: object = None  # what the receiver reads in place of `payload` (a CUDA tensor): kept alive
+    holds: DeviceSource | None = None  # what the receiver reads in place of `payload`: kept alive
     copied: bytes | None = None  # the receiver's event after its copy of a CUDA buffer (Mode.COPIED)
 
     def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
@@ -89,6 +89,14 @@ class RemotePayload(Protocol):
 
     def discard(self) -> None:
         """Read nothing (the receive failed)."""
+
+
+class DeviceSource(Protocol):
+    """A CUDA buffer sent device to device (gpu/p2p.Source), kept by its send's request."""
+
+    def copied(self, handle: bytes, peer: int) -> None:
+        """`peer` queued its copy out of the buffer, followed by its event `handle`: the buffer
+        must outlive that copy, whether or not anybody waits for the send."""
 
 
 class DeviceTarget(Protocol):

@@ -402,6 +402,8 @@ class ShmChannel(Channel):
         req = self.awaiting.pop(rid, None)
         if req is not None:
             req.copied = copied
+            if copied is not None and req.holds is not None:
+                req.holds.copied(copied, self.peer)
             req.done = True  # no-op effect where it already failed (done, with its error)
 
     def _put_whole(self, req: SendRequest) -> bool:
