@@ -417,6 +417,39 @@ def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
         ring.close()
 
 
+def test_a_record_whose_payload_passes_the_rings_end_wraps_to_its_start() -> None:
+    """A record whose header is the ring's last 64 bytes but a few goes whole through the
+    compiled put and take: the payload's first part up to the ring's end, the rest from its
+    start, the head past the padded whole; Python's take reads the same bytes back."""
+    from tensorwire.transport.shm import CTRL_BYTES, Ring, ShmChannel
+
+    cap = 1024
+    ring = Ring.create("tw-test-native-wrap", cap)
+    ring.unlink()
+    try:
+        header = b"w" * 64
+        put = lambda p: _native.ring_put(ring.bytes, CTRL_BYTES, cap, header, p)  # noqa: E731
+        for _ in range(3):  # records of 256: the head and the tail at 768
+            assert put(np.zeros(192, np.uint8))
+            assert _native.ring_take(ring.bytes, CTRL_BYTES, cap, header, np.zeros(192, np.uint8), 0) is True
+        payload = np.arange(300, dtype=np.uint16).astype(np.uint8)
+        for take in (lambda d: _native.ring_take(ring.bytes, CTRL_BYTES, cap, header, d, 0),
+                     lambda d: ShmChannel._take(ring, header, d)):
+            start = ring.words[0]
+            assert put(payload)
+            at = start % cap + 64
+            assert ring.words[0] == start + 64 + 320 and bytes(ring.raw[at - 64:at]) == header
+            assert bytes(ring.raw[at:cap]) == payload[:cap - at].tobytes()
+            assert bytes(ring.raw[:300 - (cap - at)]) == payload[cap - at:].tobytes()
+            out = np.zeros(300, np.uint8)
+            assert take(out) is True and np.array_equal(out, payload) and ring.words[8] == ring.words[0]
+            for n in (192, 320):  # back to 768 for the next reader: records of 256 and 384
+                assert put(np.zeros(n, np.uint8)) and take(np.zeros(n, np.uint8)) is True
+            assert ring.words[0] % cap == 768, ring.words[0] % cap
+    finally:
+        ring.close()
+
+
 def test_ring_take_spins_for_its_record_and_takes_any_array() -> None:
     """A take that may spin waits (without the interpreter lock: a thread of this process
     writes meanwhile) for the record and takes it; on a ring left empty it gives up after its

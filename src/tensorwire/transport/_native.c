@@ -591,13 +591,15 @@ static int ring_args(PyObject *const *args, Py_buffer *ring, uint64_t **words, c
 static inline uint64_t padded(uint64_t n) { return (n + 63) & ~(uint64_t)63; }
 
 /* Write `payload` as one record (the header, then the payload) at the ring's head where it
- * fits unwrapped (ShmChannel._put without a descriptor); whether it did. */
+ * fits (ShmChannel._put without a descriptor); whether it did. Records are 64-aligned, so
+ * the header never wraps; the payload may, past the ring's end to its start. */
 static int put_record(uint64_t *words, char *data, uint64_t cap, const char *header, const Py_buffer *payload) {
     uint64_t head = words[HEAD_WORD], n = (uint64_t)payload->len, end = head + HEADER + padded(n);
-    uint64_t pos = head % cap;
-    if (end - load(words + TAIL_WORD) > cap || pos + (end - head) > cap) return 0;
+    if (end - load(words + TAIL_WORD) > cap) return 0;
+    uint64_t pos = head % cap, at = (pos + HEADER) % cap, first = n < cap - at ? n : cap - at;
     memcpy(data + pos, header, HEADER);
-    memcpy(data + pos + HEADER, payload->buf, (size_t)n);
+    memcpy(data + at, payload->buf, (size_t)first);
+    memcpy(data, (const char *)payload->buf + first, (size_t)(n - first));
     store(words + HEAD_WORD, end);
     return 1;
 }
@@ -618,16 +620,18 @@ static uint64_t await_head(const uint64_t *words, uint64_t tail, uint64_t want, 
 }
 
 /* Read the record at the ring's tail into dst where its header is `header` byte for byte and
- * it lies whole and unwrapped, waiting up to spin_ns for it (ShmChannel.take_now): 1 taken,
- * 0 another record comes first, -1 nothing whole yet. */
+ * it lies whole in the ring (its payload may wrap), waiting up to spin_ns for it
+ * (ShmChannel.take_now): 1 taken, 0 another record comes first, -1 nothing whole yet. */
 static int take_record(uint64_t *words, const char *data, uint64_t cap, const char *header, Py_buffer *dst,
                        long long spin_ns) {
     uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst->len, end = tail + HEADER + padded(n);
     uint64_t avail = await_head(words, tail, HEADER, spin_ns), pos = tail % cap;
     if (avail < HEADER) return -1;
-    if (memcmp(data + pos, header, HEADER) != 0 || pos + HEADER + n > cap) return 0;
+    if (memcmp(data + pos, header, HEADER) != 0) return 0;
     if (avail < end - tail && await_head(words, tail, end - tail, spin_ns) < end - tail) return -1;
-    memcpy(dst->buf, data + pos + HEADER, (size_t)n);
+    uint64_t at = (pos + HEADER) % cap, first = n < cap - at ? n : cap - at;
+    memcpy(dst->buf, data + at, (size_t)first);
+    memcpy((char *)dst->buf + first, data, (size_t)(n - first));
     store(words + TAIL_WORD, end);
     return 1;
 }

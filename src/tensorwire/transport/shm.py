@@ -407,9 +407,9 @@ class ShmChannel(Channel):
             req.done = True  # no-op effect where it already failed (done, with its error)
 
     def _put_whole(self, req: SendRequest) -> bool:
-        """Write a message that fits the ring's free space in one record, without wrapping,
-        and finish its request; False leaves it to `_push`. Most small sends end here, with
-        no queueing and no piece-by-piece bookkeeping."""
+        """Write a message that fits the ring's free space in one record (its payload may wrap
+        past the ring's end), and finish its request; False leaves it to `_push`. Most small
+        sends end here, with no queueing and no piece-by-piece bookkeeping."""
         if not self._put(req.wire_header, req.payload, req.descriptor):
             return False
         req.done = req.descriptor is None or req.header.kind == Kind.ACK  # else once the peer acknowledges
@@ -456,16 +456,14 @@ class ShmChannel(Channel):
         head = words[_HEAD]
         n = payload.nbytes
         end = head + HEADER_SIZE + (_pad(n) if descriptor is None else len(descriptor))
-        pos = head % cap
-        if (n > PIPELINE_BYTES and descriptor is None) or end - words[_TAIL] > cap \
-                or pos + (end - head) > cap:
+        if (n > PIPELINE_BYTES and descriptor is None) or end - words[_TAIL] > cap:
             return False
+        pos = head % cap  # records are 64-aligned: the header never wraps, what follows may
         ring.raw[pos:pos + HEADER_SIZE] = wire_header
-        pos += HEADER_SIZE
         if descriptor is not None:
-            ring.raw[pos:pos + len(descriptor)] = descriptor
+            self._copy_in(np.frombuffer(descriptor, np.uint8), head + HEADER_SIZE)
         elif n:
-            ring.data[pos:pos + n] = payload
+            self._copy_in(payload, head + HEADER_SIZE)
         words[_HEAD] = end
         return True
 
@@ -627,8 +625,8 @@ class ShmChannel(Channel):
 
     def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float = 0.0) -> bool | None:
         """Read the message at the ring's tail straight into `dst` (a writable C-contiguous
-        array) if its header is `wire_header` byte for byte and it lies whole in the ring,
-        unwrapped, waiting for it up to `spin_s`: a point-to-point receive with no request,
+        array) if its header is `wire_header` byte for byte and it lies whole in the ring
+        (its payload may wrap), waiting for it up to `spin_s`: a point-to-point receive with no request,
         no matching and no parsing (Engine.recv_now). None: nothing whole there yet; False:
         another record comes first (the general path's)."""
         if self._sink is not None:
@@ -658,14 +656,18 @@ class ShmChannel(Channel):
         avail = words[_HEAD] - tail
         if avail < HEADER_SIZE:
             return None
-        pos = tail % ring.capacity
-        if ring.raw[pos:pos + HEADER_SIZE] != wire_header or pos + HEADER_SIZE + n > ring.capacity:
+        cap = ring.capacity
+        pos = tail % cap
+        if ring.raw[pos:pos + HEADER_SIZE] != wire_header:
             return False
         if avail < end - tail:
             return None
-        if n:
-            pos += HEADER_SIZE
-            dst[:] = ring.data[pos:pos + n]
+        if n:  # the payload may wrap past the ring's end
+            at = (pos + HEADER_SIZE) % cap
+            first = min(n, cap - at)
+            dst[:first] = ring.data[at:at + first]
+            if first < n:
+                dst[first:] = ring.data[:n - first]
         words[_TAIL] = end
         return True
 
