@@ -145,6 +145,9 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
         pair = group.p2p_pairs.get((dst, src, tag, send.nbytes, recv.nbytes))
         if pair is not None and send.dtype is pair[0].dtype and recv.dtype is pair[1].dtype:
             out, inn = pair
+            if send.nbytes >= REMOTE_BYTES and send.flags.c_contiguous and \
+                    _read_each_other(group, send, out, recv, inn, timeout):
+                return src
             sent, taken = group.engine.sendrecv_now(out.peer, out.wire, send, inn.peer, inn.key, inn.wire,
                                                     recv)
             if sent:
@@ -169,19 +172,43 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     if group.plans.caller is not None:  # its sendrecv takes the pair's next calls whole
         group.plans.caller.add_pair(dst, src, tag, data.nbytes, into.nbytes, out.dtype, inn.dtype, out, inn,
                                     REMOTE_BYTES, CTRL_BYTES, _finish)
+    if data.nbytes >= REMOTE_BYTES and data.flags.c_contiguous and \
+            _read_each_other(group, data, out, into, inn, timeout):
+        return src
     sent, taken = group.engine.sendrecv_now(out.peer, out.wire, data, inn.peer, inn.key, inn.wire, into)
     if not taken:
         _finish(group, data, out, into, inn, sent, timeout)
     return src
 
 
-def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute, sent: bool,
-            timeout: float | None) -> None:
-    """sendrecv's messages that did not go at once (Engine.sendrecv_now): posted, waited for."""
+def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute,
+            sent: bool | Request, timeout: float | None, taken: bool = False) -> None:
+    """sendrecv's messages that did not go at once (Engine.sendrecv_now, sendrecv_read): posted,
+    waited for. `sent`: True, or the send still waiting for its reader."""
     engine, seq = group.engine, position(group)
-    reqs = [] if sent else [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
-    reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))
+    reqs = [sent] if isinstance(sent, Request) else [] if sent else \
+        [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
+    if not taken:
+        reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))
     _wait(group, *reqs, timeout=timeout)
+
+
+def _read_each_other(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute,
+                     timeout: float | None) -> bool:
+    """A large sendrecv (from REMOTE_BYTES, C-contiguous) where each rank reads the other's
+    buffer, in one compiled call where nothing else is in the way (Engine.sendrecv_read); what
+    did not finish there is waited for. False: nothing done."""
+    engine = group.engine
+    if engine.native is None:  # the exchange is the compiled loops' (TENSORWIRE_NATIVE=0: the general way)
+        return False
+    done = engine.sendrecv_read(out.peer, out.header, out.label, byte_view(data), inn.peer, inn.key, inn.wire,
+                                inn.label, into, position(group))
+    if done is None:
+        return False
+    sent, taken = done
+    if sent is not None or not taken:
+        _finish(group, data, out, into, inn, True if sent is None else sent, timeout, taken)
+    return True
 
 
 def position(group: Group) -> int:

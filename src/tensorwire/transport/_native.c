@@ -12,6 +12,9 @@
  * gives the Python path for free, spelt out for any machine. */
 #include "_native.h"
 
+#include <errno.h>
+#include <sys/uio.h>
+
 
 /* A protocol call's (seq, a, b, name): its number, fingerprint words and collective. */
 typedef struct {
@@ -716,6 +719,89 @@ PyObject *ring_sendrecv(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(s);
 }
 
+/* Copy n bytes from address `remote` of process `pid` into `local` (cross-memory attach, the
+ * interpreter lock released; cma._read): 0, or the errno that stopped it. */
+static int read_peer(long pid, char *local, uint64_t remote, size_t n) {
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (n) {
+        struct iovec lv = {local, n}, rv = {(void *)(uintptr_t)remote, n};
+        ssize_t got = process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
+        if (got <= 0) {
+            err = got < 0 ? errno : EFAULT;
+            break;
+        }
+        local += got;
+        remote += (uint64_t)got;
+        n -= (size_t)got;
+    }
+    Py_END_ALLOW_THREADS
+    return err;
+}
+
+#define EX_SENT 1  /* this rank's descriptor is in the ring to its destination */
+#define EX_TAKEN 2 /* the source's descriptor was taken (and read, unless err) */
+#define EX_ACKED 4 /* ... and acknowledged (else the caller acknowledges it) */
+#define EX_DONE 8  /* the destination acknowledged this rank's descriptor: its send is complete */
+#define SEQ_AT 8   /* a header's seq field, where an acknowledgement names the message's id */
+
+/* ring_exchange_read(out, at, cap, header, descriptor, in, at, cap, header, dst, ack_out, at,
+ * cap, ack_header, pid, ack_in, at, cap, acked_header, spin_ns) -> (flags, id, errno): a large
+ * MPI_Sendrecv where each rank reads the other's buffer (ShmChannel.exchange_read, the REMOTE
+ * exchange the general path makes in Python): put this rank's descriptor to its destination;
+ * take its source's (the record after `header`, waiting up to spin_ns), read the payload it
+ * names out of process `pid` into dst, acknowledge it to the source (`ack_header` with the
+ * message's id at SEQ_AT); then take the destination's acknowledgement (`acked_header`).
+ * `flags` (EX_*) says how far it went; the id is the source's message, errno the read's. */
+static PyObject *ring_exchange_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer rings[4], payload, dst;
+    uint64_t *words[4], cap[4];
+    char *data[4];
+    const char *header[4];
+    int held = 0, flags = 0, err = 0;
+    uint64_t id = 0;
+    (void)module;
+    if (nargs != 20) return PyErr_Format(PyExc_TypeError, "ring_exchange_read takes 20 arguments");
+    long long spin_ns = PyLong_AsLongLong(args[19]);
+    long pid = PyLong_AsLong(args[14]);
+    if ((spin_ns == -1 || pid == -1) && PyErr_Occurred()) return NULL;
+    for (; held < 4; held++)
+        if (!ring_args(args + 5 * held, &rings[held], &words[held], &data[held], &cap[held], &header[held]))
+            goto release;
+    if (PyObject_GetBuffer(args[4], &payload, PyBUF_C_CONTIGUOUS) < 0) goto release;
+    if (payload.len != HEADER) {
+        PyBuffer_Release(&payload);
+        PyErr_SetString(PyExc_ValueError, "a descriptor is 64 bytes");
+        goto release;
+    }
+    if (PyObject_GetBuffer(args[9], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&payload);
+        goto release;
+    }
+    if (put_record(words[0], data[0], cap[0], header[0], &payload)) {
+        flags = EX_SENT;
+        uint64_t where[HEADER / 8];
+        Py_buffer got = {.buf = where, .len = HEADER};
+        if (take_record(words[1], data[1], cap[1], header[1], &got, spin_ns) > 0) {
+            flags |= EX_TAKEN;
+            id = where[1];
+            err = read_peer(pid, dst.buf, where[0], (size_t)dst.len);
+            char ack[HEADER];
+            memcpy(ack, header[2], HEADER);
+            memcpy(ack + SEQ_AT, &id, 8);
+            Py_buffer none = {.buf = ack, .len = 0};
+            if (put_record(words[2], data[2], cap[2], ack, &none)) flags |= EX_ACKED;
+            if (take_record(words[3], data[3], cap[3], header[3], &none, spin_ns) > 0) flags |= EX_DONE;
+        }
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&payload);
+release:
+    while (held--) PyBuffer_Release(&rings[held]);
+    if (PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(iKi)", flags, (unsigned long long)id, err);
+}
+
 /* Whether `blocks` is a list whose every item is an object of like's type with a C-contiguous
  * buffer (writable where asked) of like's length and format: the per-call checks of a planned
  * list argument (group.arguments.planned_list); 0 sends the caller to those checks. */
@@ -766,6 +852,9 @@ static PyMethodDef module_methods[] = {
     {"ring_sendrecv", (PyCFunction)(void (*)(void))ring_sendrecv, METH_FASTCALL,
      "ring_sendrecv(out_segment, at, capacity, header, payload, in_segment, at, capacity, header, dst, "
      "spin_ns) -> 2, 1, 0 or -1"},
+    {"ring_exchange_read", (PyCFunction)(void (*)(void))ring_exchange_read, METH_FASTCALL,
+     "ring_exchange_read(out, at, capacity, header, descriptor, in, at, capacity, header, dst, ack_out, at, "
+     "capacity, ack_header, pid, ack_in, at, capacity, acked_header, spin_ns) -> (flags, id, errno)"},
     {"blocks_like", (PyCFunction)(void (*)(void))blocks_like, METH_FASTCALL,
      "blocks_like(blocks, like, writable) -> bool"},
     {NULL},

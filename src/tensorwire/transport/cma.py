@@ -93,11 +93,15 @@ def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
         lv, rv = _IOVec(local, nbytes), _IOVec(remote, nbytes)
         got = libc.process_vm_readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
         if got <= 0:
-            err = ctypes.get_errno() if got < 0 else errno.EFAULT
-            if err == errno.ESRCH:
-                raise ProcessGone(pid)
-            raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")
+            raise read_error(pid, ctypes.get_errno() if got < 0 else errno.EFAULT)
         local, remote, nbytes = local + got, remote + got, nbytes - got
+
+
+def read_error(pid: int, err: int) -> OSError:
+    """What a read from process `pid` that stopped with errno `err` raises."""
+    if err == errno.ESRCH:
+        return ProcessGone(pid)
+    return OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")
 
 
 @functools.cache

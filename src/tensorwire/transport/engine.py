@@ -318,6 +318,25 @@ class Engine(Failures):
         sent = self.send_now(to, out_header, payload)
         return sent, sent and self.recv_now(frm, key, in_header, dst, True)
 
+    def sendrecv_read(self, to: int, header: Header, what: str, payload: np.ndarray, frm: int, key: tuple,
+                      in_header: bytes, in_what: str, dst: np.ndarray,
+                      seq: int) -> tuple[SendRequest | None, bool] | None:
+        """A large MPI_Sendrecv through shared memory where each rank reads the other's buffer
+        in one compiled call (ShmChannel.exchange_read); `payload` flat uint8. (the send where
+        it waits for its reader's acknowledgement, else None; whether the receive is done);
+        None: nothing done, both go the general way."""
+        with self.lock:
+            out, inn = self.channels.get(to), self.channels.get(frm)
+            if out is None or inn is None or not (out.direct and inn.direct) or header.ctx in self.aborted \
+                    or to in self.lost or frm in self.lost or self.posted.get(key) \
+                    or self.unexpected.get(key) or not (dst.flags.writeable and dst.flags.c_contiguous):
+                return None
+            req = SendRequest(to, header, payload, what, seq=seq)
+            sent, taken = out.exchange_read(req, inn, in_header, in_what, dst, self.spin_s)
+        if not sent:
+            return None
+        return (None if req.done else req), taken
+
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""
         sink = self.match(self.rank, req.header)

@@ -85,11 +85,15 @@ class CmaPayload(_HeldPayload):
         channel.reader.read_into(out, channel.peer_pid, self.where)
 
     def _error(self, req: RecvRequest, exc: Exception) -> Exception:
-        channel = self.channel
-        peer = channel.peer
-        why = (f"rank {peer} exited before this rank read its message" if isinstance(exc, cma.ProcessGone)
-               else f"cannot read rank {peer}'s memory ({exc})")
-        return PeerLostError(f"rank {channel.engine.rank}: {req.what}: {why}", peer=peer)
+        return read_failed(self.channel, req.what, exc)
+
+
+def read_failed(channel: ShmChannel, what: str, exc: Exception) -> PeerLostError:
+    """The error of a receive (`what`) whose message could not be read out of its sender."""
+    peer = channel.peer
+    why = (f"rank {peer} exited before this rank read its message" if isinstance(exc, cma.ProcessGone)
+           else f"cannot read rank {peer}'s memory ({exc})")
+    return PeerLostError(f"rank {channel.engine.rank}: {what}: {why}", peer=peer)
 
 
 class DevicePayload(_HeldPayload):

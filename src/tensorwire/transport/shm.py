@@ -28,9 +28,9 @@ from ..buffers import address, byte_view
 from . import cma, pages
 from .channel import Channel, ChannelOwner, PeerClosed
 from .processes import pid_namespace, process_start, start_of
-from .remote import CMA_DESCRIPTOR, DEVICE_ID, DEVICE_UNITS, CmaPayload, DevicePayload
+from .remote import CMA_DESCRIPTOR, DEVICE_ID, DEVICE_UNITS, CmaPayload, DevicePayload, read_failed
 from .requests import SendRequest, Sink
-from .wire import HEADER_SIZE, P2P_FINGERPRINT, Header, Kind, Mode
+from .wire import HEADER_SIZE, P2P_FINGERPRINT, SEQ_AT, Header, Kind, Mode, pack_header, with_mode
 
 if TYPE_CHECKING:
     from .tcp import SocketStream
@@ -65,6 +65,16 @@ _UNACKNOWLEDGED: list[object] = []
 """Payloads of REMOTE sends that were never acknowledged when their channel closed (destroy()
 with a send nobody waited for): a receive posted later may still read them, so their memory
 stays this process's until it exits rather than going back to the allocator."""
+_EX_TAKEN, _EX_ACKED, _EX_DONE = 2, 4, 8  # ring_exchange_read's flags (_native.c's EX_*)
+
+
+def _acknowledging(rid: int) -> bytes:
+    """The packed header of the acknowledgement of REMOTE message `rid`."""
+    return pack_header(Kind.ACK, 0, rid, 0, 0, P2P_FINGERPRINT, Mode.ACK)
+
+
+_ACK = _acknowledging(0)  # what ring_exchange_read writes its message's id into, at SEQ_AT
+assert SEQ_AT == 8  # as _native.c's SEQ_AT
 PARK_BYTES = 256 << 10
 """A message of at least this size whose receive is not posted yet stays in the ring (the
 sender waits) instead of being staged in a fresh buffer and copied twice: ranks that run ahead
@@ -367,14 +377,21 @@ class ShmChannel(Channel):
 
     def _offer(self, req: SendRequest) -> None:
         """Send `req` as a descriptor of its payload where that lies in huge pages (REMOTE_BYTES)."""
+        rid = self._describe(req)
+        if rid:
+            self.awaiting[rid] = req
+
+    def _describe(self, req: SendRequest) -> int:
+        """Make `req` a REMOTE message, its payload's address and a new id in its descriptor,
+        where the payload lies in huge pages; its id, or 0 where it stays inline."""
         where = address(req.payload)
         eighths = pages.scanner().eighths([(where, req.payload.nbytes)])
         if eighths == pages.UNKNOWN or eighths < 4:
-            return
+            return 0
         rid = next(self._remote_ids)
-        self.awaiting[rid] = req
-        req.wire_header = req.header._replace(mode=Mode.REMOTE).pack()
+        req.wire_header = with_mode(req.wire_header, Mode.REMOTE)
         req.descriptor = CMA_DESCRIPTOR.pack(where, rid).ljust(HEADER_SIZE, b"\0")
+        return rid
 
     def _offer_device(self, req: SendRequest) -> None:
         """Send a CUDA buffer as its descriptor (Engine.isend_device): the receiver copies it
@@ -448,6 +465,43 @@ class ShmChannel(Channel):
             inn.parked = None
             inn.release = False
         return done > 0, done == 2
+
+    def exchange_read(self, req: SendRequest, inn: ShmChannel, in_header: bytes, in_what: str,
+                      dst: np.ndarray, spin_s: float) -> tuple[bool, bool]:
+        """A large MPI_Sendrecv where each side reads the other's buffer (Engine.sendrecv_read),
+        in one compiled call (ring_exchange_read): the REMOTE exchange that `post`,
+        `_take_remote` and `acknowledge` make on the general path, where nothing else is in
+        the way. (whether `req` went, done or in `awaiting` until acknowledged; whether the
+        receive is done). False, False: nothing done (no compiled loops, a payload not in
+        huge pages, traffic to handle first, or a reader that must bounce)."""
+        native = self.native
+        if native is None or not self.peer_reads or not inn.peer_pid or self.sendq or inn.sendq \
+                or self._sink is not None or inn._sink is not None or cma.aliasing_is_slow():
+            return False, False
+        rid = self._describe(req)
+        if not rid:
+            return False, False
+        out, source, back, mine = self.out, inn.inn, inn.out, self.inn
+        flags, peer_rid, err = native.ring_exchange_read(
+            out.bytes, CTRL_BYTES, out.capacity, req.wire_header, req.descriptor,
+            source.bytes, CTRL_BYTES, source.capacity, with_mode(in_header, Mode.REMOTE), dst,
+            back.bytes, CTRL_BYTES, back.capacity, _ACK, inn.peer_pid,
+            mine.bytes, CTRL_BYTES, mine.capacity, _acknowledging(rid), int(spin_s * 1e9))
+        if not flags:
+            return False, False
+        req.sent = req.payload.nbytes
+        if flags & _EX_DONE:
+            req.done = True
+        else:
+            self.awaiting[rid] = req
+        if flags & _EX_TAKEN:
+            inn.parked = None
+            inn.release = False
+            if not flags & _EX_ACKED:
+                inn.acknowledge(peer_rid)
+            if err:
+                raise read_failed(inn, in_what, cma.read_error(inn.peer_pid, err))
+        return True, bool(flags & _EX_TAKEN)
 
     def _put(self, wire_header: bytes, payload: np.ndarray, descriptor: bytes | None) -> bool:
         ring = self.out

@@ -14,6 +14,8 @@ from typing import NamedTuple
 HEADER = struct.Struct("<BBBBIQqQQiQB11x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
 assert HEADER_SIZE == 64
+SEQ_AT = struct.calcsize("<BBBBI")  # a packed header's seq (an acknowledgement's message id)
+_MODE_AT = struct.calcsize("<BBBBIQqQQiQ")  # a packed header's mode
 
 
 class Kind(IntEnum):
@@ -184,6 +186,11 @@ def check_tcp(header: Header, max_message: int) -> None:
                                   f"({max_message}) allows")
         raise MalformedHeader(f"a {Kind(kind).name} message of {nbytes} bytes")
     raise MalformedHeader(f"unknown message kind {kind}")
+
+
+def with_mode(wire: bytes, mode: int) -> bytes:
+    """A packed header with another mode: the same message, sent another way."""
+    return wire[:_MODE_AT] + bytes((mode,)) + wire[_MODE_AT + 1:]
 
 
 def pack_header(kind: int, ctx: int, seq: int, tag: int, nbytes: int, fp: Fingerprint,
