@@ -328,6 +328,44 @@ def _fresh_group() -> Any:
     return g
 
 
+def _after_another_groups_abort() -> dict[str, Any]:
+    """Once another group of the process has been aborted, a sendrecv of the world still goes
+    the quick way (Engine.sendrecv_now: its own group's abort and its peers' loss matter, no
+    other's), and one on the aborted group raises its abort."""
+    from tensorwire.group.p2p import _finish
+
+    g = tw.world()
+    r, right, left = _neighbours(g)
+    doomed = _fresh_group()
+    try:
+        doomed.abort(TensorwireError("a test gave this group up"))
+    except TensorwireError:
+        pass
+    g.barrier(timeout=30)
+    send, got = np.full(4, r, np.int64), np.zeros(4, np.int64)
+    tw.sendrecv(send, right, got, left, tag=51)  # files the pair of routes
+    out, inn = g.p2p_pairs[(right, left, 51, send.nbytes, got.nbytes)]
+    g.barrier(timeout=30)
+    sent, taken = g.engine.sendrecv_now(out.peer, out.wire, send, inn.peer, inn.key, inn.wire, got)
+    if not taken:  # not within the spin (ranks sharing cores): the general way, as p2p.sendrecv does
+        _finish(g, send, out, got, inn, sent, None)
+    result: dict[str, Any] = {"sent": sent, "got": got.tolist()}
+    try:
+        doomed.sendrecv(send, right, got, left, tag=51)
+        result["doomed"] = "no error"
+    except TensorwireError as exc:
+        result["doomed"] = str(exc)
+    g.barrier(timeout=30)
+    return result
+
+
+def test_another_groups_abort_leaves_the_quick_sendrecv_alone(cluster: Any) -> None:
+    for rank, res in enumerate(cluster.run(_after_another_groups_abort)):
+        left = (rank - 1) % cluster.size
+        assert res["got"] == [left] * 4 and "a test gave this group up" in res["doomed"], (rank, res)
+        assert res["sent"] or cluster.size == 1, (rank, res)
+
+
 def _p2p_mismatch(case: str) -> dict[str, Any]:
     """Rank 0 sends to rank 1 what rank 1 receives otherwise; every other rank only calls the
     group's next barrier."""

@@ -671,6 +671,21 @@ done:
     return s;
 }
 
+/* Whether pair p's group has been aborted or either of its peers lost, where Engine.sendrecv_now
+ * leaves the call to the general path: 1, 0, or -1 with an exception. */
+static int stands_aside(Caller *c, Pair *p) {
+    if (PyDict_GET_SIZE(c->lost)) {
+        int lost = PyDict_Contains(c->lost, p->out_peer);
+        if (lost == 0) lost = PyDict_Contains(c->lost, p->in_peer);
+        if (lost != 0) return lost;
+    }
+    if (!PyDict_GET_SIZE(c->aborted)) return 0;
+    PyObject *key = PyTuple_Check(p->in_key) && PyTuple_GET_SIZE(p->in_key) == 2 ? PyTuple_GET_ITEM(p->in_key, 1)
+                                                                                 : NULL; /* (peer, header.key) */
+    if (key == NULL || !PyTuple_Check(key) || PyTuple_GET_SIZE(key) < 1) return 1;
+    return PyDict_Contains(c->aborted, PyTuple_GET_ITEM(key, 0)); /* header.key's ctx */
+}
+
 /* Engine.sendrecv_now's way through two rings for pair `p`, under the engine's lock: the ring
  * call's result (2: sent and received, 1: sent), -2 where it did nothing (the Python function
  * then takes the call), -3 on an error (raised). */
@@ -681,7 +696,8 @@ static int through_rings(Caller *c, Pair *p, PyObject *send, PyObject *recv) {
     int s = -2;
     PyObject *out = PyDict_GetItemWithError(c->channels, p->out_peer);
     PyObject *inn = out == NULL ? NULL : PyDict_GetItemWithError(c->channels, p->in_peer);
-    if (inn != NULL && !PyDict_GET_SIZE(c->aborted) && !PyDict_GET_SIZE(c->lost)) {
+    int aside = inn == NULL ? 0 : stands_aside(c, p);
+    if (inn != NULL && aside == 0) {
         Py_INCREF(out);
         Py_INCREF(inn);
         int direct = attr_true(out, S_direct);
@@ -698,7 +714,7 @@ static int through_rings(Caller *c, Pair *p, PyObject *send, PyObject *recv) {
             s = exchange(c, p, out, inn, send, recv);
         Py_DECREF(out);
         Py_DECREF(inn);
-    } else if (PyErr_Occurred()) {
+    } else if (aside < 0 || PyErr_Occurred()) {
         s = -3;
     }
     PyObject *exc = s == -3 ? take_exception() : NULL;

@@ -33,7 +33,7 @@ from .failures import Failures
 from .pumps import Pumps, pump_threads
 from .requests import P2P_SEQ, Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
 from .tcp import SPLIT_BYTES
-from .wire import Fingerprint, Header, Kind
+from .wire import Fingerprint, Header, Kind, ctx_of
 
 if TYPE_CHECKING:
     from .requests import DeviceSource, DeviceTarget
@@ -263,7 +263,8 @@ class Engine(Failures):
         request to make, post and wait for (ShmChannel.put_now, TcpChannel.put_now). False:
         post it the general way (`isend`)."""
         channel = self.channels.get(peer)
-        if channel is None or not channel.sends_now or self.aborted or self.lost:
+        if channel is None or not channel.sends_now or (self.lost and peer in self.lost) \
+                or (self.aborted and ctx_of(wire_header) in self.aborted):  # this group's and peer's only
             return False
         with self.lock:
             if self.channels.get(peer) is not channel:
@@ -286,7 +287,8 @@ class Engine(Failures):
         if channel is None or not channel.takes_now:
             return False
         with self.lock:
-            if self.aborted or self.lost or self.posted.get(key) or self.unexpected.get(key) \
+            if (self.aborted and key[1][0] in self.aborted) or (self.lost and peer in self.lost) \
+                    or self.posted.get(key) or self.unexpected.get(key) \
                     or self.channels.get(peer) is not channel:
                 return False
             try:
@@ -305,7 +307,8 @@ class Engine(Failures):
         (sent, received); what is not done is posted the general way."""
         with self.lock:
             out, inn = self.channels.get(to), self.channels.get(frm)
-            if out is None or inn is None or self.aborted or self.lost:
+            if out is None or inn is None or (self.aborted and key[1][0] in self.aborted) \
+                    or (self.lost and (to in self.lost or frm in self.lost)):
                 return False, False
             if out.direct and inn.direct and not (self.posted.get(key) or self.unexpected.get(key)):
                 done = out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)

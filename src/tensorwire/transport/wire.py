@@ -15,6 +15,7 @@ HEADER = struct.Struct("<BBBBIQqQQiQB11x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
 assert HEADER_SIZE == 64
 SEQ_AT = struct.calcsize("<BBBBI")  # a packed header's seq (an acknowledgement's message id)
+_CTX = struct.Struct("<4xI")  # a packed header's ctx (its group)
 _MODE_AT = struct.calcsize("<BBBBIQqQQiQ")  # a packed header's mode
 
 
@@ -186,6 +187,11 @@ def check_tcp(header: Header, max_message: int) -> None:
                                   f"({max_message}) allows")
         raise MalformedHeader(f"a {Kind(kind).name} message of {nbytes} bytes")
     raise MalformedHeader(f"unknown message kind {kind}")
+
+
+def ctx_of(wire: bytes) -> int:
+    """The group (ctx) of a packed header."""
+    return _CTX.unpack_from(wire)[0]
 
 
 def with_mode(wire: bytes, mode: int) -> bytes:
