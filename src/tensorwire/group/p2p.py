@@ -84,7 +84,7 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     buffer `tensor` is (gpu/collectives.py): a device message lands there instead
     (RecvRequest.device)."""
     data, found = _host(group, tensor, False, src, tag)
-    if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
+    if group.engine.recv_now(found.peer, found.key, found.wire, data, False, found.label):
         return found.done
     req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
                              seq=position(group), device=device)
@@ -117,9 +117,12 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
         group.device.isend(tensor, dst, tag).wait(group.timeout if timeout is None else timeout)
         return
     data, route = _host(group, tensor, True, dst, tag)
-    if not group.engine.send_now(route.peer, route.wire, data):
-        _wait(group, group.engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
-                                        seq=position(group)), timeout=timeout)
+    engine = group.engine
+    if not engine.send_now(route.peer, route.wire, data):
+        req = engine.isend(route.peer, route.header, byte_view(data), route.label, route.wire,
+                           seq=position(group))
+        engine.await_read(req)
+        _wait(group, req, timeout=timeout)
 
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
@@ -127,7 +130,7 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
         group.device.irecv(tensor, src, tag).wait(group.timeout if timeout is None else timeout)
         return src
     data, route = _host(group, tensor, False, src, tag)
-    if not group.engine.recv_now(route.peer, route.key, route.wire, data, True):
+    if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):
         _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
                                         seq=position(group)), timeout=timeout)
     return src

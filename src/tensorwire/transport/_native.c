@@ -745,13 +745,33 @@ static int read_peer(long pid, char *local, uint64_t remote, size_t n) {
 #define EX_DONE 8  /* the destination acknowledged this rank's descriptor: its send is complete */
 #define SEQ_AT 8   /* a header's seq field, where an acknowledgement names the message's id */
 
+/* Take the REMOTE message at the in ring's tail where its header is `header` (its record: the
+ * payload's address, the message's id), waiting up to spin_ns for a record; read its payload
+ * out of process `pid` into dst; acknowledge it into the ack ring (`ack_template` with the id
+ * at SEQ_AT). -1: nothing there yet; 0: another record comes first; else EX_TAKEN, with
+ * EX_ACKED where the acknowledgement went (else the caller sends it), *id the message's and
+ * *err the read's errno (0: read). */
+static int take_and_read(uint64_t *in_words, const char *in_data, uint64_t in_cap, const char *header,
+                         Py_buffer *dst, long pid, uint64_t *ack_words, char *ack_data, uint64_t ack_cap,
+                         const char *ack_template, long long spin_ns, uint64_t *id, int *err) {
+    uint64_t where[HEADER / 8];
+    Py_buffer got = {.buf = where, .len = HEADER};
+    int taken = take_record(in_words, in_data, in_cap, header, &got, spin_ns);
+    if (taken <= 0) return taken;
+    *id = where[1];
+    *err = read_peer(pid, dst->buf, where[0], (size_t)dst->len);
+    char ack[HEADER];
+    memcpy(ack, ack_template, HEADER);
+    memcpy(ack + SEQ_AT, id, 8);
+    Py_buffer none = {.buf = ack, .len = 0};
+    return EX_TAKEN | (put_record(ack_words, ack_data, ack_cap, ack, &none) ? EX_ACKED : 0);
+}
+
 /* ring_exchange_read(out, at, cap, header, descriptor, in, at, cap, header, dst, ack_out, at,
  * cap, ack_header, pid, ack_in, at, cap, acked_header, spin_ns) -> (flags, id, errno): a large
  * MPI_Sendrecv where each rank reads the other's buffer (ShmChannel.exchange_read, the REMOTE
  * exchange the general path makes in Python): put this rank's descriptor to its destination;
- * take its source's (the record after `header`, waiting up to spin_ns), read the payload it
- * names out of process `pid` into dst, acknowledge it to the source (`ack_header` with the
- * message's id at SEQ_AT); then take the destination's acknowledgement (`acked_header`).
+ * take_and_read its source's; then take the destination's acknowledgement (`acked_header`).
  * `flags` (EX_*) says how far it went; the id is the source's message, errno the read's. */
 static PyObject *ring_exchange_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer rings[4], payload, dst;
@@ -780,17 +800,12 @@ static PyObject *ring_exchange_read(PyObject *module, PyObject *const *args, Py_
     }
     if (put_record(words[0], data[0], cap[0], header[0], &payload)) {
         flags = EX_SENT;
-        uint64_t where[HEADER / 8];
-        Py_buffer got = {.buf = where, .len = HEADER};
-        if (take_record(words[1], data[1], cap[1], header[1], &got, spin_ns) > 0) {
-            flags |= EX_TAKEN;
-            id = where[1];
-            err = read_peer(pid, dst.buf, where[0], (size_t)dst.len);
-            char ack[HEADER];
-            memcpy(ack, header[2], HEADER);
-            memcpy(ack + SEQ_AT, &id, 8);
-            Py_buffer none = {.buf = ack, .len = 0};
-            if (put_record(words[2], data[2], cap[2], ack, &none)) flags |= EX_ACKED;
+        int got = take_and_read(words[1], data[1], cap[1], header[1], &dst, pid, words[2], data[2], cap[2],
+                                header[2], spin_ns, &id, &err);
+        if (got > 0) {
+            char nothing;
+            Py_buffer none = {.buf = &nothing, .len = 0};
+            flags |= got;
             if (take_record(words[3], data[3], cap[3], header[3], &none, spin_ns) > 0) flags |= EX_DONE;
         }
     }
@@ -800,6 +815,37 @@ release:
     while (held--) PyBuffer_Release(&rings[held]);
     if (PyErr_Occurred()) return NULL;
     return Py_BuildValue("(iKi)", flags, (unsigned long long)id, err);
+}
+
+/* ring_take_read(in, at, cap, header, dst, pid, ack_out, at, cap, ack_header, spin_ns) ->
+ * (taken, id, errno): a blocking receive of a large message its sender left in its memory
+ * (ShmChannel.take_read): take_and_read's result (-1, 0, or its EX_* flags), the message's id,
+ * the read's errno. */
+static PyObject *ring_take_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer in, ack, dst;
+    uint64_t *in_words, *ack_words, in_cap, ack_cap, id = 0;
+    char *in_data, *ack_data;
+    const char *header, *ack_header;
+    int err = 0, got = -1;
+    (void)module;
+    if (nargs != 11) return PyErr_Format(PyExc_TypeError, "ring_take_read takes 11 arguments");
+    long long spin_ns = PyLong_AsLongLong(args[10]);
+    long pid = PyLong_AsLong(args[5]);
+    if ((spin_ns == -1 || pid == -1) && PyErr_Occurred()) return NULL;
+    if (!ring_args(args, &in, &in_words, &in_data, &in_cap, &header)) return NULL;
+    if (!ring_args(args + 6, &ack, &ack_words, &ack_data, &ack_cap, &ack_header)) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[4], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+        got = take_and_read(in_words, in_data, in_cap, header, &dst, pid, ack_words, ack_data, ack_cap, ack_header,
+                            spin_ns, &id, &err);
+        PyBuffer_Release(&dst);
+    }
+    PyBuffer_Release(&ack);
+    PyBuffer_Release(&in);
+    if (PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(iKi)", got, (unsigned long long)id, err);
 }
 
 /* Whether `blocks` is a list whose every item is an object of like's type with a C-contiguous
@@ -855,6 +901,9 @@ static PyMethodDef module_methods[] = {
     {"ring_exchange_read", (PyCFunction)(void (*)(void))ring_exchange_read, METH_FASTCALL,
      "ring_exchange_read(out, at, capacity, header, descriptor, in, at, capacity, header, dst, ack_out, at, "
      "capacity, ack_header, pid, ack_in, at, capacity, acked_header, spin_ns) -> (flags, id, errno)"},
+    {"ring_take_read", (PyCFunction)(void (*)(void))ring_take_read, METH_FASTCALL,
+     "ring_take_read(in, at, capacity, header, dst, pid, ack_out, at, capacity, ack_header, spin_ns) -> "
+     "(taken, id, errno)"},
     {"blocks_like", (PyCFunction)(void (*)(void))blocks_like, METH_FASTCALL,
      "blocks_like(blocks, like, writable) -> bool"},
     {NULL},

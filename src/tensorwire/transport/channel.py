@@ -54,6 +54,9 @@ class Channel(ABC):
     """'shm', 'tcp' or 'pending'."""
     direct: ClassVar[bool] = False
     """`exchange_now` works (a shared-memory ring): the engine calls it only then."""
+    read_bytes = 0
+    """A receive from this size may find its message in the peer's memory, `take_read` reading it
+    there (shared memory, the compiled loops, the peer readable); 0: never."""
     sends_now: ClassVar[bool] = False
     """`put_now` works (a ring, or sockets): a small message handed over whole, with no request."""
     takes_now: ClassVar[bool] = False

@@ -275,14 +275,16 @@ class Engine(Failures):
                 self.peer_lost(peer, str(exc))
                 return False
 
-    def recv_now(self, peer: int, key: tuple, wire_header: bytes, dst: np.ndarray, spin: bool) -> bool:
+    def recv_now(self, peer: int, key: tuple, wire_header: bytes, dst: np.ndarray, spin: bool,
+                 what: str = "") -> bool:
         """A point-to-point receive taken straight from `peer`'s ring where its message is the
         next one there and no earlier one waits for it (ShmChannel.take_now; `key`: its
         matching key, (peer, header.key)), spinning up to the waiters' spin time for it to
         come (`spin`: a blocking receive, where no send of this process waits to be pushed
-        meanwhile). Nothing else is driven meanwhile, and the lock is held: False: receive
-        the general way (`irecv`), which drives everything, parks, stages, and notices lost
-        peers and aborts."""
+        meanwhile); given the receive's label `what`, also a large message left in its
+        sender's memory (ShmChannel.take_read). Nothing else is driven meanwhile, and the lock
+        is held: False: receive the general way (`irecv`), which drives everything, parks,
+        stages, and notices lost peers and aborts."""
         channel = self.channels.get(peer)
         if channel is None or not channel.takes_now:
             return False
@@ -293,7 +295,14 @@ class Engine(Failures):
                 return False
             try:
                 taken = channel.take_now(wire_header, dst)
-                if taken is None and spin and self.spin_s and not any(c.queued() for c in self.channel_list):
+                if taken:
+                    return True
+                may_spin = spin and self.spin_s and not any(c.queued() for c in self.channel_list)
+                if what and 0 < channel.read_bytes <= dst.nbytes:  # maybe left in its sender's memory
+                    taken = channel.take_read(wire_header, dst, what, self.spin_s if may_spin else 0.0)
+                    if taken is False:  # another record first: an inline message maybe
+                        taken = channel.take_now(wire_header, dst)
+                if taken is None and may_spin:
                     taken = channel.take_now(wire_header, dst, self.spin_s)
             except PeerClosed as exc:  # the general way then fails as every receive from a lost peer
                 self.peer_lost(peer, str(exc))
@@ -339,6 +348,21 @@ class Engine(Failures):
         if not sent:
             return None
         return (None if req.done else req), taken
+
+    def await_read(self, req: SendRequest) -> None:
+        """Spin up to the waiters' spin time for the acknowledgement of a blocking send that its
+        receiver reads out of this process's memory (REMOTE), where it is the next record from
+        that peer (ShmChannel.take_ack): the reader is usually at it already, and the general
+        wait's rounds take longer to notice it."""
+        if req.done or req.descriptor is None or not self.spin_s or req.header.kind != Kind.P2P:
+            return
+        with self.lock:
+            channel = self.channels.get(req.peer)
+            if channel is not None and channel.direct and not req.done:
+                try:
+                    channel.take_ack(req, self.spin_s)
+                except PeerClosed as exc:
+                    self.peer_lost(req.peer, str(exc))
 
     def _self_deliver(self, req: SendRequest) -> None:
         """A message to oneself goes straight through matching, never through a channel."""

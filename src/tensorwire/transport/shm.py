@@ -326,6 +326,7 @@ class ShmChannel(Channel):
         self.peer_reads = peer_reads  # the peer can read this process's: large sends go REMOTE
         self.reader = cma.Reader()
         self.native = engine.native  # the compiled ring loops of put_now and take_now, or None
+        self.read_bytes = REMOTE_BYTES if peer_pid and self.native is not None else 0
         self.awaiting: dict[int, SendRequest] = {}  # REMOTE sends by id, until acknowledged
         self._remote_ids = itertools.count(1)
 
@@ -502,6 +503,38 @@ class ShmChannel(Channel):
             if err:
                 raise read_failed(inn, in_what, cma.read_error(inn.peer_pid, err))
         return True, bool(flags & _EX_TAKEN)
+
+    def take_read(self, wire_header: bytes, dst: np.ndarray, what: str, spin_s: float) -> bool | None:
+        """A receive (labelled `what`) of a message its sender left in its memory (REMOTE), taken,
+        read into `dst` (writable, C-contiguous) and acknowledged in one compiled call where
+        its descriptor is the ring's next record (ring_take_read), waiting up to `spin_s`:
+        take_now's answers. A read that fails raises as the general path's does."""
+        if self._sink is not None or self.sendq or cma.aliasing_is_slow():  # the acknowledgement goes first
+            return False
+        ring, out = self.inn, self.out
+        taken, rid, err = self.native.ring_take_read(
+            ring.bytes, CTRL_BYTES, ring.capacity, with_mode(wire_header, Mode.REMOTE), dst, self.peer_pid,
+            out.bytes, CTRL_BYTES, out.capacity, _ACK, int(spin_s * 1e9))
+        if taken <= 0:
+            return None if taken < 0 else False
+        self.parked = None
+        self.release = False
+        if not taken & _EX_ACKED:
+            self.acknowledge(rid)
+        if err:
+            raise read_failed(self, what, cma.read_error(self.peer_pid, err))
+        return True
+
+    def take_ack(self, req: SendRequest, spin_s: float) -> None:
+        """Finish REMOTE send `req` where its reader's acknowledgement is the ring's next record
+        or comes within `spin_s` (ring_take)."""
+        rid = CMA_DESCRIPTOR.unpack_from(req.descriptor)[1]
+        if self.native is None or self._sink is not None or self.awaiting.get(rid) is not req:
+            return
+        ring = self.inn
+        if self.native.ring_take(ring.bytes, CTRL_BYTES, ring.capacity, _acknowledging(rid), _EMPTY,
+                                 int(spin_s * 1e9)):
+            self._acked(rid)
 
     def _put(self, wire_header: bytes, payload: np.ndarray, descriptor: bytes | None) -> bool:
         ring = self.out
