@@ -189,7 +189,7 @@ def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn
     """sendrecv's messages that did not go at once (Engine.sendrecv_now, sendrecv_read): posted,
     waited for. `sent`: True, or the send still waiting for its reader."""
     engine, seq = group.engine, position(group)
-    reqs = [sent] if isinstance(sent, Request) else [] if sent else \
+    reqs: list[Request] = [sent] if isinstance(sent, Request) else [] if sent else \
         [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
     if not taken:
         reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))

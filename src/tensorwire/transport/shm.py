@@ -509,10 +509,11 @@ class ShmChannel(Channel):
         read into `dst` (writable, C-contiguous) and acknowledged in one compiled call where
         its descriptor is the ring's next record (ring_take_read), waiting up to `spin_s`:
         take_now's answers. A read that fails raises as the general path's does."""
-        if self._sink is not None or self.sendq or cma.aliasing_is_slow():  # the acknowledgement goes first
-            return False
+        native = self.native
+        if native is None or self._sink is not None or self.sendq or cma.aliasing_is_slow():
+            return False  # (sendq: the acknowledgement would pass what waits to be written)
         ring, out = self.inn, self.out
-        taken, rid, err = self.native.ring_take_read(
+        taken, rid, err = native.ring_take_read(
             ring.bytes, CTRL_BYTES, ring.capacity, with_mode(wire_header, Mode.REMOTE), dst, self.peer_pid,
             out.bytes, CTRL_BYTES, out.capacity, _ACK, int(spin_s * 1e9))
         if taken <= 0:
@@ -528,8 +529,11 @@ class ShmChannel(Channel):
     def take_ack(self, req: SendRequest, spin_s: float) -> None:
         """Finish REMOTE send `req` where its reader's acknowledgement is the ring's next record
         or comes within `spin_s` (ring_take)."""
-        rid = CMA_DESCRIPTOR.unpack_from(req.descriptor)[1]
-        if self.native is None or self._sink is not None or self.awaiting.get(rid) is not req:
+        descriptor = req.descriptor
+        if descriptor is None or self.native is None or self._sink is not None:
+            return
+        rid = CMA_DESCRIPTOR.unpack_from(descriptor)[1]
+        if self.awaiting.get(rid) is not req:
             return
         ring = self.inn
         if self.native.ring_take(ring.bytes, CTRL_BYTES, ring.capacity, _acknowledging(rid), _EMPTY,
