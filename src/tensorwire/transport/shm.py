@@ -716,10 +716,10 @@ class ShmChannel(Channel):
 
     def take_now(self, wire_header: bytes, dst: np.ndarray, spin_s: float = 0.0) -> bool | None:
         """Read the message at the ring's tail straight into `dst` (a writable C-contiguous
-        array) if its header is `wire_header` byte for byte and it lies whole in the ring
-        (its payload may wrap), waiting for it up to `spin_s`: a point-to-point receive with no request,
-        no matching and no parsing (Engine.recv_now). None: nothing whole there yet; False:
-        another record comes first (the general path's)."""
+        array) if its header is `wire_header` byte for byte and it lies whole in the ring (its
+        payload may wrap), waiting for it up to `spin_s`: a point-to-point receive with no
+        request, no matching and no parsing (Engine.recv_now). None: nothing whole there yet;
+        False: another record comes first (the general path's)."""
         if self._sink is not None:
             return False
         ring = self.inn
