@@ -84,7 +84,7 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     buffer `tensor` is (gpu/collectives.py): a device message lands there instead
     (RecvRequest.device)."""
     data, found = _host(group, tensor, False, src, tag)
-    if group.engine.recv_now(found.peer, found.key, found.wire, data, False, found.label):
+    if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
         return found.done
     req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
                              seq=position(group), device=device)

@@ -630,7 +630,7 @@ static int take_record(uint64_t *words, const char *data, uint64_t cap, const ch
     uint64_t tail = words[TAIL_WORD], n = (uint64_t)dst->len, end = tail + HEADER + padded(n);
     uint64_t avail = await_head(words, tail, HEADER, spin_ns), pos = tail % cap;
     if (avail < HEADER) return -1;
-    if (memcmp(data + pos, header, HEADER) != 0) return 0;
+    if (memcmp(data + pos, header, HEADER) != 0 || end - tail > cap) return 0; /* never whole: too large */
     if (avail < end - tail && await_head(words, tail, end - tail, spin_ns) < end - tail) return -1;
     uint64_t at = (pos + HEADER) % cap, first = n < cap - at ? n : cap - at;
     memcpy(dst->buf, data + at, (size_t)first);

@@ -300,6 +300,8 @@ class Engine(Failures):
                 may_spin = spin and self.spin_s and not any(c.queued() for c in self.channel_list)
                 if what and 0 < channel.read_bytes <= dst.nbytes:  # maybe left in its sender's memory
                     taken = channel.take_read(wire_header, dst, what, self.spin_s if may_spin else 0.0)
+                    if taken is None:  # nothing came within the spin: the general way
+                        return False
                     if taken is False:  # another record first: an inline message maybe
                         taken = channel.take_now(wire_header, dst)
                 if taken is None and may_spin:
@@ -344,7 +346,8 @@ class Engine(Failures):
                     or self.unexpected.get(key) or not (dst.flags.writeable and dst.flags.c_contiguous):
                 return None
             req = SendRequest(to, header, payload, what, seq=seq)
-            sent, taken = out.exchange_read(req, inn, in_header, in_what, dst, self.spin_s)
+            spin = 0.0 if any(c.queued() for c in self.channel_list) else self.spin_s  # as recv_now's
+            sent, taken = out.exchange_read(req, inn, in_header, in_what, dst, spin)
         if not sent:
             return None
         return (None if req.done else req), taken
@@ -655,7 +658,9 @@ class Engine(Failures):
         of them would only take the GIL, and on a busy host a core, from the ranks. While waits
         keep coming it looks ever less often (up to _BG_LOOK_MAX_S): each look takes the GIL
         from a spinning waiter (docs/design/waiting.md#the-background-thread). While the peers
-        are watched (watch_peers) it also looks at the sockets every _WATCH_S."""
+        are watched (watch_peers) it also looks at the sockets every _WATCH_S, where aborts and
+        lost peers show: only there, as reading a ring may make CUDA calls (a device message's
+        copy), which another thread's graph capture forbids."""
         quiet_since = None  # when pending requests were first seen without a waiter
         stalled_since = None  # when its own progress last stopped moving anything
         period = _BG_GRACE_S
@@ -670,7 +675,9 @@ class Engine(Failures):
                 watching = now < self._watch_until
                 if watching and now >= self._next_look and not self._foreground:
                     self._next_look = now + _WATCH_S  # (a waiter in the foreground looks itself)
-                    self.poll_peers()
+                    self.poll_sockets()  # no ring progress: a capture may be under way (device_flags)
+                    if self.deferred_aborts:
+                        self.run_deferred_aborts()
                 busy = self._waits != seen or self._foreground
                 seen = self._waits
                 period = min(2 * period, _BG_LOOK_MAX_S) if busy else _BG_GRACE_S

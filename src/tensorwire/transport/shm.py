@@ -338,12 +338,12 @@ class ShmChannel(Channel):
 
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
-        if self._outgrown(n):
-            self._grow(n)
         if req.device_body is not None:
             self._offer_device(req)
         elif self.peer_reads and req.header.kind == Kind.P2P and n >= REMOTE_BYTES:
             self._offer(req)
+        if req.descriptor is None and self._outgrown(n):  # (a descriptor's payload stays here)
+            self._grow(n)
         if self.sendq or not self._put_whole(req):
             self.sendq.append(req)
 
@@ -421,7 +421,10 @@ class ShmChannel(Channel):
         if req is not None:
             req.copied = copied
             if copied is not None and req.holds is not None:
-                req.holds.copied(copied, self.peer)
+                try:
+                    req.holds.copied(copied, self.peer)
+                except Exception as exc:  # a CUDA error: the send fails with it, progress goes on
+                    req.fail(exc)
             req.done = True  # no-op effect where it already failed (done, with its error)
 
     def _put_whole(self, req: SendRequest) -> bool:
@@ -749,8 +752,8 @@ class ShmChannel(Channel):
             return None
         cap = ring.capacity
         pos = tail % cap
-        if ring.raw[pos:pos + HEADER_SIZE] != wire_header:
-            return False
+        if ring.raw[pos:pos + HEADER_SIZE] != wire_header or end - tail > cap:
+            return False  # (a record larger than the ring never lies whole in it)
         if avail < end - tail:
             return None
         if n:  # the payload may wrap past the ring's end
