@@ -673,16 +673,18 @@ class _Counting:
         return taken, rid, err
 
 
-def _sendrecv_reads(nbytes: int) -> dict[str, Any]:
-    """sendrecv out of huge pages, one signature again and again: each rank reads the other's
-    buffer (in one compiled call where nothing is in the way, Engine.sendrecv_read; else the
-    general REMOTE exchange); every call's content arrives, nothing is staged or left waiting."""
+def _large_reads(how: str, nbytes: int) -> dict[str, Any]:
+    """Large messages out of huge pages around the ring, by `sendrecv` or by blocking `send`
+    and `recv` (rank 0 sending first): each receive reads its sender's buffer, in one compiled
+    call where nothing is in the way (ShmChannel.exchange_read, take_read; else the general
+    REMOTE path); every call's content arrives, nothing is staged or left waiting."""
     g = tw.world()
     r, right, left = _neighbours(g)
     send = _huge_pattern(r, right, 50, nbytes)
     got = np.zeros(send.size, np.int64)
     out = _reads_peer_memory(g, right, send)
-    channel = g.engine.channels.get(g.ranks[right])
+    # the channel whose compiled call runs: the sendrecv's to its destination, a recv's from its source
+    channel = g.engine.channels.get(g.ranks[right if how == "sendrecv" else left])
     counting = getattr(channel, "native", None) is not None
     if counting:
         channel.native = _Counting(channel.native)
@@ -690,7 +692,14 @@ def _sendrecv_reads(nbytes: int) -> dict[str, Any]:
     try:
         for i in range(30):
             send[:] = _pattern(r, right, 50 + i, send.size)
-            assert tw.sendrecv(send, right, got, left, tag=50) == left
+            if how == "sendrecv":
+                assert tw.sendrecv(send, right, got, left, tag=50) == left
+            elif r == 0:
+                tw.send(send, right, tag=50)
+                tw.recv(got, left, tag=50)
+            else:
+                tw.recv(got, left, tag=50)
+                tw.send(send, right, tag=50)
             right_all &= _same_as_pattern(got, left, r, 50 + i)
     finally:
         if counting:
@@ -701,58 +710,15 @@ def _sendrecv_reads(nbytes: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("nbytes", [256 << 10, (1 << 20) + 8])
-def test_large_sendrecvs_read_each_others_buffers(cluster: Any, nbytes: int) -> None:
-    results = cluster.run(_sendrecv_reads, nbytes)
+@pytest.mark.parametrize("how", ["sendrecv", "send_recv"])
+def test_large_messages_are_read_out_of_their_senders_buffer(cluster: Any, how: str, nbytes: int) -> None:
+    results = cluster.run(_large_reads, how, nbytes)
     for rank, res in enumerate(results):
         assert res["right"] and res["awaiting"] == 0, (rank, res)
         if res["remote"]:
             assert res["staged"] == 0, (rank, res)
     if cluster.size == 2 and all(res["remote"] and "whole" in res for res in results):
-        assert all(res["whole"] for res in results), results  # the compiled exchange ran
-
-
-def _ping_pong_reads(nbytes: int) -> dict[str, Any]:
-    """Blocking send and recv out of huge pages around the ring, rank 0 sending first: each
-    receive reads its sender's buffer (in one compiled call where its descriptor is the next
-    record, ShmChannel.take_read; else the general REMOTE path), every call's content arrives,
-    nothing is staged or left waiting."""
-    g = tw.world()
-    r, right, left = _neighbours(g)
-    send = _huge_pattern(r, right, 52, nbytes)
-    got = np.zeros(send.size, np.int64)
-    out = _reads_peer_memory(g, right, send)
-    channel = g.engine.channels.get(g.ranks[left])  # the one this rank reads through
-    counting = getattr(channel, "native", None) is not None
-    if counting:
-        channel.native = _Counting(channel.native)
-    staged, right_all = g.engine.staged_bytes, True
-    try:
-        for i in range(30):
-            send[:] = _pattern(r, right, 52 + i, send.size)
-            if r == 0:
-                tw.send(send, right, tag=52)
-                tw.recv(got, left, tag=52)
-            else:
-                tw.recv(got, left, tag=52)
-                tw.send(send, right, tag=52)
-            right_all &= _same_as_pattern(got, left, r, 52 + i)
-    finally:
-        if counting:
-            out["whole"], channel.native = channel.native.whole, channel.native.native
-    out.update(right=right_all, staged=g.engine.staged_bytes - staged,
-               awaiting=sum(len(getattr(c, "awaiting", ())) for c in g.engine.channels.values()))
-    return out
-
-
-@pytest.mark.parametrize("nbytes", [256 << 10, (1 << 20) + 8])
-def test_large_blocking_receives_read_their_senders_buffers(cluster: Any, nbytes: int) -> None:
-    results = cluster.run(_ping_pong_reads, nbytes)
-    for rank, res in enumerate(results):
-        assert res["right"] and res["awaiting"] == 0, (rank, res)
-        if res["remote"]:
-            assert res["staged"] == 0, (rank, res)
-    if cluster.size == 2 and all(res["remote"] and "whole" in res for res in results):
-        assert all(res["whole"] for res in results), results  # the compiled receive ran
+        assert all(res["whole"] for res in results), results  # the compiled exchange or receive ran
 
 
 def _both_send_first(nbytes: int) -> dict[str, Any]:

@@ -499,12 +499,7 @@ class ShmChannel(Channel):
         else:
             self.awaiting[rid] = req
         if flags & _EX_TAKEN:
-            inn.parked = None
-            inn.release = False
-            if not flags & _EX_ACKED:
-                inn.acknowledge(peer_rid)
-            if err:
-                raise read_failed(inn, in_what, cma.read_error(inn.peer_pid, err))
+            inn._read(flags, peer_rid, err, in_what)
         return True, bool(flags & _EX_TAKEN)
 
     def take_read(self, wire_header: bytes, dst: np.ndarray, what: str, spin_s: float) -> bool | None:
@@ -521,13 +516,19 @@ class ShmChannel(Channel):
             out.bytes, CTRL_BYTES, out.capacity, _ACK, int(spin_s * 1e9))
         if taken <= 0:
             return None if taken < 0 else False
+        self._read(taken, rid, err, what)
+        return True
+
+    def _read(self, flags: int, rid: int, err: int, what: str) -> None:
+        """After a compiled call took and read this ring's REMOTE message `rid` (for the receive
+        labelled `what`): the ring's tail moved on; acknowledge it where the call could not;
+        raise a read that failed (errno `err`) as the general path's read does."""
         self.parked = None
         self.release = False
-        if not taken & _EX_ACKED:
+        if not flags & _EX_ACKED:
             self.acknowledge(rid)
         if err:
             raise read_failed(self, what, cma.read_error(self.peer_pid, err))
-        return True
 
     def take_ack(self, req: SendRequest, spin_s: float) -> None:
         """Finish REMOTE send `req` where its reader's acknowledgement is the ring's next record
