@@ -1209,6 +1209,47 @@ def test_sender_dies_before_its_message_is_read() -> None:
         assert first["sevens"] == 0, first
 
 
+_READ_FROM_THE_GONE = """
+import subprocess
+from tensorwire.tuning import tuner
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=30)
+g = tw.world()
+x = np.full(1 << 18, rank + 1.0, np.float32)  # 1 MiB: past the slots
+outs = [np.zeros_like(x) for _ in range(size)]
+if not g.direct.single_copy:
+    report(skip="this machine refuses reads across processes")
+    raise SystemExit
+gone = subprocess.Popen(["true"])
+gone.wait()  # a process id that no longer belongs to anyone
+if rank == 0:  # rank 0 reads rank 1's buffer out of that process: the read fails with ESRCH
+    g.direct.pids = (g.direct.pids[0], gone.pid)
+with tuner.override(g, "all_gather", "single_copy"):
+    res = attempt(g.all_gather, outs, x, timeout=10)
+report(res=res, gone=gone.pid)
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("transport", ["shm", PYTHON])
+def test_a_single_copy_read_out_of_a_vanished_process_names_its_rank(transport: str) -> None:
+    """A single copy read whose source process no longer exists (the compiled body hands it
+    back, and Python's read raises) fails that rank's call with PeerLostError naming the
+    source, and the abort reaches the other rank within seconds."""
+    port = free_port()
+    env = {"TENSORWIRE_NATIVE": "0" if transport == PYTHON else "auto"}
+    procs = [_spawn(_READ_FROM_THE_GONE, r, 2, port, env=env) for r in (0, 1)]
+    try:
+        first, second = _reports(procs[0], 30)[-1], _reports(procs[1], 30)[-1]
+    finally:
+        _kill_all(procs)
+    if "skip" in first:
+        pytest.skip(first["skip"])
+    _assert_error(first["res"], PeerLostError, "all_gather", "lost rank 1",
+                  f"process {first['gone']} is gone", rank=0, within=5.0)
+    assert second["res"]["type"] is not None, second
+    assert "TensorwireError" in second["res"]["mro"] and second["res"]["t"] < 10.0, second
+
+
 _LEAVE = """
 tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
 if rank == 0:

@@ -20,7 +20,7 @@ from ..buffers import address, copy, huge_zeros
 from ..errors import PeerLostError
 from ..ops import ReduceOp
 from ..ops.kernels import reduction_kernel, writes_where_told
-from ..transport import pages
+from ..transport import cma, native, pages
 from ..transport.cma import BOUNCE, ProcessGone
 from ..transport.segment import CHUNK_BITS, READ, DirectPath
 from .base import blocks_of, split_counts
@@ -35,19 +35,21 @@ _PIECE = BOUNCE
 def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True) -> int:
     """Enter, publish the addresses of the buffers at `spans` ((address, bytes) each: one per
     reader, or one for all) and, where peers `read` them, how much of them lies in huge pages,
-    and wait for every rank to publish theirs; the call's slot parity. dp.huge_eighths is
-    then the least share of any source (what the tuner learns)."""
+    and wait for every rank to publish theirs; the call's slot parity."""
     p = dp.enter(call)
     count = len(spans)
-    tables = dp.views(_WORD, count + 1)[p]
-    table = tables[dp.rank]
+    table = dp.views(_WORD, count + 1)[p][dp.rank]
     for i, (at, _) in enumerate(spans):
         table[i] = at
-    # an in-place call's spans twice: the same share
-    table[count] = pages.scanner().eighths(spans) if read else pages.UNKNOWN
+    table[count] = _eighths(spans, read)
     dp.publish(call, p, dp.everyone)
-    dp.huge_eighths = int(min(t[count] for t in tables))
+    dp.shares_at = (p, count)
     return p
+
+
+def _eighths(spans: list[tuple[int, int]], read: bool) -> int:
+    """The share of `spans` in huge pages that a rank publishes where peers `read` them."""
+    return pages.scanner().eighths(spans) if read else pages.UNKNOWN
 
 
 def _spans(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
@@ -75,58 +77,99 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
     dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
 
 
+Reads = tuple
+"""What a rank reads in a single copy call: (source, index, dst) after one another, flat (one
+tuple to hand to C): buffer `index` of the table `source` published, into dst."""
+
+
+def _move(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
+          local: tuple[np.ndarray, np.ndarray] | None = None, read: bool = True) -> None:
+    """The bodies that only move bytes: offer `spans` (_offer), copy in `reads`, fill `local`
+    (dst, src), mark this rank's reads done and wait until `readers` are done with its
+    buffers. In one C call where the module is built (Path.single_copy); Python takes over
+    wherever it hands back."""
+    status = _moved(dp, call, spans, reads, readers, local, read) if dp.native is not None else native.PENDING
+    if status == native.DONE:
+        return
+    if status == native.PENDING:  # the Python path
+        p = _offer(dp, call, spans, read)
+    else:
+        p = dp.st.parity
+    if status == native.COPIED:
+        dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
+        return
+    for at in range(0, len(reads), 3):
+        if reads[at + 2].nbytes:
+            _fetch(dp, p, *reads[at:at + 3])
+    if local is not None:
+        copy(*local)
+    _finish(dp, call, p, readers)
+
+
+def _moved(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
+           local: tuple[np.ndarray, np.ndarray] | None, read: bool) -> int:
+    """_move's compiled body, its entry and publish round finished here where it hands them
+    back; its status (DONE, SETTLED or COPIED)."""
+    path = dp.native
+    if dp.alias_window is None:
+        dp.alias_window = cma.ALIAS_WINDOW if cma.aliasing_is_slow() else 0
+    a, b = dp.stamp_words(call)
+    whom = -1 if readers is dp.others else readers[0] if readers else -2
+    table = (*[at for at, _ in spans], _eighths(spans, read))
+    status = path.single_copy(call.seq, a, b, call.name, table, dp.pids, reads, whom, local, dp.alias_window)
+    if status == native.NOT_ENTERED:
+        dp.settle_previous(call)
+        status = path.single_copy(call.seq, a, b, call.name, table, dp.pids, reads, whom, local,
+                                  dp.alias_window)
+    if status != native.NOT_ENTERED:
+        dp.shares_at = (dp.st.parity, len(spans))
+    if status == native.PENDING or status >= 0:
+        dp.resume(call, status, dp.everyone)  # raises the mismatch, or waits for everyone
+        return native.SETTLED
+    return status
+
+
 def single_copy_all_gather(call, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
     """Peers read this rank's input where it is apart (see single_copy_broadcast)."""
     dp = call.group.direct
-    p = _offer(dp, call, _spans([blocks[dp.rank] if src is None else src]))
-    for r in dp.onward:
-        _fetch(dp, p, r, 0, blocks[r])
-    if src is not None:
-        copy(blocks[dp.rank], src)
-    _finish(dp, call, p, dp.others)
+    me = dp.rank
+    reads = tuple(x for r in dp.onward for x in (r, 0, blocks[r]))
+    if src is None:
+        _move(dp, call, [(address(blocks[me]), blocks[me].nbytes)], reads, dp.others)
+    else:
+        _move(dp, call, [(address(src), src.nbytes)], reads, dp.others, (blocks[me], src))
 
 
 def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
-    p = _offer(dp, call, _spans(sends))
-    copy(recvs[dp.rank], sends[dp.rank])
-    for r in dp.onward:
-        _fetch(dp, p, r, dp.rank, recvs[r])
-    _finish(dp, call, p, dp.others)
+    me = dp.rank
+    _move(dp, call, _spans(sends), tuple(x for r in dp.onward for x in (r, me, recvs[r])), dp.others,
+          (recvs[me], sends[me]))
 
 
 def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
     """The root publishes its input (`src` where apart: lines it has not just written, which
     peers read 2.3-2.5x faster than its freshly filled output) and fills its output meanwhile."""
     dp = call.group.direct
-    me = dp.rank
-    p = _offer(dp, call, _spans([data if src is None else src]), read=me == root)
-    if me == root:
-        if src is not None:
-            copy(data, src)
-        _finish(dp, call, p, dp.others)
+    if dp.rank != root:
+        _move(dp, call, [(address(data), data.nbytes)], (root, 0, data), (), read=False)
+    elif src is None:
+        _move(dp, call, [(address(data), data.nbytes)], (), dp.others)
     else:
-        if data.nbytes:
-            dp.reader.read_into(data, dp.pids[root], int(dp.views(_WORD, 1)[p][root][0]))
-        _finish(dp, call, p, ())
+        _move(dp, call, [(address(src), src.nbytes)], (), dp.others, (data, src))
 
 
 def single_copy_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
     """The root reads every other rank's input; each of them returns once it has (blocks may
     differ in size: gatherv, whose sizes only the root's list shows)."""
     dp = call.group.direct
-    me = dp.rank
-    p = _offer(dp, call, _spans([send]), read=me != root)
-    if me != root:
-        _finish(dp, call, p, (root,))
+    spans = [(address(send), send.nbytes)]
+    if dp.rank != root:
+        _move(dp, call, spans, (), (root,))
         return
     assert blocks is not None
-    for r in dp.onward:
-        if blocks[r].nbytes:
-            _fetch(dp, p, r, 0, blocks[r])
-    if blocks[root] is not send:
-        copy(blocks[root], send)
-    _finish(dp, call, p, ())
+    _move(dp, call, spans, tuple(x for r in dp.onward for x in (r, 0, blocks[r])), (),
+          None if blocks[root] is send else (blocks[root], send), read=False)
 
 
 def single_copy_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
@@ -136,15 +179,9 @@ def single_copy_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray,
     me = dp.rank
     if me == root:
         assert blocks is not None
-        p = _offer(dp, call, _spans(blocks))
-        if blocks[root] is not recv:
-            copy(recv, blocks[root])
-        _finish(dp, call, p, dp.others)
-        return
-    p = _offer(dp, call, [(0, 0)] * dp.size, read=False)  # the table's shape: the root's is read
-    if recv.nbytes:
-        _fetch(dp, p, root, me, recv)
-    _finish(dp, call, p, ())
+        _move(dp, call, _spans(blocks), (), dp.others, None if blocks[root] is recv else (recv, blocks[root]))
+    else:  # the table's shape: the root's is read
+        _move(dp, call, [(0, 0)] * dp.size, (root, me, recv), (), read=False)
 
 
 def _lost_if_gone(run):

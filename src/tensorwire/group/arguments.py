@@ -231,6 +231,8 @@ def input_apart(outs: list[np.ndarray], mine: int, inp: np.ndarray) -> np.ndarra
     """`inp`, flat, where it shares no memory with any of the flat `outs`: the run reads it
     there (peers may, single copy); else None, outs[mine] filled from it first unless it is
     `inp` itself, as a peer reading `inp` must not see it change while this rank fills `outs`."""
+    if outs[mine] is inp:
+        return None
     if not any(np.may_share_memory(o, inp) for o in outs):
         return buffers.flat(inp)
     if not same_memory(outs[mine], inp):

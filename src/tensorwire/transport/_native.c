@@ -37,36 +37,39 @@ static long long now_ns(void) {
 
 /* ---- waiting ------------------------------------------------------------------------------- */
 
-/* Whether every other rank (or only rank `only`, if >= 0) has a flag >= seq. */
-static int arrived(const Path *p, int only, uint64_t seq) {
-    if (only >= 0) return load(p->words + p->lines[only]) >= seq;
+/* Whether every other rank (or only rank `only`, if >= 0) has word `word` of its control
+ * line (0: the flag) >= seq. */
+static int arrived(const Path *p, int only, int word, uint64_t seq) {
+    if (only >= 0) return load(p->words + p->lines[only] + word) >= seq;
     for (int r = 0; r < p->size; r++)
-        if (r != p->rank && load(p->words + p->lines[r]) < seq) return 0;
+        if (r != p->rank && load(p->words + p->lines[r] + word) < seq) return 0;
     return 1;
 }
 
-/* Poll until the awaited flags reach seq: a short spell holding the interpreter lock (a peer
+/* Poll until the awaited words reach seq: a short spell holding the interpreter lock (a peer
  * already there costs nothing more), then the rest of the budget without it. */
-static int await_flags(const Path *p, int only, uint64_t seq) {
+static int await_word(const Path *p, int only, int word, uint64_t seq) {
     for (int i = 0; i < 64; i++)
-        if (arrived(p, only, seq)) return 1;
+        if (arrived(p, only, word, seq)) return 1;
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
     if (p->spin_ns > 0) {
         long long end = now_ns() + p->spin_ns;
         for (;;) {
-            for (int i = 0; i < 256 && !ok; i++) ok = arrived(p, only, seq);
+            for (int i = 0; i < 256 && !ok; i++) ok = arrived(p, only, word, seq);
             if (ok || now_ns() > end) break;
         }
     } else {
         for (int i = 0; i < p->yields && !ok; i++) {
             sched_yield();
-            ok = arrived(p, only, seq);
+            ok = arrived(p, only, word, seq);
         }
     }
     Py_END_ALLOW_THREADS
     return ok;
 }
+
+static int await_flags(const Path *p, int only, uint64_t seq) { return await_word(p, only, 0, seq); }
 
 /* Stamp (seq, a, b) beside this rank's flag for `parity`, then store the flag (last). */
 static void stamp(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t b) {
@@ -719,24 +722,130 @@ PyObject *ring_sendrecv(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(s);
 }
 
-/* Copy n bytes from address `remote` of process `pid` into `local` (cross-memory attach, the
- * interpreter lock released; cma._read): 0, or the errno that stopped it. */
-static int read_peer(long pid, char *local, uint64_t remote, size_t n) {
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
+/* Copy n bytes from address `remote` of process `pid` into `local` (cross-memory attach,
+ * cma._read): 0, or the errno that stopped it. */
+static int read_span(long pid, char *local, uint64_t remote, size_t n) {
     while (n) {
         struct iovec lv = {local, n}, rv = {(void *)(uintptr_t)remote, n};
         ssize_t got = process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
-        if (got <= 0) {
-            err = got < 0 ? errno : EFAULT;
-            break;
-        }
+        if (got <= 0) return got < 0 ? errno : EFAULT;
         local += got;
         remote += (uint64_t)got;
         n -= (size_t)got;
     }
+    return 0;
+}
+
+#define READ_HELD (64 << 10) /* below it a read keeps the interpreter lock: it takes a few us */
+
+/* read_span, the interpreter lock released where the read is large. */
+static int read_peer(long pid, char *local, uint64_t remote, size_t n) {
+    if (n < READ_HELD) return read_span(pid, local, remote, n);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = read_span(pid, local, remote, n);
     Py_END_ALLOW_THREADS
     return err;
+}
+
+#define READ_WORD 2   /* a control line's READ progress word (segment.READ) */
+#define CHUNK_BITS 24 /* segment.CHUNK_BITS */
+
+/* memcpy, the interpreter lock released where the copy is large. */
+static void copy_bytes(char *dst, const char *src, size_t n) {
+    if (n < READ_HELD) {
+        memcpy(dst, src, n);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, src, n);
+    Py_END_ALLOW_THREADS
+}
+
+/* single_copy(seq, a, b, name, table, pids, reads, whom, local, alias) -> status: the single
+ * copy bodies that only move bytes (algorithms/single_copy.py, _move). Enter, write `table`
+ * (the addresses peers read, then the huge-page share) into this rank's slot, publish and
+ * wait for everyone; read each (source, index, dst) of `reads` out of its source (word
+ * `index` of the table it published; `pids`: every rank's process); fill `local` ((dst, src)
+ * or None); mark this rank's reads done and wait until `whom` (every other rank: -1, a rank,
+ * no one: -2) read this rank's buffers. Besides DONE, NOT_ENTERED and a rank whose stamp
+ * differs: PENDING (published: the wait and the rest to Python), SETTLED (everyone there,
+ * nothing kept of the reads: one failed, or falls in the window `alias` (0: none) of a CPU
+ * slow there; Python reads again, and raises or bounces as its path does) or COPIED (read
+ * and marked: Python waits for the readers). */
+static PyObject *Path_single_copy(Path *self, PyObject *const *args, Py_ssize_t nargs) {
+    Head h;
+    int whom, s = DONE;
+    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "single_copy takes 10 arguments");
+    PyObject *table = args[4], *pids = args[5], *reads = args[6], *local = args[8];
+    if (!head(args, &h) || !to_int(args[7], -2, self->size, "whom", &whom)) return NULL;
+    uint64_t alias;
+    if (!to_u64(args[9], &alias)) return NULL;
+    if (!PyTuple_Check(table) || !PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) != self->size ||
+        !PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) % 3 || (local != Py_None && !PyTuple_Check(local)))
+        return PyErr_Format(PyExc_TypeError, "single_copy: bad arguments");
+    Py_ssize_t words = PyTuple_GET_SIZE(table), count = PyTuple_GET_SIZE(reads) / 3, held = 0;
+    if (words * 8 > self->slot_bytes) return PyErr_Format(PyExc_ValueError, "the table outgrows the slot");
+    uint64_t *vals = PyMem_Malloc((size_t)(words + 3 * count) * 8 + 1);
+    Py_buffer *dst = PyMem_Calloc((size_t)count + 2, sizeof(Py_buffer));
+    if (vals == NULL || dst == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t *from = vals + words; /* per read: source, index, pid */
+    for (Py_ssize_t i = 0; i < words; i++)
+        if (!to_u64(PyTuple_GET_ITEM(table, i), vals + i)) goto out;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        int source, index;
+        if (!to_int(PyTuple_GET_ITEM(reads, 3 * k), 0, self->size, "source", &source) ||
+            !to_int(PyTuple_GET_ITEM(reads, 3 * k + 1), 0, (int)(self->slot_bytes / 8), "index", &index) ||
+            !to_u64(PyTuple_GET_ITEM(pids, source), from + 3 * k + 2))
+            goto out;
+        from[3 * k] = (uint64_t)source;
+        from[3 * k + 1] = (uint64_t)index;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(reads, 3 * k + 2), dst + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto out;
+        held++;
+    }
+    if (local != Py_None) {
+        if (PyTuple_GET_SIZE(local) != 2 ||
+            PyObject_GetBuffer(PyTuple_GET_ITEM(local, 0), dst + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto out;
+        held++;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 1), dst + held, PyBUF_C_CONTIGUOUS) < 0) goto out;
+        held++;
+        if (dst[held - 1].len != dst[held - 2].len) {
+            PyErr_SetString(PyExc_ValueError, "single_copy: the local copy's sizes differ");
+            goto out;
+        }
+    }
+    if (!enter(self)) {
+        s = NOT_ENTERED;
+        goto out;
+    }
+    int parity = self->parity;
+    memcpy(slot(self, self->rank, parity), vals, (size_t)words * 8);
+    s = round_trip(self, &h, -1);
+    if (s != DONE) goto out;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t remote = ((const uint64_t *)slot(self, (int)from[3 * k], parity))[from[3 * k + 1]];
+        uint64_t off = ((uint64_t)(uintptr_t)dst[k].buf - remote) % 4096;
+        from[3 * k + 1] = remote;
+        if (dst[k].len && off && off < alias) s = SETTLED;
+    }
+    for (Py_ssize_t k = 0; k < count && s == DONE; k++)
+        if (dst[k].len && read_peer((long)from[3 * k + 2], dst[k].buf, from[3 * k + 1], (size_t)dst[k].len))
+            s = SETTLED;
+    if (s != DONE) goto out;
+    if (local != Py_None) copy_bytes(dst[count].buf, dst[count + 1].buf, (size_t)dst[count].len);
+    uint64_t target = (h.seq << CHUNK_BITS) + 1;
+    store(self->words + self->lines[self->rank] + READ_WORD, target);
+    if (whom != -2 && !await_word(self, whom, READ_WORD, target)) s = COPIED;
+out:
+    while (held--) PyBuffer_Release(dst + held);
+    PyMem_Free(dst);
+    PyMem_Free(vals);
+    return PyErr_Occurred() ? NULL : status(s);
 }
 
 #define EX_SENT 1  /* this rank's descriptor is in the ring to its destination */
@@ -881,6 +990,18 @@ int blocks_match(PyObject *blocks, PyObject *like_obj, int writable) {
     return ok;
 }
 
+/* read_peer(pid, local, remote, nbytes) -> errno: cma._read in one C call (0: read). */
+static PyObject *read_peer_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t local, remote, n;
+    (void)module;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "read_peer takes 4 arguments");
+    long pid = PyLong_AsLong(args[0]);
+    if ((pid == -1 && PyErr_Occurred()) || !to_u64(args[1], &local) || !to_u64(args[2], &remote) ||
+        !to_u64(args[3], &n))
+        return NULL;
+    return PyLong_FromLong(read_peer(pid, (char *)(uintptr_t)local, remote, (size_t)n));
+}
+
 /* blocks_like(blocks, like, writable) -> bool: blocks_match, one C call instead of a Python loop. */
 static PyObject *blocks_like(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -904,6 +1025,8 @@ static PyMethodDef module_methods[] = {
     {"ring_take_read", (PyCFunction)(void (*)(void))ring_take_read, METH_FASTCALL,
      "ring_take_read(in, at, capacity, header, dst, pid, ack_out, at, capacity, ack_header, spin_ns) -> "
      "(taken, id, errno)"},
+    {"read_peer", (PyCFunction)(void (*)(void))read_peer_py, METH_FASTCALL,
+     "read_peer(pid, local, remote, nbytes) -> errno"},
     {"blocks_like", (PyCFunction)(void (*)(void))blocks_like, METH_FASTCALL,
      "blocks_like(blocks, like, writable) -> bool"},
     {NULL},
@@ -990,8 +1113,11 @@ GUARDED(Path_exchange)
 GUARDED(Path_barrier)
 GUARDED(Path_settle)
 GUARDED(Path_fold)
+GUARDED(Path_single_copy)
 
 static PyMethodDef Path_methods[] = {
+    {"single_copy", (PyCFunction)(void (*)(void))Path_single_copy_checked, METH_FASTCALL,
+     "single_copy(seq, a, b, name, table, pids, reads, whom, local, alias) -> status"},
     {"all_reduce", (PyCFunction)(void (*)(void))Path_all_reduce_checked, METH_FASTCALL,
      "all_reduce(seq, a, b, name, src, dst, code) -> status"},
     {"reduce", (PyCFunction)(void (*)(void))Path_reduce_checked, METH_FASTCALL,

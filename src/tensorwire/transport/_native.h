@@ -14,6 +14,8 @@
 #define DONE (-1)
 #define PENDING (-2)
 #define NOT_ENTERED (-3)
+#define SETTLED (-4)
+#define COPIED (-5)
 #define STAMP 8 /* word of a control line where the per-parity (seq, a, b) stamps start */
 #define MAX_RANKS 4096
 

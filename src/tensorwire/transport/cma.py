@@ -15,6 +15,7 @@ import errno
 import functools
 import os
 import time
+from types import ModuleType
 
 import numpy as np
 
@@ -97,6 +98,13 @@ def _read(pid: int, local: int, remote: int, nbytes: int) -> None:
         local, remote, nbytes = local + got, remote + got, nbytes - got
 
 
+def _read_natively(read_peer, pid: int, local: int, remote: int, nbytes: int) -> None:
+    """_read through the compiled module's read_peer."""
+    err = read_peer(pid, local, remote, nbytes)
+    if err:
+        raise read_error(pid, err)
+
+
 def read_error(pid: int, err: int) -> OSError:
     """What a read from process `pid` that stopped with errno `err` raises."""
     if err == errno.ESRCH:
@@ -125,17 +133,19 @@ def aliasing_is_slow() -> bool:
 
 
 class Reader:
-    """Reads peers' memory into local arrays; keeps the bounce buffer of misaligned reads."""
+    """Reads peers' memory into local arrays; keeps the bounce buffer of misaligned reads.
+    With the compiled module (`native`), each read is one C call instead of ctypes' ~3 us."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: ModuleType | None = None) -> None:
         self._bounce: np.ndarray | None = None
         self._at = 0  # the bounce buffer's address
+        self._read = _read if native is None else functools.partial(_read_natively, native.read_peer)
 
     def read_into(self, dst: np.ndarray, pid: int, remote: int) -> None:
         """Fill contiguous `dst` from address `remote` of process `pid`."""
         local, nbytes = address(dst), dst.nbytes
         if not 0 < (local - remote) % 4096 < ALIAS_WINDOW or not aliasing_is_slow():
-            _read(pid, local, remote, nbytes)
+            self._read(pid, local, remote, nbytes)
             return
         raw = dst.reshape(-1).view(np.uint8)
         for lo in range(0, nbytes, BOUNCE):
@@ -151,7 +161,7 @@ class Reader:
         # _BOUNCE_SHIFT past the source; a copy out of it to a destination within the source's
         # window is then ~_BOUNCE_SHIFT from it too
         start = (_BOUNCE_SHIFT + remote - self._at) % 4096
-        _read(pid, self._at + start, remote, nbytes)
+        self._read(pid, self._at + start, remote, nbytes)
         return self._bounce[start:start + nbytes]
 
 

@@ -25,9 +25,11 @@ from .. import log
 from ..errors import TensorwireWarning
 from ..ops import ReduceOp
 
-DONE, PENDING, NOT_ENTERED = -1, -2, -3
+DONE, PENDING, NOT_ENTERED, SETTLED, COPIED = -1, -2, -3, -4, -5
 """A compiled body's status besides a group rank (whose stamp differs): finished; published,
-the wait handed back to Python; or nothing done, the entry handed back (DirectPath.settle_previous)."""
+the wait handed back to Python; nothing done, the entry handed back (DirectPath.settle_previous);
+and of a single copy body (algorithms/single_copy.py): everyone published, the reads handed
+back; read, the wait for the readers handed back."""
 
 _DTYPES = {np.dtype(t).num: code for code, t in enumerate(
     (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,

@@ -71,11 +71,13 @@ class PageScanner:
         peers read after this rank has written it had counted as out of huge pages before its
         first call (the benchmark's: every out-of-place all_reduce then left single copy for
         good). UNKNOWN where the kernel cannot tell, or where none of the bytes is there yet."""
-        if not sum(n for _, n in spans):
-            return 8
         huge = present = 0
+        empty = True
         now = time.monotonic()
         for span in spans:
+            if not span[1]:
+                continue
+            empty = False
             kept = self._kept.get(span)
             if kept is None or now - kept[2] > KEEP_S:
                 got = self._scan(*span)
@@ -86,6 +88,8 @@ class PageScanner:
                 kept = self._kept[span] = (*got, now)
             huge += kept[0]
             present += kept[1]
+        if empty:
+            return 8
         return 8 * huge // present if present else UNKNOWN
 
     def _scan(self, address: int, nbytes: int) -> tuple[int, int] | None:

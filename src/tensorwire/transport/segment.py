@@ -147,10 +147,13 @@ class DirectPath:
         copy algorithms that declare `single_copy_crowded` run (see Algorithm)."""
         self.offered = "not yet"  # why this rank offers no single copy ('' if it does)
         self.pids: tuple[int, ...] = ()
-        self.reader = cma.Reader()
+        self.reader = cma.Reader(engine.native)
+        self.alias_window: int | None = None  # cma.ALIAS_WINDOW where the CPU is slow there, else 0
         self.kept: np.ndarray | None = None  # single copy's in-place fold keeps its own piece here
         self.folded: np.ndarray | None = None  # single copy's reduce: a non-root's folded block
-        self.huge_eighths = pages.UNKNOWN  # in single copy's last call, the least of its sources' (pages.py)
+        self.shares_at: tuple[int, int] | None = None
+        """Single copy's last call: its slot parity and the word of each rank's table that holds
+        the share of its buffers in huge pages (huge_eighths)."""
         self.native = native.path(engine.native, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
                                   _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD)
         """The compiled bodies over this segment, or None: the engine runs the Python ones."""
@@ -161,6 +164,15 @@ class DirectPath:
     def prev_fp(self) -> tuple[int, int]:
         """The fingerprint words of the last call published."""
         return self.st.prev_a, self.st.prev_b
+
+    @property
+    def huge_eighths(self) -> int:
+        """In single copy's last call, the least share of huge pages of any source (pages.py):
+        read before the next call enters (what the tuner learns after each, tuner.PageDependent)."""
+        if self.shares_at is None:
+            return pages.UNKNOWN
+        p, word = self.shares_at
+        return int(min(t[word] for t in self.views(np.dtype(np.uint64), word + 1)[p]))
 
     def offer_single_copy(self, why_not: str) -> None:
         """Publish this process's id, and (unless `why_not` says why not) where peers can test

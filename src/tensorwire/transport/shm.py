@@ -324,8 +324,8 @@ class ShmChannel(Channel):
         self._p2p_headers: dict[bytes, Header] = {}
         self.peer_pid = peer_pid  # non-zero where this process can read the peer's memory
         self.peer_reads = peer_reads  # the peer can read this process's: large sends go REMOTE
-        self.reader = cma.Reader()
         self.native = engine.native  # the compiled ring loops of put_now and take_now, or None
+        self.reader = cma.Reader(self.native)
         self.read_bytes = REMOTE_BYTES if peer_pid and self.native is not None else 0
         self.awaiting: dict[int, SendRequest] = {}  # REMOTE sends by id, until acknowledged
         self._remote_ids = itertools.count(1)
