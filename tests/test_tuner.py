@@ -44,6 +44,7 @@ from tensorwire.tuning.cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
     MEMORY,
@@ -542,6 +543,26 @@ def test_host_reads_at_the_huge_page_price_only_where_expected() -> None:
         assert tuner.host_of(g).reads(cost_model.HUGE_FROM) == (small if expected else huge)
 
 
+def test_single_copy_reductions_pay_their_own_rounds() -> None:
+    """Single copy's reductions fold in Python, its other bodies run in C: their flag rounds are
+    priced at `cma_fold`'s α, the moves' at `cma`'s, both reading at `cma`'s β (a predicted
+    time that grows by rounds x the α's difference, and only for the reductions)."""
+    small = Link(CMA, 2e-6, 1 / 14e9, 1 / 30e9)
+    algs = {c: algorithms_for(c)["single_copy"] for c in ("all_reduce", "reduce_scatter", "all_gather")}
+    m = 1 << 20
+    prices = {}
+    for fold_alpha in (2e-6, 9e-6):
+        host = cost_model.Host(DEFAULT_LINKS[MEMORY], 2, 4 << 20, small, small,
+                               Link(CMA_FOLD, fold_alpha, 1.0, 1.0), huge=False)
+        assert host.reads(m) == small and host.reads(m, folds=True) == replace(small, alpha=fold_alpha)
+        prices[fold_alpha] = {c: cost_model.predict(a, 2, m, DEFAULT_LINKS["shm"], DEFAULT_LINKS["direct"],
+                                                    host=host) for c, a in algs.items()}
+    grown = {c: prices[9e-6][c] - prices[2e-6][c] for c in algs}
+    assert grown["all_gather"] == 0.0
+    assert grown["all_reduce"] == pytest.approx(3 * 7e-6)
+    assert grown["reduce_scatter"] == pytest.approx(2 * 7e-6)
+
+
 def test_single_copy_turns_on_its_sources_pages() -> None:
     """Where single copy wins only out of huge pages, the tuner hands out a PageDependent: single
     copy while its sources are presumed or seen in huge pages, the other choice once a call saw
@@ -856,7 +877,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # the first init probed the tier in use (and on one host the one-shot shared-memory path
     # and, where the group has it, single copy), every rank busy at once, the host's memory,
     # and wrote the cache
-    reads = [CMA, CMA_HUGE] if first[0]["single_copy"] else []
+    reads = [CMA, CMA_HUGE, CMA_FOLD] if first[0]["single_copy"] else []
     one_host = ["direct", *reads] if tier == "shm" else []
     used = [tier, ONE_WAY[tier], *one_host, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY]
     unused = {t: "default" for t in DEFAULT_LINKS if t not in used}
@@ -1409,7 +1430,8 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     table = tuning_file.apply_overrides(cost_model.default_table(), over)
     # roce lacks γ: not a runtime tier
     assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
-                             "cma_huge": "default", "memory": "default", "tcp_stream": "default"}
+                             "cma_huge": "default", "cma_fold": "default", "memory": "default",
+                             "tcp_stream": "default"}
     assert table.link("tcp").alpha == DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 
 

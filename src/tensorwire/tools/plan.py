@@ -206,6 +206,9 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.cma_huge is not None:
             out(f"    ... out of huge pages (as priced here; a job prices the reads at the line above "
                 f"once its sources are seen in 4 KiB pages): {describe_link(tier.cma_huge)}")
+        if tier.cma is not None and tier.cma_fold is not None:
+            out(f"    ... a reduction's flag round (its body folds in Python): "
+                f"α {tier.cma_fold.alpha * 1e6:.3g} us")
         streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads) if tier.name == "tcp" else None
         if streams is not None:
             bound = (f"one stream at most {describe_rate(tier.stream)}" if tier.stream is not None

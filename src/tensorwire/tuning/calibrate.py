@@ -50,6 +50,7 @@ from .cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
     LINKS,
@@ -165,7 +166,7 @@ def at_init(world: Group) -> LinkTable:
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
     cores = int(min(info[r, 5] for r in range(n) if hosts[r] == hosts[me]))  # as the engine counts them
-    one_host = [*(["direct"] if direct else []), *([CMA, CMA_HUGE] if cma else [])]
+    one_host = [*(["direct"] if direct else []), *([CMA, CMA_HUGE, CMA_FOLD] if cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, BUSY, BUSY_RING,
                          BUSY_PAIRS, MEMORY])
     key = cache_key(hosts, links_used, n, cfg.tcp_changed(), [int(e) for e in info[:, 6]])
@@ -275,7 +276,7 @@ def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: 
             sources[tier] = sources[ONE_WAY[tier]] = "calibrated"
         else:  # not in this job: its defaults, with this host's γ
             base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
-    for name, used in (("direct", direct), (CMA, cma), (CMA_HUGE, cma)):
+    for name, used in (("direct", direct), (CMA, cma), (CMA_HUGE, cma), (CMA_FOLD, cma)):
         if used:
             base[name] = Link(name, *measured[name], gamma)
             sources[name] = "calibrated"

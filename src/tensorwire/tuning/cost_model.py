@@ -19,7 +19,7 @@ from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..config import Config
 from ..transport.tcp import parts_of
 from . import crossing
-from .policy import allowed, forcing
+from .policy import REDUCTIONS, allowed, forcing
 from .shape import COPY, LocalPrice, RailPrice
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ DEFAULT_LINKS = {
     "cma": Link("cma", alpha=1e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
     # ... out of a source in huge pages: the kernel pins one page per 2 MiB instead of 512
     "cma_huge": Link("cma_huge", alpha=1e-6, beta=1 / 12e9, gamma=1 / 7.5e9),
+    # single copy's reductions: their flag round, whose body folds in Python (only α is used)
+    "cma_fold": Link("cma_fold", alpha=3e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache, and that cache's size
     "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
     # one TCP stream driven by one thread: the default TCP link's (only its β bounds a link, see Streams)
@@ -52,14 +54,17 @@ MEMORY = "memory"
 STREAM = "tcp_stream"
 CMA = "cma"
 CMA_HUGE = "cma_huge"
+CMA_FOLD = "cma_fold"
 BUSY, BUSY_RING, BUSY_PAIRS = "busy", "busy_ring", "busy_pairs"
 """The world's tier measured with every rank at work at once (probes.measure_busy): partners
 that change, a ring's fixed ones, and partners in pairs (the α of a step that exchanges with one
 partner, see Algorithm.exchanges)."""
-LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY, STREAM)
+LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, CMA_FOLD, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY,
+         STREAM)
 """Every link the model prices and the probe measures: the message path of each tier (in
 exchanges, and one way), the one-shot shared-memory path (`direct`: a flag round and a memory
-copy), single copy's reads out of a peer process (`cma`; `cma_huge` out of huge pages), the
+copy), single copy's reads out of a peer process (`cma`; `cma_huge` out of huge pages;
+`cma_fold`: the α of the reductions' rounds, whose bodies run in Python), the
 world's tier with every rank busy (`busy`, `busy_ring`, `busy_pairs`: the bound on an
 algorithm's work), and the host's memory beyond its last-level cache (`memory`, see spill);
 and, measured by no probe, what one TCP stream moves (`tcp_stream`, see Streams: a default
@@ -201,14 +206,17 @@ class Host:
     ring_bytes: int
     cma: Link = DEFAULT_LINKS[CMA]
     cma_huge: Link = DEFAULT_LINKS[CMA_HUGE]
+    cma_fold: Link = DEFAULT_LINKS[CMA_FOLD]
     huge: bool = True
     """Single copy's sources in huge pages: expected (Config.huge_pages), or as last seen."""
     cores: int = 0
     """Cores that run the ranks (0: a core each)."""
 
-    def reads(self, nbytes: int) -> Link:
-        """Single copy's link for a message of nbytes (see HUGE_FROM)."""
-        return self.cma_huge if self.huge and nbytes >= HUGE_FROM else self.cma
+    def reads(self, nbytes: int, folds: bool = False) -> Link:
+        """Single copy's link for a message of nbytes (see HUGE_FROM); where the call `folds`
+        (a reduction), at the α of its rounds (`cma_fold`)."""
+        link = self.cma_huge if self.huge and nbytes >= HUGE_FROM else self.cma
+        return replace(link, alpha=self.cma_fold.alpha) if folds else link
 
     def crowded_memory(self) -> Link:
         """The memory's price for a byte when every rank works at once: where ranks outnumber
@@ -269,7 +277,8 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
         link, one_way = streams.link(link, piece), streams.link(one_way, piece)  # type: ignore[assignment]
     share = spill(alg, n, nbytes, host) if host is not None else 0.0
     if alg.needs_direct:
-        own = host.reads(nbytes) if alg.needs_single_copy and host is not None else direct or link
+        own = host.reads(nbytes, alg.collective in REDUCTIONS) if alg.needs_single_copy and host is not None \
+            else direct or link
         if share:
             # single copy's link was measured with every rank reading beyond the cache, so it
             # holds its crowding: a lone rank's memory on top, the crowded one for the others

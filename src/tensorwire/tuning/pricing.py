@@ -23,6 +23,7 @@ from . import crossing
 from .cache import cache_dir, cached_entries, host_hash
 from .cost_model import (
     CMA,
+    CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
     LINKS,
@@ -70,6 +71,7 @@ class Tier:
     memory: Link | None = None  # one host's memory beyond its cache (shared memory only)
     cma: Link | None = None  # ... and its reads across processes (single copy)
     cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
+    cma_fold: Link | None = None  # ... the α of the reductions' rounds
     one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
     stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
 
@@ -79,7 +81,7 @@ class Tier:
             return None
         cma = self.cma or DEFAULT_LINKS[CMA]
         return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
-                    huge=self.cma_huge is not None)
+                    self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None)
 
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
         return predict(alg, n, m, self.link, self.direct, host=self.host(n),  # type: ignore[arg-type]
@@ -161,7 +163,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 one_way = replace(base_link, name=one_way_name, **file[one_way_name])
             elif name not in file:
                 one_way = local.get(one_way_name, (None, ""))[0]
-        host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None}
+        host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
             if "direct" in file and direct is not None:
@@ -173,7 +175,8 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 host[CMA_HUGE] = None
         measured = name in local and name not in file
         out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
-                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], one_way=one_way,
+                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
+                        one_way=one_way,
                         stream=None if name == "shm" or measured else stream))
     return out
 

@@ -28,7 +28,7 @@ from ..algorithms.registry import algorithms_for
 from ..buffers import huge_zeros
 from ..ops import ReduceOp
 from . import crossing
-from .cost_model import BUSY, CMA, CMA_HUGE, MEMORY, TIERS
+from .cost_model import BUSY, CMA, CMA_FOLD, CMA_HUGE, MEMORY, TIERS
 from .host_probes import measure_copy, measure_gamma, measure_memory
 
 if TYPE_CHECKING:
@@ -132,15 +132,15 @@ def measure_direct(world: Group, long: dict[str, int], **counts: int) -> tuple[f
     return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
 
-def measure_cma(world: Group, **counts: int) -> tuple[float, float, float]:
-    """(α, β, β out of huge pages) of single copy, from its all_gather (every rank of the world
-    takes part, as in measure_direct): α is half a call's time at 8 bytes a rank (two flag
-    rounds), each β is fitted to the time at about CMA_BYTES read by each rank, in n-1 blocks
-    out of its peers' memory (the block shrinks as n grows, so that n blocks stay near
-    CMA_BYTES of memory a rank). A read across processes pins the source's pages and costs far
-    more than a copy out of 4 KiB pages, so the one-shot path's β does not price it; out of
-    huge pages it costs less (which sources are: tuner.PageDependent;
-    docs/design/cost-model.md#single-copys-reads). `counts`: typical's."""
+def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float]:
+    """(α, β, β out of huge pages, a reduction's α) of single copy, from its all_gather (every rank of
+    the world takes part, as in measure_direct): α is half a call's time at 8 bytes a rank (two flag
+    rounds), the reduction's a third of its all_reduce's (three such rounds around a body that
+    folds in Python); each β is fitted to the time at about CMA_BYTES read by each rank, in n-1 blocks out of
+    its peers' memory (the block shrinks as n grows, so that n blocks stay near CMA_BYTES of memory a
+    rank). A read across processes pins the source's pages and costs far more than a copy out of 4 KiB
+    pages, so the one-shot path's β does not price it; out of huge pages it costs less (which sources
+    are: tuner.PageDependent; docs/design/cost-model.md#single-copys-reads). `counts`: typical's."""
     run = algorithms_for("all_gather")["single_copy"].run
     n = world.size
 
@@ -156,8 +156,12 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float]:
 
     whole = huge_zeros(n * block)
     whole[...] = 1  # the pages exist before the timing
+    fold = algorithms_for("all_reduce")["single_copy"].run
+    two = np.ones(2, dtype=np.float32)
+    folds = typical(world, lambda: fold(world.queue.internal_call("calibration probe"), two, ReduceOp.MAX),
+                    **counts)
     return (max(small / 2, 1e-8), slope([np.ones(block, dtype=np.uint8) for _ in range(n)]),
-            slope([whole[r * block:(r + 1) * block] for r in range(n)]))
+            slope([whole[r * block:(r + 1) * block] for r in range(n)]), max(folds / 3, 1e-8))
 
 
 # -- messages: a pair of ranks, and every rank at once ---------------------------------------------
@@ -348,13 +352,13 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     me = world.rank
     wire_partners(world)
     # (α, β, β one way) per tier, busy (α, β, β in a ring, α in pairs, γ), direct (α, β), γ,
-    # memory (cache, β, γ), cma (α, β, β out of huge pages), then the rounds: the one shot's
+    # memory (cache, β, γ), cma (α, β, β out of huge pages, a reduction's α), then the rounds: the one shot's
     # 8 B call and recursive doubling's, per round
     n_rounds = crowded(DIRECT_ROUNDS, 1, crowding)
-    measured = np.zeros(3 * len(TIERS) + 14 + 2 * n_rounds, dtype=np.float64)
+    measured = np.zeros(3 * len(TIERS) + 15 + 2 * n_rounds, dtype=np.float64)
     busy = slice(3 * len(TIERS), 3 * len(TIERS) + 5)
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
-    reads = slice(memory.stop, memory.stop + 3)
+    reads = slice(memory.stop, memory.stop + 4)
     rounds = measured[reads.stop:].reshape(2, n_rounds)
     counts = {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
               "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding),
@@ -396,8 +400,8 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     out[BUSY] = tuple(float(v) for v in measured[busy])
     out["gamma"] = float(measured[gamma])
     out[MEMORY] = tuple(float(v) for v in measured[memory])
-    alpha, beta, huge_beta = (float(v) for v in measured[reads])
-    out[CMA], out[CMA_HUGE] = (alpha, beta), (alpha, huge_beta)
+    alpha, beta, huge_beta, fold_alpha = (float(v) for v in measured[reads])
+    out[CMA], out[CMA_HUGE], out[CMA_FOLD] = (alpha, beta), (alpha, huge_beta), (fold_alpha, beta)
     return out
 
 

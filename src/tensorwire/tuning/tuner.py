@@ -38,6 +38,7 @@ from .cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_FOLD,
     CMA_HUGE,
     MEMORY,
     ONE_WAY,
@@ -307,7 +308,7 @@ def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
             return None
     huge = table.extra.get("huge_pages", group.runtime.config.huge_pages)  # agreed at calibration
     return Host(table.link(MEMORY), group.size, group.ring_bytes, table.link(CMA),
-                table.link(CMA_HUGE), huge, table.extra.get("cores", 0))
+                table.link(CMA_HUGE), table.link(CMA_FOLD), huge, table.extra.get("cores", 0))
 
 
 class Override:
