@@ -375,6 +375,96 @@ def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
                     assert seen["fewest"] > 0, (rank, coll, seen)
 
 
+def rank_moves_frames(calls: int) -> dict:
+    """As rank_frames, for the single copy calls the compiled caller runs whole (single copy
+    forced): broadcast in place and out of place, all_gather_into_tensor out of place and in
+    place (the input the rank's own block of the output), all_to_all_single, gather (the root's
+    own block the tensor itself, and not) and scatter; and an all_gather_into_tensor whose input
+    overlaps two blocks of its output, which the Python path takes (it copies the input apart)."""
+    import tensorwire as tw
+    from tensorwire.tuning import tuner
+
+    g = tw.world()
+    n, me = g.size, g.rank
+    if not g.direct.single_copy:
+        return {"skip": g.direct.offered or "no single copy"}
+    k = 1024
+    x = np.arange(k, dtype=np.float32) + 1000 * (me + 1)
+    want = np.concatenate([np.arange(k, dtype=np.float32) + 1000 * (r + 1) for r in range(n)])
+    out, y, whole = np.empty(n * k, np.float32), np.empty(k, np.float32), np.empty(n * k, np.float32)
+    mine = whole[me * k:(me + 1) * k]
+    blocks = [np.empty(k, np.float32) for _ in range(n)]
+    sources = [np.full(k, 7 * r + me, np.float32) for r in range(n)]
+    sent = np.concatenate(sources)
+    shifted = np.empty((n + 1) * k, np.float32)
+
+    def in_place_all_gather() -> None:
+        mine[:] = x
+        g.all_gather_into_tensor(whole, mine)
+
+    def overlapping_all_gather() -> None:
+        shifted[k // 2:k // 2 + k] = x  # the input: half in the output's block 0, half in block 1
+        g.all_gather_into_tensor(shifted[:n * k], shifted[k // 2:k // 2 + k])
+
+    def gather_own() -> None:
+        blocks[0][:] = x
+        g.gather(blocks[0] if me == 0 else x, blocks if me == 0 else None, 0)
+
+    runs = {  # (collective the tuner forces, the call, whether its result is right)
+        "broadcast": ("broadcast", lambda: g.broadcast(x.copy() if me else x, 0, out=y),
+                      lambda: (y == want[:k]).all()),
+        "broadcast in place": ("broadcast", lambda: (y.__setitem__(slice(None), x), g.broadcast(y, 0)),
+                               lambda: (y == want[:k]).all()),
+        "all_gather": ("all_gather", lambda: g.all_gather_into_tensor(out, x), lambda: (out == want).all()),
+        "all_gather in place": ("all_gather", in_place_all_gather, lambda: (whole == want).all()),
+        "all_to_all": ("all_to_all", lambda: g.all_to_all_single(out, sent),
+                       lambda: all((out[r * k:(r + 1) * k] == 7 * me + r).all() for r in range(n))),
+        "gather": ("gather", lambda: g.gather(x, blocks if me == 0 else None, 0),
+                   lambda: me != 0 or (np.concatenate(blocks) == want).all()),
+        "gather own block": ("gather", gather_own, lambda: me != 0 or (np.concatenate(blocks) == want).all()),
+        "scatter": ("scatter", lambda: g.scatter(y, sources if me == n - 1 else None, n - 1),
+                    lambda: (y == 7 * me + n - 1).all()),
+        "overlapping": ("all_gather", overlapping_all_gather, lambda: (shifted[:n * k] == want).all()),
+    }
+    frames = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code not in ours:
+            frames[0] += 1
+
+    ours = {run.__code__ for _, run, _ in runs.values()} | {
+        f.__code__ for f in (in_place_all_gather, overlapping_all_gather, gather_own)}
+    result = {}
+    for name, (collective, run, right) in runs.items():
+        fewest, ok = [], True
+        with tuner.override(g, collective, "single_copy"):
+            for i in range(calls):
+                frames[0] = 0
+                sys.setprofile(count)
+                run()
+                sys.setprofile(None)
+                ok = ok and bool(right())
+                if i >= 2:
+                    fewest.append(frames[0])
+        result[name] = {"fewest": min(fewest), "right": ok}
+    return result
+
+
+def test_the_compiled_caller_runs_single_copy_calls_whole(get_cluster) -> None:
+    """A planned single copy broadcast, all_gather, all_to_all, gather and scatter enter no
+    Python frame (Plans._compile, moves_plan in _native.c) where the compiled module is built,
+    whatever the placement; an input that overlaps its output elsewhere than the rank's own
+    block goes to Python, which copies it apart first. Results right on both paths."""
+    for transport in ("shm", PYTHON):
+        for rank, result in enumerate(get_cluster(2, transport).run(rank_moves_frames, 30, timeout=120)):
+            if "skip" in result:
+                pytest.skip(result["skip"])
+            for name, seen in result.items():
+                assert seen["right"], (transport, rank, name)
+                expect_none = transport == "shm" and name != "overlapping"
+                assert (seen["fewest"] == 0) == expect_none, (transport, rank, name, seen)
+
+
 def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
     """ring_put and ring_take on a real ring: the record lies where ShmChannel._put writes it
     (header, padded payload, the head moved past them), reads back once, in order; a header

@@ -13,10 +13,12 @@ reader checks what that reader published.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..buffers import address, copy, huge_zeros
+from ..buffers import address, copy, flat, huge_zeros
 from ..errors import PeerLostError
 from ..ops import ReduceOp
 from ..ops.kernels import reduction_kernel, writes_where_told
@@ -80,24 +82,27 @@ def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
 Reads = tuple
 """What a rank reads in a single copy call: (source, index, dst) after one another, flat (one
 tuple to hand to C): buffer `index` of the table `source` published, into dst."""
+Moves = tuple[list[tuple[int, int]], Reads, tuple[int, ...], tuple[np.ndarray, np.ndarray] | None, bool]
+"""_move's arguments after the call: spans, reads, readers, local, read."""
 
 
 def _move(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
-          local: tuple[np.ndarray, np.ndarray] | None = None, read: bool = True) -> None:
+          local: tuple[np.ndarray, np.ndarray] | None = None, read: bool = True,
+          status: int = native.NOT_ENTERED) -> None:
     """The bodies that only move bytes: offer `spans` (_offer), copy in `reads`, fill `local`
     (dst, src), mark this rank's reads done and wait until `readers` are done with its
-    buffers. In one C call where the module is built (Path.single_copy); Python takes over
-    wherever it hands back."""
-    status = _moved(dp, call, spans, reads, readers, local, read) if dp.native is not None else native.PENDING
-    if status == native.DONE:
-        return
-    if status == native.PENDING:  # the Python path
+    buffers. In one C call where the module is built (Path.single_copy, or the compiled
+    caller's, which hands back its `status`); Python takes over wherever it hands back."""
+    if dp.native is None:
         p = _offer(dp, call, spans, read)
     else:
+        status = _moved(dp, call, spans, reads, readers, local, read, status)
+        if status == native.DONE:
+            return
         p = dp.st.parity
-    if status == native.COPIED:
-        dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
-        return
+        if status == native.COPIED:
+            dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
+            return
     for at in range(0, len(reads), 3):
         if reads[at + 2].nbytes:
             _fetch(dp, p, *reads[at:at + 3])
@@ -107,81 +112,137 @@ def _move(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, read
 
 
 def _moved(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
-           local: tuple[np.ndarray, np.ndarray] | None, read: bool) -> int:
-    """_move's compiled body, its entry and publish round finished here where it hands them
-    back; its status (DONE, SETTLED or COPIED)."""
-    path = dp.native
-    if dp.alias_window is None:
-        dp.alias_window = cma.ALIAS_WINDOW if cma.aliasing_is_slow() else 0
-    a, b = dp.stamp_words(call)
-    whom = -1 if readers is dp.others else readers[0] if readers else -2
-    table = (*[at for at, _ in spans], _eighths(spans, read))
-    status = path.single_copy(call.seq, a, b, call.name, table, dp.pids, reads, whom, local, dp.alias_window)
+           local: tuple[np.ndarray, np.ndarray] | None, read: bool, status: int) -> int:
+    """_move's compiled body (unless the compiled caller ran it: its `status`), its entry and
+    publish round finished here where it hands them back; its status (DONE, SETTLED or
+    COPIED)."""
     if status == native.NOT_ENTERED:
-        dp.settle_previous(call)
-        status = path.single_copy(call.seq, a, b, call.name, table, dp.pids, reads, whom, local,
-                                  dp.alias_window)
-    if status != native.NOT_ENTERED:
-        dp.shares_at = (dp.st.parity, len(spans))
+        path = dp.native
+        a, b = dp.stamp_words(call)
+        whom = -1 if readers is dp.others else readers[0] if readers else -2
+        args = (call.seq, a, b, call.name, (*[at for at, _ in spans], _eighths(spans, read)), dp.pids, reads,
+                whom, local, alias_window(dp))
+        status = path.single_copy(*args)
+        if status == native.NOT_ENTERED:
+            dp.settle_previous(call)
+            status = path.single_copy(*args)
+    dp.shares_at = (dp.st.parity, len(spans))
     if status == native.PENDING or status >= 0:
         dp.resume(call, status, dp.everyone)  # raises the mismatch, or waits for everyone
         return native.SETTLED
     return status
 
 
-def single_copy_all_gather(call, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
-    """Peers read this rank's input where it is apart (see single_copy_broadcast)."""
-    dp = call.group.direct
+def alias_window(dp: DirectPath) -> int:
+    """The window of offsets whose reads the compiled bodies hand back (cma.ALIAS_WINDOW where
+    this CPU is slow there, else 0), learnt once."""
+    if dp.alias_window is None:
+        dp.alias_window = cma.ALIAS_WINDOW if cma.aliasing_is_slow() else 0
+    return dp.alias_window
+
+
+def _all_gather_args(dp: DirectPath, blocks: list[np.ndarray], src: np.ndarray | None) -> Moves:
+    """_move's arguments of single_copy_all_gather."""
     me = dp.rank
     reads = tuple(x for r in dp.onward for x in (r, 0, blocks[r]))
     if src is None:
-        _move(dp, call, [(address(blocks[me]), blocks[me].nbytes)], reads, dp.others)
-    else:
-        _move(dp, call, [(address(src), src.nbytes)], reads, dp.others, (blocks[me], src))
+        return [(address(blocks[me]), blocks[me].nbytes)], reads, dp.others, None, True
+    return [(address(src), src.nbytes)], reads, dp.others, (blocks[me], src), True
+
+
+def single_copy_all_gather(call, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
+    """Peers read this rank's input where it is apart (see single_copy_broadcast)."""
+    dp = call.group.direct
+    _move(dp, call, *_all_gather_args(dp, blocks, src))
+
+
+def _all_to_all_args(dp: DirectPath, sends: list[np.ndarray], recvs: list[np.ndarray]) -> Moves:
+    me = dp.rank
+    return (_spans(sends), tuple(x for r in dp.onward for x in (r, me, recvs[r])), dp.others,
+            (recvs[me], sends[me]), True)
 
 
 def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
-    me = dp.rank
-    _move(dp, call, _spans(sends), tuple(x for r in dp.onward for x in (r, me, recvs[r])), dp.others,
-          (recvs[me], sends[me]))
+    _move(dp, call, *_all_to_all_args(dp, sends, recvs))
+
+
+def _broadcast_args(dp: DirectPath, data: np.ndarray, root: int, src: np.ndarray | None) -> Moves:
+    if dp.rank != root:
+        return [(address(data), data.nbytes)], (root, 0, data), (), None, False
+    if src is None:
+        return [(address(data), data.nbytes)], (), dp.others, None, True
+    return [(address(src), src.nbytes)], (), dp.others, (data, src), True
 
 
 def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
     """The root publishes its input (`src` where apart: lines it has not just written, which
     peers read 2.3-2.5x faster than its freshly filled output) and fills its output meanwhile."""
     dp = call.group.direct
+    _move(dp, call, *_broadcast_args(dp, data, root, src))
+
+
+def _gather_args(dp: DirectPath, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> Moves:
+    spans = [(address(send), send.nbytes)]
     if dp.rank != root:
-        _move(dp, call, [(address(data), data.nbytes)], (root, 0, data), (), read=False)
-    elif src is None:
-        _move(dp, call, [(address(data), data.nbytes)], (), dp.others)
-    else:
-        _move(dp, call, [(address(src), src.nbytes)], (), dp.others, (data, src))
+        return spans, (), (root,), None, True
+    assert blocks is not None
+    return (spans, tuple(x for r in dp.onward for x in (r, 0, blocks[r])), (),
+            None if blocks[root] is send else (blocks[root], send), False)
 
 
 def single_copy_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
     """The root reads every other rank's input; each of them returns once it has (blocks may
     differ in size: gatherv, whose sizes only the root's list shows)."""
     dp = call.group.direct
-    spans = [(address(send), send.nbytes)]
-    if dp.rank != root:
-        _move(dp, call, spans, (), (root,))
-        return
-    assert blocks is not None
-    _move(dp, call, spans, tuple(x for r in dp.onward for x in (r, 0, blocks[r])), (),
-          None if blocks[root] is send else (blocks[root], send), read=False)
+    _move(dp, call, *_gather_args(dp, send, blocks, root))
+
+
+def _scatter_args(dp: DirectPath, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> Moves:
+    if dp.rank == root:
+        assert blocks is not None
+        return _spans(blocks), (), dp.others, None if blocks[root] is recv else (recv, blocks[root]), True
+    return [(0, 0)] * dp.size, (root, dp.rank, recv), (), None, False  # the table's shape: the root's is read
 
 
 def single_copy_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
     """Every other rank reads its block out of the root's list; the root returns once they
     have (scatterv as gatherv above)."""
     dp = call.group.direct
-    me = dp.rank
-    if me == root:
-        assert blocks is not None
-        _move(dp, call, _spans(blocks), (), dp.others, None if blocks[root] is recv else (recv, blocks[root]))
-    else:  # the table's shape: the root's is read
-        _move(dp, call, [(0, 0)] * dp.size, (root, me, recv), (), read=False)
+    _move(dp, call, *_scatter_args(dp, blocks, recv, root))
+
+
+# The compiled caller's single copy calls (group/planned.py): their kinds (_native.h's MOVE_*)
+# by the API's name, and how each finishes in Python what its body handed back, on the
+# caller's arrays x and y (as moves_plan in _native.c takes them).
+MOVES = {"broadcast": 0, "all_gather_into_tensor": 1, "all_to_all_single": 2, "gather": 3, "scatter": 4}
+MOVED = {"broadcast": "broadcast", "all_gather_into_tensor": "all_gather", "all_to_all_single": "all_to_all",
+         "gather": "gather", "scatter": "scatter"}
+
+
+def _planned_args(what: str, dp: DirectPath, root: int, x: Any, y: Any) -> Moves:
+    n, me = dp.size, dp.rank
+    if what == "broadcast":  # the tensor and the output (the tensor itself in place)
+        return _broadcast_args(dp, flat(y), root, flat(x) if me == root and y is not x else None)
+    if what == "gather":  # the tensor and the root's list
+        return _gather_args(dp, flat(x), None if me != root else [flat(b) for b in y], root)
+    if what == "scatter":  # the root's list and the tensor
+        return _scatter_args(dp, None if me != root else [flat(b) for b in x], flat(y), root)
+    out = flat(y)
+    if what == "all_to_all_single":  # input and output
+        count = x.size // n
+        return _all_to_all_args(dp, blocks_of(flat(x), [count] * n), blocks_of(out, [count] * n))
+    blocks = blocks_of(out, [x.size] * n)  # all_gather_into_tensor: input and output
+    return _all_gather_args(dp, blocks, None if address(x) == address(blocks[me]) else flat(x))
+
+
+def planned_tail(what: str, root: int) -> Callable[..., None]:
+    """The tail of a compiled caller's single copy call of `what` (Plans.finish)."""
+    def tail(call, status: int, x: Any, y: Any = None) -> None:
+        dp = call.group.direct
+        spans, reads, readers, local, read = _planned_args(what, dp, root, x, y)
+        _move(dp, call, spans, reads, readers, local, read, status)
+    return _lost_if_gone(tail)
 
 
 def _lost_if_gone(run):

@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..algorithms import single_copy
+from ..algorithms.registry import algorithms_for
 from ..algorithms.shm_direct import COMPILED_PLANS, AllReducePlan, barrier_after, direct_barrier
 from ..ops import Reduction
+from ..transport import pages
 from ..transport.wire import Fingerprint
 from ..tuning import tuner
 from .calls import CollectiveCall
@@ -79,9 +82,12 @@ class Plans(dict):
         run = plan[1] if what == "all_reduce" else plan[2]
         owner = getattr(run, "__self__", None)
         spec = owner.compiled_call() if isinstance(owner, COMPILED_PLANS) else None
-        if spec is None or what not in self.engine.native.COMPILED_CALLS:
+        moves = what in single_copy.MOVES and dp.single_copy \
+            and run is algorithms_for(single_copy.MOVED[what])["single_copy"].run
+        if (spec is None and not moves) or what not in self.engine.native.COMPILED_CALLS:
             return
-        root, extra = spec
+        rooted = what in ("broadcast", "gather", "scatter")
+        root, extra = spec if spec is not None else (key[3] if rooted else -1, ())
         dtype = key[1]
         nbytes = out_bytes = dtype.itemsize * math.prod(key[2]) if what == "all_to_all_single" \
             else dtype.itemsize * key[2]
@@ -95,6 +101,12 @@ class Plans(dict):
             op, inplace = key[-2], key[-1]
         elif what == "broadcast":  # (.., root, in place)
             inplace = key[-1]
+        if moves:  # the share of huge pages its table carries is read by no one (tuner.PageDependent)
+            tail = single_copy.planned_tail(what, root)
+            self.caller.add_moves(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call,
+                                  self.ctx, a, b, tail, single_copy.MOVES[what], root, dp.pids,
+                                  single_copy.alias_window(dp), pages.UNKNOWN)
+            return
         owner.stamp(dp, call.fp)
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
                         owner.after, *extra)

@@ -21,10 +21,12 @@ static const body_fn BODIES[N_COLLS] = {Path_all_reduce, Path_reduce, Path_broad
                                         NULL};
 
 #define HEAD_ARGS 4 /* (seq, a, b, name) */
-#define MAX_ARGS 9
+#define MAX_ARGS 11
 
 typedef struct {
     int coll, root, inplace, nargs;
+    int moves; /* a single copy plan's: its body is moves_plan's and moves_run, its extra (kind, root,
+                * pids, alias, unknown) */
     PyObject *dtype, *op;   /* the signature's dtype and op, matched by identity (None: none) */
     Py_ssize_t nbytes, out_bytes; /* its input's bytes, and its output's where that differs */
     Path *path;
@@ -162,8 +164,9 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 
 #define ADD_ARGS 13
 /* add(collective, dtype, nbytes, out_bytes, root, op, inplace, path, call, ctx, a, b, tail, *extra):
- * a planned signature (extra: the body's arguments after the arrays: a fold code, a root). */
-static PyObject *Caller_add(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+ * a planned signature (extra: the body's arguments after the arrays: a fold code, a root);
+ * add_moves(...) the same of a single copy plan (extra: kind, root, pids, alias, unknown). */
+static PyObject *add_entry(Caller *self, PyObject *const *args, Py_ssize_t nargs, int moves) {
     if (nargs < ADD_ARGS || nargs > ADD_ARGS + MAX_ARGS - HEAD_ARGS - 2)
         return PyErr_Format(PyExc_TypeError, "add takes %d to %d arguments", ADD_ARGS,
                             ADD_ARGS + MAX_ARGS - HEAD_ARGS - 2);
@@ -201,6 +204,7 @@ static PyObject *Caller_add(Caller *self, PyObject *const *args, Py_ssize_t narg
     Entry *e = &self->entries[self->n++];
     memset(e, 0, sizeof *e);
     e->coll = c;
+    e->moves = moves;
     e->root = root;
     e->inplace = inplace;
     e->nbytes = nbytes;
@@ -218,6 +222,15 @@ static PyObject *Caller_add(Caller *self, PyObject *const *args, Py_ssize_t narg
     e->nargs = c == BARRIER ? HEAD_ARGS : HEAD_ARGS + 2 + (int)(nargs - ADD_ARGS);
     for (Py_ssize_t i = ADD_ARGS; i < nargs; i++) e->args[HEAD_ARGS + 2 + i - ADD_ARGS] = Py_NewRef(args[i]);
     Py_RETURN_NONE;
+}
+
+static PyObject *Caller_add(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+    return add_entry(self, args, nargs, 0);
+}
+
+static PyObject *Caller_add_moves(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != ADD_ARGS + 5) return PyErr_Format(PyExc_TypeError, "add_moves takes %d arguments", ADD_ARGS + 5);
+    return add_entry(self, args, nargs, 1);
 }
 
 static PyObject *Caller_clear_entries(Caller *self, PyObject *unused) {
@@ -255,8 +268,24 @@ static PyObject *take_exception(void) {
 
 /* Number the call (its timeout: NULL for the group's), run its body on x and y (its arrays or
  * lists; NULL: a barrier) and return `result`, through Plans.finish where the body does not
- * finish here. */
+ * finish here. NULL without an exception: a single copy plan's arrays overlap where its Python
+ * body would copy the input apart first; nothing done (the Python function takes the call). */
 static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObject *y, PyObject *result) {
+    Moves mv;
+    if (e->moves) {
+        int kind, root;
+        uint64_t alias, unknown;
+        if (!to_int(e->args[6], 0, 5, "kind", &kind) || !to_int(e->args[7], -1, MAX_RANKS, "root", &root))
+            return NULL;
+        alias = PyLong_AsUnsignedLongLong(e->args[9]);
+        unknown = PyLong_AsUnsignedLongLong(e->args[10]);
+        if (PyErr_Occurred()) return NULL;
+        int planned = moves_plan(&mv, e->path, kind, root, e->args[8], alias, unknown, x, y);
+        if (planned <= 0) {
+            moves_release(&mv);
+            return NULL;
+        }
+    }
     /* what the call uses of its entry, held first: the body lets other threads run, and one may
      * add a plan (the table moves) or clear them */
     PyObject *args[MAX_ARGS], *call = Py_NewRef(e->call), *tail = Py_NewRef(e->tail);
@@ -294,7 +323,13 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
         args[4] = Py_NewRef(x);
         args[5] = Py_NewRef(y);
     }
-    PyObject *status = body(path, args, nargs);
+    PyObject *status = NULL;
+    if (e->moves) {
+        status = moves_run(path, args, &mv);
+        moves_release(&mv);
+    } else {
+        status = body(path, args, nargs);
+    }
     for (int i = 0; i < nargs; i++) Py_DECREF(args[i]); /* seq's with them */
     Py_DECREF(path);
     long s = status == NULL ? 0 : PyLong_AsLong(status);
@@ -496,8 +531,9 @@ static PyObject *list_call(Caller *c, int coll, PyObject *const *args, Py_ssize_
             e = NULL;
         if (e != NULL && clear_to_run(c, e)) {
             PyObject *blocks = mine ? list : Py_None;
-            return coll == GATHER ? run(c, e, a.timeout, tensor, blocks, list)
-                                  : run(c, e, a.timeout, blocks, tensor, tensor);
+            PyObject *done = coll == GATHER ? run(c, e, a.timeout, tensor, blocks, list)
+                                            : run(c, e, a.timeout, blocks, tensor, tensor);
+            if (done != NULL || PyErr_Occurred()) return done;
         }
         if (PyErr_Occurred()) return NULL;
     }
@@ -839,6 +875,9 @@ static void Caller_dealloc(Caller *self) {
 static PyMethodDef Caller_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Caller_add, METH_FASTCALL,
      "add(collective, dtype, nbytes, root, op, inplace, path, call, ctx, a, b, tail, *extra)"},
+    {"add_moves", (PyCFunction)(void (*)(void))Caller_add_moves, METH_FASTCALL,
+     "add_moves(collective, dtype, nbytes, out_bytes, root, op, inplace, path, call, ctx, a, b, tail, kind, root, "
+     "pids, alias, unknown)"},
     {"clear", (PyCFunction)Caller_clear_entries, METH_NOARGS, "clear(): forget every signature"},
     {"add_pair", (PyCFunction)(void (*)(void))Caller_add_pair, METH_FASTCALL,
      "add_pair(dst, src, tag, send_bytes, recv_bytes, send_dtype, recv_dtype, out_route, in_route, remote, ctrl, "

@@ -47,14 +47,15 @@ static int arrived(const Path *p, int only, int word, uint64_t seq) {
 }
 
 /* Poll until the awaited words reach seq: a short spell holding the interpreter lock (a peer
- * already there costs nothing more), then the rest of the budget without it. */
-static int await_word(const Path *p, int only, int word, uint64_t seq) {
+ * already there costs nothing more), then the rest of the budget (spin_ns; where ranks share
+ * cores, the Path's yields) without it. */
+static int await_word_for(const Path *p, int only, int word, uint64_t seq, long long spin_ns) {
     for (int i = 0; i < 64; i++)
         if (arrived(p, only, word, seq)) return 1;
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
     if (p->spin_ns > 0) {
-        long long end = now_ns() + p->spin_ns;
+        long long end = now_ns() + spin_ns;
         for (;;) {
             for (int i = 0; i < 256 && !ok; i++) ok = arrived(p, only, word, seq);
             if (ok || now_ns() > end) break;
@@ -67,6 +68,10 @@ static int await_word(const Path *p, int only, int word, uint64_t seq) {
     }
     Py_END_ALLOW_THREADS
     return ok;
+}
+
+static int await_word(const Path *p, int only, int word, uint64_t seq) {
+    return await_word_for(p, only, word, seq, p->spin_ns);
 }
 
 static int await_flags(const Path *p, int only, uint64_t seq) { return await_word(p, only, 0, seq); }
@@ -82,8 +87,8 @@ static void stamp(const Path *p, uint64_t seq, int parity, uint64_t a, uint64_t 
 }
 
 /* Publish on the entered parity and note the call as the last published, then wait for
- * `only` (>= 0), everyone else (-1) or no one (-2); a status. */
-static int round_trip(Path *p, const Head *h, int only) {
+ * `only` (>= 0), everyone else (-1) or no one (-2) up to spin_ns; a status. */
+static int round_trip_for(Path *p, const Head *h, int only, long long spin_ns) {
     int parity = p->parity;
     stamp(p, h->seq, parity, h->a, h->b);
     p->prev_seq = h->seq;
@@ -92,7 +97,7 @@ static int round_trip(Path *p, const Head *h, int only) {
     if (p->prev_name != h->name) Py_SETREF(p->prev_name, Py_NewRef(h->name));
     p->settled = 0;
     if (only == -2) return DONE;
-    if (!await_flags(p, only, h->seq)) return PENDING;
+    if (!await_word_for(p, only, 0, h->seq, spin_ns)) return PENDING;
     for (int r = 0; r < p->size; r++) {
         if (r == p->rank || (only >= 0 && r != only)) continue;
         const uint64_t *at = p->words + p->lines[r] + STAMP + 3 * parity;
@@ -101,6 +106,8 @@ static int round_trip(Path *p, const Head *h, int only) {
     p->settled = only == -1;
     return DONE;
 }
+
+static int round_trip(Path *p, const Head *h, int only) { return round_trip_for(p, h, only, p->spin_ns); }
 
 /* Whether every other rank published the last call (on the current parity) with its
  * fingerprint; a status. */
@@ -762,90 +769,265 @@ static void copy_bytes(char *dst, const char *src, size_t n) {
     Py_END_ALLOW_THREADS
 }
 
-/* single_copy(seq, a, b, name, table, pids, reads, whom, local, alias) -> status: the single
- * copy bodies that only move bytes (algorithms/single_copy.py, _move). Enter, write `table`
- * (the addresses peers read, then the huge-page share) into this rank's slot, publish and
- * wait for everyone; read each (source, index, dst) of `reads` out of its source (word
- * `index` of the table it published; `pids`: every rank's process); fill `local` ((dst, src)
- * or None); mark this rank's reads done and wait until `whom` (every other rank: -1, a rank,
- * no one: -2) read this rank's buffers. Besides DONE, NOT_ENTERED and a rank whose stamp
- * differs: PENDING (published: the wait and the rest to Python), SETTLED (everyone there,
- * nothing kept of the reads: one failed, or falls in the window `alias` (0: none) of a CPU
- * slow there; Python reads again, and raises or bounces as its path does) or COPIED (read
- * and marked: Python waits for the readers). */
+/* The single copy bodies that only move bytes (algorithms/single_copy.py, _move): enter, write
+ * `table` (the addresses peers read, then the huge-page share) into this rank's slot, publish
+ * and wait for everyone; read each of `reads` out of its source (`pid`: every rank's process);
+ * copy llen bytes from lsrc to ldst (none: NULL); mark this rank's reads done and wait until
+ * `whom` (every other rank: -1, a rank, no one: -2) read this rank's buffers. Besides DONE,
+ * NOT_ENTERED and a rank whose stamp differs: PENDING (published: the wait and the rest to
+ * Python), SETTLED (everyone there, nothing kept of the reads: one failed, or lies in the
+ * window `alias` (0: none) of a CPU slow there; Python reads again, and raises or bounces as
+ * its path does) or COPIED (read and marked: Python waits for the readers). */
+static int moves(Path *self, const Head *h, const uint64_t *table, Py_ssize_t words, const uint64_t *pid,
+                 Read *reads, Py_ssize_t count, int whom, char *ldst, const char *lsrc, Py_ssize_t llen,
+                 uint64_t alias) {
+    if (!enter(self)) return NOT_ENTERED;
+    int parity = self->parity, s = DONE;
+    memcpy(slot(self, self->rank, parity), table, (size_t)words * 8);
+    if ((s = round_trip_for(self, h, -1, self->wait_ns)) != DONE) return s;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        Read *r = reads + k;
+        r->remote = ((const uint64_t *)slot(self, r->source, parity))[r->index];
+        uint64_t off = ((uint64_t)(uintptr_t)r->dst - r->remote) % 4096;
+        if (r->len && off && off < alias) return SETTLED;
+    }
+    for (Py_ssize_t k = 0; k < count; k++)
+        if (reads[k].len && read_peer((long)pid[reads[k].source], reads[k].dst, reads[k].remote, (size_t)reads[k].len))
+            return SETTLED;
+    if (ldst != NULL) copy_bytes(ldst, lsrc, (size_t)llen);
+    uint64_t target = (h->seq << CHUNK_BITS) + 1;
+    store(self->words + self->lines[self->rank] + READ_WORD, target);
+    return whom == -2 || await_word_for(self, whom, READ_WORD, target, self->wait_ns) ? DONE : COPIED;
+}
+
+/* The processes of `pids` (a tuple of every rank's) into pid; 0 with an exception otherwise. */
+static int pids_of(const Path *p, PyObject *pids, uint64_t *pid) {
+    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) != p->size) {
+        PyErr_SetString(PyExc_TypeError, "pids: a tuple of every rank's process");
+        return 0;
+    }
+    for (int r = 0; r < p->size; r++)
+        if (!to_u64(PyTuple_GET_ITEM(pids, r), pid + r)) return 0;
+    return 1;
+}
+
+/* single_copy(seq, a, b, name, table, pids, reads, whom, local, alias) -> status: `moves` for
+ * Python's single copy bodies, `reads` flat (source, index, dst) and `local` (dst, src) or None. */
 static PyObject *Path_single_copy(Path *self, PyObject *const *args, Py_ssize_t nargs) {
     Head h;
     int whom, s = DONE;
-    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "single_copy takes 10 arguments");
-    PyObject *table = args[4], *pids = args[5], *reads = args[6], *local = args[8];
-    if (!head(args, &h) || !to_int(args[7], -2, self->size, "whom", &whom)) return NULL;
     uint64_t alias;
-    if (!to_u64(args[9], &alias)) return NULL;
-    if (!PyTuple_Check(table) || !PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) != self->size ||
-        !PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) % 3 || (local != Py_None && !PyTuple_Check(local)))
+    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "single_copy takes 10 arguments");
+    PyObject *table = args[4], *reads = args[6], *local = args[8];
+    if (!head(args, &h) || !to_int(args[7], -2, self->size, "whom", &whom) || !to_u64(args[9], &alias)) return NULL;
+    if (!PyTuple_Check(table) || !PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) % 3 ||
+        (local != Py_None && (!PyTuple_Check(local) || PyTuple_GET_SIZE(local) != 2)))
         return PyErr_Format(PyExc_TypeError, "single_copy: bad arguments");
     Py_ssize_t words = PyTuple_GET_SIZE(table), count = PyTuple_GET_SIZE(reads) / 3, held = 0;
     if (words * 8 > self->slot_bytes) return PyErr_Format(PyExc_ValueError, "the table outgrows the slot");
-    uint64_t *vals = PyMem_Malloc((size_t)(words + 3 * count) * 8 + 1);
-    Py_buffer *dst = PyMem_Calloc((size_t)count + 2, sizeof(Py_buffer));
-    if (vals == NULL || dst == NULL) {
+    uint64_t *vals = PyMem_Malloc((size_t)(words + self->size) * 8);
+    Read *rd = PyMem_Calloc((size_t)count + 1, sizeof(Read));
+    Py_buffer *buf = PyMem_Calloc((size_t)count + 2, sizeof(Py_buffer));
+    if (vals == NULL || rd == NULL || buf == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    uint64_t *from = vals + words; /* per read: source, index, pid */
+    if (!pids_of(self, args[5], vals + words)) goto out;
     for (Py_ssize_t i = 0; i < words; i++)
         if (!to_u64(PyTuple_GET_ITEM(table, i), vals + i)) goto out;
     for (Py_ssize_t k = 0; k < count; k++) {
-        int source, index;
-        if (!to_int(PyTuple_GET_ITEM(reads, 3 * k), 0, self->size, "source", &source) ||
-            !to_int(PyTuple_GET_ITEM(reads, 3 * k + 1), 0, (int)(self->slot_bytes / 8), "index", &index) ||
-            !to_u64(PyTuple_GET_ITEM(pids, source), from + 3 * k + 2))
+        if (!to_int(PyTuple_GET_ITEM(reads, 3 * k), 0, self->size, "source", &rd[k].source) ||
+            !to_int(PyTuple_GET_ITEM(reads, 3 * k + 1), 0, (int)(self->slot_bytes / 8), "index", &rd[k].index) ||
+            PyObject_GetBuffer(PyTuple_GET_ITEM(reads, 3 * k + 2), buf + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto out;
-        from[3 * k] = (uint64_t)source;
-        from[3 * k + 1] = (uint64_t)index;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(reads, 3 * k + 2), dst + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto out;
-        held++;
+        rd[k].dst = buf[held].buf;
+        rd[k].len = buf[held++].len;
     }
+    char *ldst = NULL, *lsrc = NULL;
     if (local != Py_None) {
-        if (PyTuple_GET_SIZE(local) != 2 ||
-            PyObject_GetBuffer(PyTuple_GET_ITEM(local, 0), dst + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto out;
-        held++;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 1), dst + held, PyBUF_C_CONTIGUOUS) < 0) goto out;
-        held++;
-        if (dst[held - 1].len != dst[held - 2].len) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 0), buf + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto out;
+        ldst = buf[held++].buf;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 1), buf + held, PyBUF_C_CONTIGUOUS) < 0) goto out;
+        lsrc = buf[held++].buf;
+        if (buf[held - 1].len != buf[held - 2].len) {
             PyErr_SetString(PyExc_ValueError, "single_copy: the local copy's sizes differ");
             goto out;
         }
     }
-    if (!enter(self)) {
-        s = NOT_ENTERED;
-        goto out;
-    }
-    int parity = self->parity;
-    memcpy(slot(self, self->rank, parity), vals, (size_t)words * 8);
-    s = round_trip(self, &h, -1);
-    if (s != DONE) goto out;
-    for (Py_ssize_t k = 0; k < count; k++) {
-        uint64_t remote = ((const uint64_t *)slot(self, (int)from[3 * k], parity))[from[3 * k + 1]];
-        uint64_t off = ((uint64_t)(uintptr_t)dst[k].buf - remote) % 4096;
-        from[3 * k + 1] = remote;
-        if (dst[k].len && off && off < alias) s = SETTLED;
-    }
-    for (Py_ssize_t k = 0; k < count && s == DONE; k++)
-        if (dst[k].len && read_peer((long)from[3 * k + 2], dst[k].buf, from[3 * k + 1], (size_t)dst[k].len))
-            s = SETTLED;
-    if (s != DONE) goto out;
-    if (local != Py_None) copy_bytes(dst[count].buf, dst[count + 1].buf, (size_t)dst[count].len);
-    uint64_t target = (h.seq << CHUNK_BITS) + 1;
-    store(self->words + self->lines[self->rank] + READ_WORD, target);
-    if (whom != -2 && !await_word(self, whom, READ_WORD, target)) s = COPIED;
+    s = moves(self, &h, vals, words, vals + words, rd, count, whom, ldst, lsrc, held ? buf[held - 1].len : 0, alias);
 out:
-    while (held--) PyBuffer_Release(dst + held);
-    PyMem_Free(dst);
+    while (held--) PyBuffer_Release(buf + held);
+    PyMem_Free(buf);
+    PyMem_Free(rd);
     PyMem_Free(vals);
     return PyErr_Occurred() ? NULL : status(s);
+}
+
+/* ---- single copy's planned calls (the compiled caller's) ------------------------------------ */
+
+static int meets(const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn) {
+    return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+static int hold(Moves *m, PyObject *o, int writable, Py_buffer **view) {
+    if (PyObject_GetBuffer(o, m->buf + m->held, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return 0;
+    *view = m->buf + m->held++;
+    return 1;
+}
+
+/* A list of the group's size, each item's buffer held (writable where asked). */
+static int hold_list(Moves *m, const Path *p, PyObject *list, int writable, Py_buffer **first) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != p->size) {
+        PyErr_SetString(PyExc_TypeError, "a list of one block per rank");
+        return 0;
+    }
+    Py_buffer *view;
+    for (int r = 0; r < p->size; r++) {
+        if (!hold(m, PyList_GET_ITEM(list, r), writable, &view)) return 0;
+        if (r == 0) *first = view;
+    }
+    return 1;
+}
+
+static void add_read(Moves *m, int source, int index, char *dst, Py_ssize_t len) {
+    m->reads[m->count++] = (Read){source, index, dst, len, 0};
+}
+
+/* `moves`' arguments for a planned call of `kind` on the caller's x and y (broadcast: the
+ * tensor and the output, all_gather and all_to_all: input and output, gather: the tensor and
+ * the root's list, scatter: the root's list and the tensor), as algorithms/single_copy.py's
+ * bodies make them, its huge-page share `unknown` (pages.UNKNOWN: a planned call is never
+ * page-dependent). 1: planned; 0: arrays that overlap where the bodies would take the input
+ * apart first (the Python path's, untouched); -1: an error. Release with moves_release. */
+int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t alias, uint64_t unknown,
+               PyObject *x, PyObject *y) {
+    int n = p->size, me = p->rank;
+    memset(m, 0, sizeof *m);
+    m->alias = alias;
+    m->whom = -1;
+    m->table = PyMem_Malloc((size_t)(2 * n + 1) * 8);
+    m->reads = PyMem_Calloc((size_t)n, sizeof(Read));
+    m->buf = PyMem_Calloc((size_t)n + 2, sizeof(Py_buffer));
+    if (m->table == NULL || m->reads == NULL || m->buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    m->pid = m->table + n + 1;
+    if (!pids_of(p, pids, m->pid)) return -1;
+    uint64_t *t = m->table;
+    Py_buffer *bx = NULL, *by = NULL, *list = NULL;
+    m->words = 2;
+    t[1] = unknown;
+    switch (kind) {
+    case MOVE_BROADCAST: /* y is x in place */
+        if (!hold(m, x, 0, &bx) || !hold(m, y, x != y, &by)) return -1;
+        if (me != root) {
+            t[0] = (uint64_t)(uintptr_t)by->buf;
+            add_read(m, root, 0, by->buf, by->len);
+            m->whom = -2;
+            return 1;
+        }
+        t[0] = (uint64_t)(uintptr_t)bx->buf;
+        if (x != y) {
+            if (meets(bx->buf, bx->len, by->buf, by->len) || bx->len != by->len) return 0;
+            m->ldst = by->buf;
+            m->lsrc = bx->buf;
+            m->llen = bx->len;
+        }
+        return 1;
+    case MOVE_ALL_GATHER:
+    case MOVE_ALL_TO_ALL: {
+        if (!hold(m, x, 0, &bx) || !hold(m, y, 1, &by)) return -1;
+        int all = kind == MOVE_ALL_TO_ALL;
+        Py_ssize_t len = all ? bx->len / n : bx->len;
+        char *mine = (char *)by->buf + me * len, *in = (char *)bx->buf + (all ? me * len : 0);
+        if (by->len != n * len || (all && bx->len != by->len)) return 0;
+        if (all ? meets(bx->buf, bx->len, by->buf, by->len)
+                : in != mine && meets(bx->buf, bx->len, by->buf, by->len))
+            return 0;
+        if (all) {
+            for (int r = 0; r < n; r++) t[r] = (uint64_t)(uintptr_t)((char *)bx->buf + r * len);
+            t[n] = unknown;
+            m->words = n + 1;
+        } else {
+            t[0] = (uint64_t)(uintptr_t)bx->buf;
+        }
+        for (int k = 1; k < n; k++) {
+            int r = (me + k) % n;
+            add_read(m, r, all ? me : 0, (char *)by->buf + r * len, len);
+        }
+        if (in != mine) {
+            m->ldst = mine;
+            m->lsrc = in;
+            m->llen = len;
+        }
+        return 1;
+    }
+    case MOVE_GATHER: /* y: the root's list */
+        if (!hold(m, x, 0, &bx)) return -1;
+        t[0] = (uint64_t)(uintptr_t)bx->buf;
+        if (me != root) {
+            m->whom = root;
+            return 1;
+        }
+        if (!hold_list(m, p, y, 1, &list)) return -1;
+        for (int r = 0; r < n; r++)
+            if (list[r].len != bx->len || (r != root && meets(bx->buf, bx->len, list[r].buf, list[r].len)))
+                return 0;
+        if (list[root].buf != bx->buf && meets(bx->buf, bx->len, list[root].buf, list[root].len)) return 0;
+        for (int k = 1; k < n; k++) {
+            int r = (me + k) % n;
+            add_read(m, r, 0, list[r].buf, list[r].len);
+        }
+        if (list[root].buf != bx->buf) {
+            m->ldst = list[root].buf;
+            m->lsrc = bx->buf;
+            m->llen = bx->len;
+        }
+        m->whom = -2;
+        return 1;
+    case MOVE_SCATTER: /* x: the root's list */
+        if (!hold(m, y, 1, &by)) return -1;
+        m->words = n + 1;
+        t[n] = unknown;
+        if (me != root) {
+            for (int r = 0; r < n; r++) t[r] = 0;
+            add_read(m, root, me, by->buf, by->len);
+            m->whom = -2;
+            return 1;
+        }
+        if (!hold_list(m, p, x, 0, &list)) return -1;
+        for (int r = 0; r < n; r++) {
+            if (list[r].len != by->len || (r != root && meets(by->buf, by->len, list[r].buf, list[r].len)))
+                return 0;
+            t[r] = (uint64_t)(uintptr_t)list[r].buf;
+        }
+        if (list[root].buf != by->buf) {
+            if (meets(by->buf, by->len, list[root].buf, list[root].len)) return 0;
+            m->ldst = by->buf;
+            m->lsrc = list[root].buf;
+            m->llen = by->len;
+        }
+        return 1;
+    }
+    PyErr_Format(PyExc_ValueError, "no single copy call of kind %d", kind);
+    return -1;
+}
+
+/* Run a planned call moves_plan made, given its (seq, a, b, name): a status. */
+PyObject *moves_run(Path *p, PyObject *const *head_args, Moves *m) {
+    Head h;
+    if (!head(head_args, &h)) return NULL;
+    return status(moves(p, &h, m->table, m->words, m->pid, m->reads, m->count, m->whom, m->ldst, m->lsrc, m->llen,
+                        m->alias));
+}
+
+void moves_release(Moves *m) {
+    while (m->held) PyBuffer_Release(m->buf + --m->held);
+    PyMem_Free(m->buf);
+    PyMem_Free(m->reads);
+    PyMem_Free(m->table);
+    memset(m, 0, sizeof *m);
 }
 
 #define EX_SENT 1  /* this rank's descriptor is in the ring to its destination */
@@ -1035,13 +1217,13 @@ static PyMethodDef module_methods[] = {
 /* ---- the type ------------------------------------------------------------------------------- */
 
 static int Path_init(Path *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"segment", "lines", "rank", "slots", "slot_bytes", "spin_ns", "yields", NULL};
+    static char *kwlist[] = {"segment", "lines", "rank", "slots", "slot_bytes", "spin_ns", "yields", "wait_ns", NULL};
     PyObject *seg, *lines;
     Py_ssize_t slots_at, slot_bytes;
-    long long spin_ns;
+    long long spin_ns, wait_ns = -1;
     int rank, yields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOinnLi", kwlist, &seg, &lines, &rank, &slots_at,
-                                     &slot_bytes, &spin_ns, &yields))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOinnLi|L", kwlist, &seg, &lines, &rank, &slots_at,
+                                     &slot_bytes, &spin_ns, &yields, &wait_ns))
         return -1;
     if (self->words != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Path is set up once");
@@ -1080,6 +1262,7 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwds) {
     self->rank = rank;
     self->size = (int)n;
     self->spin_ns = spin_ns;
+    self->wait_ns = wait_ns < spin_ns ? spin_ns : wait_ns;
     self->yields = yields;
     self->parity = 1;
     self->settled = 1;

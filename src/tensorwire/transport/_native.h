@@ -28,6 +28,7 @@ typedef struct {
     Py_ssize_t slot_bytes;
     int rank, size;
     long long spin_ns;      /* busy-poll budget; 0: yield instead (ranks share cores) */
+    long long wait_ns;      /* ... of the single copy bodies' waits (as long as a waiter spins in Python) */
     int yields;
     /* the protocol's state, as segment.State holds it on the Python path */
     int parity;             /* the slot parity of the last call entered */
@@ -38,6 +39,30 @@ typedef struct {
 } Path;
 
 extern PyTypeObject PathType;
+
+/* A read of a single copy body: buffer `index` of the table rank `source` published, into dst. */
+typedef struct {
+    int source, index;
+    char *dst;
+    Py_ssize_t len;
+    uint64_t remote; /* where it lies in the source, once published */
+} Read;
+
+/* A planned single copy call's arguments (moves_plan), its buffers held. */
+enum { MOVE_BROADCAST, MOVE_ALL_GATHER, MOVE_ALL_TO_ALL, MOVE_GATHER, MOVE_SCATTER };
+typedef struct {
+    uint64_t *table, *pid, alias;
+    Py_ssize_t words, count, held, llen;
+    Read *reads;
+    Py_buffer *buf;
+    char *ldst, *lsrc;
+    int whom;
+} Moves;
+
+int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t alias, uint64_t unknown,
+               PyObject *x, PyObject *y);
+PyObject *moves_run(Path *p, PyObject *const *head_args, Moves *m);
+void moves_release(Moves *m);
 
 /* The Path methods, called with a Python method's arguments (see each in _native.c). */
 PyObject *Path_all_reduce(Path *self, PyObject *const *args, Py_ssize_t nargs);

@@ -4,10 +4,11 @@ above them in _caller.c), where the install built them.
 The C code runs the publish-and-wait round of every direct-path body (DirectPath.publish) and
 the whole one-shot all_reduce, reduce, broadcast, gather, scatter, single-tensor all_gather,
 reduce_scatter and all_to_all of a planned call and the barrier, entry included (its Path
-holds the protocol's state: DirectPath.st); its Caller runs such a planned call from the
-group's API down, numbering included, in one C call (group/planned.py); and a small
-point-to-point message's ring record (ShmChannel.put_now, take_now): the same protocol,
-layout and fold order as DirectPath and the plans in algorithms/shm_direct.py, which stay the
+holds the protocol's state: DirectPath.st), and the single copy bodies that only move bytes
+(algorithms/single_copy.py); its Caller runs such a planned call from the group's API down,
+numbering included, in one C call (group/planned.py); and a small point-to-point message's
+ring record (ShmChannel.put_now, take_now): the same protocol, layout and fold order as
+DirectPath and the plans in algorithms/shm_direct.py and single_copy.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
 within the spin budget, a mismatch to explain, a dtype or op it does not fold.
 TENSORWIRE_NATIVE=0 runs the Python reference only; 1 makes a missing module an error; auto
@@ -80,9 +81,13 @@ def fold_code(op: ReduceOp, dtype: np.dtype) -> int:
 
 
 def path(mod: ModuleType | None, seg: Any, lines: tuple[int, ...], rank: int, slots_at: int, spin_s: float,
-         yields: int) -> Any:
+         yields: int, wait_s: float = 0.0) -> Any:
     """A compiled Path over `seg` (a GroupSegment) for this rank, or None where `mod` (the
-    engine's `module`) is."""
+    engine's `module`) is. Its bodies spin `spin_s` for a peer before they hand the wait to
+    Python; the single copy ones `wait_s`: as long as Python's waits spin (Backoff), since a
+    wait handed back there, with Python's work around it, made the peer's own run out too, call
+    after call (design/native.md, "Single copy's planned calls")."""
     if mod is None:
         return None
-    return mod.Path(seg.bytes, lines, rank, slots_at, seg.slot_bytes, int(spin_s * 1e9), yields)
+    return mod.Path(seg.bytes, lines, rank, slots_at, seg.slot_bytes, int(spin_s * 1e9), yields,
+                    int(wait_s * 1e9))

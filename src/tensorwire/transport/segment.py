@@ -155,7 +155,7 @@ class DirectPath:
         """Single copy's last call: its slot parity and the word of each rank's table that holds
         the share of its buffers in huge pages (huge_eighths)."""
         self.native = native.path(engine.native, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
-                                  _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD)
+                                  _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD, engine.spin_s)
         """The compiled bodies over this segment, or None: the engine runs the Python ones."""
         self.st = self.native if self.native is not None else State()
         """The protocol's state: the compiled Path's own where there is one (see State)."""
