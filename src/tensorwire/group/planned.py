@@ -66,8 +66,9 @@ class Plans(dict):
 
     def _compile(self, key: Any, plan: tuple) -> None:
         """Give the compiled caller a plan whose calls it can run whole: a barrier on the
-        direct path, or a plan of COMPILED_PLANS of a collective the caller takes, matched by
-        the key collectives.py made it under."""
+        direct path, a plan of COMPILED_PLANS of a collective the caller takes, or single
+        copy's own run of a broadcast, all_gather_into_tensor, all_to_all_single, gather or
+        scatter (single_copy.MOVES), matched by the key collectives.py made it under."""
         dp = self.group.direct
         if dp is None or dp.native is None:
             return
