@@ -743,7 +743,7 @@ static int read_span(long pid, char *local, uint64_t remote, size_t n) {
     return 0;
 }
 
-#define READ_HELD (64 << 10) /* below it a read keeps the interpreter lock: it takes a few us */
+#define READ_HELD (64 << 10) /* below it a read is short and keeps the interpreter lock */
 
 /* read_span, the interpreter lock released where the read is large. */
 static int read_peer(long pid, char *local, uint64_t remote, size_t n) {
@@ -825,13 +825,12 @@ static PyObject *Path_single_copy(Path *self, PyObject *const *args, Py_ssize_t 
         return PyErr_Format(PyExc_TypeError, "single_copy: bad arguments");
     Py_ssize_t words = PyTuple_GET_SIZE(table), count = PyTuple_GET_SIZE(reads) / 3, held = 0;
     if (words * 8 > self->slot_bytes) return PyErr_Format(PyExc_ValueError, "the table outgrows the slot");
-    uint64_t *vals = PyMem_Malloc((size_t)(words + self->size) * 8);
-    Read *rd = PyMem_Calloc((size_t)count + 1, sizeof(Read));
-    Py_buffer *buf = PyMem_Calloc((size_t)count + 2, sizeof(Py_buffer));
-    if (vals == NULL || rd == NULL || buf == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    /* one block: the buffers, the reads, the table and the processes */
+    Py_buffer *buf = PyMem_Calloc(1, ((size_t)count + 2) * sizeof(Py_buffer) + (size_t)count * sizeof(Read) +
+                                         (size_t)(words + self->size) * 8);
+    if (buf == NULL) return PyErr_NoMemory();
+    Read *rd = (Read *)(buf + count + 2);
+    uint64_t *vals = (uint64_t *)(rd + count);
     if (!pids_of(self, args[5], vals + words)) goto out;
     for (Py_ssize_t i = 0; i < words; i++)
         if (!to_u64(PyTuple_GET_ITEM(table, i), vals + i)) goto out;
@@ -845,7 +844,8 @@ static PyObject *Path_single_copy(Path *self, PyObject *const *args, Py_ssize_t 
     }
     char *ldst = NULL, *lsrc = NULL;
     if (local != Py_None) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 0), buf + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto out;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 0), buf + held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto out;
         ldst = buf[held++].buf;
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(local, 1), buf + held, PyBUF_C_CONTIGUOUS) < 0) goto out;
         lsrc = buf[held++].buf;
@@ -858,8 +858,6 @@ static PyObject *Path_single_copy(Path *self, PyObject *const *args, Py_ssize_t 
 out:
     while (held--) PyBuffer_Release(buf + held);
     PyMem_Free(buf);
-    PyMem_Free(rd);
-    PyMem_Free(vals);
     return PyErr_Occurred() ? NULL : status(s);
 }
 
@@ -905,13 +903,14 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
     memset(m, 0, sizeof *m);
     m->alias = alias;
     m->whom = -1;
-    m->table = PyMem_Malloc((size_t)(2 * n + 1) * 8);
-    m->reads = PyMem_Calloc((size_t)n, sizeof(Read));
-    m->buf = PyMem_Calloc((size_t)n + 2, sizeof(Py_buffer));
-    if (m->table == NULL || m->reads == NULL || m->buf == NULL) {
+    /* one block: the buffers, the reads, the table and the processes */
+    m->buf = PyMem_Calloc(1, ((size_t)n + 2) * sizeof(Py_buffer) + (size_t)n * sizeof(Read) + (size_t)(2 * n + 1) * 8);
+    if (m->buf == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    m->reads = (Read *)(m->buf + n + 2);
+    m->table = (uint64_t *)(m->reads + n);
     m->pid = m->table + n + 1;
     if (!pids_of(p, pids, m->pid)) return -1;
     uint64_t *t = m->table;
@@ -920,7 +919,7 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
     t[1] = unknown;
     switch (kind) {
     case MOVE_BROADCAST: /* y is x in place */
-        if (!hold(m, x, 0, &bx) || !hold(m, y, x != y, &by)) return -1;
+        if (!hold(m, x, 0, &bx) || !hold(m, y, x != y || me != root, &by)) return -1;
         if (me != root) {
             t[0] = (uint64_t)(uintptr_t)by->buf;
             add_read(m, root, 0, by->buf, by->len);
@@ -1025,8 +1024,6 @@ PyObject *moves_run(Path *p, PyObject *const *head_args, Moves *m) {
 void moves_release(Moves *m) {
     while (m->held) PyBuffer_Release(m->buf + --m->held);
     PyMem_Free(m->buf);
-    PyMem_Free(m->reads);
-    PyMem_Free(m->table);
     memset(m, 0, sizeof *m);
 }
 

@@ -134,7 +134,7 @@ def aliasing_is_slow() -> bool:
 
 class Reader:
     """Reads peers' memory into local arrays; keeps the bounce buffer of misaligned reads.
-    With the compiled module (`native`), each read is one C call instead of ctypes' ~3 us."""
+    With the compiled module (`native`), each read is one C call rather than ctypes'."""
 
     def __init__(self, native: ModuleType | None = None) -> None:
         self._bounce: np.ndarray | None = None

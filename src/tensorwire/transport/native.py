@@ -84,9 +84,8 @@ def path(mod: ModuleType | None, seg: Any, lines: tuple[int, ...], rank: int, sl
          yields: int, wait_s: float = 0.0) -> Any:
     """A compiled Path over `seg` (a GroupSegment) for this rank, or None where `mod` (the
     engine's `module`) is. Its bodies spin `spin_s` for a peer before they hand the wait to
-    Python; the single copy ones `wait_s`: as long as Python's waits spin (Backoff), since a
-    wait handed back there, with Python's work around it, made the peer's own run out too, call
-    after call (design/native.md, "Single copy's planned calls")."""
+    Python; the single copy ones `wait_s`, as long as Python's waits spin (design/native.md,
+    "Single copy's planned calls")."""
     if mod is None:
         return None
     return mod.Path(seg.bytes, lines, rank, slots_at, seg.slot_bytes, int(spin_s * 1e9), yields,
