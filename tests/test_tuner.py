@@ -28,6 +28,7 @@ from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
 from tensorwire.tools import cli, plan
+from tensorwire.transport import native
 from tensorwire.tuning import (
     cache,
     calibrate,
@@ -44,9 +45,11 @@ from tensorwire.tuning.cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
+    DIRECT_COMPILED,
     MEMORY,
     ONE_WAY,
     LinkTable,
@@ -563,6 +566,35 @@ def test_single_copy_reductions_pay_their_own_rounds() -> None:
     assert grown["reduce_scatter"] == pytest.approx(2 * 7e-6)
 
 
+def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
+    """A call the compiled caller runs whole (Plans.compiled) is priced at the α measured
+    through it: the one shot's and single copy's moves (cost_model.compiled_prices), never above
+    the Python path's, β unchanged, the reductions' rounds still at `cma_fold`; the tuner keeps
+    that choice apart from the Python path's (test_choice_is_cached_per_group_and_size), and the
+    one shot gives way to single copy at a smaller size."""
+    reads, fold = Link(CMA, 4e-6, 1 / 30e9, 1e-11), Link(CMA_FOLD, 7e-6, 1.0, 1.0)
+    host = cost_model.Host(DEFAULT_LINKS[MEMORY], 2, 4 << 20, reads, reads, fold, huge=False)
+    direct = Link("direct", 3e-6, 1 / 15e9, 1e-11)
+    fast = {DIRECT_COMPILED: Link(DIRECT_COMPILED, 0.5e-6, 1.0, 1.0),
+            CMA_COMPILED: Link(CMA_COMPILED, 1e-6, 1.0, 1.0)}
+    d, h = cost_model.compiled_prices(fast, direct, host)
+    assert d == replace(direct, alpha=0.5e-6)
+    assert h.cma == h.cma_huge == replace(reads, alpha=1e-6) and h.reads(64, folds=True).alpha == 7e-6
+    slow = {name: Link(name, 9e-6, 1.0, 1.0) for name in (DIRECT_COMPILED, CMA_COMPILED)}
+    assert cost_model.compiled_prices(slow, direct, host) == (direct, host)
+    assert cost_model.compiled_prices({}, direct, host) == (direct, host)
+    one, sc = algorithms_for("broadcast")["direct"], algorithms_for("broadcast")["single_copy"]
+
+    def crossover(d: Link, h: cost_model.Host) -> int:
+        m = 1024
+        while cost_model.predict(sc, 2, m, DEFAULT_LINKS["shm"], d, host=h) >= \
+                cost_model.predict(one, 2, m, DEFAULT_LINKS["shm"], d, host=h):
+            m *= 2
+        return m
+
+    assert crossover(*cost_model.compiled_prices(fast, direct, host)) < crossover(direct, host)
+
+
 def test_single_copy_turns_on_its_sources_pages() -> None:
     """Where single copy wins only out of huge pages, the tuner hands out a PageDependent: single
     copy while its sources are presumed or seen in huge pages, the other choice once a call saw
@@ -690,8 +722,10 @@ def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
 def test_choice_is_cached_per_group_and_size() -> None:
     g = _Group(4, "tcp")
     first = tuner.select(g, "all_reduce", 1 << 20)
-    assert g.choices[("all_reduce", 1 << 20, True)] is first
+    assert g.choices[("all_reduce", 1 << 20, True, False)] is first
     assert tuner.select(g, "all_reduce", 1 << 20) is first
+    tuner.select(g, "all_reduce", 1 << 20, compiled=True)  # a call run whole in C: priced apart
+    assert ("all_reduce", 1 << 20, True, True) in g.choices
 
 
 def test_no_algorithm_left_is_a_clear_error() -> None:
@@ -878,7 +912,9 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     # and, where the group has it, single copy), every rank busy at once, the host's memory,
     # and wrote the cache
     reads = [CMA, CMA_HUGE, CMA_FOLD] if first[0]["single_copy"] else []
-    one_host = ["direct", *reads] if tier == "shm" else []
+    # ... and, where calls run whole in C, both once more through the API (probes.measure_compiled)
+    compiled = ["direct_compiled", *(["cma_compiled"] if reads else [])] if native.module("auto") else []
+    one_host = ["direct", *reads, *compiled] if tier == "shm" else []
     used = [tier, ONE_WAY[tier], *one_host, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY]
     unused = {t: "default" for t in DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
@@ -1430,7 +1466,8 @@ def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:
     table = tuning_file.apply_overrides(cost_model.default_table(), over)
     # roce lacks γ: not a runtime tier
     assert table.sources == {"shm": "file", "tcp": "file+default", "direct": "default", "cma": "default",
-                             "cma_huge": "default", "cma_fold": "default", "memory": "default",
+                             "cma_huge": "default", "cma_fold": "default", "direct_compiled": "default",
+                             "cma_compiled": "default", "memory": "default",
                              "tcp_stream": "default"}
     assert table.link("tcp").alpha == DEFAULT_LINKS["tcp"].alpha and table.link("tcp").beta == 1e-9
 

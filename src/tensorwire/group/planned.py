@@ -112,6 +112,11 @@ class Plans(dict):
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
                         owner.after, *extra)
 
+    def compiled(self, what: str) -> bool:
+        """Whether the compiled caller takes `what` (an API name) from its API: its plan is
+        then priced as such a call (tuner.select's `compiled`)."""
+        return self.caller is not None and what in self.engine.native.COMPILED_CALLS
+
     def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan (`submit` numbers it per call)."""
         return CollectiveCall(self.group, 0, fp, what, self.group.timeout)
@@ -126,7 +131,9 @@ class Plans(dict):
             return
         group = self.group
         call = self.call(fp, "all_reduce")
-        if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes).name == "direct":
+        compiled = self.compiled(key[0])
+        if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes,
+                                                        compiled=compiled).name == "direct":
             self[key] = call, AllReducePlan(group.direct, src.dtype, src.size, red.op, red).run, red
         else:
             self[key] = call, None, red
@@ -145,7 +152,8 @@ class Plans(dict):
         if len(self) >= _PLANS or key in self:
             return
         group = self.group
-        alg = tuner.select(group, collective, nbytes) if group.size > 1 or one_rank else None
+        alg = tuner.select(group, collective, nbytes, compiled=self.compiled(what)) \
+            if group.size > 1 or one_rank else None
         run = None if alg is None else alg.run
         if whole is not None and alg is not None and alg.name == "direct" \
                 and whole[0] <= group.direct.slot_bytes:  # type: ignore[union-attr]

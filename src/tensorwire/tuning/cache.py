@@ -30,7 +30,7 @@ from .tuning_file import FIELDS, parse_tuning
 
 _log = log.get("TUNING")
 
-PROBE_VERSION = 29
+PROBE_VERSION = 30
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
 MAX_ENTRY_BYTES = 1 << 20
 """An entry is a few KiB; a larger file is not read (a cache directory others can write to

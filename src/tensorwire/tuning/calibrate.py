@@ -50,9 +50,11 @@ from .cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
+    DIRECT_COMPILED,
     LINKS,
     MEMORY,
     ONE_WAY,
@@ -150,10 +152,11 @@ def at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 8), dtype=np.uint64)
+    info = np.zeros((n, 9), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
     info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
-                world.engine.cores, environment_digest(cfg, world.engine.cores), host_hash(machine_id()))
+                world.engine.cores, environment_digest(cfg, world.engine.cores), host_hash(machine_id()),
+                int(world.plans.caller is not None))
     recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:
@@ -166,7 +169,9 @@ def at_init(world: Group) -> LinkTable:
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
     hosts = [int(h) for h in info[:, 0]]
     cores = int(min(info[r, 5] for r in range(n) if hosts[r] == hosts[me]))  # as the engine counts them
-    one_host = [*(["direct"] if direct else []), *([CMA, CMA_HUGE, CMA_FOLD] if cma else [])]
+    compiled = direct and bool(info[:, 8].all())  # every rank's calls run whole in C where planned
+    one_host = [*(["direct"] if direct else []), *([CMA, CMA_HUGE, CMA_FOLD] if cma else []),
+                *([DIRECT_COMPILED] if compiled else []), *([CMA_COMPILED] if compiled and cma else [])]
     links_used = sorted([*pairs, *(ONE_WAY[t] for t in pairs), *one_host, BUSY, BUSY_RING,
                          BUSY_PAIRS, MEMORY])
     key = cache_key(hosts, links_used, n, cfg.tcp_changed(), [int(e) for e in info[:, 6]])
@@ -218,6 +223,10 @@ def at_init(world: Group) -> LinkTable:
         probe_s = time.perf_counter() - t1
         foreign = round(probes.foreign_cores(world, [int(m) for m in info[:, 7]], before, t1), 2)  # as cached
         slower = _install_measured(base, sources, measured, pairs, direct, cma)
+        if compiled:  # through the API, planned on the tuner's provisional constants
+            tuner.install(world.runtime, LinkTable(base, sources))
+            counts = probes.series_counts(_crowding(info))
+            _install_compiled(base, sources, probes.measure_compiled(world, cma, **counts), cma)
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             rounds = [[round(t * 1e6, 2) for t in r] for r in measured["rounds"]] if direct else []
@@ -292,6 +301,18 @@ def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: 
         sources[name] = "calibrated"
     one_shot, messages = measured["rounds"]
     return direct and all(d > m for d, m in zip(one_shot, messages))
+
+
+def _install_compiled(base: dict[str, Link], sources: dict[str, str], alphas: tuple[float, float],
+                      cma: bool) -> None:
+    """Put the α's of the calls the compiled caller runs whole (probes.measure_compiled) into
+    `base`, with the β and γ of the Python path's links; the Python path's α where a call
+    could not be measured."""
+    for name, plain, alpha, used in ((DIRECT_COMPILED, "direct", alphas[0], True),
+                                     (CMA_COMPILED, CMA, alphas[1], cma)):
+        if used:
+            base[name] = replace(base[plain], name=name, alpha=alpha or base[plain].alpha)
+            sources[name] = "calibrated"
 
 
 def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) -> None:

@@ -11,7 +11,7 @@ in docs/design/cost-model.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,9 @@ DEFAULT_LINKS = {
     "cma_huge": Link("cma_huge", alpha=1e-6, beta=1 / 12e9, gamma=1 / 7.5e9),
     # single copy's reductions: their flag round, whose body folds in Python (only α is used)
     "cma_fold": Link("cma_fold", alpha=3e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
+    # a call the compiled caller runs whole: the one shot's and single copy's rounds (only α is used)
+    "direct_compiled": Link("direct_compiled", alpha=1e-6, beta=1 / 16e9, gamma=1 / 7.5e9),
+    "cma_compiled": Link("cma_compiled", alpha=1e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache, and that cache's size
     "memory": Link("memory", alpha=0.0, beta=1 / 10e9 - 1 / 40e9, gamma=1 / 14e9 - 1 / 35e9, cache=32 << 20),
     # one TCP stream driven by one thread: the default TCP link's (only its β bounds a link, see Streams)
@@ -55,16 +58,18 @@ STREAM = "tcp_stream"
 CMA = "cma"
 CMA_HUGE = "cma_huge"
 CMA_FOLD = "cma_fold"
+DIRECT_COMPILED, CMA_COMPILED = "direct_compiled", "cma_compiled"
 BUSY, BUSY_RING, BUSY_PAIRS = "busy", "busy_ring", "busy_pairs"
 """The world's tier measured with every rank at work at once (probes.measure_busy): partners
 that change, a ring's fixed ones, and partners in pairs (the α of a step that exchanges with one
 partner, see Algorithm.exchanges)."""
-LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, CMA_FOLD, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY,
-         STREAM)
+LINKS = (*TIERS, *ONE_WAY.values(), "direct", CMA, CMA_HUGE, CMA_FOLD, DIRECT_COMPILED, CMA_COMPILED, BUSY,
+         BUSY_RING, BUSY_PAIRS, MEMORY, STREAM)
 """Every link the model prices and the probe measures: the message path of each tier (in
 exchanges, and one way), the one-shot shared-memory path (`direct`: a flag round and a memory
 copy), single copy's reads out of a peer process (`cma`; `cma_huge` out of huge pages;
-`cma_fold`: the α of the reductions' rounds, whose bodies run in Python), the
+`cma_fold`: the α of the reductions' rounds, whose bodies run in Python), the α of both where
+the compiled caller runs a call whole (`direct_compiled`, `cma_compiled`: see compiled_prices), the
 world's tier with every rank busy (`busy`, `busy_ring`, `busy_pairs`: the bound on an
 algorithm's work), and the host's memory beyond its last-level cache (`memory`, see spill);
 and, measured by no probe, what one TCP stream moves (`tcp_stream`, see Streams: a default
@@ -239,6 +244,24 @@ def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
         per_rank += 2 * min(nbytes, host.ring_bytes)  # the rings it writes into and reads out of
     total = host.ranks * per_rank
     return 0.0 if total <= host.memory.cache else 1 - host.memory.cache / total
+
+
+def compiled_prices(links: Mapping[str, Link], direct: Link | None,
+                    host: Host | None) -> tuple[Link | None, Host | None]:
+    """The one shot's link and the host's reads for a call the compiled caller runs whole
+    (group/planned.py): at the α measured through it (DIRECT_COMPILED, CMA_COMPILED), where it
+    was, never above the α of the Python path; β as measured. A call's API, checks and body then
+    cost one C call, a few times less than the Python path that the other links price
+    (docs/design/cost-model.md#compiled-calls)."""
+    reads = links.get(CMA_COMPILED)
+    if host is not None and reads is not None:
+        host = replace(host, cma=compiled_link(host.cma, reads), cma_huge=compiled_link(host.cma_huge, reads))
+    return None if direct is None else compiled_link(direct, links.get(DIRECT_COMPILED)), host
+
+
+def compiled_link(link: Link, measured: Link | None) -> Link:
+    """`link` at the α of `measured` (DIRECT_COMPILED or CMA_COMPILED, None: not measured), where lower."""
+    return link if measured is None else replace(link, alpha=min(measured.alpha, link.alpha))
 
 
 def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:

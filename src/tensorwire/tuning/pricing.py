@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..algorithms.compressed import compressed_cost
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
@@ -23,9 +23,11 @@ from . import crossing
 from .cache import cache_dir, cached_entries, host_hash
 from .cost_model import (
     CMA,
+    CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
+    DIRECT_COMPILED,
     LINKS,
     MEMORY,
     ONE_WAY,
@@ -34,6 +36,7 @@ from .cost_model import (
     Host,
     LinkTable,
     Streams,
+    compiled_link,
     phase_prices,
     predict,
     price,
@@ -72,6 +75,8 @@ class Tier:
     cma: Link | None = None  # ... and its reads across processes (single copy)
     cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
     cma_fold: Link | None = None  # ... the α of the reductions' rounds
+    python: dict[str, float] = field(default_factory=dict)  # α's of the Python path where a call run
+    # whole in C is priced lower (cost_model.compiled_prices), by link
     one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
     stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
 
@@ -164,6 +169,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             elif name not in file:
                 one_way = local.get(one_way_name, (None, ""))[0]
         host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
+        python: dict[str, float] = {}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
             if "direct" in file and direct is not None:
@@ -173,10 +179,23 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 host[entry] = replace(measured, **file[entry]) if entry in file else measured
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
+            # priced as the calls that the compiled caller runs whole, as a job's repeated calls
+            for entry, measured in (("direct", DIRECT_COMPILED), (CMA, CMA_COMPILED),
+                                    (CMA_HUGE, CMA_COMPILED)):
+                plain = direct if entry == "direct" else host[entry]
+                if plain is None or measured not in local or measured in file:
+                    continue
+                faster = compiled_link(plain, local[measured][0])
+                if faster.alpha < plain.alpha:
+                    python[entry] = plain.alpha
+                if entry == "direct":
+                    direct = faster
+                else:
+                    host[entry] = faster
         measured = name in local and name not in file
         out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
                         memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
-                        one_way=one_way,
+                        python=python, one_way=one_way,
                         stream=None if name == "shm" or measured else stream))
     return out
 

@@ -27,7 +27,7 @@ from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.registry import algorithms_for
 from ..buffers import huge_zeros
 from ..ops import ReduceOp
-from . import crossing
+from . import crossing, tuner
 from .cost_model import BUSY, CMA, CMA_FOLD, CMA_HUGE, MEMORY, TIERS
 from .host_probes import measure_copy, measure_gamma, measure_memory
 
@@ -96,6 +96,13 @@ def crowded(count: int, least: int, crowding: float) -> int:
     return max(least, min(count, int(2 * count / max(crowding, 1e-9))))
 
 
+def series_counts(crowding: float) -> dict[str, int]:
+    """`typical`'s counts of the one-host probes' calls where machines run `crowding` ranks a core."""
+    return {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
+            "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding),
+            "series": crowded(DIRECT_SERIES, 1, crowding)}
+
+
 def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
     """One round of evidence: the one shot's 8-byte all_reduce and recursive doubling's (the
     message algorithm such calls would otherwise take), each timed as `typical` times it, back
@@ -162,6 +169,25 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float
                     **counts)
     return (max(small / 2, 1e-8), slope([np.ones(block, dtype=np.uint8) for _ in range(n)]),
             slope([whole[r * block:(r + 1) * block] for r in range(n)]), max(folds / 3, 1e-8))
+
+
+def measure_compiled(world: Group, cma: bool, **counts: int) -> tuple[float, float]:
+    """(α of the one shot, α of single copy; 0 where not measured) in calls the compiled
+    caller runs whole: the API's own 8-byte all_reduce (a sum) and all_gather_into_tensor, planned on
+    that algorithm (tuner.override) and repeated, so that every timed call is one C call, API,
+    checks and body (group/planned.py). Single copy's α is half a call (two flag rounds), as in
+    measure_cma. Needs the tuner's constants installed (calibrate.at_init's provisional ones)."""
+    def forced(collective: str, name: str, nbytes: int, run: Callable[[], object]) -> float:
+        if name not in {a.name for a in tuner.candidates(world, collective, nbytes)}:
+            return 0.0  # TENSORWIRE_ALGO leaves it out (alike on every rank): never priced
+        with tuner.override(world, collective, name):
+            return max(typical(world, run, **counts), 1e-8)
+
+    small, block, blocks = np.ones(2, np.float32), np.ones(8, np.uint8), np.zeros(8 * world.size, np.uint8)
+    one_shot = forced("all_reduce", "direct", small.nbytes, lambda: world.all_reduce(small))  # a C fold
+    reads = forced("all_gather", "single_copy", blocks.nbytes,
+                   lambda: world.all_gather_into_tensor(blocks, block)) / 2 if cma else 0.0
+    return one_shot, reads
 
 
 # -- messages: a pair of ranks, and every rank at once ---------------------------------------------
@@ -360,9 +386,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     own, gamma, memory = slice(busy.stop, busy.stop + 2), busy.stop + 2, slice(busy.stop + 3, busy.stop + 6)
     reads = slice(memory.stop, memory.stop + 4)
     rounds = measured[reads.stop:].reshape(2, n_rounds)
-    counts = {"warm": crowded(DIRECT_WARM, CROWDED_WARM, crowding),
-              "calls": crowded(DIRECT_CALLS, CROWDED_CALLS, crowding),
-              "series": crowded(DIRECT_SERIES, 1, crowding)}
+    counts = series_counts(crowding)
     long = counts if crowding <= 2 else {**counts, "warm": CROWDED_LONG_WARM, "calls": CROWDED_LONG_CALLS}
     if direct:  # first: they need every rank anyway
         rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, long, **counts)

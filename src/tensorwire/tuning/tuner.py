@@ -38,8 +38,10 @@ from .cost_model import (
     BUSY_PAIRS,
     BUSY_RING,
     CMA,
+    CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
+    DIRECT_COMPILED,
     MEMORY,
     ONE_WAY,
     STREAM,
@@ -47,6 +49,7 @@ from .cost_model import (
     LinkTable,
     Spread,
     Streams,
+    compiled_prices,
     describe_rate,
     format_seconds,
     one_flow,
@@ -163,6 +166,8 @@ class Decision:
     """The algorithms priced with the constants of a host whose ranks are all busy (predict: at
     their work, or their path at the busy α a step) rather than at their path over the link:
     what the TUNING log marks busy-bound."""
+    compiled: bool = False
+    """Priced as a call the compiled caller runs whole (cost_model.compiled_prices)."""
 
     def predicted(self, name: str) -> float:
         return next(t for t, n, _ in self.priced if n == name)
@@ -213,8 +218,10 @@ def phased(group: Group, table: LinkTable, algs: list[Algorithm],
     return [(a.phases(shape, nbytes, local, rail, between), a.name, a) for a in algs if a.phases is not None]
 
 
-def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Decision:
-    """Price every eligible algorithm for one call (uncached, unlogged: `select` does that)."""
+def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
+           compiled: bool = False) -> Decision:
+    """Price every eligible algorithm for one call (uncached, unlogged: `select` does that);
+    `compiled`: a call the compiled caller runs whole (cost_model.compiled_prices)."""
     options = candidates(group, collective, nbytes, direct_ok)
     if not options:
         cfg = group.runtime.config
@@ -225,7 +232,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
             f"for {nbytes} bytes on {group.size} ranks (known: {known})")
     tier = tier_of(group)
     table = table_for(group.runtime)
-    model = Model.of(group, table)
+    model = Model.of(group, table, compiled)
     key = (collective, nbytes)
     if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
         model = replace(model, host=replace(model.host, huge=False))
@@ -246,7 +253,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
         choice = priced[0][2]
-    return Decision(collective, nbytes, group.size, tier, priced, choice, bound)
+    return Decision(collective, nbytes, group.size, tier, priced, choice, bound, compiled)
 
 
 @dataclass(frozen=True)
@@ -270,13 +277,17 @@ class Model:
     """Over TCP: what the pair's streams and threads reach (cost_model.Streams)."""
 
     @classmethod
-    def of(cls, group: Group, table: LinkTable) -> Model:
+    def of(cls, group: Group, table: LinkTable, compiled: bool = False) -> Model:
+        """`compiled`: the model of a call the compiled caller runs whole (cost_model.compiled_prices)."""
         tier = tier_of(group)
         busy = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
                 if tier == table.extra.get("busy_tier") else (None, None, None))
         direct = table.links.get("direct") if group.direct is not None else None
+        host = host_of(group, table)
+        if compiled:
+            direct, host = compiled_prices(table.links, direct, host)
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
-                   host_of(group, table), bool(group.direct is not None and group.direct.single_copy),
+                   host, bool(group.direct is not None and group.direct.single_copy),
                    spread_of(group.layout), streams_for(group, table))
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
@@ -318,19 +329,23 @@ class Override:
 
     def __init__(self, group: Group, collective: str, name: str | None) -> None:
         self.group, self.collective, self.name = group, collective, name
-        self.decisions: dict[tuple[int, bool], Decision] = {}
-        self._picked: dict[tuple[int, bool], Algorithm | PageDependent] = {}
+        self.decisions: dict[tuple[int, bool, bool], Decision] = {}
+        self._picked: dict[tuple[int, bool, bool], Algorithm | PageDependent] = {}
 
     @property
     def decision(self) -> Decision | None:
-        """The decision of the most recent call size (None before the first call)."""
-        return next(reversed(self.decisions.values()), None)
+        """The decision of the most recent call size (None before the first call); where the
+        call was planned for the compiled caller, that plan's, which its repeats run."""
+        last = next(reversed(self.decisions), None)
+        if last is None:
+            return None
+        return self.decisions.get((*last[:2], True), self.decisions[last])
 
-    def pick(self, nbytes: int, direct_ok: bool) -> Algorithm | PageDependent:
-        key = (nbytes, direct_ok)
+    def pick(self, nbytes: int, direct_ok: bool, compiled: bool = False) -> Algorithm | PageDependent:
+        key = (nbytes, direct_ok, compiled)
         alg = self._picked.get(key)
         if alg is None:
-            decision = decide(self.group, self.collective, nbytes, direct_ok)
+            decision = decide(self.group, self.collective, nbytes, direct_ok, compiled)
             self.decisions[key] = decision
             names = [n for _, n, _ in decision.priced]
             if self.name is not None and self.name not in names:
@@ -362,15 +377,17 @@ def override(group: Group, collective: str, name: str | None = None) -> Iterator
         group.plans.clear()
 
 
-def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm | PageDependent:
-    """The cheapest eligible algorithm (cached per group, collective and size)."""
+def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
+           compiled: bool = False) -> Algorithm | PageDependent:
+    """The cheapest eligible algorithm (cached per group, collective and size); `compiled`: for
+    a call the compiled caller runs whole (cost_model.compiled_prices)."""
     if _override is not None and _override.group is group and _override.collective == collective:
-        return _override.pick(nbytes, direct_ok)
-    key = (collective, nbytes, direct_ok)
+        return _override.pick(nbytes, direct_ok, compiled)
+    key = (collective, nbytes, direct_ok, compiled)
     choice = group.choices.get(key)
     if choice is not None:
         return choice
-    decision = decide(group, collective, nbytes, direct_ok)
+    decision = decide(group, collective, nbytes, direct_ok, compiled)
     choice = decision.choice
     if _log.isEnabledFor(20):
         _log.info("%s", explain(group, decision))
@@ -450,6 +467,11 @@ def explain(group: Group, decision: Decision) -> str:
         shown += f", one way ({table.describe(ONE_WAY[tier])})"
     if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
         shown += f", direct path ({table.describe('direct')})"
+        if decision.compiled:
+            shown += ", a call run whole in C (" + ", ".join(
+                f"{what} α {table.links[name].alpha * 1e6:.3g} us"
+                for what, name in (("one shot", DIRECT_COMPILED), ("single copy", CMA_COMPILED))
+                if name in table.links) + ")"
     collective, choice = decision.collective, decision.choice
     mode = " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else ""
     chosen = (choice.name if not isinstance(choice, PageDependent) else
