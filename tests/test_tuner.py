@@ -569,7 +569,8 @@ def test_single_copy_reductions_pay_their_own_rounds() -> None:
 def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
     """A call the compiled caller runs whole (Plans.compiled) is priced at the α measured
     through it: the one shot's and single copy's moves (cost_model.compiled_prices), never above
-    the Python path's, β unchanged, the reductions' rounds still at `cma_fold`; the tuner keeps
+    the Python path's, the one shot's reductions at its β too, the reads' β unchanged, single
+    copy's reductions still at `cma_fold`; the tuner keeps
     that choice apart from the Python path's (test_choice_is_cached_per_group_and_size), and the
     one shot gives way to single copy at a smaller size."""
     reads, fold = Link(CMA, 4e-6, 1 / 30e9, 1e-11), Link(CMA_FOLD, 7e-6, 1.0, 1.0)
@@ -580,8 +581,16 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
     d, h = cost_model.compiled_prices(fast, direct, host)
     assert d == replace(direct, alpha=0.5e-6)
     assert h.cma == h.cma_huge == replace(reads, alpha=1e-6) and h.reads(64, folds=True).alpha == 7e-6
+    # a reduction's compiled body folds as it reads: its β is the compiled link's, where lower
+    fast[DIRECT_COMPILED] = Link(DIRECT_COMPILED, 0.5e-6, 1 / 30e9, 1.0)
+    assert cost_model.compiled_prices(fast, direct, host, folds=True)[0] == replace(direct, alpha=0.5e-6,
+                                                                                   beta=1 / 30e9)
+    assert cost_model.compiled_prices(fast, direct, host, folds=False)[0] == replace(direct, alpha=0.5e-6)
+    # beyond COMPILED_BYTES the one shot streams from Python: its own link; single copy's still lower
+    d, h = cost_model.compiled_prices(fast, direct, host, whole=False, folds=True)
+    assert d == direct and h.cma.alpha == 1e-6
     slow = {name: Link(name, 9e-6, 1.0, 1.0) for name in (DIRECT_COMPILED, CMA_COMPILED)}
-    assert cost_model.compiled_prices(slow, direct, host) == (direct, host)
+    assert cost_model.compiled_prices(slow, direct, host, folds=True) == (direct, host)
     assert cost_model.compiled_prices({}, direct, host) == (direct, host)
     one, sc = algorithms_for("broadcast")["direct"], algorithms_for("broadcast")["single_copy"]
 

@@ -34,8 +34,9 @@ from ..transport.pumps import pump_threads
 from ..tuning import policy, pricing
 from ..tuning.cache import cache_dir
 from ..tuning.cost_model import (
-    CMA,
-    CMA_HUGE,
+    CMA_COMPILED,
+    COMPILED_BYTES,
+    DIRECT_COMPILED,
     STREAM,
     Streams,
     describe_link,
@@ -194,12 +195,6 @@ def report_streams(collective: str, m: int, hosts: int, per_host: int, nics: int
 
 # -- the report ------------------------------------------------------------------------------------
 
-def _python(tier: Tier, link: str) -> str:
-    """How a link's α is priced: a repeated call of the API runs whole in C, others in Python."""
-    alpha = tier.python.get(link)
-    return "" if alpha is None else f" (a call run whole in C; through Python α {alpha * 1e6:.3g} us)"
-
-
 def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, direct_bytes: int,
            out: Callable[[str], None], cores: int = 1) -> None:
     algs = list(algorithms_for(collective).values())
@@ -213,18 +208,23 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.one_way is not None:
             out(f"    messages one way (trees, linear rooted): {describe_link(tier.one_way)}")
         if tier.direct is not None:
-            out(f"    one-shot shared-memory path: {describe_link(tier.direct)}{_python(tier, 'direct')}")
+            out(f"    one-shot shared-memory path: {describe_link(tier.direct)}")
         if tier.memory is not None:
             out(f"    memory of the one host: {describe_link(tier.memory)}")
         if tier.cma is not None:
-            out(f"    single copy's reads across processes: {describe_link(tier.cma)}{_python(tier, CMA)}")
+            out(f"    single copy's reads across processes: {describe_link(tier.cma)}")
         if tier.cma_huge is not None:
             out(f"    ... out of huge pages (as priced here; a job prices the reads at the line above "
-                f"once its sources are seen in 4 KiB pages): {describe_link(tier.cma_huge)}"
-                f"{_python(tier, CMA_HUGE)}")
+                f"once its sources are seen in 4 KiB pages): {describe_link(tier.cma_huge)}")
         if tier.cma is not None and tier.cma_fold is not None:
             out(f"    ... a reduction's flag round (its body folds in Python): "
                 f"α {tier.cma_fold.alpha * 1e6:.3g} us")
+        if DIRECT_COMPILED in tier.compiled:  # the prices below are a job's repeated calls'
+            one, reads = tier.compiled[DIRECT_COMPILED], tier.compiled.get(CMA_COMPILED)
+            moves = "" if reads is None else f", single copy α {reads.alpha * 1e6:.3g} us"
+            out(f"    calls run whole in C (a job's repeated calls, as priced here): one shot α "
+                f"{one.alpha * 1e6:.3g} us (a reduction's up to {format_size(COMPILED_BYTES)}: β "
+                f"{describe_rate(one)}){moves}")
         streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads) if tier.name == "tcp" else None
         if streams is not None:
             bound = (f"one stream at most {describe_rate(tier.stream)}" if tier.stream is not None

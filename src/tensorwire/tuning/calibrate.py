@@ -226,7 +226,8 @@ def at_init(world: Group) -> LinkTable:
         if compiled:  # through the API, planned on the tuner's provisional constants
             tuner.install(world.runtime, LinkTable(base, sources))
             counts = probes.series_counts(_crowding(info))
-            _install_compiled(base, sources, probes.measure_compiled(world, cma, **counts), cma)
+            long = probes.long_counts(counts, _crowding(info))
+            _install_compiled(base, sources, probes.measure_compiled(world, cma, long, **counts), cma)
         leaders = {hosts[r]: r for r in reversed(range(n))}  # the lowest rank of every host
         if leaders.get(hosts[me]) == me:
             rounds = [[round(t * 1e6, 2) for t in r] for r in measured["rounds"]] if direct else []
@@ -303,16 +304,19 @@ def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: 
     return direct and all(d > m for d, m in zip(one_shot, messages))
 
 
-def _install_compiled(base: dict[str, Link], sources: dict[str, str], alphas: tuple[float, float],
+def _install_compiled(base: dict[str, Link], sources: dict[str, str], measured: tuple[float, float, float],
                       cma: bool) -> None:
-    """Put the α's of the calls the compiled caller runs whole (probes.measure_compiled) into
-    `base`, with the β and γ of the Python path's links; the Python path's α where a call
-    could not be measured."""
-    for name, plain, alpha, used in ((DIRECT_COMPILED, "direct", alphas[0], True),
-                                     (CMA_COMPILED, CMA, alphas[1], cma)):
-        if used:
-            base[name] = replace(base[plain], name=name, alpha=alpha or base[plain].alpha)
-            sources[name] = "calibrated"
+    """Put the α's (and the one shot's β) of the calls the compiled caller runs whole
+    (probes.measure_compiled) into `base`, the rest as the Python path's links; those links'
+    own where a call could not be measured."""
+    alpha, beta, reads = measured
+    plain = base["direct"]
+    base[DIRECT_COMPILED] = replace(plain, name=DIRECT_COMPILED, alpha=alpha or plain.alpha,
+                                    beta=beta or plain.beta)
+    sources[DIRECT_COMPILED] = "calibrated"
+    if cma:
+        base[CMA_COMPILED] = replace(base[CMA], name=CMA_COMPILED, alpha=reads or base[CMA].alpha)
+        sources[CMA_COMPILED] = "calibrated"
 
 
 def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) -> None:

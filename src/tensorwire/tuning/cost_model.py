@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..buffers import PIECE
 from ..config import Config
 from ..transport.tcp import parts_of
 from . import crossing
@@ -45,7 +46,7 @@ DEFAULT_LINKS = {
     "cma_huge": Link("cma_huge", alpha=1e-6, beta=1 / 12e9, gamma=1 / 7.5e9),
     # single copy's reductions: their flag round, whose body folds in Python (only α is used)
     "cma_fold": Link("cma_fold", alpha=3e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
-    # a call the compiled caller runs whole: the one shot's and single copy's rounds (only α is used)
+    # a call the compiled caller runs whole: the one shot (α and β) and single copy's rounds (α)
     "direct_compiled": Link("direct_compiled", alpha=1e-6, beta=1 / 16e9, gamma=1 / 7.5e9),
     "cma_compiled": Link("cma_compiled", alpha=1e-6, beta=1 / 4e9, gamma=1 / 7.5e9),
     # not a link: what a byte costs beyond the last-level cache, and that cache's size
@@ -59,6 +60,10 @@ CMA = "cma"
 CMA_HUGE = "cma_huge"
 CMA_FOLD = "cma_fold"
 DIRECT_COMPILED, CMA_COMPILED = "direct_compiled", "cma_compiled"
+COMPILED_BYTES = PIECE
+"""The one shot's bodies run in C for calls of up to this many bytes (and the slot's), and
+DIRECT_COMPILED prices them there (measured at it, probes.measure_compiled); beyond, the Python
+body streams the message."""
 BUSY, BUSY_RING, BUSY_PAIRS = "busy", "busy_ring", "busy_pairs"
 """The world's tier measured with every rank at work at once (probes.measure_busy): partners
 that change, a ring's fixed ones, and partners in pairs (the α of a step that exchanges with one
@@ -246,22 +251,30 @@ def spill(alg: Algorithm, n: int, nbytes: int, host: Host) -> float:
     return 0.0 if total <= host.memory.cache else 1 - host.memory.cache / total
 
 
-def compiled_prices(links: Mapping[str, Link], direct: Link | None,
-                    host: Host | None) -> tuple[Link | None, Host | None]:
+def compiled_prices(links: Mapping[str, Link], direct: Link | None, host: Host | None,
+                    whole: bool = True, folds: bool = False) -> tuple[Link | None, Host | None]:
     """The one shot's link and the host's reads for a call the compiled caller runs whole
-    (group/planned.py): at the α measured through it (DIRECT_COMPILED, CMA_COMPILED), where it
-    was, never above the α of the Python path; β as measured. A call's API, checks and body then
-    cost one C call, a few times less than the Python path that the other links price
-    (docs/design/cost-model.md#compiled-calls)."""
+    (group/planned.py), where those were measured through it: single copy's rounds at
+    CMA_COMPILED's α (its reads' β as they are); the one shot at DIRECT_COMPILED's α where its
+    body runs in C at this size (`whole`: a call of up to COMPILED_BYTES), and at its β too
+    where the call `folds` (a reduction: the compiled body folds as it reads, which the β
+    fitted to an all_reduce holds; the other collectives only copy). Never above the Python
+    path's, which the other links price: there a call's API, checks and body cost a few times
+    more (docs/design/cost-model.md#compiled-calls)."""
     reads = links.get(CMA_COMPILED)
     if host is not None and reads is not None:
         host = replace(host, cma=compiled_link(host.cma, reads), cma_huge=compiled_link(host.cma_huge, reads))
-    return None if direct is None else compiled_link(direct, links.get(DIRECT_COMPILED)), host
+    if direct is not None and whole:
+        direct = compiled_link(direct, links.get(DIRECT_COMPILED), beta=folds)
+    return direct, host
 
 
-def compiled_link(link: Link, measured: Link | None) -> Link:
-    """`link` at the α of `measured` (DIRECT_COMPILED or CMA_COMPILED, None: not measured), where lower."""
-    return link if measured is None else replace(link, alpha=min(measured.alpha, link.alpha))
+def compiled_link(link: Link, measured: Link | None, beta: bool = False) -> Link:
+    """`link` at the α (and `beta`: the β) of `measured` (None: not measured), where lower."""
+    if measured is None:
+        return link
+    return replace(link, alpha=min(measured.alpha, link.alpha),
+                   beta=min(measured.beta, link.beta) if beta else link.beta)
 
 
 def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:

@@ -26,6 +26,7 @@ from .cost_model import (
     CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
+    COMPILED_BYTES,
     DEFAULT_LINKS,
     DIRECT_COMPILED,
     LINKS,
@@ -36,7 +37,7 @@ from .cost_model import (
     Host,
     LinkTable,
     Streams,
-    compiled_link,
+    compiled_prices,
     phase_prices,
     predict,
     price,
@@ -75,8 +76,7 @@ class Tier:
     cma: Link | None = None  # ... and its reads across processes (single copy)
     cma_huge: Link | None = None  # ... out of huge pages (None: none expected, Config.huge_pages)
     cma_fold: Link | None = None  # ... the α of the reductions' rounds
-    python: dict[str, float] = field(default_factory=dict)  # α's of the Python path where a call run
-    # whole in C is priced lower (cost_model.compiled_prices), by link
+    compiled: dict[str, Link] = field(default_factory=dict)  # calls run whole in C (compiled_prices)
     one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
     stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
 
@@ -88,8 +88,15 @@ class Tier:
         return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
                     self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None)
 
+    def own(self, collective: str, n: int, m: int) -> tuple[Link | None, Host | None]:
+        """The one shot's link and the host of a call of `collective`, m bytes on n ranks, priced as
+        a job's repeated calls are: run whole in C where the compiled links were measured."""
+        return compiled_prices(self.compiled, self.direct, self.host(n), m <= COMPILED_BYTES,
+                               collective in REDUCTIONS)
+
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
-        return predict(alg, n, m, self.link, self.direct, host=self.host(n),  # type: ignore[arg-type]
+        direct, host = self.own(alg.collective, n, m)
+        return predict(alg, n, m, self.link, direct, host=host,  # type: ignore[arg-type]
                        one_way=self.one_way, streams=streams)
 
     def streams(self, nsocks: int, threads: int, cores: float = 0.0) -> Streams:
@@ -169,7 +176,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             elif name not in file:
                 one_way = local.get(one_way_name, (None, ""))[0]
         host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
-        python: dict[str, float] = {}
+        compiled: dict[str, Link] = {}
         if name == "shm":
             direct = local.get("direct", (None, ""))[0]
             if "direct" in file and direct is not None:
@@ -179,23 +186,12 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 host[entry] = replace(measured, **file[entry]) if entry in file else measured
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
-            # priced as the calls that the compiled caller runs whole, as a job's repeated calls
-            for entry, measured in (("direct", DIRECT_COMPILED), (CMA, CMA_COMPILED),
-                                    (CMA_HUGE, CMA_COMPILED)):
-                plain = direct if entry == "direct" else host[entry]
-                if plain is None or measured not in local or measured in file:
-                    continue
-                faster = compiled_link(plain, local[measured][0])
-                if faster.alpha < plain.alpha:
-                    python[entry] = plain.alpha
-                if entry == "direct":
-                    direct = faster
-                else:
-                    host[entry] = faster
+            compiled = {e: replace(local[e][0], **file.get(e, {})) for e in (DIRECT_COMPILED, CMA_COMPILED)
+                        if e in local}
         measured = name in local and name not in file
         out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
                         memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
-                        python=python, one_way=one_way,
+                        compiled=compiled, one_way=one_way,
                         stream=None if name == "shm" or measured else stream))
     return out
 
@@ -240,7 +236,8 @@ def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Co
 def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
              direct_bytes: int, streams: Streams | None = None) -> str | None:
     ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
-    return price(ok, n, m, tier.link, tier.direct, host=tier.host(n), streams=streams)[0][1] if ok else None
+    direct, host = tier.own(collective, n, m)
+    return price(ok, n, m, tier.link, direct, host=host, streams=streams)[0][1] if ok else None
 
 
 def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,

@@ -28,7 +28,7 @@ from ..algorithms.registry import algorithms_for
 from ..buffers import huge_zeros
 from ..ops import ReduceOp
 from . import crossing, tuner
-from .cost_model import BUSY, CMA, CMA_FOLD, CMA_HUGE, MEMORY, TIERS
+from .cost_model import BUSY, CMA, CMA_FOLD, CMA_HUGE, COMPILED_BYTES, MEMORY, TIERS
 from .host_probes import measure_copy, measure_gamma, measure_memory
 
 if TYPE_CHECKING:
@@ -103,6 +103,11 @@ def series_counts(crowding: float) -> dict[str, int]:
             "series": crowded(DIRECT_SERIES, 1, crowding)}
 
 
+def long_counts(counts: dict[str, int], crowding: float) -> dict[str, int]:
+    """`typical`'s counts of the long calls (the one shot's β, single copy) from series_counts'."""
+    return counts if crowding <= 2 else {**counts, "warm": CROWDED_LONG_WARM, "calls": CROWDED_LONG_CALLS}
+
+
 def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
     """One round of evidence: the one shot's 8-byte all_reduce and recursive doubling's (the
     message algorithm such calls would otherwise take), each timed as `typical` times it, back
@@ -171,23 +176,34 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float
             slope([whole[r * block:(r + 1) * block] for r in range(n)]), max(folds / 3, 1e-8))
 
 
-def measure_compiled(world: Group, cma: bool, **counts: int) -> tuple[float, float]:
-    """(α of the one shot, α of single copy; 0 where not measured) in calls the compiled
-    caller runs whole: the API's own 8-byte all_reduce (a sum) and all_gather_into_tensor, planned on
+def measure_compiled(world: Group, cma: bool, long: dict[str, int],
+                     **counts: int) -> tuple[float, float, float]:
+    """(α and β of the one shot, α of single copy; 0 where not measured) in calls the compiled
+    caller runs whole: the API's own all_reduces (sums, which fold in C) of 8 bytes and of
+    COMPILED_BYTES (or the slot's, if smaller), and 8-byte all_gather_into_tensor, planned on
     that algorithm (tuner.override) and repeated, so that every timed call is one C call, API,
-    checks and body (group/planned.py). Single copy's α is half a call (two flag rounds), as in
-    measure_cma. Needs the tuner's constants installed (calibrate.at_init's provisional ones)."""
-    def forced(collective: str, name: str, nbytes: int, run: Callable[[], object]) -> float:
+    checks and body (group/planned.py). β is fitted as in measure_direct (floored at a lone copy
+    of the message), single copy's α is half a call (two flag rounds) as in measure_cma
+    (`counts`, `long`: typical's, as there).
+    Needs the tuner's constants installed (calibrate.at_init's provisional ones)."""
+    n = world.size
+
+    def forced(collective: str, name: str, nbytes: int, run: Callable[[], object], **how: int) -> float:
         if name not in {a.name for a in tuner.candidates(world, collective, nbytes)}:
             return 0.0  # TENSORWIRE_ALGO leaves it out (alike on every rank): never priced
         with tuner.override(world, collective, name):
-            return max(typical(world, run, **counts), 1e-8)
+            return max(typical(world, run, **how), 1e-8)
 
-    small, block, blocks = np.ones(2, np.float32), np.ones(8, np.uint8), np.zeros(8 * world.size, np.uint8)
-    one_shot = forced("all_reduce", "direct", small.nbytes, lambda: world.all_reduce(small))  # a C fold
+    small, block, blocks = np.ones(2, np.float32), np.ones(8, np.uint8), np.zeros(8 * n, np.uint8)
+    big = np.ones(min(COMPILED_BYTES, world.direct.slot_bytes) // 4, np.float32)  # type: ignore[union-attr]
+    alpha = forced("all_reduce", "direct", small.nbytes, lambda: world.all_reduce(small), **counts)
+    one = forced("all_reduce", "direct", big.nbytes, lambda: world.all_reduce(big), **long)
+    units = 1 + n + n - 1  # copy in, n reads, n-1 folds, as in measure_direct; the compiled body folds
+    # as it reads, beating that floor (a lone copy a unit), but still copies the message in once
+    beta = max((one - alpha) / (units * big.nbytes), measure_copy() / units) if one and alpha else 0.0
     reads = forced("all_gather", "single_copy", blocks.nbytes,
-                   lambda: world.all_gather_into_tensor(blocks, block)) / 2 if cma else 0.0
-    return one_shot, reads
+                   lambda: world.all_gather_into_tensor(blocks, block), **counts) / 2 if cma else 0.0
+    return alpha, beta, reads
 
 
 # -- messages: a pair of ranks, and every rank at once ---------------------------------------------
@@ -387,7 +403,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     reads = slice(memory.stop, memory.stop + 4)
     rounds = measured[reads.stop:].reshape(2, n_rounds)
     counts = series_counts(crowding)
-    long = counts if crowding <= 2 else {**counts, "warm": CROWDED_LONG_WARM, "calls": CROWDED_LONG_CALLS}
+    long = long_counts(counts, crowding)
     if direct:  # first: they need every rank anyway
         rounds[0, 0], rounds[1, 0], measured[own.stop - 1] = measure_direct(world, long, **counts)
     if cma:

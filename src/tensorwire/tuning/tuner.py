@@ -41,6 +41,7 @@ from .cost_model import (
     CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
+    COMPILED_BYTES,
     DIRECT_COMPILED,
     MEMORY,
     ONE_WAY,
@@ -232,7 +233,8 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
             f"for {nbytes} bytes on {group.size} ranks (known: {known})")
     tier = tier_of(group)
     table = table_for(group.runtime)
-    model = Model.of(group, table, compiled)
+    whole = group.direct is not None and nbytes <= min(COMPILED_BYTES, group.direct.slot_bytes)
+    model = Model.of(group, table, compiled, whole, collective in REDUCTIONS)
     key = (collective, nbytes)
     if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
         model = replace(model, host=replace(model.host, huge=False))
@@ -277,15 +279,17 @@ class Model:
     """Over TCP: what the pair's streams and threads reach (cost_model.Streams)."""
 
     @classmethod
-    def of(cls, group: Group, table: LinkTable, compiled: bool = False) -> Model:
-        """`compiled`: the model of a call the compiled caller runs whole (cost_model.compiled_prices)."""
+    def of(cls, group: Group, table: LinkTable, compiled: bool = False, whole: bool = False,
+           folds: bool = False) -> Model:
+        """`compiled`: the model of a call the compiled caller runs whole; `whole`: at a size where
+        the one shot's body runs in C, `folds`: a reduction (cost_model.compiled_prices)."""
         tier = tier_of(group)
         busy = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
                 if tier == table.extra.get("busy_tier") else (None, None, None))
         direct = table.links.get("direct") if group.direct is not None else None
         host = host_of(group, table)
         if compiled:
-            direct, host = compiled_prices(table.links, direct, host)
+            direct, host = compiled_prices(table.links, direct, host, whole, folds)
         return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
                    host, bool(group.direct is not None and group.direct.single_copy),
                    spread_of(group.layout), streams_for(group, table))
