@@ -781,7 +781,7 @@ def _table_summary() -> dict:
             "cache": t.link(MEMORY).cache, "sources": t.sources,
             "single_copy": bool(g.direct and g.direct.single_copy),
             "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path,
-            "checked": t.extra.get("checked", "")}
+            "checked": t.extra.get("checked", ""), "user_calls": g.queue.seq - g.queue.internal}
 
 
 def rank_table() -> dict:
@@ -927,6 +927,7 @@ def test_calibration_cache_and_modes(transport: str, tmp_path) -> None:
     used = [tier, ONE_WAY[tier], *one_host, BUSY, BUSY_RING, BUSY_PAIRS, MEMORY]
     unused = {t: "default" for t in DEFAULT_LINKS if t not in used}
     assert first[0]["sources"] == {**{t: "calibrated" for t in used}, **unused}, first[0]
+    assert first[0]["user_calls"] == 0  # the probe's calls through the API are the group's own
     assert first[0]["probe_s"] > 0 and os.path.exists(first[0]["cache_path"])
     alpha, beta, gamma = first[0]["links"][tier]
     assert 1e-8 <= alpha < 0.05 and 1e-13 <= beta < 1e-6 and 1e-13 <= gamma < 1e-6, first[0]
