@@ -62,7 +62,7 @@ typedef struct {
 
 static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake, *S_acquire, *S_release_,
     *S_direct, *S_native, *S_sendq, *S_sink, *S_out_ring, *S_in_ring, *S_bytes, *S_capacity, *S_stream, *S_parked,
-    *S_release, *S_spin_s;
+    *S_release, *S_spin_s, *S_glance;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -240,8 +240,19 @@ static PyObject *Caller_clear_entries(Caller *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* Plans.submit's glance where the counter comes to it (Engine.glance: one round of progress and
+ * of the sockets, which may bring an abort that clear_to_run then sees), before the call's plan
+ * is looked up: the glance lets other threads run, which may add plans (the table moves). 0 with
+ * an exception where it raised. */
+static int glance_if_due(Caller *c) {
+    if (small(SLOT(c->engine, c->e_glance)) > 1) return 1;
+    PyObject *glanced = PyObject_CallMethodNoArgs(c->engine, S_glance);
+    Py_XDECREF(glanced);
+    return glanced != NULL;
+}
+
 /* Nothing stands between the call and its body: Plans.submit's conditions for a one-shot body
- * run inline (the glance counter must not reach 0 here: Python's path glances). */
+ * run inline (glance_if_due has glanced). */
 static int clear_to_run(Caller *c, Entry *e) {
     if (SLOT(c->queue, c->q_busy) != Py_False || PyObject_Length(c->pending) != 0 ||
         small(SLOT(c->queue, c->q_doomed)) != 0 || small(SLOT(c->engine, c->e_glance)) <= 1 ||
@@ -482,6 +493,7 @@ static PyObject *array_call(Caller *c, int coll, PyObject *const *args, Py_ssize
     Entry *e = NULL;
     Py_ssize_t nbytes, out_bytes = -1;
     if (c->n && parse(args, nargs, kwnames, coll, KW_OUT | (coll == ALL_REDUCE ? KW_COMPRESS : 0), &a)) {
+        if (!glance_if_due(c)) return NULL;
         PyObject *tensor = pos[0], *out = a.out, *op = coll == BROADCAST ? Py_None : c->sum;
         int root = -1, writable = out == NULL;
         if (coll == ALL_REDUCE) {
@@ -521,6 +533,7 @@ static PyObject *list_call(Caller *c, int coll, PyObject *const *args, Py_ssize_
     Entry *e = NULL;
     Py_ssize_t nbytes;
     if (c->n && parse(args, nargs, kwnames, coll, 0, &a) && pos[0] != NULL) {
+        if (!glance_if_due(c)) return NULL;
         PyObject *tensor = pos[0], *list = pos[1] == NULL ? Py_None : pos[1];
         int root = root_of(pos[2]), mine = root == c->rank;
         if (root >= 0) dtype = array_of(c, tensor, coll == SCATTER, &nbytes);
@@ -548,6 +561,7 @@ static PyObject *tensor_call(Caller *c, int coll, PyObject *const *args, Py_ssiz
     Entry *e = NULL;
     Py_ssize_t nbytes, out_bytes = -1, in_rows, out_rows;
     if (c->n && parse(args, nargs, kwnames, coll, 0, &a) && pos[0] != NULL && pos[1] != NULL) {
+        if (!glance_if_due(c)) return NULL;
         PyObject *op = coll == REDUCE_SCATTER ? (pos[2] == NULL ? c->sum : pos[2]) : Py_None;
         int even = coll != ALL_TO_ALL || ((pos[2] == NULL || pos[2] == Py_None) && (pos[3] == NULL || pos[3] == Py_None));
         if (even && (src = planned_array(c, pos[1])) != NULL) in_dtype = shaped_array_of(c, src, 0, &nbytes, &in_rows);
@@ -584,6 +598,7 @@ METHOD(Caller_all_to_all, tensor_call, ALL_TO_ALL)
 static PyObject *Caller_barrier(Caller *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Args a;
     if (c->n && parse(args, nargs, kwnames, BARRIER, 0, &a)) {
+        if (!glance_if_due(c)) return NULL;
         Entry *e = lookup(c, BARRIER, Py_None, 0, 0, -1, Py_None, 1);
         if (e != NULL && clear_to_run(c, e)) return run(c, e, a.timeout, NULL, NULL, Py_None);
         if (PyErr_Occurred()) return NULL;
@@ -917,7 +932,7 @@ int caller_ready(PyObject *m) {
         {&S_acquire, "acquire"}, {&S_release_, "release"}, {&S_direct, "direct"}, {&S_native, "native"},
         {&S_sendq, "sendq"}, {&S_sink, "_sink"}, {&S_out_ring, "out"}, {&S_in_ring, "inn"}, {&S_bytes, "bytes"},
         {&S_capacity, "capacity"}, {&S_stream, "stream"}, {&S_parked, "parked"}, {&S_release, "release"},
-        {&S_spin_s, "spin_s"}};
+        {&S_spin_s, "spin_s"}, {&S_glance, "glance"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].to == NULL && (*names[i].to = PyUnicode_InternFromString(names[i].s)) == NULL) return -1;
     PyObject *calls = PyTuple_New(N_COLLS);
