@@ -27,6 +27,7 @@ from cluster import Cluster, RankFailure, free_port, free_ports
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
+from tensorwire.group.planned import Plans
 from tensorwire.tools import cli, plan
 from tensorwire.transport import native
 from tensorwire.tuning import (
@@ -602,6 +603,12 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
         return m
 
     assert crossover(*cost_model.compiled_prices(fast, direct, host)) < crossover(direct, host)
+    # which plans are priced so: an API name the caller takes, planned by a call it runs (not async)
+    plans = SimpleNamespace(caller=object(), engine=SimpleNamespace(native=SimpleNamespace(
+        COMPILED_CALLS=("broadcast", "all_gather_into_tensor"))))
+    assert Plans.compiled(plans, "broadcast", False) and not Plans.compiled(plans, "broadcast", True)
+    assert not Plans.compiled(plans, "all_gather", False)  # the list form runs in Python
+    assert not Plans.compiled(SimpleNamespace(caller=None), "broadcast", False)  # TENSORWIRE_NATIVE=0
 
 
 def test_single_copy_turns_on_its_sources_pages() -> None:

@@ -116,7 +116,8 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
     fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
     if src is planned(tensor, False) and (out is None or dst is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
-        group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red)
+        group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red,
+                                        async_op=async_op)
     return group.queue.submit(fp, what, bodies.all_reduce, async_op, timeout, src, dst, red,
                               out if out is not None else tensor)
 
@@ -163,8 +164,9 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
     if src is planned(tensor, False) and (target is src or target is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
         group.plans.remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes,
-                             red, whole=(src.nbytes, lambda: ReducePlan(group.direct, src.dtype, src.size,
-                                                                        red.op, root, red).run))
+                             red, async_op=async_op,
+                             whole=(src.nbytes, lambda: ReducePlan(group.direct, src.dtype, src.size, red.op,
+                                                                   root, red).run))
     return group.queue.submit(fp, what, bodies.reduce, async_op, timeout, src, target, red, root, result,
                               SELECT)
 
@@ -200,7 +202,7 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
             and all(a is planned(b, False) for a, b in zip(blocks, input_list)):
         total = out.nbytes * group.size
         group.plans.remember((what, out.dtype, out.size, op), fp, what, "reduce_scatter", total, red, True,
-                             one_rank=True, whole=(total, lambda: TensorPlan(
+                             one_rank=True, async_op=async_op, whole=(total, lambda: TensorPlan(
                            group.direct, what, out.dtype, out.size * group.size, red).run_blocks))
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, flats(blocks), out, red,
                               True,
@@ -245,7 +247,7 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
                              inp.nbytes,
                              red, counts, one_rank=True,
                              whole=(inp.nbytes, lambda: TensorPlan(group.direct, "reduce_scatter", inp.dtype,
-                                                                   inp.size, red).run))
+                                                                   inp.size, red).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1),
                                                                                             counts),
                               out, red, True, output, SELECT)
@@ -312,7 +314,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
         group.plans.remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes,
                              root, whole=(data.nbytes, lambda: BroadcastPlan(group.direct, data.dtype,
                                                                              data.size,
-                                                                             root).run))
+                                                                             root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.broadcast, async_op, timeout, data, target, root, result,
                               SELECT)
 
@@ -347,7 +349,7 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
         group.plans.remember((what, inp.dtype, inp.size), fp, what, "all_gather", inp.nbytes * group.size,
                              True,
                              whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_gather", inp.dtype,
-                                                                   inp.size).run_list))
+                                                                   inp.size).run_list), async_op=async_op)
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, tensor_list,
                               SELECT)
 
@@ -386,7 +388,7 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
         group.plans.remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes,
                              counts,
                              whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_gather", inp.dtype,
-                                                                   inp.size).run))
+                                                                   inp.size).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, output, SELECT)
 
 
@@ -443,7 +445,7 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
                                                                        gather_list))):  # type: ignore[arg-type]
         group.plans.remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * group.size,
                              root, one_rank=True, whole=(inp.nbytes, lambda: GatherPlan(
-                           group.direct, inp.dtype, inp.size, root).run))
+                           group.direct, inp.dtype, inp.size, root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.gather, async_op, timeout, buffers.flat(inp),
                               None if outs is None else flats(outs), root, gather_list, SELECT)
 
@@ -482,7 +484,7 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
                                                                       scatter_list))):  # type: ignore[arg-type]
         group.plans.remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * group.size,
                              root, one_rank=True, whole=(out.nbytes * group.size, lambda: ScatterPlan(
-                           group.direct, out.dtype, out.size, root).run))
+                           group.direct, out.dtype, out.size, root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.scatter, async_op, timeout,
                               None if ins is None else flats(ins),
                               buffers.flat(out), root, tensor, SELECT)
@@ -604,7 +606,7 @@ def all_to_all_single(group: Group, output: Any, input: Any,
                              "all_to_all", inp.nbytes, [b.size for b in ins],
                              one_rank=True,  # on one rank the algorithm copies the block
                              whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_to_all", inp.dtype,
-                                                                   inp.size).run))
+                                                                   inp.size).run), async_op=async_op)
     return _all_to_all(group, what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
 

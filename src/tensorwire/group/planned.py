@@ -112,16 +112,18 @@ class Plans(dict):
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
                         owner.after, *extra)
 
-    def compiled(self, what: str) -> bool:
-        """Whether the compiled caller takes `what` (an API name) from its API: its plan is
-        then priced as such a call (tuner.select's `compiled`)."""
-        return self.caller is not None and what in self.engine.native.COMPILED_CALLS
+    def compiled(self, what: str, async_op: bool) -> bool:
+        """Whether the compiled caller takes `what` (an API name) from its API, and the call
+        planning it (the signature's first) is one it runs (not `async_op`): the plan is then
+        priced as such a call (tuner.select's `compiled`), for every call of the signature."""
+        return self.caller is not None and not async_op and what in self.engine.native.COMPILED_CALLS
 
     def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan (`submit` numbers it per call)."""
         return CollectiveCall(self.group, 0, fp, what, self.group.timeout)
 
-    def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction) -> None:
+    def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction,
+                            async_op: bool = False) -> None:
         """Plan a checked all_reduce: (call, the direct path's run or None, reduction). Where
         the tuner picks the direct path, its AllReducePlan's run, with nothing left to look
         up per call; else None, for the general body. A signature planned already is kept:
@@ -131,7 +133,7 @@ class Plans(dict):
             return
         group = self.group
         call = self.call(fp, "all_reduce")
-        compiled = self.compiled(key[0])
+        compiled = self.compiled(key[0], async_op)
         if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes,
                                                         compiled=compiled).name == "direct":
             self[key] = call, AllReducePlan(group.direct, src.dtype, src.size, red.op, red).run, red
@@ -139,7 +141,7 @@ class Plans(dict):
             self[key] = call, None, red
 
     def remember(self, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
-                 *extra: Any, one_rank: bool = False,
+                 *extra: Any, one_rank: bool = False, async_op: bool = False,
                  whole: tuple[int, Callable[[], Callable[..., Any]]] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its
         collective: (call, on the direct path?, the chosen algorithm's run or None where
@@ -152,7 +154,7 @@ class Plans(dict):
         if len(self) >= _PLANS or key in self:
             return
         group = self.group
-        alg = tuner.select(group, collective, nbytes, compiled=self.compiled(what)) \
+        alg = tuner.select(group, collective, nbytes, compiled=self.compiled(what, async_op)) \
             if group.size > 1 or one_rank else None
         run = None if alg is None else alg.run
         if whole is not None and alg is not None and alg.name == "direct" \
