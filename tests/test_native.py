@@ -21,6 +21,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cluster import Cluster
 from conftest import PYTHON
 from tensorwire.ops import ReduceOp
 from tensorwire.ops.kernels import reduction_kernel
@@ -362,9 +363,17 @@ def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
     and a sendrecv on one host, enter no Python frame at all (group/planned.py,
     Plans._compile; p2p.sendrecv), in positional and keyword forms, with and without a timeout;
     async calls still go through Python. Without it, every call runs the Python functions.
-    Results right either way."""
+    Results right either way. The waits spin 5 ms before Python takes them, as in
+    test_the_compiled_caller_runs_single_copy_calls_whole."""
     for transport in ("shm", PYTHON):
-        for rank, result in enumerate(get_cluster(2, transport).run(rank_frames, 30.0, 40, timeout=120)):
+        own = transport == "shm"
+        cluster = Cluster(2, {"TENSORWIRE_SPIN_US": "5000"}) if own else get_cluster(2, transport)
+        try:
+            results = cluster.run(rank_frames, 30.0, 40, timeout=120)
+        finally:
+            if own:
+                cluster.close()
+        for rank, result in enumerate(results):
             assert result["compiled"] == (transport == "shm")
             assert result["async"] > 0
             for coll, seen in result["colls"].items():
@@ -454,9 +463,18 @@ def test_the_compiled_caller_runs_single_copy_calls_whole(get_cluster) -> None:
     """A planned single copy broadcast, all_gather, all_to_all, gather and scatter enter no
     Python frame (Plans._compile, moves_plan in _native.c) where the compiled module is built,
     whatever the placement; an input that overlaps its output elsewhere than the rank's own
-    block goes to Python, which copies it apart first. Results right on both paths."""
+    block goes to Python, which copies it apart first. Results right on both paths. The
+    compiled bodies wait 5 ms in C here before they hand a wait to Python (TENSORWIRE_SPIN_US):
+    on a loaded machine a root whose reader lost its core handed back every call."""
     for transport in ("shm", PYTHON):
-        for rank, result in enumerate(get_cluster(2, transport).run(rank_moves_frames, 30, timeout=120)):
+        own = transport == "shm"
+        cluster = Cluster(2, {"TENSORWIRE_SPIN_US": "5000"}) if own else get_cluster(2, transport)
+        try:
+            results = cluster.run(rank_moves_frames, 30, timeout=120)
+        finally:
+            if own:
+                cluster.close()
+        for rank, result in enumerate(results):
             if "skip" in result:
                 pytest.skip(result["skip"])
             for name, seen in result.items():
