@@ -358,22 +358,27 @@ def rank_frames(t: float, calls: int) -> dict:
     return {"colls": out, "async": frames[0], "compiled": compiled}
 
 
+def _frames_of(get_cluster: Any, transport: str, fn: Any, *args: Any) -> list:
+    """`fn(*args)` on 2 ranks. With the compiled module (shm), on a cluster of its own whose
+    waits spin 5 ms in C before Python takes them (TENSORWIRE_SPIN_US): on a loaded machine a
+    peer that lost its core for longer would send every call's wait, and its frames, to Python."""
+    if transport != "shm":
+        return get_cluster(2, transport).run(fn, *args, timeout=120)
+    cluster = Cluster(2, {"TENSORWIRE_SPIN_US": "5000"})
+    try:
+        return cluster.run(fn, *args, timeout=120)
+    finally:
+        cluster.close()
+
+
 def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
     """With the compiled module, a planned one-shot call of every collective the caller takes,
     and a sendrecv on one host, enter no Python frame at all (group/planned.py,
     Plans._compile; p2p.sendrecv), in positional and keyword forms, with and without a timeout;
     async calls still go through Python. Without it, every call runs the Python functions.
-    Results right either way. The waits spin 5 ms before Python takes them, as in
-    test_the_compiled_caller_runs_single_copy_calls_whole."""
+    Results right either way (_frames_of)."""
     for transport in ("shm", PYTHON):
-        own = transport == "shm"
-        cluster = Cluster(2, {"TENSORWIRE_SPIN_US": "5000"}) if own else get_cluster(2, transport)
-        try:
-            results = cluster.run(rank_frames, 30.0, 40, timeout=120)
-        finally:
-            if own:
-                cluster.close()
-        for rank, result in enumerate(results):
+        for rank, result in enumerate(_frames_of(get_cluster, transport, rank_frames, 30.0, 40)):
             assert result["compiled"] == (transport == "shm")
             assert result["async"] > 0
             for coll, seen in result["colls"].items():
@@ -463,18 +468,9 @@ def test_the_compiled_caller_runs_single_copy_calls_whole(get_cluster) -> None:
     """A planned single copy broadcast, all_gather, all_to_all, gather and scatter enter no
     Python frame (Plans._compile, moves_plan in _native.c) where the compiled module is built,
     whatever the placement; an input that overlaps its output elsewhere than the rank's own
-    block goes to Python, which copies it apart first. Results right on both paths. The
-    compiled bodies wait 5 ms in C here before they hand a wait to Python (TENSORWIRE_SPIN_US):
-    on a loaded machine a root whose reader lost its core handed back every call."""
+    block goes to Python, which copies it apart first. Results right on both paths (_frames_of)."""
     for transport in ("shm", PYTHON):
-        own = transport == "shm"
-        cluster = Cluster(2, {"TENSORWIRE_SPIN_US": "5000"}) if own else get_cluster(2, transport)
-        try:
-            results = cluster.run(rank_moves_frames, 30, timeout=120)
-        finally:
-            if own:
-                cluster.close()
-        for rank, result in enumerate(results):
+        for rank, result in enumerate(_frames_of(get_cluster, transport, rank_moves_frames, 30)):
             if "skip" in result:
                 pytest.skip(result["skip"])
             for name, seen in result.items():

@@ -259,8 +259,7 @@ def compiled_prices(links: Mapping[str, Link], direct: Link | None, host: Host |
     body runs in C at this size (`whole`: a call of up to COMPILED_BYTES), and at its β too
     where the call `folds` (a reduction: the compiled body folds as it reads, which the β
     fitted to an all_reduce holds; the other collectives only copy). Never above the Python
-    path's, which the other links price: there a call's API, checks and body cost a few times
-    more (docs/design/cost-model.md#compiled-calls)."""
+    path's, which the other links price (docs/design/cost-model.md#compiled-calls)."""
     reads = links.get(CMA_COMPILED)
     if host is not None and reads is not None:
         host = replace(host, cma=compiled_link(host.cma, reads), cma_huge=compiled_link(host.cma_huge, reads))
