@@ -15,8 +15,9 @@
 # and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
 # where nvidia-cuda-mps-control exists); cpu: the host collectives at 8 and 16 ranks against
 # Gloo and Open MPI (JSON and markdown tables too);
-# tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce and sendrecv
-# over TCP at 2 ranks for each streams per pair x pump threads, then against Gloo at 2 and 8 ranks;
+# tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce over TCP
+# against Gloo at 2 and 8 ranks, then all_reduce and sendrecv at 2 ranks for each streams per pair
+# x pump threads; the tests step leaves out the GPU tests that the p2p and flags steps ran;
 # profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
 # CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
 # and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
@@ -81,8 +82,8 @@ for step in $steps; do
   if [ "$(left)" -lt 60 ]; then note "$step: skipped, the budget is spent"; continue; fi
   case $step in
   tests)
-    timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
-      > "$LOGS/tests.log" 2>&1
+    timeout "$(cap $TESTS_S)" $PY -m pytest -v -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+      ${ran_k:+-k "not ($ran_k)"} > "$LOGS/tests.log" 2>&1
     note "tests: rc=$? $(tail -1 "$LOGS/tests.log")"
     gpu_tests_ran=1  # the p2p and flags steps then skip their plain test runs
     grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20
@@ -108,8 +109,9 @@ for step in $steps; do
     ;;
   p2p)
     if [ -z "${gpu_tests_ran:-}" ]; then
-      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
+      timeout "$(cap $TESTS_S)" $PY -m pytest -v -p no:cacheprovider -rfE --timeout "$PER_TEST_S" tests/test_gpu.py \
         -k "point_to_point or device-send or capture" > "$LOGS/p2p-tests.log" 2>&1
+      ran_k="${ran_k:+$ran_k or }point_to_point or device-send or capture"
       note "p2p tests: rc=$? $(tail -1 "$LOGS/p2p-tests.log")"
       grep -E "^(FAILED|ERROR)" "$LOGS/p2p-tests.log" | head -20
     fi
@@ -143,12 +145,15 @@ for step in $steps; do
     ;;
   flags)
     flag_tests() {  # $1: the log's name (tests/test_device_flags.py is Triton's CPU interpreter: not here)
-      timeout "$(cap $TESTS_S)" $PY -m pytest -q -p no:cacheprovider -rfE --timeout "$PER_TEST_S" \
+      timeout "$(cap $TESTS_S)" $PY -m pytest -v -p no:cacheprovider -rfE --timeout "$PER_TEST_S" \
         tests/test_gpu.py -k "device_flags or device-flags or flag or cuda_graph" > "$LOGS/$1.log" 2>&1
       note "$1: rc=$? $(tail -1 "$LOGS/$1.log")"
       grep -E "^(FAILED|ERROR)" "$LOGS/$1.log" | head -20
     }
-    [ -z "${gpu_tests_ran:-}" ] && flag_tests flags-tests
+    if [ -z "${gpu_tests_ran:-}" ]; then
+      flag_tests flags-tests
+      ran_k="${ran_k:+$ran_k or }device_flags or device-flags or flag or cuda_graph"
+    fi
     mps_on || continue
     flag_tests flags-tests-mps
     for flags in 1 0; do
@@ -194,8 +199,13 @@ for step in $steps; do
     tw="$PY -m tensorwire.tools.cli bench"
     timeout "$(cap 150)" $tw sendrecv -b 64M -e 64M --np 2 --tcp --tcp-ceiling -n 10 -w 3 > "$LOGS/bench-tcp-ceiling.txt" 2>&1
     note "tcp ceiling (rc=$?):"; grep -E "^#   +[0-9]|of one raw socket" "$LOGS/bench-tcp-ceiling.txt"
+    for np in 2 8; do
+      timeout "$(cap 240)" $tw all_reduce -b 64M -e 64M -I --np $np --tcp -n 5 -w 2 --rounds 2 --compare gloo \
+        > "$LOGS/bench-tcp-n$np.txt" 2>&1
+      note "tcp n=$np 64 MiB against Gloo, default threads (rc=$?): $(grep -E '^ +67108864' "$LOGS/bench-tcp-n$np.txt")"
+    done
     for ns in 1 2 4; do
-      for th in 0 auto 2 4 8; do
+      for th in 0 auto 8; do
         for coll in "all_reduce -I" sendrecv; do
           [ "$(left)" -lt 30 ] && break 3
           TENSORWIRE_NSOCKS=$ns TENSORWIRE_SOCKET_THREADS=$th timeout "$(cap 60)" $tw $coll -b 64M -e 64M --np 2 --tcp \
@@ -206,11 +216,6 @@ for step in $steps; do
       done
     done
     rm -f "$LOGS/tcp.tmp"
-    for np in 2 8; do
-      timeout "$(cap 240)" $tw all_reduce -b 64M -e 64M -I --np $np --tcp -n 5 -w 2 --rounds 2 --compare gloo \
-        > "$LOGS/bench-tcp-n$np.txt" 2>&1
-      note "tcp n=$np 64 MiB against Gloo, default threads (rc=$?): $(grep -E '^ +67108864' "$LOGS/bench-tcp-n$np.txt")"
-    done
     ;;
   esac
 done
