@@ -558,6 +558,17 @@ def device_flags() -> list[str]:
     return wrong
 
 
+def _sums_of_ones(n: int, calls: int) -> float:
+    """A float64 buffer of ones after `calls` sum all_reduces of `n` ranks, each folding in
+    rank order (n ** calls is rounded once, the folds at every add: 3 ** 34 > 2 ** 53)."""
+    import numpy as np
+
+    v = np.float64(1)
+    for _ in range(calls):
+        v = functools.reduce(operator.add, [v] * n)
+    return float(v)
+
+
 def device_flags_graph() -> list[str]:
     """100 all_reduces of three sizes, an all_gather and a broadcast captured in one CUDA graph,
     replayed 10 times, each replay checked; a call off the device-flag path inside a capture is
@@ -592,7 +603,7 @@ def device_flags_graph() -> list[str]:
         graph.replay()
         torch.cuda.synchronize()
         for x, calls in zip(xs, (34, 33, 33)):
-            if not torch.all(x == float(n) ** calls).item():
+            if not torch.all(x == _sums_of_ones(n, calls)).item():
                 wrong.append(f"rank {r}: replay {replay}, {x.numel()} elements: {x[:3].tolist()}")
         if not torch.equal(gathered.cpu(), want) or not torch.all(mine == n - 1).item():
             wrong.append(f"rank {r}: replay {replay}: all_gather {gathered.tolist()}, "

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..transport import remote
 from ..transport.wire import HEADER_SIZE
-from . import driver, ipc
+from . import device_flags, driver, ipc
 from .tensors import torch_module
 
 BODY = struct.Struct(f"<{ipc.RECORD.size}s{driver.HANDLE_BYTES}s")
@@ -42,6 +42,7 @@ _written: dict[tuple[int, int], tuple[Any, bytes]] = {}  # (device, stream) -> (
 _copies: dict[int, tuple[Any, Any, bytes]] = {}  # device -> (copy stream, its interprocess event, handle)
 _holds: dict[int, Any] = {}  # device -> the stream sent buffers are recorded on (Source)
 _opened: dict[tuple[int, bytes, int], Any] = {}  # (peer, handle, device) -> the peer's event opened here
+_mps: bool | None = None  # _concurrent's answer
 
 
 def describe(t: Any, stream: Any) -> bytes | None:
@@ -96,23 +97,32 @@ class Target:
         self.ready.record(stream)
         self.copied: Any = None  # the copy stream's event once the copy was queued
 
-    def read(self, body: bytes, peer: int) -> bytes:
+    def read(self, body: bytes, peer: int) -> bytes | None:
         """Queue the copy of `peer`'s buffer into the tensor; the handle of the event recorded
-        after it (the acknowledgement carries it to the sender)."""
+        after it, which the acknowledgement carries to the sender, or None where the copy has
+        run already. Where both processes' work takes turns on one GPU (no MPS), a stream that
+        waits for the other process's event holds the GPU until its time slice ends (ms): if
+        the sender's writes and this rank's earlier work are done, the copy runs before the
+        acknowledgement and neither side's GPU waits for the other's."""
         torch = torch_module()
         t = self.tensor
         device = t.device.index
         stream, event, handle = _copy_stream(device)
         with torch.cuda.device(device):  # this thread's (the progress thread's, maybe) current device
             src = _source(body, peer, device)
-            stream.wait_event(self.ready)
-            stream.wait_event(_peer_event(peer, BODY.unpack(body[:BODY.size])[1], device))
+            sent = _peer_event(peer, BODY.unpack(body[:BODY.size])[1], device)
+            done = src.device == t.device and not _concurrent() and sent.query() and self.ready.query()
+            if not done:
+                stream.wait_event(self.ready)
+                stream.wait_event(sent)
             with torch.cuda.stream(stream):
                 t.reshape(-1).view(torch.uint8).copy_(src, non_blocking=True)
             event.record(stream)
+            if done:
+                event.synchronize()
         t.record_stream(stream)
         self.copied = event
-        return handle
+        return None if done else handle
 
 
 def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
@@ -123,7 +133,7 @@ def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
     stream, _event, _handle = _copy_stream(device)
     with torch.cuda.device(device):
         src = _source(body, peer, device)
-        stream.wait_event(_peer_event(peer, BODY.unpack(body[:BODY.size])[1], device))
+        _peer_event(peer, BODY.unpack(body[:BODY.size])[1], device).synchronize()  # no GPU wait (Target.read)
         with torch.cuda.stream(stream):
             torch.from_numpy(out).copy_(src)
         stream.synchronize()
@@ -132,6 +142,15 @@ def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
 def wait_copied(handle: bytes, peer: int, stream: Any) -> None:
     """Make `stream` (a sender's) wait for the receiver's copy out of its buffer."""
     stream.wait_event(_peer_event(peer, handle, stream.device.index))
+
+
+def _concurrent() -> bool:
+    """Do processes sharing a GPU run their work at once (an MPS daemon serves them)? Asked
+    once: a process is a client of MPS, or not, from its first CUDA call on."""
+    global _mps
+    if _mps is None:
+        _mps = device_flags.mps_running()
+    return _mps
 
 
 def _source(body: bytes, peer: int, device: int) -> Any:
