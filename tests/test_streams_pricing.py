@@ -13,7 +13,7 @@ from test_tuner import _Group
 from tensorwire.algorithms.registry import Link, algorithms_for
 from tensorwire.config import Config
 from tensorwire.tools import plan
-from tensorwire.transport.pumps import PUMP_BYTES
+from tensorwire.transport.pumps import AUTO_STREAMS, PUMP_BYTES, streams_per_pair
 from tensorwire.tuning import cost_model, pricing, topology, tuner, tuning_file
 from tensorwire.tuning.cost_model import STREAM, LinkTable, Streams, predict, streams_of
 
@@ -123,8 +123,8 @@ def test_plan_shows_what_more_streams_give(monkeypatch: pytest.MonkeyPatch) -> N
     assert plan.main(["all_reduce", "64MiB", "--hosts", "2", "--per-host", "1", "--cores", "16", "--tier",
                       "shm=2:9,eth100=30:12.5"], lines.append) == 0
     text = "\n".join(lines)
-    assert ("streams between hosts: TENSORWIRE_NSOCKS=1, TENSORWIRE_SOCKET_THREADS=0 (0 a rank, 1 rank(s) "
-            "on 16 cores)") in text, text
+    assert ("streams between hosts: TENSORWIRE_NSOCKS=auto (4 a pair), TENSORWIRE_SOCKET_THREADS=0 (0 a "
+            "rank, 1 rank(s) on 16 cores)") in text, text
     assert "one stream moves at most 3 GB/s, default tcp_stream" in text, text
     rows = {}
     for line in lines:
@@ -134,7 +134,7 @@ def test_plan_shows_what_more_streams_give(monkeypatch: pytest.MonkeyPatch) -> N
             words = rest.split()
             unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[words[5]]
             rows[(k, threads)] = (float(words[0]), float(words[4]) * unit, rest)
-    assert "<- configured" in rows[(1, 0)][2], text
+    assert "<- configured" in rows[(4, 0)][2], text
     assert all(rows[(k, 0)][0] == 3 for k in (1, 2, 4, 8)), text  # threads 0: one driver
     assert rows[(2, 4)][0] == 6 and rows[(4, 8)][0] == 12 and rows[(8, 15)][0] == 12.5, text
     assert rows[(8, 15)][1] <= rows[(4, 8)][1] < rows[(2, 4)][1] < rows[(1, 0)][1], text
@@ -144,3 +144,15 @@ def test_plan_shows_what_more_streams_give(monkeypatch: pytest.MonkeyPatch) -> N
     measured = pricing.Tier("tcp", LINK, "cached")
     plan.report_streams("all_reduce", BIG, 2, 1, 1, local, measured, Config(), 16, out.append)
     assert "measured through them" in out[1] and "NAME=ALPHA_US:GBPS" in out[1], out
+
+
+def test_streams_per_pair_auto_and_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TENSORWIRE_NSOCKS=auto (the default): AUTO_STREAMS where a rank has a core to spare,
+    one where ranks share cores; a count outside 1..64 is an error naming the setting."""
+    assert Config.from_env().nsocks is None
+    assert [streams_per_pair(None, cores, 2) for cores in (2, 3, 4, 16)] == [1, 1, AUTO_STREAMS, AUTO_STREAMS]
+    assert streams_per_pair(2, 2, 2) == 2
+    for raw in ("0", "65", "x"):
+        monkeypatch.setenv("TENSORWIRE_NSOCKS", raw)
+        with pytest.raises(ValueError, match=f"TENSORWIRE_NSOCKS='{raw}': expected auto or a number"):
+            Config.from_env()

@@ -857,10 +857,10 @@ def test_calibrations_are_cached_per_tcp_setting() -> None:
 
     system = key()
     assert cache.cache_key(hosts, tiers, 4) == system
-    assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF, nsocks=1, socket_threads=None) == system
+    assert key(tcp_sndbuf=TCP_SNDBUF, tcp_rcvbuf=TCP_RCVBUF, nsocks=None, socket_threads=None) == system
     keys = {system, *(key(tcp_congestion=cc) for cc in ("cubic", "reno")),
             *(key(tcp_sndbuf=b) for b in (0, 4 << 20)), *(key(tcp_rcvbuf=b) for b in (0, 256 << 10)),
-            *(key(nsocks=k) for k in (2, 4)), *(key(socket_threads=t) for t in (0, 2))}
+            *(key(nsocks=k) for k in (1, 4)), *(key(socket_threads=t) for t in (0, 2))}
     assert len(keys) == 11
 
 
@@ -900,7 +900,7 @@ def test_ranks_with_other_stream_settings_are_told_at_init(get_cluster) -> None:
         for rank, error in enumerate(errors):
             assert f"rank {rank}: init: rank(s) 1 run with other" in error, (env, errors)
             assert "TENSORWIRE_NSOCKS or TENSORWIRE_SOCKET_THREADS" in error, error
-        assert mine in errors[1] and "nsocks=1, socket_threads=auto" in errors[0], errors
+        assert mine in errors[1] and "nsocks=auto, socket_threads=auto" in errors[0], errors
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -38,13 +38,13 @@ def _env_int(name: str, default: int) -> int:
     return int(_env_float(name, default))
 
 
-def _env_threads(name: str) -> int | None:
-    """A count of threads, or None for `auto` (or unset)."""
+def _env_count(name: str, least: int, what: str) -> int | None:
+    """A count from `least` to 64, or None for `auto` (or unset)."""
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "auto"):
         return None
-    if not raw.isdigit() or int(raw) > 64:
-        raise ValueError(f"{name}={raw!r}: expected auto or a number of threads from 0 to 64")
+    if not raw.isdigit() or not least <= int(raw) <= 64:
+        raise ValueError(f"{name}={raw!r}: expected auto or a number of {what} from {least} to 64")
     return int(raw)
 
 
@@ -193,9 +193,10 @@ class Config:
     """Receive buffer of tensorwire's TCP connections in bytes, as SO_RCVBUF takes it (the
     kernel doubles it, and stops autotuning it); 0 leaves it to the kernel's autotuning
     (TENSORWIRE_TCP_RCVBUF): see tcp.tune_socket."""
-    nsocks: int = 1
+    nsocks: int | None = None
     """TCP streams per pair of ranks over TCP, over which messages from 256 KiB are split, with
-    pump threads a part per MiB (TENSORWIRE_NSOCKS; transport/tcp.py)."""
+    pump threads a part per MiB (TENSORWIRE_NSOCKS; transport/tcp.py); None: by the cores each
+    rank has (transport/pumps.streams_per_pair)."""
     socket_threads: int | None = None
     """Threads per rank that move large TCP messages; None: by the cores each rank has
     (TENSORWIRE_SOCKET_THREADS; transport/pumps.py)."""
@@ -290,8 +291,8 @@ class Config:
             shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
             tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
-            nsocks=_env_int("TENSORWIRE_NSOCKS", 1),
-            socket_threads=_env_threads("TENSORWIRE_SOCKET_THREADS"),
+            nsocks=_env_count("TENSORWIRE_NSOCKS", 1, "streams"),
+            socket_threads=_env_count("TENSORWIRE_SOCKET_THREADS", 0, "threads"),
             tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
             tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
@@ -360,7 +361,7 @@ class Config:
         if not 1 <= cfg.peer_timeout < 1e6:
             raise ValueError(f"TENSORWIRE_PEER_TIMEOUT={cfg.peer_timeout:g}: expected at least 1 s (and "
                              f"less than 1e6 s)")
-        for name, value, least in (("NSOCKS", cfg.nsocks, 1), ("AUTH_PENDING", cfg.auth_pending, 1),
+        for name, value, least in (("AUTH_PENDING", cfg.auth_pending, 1),
                                    ("STORE_MAX_CONNECTIONS", cfg.store_max_connections, 1),
                                    ("STORE_MAX_VALUE", cfg.store_max_value, 1 << 10),
                                    ("MAX_MESSAGE", cfg.max_message, 1 << 20)):

@@ -30,7 +30,7 @@ from dataclasses import replace
 from ..algorithms.registry import COLLECTIVES, Link, algorithms_for
 from ..config import Config, parse_size
 from ..errors import InvalidArgumentError
-from ..transport.pumps import pump_threads
+from ..transport.pumps import pump_threads, streams_per_pair
 from ..tuning import policy, pricing
 from ..tuning.cache import cache_dir
 from ..tuning.cost_model import (
@@ -136,17 +136,18 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
 
 # -- streams over TCP ------------------------------------------------------------------------------
 
-def streams_at(tier: Tier, ranks: int, cores: int, nsocks: int, threads: int | None) -> Streams:
-    """`tier`'s streams where `ranks` ranks share a host of `cores` cores: `nsocks` streams a
-    pair (TENSORWIRE_NSOCKS) and the pump threads `threads` gives (TENSORWIRE_SOCKET_THREADS;
-    None: `auto`, resolved as the transport does, transport/pumps.py)."""
-    return tier.streams(nsocks, pump_threads(threads, cores, ranks, nsocks), cores / max(1, ranks))
+def streams_at(tier: Tier, ranks: int, cores: int, nsocks: int | None, threads: int | None) -> Streams:
+    """`tier`'s streams where `ranks` ranks share a host of `cores` cores: the streams a pair
+    `nsocks` gives (TENSORWIRE_NSOCKS) and the pump threads `threads` gives
+    (TENSORWIRE_SOCKET_THREADS; None: `auto`, resolved as the transport does, transport/pumps.py)."""
+    k = streams_per_pair(nsocks, cores, ranks)
+    return tier.streams(k, pump_threads(threads, cores, ranks, k), cores / max(1, ranks))
 
 
 def describe_streams(streams: Streams, cfg: Config, cores: int, ranks: int) -> str:
-    setting = "auto" if cfg.socket_threads is None else str(cfg.socket_threads)
-    return (f"TENSORWIRE_NSOCKS={cfg.nsocks}, TENSORWIRE_SOCKET_THREADS={setting} ({streams.threads} a rank, "
-            f"{ranks} rank(s) on {cores} cores)")
+    nsocks, threads = ("auto" if v is None else str(v) for v in (cfg.nsocks, cfg.socket_threads))
+    return (f"TENSORWIRE_NSOCKS={nsocks} ({streams.nsocks} a pair), TENSORWIRE_SOCKET_THREADS={threads} "
+            f"({streams.threads} a rank, {ranks} rank(s) on {cores} cores)")
 
 
 def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
@@ -163,11 +164,12 @@ def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, 
     rows = {}
     for k, threads in settings:
         streams = streams_at(net, per_host, cores, k, threads)
-        if (k, streams.threads) in rows:
+        key = (streams.nsocks, streams.threads)
+        if key in rows:
             continue
         rate = 1 / streams.link(crossing, 1 << 40).beta  # type: ignore[union-attr]
         t, name, _ = cluster_prices(collective, m, hosts, per_host, nics, local, net, cfg, streams)[0]
-        rows[(k, streams.threads)] = (k, streams.threads, rate, t, name)
+        rows[key] = (*key, rate, t, name)
     return sorted(rows.values())
 
 

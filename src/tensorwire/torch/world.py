@@ -171,10 +171,10 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     engine.wiring = wiring
     wiring.learn({rank: {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()}})
     local = max(info.local_world_size, 1)
-    wiring.start(shm_budget.ring_share(free, local) if cfg.transport != "tcp" else 0, local)
-    if info.local_world_size > 0:
+    if info.local_world_size > 0:  # before the wiring offers streams
         engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind, cfg.socket_threads,
                                 cfg.nsocks)
+    wiring.start(shm_budget.ring_share(free, local) if cfg.transport != "tcp" else 0, local)
     return Runtime(rank, size, cfg, info, None, engine)
 
 

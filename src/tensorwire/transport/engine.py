@@ -30,7 +30,7 @@ from ..ops import ReduceOp
 from . import native
 from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures
-from .pumps import Pumps, pump_threads
+from .pumps import Pumps, pump_threads, streams_per_pair
 from .requests import P2P_SEQ, Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
 from .tcp import SPLIT_BYTES
 from .wire import Fingerprint, Header, Kind, ctx_of
@@ -99,6 +99,7 @@ class Engine(Failures):
         self.closed = False
         self.wiring: Wiring | None = None  # makes channels on first use; None: only add_channel
         self.pumps: Pumps | None = None  # threads for large TCP parts (adapt_to_machine)
+        self.nsocks = 1  # TCP streams this rank offers a pair (adapt_to_machine)
 
     def add_channel(self, peer: int, channel: Channel) -> None:
         self.channels[peer] = channel
@@ -433,7 +434,7 @@ class Engine(Failures):
             self.progress()
 
     def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool,
-                         socket_threads: int | None = None, nsocks: int = 1,
+                         socket_threads: int | None = None, nsocks: int | None = 1,
                          sharing: int | None = None) -> None:
         """Wait, and sit, as the ranks that share this machine's cores need. The ranks are
         those that share its cores, whatever host name each has (the emulated hosts of the
@@ -449,11 +450,13 @@ class Engine(Failures):
         off by default (docs/design/waiting.md#binding-tensorwire_bind). Threads that exist
         already (torch's pools, if made before init) keep their placement; close() gives the
         cores back. `socket_threads` (TENSORWIRE_SOCKET_THREADS; None: by the cores each rank
-        has) sizes the pool of threads that move large TCP parts."""
+        has) sizes the pool of threads that move large TCP parts, `nsocks` (TENSORWIRE_NSOCKS;
+        None: likewise) the streams this rank offers a pair."""
         usable = sorted(os.sched_getaffinity(0))
         sharing = machine_ranks if sharing is None else max(1, min(sharing, machine_ranks))
         self.cores = cores = len(usable) * machine_ranks // sharing
-        threads = pump_threads(socket_threads, cores, machine_ranks, nsocks)
+        self.nsocks = streams_per_pair(nsocks, cores, machine_ranks)
+        threads = pump_threads(socket_threads, cores, machine_ranks, self.nsocks)
         if threads and self.pumps is None:
             self.pumps = Pumps(threads)
         self.oversubscribed = machine_ranks > cores

@@ -173,6 +173,18 @@ class Pumps:
         os.close(self.fd)
 
 
+AUTO_STREAMS = 4
+"""TCP streams a pair under TENSORWIRE_NSOCKS=auto where a rank has a core to spare (docs/design/tcp.md)."""
+
+
+def streams_per_pair(setting: int | None, cores: int, machine_ranks: int) -> int:
+    """TCP streams per pair: `setting` (TENSORWIRE_NSOCKS) if given; else AUTO_STREAMS where a
+    rank has a core to spare for pump threads, one where ranks share cores."""
+    if setting is not None:
+        return setting
+    return AUTO_STREAMS if cores // max(1, machine_ranks) > 1 else 1
+
+
 def pump_threads(setting: int | None, cores: int, machine_ranks: int, nsocks: int) -> int:
     """Pump threads per rank: `setting` (TENSORWIRE_SOCKET_THREADS) if given; else one per
     direction of each stream of a pair, where a rank has a core to spare for them (none where

@@ -113,7 +113,6 @@ class Wiring:
         self.where = list(where)  # (host name, machine): who shares /dev/shm with this rank
         self.job = job_hash(job_id)
         self.hello = HELLO.pack(self.rank, world_size, self.job)
-        self.nsocks = max(1, cfg.nsocks)
         self.cards: dict[int, dict[str, Any]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
         self.rings = PairRings(job_id, self.rank,
@@ -140,6 +139,11 @@ class Wiring:
         self._thread: threading.Thread | None = None
 
     # -- what the engine and init see ---------------------------------------------------------
+    @property
+    def nsocks(self) -> int:
+        """TCP streams this rank offers a pair (TENSORWIRE_NSOCKS, resolved by the engine)."""
+        return self.engine.nsocks
+
     def learn(self, cards: dict[int, dict[str, Any]]) -> None:
         """Where the ranks of `cards` listen and run (topology.local_card and connect.py's fields)."""
         me = self.cards.get(self.rank) or cards.get(self.rank) or {}

@@ -88,8 +88,8 @@ _SOURCE_NAMES = {v: k for k, v in _SOURCE_CODES.items()}
 def agreed_settings(cfg: Any) -> str:
     """The settings every rank must share, as the tuner prices calls with them: it picks the same
     algorithm on every rank only where all price alike."""
-    threads = "auto" if cfg.socket_threads is None else cfg.socket_threads
-    return (f"algo={cfg.algo.strip()!r}, deterministic={bool(cfg.deterministic)}, nsocks={cfg.nsocks}, "
+    nsocks, threads = ("auto" if v is None else v for v in (cfg.nsocks, cfg.socket_threads))
+    return (f"algo={cfg.algo.strip()!r}, deterministic={bool(cfg.deterministic)}, nsocks={nsocks}, "
             f"socket_threads={threads}")
 
 

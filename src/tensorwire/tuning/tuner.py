@@ -33,6 +33,7 @@ from ..algorithms.compressed import compressed_cost
 from ..algorithms.ordered import arrange
 from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
 from ..errors import InvalidArgumentError
+from ..transport.pumps import AUTO_STREAMS
 from .cost_model import (
     BUSY,
     BUSY_PAIRS,
@@ -112,12 +113,13 @@ def link_of(group: Group) -> Link:
 
 def streams_for(group: Group, table: LinkTable) -> Streams | None:
     """The Streams a group's TCP calls are priced with: TENSORWIRE_NSOCKS, and the threads
-    TENSORWIRE_SOCKET_THREADS gives, `auto` as one per direction of each stream (the pool a
-    rank with cores to spare gets). From the settings, not from this host's cores: every rank
+    TENSORWIRE_SOCKET_THREADS gives, `auto` as a rank with cores to spare gets them (AUTO_STREAMS
+    streams, one thread per direction of each). From the settings, not from this host's cores: every rank
     must price alike, and hosts may differ."""
     cfg = group.runtime.config
-    threads = cfg.socket_threads if cfg.socket_threads is not None else 2 * cfg.nsocks
-    return streams_of(table, tier_of(group), cfg.nsocks, threads)
+    nsocks = cfg.nsocks if cfg.nsocks is not None else AUTO_STREAMS
+    threads = cfg.socket_threads if cfg.socket_threads is not None else 2 * nsocks
+    return streams_of(table, tier_of(group), nsocks, threads)
 
 
 # -- the choice ------------------------------------------------------------------------------------
