@@ -64,6 +64,7 @@ def area_bytes(slot: int) -> int:
     return 2 * slot + -(-slot // CHUNK_BYTES) * WORDS * 8
 
 
+_CONSTEXPRS = ("NRANKS", "MODE", "OP", "ACC", "CHUNK", "BLOCK", "SLOT", "CLOCK")  # flag_kernel.one_shot's
 _KINDS = ("all_reduce", "broadcast", "all_gather")  # flag_kernel's ALL_REDUCE, BROADCAST, ALL_GATHER
 
 
@@ -116,6 +117,7 @@ class DeviceFlags:
             torch.cuda.is_current_stream_capturing
         self.error: BaseException | None = None
         self.lost: int | None = None  # the member whose loss stopped the path
+        self.compiled: dict[tuple, Any] = {}  # a signature's kernel as Triton compiled it (_launch)
         engine.alarms[ctx] = self.alarm
 
     def takes(self, nbytes: int, dtype: Any, op: Any) -> bool:
@@ -153,7 +155,8 @@ class DeviceFlags:
         type it accumulates in (all_reduce). No host round: every _GLANCE calls, one look at
         the sockets (an abort, a lost rank), as other calls that never wait make; and while
         the kernel may wait, the progress thread looks too (Engine.watch_peers), for a graph's
-        replays as long as the process lives."""
+        replays as long as the process lives. A signature launched before goes straight to its
+        compiled kernel: Triton's own launch binds and keys every argument each call."""
         engine = self.engine
         capturing = self.capturing()
         engine.until_glance -= 1
@@ -167,11 +170,19 @@ class DeviceFlags:
         ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
         fp = fingerprint(mode, nbytes, dtype, aux)
+        grid = (-(-nbytes // k.CHUNK_BYTES),)
+        args = (x, y, self.table, n, self.rank, root, fp, limit)
+        consts = (self.size, mode, fold[0], fold[1], chunk, min(_BLOCK, chunk), self.slot // esize,
+                  not self.interpreted)  # one_shot's constexprs, in its order
+        key = (consts, x.dtype, y.dtype, x.data_ptr() % 16, y.data_ptr() % 16)  # what Triton specializes on
         try:
-            k.one_shot[(-(-nbytes // k.CHUNK_BYTES),)](
-                x, y, self.table, n, self.rank, root, fp, limit, NRANKS=self.size, MODE=mode,
-                OP=fold[0], ACC=fold[1], CHUNK=chunk, BLOCK=min(_BLOCK, chunk), SLOT=self.slot // esize,
-                CLOCK=not self.interpreted)
+            compiled = self.compiled.get(key)
+            if compiled is not None:
+                compiled[grid](*args, *consts)
+            else:
+                compiled = k.one_shot[grid](*args, **dict(zip(_CONSTEXPRS, consts)))
+                if not self.interpreted and hasattr(compiled, "run"):
+                    self.compiled[key] = compiled
         except BaseException as exc:  # a compile or launch error: the peers' kernels are already waiting
             self.abort(exc)
             raise
