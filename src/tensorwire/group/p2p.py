@@ -164,7 +164,7 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
             else:
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
         deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
-        for work in [group.isend(send, dst, tag), group.irecv(recv, src, tag)]:
+        for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
     data, out = _host(group, send, True, dst, tag)
@@ -187,12 +187,15 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
 def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute,
             sent: bool | Request, timeout: float | None, taken: bool = False) -> None:
     """sendrecv's messages that did not go at once (Engine.sendrecv_now, sendrecv_read): posted,
-    waited for. `sent`: True, or the send still waiting for its reader."""
+    the receive first (a message that comes while the send is posted lands in place, not
+    staged), waited for. `sent`: True, or the send still waiting for its reader."""
     engine, seq = group.engine, position(group)
-    reqs: list[Request] = [sent] if isinstance(sent, Request) else [] if sent else \
-        [engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq)]
-    if not taken:
-        reqs.append(engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq))
+    reqs: list[Request] = [] if taken else \
+        [engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq)]
+    if isinstance(sent, Request):
+        reqs.append(sent)
+    elif not sent:
+        reqs.append(engine.isend(out.peer, out.header, byte_view(data), out.label, out.wire, seq=seq))
     _wait(group, *reqs, timeout=timeout)
 
 
