@@ -158,7 +158,8 @@ for step in $steps; do
     flag_tests flags-tests-mps
     for flags in 1 0; do
       TENSORWIRE_CUDA_DEVICE_FLAGS=$flags TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=INIT timeout "$(cap $BENCH_S)" \
-        $PY -m tensorwire.tools.benchmarks.cuda all_reduce broadcast all_gather -b 8 -e 1M -f 16 --np 2 \
+        $PY -m tensorwire.tools.benchmarks.cuda all_reduce broadcast all_gather $([ $flags = 0 ] && echo pingpong) \
+        -b 8 -e 1M -f 16 --np 2 \
         --compare gloo $([ $flags = 1 ] && echo --graph) > "$LOGS/bench-flags$flags-mps.txt" 2>&1
       note "all_reduce n=2 under MPS, TENSORWIRE_CUDA_DEVICE_FLAGS=$flags (rc=$?): $(grep -m1 -o 'small calls: [a-z ]*' "$LOGS/bench-flags$flags-mps.txt")"
       grep -v "\[tensorwire " "$LOGS/bench-flags$flags-mps.txt"

@@ -170,7 +170,7 @@ class DeviceFlags:
         ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
         fp = fingerprint(mode, nbytes, dtype, aux)
-        grid = (-(-nbytes // k.CHUNK_BYTES),)
+        grid = (-(-nbytes // k.CHUNK_BYTES), 1, 1)  # three dimensions, as a compiled kernel takes them
         args = (x, y, self.table, n, self.rank, root, fp, limit)
         consts = (self.size, mode, fold[0], fold[1], chunk, min(_BLOCK, chunk), self.slot // esize,
                   not self.interpreted)  # one_shot's constexprs, in its order

@@ -101,9 +101,9 @@ class Target:
         """Queue the copy of `peer`'s buffer into the tensor; the handle of the event recorded
         after it, which the acknowledgement carries to the sender, or None where the copy has
         run already. Where both processes' work takes turns on one GPU (no MPS), a stream that
-        waits for the other process's event holds the GPU until its time slice ends (ms): if
-        the sender's writes and this rank's earlier work are done, the copy runs before the
-        acknowledgement and neither side's GPU waits for the other's."""
+        waits for the other process's event holds the GPU until its time slice ends (ms, every
+        message): there the host waits for the sender's writes, and for the copy before it
+        acknowledges, so neither process's GPU ever waits for the other's."""
         torch = torch_module()
         t = self.tensor
         device = t.device.index
@@ -111,18 +111,20 @@ class Target:
         with torch.cuda.device(device):  # this thread's (the progress thread's, maybe) current device
             src = _source(body, peer, device)
             sent = _peer_event(peer, BODY.unpack(body[:BODY.size])[1], device)
-            done = src.device == t.device and not _concurrent() and sent.query() and self.ready.query()
-            if not done:
-                stream.wait_event(self.ready)
+            turns = src.device == t.device and not _concurrent()
+            if turns:
+                sent.synchronize()
+            else:
                 stream.wait_event(sent)
+            stream.wait_event(self.ready)
             with torch.cuda.stream(stream):
                 t.reshape(-1).view(torch.uint8).copy_(src, non_blocking=True)
             event.record(stream)
-            if done:
+            if turns:
                 event.synchronize()
         t.record_stream(stream)
         self.copied = event
-        return None if done else handle
+        return None if turns else handle
 
 
 def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
