@@ -96,6 +96,7 @@ class DeviceFlags:
     def __init__(self, group: Any, areas: list[int], device: Any) -> None:
         import torch
         import triton.language as tl
+        import triton.runtime.jit as jit
 
         from . import flag_kernel
 
@@ -118,6 +119,8 @@ class DeviceFlags:
         self.error: BaseException | None = None
         self.lost: int | None = None  # the member whose loss stopped the path
         self.compiled: dict[tuple, Any] = {}  # a signature's kernel as Triton compiled it (_launch)
+        # the type Triton gives an int argument, part of a compiled kernel's key (without it: none kept)
+        self.int_type: Callable[[int], Any] = getattr(jit, "mangle_type", str)
         engine.alarms[ctx] = self.alarm
 
     def takes(self, nbytes: int, dtype: Any, op: Any) -> bool:
@@ -174,15 +177,19 @@ class DeviceFlags:
         args = (x, y, self.table, n, self.rank, root, fp, limit)
         consts = (self.size, mode, fold[0], fold[1], chunk, min(_BLOCK, chunk), self.slot // esize,
                   not self.interpreted)  # one_shot's constexprs, in its order
-        key = (consts, x.dtype, y.dtype, x.data_ptr() % 16, y.data_ptr() % 16)  # what Triton specializes on
+        key = (consts, x.dtype, y.dtype, x.data_ptr() % 16, y.data_ptr() % 16,
+               *map(self.int_type, args[3:]))  # what Triton specializes the kernel on
         try:
             compiled = self.compiled.get(key)
             if compiled is not None:
-                compiled[grid](*args, *consts)
-            else:
-                compiled = k.one_shot[grid](*args, **dict(zip(_CONSTEXPRS, consts)))
-                if not self.interpreted and hasattr(compiled, "run"):
-                    self.compiled[key] = compiled
+                try:
+                    compiled[grid](*args, *consts)
+                    return
+                except (OverflowError, TypeError):  # refused before the launch: Triton's own way below
+                    del self.compiled[key]
+            compiled = k.one_shot[grid](*args, **dict(zip(_CONSTEXPRS, consts)))
+            if not self.interpreted and hasattr(compiled, "run") and self.int_type is not str:
+                self.compiled[key] = compiled
         except BaseException as exc:  # a compile or launch error: the peers' kernels are already waiting
             self.abort(exc)
             raise
