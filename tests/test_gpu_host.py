@@ -137,3 +137,26 @@ def test_the_cuda_slot_keeps_every_dtype_aligned(monkeypatch: pytest.MonkeyPatch
     else:
         with pytest.raises(ValueError, match=error):
             Config.from_env()
+
+
+def test_staged_pieces_follow_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TENSORWIRE_CUDA_CHUNK=auto (the default): larger pieces where the staged host calls cross
+    TCP than through shared memory; a size given is kept; one under 64K is an error."""
+    from types import SimpleNamespace
+
+    from tensorwire.config import Config
+    from tensorwire.gpu import staged
+
+    def group(one_host: bool, **env: str) -> SimpleNamespace:
+        for name in ("TENSORWIRE_CUDA_CHUNK", "TENSORWIRE_TRANSPORT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return SimpleNamespace(one_host=one_host, runtime=SimpleNamespace(config=Config.from_env()))
+
+    assert staged.piece_bytes(group(True)) == staged.PIECE_BYTES < staged.PIECE_BYTES_TCP
+    assert staged.piece_bytes(group(False)) == staged.PIECE_BYTES_TCP
+    assert staged.piece_bytes(group(True, TENSORWIRE_TRANSPORT="tcp")) == staged.PIECE_BYTES_TCP
+    assert staged.piece_bytes(group(False, TENSORWIRE_CUDA_CHUNK="1M")) == 1 << 20
+    with pytest.raises(ValueError, match="TENSORWIRE_CUDA_CHUNK"):
+        group(True, TENSORWIRE_CUDA_CHUNK="32K")

@@ -258,9 +258,9 @@ class Config:
     """CUDA calls whose share per rank is smaller go through pinned host memory and the host's
     one-shot path even where ranks could reach each other's GPU memory (TENSORWIRE_CUDA_HOST_BELOW;
     slower where tried: docs/design/gpu.md)."""
-    cuda_chunk: int = 4 << 20
+    cuda_chunk: int | None = None
     """Pieces in which staged CUDA all_reduces and broadcasts pipeline the device-to-host copy,
-    the wire and the copy back (TENSORWIRE_CUDA_CHUNK)."""
+    the wire and the copy back (TENSORWIRE_CUDA_CHUNK); None: by the wire (gpu/staged.piece_bytes)."""
     auth_timeout: float = AUTH_TIMEOUT_S
     """Seconds a connection to the store or to a rank may take to prove it knows the job's
     secret before it is dropped (TENSORWIRE_AUTH_TIMEOUT)."""
@@ -314,7 +314,8 @@ class Config:
             cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
             cuda_device_flags=os.environ.get("TENSORWIRE_CUDA_DEVICE_FLAGS", "").strip().lower() or "auto",
             cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
-            cuda_chunk=parse_size(os.environ.get("TENSORWIRE_CUDA_CHUNK", str(4 << 20))),
+            cuda_chunk=parse_size(os.environ["TENSORWIRE_CUDA_CHUNK"])
+            if os.environ.get("TENSORWIRE_CUDA_CHUNK", "auto").strip().lower() not in ("", "auto") else None,
             auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
             peer_timeout=_env_seconds("TENSORWIRE_PEER_TIMEOUT", PEER_TIMEOUT_S),
             auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
@@ -354,7 +355,7 @@ class Config:
         if cfg.cuda_slot % 256:  # slots and the flag words behind them stay aligned for every dtype
             raise ValueError(f"TENSORWIRE_CUDA_SLOT={cfg.cuda_slot}: expected a multiple of 256 bytes "
                              f"(0 turns the slots off)")
-        if cfg.cuda_chunk < 64 << 10:
+        if cfg.cuda_chunk is not None and cfg.cuda_chunk < 64 << 10:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
         if not 0 < cfg.auth_timeout < float("inf"):
             raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout}: expected positive seconds")

@@ -111,13 +111,28 @@ def whole(dg: DeviceGroup, obj: Any, reads: list[Any], writes: list[Any],
     return _stage(dg, obj, [piece], bufs, async_op, result)
 
 
+PIECE_BYTES = 4 << 20
+"""A staged piece where the host collective goes through shared memory."""
+PIECE_BYTES_TCP = 16 << 20
+"""A staged piece where it crosses TCP: each piece's host call pays the sockets' setup, and
+larger pieces moved 64 MiB faster on the H200 host (docs/design/gpu.md)."""
+
+
+def piece_bytes(group: Any) -> int:
+    """TENSORWIRE_CUDA_CHUNK, or by the wire the group's host calls take."""
+    cfg = group.runtime.config
+    if cfg.cuda_chunk is not None:
+        return cfg.cuda_chunk
+    return PIECE_BYTES_TCP if cfg.transport == "tcp" or not group.one_host else PIECE_BYTES
+
+
 def chunked(dg: DeviceGroup, obj: Any, src: Any, dst: Any, read: bool,
             invoke: Callable[[Any, Any, bool], Any], async_op: bool, result: Any) -> Any:
     """A staged call on flat `src` and `dst` in pieces of TENSORWIRE_CUDA_CHUNK, one host call
     each: `invoke(host_src_piece, host_dst_piece, async_op)`. `read`: copy `src` in."""
     mirrors, bufs = _mirrors([src, dst])
     hs, hd = mirrors[id(src)], mirrors[id(dst)]
-    step = max(1, dg.group.runtime.config.cuda_chunk // max(src.element_size(), 1))
+    step = max(1, piece_bytes(dg.group) // max(src.element_size(), 1))
     pieces = []
     for lo in range(0, max(src.numel(), 1), step):
         hi = min(lo + step, src.numel())
