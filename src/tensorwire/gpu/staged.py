@@ -114,8 +114,8 @@ def whole(dg: DeviceGroup, obj: Any, reads: list[Any], writes: list[Any],
 PIECE_BYTES = 4 << 20
 """A staged piece where the host collective goes through shared memory."""
 PIECE_BYTES_TCP = 16 << 20
-"""A staged piece where it crosses TCP: each piece's host call pays the sockets' setup, and
-larger pieces moved 64 MiB faster on the H200 host (docs/design/gpu.md)."""
+"""A staged piece where it crosses TCP, where each piece's host call costs more to start
+(docs/design/gpu.md, fifth visit)."""
 
 
 def piece_bytes(group: Any) -> int:
