@@ -8,9 +8,10 @@ receiver's own earlier work on its buffer, the copy, and a record of the copy st
 interprocess event, whose handle goes back with the acknowledgement (`Mode.COPIED`). The send
 completes on that acknowledgement (MPI's rendezvous), and its waiter's stream waits for the
 receiver's copy before it may write the buffer again; the buffer's memory outlives that copy
-even where nobody waits (Source). A receive into host memory copies out of the device
-synchronously; a host or staged message into device memory lands through pinned memory
-(staged.Landing). Each side chooses its buffers, as on the host.
+even where nobody waits (Source). Where both processes take turns on one GPU (no MPS), the
+receiver's host waits instead and acknowledges once its copy ran (Target.read). A receive into
+host memory copies out of the device synchronously; a host or staged message into device memory
+lands through pinned memory (staged.Landing). Each side chooses its buffers, as on the host.
 
 Events are kept per stream and re-recorded by every send or copy on it: a wait covers the
 last record made before it, this message's or a later one's on the same stream, so a later
