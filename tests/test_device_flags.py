@@ -325,3 +325,80 @@ def test_a_lost_rank_stops_a_kernel_while_the_host_is_held():
         assert list(failure.value.errors) == [1], failure.value.errors  # rank 0 returned
     finally:
         cluster.close()
+
+
+class _Compiled:
+    """What Triton's compiled kernel offers: `[grid](*args, *constexprs)`, a grid of three, and
+    ints that must fit the types of its first launch (OverflowError else, before launching)."""
+
+    run = None
+
+    def __init__(self, kinds: list[str], launched: list[tuple]) -> None:
+        self.kinds, self.launched = kinds, launched
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        def runner(*args: Any) -> None:
+            assert grid[2] == 1 and grid[1] == 1
+            for a, kind in zip(args, self.kinds):
+                if kind == "i32" and not -(1 << 31) <= a < 1 << 31:
+                    raise OverflowError("signed integer is greater than maximum")
+            self.launched.append(("compiled", grid, args))
+        return runner
+
+
+class _Jit:
+    """Triton's JIT function: `[grid](*args, **constexprs)` compiles (counted) and launches."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple] = []
+        self.compiles = 0
+
+    def __getitem__(self, grid: tuple) -> Callable[..., _Compiled]:
+        def run(*args: Any, **consts: Any) -> _Compiled:
+            from triton.runtime.jit import mangle_type
+
+            self.compiles += 1
+            self.launched.append(("jit", grid, args, consts))
+            return _Compiled([mangle_type(a) if isinstance(a, int) else "" for a in args], self.launched)
+        return run
+
+
+def test_launches_of_a_signature_seen_go_to_its_compiled_kernel() -> None:
+    """device_flags.Launcher: the second launch of a signature skips Triton's binding (every
+    argument, then the constexprs, in order, on a grid of three); an int past int32 or another
+    dtype is another signature; a compiled launch Triton refuses goes its own way; nothing is
+    kept in the interpreter or without Triton's types."""
+    from triton.runtime.jit import mangle_type
+
+    from tensorwire.gpu.device_flags import Launcher
+
+    jit = _Jit()
+    launcher = Launcher(jit, ("A", "B"), mangle_type)
+    x, y = torch.zeros(4), torch.zeros(4)
+    launcher.launch(3, (x, y, 5, 7), (1, 2))
+    launcher.launch(3, (x, y, 6, 8), (1, 2))
+    assert jit.compiles == 1 and jit.launched[-1] == ("compiled", (3, 1, 1), (x, y, 6, 8, 1, 2))
+    launcher.launch(3, (x, y, 6, 1 << 40), (1, 2))  # int64 there: compiled afresh, as Triton does
+    launcher.launch(3, (x, y.to(torch.float64), 6, 8), (1, 2))
+    launcher.launch(3, (x, y, 6, 8), (1, 3))
+    assert jit.compiles == 4, jit.launched
+    launcher.launch(3, (x, y, 6, 1 << 41), (1, 2))
+    assert jit.compiles == 4 and jit.launched[-1][0] == "compiled"
+    first = next(iter(launcher.compiled))
+    launcher.compiled[first] = _RefusingCompiled()
+    launcher.launch(3, (x, y, 6, 8), (1, 2))
+    assert jit.compiles == 5 and jit.launched[-1][0] == "jit"
+    assert isinstance(launcher.compiled[first], _Compiled)
+    for kept in (Launcher(_Jit(), ("A", "B"), mangle_type, keep=False), Launcher(_Jit(), ("A", "B"), None)):
+        for _ in range(2):
+            kept.launch(1, (x, y, 5, 7), (1, 2))
+        assert kept.kernel.compiles == 2 and not kept.compiled
+
+
+class _RefusingCompiled:
+    run = None
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        def runner(*args: Any) -> None:
+            raise OverflowError("signed integer is greater than maximum")
+        return runner

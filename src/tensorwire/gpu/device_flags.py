@@ -118,9 +118,8 @@ class DeviceFlags:
             torch.cuda.is_current_stream_capturing
         self.error: BaseException | None = None
         self.lost: int | None = None  # the member whose loss stopped the path
-        self.compiled: dict[tuple, Any] = {}  # a signature's kernel as Triton compiled it (_launch)
-        # the type Triton gives an int argument, part of a compiled kernel's key (without it: none kept)
-        self.int_type: Callable[[int], Any] = getattr(jit, "mangle_type", str)
+        self.launcher = Launcher(flag_kernel.one_shot, _CONSTEXPRS, getattr(jit, "mangle_type", None),
+                                 keep=not self.interpreted)
         engine.alarms[ctx] = self.alarm
 
     def takes(self, nbytes: int, dtype: Any, op: Any) -> bool:
@@ -158,8 +157,7 @@ class DeviceFlags:
         type it accumulates in (all_reduce). No host round: every _GLANCE calls, one look at
         the sockets (an abort, a lost rank), as other calls that never wait make; and while
         the kernel may wait, the progress thread looks too (Engine.watch_peers), for a graph's
-        replays as long as the process lives. A signature launched before goes straight to its
-        compiled kernel: Triton's own launch binds and keys every argument each call."""
+        replays as long as the process lives."""
         engine = self.engine
         capturing = self.capturing()
         engine.until_glance -= 1
@@ -173,23 +171,11 @@ class DeviceFlags:
         ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
         fp = fingerprint(mode, nbytes, dtype, aux)
-        grid = (-(-nbytes // k.CHUNK_BYTES), 1, 1)  # three dimensions, as a compiled kernel takes them
-        args = (x, y, self.table, n, self.rank, root, fp, limit)
         consts = (self.size, mode, fold[0], fold[1], chunk, min(_BLOCK, chunk), self.slot // esize,
                   not self.interpreted)  # one_shot's constexprs, in its order
-        key = (consts, x.dtype, y.dtype, x.data_ptr() % 16, y.data_ptr() % 16,
-               *map(self.int_type, args[3:]))  # what Triton specializes the kernel on
         try:
-            compiled = self.compiled.get(key)
-            if compiled is not None:
-                try:
-                    compiled[grid](*args, *consts)
-                    return
-                except (OverflowError, TypeError):  # refused before the launch: Triton's own way below
-                    del self.compiled[key]
-            compiled = k.one_shot[grid](*args, **dict(zip(_CONSTEXPRS, consts)))
-            if not self.interpreted and hasattr(compiled, "run") and self.int_type is not str:
-                self.compiled[key] = compiled
+            args = (x, y, self.table, n, self.rank, root, fp, limit)
+            self.launcher.launch(-(-nbytes // k.CHUNK_BYTES), args, consts)
         except BaseException as exc:  # a compile or launch error: the peers' kernels are already waiting
             self.abort(exc)
             raise
@@ -223,6 +209,40 @@ class DeviceFlags:
         if (peer is None or peer in self.members) and self.words[0] == 0:
             self.lost = peer
             self.words[0] = self.kernel.ABORTED
+
+
+class Launcher:
+    """Launches of one Triton kernel, a signature launched before straight from its compiled
+    form: Triton's own launch binds and keys every argument each call. The key is what Triton
+    specializes a kernel on: the constexprs, each tensor's dtype and 16-byte alignment, and
+    the type it gives each int (`int_type`, triton.runtime.jit.mangle_type; None: nothing is
+    kept). A compiled launch Triton refuses before launching goes its own way."""
+
+    def __init__(self, kernel: Any, constexprs: tuple[str, ...], int_type: Callable[[int], Any] | None,
+                 keep: bool = True) -> None:
+        self.kernel, self.constexprs, self.int_type = kernel, constexprs, int_type
+        self.keep = keep and int_type is not None
+        self.compiled: dict[tuple, Any] = {}
+
+    def launch(self, blocks: int, args: tuple, consts: tuple) -> None:
+        """Run the kernel on `blocks` programs with `args` (tensors, then ints) and the values
+        of its constexprs, in its order."""
+        grid = (blocks, 1, 1)  # three dimensions, as a compiled kernel takes them
+        key = None
+        if self.keep:
+            int_type = self.int_type
+            key = (consts, *(a.dtype if hasattr(a, "dtype") else int_type(a) for a in args),
+                   *(a.data_ptr() % 16 for a in args if hasattr(a, "data_ptr")))
+            compiled = self.compiled.get(key)
+            if compiled is not None:
+                try:
+                    compiled[grid](*args, *consts)
+                    return
+                except (OverflowError, TypeError):
+                    del self.compiled[key]
+        compiled = self.kernel[grid](*args, **dict(zip(self.constexprs, consts)))
+        if key is not None and hasattr(compiled, "run"):
+            self.compiled[key] = compiled
 
 
 def _words(*buffers: Any) -> list[Any]:
