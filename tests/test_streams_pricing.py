@@ -148,9 +148,16 @@ def test_plan_shows_what_more_streams_give(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_streams_per_pair_auto_and_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """TENSORWIRE_NSOCKS=auto (the default): AUTO_STREAMS where a rank has a core to spare,
-    one where ranks share cores; a count outside 1..64 is an error naming the setting."""
+    one where ranks share cores or the hard limit of descriptors could not hold that many to
+    every peer; a count outside 1..64 is an error naming the setting."""
+    import resource
+
     assert Config.from_env().nsocks is None
     assert [streams_per_pair(None, cores, 2) for cores in (2, 3, 4, 16)] == [1, 1, AUTO_STREAMS, AUTO_STREAMS]
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY:
+        assert streams_per_pair(None, 16, 2, peers=hard // AUTO_STREAMS) == 1
+        assert streams_per_pair(None, 16, 2, peers=hard // AUTO_STREAMS // 2) == AUTO_STREAMS
     assert streams_per_pair(2, 2, 2) == 2
     for raw in ("0", "65", "x"):
         monkeypatch.setenv("TENSORWIRE_NSOCKS", raw)

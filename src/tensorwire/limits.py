@@ -41,6 +41,13 @@ def wiring_need(world_size: int) -> int:
     return 3 + typical_peers(world_size)
 
 
+def descriptors_allow(per_peer: int, peers: int) -> bool:
+    """Could this process hold `per_peer` descriptors for each of `peers` peers (and the
+    wiring's own) under its hard limit? Soft limits rise as connections need (raise_soft_limit)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return _unlimited(hard) or HEADROOM + wiring_need(1) + per_peer * peers <= hard
+
+
 def open_descriptors() -> int:
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listing it

@@ -455,7 +455,7 @@ class Engine(Failures):
         usable = sorted(os.sched_getaffinity(0))
         sharing = machine_ranks if sharing is None else max(1, min(sharing, machine_ranks))
         self.cores = cores = len(usable) * machine_ranks // sharing
-        self.nsocks = streams_per_pair(nsocks, cores, machine_ranks)
+        self.nsocks = streams_per_pair(nsocks, cores, machine_ranks, self.world_size - 1)
         threads = pump_threads(socket_threads, cores, machine_ranks, self.nsocks)
         if threads and self.pumps is None:
             self.pumps = Pumps(threads)

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import limits
+
 PUMP_BYTES = 1 << 20
 """The smallest rest of a part handed to a pump thread: below it the hand-off costs more than
 it saves (docs/design/tcp.md#pump-threads)."""
@@ -177,12 +179,14 @@ AUTO_STREAMS = 4
 """TCP streams a pair under TENSORWIRE_NSOCKS=auto where a rank has a core to spare (docs/design/tcp.md)."""
 
 
-def streams_per_pair(setting: int | None, cores: int, machine_ranks: int) -> int:
+def streams_per_pair(setting: int | None, cores: int, machine_ranks: int, peers: int = 0) -> int:
     """TCP streams per pair: `setting` (TENSORWIRE_NSOCKS) if given; else AUTO_STREAMS where a
-    rank has a core to spare for pump threads, one where ranks share cores."""
+    rank has a core to spare for pump threads and its hard limit of descriptors holds that many
+    to each of its `peers`, one where ranks share cores or it would not."""
     if setting is not None:
         return setting
-    return AUTO_STREAMS if cores // max(1, machine_ranks) > 1 else 1
+    spare = cores // max(1, machine_ranks) > 1
+    return AUTO_STREAMS if spare and limits.descriptors_allow(AUTO_STREAMS, peers) else 1
 
 
 def pump_threads(setting: int | None, cores: int, machine_ranks: int, nsocks: int) -> int:
