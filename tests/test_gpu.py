@@ -372,7 +372,7 @@ def device_p2p(in_place: bool) -> list[str]:
     sender's buffer overwritten right after its send returns, two tags interleaved out of
     order, a send whose Work is dropped and its buffer freed, host buffers on either side, then
     a size mismatch on a fresh group. `in_place`: every CUDA-to-CUDA receive must have come
-    device to device (gpu/p2p.py), else staged."""
+    device to device (gpu/p2p.py) but those faster staged (p2p.staged_faster), else staged."""
     import numpy as np
     import torch
 
@@ -389,10 +389,12 @@ def device_p2p(in_place: bool) -> list[str]:
     peer = 1 - r
     tw.sendrecv(np.zeros(1), peer, np.zeros(1), peer)  # the pair is wired: later sends may go in place
 
-    def landed(work, what: str) -> None:
+    from tensorwire.gpu import p2p
+
+    def landed(work, what: str, nbytes: int) -> None:
         work.wait()
         came = getattr(work, "device", None) is not None and work.device.copied is not None
-        if came != in_place:
+        if came != (in_place and not p2p.staged_faster(nbytes)):
             wrong.append(f"rank {r}: {what}: {'device to device' if came else 'staged'}")
 
     for count in (2, 1 << 14, 1 << 20, 16 << 20):  # float32: 8 B to 64 MiB
@@ -401,9 +403,9 @@ def device_p2p(in_place: bool) -> list[str]:
         if r == 0:
             tw.send(mine, peer, tag=1)
             mine.fill_(-1.0)  # after the send returned: the receiver's copy must be done first
-            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B")
+            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B", count * 4)
         else:
-            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B")
+            landed(tw.irecv(got, peer, tag=1), f"recv of {count * 4} B", count * 4)
             tw.send(mine, peer, tag=1)
             mine.fill_(-1.0)
         twice = got * 2  # on the current stream, after the receive

@@ -600,7 +600,7 @@ class DeviceCollectives:
         g = self.group
         dtype = torch_dtype_to_numpy(t.dtype)
         nbytes = t.numel() * t.element_size()
-        if dtype is None or not nbytes:
+        if dtype is None or not nbytes or p2p_ipc.staged_faster(nbytes):
             return None
         route = route_of(g, True, dst, tag, nbytes, dtype)
         channel = g.engine.channels.get(route.peer)

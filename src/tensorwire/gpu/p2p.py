@@ -20,6 +20,7 @@ record can only make a waiter wait longer, never too little (docs/design/gpu.md)
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from typing import Any
@@ -34,6 +35,9 @@ from .tensors import torch_module
 BODY = struct.Struct(f"<{ipc.RECORD.size}s{driver.HANDLE_BYTES}s")
 """A device message's descriptor: the buffer's record (ipc.RECORD) and the sender's event."""
 assert remote.DEVICE_ID.size + BODY.size <= remote.DEVICE_UNITS * HEADER_SIZE  # fits the ring's records
+TURNS_STAGED_BYTES = 1 << 20
+"""Messages up to this size are staged where the ranks of a host take turns on its one GPU:
+there they arrive sooner staged than device to device (docs/design/gpu.md, fifth visit)."""
 STREAMS = 64
 """Streams per process whose sends go device to device; a send from another stream is staged
 (each needs an interprocess event of its own, kept for the process's life)."""
@@ -44,6 +48,7 @@ _copies: dict[int, tuple[Any, Any, bytes]] = {}  # device -> (copy stream, its i
 _holds: dict[int, Any] = {}  # device -> the stream sent buffers are recorded on (Source)
 _opened: dict[tuple[int, bytes, int], Any] = {}  # (peer, handle, device) -> the peer's event opened here
 _mps: bool | None = None  # _concurrent's answer
+_one_gpu: bool | None = None  # _sharing_one_gpu's answer
 
 
 def describe(t: Any, stream: Any) -> bytes | None:
@@ -145,6 +150,20 @@ def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
 def wait_copied(handle: bytes, peer: int, stream: Any) -> None:
     """Make `stream` (a sender's) wait for the receiver's copy out of its buffer."""
     stream.wait_event(_peer_event(peer, handle, stream.device.index))
+
+
+def staged_faster(nbytes: int) -> bool:
+    """Is a message of `nbytes` to a rank of this host faster staged than device to device?"""
+    return nbytes <= TURNS_STAGED_BYTES and _sharing_one_gpu() and not _concurrent()
+
+
+def _sharing_one_gpu() -> bool:
+    """Does every rank of this host use the same GPU: the machine's only one, none hidden by
+    CUDA_VISIBLE_DEVICES (which may give each rank a GPU of its own)?"""
+    global _one_gpu
+    if _one_gpu is None:
+        _one_gpu = "CUDA_VISIBLE_DEVICES" not in os.environ and torch_module().cuda.device_count() == 1
+    return _one_gpu
 
 
 def _concurrent() -> bool:
