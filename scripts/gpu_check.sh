@@ -18,8 +18,8 @@
 # tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce over TCP
 # against Gloo at 2 and 8 ranks, then all_reduce and sendrecv at 2 ranks for each streams per pair
 # x pump threads; the tests step leaves out the GPU tests that the p2p and flags steps ran;
-# profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce, on
-# CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
+# profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce and
+# ping-pong, on CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
 # and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
 # BUDGET_S (seconds, 0 = none) bounds the whole run: each step's timeout is cut to what is left,
 # and a step that would start with under a minute left is skipped. The compiled module is built
@@ -168,11 +168,14 @@ for step in $steps; do
     ;;
   profile)
     if ! command -v py-spy > /dev/null; then note "profile: no py-spy"; continue; fi
-    for how in oncpu idle; do
-      timeout "$(cap 60)" py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$LOGS/spy-8B-$how.txt" \
-        $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.tools.benchmarks.cuda all_reduce -b 8 -e 8 -n 30000 \
-        --np 2 --compare '' > "$LOGS/spy-8B-$how.log" 2>&1
-      note "profile 8 B all_reduce, $how (rc=$?): $(grep -c . "$LOGS/spy-8B-$how.txt" 2>/dev/null) stacks"
+    for run in "all_reduce 30000" "pingpong 3000"; do
+      set -- $run
+      for how in oncpu idle; do
+        timeout "$(cap 60)" py-spy record --subprocesses --nonblocking -r 400 -f raw -o "$LOGS/spy-$1-8B-$how.txt" \
+          $([ $how = idle ] && echo --idle) -- $PY -m tensorwire.tools.benchmarks.cuda $1 -b 8 -e 8 -n $2 \
+          --np 2 --compare '' > "$LOGS/spy-$1-8B-$how.log" 2>&1
+        note "profile 8 B $1, $how (rc=$?): $(grep -c . "$LOGS/spy-$1-8B-$how.txt" 2>/dev/null) stacks"
+      done
     done
     ;;
   tcpprof)
