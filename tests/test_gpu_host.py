@@ -160,3 +160,27 @@ def test_staged_pieces_follow_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
     assert staged.piece_bytes(group(False, TENSORWIRE_CUDA_CHUNK="1M")) == 1 << 20
     with pytest.raises(ValueError, match="TENSORWIRE_CUDA_CHUNK"):
         group(True, TENSORWIRE_CUDA_CHUNK="32K")
+
+
+@pytest.mark.parametrize("gpus, visible, mps, staged", [(1, None, False, True), (2, None, False, False),
+                                                         (1, "0", False, False), (1, None, True, False)])
+def test_small_messages_are_staged_where_ranks_take_turns_on_one_gpu(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, visible: str | None, mps: bool, staged: bool) -> None:
+    """gpu/p2p.staged_faster: up to TURNS_STAGED_BYTES, where the machine's only GPU serves
+    every rank without MPS (CUDA_VISIBLE_DEVICES may give each rank a GPU of its own)."""
+    from types import SimpleNamespace
+
+    from tensorwire.gpu import device_flags, p2p
+
+    monkeypatch.setattr(p2p, "_one_gpu", None)
+    monkeypatch.setattr(p2p, "_mps", None)
+    fake = SimpleNamespace(cuda=SimpleNamespace(device_count=lambda: gpus))
+    monkeypatch.setattr(p2p, "torch_module", lambda: fake)
+    monkeypatch.setattr(device_flags, "mps_running", lambda: mps)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert p2p.staged_faster(8) is staged
+    assert p2p.staged_faster(p2p.TURNS_STAGED_BYTES) is staged
+    assert not p2p.staged_faster(p2p.TURNS_STAGED_BYTES + 1)
