@@ -3,24 +3,24 @@
 # PYTHONPATH; torch with CUDA, and optionally CuPy, mpi4py + Open MPI already there):
 #   scripts/gpu_check.sh [bench] [tests] [p2p] [flags] [ddp] [pipeline] [mps] [cpu] [tcp] [tcpprof] [profile]
 #   (default: bench tests ddp)
-# tests: tests/test_gpu.py; bench: tensorwire against Gloo (and NCCL where it runs) on CUDA
-# tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then TCP-forced (staged); p2p: the point-to-point
-# tests of tests/test_gpu.py, then ping-pong device to device and staged (TENSORWIRE_CUDA_IPC=0),
-# 8 B to 64 MiB, and the pipeline example on the GPU both ways; flags: the device-flag tests (forced
-# without MPS unless `tests` ran first, then chosen by auto under MPS) and 8 B to 1 MiB all_reduces under MPS with the device
-# flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0; with them, also replayed from a CUDA graph),
-# broadcast and all_gather too, Gloo beside; ddp: examples/ddp_train.py
-# on the GPU, tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU
-# (send/recv of CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B
-# and 64 MiB bench again under CUDA MPS (a control daemon of this script's own, stopped after;
-# where nvidia-cuda-mps-control exists); cpu: the host collectives at 8 and 16 ranks against
-# Gloo and Open MPI (JSON and markdown tables too);
-# tcp: the machine's raw TCP ceiling with sendrecv beside it, then 64 MiB all_reduce over TCP
-# against Gloo at 2 and 8 ranks, then all_reduce and sendrecv at 2 ranks for each streams per pair
-# x pump threads; the tests step leaves out the GPU tests that the p2p and flags steps ran;
-# profile: py-spy (where on PATH: carry its wheel) on both ranks of the 8 B CUDA all_reduce and
-# ping-pong, on CPU and with --idle, as raw stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings
-# and py-spy on both ranks of the host's 64 MiB all_reduce over loopback TCP.
+# tests: tests/test_gpu.py, less what the p2p and flags steps ran before it; bench: tensorwire
+# against Gloo (and NCCL where it runs) on CUDA tensors, 2 ranks, 8 B to 2 MiB and 64 MiB, then
+# TCP-forced (staged); p2p: the point-to-point tests of tests/test_gpu.py, then ping-pong device
+# to device and staged (TENSORWIRE_CUDA_IPC=0), 8 B to 64 MiB, and the pipeline example on the GPU
+# both ways; flags: the device-flag tests (forced without MPS unless `tests` ran first, then chosen
+# by auto under MPS) and 8 B to 1 MiB all_reduces, broadcasts and all_gathers under MPS with the
+# device flags and without (TENSORWIRE_CUDA_DEVICE_FLAGS=1/0; with them, also replayed from a CUDA
+# graph; without, the ping-pong too), Gloo beside; ddp: examples/ddp_train.py on the GPU,
+# tensorwire and Gloo; pipeline: examples/pipeline_train.py, 2 stages on the GPU (send/recv of
+# CUDA tensors; Gloo cannot send them), 4 stages on CPU against Gloo; mps: the 8 B and 64 MiB
+# bench again under CUDA MPS (a control daemon of this script's own, stopped after; where
+# nvidia-cuda-mps-control exists); cpu: the host collectives at 8 and 16 ranks against Gloo and
+# Open MPI (JSON and markdown tables too); tcp: the machine's raw TCP ceiling with sendrecv beside
+# it, then 64 MiB all_reduce over TCP against Gloo at 2 and 8 ranks, then all_reduce and sendrecv
+# at 2 ranks for each streams per pair x pump threads; profile: py-spy (where on PATH: carry its
+# wheel) on both ranks of the 8 B CUDA all_reduce and ping-pong, on CPU and with --idle, as raw
+# stacks (flamegraph.pl's input); tcpprof: the machine's TCP settings and py-spy on both ranks of
+# the host's 64 MiB all_reduce over loopback TCP.
 # BUDGET_S (seconds, 0 = none) bounds the whole run: each step's timeout is cut to what is left,
 # and a step that would start with under a minute left is skipped. The compiled module is built
 # first where this Python has none (setup.py, else the compiler directly); one built elsewhere for
