@@ -20,6 +20,7 @@ record can only make a waiter wait longer, never too little (docs/design/gpu.md)
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -37,7 +38,7 @@ BODY = struct.Struct(f"<{ipc.RECORD.size}s{driver.HANDLE_BYTES}s")
 assert remote.DEVICE_ID.size + BODY.size <= remote.DEVICE_UNITS * HEADER_SIZE  # fits the ring's records
 TURNS_STAGED_BYTES = 1 << 20
 """Messages up to this size are staged where the ranks of a host take turns on its one GPU:
-there they arrive sooner staged than device to device (docs/design/gpu.md, fifth visit)."""
+there they arrive sooner staged than device to device (docs/design/gpu.md#next-visit)."""
 STREAMS = 64
 """Streams per process whose sends go device to device; a send from another stream is staged
 (each needs an interprocess event of its own, kept for the process's life)."""
@@ -47,8 +48,6 @@ _written: dict[tuple[int, int], tuple[Any, bytes]] = {}  # (device, stream) -> (
 _copies: dict[int, tuple[Any, Any, bytes]] = {}  # device -> (copy stream, its interprocess event, handle)
 _holds: dict[int, Any] = {}  # device -> the stream sent buffers are recorded on (Source)
 _opened: dict[tuple[int, bytes, int], Any] = {}  # (peer, handle, device) -> the peer's event opened here
-_mps: bool | None = None  # _concurrent's answer
-_one_gpu: bool | None = None  # _sharing_one_gpu's answer
 
 
 def describe(t: Any, stream: Any) -> bytes | None:
@@ -107,8 +106,8 @@ class Target:
         """Queue the copy of `peer`'s buffer into the tensor; the handle of the event recorded
         after it, which the acknowledgement carries to the sender, or None where the copy has
         run already. Where both processes' work takes turns on one GPU (no MPS), a stream that
-        waits for the other process's event holds the GPU until its time slice ends (ms, every
-        message): there the host waits for the sender's writes, and for the copy before it
+        waits for the other process's event holds the GPU until its time slice ends: there the
+        host waits for the sender's writes, and for the copy before it
         acknowledges, so neither process's GPU ever waits for the other's."""
         torch = torch_module()
         t = self.tensor
@@ -157,22 +156,18 @@ def staged_faster(nbytes: int) -> bool:
     return nbytes <= TURNS_STAGED_BYTES and _sharing_one_gpu() and not _concurrent()
 
 
+@functools.cache
 def _sharing_one_gpu() -> bool:
     """Does every rank of this host use the same GPU: the machine's only one, none hidden by
     CUDA_VISIBLE_DEVICES (which may give each rank a GPU of its own)?"""
-    global _one_gpu
-    if _one_gpu is None:
-        _one_gpu = "CUDA_VISIBLE_DEVICES" not in os.environ and torch_module().cuda.device_count() == 1
-    return _one_gpu
+    return "CUDA_VISIBLE_DEVICES" not in os.environ and torch_module().cuda.device_count() == 1
 
 
+@functools.cache
 def _concurrent() -> bool:
     """Do processes sharing a GPU run their work at once (an MPS daemon serves them)? Asked
     once: a process is a client of MPS, or not, from its first CUDA call on."""
-    global _mps
-    if _mps is None:
-        _mps = device_flags.mps_running()
-    return _mps
+    return device_flags.mps_running()
 
 
 def _source(body: bytes, peer: int, device: int) -> Any:

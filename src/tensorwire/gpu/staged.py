@@ -115,7 +115,7 @@ PIECE_BYTES = 4 << 20
 """A staged piece where the host collective goes through shared memory."""
 PIECE_BYTES_TCP = 16 << 20
 """A staged piece where it crosses TCP, where each piece's host call costs more to start
-(docs/design/gpu.md, fifth visit)."""
+(docs/design/gpu.md#next-visit)."""
 
 
 def piece_bytes(group: Any) -> int:
