@@ -105,6 +105,11 @@ class Channel(ABC):
     def close(self) -> None:
         """Release the channel's sockets and memory."""
 
+    def blocked_writers(self) -> list[socket.socket]:
+        """The sockets whose queued sends wait for room in the kernel: a sleeping waiter also
+        wakes when one can take more (none where sends go through a ring)."""
+        return []
+
     def put_now(self, wire_header: bytes, payload: np.ndarray) -> bool:
         """Write a small point-to-point message whole, with no request; False: post it instead."""
         return False

@@ -516,6 +516,10 @@ class TcpChannel(Channel):
         """Sends this process has yet to hand to the kernel."""
         return any(stream.sendq for stream in self.streams)
 
+    def blocked_writers(self) -> list[socket.socket]:
+        """Those of the streams with sends queued that no pump thread writes."""
+        return [stream.sock for stream in self.streams if stream.sendq and stream._tx is None]
+
     def pending(self) -> list[SendRequest]:
         """Sends not finished yet."""
         out: dict[int, SendRequest] = {}
