@@ -42,17 +42,20 @@ def fold_in_rank_order(p2p: P2P, acc: np.ndarray, own: np.ndarray, op: ReduceOp,
     if acc.size == 0:
         return
     me = p2p.rank
+    base = None  # rank 0's own where acc lies apart from it: acc = own op x1, with no copy first
+    if me == 0 and acc is not own and p2p.size > 1 and not np.may_share_memory(acc, own):
+        base = own
     for r in range(p2p.size):
         if r == me:
             if r == 0:
-                if acc is not own:
+                if acc is not own and base is None:
                     copy(acc, own)
             else:
                 reduce_into(acc, own, op)
         elif r == 0:
             receive(p2p, 0, acc, step)
         else:
-            receive(p2p, r, acc, step, reduce=op)
+            receive(p2p, r, acc, step, reduce=op, base=base if r == 1 else None)
 
 
 def _send_foreign(p2p: P2P, blocks: list[np.ndarray], step: int) -> list:

@@ -51,11 +51,15 @@ def binomial_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, r
     while mask < n:
         if vr & mask == 0:
             child = vr | mask
-            if child < n:
+            if child < n:  # acc = current op the child's, with no copy of current first where apart
+                base = None
                 if current is not acc:
-                    copy(acc, current)
+                    if np.may_share_memory(acc, current):
+                        copy(acc, current)
+                    else:
+                        base = current
                     current = acc
-                receive(p2p, (child + root) % n, acc, mask, reduce=op)
+                receive(p2p, (child + root) % n, acc, mask, reduce=op, base=base)
         else:
             p2p.wait(p2p.isend(((vr & ~mask) + root) % n, current, mask))
             return
