@@ -70,9 +70,8 @@ class Algorithm:
     reductions, which read 2(n-1)/n of m per rank instead of the slots' n m, still win."""
     crowded_below: int = 0
     """needs_direct only: where ranks outnumber cores, calls smaller than this many bytes leave
-    it out (0: none do). The rooted one shots hold every rank to the root's pace (a slot is
-    refilled only once all ranks are past the call that last used it), where a tree's or the
-    linear path's senders run ahead. TENSORWIRE_ALGO naming it still runs it."""
+    it out (0: none do): the single copy reduce, whose root waits for folds that wait for
+    cores. TENSORWIRE_ALGO naming it still runs it."""
     out_of_place: bool = False
     """all_reduce, broadcast and all_gather: reads the input where it is (`src`) instead of in
     the output it was first copied into: a pass over the data saved, and (single copy) peers

@@ -11,7 +11,6 @@ result. Fingerprints live beside the flags, so a mismatched call is still caught
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -855,14 +854,9 @@ def _streamed(collective: str):
     return cost
 
 
-_CROWDED_BELOW = {"gather": sys.maxsize, "scatter": sys.maxsize, "broadcast": 1 << 20, "reduce": 1 << 20}
-"""Where ranks outnumber cores, the rooted one shots stay out below these sizes, where they
-lose (see Algorithm.crowded_below and docs/design/segment.md#ranks-that-share-cores)."""
-
 for _collective, _run in _RUN.items():
     _cost = (_streamed if _collective in _STREAMED else _cost_of)(_collective)
     register(Algorithm("direct", _collective, _run, _cost, needs_direct=True,
                        copies=0 if _collective == "all_reduce" else 1,
-                       crowded_below=_CROWDED_BELOW.get(_collective, 0),
                        out_of_place=_collective == "all_reduce",
                        slot_need=_SLOT_NEED.get(_collective)))
