@@ -190,6 +190,10 @@ def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn
     the receive first (a message that comes while the send is posted lands in place, not
     staged), waited for. `sent`: True, or the send still waiting for its reader."""
     engine, seq = group.engine, position(group)
+    if not taken and sent is True:
+        taken = engine.recv_yielding(inn.peer, inn.key, inn.wire, into, inn.label)
+        if taken:
+            return
     reqs: list[Request] = [] if taken else \
         [engine.irecv(inn.peer, inn.header, byte_view(into), None, inn.label, seq=seq)]
     if isinstance(sent, Request):

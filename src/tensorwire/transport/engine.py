@@ -52,6 +52,10 @@ shorter one one down. Where ranks share cores and the count is above zero (the l
 hosts is what the ranks wait for), waiters for TCP sleep at once and the others yield only
 _YIELD_BRIEF_S: a yielding waiter takes the cores the ranks it waits for need
 (docs/design/waiting.md#waits-behind-a-slow-link)."""
+PREYIELD = 16
+"""Where ranks share cores: yields in a bare loop before a wait for a flag or a ring's next
+record sets up its Backoff, whose setup and rounds are Python that the rank being waited for
+does not get to run (docs/design/waiting.md)."""
 _SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
 _RELEASE_PARKED_S = 0.1
 """A waiter idle this long stages the messages parked in its rings (shm.PARK_BYTES) and those
@@ -316,10 +320,32 @@ class Engine(Failures):
                         taken = channel.take_now(wire_header, dst)
                 if taken is None and may_spin:
                     taken = channel.take_now(wire_header, dst, self.spin_s)
+                if taken is None and spin and not self.spin_s:
+                    taken = self._take_yielding(channel, wire_header, dst)
             except PeerClosed as exc:  # the general way then fails as every receive from a lost peer
                 self.peer_lost(peer, str(exc))
                 return False
         return bool(taken)
+
+    def _take_yielding(self, channel: Channel, wire_header: bytes, dst: np.ndarray) -> bool | None:
+        """Where ranks share cores (waiters do not spin): take_now after each of up to PREYIELD
+        yields of the core, while no send of this process waits to be pushed."""
+        if not self.oversubscribed or any(c.queued() for c in self.channel_list):
+            return None
+        taken = None
+        for _ in range(PREYIELD):
+            os.sched_yield()
+            taken = channel.take_now(wire_header, dst)
+            if taken is not None:
+                break
+        return taken
+
+    def recv_yielding(self, peer: int, key: tuple, wire_header: bytes, dst: np.ndarray, what: str) -> bool:
+        """recv_now where ranks share cores, for a receive whose spin is over (a sendrecv's
+        compiled exchange): its yields alone; False elsewhere."""
+        if self.spin_s or not self.oversubscribed:
+            return False
+        return self.recv_now(peer, key, wire_header, dst, True, what)
 
     def sendrecv_now(self, to: int, out_header: bytes, payload: np.ndarray, frm: int, key: tuple,
                      in_header: bytes, dst: np.ndarray) -> tuple[bool, bool]:

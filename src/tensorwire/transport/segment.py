@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, TimeoutError
 from . import cma, native, pages
-from .engine import Backoff, Engine
+from .engine import PREYIELD, Backoff, Engine
 from .shm import CTRL_BYTES, Segment
 from .wire import Fingerprint
 
@@ -68,10 +68,6 @@ class GroupSegment(Segment):
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
 _PRESPIN_S = 20e-6  # the same spell in the compiled bodies (transport/native.py)
-_PREYIELD = 16
-"""Where ranks share cores: yields in a bare loop before a flag wait sets up its Backoff, whose
-setup and rounds are Python that the rank being waited for does not get to run
-(docs/design/waiting.md)."""
 WRITTEN, READ = 1, 2
 """Words of a control line beside the flag: how far this rank is through a streamed call, as
 (seq << CHUNK_BITS) + pieces written into its slot, and + pieces read from every source.
@@ -155,7 +151,7 @@ class DirectPath:
         """Single copy's last call: its slot parity and the word of each rank's table that holds
         the share of its buffers in huge pages (huge_eighths)."""
         self.native = native.path(engine.native, seg, self.flags, rank, GroupSegment.nbytes(self.size, 0),
-                                  _PRESPIN_S if engine.spin_s else 0.0, _PREYIELD, engine.spin_s)
+                                  _PRESPIN_S if engine.spin_s else 0.0, PREYIELD, engine.spin_s)
         """The compiled bodies over this segment, or None: the engine runs the Python ones."""
         self.st = self.native if self.native is not None else State()
         """The protocol's state: the compiled Path's own where there is one (see State)."""
@@ -380,7 +376,7 @@ class DirectPath:
         # poll flags only, no bookkeeping: a running peer is a microsecond away (unless ranks
         # share cores: then the engine does not spin and neither does this)
         spins = _PRESPIN if self.engine.spin_s else 0
-        yields = 0 if spins else _PREYIELD
+        yields = 0 if spins else PREYIELD
         for r in ranks:
             line = flags[r]
             while words[line] < seq and spins:
