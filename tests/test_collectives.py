@@ -1005,7 +1005,7 @@ def rank_async_left_to_the_worker() -> dict:
     g = tw.world().new_group()  # a worker of its own
     x = np.ones(4, np.float32)
     looking = np.zeros(1, np.int64)
-    for _ in range(40):  # until every rank's worker looks by itself (how soon depends on its wakes)
+    for _ in range(400):  # until every rank's worker looks by itself (how soon depends on its wakes)
         for _ in range(25):
             g.all_reduce(x, async_op=True).wait()
         looking[0] = not g.queue.wake_worker
