@@ -45,13 +45,6 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 _LAST_DATA_KIND = int(max(Kind.P2P, Kind.COLL))  # kinds above it are control messages
 DEFAULT_SPIN_US = 50.0
 _YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
-_YIELD_BRIEF_S = 0.001
-_SLOW_LINK_WAITS = 4
-"""A wait for TCP peers alone that outlasts _YIELD_BRIEF_S counts one up (to this many), a
-shorter one one down. Where ranks share cores and the count is above zero (the link between
-hosts is what the ranks wait for), waiters for TCP sleep at once and the others yield only
-_YIELD_BRIEF_S: a yielding waiter takes the cores the ranks it waits for need
-(docs/design/waiting.md#waits-behind-a-slow-link)."""
 PREYIELD = 16
 """Where ranks share cores: yields in a bare loop before a wait for a flag or a ring's next
 record sets up its Backoff, whose setup and rounds are Python that the rank being waited for
@@ -106,8 +99,6 @@ class Engine(Failures):
         self._next_look = 0.0
         self._waits = 0  # waits begun by any thread: while they keep coming, the thread looks less often
         self.until_glance = _GLANCE  # calls that never wait left before the next glance()
-        self.slow_link = 0  # Backoff's count of long waits for TCP peers (_SLOW_LINK_WAITS)
-        self.last_link_wait_long = False
         self._foreground = 0  # threads inside wait(), each driving progress for everyone
         self.closed = False
         self.wiring: Wiring | None = None  # makes channels on first use; None: only add_channel
@@ -612,8 +603,7 @@ class Engine(Failures):
                 if not pending:
                     break
                 if backoff is None:
-                    backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check,
-                                      woken=self._woken_by_sockets(pending))
+                    backoff = Backoff(self, deadline, ctx, seq, tuple(watch), cross_check)
                     timeout = functools.partial(self._timeout, pending, what)
                 if moved:
                     backoff.reset()
@@ -622,12 +612,6 @@ class Engine(Failures):
         finally:
             with self.lock:
                 self._foreground -= 1
-
-    def _woken_by_sockets(self, pending: Sequence[Request]) -> bool:
-        """Whether everything `pending` waits for comes over TCP, whose sockets wake a sleeping
-        waiter as soon as it can move (Backoff's `woken`)."""
-        channels = self.channels
-        return all(getattr(channels.get(r.peer), "kind", None) == "tcp" for r in pending)
 
     def sleep_on_sockets(self, seconds: float) -> None:
         """Sleep until a socket is readable (data, a control message, a closed peer), one with
@@ -811,9 +795,7 @@ class Backoff:
     """
 
     def __init__(self, engine: Engine, deadline: float, ctx: int, seq: int, watch: tuple[int, ...],
-                 cross_check: Callable[[], None] | None = None, woken: bool = False) -> None:
-        """`woken`: everything the waiter waits for comes over TCP, whose sockets wake it from
-        its sleep (see _SLOW_LINK_WAITS)."""
+                 cross_check: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.deadline = deadline
         self.ctx = ctx
@@ -821,20 +803,9 @@ class Backoff:
         self.watch = watch
         self.cross_check = cross_check
         self.spin_s = engine.spin_s
-        self.woken = woken
         self.reset()
 
     def reset(self) -> None:
-        """A new wait begins: its yield set by how the waits for TCP before it ended."""
-        engine = self.engine
-        if self.woken:
-            if not engine.last_link_wait_long and engine.slow_link:
-                engine.slow_link -= 1
-            engine.last_link_wait_long = False
-        self.long = False
-        self.yield_s = _YIELD_S
-        if engine.slow_link and engine.oversubscribed:
-            self.yield_s = 0.0 if self.woken else _YIELD_BRIEF_S
         self.since = time.perf_counter()
         self.sleep = 50e-6
         self.checks = 0
@@ -845,12 +816,9 @@ class Backoff:
         now = time.perf_counter()
         idle = now - self.since
         self.checks += 1
-        if self.woken and not self.long and idle >= _YIELD_BRIEF_S:
-            self.long = self.engine.last_link_wait_long = True
-            self.engine.slow_link = min(self.engine.slow_link + 1, _SLOW_LINK_WAITS)
         pumps = self.engine.pumps  # while pump threads run, a spinning waiter would hold the
         # interpreter lock they need between their system calls: it sleeps at once instead
-        if idle < self.spin_s + self.yield_s and not (pumps is not None and pumps.busy):
+        if idle < self.spin_s + _YIELD_S and not (pumps is not None and pumps.busy):
             # spinning or yielding: the group's health and the deadline every so many rounds,
             # which cost more than a round (with ranks outnumbering cores, what a waiter
             # spends in a round is taken from the rank it waits for)
