@@ -32,6 +32,7 @@ import tensorwire as tw
 from cluster import free_port
 from conftest import PYTHON
 from tensorwire.errors import (
+    AbortedError,
     CollectiveMismatchError,
     InvalidArgumentError,
     NotInitializedError,
@@ -384,6 +385,49 @@ def test_a_receive_made_before_a_refused_call_is_not_failed_by_its_abort(cluster
     assert [res["first"]["type"] for res in results] == [refused, None, refused], results
     assert len({res["summed"]["type"] for res in results}) == 1, results  # alike on every rank
     assert all(res["again"]["type"] is None and res["again_total"] == 6 for res in results), results
+
+
+def _p2p_after_a_refused_call() -> dict[str, Any]:
+    """The last rank refuses an all_reduce the others run; once the abort has reached every
+    rank, each makes a ring exchange by isend/irecv (before the group renewed), then a barrier
+    (which renews it), an all_reduce and the ring exchange again."""
+    g = _fresh_group()
+    bad, n = g.size - 1, g.size
+    readonly = np.ones(4, np.float32)
+    readonly.flags.writeable = False
+    first = _attempt(g.all_reduce, readonly if g.rank == bad else np.ones(4, np.float32), timeout=10.0)
+    deadline = time.monotonic() + 10.0
+    while g.ctx not in g.engine.aborted and time.monotonic() < deadline:
+        g.engine.look()
+
+    def ring(got: np.ndarray) -> None:
+        works = [g.isend(np.full(4, g.rank, np.float32), (g.rank + 1) % n),
+                 g.irecv(got, (g.rank - 1) % n)]
+        for w in works:
+            w.wait(10.0)
+
+    early = _attempt(ring, np.zeros(4, np.float32))
+    after = _attempt(g.barrier, timeout=10.0)
+    x = np.full(4, g.rank + 1.0, np.float32)
+    summed = _attempt(g.all_reduce, x, timeout=10.0)
+    got = np.full(4, -1.0, np.float32)
+    return {"first": first, "early": early, "after": after, "summed": summed, "total": float(x[0]),
+            "ring": _attempt(ring, got), "got": float(got[0])}
+
+
+def test_point_to_point_after_a_refused_call_says_so_until_the_group_renews(cluster: Any) -> None:
+    """Point-to-point calls between a refused call and the group's renewal fail with an error
+    that says why (the refusal's own error would read as their mistake), and work after it."""
+    n = cluster.size
+    if n < 2:
+        pytest.skip("needs a peer")
+    results = cluster.run(_p2p_after_a_refused_call)
+    for rank, res in enumerate(results):
+        _assert_error(res["first"], InvalidArgumentError, "all_reduce", "read-only")
+        _assert_error(res["early"], AbortedError, f"rank {rank}:", "renews itself", "read-only", within=5.0)
+        assert res["summed"]["type"] is res["ring"]["type"] is None, res
+        assert (res["total"], res["got"]) == (n * (n + 1) / 2, (rank - 1) % n), res
+    assert len({res["after"]["type"] for res in results}) == 1, results  # alike on every rank
 
 
 def _late_to_a_timed_out_call() -> dict[str, Any]:

@@ -298,6 +298,45 @@ def test_recv_from_any_rank(cluster: Any) -> None:
     assert sorted(got[0]) == list(range(1, cluster.size))
 
 
+def _any_rank_in_turn() -> dict[str, Any]:
+    """Every other rank sends rank 0 two messages (tag 11) before rank 0 receives any; rank 0
+    takes as many from any rank as there are senders. Then the last rank sends four numbered
+    messages (tag 12) to rank 0, which had posted four receives from any rank first."""
+    r, n = tw.get_rank(), tw.get_world_size()
+    if r != 0:
+        for k in range(2):
+            tw.send(np.array([r, k], np.int64), 0, tag=11)
+    tw.barrier(timeout=20)
+    if r == n - 1:
+        for k in range(4):
+            tw.send(np.array([k], np.int64), 0, tag=12)
+    if r != 0:
+        return {}
+    fair = []
+    for _ in range(n - 1):
+        got = np.zeros(2, np.int64)
+        tw.irecv_any(got, tag=11, timeout=20).wait(20)
+        fair.append(int(got[0]))
+    for _ in range(n - 1):  # the second message of each
+        tw.irecv_any(np.zeros(2, np.int64), tag=11, timeout=20).wait(20)
+    bufs = [np.full(1, -1, np.int64) for _ in range(4)]
+    works = [tw.irecv_any(b, tag=12, timeout=20) for b in bufs]
+    for w in works:
+        w.wait(20)
+    return {"fair": fair, "posted": [int(b[0]) for b in bufs], "from": [w.result() for w in works]}
+
+
+def test_recv_from_any_rank_serves_every_sender_in_turn(cluster: Any) -> None:
+    """A sender with more queued does not starve the others, and receives from any rank match
+    messages in the order they were posted (a sender's messages keep their order)."""
+    n = cluster.size
+    if n < 2:
+        pytest.skip("needs a sender")
+    got = cluster.run(_any_rank_in_turn)[0]
+    assert sorted(got["fair"]) == list(range(1, n)), got
+    assert got["posted"] == [0, 1, 2, 3] and got["from"] == [n - 1] * 4, got
+
+
 def _zero_bytes() -> dict[str, Any]:
     r, right, left = _neighbours()
     empty = np.empty(0, np.float32)

@@ -61,6 +61,7 @@ class Group:
         self.huge_seen: dict[tuple[str, int], bool] = {}  # see tuner.PageDependent
         self.p2p_routes: dict[tuple[bool, int, int, int], p2p.P2PRoute] = {}  # see p2p._route
         self.p2p_pairs: dict[tuple, tuple[p2p.P2PRoute, p2p.P2PRoute]] = {}  # see p2p.sendrecv
+        self.any_source_turns = p2p.AnySourceTurns()  # receives from any member (p2p.irecv_any)
         self.direct_plans: dict[tuple, Any] = {}  # see shm_direct.direct_all_reduce
         self._device: DeviceCollectives | None = None
         me = runtime.rank

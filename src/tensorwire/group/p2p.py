@@ -10,8 +10,10 @@ device buffer is staged through the group's device collectives.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -93,16 +95,22 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
 
 def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
     """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
-    result() is the sender's group rank. A helper thread waits for the first sender."""
+    result() is the sender's group rank. A helper thread finds the sender and receives; such
+    receives take messages one at a time per group, in the order they were posted."""
     if _on_device(tensor):
         return group.device.irecv_any(tensor, tag, timeout)
     data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
     work = Work(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
+    limit = group.timeout if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    turns = group.any_source_turns
+    turn = turns.take(tag)
 
     def find_and_receive() -> None:
         try:
-            src = group.probe_any(tag, timeout)
-            group.recv(data, src, tag, timeout)
+            with turns.wait(tag, turn, deadline, lambda: _nothing_came(group, tag, limit)):
+                src = _probe_any(group, tag, deadline, limit)
+                group.recv(data, src, tag, timeout)
         except BaseException as exc:  # handed to whoever waits on the Work
             work._finish(exc=exc)
         else:
@@ -256,19 +264,64 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
     """Wait until a point-to-point message with `tag` from any member has arrived; its
     sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
     check_member(group, "recv from any rank")
-    peers = {w: r for r, w in enumerate(group.ranks) if r != group.rank}
     limit = group.timeout if timeout is None else timeout
-    deadline = time.monotonic() + limit
+    return _probe_any(group, tag, time.monotonic() + limit, limit)
+
+
+def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int:
+    turns = group.any_source_turns  # looked at first: the members after the last one found
+    order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
+    peers = {group.ranks[r]: r for r in order if r != group.rank}
     pause = 20e-6
     while True:
         world = group.engine.arrived_from(group.ctx, tag, peers)
         if world is not None:
+            turns.last = peers[world]
             return peers[world]
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
-                               f"{group.name}: no message arrived within {limit:g} s")
+            raise _nothing_came(group, tag, limit)
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+
+
+def _nothing_came(group: Group, tag: int, limit: float) -> TimeoutError:
+    return TimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
+                        f"{group.name}: no message arrived within {limit:g} s")
+
+
+class AnySourceTurns:
+    """Receives from any member of one tag take turns in the order they were posted (MPI
+    matches them so), and a probe looks first at the members after the last one it found, so
+    that one busy sender does not starve the others."""
+
+    def __init__(self) -> None:
+        self.last = 0  # group rank whose message was found last
+        self._posted = 0
+        self._open: dict[int, list[int]] = {}  # per tag, the turns taken and not yet over, oldest first
+        self._cond = threading.Condition()
+
+    def take(self, tag: int) -> int:
+        with self._cond:
+            self._posted += 1
+            self._open.setdefault(tag, []).append(self._posted)
+            return self._posted
+
+    @contextlib.contextmanager
+    def wait(self, tag: int, turn: int, deadline: float, late: Callable[[], BaseException]) -> Iterator[None]:
+        """Wait until every receive of `tag` posted before `turn` is over (or raise `late()` at
+        `deadline`)."""
+        waiting = self._open[tag]
+        try:
+            with self._cond:
+                if not self._cond.wait_for(lambda: waiting[0] == turn, max(0.0, deadline - time.monotonic())):
+                    raise late()
+            yield
+        finally:
+            with self._cond:
+                waiting.remove(turn)
+                if not waiting:
+                    del self._open[tag]
+                self._cond.notify_all()
 
 
 def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = True) -> None:

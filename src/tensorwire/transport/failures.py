@@ -418,8 +418,18 @@ class Failures:
         if entry is None:
             return None
         if seq >= P2P_SEQ and ctx in self.renewable:
-            seq -= P2P_SEQ
+            return self._until_renewed(entry[1]) if seq - P2P_SEQ >= entry[0] else None
         return entry[1] if seq >= entry[0] else None
+
+    def _until_renewed(self, refusal: BaseException) -> AbortedError:
+        """What a point-to-point call between a refused call and its group's renewal raises:
+        the refusal itself would read as this call's own mistake."""
+        error = AbortedError(
+            f"rank {self.rank}: a point-to-point call on a group that renews itself after a call "
+            f"a member refused: the group's point-to-point calls fail until this rank's next "
+            f"collective call on it renews it (every member's does). The refused call: {refusal}")
+        error.__cause__ = refusal
+        return error
 
     def abort_error(self, req: Request) -> BaseException | None:
         """The abort that covers this request (`covering`)."""
