@@ -359,13 +359,19 @@ class _Reducer:
         log.check(ret is out, f"{label}: did not return output")
         log.close(label, out, [v[lo:lo + counts[me]] for v in ins], red)
         log.same(label + " (input kept)", x, ins[me])
+        out = _garbage(dt, (counts[me],))  # the list form: input_list[r] holds rank r's count
+        log.case()
+        ret = tw.reduce_scatter(out, [x[sum(counts[:j]):sum(counts[:j + 1])] for j in range(n)], red)
+        label = f"reduce_scatter {dt.name} {red} counts {counts}"
+        log.check(ret is out, f"{label}: did not return output")
+        log.close(label, out, [v[lo:lo + counts[me]] for v in ins], red)
 
     def result(self) -> dict:
         self.log.extra["digests"] = self.digests
         return self.log.result()
 
 
-REDUCTION_CASES_PER_PAIR = 7
+REDUCTION_CASES_PER_PAIR = 8
 
 
 def rank_reductions(seed: int, pairs: list[tuple[int, int]]) -> dict:
@@ -393,7 +399,7 @@ SWEEP_PAIRS = [(np.dtype(np.float32), ReduceOp.SUM), (np.dtype(np.int16), Reduce
 
 
 def _sweep_cases(n: int) -> int:
-    return len(SWEEP_PAIRS) * (2 * len(RED_SHAPES) + 2 + 2 * n + n + 2 * len(RS_BLOCKS) + 2)
+    return len(SWEEP_PAIRS) * (2 * len(RED_SHAPES) + 2 + 2 * n + n + 2 * len(RS_BLOCKS) + 4)
 
 
 def rank_reduction_sweep(seed: int) -> dict:
@@ -692,7 +698,7 @@ MOVE_SHAPES = [(0,), (1,), (7,), (2, 3, 4), (3, 11_000)]  # the last: past the 6
 
 
 def _movement_cases(n: int, combos: int, sweep: bool) -> int:
-    per_combo = 6 * n + 6 if sweep else 9
+    per_combo = 6 * n + 7 if sweep else 10
     return combos * per_combo + 1  # + barrier
 
 
@@ -762,6 +768,11 @@ def rank_movement(seed: int, combos: list[tuple[int, int]], sweep: bool) -> dict
         log.check(ret is out, f"all_gatherv {lbl}: wrong return")
         log.same(f"all_gatherv {lbl} counts {counts}", out,
                  np.concatenate([data(r, 4, shp=(counts[r],)) for r in range(n)]))
+        outs = [_garbage(dt, (c,)) for c in counts]  # the list form: tensor_list[r] holds rank r's count
+        log.case()
+        tw.all_gather(outs, data(me, 4, shp=(counts[me],)))
+        for r in range(n):
+            log.same(f"all_gather {lbl} counts {counts} [{r}]", outs[r], data(r, 4, shp=(counts[r],)))
         # gather / gatherv
         for dst in roots(1):
             lst = [_garbage(dt, shape) for _ in range(n)] if me == dst else None

@@ -242,8 +242,9 @@ def every_collective(dtype_names: list[str], large: bool) -> list[str]:
 
 
 def rooted_vector_p2p_async() -> list[str]:
-    """gather, scatter, the vector forms, uneven all_to_all, point-to-point, async calls and
-    streams, CuPy arrays (where CuPy is installed): the staged and asynchronous paths."""
+    """gather, scatter, the vector forms, uneven all_to_all, all_gather and reduce_scatter,
+    point-to-point, async calls and streams, CuPy arrays (where CuPy is installed): the staged and
+    asynchronous paths."""
     import torch
 
     import tensorwire as tw
@@ -273,6 +274,14 @@ def rooted_vector_p2p_async() -> list[str]:
     tw.all_to_all(recvs, sends)
     if not all(torch.equal(recvs[q].cpu(), torch.full((r + 1,), float(10 * q + r))) for q in range(n)):
         wrong.append(f"rank {r}: all_to_all uneven")
+    gathered = [torch.empty(q + 1, device=dev) for q in range(n)]  # the list forms, uneven
+    tw.all_gather(gathered, torch.full((r + 1,), float(r), device=dev))
+    if not all(torch.equal(gathered[q].cpu(), torch.full((q + 1,), float(q))) for q in range(n)):
+        wrong.append(f"rank {r}: all_gather uneven")
+    mine_sum = torch.empty(r + 1, device=dev)
+    tw.reduce_scatter(mine_sum, [torch.full((q + 1,), float(r + 1), device=dev) for q in range(n)])
+    if not torch.equal(mine_sum.cpu(), torch.full((r + 1,), n * (n + 1) / 2)):
+        wrong.append(f"rank {r}: reduce_scatter uneven")
     if n > 1:
         data = torch.arange(1000, device=dev, dtype=torch.int64) * (r + 1)
         into = torch.empty(1000, device=dev, dtype=torch.int64)

@@ -378,6 +378,10 @@ def _check_reductions(c: _Checker) -> None:
     dist.reduce_scatter(out, [_data(r, 8, torch.float32, salt=k).reshape(2, 4) for k in range(n)])
     c.equal("reduce_scatter non-contiguous output", out,
             sum(_data(k, 8, torch.float32, salt=r).reshape(2, 4) for k in range(n)))
+    # blocks of different sizes, as NCCL takes them (Gloo refuses): rank q's block has q + 1 elements
+    out = torch.zeros(r + 1)
+    dist.reduce_scatter(out, [_data(r, q + 1, torch.float32, salt=q) for q in range(n)])
+    c.equal("reduce_scatter uneven", out, sum(_data(k, r + 1, torch.float32, salt=r) for k in range(n)))
 
 
 def _check_data_movement(c: _Checker) -> None:
@@ -407,6 +411,9 @@ def _check_data_movement(c: _Checker) -> None:
         return out
 
     c.same_as_gloo("all_gather into non-contiguous views", all_gather_strided)
+    outs = [torch.zeros(q + 1, dtype=torch.int64) for q in range(n)]  # uneven: as NCCL (Gloo refuses)
+    dist.all_gather(outs, _data(r, r + 1, torch.int64))
+    c.equal("all_gather uneven", outs, [_data(q, q + 1, torch.int64) for q in range(n)])
 
     def all_gather_into_tensor(group):
         flat = torch.zeros(4 * n, 3)

@@ -93,14 +93,16 @@ class DeviceCollectives:
             self.group.fail_fast(exc)
             raise
 
-    def _tensors(self, objs: Sequence[Any] | None, what: str, name: str, like: Any) -> list[Any]:
+    def _tensors(self, objs: Sequence[Any] | None, what: str, name: str, like: Any,
+                 uneven: bool = False) -> list[Any]:
+        """One tensor per rank, each of like's dtype and count (`uneven`: only this rank's count)."""
         g = self.group
         if objs is None or len(objs) != g.size:
             got = "None" if objs is None else str(len(objs))
             invalid(g, what, f"{name} must hold one tensor per rank ({g.size}), got {got}")
         out = [self._tensor(o, what, f"{name}[{i}]") for i, o in enumerate(objs)]  # type: ignore[union-attr]
         for i, t in enumerate(out):
-            if t.dtype != like.dtype or t.numel() != like.numel():
+            if t.dtype != like.dtype or (t.numel() != like.numel() and (not uneven or i == g.rank)):
                 invalid(g, what, f"{name}[{i}] is {t.numel()} x {t.dtype}, expected {like.numel()} x "
                         f"{like.dtype}")
         return out
@@ -310,7 +312,11 @@ class DeviceCollectives:
         what, g = "reduce_scatter", self.group
         check_member(g, what)
         out = self._tensor(output, what, "output")
-        ins = self._tensors(input_list, what, "input_list", out)
+        ins = self._tensors(input_list, what, "input_list", out, uneven=True)
+        if any(t.numel() != out.numel() for t in ins):  # uneven blocks: through the host
+            dg = self._device([out, *ins], what, Coll.REDUCE_SCATTERV, timeout)
+            return staged.whole(dg, output, ins, [out], lambda h, a: g.reduce_scatter(
+                h(out), [h(t) for t in ins], op, async_op=a, timeout=timeout), async_op, output)
         return self._reduce_scatter(what, output, out, ins, op, async_op, timeout)
 
     def reduce_scatter_tensor(self, output: Any, input: Any, op: Any, async_op: bool,
@@ -395,7 +401,11 @@ class DeviceCollectives:
         what, g = "all_gather", self.group
         check_member(g, what)
         inp = self._tensor(tensor, what)
-        outs = self._tensors(tensor_list, what, "tensor_list", inp)
+        outs = self._tensors(tensor_list, what, "tensor_list", inp, uneven=True)
+        if any(o.numel() != inp.numel() for o in outs):  # uneven blocks: through the host
+            dg = self._device([inp, *outs], what, Coll.ALL_GATHERV, timeout)
+            return staged.whole(dg, tensor_list, [inp], outs, lambda h, a: g.all_gather(
+                [h(o) for o in outs], h(inp), async_op=a, timeout=timeout), async_op, tensor_list)
         return self._all_gather(what, tensor_list, inp, [o.reshape(-1) for o in outs], async_op, timeout,
                                 None)
 

@@ -91,8 +91,9 @@ def same_dtype(group: Group, arrays: Sequence[np.ndarray], what: str) -> np.dtyp
 
 
 def array_list(group: Group, objs: Sequence[Any] | None, what: str, name: str, *, writable: bool,
-               like: np.ndarray | None = None) -> list[np.ndarray]:
-    """One array per rank; with `like`, each must match its dtype and element count."""
+               like: np.ndarray | None = None, uneven: bool = False) -> list[np.ndarray]:
+    """One array per rank; with `like`, each must match its dtype and element count (`uneven`:
+    only this rank's, the others' counts being theirs)."""
     if objs is None or len(objs) != group.size:
         got = "None" if objs is None else str(len(objs))
         invalid(group, what, f"{name} must hold one tensor per rank ({group.size}), got {got}")
@@ -100,8 +101,9 @@ def array_list(group: Group, objs: Sequence[Any] | None, what: str, name: str, *
     if like is not None:
         same_dtype(group, [like, *arrays], what)
         for i, a in enumerate(arrays):
-            if a.size != like.size:
-                invalid(group, what, f"{name}[{i}] has {a.size} elements, expected {like.size}")
+            if a.size != like.size and (not uneven or i == group.rank):
+                mine = " (this rank's; the other ranks' may differ)" if uneven else ""
+                invalid(group, what, f"{name}[{i}] has {a.size} elements{mine}, expected {like.size}")
     return arrays
 
 

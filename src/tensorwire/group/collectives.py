@@ -173,7 +173,8 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
 
 def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM, *,
                    async_op: bool = False, timeout: float | None = None) -> Any:
-    """Rank r gets the reduction of everybody's input_list[r]."""
+    """Rank r gets the reduction of everybody's input_list[r]. The blocks may differ in size
+    (as reduce_scatterv), alike on every rank; input_list[rank] matches `output`."""
     what = "reduce_scatter"
     data = planned(output, async_op)
     if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
@@ -195,8 +196,13 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
         return _device(group, timeout).reduce_scatter(output, input_list, op, async_op, timeout)
     check_member(group, what)
     out = array(group, output, what, writable=True, name="output")
-    blocks = array_list(group, input_list, what, "input_list", writable=False, like=out)
+    blocks = array_list(group, input_list, what, "input_list", writable=False, like=out, uneven=True)
     red = reduction(group, op, out.dtype, what)
+    if any(b.size != out.size for b in blocks):  # rank r gets input_list[r]'s count, as reduce_scatterv
+        counts = [b.size for b in blocks]
+        fp = fingerprint(Coll.REDUCE_SCATTERV, out.dtype, red, count=-1, counts=counts)
+        return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, flats(blocks), out, red,
+                                  False, output, SELECT)
     fp = fingerprint(Coll.REDUCE_SCATTER, out.dtype, red, count=out.size)
     if out is planned(output, False) and red.factor is None and type(op) in (ReduceOp, Reduction) \
             and all(a is planned(b, False) for a, b in zip(blocks, input_list)):
@@ -321,7 +327,8 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
 
 def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_op: bool = False,
                timeout: float | None = None) -> Any:
-    """tensor_list[r] receives rank r's tensor (list form; no staging copy)."""
+    """tensor_list[r] receives rank r's tensor (list form; no staging copy). Ranks' tensors may
+    differ in size (as all_gatherv): tensor_list[r] holds rank r's, alike on every rank."""
     what = "all_gather"
     data = planned(tensor, async_op)
     if data is not None:  # a checked signature: see all_reduce
@@ -343,7 +350,11 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
         return _device(group, timeout).all_gather(tensor_list, tensor, async_op, timeout)
     check_member(group, what)
     inp = array(group, tensor, what, writable=False)
-    outs = array_list(group, tensor_list, what, "tensor_list", writable=True, like=inp)
+    outs = array_list(group, tensor_list, what, "tensor_list", writable=True, like=inp, uneven=True)
+    if any(o.size != inp.size for o in outs):  # tensor_list[r] holds rank r's count, as all_gatherv
+        fp = fingerprint(Coll.ALL_GATHERV, inp.dtype, counts=[o.size for o in outs])
+        return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, False,
+                                  tensor_list, SELECT)
     fp = fingerprint(Coll.ALL_GATHER, inp.dtype, count=inp.size)
     if inp is planned(tensor, False) and all(a is planned(o, False) for a, o in zip(outs, tensor_list)):
         group.plans.remember((what, inp.dtype, inp.size), fp, what, "all_gather", inp.nbytes * group.size,
