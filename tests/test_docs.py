@@ -93,6 +93,15 @@ def test_every_setting_has_its_line_in_configuration_md() -> None:
     assert not unknown, f"in docs/configuration.md but read nowhere in src/: {unknown}"
 
 
+@pytest.mark.timeout(30)
+def test_the_settings_list_names_every_setting_read() -> None:
+    """config.SETTINGS is what a TENSORWIRE_* variable is checked against (a misspelt one warns)."""
+    from tensorwire.config import SETTINGS
+
+    code = set().union(*(_settings(p.read_text(encoding="utf-8")) for p in (ROOT / "src").rglob("*.py")))
+    assert set(SETTINGS) == code, (sorted(code - SETTINGS), sorted(SETTINGS - code))
+
+
 # -- user pages: current behaviour only ----------------------------------------------------------
 
 # The user pages; docs/design/ keeps the history and the measurements behind it.

@@ -1090,6 +1090,21 @@ attempt(tw.barrier, timeout=30)  # rank 1 stays until rank 0 is done
 """
 
 
+@pytest.mark.timeout(30)
+def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorwire.config import Config
+    from tensorwire.errors import TensorwireWarning
+
+    monkeypatch.setenv("TENSORWIRE_SHM_RING_BYTES", "8M")
+    with pytest.warns(TensorwireWarning, match="TENSORWIRE_SHM_RING_BYTES is not a tensorwire setting .*"
+                                               "did you mean TENSORWIRE_SHM_RING"):
+        Config.from_env()
+    monkeypatch.delenv("TENSORWIRE_SHM_RING_BYTES")
+    monkeypatch.setenv("TENSORWIRE_TCP_CHUNK", "lots")
+    with pytest.raises(ValueError, match="TENSORWIRE_TCP_CHUNK: cannot read size 'lots'"):
+        Config.from_env()
+
+
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("how", ["env", "argument"])
 def test_timeout_setting_applies_to_later_calls(how: str) -> None:

@@ -5,18 +5,53 @@ Keyword arguments of `init()` win over the environment; the environment wins ove
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field, fields, replace
 
 from . import log
+from .errors import TensorwireWarning
 
 DEFAULT_TIMEOUT_S = 300.0
+
+SETTINGS = frozenset({
+    "TENSORWIRE_ALGO", "TENSORWIRE_AUTH_PENDING", "TENSORWIRE_AUTH_TIMEOUT",
+    "TENSORWIRE_BENCH_OWNER", "TENSORWIRE_BENCH_PROGRESS", "TENSORWIRE_BIND",
+    "TENSORWIRE_CACHE_DIR", "TENSORWIRE_CACHE_MAX_AGE", "TENSORWIRE_CALIBRATE",
+    "TENSORWIRE_COMPRESS", "TENSORWIRE_CUDA_CHUNK", "TENSORWIRE_CUDA_DEVICE_FLAGS",
+    "TENSORWIRE_CUDA_HOST_BELOW", "TENSORWIRE_CUDA_IPC", "TENSORWIRE_CUDA_SLOT", "TENSORWIRE_DEBUG",
+    "TENSORWIRE_DEBUG_SUBSYS", "TENSORWIRE_DETERMINISTIC", "TENSORWIRE_HUGE_PAGES",
+    "TENSORWIRE_JOB_ID", "TENSORWIRE_KEEP_MEMORY", "TENSORWIRE_LAUNCH_GRACE",
+    "TENSORWIRE_MAX_MESSAGE", "TENSORWIRE_NATIVE", "TENSORWIRE_NSOCKS", "TENSORWIRE_PEER_TIMEOUT",
+    "TENSORWIRE_SECRET", "TENSORWIRE_SECRET_FILE", "TENSORWIRE_SHM_DIRECT", "TENSORWIRE_SHM_RING",
+    "TENSORWIRE_SINGLE_COPY", "TENSORWIRE_SOCKET_IFNAME", "TENSORWIRE_SOCKET_THREADS",
+    "TENSORWIRE_SPIN_US", "TENSORWIRE_STORE_HOSTED", "TENSORWIRE_STORE_MAX_CONNECTIONS",
+    "TENSORWIRE_STORE_MAX_VALUE", "TENSORWIRE_TCP_CHUNK", "TENSORWIRE_TCP_CONGESTION",
+    "TENSORWIRE_TCP_RCVBUF", "TENSORWIRE_TCP_SNDBUF", "TENSORWIRE_TIMEOUT", "TENSORWIRE_TRANSPORT",
+    "TENSORWIRE_TUNING_FILE",
+})
+"""Every environment variable tensorwire reads (tests/test_docs.py keeps the list whole): any
+other TENSORWIRE_* is most likely a misspelt one, which would otherwise be ignored unseen."""
+
+
+def warn_unknown_settings() -> None:
+    """Warn about each TENSORWIRE_* variable tensorwire does not read, with the setting it
+    most resembles."""
+    for name in sorted(n for n in os.environ if n.startswith("TENSORWIRE_") and n not in SETTINGS):
+        close = difflib.get_close_matches(name, SETTINGS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.warn(f"{name} is not a tensorwire setting and is ignored{hint} (see docs/configuration.md)",
+                      TensorwireWarning, stacklevel=4)
 
 
 def _env_size(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
-    return parse_size(raw) if raw else None
+    try:
+        return parse_size(raw) if raw else None
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _env_size_or(name: str, default: int) -> int:
@@ -288,13 +323,13 @@ class Config:
             timeout=_env_seconds("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT_S),
             transport=os.environ.get("TENSORWIRE_TRANSPORT", "auto").strip().lower() or "auto",
             socket_ifname=os.environ.get("TENSORWIRE_SOCKET_IFNAME", ""),
-            shm_ring_bytes=parse_size(os.environ.get("TENSORWIRE_SHM_RING", str(4 << 20))),
-            tcp_chunk_bytes=parse_size(os.environ.get("TENSORWIRE_TCP_CHUNK", str(1 << 20))),
+            shm_ring_bytes=_env_size_or("TENSORWIRE_SHM_RING", 4 << 20),
+            tcp_chunk_bytes=_env_size_or("TENSORWIRE_TCP_CHUNK", 1 << 20),
             tcp_congestion=os.environ.get("TENSORWIRE_TCP_CONGESTION", "").strip(),
             nsocks=_env_count("TENSORWIRE_NSOCKS", 1, "streams"),
             socket_threads=_env_count("TENSORWIRE_SOCKET_THREADS", 0, "threads"),
-            tcp_sndbuf=parse_size(os.environ.get("TENSORWIRE_TCP_SNDBUF", str(TCP_SNDBUF))),
-            tcp_rcvbuf=parse_size(os.environ.get("TENSORWIRE_TCP_RCVBUF", str(TCP_RCVBUF))),
+            tcp_sndbuf=_env_size_or("TENSORWIRE_TCP_SNDBUF", TCP_SNDBUF),
+            tcp_rcvbuf=_env_size_or("TENSORWIRE_TCP_RCVBUF", TCP_RCVBUF),
             direct_bytes=_env_size("TENSORWIRE_SHM_DIRECT"),
             algo=os.environ.get("TENSORWIRE_ALGO", ""),
             compress=os.environ.get("TENSORWIRE_COMPRESS", "").strip().lower(),
@@ -311,11 +346,11 @@ class Config:
             single_copy=os.environ.get("TENSORWIRE_SINGLE_COPY", "1").strip().lower() or "1",
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
             cuda_ipc=_env_bool("TENSORWIRE_CUDA_IPC", True),
-            cuda_slot=parse_size(os.environ.get("TENSORWIRE_CUDA_SLOT", str(1 << 20))),
+            cuda_slot=_env_size_or("TENSORWIRE_CUDA_SLOT", 1 << 20),
             cuda_device_flags=os.environ.get("TENSORWIRE_CUDA_DEVICE_FLAGS", "").strip().lower() or "auto",
-            cuda_host_below=parse_size(os.environ.get("TENSORWIRE_CUDA_HOST_BELOW", "0")),
-            cuda_chunk=parse_size(os.environ["TENSORWIRE_CUDA_CHUNK"])
-            if os.environ.get("TENSORWIRE_CUDA_CHUNK", "auto").strip().lower() not in ("", "auto") else None,
+            cuda_host_below=_env_size_or("TENSORWIRE_CUDA_HOST_BELOW", 0),
+            cuda_chunk=_env_size("TENSORWIRE_CUDA_CHUNK")
+            if os.environ.get("TENSORWIRE_CUDA_CHUNK", "auto").strip().lower() != "auto" else None,
             auth_timeout=_env_seconds("TENSORWIRE_AUTH_TIMEOUT", AUTH_TIMEOUT_S),
             peer_timeout=_env_seconds("TENSORWIRE_PEER_TIMEOUT", PEER_TIMEOUT_S),
             auth_pending=_env_int("TENSORWIRE_AUTH_PENDING", 64),
@@ -326,6 +361,7 @@ class Config:
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
         check_debug_settings()
+        warn_unknown_settings()
         if cfg.transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
         if cfg.calibrate not in ("0", "1", "force"):
