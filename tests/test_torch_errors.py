@@ -122,6 +122,19 @@ def scenario_errors() -> None:
         _expect(TensorwireError, lambda: dist.all_reduce(torch.ones(4), group=g),
                 contains="moves CPU and CUDA tensors, got one on meta", within=10)
 
+    # a tensor to write whose elements share memory (expand()): refused on its rank, raised on the
+    # other; a broadcast root's such tensor is only read, and goes
+    g = dist.new_group()
+    if rank == 0:
+        _expect(InvalidArgumentError, lambda: dist.all_reduce(torch.ones(1).expand(4), group=g),
+                contains="share memory", within=5)
+    else:
+        _expect(TensorwireError, lambda: dist.all_reduce(torch.ones(4), group=g), contains="share memory",
+                within=10)
+    t = torch.full((1,), 5.0).expand(3) if rank == 0 else torch.zeros(3)
+    dist.broadcast(t, 0, group=g)
+    assert torch.equal(t, torch.full((3,), 5.0)), t
+
     # a rank that never arrives: the other raises TimeoutError after the group's timeout
     g = dist.new_group(timeout=timedelta(seconds=2))
     if rank == 0:

@@ -51,6 +51,9 @@ class _Staging:
         _check_tensor(t, self.group)
         if t.is_contiguous():
             return t
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            _invalid(self.group, "tensorwire backend: a tensor to write into has elements that share memory "
+                                 "(a zero stride, as expand() makes); pass a tensor of its own (t.clone())")
         buf = t.contiguous()
         self.back.append((t, buf))
         return buf
@@ -370,8 +373,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             opts.rootRank = int(root or 0)
         root = opts.rootRank
         st = _Staging(self._tw)
-        buf = st.out(_one(tensors, "broadcast", self._tw))
         g = self._tw
+        tensor = _one(tensors, "broadcast", g)
+        buf = st.inp(tensor) if g.rank == root else st.out(tensor)  # the root's is only read
         return self._run("broadcast", opts, tensors,
                          [lambda a, t: g.broadcast(buf, root, async_op=a, timeout=t)], st.finish())
 
