@@ -2406,6 +2406,72 @@ def rank_pages_learned() -> dict:
     return log.result()
 
 
+def rank_pages_learned_compiled() -> dict:
+    """The same where the compiled caller runs the calls: a signature planned on huge pages runs
+    single copy in C, which reads its sources' reports itself; a later call of it on buffers in
+    4 KiB pages (every rank's, or one rank's) moves it to the other choice on every rank, and
+    the calls after run that, in Python (tuner.PageDependent.run counts the calls Python ran)."""
+    from tensorwire.buffers import huge_zeros
+    from tensorwire.transport import pages
+    world = tw.world()
+    n, me = world.size, world.rank
+    log = _Log()
+    probe = huge_zeros(4 << 20)
+    probe[:] = 1
+    if pages.PageScanner().eighths([(probe.ctypes.data, probe.nbytes)]) == pages.UNKNOWN:
+        log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
+        return log.result()
+    if world.plans.caller is None:
+        log.extra["skip"] = "the compiled module was not built"
+        return log.result()
+    table = tuner.table_for(world.runtime)
+    slow = Link(cost_model.CMA, 1e-6, 1 / 0.2e9, 1e-12)
+    fast = Link(cost_model.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    tuner.install(world.runtime, dataclasses.replace(
+        table, links={**table.links, cost_model.CMA: slow, cost_model.CMA_HUGE: fast},
+        extra={**table.extra, "huge_pages": True}))
+    in_python: list[int] = []
+    python_run = tuner.PageDependent.run
+
+    def counted(self, call, *args):
+        in_python.append(call.seq)
+        return python_run(self, call, *args)
+
+    tuner.PageDependent.run = counted  # type: ignore[method-assign]
+    try:
+        for m, small_here in ((2 << 20, True), (3 << 20, me == 1)):
+            block = m // n
+            want = np.concatenate([(np.arange(block * me, block * (me + 1)) % 251 + r).astype(np.uint8)
+                                   for r in range(n)])
+            ran = []
+            for k, small in enumerate((False, small_here, small_here, False)):
+                send, recv = (_small_pages(m) if small else huge_zeros(m)[:m] for _ in range(2))
+                send[:] = (np.arange(m) % 251 + me).astype(np.uint8)
+                before = len(in_python)
+                tw.all_to_all_single(recv, send)
+                ran.append(len(in_python) > before)
+                log.case()
+                log.same(f"all_to_all {m} B, call {k}", recv, want)
+                if k == 0:
+                    log.check(("all_to_all", m) not in world.huge_seen, f"{m} B: learned {world.huge_seen}")
+            # call 0 checked (Python), call 1 compiled (learns in C), the rest Python's other choice
+            log.check(ran == [True, False, True, True], f"{m} B: Python ran calls {ran}")
+            log.check(world.huge_seen.get(("all_to_all", m)) is False, f"{m} B: learned {world.huge_seen}")
+    finally:
+        tuner.PageDependent.run = python_run  # type: ignore[method-assign]
+        tuner.install(world.runtime, table)
+    return log.result()
+
+
+@pytest.mark.timeout(60)
+def test_single_copy_learns_its_sources_pages_in_the_compiled_caller() -> None:
+    results = _fresh_cluster_run(2, {"TENSORWIRE_SINGLE_COPY": "force"}, rank_pages_learned_compiled,
+                                 timeout=45)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
+    _expect(results, 8)
+
+
 @pytest.mark.timeout(60)
 def test_single_copy_learns_its_sources_pages() -> None:
     results = _fresh_cluster_run(2, {"TENSORWIRE_SINGLE_COPY": "force"}, rank_pages_learned, timeout=45)

@@ -618,6 +618,8 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     g = _Group(2, "shm")
     g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False, huge_eighths=8)
     g.engine = SimpleNamespace(oversubscribed=False)
+    recompiled: list[bool] = []  # the compiled caller gets the plans afresh once the size moves
+    g.plans = SimpleNamespace(recompile=lambda: recompiled.append(True))
     tuner.install(g.runtime, LinkTable(links, {}))
     choice = tuner.select(g, "all_to_all", m)
     assert isinstance(choice, tuner.PageDependent) and choice.huge.name == "single_copy"
@@ -636,6 +638,7 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     choice.run(None, None, None)
     choice.run(None, None, None)
     assert ran == ["single_copy", "single_copy", other] and g.huge_seen == {("all_to_all", m): False}
+    assert recompiled == [True]
     assert tuner.decide(g, "all_to_all", m).priced[0][1] == other
     assert tuner.decide(g, "all_to_all", m).choice.name == other
     # nothing expected in huge pages: priced at `cma` throughout

@@ -64,6 +64,14 @@ class Plans(dict):
         if self.caller is not None:
             self._compile(key, plan)
 
+    def recompile(self) -> None:
+        """Give the compiled caller every plan afresh (a PageDependent plan now runs its other
+        choice)."""
+        if self.caller is not None:
+            self.caller.clear()
+            for key, plan in self.items():
+                self._compile(key, plan)
+
     def _compile(self, key: Any, plan: tuple) -> None:
         """Give the compiled caller a plan whose calls it can run whole: a barrier on the
         direct path, a plan of COMPILED_PLANS of a collective the caller takes, or single
@@ -82,6 +90,10 @@ class Plans(dict):
         what = key[0]
         run = plan[1] if what == "all_reduce" else plan[2]
         owner = getattr(run, "__self__", None)
+        dependent = owner if isinstance(owner, tuner.PageDependent) else None
+        if dependent is not None:  # compiled as what it runs now; it learns its sources' pages in C
+            run = dependent.current().run
+            owner = getattr(run, "__self__", None)
         spec = owner.compiled_call() if isinstance(owner, COMPILED_PLANS) else None
         moves = what in single_copy.MOVES and dp.single_copy \
             and run is algorithms_for(single_copy.MOVED[what])["single_copy"].run
@@ -102,11 +114,13 @@ class Plans(dict):
             op, inplace = key[-2], key[-1]
         elif what == "broadcast":  # (.., root, in place)
             inplace = key[-1]
-        if moves:  # the share of huge pages its table carries is read by no one (tuner.PageDependent)
+        if moves:  # a page-dependent plan's table carries its share of huge pages, as _offer's
             tail = single_copy.planned_tail(what, root)
             self.caller.add_moves(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call,
                                   self.ctx, a, b, tail, single_copy.MOVES[what], root, dp.pids,
-                                  single_copy.alias_window(dp), pages.UNKNOWN)
+                                  single_copy.alias_window(dp), pages.UNKNOWN if dependent is None
+                                  else self.engine.native.PAGES_SCAN, None if dependent is None
+                                  else dependent.learned)
             return
         owner.stamp(dp, call.fp)
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,

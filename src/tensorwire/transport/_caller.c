@@ -31,8 +31,12 @@ typedef struct {
     Py_ssize_t nbytes, out_bytes; /* its input's bytes, and its output's where that differs */
     Path *path;
     PyObject *call, *ref, *ctx, *tail;
+    PyObject *small; /* a page-dependent single copy plan's: told the least share of huge pages
+                      * its sources reported, where under HUGE_SEEN (tuner.PageDependent); else NULL */
     PyObject *args[MAX_ARGS]; /* the body's arguments; seq and the arrays filled per call */
 } Entry;
+
+#define HUGE_SEEN 4 /* tuner.HUGE_SEEN */
 
 /* A pair of point-to-point routes sendrecv used before (group.p2p_pairs), and what their one
  * call through the rings needs (ShmChannel.exchange_now). */
@@ -99,6 +103,7 @@ static void entry_clear(Entry *e) {
     Py_CLEAR(e->ref);
     Py_CLEAR(e->ctx);
     Py_CLEAR(e->tail);
+    Py_CLEAR(e->small);
     for (int i = 0; i < MAX_ARGS; i++) Py_CLEAR(e->args[i]);
 }
 
@@ -165,7 +170,8 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 #define ADD_ARGS 13
 /* add(collective, dtype, nbytes, out_bytes, root, op, inplace, path, call, ctx, a, b, tail, *extra):
  * a planned signature (extra: the body's arguments after the arrays: a fold code, a root);
- * add_moves(...) the same of a single copy plan (extra: kind, root, pids, alias, unknown). */
+ * add_moves(...) the same of a single copy plan (extra: kind, root, pids, alias, unknown), then
+ * `small` (Entry.small, or None). */
 static PyObject *add_entry(Caller *self, PyObject *const *args, Py_ssize_t nargs, int moves) {
     if (nargs < ADD_ARGS || nargs > ADD_ARGS + MAX_ARGS - HEAD_ARGS - 2)
         return PyErr_Format(PyExc_TypeError, "add takes %d to %d arguments", ADD_ARGS,
@@ -229,8 +235,10 @@ static PyObject *Caller_add(Caller *self, PyObject *const *args, Py_ssize_t narg
 }
 
 static PyObject *Caller_add_moves(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != ADD_ARGS + 5) return PyErr_Format(PyExc_TypeError, "add_moves takes %d arguments", ADD_ARGS + 5);
-    return add_entry(self, args, nargs, 1);
+    if (nargs != ADD_ARGS + 6) return PyErr_Format(PyExc_TypeError, "add_moves takes %d arguments", ADD_ARGS + 6);
+    PyObject *added = add_entry(self, args, nargs - 1, 1);
+    if (added != NULL && args[nargs - 1] != Py_None) self->entries[self->n - 1].small = Py_NewRef(args[nargs - 1]);
+    return added;
 }
 
 static PyObject *Caller_clear_entries(Caller *self, PyObject *unused) {
@@ -300,7 +308,8 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
     /* what the call uses of its entry, held first: the body lets other threads run, and one may
      * add a plan (the table moves) or clear them */
     PyObject *args[MAX_ARGS], *call = Py_NewRef(e->call), *tail = Py_NewRef(e->tail);
-    PyObject *ctx = Py_NewRef(e->ctx), *ref = Py_NewRef(e->ref);
+    PyObject *ctx = Py_NewRef(e->ctx), *ref = Py_NewRef(e->ref), *small_pages = Py_XNewRef(e->small);
+    Py_ssize_t pages_at = e->moves ? mv.words - 1 : 0; /* the table's share of huge pages */
     Path *path = (Path *)Py_NewRef(e->path);
     int nargs = e->nargs;
     body_fn body = BODIES[e->coll];
@@ -320,6 +329,7 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
         Py_DECREF(path);
         Py_DECREF(call);
         Py_DECREF(tail);
+        Py_XDECREF(small_pages);
         return NULL;
     }
     set_slot(c->engine, c->e_glance, glance);
@@ -342,26 +352,29 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
         status = body(path, args, nargs);
     }
     for (int i = 0; i < nargs; i++) Py_DECREF(args[i]); /* seq's with them */
-    Py_DECREF(path);
     long s = status == NULL ? 0 : PyLong_AsLong(status);
+    PyObject *done;
     if (status != NULL && s == DONE) {
         Py_DECREF(status);
-        Py_DECREF(call);
-        Py_DECREF(tail);
         set_slot(c->queue, c->q_busy, Py_NewRef(Py_False));
-        if (PyObject_Length(c->pending) > 0) {
-            PyObject *woke = PyObject_CallMethodNoArgs(c->queue, S_wake);
-            if (woke == NULL) return NULL;
-            Py_DECREF(woke);
-        }
-        return Py_NewRef(result);
+        done = PyObject_Length(c->pending) > 0 ? PyObject_CallMethodNoArgs(c->queue, S_wake) : Py_NewRef(Py_None);
+    } else {
+        if (status == NULL) status = take_exception();
+        PyObject *finish_args[5] = {call, tail, status, x, y};
+        done = PyObject_Vectorcall(c->finish, finish_args, x == NULL ? 3 : 5, NULL);
+        Py_DECREF(status);
     }
-    if (status == NULL) status = take_exception();
-    PyObject *finish_args[5] = {call, tail, status, x, y};
-    PyObject *done = PyObject_Vectorcall(c->finish, finish_args, x == NULL ? 3 : 5, NULL);
-    Py_DECREF(status);
     Py_DECREF(call);
     Py_DECREF(tail);
+    if (done != NULL && small_pages != NULL) { /* every rank reads the same reports: all learn alike */
+        uint64_t least = moves_least_pages(path, pages_at);
+        if (least < HUGE_SEEN) {
+            Py_DECREF(done);
+            done = PyObject_CallFunction(small_pages, "K", (unsigned long long)least);
+        }
+    }
+    Py_DECREF(path);
+    Py_XDECREF(small_pages);
     if (done == NULL) return NULL;
     Py_DECREF(done);
     return Py_NewRef(result);
@@ -842,6 +855,7 @@ static int Caller_traverse(Caller *self, visitproc visit, void *arg) {
         Entry *e = &self->entries[i];
         Py_VISIT(e->call);
         Py_VISIT(e->tail);
+        Py_VISIT(e->small);
         Py_VISIT((PyObject *)e->path);
     }
     for (Py_ssize_t i = 0; i < self->npairs; i++) {
@@ -892,7 +906,7 @@ static PyMethodDef Caller_methods[] = {
      "add(collective, dtype, nbytes, root, op, inplace, path, call, ctx, a, b, tail, *extra)"},
     {"add_moves", (PyCFunction)(void (*)(void))Caller_add_moves, METH_FASTCALL,
      "add_moves(collective, dtype, nbytes, out_bytes, root, op, inplace, path, call, ctx, a, b, tail, kind, root, "
-     "pids, alias, unknown)"},
+     "pids, alias, unknown, small)"},
     {"clear", (PyCFunction)Caller_clear_entries, METH_NOARGS, "clear(): forget every signature"},
     {"add_pair", (PyCFunction)(void (*)(void))Caller_add_pair, METH_FASTCALL,
      "add_pair(dst, src, tag, send_bytes, recv_bytes, send_dtype, recv_dtype, out_route, in_route, remote, ctrl, "

@@ -13,7 +13,10 @@
 #include "_native.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 
 /* A protocol call's (seq, a, b, name): its number, fingerprint words and collective. */
@@ -887,6 +890,113 @@ static int hold_list(Moves *m, const Path *p, PyObject *list, int writable, Py_b
     return 1;
 }
 
+/* The share of huge pages of what peers read (transport/pages.py's PageScanner.eighths, the
+ * same rule, its own answers kept PAGES_KEEP_S per span): PAGEMAP_SCAN on /proc/self/pagemap. */
+#define PAGE_IS_PRESENT (1 << 3)
+#define PAGE_IS_PFNZERO (1 << 5)
+#define PAGE_IS_HUGE (1 << 6)
+#define PAGES_RUNS 16
+#define PAGES_KEPT 16
+#define PAGES_KEEP_S 0.05
+typedef struct { uint64_t start, end, categories; } PageRun;
+typedef struct {
+    uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted, category_mask,
+        category_anyof_mask, return_mask;
+} PageScan; /* struct pm_scan_arg, linux/fs.h */
+#define PAGEMAP_SCAN_IOCTL ((3UL << 30) | ((unsigned long)sizeof(PageScan) << 16) | ('f' << 8) | 16)
+typedef struct { uint64_t at, len, huge, present; double when; } PagesKept;
+
+static struct {
+    int fd, broken;
+    pid_t pid; /* whose pagemap fd is: a forked child opens its own */
+    PagesKept kept[PAGES_KEPT];
+    int next;
+} pagemap = {.fd = -1};
+
+/* Bytes of [at, at + len) in huge pages and there at all, into *huge and *present; 0 where the
+ * kernel cannot tell. The GIL serialises callers. */
+static int pages_of(uint64_t at, uint64_t len, uint64_t *huge, uint64_t *present) {
+    if (pagemap.broken) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    pid_t me = getpid();
+    if (pagemap.pid != me) {
+        if (pagemap.fd >= 0) close(pagemap.fd);
+        memset(pagemap.kept, 0, sizeof pagemap.kept);
+        pagemap.pid = me;
+        pagemap.fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+        if (pagemap.fd < 0) {
+            pagemap.broken = 1;
+            return 0;
+        }
+    }
+    for (int i = 0; i < PAGES_KEPT; i++) {
+        PagesKept *k = &pagemap.kept[i];
+        if (k->at == at && k->len == len && k->when > 0 && now - k->when <= PAGES_KEEP_S) {
+            *huge += k->huge;
+            *present += k->present;
+            return 1;
+        }
+    }
+    uint64_t lo = at & ~4095ULL, hi = (at + len + 4095) & ~4095ULL, h = 0, there = 0;
+    PageRun runs[PAGES_RUNS];
+    PageScan arg = {.size = sizeof arg, .vec = (uint64_t)(uintptr_t)runs, .vec_len = PAGES_RUNS,
+                    .category_mask = PAGE_IS_PRESENT,
+                    .return_mask = PAGE_IS_PRESENT | PAGE_IS_PFNZERO | PAGE_IS_HUGE};
+    while (lo < hi) {
+        arg.start = lo;
+        arg.end = hi;
+        int got = ioctl(pagemap.fd, PAGEMAP_SCAN_IOCTL, &arg);
+        if (got < 0) { /* ENOTTY / EINVAL before Linux 6.7 */
+            pagemap.broken = 1;
+            return 0;
+        }
+        for (int i = 0; i < got; i++) {
+            if (runs[i].categories & PAGE_IS_PFNZERO) continue;
+            uint64_t from = runs[i].start > at ? runs[i].start : at;
+            uint64_t to = runs[i].end < at + len ? runs[i].end : at + len;
+            uint64_t overlap = to > from ? to - from : 0;
+            there += overlap;
+            if (runs[i].categories & PAGE_IS_HUGE) h += overlap;
+        }
+        if (got < PAGES_RUNS || arg.walk_end >= hi) break;
+        lo = arg.walk_end;
+    }
+    pagemap.kept[pagemap.next] = (PagesKept){at, len, h, there, now};
+    pagemap.next = (pagemap.next + 1) % PAGES_KEPT;
+    *huge += h;
+    *present += there;
+    return 1;
+}
+
+/* The word a table carries for the `count` buffers peers read: `unknown` unless it is PAGES_SCAN; then eighths (0-8) of their present bytes in huge pages, 8 where they are
+ * empty, PAGES_UNKNOWN where the kernel cannot tell or nothing is there yet. */
+static uint64_t pages_word(uint64_t unknown, const Py_buffer *spans, int count) {
+    if (unknown != PAGES_SCAN) return unknown;
+    uint64_t huge = 0, present = 0;
+    int empty = 1;
+    for (int i = 0; i < count; i++) {
+        if (!spans[i].len) continue;
+        empty = 0;
+        if (!pages_of((uint64_t)(uintptr_t)spans[i].buf, (uint64_t)spans[i].len, &huge, &present))
+            return PAGES_UNKNOWN;
+    }
+    if (empty) return 8;
+    return present ? 8 * huge / present : PAGES_UNKNOWN;
+}
+
+/* The least of every rank's table word `word` on the current parity: what the sources of the
+ * call just run reported (DirectPath.huge_eighths). */
+uint64_t moves_least_pages(const Path *p, Py_ssize_t word) {
+    uint64_t least = PAGES_UNKNOWN;
+    for (int r = 0; r < p->size; r++) {
+        uint64_t w = load((const uint64_t *)slot(p, r, p->parity) + word);
+        if (w < least) least = w;
+    }
+    return least;
+}
+
 static void add_read(Moves *m, int source, int index, char *dst, Py_ssize_t len) {
     m->reads[m->count++] = (Read){source, index, dst, len, 0};
 }
@@ -894,8 +1004,8 @@ static void add_read(Moves *m, int source, int index, char *dst, Py_ssize_t len)
 /* `moves`' arguments for a planned call of `kind` on the caller's x and y (broadcast: the
  * tensor and the output, all_gather and all_to_all: input and output, gather: the tensor and
  * the root's list, scatter: the root's list and the tensor), as algorithms/single_copy.py's
- * bodies make them, its huge-page share `unknown` (pages.UNKNOWN: a planned call is never
- * page-dependent). 1: planned; 0: arrays that overlap where the bodies would take the input
+ * bodies make them, its huge-page share `unknown` (pages.UNKNOWN where nothing reads it;
+ * PAGES_SCAN: a page-dependent plan's, scanned: pages_word). 1: planned; 0: arrays that overlap where the bodies would take the input
  * apart first (the Python path's, untouched); -1: an error. Release with moves_release. */
 int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t alias, uint64_t unknown,
                PyObject *x, PyObject *y) {
@@ -916,7 +1026,8 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
     uint64_t *t = m->table;
     Py_buffer *bx = NULL, *by = NULL, *list = NULL;
     m->words = 2;
-    t[1] = unknown;
+    uint64_t unread = unknown == PAGES_SCAN ? PAGES_UNKNOWN : unknown; /* a table no peer reads */
+    t[1] = unread;
     switch (kind) {
     case MOVE_BROADCAST: /* y is x in place */
         if (!hold(m, x, 0, &bx) || !hold(m, y, x != y || me != root, &by)) return -1;
@@ -927,6 +1038,7 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
             return 1;
         }
         t[0] = (uint64_t)(uintptr_t)bx->buf;
+        t[1] = pages_word(unknown, bx, 1);
         if (x != y) {
             if (meets(bx->buf, bx->len, by->buf, by->len) || bx->len != by->len) return 0;
             m->ldst = by->buf;
@@ -946,10 +1058,11 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
             return 0;
         if (all) {
             for (int r = 0; r < n; r++) t[r] = (uint64_t)(uintptr_t)((char *)bx->buf + r * len);
-            t[n] = unknown;
+            t[n] = pages_word(unknown, bx, 1);
             m->words = n + 1;
         } else {
             t[0] = (uint64_t)(uintptr_t)bx->buf;
+            t[1] = pages_word(unknown, bx, 1);
         }
         for (int k = 1; k < n; k++) {
             int r = (me + k) % n;
@@ -966,6 +1079,7 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
         if (!hold(m, x, 0, &bx)) return -1;
         t[0] = (uint64_t)(uintptr_t)bx->buf;
         if (me != root) {
+            t[1] = pages_word(unknown, bx, 1);
             m->whom = root;
             return 1;
         }
@@ -988,7 +1102,7 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
     case MOVE_SCATTER: /* x: the root's list */
         if (!hold(m, y, 1, &by)) return -1;
         m->words = n + 1;
-        t[n] = unknown;
+        t[n] = unread;
         if (me != root) {
             for (int r = 0; r < n; r++) t[r] = 0;
             add_read(m, root, me, by->buf, by->len);
@@ -1001,6 +1115,7 @@ int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t a
                 return 0;
             t[r] = (uint64_t)(uintptr_t)list[r].buf;
         }
+        t[n] = pages_word(unknown, list, n);
         if (list[root].buf != by->buf) {
             if (meets(by->buf, by->len, list[root].buf, list[root].len)) return 0;
             m->ldst = by->buf;
@@ -1365,7 +1480,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     if (caller_ready(m) < 0 || PyModule_AddIntConstant(m, "DONE", DONE) < 0 ||
         PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
-        PyModule_AddIntConstant(m, "NOT_ENTERED", NOT_ENTERED) < 0) {
+        PyModule_AddIntConstant(m, "NOT_ENTERED", NOT_ENTERED) < 0 ||
+        PyModule_AddIntConstant(m, "PAGES_SCAN", PAGES_SCAN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

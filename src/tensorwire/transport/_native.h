@@ -59,8 +59,13 @@ typedef struct {
     int whom;
 } Moves;
 
+/* A table's share of huge pages (transport/pages.py): UNKNOWN where the kernel cannot tell;
+ * PAGES_SCAN, given to moves_plan as its `unknown`, asks it to scan what peers read. */
+#define PAGES_UNKNOWN 15
+#define PAGES_SCAN 16
 int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t alias, uint64_t unknown,
                PyObject *x, PyObject *y);
+uint64_t moves_least_pages(const Path *p, Py_ssize_t word);
 PyObject *moves_run(Path *p, PyObject *const *head_args, Moves *m);
 void moves_release(Moves *m);
 

@@ -204,10 +204,15 @@ class PageDependent:
         if alg is self.huge:
             seen = self.group.direct.huge_eighths  # type: ignore[union-attr]
             if seen < HUGE_SEEN:
-                self.group.huge_seen[self.key] = False
-                _log.info("%s %d B on group %s: single copy's sources were %d/8 in huge pages; "
-                          "from now on %s runs", self.key[0], self.key[1], self.group.name, seen,
-                          self.small.name)
+                self.learned(seen)
+
+    def learned(self, seen: int) -> None:
+        """Single copy's sources were `seen` eighths in huge pages (under HUGE_SEEN): the other
+        choice runs from now on, also where the compiled caller ran the call (and tells this)."""
+        self.group.huge_seen[self.key] = False
+        _log.info("%s %d B on group %s: single copy's sources were %d/8 in huge pages; from now on %s runs",
+                  self.key[0], self.key[1], self.group.name, seen, self.small.name)
+        self.group.plans.recompile()
 
 
 def phased(group: Group, table: LinkTable, algs: list[Algorithm],
