@@ -478,9 +478,10 @@ def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
     machine against 55-61 GB/s for memcpy, and priced at 2.5 one-shot β's (the model before)
     single copy's all_gather measured 3.4-3.7x its price at n=2 from 1 to 4 MiB, where the tuner
     chose it over the one-shot path, 2.3-2.5x faster. From cost_model.HUGE_FROM the sources are
-    presumed in huge pages, read at `cma_huge`'s price (48-53 GB/s measured)."""
+    presumed in huge pages, read at `cma_huge`'s price (48-53 GB/s measured); a reduction's from
+    HUGE_FOLD_FROM."""
     shm = Link("shm", 9e-6, 1 / 15e9, 1 / 60e9)
-    direct = Link("direct", 3.3e-6, 1 / 45e9, 1 / 60e9)
+    direct = Link("direct", 3.3e-6, 1 / 30e9, 1 / 60e9)  # between the two reads at 128-256 KiB
     slow, fast = Link(CMA, 4e-6, 1 / 15e9, 1 / 60e9), Link(CMA, 4e-6, 1 / 200e9, 1 / 60e9)
     algs = list(algorithms_for("all_gather").values())
     sc = algorithms_for("all_gather")["single_copy"]
@@ -497,6 +498,11 @@ def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
         # the one-shot path keeps its own constants whatever the reads cost
         assert cost_model.predict(one_shot, 2, m, shm, direct, host=slow_host) == cost_model.predict(
             one_shot, 2, m, shm, direct, host=fast_host)
+    # a reduction's reads are priced out of huge pages only from HUGE_FOLD_FROM
+    fold = cost_model.HUGE_FOLD_FROM
+    assert huge < fold
+    assert host.reads(fold - 4096, folds=True).beta == host.cma.beta
+    assert host.reads(fold, folds=True).beta == host.cma_huge.beta
 
 
 @pytest.mark.parametrize(("setting", "mode", "torch", "thp_alloc", "want"), [

@@ -79,10 +79,12 @@ world's tier with every rank busy (`busy`, `busy_ring`, `busy_pairs`: the bound 
 algorithm's work), and the host's memory beyond its last-level cache (`memory`, see spill);
 and, measured by no probe, what one TCP stream moves (`tcp_stream`, see Streams: a default
 that a tuning file may set)."""
-HUGE_FROM = 1 << 20
+HUGE_FROM = 256 << 10
 """Single copy's reads are priced out of huge pages (`cma_huge`, where they are expected and not
-seen otherwise: tuner.PageDependent) only for messages from this size; below it, at what they
-measured (docs/design/cost-model.md#huge-pages-from-huge_from)."""
+seen otherwise: tuner.PageDependent) only for messages from this size, and for its reductions
+from HUGE_FOLD_FROM; below them, at what they measured
+(docs/design/cost-model.md#huge-pages-from-huge_from)."""
+HUGE_FOLD_FROM = 1 << 20
 
 FOOTPRINT = {
     "all_reduce": lambda n: 2, "broadcast": lambda n: 1, "reduce": lambda n: 2,
@@ -225,7 +227,7 @@ class Host:
     def reads(self, nbytes: int, folds: bool = False) -> Link:
         """Single copy's link for a message of nbytes (see HUGE_FROM); where the call `folds`
         (a reduction), at the α of its rounds (`cma_fold`)."""
-        link = self.cma_huge if self.huge and nbytes >= HUGE_FROM else self.cma
+        link = self.cma_huge if self.huge and nbytes >= (HUGE_FOLD_FROM if folds else HUGE_FROM) else self.cma
         return replace(link, alpha=self.cma_fold.alpha) if folds else link
 
     def crowded_memory(self) -> Link:
