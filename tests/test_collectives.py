@@ -2349,27 +2349,37 @@ def _small_pages(nbytes: int) -> np.ndarray:
     return np.frombuffer(region, np.uint8)[:nbytes]
 
 
+def _pages_decide(world: tw.Group, log: _Log) -> cost_model.LinkTable | None:
+    """Install link constants under which single copy wins only out of huge pages; the table
+    they replace (to install back), or None (the reason in `log`) where the kernel cannot tell."""
+    from tensorwire.buffers import huge_zeros
+    from tensorwire.transport import pages
+    probe = huge_zeros(4 << 20)
+    probe[:] = 1
+    if pages.PageScanner().eighths([(probe.ctypes.data, probe.nbytes)]) == pages.UNKNOWN:
+        log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
+        return None
+    table = tuner.table_for(world.runtime)
+    slow = Link(cost_model.CMA, 1e-6, 1 / 0.2e9, 1e-12)
+    fast = Link(cost_model.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
+    tuner.install(world.runtime, dataclasses.replace(
+        table, links={**table.links, cost_model.CMA: slow, cost_model.CMA_HUGE: fast},
+        extra={**table.extra, "huge_pages": True}))
+    return table
+
+
 def rank_pages_learned() -> dict:
     """Single copy runs where its sources are in huge pages, and the tuner stops choosing it at
     a size once a call there finds a source in 4 KiB pages: on every rank alike, also where
     only one rank's buffer is small-paged and where calls were queued before that was learned
     (tuner.PageDependent). The link constants are installed so the choice turns on the pages."""
     from tensorwire.buffers import huge_zeros
-    from tensorwire.transport import pages
     world = tw.world()
     n, me = world.size, world.rank
     log = _Log()
-    probe = huge_zeros(4 << 20)
-    probe[:] = 1
-    if pages.PageScanner().eighths([(probe.ctypes.data, probe.nbytes)]) == pages.UNKNOWN:
-        log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
+    table = _pages_decide(world, log)
+    if table is None:
         return log.result()
-    table = tuner.table_for(world.runtime)
-    slow = Link(cost_model.CMA, 1e-6, 1 / 0.2e9, 1e-12)
-    fast = Link(cost_model.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
-    links = {**table.links, cost_model.CMA: slow, cost_model.CMA_HUGE: fast}
-    extra = {**table.extra, "huge_pages": True}
-    tuner.install(world.runtime, dataclasses.replace(table, links=links, extra=extra))
 
     def buffers(m: int, small: bool) -> tuple[np.ndarray, np.ndarray]:
         send, recv = (_small_pages(m) if small else huge_zeros(m)[:m] for _ in range(2))
@@ -2412,24 +2422,15 @@ def rank_pages_learned_compiled() -> dict:
     4 KiB pages (every rank's, or one rank's) moves it to the other choice on every rank, and
     the calls after run that, in Python (tuner.PageDependent.run counts the calls Python ran)."""
     from tensorwire.buffers import huge_zeros
-    from tensorwire.transport import pages
     world = tw.world()
     n, me = world.size, world.rank
     log = _Log()
-    probe = huge_zeros(4 << 20)
-    probe[:] = 1
-    if pages.PageScanner().eighths([(probe.ctypes.data, probe.nbytes)]) == pages.UNKNOWN:
-        log.extra["skip"] = "the kernel has no PAGEMAP_SCAN (Linux 6.7+)"
-        return log.result()
     if world.plans.caller is None:
         log.extra["skip"] = "the compiled module was not built"
         return log.result()
-    table = tuner.table_for(world.runtime)
-    slow = Link(cost_model.CMA, 1e-6, 1 / 0.2e9, 1e-12)
-    fast = Link(cost_model.CMA_HUGE, 1e-6, 1 / 1e12, 1e-12)
-    tuner.install(world.runtime, dataclasses.replace(
-        table, links={**table.links, cost_model.CMA: slow, cost_model.CMA_HUGE: fast},
-        extra={**table.extra, "huge_pages": True}))
+    table = _pages_decide(world, log)
+    if table is None:
+        return log.result()
     in_python: list[int] = []
     python_run = tuner.PageDependent.run
 
