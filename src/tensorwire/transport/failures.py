@@ -535,24 +535,28 @@ class Failures:
                 self.renewable.add(ctx)
             elif ctx in self.alarms:
                 self.alarms[ctx](None)
-            self._fail_ctx(ctx, error)
+            self._fail_ctx(ctx)
             for child in self.children.get(ctx, ()):
                 self.fail_locally(child, 0, error)
             return True
 
-    def _fail_ctx(self, ctx: int, err: BaseException) -> None:
-        def covered(req: Request) -> bool:
+    def _fail_ctx(self, ctx: int) -> None:
+        """Fail the requests of group `ctx` its abort covers, each with the error it covers them
+        with (`covering`: a point-to-point one of a renewing group says so)."""
+        def covering(req: Request) -> BaseException | None:
             header = req.header
-            return header.ctx == ctx and header.kind in _DATA and self.abort_error(req) is not None
+            return self.abort_error(req) if header.ctx == ctx and header.kind in _DATA else None
 
         for queue in list(self.posted.values()):
             for req in queue:
-                if covered(req):
-                    req.fail(err)
+                error = covering(req)
+                if error is not None:
+                    req.fail(error)
         for channel in self.channel_list:
             for req in channel.pending():
-                if covered(req):
-                    req.fail(err)
+                error = covering(req)
+                if error is not None:
+                    req.fail(error)
 
     def retire(self, ctx: int, error: BaseException) -> None:
         """Forget a group that will never run again (it was shrunk): fail what is still posted
