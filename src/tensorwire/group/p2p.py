@@ -310,7 +310,8 @@ class AnySourceTurns:
     def wait(self, tag: int, turn: int, deadline: float, late: Callable[[], BaseException]) -> Iterator[None]:
         """Wait until every receive of `tag` posted before `turn` is over (or raise `late()` at
         `deadline`)."""
-        waiting = self._open[tag]
+        with self._cond:
+            waiting = self._open[tag]
         try:
             with self._cond:
                 if not self._cond.wait_for(lambda: waiting[0] == turn, max(0.0, deadline - time.monotonic())):

@@ -970,8 +970,9 @@ static int pages_of(uint64_t at, uint64_t len, uint64_t *huge, uint64_t *present
     return 1;
 }
 
-/* The word a table carries for the `count` buffers peers read: `unknown` unless it is PAGES_SCAN; then eighths (0-8) of their present bytes in huge pages, 8 where they are
- * empty, PAGES_UNKNOWN where the kernel cannot tell or nothing is there yet. */
+/* The word a table carries for the `count` buffers peers read: `unknown` unless it is
+ * PAGES_SCAN; then eighths (0-8) of their present bytes in huge pages, 8 where they are empty,
+ * PAGES_UNKNOWN where the kernel cannot tell or nothing is there yet. */
 static uint64_t pages_word(uint64_t unknown, const Py_buffer *spans, int count) {
     if (unknown != PAGES_SCAN) return unknown;
     uint64_t huge = 0, present = 0;
@@ -1005,8 +1006,9 @@ static void add_read(Moves *m, int source, int index, char *dst, Py_ssize_t len)
  * tensor and the output, all_gather and all_to_all: input and output, gather: the tensor and
  * the root's list, scatter: the root's list and the tensor), as algorithms/single_copy.py's
  * bodies make them, its huge-page share `unknown` (pages.UNKNOWN where nothing reads it;
- * PAGES_SCAN: a page-dependent plan's, scanned: pages_word). 1: planned; 0: arrays that overlap where the bodies would take the input
- * apart first (the Python path's, untouched); -1: an error. Release with moves_release. */
+ * PAGES_SCAN: a page-dependent plan's, scanned: pages_word). 1: planned; 0: arrays that overlap
+ * where the bodies would take the input apart first (the Python path's, untouched); -1: an
+ * error. Release with moves_release. */
 int moves_plan(Moves *m, Path *p, int kind, int root, PyObject *pids, uint64_t alias, uint64_t unknown,
                PyObject *x, PyObject *y) {
     int n = p->size, me = p->rank;

@@ -82,8 +82,7 @@ that a tuning file may set)."""
 HUGE_FROM = 256 << 10
 """Single copy's reads are priced out of huge pages (`cma_huge`, where they are expected and not
 seen otherwise: tuner.PageDependent) only for messages from this size, and for its reductions
-from HUGE_FOLD_FROM; below them, at what they measured
-(docs/design/cost-model.md#huge-pages-from-huge_from)."""
+from HUGE_FOLD_FROM; below them at `cma`'s (docs/design/cost-model.md#huge-pages-from-huge_from)."""
 HUGE_FOLD_FROM = 1 << 20
 
 FOOTPRINT = {
