@@ -433,6 +433,43 @@ def test_point_to_point_after_a_refused_call_says_so_until_the_group_renews(clus
     assert len({res["after"]["type"] for res in results}) == 1, results  # alike on every rank
 
 
+def _renewal_given_up() -> dict[str, Any]:
+    """The last rank refuses an all_reduce the others run (it comes late). Rank 0's next call
+    renews the group with a 1 s timeout, but the others make their next call only after 3 s:
+    rank 0's renewal times out, and it tells them, so theirs fails at once saying why instead of
+    each waiting out its own timeout. The group stays aborted; shrink() gives a clean one."""
+    g = _fresh_group()
+    bad = g.size - 1
+    readonly = np.ones(4, np.float32)
+    readonly.flags.writeable = False
+    if g.rank == bad:
+        time.sleep(0.5)
+    first = _attempt(g.all_reduce, readonly if g.rank == bad else np.ones(4, np.float32), timeout=10.0)
+    if g.rank != 0:
+        time.sleep(3.0)
+    after = _attempt(g.barrier, timeout=1.0 if g.rank == 0 else 10.0)
+    again = _attempt(g.barrier, timeout=10.0)
+    x = np.full(4, g.rank + 1.0, np.float32)
+    summed = _attempt(g.shrink(timeout=10.0).all_reduce, x, timeout=10.0)
+    return {"first": first, "after": after, "again": again, "summed": summed, "total": float(x[0])}
+
+
+def test_a_renewal_that_times_out_fails_every_member_at_once(cluster: Any) -> None:
+    n = cluster.size
+    if n < 2:
+        pytest.skip("needs a peer")
+    results = cluster.run(_renewal_given_up)
+    gave_up = ("rank 0: renewal of group", "did not send", "stays aborted", "read-only")
+    for rank, res in enumerate(results):
+        _assert_error(res["first"], InvalidArgumentError, "all_reduce", "read-only")
+        if rank == 0:
+            _assert_error(res["after"], TimeoutError, *gave_up, within=3.0)
+        else:
+            _assert_error(res["after"], AbortedError, *gave_up, "reported by rank 0", within=1.0)
+        _assert_error(res["again"], TensorwireError, *gave_up, within=1.0)
+        assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
+
+
 def _late_to_a_timed_out_call() -> dict[str, Any]:
     """Rank 0's all_reduce on a fresh group times out (the others are not there); the others
     then make it, late, having read nothing meanwhile (the abort is in their sockets, unread),

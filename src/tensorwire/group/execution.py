@@ -242,8 +242,9 @@ class CallQueue:
                 and threading.current_thread() is not self._worker:  # the caller: nothing queues meanwhile
             try:  # it ran past a call a member refused: its next call is this one, as the others'
                 renew(group, call.timeout)
-            except Exception as exc2:  # noqa: BLE001 - the group stays aborted; the call's error says why
+            except Exception as exc2:  # noqa: BLE001 - the group stays aborted: its error says why
                 _log.info("rank %d: group %s not renewed: %s", engine.rank, group.name, exc2)
+                return exc2
         return error
 
     def out_of_memory(self, call: CollectiveCall, exc: MemoryError) -> ResourceError:

@@ -11,9 +11,10 @@ dropped with the old one: Engine.retire), with a new shared segment and its plan
 afresh. The calls a member made past the refused one before it learned of it (a broadcast's
 root needs nothing back) fail on the members that had not made them yet, so every member
 fails the same calls. Until the renewal, the group's point-to-point calls made after the
-failed call raise the refusal (those made before it go on: Failures.covering).
-A member lost meanwhile ends it: the group stays aborted, for shrink(). See
-docs/design/failures.md#renewing-a-group-after-a-refused-call.
+failed call raise an AbortedError quoting the refusal (those made before it go on:
+Failures.covering). A member lost meanwhile ends it: the group stays aborted, for shrink();
+so does a renewal that times out, whose member tells the others so that they fail at once
+(Agreement.abandon). See docs/design/failures.md#renewing-a-group-after-a-refused-call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import log
+from ..errors import AbortedError, TimeoutError
 from ..transport.agreement import Agreement
 from .context import mix_context
 
@@ -45,7 +47,17 @@ def renew(group: Group, timeout: float | None) -> None:
     engine.renewable.discard(ctx)  # one try: a renewal that fails leaves the group aborted
     what = f"renewal of group {group.name} after its call #{seq - queue.internal}"
     agreement = Agreement(engine, group.ranks, mix_context(ctx, RENEW, seq), what, queue.seq, _HINT)
-    failed = agreement.decide(time.perf_counter() + limit, limit)
+    try:
+        failed = agreement.decide(time.perf_counter() + limit, limit)
+    except TimeoutError as exc:  # the others are told, so that they need not time out in turn
+        stays = TimeoutError(f"{exc} The group stays aborted (shrink() makes a clean one). The refused "
+                             f"call: {error}")
+        agreement.abandon(AbortedError(str(stays)))
+        engine.aborted[ctx] = (seq, stays)
+        raise stays from None
+    except AbortedError as exc:  # a member gave up (abandon): its error says why
+        engine.aborted[ctx] = (seq, exc)
+        raise
     if failed:
         _log.warning("rank %d: group %s stays aborted: rank(s) %s failed", engine.rank, group.name,
                      sorted(failed))

@@ -96,6 +96,14 @@ class Agreement:
         return failed
 
 
+    def abandon(self, error: BaseException) -> None:
+        """Give up after a timed-out `decide` (a renewal has one try): the members still in
+        this agreement, or yet to enter it, fail with `error` at once instead of each waiting
+        out its own timeout for this rank."""
+        self.engine.abort_group(self.ctx, 0, self.members, error)
+        self.engine.retire(self.ctx, error)
+
+
 def _mask(ranks: Iterable[int], members: Sequence[int]) -> np.ndarray:
     mask = np.zeros(len(members), dtype=np.uint8)
     index = {w: i for i, w in enumerate(members)}
