@@ -294,12 +294,28 @@ static PyObject *status(int s) { return PyLong_FromLong(s); }
 
 /* ---- the bodies ----------------------------------------------------------------------------- */
 
-/* A group of one has nothing to fold: its slot is the result. */
+/* Ranks that fold the same slots at once contend for their cache lines: from SPREAD_FROM bytes
+ * each rank folds its own 1/n of the elements first, then the others' in turn (each element
+ * still folds in rank order: the same result; docs/design/segment.md#reading-the-slots). */
+#define SPREAD_FROM (8 << 10)
+
+/* dst = every slot of `parity` folded in rank order (a group of one has nothing to fold). */
 static void fold_into(const Path *p, fold_fn f, int parity, Py_buffer *dst, Py_ssize_t count) {
-    if (p->size == 1)
-        memcpy(dst->buf, slot(p, 0, parity), (size_t)dst->len);
-    else
-        f(dst->buf, slot(p, 0, parity), 2 * p->slot_bytes, p->size, count);
+    const char *first = slot(p, 0, parity);
+    if (p->size == 1) {
+        memcpy(dst->buf, first, (size_t)dst->len);
+        return;
+    }
+    if (dst->len < SPREAD_FROM) {
+        f(dst->buf, first, 2 * p->slot_bytes, p->size, count);
+        return;
+    }
+    Py_ssize_t item = dst->len / count, part = (count / p->size + 63) & ~(Py_ssize_t)63;
+    for (int i = 0; i < p->size; i++) {
+        Py_ssize_t lo = part * ((p->rank + i) % p->size), left = count - lo;
+        if (left > 0)
+            f((char *)dst->buf + lo * item, first + lo * item, 2 * p->slot_bytes, p->size, left < part ? left : part);
+    }
 }
 
 /* (seq, a, b, name, src, dst, code, ...): enter, copy src into this rank's slot and publish;
@@ -526,8 +542,10 @@ PyObject *Path_exchange(Path *self, PyObject *const *args, Py_ssize_t nargs) {
         if (s == DONE && f != NULL && self->size > 1)
             f(dst.buf, slot(self, 0, self->parity) + offset, 2 * self->slot_bytes, self->size, count);
         else if (s == DONE)
-            for (int r = 0; r < self->size; r++)
+            for (int i = 0; i < self->size; i++) { /* its own slot first, not everyone's first at once */
+                int r = (self->rank + i) % self->size;
                 memcpy((char *)dst.buf + r * block, slot(self, r, self->parity) + offset, (size_t)block);
+            }
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
