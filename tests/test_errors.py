@@ -470,6 +470,52 @@ def test_a_renewal_that_times_out_fails_every_member_at_once(cluster: Any) -> No
         assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
 
 
+def _forked_child() -> dict[str, Any]:
+    """Rank 0 forks after init(); the child tries the group's calls, then destroy() (as its exit
+    would), and reports. Then every rank (the parent too) makes an all_reduce."""
+    g = tw.world()
+    out: dict[str, Any] = {}
+    if g.rank == 0 and g.size > 1:
+        a, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the pipe, never return into the harness
+            try:
+                calls = {"all_reduce": lambda: g.all_reduce(a, timeout=5.0), "barrier": g.barrier,
+                         "broadcast": lambda: g.broadcast(a, 0), "sendrecv": lambda: g.sendrecv(a, 1, b, 1),
+                         "isend": lambda: g.isend(a, 1), "new_group": tw.new_group}
+                got = {name: _attempt(call) for name, call in calls.items()}
+                tw.destroy()
+                os.write(write_end, json.dumps(got).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            out["child"] = json.loads(pipe.read() or b"{}")
+        os.waitpid(pid, 0)
+    x = np.full(8, g.rank + 1.0, np.float32)
+    out["after"] = _attempt(g.all_reduce, x, timeout=10.0)
+    out["total"] = float(x[0])
+    return out
+
+
+def test_a_forked_child_cannot_speak_for_its_parent(cluster: Any) -> None:
+    """A child forked after init() shares its parent's sockets and shared memory: its calls
+    would reach the peers as the parent's (a peer matched them against the parent's and the
+    parent was lost). Each raises instead, naming the fork, and its destroy() leaves the
+    parent's world as it was."""
+    n = cluster.size
+    if n < 2:
+        pytest.skip("needs a peer")
+    results = cluster.run(_forked_child)
+    child = results[0]["child"]
+    assert set(child) == {"all_reduce", "barrier", "broadcast", "sendrecv", "isend", "new_group"}, child
+    for outcome in child.values():
+        _assert_error(outcome, NotInitializedError, "rank 0:", "fork of rank 0", within=1.0)
+    for res in results:
+        assert res["after"]["type"] is None and res["total"] == n * (n + 1) / 2, res
+
+
 def _late_to_a_timed_out_call() -> dict[str, Any]:
     """Rank 0's all_reduce on a fresh group times out (the others are not there); the others
     then make it, late, having read nothing meanwhile (the abort is in their sockets, unread),

@@ -37,9 +37,7 @@ _FINGERPRINTS: dict[tuple, Fingerprint] = {}  # building a NamedTuple costs more
 
 def check_member(group: Group, what: str) -> None:
     if group.runtime.closed:
-        raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: "
-                                  f"tensorwire.destroy() was called, which ended this group; call "
-                                  f"init() again and make the group anew")
+        raise NotInitializedError(group.runtime.ended(f"{what} on group {group.name}"))
     if group.destroyed:
         raise NotInitializedError(f"rank {group.runtime.rank}: {what} on group {group.name}: the group's "
                                   f"destroy() was called on this rank; make a new group")
