@@ -516,6 +516,81 @@ def test_a_forked_child_cannot_speak_for_its_parent(cluster: Any) -> None:
         assert res["after"]["type"] is None and res["total"] == n * (n + 1) / 2, res
 
 
+def _interrupt_soon() -> None:
+    """A KeyboardInterrupt in this rank's main thread in 0.5 s (Ctrl-C, as a notebook sends it)."""
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def _interrupted_collective() -> dict[str, Any]:
+    """Rank 0's all_reduce is interrupted while it waits for the others (they come 1.5 s late);
+    then every rank makes one more call, and an all_reduce on the shrunk group."""
+    g = _fresh_group()
+    x = np.ones(4, np.float32)
+    if g.rank == 0:
+        _interrupt_soon()
+        try:
+            g.all_reduce(x, timeout=10.0)
+            first: Any = "returned"
+        except KeyboardInterrupt:
+            first = "KeyboardInterrupt"
+    else:
+        time.sleep(1.5)
+        first = _attempt(g.all_reduce, x, timeout=10.0)
+    after = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=10.0)
+    y = np.full(4, g.rank + 1.0, np.float32)
+    summed = _attempt(g.shrink(timeout=10.0).all_reduce, y, timeout=10.0)
+    return {"first": first, "after": after, "summed": summed, "total": float(y[0])}
+
+
+def test_an_interrupted_collective_aborts_the_group_on_every_member(cluster: Any) -> None:
+    """A KeyboardInterrupt inside a collective left it half done: a peer matched this rank's
+    next call against the interrupted one (over TCP 'the ranks called different collectives',
+    on shared memory a timeout and a lost peer). The group is now aborted on every member with
+    an AbortedError that names the interrupt, and the KeyboardInterrupt itself goes on."""
+    n = cluster.size
+    if n < 2:
+        pytest.skip("needs a peer")
+    results = cluster.run(_interrupted_collective)
+    assert results[0]["first"] == "KeyboardInterrupt", results[0]
+    said = ("all_reduce", "interrupted on rank 0", "KeyboardInterrupt")
+    for rank, res in enumerate(results):
+        if rank and res["first"]["type"] is not None:  # else it completed with rank 0's part, sent first
+            _assert_error(res["first"], AbortedError, *said, within=1.0)
+        _assert_error(res["after"], AbortedError, *said, within=1.0)
+        assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
+
+
+def _interrupted_recv() -> dict[str, Any]:
+    """Rank 0's blocking receive from rank 1 is interrupted before anything came; rank 1 then
+    sends one message with that tag, which rank 0's next receive must get."""
+    g = _fresh_group()
+    out: dict[str, Any] = {}
+    if g.rank == 0:
+        _interrupt_soon()
+        stale, got = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        try:
+            g.recv(stale, 1, tag=7, timeout=10.0)
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+        out["next"] = _attempt(g.recv, got, 1, tag=7, timeout=10.0)
+        out.update(stale=float(stale[0]), got=float(got[0]))
+    elif g.rank == 1:
+        time.sleep(1.5)
+        g.send(np.full(4, 5.0, np.float32), 0, tag=7, timeout=10.0)
+    return out
+
+
+def test_an_interrupted_receive_takes_itself_back(cluster: Any) -> None:
+    """Else the next message of its key lands in the abandoned buffer, and the next receive
+    waits for one that never comes."""
+    if cluster.size < 2:
+        pytest.skip("needs a peer")
+    res = cluster.run(_interrupted_recv)[0]
+    assert res["first"] == "KeyboardInterrupt" and res["next"]["type"] is None, res
+    assert (res["stale"], res["got"]) == (0.0, 5.0), res
+
+
 def _late_to_a_timed_out_call() -> dict[str, Any]:
     """Rank 0's all_reduce on a fresh group times out (the others are not there); the others
     then make it, late, having read nothing meanwhile (the abort is in their sockets, unread),

@@ -226,6 +226,18 @@ class CallQueue:
             if error is exc:
                 raise
             raise error from exc
+        except BaseException as exc:
+            self.interrupted(call, exc)
+            raise
+
+    def interrupted(self, call: CollectiveCall, exc: BaseException) -> None:
+        """A call left half done by what is no error of the call (KeyboardInterrupt, SystemExit):
+        its peers may wait for this rank's part, or take its next call for this one. The group
+        is aborted, on every member, with an AbortedError that says so; `exc` itself goes on."""
+        rank = self.group.runtime.rank
+        self.group.abort(AbortedError(f"rank {rank}: {call.what} was interrupted on rank {rank} "
+                                      f"({type(exc).__name__}): the group is aborted; shrink() makes a "
+                                      f"clean one"), call.seq)
 
     def failed(self, call: CollectiveCall, exc: Exception) -> Exception:
         """Whatever broke, the peers must not wait for this rank: the group is aborted with the

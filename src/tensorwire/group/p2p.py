@@ -341,7 +341,7 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         if group.ctx not in group.engine.aborted:  # whose send may have returned, learns it
             group.abort(exc)  # from the abort
         raise
-    except TimeoutError:
+    except (TimeoutError, KeyboardInterrupt, SystemExit):  # an interrupted receive takes them back too
         if blocking:
             group.engine.withdraw(reqs)
         raise

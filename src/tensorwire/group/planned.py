@@ -219,6 +219,9 @@ class Plans(dict):
             if error is exc:
                 raise
             raise error from exc
+        except BaseException as exc:
+            queue.interrupted(call, exc)
+            raise
         finally:
             queue.busy = False  # CallQueue._release, inline: a tenth of this method's time
             if queue.pending:
@@ -239,6 +242,9 @@ class Plans(dict):
             if error is exc:
                 raise
             raise error from exc
+        except BaseException as exc:
+            queue.interrupted(call, exc)
+            raise
         finally:
             queue.busy = False
             if queue.pending:
