@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from cluster import free_port
+from cluster import Cluster, free_port
 from conftest import PYTHON
 from tensorwire.errors import (
     AbortedError,
@@ -38,6 +38,7 @@ from tensorwire.errors import (
     NotInitializedError,
     PeerLostError,
     RendezvousError,
+    ResourceError,
     TensorwireError,
     TimeoutError,
 )
@@ -589,6 +590,51 @@ def test_an_interrupted_receive_takes_itself_back(cluster: Any) -> None:
     res = cluster.run(_interrupted_recv)[0]
     assert res["first"] == "KeyboardInterrupt" and res["next"]["type"] is None, res
     assert (res["stale"], res["got"]) == (0.0, 5.0), res
+
+
+def _sends_without_receives() -> dict[str, Any]:
+    """Over TCP with TENSORWIRE_HELD_BYTES=1M: rank 0 sends rank 1 two batches of 8 x 64 KiB that
+    arrive before their receives and are then received (under the bound); then 64 more, which
+    rank 1 never receives; then a barrier and an all_reduce."""
+    g = tw.world()
+    block = np.arange(16384, dtype=np.float32)
+    out: dict[str, Any] = {"batches": []}
+    for _ in range(2):
+        if g.rank == 0:
+            for w in [g.isend(block, 1, tag=5) for _ in range(8)]:
+                w.wait(10.0)
+        g.barrier(timeout=10.0)  # every message came before its receive
+        if g.rank == 1:
+            got = np.zeros_like(block)
+            out["batches"].append(all(g.recv(got, 0, tag=5, timeout=10.0) == 0 and np.array_equal(got, block)
+                                      for _ in range(8)))
+        g.barrier(timeout=10.0)
+    if g.rank == 0:
+        works = [g.isend(block, 1, tag=6) for _ in range(64)]
+        out["sends"] = _attempt(lambda: [w.wait(20.0) for w in works])
+    out["barrier"] = _attempt(g.barrier, timeout=20.0)  # may end first: its message came before the drop
+    time.sleep(0.5)
+    out["next"] = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=20.0)
+    return out
+
+
+def test_messages_held_for_receives_never_posted_are_bounded() -> None:
+    """Over TCP a receiver buffered every message that came before its receive: 20,000 sends of
+    64 KiB without receives grew it to 1.3 GB, and more would fill the host. Past
+    TENSORWIRE_HELD_BYTES the group fails on both ranks with a ResourceError naming it."""
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_HELD_BYTES": "1M"})
+    try:
+        results = cluster.run(_sends_without_receives, timeout=90.0)
+    finally:
+        cluster.close()
+    assert results[1]["batches"] == [True, True], results[1]
+    said = ("rank 1: holds", "TENSORWIRE_HELD_BYTES=1048576", "from rank 0 (point-to-point, tag 6)")
+    if results[0]["sends"]["type"] is not None:  # else they had all left before rank 1 dropped one
+        _assert_error(results[0]["sends"], ResourceError, *said, within=10.0)
+    for res in results:
+        if res["barrier"]["type"] is not None:
+            _assert_error(res["barrier"], ResourceError, *said, within=10.0)
+        _assert_error(res["next"], ResourceError, *said, within=1.0)
 
 
 def _late_to_a_timed_out_call() -> dict[str, Any]:

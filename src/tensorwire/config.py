@@ -22,7 +22,7 @@ SETTINGS = frozenset({
     "TENSORWIRE_CACHE_DIR", "TENSORWIRE_CACHE_MAX_AGE", "TENSORWIRE_CALIBRATE",
     "TENSORWIRE_COMPRESS", "TENSORWIRE_CUDA_CHUNK", "TENSORWIRE_CUDA_DEVICE_FLAGS",
     "TENSORWIRE_CUDA_HOST_BELOW", "TENSORWIRE_CUDA_IPC", "TENSORWIRE_CUDA_SLOT", "TENSORWIRE_DEBUG",
-    "TENSORWIRE_DEBUG_SUBSYS", "TENSORWIRE_DETERMINISTIC", "TENSORWIRE_HUGE_PAGES",
+    "TENSORWIRE_DEBUG_SUBSYS", "TENSORWIRE_DETERMINISTIC", "TENSORWIRE_HELD_BYTES", "TENSORWIRE_HUGE_PAGES",
     "TENSORWIRE_JOB_ID", "TENSORWIRE_KEEP_MEMORY", "TENSORWIRE_LAUNCH_GRACE",
     "TENSORWIRE_MAX_MESSAGE", "TENSORWIRE_NATIVE", "TENSORWIRE_NSOCKS", "TENSORWIRE_PEER_TIMEOUT",
     "TENSORWIRE_SECRET", "TENSORWIRE_SECRET_FILE", "TENSORWIRE_SHM_DIRECT", "TENSORWIRE_SHM_RING",
@@ -315,7 +315,18 @@ class Config:
     """Largest payload a message header may announce: a header beyond it is a broken or hostile
     stream, and closes the connection before anything is allocated (TENSORWIRE_MAX_MESSAGE;
     default the host's RAM)."""
+    held_bytes: int | None = None
+    """Bytes of messages a rank may hold for receives and calls it has not made yet (they came
+    early) before it drops the next and fails its group with a ResourceError, rather than
+    growing until the host runs out of memory (TENSORWIRE_HELD_BYTES; 0: no bound; None: half
+    the host's RAM shared by its ranks, at least 1 GiB: `held_limit`)."""
     extra: dict[str, str] = field(default_factory=dict)
+
+    def held_limit(self, local_ranks: int) -> int:
+        """TENSORWIRE_HELD_BYTES, or its default for a host of `local_ranks` ranks (0: no bound)."""
+        if self.held_bytes is not None:
+            return self.held_bytes
+        return max(1 << 30, physical_memory() // 2 // max(1, local_ranks))
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -357,6 +368,7 @@ class Config:
             store_max_value=_env_size_or("TENSORWIRE_STORE_MAX_VALUE", STORE_MAX_VALUE),
             store_max_connections=_env_int("TENSORWIRE_STORE_MAX_CONNECTIONS", 4096),
             max_message=_env_size_or("TENSORWIRE_MAX_MESSAGE", physical_memory()),
+            held_bytes=_env_size("TENSORWIRE_HELD_BYTES"),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg

@@ -36,6 +36,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
+        self.engine.held_limit = self.config.held_limit(self.info.local_world_size)
 
     def ended(self, what: str) -> str:
         """Why a call (`what`) on this closed runtime's groups cannot run."""

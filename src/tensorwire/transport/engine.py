@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import log
-from ..errors import TimeoutError
+from ..errors import ResourceError, TimeoutError
 from ..ops import ReduceOp
 from . import native
 from .channel import Channel, PeerClosed, PendingChannel
@@ -80,6 +80,8 @@ class Engine(Failures):
         self.posted: dict[tuple, deque[RecvRequest]] = {}
         self.unexpected: dict[tuple, deque[Unexpected]] = {}
         self.staged_bytes = 0  # payload that arrived before its receive and was buffered (a 2nd copy)
+        self.held = 0  # of it, about how much is buffered now (recounted where it passes held_limit)
+        self.held_limit = 0  # Config.held_limit (0: no bound), set with the runtime
         self.releases = 0  # waits that grew idle enough to stage what was parked (release_parked)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
@@ -241,6 +243,8 @@ class Engine(Failures):
                 msg = queue.popleft()
                 if not queue:
                     del self.unexpected[key]
+                if msg.buf is not None:
+                    self.held -= msg.nbytes
                 if self.check_arrival(req, msg.header):
                     if msg.complete:
                         deliver(msg, req)
@@ -420,9 +424,12 @@ class Engine(Failures):
             if self.check_arrival(req, header):
                 return req
             return Discard(header.nbytes)
-        msg = Unexpected(header, remote)
         if not remote:
+            self.held += header.nbytes
+            if self.held_limit and self.held > self.held_limit and self._holds_too_much(peer, header):
+                return Discard(header.nbytes)
             self.staged_bytes += header.nbytes
+        msg = Unexpected(header, remote)
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
             heapq.heappush(self.unvetted.setdefault(header.ctx, []), (header.seq, peer, header.key))
@@ -430,6 +437,28 @@ class Engine(Failures):
             if call is not None and header.seq <= call.seq:
                 self.vet(peer, header, call)
         return msg
+
+    def _holds_too_much(self, peer: int, header: Header) -> bool:
+        """Whether the buffered messages (recounted) and this one, from `peer`, pass held_limit:
+        if so its group is failed (once the channel's read is over) with a ResourceError that
+        names the limit, on this rank and the sender; a sender far ahead of its receiver would
+        otherwise fill the host's memory."""
+        held = sum(m.nbytes for q in self.unexpected.values() for m in q if m.buf is not None)
+        self.held = held + header.nbytes
+        if self.held <= self.held_limit:
+            return False
+        self.held = held
+        call = self.current_call(header.ctx)
+        what = f"call #{header.seq}" if header.kind == Kind.COLL else f"point-to-point, tag {header.tag}"
+        error = ResourceError(
+            f"rank {self.rank}: holds {held} bytes of messages that came before their receives or calls "
+            f"were made here; the next, {header.nbytes} bytes from rank {peer} ({what}), would pass "
+            f"TENSORWIRE_HELD_BYTES={self.held_limit}: it is dropped and the group aborted. A rank that "
+            f"sends far more than its peer takes (sends without receives, calls far ahead) would "
+            f"otherwise fill this host's memory; post the receives sooner, or raise the limit")
+        members = tuple(call.group.ranks) if call is not None else (peer,)
+        self.deferred_aborts.append((header.ctx, 0, members, error, False))
+        return True
 
     def may_park(self, peer: int, header: Header) -> bool:
         """May a large message from `peer` wait in its ring for its receive (shm.PARK_BYTES)?
@@ -456,7 +485,9 @@ class Engine(Failures):
                     channel.release = True
             for queue in self.unexpected.values():
                 for msg in queue:
-                    self.staged_bytes += msg.stage()
+                    staged = msg.stage()
+                    self.staged_bytes += staged
+                    self.held += staged
             self.progress()
 
     def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool,
