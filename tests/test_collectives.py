@@ -1405,11 +1405,24 @@ def rank_groups(seed: int) -> dict:
         x = np.array([deeper.rank], np.int64)
         deeper.all_reduce(x)
         log.check(int(x[0]) == sum(range(deeper.size)), f"split of nested all_reduce: {x}")
+    # only its members make a group (as MPI_Comm_create_group): the other ranks skipping it moves
+    # no context, of it or of a group every rank makes after it
+    ends = sorted({0, n - 1})
+    log.case()
+    if me in ends:
+        x = np.array([me + 1], np.int64)
+        tw.new_group(ends).all_reduce(x)
+        log.check(int(x[0]) == sum(r + 1 for r in ends), f"members-only group all_reduce: {x}")
+    again = tw.new_group(evens)  # the second group of the evens, on every rank
+    if me in evens:
+        x = np.array([me], np.int64)
+        again.all_reduce(x)
+        log.check(int(x[0]) == sum(evens) and again.name != sub.name, f"evens again: {x}, {again.name}")
     return log.result()
 
 
 def test_groups_subsets_split_nested(cl) -> None:
-    _expect(cl.run(rank_groups, 4, timeout=60), 7)
+    _expect(cl.run(rank_groups, 4, timeout=60), 8)
 
 
 def rank_concurrent_groups(seed: int) -> dict:

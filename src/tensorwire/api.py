@@ -153,7 +153,8 @@ def topology() -> Topology:
 
 
 def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
-    """A group of world ranks; every process must call it (non-members get rank -1)."""
+    """A group of world ranks (Group.new_group): its members call it; another rank that does
+    gets a group of which it is not a member (rank -1)."""
     return require_runtime("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+NEW_GROUP = 0x4E455747  # "NEWG", mixed into the contexts new_group derives
+SPLIT = 0x53504C54  # "SPLT", into those split derives
+
 
 def mix_context(*parts: int) -> int:
     """A context id every rank derives identically (FNV-1a over the parts), never 0 (the world)."""

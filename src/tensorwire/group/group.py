@@ -21,7 +21,7 @@ from ..ops import ReduceOp
 from . import collectives, objects, p2p, shm_setup
 from .arguments import check_member
 from .calls import CollectiveCall
-from .context import mix_context
+from .context import NEW_GROUP, SPLIT, mix_context
 from .execution import CallQueue
 from .planned import Plans
 from .shrink import shrink_group
@@ -53,7 +53,8 @@ class Group:
         self.rank = self._index.get(runtime.rank, -1)
         runtime.groups.add(self)
         self.timeout = runtime.config.timeout
-        self._children = 0
+        self._made: dict[tuple[int, ...], int] = {}  # new_group: groups made so far of each membership
+        self._splits = 0  # split() calls so far
         self.shrinks = 0  # shrink() calls so far: each derives its contexts from this count
         self.queue = CallQueue(self)  # sequence numbers and the ordered execution
         self.plans = Plans(self, self.queue)  # checked call signatures -> their plans
@@ -234,7 +235,10 @@ class Group:
         return Group(self.runtime, ranks, ctx, name)
 
     def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
-        """Every rank of this group must call it, members or not, in the same order."""
+        """A group of these ranks of this group (in this order). Its members must call it,
+        in the same order among the groups of the same members; other ranks may (torch's rule:
+        every rank calls it) or not (MPI_Comm_create_group's). Its context comes from its
+        members and how many groups of them this rank made before, not from the other groups."""
         ranks = list(range(self.size)) if ranks is None else [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks):
             raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: duplicate ranks in {ranks}")
@@ -242,10 +246,12 @@ class Group:
         if bad:
             raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: ranks {bad} out of range "
                                        f"for group {self.name} of size {self.size}")
-        self._children += 1
-        ctx = mix_context(self.ctx, self._children, *ranks)
+        key = tuple(ranks)
+        nth = self._made[key] = self._made.get(key, 0) + 1
+        ctx = mix_context(self.ctx, NEW_GROUP, nth, *ranks)
         world = [self.ranks[r] for r in ranks]
-        return self.derive(world, ctx, name or f"{self.name}.{self._children}")
+        again = f"#{nth}" if nth > 1 else ""
+        return self.derive(world, ctx, name or f"{self.name}[{_spans(ranks)}]{again}")
 
     def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
         """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).
@@ -254,13 +260,13 @@ class Group:
         mine = np.array([-1 if color is None or color < 0 else color, key], dtype=np.int64)
         table = np.empty((self.size, 2), dtype=np.int64)
         self.all_gather_into_tensor(table, mine, timeout=timeout)
-        self._children += 1
+        self._splits += 1
         if mine[0] < 0:
             return None
         members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == mine[0])
         ranks = [self.ranks[r] for _, r in members]
-        return self.derive(ranks, mix_context(self.ctx, self._children, int(mine[0])),
-                           f"{self.name}.split{self._children}c{int(mine[0])}")
+        return self.derive(ranks, mix_context(self.ctx, SPLIT, self._splits, int(mine[0])),
+                           f"{self.name}.split{self._splits}c{int(mine[0])}")
 
     shrink = shrink_group
 
@@ -298,3 +304,15 @@ class Group:
     gather_object = objects.gather_object
     broadcast_object_list = objects.broadcast_object_list
     scatter_object_list = objects.scatter_object_list
+
+
+def _spans(ranks: Sequence[int], most: int = 6) -> str:
+    """Ranks as runs, for a group's name: [0, 1, 2, 3, 8] as '0-3,8'; past `most` runs, '...'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:most]]
+    return ",".join(text) + (",..." if len(runs) > most else "")
