@@ -962,7 +962,7 @@ def test_calls_are_numbered_per_group_from_one(cluster: Any, good_calls: int) ->
     """Errors number the user's calls on a group from 1: the group's own (its shared-memory
     setup) are not counted. (The world's, at init: test_peer_dies, idle.)"""
     for rank, err in enumerate(cluster.run(_mismatch_after, good_calls, TIMEOUT)):
-        _assert_error(err, CollectiveMismatchError, f"all_reduce #{good_calls + 1} on group world.",
+        _assert_error(err, CollectiveMismatchError, f"all_reduce #{good_calls + 1} on group world[",
                       rank=rank)
 
 
