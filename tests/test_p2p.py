@@ -17,6 +17,7 @@ import pytest
 import tensorwire as tw
 from conftest import PYTHON
 from tensorwire.errors import CollectiveMismatchError, InvalidArgumentError, TensorwireError, TimeoutError
+from tensorwire.transport.shm import REMOTE_BYTES
 from tensorwire.tuning import tuner
 
 pytestmark = pytest.mark.timeout(60)
@@ -750,7 +751,7 @@ def _large_reads(how: str, nbytes: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("nbytes", [256 << 10, (1 << 20) + 8])
+@pytest.mark.parametrize("nbytes", [REMOTE_BYTES, (1 << 20) + 8])
 @pytest.mark.parametrize("how", ["sendrecv", "send_recv"])
 def test_large_messages_are_read_out_of_their_senders_buffer(cluster: Any, how: str, nbytes: int) -> None:
     results = cluster.run(_large_reads, how, nbytes)

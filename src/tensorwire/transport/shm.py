@@ -51,13 +51,14 @@ PIPELINE_BYTES = 512 << 10
 """Ring writers publish, and readers release, every this many bytes: the reader copies one piece
 out while the writer copies the next in, instead of starting after the whole message."""
 _P2P_HEADERS = 256  # parsed point-to-point headers kept per channel (cleared when full)
-REMOTE_BYTES = 256 << 10
+REMOTE_BYTES = 512 << 10
 """Point-to-point messages from this size whose payload lies mostly in huge pages travel as a
 descriptor where the receiver can read the sender's memory (cross-memory attach): it copies
 the payload once, straight from the sender's buffer into its own, where the ring copies it
 twice, and then tells the sender (Mode.ACK), whose send completes only then (MPI's
 rendezvous). The kernel pins a source's pages one by one, so out of 4 KiB pages the read is
-slower than the ring's two pipelined copies: the sender looks (pages.py; docs/design/memory.md).
+slower than the ring's two pipelined copies: the sender looks (pages.py); below this size the
+ring is faster out of huge pages too (docs/design/memory.md).
 Collectives' messages keep the ring: their receives may fold as they arrive, and the tuner's
 prices are measured through it."""
 _EMPTY = np.empty(0, dtype=np.uint8)
