@@ -315,8 +315,9 @@ class DeviceCollectives:
         ins = self._tensors(input_list, what, "input_list", out, uneven=True)
         if any(t.numel() != out.numel() for t in ins):  # uneven blocks: through the host
             dg = self._device([out, *ins], what, Coll.REDUCE_SCATTERV, timeout)
+            red = self._reduction(op, out.dtype, what)  # refused before anything is staged
             return staged.whole(dg, output, ins, [out], lambda h, a: g.reduce_scatter(
-                h(out), [h(t) for t in ins], op, async_op=a, timeout=timeout), async_op, output)
+                h(out), [h(t) for t in ins], red, async_op=a, timeout=timeout), async_op, output)
         return self._reduce_scatter(what, output, out, ins, op, async_op, timeout)
 
     def reduce_scatter_tensor(self, output: Any, input: Any, op: Any, async_op: bool,

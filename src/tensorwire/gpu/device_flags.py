@@ -238,8 +238,11 @@ class Launcher:
                 try:
                     compiled[grid](*args, *consts)
                     return
-                except (OverflowError, TypeError):
+                except OverflowError:  # an int past the type the kernel was compiled for
                     del self.compiled[key]
+                except TypeError:  # a Triton whose compiled launch takes other arguments (3.2)
+                    self.keep = False
+                    self.compiled.clear()
         compiled = self.kernel[grid](*args, **dict(zip(self.constexprs, consts)))
         if key is not None and hasattr(compiled, "run"):
             self.compiled[key] = compiled

@@ -76,26 +76,36 @@ def _stage(dg: DeviceGroup, obj: Any, pieces: list[Piece], bufs: list[Any], asyn
             arrived.append(torch.cuda.Event())
             arrived[-1].record(stream)
 
+    def give_back(done: Any) -> None:
+        """The pinned buffers back to the pool, free once `done` (recorded on `stream`) is."""
+        done.record(stream)
+        for buf in bufs:
+            staging.give_back(buf, done)
+
     def back(piece: Piece, last: bool) -> None:
         with torch.cuda.stream(stream):
             for d, h in piece.writes:
                 d.copy_(h, non_blocking=True)
             if last:
-                done = end if end is not None else torch.cuda.Event()
-                done.record(stream)
-                for buf in bufs:
-                    staging.give_back(buf, done)
+                give_back(end if end is not None else torch.cuda.Event())
 
     work = None
     for k, (ready, piece) in enumerate(zip(arrived, pieces)):
         last = k == len(pieces) - 1
+        try:
+            if not async_op:
+                ready.synchronize()
+                piece.invoke(False)
+            else:
+                with dg.group.queue.wrapping(_around(ready, lambda p=piece, last=last: back(p, last))):
+                    work = piece.invoke(True)
+        except BaseException:  # the host call failed before its copy back: the buffers go back now
+            if k == 0 or not async_op:  # (not under the host calls already queued: left to them)
+                with torch.cuda.stream(stream):
+                    give_back(torch.cuda.Event())
+            raise
         if not async_op:
-            ready.synchronize()
-            piece.invoke(False)
             back(piece, last)
-            continue
-        with dg.group.queue.wrapping(_around(ready, lambda p=piece, last=last: back(p, last))):
-            work = piece.invoke(True)
     if not async_op:
         return result
     return DeviceWork(work, end, stream, dg.device, result)  # type: ignore[arg-type]
