@@ -24,7 +24,7 @@ from .rendezvous.prefix_store import PrefixStore
 from .rendezvous.tcp_protocol import StoreLimits
 from .runtime import Runtime
 from .transport import netif
-from .transport.connect import connect_world
+from .transport.connect import connect_world, refuse_to_join
 from .tuning import calibrate, policy
 from .tuning.topology import Topology, local_card
 
@@ -65,15 +65,17 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         # One process opens no connection: nothing to prove (and no per-user secret to create).
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
         root_store = store
+        scope = f"tw/{info.job_id}/g{_generation}"
         if root_store is None and info.world_size > 1:
-            root_store = bootstrap.create_store(info, cfg.timeout, secret=secret,
-                                                limits=StoreLimits.from_config(cfg), generation=_generation)
+            root_store = bootstrap.create_store(
+                info, cfg.timeout, secret=secret, limits=StoreLimits.from_config(cfg), generation=_generation,
+                refused=lambda s, error: refuse_to_join(PrefixStore(scope, s), info.rank, error))
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)
         # Keys carry the job id: torchrun's agent keeps its store across restarts, and a restarted
         # rank read its peer's address of the attempt before (connection refused until timeout).
-        scoped = None if root_store is None else PrefixStore(f"tw/{info.job_id}/g{_generation}", root_store)
+        scoped = None if root_store is None else PrefixStore(scope, root_store)
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
                   info.world_size, info.source, info.init_method, address, cfg.transport)
         try:

@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -543,14 +543,16 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
 
 
 def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
-                 limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1) -> Store:
+                 limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1,
+                 refused: Callable[[Store, RendezvousError], None] | None = None) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
     `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
     clients that do (torch's stores and file stores have no such handshake). `generation`: the
     process's count of init() calls, the same on every rank (see JOIN_KEY). The checks catch
     the two launch mistakes that otherwise surface as a hang much later: two processes given
-    the same rank, and ranks started with different world sizes.
+    the same rank, and ranks started with different world sizes. `refused(store, error)` is
+    called before the latter raises, so that the rank can tell the others (api.init).
     """
     scheme, host, port, path = parse_init_method(info.init_method)
     if scheme == "tcp":
@@ -571,14 +573,15 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
         raise InvalidArgumentError(f"create_store cannot open init_method {info.init_method!r}; "
                                    f"resolve 'env://' with detect() first")
     try:
-        _check_roster(store, info, timeout, generation)
+        _check_roster(store, info, timeout, generation, refused)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int) -> None:
+def _check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
+                  refused: Callable[[Store, RendezvousError], None] | None) -> None:
     joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
     size_key = WORLD_SIZE_KEY.format(generation=generation)
     if joined > 1:
@@ -596,6 +599,9 @@ def _check_roster(store: Store, info: LaunchInfo, timeout: float, generation: in
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
             f"('{size_key}') in the store {info.init_method}; did rank 0 start?") from exc
     if int(theirs) != info.world_size:
-        raise RendezvousError(
+        error = RendezvousError(
             f"world size mismatch: rank {info.rank} was started with world_size={info.world_size} "
             f"but rank 0 with world_size={int(theirs)} (store {info.init_method})")
+        if refused is not None:
+            refused(store, error)
+        raise error

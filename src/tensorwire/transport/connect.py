@@ -39,6 +39,12 @@ def _card_key(rank: int) -> str:
     return f"tw/card/{rank}"
 
 
+def refuse_to_join(store: Store, rank: int, error: BaseException) -> None:
+    """Publish `error` as rank `rank`'s card (`store` scoped to the job, as connect_world's):
+    the ranks gathering the cards raise it at once, naming this rank, instead of timing out."""
+    store.set(_card_key(rank), json.dumps({"error": str(error), "class": type(error).__name__}).encode())
+
+
 def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any], deadline: float,
                    timeout: float) -> dict[int, dict[str, Any]]:
     """Every rank's card (this one's is `card`), for 2 store requests a rank (rank 0: 3).
@@ -114,7 +120,7 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
                         world_size)
     except TensorwireError as exc:  # no descriptors, a setting the kernel refuses: every rank raises it
         if rank:
-            store.set(_card_key(rank), json.dumps({"error": str(exc), "class": type(exc).__name__}).encode())
+            refuse_to_join(store, rank, exc)
             raise
         error, wiring = exc, None  # rank 0 still gathers the cards: the others learn of it from them
     try:
