@@ -235,9 +235,13 @@ class CallQueue:
         its peers may wait for this rank's part, or take its next call for this one. The group
         is aborted, on every member, with an AbortedError that says so; `exc` itself goes on."""
         rank = self.group.runtime.rank
-        self.group.abort(AbortedError(f"rank {rank}: {call.what} was interrupted on rank {rank} "
-                                      f"({type(exc).__name__}): the group is aborted; shrink() makes a "
-                                      f"clean one"), call.seq)
+        try:
+            self.group.abort(AbortedError(f"rank {rank}: {call.what} was interrupted on rank {rank} "
+                                          f"({type(exc).__name__}): the group is aborted; shrink() makes "
+                                          f"a clean one"), call.seq)
+        except Exception as exc2:  # noqa: BLE001 - best effort: `exc` is what the caller must see
+            _log.warning("rank %d: group %s not aborted after %s: %s", rank, self.group.name,
+                         type(exc).__name__, exc2)
 
     def failed(self, call: CollectiveCall, exc: Exception) -> Exception:
         """Whatever broke, the peers must not wait for this rank: the group is aborted with the

@@ -95,7 +95,6 @@ class Agreement:
                                 f"and count it as failed (failed ranks: {sorted(failed)})", peer=me)
         return failed
 
-
     def abandon(self, error: BaseException) -> None:
         """Give up after a timed-out `decide` (a renewal has one try): the members still in
         this agreement, or yet to enter it, fail with `error` at once instead of each waiting
