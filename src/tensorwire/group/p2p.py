@@ -312,10 +312,10 @@ class AnySourceTurns:
         `deadline`)."""
         with self._cond:
             waiting = self._open[tag]
+            ready = self._cond.wait_for(lambda: waiting[0] == turn, max(0.0, deadline - time.monotonic()))
         try:
-            with self._cond:
-                if not self._cond.wait_for(lambda: waiting[0] == turn, max(0.0, deadline - time.monotonic())):
-                    raise late()
+            if not ready:
+                raise late()
             yield
         finally:
             with self._cond:

@@ -53,10 +53,10 @@ def renew(group: Group, timeout: float | None) -> None:
         stays = TimeoutError(f"{exc} The group stays aborted (shrink() makes a clean one). The refused "
                              f"call: {error}")
         agreement.abandon(AbortedError(str(stays)))
-        engine.aborted[ctx] = (seq, stays)
+        engine.stays_aborted(ctx, stays)
         raise stays from None
     except AbortedError as exc:  # a member gave up (abandon): its error says why
-        engine.aborted[ctx] = (seq, exc)
+        engine.stays_aborted(ctx, exc)
         raise
     if failed:
         _log.warning("rank %d: group %s stays aborted: rank(s) %s failed", engine.rank, group.name,

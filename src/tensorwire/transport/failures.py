@@ -408,6 +408,13 @@ class Failures:
             self.vet(peer, header, call)
 
     # -- aborts -------------------------------------------------------------------------------
+    def stays_aborted(self, ctx: int, error: BaseException) -> None:
+        """Group `ctx`'s renewal failed (group/renewal.py): it stays aborted, and its later
+        calls raise `error`, which says why, instead of the refusal it was aborted for."""
+        with self.lock:
+            self.renewable.discard(ctx)
+            self.aborted[ctx] = (self.aborted[ctx][0], error)
+
     def covering(self, ctx: int, seq: int) -> BaseException | None:
         """The abort of group `ctx` that covers its call `seq`: one of that call or an earlier
         one. A point-to-point message (seq P2P_SEQ + n, posted after the group's call n) is
