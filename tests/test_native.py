@@ -34,10 +34,11 @@ DTYPES = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32
                                 np.uint64, np.float32, np.float64)]
 OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
 SLOT = 4096
+FOLD_SLOT = 64 << 10  # past 8 KiB a fold spreads over the ranks' parts (_native.c SPREAD_FROM)
 
 
-def _segment(n: int) -> GroupSegment:
-    seg = GroupSegment.create("tw-test-native", n, SLOT)
+def _segment(n: int, slot: int = SLOT) -> GroupSegment:
+    seg = GroupSegment.create("tw-test-native", n, slot)
     seg.unlink()  # the mapping lasts as long as its views
     return seg
 
@@ -47,14 +48,25 @@ def _path(seg: GroupSegment, rank: int = 0) -> object:
 
 
 @settings(max_examples=300, deadline=None)
-@example(dtype=np.dtype(np.float32), op=ReduceOp.PRODUCT, n=5, count=2, parity=0, seed=1, specials=True)
-@example(dtype=np.dtype(np.float32), op=ReduceOp.SUM, n=3, count=136, parity=0, seed=1, specials=True)
+@example(dtype=np.dtype(np.float32), op=ReduceOp.PRODUCT, n=5, count=2, parts=0, rank=0, parity=0, seed=1,
+         specials=True)
+@example(dtype=np.dtype(np.float32), op=ReduceOp.SUM, n=3, count=136, parts=0, rank=0, parity=0, seed=1,
+         specials=True)
+@example(dtype=np.dtype(np.float32), op=ReduceOp.SUM, n=2, count=1, parts=32, rank=1, parity=0, seed=1,
+         specials=False)
+@example(dtype=np.dtype(np.int64), op=ReduceOp.SUM, n=3, count=2, parts=32, rank=2, parity=1, seed=1,
+         specials=False)
+@example(dtype=np.dtype(np.uint8), op=ReduceOp.BXOR, n=5, count=4, parts=32, rank=4, parity=0, seed=1,
+         specials=False)
 @given(dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS), n=st.integers(1, 6),
-       count=st.integers(1, SLOT // 8), parity=st.integers(0, 1), seed=st.integers(0, 2 ** 32 - 1),
+       count=st.integers(1, SLOT // 8), parts=st.one_of(st.just(0), st.integers(1, 40)),
+       rank=st.integers(0, 5), parity=st.integers(0, 1), seed=st.integers(0, 2 ** 32 - 1),
        specials=st.booleans())
-def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, specials) -> None:
+def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parts, rank, parity, seed, specials) -> None:
     """Every fold the C code has gives the bits of the numpy kernel folding the slots in rank
-    order, as the Python bodies do: wrapping integers, infinities, NaNs, signed zeros. Where
+    order, as the Python bodies do: wrapping integers, infinities, NaNs, signed zeros; also where
+    each rank folds its own part first (`parts`: counts of n parts of whole 64s and a rest,
+    whose rest was once lost). Where
     two NaNs meet, which one's sign and payload numpy keeps depends on the element's place in
     its vector loop (on an AVX-512 machine the first operand's, but the second's in the rest
     after the last full vector), so there the fold's result must only be NaN; everywhere else
@@ -63,7 +75,10 @@ def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, special
     if not code:
         assert dtype.kind == "f" and op not in (ReduceOp.SUM, ReduceOp.PRODUCT)
         return
-    seg = _segment(n)
+    if parts:
+        count = min(64 * parts * n + count % n, FOLD_SLOT // dtype.itemsize)
+    rank %= n
+    seg = _segment(n, FOLD_SLOT)
     try:
         rng = np.random.default_rng(seed)
         slots = [seg.slots[r][parity][:count * dtype.itemsize].view(dtype) for r in range(n)]
@@ -82,7 +97,7 @@ def test_folds_are_bit_for_bit_numpys(dtype, op, n, count, parity, seed, special
                     met |= np.isnan(want) & np.isnan(s)
                     kernel(want, s, want)
         got = np.full(count, 7, dtype=dtype)
-        _path(seg).fold(parity, got, code)
+        _path(seg, rank).fold(parity, got, code)
         assert np.isnan(got[met]).all()
         got, want = got[~met], want[~met]
         assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
@@ -255,7 +270,8 @@ def rank_planned(seed: int, dtype: str, count: int, calls: int) -> dict:
     return {"native": g.direct is not None and g.direct.native is not None, "bytes": out}
 
 
-@pytest.mark.parametrize("dtype, count", [("float32", 3), ("float64", 100), ("int32", 7), ("uint8", 64)])
+@pytest.mark.parametrize("dtype, count", [("float32", 3), ("float64", 100), ("int32", 7), ("uint8", 64),
+                                          ("float32", 4097)])  # 16 KiB: folds spread, parts of 64 and a rest
 def test_both_paths_give_the_same_bytes(get_cluster, dtype: str, count: int) -> None:
     """The same calls on two ranks (rooted one shots need a core a rank) with the compiled
     bodies and with the Python ones, every collective on the direct path: the same bytes, call

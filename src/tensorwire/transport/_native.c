@@ -310,7 +310,7 @@ static void fold_into(const Path *p, fold_fn f, int parity, Py_buffer *dst, Py_s
         f(dst->buf, first, 2 * p->slot_bytes, p->size, count);
         return;
     }
-    Py_ssize_t item = dst->len / count, part = (count / p->size + 63) & ~(Py_ssize_t)63;
+    Py_ssize_t item = dst->len / count, part = ((count + p->size - 1) / p->size + 63) & ~(Py_ssize_t)63;
     for (int i = 0; i < p->size; i++) {
         Py_ssize_t lo = part * ((p->rank + i) % p->size), left = count - lo;
         if (left > 0)
