@@ -1330,7 +1330,37 @@ def test_timeout_setting_applies_to_later_calls(how: str) -> None:
         _assert_error(first[key], TimeoutError, what, "waiting for rank(s) 1", rank=0)
         assert 1.4 < first[key]["t"] < 5.0, first[key]
     # rank 1 waits in a barrier of the world meanwhile: asked, it says where it is on the group
-    _assert_error(first["call"], TimeoutError, "Not in this call: rank 1 is at call #")
+    _assert_error(first["call"], TimeoutError, "Not in this call: rank 1 has made no call of the group yet.")
+
+
+_IN_P2P = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+for _ in range(int(ARGS[0])):
+    tw.barrier()
+if rank == 0:
+    report(call=attempt(tw.all_reduce, np.ones(4, np.float32), timeout=1.5))
+else:
+    report(call=attempt(tw.recv, np.ones(4, np.float32), 0, timeout=20))
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("before", [0, 2])
+def test_a_timeout_says_a_missing_member_waits_in_a_point_to_point_call(before: int) -> None:
+    """Rank 1 waits in a receive while rank 0 waits for it in an all_reduce: rank 0's timeout
+    says so, with rank 1's last call counted as users count them (not the group's own calls
+    at init), and the abort fails rank 1's receive with it at once."""
+    port = free_port()
+    procs = [_spawn(_IN_P2P, r, 2, port, before) for r in (0, 1)]
+    try:
+        first, second = (_reports(p, 30)[0]["call"] for p in procs)
+    finally:
+        _kill_all(procs)
+    last = f"call #{before}" if before else "none yet"
+    _assert_error(first, TimeoutError, f"all_reduce #{before + 1} on group world timed out",
+                  "Not in this call: rank 1 waits in a point-to-point call (its last call of the group: "
+                  f"{last}).", rank=0)
+    _assert_error(second, TimeoutError, "[reported by rank 0; seen on rank 1]", within=8.0)
 
 
 _PEER_DIES = """

@@ -329,9 +329,12 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
     """Wait for `reqs`. A blocking call that times out takes its receives back (Engine.withdraw);
     a Work's wait leaves them posted, to be waited on again."""
     t = group.timeout if timeout is None else timeout
+    engine = group.engine
+    with engine.lock:  # what this rank answers a peer that asks where it is (Failures.missing)
+        engine.p2p_waits += 1
     try:
-        group.engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=reqs[0].seq,
-                          watch=tuple(r.peer for r in reqs), what=reqs[0].what)
+        engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=reqs[0].seq,
+                    watch=tuple(r.peer for r in reqs), what=reqs[0].what)
     except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
         named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))
         if named is exc:
@@ -343,8 +346,11 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         raise
     except (TimeoutError, KeyboardInterrupt, SystemExit):  # an interrupted receive takes them back too
         if blocking:
-            group.engine.withdraw(reqs)
+            engine.withdraw(reqs)
         raise
+    finally:
+        with engine.lock:
+            engine.p2p_waits -= 1
 
 
 def _work(group: Group, req: Request, route: P2PRoute) -> Work:

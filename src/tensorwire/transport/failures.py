@@ -100,6 +100,7 @@ LEFT = "it left the job"
 _WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the reason it left
 _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answers, then for another's abort
 _NOT_IN = "Not in this call"
+_IN_P2P = 1  # a STATE answer's tag: the replier waits in a point-to-point call
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
 _DATA = (Kind.P2P, Kind.COLL)  # the messages an abort fails
@@ -132,6 +133,8 @@ class Failures:
         """ctx -> the collective call the group is running, weakly (its group's queue holds it):
         a group nothing else refers to is collected, and its shared segment with it."""
         self.states: dict[tuple[int, int], int] = {}  # (ctx, peer) -> the call it said it runs (missing())
+        self.in_p2p: set[tuple[int, int]] = set()  # (ctx, peer): it said it waits in a point-to-point call
+        self.p2p_waits = 0  # threads waiting in point-to-point calls (group/p2p.py): told in answers
         self.unvetted: dict[int, list[tuple[int, int, tuple]]] = {}
         """ctx -> a heap of (seq, peer, key) of the collective messages queued unexpected (some
         since taken): entering a call vets those for it or before it without a scan of the rest,
@@ -391,8 +394,8 @@ class Failures:
     def _answer_query(self, peer: int, ctx: int) -> None:
         call = self.current_call(ctx)
         seq, fp = (call.seq, call.fp) if call is not None else (0, Fingerprint(0))
-        self.channels[peer].post_control(SendRequest(peer, Header(Kind.STATE, ctx, seq, 0, 0, fp), _EMPTY,
-                                                     "state"))
+        header = Header(Kind.STATE, ctx, seq, _IN_P2P if self.p2p_waits else 0, 0, fp)
+        self.channels[peer].post_control(SendRequest(peer, header, _EMPTY, "state"))
 
     def _note_state(self, ctx: int, peer: int, seq: int) -> None:
         """What a peer said (or showed, by an abort) it runs of group `ctx`, for missing():
@@ -403,6 +406,7 @@ class Failures:
 
     def _on_state(self, peer: int, header: Header) -> None:
         self._note_state(header.ctx, peer, header.seq)
+        (self.in_p2p.add if header.tag == _IN_P2P else self.in_p2p.discard)((header.ctx, peer))
         call = self.current_call(header.ctx)
         if call is not None and header.seq == call.seq:
             self.vet(peer, header, call)
@@ -629,6 +633,7 @@ class Failures:
                      and p in self.channels and self.channels[p].kind != "pending"]
             for p in asked:
                 self.states.pop((ctx, p), None)
+                self.in_p2p.discard((ctx, p))
             self.query_peers(ctx, asked)
         until = time.perf_counter() + _ASK_S
         while any((ctx, p) not in self.states for p in asked) and time.perf_counter() < until:
@@ -637,11 +642,21 @@ class Failures:
         behind = [(p, self.states.get((ctx, p))) for p in asked
                   if p not in self.lost and self.states.get((ctx, p), -1) < seq]
         if behind:
-            text = "; ".join(f"rank {p} did not answer (not inside a tensorwire call: busy, blocked or "
-                             "stopped)" if at is None else f"rank {p} is at call #{at - internal} of the "
-                             "group" for p, at in behind)
+            text = "; ".join(self._where(ctx, p, at, internal) for p, at in behind)
             return retold(error, f"{error} {_NOT_IN}: {text}.")
         return self._abort_saying(ctx, seq, _MISSING_S, lambda why: _NOT_IN in why) or error
+
+    def _where(self, ctx: int, peer: int, at: int | None, internal: int) -> str:
+        """What member `peer` answered about where it is (missing()): `at`, the call of group
+        `ctx` it runs or ran last (the group's `internal` calls not counted), None: no answer."""
+        if at is None:
+            return f"rank {peer} did not answer (not inside a tensorwire call: busy, blocked or stopped)"
+        if (ctx, peer) in self.in_p2p:
+            last = f"call #{at - internal}" if at > internal else "none yet"
+            return f"rank {peer} waits in a point-to-point call (its last call of the group: {last})"
+        if at > internal:
+            return f"rank {peer} is at call #{at - internal} of the group"
+        return f"rank {peer} has made no call of the group yet"
 
     def look(self) -> None:
         """One round of progress with the sockets read (control messages: answers, aborts,
