@@ -787,6 +787,13 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
             g.broadcast(x, src=0, timeout=t)
     elif base == "all_reduce_count":
         g.all_reduce(np.ones(m + r, np.float32), timeout=t)
+    elif base == "all_reduce_empty":  # rank 1 has nothing to reduce: it still meets the others
+        g.all_reduce(np.ones(0 if r == 1 else m, np.float32), timeout=t)
+    elif base == "empty_all_reduce_or_barrier":
+        if r == 1:
+            g.barrier(timeout=t)
+        else:
+            g.all_reduce(np.ones(0, np.float32), timeout=t)
     elif base == "all_reduce_count_across_algorithms":
         # 64 B (recursive doubling, or the shared-memory path) against 1 MiB (ring).
         g.all_reduce(np.ones(16 if r == 0 else 1 << 18, np.float32), timeout=t)
@@ -857,6 +864,9 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "all_reduce_count": ("all_reduce", "count"),
     "all_reduce_count:large": ("all_reduce", "count"),
     "all_reduce_count_across_algorithms": ("all_reduce", "count"),
+    "all_reduce_empty": ("all_reduce", "count"),
+    "all_reduce_empty:large": ("all_reduce", "count"),
+    "empty_all_reduce_or_barrier": ("collective", "all_reduce", "barrier"),
     "all_reduce_dtype": ("all_reduce", "dtype", "float32", "float64"),
     "all_reduce_dtype:large": ("all_reduce", "dtype", "float32", "float64"),
     "all_reduce_op": ("all_reduce", "op", "SUM", "MAX"),
