@@ -133,6 +133,28 @@ def test_sendrecv(cluster: Any, n: int) -> None:
     assert cluster.run(_sendrecv_ring, n) == [True] * cluster.size
 
 
+def _sendrecv_in_place(n: int) -> bool:
+    """sendrecv with one buffer for both (MPI_Sendrecv_replace), and with a receive window that
+    overlaps the sent half, three times each (the later calls take the kept routes): the
+    neighbour's data, never this rank's own or a mix, at every size (the receive used to land
+    before the send had left, from 128 KiB on)."""
+    r, right, left = _neighbours()
+    for i in range(3):
+        buf = _pattern(r, right, i, n)
+        tw.sendrecv(buf, right, buf, left, tag=12)
+        np.testing.assert_array_equal(buf, _pattern(left, r, i, n))
+        half, quarter = n // 2, n // 4
+        whole = _pattern(r, right, i, n)
+        tw.sendrecv(whole[:half], right, whole[quarter:quarter + half], left, tag=13)
+        np.testing.assert_array_equal(whole[quarter:quarter + half], _pattern(left, r, i, n)[:half])
+    return True
+
+
+@pytest.mark.parametrize("n", [16, 40_000, 400_000])  # 128 B, 320 KiB, 3.2 MiB of int64
+def test_sendrecv_in_place(cluster: Any, n: int) -> None:
+    assert cluster.run(_sendrecv_in_place, n) == [True] * cluster.size
+
+
 def _sendrecv_repeated(n: int) -> list[str]:
     """The same sendrecv signature again and again (its routes kept: the engine's one call
     for both messages): every call's content arrives, and a send or receive buffer it cannot

@@ -148,8 +148,12 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
              timeout: float | None = None) -> int:
     """Send `send` to `dst` and receive into `recv` from `src` at once (MPI_Sendrecv): no
     ordering between the two can deadlock, as a blocking send before a blocking receive
-    can on every rank of a ring. Returns `src`."""
+    can on every rank of a ring. `send` and `recv` may be one buffer or overlap (the send then
+    leaves from a copy, as MPI_Sendrecv_replace's). Returns `src`."""
     if type(send) is np.ndarray and type(recv) is np.ndarray:
+        viewed = send.base is not None or recv.base is not None  # else each owns its memory
+        if send is recv or viewed and np.may_share_memory(send, recv):
+            send = send.copy()  # the receive may land before the send has left
         # arrays of a pair of routes used before: their dtypes passed the checks then, and the
         # engine sends nothing unless both buffers are C-contiguous (and the receive's
         # writable); what it did not send takes the checked way below
@@ -171,12 +175,16 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                 group.device.check_p2p(buf, what)
             else:
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
+        if _on_device(send) and _on_device(recv) and _overlap(send, recv):
+            send = send.clone()
         deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
     data, out = _host(group, send, True, dst, tag)
     into, inn = _host(group, recv, False, src, tag)
+    if np.may_share_memory(data, into):
+        data = data.copy()
     if len(group.p2p_pairs) >= P2P_ROUTES:
         group.forget_pairs()
     group.p2p_pairs[(dst, src, tag, data.nbytes, into.nbytes)] = (out, inn)
@@ -190,6 +198,13 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     if not taken:
         _finish(group, data, out, into, inn, sent, timeout)
     return src
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two tensors of one device share any byte."""
+    x, y = a.data_ptr(), b.data_ptr()
+    return a.device == b.device and x < y + b.numel() * b.element_size() and \
+        y < x + a.numel() * a.element_size()
 
 
 def _finish(group: Group, data: np.ndarray, out: P2PRoute, into: np.ndarray, inn: P2PRoute,
