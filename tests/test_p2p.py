@@ -532,6 +532,10 @@ def _bad_arguments() -> dict[str, Any]:
         "dst": _raises(tw.send, x, g.size),
         "negative": _raises(tw.isend, x, -1),
         "src": _raises(tw.irecv, x, g.size + 2),
+        "peer_type": _raises(tw.send, x, 0.5),
+        "tag_type": _raises(tw.send, x, right, tag=1.5),
+        "tag_range": _raises(tw.irecv, x, right, tag=1 << 64),
+        "tag_any": _raises(tw.irecv_any, x, tag="x"),
         "readonly": _raises(tw.irecv, readonly, right),
         "noncontiguous": _raises(tw.irecv, np.ones((4, 2), np.float32)[:, 0], right),
         "not_member": None,
@@ -555,6 +559,10 @@ def test_bad_arguments_raise_locally(cluster: Any) -> None:
                      f"size {n}")
         _check_error(res["negative"], InvalidArgumentError, "send", "peer -1 out of range")
         _check_error(res["src"], InvalidArgumentError, "recv", f"peer {n + 2} out of range")
+        _check_error(res["peer_type"], InvalidArgumentError, "send", "peer 0.5 out of range")
+        _check_error(res["tag_type"], InvalidArgumentError, f"rank {rank}: send on group world: tag 1.5")
+        _check_error(res["tag_range"], InvalidArgumentError, "recv", f"tag {1 << 64} is not an integer of 64")
+        _check_error(res["tag_any"], InvalidArgumentError, "recv from any rank", "tag 'x'")
         _check_error(res["readonly"], InvalidArgumentError, f"rank {rank}", "recv", "read-only")
         _check_error(res["noncontiguous"], InvalidArgumentError, f"rank {rank}", "recv", "not C-contiguous")
         if rank:

@@ -97,6 +97,7 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
     """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
     result() is the sender's group rank. A helper thread finds the sender and receives; such
     receives take messages one at a time per group, in the order they were posted."""
+    _check_tag(group, tag, "recv from any rank")
     if _on_device(tensor):
         return group.device.irecv_any(tensor, tag, timeout)
     data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
@@ -256,6 +257,7 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
     peer, tag, size) with its dtype: the checks, the header and its wire form, and the label
     are most of a small message's time otherwise."""
     world = _peer(group, peer, "send" if sending else "recv")
+    _check_tag(group, tag, "send" if sending else "recv")
     if len(group.p2p_routes) >= P2P_ROUTES:
         group.p2p_routes.clear()
     fp = fingerprint(Coll.P2P, dtype, count=nbytes // dtype.itemsize)
@@ -269,16 +271,23 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
 
 def _peer(group: Group, peer: int, what: str) -> int:
     check_member(group, what)
-    if not 0 <= peer < group.size:
+    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < group.size:
         raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: peer {peer} out of range "
                                    f"for group {group.name} of size {group.size}")
     return group.ranks[peer]
+
+
+def _check_tag(group: Group, tag: Any, what: str) -> None:
+    if not isinstance(tag, (int, np.integer)) or not -1 << 63 <= tag < 1 << 63:
+        raise InvalidArgumentError(f"rank {group.runtime.rank}: {what} on group {group.name}: tag {tag!r} is "
+                                   f"not an integer of 64 bits")
 
 
 def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
     """Wait until a point-to-point message with `tag` from any member has arrived; its
     sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
     check_member(group, "recv from any rank")
+    _check_tag(group, tag, "recv from any rank")
     limit = group.timeout if timeout is None else timeout
     return _probe_any(group, tag, time.monotonic() + limit, limit)
 
