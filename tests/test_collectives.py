@@ -34,7 +34,7 @@ from cluster import Cluster
 from conftest import PYTHON
 from tensorwire.algorithms import shm_direct
 from tensorwire.algorithms.registry import Link, algorithms_for
-from tensorwire.errors import AbortedError, InvalidArgumentError, TensorwireError
+from tensorwire.errors import AbortedError, CollectiveMismatchError, InvalidArgumentError, TensorwireError
 from tensorwire.group import arguments
 from tensorwire.ops import ReduceOp, Reduction, torch_kernels
 from tensorwire.ops.dtypes import dtype_code
@@ -1493,11 +1493,26 @@ def rank_new_group_errors() -> dict:
     x = np.ones(2)
     tw.all_reduce(x)  # nothing was left half-created
     log.check(x.tolist() == [n, n], "world after new_group errors")
+    me = tw.get_rank()
+    if n > 1:  # ranks 0 and 1 list the same members in other orders: a mismatch, not a hang
+        log.case()
+        if me < 2:
+            try:
+                tw.new_group([1, 0] if me == 1 else [0, 1], name="unordered")
+                log.fails.append("new_group in two orders accepted")
+            except CollectiveMismatchError as exc:
+                log.check("members in another order" in str(exc), str(exc))
+        log.case()  # the same order everywhere, world rank 1 first: it is the group's rank 0
+        g = tw.new_group([1, 0])
+        if g.rank >= 0:
+            y = np.array([float(me)])
+            g.broadcast(y, 0)
+            log.check(g.rank == 1 - me and y.tolist() == [1.0], f"rank {g.rank}: {y}")
     return log.result()
 
 
 def test_new_group_rejects_bad_rank_lists(cl) -> None:
-    _expect(cl.run(rank_new_group_errors), 3)
+    _expect(cl.run(rank_new_group_errors), 5 if cl.size > 1 else 3)
 
 
 # =========================================================================== algorithms

@@ -173,12 +173,14 @@ class CallQueue:
                 notes = engine.refused_by(group.ctx, seq)
             engine.settle_refusal(group.ctx, seq)
 
-    def internal_call(self, what: str) -> CollectiveCall:
+    def internal_call(self, what: str, aux: int = 0) -> CollectiveCall:
         """A call for the group's own bookkeeping; it takes a sequence number like any other,
-        but is not counted among the user's (CollectiveCall.number)."""
+        but is not counted among the user's (CollectiveCall.number). `aux`: what the members
+        must agree on besides (the group's order, as its setup checks it)."""
         self.seq += 1
         self.internal += 1
-        call = CollectiveCall(self.group, self.seq, Fingerprint(Coll.SETUP), what, self.group.timeout)
+        call = CollectiveCall(self.group, self.seq, Fingerprint(Coll.SETUP, aux=aux), what,
+                              self.group.timeout)
         call.start()
         return call
 

@@ -42,7 +42,8 @@ class Group:
     Groups come from `new_group`/`split`; integrations (the torch backend) may also construct
     one directly over the runtime, with a context id every member derives identically."""
 
-    def __init__(self, runtime: Runtime, ranks: Sequence[int], ctx: int, name: str) -> None:
+    def __init__(self, runtime: Runtime, ranks: Sequence[int], ctx: int, name: str,
+                 check_order: bool = False) -> None:
         self.runtime = runtime
         self.engine = runtime.engine
         self.ranks = list(ranks)
@@ -77,7 +78,7 @@ class Group:
         if self.rank >= 0:
             if self.engine.native is not None:
                 self._compile_api()
-            shm_setup.setup_direct(self)
+            shm_setup.setup_direct(self, check_order)
 
     def _compile_api(self) -> None:
         """Take the compiled caller's methods as this group's methods of those names: a call
@@ -227,18 +228,20 @@ class Group:
             shm_setup.setup_direct(self)
 
     # -- sub-groups ---------------------------------------------------------------------------
-    def derive(self, ranks: Sequence[int], ctx: int, name: str) -> Group:
+    def derive(self, ranks: Sequence[int], ctx: int, name: str, check_order: bool = False) -> Group:
         """A group of world `ranks` over this group's runtime, with a context every member
-        derived alike: sub-groups, a hierarchy's host groups and rails, shrink's survivors."""
+        derived alike: sub-groups, a hierarchy's host groups and rails, shrink's survivors.
+        `check_order`: the members must be seen to list `ranks` in one order (new_group's)."""
         if self.runtime.closed or self.destroyed:
             check_member(self, f"making group {name}")
-        return Group(self.runtime, ranks, ctx, name)
+        return Group(self.runtime, ranks, ctx, name, check_order)
 
     def new_group(self, ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
         """A group of these ranks of this group (in this order). Its members must call it,
         in the same order among the groups of the same members; other ranks may (torch's rule:
         every rank calls it) or not (MPI_Comm_create_group's). Its context comes from its
-        members and how many groups of them this rank made before, not from the other groups."""
+        members and how many groups of them this rank made before, not from the other groups;
+        members that list them in different orders get a CollectiveMismatchError."""
         ranks = list(range(self.size)) if ranks is None else [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks):
             raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: duplicate ranks in {ranks}")
@@ -246,12 +249,12 @@ class Group:
         if bad:
             raise InvalidArgumentError(f"rank {self.runtime.rank}: new_group: ranks {bad} out of range "
                                        f"for group {self.name} of size {self.size}")
-        key = tuple(ranks)
+        key = tuple(sorted(ranks))  # the order is checked as the group is set up (shm_setup)
         nth = self._made[key] = self._made.get(key, 0) + 1
-        ctx = mix_context(self.ctx, NEW_GROUP, nth, *ranks)
+        ctx = mix_context(self.ctx, NEW_GROUP, nth, *key)
         world = [self.ranks[r] for r in ranks]
         again = f"#{nth}" if nth > 1 else ""
-        return self.derive(world, ctx, name or f"{self.name}[{_spans(ranks)}]{again}")
+        return self.derive(world, ctx, name or f"{self.name}[{_spans(ranks)}]{again}", check_order=True)
 
     def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
         """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).

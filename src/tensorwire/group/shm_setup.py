@@ -20,6 +20,7 @@ from ..errors import TensorwireWarning
 from ..ops import ReduceOp
 from ..transport import cma, shm, shm_budget
 from ..transport.segment import DirectPath, GroupSegment
+from .context import mix_context
 
 if TYPE_CHECKING:
     from .group import Group
@@ -30,16 +31,23 @@ _SPACE_ERRNOS = (*shm_budget.SPACE_ERRORS, errno.EMFILE, errno.ENFILE)
 shares a host name, not /dev/shm) are how tensorwire finds out who shares memory at all."""
 
 
-def setup_direct(group: Group) -> None:
+def setup_direct(group: Group, check_order: bool = False) -> None:
     """Collectively: agree on the group's links (so every rank prices the same tier) and
     give a group on one host its shared segment (the one-shot path), as large as /dev/shm
-    allows; warn once of what /dev/shm could not hold (shm_budget)."""
+    allows; warn once of what /dev/shm could not hold (shm_budget). The exchange also checks
+    that the members list the group in one order (new_group's contexts come from its members
+    alone); with `check_order` it is made over TCP too, for that alone."""
     cfg = group.runtime.config
-    if group.size < 2 or cfg.transport == "tcp":
+    tcp = cfg.transport == "tcp"
+    if group.size < 2 or tcp and not check_order:
         return
     table = np.zeros((group.size, 6), dtype=np.uint64)  # each rank's row, gathered by a MAX
-    table[group.rank] = _shm_facts(group)
-    recursive_doubling_all_reduce(group.queue.internal_call("shm setup"), table.reshape(-1), ReduceOp.MAX)
+    if not tcp:
+        table[group.rank] = _shm_facts(group)
+    call = group.queue.internal_call("group setup" if tcp else "shm setup", aux=mix_context(*group.ranks))
+    recursive_doubling_all_reduce(call, table[:1 if tcp else None].reshape(-1), ReduceOp.MAX)
+    if tcp:
+        return
     group.all_local = bool(table[:, 0].all())
     group.one_host = bool(table[:, 1].all())
     used = table[:, 4][table[:, 4] > 0]

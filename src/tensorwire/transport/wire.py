@@ -94,7 +94,9 @@ class Fingerprint(NamedTuple):
 _COUNTS = "per-rank counts differ (every rank must pass the same counts)"
 _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS,
         Coll.REDUCE_SCATTERV: "per-rank counts (or the PREMUL_SUM factor) differ",
-        Coll.ALL_REDUCE: "compress= (or the PREMUL_SUM factor) differs"}
+        Coll.ALL_REDUCE: "compress= (or the PREMUL_SUM factor) differs",
+        Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
+                    "same order)"}
 """What a difference in `aux` means, by collective."""
 
 
