@@ -63,8 +63,9 @@ def _identical_everywhere(flat, gloo) -> bool:
     return all(torch.equal(c, copies[0]) for c in copies)
 
 
-def _train_ddp(group, gloo, *, steps: int, hook=None, **ddp_kwargs) -> tuple[list[float], object]:
-    """Train a seeded MLP with DDP on `group`; check parameters agree on all ranks each step."""
+def _train_ddp(group, gloo, *, steps: int, hook=None, state=None, **ddp_kwargs) -> tuple[list[float], object]:
+    """Train a seeded MLP with DDP on `group` (its comm hook's state: `state`, else the group);
+    check parameters agree on all ranks each step."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -73,7 +74,7 @@ def _train_ddp(group, gloo, *, steps: int, hook=None, **ddp_kwargs) -> tuple[lis
     model = _mlp()
     ddp = DDP(model, process_group=group, **ddp_kwargs)
     if hook is not None:
-        ddp.register_comm_hook(group, hook)
+        ddp.register_comm_hook(group if state is None else state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     losses = []
@@ -210,6 +211,18 @@ def scenario_train() -> None:
     for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):
         _compare_with_gloo(f"DDP {hook.__name__}", _train_ddp(None, gloo, steps=steps, hook=hook),
                            _train_ddp(gloo, gloo, steps=steps, hook=hook), rtol=1e-3)
+    # PowerSGD's hook waits, inside the then-callback that runs where a Work completed (the
+    # group's worker), for the future of an all_reduce it queued on the same group
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    def power(g):
+        return powersgd.PowerSGDState(process_group=g, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                      min_compression_rate=0.5)
+
+    _compare_with_gloo("DDP powerSGD_hook",
+                       _train_ddp(None, gloo, steps=steps, hook=powersgd.powerSGD_hook, state=power(None)),
+                       _train_ddp(gloo, gloo, steps=steps, hook=powersgd.powerSGD_hook, state=power(gloo)),
+                       rtol=1e-3)
     # tensorwire's compress hook, and TENSORWIRE_COMPRESS=bf16 (the test sets it): asked for, and
     # on one host (nothing crosses between hosts) exact
     _compare_with_gloo("DDP bf16_allreduce_hook",

@@ -89,11 +89,14 @@ class CallQueue:
         with self._cv:
             self.pending.append((call, body, args, work))
             self.submitted += 1
-            if self._worker is None:
+            if self._worker is None or self._worker is threading.current_thread():
+                # none yet, or its own completion callbacks queue this (a torch future's
+                # then-callback that waits for it: PowerSGD's hook): a new worker takes over
+                if self._worker is None:
+                    weakref.finalize(self, _wake, self._cv)
                 self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
                                                 daemon=True, name=f"tensorwire-group-{group.name}")
                 self._worker.start()
-                weakref.finalize(self, _wake, self._cv)
             elif self.wake_worker:
                 self._cv.notify_all()
         if async_op:
@@ -373,6 +376,10 @@ def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
         del queue, queued
         finish()
         del finish
+        queue = ref()
+        if queue is None or queue._worker is not threading.current_thread():
+            return  # its callbacks handed the group to another worker (CallQueue.submit)
+        del queue
 
 
 def _wake(cv: threading.Condition) -> None:
