@@ -510,6 +510,10 @@ def _check_async(c: _Checker) -> None:
     c.equal("eight async all_reduces", ts, [sum(_data(k, 50, torch.float32, salt=s) for k in range(n))
                                              for s in range(8)])
     c.equal("future.then", chained.wait(), 2 * ts[-1])
+    # an all_gather's future holds its list of outputs (Gloo's form), not a list of that list
+    outs = [torch.empty(3) for _ in range(n)]
+    got = dist.all_gather(outs, torch.full((3,), float(r)), async_op=True).get_future().wait()
+    c.equal("all_gather's future", got, [torch.full((3,), float(k)) for k in range(n)])
     for make in (lambda: dist.broadcast(_data(r, 4, torch.float32), src=0, async_op=True),
                  lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], torch.ones(2), async_op=True),
                  lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.ones(n), async_op=True),

@@ -383,10 +383,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                   opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
         st = _Staging(self._tw)
-        outs = [st.out(t) for t in _one(output_tensors, "allgather", self._tw)]
+        mine = _one(output_tensors, "allgather", self._tw)
+        outs = [st.out(t) for t in mine]
         inp = st.inp(_one(input_tensors, "allgather", self._tw))
         g = self._tw
-        return self._run("all_gather", opts, output_tensors,
+        return self._run("all_gather", opts, mine,  # the future's value: the list, as Gloo's
                          [lambda a, t: g.all_gather(outs, inp, async_op=a, timeout=t)], st.finish())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
