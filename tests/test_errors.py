@@ -1702,3 +1702,15 @@ def test_a_group_used_after_destroy_names_the_destroy() -> None:
         for key, what in (("group", "all_reduce"), ("barrier", "barrier"), ("world", "broadcast"),
                           ("send", "send"), ("sub", "making group")):
             _assert_error(rep[key], NotInitializedError, what, "destroy()", rank=rank, within=1.0)
+
+
+def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
+    """Rank 1 relays to rank 2 what rank 0 reported to it: rank 2's error names rank 0 once."""
+    from types import SimpleNamespace
+
+    from tensorwire.transport.failures import Failures
+
+    first = Failures._reported(SimpleNamespace(rank=1), 0, b"InvalidArgumentError\nrank 0: all_gather: bad")
+    again = Failures._reported(SimpleNamespace(rank=2), 1, f"InvalidArgumentError\n{first}".encode())
+    assert isinstance(again, InvalidArgumentError)
+    assert str(again) == "rank 0: all_gather: bad [reported by rank 0; seen on rank 2]"

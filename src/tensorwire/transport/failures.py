@@ -491,6 +491,9 @@ class Failures:
     def _reported(self, peer: int, raw: bytes) -> BaseException:
         name, _, message = raw.decode(errors="replace").partition("\n")
         cls = _ERROR_CLASSES.get(name, AbortedError)
+        if message.endswith("]") and f" {_REPORTED} " in message:  # relayed on: who reported it first
+            message, _, tail = message.rpartition(f" {_REPORTED} ")
+            peer = tail.partition(";")[0]
         return cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]")
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
