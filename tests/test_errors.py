@@ -1705,12 +1705,19 @@ def test_a_group_used_after_destroy_names_the_destroy() -> None:
 
 
 def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
-    """Rank 1 relays to rank 2 what rank 0 reported to it: rank 2's error names rank 0 once."""
+    """Rank 1 relays to rank 2 what rank 0 reported to it: rank 2's error names rank 0 once;
+    an error that quotes a relayed one is a new report."""
     from types import SimpleNamespace
 
-    from tensorwire.transport.failures import Failures
+    from tensorwire.transport.failures import Failures, notice_text
 
-    first = Failures._reported(SimpleNamespace(rank=1), 0, b"InvalidArgumentError\nrank 0: all_gather: bad")
-    again = Failures._reported(SimpleNamespace(rank=2), 1, f"InvalidArgumentError\n{first}".encode())
+    def told(rank: int, peer: int, error: BaseException | bytes) -> BaseException:
+        raw = error if isinstance(error, bytes) else notice_text(error)
+        return Failures._reported(SimpleNamespace(rank=rank), peer, raw)
+
+    first = told(1, 0, b"InvalidArgumentError\nrank 0: all_gather: bad")
+    again = told(2, 1, first)
     assert isinstance(again, InvalidArgumentError)
     assert str(again) == "rank 0: all_gather: bad [reported by rank 0; seen on rank 2]"
+    quoting = AbortedError(f"rank 1: renewal failed. The refused call: {first}")
+    assert str(told(2, 1, quoting)).endswith(f"{first} [reported by rank 1; seen on rank 2]")

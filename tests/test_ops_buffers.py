@@ -96,12 +96,12 @@ def test_check_op_dtype_table(op: ReduceOp, dt: np.dtype) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         check_op_dtype(_red(op), dt, rank=3, collective="all_reduce")
     msg = str(info.value)
-    assert msg.startswith("rank 3, all_reduce: "), msg
+    assert msg.startswith("rank 3: all_reduce: "), msg
     assert op.name in msg and dt.name in msg, msg
 
 
 def test_check_op_dtype_example_message() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: BAND is not defined for float32 "
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2: all_reduce: BAND is not defined for float32 "
                                                    r"\(bitwise ops need integer or bool dtypes\)$"):
         check_op_dtype(Reduction(ReduceOp.BAND), np.float32, rank=2, collective="all_reduce")
 
@@ -110,7 +110,7 @@ def test_check_op_dtype_example_message() -> None:
                                  np.dtype("M8[s]"), np.dtype("m8[s]"), np.dtype(">f4"), np.dtype("V4")],
                          ids=str)
 def test_unsupported_dtypes_rejected(bad: np.dtype) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"^rank 1, reduce: tensor has unsupported dtype"):
+    with pytest.raises(InvalidArgumentError, match=r"^rank 1: reduce: tensor has unsupported dtype"):
         check_op_dtype(Reduction(ReduceOp.SUM), bad, rank=1, collective="reduce")
     with pytest.raises(InvalidArgumentError):
         dtype_code(bad)
@@ -533,7 +533,7 @@ def test_as_reduction_ours_and_errors() -> None:
     assert as_reduction(4) == Reduction(ReduceOp.MAX)
     with pytest.raises(InvalidArgumentError, match="premul_sum"):
         as_reduction(ReduceOp.PREMUL_SUM, rank=1, collective="all_reduce")
-    with pytest.raises(InvalidArgumentError, match=r"^rank 1, reduce: unknown reduce op 'mean'"):
+    with pytest.raises(InvalidArgumentError, match=r"^rank 1: reduce: unknown reduce op 'mean'"):
         as_reduction("mean", rank=1, collective="reduce")
     with pytest.raises(InvalidArgumentError):
         as_reduction(3.5)
@@ -706,7 +706,7 @@ def test_as_array_dlpack_zero_copy() -> None:
          "ro-memoryview", "array-u"],
 )
 def test_as_array_rejections(obj: object, pattern: str) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: (.|\n)*(" + pattern + ")"):
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2: all_reduce: (.|\n)*(" + pattern + ")"):
         _view(obj)
 
 
@@ -770,7 +770,7 @@ def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
                          ids=["non-contiguous", "other-device", "sparse", "conj", "float4"])
 def test_as_array_torch_rejections(make: object) -> None:
     t = make()  # type: ignore[operator]
-    with pytest.raises(InvalidArgumentError, match=r"^rank 2, all_reduce: tensor "):
+    with pytest.raises(InvalidArgumentError, match=r"^rank 2: all_reduce: tensor "):
         _view(t)
 
 

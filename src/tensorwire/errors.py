@@ -53,14 +53,24 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
 
 
 def call_prefix(rank: int | None, collective: str | None) -> str:
-    """'rank 3, all_reduce: ' (either part where known, '' with neither): how a message about
-    a caller's argument starts."""
+    """'rank 3: all_reduce: ' (either part where known, '' with neither): how a message about
+    a caller's argument starts (a group's refusal then names the call: CallQueue.refuse)."""
     parts = []
     if rank is not None:
         parts.append(f"rank {rank}")
     if collective:
         parts.append(collective)
-    return ", ".join(parts) + ": " if parts else ""
+    return ": ".join(parts) + ": " if parts else ""
+
+
+def naming_call(exc: BaseException, rank: int, number: int, group: str) -> BaseException:
+    """An argument error of a collective ('rank 3: all_reduce: ...') with the call it refused
+    named as every error names it ('rank 3: all_reduce #12 on group world: ...')."""
+    head = f"rank {rank}: "
+    what, sep, rest = str(exc).removeprefix(head).partition(": ")
+    if not str(exc).startswith(head) or not sep or not what.isidentifier():
+        return exc
+    return retold(exc, f"{head}{what} #{number} on group {group}: {rest}")
 
 
 class CollectiveMismatchError(TensorwireError):

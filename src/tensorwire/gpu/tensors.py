@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, call_prefix
 
 # torch dtype name -> (tensorwire's wire code, category): the codes of ops/dtypes.py (_NUMPY_CODES/_ML_CODES)
 _CODES: dict[str, tuple[int, str]] = {
@@ -40,7 +40,7 @@ def code_of(dtype: Any) -> tuple[int, str]:
 def as_device_tensor(obj: Any, *, rank: int, collective: str, name: str) -> Any:
     """A contiguous torch CUDA tensor sharing `obj`'s memory."""
     torch = torch_module()
-    where = f"rank {rank}, {collective}: {name}"
+    where = f"{call_prefix(rank, collective)}{name}"
     if isinstance(obj, torch.Tensor):
         t = obj
     else:
@@ -71,8 +71,8 @@ def same_device(tensors: list[Any], *, rank: int, collective: str) -> int:
     device = tensors[0].device.index
     for t in tensors[1:]:
         if t.device.index != device:
-            raise InvalidArgumentError(f"rank {rank}, {collective}: buffers on cuda:{device} and {t.device}; "
-                                       "one call takes buffers of one device")
+            raise InvalidArgumentError(f"{call_prefix(rank, collective)}buffers on cuda:{device} and "
+                                       f"{t.device}; one call takes buffers of one device")
     return device
 
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import limits, log
-from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call
+from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call, naming_call
 from ..transport.wire import Coll, Fingerprint
 from ..work import Work
 from .calls import CollectiveCall
@@ -119,6 +119,7 @@ class CallQueue:
             self.doomed -= 1
             raise error
         self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
+        error = naming_call(error, group.runtime.rank, self.seq - self.internal, group.name)  # type: ignore[assignment]
         if group.ctx not in self.engine.aborted:
             self.engine.refuse(group.ctx, self.seq, group.ranks, error)
         raise error

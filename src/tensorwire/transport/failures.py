@@ -110,6 +110,16 @@ an abort because a member refused a call this rank ran (the group renews itself 
 call: group/renewal.py)."""
 
 
+def notice_text(error: BaseException) -> bytes:
+    """What an abort notice carries of `error` (Failures._reported reads it): 'Name\nmessage',
+    or 'Name@origin\nmessage' for an error passed on as rank `origin` reported it, so that it
+    names its first reporter once."""
+    relayed = getattr(error, "relayed", None)
+    if relayed is not None and relayed[2] == str(error):
+        return f"{type(error).__name__}@{relayed[0]}\n{relayed[1]}".encode()
+    return f"{type(error).__name__}\n{error}".encode()
+
+
 class Failures:
     """What the engine knows and does about failures; the engine (engine.Engine) derives from it
     and provides the channels, the matching queues, and progress (`progress`, `poll_sockets`,
@@ -473,8 +483,7 @@ class Failures:
 
     def _tell(self, ctx: int, seq: int, members: Iterable[int], error: BaseException, tag: int) -> None:
         """An ABORT notice (`tag`: 0, or REFUSAL) of call `seq` of group `ctx` to every member."""
-        text = f"{type(error).__name__}\n{error}".encode()
-        payload = np.frombuffer(text, dtype=np.uint8)
+        payload = np.frombuffer(notice_text(error), dtype=np.uint8)
         notices = []
         for peer in members:  # connecting where needed: a member may wait for no one it is connected to
             unreachable = self.wiring is None and peer not in self.channels
@@ -489,12 +498,15 @@ class Failures:
             self.watch_in_background(notice)
 
     def _reported(self, peer: int, raw: bytes) -> BaseException:
-        name, _, message = raw.decode(errors="replace").partition("\n")
+        """The error a peer's notice carries ('Name\nmessage', or 'Name@origin\nmessage' where
+        that peer passes on what rank `origin` reported to it), named as reported."""
+        head, _, message = raw.decode(errors="replace").partition("\n")
+        name, _, origin = head.partition("@")
         cls = _ERROR_CLASSES.get(name, AbortedError)
-        if message.endswith("]") and f" {_REPORTED} " in message:  # relayed on: who reported it first
-            message, _, tail = message.rpartition(f" {_REPORTED} ")
-            peer = tail.partition(";")[0]
-        return cls(f"{message} {_REPORTED} {peer}; seen on rank {self.rank}]")
+        first = int(origin) if origin.isdigit() else peer
+        error = cls(f"{message} {_REPORTED} {first}; seen on rank {self.rank}]")
+        error.relayed = (first, message, str(error))  # type: ignore[attr-defined]
+        return error
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         self._note_state(ctx, peer, seq)  # it ran call seq
