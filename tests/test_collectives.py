@@ -1502,6 +1502,15 @@ def rank_new_group_errors() -> dict:
                 log.fails.append("new_group in two orders accepted")
             except CollectiveMismatchError as exc:
                 log.check("members in another order" in str(exc), str(exc))
+    if n > 2:  # three members, one of them in a rotated order: every recursive-doubling partner differs
+        log.case()
+        if me < 3:
+            try:
+                tw.new_group([2, 0, 1] if me == 2 else [0, 1, 2], name="rotated")
+                log.fails.append("new_group rotated on one member accepted")
+            except CollectiveMismatchError as exc:
+                log.check("members in another order" in str(exc), str(exc))
+    if n > 1:
         log.case()  # the same order everywhere, world rank 1 first: it is the group's rank 0
         g = tw.new_group([1, 0])
         if g.rank >= 0:
@@ -1512,7 +1521,7 @@ def rank_new_group_errors() -> dict:
 
 
 def test_new_group_rejects_bad_rank_lists(cl) -> None:
-    _expect(cl.run(rank_new_group_errors), 5 if cl.size > 1 else 3)
+    _expect(cl.run(rank_new_group_errors), 3 + 2 * (cl.size > 1) + (cl.size > 2))
 
 
 # =========================================================================== algorithms

@@ -16,13 +16,15 @@ import numpy as np
 from .. import log
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.tree import binomial_broadcast
-from ..errors import TensorwireWarning
+from ..errors import CollectiveMismatchError, TensorwireWarning
 from ..ops import ReduceOp
 from ..transport import cma, shm, shm_budget
 from ..transport.segment import DirectPath, GroupSegment
 from .context import mix_context
 
 if TYPE_CHECKING:
+    from ..algorithms.base import P2P
+    from ..transport.requests import Request
     from .group import Group
 
 _log = log.get("COLL")
@@ -45,7 +47,12 @@ def setup_direct(group: Group, check_order: bool = False) -> None:
     if not tcp:
         table[group.rank] = _shm_facts(group)
     call = group.queue.internal_call("group setup" if tcp else "shm setup", aux=mix_context(*group.ranks))
-    recursive_doubling_all_reduce(call, table[:1 if tcp else None].reshape(-1), ReduceOp.MAX)
+    try:
+        recursive_doubling_all_reduce(_InOrder(call, group.ranks), table[:1 if tcp else None].reshape(-1),
+                                      ReduceOp.MAX)
+    except CollectiveMismatchError as exc:  # the members who wait for this one learn it too
+        group.abort(exc, call.seq)
+        raise
     if tcp:
         return
     group.all_local = bool(table[:, 0].all())
@@ -69,6 +76,34 @@ def setup_direct(group: Group, check_order: bool = False) -> None:
                  TensorwireWarning)
     told |= news
 
+
+
+class _InOrder:
+    """A call's view of its group with the members by world rank: the setup exchange meets
+    whatever order each member listed them in, so that a member's other order reaches the
+    others as a mismatch of the call's fingerprint (its `aux`), not as a wait for a message
+    nobody sends."""
+
+    def __init__(self, call: P2P, ranks: list[int]) -> None:
+        self._call, self.size, self.link = call, call.size, call.link
+        self._order = sorted(range(len(ranks)), key=ranks.__getitem__)  # position -> group rank
+        self.rank = self._order.index(call.rank)
+
+    def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
+        return self._call.isend(self._order[peer], data, step)
+
+    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
+              base: np.ndarray | None = None) -> Request:
+        return self._call.irecv(self._order[peer], data, step, reduce, base)
+
+    def wait(self, *reqs: Request) -> None:
+        self._call.wait(*reqs)
+
+    def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
+                     reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
+        order = self._order
+        return self._call.exchange_now(None if dst is None else order[dst], send, order[src], recv, step,
+                                       reduce, base)
 
 
 def _shm_facts(group: Group) -> tuple[int, ...]:
