@@ -1368,8 +1368,8 @@ def test_a_timeout_says_a_missing_member_waits_in_a_point_to_point_call(before: 
         _kill_all(procs)
     last = f"call #{before}" if before else "none yet"
     _assert_error(first, TimeoutError, f"all_reduce #{before + 1} on group world timed out",
-                  "Not in this call: rank 1 waits in a point-to-point call (its last call of the group: "
-                  f"{last}).", rank=0)
+                  "Not in this call: rank 1 waits in a point-to-point call of the group (its last "
+                  f"collective: {last}).", rank=0)
     _assert_error(second, TimeoutError, "[reported by rank 0; seen on rank 1]", within=8.0)
 
 

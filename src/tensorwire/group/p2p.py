@@ -354,8 +354,9 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
     a Work's wait leaves them posted, to be waited on again."""
     t = group.timeout if timeout is None else timeout
     engine = group.engine
+    ctx = group.ctx
     with engine.lock:  # what this rank answers a peer that asks where it is (Failures.missing)
-        engine.p2p_waits += 1
+        engine.p2p_waits[ctx] = engine.p2p_waits.get(ctx, 0) + 1
     try:
         engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=reqs[0].seq,
                     watch=tuple(r.peer for r in reqs), what=reqs[0].what)
@@ -374,7 +375,9 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         raise
     finally:
         with engine.lock:
-            engine.p2p_waits -= 1
+            engine.p2p_waits[ctx] -= 1
+            if not engine.p2p_waits[ctx]:
+                del engine.p2p_waits[ctx]
 
 
 def _work(group: Group, req: Request, route: P2PRoute) -> Work:

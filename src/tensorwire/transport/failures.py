@@ -144,7 +144,7 @@ class Failures:
         a group nothing else refers to is collected, and its shared segment with it."""
         self.states: dict[tuple[int, int], int] = {}  # (ctx, peer) -> the call it said it runs (missing())
         self.in_p2p: set[tuple[int, int]] = set()  # (ctx, peer): it said it waits in a point-to-point call
-        self.p2p_waits = 0  # threads waiting in point-to-point calls (group/p2p.py): told in answers
+        self.p2p_waits: dict[int, int] = {}  # ctx -> threads waiting in its point-to-point calls (p2p.py)
         self.unvetted: dict[int, list[tuple[int, int, tuple]]] = {}
         """ctx -> a heap of (seq, peer, key) of the collective messages queued unexpected (some
         since taken): entering a call vets those for it or before it without a scan of the rest,
@@ -404,7 +404,7 @@ class Failures:
     def _answer_query(self, peer: int, ctx: int) -> None:
         call = self.current_call(ctx)
         seq, fp = (call.seq, call.fp) if call is not None else (0, Fingerprint(0))
-        header = Header(Kind.STATE, ctx, seq, _IN_P2P if self.p2p_waits else 0, 0, fp)
+        header = Header(Kind.STATE, ctx, seq, _IN_P2P if self.p2p_waits.get(ctx) else 0, 0, fp)
         self.channels[peer].post_control(SendRequest(peer, header, _EMPTY, "state"))
 
     def _note_state(self, ctx: int, peer: int, seq: int) -> None:
@@ -668,7 +668,7 @@ class Failures:
             return f"rank {peer} did not answer (not inside a tensorwire call: busy, blocked or stopped)"
         if (ctx, peer) in self.in_p2p:
             last = f"call #{at - internal}" if at > internal else "none yet"
-            return f"rank {peer} waits in a point-to-point call (its last call of the group: {last})"
+            return f"rank {peer} waits in a point-to-point call of the group (its last collective: {last})"
         if at > internal:
             return f"rank {peer} is at call #{at - internal} of the group"
         return f"rank {peer} has made no call of the group yet"
