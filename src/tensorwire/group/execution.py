@@ -23,7 +23,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import limits, log
-from ..errors import AbortedError, PeerLostError, ResourceError, TimeoutError, in_call, naming_call
+from ..errors import (
+    AbortedError,
+    InvalidArgumentError,
+    PeerLostError,
+    ResourceError,
+    TimeoutError,
+    in_call,
+    naming_call,
+)
 from ..transport.wire import Coll, Fingerprint
 from ..work import Work
 from .calls import CollectiveCall
@@ -37,6 +45,7 @@ _log = log.get("COLL")
 _MISSES = 8  # calls the worker was woken for and found run by their callers before it looks by itself
 _LOOK_S, _LOOK_MAX_S = 0.001, 0.002  # its first and longest pause between looks
 _PARK_S = 1.0  # it sleeps until woken once no call was queued for this long
+_callbacks = threading.local()  # `active`: this thread runs a finished call's done-callbacks
 
 
 class CallQueue:
@@ -63,6 +72,8 @@ class CallQueue:
         """Calls to fail without running (with `doom`): after a renewal, those another member
         made on the old context before it learned of a refusal (renewal.py)."""
         self.doom: BaseException | None = None
+        self.in_flight = [0, 0]
+        """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
 
     def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
                timeout: float | None, *args: Any) -> Any:
@@ -70,10 +81,18 @@ class CallQueue:
         as body(call, *args)."""
         group = self.group
         self.settle(timeout)
+        origin = 1 if getattr(_callbacks, "active", False) else 0
+        with self._cv:
+            clash = self.in_flight[1 - origin]
+            if not clash:
+                self.in_flight[origin] += 1
+        if clash:
+            self._interleaved(what, origin)
         self.seq += 1
         call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
         aborted = self.engine.aborted.get(group.ctx)
         if aborted is not None and call.seq >= aborted[0]:
+            self._finished(origin)
             raise aborted[1]
         if self.wrap is not None:
             body = self.wrap(body)
@@ -84,8 +103,9 @@ class CallQueue:
             try:
                 return self._run(call, body, args)
             finally:
+                self._finished(origin)
                 self._release()
-        work = QueuedWork(self, call.what)
+        work = QueuedWork(self, call.what, origin)
         with self._cv:
             self.pending.append((call, body, args, work))
             self.submitted += 1
@@ -103,6 +123,24 @@ class CallQueue:
             return work
         work.wait()
         return work._result
+
+    def _finished(self, origin: int) -> None:
+        with self._cv:
+            self.in_flight[origin] -= 1
+
+    def _interleaved(self, what: str, origin: int) -> NoReturn:
+        """A call made in a finished call's done-callbacks (a torch future's then()) while calls
+        the program made are in flight, or the reverse: their order depends on timing, so the
+        ranks may pair different calls. The group is aborted on every member instead."""
+        rank = self.group.runtime.rank
+        made = ("in a Work's done-callback while calls the program made",
+                "by the program while calls made in a Work's done-callback")[1 - origin]
+        error = InvalidArgumentError(
+            f"rank {rank}: {what} on group {self.group.name} was made {made} are in flight on it: the ranks "
+            f"may order such calls differently (PowerSGD's hook with several DDP buckets: use one bucket, "
+            f"bucket_cap_mb above the gradients' size); the group is aborted")
+        self.group.abort(error)
+        raise error
 
     def refuse(self, error: Exception) -> NoReturn:
         """A local argument error in the call about to be made, found before it sent anything:
@@ -285,7 +323,7 @@ class CallQueue:
                     return  # the worker has it, or it is done: wait the usual way
                 self.busy = True  # as the worker does: see submit
                 queued = self.pending.popleft()
-            self._run_queued(*queued)()
+            _finish_in_callbacks(self._run_queued(*queued))
 
     def _run_queued(self, call: CollectiveCall, body: Callable[..., Any], args: tuple,
                     work: Work) -> Callable[[], None]:
@@ -300,6 +338,7 @@ class CallQueue:
             return functools.partial(work._finish, result)
         finally:
             with self._cv:
+                self.in_flight[work.origin] -= 1
                 self.busy = False
                 if self.pending and self.wake_worker:
                     self._cv.notify_all()
@@ -375,12 +414,22 @@ def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
             queued = queue.pending.popleft()
         finish = queue._run_queued(*queued)
         del queue, queued
-        finish()
+        _finish_in_callbacks(finish)
         del finish
         queue = ref()
         if queue is None or queue._worker is not threading.current_thread():
             return  # its callbacks handed the group to another worker (CallQueue.submit)
         del queue
+
+
+def _finish_in_callbacks(finish: Callable[[], None]) -> None:
+    """Finish a call's Work: its done-callbacks run, and the calls they make count as theirs."""
+    outer = getattr(_callbacks, "active", False)
+    _callbacks.active = True
+    try:
+        finish()
+    finally:
+        _callbacks.active = outer
 
 
 def _wake(cv: threading.Condition) -> None:
@@ -392,9 +441,10 @@ class QueuedWork(Work):
     """A queued call's Work: whoever waits for it without a time limit runs it if the worker
     has not started it yet (CallQueue.run_until)."""
 
-    def __init__(self, queue: CallQueue, what: str) -> None:
+    def __init__(self, queue: CallQueue, what: str, origin: int) -> None:
         super().__init__(what, queue.group.runtime.rank)
         self._queue: CallQueue | None = queue
+        self.origin = origin  # CallQueue.in_flight's index
 
     def wait(self, timeout: float | None = None) -> bool:
         queue = self._queue
