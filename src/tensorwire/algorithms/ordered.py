@@ -65,6 +65,13 @@ class Reordered:
                                       step, reduce, base)
 
 
+def by_world_rank(call: P2P, ranks: Sequence[int]) -> Reordered:
+    """`call` with its members in world rank order, whatever order its group lists them in (a
+    group's setup exchange, which every member must meet however it numbered the group)."""
+    order = sorted(range(len(ranks)), key=ranks.__getitem__)
+    return Reordered(call, order, _inverse(order))
+
+
 def _inverse(order: Sequence[int]) -> list[int]:
     out = [0] * len(order)
     for v, g in enumerate(order):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import log
+from ..algorithms.ordered import by_world_rank
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.tree import binomial_broadcast
 from ..errors import CollectiveMismatchError, TensorwireWarning
@@ -23,8 +24,6 @@ from ..transport.segment import DirectPath, GroupSegment
 from .context import mix_context
 
 if TYPE_CHECKING:
-    from ..algorithms.base import P2P
-    from ..transport.requests import Request
     from .group import Group
 
 _log = log.get("COLL")
@@ -48,8 +47,10 @@ def setup_direct(group: Group, check_order: bool = False) -> None:
         table[group.rank] = _shm_facts(group)
     call = group.queue.internal_call("group setup" if tcp else "shm setup", aux=mix_context(*group.ranks))
     try:
-        recursive_doubling_all_reduce(_InOrder(call, group.ranks), table[:1 if tcp else None].reshape(-1),
-                                      ReduceOp.MAX)
+        # by world rank: a member that listed the group in another order meets the others, and
+        # its order's digest (the call's aux) fails their check instead of a wait nobody ends
+        rows = table[:1 if tcp else None].reshape(-1)
+        recursive_doubling_all_reduce(by_world_rank(call, group.ranks), rows, ReduceOp.MAX)
     except CollectiveMismatchError as exc:  # the members who wait for this one learn it too
         group.abort(exc, call.seq)
         raise
@@ -76,34 +77,6 @@ def setup_direct(group: Group, check_order: bool = False) -> None:
                  TensorwireWarning)
     told |= news
 
-
-
-class _InOrder:
-    """A call's view of its group with the members by world rank: the setup exchange meets
-    whatever order each member listed them in, so that a member's other order reaches the
-    others as a mismatch of the call's fingerprint (its `aux`), not as a wait for a message
-    nobody sends."""
-
-    def __init__(self, call: P2P, ranks: list[int]) -> None:
-        self._call, self.size, self.link = call, call.size, call.link
-        self._order = sorted(range(len(ranks)), key=ranks.__getitem__)  # position -> group rank
-        self.rank = self._order.index(call.rank)
-
-    def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
-        return self._call.isend(self._order[peer], data, step)
-
-    def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
-              base: np.ndarray | None = None) -> Request:
-        return self._call.irecv(self._order[peer], data, step, reduce, base)
-
-    def wait(self, *reqs: Request) -> None:
-        self._call.wait(*reqs)
-
-    def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
-                     reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:
-        order = self._order
-        return self._call.exchange_now(None if dst is None else order[dst], send, order[src], recv, step,
-                                       reduce, base)
 
 
 def _shm_facts(group: Group) -> tuple[int, ...]:
