@@ -439,3 +439,39 @@ def test_init_after_destroy_joins_again(tmp_path: Path) -> None:
     res = _run(["-n", "2", "--timeout", "30", str(script)], tmp_path)
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["rank 0: 3 cycles", "rank 1: 3 cycles"]
+
+
+FORKED_WORKER = """\
+import os, signal, sys, threading, time
+import numpy as np
+import tensorwire as tw
+w = tw.init()
+a = np.ones(1 << 16, np.float32)
+tw.all_reduce(a)  # every pair connected
+if w.rank == 1:
+    if os.fork() == 0:  # a worker (a data loader's) that outlives its rank, with copies of its descriptors
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(0.05)
+        time.sleep(15)
+        os._exit(0)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+killed = time.time() + 0.5
+try:
+    while True:
+        tw.all_reduce(a)
+except tw.PeerLostError as exc:
+    print(f"noticed {time.time() - killed:.2f} s after: {exc}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_rank_killed_while_its_fork_lives_is_lost_at_once(tmp_path: Path, tcp: bool) -> None:
+    """A process a rank forked after init() closes its copies of the rank's sockets: when the rank
+    is killed, its peers learn it at once, not when the fork exits (15 s later here)."""
+    (tmp_path / "job.py").write_text(FORKED_WORKER)
+    res = _run(["-n", "2", "--keep-going", *(["--tcp"] if tcp else []), "job.py"], tmp_path, timeout=50)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("noticed")), None)
+    assert line is not None, res.stdout + res.stderr
+    assert float(line.split()[1]) < 5.0 and "lost rank 1" in line, line

@@ -67,9 +67,11 @@ _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     """A process forked after init() holds its parent's connections and shared memory: its calls
     would speak for the parent (a peer matched them against the parent's). Its runtimes are
-    closed, touching nothing shared, so that their groups' calls raise (Runtime.ended)."""
+    closed, touching nothing shared, so that their groups' calls raise (Runtime.ended), and its
+    copies of the sockets closed (a data-loader worker kept a killed rank's connections open)."""
     for runtime in list(_LIVE):
         runtime.closed = True
+        runtime.engine.let_go_in_fork()
         for group in list(runtime.groups):
             group.forget_plans()  # every call then takes the checked path
 

@@ -776,6 +776,19 @@ class Engine(Failures):
                 self._select(200e-6)
 
     # -- shutdown ---------------------------------------------------------------------------
+    def let_go_in_fork(self) -> None:
+        """In a process forked from this rank's: close its copies of the rank's sockets, which
+        would keep the rank's connections open after the rank itself died (its peers would not
+        learn of it while the fork lives). Only the descriptors: the parent's connections stay."""
+        socks = [s for channel in self.channels.values() for s in getattr(channel, "sockets", ())]
+        if self.wiring is not None:
+            socks.append(self.wiring.listener)
+        for sock in socks:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Say goodbye to every peer (best effort, never blocking), then close the channels;
         first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raises and
