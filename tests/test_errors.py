@@ -1324,6 +1324,18 @@ def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: 
     monkeypatch.setenv("TENSORWIRE_TCP_CHUNK", "lots")
     with pytest.raises(ValueError, match="TENSORWIRE_TCP_CHUNK: cannot read size 'lots'"):
         Config.from_env()
+    monkeypatch.delenv("TENSORWIRE_TCP_CHUNK")
+    bad = (("TENSORWIRE_TIMEOUT", "nan", "TENSORWIRE_TIMEOUT='nan': cannot read duration"),
+           ("TENSORWIRE_TIMEOUT", "0", "TENSORWIRE_TIMEOUT (or init's timeout=): expected"),
+           ("TENSORWIRE_HELD_BYTES", "-1", "TENSORWIRE_HELD_BYTES='-1': expected a size"),
+           ("TENSORWIRE_TCP_CHUNK", "0", "TENSORWIRE_TCP_CHUNK=0: expected at least 4K"),
+           ("TENSORWIRE_SPIN_US", "-5", "TENSORWIRE_SPIN_US='-5': expected a number"),
+           ("TENSORWIRE_CACHE_MAX_AGE", "1x", "TENSORWIRE_CACHE_MAX_AGE='1x': cannot read"))
+    for name, value, said in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            Config.from_env()
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.timeout(40)

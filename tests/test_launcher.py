@@ -371,11 +371,12 @@ def test_tcp_settings_are_the_ones_asked_for(tmp_path: Path, monkeypatch: pytest
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == [f"rank {r} ['reno'] [131072] [196608]" for r in range(3)]
     for name in ("SNDBUF", "RCVBUF"):
-        monkeypatch.setenv(f"TENSORWIRE_TCP_{name}", "100")
-        tiny = _run(["-n", "2", "--tcp", str(script)], tmp_path)
-        assert tiny.returncode != 0
-        expected = f"TENSORWIRE_TCP_{name}=100: expected 0 (the kernel's autotuning) or at least 4K"
-        assert expected in tiny.stderr
+        for size, shown in (("100", "100"), ("1T", str(1 << 40))):
+            monkeypatch.setenv(f"TENSORWIRE_TCP_{name}", size)
+            bad = _run(["-n", "2", "--tcp", str(script)], tmp_path)
+            assert bad.returncode != 0
+            said = f"TENSORWIRE_TCP_{name}={shown}: expected 0 (the kernel's autotuning) or 4K to 1G"
+            assert said in bad.stderr, bad.stderr
         monkeypatch.delenv(f"TENSORWIRE_TCP_{name}")
     monkeypatch.setenv("TENSORWIRE_TCP_CONGESTION", "no-such-algorithm")
     failed = _run(["-n", "2", "--tcp", str(script)], tmp_path)
@@ -475,3 +476,29 @@ def test_a_rank_killed_while_its_fork_lives_is_lost_at_once(tmp_path: Path, tcp:
     line = next((x for x in res.stdout.splitlines() if x.startswith("noticed")), None)
     assert line is not None, res.stdout + res.stderr
     assert float(line.split()[1]) < 5.0 and "lost rank 1" in line, line
+
+
+SMALL_BUFFERS = """\
+import time
+import numpy as np
+import tensorwire as tw
+w = tw.init()
+a, b = np.full(1 << 20, w.rank, np.uint8), np.empty(1 << 20, np.uint8)
+t0 = time.perf_counter()
+tw.sendrecv(a, 1 - w.rank, b, 1 - w.rank)
+print(f"rank {w.rank} {time.perf_counter() - t0:.3f} {int(b[0])}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_small_tcp_buffers_are_set_before_connecting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TENSORWIRE_TCP_RCVBUF=4K set after a dialed socket connected held 1 MiB to 27 s (and init's
+    calibration to its timeout); set before, it moves in milliseconds."""
+    (tmp_path / "small.py").write_text(SMALL_BUFFERS)
+    monkeypatch.setenv("TENSORWIRE_TCP_RCVBUF", "4K")
+    monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "4K")
+    done = _run(["-n", "2", "--tcp", "--timeout", "20", "small.py"], tmp_path, timeout=50)
+    assert done.returncode == 0, done.stderr
+    for line in done.stdout.splitlines():
+        rank, seconds, got = line.split()[1:]
+        assert float(seconds) < 2.0 and int(got) == 1 - int(rank), line

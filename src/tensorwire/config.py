@@ -49,9 +49,12 @@ def warn_unknown_settings() -> None:
 def _env_size(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     try:
-        return parse_size(raw) if raw else None
+        size = parse_size(raw) if raw else None
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+    if size is not None and size < 0:
+        raise ValueError(f"{name}={raw!r}: expected a size of 0 or more")
+    return size
 
 
 def _env_size_or(name: str, default: int) -> int:
@@ -64,9 +67,12 @@ def _env_float(name: str, default: float | None) -> float | None:
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{name}={raw!r}: expected a number of 0 or more")
+    return value
 
 
 def _env_int(name: str, default: int) -> int:
@@ -121,9 +127,12 @@ def parse_duration(text: str) -> float:
             number, scale = t[: -len(unit)], seconds
             break
     try:
-        return float(number) * scale
+        seconds = float(number) * scale
     except ValueError as exc:
         raise ValueError(f"cannot read duration {text!r} (use e.g. 300, 500ms, 90s, 30m, 12h, 7d)") from exc
+    if seconds != seconds:  # nan: every comparison with it is false, so no bound would hold
+        raise ValueError(f"cannot read duration {text!r}: not a number")
+    return seconds
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -352,7 +361,7 @@ class Config:
                                              os.environ.get("TENSORWIRE_CALIBRATE", "").strip().lower()),
             tuning_file=os.environ.get("TENSORWIRE_TUNING_FILE", "").strip(),
             cache_dir=os.environ.get("TENSORWIRE_CACHE_DIR", "").strip(),
-            cache_max_age=parse_duration(os.environ.get("TENSORWIRE_CACHE_MAX_AGE", "").strip() or "1d"),
+            cache_max_age=_env_seconds("TENSORWIRE_CACHE_MAX_AGE", 86400.0),
             keep_memory=_env_bool("TENSORWIRE_KEEP_MEMORY", True),
             single_copy=os.environ.get("TENSORWIRE_SINGLE_COPY", "1").strip().lower() or "1",
             huge_pages=huge_pages_expected(os.environ.get("TENSORWIRE_HUGE_PAGES", "auto")),
@@ -391,12 +400,15 @@ class Config:
         if not cfg.cache_max_age > 0:
             raise ValueError(f"TENSORWIRE_CACHE_MAX_AGE: expected a positive duration, got "
                              f"{cfg.cache_max_age} s")
-        if cfg.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {cfg.timeout}")
+        if not 0 < cfg.timeout < float("inf"):
+            raise ValueError(f"TENSORWIRE_TIMEOUT (or init's timeout=): expected positive seconds, got "
+                             f"{cfg.timeout}")
         for name, size in (("SNDBUF", cfg.tcp_sndbuf), ("RCVBUF", cfg.tcp_rcvbuf)):
-            if size and size < 4096:
+            if size and not 4096 <= size <= 1 << 30:
                 raise ValueError(f"TENSORWIRE_TCP_{name}={size}: expected 0 (the kernel's autotuning) or "
-                                 f"at least 4K")
+                                 f"4K to 1G")
+        if cfg.tcp_chunk_bytes < 4096:
+            raise ValueError(f"TENSORWIRE_TCP_CHUNK={cfg.tcp_chunk_bytes}: expected at least 4K")
         if cfg.cuda_device_flags not in ("auto", "0", "1"):
             raise ValueError(f"TENSORWIRE_CUDA_DEVICE_FLAGS={cfg.cuda_device_flags!r}: expected auto (a GPU "
                              f"per rank or MPS), 1 (wherever Triton imports) or 0 (never)")

@@ -185,8 +185,8 @@ def make_plan(args: argparse.Namespace) -> LaunchPlan:
     if args.nnodes > 1 and args.master_port == 0:
         raise ValueError("--master-port 0 (pick a free port) only works with --nnodes 1: "
                          "every node must be told the same port")
-    if args.timeout is not None and args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
     grace = args.grace
     if grace is None:
         raw = os.environ.get("TENSORWIRE_LAUNCH_GRACE", "")
@@ -194,8 +194,8 @@ def make_plan(args: argparse.Namespace) -> LaunchPlan:
             grace = float(raw) if raw else DEFAULT_GRACE_S
         except ValueError as exc:
             raise ValueError(f"TENSORWIRE_LAUNCH_GRACE={raw!r} is not a number") from exc
-    if grace < 0:
-        raise ValueError(f"--grace must not be negative, got {grace}")
+    if not 0 <= grace < float("inf"):
+        raise ValueError(f"--grace must be 0 or more seconds, got {grace}")
     if args.module:
         command = [sys.executable, "-m", args.script, *args.script_args]
     else:

@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from .. import auth, limits
 from ..errors import AuthenticationError, RendezvousError
@@ -78,10 +79,12 @@ class Dial:
     side of the handshake. `step()` on every event of `sock`; True once authenticated."""
 
     def __init__(self, peer: int, addr: tuple[str, int], hello: bytes, secret: auth.Secret,
-                 auth_timeout: float, connect_timeout: float, who: str) -> None:
+                 auth_timeout: float, connect_timeout: float, who: str,
+                 prepare: Callable[[socket.socket], None] | None = None) -> None:
         """`connect_timeout` (TENSORWIRE_PEER_TIMEOUT): a TCP connect not completed by then
         reached no host, whose machine is down or cut off (a live host refuses at once where
-        nobody listens); the kernel would try for ~2 min."""
+        nobody listens); the kernel would try for ~2 min. `prepare`: what the socket needs
+        before it connects (its buffer sizes)."""
         self.peer, self.addr, self.secret, self.who = peer, addr, secret, who
         self.auth_timeout, self.connect_timeout = auth_timeout, connect_timeout
         self.side = auth.Initiator(secret.key, PURPOSE, MAGIC, hello, confirm=False)
@@ -96,6 +99,8 @@ class Dial:
         except OSError as exc:  # waiting frees no descriptor
             raise limits.translate(exc, f"{who}: connecting to rank {peer}") or exc from exc
         self.sock.setblocking(False)
+        if prepare is not None:
+            prepare(self.sock)
         err = self.sock.connect_ex(address)
         if err not in (0, errno.EINPROGRESS):
             self.sock.close()

@@ -128,6 +128,13 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                     f"TENSORWIRE_TCP_CONGESTION={cfg.tcp_congestion!r}: the kernel refused it "
                     f"({exc.strerror}); available here: {_proc_text('tcp_available_congestion_control')}, "
                     f"allowed without CAP_NET_ADMIN: {_proc_text('tcp_allowed_congestion_control')}") from exc
+    size_buffers(sock, cfg)
+
+
+def size_buffers(sock: socket.socket, cfg: Config) -> None:
+    """TENSORWIRE_TCP_SNDBUF and TENSORWIRE_TCP_RCVBUF, before the socket connects (a dialed
+    one) or listens: the window scale is agreed as the connection opens, and a receive buffer
+    shrunk after that held a small one's transfers to a crawl (1 MiB in 27 s at 4K)."""
     for opt, size in ((socket.SO_SNDBUF, cfg.tcp_sndbuf), (socket.SO_RCVBUF, cfg.tcp_rcvbuf)):
         if size:
             try:

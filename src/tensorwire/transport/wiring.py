@@ -46,7 +46,7 @@ from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreacha
 from .pair_rings import PairRings
 from .processes import start_of
 from .shm import Ring, ShmChannel
-from .tcp import SocketStream, TcpChannel, tune_socket
+from .tcp import SocketStream, TcpChannel, size_buffers, tune_socket
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -68,7 +68,7 @@ class _Out:
     def __init__(self, wiring: Wiring, peer: int, addr: tuple[str, int], index: int, pair: int) -> None:
         self.peer, self.index, self.pair = peer, index, pair
         self.dial = Dial(peer, addr, wiring.hello, wiring.secret, wiring.cfg.auth_timeout,
-                         wiring.cfg.peer_timeout, wiring.who)
+                         wiring.cfg.peer_timeout, wiring.who, functools.partial(size_buffers, cfg=wiring.cfg))
         self.sock = self.dial.sock
         self.msgs: Messages | None = None
         self.ring: Ring | None = None  # the ring this rank writes (index 0, a pair on one host)
