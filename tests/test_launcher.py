@@ -502,3 +502,14 @@ def test_small_tcp_buffers_are_set_before_connecting(tmp_path: Path, monkeypatch
     for line in done.stdout.splitlines():
         rank, seconds, got = line.split()[1:]
         assert float(seconds) < 2.0 and int(got) == 1 - int(rank), line
+
+
+@pytest.mark.timeout(60)
+def test_stdin_goes_to_rank_0(tmp_path: Path) -> None:
+    """As mpirun: the launcher's stdin is rank 0's; the other ranks read nothing."""
+    (tmp_path / "read.py").write_text("import os, sys\n"
+                                      "print(f\"rank {os.environ['RANK']} read {sys.stdin.read()!r}\")\n")
+    res = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", "read.py"], cwd=tmp_path,
+                         input="hello\n", capture_output=True, text=True, timeout=50)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["rank 0 read 'hello\\n'", "rank 1 read ''"], res.stdout

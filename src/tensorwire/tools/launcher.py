@@ -45,9 +45,10 @@ DESCRIPTION = """\
 Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
 rendezvous store on node rank 0, gives every rank its RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT, passes each rank's stdout through untouched and relays its
-stderr line by line. If a rank fails, the others get --grace seconds to report the lost
-peer, are then terminated, and the launcher prints which rank failed first with its last
-stderr lines and exits with that rank's exit code (128+N if it died of signal N). With
+stderr line by line; its own stdin goes to rank 0 (as mpirun's), the others read none. If
+a rank fails, the others get --grace seconds to report the lost peer, are then terminated,
+and the launcher prints which rank failed first with its last stderr lines and exits with
+that rank's exit code (128+N if it died of signal N). With
 --keep-going the others run on (they may shrink their groups and continue) and the launcher
 waits for every rank before it reports.
 
@@ -352,7 +353,8 @@ class Launcher:
             if self._signal_received is not None:
                 break  # interrupted while starting: don't start more
             env = self.plan.rank_env(local_rank, port, base)
-            proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL,
+            stdin = None if env["RANK"] == "0" else subprocess.DEVNULL  # as mpirun: rank 0 reads it
+            proc = subprocess.Popen(self.plan.command, env=env, stdin=stdin,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     preexec_fn=_die_with_parent)
             child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
