@@ -883,6 +883,10 @@ def _validate(p: argparse.ArgumentParser,
         if not sep or not key.startswith("net.") or not value:
             p.error(f"--sysctl {item!r}: expected net.NAME=VALUE (only net.* settings are per namespace)")
         sysctls[key] = value
+    for name in ("job_timeout", "timeout", "grace", "kill_after"):
+        value = getattr(a, name, None)
+        if value is not None and not 0 <= value < float("inf"):
+            p.error(f"--{name.replace('_', '-')} {value}: expected 0 or more seconds")
     return rate, job, env, sysctls
 
 
