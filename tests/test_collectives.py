@@ -277,6 +277,12 @@ def _rd_shape(dt: np.dtype) -> tuple:
     return ((128 << 10) // dt.itemsize + 7,)
 
 
+def _parts_shape(dt: np.dtype) -> tuple:
+    """n parts of whole 64-element runs and a rest for n = 2..6, past 8 KiB for every dtype:
+    where the one shot's fold starts with each rank's own part (a rest was once lost)."""
+    return (64 * 60 * 3 + 1,)
+
+
 def _mid_shape(dt: np.dtype) -> tuple:
     """Just above the 256 KiB ring threshold, not divisible by 2..5."""
     return ((300 << 10) // dt.itemsize + 7,)
@@ -385,7 +391,7 @@ def rank_reductions(seed: int, pairs: list[tuple[int, int]]) -> dict:
         tag = (di, opv, pi)
         rd.all_reduce(dt, op, red, RED_SHAPES[pi % len(RED_SHAPES)], False, (*tag, 0))
         rd.all_reduce(dt, op, red, RED_SHAPES[(pi + 3) % len(RED_SHAPES)], True, (*tag, 1))
-        rd.all_reduce(dt, op, red, (_rd_shape, _mid_shape)[pi % 2](dt), pi % 4 == 1, (*tag, 2))
+        rd.all_reduce(dt, op, red, (_rd_shape, _mid_shape, _parts_shape)[pi % 3](dt), pi % 4 == 1, (*tag, 2))
         rd.reduce(dt, op, red, (5, 3) if pi % 3 else _rd_shape(dt), pi % n, (pi // n) % 2 == 1, tag)
         rd.reduce_scatter(dt, op, red, RS_BLOCKS[pi % 2], "reduce_scatter", (*tag, 0))
         block = ((96 << 10) // (dt.itemsize * n) + 5,) if pi % 3 == 0 else RS_BLOCKS[(pi + 1) % 2]
