@@ -171,13 +171,14 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                     _finish(group, send, out, recv, inn, True, timeout)
                 return src
     elif _on_device(send) or _on_device(recv):
+        views = {}  # the CUDA buffers as torch tensors (CuPy's too)
         for buf, what in ((send, "send"), (recv, "recv")):  # both good before anything is sent
             if _on_device(buf):
-                group.device.check_p2p(buf, what)
+                views[what] = group.device.check_p2p(buf, what)
             else:
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
-        if _on_device(send) and _on_device(recv) and _overlap(send, recv):
-            send = send.clone()
+        if len(views) == 2 and _overlap(views["send"], views["recv"]):
+            send = views["send"].clone()
         deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
