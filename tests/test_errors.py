@@ -292,6 +292,28 @@ def test_bad_argument_on_every_rank(cluster: Any, case: str) -> None:
         assert (total, root) == (n * (n + 1) / 2, n - 1)
 
 
+def _split_bad_on_one_rank(t: float) -> tuple[dict[str, Any], int, float]:
+    """The last rank passes split a color that is no integer; the others a good one. Then a good
+    split, and an all_reduce on its group."""
+    g = _fresh_group()
+    first = _attempt(g.split, 1.5 if g.rank == g.size - 1 else 1, timeout=t)
+    sub = g.split(g.rank % 2, timeout=t)
+    x = np.ones(2, np.float32)
+    sub.all_reduce(x, timeout=t)
+    return first, sub.size, float(x[0])
+
+
+def test_a_bad_split_on_one_rank_fails_every_rank(cluster: Any) -> None:
+    """A color that is no integer failed on its rank only, and the others paired their split
+    with its next one: groups made of different calls, without an error. Now every member
+    raises, and the next split makes the right groups."""
+    n = cluster.size
+    for rank, (first, size, total) in enumerate(cluster.run(_split_bad_on_one_rank, 10.0)):
+        _assert_error(first, InvalidArgumentError, "split #", "color=1.5 is not an integer", within=5.0)
+        want = len(range(rank % 2, n, 2))
+        assert (size, total) == (want, want), (rank, size, total)
+
+
 def _one_rank_bad(case: str, rounds: int) -> list[list[Any]]:
     g = _fresh_group()
     bad = g.size - 1
@@ -789,6 +811,11 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
             g.broadcast(x, src=0, timeout=t)
     elif base == "all_reduce_count":
         g.all_reduce(np.ones(m + r, np.float32), timeout=t)
+    elif base == "split_or_all_gather":  # split's exchange is not the user's all_gather of 2 int64
+        if r == 0:
+            g.split(0, timeout=t)
+        else:
+            g.all_gather_into_tensor(np.empty(2 * n, np.int64), np.zeros(2, np.int64), timeout=t)
     elif base == "all_reduce_empty":  # rank 1 has nothing to reduce: it still meets the others
         g.all_reduce(np.ones(0 if r == 1 else m, np.float32), timeout=t)
     elif base == "empty_all_reduce_or_barrier":
@@ -867,6 +894,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "all_reduce_count:large": ("all_reduce", "count"),
     "all_reduce_count_across_algorithms": ("all_reduce", "count"),
     "all_reduce_empty": ("all_reduce", "count"),
+    "split_or_all_gather": ("collective", "split", "all_gather"),
     "all_reduce_empty:large": ("all_reduce", "count"),
     "empty_all_reduce_or_barrier": ("collective", "all_reduce", "barrier"),
     "all_reduce_dtype": ("all_reduce", "dtype", "float32", "float64"),

@@ -18,8 +18,9 @@ from .. import buffers, log
 from ..algorithms.hierarchical import Hierarchy
 from ..errors import InvalidArgumentError, NotInitializedError
 from ..ops import ReduceOp
-from . import collectives, objects, p2p, shm_setup
-from .arguments import check_member
+from ..transport.wire import Coll
+from . import bodies, collectives, objects, p2p, shm_setup
+from .arguments import check_member, fingerprint
 from .calls import CollectiveCall
 from .context import NEW_GROUP, SPLIT, mix_context
 from .execution import CallQueue
@@ -259,10 +260,18 @@ class Group:
     def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
         """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).
 
-        A color of None (or negative) leaves this rank out; it gets None back."""
+        A color of None (or negative) leaves this rank out; it gets None back. Colors and keys
+        are integers of 64 bits; another value fails the split on every member."""
+        check_member(self, "split")
+        for name, value in (("color", color), ("key", key)):
+            if not (value is None and name == "color") and not (
+                    isinstance(value, (int, np.integer)) and -1 << 63 <= value < 1 << 63):
+                self.fail_fast(InvalidArgumentError(
+                    f"rank {self.runtime.rank}: split: {name}={value!r} is not an integer of 64 bits"))
         mine = np.array([-1 if color is None or color < 0 else color, key], dtype=np.int64)
         table = np.empty((self.size, 2), dtype=np.int64)
-        self.all_gather_into_tensor(table, mine, timeout=timeout)
+        self.queue.submit(fingerprint(Coll.SPLIT, mine.dtype, count=2), "split", bodies.all_gather, False,
+                          timeout, mine, list(table), True, table, bodies.SELECT)  # not the user's all_gather
         self._splits += 1
         if mine[0] < 0:
             return None
