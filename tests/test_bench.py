@@ -186,6 +186,25 @@ def test_usage_errors() -> None:
     assert p.returncode == 2 and "cannot read size" in p.stderr
     p = run_bench("all_reduce", "-o", "xor")
     assert p.returncode == 2 and "--op" in p.stderr
+    # output paths are checked before any rank starts (a folder failed after the whole sweep)
+    p = run_bench("all_reduce", "--json", str(Path(__file__).parent))
+    assert p.returncode == 2 and "is a directory" in p.stderr, p.stderr
+
+
+def test_other_tools_usage_errors() -> None:
+    """plan's --gamma must be a positive rate (-1 printed negative times, nan NaN ones), sizes
+    must be finite; topo's --np inside a job would start a job per rank."""
+    def tool(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tensorwire", *args], env={**_env(), **env}, text=True,
+                              capture_output=True, timeout=45)
+
+    for gamma in ("-1", "nan", "0"):
+        p = tool("plan", "all_reduce", "1M", "--np", "4", "--no-probe", "--gamma", gamma)
+        assert p.returncode == 2 and "--gamma must be a positive rate" in p.stderr, p.stderr
+    p = tool("plan", "all_reduce", "inf", "--no-probe")
+    assert p.returncode == 2 and "cannot read size 'inf'" in p.stderr, p.stderr
+    p = tool("topo", "--np", "2", WORLD_SIZE="2")
+    assert p.returncode == 2 and "inside a job of 2 ranks" in p.stderr, p.stderr
 
 
 # ---------------------------------------------------------------------------------------------

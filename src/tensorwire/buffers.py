@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from . import limits
 from .errors import InvalidArgumentError, call_prefix
 from .ops.carriers import carrier
 from .ops.dtypes import SUPPORTED_NUMS, check_dtype, is_supported_dtype
@@ -336,7 +337,10 @@ def huge_zeros(nbytes: int) -> np.ndarray:
     # shmem_enabled, `never` by default), zero pages faulted on first touch, and whole huge
     # pages: one whose 2 MiB reached past the mapping's end would stay in 4 KiB pages.
     whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError) as exc:  # ENOMEM, or a size past what a mapping can have
+        raise limits.memory_error(exc, f"a buffer of {nbytes} bytes") from exc
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive

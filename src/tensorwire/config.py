@@ -181,7 +181,7 @@ def parse_size(text: str) -> int:
         t = t[:-1]
     try:
         return int(float(t) * mult)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: inf
         raise ValueError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from exc
 
 

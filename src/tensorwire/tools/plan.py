@@ -365,6 +365,9 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
         m = parse_size(args.size)
         if args.np < 1 or m < 0:
             raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
+        if args.gamma is not None and not 0 < args.gamma < float("inf"):
+            raise InvalidArgumentError(f"tensorwire plan: --gamma must be a positive rate in GB/s, got "
+                                       f"{args.gamma}")
         gamma = 1 / (args.gamma * 1e9) if args.gamma else None
         if args.hosts is not None:
             if args.hosts < 1 or args.per_host < 1 or args.nics < 1 or args.cores < 0:

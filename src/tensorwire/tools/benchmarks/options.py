@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -229,6 +231,22 @@ def _op_list(text: str) -> list[str]:
     return list(names)
 
 
+def _writable(path: str, option: str) -> None:
+    """An output path the sweep can write once it is done (its missing folders are made then):
+    a folder, or a place nobody may write, is said before any rank starts."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ValueError(f"{option} {path!r} is a directory; give a file name")
+    place = os.path.dirname(full)
+    while not os.path.exists(place):
+        place = os.path.dirname(place)
+    try:
+        with tempfile.TemporaryFile(dir=place):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path!r}: cannot write in {place} ({exc.strerror})") from None
+
+
 def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Options:
     """Parse and validate; raises SystemExit (argparse) or ValueError with a user message."""
     args = build_parser(prog).parse_args(list(argv))
@@ -238,6 +256,9 @@ def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Option
         raise ValueError("--algo and --compare do not go together")
     if args.rounds is None:
         args.rounds = 3 if args.compare else 1
+    for option, path in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown)):
+        if path:
+            _writable(path, option)
     colls = list(COLLECTIVES) if args.collective == "all" else [args.collective]
     sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     return Options(colls=colls, sizes=sizes, dtypes=_dtype_list(args.datatype), ops=_op_list(args.op),
