@@ -492,16 +492,17 @@ print(f"rank {w.rank} {time.perf_counter() - t0:.3f} {int(b[0])}", flush=True)
 
 @pytest.mark.timeout(60)
 def test_small_tcp_buffers_are_set_before_connecting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TENSORWIRE_TCP_RCVBUF=4K set after a dialed socket connected held 1 MiB to 27 s (and init's
-    calibration to its timeout); set before, it moves in milliseconds."""
+    """TENSORWIRE_TCP_RCVBUF=4K set after a dialed socket connected stalled its transfers: init's
+    calibration ran into the job's 20 s timeout. Set before, the job runs (its time is not
+    asserted: docs/design/tcp.md has the measurement)."""
     (tmp_path / "small.py").write_text(SMALL_BUFFERS)
     monkeypatch.setenv("TENSORWIRE_TCP_RCVBUF", "4K")
     monkeypatch.setenv("TENSORWIRE_TCP_SNDBUF", "4K")
     done = _run(["-n", "2", "--tcp", "--timeout", "20", "small.py"], tmp_path, timeout=50)
     assert done.returncode == 0, done.stderr
     for line in done.stdout.splitlines():
-        rank, seconds, got = line.split()[1:]
-        assert float(seconds) < 2.0 and int(got) == 1 - int(rank), line
+        rank, _seconds, got = line.split()[1:]
+        assert int(got) == 1 - int(rank), line
 
 
 @pytest.mark.timeout(60)

@@ -36,8 +36,8 @@ def all_reduce(call: CollectiveCall, src: np.ndarray, dst: np.ndarray, red: Redu
             compressed_all_reduce(call, flat, red.op, apart, codec)
         else:
             tuner.select(group, "all_reduce", flat.nbytes).run(call, flat, red.op, apart)
-    elif group.size > 1:  # nothing to reduce, but the ranks must still agree on the call (a rank
-        tuner.select(group, "barrier", 0).run(call)  # with elements would wait for this one)
+    elif group.size > 1:  # nothing to reduce; the call still meets the others (its fingerprint)
+        tuner.select(group, "barrier", 0).run(call)
     elif apart is not None:
         copy(flat, apart)
     finalize(flat, red, group.size)

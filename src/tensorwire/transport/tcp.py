@@ -134,7 +134,7 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
 def size_buffers(sock: socket.socket, cfg: Config) -> None:
     """TENSORWIRE_TCP_SNDBUF and TENSORWIRE_TCP_RCVBUF, before the socket connects (a dialed
     one) or listens: the window scale is agreed as the connection opens, and a receive buffer
-    shrunk after that held a small one's transfers to a crawl (1 MiB in 27 s at 4K)."""
+    shrunk after that stalls the connection (docs/design/tcp.md)."""
     for opt, size in ((socket.SO_SNDBUF, cfg.tcp_sndbuf), (socket.SO_RCVBUF, cfg.tcp_rcvbuf)):
         if size:
             try:
