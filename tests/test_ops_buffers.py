@@ -257,6 +257,23 @@ def test_reduce_into_unaligned_readonly_source() -> None:
     np.testing.assert_array_equal(dst, src_vals + 1)
 
 
+def test_e8m0_product_rounds_the_exact_product_once() -> None:
+    """float8_e8m0fnu spans float32's exponents: its products below 2**-149 are the dtype's
+    rounding of the exact value (its smallest, with ml_dtypes >= 0.7 and torch), not the NaN
+    that a float32 intermediate's 0 becomes. Found by hypothesis in CI."""
+    dt = np.dtype(ml_dtypes.float8_e8m0fnu)
+    bits = np.array([0, 0, 1, 60, 127, 254, 200, 255], np.uint8)
+    other = np.array([0, 127, 5, 60, 128, 254, 200, 127], np.uint8)
+    a, b = bits.view(dt), other.view(dt)
+    got = a.copy()
+    reduce_into(got, b, ReduceOp.PRODUCT)
+    want = (a.astype(np.float64) * b.astype(np.float64)).astype(dt)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    out = np.empty_like(a)
+    reduction_kernel(ReduceOp.PRODUCT, dt)(a, b, out)
+    np.testing.assert_array_equal(out.view(np.uint8), got.view(np.uint8))
+
+
 def test_reduce_into_invalid_pair_raises() -> None:
     with pytest.raises(InvalidArgumentError, match="BAND"):
         reduce_into(np.zeros(2, np.float32), np.zeros(2, np.float32), ReduceOp.BAND)

@@ -1,7 +1,8 @@
 """The in-place reduction kernels: one numpy ufunc with an output, found in a table.
 
 Every reduction a collective performs goes through `reduction_kernel` (or `reduce_into`,
-`reduce_to`), so the data path never loops per element in Python and never allocates.
+`reduce_to`), so the data path never loops per element in Python and never allocates
+(but for float8_e8m0fnu products, which need float64).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ KIND_UFUNCS["c"] = {op: u for op, u in KIND_UFUNCS["f"].items() if op not in (Re
 # The output is passed positionally: a ufunc parses `out=` more slowly (docs/design/reductions.md).
 TABLE: list[dict[int, Any]] = [{} for _ in ReduceOp]
 _TORCH_CODES = frozenset({9, 16})  # float16, bfloat16: torch's CPU kernels are much faster
+_E8M0 = 21  # float8_e8m0fnu: powers of two as wide as float32's, and no zero
 
 
 def _fill_table(entry: DType, num: int) -> None:
@@ -53,6 +55,16 @@ def _fill_table(entry: DType, num: int) -> None:
         for op, ufunc in KIND_UFUNCS[entry.category].items():
             kernel = _three_argument(ufunc)
             TABLE[op][num] = _torch_capable(kernel, op) if entry.code in _TORCH_CODES else kernel
+        if entry.code == _E8M0:
+            TABLE[ReduceOp.PRODUCT][num] = _product_in_float64
+
+
+def _product_in_float64(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """float8_e8m0fnu's product, exact in float64 and rounded once. ml_dtypes multiplies it in
+    float32, where a product below 2**-149 becomes 0 and then NaN (no zero to round to), while
+    the exact product converts to the smallest value as torch's kernels do."""
+    with np.errstate(over="ignore", invalid="ignore"):  # past the range is NaN, as its multiply's
+        np.copyto(out, np.multiply(a.astype(np.float64), b.astype(np.float64)), casting="unsafe")
 
 
 def _three_argument(ufunc: np.ufunc) -> Callable[..., None]:
