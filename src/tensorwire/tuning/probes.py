@@ -212,10 +212,12 @@ def measure_compiled(world: Group, cma: bool, long: dict[str, int],
     one = forced("all_reduce", "direct", big.nbytes, lambda: world.all_reduce(big), **long)
     units = 1 + n + n - 1  # copy in, n reads, n-1 folds, as in measure_direct; the compiled body folds
     # as it reads, beating that floor (a lone copy a unit), but still copies the message in once
-    beta = max((one - alpha) / (units * big.nbytes), measure_copy() / units) if one and alpha else 0.0
+    fitted = max((one - alpha) / (units * big.nbytes), measure_copy() / units) if one and alpha else 0.0
+    beta = np.array([fitted])  # the copy floor is this rank's own measurement: every rank takes the largest
+    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), beta, ReduceOp.MAX)
     reads = forced("all_gather", "single_copy", blocks.nbytes,
                    lambda: world.all_gather_into_tensor(blocks, block), **counts) / 2 if cma else 0.0
-    return alpha, beta, reads
+    return alpha, float(beta[0]), reads
 
 
 # -- messages: a pair of ranks, and every rank at once ---------------------------------------------
