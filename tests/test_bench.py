@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -177,6 +178,15 @@ def test_single_rank_without_launcher() -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     rows = data_rows(p.stdout)
     assert len(rows) == 1 and rows[0][0] == "1024" and rows[0][10] == "0"
+
+
+def test_sizes_past_memory_are_one_line_not_a_traceback() -> None:
+    limit = 8 << 30  # address space: the 16 GiB buffer cannot be had whatever the overcommit policy
+    p = subprocess.run([sys.executable, "-m", "tensorwire", "bench", "all_reduce", "-b", "16G", "-e", "16G",
+                        "-n", "1", "-w", "0"], env=_env(), text=True, capture_output=True, timeout=45,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "tensorwire bench: error: a buffer of" in p.stderr and "docs/limits.md" in p.stderr, p.stderr
 
 
 @pytest.mark.timeout(30)

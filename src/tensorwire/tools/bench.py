@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ResourceError
 from .benchmarks import progress, report, sweep, tcp_ceiling
 from .benchmarks.loadmeter import job_meter
 from .benchmarks.options import Options, parse_options, planned_cells
@@ -414,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc.code, file=sys.stderr)
             return 2
         return int(exc.code or 0)
+    except ResourceError as exc:  # the sweep's sizes past this machine's limits: no traceback
+        print(f"tensorwire bench: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _compare(opts: Options) -> int:
