@@ -203,7 +203,7 @@ def test_usage_errors() -> None:
 
 def test_other_tools_usage_errors() -> None:
     """plan's --gamma must be a positive rate (-1 printed negative times, nan NaN ones), sizes
-    must be finite; topo's --np inside a job would start a job per rank."""
+    must be finite; topo's --np inside a job (mpirun's too) would start a job per rank."""
     def tool(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "tensorwire", *args], env={**_env(), **env}, text=True,
                               capture_output=True, timeout=45)
@@ -213,8 +213,10 @@ def test_other_tools_usage_errors() -> None:
         assert p.returncode == 2 and "--gamma must be a positive rate" in p.stderr, p.stderr
     p = tool("plan", "all_reduce", "inf", "--no-probe")
     assert p.returncode == 2 and "cannot read size 'inf'" in p.stderr, p.stderr
-    p = tool("topo", "--np", "2", WORLD_SIZE="2")
+    p = tool("topo", "--np", "2", WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert p.returncode == 2 and "inside a job of 2 ranks" in p.stderr, p.stderr
+    p = tool("topo", "--np", "2", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1")  # mpirun's
+    assert p.returncode == 2 and "inside a job" in p.stderr, p.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from .benchmarks.sweep import Buffers, measure
 from .benchmarks.sweep import busbw_factor as busbw_factor  # re-exported: `tensorwire.tools.bench` API
 from .benchmarks.sweep import summarize as summarize  # re-exported: `tensorwire.tools.bench` API
 from .benchmarks.tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
+from .launcher import launched_job_size
 
 # ------------------------------------------------------------------------------------------
 # Argument parsing
@@ -133,17 +134,6 @@ def _transport_of(tw: Any) -> str:
 
 # ------------------------------------------------------------------------------------------
 # Driver
-
-
-def in_launched_job(env: dict[str, str] | None = None) -> bool:
-    """True inside tensorwire run / torchrun / mpirun / srun (a world to join exists)."""
-    from ..rendezvous import bootstrap
-
-    env = dict(os.environ if env is None else env)
-    try:
-        return bootstrap.detect(env=env).source != "single"
-    except Exception:
-        return True  # a launcher's environment, if a broken one: let init() explain
 
 
 def relaunch(opts: Options) -> int:
@@ -402,10 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as exc:
             print(f"tensorwire bench: error: {exc}", file=sys.stderr)
             return 2
-    if opts.args.nprocs is not None and not in_launched_job():
+    if opts.args.nprocs is not None and launched_job_size() is None:
         if opts.args.nprocs > 1:
             return relaunch_with_progress(opts)
-    elif not in_launched_job():
+    elif launched_job_size() is None:
         print("# tensorwire bench: 1 rank (pass --np N for more, or start it under a launcher)",
               file=sys.stderr)
     try:
@@ -423,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _compare(opts: Options) -> int:
     from .benchmarks import compare
 
-    if in_launched_job():
+    if launched_job_size() is not None:
         print("tensorwire bench: error: --compare starts every library's job itself; run it outside a "
               "launcher (with --np N)", file=sys.stderr)
         return 2

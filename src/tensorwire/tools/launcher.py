@@ -75,6 +75,18 @@ environment of each rank:
 """
 
 
+def launched_job_size(env: dict[str, str] | None = None) -> int | None:
+    """The world size of the job this process is a rank of (tensorwire run, torchrun, mpirun,
+    srun): None outside one, 0 for a launcher's environment too broken to read (init() explains)."""
+    from ..rendezvous import bootstrap
+
+    try:
+        found = bootstrap.detect(env=dict(os.environ if env is None else env))
+    except Exception:
+        return 0
+    return None if found.source == "single" else found.world_size
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of `tensorwire run` (kept apart so the CLI can show them)."""
     parser.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",

@@ -32,8 +32,9 @@ def main(argv: list[str]) -> int:
     if args.np is not None:
         if args.np < 1:
             p.error("--np must be >= 1")
-        if "WORLD_SIZE" in os.environ:  # started as a rank already (tensorwire run, torchrun, mpirun)
-            p.error(f"--np {args.np} inside a job of {os.environ['WORLD_SIZE']} ranks: leave it out")
+        size = launcher.launched_job_size()
+        if size is not None:  # started as a rank already (tensorwire run, torchrun, mpirun, srun)
+            p.error(f"--np {args.np} inside a job{f' of {size} ranks' if size else ''}: leave it out")
         again = ["-m", "tensorwire", "topo", *(["--json"] if args.json else [])]
         return launcher.main(["-n", str(args.np), *again], prog="tensorwire topo")
     os.environ.setdefault("TENSORWIRE_CALIBRATE", "0")  # the topology needs no link constants
