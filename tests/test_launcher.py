@@ -514,3 +514,39 @@ def test_stdin_goes_to_rank_0(tmp_path: Path) -> None:
                          input="hello\n", capture_output=True, text=True, timeout=50)
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["rank 0 read 'hello\\n'", "rank 1 read ''"], res.stdout
+
+
+LEAVES_A_CHILD = """\
+import os, signal, sys, time
+if os.fork() == 0:  # a worker left behind; rank 0's ignores SIGTERM
+    if os.environ["RANK"] == "0":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(f"child{os.environ['RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+    os._exit(0)
+while not os.path.exists(f"child{os.environ['RANK']}"):
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_processes_a_rank_leaves_behind_are_ended(tmp_path: Path) -> None:
+    """As torchrun: what a rank forked and left running ends with the job, and the launcher says so
+    (it outlived the job before); SIGKILL where SIGTERM is ignored."""
+    (tmp_path / "job.py").write_text(LEAVES_A_CHILD)
+    res = _run(["-n", "2", "job.py"], tmp_path, timeout=50)
+    assert res.returncode == 0, res.stderr
+    pids = [int((tmp_path / f"child{r}").read_text()) for r in range(2)]
+    for rank, pid in enumerate(pids):
+        assert f"rank {rank} left 1 process(es) running (pid {pid}): ending them" in res.stderr, res.stderr
+    assert not any(_running(pid) for pid in pids)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may be slow to reap, or never)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False

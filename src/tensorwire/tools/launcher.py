@@ -50,7 +50,8 @@ a rank fails, the others get --grace seconds to report the lost peer, are then t
 and the launcher prints which rank failed first with its last stderr lines and exits with
 that rank's exit code (128+N if it died of signal N). With
 --keep-going the others run on (they may shrink their groups and continue) and the launcher
-waits for every rank before it reports.
+waits for every rank before it reports. Processes a rank forked and left running end with the
+job (SIGTERM, then SIGKILL), as torchrun's do; one meant to outlive it starts its own session.
 
 The job is authenticated: its store and its ranks serve only processes that prove they know
 its secret. On one node the launcher makes a fresh secret and hands it to its ranks; across
@@ -286,6 +287,29 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher's own signal forwarding still applies
 
 
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (Linux's /proc; elsewhere whether any is)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != b"Z":  # after the name: state, ppid, pgrp
+                members.append(int(entry))
+    return sorted(members)
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -366,9 +390,11 @@ class Launcher:
                 break  # interrupted while starting: don't start more
             env = self.plan.rank_env(local_rank, port, base)
             stdin = None if env["RANK"] == "0" else subprocess.DEVNULL  # as mpirun: rank 0 reads it
+            # its own session: what it forks stays in its process group, which the launcher
+            # ends after it (_end_left_behind); signals reach it from the launcher alone
             proc = subprocess.Popen(self.plan.command, env=env, stdin=stdin,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, start_new_session=True)
             child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
             self.ranks.append(child)
             assert proc.stdout is not None and proc.stderr is not None
@@ -500,6 +526,7 @@ class Launcher:
             first_failure = self._supervise()
         finally:
             self._restore_handlers(previous)
+            self._end_left_behind()
             for child in self.ranks:
                 if child.reader is not None:
                     # A grandchild may hold the pipe open; don't wait for it forever.
@@ -510,6 +537,28 @@ class Launcher:
 
             remove_stale()  # segments of ranks killed before they unlinked them (in group setup)
         return self._report(first_failure)
+
+    def _end_left_behind(self) -> None:
+        """End what the ranks forked and left running (as torchrun does): SIGTERM to each rank's
+        process group, SIGKILL to what is left TERM_TO_KILL_S later, and say so. A process that
+        is to outlive the job leaves the group itself (setsid)."""
+        groups = {child.rank: child.proc.pid for child in self.ranks if child.proc.returncode is not None}
+        left = {rank: _group_members(pgid) for rank, pgid in groups.items()}
+        left = {rank: pids for rank, pids in left.items() if pids}
+        if not left:
+            return
+        with self._output_lock:
+            for rank, pids in sorted(left.items()):
+                print(f"tensorwire run: rank {rank} left {len(pids)} process(es) running (pid "
+                      f"{', '.join(map(str, pids))}): ending them", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + TERM_TO_KILL_S
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for rank in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(groups[rank], sig)
+            while time.monotonic() < deadline and any(_group_members(groups[r]) for r in left):
+                time.sleep(0.05)
+            deadline = time.monotonic() + REAP_AFTER_KILL_S
 
     def _report(self, first_failure: RankProcess | None) -> int:
         if first_failure is None and self._signal_received is None:
