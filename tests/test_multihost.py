@@ -353,7 +353,9 @@ def test_groups_with_uneven_hosts_run_hierarchically(support: dict) -> None:
 def test_hierarchical_mismatch_fails_every_rank_naming_the_call(support: dict) -> None:
     res = run_bed(["--hosts", "2", "-n", "2", "--timeout", "30"], [TOPOLOGY_JOB, "mismatch"])
     _job_ok(res, 4)
-    assert len(res.lines(r"MISMATCH OK rank \d+ (count|algorithm)")) == 8, res.out
+    assert len(res.lines(r"MISMATCH OK rank \d+ (count|algorithm|op|compress)")) == 16, res.out
+    for found in res.lines(r"MISMATCH OK rank \d+ (?:op|compress): (.*)"):  # the phases tell their caller's
+        assert "phase of differs" in found.group(1) or "that call differs" in found.group(1), found.group(1)
 
 
 def test_one_ranks_refusal_of_a_hierarchical_call_leaves_the_group_usable(support: dict) -> None:

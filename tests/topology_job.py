@@ -276,21 +276,27 @@ def uneven(cases: list[int]) -> None:
 
 
 def mismatch() -> None:
-    """Ranks that disagree on a hierarchical all_reduce's count (rank 0 one element more), or on
+    """Ranks that disagree on a hierarchical all_reduce's count (rank 0 one element more), on
     its size so far that rank 0 alone runs another algorithm (4 elements: the leaders'
-    variant, the others the rails'): every rank raises a mismatch that names the caller's
-    call, not only the phase's sub-group, within seconds. Both are forced: whether the tuner
-    picks a hierarchy for these sizes depends on the machine's load."""
+    variant, the others the rails'), on its op where the phases sum alike (AVG on rank 0, SUM
+    elsewhere), or on compress= (bf16 on rank 0, fp16 elsewhere: the same 16-bit words cross):
+    every rank raises a mismatch that names the caller's call, not only the phase's sub-group,
+    within seconds (the last two were sums of different things, silently, before the phases
+    carried their caller's digest). All are forced: whether the tuner picks a hierarchy for
+    these sizes depends on the machine's load."""
     r = tw.get_rank()
     count = 1 << 20
-    for label, mine in (("count", count + (r == 0)), ("algorithm", 4 if r == 0 else count)):
+    cases = (("count", count + (r == 0), tw.ReduceOp.SUM, None), ("algorithm", 4 if r == 0 else count,
+             tw.ReduceOp.SUM, None), ("op", count, tw.ReduceOp.AVG if r == 0 else tw.ReduceOp.SUM, None),
+             ("compress", count, tw.ReduceOp.SUM, "bf16" if r == 0 else "fp16"))
+    for label, mine, op, compress in cases:
         g = tw.new_group(list(range(tw.get_world_size())), name=label)
         try:
             with tuner.override(g, "all_reduce", "hierarchical" if mine >= count else "hierarchical_leaders"):
-                g.all_reduce(np.ones(mine, dtype=np.float32), timeout=20)
+                g.all_reduce(np.ones(mine, dtype=np.float32), op, timeout=20, compress=compress)
         except tw.CollectiveMismatchError as exc:
             assert f" on group {label} (hierarchical)" in str(exc) and "all_reduce #" in str(exc), exc
-            say(f"MISMATCH OK rank {r} {label}")
+            say(f"MISMATCH OK rank {r} {label}: {exc}")
             continue
         raise AssertionError(f"rank {r}: {label}: no error")
 

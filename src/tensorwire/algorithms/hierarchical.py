@@ -43,6 +43,7 @@ import numpy as np
 
 from ..errors import TensorwireError, in_call
 from ..ops import ReduceOp
+from ..transport.wire import phase_digest
 from ..tuning.shape import COPY, LocalPrice, RailPrice, Shape
 from .base import P2P, contiguous_span, offsets_of, split_counts
 from .registry import Algorithm, Link, register
@@ -435,6 +436,8 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
     sub-group ('reduce_scatterv #5 on group world/host0'), which the caller never made."""
     @functools.wraps(run)
     def named(p2p: P2P, *args: Any) -> None:
+        h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
+        h.local.queue.phase_of = h.rail.queue.phase_of = phase_digest(p2p.fp)  # type: ignore[attr-defined]
         try:
             run(p2p, *args)
         except TensorwireError as exc:
@@ -442,6 +445,8 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
             if named is exc:  # named on the rank that raised it, and came with the group's abort
                 raise
             raise named from exc
+        finally:
+            h.local.queue.phase_of = h.rail.queue.phase_of = 0
     return named
 
 

@@ -73,6 +73,10 @@ class CallQueue:
         made on the old context before it learned of a refusal (renewal.py)."""
         self.doom: BaseException | None = None
         self.in_flight = [0, 0]
+        self.phase_of = 0
+        """While a hierarchical call runs its phases on this group (one of its hierarchy's), that
+        call's wire.phase_digest, mixed into each call's fingerprint here (Plans.submit and
+        Plans._compile send such calls here)."""
         """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
 
     def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
@@ -89,6 +93,8 @@ class CallQueue:
         if clash:
             self._interleaved(what, origin)
         self.seq += 1
+        if self.phase_of:
+            fp = fp._replace(aux=fp.aux ^ self.phase_of)
         call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
         aborted = self.engine.aborted.get(group.ctx)
         if aborted is not None and call.seq >= aborted[0]:

@@ -78,7 +78,7 @@ class Plans(dict):
         copy's own run of a broadcast, all_gather_into_tensor, all_to_all_single, gather or
         scatter (single_copy.MOVES), matched by the key collectives.py made it under."""
         dp = self.group.direct
-        if dp is None or dp.native is None:
+        if dp is None or dp.native is None or self.queue.phase_of:  # see CallQueue.phase_of
             return
         call = plan[0]
         a, b = dp.words_of(call.fp)
@@ -191,7 +191,7 @@ class Plans(dict):
                 engine.glance()
         queue = self.queue
         if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
-                or queue.doomed or engine.unexpected \
+                or queue.doomed or engine.unexpected or queue.phase_of \
                 or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
                 or (engine.aborted and self.ctx in engine.aborted):
             ctx = self.ctx

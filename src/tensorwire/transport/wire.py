@@ -8,6 +8,7 @@ before a single payload byte lands in a user's buffer.
 from __future__ import annotations
 
 import struct
+import zlib
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -98,6 +99,17 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
         Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
                     "same order)"}
 """What a difference in `aux` means, by collective."""
+_FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
+_PHASE_OF = "the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or compress=)"
+_PHASE = " (or, in a phase of a hierarchical call, that call differs)"
+"""Said of any `aux` difference but a setup's: a phase's aux holds its caller's digest (phase_digest)."""
+
+
+def phase_digest(fp: Fingerprint) -> int:
+    """What a hierarchical call mixes into its phases' fingerprints (their `aux`), so that ranks
+    whose calls differ where no phase's own arguments show it (compress=, AVG against SUM, the
+    PREMUL_SUM factor) fail a phase as a mismatch instead of summing different things."""
+    return zlib.crc32(struct.pack("<5qQ", *fp[:5], fp.aux & 0xFFFFFFFFFFFFFFFF)) << 32
 
 
 def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
@@ -123,7 +135,11 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         what = "sum(counts)" if mine.coll == Coll.SCATTERV else "count"
         out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
-        out.append(_AUX.get(mine.coll & ~ON_DEVICE, "PREMUL_SUM factor differs"))
+        coll = mine.coll & ~ON_DEVICE
+        if coll in _AUX or coll in _FACTORED:
+            out.append(_AUX.get(coll, "PREMUL_SUM factor differs") + ("" if coll == Coll.SETUP else _PHASE))
+        else:  # its own arguments have no aux: a phase's caller's digest
+            out.append(_PHASE_OF)
     return out
 
 
