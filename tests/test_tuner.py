@@ -895,11 +895,13 @@ def rank_init_differing(ports: list[int], env: dict[str, str]) -> str:
 
 def test_ranks_with_other_stream_settings_are_told_at_init(get_cluster) -> None:
     """The tuner prices TCP calls at TENSORWIRE_NSOCKS and TENSORWIRE_SOCKET_THREADS, so ranks
-    that differ in either would pick different algorithms: init fails on every rank, naming the
-    rank that differs and this rank's settings."""
+    that differ in either would pick different algorithms, and the torch backend's all_reduces
+    compress as TENSORWIRE_COMPRESS says: init fails on every rank, naming the rank that
+    differs and this rank's settings."""
     cluster = get_cluster(2)
     for env, mine in (({"TENSORWIRE_NSOCKS": "4"}, "nsocks=4"),
-                      ({"TENSORWIRE_SOCKET_THREADS": "0"}, "socket_threads=0")):
+                      ({"TENSORWIRE_SOCKET_THREADS": "0"}, "socket_threads=0"),
+                      ({"TENSORWIRE_COMPRESS": "bf16"}, "compress=bf16")):
         errors = cluster.run(rank_init_differing, free_ports(2), env)
         for rank, error in enumerate(errors):
             assert f"rank {rank}: init: rank(s) 1 run with other" in error, (env, errors)

@@ -100,7 +100,8 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
                     "same order)"}
 """What a difference in `aux` means, by collective."""
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
-_PHASE_OF = "the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or compress=)"
+_PHASE_OF = ("the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or "
+             "compress=)")
 _PHASE = " (or, in a phase of a hierarchical call, that call differs)"
 """Said of any `aux` difference but a setup's: a phase's aux holds its caller's digest (phase_digest)."""
 

@@ -89,8 +89,8 @@ def agreed_settings(cfg: Any) -> str:
     """The settings every rank must share, as the tuner prices calls with them: it picks the same
     algorithm on every rank only where all price alike."""
     nsocks, threads = ("auto" if v is None else v for v in (cfg.nsocks, cfg.socket_threads))
-    return (f"algo={cfg.algo.strip()!r}, deterministic={bool(cfg.deterministic)}, nsocks={nsocks}, "
-            f"socket_threads={threads}")
+    return (f"algo={cfg.algo.strip()!r}, compress={cfg.compress or None}, "
+            f"deterministic={bool(cfg.deterministic)}, nsocks={nsocks}, socket_threads={threads}")
 
 
 def settings_digest(cfg: Any) -> int:
@@ -162,8 +162,9 @@ def at_init(world: Group) -> LinkTable:
     if differ:
         raise InvalidArgumentError(
             f"rank {world.runtime.rank}: init: rank(s) {', '.join(map(str, differ))} run with other "
-            f"TENSORWIRE_ALGO, TENSORWIRE_DETERMINISTIC, TENSORWIRE_NSOCKS or TENSORWIRE_SOCKET_THREADS "
-            f"settings than rank 0 (this rank has {agreed_settings(cfg)}); every rank must use the same")
+            f"TENSORWIRE_ALGO, TENSORWIRE_COMPRESS, TENSORWIRE_DETERMINISTIC, TENSORWIRE_NSOCKS or "
+            f"TENSORWIRE_SOCKET_THREADS settings than rank 0 (this rank has {agreed_settings(cfg)}); "
+            f"every rank must use the same")
     pairs = _probe_pairs(info)
     direct = world.direct is not None  # the same on every rank: its setup was collective
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
