@@ -44,31 +44,43 @@ class Codec:
     top: int
     scales_float32: bool
     scales_up: bool
+    below_top: int  # the bits of its largest value below 2**top
 
     def scaled(self, dtype: np.dtype) -> bool:
         return self.scales_float32 or dtype == np.float64
 
-    def exponent(self, values: np.ndarray) -> int:
+    def exponent(self, values: np.ndarray, peak: float | None = None) -> int:
         """The power of two a piece is divided by before rounding (0 where none is needed, or
-        where the piece holds no finite non-zero value: inf and NaN cross as they are)."""
+        where the piece holds no finite non-zero value). `peak`: its largest finite |value|."""
         if not self.scaled(values.dtype) or not values.size:
             return 0
-        peak = max(float(values.max()), -float(values.min()))
-        if not math.isfinite(peak) or peak == 0.0:
+        peak = _peak(values) if peak is None else peak
+        if peak == 0.0:
             return 0
         e = math.frexp(peak)[1] - self.top
         return max(-LIMIT, min(LIMIT, e if self.scales_up else max(e, 0)))
 
     def encode(self, values: np.ndarray, words: np.ndarray) -> None:
-        """`values` (float32/64) into `words` (uint16, one longer: the scale's exponent last)."""
-        e = self.exponent(values)
+        """`values` (float32/64) into `words` (uint16, one longer: the scale's exponent last).
+        inf and NaN cross as they are; a finite value that rounds past the largest one the
+        input's dtype holds once decoded crosses as the largest (saturates), as the exact sum of
+        such values would be finite."""
+        peak = _peak(values) if values.size else 0.0
+        e = self.exponent(values, peak)
         words[-1] = np.array(e, dtype=np.int16).view(np.uint16)
         narrow = values
-        if e or (values.dtype == np.float64 and self.name == "bf16"):
-            # bfloat16 rounds from float32's bits; float16 from either (one rounding)
-            kind = np.float32 if self.name == "bf16" else values.dtype
-            narrow = np.ldexp(values, -e).astype(kind, copy=False) if e else values.astype(kind)
-        self._round(narrow, words[:-1])
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf cross as they are, unremarked
+            if e or (values.dtype == np.float64 and self.name == "bf16"):
+                # bfloat16 rounds from float32's bits; float16 from either (one rounding)
+                kind = np.float32 if self.name == "bf16" else values.dtype
+                narrow = np.ldexp(values, -e).astype(kind, copy=False) if e else values.astype(kind)
+            self._round(narrow, words[:-1])
+        if peak >= _LAST_BINADE[values.dtype]:
+            # the dtype's last binade may round up to the next power of two, which it lacks:
+            # such values cross as the largest below it (bfloat16 unscaled: float32's own top)
+            ceiling = self.below_top if self.scaled(values.dtype) else _BF16_LARGEST
+            over = ((words[:-1] & 0x7FFF) > ceiling) & np.isfinite(values)
+            words[:-1][over] = (words[:-1][over] & 0x8000) | ceiling
 
     def decode(self, words: np.ndarray, out: np.ndarray, add: bool = False) -> None:
         """`words` (as `encode` wrote them) into `out` (float32/64), or added to it: one pass
@@ -78,7 +90,8 @@ class Codec:
         if narrow is None:  # bfloat16 without ml_dtypes: its bits are a float32's high half
             narrow = np.left_shift(words[:-1], 16, dtype=np.uint32).view(np.float32)
         if e:
-            narrow = np.ldexp(narrow.astype(out.dtype, copy=False), e)
+            with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN cross as they are
+                narrow = np.ldexp(narrow.astype(out.dtype, copy=False), e)
         if add:
             np.add(out, narrow, out=out, dtype=out.dtype)
         else:
@@ -101,6 +114,20 @@ class Codec:
         return words.view(ml_dtypes.bfloat16)
 
 
+_LAST_BINADE = {np.dtype(np.float32): 2.0 ** 127, np.dtype(np.float64): 2.0 ** 1023}
+"""Where each input dtype's last binade starts: rounding there may reach 2**128 (2**1024)."""
+_BF16_LARGEST = 0x7F7F
+
+
+def _peak(values: np.ndarray) -> float:
+    """The largest finite |value| of a non-empty piece (0 where none is)."""
+    peak = max(float(values.max()), -float(values.min()))
+    if math.isfinite(peak):
+        return peak
+    finite = values[np.isfinite(values)]  # inf or NaN among them: they cross as they are
+    return float(np.abs(finite).max()) if finite.size else 0.0
+
+
 def _bf16_bits(values: np.ndarray, words: np.ndarray) -> None:
     """float32 -> bfloat16 rounded to nearest even on the bits (what ml_dtypes does, without it):
     add 0x7FFF plus the lowest kept bit, keep the high half; NaNs stay NaN (quiet)."""
@@ -117,8 +144,8 @@ def _bf16_bits(values: np.ndarray, words: np.ndarray) -> None:
 
 
 CODECS = {
-    "bf16": Codec("bf16", 2.0 ** -8, 127, scales_float32=False, scales_up=False),
-    "fp16": Codec("fp16", 2.0 ** -11, 15, scales_float32=True, scales_up=True),
+    "bf16": Codec("bf16", 2.0 ** -8, 127, scales_float32=False, scales_up=False, below_top=0x7EFF),
+    "fp16": Codec("fp16", 2.0 ** -11, 15, scales_float32=True, scales_up=True, below_top=0x77FF),
 }
 """bfloat16: 8 significant bits, float32's range; float16: 11 bits, largest finite 65504."""
 
