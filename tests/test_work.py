@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 
+import tensorwire as tw
 from tensorwire.errors import TimeoutError
 from tensorwire.work import Work, completed_work
 
@@ -56,6 +60,38 @@ def test_error_is_raised_on_every_wait() -> None:
         with pytest.raises(ValueError, match="bad"):
             work.wait()
     assert work.is_completed() and not work.is_success() and isinstance(work.exception(), ValueError)
+
+
+def test_a_callback_that_raises_is_printed_and_the_others_run(capsys: pytest.CaptureFixture[str]) -> None:
+    work = Work("all_reduce #3 on group world", 1)
+    calls: list[str] = []
+    work.add_done_callback(lambda w: 1 / 0)
+    work.add_done_callback(lambda w: calls.append("second"))
+    work._finish(7)
+    work.add_done_callback(lambda w: [][1])
+    assert calls == ["second"] and work.result() == 7
+    err = capsys.readouterr().err
+    assert "rank 1: a done-callback of all_reduce #3 on group world raised (ignored)" in err, err
+    assert "ZeroDivisionError" in err and "IndexError" in err, err
+
+
+def rank_raising_callback() -> list[float]:
+    """A done-callback raises on the group's worker: the async calls behind it still complete
+    (they waited for a waiter to run them: the worker had died)."""
+    first = tw.all_reduce(np.ones(8, np.float32), async_op=True)
+    first.add_done_callback(lambda w: 1 / 0)
+    first.wait(timeout=20)
+    time.sleep(0.2)  # the worker ran the callback
+    later = [np.ones(8, np.float32) for _ in range(3)]
+    works = [tw.all_reduce(x, async_op=True) for x in later]
+    deadline = time.monotonic() + 20
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.01)  # nobody waits: the worker alone runs them
+    return [float(x[0]) for x in later] if all(w.is_completed() for w in works) else []
+
+
+def test_a_raising_callback_leaves_the_groups_worker_running(get_cluster: Callable[..., Any]) -> None:
+    assert get_cluster(2, "shm").run(rank_raising_callback) == [[2.0, 2.0, 2.0]] * 2
 
 
 def test_callbacks_run_once_whether_added_before_or_after_finish() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -37,14 +39,25 @@ class Work:
         if event is not None:
             event.set()
         for cb in callbacks:
-            cb(self)
+            self._call(cb)
 
     def add_done_callback(self, cb: Callable[[Work], None]) -> None:
+        """Call `cb(work)` once done (now, on this thread, if it is): on the thread that
+        finished it, a group's worker for a collective. What `cb` raises is printed to stderr
+        and goes no further (as concurrent.futures does): the calls queued behind go on."""
         with _guard:
             if not self._done:
                 self._callbacks.append(cb)
                 return
-        cb(self)
+        self._call(cb)
+
+    def _call(self, cb: Callable[[Work], None]) -> None:
+        try:
+            cb(self)
+        except Exception:  # noqa: BLE001 - the callback's error, not the operation's
+            print(f"tensorwire: rank {self.rank}: a done-callback of {self.what} raised (ignored):",
+                  file=sys.stderr, flush=True)
+            traceback.print_exc()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (or `timeout` seconds); raise the operation's error if it failed."""
