@@ -335,6 +335,23 @@ def test_file_store_left_by_a_killed_job_is_emptied_at_the_next_start(tmp_path: 
     assert not path.exists()
 
 
+def test_file_store_refuses_a_directory_of_the_users_own_files(tmp_path: Path) -> None:
+    """file:// at a directory of the user's: every file in it was deleted, then the directory
+    (a store with no holder is emptied as a killed job's). Now refused, untouched; an empty
+    directory is a store's to use."""
+    path = tmp_path / "mine"
+    path.mkdir(mode=0o700)
+    (path / "model.ckpt").write_bytes(b"weights")
+    (path / "config.yaml").write_text("lr: 1")
+    with pytest.raises(RendezvousError, match=r"holds files no job's store made \(config.yaml, model.ckpt\)"):
+        FileStore(path, timeout=5, cleanup=True)
+    assert sorted(p.name for p in path.iterdir()) == ["config.yaml", "model.ckpt"]
+    (path / "model.ckpt").unlink()
+    (path / "config.yaml").unlink()
+    FileStore(path, timeout=5, cleanup=True).close()
+    assert not path.exists()
+
+
 # --------------------------------------------------------------------------------------------
 # The handshake
 

@@ -80,7 +80,8 @@ class FileStore(Store):
     With cleanup=True the directory is one job's: each process using it holds a shared flock
     on its member file for as long as it does (the kernel drops it when the process dies). The
     last one to close removes the directory; one that finds no holder (a job killed before it
-    could) empties it before use.
+    could) empties it before use. A directory holding files but no member file is no store's:
+    refused, never emptied.
     """
 
     _LOCK_NAME = ".lock"
@@ -193,6 +194,12 @@ class FileStore(Store):
                     os.unlink(name, dir_fd=self._dir)
 
     def _join(self, deadline: float) -> None:
+        names = os.listdir(self._dir)
+        if names and self._MEMBERS_NAME not in names:  # not a store: never empty it, nor remove it
+            shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+            raise RendezvousError(f"the file store directory {self.path} holds files no job's store made "
+                                  f"({shown}): a job's store is a directory of its own, which the job removes "
+                                  f"when it ends; choose a path that does not exist yet (file:///...)")
         while True:
             fd = self._open(self._MEMBERS_NAME, os.O_RDWR | os.O_CREAT, "join")
             try:
