@@ -1713,6 +1713,42 @@ def test_destroy_ends_abandoned_async_collectives() -> None:
     assert queued.startswith("AbortedError") and "all_reduce #" in queued and "still queued" in queued, queued
 
 
+_DESTROY_ELSEWHERE = """
+res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
+if rank == 0:  # a thread of the program waits in an all_reduce rank 1 never joins; main destroys
+    out = {}
+
+    def call():
+        out["error"] = attempt(tw.all_reduce, np.ones(4))
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    tw.destroy()
+    t.join(30)
+    report(took=time.monotonic() - t0, error=out.get("error"))
+else:
+    report(type=res["type"])
+    time.sleep(5)
+"""
+
+
+@pytest.mark.timeout(40)
+def test_destroy_ends_a_call_another_thread_runs() -> None:
+    """destroy() on one thread while another waits in a collective: that call fails within the
+    worker's grace (it waited out its 20 s timeout, its peer gone and unseen)."""
+    port = free_port()
+    procs = [_spawn(_DESTROY_ELSEWHERE, r, 2, port) for r in (0, 1)]
+    try:
+        res = _reports(procs[0], 30)[0]
+    finally:
+        _kill_all(procs)
+    assert res["took"] < 5.0, res
+    error = res["error"]
+    assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
+
+
 _AFTER_DESTROY = """
 tw.init(rank=rank, world_size=size, init_method=URL)
 g = tw.new_group()

@@ -352,7 +352,9 @@ class CallQueue:
     def stop_worker(self, grace: float) -> None:
         """End the worker thread before the interpreter finalizes: a daemon thread that is
         still inside a C++ call then (a torch op in an abandoned async collective) aborts the
-        whole process. Queued calls fail; the running one gets `grace` seconds to finish."""
+        whole process. Queued calls fail; the running one gets `grace` seconds to finish, as
+        does one another thread of the program runs (it waited out its timeout: nothing
+        would end it once this rank's connections close)."""
         group = self.group
         with self._cv:
             self._stopping = True
@@ -363,14 +365,27 @@ class CallQueue:
             work._finish(exc=AbortedError(f"rank {group.runtime.rank}: {call.what} was still queued "
                                           "when tensorwire shut down"))
         worker = self._worker
-        if worker is None or worker is threading.current_thread():
+        if worker is threading.current_thread():
             return
-        worker.join(grace)
-        if worker.is_alive():
-            self.engine.fail_locally(group.ctx, 0, AbortedError(
-                f"rank {group.runtime.rank}: tensorwire shut down while group {group.name} was "
-                "running an async collective nobody waited for"))
+        if worker is not None:
             worker.join(grace)
+            if worker.is_alive():
+                self.engine.fail_locally(group.ctx, 0, AbortedError(
+                    f"rank {group.runtime.rank}: tensorwire shut down while group {group.name} was "
+                    "running an async collective nobody waited for"))
+                worker.join(grace)
+        if self.busy:  # a call the program runs on another thread
+            self._await_idle(grace)
+            if self.busy:
+                self.engine.fail_locally(group.ctx, 0, AbortedError(
+                    f"rank {group.runtime.rank}: tensorwire shut down (destroy() on another thread) while "
+                    f"group {group.name} was running this call"))
+                self._await_idle(grace)
+
+    def _await_idle(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while self.busy and time.monotonic() < until:
+            time.sleep(0.005)
 
 
 def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:

@@ -198,8 +198,8 @@ class FileStore(Store):
         if names and self._MEMBERS_NAME not in names:  # not a store: never empty it, nor remove it
             shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
             raise RendezvousError(f"the file store directory {self.path} holds files no job's store made "
-                                  f"({shown}): a job's store is a directory of its own, which the job removes "
-                                  f"when it ends; choose a path that does not exist yet (file:///...)")
+                                  f"({shown}): a job's store is a directory of its own, which the job "
+                                  f"removes when it ends; choose a path that does not exist yet (file:///...)")
         while True:
             fd = self._open(self._MEMBERS_NAME, os.O_RDWR | os.O_CREAT, "join")
             try:
