@@ -1363,7 +1363,15 @@ def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: 
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=re.escape(said)):
             Config.from_env()
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"init: {said}")):  # a TensorwireError
+            tw.init(rank=0, world_size=1)
         monkeypatch.delenv(name)
+    # init's own arguments: a TypeError from deep inside, and an AttributeError, before
+    with pytest.raises(InvalidArgumentError, match="init: timeout must be seconds .*got '10'"):
+        tw.init(rank=0, world_size=1, timeout="10")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="init: store must be a tensorwire store .*got object"):
+        tw.init(rank=0, world_size=1, store=object())
+    assert not tw.is_initialized()
 
 
 @pytest.mark.timeout(40)

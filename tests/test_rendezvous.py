@@ -32,7 +32,7 @@ from tensorwire.rendezvous.bootstrap import (
 )
 from tensorwire.rendezvous.file_store import FileStore
 from tensorwire.rendezvous.prefix_store import PrefixStore
-from tensorwire.rendezvous.tcp_protocol import EXITED_KEY
+from tensorwire.rendezvous.tcp_protocol import EXITED_KEY, KEYS_ROOM, key_batches
 from tensorwire.rendezvous.tcp_server import TCPStoreServer
 from tensorwire.rendezvous.tcp_store import TCPStore
 from tensorwire.rendezvous.torch_store import TorchStoreAdapter
@@ -159,6 +159,24 @@ def test_default_timeout_applies_when_none_given() -> None:
         with pytest.raises(TimeoutError, match="k0"):
             store.get("k0")
         assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.timeout(30)
+def test_multi_get_of_more_keys_than_a_request_carries() -> None:
+    """A world's cards past ~40k ranks: one request held at most 65535 keys in 1 MiB (70,000
+    ranks failed with struct.error from the encoder); the keys go in batches."""
+    keys = [f"tw/job/card/{r}" for r in range(70_000)]
+    batches = key_batches(keys)
+    assert len(batches) == 2 and sum(batches, []) == keys
+    assert all(len(b) <= 0xFFFF and sum(2 + len(k) for k in b) <= KEYS_ROOM for b in batches)
+    with TCPStoreServer(LOOPBACK, 0) as server:
+        store = TCPStore(LOOPBACK, server.port, timeout=5)
+        for k in (keys[0], keys[-1]):
+            store.set(k, k.encode())
+        with pytest.raises(TimeoutError, match="keys still missing"):
+            store.multi_get(keys, timeout=0.3)
+        assert store.multi_get([keys[0], keys[-1]]) == [keys[0].encode(), keys[-1].encode()]
+        store.close()
 
 
 @pytest.mark.timeout(30)

@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 from . import auth, log, memory
 from .config import Config
-from .errors import NotInitializedError
+from .errors import InvalidArgumentError, NotInitializedError
 from .group.group import Group
 from .rendezvous import bootstrap
 from .rendezvous.prefix_store import PrefixStore
+from .rendezvous.store import Store
 from .rendezvous.tcp_protocol import StoreLimits
 from .runtime import Runtime
 from .transport import netif
@@ -53,8 +54,16 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         if _runtime is not None:
             raise RuntimeError(f"tensorwire is already initialized (rank {_runtime.rank}); call "
                                f"destroy() first")
-        cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname,
-                              deterministic=deterministic)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise InvalidArgumentError(f"init: timeout must be seconds (a number), got {timeout!r}")
+        if store is not None and not isinstance(store, Store):
+            raise InvalidArgumentError(f"init: store must be a tensorwire store (rendezvous.Store), got "
+                                       f"{type(store).__name__}: pass init_method instead")
+        try:
+            cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname,
+                                  deterministic=deterministic)
+        except ValueError as exc:  # a setting: the error names it
+            raise InvalidArgumentError(f"init: {exc}") from None
         deadline = time.monotonic() + cfg.timeout
         if cfg.keep_memory:
             memory.keep_freed_memory()

@@ -7,6 +7,7 @@ sequence number and what was wrong, so a log line from any rank is enough to fin
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 
 
 class TensorwireError(RuntimeError):
@@ -98,3 +99,15 @@ class ResourceError(TensorwireError):
 class TensorwireWarning(UserWarning):
     """Something works, but worse than it could: tensorwire fell back (a /dev/shm too small for
     its rings). Shown once; silence with `warnings.filterwarnings("ignore", category=...)`."""
+
+
+def rank_spans(ranks: Sequence[int], most: int = 6) -> str:
+    """Ranks as runs, for names and errors: [0, 1, 2, 3, 8] as '0-3,8'; past `most` runs, '...'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:most]]
+    return ",".join(text) + (",..." if len(runs) > most else "")

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import buffers, log
 from ..algorithms.hierarchical import Hierarchy
-from ..errors import InvalidArgumentError, NotInitializedError
+from ..errors import InvalidArgumentError, NotInitializedError, rank_spans
 from ..ops import ReduceOp
 from ..transport.wire import Coll
 from . import bodies, collectives, objects, p2p, shm_setup
@@ -255,7 +255,7 @@ class Group:
         ctx = mix_context(self.ctx, NEW_GROUP, nth, *key)
         world = [self.ranks[r] for r in ranks]
         again = f"#{nth}" if nth > 1 else ""
-        return self.derive(world, ctx, name or f"{self.name}[{_spans(ranks)}]{again}", check_order=True)
+        return self.derive(world, ctx, name or f"{self.name}[{rank_spans(ranks)}]{again}", check_order=True)
 
     def split(self, color: int | None, key: int = 0, timeout: float | None = None) -> Group | None:
         """MPI_Comm_split: ranks with the same color form a group ordered by (key, rank).
@@ -316,15 +316,3 @@ class Group:
     gather_object = objects.gather_object
     broadcast_object_list = objects.broadcast_object_list
     scatter_object_list = objects.scatter_object_list
-
-
-def _spans(ranks: Sequence[int], most: int = 6) -> str:
-    """Ranks as runs, for a group's name: [0, 1, 2, 3, 8] as '0-3,8'; past `most` runs, '...'."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:most]]
-    return ",".join(text) + (",..." if len(runs) > most else "")

@@ -73,6 +73,20 @@ class StoreLimits:
 DEFAULT_LIMITS = StoreLimits()
 
 
+def key_batches(keys: list[str]) -> list[list[str]]:
+    """`keys` cut into runs that each fit one request: at most 65535 keys, in KEYS_ROOM bytes."""
+    batches: list[list[str]] = [[]]
+    room = KEYS_ROOM - REQ_HEAD.size
+    for k in keys:
+        size = U16.size + len(k.encode())
+        if batches[-1] and (len(batches[-1]) == 0xFFFF or size > room):
+            batches.append([])
+            room = KEYS_ROOM - REQ_HEAD.size
+        batches[-1].append(k)
+        room -= size
+    return batches
+
+
 def encode_request(op: int, keys: Iterable[str], value: bytes = b"", timeout: float = 0.0,
                    limits: StoreLimits = DEFAULT_LIMITS) -> bytes:
     parts = []

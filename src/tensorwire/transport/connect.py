@@ -21,7 +21,14 @@ from typing import Any
 
 from .. import auth, limits, log
 from ..config import Config
-from ..errors import InvalidArgumentError, RendezvousError, ResourceError, TensorwireError, TimeoutError
+from ..errors import (
+    InvalidArgumentError,
+    RendezvousError,
+    ResourceError,
+    TensorwireError,
+    TimeoutError,
+    rank_spans,
+)
 from ..rendezvous.store import Store
 from . import shm_budget
 from .engine import Engine
@@ -81,7 +88,7 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
         raise
     if isinstance(blob, dict):
         missing = blob["missing"] or ["?"]
-        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {rank_spans(missing, most=12)}"
         raise TimeoutError(
             f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
             f"running with the same WORLD_SIZE={world_size} and store?")
