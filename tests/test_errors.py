@@ -766,6 +766,39 @@ def test_an_object_one_rank_cannot_pickle_fails_every_rank(cluster: Any, case: s
             _assert_error(err, TensorwireError, "cannot pickle", f"reported by rank {bad}", within=5.0)
 
 
+def _object_call_one_rank_bad_list(case: str) -> list[dict[str, Any]]:
+    g = _fresh_group()
+    bad = g.size - 1
+    mine = g.rank == bad
+    if case == "all_gather_object":  # a tuple, or a list of the wrong length, on the last rank
+        first = _attempt(g.all_gather_object, (None,) * g.size if mine else [None] * g.size, 1, timeout=10.0)
+    elif case == "gather_object":
+        first = _attempt(g.gather_object, 1, [None] if mine else None, bad, timeout=10.0)
+    elif case == "broadcast_object_list":
+        first = _attempt(g.broadcast_object_list, None if mine else [None], bad, timeout=10.0)
+    else:  # an iterator of inputs on the source: it was len()'d
+        inputs = iter(range(g.size)) if mine else None
+        first = _attempt(g.scatter_object_list, [None], inputs, bad, timeout=10.0)
+    got: list[Any] = [None] * g.size
+    return [first, _attempt(g.all_gather_object, got, {"rank": g.rank}, timeout=10.0),
+            got == [{"rank": r} for r in range(g.size)]]
+
+
+@pytest.mark.parametrize("case", ["all_gather_object", "gather_object", "broadcast_object_list",
+                                  "scatter_object_list"])
+def test_an_object_calls_bad_list_on_one_rank_fails_every_rank(cluster: Any, case: str) -> None:
+    """A list that is not one, or not of the group's size, on one rank: InvalidArgumentError
+    there naming the call, and on its peers within seconds (they waited out their timeout
+    where the source's list was bad: a TypeError raised on it alone); the group goes on."""
+    bad = cluster.size - 1
+    for rank, (first, after, right) in enumerate(cluster.run(_object_call_one_rank_bad_list, case)):
+        assert after["type"] is None and right, (rank, after)
+        if rank == bad:
+            _assert_error(first, InvalidArgumentError, f"{case} #", rank=rank, within=1.0)
+        else:
+            _assert_error(first, TensorwireError, f"{case} #", f"reported by rank {bad}", within=5.0)
+
+
 def _not_a_member() -> dict[str, Any]:
     g = tw.new_group([0])
     if g.rank == 0:

@@ -60,7 +60,9 @@ def invalid(group: Group, what: str, message: str) -> NoReturn:
 
 def check_root(group: Group, root: int, what: str, name: str) -> int:
     check_member(group, what)
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < group.size:
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool):
+        invalid(group, what, f"{name} must be an int (a rank of group {group.name}), got {root!r}")
+    if not 0 <= root < group.size:
         invalid(group, what, f"{name}={root} is out of range for group {group.name} of size {group.size}")
     return int(root)
 

@@ -6,14 +6,16 @@ collectives; every rank must call them alike, as any collective.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..algorithms.base import blocks_of
-from .arguments import invalid
+from ..errors import TensorwireError, in_call
+from .arguments import check_member, check_root, invalid
 
 if TYPE_CHECKING:
     from .group import Group
@@ -25,38 +27,76 @@ def _object_sizes(group: Group, payload: np.ndarray, timeout: float | None) -> l
     return [int(s) for s in sizes]
 
 
+@contextlib.contextmanager
+def _steps(group: Group, what: str) -> Iterator[None]:
+    """The calls an object collective makes, their errors naming it first ('rank 1:
+    all_gather_object on group world: all_gatherv #4 on group world timed out ...')."""
+    try:
+        yield
+    except TensorwireError as exc:
+        if f"{what} #" in str(exc):  # its own refusal, named already (invalid)
+            raise
+        named = in_call(exc, f"{what} on group {group.name}")
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def _slots(group: Group, what: str, value: Any, name: str, size: int | None = None) -> None:
+    """`value` must be a list (its items are replaced), of `size` items where given."""
+    if not isinstance(value, list):
+        invalid(group, what, f"{name} must be a list, got {type(value).__name__}")
+    if size is not None and len(value) != size:
+        invalid(group, what, f"{name} must have {size} slots (one per rank of group {group.name}), got "
+                             f"{len(value)}")
+
+
 def all_gather_object(group: Group, object_list: list[Any], obj: Any, *,
                       timeout: float | None = None) -> list[Any]:
     """object_list[r] = rank r's obj (pickled; the object list must have `size` slots)."""
-    payload = _pickle(group, obj, "all_gather_object")
-    sizes = _object_sizes(group, payload, timeout)
-    buf = np.empty(sum(sizes), dtype=np.uint8)
-    group.all_gatherv(buf, payload, sizes, timeout=timeout)
+    what = "all_gather_object"
+    check_member(group, what)
+    _slots(group, what, object_list, "object_list", group.size)
+    payload = _pickle(group, obj, what)
+    with _steps(group, what):
+        sizes = _object_sizes(group, payload, timeout)
+        buf = np.empty(sum(sizes), dtype=np.uint8)
+        group.all_gatherv(buf, payload, sizes, timeout=timeout)
     object_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]
     return object_list
 
 
 def gather_object(group: Group, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, *,
                   timeout: float | None = None) -> list[Any] | None:
-    payload = _pickle(group, obj, "gather_object")
-    sizes = _object_sizes(group, payload, timeout)
-    buf = np.empty(sum(sizes) if group.rank == dst else 0, dtype=np.uint8)
-    group.gatherv(buf, payload, sizes, dst, timeout=timeout)
-    if group.rank == dst and object_gather_list is not None:
-        object_gather_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]
+    """object_gather_list[r] = rank r's obj on rank dst (a list of `size` slots there; None
+    elsewhere, where it is ignored)."""
+    what = "gather_object"
+    dst = check_root(group, dst, what, "dst")
+    if group.rank == dst:
+        _slots(group, what, object_gather_list, "object_gather_list", group.size)
+    payload = _pickle(group, obj, what)
+    with _steps(group, what):
+        sizes = _object_sizes(group, payload, timeout)
+        buf = np.empty(sum(sizes) if group.rank == dst else 0, dtype=np.uint8)
+        group.gatherv(buf, payload, sizes, dst, timeout=timeout)
+    if group.rank == dst:
+        object_gather_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]  # type: ignore[index]
     return object_gather_list
 
 
 def broadcast_object_list(group: Group, object_list: list[Any], src: int = 0, *,
                           timeout: float | None = None) -> list[Any]:
     """Replace object_list's items on every rank with those of rank src."""
-    payload = (_pickle(group, list(object_list), "broadcast_object_list") if group.rank == src
-               else np.empty(0, dtype=np.uint8))
+    what = "broadcast_object_list"
+    src = check_root(group, src, what, "src")
+    _slots(group, what, object_list, "object_list")
+    payload = _pickle(group, list(object_list), what) if group.rank == src else np.empty(0, dtype=np.uint8)
     size = np.array([payload.size], dtype=np.int64)
-    group.broadcast(size, src, timeout=timeout)
-    if group.rank != src:
-        payload = np.empty(int(size[0]), dtype=np.uint8)
-    group.broadcast(payload, src, timeout=timeout)
+    with _steps(group, what):
+        group.broadcast(size, src, timeout=timeout)
+        if group.rank != src:
+            payload = np.empty(int(size[0]), dtype=np.uint8)
+        group.broadcast(payload, src, timeout=timeout)
     if group.rank != src:
         object_list[:] = pickle.loads(payload)
     return object_list
@@ -66,17 +106,23 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
                         scatter_object_input_list: Sequence[Any] | None = None, src: int = 0, *,
                         timeout: float | None = None) -> list[Any]:
     """scatter_object_output_list[0] = rank src's scatter_object_input_list[this rank]."""
+    what = "scatter_object_list"
+    src = check_root(group, src, what, "src")
+    _slots(group, what, scatter_object_output_list, "scatter_object_output_list")
     if group.rank == src:
-        if scatter_object_input_list is None or len(scatter_object_input_list) != group.size:
-            invalid(group, "scatter_object_list", f"needs {group.size} input objects on rank {src}")
-        payloads = [_pickle(group, o, "scatter_object_list") for o in scatter_object_input_list]
+        inputs = scatter_object_input_list
+        if not isinstance(inputs, Sequence) or len(inputs) != group.size:
+            got = type(inputs).__name__ if not isinstance(inputs, Sequence) else f"{len(inputs)} of them"
+            invalid(group, what, f"needs a list of {group.size} input objects on rank {src}, got {got}")
+        payloads = [_pickle(group, o, what) for o in inputs]  # type: ignore[union-attr]
         sizes = np.array([p.size for p in payloads], dtype=np.int64)
         buf = np.concatenate(payloads)
     else:
         sizes, buf = np.zeros(group.size, dtype=np.int64), np.empty(0, dtype=np.uint8)
-    group.broadcast(sizes, src, timeout=timeout)
-    mine = np.empty(int(sizes[group.rank]), dtype=np.uint8)
-    group.scatterv(mine, buf, [int(s) for s in sizes], src, timeout=timeout)
+    with _steps(group, what):
+        group.broadcast(sizes, src, timeout=timeout)
+        mine = np.empty(int(sizes[group.rank]), dtype=np.uint8)
+        group.scatterv(mine, buf, [int(s) for s in sizes], src, timeout=timeout)
     scatter_object_output_list[:1] = [pickle.loads(mine)]
     return scatter_object_output_list
 
