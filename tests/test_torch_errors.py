@@ -32,7 +32,48 @@ def test_dead_peer_inside_ddp() -> None:
     assert survivor.rc == 0 and "dead_peer OK" in survivor.out, survivor.tail()
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_with_another_world_size_on_torchs_store() -> None:
+    """A store passed to init_process_group skipped the roster's checks: a third process that
+    thought the world had 3 ranks failed with 'ValueError: 2 is not in list' from deep inside;
+    now the RendezvousError of any other store, at once, and the world of two runs."""
+    from cluster import free_port
+
+    results = launch("world_sizes", 3, script=_SELF, args=(str(free_port()),), timeout=50)
+    assert all(r.rc == 0 for r in results), [r.tail() for r in results]
+
+
 # ------------------------------------------------------------------------------------ scenarios
+
+def scenario_world_sizes(port: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+    from tensorwire import RendezvousError
+
+    rank = int(os.environ["RANK"])
+    size = 3 if rank == 2 else 2
+    if rank == 2:
+        time.sleep(1)  # ranks 0 and 1 first: rank 0 has published its world's size
+    store = dist.TCPStore("127.0.0.1", int(port), size, rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    if rank == 2:
+        exc = _expect(RendezvousError, lambda: dist.init_process_group(
+            "tensorwire", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=20)),
+            contains="world size mismatch: rank 2 was started with world_size=3 but rank 0 with world_size=2",
+            within=5)
+        assert exc is not None
+        return
+    dist.init_process_group("tensorwire", store=store, rank=rank, world_size=size)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), 2.0)), t
+    time.sleep(2)  # rank 2 has read the store
+    dist.destroy_process_group()
+
 
 def _expect(exc_types, fn, *, contains: str = "", within: float | None = None):
     """Run fn; it must raise one of exc_types (message containing `contains`) within `within` s."""

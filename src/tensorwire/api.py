@@ -70,7 +70,8 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
         policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
-        _generation += 1
+        if info.world_size > 1:  # inits through a store: a world of one (a rank alone) counts none
+            _generation += 1
         # One process opens no connection: nothing to prove (and no per-user secret to create).
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
         root_store = store
@@ -79,6 +80,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             root_store = bootstrap.create_store(
                 info, cfg.timeout, secret=secret, limits=StoreLimits.from_config(cfg), generation=_generation,
                 refused=lambda s, error: refuse_to_join(PrefixStore(scope, s), info.rank, error))
+        elif root_store is not None and info.world_size > 1:  # the integration's (torch's) store
+            bootstrap.check_roster(root_store, info, cfg.timeout, _generation,
+                                   lambda s, error: refuse_to_join(PrefixStore(scope, s), info.rank, error))
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)

@@ -34,9 +34,9 @@ UNKNOWN = -1
 
 JOIN_KEY = "tw/join/{generation}/{rank}"
 WORLD_SIZE_KEY = "tw/world_size/{generation}"
-"""Roster keys carry the generation (the how-many-th init() of the process): a store the launcher
-keeps for the whole job sees each rank join once per generation, so init() after destroy() is
-no second process with the same rank."""
+"""Roster keys carry the generation (the how-many-th init() of the process through a store): a
+store the launcher keeps for the whole job sees each rank join once per generation, so init()
+after destroy() is no second process with the same rank."""
 
 
 @dataclass
@@ -549,7 +549,7 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
 
     `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
     clients that do (torch's stores and file stores have no such handshake). `generation`: the
-    process's count of init() calls, the same on every rank (see JOIN_KEY). The checks catch
+    process's count of init() calls through a store, the same on every rank (see JOIN_KEY). The checks catch
     the two launch mistakes that otherwise surface as a hang much later: two processes given
     the same rank, and ranks started with different world sizes. `refused(store, error)` is
     called before the latter raises, so that the rank can tell the others (api.init).
@@ -573,14 +573,14 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
         raise InvalidArgumentError(f"create_store cannot open init_method {info.init_method!r}; "
                                    f"resolve 'env://' with detect() first")
     try:
-        _check_roster(store, info, timeout, generation, refused)
+        check_roster(store, info, timeout, generation, refused)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
+def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
                   refused: Callable[[Store, RendezvousError], None] | None) -> None:
     joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
     size_key = WORLD_SIZE_KEY.format(generation=generation)
