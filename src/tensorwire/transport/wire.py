@@ -97,7 +97,7 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
         Coll.REDUCE_SCATTERV: "per-rank counts (or the PREMUL_SUM factor) differ",
         Coll.ALL_REDUCE: "compress= (or the PREMUL_SUM factor) differs",
         Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
-                    "same order)"}
+                    "same order), or another TENSORWIRE_TRANSPORT (every rank must use the same)"}
 """What a difference in `aux` means, by collective."""
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
 _PHASE_OF = ("the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or "
