@@ -271,7 +271,10 @@ class RankProcess:
         return f"killed by signal {_signal_name(-code)} ({-code})"
 
     def send(self, sig: int) -> None:
+        """Signal the rank, noting it: its report says what the launcher sent ('SIGTERM, then SIGKILL')."""
         if self.proc.returncode is None:
+            sent, name = self.signalled_by_launcher, _signal_name(sig)
+            self.signalled_by_launcher = name if sent is None else f"{sent}, then {name}"
             try:
                 self.proc.send_signal(sig)
             except (ProcessLookupError, OSError):
@@ -416,7 +419,6 @@ class Launcher:
         sig = signum if self._signal_count == 1 else signal.SIGKILL
         for child in self.ranks:
             if child.proc.returncode is None:
-                child.signalled_by_launcher = _signal_name(sig)
                 child.send(sig)
 
     def _install_handlers(self) -> dict[int, object]:
@@ -437,7 +439,6 @@ class Launcher:
     def _signal_all(self, sig: int, pending: set[RankProcess]) -> None:
         for child in pending:
             if child.proc.returncode is None:
-                child.signalled_by_launcher = child.signalled_by_launcher or _signal_name(sig)
                 child.send(sig)
 
     def _supervise(self) -> RankProcess | None:
