@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import api, log
 from ..config import Config
-from ..errors import RendezvousError, TimeoutError
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
 from ..group.group import Group
 from ..rendezvous import bootstrap
 from ..rendezvous.store import Store
@@ -64,13 +64,16 @@ def store_location(store: Any) -> str | None:
 
 def timeout_seconds(timeout: Any) -> float | None:
     """A timeout passed to init_process_group / new_group, in seconds; None for torch's default
-    (30 minutes), which leaves tensorwire's own: TENSORWIRE_TIMEOUT, else 300 s."""
+    (30 minutes), which leaves tensorwire's own: TENSORWIRE_TIMEOUT, else 300 s. Zero or less
+    is an error (it read as the default)."""
     from torch.distributed.constants import default_pg_timeout
 
     if not isinstance(timeout, timedelta) or timeout == default_pg_timeout:
         return None
     s = timeout.total_seconds()
-    return s if s > 0 else None
+    if s <= 0:
+        raise InvalidArgumentError(f"tensorwire backend: timeout must be positive, got {timeout!r}")
+    return s
 
 
 def context_id(group_name: str, ranks: list[int]) -> int:
