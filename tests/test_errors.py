@@ -1790,6 +1790,33 @@ def test_destroy_ends_a_call_another_thread_runs() -> None:
     assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
 
 
+_RECV_AT_DESTROY = """
+res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
+if rank == 1:  # a receive nobody sends to, posted when destroy() comes
+    work = tw.irecv(np.empty(4, np.float32), src=0, tag=30)
+tw.destroy()
+if rank == 1:
+    t0 = time.monotonic()
+    report(done=work.is_completed(), error=attempt(work.wait), took=time.monotonic() - t0)
+else:
+    report(type=res["type"])
+"""
+
+
+@pytest.mark.timeout(40)
+def test_destroy_fails_a_posted_receive() -> None:
+    """A receive still posted at destroy() fails at once (its wait() sat out the timeout and
+    then blamed the peer as stuck)."""
+    port = free_port()
+    procs = [_spawn(_RECV_AT_DESTROY, r, 2, port) for r in (0, 1)]
+    try:
+        res = _reports(procs[1], 30)[0]
+    finally:
+        _kill_all(procs)
+    assert res["done"] and res["took"] < 1.0, res
+    _assert_error(res["error"], AbortedError, "recv from rank 0 (tag 30) on group world", "destroy()")
+
+
 _AFTER_DESTROY = """
 tw.init(rank=rank, world_size=size, init_method=URL)
 g = tw.new_group()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import log
-from ..errors import ResourceError, TimeoutError
+from ..errors import AbortedError, ResourceError, TimeoutError
 from ..ops import ReduceOp
 from . import native
 from .channel import Channel, PeerClosed, PendingChannel
@@ -817,6 +817,11 @@ class Engine(Failures):
                         pass
             for channel in self.channel_list:
                 channel.close()
+            for queue in self.posted.values():  # receives nobody will complete now
+                for req in queue:
+                    req.fail(AbortedError(f"rank {self.rank}: {req.what}: tensorwire shut down (destroy()) "
+                                          f"while it was posted"))
+            self.posted.clear()
             if self.pumps is not None:
                 self.pumps.close()
                 self.pumps = None
