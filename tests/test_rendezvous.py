@@ -600,7 +600,12 @@ def test_detect_validation_errors() -> None:
 
 def test_parse_init_method() -> None:
     assert parse_init_method("tcp://127.0.0.1:29500") == ("tcp", "127.0.0.1", 29500, None)
-    assert parse_init_method("tcp://[::1]:80") == ("tcp", "::1", 80, None)
+    # IPv6: refused where it is read, on every rank (rank 0 failed to route it, the others waited)
+    with pytest.raises(InvalidArgumentError, match="IPv6 addresses are not supported"):
+        parse_init_method("tcp://[::1]:80")
+    for addr in ("::1", "[::1]"):
+        with pytest.raises(InvalidArgumentError, match=r"'tcp://\[::1\]:80': IPv6"):
+            detect(env={"MASTER_ADDR": addr, "MASTER_PORT": "80", "RANK": "1", "WORLD_SIZE": "2"})
     assert parse_init_method("file:///tmp/x") == ("file", None, None, "/tmp/x")
     assert parse_init_method("env://") == ("env", None, None, None)
     with pytest.raises(InvalidArgumentError, match="absolute path"):

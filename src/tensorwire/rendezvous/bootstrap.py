@@ -158,14 +158,18 @@ def parse_init_method(init_method: str) -> tuple[str, str | None, int | None, st
     hm = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:/\[\]]+):(\d+)", rest)
     if not hm:
         raise InvalidArgumentError(f"init_method {init_method!r}: expected {scheme}://host:port")
-    host = hm.group(1) or hm.group(3)
-    port = int(hm.group(2) or hm.group(4))
+    if hm.group(1):
+        raise InvalidArgumentError(f"init_method {init_method!r}: IPv6 addresses are not supported (the "
+                                   f"transports speak IPv4); use an IPv4 address or a host name with one")
+    host = hm.group(3)
+    port = int(hm.group(4))
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"init_method {init_method!r}: port {port} is outside 0..65535")
     return scheme, host, port, None
 
 
 def _tcp_url(scheme: str, host: str, port: int) -> str:
+    host = host.strip("[]")  # MASTER_ADDR=[::1] as well as ::1
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
