@@ -51,7 +51,9 @@ and the launcher prints which rank failed first with its last stderr lines and e
 that rank's exit code (128+N if it died of signal N). With
 --keep-going the others run on (they may shrink their groups and continue) and the launcher
 waits for every rank before it reports. Processes a rank forked and left running end with the
-job (SIGTERM, then SIGKILL), as torchrun's do; one meant to outlive it starts its own session.
+job (SIGTERM, then SIGKILL), as torchrun's do, unless the launcher itself is killed with
+SIGKILL (the ranks then get SIGTERM, their children nothing); one meant to outlive the job
+starts its own session.
 
 The job is authenticated: its store and its ranks serve only processes that prove they know
 its secret. On one node the launcher makes a fresh secret and hands it to its ranks; across
