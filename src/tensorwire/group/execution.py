@@ -300,7 +300,9 @@ class CallQueue:
         group = self.group
         error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
         phase = any(group.ctx in kids for kids in self.engine.children.values())  # named by its parent's call
-        if isinstance(exc, TimeoutError) and not phase:
+        if isinstance(exc, TimeoutError):
+            if phase:  # its caller's call asks the whole group who is missing, then aborts it and this
+                return error
             error = self.engine.missing(exc, group.ctx, call.seq, group.ranks, self.internal)
         group.abort(error, call.seq)
         engine = self.engine

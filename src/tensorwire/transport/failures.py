@@ -665,7 +665,8 @@ class Failures:
         """What member `peer` answered about where it is (missing()): `at`, the call of group
         `ctx` it runs or ran last (the group's `internal` calls not counted), None: no answer."""
         if at is None:
-            return f"rank {peer} did not answer (not inside a tensorwire call: busy, blocked or stopped)"
+            return (f"rank {peer} did not answer (not inside a tensorwire call: busy, blocked or stopped; "
+                    f"or its answer waits behind data on a link slower than the timeout)")
         if (ctx, peer) in self.in_p2p:
             last = f"call #{at - internal}" if at > internal else "none yet"
             return f"rank {peer} waits in a point-to-point call of the group (its last collective: {last})"
