@@ -1329,15 +1329,17 @@ def test_init_peer_never_arrives(how: str) -> None:
 
 
 @pytest.mark.timeout(40)
-def test_init_world_size_disagreement_is_a_rendezvous_error() -> None:
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)], ids=["rank 1 larger", "rank 0 larger"])
+def test_init_world_size_disagreement_is_a_rendezvous_error(sizes: tuple[int, int]) -> None:
+    """Either way round (rank 0 with the larger size waited for a rank 2 until its timeout)."""
     port = free_port()
-    procs = [_spawn(_INIT, 0, 2, port, "15"), _spawn(_INIT, 1, 3, port, "15")]
+    procs = [_spawn(_INIT, 0, sizes[0], port, "15"), _spawn(_INIT, 1, sizes[1], port, "15")]
     try:
         first, second = (_reports(p, 30)[0] for p in procs)
     finally:
         _kill_all(procs)
-    _assert_error(second, RendezvousError, "world size mismatch", "world_size=3", "world_size=2",
-                  rank=1, within=2.5)
+    _assert_error(second, RendezvousError, "rank 1: init: world size mismatch", "world_size=3",
+                  "world_size=2", rank=1, within=2.5)
     # Rank 1 publishes the mismatch as its card: rank 0 raises it after its 3 s of serving the
     # store on, not after its timeout (15 s, then those 3 s)
     _assert_error(first, RendezvousError, "rank 1 cannot join: world size mismatch", "world_size=3", rank=0,

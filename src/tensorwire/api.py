@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from . import auth, log, memory
 from .config import Config
-from .errors import InvalidArgumentError, NotInitializedError
+from .errors import InvalidArgumentError, NotInitializedError, TensorwireError, retold
 from .group.group import Group
 from .rendezvous import bootstrap
 from .rendezvous.prefix_store import PrefixStore
@@ -95,7 +95,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             serving = info.world_size if getattr(root_store, "server", None) is not None else 0
             engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
                                           local_card(address), deadline, secret, serving)
-        except BaseException:
+        except BaseException as exc:
             if root_store is not None and store is None:
                 if getattr(root_store, "server", None) is not None:
                     # This process hosts the store: serve a little longer, so the other ranks
@@ -103,6 +103,8 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                     # than report a lost store.
                     time.sleep(min(3.0, cfg.timeout))
                 root_store.close()
+            if isinstance(exc, TensorwireError) and not str(exc).startswith("rank "):  # the store's own
+                raise retold(exc, f"rank {info.rank}: init: {exc}") from exc
             raise
         runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
                           engine, topology=Topology.from_cards(cards))

@@ -604,7 +604,8 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
             f"('{size_key}') in the store {info.init_method}; did rank 0 start?") from exc
     if int(theirs) != info.world_size:
         error = RendezvousError(
-            f"world size mismatch: rank {info.rank} was started with world_size={info.world_size} "
+            f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "
+            f"world_size={info.world_size} "
             f"but rank 0 with world_size={int(theirs)} (store {info.init_method})")
         if refused is not None:
             refused(store, error)

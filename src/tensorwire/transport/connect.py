@@ -37,6 +37,10 @@ from .wiring import Wiring
 
 _log = log.get("INIT")
 _BLOB = "tw/cards"
+_REFUSED = "tw/refused"
+"""A rank that cannot join writes its refusal here too, so that rank 0, waiting for the other
+cards, learns of it within _REFUSAL_LOOK_S rather than at its timeout."""
+_REFUSAL_LOOK_S = 1.0
 _GATHER_GRACE_S = 5.0
 """How much longer than its timeout a rank waits for rank 0's blob: rank 0 waits the timeout
 for the others' cards first, and then names the ranks that never came."""
@@ -49,7 +53,9 @@ def _card_key(rank: int) -> str:
 def refuse_to_join(store: Store, rank: int, error: BaseException) -> None:
     """Publish `error` as rank `rank`'s card (`store` scoped to the job, as connect_world's):
     the ranks gathering the cards raise it at once, naming this rank, instead of timing out."""
-    store.set(_card_key(rank), json.dumps({"error": str(error), "class": type(error).__name__}).encode())
+    refusal = {"error": str(error), "class": type(error).__name__}
+    store.set(_card_key(rank), json.dumps(refusal).encode())
+    store.set(_REFUSED, json.dumps({**refusal, "rank": rank}).encode())
 
 
 def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any], deadline: float,
@@ -62,12 +68,20 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
     try:
         if rank == 0:
             others = list(range(1, world_size))
-            try:
-                left = max(deadline - time.monotonic(), 0.001)
-                values = store.multi_get([_card_key(r) for r in others], timeout=left)
-                blob: Any = [card, *(json.loads(v) for v in values)]
-            except TimeoutError:
-                blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
+            keys = [_card_key(r) for r in others]
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    values = store.multi_get(keys, timeout=max(min(left, _REFUSAL_LOOK_S), 0.001))
+                    blob: Any = [card, *(json.loads(v) for v in values)]
+                    break
+                except TimeoutError:
+                    if store.check([_REFUSED]):  # a rank cannot join: no need to wait for the rest
+                        blob = {"refused": json.loads(store.get(_REFUSED))}
+                        break
+                    if left <= _REFUSAL_LOOK_S:
+                        blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
+                        break
             raw = json.dumps(blob).encode()
             packed = zlib.compress(raw, 6)
             store.set(_BLOB, packed)
@@ -86,8 +100,16 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
                 if cause is not None:
                     raise cause from exc
         raise
+    if isinstance(blob, dict) and "refused" in blob:
+        refusal = blob["refused"]
+        cause = _cannot_join(rank, refusal["rank"], refusal)
+        if refusal["rank"] != rank and cause is not None:
+            raise cause
+    if isinstance(blob, dict) and rank in blob.get("missing", ()):
+        raise TimeoutError(f"rank {rank}: init: this rank came after rank 0 had waited its {timeout:g} s "
+                           f"for it and given up: start every rank within the timeout of the others")
     if isinstance(blob, dict):
-        missing = blob["missing"] or ["?"]
+        missing = blob.get("missing") or ["?"]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {rank_spans(missing, most=12)}"
         raise TimeoutError(
             f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
@@ -105,7 +127,8 @@ def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError |
         return None
     cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
         theirs.get("class", ""), RendezvousError)
-    return cls(f"rank {rank}: init: rank {r} cannot join: {theirs['error']}")
+    why = str(theirs["error"]).removeprefix(f"rank {r}: init: ")
+    return cls(f"rank {rank}: init: rank {r} cannot join: {why}")
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
