@@ -441,7 +441,8 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
         try:
             run(p2p, *args)
         except TensorwireError as exc:
-            named = in_call(exc, f"{p2p.what} (hierarchical)")  # type: ignore[attr-defined]
+            what = p2p.what  # type: ignore[attr-defined]
+            named = exc if f"{what}:" in str(exc) else in_call(exc, f"{what} (hierarchical)")
             if named is exc:  # named on the rank that raised it, and came with the group's abort
                 raise
             raise named from exc
