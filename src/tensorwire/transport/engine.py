@@ -671,7 +671,7 @@ class Engine(Failures):
 
     def _timeout(self, pending: Sequence[Request], what: object) -> TimeoutError:
         waits = sorted({r.peer for r in pending})
-        detail = "; ".join(f"rank {r.peer}: {r.progress_text()}" for r in pending[:4])
+        detail = "; ".join(r.progress_text() for r in pending[:4])
         return TimeoutError(
             f"rank {self.rank}: {what} timed out waiting for rank(s) {', '.join(map(str, waits))} "
             f"({detail}). The peer is stuck, slower than the timeout, or never called this operation.")

@@ -72,7 +72,7 @@ class SendRequest(Request):
         self.sent = 0  # payload bytes handed to the channel
 
     def progress_text(self) -> str:
-        return f"send {self.sent}/{self.header.nbytes} bytes"
+        return f"sent {self.sent}/{self.header.nbytes} bytes to rank {self.peer}"
 
 
 class RemotePayload(Protocol):
@@ -203,7 +203,7 @@ class RecvRequest(Request, Sink):
         source.read_into(self)
 
     def progress_text(self) -> str:
-        return f"recv {self.received}/{self.nbytes} bytes"
+        return f"received {self.received}/{self.nbytes} bytes from rank {self.peer}"
 
 
 class Unexpected(Sink):
