@@ -388,6 +388,10 @@ class Config:
         if cfg.calibrate not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
                              f"cached) or force (probe and rewrite the cache)")
+        slot = cfg.direct_bytes
+        if slot is not None and slot != 0 and (slot < 4096 or slot % 64):
+            raise ValueError(f"TENSORWIRE_SHM_DIRECT={slot}: expected 0 (off) or a size of at least 4K, a "
+                             f"multiple of 64 bytes")
         if cfg.compress not in ("", "bf16", "fp16"):
             raise ValueError(f"TENSORWIRE_COMPRESS={cfg.compress!r}: expected bf16, fp16 or nothing")
         if cfg.native not in ("auto", "0", "1"):
