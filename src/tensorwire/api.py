@@ -24,7 +24,7 @@ from .rendezvous.prefix_store import PrefixStore
 from .rendezvous.store import Store
 from .rendezvous.tcp_protocol import StoreLimits
 from .runtime import Runtime
-from .transport import netif
+from .transport import netif, tcp
 from .transport.connect import connect_world, refuse_to_join
 from .tuning import calibrate, policy
 from .tuning.topology import Topology, local_card
@@ -70,6 +70,10 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
         policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
+        if info.world_size > cfg.store_max_connections:  # each rank holds a connection to the store
+            raise InvalidArgumentError(f"rank {info.rank}: init: TENSORWIRE_STORE_MAX_CONNECTIONS="
+                                       f"{cfg.store_max_connections} is below the job's {info.world_size} "
+                                       f"ranks, each of which connects to the store")
         if info.world_size > 1:  # inits through a store: a world of one (a rank alone) counts none
             _generation += 1
         # One process opens no connection: nothing to prove (and no per-user secret to create).
@@ -92,8 +96,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         # Keys carry the job id: torchrun's agent keeps its store across restarts, and a restarted
         # rank read its peer's address of the attempt before (connection refused until timeout).
         scoped = None if root_store is None else PrefixStore(scope, root_store)
-        _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s", info.rank,
-                  info.world_size, info.source, info.init_method, address, cfg.transport)
+        _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s, TCP congestion control %s",
+                  info.rank, info.world_size, info.source, info.init_method, address, cfg.transport,
+                  tcp.congestion_in_use(cfg))
         try:
             serving = info.world_size if getattr(root_store, "server", None) is not None else 0
             engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,

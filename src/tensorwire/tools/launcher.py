@@ -26,7 +26,7 @@ from types import FrameType
 from typing import IO, TextIO
 
 from .. import auth, limits
-from ..errors import RendezvousError, ResourceError, TensorwireError
+from ..errors import InvalidArgumentError, RendezvousError, ResourceError, TensorwireError
 
 DEFAULT_GRACE_S = 5.0
 TERM_TO_KILL_S = 3.0
@@ -492,9 +492,9 @@ class Launcher:
             return 1
         try:
             secret, secret_env = job_secret(plan, dict(os.environ))
-        except RendezvousError as exc:
+        except TensorwireError as exc:  # a secret that is missing, unreadable or too short
             print(f"tensorwire run: {exc}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(exc, InvalidArgumentError) else 1
         if plan.node_rank == 0:
             from ..config import Config
             from ..rendezvous.tcp_protocol import StoreLimits

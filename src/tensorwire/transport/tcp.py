@@ -92,6 +92,12 @@ def congestion_of(sock: socket.socket) -> str:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
 
 
+def congestion_in_use(cfg: Config) -> str:
+    """The congestion control tensorwire's connections run: TENSORWIRE_TCP_CONGESTION, else the
+    system's default."""
+    return cfg.tcp_congestion or f"{_proc_text('tcp_congestion_control')} (the system's)"
+
+
 def _proc_text(name: str) -> str:
     try:
         with open(f"/proc/sys/net/ipv4/{name}") as f:

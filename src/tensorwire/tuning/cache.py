@@ -139,7 +139,7 @@ def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[
 
 
 def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None:
-    """Atomically (rename) write one entry; a cache that cannot be written is only logged."""
+    """Atomically (rename) write one entry; a cache that cannot be written is a logged warning."""
     doc = {"version": PROBE_VERSION, **meta,
            "links": {t: {f: getattr(link, f) for f in FIELDS if f != "cache" or link.cache}
                      for t, link in links.items()}}
@@ -150,7 +150,7 @@ def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None
             json.dump(doc, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as exc:
-        _log.info("cannot write the calibration cache %s: %s", path, exc)
+        _log.warning("cannot write the calibration cache %s (TENSORWIRE_CACHE_DIR): %s", path, exc)
 
 
 def cached_entries(directory: str) -> list[dict[str, Any]]:
