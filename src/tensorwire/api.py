@@ -56,6 +56,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                                f"destroy() first")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise InvalidArgumentError(f"init: timeout must be seconds (a number), got {timeout!r}")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise InvalidArgumentError(f"init: deterministic must be True, False or None, got "
+                                       f"{deterministic!r}")
         if store is not None and not isinstance(store, Store):
             raise InvalidArgumentError(f"init: store must be a tensorwire store (rendezvous.Store), got "
                                        f"{type(store).__name__}: pass init_method instead")

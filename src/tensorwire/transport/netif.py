@@ -93,7 +93,7 @@ def select_address(spec: str, toward: str | None, port: int | None, *, multi_hos
         if not chosen:
             available = ", ".join(f"{n}={a}" for n, a in interfaces) or "none with an IPv4 address"
             raise RendezvousError(
-                f"no network interface matches SOCKET_IFNAME={spec!r}; available: {available}")
+                f"no network interface matches TENSORWIRE_SOCKET_IFNAME={spec!r}; available: {available}")
         return dict(interfaces)[chosen[0]]
     if not toward:
         return "127.0.0.1"

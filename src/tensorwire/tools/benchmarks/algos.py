@@ -195,6 +195,7 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
     say("#")
     results: list[dict[str, Any]] = []
     total_wrong = 0
+    ran = False
     for coll in opts.colls:
         reg = REGISTRY_NAME.get(coll, coll)
         if reg not in COLLECTIVES:
@@ -205,6 +206,7 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
             say(f"# Collective: {coll} has no algorithm {wanted!r} (known: "
                 f"{', '.join(sorted(algorithms_for(reg)))}; skipped)")
             continue
+        ran = True
         say(f"# Collective: {coll}" + (f"  (root {opts.root})" if coll in ROOTED else "")
             + f"  {'in-place' if opts.inplace_only else 'out-of-place'}")
         for line in HEADER:
@@ -234,5 +236,8 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
                "wrong_total": total_wrong}
         with open(path, "w") as f:
             json.dump(doc, f, indent=1, default=float)
+    if not ran and wanted != "all":  # nothing was measured: a usage error, not a sweep
+        raise SystemExit(f"tensorwire bench: error: --algo {wanted!r} names no algorithm of "
+                         f"{', '.join(opts.colls)}")
     return total_wrong
 
