@@ -86,13 +86,14 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         if root_store is None and info.world_size > 1:
             root_store = bootstrap.create_store(
                 info, cfg.timeout, secret=secret, limits=StoreLimits.from_config(cfg), generation=_generation,
-                refused=lambda s, error: refuse_to_join(PrefixStore(scope, s), info.rank, error))
+                refused=lambda s, error, absent: refuse_to_join(PrefixStore(scope, s), info.rank, error,
+                                                                absent))
         elif root_store is not None and info.world_size > 1:  # the integration's (torch's) store,
             # which may outlive the job's attempts (torchrun's agent): its roster under the job id
             given = root_store
             bootstrap.check_roster(PrefixStore(f"tw/{info.job_id}", given), info, cfg.timeout,
-                                   _generation, lambda _, error: refuse_to_join(PrefixStore(scope, given),
-                                                                                 info.rank, error))
+                                   _generation, lambda _, error, absent: refuse_to_join(
+                                       PrefixStore(scope, given), info.rank, error, absent))
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)

@@ -548,14 +548,14 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
 
 def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
                  limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1,
-                 refused: Callable[[Store, RendezvousError], None] | None = None) -> Store:
+                 refused: Callable[[Store, RendezvousError, range], None] | None = None) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
     `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
     clients that do (torch's stores and file stores have no such handshake). `generation`: the
     process's count of init() calls through a store, the same on every rank (see JOIN_KEY). The checks catch
     the two launch mistakes that otherwise surface as a hang much later: two processes given
-    the same rank, and ranks started with different world sizes. `refused(store, error)` is
+    the same rank, and ranks started with different world sizes. `refused(store, error, absent)` is
     called before the latter raises, so that the rank can tell the others (api.init).
     """
     scheme, host, port, path = parse_init_method(info.init_method)
@@ -585,7 +585,7 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
 
 
 def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
-                  refused: Callable[[Store, RendezvousError], None] | None) -> None:
+                  refused: Callable[[Store, RendezvousError, range], None] | None) -> None:
     joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
     size_key = WORLD_SIZE_KEY.format(generation=generation)
     if joined > 1:
@@ -607,6 +607,6 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
             f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "
             f"world_size={info.world_size} "
             f"but rank 0 with world_size={int(theirs)} (store {info.init_method})")
-        if refused is not None:
-            refused(store, error)
+        if refused is not None:  # and for the ranks rank 0 waits for that this world has not
+            refused(store, error, range(info.world_size, int(theirs)))
         raise error

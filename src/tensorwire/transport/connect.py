@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 from .. import auth, limits, log
@@ -37,10 +38,6 @@ from .wiring import Wiring
 
 _log = log.get("INIT")
 _BLOB = "tw/cards"
-_REFUSED = "tw/refused"
-"""A rank that cannot join writes its refusal here too, so that rank 0, waiting for the other
-cards, learns of it within _REFUSAL_LOOK_S rather than at its timeout."""
-_REFUSAL_LOOK_S = 1.0
 _GATHER_GRACE_S = 5.0
 """How much longer than its timeout a rank waits for rank 0's blob: rank 0 waits the timeout
 for the others' cards first, and then names the ranks that never came."""
@@ -50,12 +47,14 @@ def _card_key(rank: int) -> str:
     return f"tw/card/{rank}"
 
 
-def refuse_to_join(store: Store, rank: int, error: BaseException) -> None:
+def refuse_to_join(store: Store, rank: int, error: BaseException, absent: Sequence[int] = ()) -> None:
     """Publish `error` as rank `rank`'s card (`store` scoped to the job, as connect_world's):
-    the ranks gathering the cards raise it at once, naming this rank, instead of timing out."""
-    refusal = {"error": str(error), "class": type(error).__name__}
-    store.set(_card_key(rank), json.dumps(refusal).encode())
-    store.set(_REFUSED, json.dumps({**refusal, "rank": rank}).encode())
+    the ranks gathering the cards raise it at once, naming this rank, instead of timing out.
+    `absent`: ranks rank 0 waits for that this rank's world has not (rank 0 was started with a
+    larger world size), whose cards it publishes too, so that rank 0 stops waiting at once."""
+    refusal = json.dumps({"error": str(error), "class": type(error).__name__}).encode()
+    for r in (rank, *absent):
+        store.set(_card_key(r), refusal)
 
 
 def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any], deadline: float,
@@ -68,20 +67,12 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
     try:
         if rank == 0:
             others = list(range(1, world_size))
-            keys = [_card_key(r) for r in others]
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    values = store.multi_get(keys, timeout=max(min(left, _REFUSAL_LOOK_S), 0.001))
-                    blob: Any = [card, *(json.loads(v) for v in values)]
-                    break
-                except TimeoutError:
-                    if store.check([_REFUSED]):  # a rank cannot join: no need to wait for the rest
-                        blob = {"refused": json.loads(store.get(_REFUSED))}
-                        break
-                    if left <= _REFUSAL_LOOK_S:
-                        blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
-                        break
+            try:
+                left = max(deadline - time.monotonic(), 0.001)
+                values = store.multi_get([_card_key(r) for r in others], timeout=left)
+                blob: Any = [card, *(json.loads(v) for v in values)]
+            except TimeoutError:
+                blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
             raw = json.dumps(blob).encode()
             packed = zlib.compress(raw, 6)
             store.set(_BLOB, packed)
@@ -100,16 +91,11 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
                 if cause is not None:
                     raise cause from exc
         raise
-    if isinstance(blob, dict) and "refused" in blob:
-        refusal = blob["refused"]
-        cause = _cannot_join(rank, refusal["rank"], refusal)
-        if refusal["rank"] != rank and cause is not None:
-            raise cause
-    if isinstance(blob, dict) and rank in blob.get("missing", ()):
+    if isinstance(blob, dict) and rank in blob["missing"]:
         raise TimeoutError(f"rank {rank}: init: this rank came after rank 0 had waited its {timeout:g} s "
                            f"for it and given up: start every rank within the timeout of the others")
     if isinstance(blob, dict):
-        missing = blob.get("missing") or ["?"]
+        missing = blob["missing"] or ["?"]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {rank_spans(missing, most=12)}"
         raise TimeoutError(
             f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
