@@ -661,6 +661,39 @@ def test_messages_held_for_receives_never_posted_are_bounded() -> None:
         _assert_error(res["next"], ResourceError, *said, within=1.0)
 
 
+def _receives_late_past_the_bound() -> dict[str, Any]:
+    """Rank 0 sends 200 x 64 KiB, each full of its index, that rank 1 receives late, in order."""
+    g = tw.world()
+    out: dict[str, Any] = {"got": []}
+    if g.rank == 0:
+        out["sends"] = _attempt(lambda: [g.send(np.full(16384, i, np.float32), 1, tag=6, timeout=20.0)
+                                         for i in range(200)])
+    else:
+        time.sleep(1.5)  # rank 0 is far ahead: past the bound, a message is dropped
+        got = np.zeros(16384, np.float32)
+
+        def receive_all() -> None:
+            for _ in range(200):
+                g.recv(got, 0, tag=6, timeout=10.0)
+                out["got"].append(float(got[0]))
+        out["recvs"] = _attempt(receive_all)
+    return out
+
+
+def test_no_receive_takes_a_dropped_messages_place() -> None:
+    """Past TENSORWIRE_HELD_BYTES a message is dropped: receives went on with the messages after
+    it (receive #87 returned message 126, fifteen in a row), the error came later. Now every
+    receive returns its own message until the ResourceError."""
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_HELD_BYTES": "1M"})
+    try:
+        results = cluster.run(_receives_late_past_the_bound, timeout=90.0)
+    finally:
+        cluster.close()
+    got = results[1]["got"]
+    assert got == [float(i) for i in range(len(got))], got
+    assert len(got) < 200 and results[1]["recvs"]["type"] == "ResourceError", results[1]
+
+
 def _late_to_a_timed_out_call() -> dict[str, Any]:
     """Rank 0's all_reduce on a fresh group times out (the others are not there); the others
     then make it, late, having read nothing meanwhile (the abort is in their sockets, unread),

@@ -82,6 +82,7 @@ class Engine(Failures):
         self.staged_bytes = 0  # payload that arrived before its receive and was buffered (a 2nd copy)
         self.held = 0  # of it, about how much is buffered now (recounted where it passes held_limit)
         self.held_limit = 0  # Config.held_limit (0: no bound), set with the runtime
+        self.dropped: set[int] = set()  # groups a message was dropped from (held_limit): every later one too
         self.releases = 0  # waits that grew idle enough to stage what was parked (release_parked)
         self._spin_fixed = spin_us is not None
         self.spin_s = (DEFAULT_SPIN_US if spin_us is None else spin_us) * 1e-6
@@ -299,6 +300,7 @@ class Engine(Failures):
             return False
         with self.lock:
             if (self.aborted and key[1][0] in self.aborted) or (self.lost and peer in self.lost) \
+                    or (self.dropped and key[1][0] in self.dropped) \
                     or self.posted.get(key) or self.unexpected.get(key) \
                     or self.channels.get(peer) is not channel:
                 return False
@@ -350,6 +352,7 @@ class Engine(Failures):
         with self.lock:
             out, inn = self.channels.get(to), self.channels.get(frm)
             if out is None or inn is None or (self.aborted and key[1][0] in self.aborted) \
+                    or (self.dropped and key[1][0] in self.dropped) \
                     or (self.lost and (to in self.lost or frm in self.lost)):
                 return False, False
             if out.direct and inn.direct and not (self.posted.get(key) or self.unexpected.get(key)):
@@ -373,6 +376,7 @@ class Engine(Failures):
         with self.lock:
             out, inn = self.channels.get(to), self.channels.get(frm)
             if out is None or inn is None or not (out.direct and inn.direct) or header.ctx in self.aborted \
+                    or header.ctx in self.dropped \
                     or to in self.lost or frm in self.lost or self.posted.get(key) \
                     or self.unexpected.get(key) or not (dst.flags.writeable and dst.flags.c_contiguous):
                 return None
@@ -415,6 +419,8 @@ class Engine(Failures):
             return self.control_sink(peer, header)
         if self.retired and header.ctx in self.retired:
             return Discard(header.nbytes)  # a shrunk group's traffic, still in flight
+        if self.dropped and header.ctx in self.dropped:  # after a dropped message none may match a
+            return Discard(header.nbytes)  # receive (it would take the dropped one's place)
         key = (peer, header.key)
         queue = self.posted.get(key)
         if queue:
@@ -458,6 +464,7 @@ class Engine(Failures):
             f"otherwise fill this host's memory; post the receives sooner, or raise the limit")
         members = tuple(call.group.ranks) if call is not None else (peer,)
         self.deferred_aborts.append((header.ctx, 0, members, error, False))
+        self.dropped.add(header.ctx)
         return True
 
     def may_park(self, peer: int, header: Header) -> bool:
