@@ -583,6 +583,41 @@ def test_an_interrupted_collective_aborts_the_group_on_every_member(cluster: Any
         assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
 
 
+def _send_times_out_partway() -> dict[str, Any]:
+    """Rank 0's blocking send of 8 MiB times out before rank 1 receives; rank 0 then writes -1 over
+    its buffer. Rank 1 receives 1.5 s later: its data would be the -1s, or torn over TCP."""
+    g = _fresh_group()
+    out: dict[str, Any] = {}
+    count = 1 << 24 if tw.config().transport == "tcp" else 1 << 21  # more than the socket buffers take
+    if g.rank == 0:
+        data = np.full(count, 7.0, np.float32)
+        out["send"] = _attempt(g.send, data, 1, tag=3, timeout=0.5)
+        data[:] = -1.0
+    elif g.rank == 1:
+        time.sleep(1.5)
+        got = np.zeros(count, np.float32)
+        out["recv"] = _attempt(g.recv, got, 0, tag=3, timeout=10.0)
+        out["values"] = sorted({float(v) for v in np.unique(got)})
+    if g.rank in (0, 1):
+        out["next"] = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=10.0)
+    return out
+
+
+def test_a_send_that_fails_partway_fails_its_receive(cluster: Any) -> None:
+    """A send that times out (or is interrupted) with its message on its way aborts the group:
+    its receive raises instead of returning what the sender wrote after the failure (all -1,
+    or -1 and 7 over TCP), and the next call fails on both ranks."""
+    if cluster.size < 2:
+        pytest.skip("needs a peer")
+    results = cluster.run(_send_times_out_partway)
+    sender, receiver = results[0], results[1]
+    assert sender["send"]["type"] == "TimeoutError", sender
+    recv = receiver["recv"]
+    assert recv["type"] == "TimeoutError" and "send to rank 1 (tag 3)" in recv["msg"], receiver
+    for res in (sender, receiver):
+        assert res["next"]["type"] is not None, res
+
+
 def _interrupted_recv() -> dict[str, Any]:
     """Rank 0's blocking receive from rank 1 is interrupted before anything came; rank 1 then
     sends one message with that tag, which rank 0's next receive must get."""

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ..buffers import as_array, byte_view
-from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerLostError, TimeoutError, in_call
+from ..errors import (
+    AbortedError,
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    PeerLostError,
+    TimeoutError,
+    in_call,
+)
 from ..gpu import is_device_buffer as _on_device
 from ..transport.requests import P2P_SEQ, Request
 from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
@@ -142,7 +149,24 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):
         _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
                                         seq=position(group)), timeout=timeout)
+    if data.nbytes >= _VET_BYTES:
+        _vet_received(group)
     return src
+
+
+_VET_BYTES = 256 << 10
+"""A receive from this size on looks for an abort that came behind its message: its sender's
+send failed partway (timed out, interrupted), and what arrived, or was read out of the sender's
+memory, may be torn or written after the failure."""
+
+
+def _vet_received(group: Group) -> None:
+    engine = group.engine
+    engine.poll_peers()
+    engine.run_deferred_aborts()
+    aborted = engine.aborted.get(group.ctx)
+    if aborted is not None:
+        raise aborted[1]
 
 
 def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 0,
@@ -370,9 +394,13 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         if group.ctx not in group.engine.aborted:  # whose send may have returned, learns it
             group.abort(exc)  # from the abort
         raise
-    except (TimeoutError, KeyboardInterrupt, SystemExit):  # an interrupted receive takes them back too
-        if blocking:
-            engine.withdraw(reqs)
+    except (TimeoutError, KeyboardInterrupt, SystemExit) as exc:  # an interrupted receive takes them back too
+        if blocking and not engine.withdraw(reqs) and group.ctx not in engine.aborted:
+            # a message partly moved: its peer must fail rather than get it (or the rest of it)
+            rank = group.runtime.rank
+            group.abort(exc if isinstance(exc, TimeoutError) else AbortedError(
+                f"rank {rank}: {reqs[0].what} was interrupted on rank {rank} ({type(exc).__name__}) with its "
+                f"message partly moved: the group is aborted; shrink() makes a clean one"))
         raise
     finally:
         with engine.lock:

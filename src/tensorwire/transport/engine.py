@@ -581,19 +581,27 @@ class Engine(Failures):
             except PeerClosed as exc:
                 self.peer_lost(channel.peer, str(exc))
 
-    def withdraw(self, reqs: Iterable[Request]) -> None:
+    def withdraw(self, reqs: Iterable[Request]) -> bool:
         """Take back the receives among `reqs` that no message has matched yet (a blocking
         receive that timed out): else the next message of their key would land in a buffer
         its caller was told was never filled, and a later receive of that key would wait in
-        vain. A matched one keeps its message, which was meant for it."""
+        vain. False where an unfinished one cannot be taken back: a send (its message may be
+        on its way, or wait in its sender's memory for a reader), or a receive whose message
+        had begun to arrive; its peer would get a message its caller was told had failed."""
+        whole = True
         with self.lock:
             for req in reqs:
+                if req.done:
+                    continue
                 key = (req.peer, req.header.key)
                 queue = self.posted.get(key)
                 if queue and isinstance(req, RecvRequest) and req in queue:
                     queue.remove(req)
                     if not queue:
                         del self.posted[key]
+                else:
+                    whole = False
+        return whole
 
     def wait(self, reqs: Sequence[Request], *, deadline: float, ctx: int, seq: int, watch: Iterable[int],
              what: object, cross_check: Callable[[], None] | None = None) -> None:
