@@ -618,6 +618,29 @@ def test_a_send_that_fails_partway_fails_its_receive(cluster: Any) -> None:
         assert res["next"]["type"] is not None, res
 
 
+def _bad_timeouts() -> list[dict[str, Any]]:
+    g = _fresh_group()
+    x, peer = np.ones(4, np.float32), (g.rank + 1) % g.size
+    out = []
+    for bad in (float("nan"), 0, -1.0, float("inf"), "5"):
+        out.append(_attempt(g.all_reduce, x, timeout=bad))
+        out.append(_attempt(g.recv, x, peer, tag=9, timeout=bad))
+    out.append(_attempt(g.all_reduce, x, timeout=10.0))  # the group goes on
+    return out
+
+
+def test_a_timeout_that_is_no_duration_is_an_argument_error(cluster: Any) -> None:
+    """timeout=nan waited forever, 0 and -1 failed at once as timeouts, inf never ended: each is
+    an InvalidArgumentError naming it, on every rank; the group goes on."""
+    if cluster.size < 2:
+        pytest.skip("needs a peer")
+    for rank, outcomes in enumerate(cluster.run(_bad_timeouts)):
+        *bad, after = outcomes
+        for res in bad:
+            _assert_error(res, InvalidArgumentError, "timeout must be a positive number", within=5.0)
+        assert after["type"] is None, (rank, after)
+
+
 def _interrupted_recv() -> dict[str, Any]:
     """Rank 0's blocking receive from rank 1 is interrupted before anything came; rank 1 then
     sends one message with that tag, which rank 0's next receive must get."""

@@ -10,6 +10,7 @@ that keep an input apart from the outputs an algorithm writes.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -56,6 +57,16 @@ def array(group: Group, obj: Any, what: str, *, writable: bool, name: str = "ten
 
 def invalid(group: Group, what: str, message: str) -> NoReturn:
     group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}"))
+
+
+def limit_of(group: Group, timeout: float | None, what: str) -> float:
+    """The seconds a call may wait: its `timeout=`, which must be a positive finite number of
+    seconds (nan waited forever, 0 and negatives failed at once as timeouts), else the group's."""
+    if timeout is None:
+        return group.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        invalid(group, what, f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timeout
 
 
 def check_root(group: Group, root: int, what: str, name: str) -> int:

@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..transport.wire import Coll, Fingerprint
 from ..work import Work
+from .arguments import limit_of
 from .calls import CollectiveCall
 from .renewal import renew
 
@@ -84,6 +85,7 @@ class CallQueue:
         """Give the call its sequence number now (call order is the contract), run it in order
         as body(call, *args)."""
         group = self.group
+        limit = limit_of(group, timeout, what)
         self.settle(timeout)
         origin = 1 if getattr(_callbacks, "active", False) else 0
         with self._cv:
@@ -95,7 +97,7 @@ class CallQueue:
         self.seq += 1
         if self.phase_of:
             fp = fp._replace(aux=fp.aux ^ self.phase_of)
-        call = CollectiveCall(group, self.seq, fp, what, group.timeout if timeout is None else timeout)
+        call = CollectiveCall(group, self.seq, fp, what, limit)
         aborted = self.engine.aborted.get(group.ctx)
         if aborted is not None and call.seq >= aborted[0]:
             self._finished(origin)

@@ -32,7 +32,7 @@ from ..transport.requests import P2P_SEQ, Request
 from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
-from .arguments import check_member, fingerprint
+from .arguments import check_member, fingerprint, limit_of
 
 if TYPE_CHECKING:
     from ..transport.requests import DeviceTarget
@@ -109,7 +109,7 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
         return group.device.irecv_any(tensor, tag, timeout)
     data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
     work = Work(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
-    limit = group.timeout if timeout is None else timeout
+    limit = limit_of(group, timeout, "recv from any rank")
     deadline = time.monotonic() + limit
     turns = group.any_source_turns
     turn = turns.take(tag)
@@ -129,8 +129,10 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
 
 
 def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+    if timeout is not None:
+        limit_of(group, timeout, "send")
     if _on_device(tensor):
-        group.device.isend(tensor, dst, tag).wait(group.timeout if timeout is None else timeout)
+        group.device.isend(tensor, dst, tag).wait(limit_of(group, timeout, "send"))
         return
     data, route = _host(group, tensor, True, dst, tag)
     engine = group.engine
@@ -142,8 +144,10 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
 
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
+    if timeout is not None:
+        limit_of(group, timeout, "recv")
     if _on_device(tensor):
-        group.device.irecv(tensor, src, tag).wait(group.timeout if timeout is None else timeout)
+        group.device.irecv(tensor, src, tag).wait(limit_of(group, timeout, "recv"))
         return src
     data, route = _host(group, tensor, False, src, tag)
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):
@@ -203,7 +207,7 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
         if len(views) == 2 and _overlap(views["send"], views["recv"]):
             send = views["send"].clone()
-        deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
+        deadline = time.perf_counter() + limit_of(group, timeout, "sendrecv")
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
@@ -313,7 +317,7 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
     sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
     check_member(group, "recv from any rank")
     _check_tag(group, tag, "recv from any rank")
-    limit = group.timeout if timeout is None else timeout
+    limit = limit_of(group, timeout, "probe_any")
     return _probe_any(group, tag, time.monotonic() + limit, limit)
 
 
@@ -377,7 +381,7 @@ class AnySourceTurns:
 def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = True) -> None:
     """Wait for `reqs`. A blocking call that times out takes its receives back (Engine.withdraw);
     a Work's wait leaves them posted, to be waited on again."""
-    t = group.timeout if timeout is None else timeout
+    t = limit_of(group, timeout, str(reqs[0].what))
     engine = group.engine
     ctx = group.ctx
     with engine.lock:  # what this rank answers a peer that asks where it is (Failures.missing)

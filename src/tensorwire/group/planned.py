@@ -26,6 +26,7 @@ from ..ops import Reduction
 from ..transport import pages
 from ..transport.wire import Fingerprint
 from ..tuning import tuner
+from .arguments import limit_of
 from .calls import CollectiveCall
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ class Plans(dict):
         deadline only if it has to wait; one of the message path runs so only in a group
         without a segment (else the segment must be stamped with the call, CallQueue._run)."""
         engine = self.engine
+        if timeout is not None:
+            limit_of(self.group, timeout, call.name)
         if direct:  # a one-shot body reads no ring nor socket (a message-path call's wait glances)
             engine.until_glance -= 1
             if not engine.until_glance:

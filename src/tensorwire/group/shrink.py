@@ -29,7 +29,7 @@ from .. import log
 from ..errors import AbortedError, PeerLostError, TimeoutError
 from ..transport.agreement import Agreement
 from ..transport.engine import Engine
-from .arguments import check_member
+from .arguments import check_member, limit_of
 from .context import mix_context
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def shrink_group(group: Group, timeout: float | None = None) -> Group:
     group's) bounds the whole of it; after a TimeoutError it can be called again, and goes on
     where it stopped. See docs/failures.md."""
     check_member(group, "shrink")
-    limit = group.timeout if timeout is None else timeout
+    limit = limit_of(group, timeout, "shrink")
     deadline = time.perf_counter() + limit
     engine = group.engine
     count, agreement = _PENDING.pop(group, (group.shrinks + 1, None))
