@@ -520,8 +520,9 @@ class Launcher:
         try:
             try:
                 self._start(port, secret_env)
-            except OSError as exc:
-                print(f"tensorwire run: cannot start {plan.command[0]}: {exc}", file=sys.stderr)
+            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread to relay a rank's output
+                why = limits.memory_error(exc, "its threads") if isinstance(exc, RuntimeError) else exc
+                print(f"tensorwire run: cannot start {plan.command[0]}: {why}", file=sys.stderr)
                 self._signal_all(signal.SIGTERM, set(self.ranks))
                 self._signal_received = self._signal_received or signal.SIGTERM
                 self._supervise()
