@@ -1384,6 +1384,16 @@ def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
         p.communicate()
 
 
+def _first_report(code: str, of_rank: int, size: int = 2) -> dict[str, Any]:
+    """Run `code` on `size` fresh processes; the first report of rank `of_rank`."""
+    port = free_port()
+    procs = [_spawn(code, r, size, port) for r in range(size)]
+    try:
+        return _reports(procs[of_rank], 30)[0]
+    finally:
+        _kill_all(procs)
+
+
 _INIT = """
 t0 = time.monotonic()
 kw = {"timeout": float(ARGS[0])} if ARGS and ARGS[0] != "-" else {}
@@ -1873,12 +1883,7 @@ else:
 def test_destroy_ends_a_call_another_thread_runs() -> None:
     """destroy() on one thread while another waits in a collective: that call fails within the
     worker's grace (it waited out its 20 s timeout, its peer gone and unseen)."""
-    port = free_port()
-    procs = [_spawn(_DESTROY_ELSEWHERE, r, 2, port) for r in (0, 1)]
-    try:
-        res = _reports(procs[0], 30)[0]
-    finally:
-        _kill_all(procs)
+    res = _first_report(_DESTROY_ELSEWHERE, 0)
     assert res["took"] < 5.0, res
     error = res["error"]
     assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
@@ -1901,12 +1906,7 @@ else:
 def test_destroy_fails_a_posted_receive() -> None:
     """A receive still posted at destroy() fails at once (its wait() sat out the timeout and
     then blamed the peer as stuck)."""
-    port = free_port()
-    procs = [_spawn(_RECV_AT_DESTROY, r, 2, port) for r in (0, 1)]
-    try:
-        res = _reports(procs[1], 30)[0]
-    finally:
-        _kill_all(procs)
+    res = _first_report(_RECV_AT_DESTROY, 1)
     assert res["done"] and res["took"] < 1.0, res
     _assert_error(res["error"], AbortedError, "recv from rank 0 (tag 30) on group world", "destroy()")
 
