@@ -107,8 +107,10 @@ def parse_libraries(text: str) -> list[str]:
 
 
 def _collective(name: str) -> str:
-    """The API's name of the all-to-all as nccl-tests' (the sweep's) name."""
-    return "alltoall" if name == "all_to_all" else name
+    """The sweep's name of a collective, as `tensorwire plan` and TENSORWIRE_ALGO read names (case,
+    `_` and `-` ignored: allreduce, AllReduce); all_to_all is nccl-tests' alltoall."""
+    key = name.replace("_", "").replace("-", "").lower()
+    return {c.replace("_", ""): c for c in (*COLLECTIVES, "all")}.get(key, name)
 
 
 def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
