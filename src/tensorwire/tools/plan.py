@@ -326,11 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, metavar="H",
                    help="price a cluster of H hosts of --per-host ranks: flat against hierarchical; the "
                         "first --tier is within a host, the second between hosts (default shm,tcp)")
-    p.add_argument("--per-host", type=int, default=8, metavar="L",
+    p.add_argument("--per-host", type=int, default=None, metavar="L",
                    help="ranks per host with --hosts (default 8)")
-    p.add_argument("--nics", type=int, default=1, metavar="K",
+    p.add_argument("--nics", type=int, default=None, metavar="K",
                    help="network interfaces per host with --hosts: a host's ranks share them (default 1)")
-    p.add_argument("--cores", type=int, default=0, metavar="C",
+    p.add_argument("--cores", type=int, default=None, metavar="C",
                    help="cores of a host, for what TENSORWIRE_SOCKET_THREADS=auto gives its ranks (default: "
                         "this host's)")
     p.add_argument("--deterministic", action="store_true",
@@ -369,6 +369,14 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
             raise InvalidArgumentError(f"tensorwire plan: --gamma must be a positive rate in GB/s, got "
                                        f"{args.gamma}")
         gamma = 1 / (args.gamma * 1e9) if args.gamma else None
+        cluster = {"--per-host": args.per_host, "--nics": args.nics, "--cores": args.cores}
+        if args.hosts is None and any(v is not None for v in cluster.values()):
+            given = ", ".join(k for k, v in cluster.items() if v is not None)
+            raise InvalidArgumentError(f"tensorwire plan: {given} describe the hosts of --hosts H: give "
+                                       f"it too")
+        args.per_host, args.nics, args.cores = (8 if args.per_host is None else args.per_host,
+                                                1 if args.nics is None else args.nics,
+                                                0 if args.cores is None else args.cores)
         if args.hosts is not None:
             if args.hosts < 1 or args.per_host < 1 or args.nics < 1 or args.cores < 0:
                 raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1, "
