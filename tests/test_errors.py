@@ -624,21 +624,32 @@ def _bad_timeouts() -> list[dict[str, Any]]:
     out = []
     for bad in (float("nan"), 0, -1.0, float("inf"), "5"):
         out.append(_attempt(g.all_reduce, x, timeout=bad))
-        out.append(_attempt(g.recv, x, peer, tag=9, timeout=bad))
+    if g.rank == 0:  # point-to-point and waits: this rank alone, and the group's collectives go on
+        for bad in (float("nan"), 0, -1.0, "5"):
+            out.append(_attempt(g.recv, x, peer, tag=9, timeout=bad))
+        work = g.irecv(x, peer, tag=9)
+        out.append(_attempt(work.wait, float("nan")))
+        polled = _attempt(work.wait, 0)  # a poll: still pending (its peer sends after the
+        assert polled["type"] == "TimeoutError" and not work.is_completed(), polled  # all_reduce)
     out.append(_attempt(g.all_reduce, x, timeout=10.0))  # the group goes on
+    if g.rank == 0:
+        out.append(_attempt(work.wait, 10.0))
+    elif g.rank == 1:
+        g.send(np.full(4, 2.0, np.float32), 0, tag=9, timeout=10.0)
     return out
 
 
 def test_a_timeout_that_is_no_duration_is_an_argument_error(cluster: Any) -> None:
     """timeout=nan waited forever, 0 and -1 failed at once as timeouts, inf never ended: each is
-    an InvalidArgumentError naming it, on every rank; the group goes on."""
+    an InvalidArgumentError naming it, on every rank for a collective, on its caller only for a
+    point-to-point call or a wait (whose Work stays pending; 0 polls it); the group goes on."""
     if cluster.size < 2:
         pytest.skip("needs a peer")
     for rank, outcomes in enumerate(cluster.run(_bad_timeouts)):
-        *bad, after = outcomes
+        bad = outcomes[:5] + (outcomes[5:10] if rank == 0 else [])
         for res in bad:
             _assert_error(res, InvalidArgumentError, "timeout must be a positive number", within=5.0)
-        assert after["type"] is None, (rank, after)
+        assert all(res["type"] is None for res in outcomes[len(bad):]), (rank, outcomes[len(bad):])
 
 
 def _interrupted_recv() -> dict[str, Any]:

@@ -73,7 +73,8 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
         policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
-        if info.world_size > cfg.store_max_connections:  # each rank holds a connection to the store
+        hosted_here = store is None and not info.store_hosted and info.init_method.startswith("tcp://")
+        if hosted_here and info.world_size > cfg.store_max_connections:  # rank 0 serves every rank
             raise InvalidArgumentError(f"rank {info.rank}: init: TENSORWIRE_STORE_MAX_CONNECTIONS="
                                        f"{cfg.store_max_connections} is below the job's {info.world_size} "
                                        f"ranks, each of which connects to the store")

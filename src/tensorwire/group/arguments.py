@@ -11,6 +11,7 @@ that keep an input apart from the outputs an algorithm writes.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 import zlib
 from collections.abc import Sequence
@@ -59,14 +60,22 @@ def invalid(group: Group, what: str, message: str) -> NoReturn:
     group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}"))
 
 
-def limit_of(group: Group, timeout: float | None, what: str) -> float:
-    """The seconds a call may wait: its `timeout=`, which must be a positive finite number of
-    seconds (nan waited forever, 0 and negatives failed at once as timeouts), else the group's."""
+def limit_of(group: Group, timeout: float | None, what: str, *, collective: bool = True,
+             poll: bool = False) -> float:
+    """The seconds a call may wait: its `timeout=`, a positive finite number of seconds (0 too
+    where it may `poll`: a Work's wait), else the group's. A bad one fails a collective on every
+    member (as any argument), a point-to-point call or a wait on its caller only."""
     if timeout is None:
         return group.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        invalid(group, what, f"timeout must be a positive number of seconds, got {timeout!r}")
-    return timeout
+    if type(timeout) is float and 0.0 < timeout < math.inf:  # the common case, cheaply
+        return timeout
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) \
+            and (timeout >= 0.0 if poll else timeout > 0.0) and timeout < math.inf:
+        return float(timeout)
+    message = f"timeout must be a positive number of seconds, got {timeout!r}"
+    if collective:
+        invalid(group, what, message)
+    raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}")
 
 
 def check_root(group: Group, root: int, what: str, name: str) -> int:

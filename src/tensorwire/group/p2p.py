@@ -109,7 +109,7 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
         return group.device.irecv_any(tensor, tag, timeout)
     data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
     work = Work(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
-    limit = limit_of(group, timeout, "recv from any rank")
+    limit = limit_of(group, timeout, "recv from any rank", collective=False)
     deadline = time.monotonic() + limit
     turns = group.any_source_turns
     turn = turns.take(tag)
@@ -130,9 +130,9 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
 
 def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
     if timeout is not None:
-        limit_of(group, timeout, "send")
+        limit_of(group, timeout, "send", collective=False)
     if _on_device(tensor):
-        group.device.isend(tensor, dst, tag).wait(limit_of(group, timeout, "send"))
+        group.device.isend(tensor, dst, tag).wait(limit_of(group, timeout, "send", collective=False))
         return
     data, route = _host(group, tensor, True, dst, tag)
     engine = group.engine
@@ -145,9 +145,9 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
     if timeout is not None:
-        limit_of(group, timeout, "recv")
+        limit_of(group, timeout, "recv", collective=False)
     if _on_device(tensor):
-        group.device.irecv(tensor, src, tag).wait(limit_of(group, timeout, "recv"))
+        group.device.irecv(tensor, src, tag).wait(limit_of(group, timeout, "recv", collective=False))
         return src
     data, route = _host(group, tensor, False, src, tag)
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):
@@ -207,7 +207,7 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
         if len(views) == 2 and _overlap(views["send"], views["recv"]):
             send = views["send"].clone()
-        deadline = time.perf_counter() + limit_of(group, timeout, "sendrecv")
+        deadline = time.perf_counter() + limit_of(group, timeout, "sendrecv", collective=False)
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
@@ -317,7 +317,7 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
     sender's group rank (receive from it next). MPI_Probe with MPI_ANY_SOURCE."""
     check_member(group, "recv from any rank")
     _check_tag(group, tag, "recv from any rank")
-    limit = limit_of(group, timeout, "probe_any")
+    limit = limit_of(group, timeout, "probe_any", collective=False)
     return _probe_any(group, tag, time.monotonic() + limit, limit)
 
 
@@ -381,7 +381,7 @@ class AnySourceTurns:
 def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = True) -> None:
     """Wait for `reqs`. A blocking call that times out takes its receives back (Engine.withdraw);
     a Work's wait leaves them posted, to be waited on again."""
-    t = limit_of(group, timeout, str(reqs[0].what))
+    t = limit_of(group, timeout, str(reqs[0].what), collective=False, poll=not blocking)
     engine = group.engine
     ctx = group.ctx
     with engine.lock:  # what this rank answers a peer that asks where it is (Failures.missing)
@@ -442,6 +442,8 @@ class P2PWork(Work):
         if not self._done:
             req = self._req
             if not req.done or req.error is not None:  # else nothing to drive nor raise
+                if timeout is not None:  # a bad one fails this wait, not the Work
+                    limit_of(self._group, timeout, str(req.what), collective=False, poll=True)
                 try:
                     _wait(self._group, req, timeout=timeout, blocking=False)
                 except TimeoutError:

@@ -49,7 +49,7 @@ def shrink_group(group: Group, timeout: float | None = None) -> Group:
     group's) bounds the whole of it; after a TimeoutError it can be called again, and goes on
     where it stopped. See docs/failures.md."""
     check_member(group, "shrink")
-    limit = limit_of(group, timeout, "shrink")
+    limit = limit_of(group, timeout, "shrink", collective=False)
     deadline = time.perf_counter() + limit
     engine = group.engine
     count, agreement = _PENDING.pop(group, (group.shrinks + 1, None))

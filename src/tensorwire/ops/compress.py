@@ -65,7 +65,8 @@ class Codec:
         inf and NaN cross as they are; a finite value that rounds past the largest one the
         input's dtype holds once decoded crosses as the largest (saturates), as the exact sum of
         such values would be finite."""
-        peak = _peak(values) if values.size else 0.0
+        scaled = self.scaled(values.dtype) and values.size
+        peak = _peak(values) if scaled else 0.0  # unscaled (bfloat16 of float32): the words tell
         e = self.exponent(values, peak)
         words[-1] = np.array(e, dtype=np.int16).view(np.uint16)
         narrow = values
@@ -75,10 +76,11 @@ class Codec:
                 kind = np.float32 if self.name == "bf16" else values.dtype
                 narrow = np.ldexp(values, -e).astype(kind, copy=False) if e else values.astype(kind)
             self._round(narrow, words[:-1])
-        if peak >= _LAST_BINADE[values.dtype]:
+        if scaled and peak >= _LAST_BINADE[values.dtype] or not scaled and values.size \
+                and int(np.bitwise_and(words[:-1], 0x7FFF).max()) > _BF16_LARGEST:
             # the dtype's last binade may round up to the next power of two, which it lacks:
             # such values cross as the largest below it (bfloat16 unscaled: float32's own top)
-            ceiling = self.below_top if self.scaled(values.dtype) else _BF16_LARGEST
+            ceiling = self.below_top if scaled else _BF16_LARGEST
             over = ((words[:-1] & 0x7FFF) > ceiling) & np.isfinite(values)
             words[:-1][over] = (words[:-1][over] & 0x8000) | ceiling
 

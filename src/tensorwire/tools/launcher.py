@@ -505,6 +505,11 @@ class Launcher:
             except ValueError as exc:
                 print(f"tensorwire run: {exc}", file=sys.stderr)
                 return 2
+            if clients > store_limits.max_connections:  # every rank connects to the store
+                print(f"tensorwire run: TENSORWIRE_STORE_MAX_CONNECTIONS={store_limits.max_connections} is "
+                      f"below the job's {clients} ranks, each of which connects to the store",
+                      file=sys.stderr)
+                return 2
             try:
                 # Several nodes: listen on every interface, since MASTER_ADDR may resolve to a
                 # loopback address on this node (Debian's 127.0.1.1 hostname line).
