@@ -436,9 +436,10 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
     sub-group ('reduce_scatterv #5 on group world/host0'), which the caller never made."""
     @functools.wraps(run)
     def named(p2p: P2P, *args: Any) -> None:
-        h: Hierarchy = p2p.hierarchy  # type: ignore[attr-defined]
-        h.local.queue.phase_of = h.rail.queue.phase_of = phase_digest(p2p.fp)  # type: ignore[attr-defined]
+        h: Hierarchy | None = None
         try:
+            h = p2p.hierarchy  # type: ignore[attr-defined]  # made on first use: its errors named too
+            h.local.queue.phase_of = h.rail.queue.phase_of = phase_digest(p2p.fp)  # type: ignore[attr-defined]
             run(p2p, *args)
         except TensorwireError as exc:
             what = p2p.what  # type: ignore[attr-defined]
@@ -447,7 +448,8 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
                 raise
             raise named from exc
         finally:
-            h.local.queue.phase_of = h.rail.queue.phase_of = 0
+            if h is not None:
+                h.local.queue.phase_of = h.rail.queue.phase_of = 0
     return named
 
 

@@ -74,11 +74,11 @@ class CallQueue:
         made on the old context before it learned of a refusal (renewal.py)."""
         self.doom: BaseException | None = None
         self.in_flight = [0, 0]
+        """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
         self.phase_of = 0
         """While a hierarchical call runs its phases on this group (one of its hierarchy's), that
         call's wire.phase_digest, mixed into each call's fingerprint here (Plans.submit and
         Plans._compile send such calls here)."""
-        """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
 
     def submit(self, fp: Fingerprint, what: str, body: Callable[..., Any], async_op: bool,
                timeout: float | None, *args: Any) -> Any:
@@ -357,8 +357,8 @@ class CallQueue:
         """End the worker thread before the interpreter finalizes: a daemon thread that is
         still inside a C++ call then (a torch op in an abandoned async collective) aborts the
         whole process. Queued calls fail; the running one gets `grace` seconds to finish, as
-        does one another thread of the program runs (it waited out its timeout: nothing
-        would end it once this rank's connections close)."""
+        does one another thread of the program runs (nothing else would end it once this
+        rank's connections close)."""
         group = self.group
         with self._cv:
             self._stopping = True

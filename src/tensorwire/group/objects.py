@@ -34,7 +34,7 @@ def _steps(group: Group, what: str) -> Iterator[None]:
     try:
         yield
     except TensorwireError as exc:
-        if f"{what} #" in str(exc):  # its own refusal, named already (invalid)
+        if f"{what} #" in str(exc):  # a refusal of this call (here or a peer's), named already
             raise
         named = in_call(exc, f"{what} on group {group.name}")
         if named is exc:
@@ -111,8 +111,8 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
     _slots(group, what, scatter_object_output_list, "scatter_object_output_list")
     if group.rank == src:
         inputs = scatter_object_input_list
-        if not isinstance(inputs, Sequence) or len(inputs) != group.size:
-            got = type(inputs).__name__ if not isinstance(inputs, Sequence) else f"{len(inputs)} of them"
+        if not isinstance(inputs, (list, tuple)) or len(inputs) != group.size:
+            got = type(inputs).__name__ if not isinstance(inputs, (list, tuple)) else f"{len(inputs)} of them"
             invalid(group, what, f"needs a list of {group.size} input objects on rank {src}, got {got}")
         payloads = [_pickle(group, o, what) for o in inputs]  # type: ignore[union-attr]
         sizes = np.array([p.size for p in payloads], dtype=np.int64)

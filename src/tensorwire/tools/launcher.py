@@ -37,7 +37,8 @@ TAIL_LINES = 20
 SECRET_FILE_WAIT_S = 30.0
 """How long a node other than 0 waits for --secret-file to appear (node 0 may be creating it
 on a shared file system)."""
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""Each rank runs in its own session, so a terminal's signals reach the launcher alone."""
 EXIT_NOTICE_TIMEOUT_S = 10.0
 """How long telling the store that a rank exited may try (in the background)."""
 
@@ -292,17 +293,19 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher's own signal forwarding still applies
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (Linux's /proc; elsewhere whether any is)."""
+def _group_members(pgids: set[int]) -> dict[int, list[int]]:
+    """The live processes of each process group of `pgids`, in one look at Linux's /proc
+    (elsewhere whether any is: the group itself)."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
+        alive = {}
+        for pgid in pgids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, 0)
+                alive[pgid] = [pgid]
+        return alive
+    members: dict[int, list[int]] = {}
     for entry in entries:
         if entry.isdigit():
             try:
@@ -310,9 +313,10 @@ def _group_members(pgid: int) -> list[int]:
                     fields = f.read().rsplit(b")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            if int(fields[2]) == pgid and fields[0] != b"Z":  # after the name: state, ppid, pgrp
-                members.append(int(entry))
-    return sorted(members)
+            pgid = int(fields[2])  # after the name: state, ppid, pgrp
+            if pgid in pgids and fields[0] != b"Z":
+                members.setdefault(pgid, []).append(int(entry))
+    return {pgid: sorted(pids) for pgid, pids in members.items()}
 
 
 def _signal_name(signum: int) -> str:
@@ -552,8 +556,8 @@ class Launcher:
         process group, SIGKILL to what is left TERM_TO_KILL_S later, and say so. A process that
         is to outlive the job leaves the group itself (setsid)."""
         groups = {child.rank: child.proc.pid for child in self.ranks if child.proc.returncode is not None}
-        left = {rank: _group_members(pgid) for rank, pgid in groups.items()}
-        left = {rank: pids for rank, pids in left.items() if pids}
+        found = _group_members(set(groups.values()))
+        left = {rank: found[pgid] for rank, pgid in groups.items() if pgid in found}
         if not left:
             return
         with self._output_lock:
@@ -565,7 +569,7 @@ class Launcher:
             for rank in left:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(groups[rank], sig)
-            while time.monotonic() < deadline and any(_group_members(groups[r]) for r in left):
+            while time.monotonic() < deadline and _group_members({groups[r] for r in left}):
                 time.sleep(0.05)
             deadline = time.monotonic() + REAP_AFTER_KILL_S
 

@@ -65,7 +65,7 @@ def store_location(store: Any) -> str | None:
 def timeout_seconds(timeout: Any) -> float | None:
     """A timeout passed to init_process_group / new_group, in seconds; None for torch's default
     (30 minutes), which leaves tensorwire's own: TENSORWIRE_TIMEOUT, else 300 s. Zero or less
-    is an error (it read as the default)."""
+    is an error."""
     from torch.distributed.constants import default_pg_timeout
 
     if not isinstance(timeout, timedelta) or timeout == default_pg_timeout:

@@ -52,7 +52,7 @@ def refuse_to_join(store: Store, rank: int, error: BaseException, absent: Sequen
     the ranks gathering the cards raise it at once, naming this rank, instead of timing out.
     `absent`: ranks rank 0 waits for that this rank's world has not (rank 0 was started with a
     larger world size), whose cards it publishes too, so that rank 0 stops waiting at once."""
-    refusal = json.dumps({"error": str(error), "class": type(error).__name__}).encode()
+    refusal = json.dumps({"error": str(error), "class": type(error).__name__, "rank": rank}).encode()
     for r in (rank, *absent):
         store.set(_card_key(r), refusal)
 
@@ -113,6 +113,7 @@ def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError |
         return None
     cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
         theirs.get("class", ""), RendezvousError)
+    r = theirs.get("rank", r)  # the refusing rank (it also answers for ranks its world has not)
     why = str(theirs["error"]).removeprefix(f"rank {r}: init: ")
     return cls(f"rank {rank}: init: rank {r} cannot join: {why}")
 
