@@ -154,7 +154,7 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
         _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
                                         seq=position(group)), timeout=timeout)
     if data.nbytes >= _VET_BYTES:
-        _vet_received(group)
+        _vet_received(group, route.peer)
     return src
 
 
@@ -164,10 +164,9 @@ send failed partway (timed out, interrupted), and what arrived, or was read out 
 memory, may be torn or written after the failure."""
 
 
-def _vet_received(group: Group) -> None:
+def _vet_received(group: Group, peer: int) -> None:
     engine = group.engine
-    engine.poll_peers()
-    engine.run_deferred_aborts()
+    engine.poll_peer(peer)
     aborted = engine.aborted.get(group.ctx)
     if aborted is not None:
         raise aborted[1]

@@ -572,6 +572,21 @@ class Engine(Failures):
             self.run_deferred_aborts()
         return moved
 
+    def poll_peer(self, peer: int) -> None:
+        """One round of progress and a look at the socket of `peer`'s channel alone (what came
+        behind a message just received from it: an abort of the call that sent it)."""
+        with self.lock:
+            channel = self.channels.get(peer)
+            if channel is None or peer in self.lost:
+                return
+            try:
+                channel.progress()
+                channel.poll_socket()
+            except PeerClosed as exc:
+                self.peer_lost(peer, str(exc))
+            if self.deferred_aborts:
+                self.run_deferred_aborts()
+
     def poll_sockets(self) -> None:
         for channel in self.channel_list:
             if channel.peer in self.lost:
