@@ -129,10 +129,10 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
 
 
 def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
-    if timeout is not None:
-        limit_of(group, timeout, "send", collective=False)
+    if timeout is not None:  # checked here: the fast path waits for nothing (no call on the hot path)
+        timeout = limit_of(group, timeout, "send", collective=False)
     if _on_device(tensor):
-        group.device.isend(tensor, dst, tag).wait(limit_of(group, timeout, "send", collective=False))
+        group.device.isend(tensor, dst, tag).wait(group.timeout if timeout is None else timeout)
         return
     data, route = _host(group, tensor, True, dst, tag)
     engine = group.engine
@@ -144,10 +144,10 @@ def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | Non
 
 
 def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | None = None) -> int:
-    if timeout is not None:
-        limit_of(group, timeout, "recv", collective=False)
+    if timeout is not None:  # checked here: the fast path waits for nothing (no call on the hot path)
+        timeout = limit_of(group, timeout, "recv", collective=False)
     if _on_device(tensor):
-        group.device.irecv(tensor, src, tag).wait(limit_of(group, timeout, "recv", collective=False))
+        group.device.irecv(tensor, src, tag).wait(group.timeout if timeout is None else timeout)
         return src
     data, route = _host(group, tensor, False, src, tag)
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):

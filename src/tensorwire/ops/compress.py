@@ -49,12 +49,9 @@ class Codec:
     def scaled(self, dtype: np.dtype) -> bool:
         return self.scales_float32 or dtype == np.float64
 
-    def exponent(self, values: np.ndarray, peak: float | None = None) -> int:
-        """The power of two a piece is divided by before rounding (0 where none is needed, or
-        where the piece holds no finite non-zero value). `peak`: its largest finite |value|."""
-        if not self.scaled(values.dtype) or not values.size:
-            return 0
-        peak = _peak(values) if peak is None else peak
+    def exponent(self, peak: float) -> int:
+        """The power of two a scaled piece is divided by before rounding, from its largest finite
+        |value| (0 where it holds no finite non-zero value)."""
         if peak == 0.0:
             return 0
         e = math.frexp(peak)[1] - self.top
@@ -65,9 +62,9 @@ class Codec:
         inf and NaN cross as they are; a finite value that rounds past the largest one the
         input's dtype holds once decoded crosses as the largest (saturates), as the exact sum of
         such values would be finite."""
-        scaled = self.scaled(values.dtype) and values.size
-        peak = _peak(values) if scaled else 0.0  # unscaled (bfloat16 of float32): the words tell
-        e = self.exponent(values, peak)
+        scaled = bool(values.size) and self.scaled(values.dtype)
+        peak = _peak(values) if scaled else 0.0
+        e = self.exponent(peak) if scaled else 0
         words[-1] = np.array(e, dtype=np.int16).view(np.uint16)
         narrow = values
         with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf cross as they are, unremarked
@@ -76,11 +73,15 @@ class Codec:
                 kind = np.float32 if self.name == "bf16" else values.dtype
                 narrow = np.ldexp(values, -e).astype(kind, copy=False) if e else values.astype(kind)
             self._round(narrow, words[:-1])
-        if scaled and peak >= _LAST_BINADE[values.dtype] or not scaled and values.size \
-                and int(np.bitwise_and(words[:-1], 0x7FFF).max()) > _BF16_LARGEST:
-            # the dtype's last binade may round up to the next power of two, which it lacks:
-            # such values cross as the largest below it (bfloat16 unscaled: float32's own top)
-            ceiling = self.below_top if scaled else _BF16_LARGEST
+        # the dtype's last binade may round up to the next power of two, which it lacks: such
+        # values cross as the largest below it (bfloat16 unscaled: float32's own top, found from
+        # the words, which is cheaper than the input's peak)
+        ceiling = self.below_top if scaled else _BF16_LARGEST
+        if scaled:
+            may_overflow = peak >= _LAST_BINADE[values.dtype]
+        else:
+            may_overflow = bool(values.size) and int(np.bitwise_and(words[:-1], 0x7FFF).max()) > ceiling
+        if may_overflow:
             over = ((words[:-1] & 0x7FFF) > ceiling) & np.isfinite(values)
             words[:-1][over] = (words[:-1][over] & 0x8000) | ceiling
 

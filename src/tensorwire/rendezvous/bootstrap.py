@@ -585,7 +585,7 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
 
 
 def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
-                  refused: Callable[[Store, RendezvousError, range], None] | None) -> None:
+                 refused: Callable[[Store, RendezvousError, range], None] | None) -> None:
     joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
     size_key = WORLD_SIZE_KEY.format(generation=generation)
     if joined > 1:
@@ -605,8 +605,8 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
     if int(theirs) != info.world_size:
         error = RendezvousError(
             f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "
-            f"world_size={info.world_size} "
-            f"but rank 0 with world_size={int(theirs)} (store {info.init_method})")
+            f"world_size={info.world_size} but rank 0 with world_size={int(theirs)} "
+            f"(store {info.init_method})")
         if refused is not None:  # and for the ranks rank 0 waits for that this world has not
             refused(store, error, range(info.world_size, int(theirs)))
         raise error

@@ -424,8 +424,7 @@ class Launcher:
             self._signal_received = signum
         sig = signum if self._signal_count == 1 else signal.SIGKILL
         for child in self.ranks:
-            if child.proc.returncode is None:
-                child.send(sig)
+            child.send(sig)
 
     def _install_handlers(self) -> dict[int, object]:
         previous: dict[int, object] = {}
@@ -444,8 +443,7 @@ class Launcher:
 
     def _signal_all(self, sig: int, pending: set[RankProcess]) -> None:
         for child in pending:
-            if child.proc.returncode is None:
-                child.send(sig)
+            child.send(sig)
 
     def _supervise(self) -> RankProcess | None:
         """Wait for all ranks; returns the first that failed on its own (None if none did)."""
