@@ -583,9 +583,9 @@ def test_an_interrupted_collective_aborts_the_group_on_every_member(cluster: Any
         assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
 
 
-def _send_times_out_partway() -> dict[str, Any]:
+def _send_times_out_partway(how: str) -> dict[str, Any]:
     """Rank 0's blocking send of 8 MiB times out before rank 1 receives; rank 0 then writes -1 over
-    its buffer. Rank 1 receives 1.5 s later: its data would be the -1s, or torn over TCP."""
+    its buffer. Rank 1 receives 1.5 s later (by `how`): its data would be the -1s, or torn over TCP."""
     g = _fresh_group()
     out: dict[str, Any] = {}
     count = 1 << 24 if tw.config().transport == "tcp" else 1 << 21  # more than the socket buffers take
@@ -596,20 +596,26 @@ def _send_times_out_partway() -> dict[str, Any]:
     elif g.rank == 1:
         time.sleep(1.5)
         got = np.zeros(count, np.float32)
-        out["recv"] = _attempt(g.recv, got, 0, tag=3, timeout=10.0)
+        one = np.ones(1, np.float32)
+        receive = {"recv": lambda: g.recv(got, 0, tag=3, timeout=10.0),
+                   "irecv": lambda: g.irecv(got, 0, tag=3).wait(10.0),
+                   "sendrecv": lambda: g.sendrecv(one, 0, got, 0, tag=3, timeout=10.0)}[how]
+        out["recv"] = _attempt(receive)
         out["values"] = sorted({float(v) for v in np.unique(got)})
     if g.rank in (0, 1):
         out["next"] = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=10.0)
     return out
 
 
-def test_a_send_that_fails_partway_fails_its_receive(cluster: Any) -> None:
+@pytest.mark.parametrize("how", ["recv", "irecv", "sendrecv"])
+def test_a_send_that_fails_partway_fails_its_receive(cluster: Any, how: str) -> None:
     """A send that times out (or is interrupted) with its message on its way aborts the group:
-    its receive raises instead of returning what the sender wrote after the failure (all -1,
-    or -1 and 7 over TCP), and the next call fails on both ranks."""
+    its receive (blocking, a Work's wait, a sendrecv's) raises instead of returning what the
+    sender wrote after the failure (all -1, or -1 and 7 over TCP), and the next call fails on
+    both ranks."""
     if cluster.size < 2:
         pytest.skip("needs a peer")
-    results = cluster.run(_send_times_out_partway)
+    results = cluster.run(_send_times_out_partway, how)
     sender, receiver = results[0], results[1]
     assert sender["send"]["type"] == "TimeoutError", sender
     recv = receiver["recv"]

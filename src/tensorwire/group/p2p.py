@@ -28,7 +28,7 @@ from ..errors import (
     in_call,
 )
 from ..gpu import is_device_buffer as _on_device
-from ..transport.requests import P2P_SEQ, Request
+from ..transport.requests import P2P_SEQ, RecvRequest, Request
 from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
@@ -94,6 +94,8 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     (RecvRequest.device)."""
     data, found = _host(group, tensor, False, src, tag)
     if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
+        if data.nbytes >= _VET_BYTES:
+            _vet_received(group, found.peer)
         return found.done
     req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
                              seq=position(group), device=device)
@@ -190,12 +192,16 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
             out, inn = pair
             if send.nbytes >= REMOTE_BYTES and send.flags.c_contiguous and \
                     _read_each_other(group, send, out, recv, inn, timeout):
+                if recv.nbytes >= _VET_BYTES:
+                    _vet_received(group, inn.peer)
                 return src
             sent, taken = group.engine.sendrecv_now(out.peer, out.wire, send, inn.peer, inn.key, inn.wire,
                                                     recv)
             if sent:
                 if not taken:
                     _finish(group, send, out, recv, inn, True, timeout)
+                if recv.nbytes >= _VET_BYTES:
+                    _vet_received(group, inn.peer)
                 return src
     elif _on_device(send) or _on_device(recv):
         views = {}  # the CUDA buffers as torch tensors (CuPy's too)
@@ -220,12 +226,13 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     if group.plans.caller is not None:  # its sendrecv takes the pair's next calls whole
         group.plans.caller.add_pair(dst, src, tag, data.nbytes, into.nbytes, out.dtype, inn.dtype, out, inn,
                                     REMOTE_BYTES, CTRL_BYTES, _finish)
-    if data.nbytes >= REMOTE_BYTES and data.flags.c_contiguous and \
-            _read_each_other(group, data, out, into, inn, timeout):
-        return src
-    sent, taken = group.engine.sendrecv_now(out.peer, out.wire, data, inn.peer, inn.key, inn.wire, into)
-    if not taken:
-        _finish(group, data, out, into, inn, sent, timeout)
+    if not (data.nbytes >= REMOTE_BYTES and data.flags.c_contiguous and
+            _read_each_other(group, data, out, into, inn, timeout)):
+        sent, taken = group.engine.sendrecv_now(out.peer, out.wire, data, inn.peer, inn.key, inn.wire, into)
+        if not taken:
+            _finish(group, data, out, into, inn, sent, timeout)
+    if into.nbytes >= _VET_BYTES:
+        _vet_received(group, inn.peer)
     return src
 
 
@@ -414,7 +421,10 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
 
 def _work(group: Group, req: Request, route: P2PRoute) -> Work:
     if req.done and req.error is None:  # a small send, already in the ring or the socket,
-        return route.done  # or a receive whose message had arrived
+        # or a receive whose message had arrived
+        if isinstance(req, RecvRequest) and req.nbytes >= _VET_BYTES:
+            _vet_received(group, req.peer)
+        return route.done
     group.engine.watch_in_background(req)
     return P2PWork(group, req)
 
@@ -447,6 +457,12 @@ class P2PWork(Work):
                     _wait(self._group, req, timeout=timeout, blocking=False)
                 except TimeoutError:
                     raise  # still pending: the caller may wait again
+                except BaseException as exc:
+                    self._finish(exc=exc)
+                    raise
+            if isinstance(req, RecvRequest) and req.nbytes >= _VET_BYTES:
+                try:
+                    _vet_received(self._group, req.peer)
                 except BaseException as exc:
                     self._finish(exc=exc)
                     raise
