@@ -7,6 +7,7 @@ bounded shutdown, signals).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -198,6 +199,57 @@ def test_signal_to_launcher_stops_all_children(tmp_path: Path, sig: signal.Signa
     assert f"received {sig.name}, forwarded it to all ranks" in err
     assert "killed by signal SIGKILL (9)" in err  # rank 1 ignored the forwarded signal
     assert not [pid for pid in pids if _alive(pid)]
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from Linux's /proc ('T' stopped, 'S' sleeping, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _until(check: object, what: str, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from Linux's /proc")
+def test_ctrl_z_stops_the_whole_job_and_continuing_continues_it(tmp_path: Path) -> None:
+    """SIGTSTP (Ctrl-Z) reaches the launcher alone, the ranks being in sessions of their own:
+    it stops every rank and what it forked, then itself; SIGCONT (fg, bg) continues them all."""
+    script = tmp_path / "stoppable.py"
+    script.write_text(textwrap.dedent("""\
+        import os, sys, time
+        rank = os.environ["RANK"]
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+        while not os.path.exists(os.path.join(sys.argv[1], "go")):
+            time.sleep(0.02)
+        """))
+    proc = _launch(["-n", "2", str(script), str(tmp_path)], tmp_path)
+    pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+    _until(lambda: all(p.exists() and p.read_text() for p in pid_files), "ranks did not start", 20)
+    ranks = [int(p.read_text()) for p in pid_files]
+    forked = [int(pid) for r in ranks for pid in Path(f"/proc/{r}/task/{r}/children").read_text().split()]
+    assert len(forked) == 2
+    try:
+        proc.send_signal(signal.SIGTSTP)
+        _until(lambda: all(_state(pid) == "T" for pid in [proc.pid, *ranks, *forked]), "the job did not stop")
+        (tmp_path / "go").write_text("")
+        time.sleep(0.3)
+        assert all(_state(pid) == "T" for pid in ranks)  # stopped: they do not see the file
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+    finally:
+        for pid in [*ranks, *forked]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.timeout(60)

@@ -38,7 +38,8 @@ SECRET_FILE_WAIT_S = 30.0
 """How long a node other than 0 waits for --secret-file to appear (node 0 may be creating it
 on a shared file system)."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-"""Each rank runs in its own session, so a terminal's signals reach the launcher alone."""
+"""Each rank runs in its own session, so a terminal's signals reach the launcher alone (SIGTSTP
+and SIGCONT too: Launcher._on_stop)."""
 EXIT_NOTICE_TIMEOUT_S = 10.0
 """How long telling the store that a rank exited may try (in the background)."""
 
@@ -54,7 +55,9 @@ that rank's exit code (128+N if it died of signal N). With
 waits for every rank before it reports. Processes a rank forked and left running end with the
 job (SIGTERM, then SIGKILL), as torchrun's do, unless the launcher itself is killed with
 SIGKILL (the ranks then get SIGTERM, their children nothing); one meant to outlive the job
-starts its own session.
+starts its own session. SIGINT (Ctrl-C), SIGTERM, SIGHUP and SIGQUIT are forwarded to every
+rank (a second one: SIGKILL); Ctrl-Z stops every rank with the launcher, and fg or bg
+continue them (calls in flight time out if the stop outlasts their timeout).
 
 The job is authenticated: its store and its ranks serve only processes that prove they know
 its secret. On one node the launcher makes a fresh secret and hands it to its ranks; across
@@ -426,12 +429,29 @@ class Launcher:
         for child in self.ranks:
             child.send(sig)
 
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        """Ctrl-Z: stop every rank, with what it forked, then the launcher, as a shell stops a
+        job (SIGTSTP reaches the launcher alone); continuing the launcher continues them."""
+        self._signal_groups(signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _on_continue(self, signum: int, frame: FrameType | None) -> None:
+        self._signal_groups(signal.SIGCONT)
+
+    def _signal_groups(self, sig: int) -> None:
+        for child in self.ranks:
+            if child.proc.returncode is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(child.proc.pid, sig)  # each rank leads its own session
+
     def _install_handlers(self) -> dict[int, object]:
         previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             return previous  # signal handlers can only be set from the main thread
         for sig in FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, self._on_signal)
+        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._on_stop)
+        previous[signal.SIGCONT] = signal.signal(signal.SIGCONT, self._on_continue)
         return previous
 
     @staticmethod
