@@ -44,6 +44,7 @@ from tensorwire.rendezvous.tcp_store import TCPStore
 from tensorwire.transport import handshake
 from tensorwire.transport.channel import PeerClosed
 from tensorwire.transport.engine import Engine
+from tensorwire.transport.pair_rings import PairRings
 from tensorwire.transport.tcp import SocketStream, TcpChannel
 from tensorwire.transport.wire import (
     HEADER_SIZE,
@@ -254,10 +255,10 @@ def test_file_store_refuses_what_another_user_planted(shared_tmp: Path) -> None:
     job = _mpirun(0).job_id
     plants = {  # what a second user made first, and how the job must name it
         f"mkdir -m 777 {mine} {mine}/{job} && mkfifo -m 666 {mine}/{job}/tw%2Fworld_size%2F1":
-            rf"{mine}, the parent of the file store .*, belongs to nobody \(uid 65534\)",
+            rf"{mine}, above the file store .*, belongs to nobody \(uid 65534\)",
         f"mkdir -m 777 {shared_tmp}/theirs && ln -s {shared_tmp}/theirs {mine}":
-            rf"{mine}, the parent of the file store .*, is a symbolic link of nobody",
-        f"mkfifo -m 666 {mine}": rf"{mine}, the parent of the file store .*, is a FIFO of nobody",
+            rf"{mine}, above the file store .*, is a symbolic link of nobody",
+        f"mkfifo -m 666 {mine}": rf"{mine}, above the file store .*, is a FIFO of nobody",
     }
     for plant, message in plants.items():
         subprocess.run([*STRANGER, "sh", "-ec", plant], check=True, timeout=10)
@@ -268,6 +269,15 @@ def test_file_store_refuses_what_another_user_planted(shared_tmp: Path) -> None:
         assert time.monotonic() - t0 < 5
         assert _snapshot(shared_tmp) == before  # nothing of theirs read into, written or removed
         subprocess.run(["rm", "-rf", str(mine), f"{shared_tmp}/theirs"], check=True)
+    # Their link or directory further up the path: refused before anything is made there.
+    subprocess.run([*STRANGER, "sh", "-ec", f"mkdir -m 777 {shared_tmp}/theirs && "
+                    f"ln -s {shared_tmp}/theirs {shared_tmp}/evil"], check=True, timeout=10)
+    for above, problem in ((f"{shared_tmp}/evil", "is a symbolic link of nobody"),
+                           (f"{shared_tmp}/theirs", "belongs to nobody")):
+        with pytest.raises(RendezvousError, match=rf"{above}, above the file store .*, {problem}"):
+            FileStore(Path(above) / "a" / "store", timeout=5)
+    assert not os.listdir(f"{shared_tmp}/theirs")
+    subprocess.run(["rm", "-rf", f"{shared_tmp}/theirs", f"{shared_tmp}/evil"], check=True)
     # A store directory of theirs where the user asked for one is refused the same way.
     subprocess.run([*STRANGER, "mkdir", "-m", "777", f"{shared_tmp}/job"], check=True, timeout=10)
     with pytest.raises(RendezvousError, match=rf"directory {shared_tmp}/job belongs to nobody"):
@@ -656,7 +666,7 @@ def test_ranks_connect_past_strangers(caplog: pytest.LogCaptureFixture) -> None:
 
     def replay(port: int) -> None:
         # A handshake that worked against another listener of the job, replayed verbatim.
-        hello = handshake.HELLO.pack(1, 2, handshake.job_hash("job"))
+        hello = handshake.HELLO.pack(1, 0, 2, handshake.job_hash("job"))
         with socket.create_connection((LOOPBACK, port)) as s:
             s.sendall(handshake.MAGIC + hello + bytes(auth.NONCE_BYTES) + bytes(auth.MAC_BYTES))
             assert len(read_all(s)) <= len(handshake.MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES
@@ -686,9 +696,107 @@ def test_rank_with_another_secret_is_refused() -> None:
         _close_all(engines)
 
 
+def _stranger_in_setup(port: int, rank: int, messages: list[object], secret: auth.Secret = SECRET) -> bytes:
+    """Pass the handshake as `rank` of a world of 2 (a peer of a job without a secret, or one
+    that knows it), send `messages` as the pair's setup, and return what comes back."""
+    with socket.create_connection((LOOPBACK, port), timeout=5) as s:
+        side = auth.Initiator(secret.key, handshake.PURPOSE, handshake.MAGIC,
+                              handshake.HELLO.pack(rank, 0, 2, handshake.job_hash("job")), confirm=False)
+        s.sendall(side.first)
+        while not side.done:
+            out = side.feed(recv_exact(s, side.need))
+            if out:
+                s.sendall(out)
+        for msg in messages:
+            raw = msg if isinstance(msg, bytes) else json.dumps(msg).encode()
+            s.sendall(struct.pack("<I", len(raw)) + raw)
+        with_hangup(s)
+        return read_all(s, timeout=2.0)
+
+
+@pytest.mark.parametrize("setup", [
+    [{"op": "pair", "pair": [1]}],
+    [{"op": "pair", "pair": 1, "streams": "many"}],
+    [{"op": "stream", "pair": 1, "index": {}}],
+    [b"[" * 60000],
+    [{"op": "pair", "pair": 1, "where": ["host", "machine0"], "ring": ["x"]}],
+    [{"op": "pair", "pair": 1, "where": ["host", "machine0"], "ring": {"name": "tw-x", "capacity": "4096"}}],
+], ids=["pair-list", "streams-str", "index-dict", "nested", "ring-list", "ring-capacity-str"])
+def test_a_malformed_setup_message_costs_its_connection_alone(setup: list[object]) -> None:
+    """A peer past the handshake (a stranger, where a job has no secret) that sends setup
+    messages of the wrong shape loses its connection; the rank's wiring goes on and its real
+    peer connects."""
+    engines = _wire(Config(auth_timeout=2.0), (lambda port: _stranger_in_setup(port, 1, setup),))
+    try:
+        assert engines[0].wiring._thread.is_alive()
+        assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
+    finally:
+        _close_all(engines)
+
+
+def test_a_connection_that_claims_the_ranks_own_rank_is_refused() -> None:
+    got: list[bytes] = []
+    engines = _wire(Config(auth_timeout=2.0), (lambda port: got.append(_stranger_in_setup(port, 0, [
+        {"op": "pair", "pair": 1, "where": ["host", "machine0"], "streams": 1}])),))
+    try:
+        assert got == [b""] and 0 not in engines[0].channels
+        assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
+    finally:
+        _close_all(engines)
+
+
+def test_a_dial_meant_for_another_rank_is_refused_before_any_proof(caplog: pytest.LogCaptureFixture) -> None:
+    """A dial reaches the rank its card names; an address in the store that is another rank's
+    (a changed store, a stale card) fails the handshake instead of pairing the wrong ranks."""
+    got: list[bytes] = []
+
+    def misdirected(port: int) -> None:
+        with socket.create_connection((LOOPBACK, port), timeout=5) as s:
+            side = auth.Initiator(SECRET.key, handshake.PURPOSE, handshake.MAGIC,
+                                  handshake.HELLO.pack(1, 1, 2, handshake.job_hash("job")), confirm=False)
+            s.sendall(side.first)
+            with_hangup(s)
+            got.append(read_all(s))
+
+    with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
+        engines = _wire(Config(auth_timeout=2.0), (misdirected,))
+        try:
+            assert got == [b""]
+            assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
+            time.sleep(0.1)
+        finally:
+            _close_all(engines)
+    assert "a connection meant for rank 1" in caplog.text
+
+
+def test_a_ring_a_peer_names_must_be_a_segment_of_this_users(tmp_path: Path) -> None:
+    """What a peer's ring offer names is mapped only where it is a regular /dev/shm file of
+    this user's, of the announced size: never a path elsewhere, a link, a short file (its
+    first read was a SIGBUS) nor anything else; nothing is unlinked that was not mapped."""
+    rings = PairRings("job", 0, "")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 40)
+    tag = secrets.token_hex(4)
+    short, link = Path(f"/dev/shm/tw-test-{tag}-short"), Path(f"/dev/shm/tw-test-{tag}-link")
+    short.write_bytes(b"")
+    link.symlink_to(victim)
+    try:
+        for name in (f"tw-../..{victim}", f"../..{victim}", link.name, short.name, "tw-missing-" + tag):
+            ring, why, pid = rings.map({"name": name, "capacity": 65536, "nonce": 0})
+            assert ring is None and why != 0 and pid == 0, name
+        assert victim.read_bytes() == b"x" * 40 and short.exists() and link.is_symlink()
+        for bad in (["x"], {"name": 3, "capacity": 65536, "nonce": 0}, {"name": short.name, "capacity": "1"},
+                    {"name": short.name, "capacity": 65536, "nonce": 0, "pid": [1]}):
+            with pytest.raises(ValueError):
+                rings.map(bad)  # type: ignore[arg-type]
+    finally:
+        short.unlink()
+        link.unlink()
+
+
 @FUZZ
 @given(st.one_of(st.binary(max_size=200),
-                 _mutated(handshake.MAGIC + handshake.HELLO.pack(1, 2, handshake.job_hash("job"))
+                 _mutated(handshake.MAGIC + handshake.HELLO.pack(1, 0, 2, handshake.job_hash("job"))
                           + bytes(auth.NONCE_BYTES + auth.MAC_BYTES))))
 def test_fuzz_peer_handshake(data: bytes) -> None:
     """Fuzzed handshakes against a rank's listener: never accepted as a rank, never more than

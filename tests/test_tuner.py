@@ -1253,20 +1253,27 @@ def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "large", "symlink"])
+@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "large", "symlink",
+                                 "theirs"])
 def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: str) -> None:
     """Whatever lies where an entry should (valid JSON that is no object, nesting deep enough to
-    break the parser, a FIFO, a file far larger than an entry, a link) is neither trusted nor a
-    crash nor a wait: read_cache names it in one warning, `tensorwire plan` skips it, and the
-    next write replaces it."""
+    break the parser, a FIFO, a file far larger than an entry, a link, another user's entry in
+    a shared directory) is neither trusted nor a crash nor a wait: read_cache names it in one
+    warning, `tensorwire plan` skips it, and the next write replaces it."""
     path = cache.cache_path(str(tmp_path), "k")
+    good = tmp_path / "elsewhere.json"
+    if bad in ("symlink", "theirs"):
+        cache.write_cache(str(good), {"shm": Link("shm", 1e-5, 1e-9, 1e-10)},
+                          {"created": time.time(), "trusted": True})
     if bad == "fifo":
         os.mkfifo(path)
     elif bad == "symlink":
-        good = tmp_path / "elsewhere.json"
-        cache.write_cache(str(good), {"shm": Link("shm", 1e-5, 1e-9, 1e-10)},
-                          {"created": time.time(), "trusted": True})
         os.symlink(good, path)
+    elif bad == "theirs":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.rename(good, path)
+        os.chown(path, 65534, 65534)
     else:
         text = {"list": "[1, 2, 3]", "null": "null", "nested": "[" * 200_000 + "]" * 200_000,
                 "links_list": json.dumps({"version": cache.PROBE_VERSION, "links": [1]}),

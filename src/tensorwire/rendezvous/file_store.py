@@ -11,6 +11,7 @@ import stat
 import threading
 import time
 import urllib.parse
+from typing import NoReturn
 
 from ..errors import InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
 from .store import DEFAULT_STORE_TIMEOUT_S, Store, check_key, check_value
@@ -39,29 +40,36 @@ def _kind(mode: int) -> str:
 
 
 def _check_parent(parent: str, store: str) -> None:
-    """The store's parent must keep others from renaming the store away or planting another in
-    its place: this user's or root's, and sticky (like /tmp) if others may write to it. A
-    symbolic link is followed only if this user or root made it."""
+    """The directories above the store must keep others from renaming it away or planting
+    another in its place: each this user's or root's, and sticky (like /tmp) if others may
+    write to it; a symbolic link on the way is followed only if this user or root made it."""
     me = os.geteuid()
     try:
-        st = os.lstat(parent)
-        if stat.S_ISLNK(st.st_mode) and st.st_uid in (me, 0):
-            st = os.stat(parent)
+        path = os.sep
+        for part in parent.split(os.sep)[1:]:
+            path = os.path.join(path, part)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+                _refuse(path, store, f"is a symbolic link of {_user(st.st_uid)}")
+        path = os.sep
+        for part in os.path.realpath(parent).split(os.sep)[1:]:
+            path = os.path.join(path, part)
+            st = os.stat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                _refuse(path, store, f"is {_kind(st.st_mode)} of {_user(st.st_uid)}, not a directory")
+            if st.st_uid not in (me, 0):
+                _refuse(path, store, f"belongs to {_user(st.st_uid)}, not to this user ({_user(me)}) or root")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                _refuse(path, store, f"is writable by its group or others (mode {st.st_mode & 0o7777:o}) "
+                                     f"without the sticky bit, so they could replace what is in it")
     except OSError as exc:
-        raise RendezvousError(f"cannot check {parent}, the parent of the file store {store}: "
-                              f"{exc.strerror}") from exc
-    problem = None
-    if not stat.S_ISDIR(st.st_mode):
-        problem = f"is {_kind(st.st_mode)} of {_user(st.st_uid)}, not a directory"
-    elif st.st_uid not in (me, 0):
-        problem = f"belongs to {_user(st.st_uid)}, not to this user ({_user(me)}) or root"
-    elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        problem = (f"is writable by its group or others (mode {st.st_mode & 0o7777:o}) without the sticky "
-                   f"bit, so they could replace the store directory")
-    if problem is not None:
-        raise RendezvousError(f"{parent}, the parent of the file store {store}, {problem}: another user may "
-                              f"have made it to read or change the job's store; remove it, or choose another "
-                              f"directory (init_method='file:///...')")
+        raise RendezvousError(f"cannot check {path}, above the file store {store}: {exc.strerror}") from exc
+
+
+def _refuse(path: str, store: str, problem: str) -> NoReturn:
+    raise RendezvousError(f"{path}, above the file store {store}, {problem}: another user may have made it "
+                          f"to read or change the job's store; remove it, or choose another directory "
+                          f"(init_method='file:///...')")
 
 
 class FileStore(Store):
@@ -105,13 +113,16 @@ class FileStore(Store):
     # -- the directory ------------------------------------------------------------------------
 
     def _open_dir(self) -> int:
-        parent = os.path.dirname(self.path)
+        parent = existing = os.path.dirname(self.path)
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        _check_parent(existing, self.path)  # before anything is made in it
         try:
             os.makedirs(parent, mode=0o700, exist_ok=True)
         except FileExistsError:
             pass  # not a directory: _check_parent says what it is
         except OSError as exc:
-            raise RendezvousError(f"cannot create {parent}, the parent of the file store {self.path}: "
+            raise RendezvousError(f"cannot create {parent}, above the file store {self.path}: "
                                   f"{exc.strerror}") from exc
         _check_parent(parent, self.path)
         try:

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from .. import auth, limits
 from ..errors import AuthenticationError, RendezvousError
 
-HELLO = struct.Struct("<IIQ")  # rank, world size, job hash
-MAGIC = b"TWpeer3\n"
-PURPOSE = b"tensorwire peer v3"
+HELLO = struct.Struct("<IIIQ")  # rank, the rank it dials, world size, job hash
+MAGIC = b"TWpeer4\n"
+PURPOSE = b"tensorwire peer v4"
 _MAX_MESSAGE = 1 << 16
 _LEN = struct.Struct("<I")
 _LOST_ERRNOS = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN)
@@ -163,15 +163,20 @@ class Incoming:
     responder's side of the handshake. `step()` on every event; True once authenticated
     (`rank` and `world_size` are then the dialer's); HandshakeFailed or OSError: drop it."""
 
-    def __init__(self, sock: socket.socket, addr: str, secret: auth.Secret, job: int,
+    def __init__(self, sock: socket.socket, addr: str, secret: auth.Secret, job: int, me: int,
                  auth_timeout: float) -> None:
-        self.sock, self.addr, self.job = sock, addr, job
-        self.side = auth.Responder(secret.key, PURPOSE, MAGIC, HELLO.size, self._other_job, confirm=False)
+        self.sock, self.addr, self.job, self.me = sock, addr, job, me
+        self.side = auth.Responder(secret.key, PURPOSE, MAGIC, HELLO.size, self._not_for_me, confirm=False)
         self.expires = time.monotonic() + auth_timeout
         self.rank = self.world_size = -1
 
-    def _other_job(self, hello: bytes) -> str | None:
-        return None if HELLO.unpack(hello)[2] == self.job else "a rank of another job"
+    def _not_for_me(self, hello: bytes) -> str | None:
+        """Why a hello is not for this rank (another job's, or meant for another rank: an
+        address in the store that is not that rank's), before any proof is given."""
+        _, to, _, job = HELLO.unpack(hello)
+        if job != self.job:
+            return "a rank of another job"
+        return None if to == self.me else f"a connection meant for rank {to}"
 
     def step(self) -> bool:
         try:
@@ -183,7 +188,7 @@ class Incoming:
         _send(self.sock, self.side.feed(data))
         if not self.side.done:
             return False
-        self.rank, self.world_size, _ = HELLO.unpack(self.side.hello)
+        self.rank, _, self.world_size, _ = HELLO.unpack(self.side.hello)
         return True
 
 
@@ -221,7 +226,10 @@ class Messages:
                 self._buf, self._want, self._body = bytearray(), n, True
                 continue
             raw, self._buf, self._want, self._body = bytes(self._buf), bytearray(), _LEN.size, False
-            msg = json.loads(raw)
+            try:
+                msg = json.loads(raw)
+            except RecursionError:  # nested past the parser's depth: a peer's junk
+                raise ValueError("a setup message nested too deep") from None
             if not isinstance(msg, dict):
                 raise ConnectionError("a setup message that is not an object")
             return msg

@@ -98,8 +98,11 @@ class PairRings:
         their memory, else 0)."""
         if not offer:
             return None, 0, 0
+        if not isinstance(offer, dict) or type(offer.get("name")) is not str or \
+                any(type(offer.get(k, 0)) is not int for k in ("capacity", "nonce", "pid", "probe")):
+            raise ValueError(f"a ring offer that is not one: {str(offer)[:80]}")
         try:
-            ring = Ring(offer["name"], int(offer["capacity"]), create=False)
+            ring = Ring(offer["name"], offer["capacity"], create=False)
         except OSError as exc:
             return None, exc.errno or 0, 0
         if ring.nonce != offer["nonce"]:  # not the ring it made: another /dev/shm that shares the name
@@ -108,11 +111,11 @@ class PairRings:
         ring.unlink()  # mapped by the one rank that needs its name: its maker dying now leaves nothing
         pid = 0
         if offer.get("pid"):
-            why = cma.can_read(int(offer["pid"]), int(offer["probe"]), int(offer["nonce"]))
+            why = cma.can_read(offer["pid"], offer["probe"], offer["nonce"])
             if why:
                 _log.info("rank %d cannot read rank %s's memory (%s)", self.rank, offer.get("rank", "?"), why)
             else:
-                pid = int(offer["pid"])
+                pid = offer["pid"]
         return ring, 0, pid
 
     def discard(self, ring: Ring) -> None:

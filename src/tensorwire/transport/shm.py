@@ -11,6 +11,7 @@ The segment is unlinked as soon as both sides mapped it: a crash leaves nothing 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import itertools
 import mmap
@@ -91,15 +92,19 @@ class Segment:
     keeps no descriptor (`map_shared`) and lasts as long as any view of it."""
 
     def __init__(self, name: str, nbytes: int, create: bool, nonce: int = 0) -> None:
+        if not create and (not name.startswith(PREFIX) or "/" in name or "\0" in name):
+            raise OSError(errno.EINVAL, f"not a tensorwire segment name: {name!r}")
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else os.O_NOFOLLOW)
         fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         try:
             if create:
                 os.pwrite(fd, _owner(), _OWNER_AT)
                 os.ftruncate(fd, nbytes)
                 reserve(fd, nbytes)
+            else:
+                _check_mappable(fd, self.path, nbytes)
             self.bytes = map_shared(fd, nbytes)
         except BaseException:
             if create:
@@ -132,6 +137,16 @@ class Segment:
         """Drop this object's views; the mapping goes with the last view anywhere."""
         self.words.release()
         self.bytes = None  # type: ignore[assignment]
+
+
+def _check_mappable(fd: int, path: str, nbytes: int) -> None:
+    """A segment a peer named (its name came over a connection or the store): a file of this
+    user's, of the size announced (mapping past its end would be a SIGBUS at the first read)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} is not a regular file of this user's")
+    if st.st_size < nbytes:
+        raise OSError(errno.EINVAL, f"{path} holds {st.st_size} bytes, not the {nbytes} announced")
 
 
 def _owner() -> bytes:
@@ -772,15 +787,15 @@ class ShmChannel(Channel):
         and read on from there. Its name is unlinked once mapped: nothing is left behind."""
         old = self.inn
         at = (pos + HEADER_SIZE) % old.capacity
-        name = bytes(old.raw[at:at + HEADER_SIZE]).rstrip(b"\0").decode()
+        name = bytes(old.raw[at:at + HEADER_SIZE]).rstrip(b"\0").decode(errors="replace")
         try:
             ring = Ring(name, header.tag, create=False)
         except OSError as exc:
             raise PeerClosed(f"cannot map the ring rank {self.peer} moved to ({exc})") from exc
-        ring.unlink()
         if ring.nonce != header.seq:
             ring.close()
             raise PeerClosed(f"the ring rank {self.peer} moved to is not the one it announced")
+        ring.unlink()
         self.inn = ring
         old.close()
 

@@ -67,7 +67,8 @@ class _Out:
 
     def __init__(self, wiring: Wiring, peer: int, addr: tuple[str, int], index: int, pair: int) -> None:
         self.peer, self.index, self.pair = peer, index, pair
-        self.dial = Dial(peer, addr, wiring.hello, wiring.secret, wiring.cfg.auth_timeout,
+        hello = HELLO.pack(wiring.rank, peer, wiring.engine.world_size, wiring.job)
+        self.dial = Dial(peer, addr, hello, wiring.secret, wiring.cfg.auth_timeout,
                          wiring.cfg.peer_timeout, wiring.who, functools.partial(size_buffers, cfg=wiring.cfg))
         self.sock = self.dial.sock
         self.msgs: Messages | None = None
@@ -78,6 +79,14 @@ class _Out:
         self.streams: list[_Out] = []
         self.joined = 0
         self.expires = self.dial.expires
+
+
+def _count(msg: dict, key: str, default: int) -> int:
+    """An integer of a peer's setup message; a ValueError where it holds something else."""
+    value = msg.get(key, default)
+    if type(value) is not int:
+        raise ValueError(f"{key}: {str(value)[:40]!r} is not an integer")
+    return value
 
 
 class _In:
@@ -112,7 +121,6 @@ class Wiring:
         self.who = f"rank {self.rank}"
         self.where = list(where)  # (host name, machine): who shares /dev/shm with this rank
         self.job = job_hash(job_id)
-        self.hello = HELLO.pack(self.rank, world_size, self.job)
         self.cards: dict[int, dict[str, Any]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
         self.rings = PairRings(job_id, self.rank,
@@ -329,6 +337,9 @@ class Wiring:
             what = f"{self.who}: connecting to rank {out.peer}"
             error = exc if isinstance(exc, TensorwireError) else limits.translate(exc, what)
             self._give_up(out.peer, error or TensorwireError(f"{what}: {exc}"), primary)
+        except ValueError as exc:  # a malformed answer
+            self._give_up(out.peer, RendezvousError(f"{self.who}: connecting to rank {out.peer}: its answer "
+                                                    f"was not understood ({exc})"), primary)
 
     def _on_out(self, out: _Out) -> None:
         if out.msgs is None:
@@ -393,7 +404,7 @@ class Wiring:
         elif out.ring is not None and self.local(self.cards[peer]):
             self.engine.shm_refused.setdefault(peer, 0)  # the peer made no ring (shm_refused there)
         shm = out.theirs is not None
-        streams = 1 if shm else max(1, min(int(msg.get("streams", 1)), self.nsocks))
+        streams = 1 if shm else max(1, min(_count(msg, "streams", 1), self.nsocks))
         card = self.cards[peer]
         for index in range(1, streams):
             self._start_out(peer, (card["addr"], int(card["port"])), index, out.pair, out)
@@ -402,7 +413,7 @@ class Wiring:
     def _maybe_install_out(self, out: _Out) -> None:
         if out.answer is None or out.joined < len(out.streams) or self._out.get(out.peer) is not out:
             return
-        want = 1 if out.theirs is not None else max(1, min(int(out.answer.get("streams", 1)), self.nsocks))
+        want = 1 if out.theirs is not None else max(1, min(_count(out.answer, "streams", 1), self.nsocks))
         if out.joined < want - 1:
             return
         del self._out[out.peer]
@@ -465,7 +476,7 @@ class Wiring:
             self._drop(next(iter(self._auth)), f"still unauthenticated when {self.cfg.auth_pending} others "
                        f"were waiting (TENSORWIRE_AUTH_PENDING)")
         sock.setblocking(False)
-        inc = Incoming(sock, addr, self.secret, self.job, self.cfg.auth_timeout)
+        inc = Incoming(sock, addr, self.secret, self.job, self.rank, self.cfg.auth_timeout)
         fd = sock.fileno()
         self._auth[fd] = inc
         self._register(fd, lambda: self._on_incoming(fd, inc, reject))
@@ -507,6 +518,10 @@ class Wiring:
         if inc.world_size != self.engine.world_size or not 0 <= inc.rank < self.engine.world_size:
             self._refused(inc.addr, f"rank {inc.rank} of a world of {inc.world_size} (this one has "
                           f"{self.engine.world_size})")
+            self._forget(inc.sock)
+            return
+        if inc.rank == self.rank:
+            self._refused(inc.addr, f"a connection that claims to be rank {inc.rank}, this rank")
             self._forget(inc.sock)
             return
         link = _In(inc)
@@ -566,7 +581,7 @@ class Wiring:
         old = self._in.pop(peer, None)
         if old is not None:
             self._abandon_in(old, "")
-        link.pair = int(msg.get("pair", 0))
+        link.pair = _count(msg, "pair", 0)
         self._in[peer] = link
         link.expires = time.monotonic() + self.cfg.auth_timeout
         local = self.cfg.transport != "tcp" and msg.get("where") == self.where
@@ -587,7 +602,7 @@ class Wiring:
             self.rings.discard(link.theirs)
             link.theirs = None
         shm = link.ring is not None
-        link.want_streams = 1 if shm else max(1, min(int(msg.get("streams", 1)), self.nsocks))
+        link.want_streams = 1 if shm else max(1, min(_count(msg, "streams", 1), self.nsocks))
         link.msgs.send({"ok": True, "mapped": link.theirs is not None, "reads": link.pid != 0,
                         "ring": self.rings.offer(link.ring), "streams": link.want_streams})
         link.final = shm
@@ -618,7 +633,7 @@ class Wiring:
             self._forget(link.sock)
             return
         link.msgs.send({"ok": True})
-        primary.streams.append((int(msg.get("index", 0)), self._hand_over(link.sock)))
+        primary.streams.append((_count(msg, "index", 0), self._hand_over(link.sock)))
         self._maybe_install_in(primary)
 
     def _maybe_install_in(self, link: _In) -> None:

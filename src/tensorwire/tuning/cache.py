@@ -80,8 +80,8 @@ def cache_path(directory: str, key: str) -> str:
 
 
 class BadEntry(ValueError):
-    """A cache file that is not an entry this library wrote: not a regular file, too large,
-    not JSON, or not an object with a links object."""
+    """A cache file that is not an entry this library wrote: not a regular file of this user's
+    (or root's), too large, not JSON, or not an object with a links object."""
 
 
 def load_entry(path: str) -> dict[str, Any] | None:
@@ -98,6 +98,8 @@ def load_entry(path: str) -> dict[str, Any] | None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise BadEntry("not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):  # a shared cache directory: another user's entry
+            raise BadEntry(f"a file of uid {st.st_uid}, not this user's")
         if st.st_size > MAX_ENTRY_BYTES:
             raise BadEntry(f"{st.st_size} bytes, more than an entry's {MAX_ENTRY_BYTES}")
         raw = f.read(MAX_ENTRY_BYTES + 1)
