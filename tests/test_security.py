@@ -189,8 +189,8 @@ def test_per_user_secret_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def _info(rank: int = 0, world: int = 4, local: int = 4, init: str = "tcp://127.0.0.1:29500",
-          source: str = "explicit") -> LaunchInfo:
-    return LaunchInfo(rank, world, 0, local, 0, None, None, init, source, "job")
+          source: str = "explicit", hosted: bool = False) -> LaunchInfo:
+    return LaunchInfo(rank, world, 0, local, 0, None, None, init, source, "job", hosted)
 
 
 def test_one_host_jobs_are_protected_without_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,10 +212,16 @@ def test_a_job_spanning_hosts_without_secret_warns_once(monkeypatch: pytest.Monk
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert job_secret(_info(local=2, source="tensorwire"), env={}) is auth.NO_SECRET
+            assert job_secret(_info(local=2, source="tensorwire", hosted=True), env={}) is auth.NO_SECRET
     assert len(seen) == 1 and seen[0].category is UnauthenticatedJobWarning
     text = str(seen[0].message)
     assert "spans hosts (4 ranks, 2 on this host)" in text and "--secret-file" in text
+    # ranks started by hand with TENSORWIRE_JOB_ID: no launcher to pass --secret-file to
+    monkeypatch.setattr(bootstrap, "_warned", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        job_secret(_info(local=2, source="tensorwire"), env={})
+    assert "--secret-file" not in str(seen[0].message) and "TENSORWIRE_SECRET_FILE" in str(seen[0].message)
 
 
 # --------------------------------------------------------------------------------------------

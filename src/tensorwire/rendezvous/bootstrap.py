@@ -517,7 +517,7 @@ def job_secret(info: LaunchInfo, env: Mapping[str, str] = os.environ) -> auth.Se
         _warned = True
         on_host = f"{info.local_world_size} on this host" if info.local_world_size > 0 else "store at " \
             f"{info.init_method}"
-        how = ("pass --secret-file PATH to every `tensorwire run`" if info.source == "tensorwire" else
+        how = ("pass --secret-file PATH to every `tensorwire run`" if info.store_hosted else
                f"set {auth.ENV_SECRET_FILE} to a file (mode 0600) holding the same secret on every host, "
                f"or {auth.ENV_SECRET}")
         warnings.warn(
