@@ -37,6 +37,7 @@ host path's, on every rank.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -164,11 +165,12 @@ class DeviceCollectives:
     # -- reductions -------------------------------------------------------------------------------
     def all_reduce(self, tensor: Any, op: Any, out: Any, async_op: bool, timeout: float | None) -> Any:
         what, g = "all_reduce", self.group
-        if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp:
+        if type(tensor) is self.tensor_type and out is None and not async_op and type(op) is ReduceOp and \
+                (timeout is None or type(timeout) is float and 0.0 < timeout < math.inf):  # else: checked
             flags, state, nbytes = self.flags, self.state, tensor.numel() * tensor.element_size()
             if flags is not None and state is not None and nbytes >= state.host_below \
                     and flags.takes(nbytes, tensor.dtype, op) and tensor.is_contiguous() and not g.destroyed \
-                    and tensor.get_device() == state.device == self.current_device():
+                    and not tensor.is_neg() and tensor.get_device() == state.device == self.current_device():
                 self._in_order(state.device)
                 flags.all_reduce(tensor, tensor, op, timeout)  # on the current stream
                 return tensor

@@ -32,7 +32,7 @@ _NAMES = (*_TYPES, "bool", "int16", "uint16", "uint32", "uint64", "complex64", "
 _WIDE = {"float16": "float32", "bfloat16": "float32"}  # folded in float32, rounded once
 _BLOCK = 1024
 _INTERPRETED_SPIN_NS = 20_000  # Triton's CPU interpreter has no clock: a spin there takes about this
-_MAX_WAIT_NS = 1 << 62  # an infinite timeout, as the kernel's int64 takes it
+_MAX_WAIT_NS = 1 << 61  # an infinite timeout, as the kernel's int64 takes it (beside flag_kernel.WIDE)
 
 
 def available() -> str:
@@ -170,11 +170,11 @@ class DeviceFlags:
         engine.watch_peers(float("inf") if capturing else seconds)
         ns = _MAX_WAIT_NS if seconds * 1e9 >= _MAX_WAIT_NS else int(seconds * 1e9)  # inf included
         limit = ns // _INTERPRETED_SPIN_NS if self.interpreted else ns
-        fp = fingerprint(mode, nbytes, dtype, aux)
+        fp = k.WIDE | fingerprint(mode, nbytes, dtype, aux)
         consts = (self.size, mode, fold[0], fold[1], chunk, min(_BLOCK, chunk), self.slot // esize,
                   not self.interpreted)  # one_shot's constexprs, in its order
         try:
-            args = (x, y, self.table, n, self.rank, root, fp, limit)
+            args = (x, y, self.table, n, self.rank, root, fp, k.WIDE + limit)
             self.launcher.launch(-(-nbytes // k.CHUNK_BYTES), args, consts)
         except BaseException as exc:  # a compile or launch error: the peers' kernels are already waiting
             self.abort(exc)
@@ -187,8 +187,8 @@ class DeviceFlags:
         code = int(self.words[0])
         if code == 0:
             return
-        peer, theirs, mine = (int(w) for w in self.words[1:4])
         k = self.kernel
+        peer, theirs, mine = (int(w) & ~k.WIDE for w in self.words[1:4])
         kind = _KINDS[mine >> 20 & 0xF] if code in (k.MISMATCH, k.TIMEOUT) else "a small call"
         where = f"rank {self.rank}: {kind} on CUDA (device flags)"
         if code == k.MISMATCH:

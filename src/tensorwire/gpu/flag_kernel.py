@@ -33,7 +33,13 @@ STATUS_WORDS = 4  # what ended a call early, the peer, its fingerprint (or the l
 OK, MISMATCH, TIMEOUT, ABORTED = 0, 1, 2, 3
 SUM, PRODUCT, MIN, MAX, AVG = 0, 1, 2, 3, 4
 ALL_REDUCE, BROADCAST, ALL_GATHER = 0, 1, 2
+WIDE = 1 << 62
+"""Set in every fingerprint and added to every limit: Triton compiles an integer argument once
+per class of width (what fits 32 bits, what needs 64), even where it does not specialize on
+its value; both always need 64 bits, so a call's size or timeout costs no compile (a capture
+included)."""
 _POLL = tl.constexpr(64)  # spins between looks at the status word and the clock
+_WIDE = tl.constexpr(WIDE)
 _MISMATCH, _TIMEOUT, _PRODUCT, _MIN, _MAX, _AVG, _ALL_REDUCE, _BROADCAST = (
     tl.constexpr(c) for c in (MISMATCH, TIMEOUT, PRODUCT, MIN, MAX, AVG, ALL_REDUCE, BROADCAST))
 
@@ -57,7 +63,7 @@ def one_shot(x, y, table, n, rank, root, fp, limit, NRANKS: tl.constexpr, MODE: 
     """MODE ALL_REDUCE: y = the fold of every rank's x (n elements; y may be x); BROADCAST: y =
     the root's x; ALL_GATHER: y[r * n:(r + 1) * n] = rank r's x. `table` (int64): every rank's
     flag area, then every rank's slots (two of SLOT elements), as this process maps them, then
-    the status words. `limit`: nanoseconds of waiting for a peer (CLOCK), else spins."""
+    the status words. `limit`: WIDE + nanoseconds of waiting for a peer (CLOCK), else spins."""
     pid = tl.program_id(0)
     ty = x.dtype.element_ty
     status = tl.load(table + 2 * NRANKS).to(tl.pointer_type(tl.int64))
@@ -92,9 +98,9 @@ def one_shot(x, y, table, n, rank, root, fp, limit, NRANKS: tl.constexpr, MODE: 
             spins += 1
             if spins % _POLL == 0:
                 if CLOCK:
-                    late = tl.extra.cuda.globaltimer() - t0 > limit
+                    late = tl.extra.cuda.globaltimer() - t0 > limit - _WIDE
                 else:
-                    late = spins > limit
+                    late = spins > limit - _WIDE
                 if tl.load(status, volatile=True) != 0:  # the host, or another program, gave up
                     ok = 0
                 elif late:

@@ -87,7 +87,8 @@ def _alone(call: CollectiveCall, dg: DeviceGroup, st: CallStream, spec: Spec) ->
 def _slots(call: CollectiveCall, dg: DeviceGroup, st: CallStream, spec: Spec) -> None:
     p, s = st.parity, st.stream
     with dg.on(st):
-        dg.wait_peers(st, f"D{p}")  # their reads of this slot, two calls ago, have run
+        dg.wait_peers(st, f"D{p}")  # their reads of this slot, two calls ago, have run,
+        s.wait_event(dg.own[f"D{p}"])  # and this rank's own (that call may have gone on another stream)
         views = dg.slot_views(p, spec.nbytes, spec.dtype)
         if spec.share is not None and spec.nbytes:
             views[call.rank].copy_(spec.share)

@@ -136,7 +136,7 @@ def read_to_host(body: bytes, peer: int, out: np.ndarray) -> None:
     """Copy `peer`'s device message into host memory `out` (flat uint8) and wait for it: a
     receive of a host buffer, or a message staged before its receive was posted."""
     torch = torch_module()
-    device = torch.cuda.current_device()
+    device = _home_device()
     stream, _event, _handle = _copy_stream(device)
     with torch.cuda.device(device):
         src = _source(body, peer, device)
@@ -173,6 +173,14 @@ def _concurrent() -> bool:
 def _source(body: bytes, peer: int, device: int) -> Any:
     record = BODY.unpack(body[:BODY.size])[0]
     return ipc.peer_tensor(peer, record, torch_module().uint8, device)
+
+
+def _home_device() -> int:
+    """The device a message read into host memory is opened on: the one this process sends
+    and receives device buffers on, where it uses one (a thread of its own, such as the
+    progress thread, has device 0 current whatever the program set)."""
+    used = {*_holds, *_copies}
+    return next(iter(used)) if len(used) == 1 else torch_module().cuda.current_device()
 
 
 def _hold_stream(device: int) -> Any:

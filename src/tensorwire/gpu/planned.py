@@ -34,7 +34,7 @@ class SmallAllReduce:
     """One signature's plan; calling it runs one call."""
 
     __slots__ = ("group", "dg", "device", "call", "barrier", "direct", "nbytes", "fn", "signed", "red",
-                 "parts", "own", "ready", "done", "peer_ready", "peer_done", "cuda", "stream_of", "threads",
+                 "parts", "own", "ready", "done", "peer_ready", "slot_read", "cuda", "stream_of", "threads",
                  "current_device", "capturing")
 
     def __init__(self, group: Group, dg: DeviceGroup, t: Any, red: Reduction, fp: Fingerprint) -> None:
@@ -53,13 +53,16 @@ class SmallAllReduce:
         self.ready = [dg.own[f"R{p}"].cuda_event for p in (0, 1)]
         self.done = [dg.own[f"D{p}"].cuda_event for p in (0, 1)]
         self.peer_ready = [[e.cuda_event for e in dg.peer[f"R{p}"] if e is not None] for p in (0, 1)]
-        self.peer_done = [[e.cuda_event for e in dg.peer[f"D{p}"] if e is not None] for p in (0, 1)]
+        # what must have run before this rank's slot is written again: every rank's reads of it
+        # two calls ago, its own too (that call may have gone on another stream)
+        self.slot_read = [[e.cuda_event for e in dg.peer[f"D{p}"] if e is not None] + [self.done[p]]
+                          for p in (0, 1)]
         self.cuda = driver.stream_calls()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.stream_of = raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream
         self.current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
         self.capturing = torch.cuda.is_current_stream_capturing  # a capture takes the general path's error
-        self.threads: set[int] = set()  # threads whose current context this plan has made sure of
+        self.threads = threading.local()  # .ready: this plan made sure of the thread's current context
 
     def runs(self, t: Any) -> bool:
         """Can this call take the plan? (The signature matched already.) Its tensor must be a
@@ -73,15 +76,14 @@ class SmallAllReduce:
         dg = self.dg
         parity = dg.calls & 1
         dg.calls += 1
-        tid = threading.get_ident()
-        if tid not in self.threads:  # a thread with no CUDA runtime call yet has no current context
-            driver.use_device(self.device)
-            self.threads.add(tid)
+        if not getattr(self.threads, "ready", False):  # a thread with no CUDA runtime call yet has
+            driver.use_device(self.device)  # no current context
+            self.threads.ready = True
         return self.group.plans.submit(self.call, self._body, self.direct, False, timeout, t, parity)
 
     def _body(self, call: CollectiveCall, t: Any, p: int) -> Any:
         cuda, s = self.cuda, self.stream_of(self.device)
-        for event in self.peer_done[p]:  # their reads of this slot, two calls ago, have run
+        for event in self.slot_read[p]:
             driver.check(cuda.wait(s, event, 0), "cuStreamWaitEvent")
         driver.check(cuda.copy(self.own[p], t.data_ptr(), self.nbytes, s), "cuMemcpyDtoDAsync")
         driver.check(cuda.record(self.ready[p], s), "cuEventRecord")

@@ -135,7 +135,8 @@ class TensorwireWork(dist.Work):
                 needs_driver = not done and any(_needs_waiter(p) for p in self._parts)
             else:
                 return self._future
-        if done:
+        if done:  # the future's events go on the current stream: after the call's GPU work
+            self.synchronize()
             raw.set_result(self._outputs)
         elif needs_driver:
             self._waiter = threading.Thread(target=self._drive, daemon=True,
