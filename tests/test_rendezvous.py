@@ -650,6 +650,30 @@ def test_create_store_three_ranks_meet() -> None:
     assert [finish(p) for p in procs] == [{"ok": True}] * 3
 
 
+_REINIT = """
+import numpy as np
+import tensorwire as tw
+rank, n, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+for i in range(int(sys.argv[4])):
+    tw.init(rank, n, init, timeout=20)
+    x = np.ones(4, np.float32)
+    tw.all_reduce(x)
+    assert x.tolist() == [n] * 4, x
+    tw.destroy()
+report(ok=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_init_and_destroy_in_a_loop_on_an_address_rank_0_hosts() -> None:
+    """Rank 0 hosts the store (tcp://, no launcher) and closes it at destroy(): a rank already
+    in its next init() saw its store closed (RendezvousError at once, its peers then timing
+    out, the second of 20 rounds at 3 ranks); it now joins the store rank 0's next init serves."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [spawn(_REINIT, r, 3, init, 12) for r in range(3)]
+    assert [finish(p, timeout=100) for p in procs] == [{"ok": True}] * 3
+
+
 @pytest.mark.timeout(30)
 def test_create_store_single_process() -> None:
     info = detect(env={})

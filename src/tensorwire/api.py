@@ -23,6 +23,7 @@ from .rendezvous import bootstrap
 from .rendezvous.prefix_store import PrefixStore
 from .rendezvous.store import Store
 from .rendezvous.tcp_protocol import StoreLimits
+from .rendezvous.tcp_store import StoreLostError
 from .runtime import Runtime
 from .transport import netif, tcp
 from .transport.connect import connect_world, refuse_to_join
@@ -82,43 +83,28 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             _generation += 1
         # One process opens no connection: nothing to prove (and no per-user secret to create).
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
-        root_store = store
         scope = f"tw/{info.job_id}/g{_generation}"
-        if root_store is None and info.world_size > 1:
-            root_store = bootstrap.create_store(
-                info, cfg.timeout, secret=secret, limits=StoreLimits.from_config(cfg), generation=_generation,
-                refused=lambda s, error, absent: refuse_to_join(PrefixStore(scope, s), info.rank, error,
-                                                                absent))
-        elif root_store is not None and info.world_size > 1:  # the integration's (torch's) store,
-            # which may outlive the job's attempts (torchrun's agent): its roster under the job id
-            given = root_store
-            bootstrap.check_roster(PrefixStore(f"tw/{info.job_id}", given), info, cfg.timeout,
-                                   _generation, lambda _, error, absent: refuse_to_join(
-                                       PrefixStore(scope, given), info.rank, error, absent))
         multi_host = 0 < info.local_world_size < info.world_size
         address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
                                        multi_host=multi_host)
-        # Keys carry the job id: torchrun's agent keeps its store across restarts, and a restarted
-        # rank read its peer's address of the attempt before (connection refused until timeout).
-        scoped = None if root_store is None else PrefixStore(scope, root_store)
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s, TCP congestion control %s",
                   info.rank, info.world_size, info.source, info.init_method, address, cfg.transport,
                   tcp.congestion_in_use(cfg))
-        try:
-            serving = info.world_size if getattr(root_store, "server", None) is not None else 0
-            engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
-                                          local_card(address), deadline, secret, serving)
-        except BaseException as exc:
-            if root_store is not None and store is None:
-                if getattr(root_store, "server", None) is not None:
-                    # This process hosts the store: serve a little longer, so the other ranks
-                    # hit their own timeout and name the rank that is really missing, rather
-                    # than report a lost store.
-                    time.sleep(min(3.0, cfg.timeout))
-                root_store.close()
-            if isinstance(exc, TensorwireError) and not str(exc).startswith("rank "):  # the store's own
-                raise retold(exc, f"rank {info.rank}: init: {exc}") from exc
-            raise
+        connect_within = None
+        while True:
+            try:
+                root_store, engine, cards = _rendezvous(info, cfg, store, scope, secret, address, deadline,
+                                                        connect_within)
+                break
+            except StoreLostError:
+                # rank 0 hosts the store (tcp://) and closed it under this rank's init: it was
+                # ending the job before (destroy()) as this rank began the next; its next init
+                # serves the address again, soon, or it is gone
+                if not hosted_here or info.rank == 0 or connect_within is not None \
+                        or time.monotonic() + _STORE_RETURN_S > deadline:
+                    raise
+                connect_within = _STORE_RETURN_S
+                _log.info("rank %d: init: the store closed under this rank; joining it afresh", info.rank)
         runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
                           engine, topology=Topology.from_cards(cards))
         runtime.world = Group(runtime, range(info.world_size), 0, "world")
@@ -129,6 +115,48 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             raise
         _runtime = runtime
     return runtime.world  # type: ignore[return-value]
+
+
+_STORE_RETURN_S = 5.0
+"""How long a rank whose store host closed the store during its init waits for the address to
+serve again (the host's own next init) before it reports the store lost."""
+
+
+def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, scope: str, secret: auth.Secret,
+                address: str, deadline: float, connect_within: float | None) -> tuple[Store | None, Any, Any]:
+    """The store (`store`, an integration's, else the job's own), its roster checked, and the
+    world connected through it: (the store, the engine, every rank's card)."""
+    root_store = store
+    if root_store is None and info.world_size > 1:
+        root_store = bootstrap.create_store(
+            info, cfg.timeout, secret=secret, limits=StoreLimits.from_config(cfg), generation=_generation,
+            refused=lambda s, error, absent: refuse_to_join(PrefixStore(scope, s), info.rank, error, absent),
+            connect_within=connect_within)
+    elif root_store is not None and info.world_size > 1:  # the integration's (torch's) store,
+        # which may outlive the job's attempts (torchrun's agent): its roster under the job id
+        given = root_store
+        bootstrap.check_roster(PrefixStore(f"tw/{info.job_id}", given), info, cfg.timeout,
+                               _generation, lambda _, error, absent: refuse_to_join(
+                                   PrefixStore(scope, given), info.rank, error, absent))
+    # Keys carry the job id: torchrun's agent keeps its store across restarts, and a restarted
+    # rank read its peer's address of the attempt before (connection refused until timeout).
+    scoped = None if root_store is None else PrefixStore(scope, root_store)
+    try:
+        serving = info.world_size if getattr(root_store, "server", None) is not None else 0
+        engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
+                                      local_card(address), deadline, secret, serving)
+    except BaseException as exc:
+        if root_store is not None and store is None:
+            if getattr(root_store, "server", None) is not None:
+                # This process hosts the store: serve a little longer, so the other ranks
+                # hit their own timeout and name the rank that is really missing, rather
+                # than report a lost store.
+                time.sleep(min(3.0, cfg.timeout))
+            root_store.close()
+        if isinstance(exc, TensorwireError) and not str(exc).startswith("rank "):  # the store's own
+            raise retold(exc, f"rank {info.rank}: init: {exc}") from exc
+        raise
+    return root_store, engine, cards
 
 
 def destroy() -> None:

@@ -548,7 +548,8 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
 
 def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
                  limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1,
-                 refused: Callable[[Store, RendezvousError, range], None] | None = None) -> Store:
+                 refused: Callable[[Store, RendezvousError, range], None] | None = None,
+                 connect_within: float | None = None) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
     `secret`: the job's (default `job_secret(info)`); a TCP store proves it, and serves only
@@ -557,6 +558,7 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
     the two launch mistakes that otherwise surface as a hang much later: two processes given
     the same rank, and ranks started with different world sizes. `refused(store, error, absent)` is
     called before the latter raises, so that the rank can tell the others (api.init).
+    `connect_within`: how long a TCP store's client tries to reach its server (default `timeout`).
     """
     scheme, host, port, path = parse_init_method(info.init_method)
     if scheme == "tcp":
@@ -564,7 +566,8 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
         if port == 0 and info.world_size > 1:
             raise InvalidArgumentError(f"init_method {info.init_method!r}: port 0 only works for one process")
         store: Store = TCPStore(host, port, timeout=timeout, server=info.rank == 0 and not info.store_hosted,
-                                secret=secret if secret is not None else job_secret(info), limits=limits)
+                                secret=secret if secret is not None else job_secret(info), limits=limits,
+                                connect_within=connect_within)
     elif scheme == "file":
         assert path is not None
         store = FileStore(path, timeout=timeout, cleanup=True)

@@ -39,6 +39,10 @@ from .tcp_server import TCPStoreServer
 _SOCKET_GRACE_S = 10.0
 
 
+class StoreLostError(RendezvousError):
+    """The connection to the store broke (its server closed it, or went silent)."""
+
+
 class TCPStore(Store):
     """Client of a `TCPStoreServer`, optionally hosting that server in this process.
 
@@ -49,9 +53,10 @@ class TCPStore(Store):
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_STORE_TIMEOUT_S,
                  server: bool = False, secret: auth.Secret | None = None,
-                 limits: StoreLimits = DEFAULT_LIMITS) -> None:
+                 limits: StoreLimits = DEFAULT_LIMITS, connect_within: float | None = None) -> None:
         """`secret`: the job's (default: `auth.for_host(host)`); `limits` bound what the
-        server hosted here holds and the replies this client accepts."""
+        server hosted here holds and the replies this client accepts; `connect_within`: how
+        long to try reaching the server (default `timeout`)."""
         super().__init__(timeout)
         self.host = host
         self.secret = secret if secret is not None else auth.for_host(host)
@@ -63,7 +68,7 @@ class TCPStore(Store):
         self._broken: str | None = None
         self._closed = False
         try:
-            self._sock = self._connect(self.default_timeout)
+            self._sock = self._connect(self.default_timeout if connect_within is None else connect_within)
         except BaseException:
             if self._server is not None:
                 self._server.close()
@@ -148,8 +153,8 @@ class TCPStore(Store):
             if self._closed:
                 raise RendezvousError(f"{what}: the store client for {self.address} is closed")
             if self._broken is not None:
-                raise RendezvousError(f"{what}: the connection to the TCP store at {self.address} "
-                                      f"was lost earlier ({self._broken})")
+                raise StoreLostError(f"{what}: the connection to the TCP store at {self.address} "
+                                     f"was lost earlier ({self._broken})")
             # The server answers blocking requests itself at their deadline; silence beyond
             # that (plus a grace) means the server or the path to it is gone.
             if op in (OP_GET, OP_WAIT, OP_MULTI_GET):
@@ -168,8 +173,8 @@ class TCPStore(Store):
                 self._broken = reason
                 with contextlib.suppress(OSError):
                     self._sock.close()
-                raise RendezvousError(f"{what}: lost the TCP store at {self.address}: {reason}; "
-                                      f"did rank 0 (the store host) exit or crash?") from exc
+                raise StoreLostError(f"{what}: lost the TCP store at {self.address}: {reason}; "
+                                     f"did rank 0 (the store host) exit or crash?") from exc
 
     def _raise_error(self, what: str, status: int, payload: bytes) -> None:
         detail = payload.decode(errors="replace")
