@@ -248,3 +248,23 @@ def test_every_collective_over_several_streams() -> None:
         assert all(res["streams"] == [4] for res in results), results
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("peer_timeout", [1.0, 2.5, 10.0, 60.0])
+def test_keepalive_lives_through_outages_shorter_than_the_peer_timeout(peer_timeout: float) -> None:
+    """An idle connection's kernel gives up after KEEPCNT unanswered probes KEEPINTVL apart, the
+    first at most KEEPIDLE into an outage: it lives through one shorter than
+    TENSORWIRE_PEER_TIMEOUT (a connection idle before a 6.6 s cut was lost under the default
+    10 s) and ends within a fifth more."""
+    import socket
+
+    from tensorwire.config import Config
+    from tensorwire.transport.tcp import tune_socket
+
+    with socket.socket() as sock:
+        tune_socket(sock, Config(peer_timeout=peer_timeout))
+        idle, interval, count = (sock.getsockopt(socket.IPPROTO_TCP, opt)
+                                 for opt in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT))
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert count * interval >= peer_timeout, (idle, interval, count)
+        assert idle + count * interval <= peer_timeout * 1.2 + 1, (idle, interval, count)

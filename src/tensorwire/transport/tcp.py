@@ -12,6 +12,7 @@ because a closed socket is the fastest way to learn that a peer died.
 from __future__ import annotations
 
 import errno
+import math
 import socket
 import struct
 import time
@@ -114,16 +115,17 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
     into its next step while its last one's bytes still wait to leave; see docs/design/tcp.md.
 
     A connection with nothing to send whose peer's host stops answering (down, cut off: no
-    reset ever comes) fails within TENSORWIRE_PEER_TIMEOUT: keepalive, the kernel's timers,
-    nothing per message. One with data waiting for an acknowledgement sends no keepalive: idle
-    waiters look at those (failures.Failures.check_silent)."""
+    reset ever comes) fails once it was silent for TENSORWIRE_PEER_TIMEOUT, and not before:
+    keepalive probes every fifth of it while idle, as many unanswered as fill it (the kernel's
+    timers, nothing per message); an outage shorter than that is lived through. One with data
+    waiting for an acknowledgement sends no keepalive: idle waiters look at those
+    (failures.Failures.check_silent)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bound = max(1, int(cfg.peer_timeout))
+        bound = max(1, math.ceil(cfg.peer_timeout))
         interval = max(1, bound // 5)
-        idle = max(1, bound - 3 * interval)
-        for opt, value in ((socket.TCP_KEEPIDLE, idle), (socket.TCP_KEEPINTVL, interval),
-                           (socket.TCP_KEEPCNT, max(1, (bound - idle) // interval))):
+        for opt, value in ((socket.TCP_KEEPIDLE, interval), (socket.TCP_KEEPINTVL, interval),
+                           (socket.TCP_KEEPCNT, -(-bound // interval))):
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if cfg.tcp_congestion:
