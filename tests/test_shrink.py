@@ -465,3 +465,40 @@ def test_native_init_under_torchrun_restarts_afresh(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     for rank in (0, 1):
         assert f"rank {rank} attempt 1: 4" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+_SOME_DIE = """
+dead = {int(r) for r in ARGS[0].split(",")}
+tw.init(rank=rank, world_size=size, init_method=URL)
+x = np.ones(4, np.float32)
+tw.barrier()
+if rank in dead:
+    time.sleep(0.3)
+    os._exit(3)
+failure = until_failure(lambda: tw.all_reduce(x))
+res = outcome(tw.shrink, majority=True)
+if res["type"] is None:
+    tw.all_reduce(x)
+    res["sum"] = float(x[0])
+report(shrink=res, done=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dead", ["0", "1,2", "0,1", "1,2,3"])
+def test_shrink_with_majority_goes_on_only_with_more_than_half(dead: str) -> None:
+    """shrink(majority=True): the survivors go on where they are more than half of the group, or
+    half with its first rank; else they raise (of the two sides of a network partition, one
+    goes on and the other stops, where without it each shrinks to itself)."""
+    size, killed = 4, {int(r) for r in dead.split(",")}
+    reports = [_final(r) for r in _job(_SOME_DIE, size, "shm", dead)]
+    survivors = [r for r in range(size) if r not in killed]
+    goes_on = 2 * len(survivors) > size or 2 * len(survivors) == size and 0 in survivors
+    for r in survivors:
+        res = reports[r]["shrink"]
+        if goes_on:
+            assert res["type"] is None and res["sum"] == len(survivors), (r, reports[r])
+        else:
+            assert res["type"] == "AbortedError" and "not a majority of its 4 members" in res["msg"], res
+    for r in killed:
+        assert reports[r]["rc"] != 0

@@ -221,13 +221,14 @@ def split(color: int | None, key: int = 0, group: Group | None = None) -> Group 
     return _group(group, "split").split(color, key)
 
 
-def shrink(group: Group | None = None, timeout: float | None = None) -> Group:
+def shrink(group: Group | None = None, timeout: float | None = None, *, majority: bool = False) -> Group:
     """After a rank failed: the survivors of `group` as a new group (Group.shrink); every live
     member calls it. Without `group` it shrinks the world, and the result becomes the world:
-    module-level calls, get_rank(), get_world_size() and new_group() use it from then on."""
+    module-level calls, get_rank(), get_world_size() and new_group() use it from then on.
+    `majority=True`: only the side of a network partition that holds a majority goes on."""
     runtime = require_runtime("shrink")
     old = _group(group, "shrink")
-    new = old.shrink(timeout)
+    new = old.shrink(timeout, majority=majority)
     if old is runtime.world:
         runtime.world = new
     return new

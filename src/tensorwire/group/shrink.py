@@ -41,14 +41,17 @@ _PENDING: weakref.WeakKeyDictionary[Group, tuple[int, Agreement]] = weakref.Weak
 """A group's shrink that timed out in its agreement: the shrink's count and that agreement."""
 
 
-def shrink_group(group: Group, timeout: float | None = None) -> Group:
+def shrink_group(group: Group, timeout: float | None = None, *, majority: bool = False) -> Group:
     """After a member failed: a new group of the surviving members, ranked in their old
     order, agreed on by all of them (MPI_Comm_shrink). Every live member must call it;
     this group stays aborted. Called where nothing failed, it returns an equivalent group
     (same members, a new context) and leaves this one usable. `timeout` (default: the
     group's) bounds the whole of it; after a TimeoutError it can be called again, and goes on
-    where it stopped. See docs/failures.md."""
+    where it stopped. `majority`: the survivors must be more than half of the members, or half
+    with its first: of the two sides of a network partition, one goes on and the other raises
+    (without it, each shrinks to itself). See docs/failures.md."""
     check_member(group, "shrink")
+    members = list(group.ranks)
     limit = limit_of(group, timeout, "shrink", collective=False)
     deadline = time.perf_counter() + limit
     engine = group.engine
@@ -69,6 +72,12 @@ def shrink_group(group: Group, timeout: float | None = None) -> Group:
         survivors = [w for w in ranks if w not in failed]
         if failed or ctx in engine.aborted:
             _retire(engine, ctx, next_seq, ranks, name, failed)
+        if majority and not (2 * len(survivors) > len(members) or
+                             2 * len(survivors) == len(members) and members[0] in survivors):
+            raise AbortedError(
+                f"rank {engine.rank}: shrink of group {group.name} (majority=True): the survivors, world "
+                f"ranks {survivors}, are not a majority of its {len(members)} members (or half with its "
+                f"first, rank {members[0]}); the others may have gone on without them (a network partition)")
         new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), f"{name}.shrink{count}"
         _log.info("rank %d: group %s shrunk to %s (ranks %s; failed: %s)", engine.rank, name, new_name,
                   survivors, sorted(failed) or "none")
