@@ -102,8 +102,6 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
 _PHASE_OF = ("the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or "
              "compress=)")
-_PHASE = " (or, in a phase of a hierarchical call, that call differs)"
-"""Said of any `aux` difference but a setup's: a phase's aux holds its caller's digest (phase_digest)."""
 
 
 def phase_digest(fp: Fingerprint) -> int:
@@ -137,9 +135,14 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
         coll = mine.coll & ~ON_DEVICE
-        if coll in _AUX or coll in _FACTORED:
-            out.append(_AUX.get(coll, "PREMUL_SUM factor differs") + ("" if coll == Coll.SETUP else _PHASE))
-        else:  # its own arguments have no aux: a phase's caller's digest
+        factored = coll in _FACTORED or coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTERV)
+        if coll == Coll.SETUP:
+            out.append(_AUX[coll])
+        elif (mine.aux ^ other.aux) & 0xFFFFFFFF == 0:  # the high half alone: phase_digest's, or a factor's
+            out.append(_PHASE_OF + ("; or the PREMUL_SUM factor differs" if factored else ""))
+        elif coll in _AUX or factored:  # the low half: the counts' or compress='s digest, or a factor
+            out.append(_AUX.get(coll, "PREMUL_SUM factor differs"))
+        else:
             out.append(_PHASE_OF)
     return out
 
