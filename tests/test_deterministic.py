@@ -41,6 +41,22 @@ def data(rank: int, count: int) -> np.ndarray:
     return _data(rank, count).copy()
 
 
+def complex_data(rank: int, count: int) -> np.ndarray:
+    """Complex inputs near the unit circle (their products stay in range)."""
+    rng = np.random.default_rng([11, rank, count])
+    angles = rng.uniform(0, 2 * np.pi, count)
+    return (rng.uniform(0.5, 1.5, count) * np.exp(1j * angles)).astype(np.complex128)
+
+
+def complex_fold(n: int, count: int) -> np.ndarray:
+    """Their product in rank order by Python's complex multiply, element by element (a formula
+    with no fused steps)."""
+    acc = [complex(v) for v in complex_data(0, count)]
+    for r in range(1, n):
+        acc = [a * complex(b) for a, b in zip(acc, complex_data(r, count))]
+    return np.array(acc, np.complex128)
+
+
 def fold(n: int, count: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
     """The reference: every element reduced in rank order, in float32."""
     acc = data(0, count)[lo:hi].copy()
@@ -91,6 +107,12 @@ def rank_reductions(sizes: list[int]) -> dict:
             out["equal"][f"all_reduce {count}"] = bool(np.array_equal(x.view(np.uint32),
                                                                        want.view(np.uint32)))
             out["digest"][f"all_reduce {count}"] = _digest(x)
+        for count in (1, 7, 1000):  # numpy's complex multiply rounds by loop (length, alignment)
+            z = complex_data(me, count)
+            tw.all_reduce(z, tw.ReduceOp.PRODUCT)
+            out["equal"][f"all_reduce complex product {count}"] = bool(
+                np.array_equal(z.view(np.uint64), complex_fold(n, count).view(np.uint64)))
+            out["digest"][f"all_reduce complex product {count}"] = _digest(z)
         count = 100_003
         x = data(me, count)
         tw.all_reduce(x, tw.ReduceOp.AVG)

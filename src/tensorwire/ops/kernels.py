@@ -2,7 +2,7 @@
 
 Every reduction a collective performs goes through `reduction_kernel` (or `reduce_into`,
 `reduce_to`), so the data path never loops per element in Python and never allocates
-(but for float8_e8m0fnu products, which need float64).
+(but for float8_e8m0fnu products, which need float64, and complex products: one formula).
 """
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def _fill_table(entry: DType, num: int) -> None:
             TABLE[op][num] = _torch_capable(kernel, op) if entry.code in _TORCH_CODES else kernel
         if entry.code == _E8M0:
             TABLE[ReduceOp.PRODUCT][num] = _product_in_float64
+        if entry.category == "c":
+            TABLE[ReduceOp.PRODUCT][num] = _complex_product
+
+
+def _complex_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """Complex products by one formula, (ar*br - ai*bi) + (ar*bi + ai*br)i, each step a single
+    rounding: numpy's multiply fuses them differently in its vector and scalar loops (chosen by
+    length and alignment), so a fold gave other bits on another rank or transport."""
+    re = a.real * b.real
+    re -= a.imag * b.imag
+    im = a.real * b.imag
+    im += a.imag * b.real
+    out.real = re
+    out.imag = im
 
 
 def _product_in_float64(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
