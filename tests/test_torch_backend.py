@@ -575,6 +575,27 @@ def _check_p2p(c: _Checker) -> None:
     grid = torch.zeros(6, 2)
     dist.recv(grid[:, 1], src=left, tag=11)
     c.equal("recv into a strided view", grid, torch.stack([torch.zeros(6), _data(left, 6, torch.float32)], 1))
+    # a receive's Work names its sender, whether it completed as it was posted or later; other
+    # Works refuse, as torch's do
+    dist.send(_data(r, 2, torch.float32), dst=right, tag=12)
+    dist.barrier()
+    into = [torch.zeros(2), torch.zeros(2)]
+    works = [dist.irecv(into[0], src=left, tag=12), dist.irecv(into[1], src=left, tag=13)]
+    dist.send(_data(r, 2, torch.float32), dst=right, tag=13)
+    for w, t in zip(works, into):
+        w.wait()
+        assert w._source_rank() == left, (w, w._source_rank())
+        assert w.get_future().value()[0] is t  # its own outputs, whatever calls came after
+    for w in (dist.all_reduce(torch.ones(2), async_op=True), dist.isend(torch.ones(2), dst=right, tag=14)):
+        w.wait()
+        try:
+            w._source_rank()
+        except RuntimeError as exc:
+            assert "recv or recv-from-any" in str(exc), exc
+        else:
+            raise AssertionError(f"{w}: a source rank where there is none")
+    dist.recv(torch.zeros(2), src=left, tag=14)
+    c.count += 2
     # a future on a point-to-point Work completes without anybody calling wait()
     t = torch.zeros(2)
     req = dist.irecv(t, src=left, tag=9)
@@ -623,6 +644,21 @@ def _check_functional_and_mesh(c: _Checker) -> None:
     c.equal("funcol all_to_all_single", funcol.all_to_all_single(x, None, None, mesh).wait(),
             torch.cat([_data(k, 4 * n, torch.float32)[4 * r: 4 * r + 4] for k in range(n)]))
     c.equal("funcol broadcast", funcol.broadcast(x, n - 1, mesh).wait(), _data(n - 1, 4 * n, torch.float32))
+    # the devices torch's helpers ask a group for, and a state dict loaded by broadcast from rank 0
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    pg = dist.distributed_c10d._get_default_group()
+    assert {d.type for d in pg._device_types} == {"cpu", "cuda"}, pg._device_types
+    model = torch.nn.Linear(3, 2)
+    full = {k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()} if r == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    assert all((v == 7.0).all() for v in model.state_dict().values()), model.state_dict()
+    # a tensor a call used stays resizable (torch's first FSDP frees parameters so)
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    t.untyped_storage().resize_(0)
+    c.count += 2
     # by group name, as compiled code calls them
     name = dist.distributed_c10d._get_default_group().group_name
     y = torch.ops._c10d_functional.all_reduce(x, "avg", name)

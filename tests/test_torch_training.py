@@ -200,6 +200,32 @@ def _train_fsdp2(mesh, steps: int) -> tuple[list[float], object]:
     return losses, full
 
 
+def _train_fsdp1(group, steps: int) -> tuple[list[float], object]:
+    """torch's first FSDP, FULL_SHARD: it frees the gathered parameters by resizing their
+    storage to 0 after each use (a storage numpy had viewed could not be resized)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    model = FSDP(_mlp(width=48, depth=4, seed=4), process_group=group, device_id=torch.device("cpu"),
+                 sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(300 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(model):
+        full = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    return losses, full
+
+
 def scenario_train() -> None:
     import torch
     import torch.distributed as dist
@@ -245,6 +271,7 @@ def scenario_train() -> None:
     # sparse gradients (an embedding bag): DDP all-reduces sparse COO tensors
     _compare_with_gloo("DDP sparse embedding", _train_sparse(None), _train_sparse(gloo))
 
+    _compare_with_gloo("FSDP FULL_SHARD", _train_fsdp1(None, steps), _train_fsdp1(gloo, steps))
     # FSDP2 on a 1-D mesh of the tensorwire world, then the same on a Gloo world
     tw = _train_fsdp2(init_device_mesh("cpu", (dist.get_world_size(),)), steps)
     dist.destroy_process_group()

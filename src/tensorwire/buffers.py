@@ -163,11 +163,10 @@ def seen_torch_view(obj: Any) -> np.ndarray | None:
     VIEWED_BYTES whose memory, dtype, shape and layout are what they were then; else None.
 
     The key is the memory (data_ptr), not the tensor object: `t.view(-1)` or `buf[:n]` are
-    new objects every call and the same memory. A view holds the storage it was made of, so
-    its address cannot be reused by another allocation while it is kept; a hit means the
-    tensor's elements lie exactly where the view's do, whatever happened in between
-    (set_, resize_, .data =), and a device tensor never has a kept host view's address (one
-    address space). What the key cannot see is checked here: the layout (`x.t()` of a
+    new objects every call and the same memory. A hit means the tensor's elements lie
+    exactly where the view's do, whatever happened in between (set_, resize_, .data =; a
+    storage resized away and its address reused), and a device tensor never has a kept host
+    view's address (one address space). What the key cannot see is checked here: the layout (`x.t()` of a
     square x has x's key) and the lazy negative/conjugate bits (`z.conj()`, `z.conj().imag`
     of one element)."""
     if type(obj) not in _PLAIN_TENSORS:
@@ -207,17 +206,19 @@ def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
     if isinstance(via, str):
         raise InvalidArgumentError(f"{where}{name} {via}")
     kept = type(t) in _PLAIN_TENSORS
-    t = t.detach()  # the view holds t's storage, not its autograd graph
+    if t.is_conj() or t.is_neg():
+        raise InvalidArgumentError(f"{where}{name} has a lazy conjugate/negative bit; pass "
+                                   f"t.resolve_conj().resolve_neg()")
+    t = t.detach()  # the view holds t, not its autograd graph
     try:
-        arr = t.numpy() if via is None else t.view(via[0]).numpy().view(via[1])
-    except (RuntimeError, TypeError) as exc:
-        if str(t.layout) != "torch.strided":
-            why = f"has layout {t.layout}; only dense (strided) tensors work"
-        elif t.is_conj() or t.is_neg():
-            why = "has a lazy conjugate/negative bit; pass t.resolve_conj().resolve_neg()"
-        else:
-            why = f"({tdtype}) cannot be viewed as numpy: {exc}"
+        arr = np.asarray(_Memory(t, via[0]))
+    except (RuntimeError, TypeError, ValueError) as exc:
+        dense = str(t.layout) == "torch.strided"
+        why = f"({tdtype}) cannot be viewed as numpy: {exc}" if dense else \
+            f"has layout {t.layout}; only dense (strided) tensors work"
         raise InvalidArgumentError(f"{where}{name} {why}") from None
+    if via[1] is not None:
+        arr = arr.view(via[1])
     if kept and 0 < arr.nbytes <= VIEWED_BYTES:  # an empty tensor's address (0) is any device's
         if len(_VIEWS) >= _VIEWS_MAX:
             _VIEWS.clear()
@@ -225,25 +226,38 @@ def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
     return arr
 
 
+class _Memory:
+    """A CPU tensor's memory as numpy sees it (`np.asarray`), holding the tensor. Not
+    `t.numpy()`: torch marks a storage numpy viewed so unresizable for good, and FSDP (torch's
+    first) frees its parameters by resizing theirs to 0 after the all-gather. Resizing a
+    tensor while a call on it runs stays the caller's error, as with Gloo and NCCL."""
+
+    def __init__(self, t: Any, typestr: str) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": typestr, "version": 3}
+
+
 _MISSING: Any = object()
-# torch dtype -> None (t.numpy() works), (torch view dtype, numpy dtype), or an error text.
+# torch dtype -> (the typestr its memory is read as, the numpy dtype that is then viewed as or
+# None), or an error text.
 _torch_via_cache: dict[Any, Any] = {}
 
 
-def _torch_via(tdtype: Any) -> tuple[Any, np.dtype] | str | None:
+def _torch_via(tdtype: Any) -> tuple[str, np.dtype | None] | str:
     """First sight of a torch dtype (and, the first time, of torch itself)."""
     global _PLAIN_TENSORS
     import torch
 
     _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
     key = str(tdtype)
-    if key in _TORCH_NATIVE:
-        return None
     np_dtype = torch_dtype_to_numpy(tdtype)
     if np_dtype is None:
         return (f"is {key}, which tensorwire can neither reduce nor carry (torch has no CPU kernels for "
                 "it); to move its bytes, pass t.view(torch.uint8)")
-    return getattr(torch, _TORCH_VIA[key][0]), np_dtype
+    if np.dtype(np_dtype.str) == np_dtype:
+        return np_dtype.str, None
+    return f"|V{np_dtype.itemsize}", np_dtype  # ml_dtypes' types and carriers: bytes, then viewed
 
 
 def like_torch(template: Any, array: np.ndarray) -> Any:

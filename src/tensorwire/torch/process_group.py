@@ -153,6 +153,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._closed = False
         self._compress = group.runtime.config.compress or None  # TENSORWIRE_COMPRESS
         self._done = CompletedWork(None)  # see _completed
+        for device in ("cpu", "cuda"):  # the devices torch's helpers ask of a group (_device_types:
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, None)  # a
+            # state dict's broadcast from rank 0, async checkpoints); _get_backend answers for them
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -175,6 +178,13 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802
         self._group_desc = desc
 
+    # torch's helpers that look up the group's backend for a device (one serves every device);
+    # torch's own C++ ops that do so (the `_out` functional collectives) cannot see this
+    supports_splitting = supports_coalescing = supports_time_estimate = supports_tensor_alloc = False
+
+    def _get_backend(self, device: Any) -> ProcessGroupTensorwire:
+        return self
+
     def __repr__(self) -> str:
         return (f"ProcessGroupTensorwire(rank={self._tw.rank}, size={self._tw.size}, "
                 f"name={self._group_name!r}, ranks={self._tw.ranks})")
@@ -188,9 +198,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._timeout if limit is None else limit
 
     def _completed(self, outputs: Any) -> CompletedWork:
-        """The Work of a synchronous call: one per process group, aimed at each call's outputs
-        in turn. Making a Work goes through torch's bindings, and torch only waits on this one
-        (dist.all_reduce returns None)."""
+        """The Work of a synchronous collective: one per process group, aimed at each call's
+        outputs in turn. Making a Work goes through torch's bindings, and torch only waits on
+        this one (dist.all_reduce returns None). Point-to-point calls, which torch's API makes
+        with no word of whether the caller waits at once (dist.irecv returns the Work), get
+        their own."""
         done = self._done
         done.outputs = outputs
         return done
@@ -226,7 +238,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 return self._completed(tensors)
         if len(tensors) == 1 and tensors[0].is_sparse:
             self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
-            return self._completed(tensors)
+            return CompletedWork(tensors) if opts.asyncOp else self._completed(tensors)
         st = _Staging(self._tw)
         buf = st.out(_one(tensors, "allreduce", self._tw))
         if factor is not None:
@@ -486,7 +498,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         data = _Staging(None).inp(_one(tensors, "send", None))
         part = self._tw.isend(data, dst, tag)
         if finished(part):  # a small send, in the peer's ring already
-            return self._completed(tensors)
+            return CompletedWork(tensors)
         return TensorwireWork([part], tensors, f"send to rank {dst}", timeout=self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
@@ -497,7 +509,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if finished(part):  # its message had arrived
             if finish is not None:
                 finish()
-            return self._completed(tensors)
+            return CompletedWork(tensors, src)
         return TensorwireWork([part], tensors, f"recv from rank {src}", finish=finish,
                               timeout=self._timeout, source_rank=src)
 

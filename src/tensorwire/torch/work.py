@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -179,6 +179,8 @@ class TensorwireWork(dist.Work):
     def source_rank(self) -> int:
         """The sender of a receive; for a receive from any rank, known once it completed."""
         value = self._source_rank_value
+        if value == -1:
+            _not_a_receive()
         return value() if callable(value) else value
 
     _source_rank = source_rank
@@ -216,12 +218,13 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
 
 
 class CompletedWork(dist.Work):
-    """What a synchronous call returns: already done, so nothing to track but its outputs
-    (a process group reuses one: ProcessGroupTensorwire._completed)."""
+    """What a call that finished as it was made returns: nothing to track but its outputs (a
+    process group reuses one for its synchronous collectives: ProcessGroupTensorwire._completed)."""
 
-    def __init__(self, outputs: Any) -> None:
+    def __init__(self, outputs: Any, source: int = -1) -> None:
         super().__init__()
         self.outputs = outputs
+        self.source = source  # the sender, for a receive
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -247,8 +250,14 @@ class CompletedWork(dist.Work):
         pass
 
     def source_rank(self) -> int:
-        return -1
+        if self.source == -1:
+            _not_a_receive()
+        return self.source
 
-    def _source_rank(self) -> int:
-        return -1
+    _source_rank = source_rank
+
+
+def _not_a_receive() -> NoReturn:
+    raise RuntimeError("sourceRank() may only be called on work objects that correspond to a recv or "
+                       "recv-from-any call")  # torch's words
 
