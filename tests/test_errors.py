@@ -243,6 +243,11 @@ def _bad_call(case: str, g: tw.Group, timeout: float) -> None:
         g.all_reduce(np.ones(4, np.complex64), op=tw.ReduceOp.MAX, timeout=timeout)
     elif case == "all_gather_wrong_output_size":
         g.all_gather_into_tensor(np.zeros(4 * n + 1, np.float32), x, timeout=timeout)
+    elif case == "gatherv_counts_none":  # as MPI_Gatherv lets non-roots do
+        g.gatherv(np.empty(n, np.float32) if g.rank == 0 else None, np.ones(1, np.float32), None, 0,
+                  timeout=timeout)
+    elif case == "all_to_all_split_sizes_text":
+        g.all_to_all_single(np.empty(n, np.float32), np.ones(n, np.float32), "x", timeout=timeout)
     else:  # pragma: no cover
         raise AssertionError(case)
 
@@ -263,6 +268,8 @@ LOCAL_CASES: dict[str, tuple[str, str]] = {
     "reduce_bxor_double": ("reduce", "BXOR is not defined for float64"),
     "all_reduce_max_complex": ("all_reduce", "MAX is not defined for"),
     "all_gather_wrong_output_size": ("all_gather_into_tensor", "expected size x input"),
+    "gatherv_counts_none": ("gatherv", "counts must be"),
+    "all_to_all_split_sizes_text": ("all_to_all_single", "output split sizes must be"),
 }
 
 
@@ -338,14 +345,14 @@ def _one_rank_bad(case: str, rounds: int) -> list[list[Any]]:
 
 
 @pytest.mark.parametrize("case", ["all_reduce_noncontiguous", "all_reduce_readonly", "all_reduce_band_float",
-                                  "broadcast_src_out_of_range", "broadcast_readonly_receiver"])
+                                  "broadcast_src_out_of_range", "broadcast_readonly_receiver",
+                                  "gatherv_counts_none"])
 def test_bad_argument_on_one_rank_fails_every_rank(cluster: Any, case: str) -> None:
     """Peers of the faulty rank raise too, promptly and naming the faulty rank and the problem,
     instead of waiting for it; a broadcast's member that got all it needed may return. The group
     renews itself: a call a member made before it learned of the refusal fails on every member
     alike (the barrier here, at most), and the calls after return the right results."""
-    needle = {"broadcast_readonly_receiver": "read-only"}.get(case) or LOCAL_CASES[case][1]
-    coll = case.split("_")[0] if case.startswith("broadcast") else "all_reduce"
+    coll, needle = LOCAL_CASES.get(case, ("broadcast", "read-only"))
     bad, n = cluster.size - 1, cluster.size
     results = cluster.run(_one_rank_bad, case, 3)
     for k in range(3):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import struct
 import zlib
 from collections.abc import Sequence
@@ -157,10 +158,17 @@ def fingerprint(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None 
     return fp
 
 
-def check_counts(group: Group, counts: Sequence[int], what: str) -> list[int]:
-    out = [int(c) for c in counts]
+def check_counts(group: Group, counts: Sequence[int], what: str, name: str = "counts",
+                 alike: str = " (the same on every rank)") -> list[int]:
+    """Per-rank counts, or split sizes: anything but one integer per member fails the call on
+    every member."""
+    try:
+        out = [operator.index(c) for c in counts]
+    except TypeError:
+        out = []
     if len(out) != group.size or any(c < 0 for c in out):
-        invalid(group, what, f"counts must be {group.size} non-negative integers, got {list(counts)}")
+        shown = counts if isinstance(counts, (list, tuple)) else repr(counts)
+        invalid(group, what, f"{name} must be {group.size} non-negative integers{alike}, got {shown}")
     return out
 
 
@@ -173,7 +181,7 @@ def split_rows(group: Group, arr: np.ndarray, sizes: Sequence[int] | None, what:
             invalid(group, what, f"{name} has {rows} rows, not divisible by the group size {group.size}; "
                     f"pass split sizes")
         sizes = [rows // group.size] * group.size
-    sizes = check_counts(group, sizes, what)
+    sizes = check_counts(group, sizes, what, f"{name} split sizes", "")
     if sum(sizes) != rows:
         invalid(group, what, f"{name} split sizes {list(sizes)} sum to {sum(sizes)}, "
                 f"{name} has {rows} rows")
