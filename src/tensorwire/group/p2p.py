@@ -115,6 +115,17 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
     deadline = time.monotonic() + limit
     turns = group.any_source_turns
     turn = turns.take(tag)
+    if turns.first(tag, turn):  # no earlier one of this tag waits: a message there already is taken here
+        src = _arrived(group, tag)
+        if src is not None:
+            try:
+                with turns.wait(tag, turn, deadline, lambda: _nothing_came(group, tag, limit)):
+                    group.recv(data, src, tag, timeout)
+            except BaseException as exc:  # handed to whoever waits on the Work, as from the thread
+                work._finish(exc=exc)
+            else:
+                work._finish(src)
+            return work
 
     def find_and_receive() -> None:
         try:
@@ -328,19 +339,33 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
 
 
 def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int:
-    turns = group.any_source_turns  # looked at first: the members after the last one found
-    order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
-    peers = {group.ranks[r]: r for r in order if r != group.rank}
+    """Wait for a message of `tag` from any member: spinning as long as the engine spins for a
+    message, then in sleeps growing to 1 ms."""
+    spin_until = time.monotonic() + group.engine.spin_s
     pause = 20e-6
     while True:
-        world = group.engine.arrived_from(group.ctx, tag, peers)
-        if world is not None:
-            turns.last = peers[world]
-            return peers[world]
-        if time.monotonic() > deadline:
+        src = _arrived(group, tag)
+        if src is not None:
+            return src
+        now = time.monotonic()
+        if now > deadline:
             raise _nothing_came(group, tag, limit)
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        if now > spin_until:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+def _arrived(group: Group, tag: int) -> int | None:
+    """The group rank of a member whose message of `tag` has arrived, looking first at the
+    members after the last one found (one busy sender does not starve the others); else None."""
+    turns = group.any_source_turns
+    order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
+    peers = {group.ranks[r]: r for r in order if r != group.rank}
+    world = group.engine.arrived_from(group.ctx, tag, peers)
+    if world is None:
+        return None
+    turns.last = peers[world]
+    return peers[world]
 
 
 def _nothing_came(group: Group, tag: int, limit: float) -> TimeoutError:
@@ -364,6 +389,11 @@ class AnySourceTurns:
             self._posted += 1
             self._open.setdefault(tag, []).append(self._posted)
             return self._posted
+
+    def first(self, tag: int, turn: int) -> bool:
+        """Is `turn` the oldest receive of `tag` not yet over?"""
+        with self._cond:
+            return self._open[tag][0] == turn
 
     @contextlib.contextmanager
     def wait(self, tag: int, turn: int, deadline: float, late: Callable[[], BaseException]) -> Iterator[None]:
