@@ -321,6 +321,34 @@ def test_recv_from_any_rank(cluster: Any) -> None:
     assert sorted(got[0]) == list(range(1, cluster.size))
 
 
+def _probe_without_waiting() -> dict[str, Any]:
+    """Rank 0 looks for a message of tag 21 from any rank before rank 1 sent it and after:
+    None, then rank 1 (MPI_Iprobe), and the message is still there to receive."""
+    r = tw.get_rank()
+    out: dict[str, Any] = {}
+    if r == 0:
+        out["before"] = tw.iprobe_any(tag=21)
+    tw.barrier(timeout=20)
+    if r == 1:
+        tw.send(np.arange(3, dtype=np.int64), 0, tag=21)
+    tw.barrier(timeout=20)
+    if r == 0:
+        deadline = time.monotonic() + 10
+        while (found := tw.iprobe_any(tag=21)) is None and time.monotonic() < deadline:
+            pass
+        got = np.zeros(3, np.int64)
+        out["after"], out["src"] = found, tw.recv(got, found, tag=21, timeout=10)
+        out["got"] = got.tolist()
+    return out
+
+
+def test_probe_from_any_rank_without_waiting(cluster: Any) -> None:
+    if cluster.size < 2:
+        pytest.skip("needs a sender")
+    got = cluster.run(_probe_without_waiting)[0]
+    assert got == {"before": None, "after": 1, "src": 1, "got": [0, 1, 2]}, got
+
+
 def _any_rank_in_turn() -> dict[str, Any]:
     """Every other rank sends rank 0 two messages (tag 11) before rank 0 receives any; rank 0
     takes as many from any rank as there are senders. Then the last rank sends four numbered

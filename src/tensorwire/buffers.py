@@ -46,10 +46,10 @@ def as_array(obj: Any, *, writable: bool, rank: int, collective: str, name: str 
     else:
         arr = _from_foreign(obj, writable, rank, collective, name)
     if not arr.flags.c_contiguous:
-        raise InvalidArgumentError(
-            f"{call_prefix(rank, collective)}{name} is not C-contiguous (shape {arr.shape}, "
-            f"strides {arr.strides}); pass np.ascontiguousarray(x) and, for an output, copy the result back"
-        )
+        how = ("x.T, its C-ordered transpose (the same memory)" if arr.flags.f_contiguous else
+               "np.ascontiguousarray(x) and, for an output, copy the result back")
+        raise InvalidArgumentError(f"{call_prefix(rank, collective)}{name} is not C-contiguous (shape "
+                                   f"{arr.shape}, strides {arr.strides}); pass {how}")
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError(
             f"{call_prefix(rank, collective)}{name} is read-only but {collective} writes its result into it; "

@@ -310,6 +310,7 @@ class Group:
     recv = p2p.recv
     sendrecv = p2p.sendrecv
     probe_any = p2p.probe_any
+    iprobe_any = p2p.iprobe_any
 
     # -- Python objects (objects.py) ----------------------------------------------------------
     all_gather_object = objects.all_gather_object

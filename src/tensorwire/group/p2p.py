@@ -338,6 +338,15 @@ def probe_any(group: Group, tag: int = 0, timeout: float | None = None) -> int:
     return _probe_any(group, tag, time.monotonic() + limit, limit)
 
 
+def iprobe_any(group: Group, tag: int = 0) -> int | None:
+    """Whether a point-to-point message with `tag` from any member has arrived, without
+    waiting: its sender's group rank (receive from it next), or None. MPI_Iprobe with
+    MPI_ANY_SOURCE."""
+    check_member(group, "recv from any rank")
+    _check_tag(group, tag, "recv from any rank")
+    return _arrived(group, tag)
+
+
 def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int:
     """Wait for a message of `tag` from any member: spinning as long as the engine spins for a
     message, then in sleeps growing to 1 ms."""
