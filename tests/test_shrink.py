@@ -502,3 +502,32 @@ def test_shrink_with_majority_goes_on_only_with_more_than_half(dead: str) -> Non
             assert res["type"] == "AbortedError" and "not a majority of its 4 members" in res["msg"], res
     for r in killed:
         assert reports[r]["rc"] != 0
+
+
+_LEAVES_AFTER_A_LOSS = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+x = np.zeros(4)
+if rank == 2:
+    tw.send(np.ones(4), 1)
+    time.sleep(0.3)
+    os._exit(3)
+if rank == 1:  # loses rank 2, then leaves
+    tw.recv(x, 2)
+    report(one=outcome(tw.recv, x, 2, tag=5, timeout=20))
+    tw.destroy()
+else:  # never talked to rank 2: learns of it from rank 1's goodbye
+    report(zero=outcome(tw.recv, x, 1, tag=6, timeout=20))
+report(done=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_leaves_after_a_loss_names_the_rank_lost(transport: str) -> None:
+    """Rank 1 loses rank 2 and leaves; rank 0, which never talked to rank 2, loses rank 1 for
+    leaving: its error names rank 2 too, from rank 1's goodbye (it blamed rank 1 alone)."""
+    reports = [_final(r) for r in _job(_LEAVES_AFTER_A_LOSS, 3, transport)]
+    assert "lost rank 2" in reports[1]["one"]["msg"], reports[1]
+    msg = reports[0]["zero"]["msg"]
+    assert reports[0]["zero"]["type"] == "PeerLostError" and "lost rank 1: it left the job" in msg, msg
+    assert "it had lost rank 2 (" in msg, msg

@@ -832,15 +832,15 @@ class Engine(Failures):
         with self.lock:
             self.closed = True
             self._bg_wakeup.notify_all()  # a parked thread or one between looks: both see _closed
-            empty = np.empty(0, dtype=np.uint8)
+            note = self.goodbye_note()
             for channel in self.channel_list:
                 if channel.peer not in self.lost and channel.kind != "pending":
                     try:
                         channel.flush()  # acknowledgements a peer's send may wait for
                     except PeerClosed:
                         pass
-                    bye = Header(Kind.BYE, 0, 0, 0, 0, Fingerprint(0))
-                    channel.post_control(SendRequest(channel.peer, bye, empty, "goodbye"))
+                    bye = Header(Kind.BYE, 0, 0, 0, note.size, Fingerprint(0))
+                    channel.post_control(SendRequest(channel.peer, bye, note, "goodbye"))
                     try:
                         channel.poll_socket()
                     except PeerClosed:

@@ -38,7 +38,7 @@ from ..ops import ReduceOp
 from ..ops.dtypes import dtype_from_code
 from .channel import Channel, PeerClosed
 from .requests import P2P_SEQ, ControlSink, RecvRequest, Request, SendRequest, Sink, Unexpected
-from .wire import Fingerprint, Header, Kind, coll_label, differences
+from .wire import BYE_NOTE_BYTES, Fingerprint, Header, Kind, coll_label, differences
 
 if TYPE_CHECKING:
     from .wiring import Wiring
@@ -138,6 +138,7 @@ class Failures:
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
         self.crashed: dict[int, float] = {}  # ...of which those that vanished without a goodbye: when seen
         self.departed: set[int] = set()  # peers that said goodbye (their channel is still drained)
+        self.goodbye_notes: dict[int, str] = {}  # what their goodbyes said (the ranks they had lost)
         self.link_errors: dict[int, BaseException] = {}  # peers that could not be connected, and why
         self.current: dict[int, Callable[[], object]] = {}
         """ctx -> the collective call the group is running, weakly (its group's queue holds it):
@@ -181,7 +182,9 @@ class Failures:
         if peer not in self.departed:
             self._read_goodbye(channel)
         if peer in self.departed:
-            reason = f"{LEFT} (called destroy() or exited) before this exchange finished"
+            note = self.goodbye_notes.get(peer)
+            reason = f"{LEFT} (called destroy() or exited) before this exchange finished" + \
+                (f"; {note}" if note else "")
             self._drain(channel)
         else:
             if f"[Errno {errno.ETIMEDOUT}]" in reason and self.wiring is not None:  # keepalive (tune_socket)
@@ -201,6 +204,18 @@ class Failures:
         for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
             for req in self.posted.pop(key):
                 req.fail(err)
+
+    def goodbye_note(self) -> np.ndarray:
+        """What this rank's goodbye tells its peers: the ranks it had lost without a goodbye,
+        and why, so that a peer that loses this one for leaving can name the rank really gone."""
+        gone = [f"rank {p} ({self.lost[p]})" for p in sorted(self.crashed) if p in self.lost]
+        text = f"it had lost {', '.join(gone)}" if gone else ""
+        return np.frombuffer(text.encode()[:BYE_NOTE_BYTES], np.uint8)
+
+    def _on_goodbye(self, peer: int, raw: bytes) -> None:
+        self.departed.add(peer)
+        if raw:
+            self.goodbye_notes[peer] = bytes(raw).decode(errors="replace")
 
     def _read_goodbye(self, channel: Channel | None) -> None:
         """Read what a closed socket still holds, its peer's goodbye among it: a send to a peer
@@ -384,7 +399,7 @@ class Failures:
             on = self._on_refusal if header.tag == REFUSAL else self._on_abort
             return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw, header.tag))
         if header.kind == Kind.BYE:
-            return ControlSink(0, lambda raw: self.departed.add(peer))
+            return ControlSink(header.nbytes, lambda raw: self._on_goodbye(peer, raw))
         if header.kind == Kind.QUERY:
             return ControlSink(0, lambda raw: self._answer_query(peer, header.ctx))
         if header.kind == Kind.STATE:

@@ -176,8 +176,11 @@ class Header(NamedTuple):
 
 
 MAX_CONTROL_BYTES = 1 << 20
-"""Largest control payload (an ABORT's error text is the only one)."""
-_CONTROL_MAX = {int(Kind.ABORT): MAX_CONTROL_BYTES, int(Kind.BYE): 0, int(Kind.QUERY): 0, int(Kind.STATE): 0}
+"""Largest control payload (an ABORT's error text)."""
+BYE_NOTE_BYTES = 512
+"""Largest goodbye note (the peers its sender had lost, and why)."""
+_CONTROL_MAX = {int(Kind.ABORT): MAX_CONTROL_BYTES, int(Kind.BYE): BYE_NOTE_BYTES, int(Kind.QUERY): 0,
+                int(Kind.STATE): 0}
 """The control kinds TCP carries (ACK is shared memory's), and the payload each may have."""
 _COLL_CODES = frozenset(int(c) for c in Coll)
 _NOT_DEVICE = ~ON_DEVICE
