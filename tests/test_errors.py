@@ -592,10 +592,17 @@ def test_an_interrupted_collective_aborts_the_group_on_every_member(cluster: Any
 
 def _send_times_out_partway(how: str) -> dict[str, Any]:
     """Rank 0's blocking send of 8 MiB times out before rank 1 receives; rank 0 then writes -1 over
-    its buffer. Rank 1 receives 1.5 s later (by `how`): its data would be the -1s, or torn over TCP."""
+    its buffer. Rank 1 receives 1.5 s later (by `how`): its data would be the -1s, or torn over TCP.
+    The pair makes one good sendrecv of those shapes first (the next may take a compiled path)."""
     g = _fresh_group()
     out: dict[str, Any] = {}
     count = 1 << 24 if tw.config().transport == "tcp" else 1 << 21  # more than the socket buffers take
+    if how == "sendrecv" and g.rank in (0, 1):
+        big, one = np.zeros(count, np.float32), np.ones(1, np.float32)
+        if g.rank == 0:
+            g.sendrecv(big, 1, one, 1, tag=3, timeout=10.0)
+        else:
+            g.sendrecv(one, 0, big, 0, tag=3, timeout=10.0)
     if g.rank == 0:
         data = np.full(count, 7.0, np.float32)
         out["send"] = _attempt(g.send, data, 1, tag=3, timeout=0.5)

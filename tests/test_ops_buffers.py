@@ -772,6 +772,23 @@ def test_torch_views_follow_the_tensor() -> None:
             _view(lazy)
 
 
+def test_a_tensor_a_call_viewed_stays_resizable_and_its_kept_view_lets_go() -> None:
+    """Viewing a tensor leaves its storage resizable (torch's first FSDP frees parameters by
+    resizing theirs to 0); once resized away, its kept view serves no tensor that takes its old
+    address (it would show memory no longer the tensor's)."""
+    import ctypes
+
+    t = torch.ones(4)
+    v = _view(t)
+    old = t.data_ptr()
+    t.untyped_storage().resize_(0)
+    at_old = torch.frombuffer((ctypes.c_char * 16).from_address(old), dtype=torch.float32)  # not read
+    assert at_old.data_ptr() == old and buffers.seen_torch_view(at_old) is None
+    t.untyped_storage().resize_(16)
+    t.fill_(2.0)
+    assert _view(t)[0] == 2.0 and v.base is not None
+
+
 def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
     a = np.zeros(3)
     a.flags.writeable = False

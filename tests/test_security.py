@@ -47,6 +47,7 @@ from tensorwire.transport.engine import Engine
 from tensorwire.transport.pair_rings import PairRings
 from tensorwire.transport.tcp import SocketStream, TcpChannel
 from tensorwire.transport.wire import (
+    BYE_NOTE_BYTES,
     HEADER_SIZE,
     ON_DEVICE,
     P2P_FINGERPRINT,
@@ -727,7 +728,9 @@ def _stranger_in_setup(port: int, rank: int, messages: list[object], secret: aut
     [b"[" * 60000],
     [{"op": "pair", "pair": 1, "where": ["host", "machine0"], "ring": ["x"]}],
     [{"op": "pair", "pair": 1, "where": ["host", "machine0"], "ring": {"name": "tw-x", "capacity": "4096"}}],
-], ids=["pair-list", "streams-str", "index-dict", "nested", "ring-list", "ring-capacity-str"])
+    [{"op": "pair", "pair": 1, "where": ["host", "machine0"], "ring": {"name": "tw-x"}}],
+], ids=["pair-list", "streams-str", "index-dict", "nested", "ring-list", "ring-capacity-str",
+        "ring-no-capacity"])
 def test_a_malformed_setup_message_costs_its_connection_alone(setup: list[object]) -> None:
     """A peer past the handshake (a stranger, where a job has no secret) that sends setup
     messages of the wrong shape loses its connection; the rank's wiring goes on and its real
@@ -829,14 +832,15 @@ def test_fuzz_peer_handshake(data: bytes) -> None:
 
 def test_header_check_passes_what_tensorwire_sends_and_nothing_else() -> None:
     for coll in [*Coll, *(c | ON_DEVICE for c in Coll)]:
-        for kind, nbytes in ((Kind.P2P, 1 << 20), (Kind.COLL, 0), (Kind.ABORT, 100), (Kind.QUERY, 0)):
+        for kind, nbytes in ((Kind.P2P, 1 << 20), (Kind.COLL, 0), (Kind.ABORT, 100), (Kind.QUERY, 0),
+                             (Kind.BYE, 0), (Kind.BYE, BYE_NOTE_BYTES)):
             check_tcp(Header(kind, 7, 3, 1, nbytes, Fingerprint(coll)), 1 << 20)
     bad = [Header(Kind.P2P, 0, 0, 0, (1 << 20) + 1, P2P_FINGERPRINT),  # beyond TENSORWIRE_MAX_MESSAGE
            Header(Kind.ACK, 0, 0, 0, 0, P2P_FINGERPRINT, Mode.ACK),  # shared memory's only
            Header(Kind.P2P, 0, 0, 0, 8, P2P_FINGERPRINT, Mode.REMOTE),
            Header(9, 0, 0, 0, 0, P2P_FINGERPRINT),
            Header(Kind.COLL, 0, 0, 0, 0, Fingerprint(99)),
-           Header(Kind.BYE, 0, 0, 0, 1, P2P_FINGERPRINT),
+           Header(Kind.BYE, 0, 0, 0, BYE_NOTE_BYTES + 1, P2P_FINGERPRINT),
            Header(Kind.ABORT, 0, 0, 0, (1 << 20) + 1, P2P_FINGERPRINT)]
     for header in bad:
         with pytest.raises(MalformedHeader):

@@ -46,8 +46,9 @@ def as_array(obj: Any, *, writable: bool, rank: int, collective: str, name: str 
     else:
         arr = _from_foreign(obj, writable, rank, collective, name)
     if not arr.flags.c_contiguous:
-        how = ("x.T, its C-ordered transpose (the same memory)" if arr.flags.f_contiguous else
-               "np.ascontiguousarray(x) and, for an output, copy the result back")
+        how = "np.ascontiguousarray(x) and, for an output, copy the result back" + (
+            " (or x.T, the same memory in C order, where its shape does not matter to the call)"
+            if arr.flags.f_contiguous else "")
         raise InvalidArgumentError(f"{call_prefix(rank, collective)}{name} is not C-contiguous (shape "
                                    f"{arr.shape}, strides {arr.strides}); pass {how}")
     if writable and not arr.flags.writeable:
@@ -147,9 +148,9 @@ def torch_dtype_to_numpy(tdtype: Any) -> np.dtype | None:
     return found if found is not None else carrier(key.removeprefix("torch."))
 
 
-_VIEWS: dict[tuple[int, Any, Any], tuple[np.ndarray, bool]] = {}
+_VIEWS: dict[tuple[int, Any, Any], tuple[np.ndarray, bool, Any]] = {}
 """(data_ptr, dtype, shape) of a small CPU tensor -> (the view `as_array` made of it, whether
-its dtype is complex). See `seen_torch_view`."""
+its dtype is complex, the tensor it holds). See `seen_torch_view`."""
 _VIEWS_MAX = 64
 VIEWED_BYTES = 64 << 10
 """Tensors up to this size keep their views (`_VIEWS`): adapting one costs as much as a whole
@@ -163,25 +164,27 @@ def seen_torch_view(obj: Any) -> np.ndarray | None:
     VIEWED_BYTES whose memory, dtype, shape and layout are what they were then; else None.
 
     The key is the memory (data_ptr), not the tensor object: `t.view(-1)` or `buf[:n]` are
-    new objects every call and the same memory. A hit means the tensor's elements lie
-    exactly where the view's do, whatever happened in between (set_, resize_, .data =; a
-    storage resized away and its address reused), and a device tensor never has a kept host
-    view's address (one address space). What the key cannot see is checked here: the layout (`x.t()` of a
-    square x has x's key) and the lazy negative/conjugate bits (`z.conj()`, `z.conj().imag`
-    of one element)."""
+    new objects every call and the same memory. The view holds the tensor it was made of, and
+    a hit needs that tensor's memory where it was (its storage not resized away since): its
+    bytes are then alive and lie exactly where `obj`'s do, whatever happened in between (set_,
+    .data =), and a device tensor never has a kept host view's address (one address space).
+    What the key cannot see is checked here: the layout (`x.t()` of a square x has x's key) and
+    the lazy negative/conjugate bits (`z.conj()`, `z.conj().imag` of one element)."""
     if type(obj) not in _PLAIN_TENSORS:
         return None
     try:
-        hit = _VIEWS.get((obj.data_ptr(), obj.dtype, obj.shape))
+        ptr = obj.data_ptr()
     except RuntimeError:  # no storage: sparse, or a tensor subclass that hides it
         return None
-    if hit is None or not obj.is_contiguous() or obj.is_neg() or (hit[1] and obj.is_conj()):
+    hit = _VIEWS.get((ptr, obj.dtype, obj.shape))
+    if hit is None or hit[2].data_ptr() != ptr or not obj.is_contiguous() or obj.is_neg() or \
+            (hit[1] and obj.is_conj()):
         return None
     return hit[0]
 
 
 def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
-    """Checks cheapest first (`.numpy()` is half of the cost), unless seen before."""
+    """Checks cheapest first, unless seen before."""
     seen = seen_torch_view(t)
     if seen is not None:
         return seen
@@ -222,7 +225,7 @@ def _from_torch(t: Any, rank: int, collective: str, name: str) -> np.ndarray:
     if kept and 0 < arr.nbytes <= VIEWED_BYTES:  # an empty tensor's address (0) is any device's
         if len(_VIEWS) >= _VIEWS_MAX:
             _VIEWS.clear()
-        _VIEWS[(t.data_ptr(), tdtype, t.shape)] = (arr, tdtype.is_complex)
+        _VIEWS[(t.data_ptr(), tdtype, t.shape)] = (arr, tdtype.is_complex, t)
     return arr
 
 

@@ -94,8 +94,7 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     (RecvRequest.device)."""
     data, found = _host(group, tensor, False, src, tag)
     if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
-        if data.nbytes >= _VET_BYTES:
-            _vet_received(group, found.peer)
+        _vet_received(group, found.peer, data.nbytes)
         return found.done
     req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
                              seq=position(group), device=device)
@@ -166,8 +165,8 @@ def recv(group: Group, tensor: Any, src: int, tag: int = 0, timeout: float | Non
     if not group.engine.recv_now(route.peer, route.key, route.wire, data, True, route.label):
         _wait(group, group.engine.irecv(route.peer, route.header, byte_view(data), None, route.label,
                                         seq=position(group)), timeout=timeout)
-    if data.nbytes >= _VET_BYTES:
-        _vet_received(group, route.peer)
+    if data.nbytes >= _VET_BYTES:  # checked here too: no call on the small-message path
+        _vet_received(group, route.peer, data.nbytes)
     return src
 
 
@@ -177,7 +176,9 @@ send failed partway (timed out, interrupted), and what arrived, or was read out 
 memory, may be torn or written after the failure."""
 
 
-def _vet_received(group: Group, peer: int) -> None:
+def _vet_received(group: Group, peer: int, nbytes: int) -> None:
+    if nbytes < _VET_BYTES:
+        return
     engine = group.engine
     engine.poll_peer(peer)
     aborted = engine.aborted.get(group.ctx)
@@ -203,16 +204,14 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
             out, inn = pair
             if send.nbytes >= REMOTE_BYTES and send.flags.c_contiguous and \
                     _read_each_other(group, send, out, recv, inn, timeout):
-                if recv.nbytes >= _VET_BYTES:
-                    _vet_received(group, inn.peer)
+                _vet_received(group, inn.peer, recv.nbytes)
                 return src
             sent, taken = group.engine.sendrecv_now(out.peer, out.wire, send, inn.peer, inn.key, inn.wire,
                                                     recv)
             if sent:
                 if not taken:
                     _finish(group, send, out, recv, inn, True, timeout)
-                if recv.nbytes >= _VET_BYTES:
-                    _vet_received(group, inn.peer)
+                _vet_received(group, inn.peer, recv.nbytes)
                 return src
     elif _on_device(send) or _on_device(recv):
         views = {}  # the CUDA buffers as torch tensors (CuPy's too)
@@ -234,7 +233,8 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     if len(group.p2p_pairs) >= P2P_ROUTES:
         group.forget_pairs()
     group.p2p_pairs[(dst, src, tag, data.nbytes, into.nbytes)] = (out, inn)
-    if group.plans.caller is not None:  # its sendrecv takes the pair's next calls whole
+    if group.plans.caller is not None and into.nbytes < _VET_BYTES:  # its sendrecv takes the pair's next
+        # calls whole (a large receive is vetted here)
         group.plans.caller.add_pair(dst, src, tag, data.nbytes, into.nbytes, out.dtype, inn.dtype, out, inn,
                                     REMOTE_BYTES, CTRL_BYTES, _finish)
     if not (data.nbytes >= REMOTE_BYTES and data.flags.c_contiguous and
@@ -242,8 +242,7 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
         sent, taken = group.engine.sendrecv_now(out.peer, out.wire, data, inn.peer, inn.key, inn.wire, into)
         if not taken:
             _finish(group, data, out, into, inn, sent, timeout)
-    if into.nbytes >= _VET_BYTES:
-        _vet_received(group, inn.peer)
+    _vet_received(group, inn.peer, into.nbytes)
     return src
 
 
@@ -461,8 +460,8 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
 def _work(group: Group, req: Request, route: P2PRoute) -> Work:
     if req.done and req.error is None:  # a small send, already in the ring or the socket,
         # or a receive whose message had arrived
-        if isinstance(req, RecvRequest) and req.nbytes >= _VET_BYTES:
-            _vet_received(group, req.peer)
+        if isinstance(req, RecvRequest):
+            _vet_received(group, req.peer, req.nbytes)
         return route.done
     group.engine.watch_in_background(req)
     return P2PWork(group, req)
@@ -489,22 +488,19 @@ class P2PWork(Work):
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:
             req = self._req
-            if not req.done or req.error is not None:  # else nothing to drive nor raise
-                if timeout is not None:  # a bad one fails this wait, not the Work
-                    limit_of(self._group, timeout, str(req.what), collective=False, poll=True)
-                try:
+            busy = not req.done or req.error is not None  # else nothing to drive nor raise
+            if busy and timeout is not None:  # a bad one fails this wait, not the Work
+                limit_of(self._group, timeout, str(req.what), collective=False, poll=True)
+            try:
+                if busy:
                     _wait(self._group, req, timeout=timeout, blocking=False)
-                except TimeoutError:
+                if isinstance(req, RecvRequest):
+                    _vet_received(self._group, req.peer, req.nbytes)
+            except BaseException as exc:
+                if isinstance(exc, TimeoutError) and not req.done:
                     raise  # still pending: the caller may wait again
-                except BaseException as exc:
-                    self._finish(exc=exc)
-                    raise
-            if isinstance(req, RecvRequest) and req.nbytes >= _VET_BYTES:
-                try:
-                    _vet_received(self._group, req.peer)
-                except BaseException as exc:
-                    self._finish(exc=exc)
-                    raise
+                self._finish(exc=exc)
+                raise
             self._finish()
             return True
         return super().wait(0)

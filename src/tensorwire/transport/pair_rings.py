@@ -99,7 +99,8 @@ class PairRings:
         if not offer:
             return None, 0, 0
         if not isinstance(offer, dict) or type(offer.get("name")) is not str or \
-                any(type(offer.get(k, 0)) is not int for k in ("capacity", "nonce", "pid", "probe")):
+                any(type(offer.get(k)) is not int for k in ("capacity", "nonce")) or \
+                any(type(offer.get(k, 0)) is not int for k in ("pid", "probe")) or offer["capacity"] <= 0:
             raise ValueError(f"a ring offer that is not one: {str(offer)[:80]}")
         try:
             ring = Ring(offer["name"], offer["capacity"], create=False)

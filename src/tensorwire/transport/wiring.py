@@ -577,11 +577,12 @@ class Wiring:
                 self._forget(link.sock)
                 return
             self._drop_out(mine)
+        pair, streams = _count(msg, "pair", 0), _count(msg, "streams", 1)  # before anything is made for it
         self._later.pop(peer, None)
         old = self._in.pop(peer, None)
         if old is not None:
             self._abandon_in(old, "")
-        link.pair = _count(msg, "pair", 0)
+        link.pair = pair
         self._in[peer] = link
         link.expires = time.monotonic() + self.cfg.auth_timeout
         local = self.cfg.transport != "tcp" and msg.get("where") == self.where
@@ -602,7 +603,7 @@ class Wiring:
             self.rings.discard(link.theirs)
             link.theirs = None
         shm = link.ring is not None
-        link.want_streams = 1 if shm else max(1, min(_count(msg, "streams", 1), self.nsocks))
+        link.want_streams = 1 if shm else max(1, min(streams, self.nsocks))
         link.msgs.send({"ok": True, "mapped": link.theirs is not None, "reads": link.pid != 0,
                         "ring": self.rings.offer(link.ring), "streams": link.want_streams})
         link.final = shm
