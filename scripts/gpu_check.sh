@@ -155,7 +155,7 @@ for step in $steps; do
     }
     flagged="device_flags or device-flags or cuda_graph"
     if ! mps_on; then  # the tests force the flags where kernels time-slice
-      [ -z "${gpu_tests_ran:-}" ] && flag_tests flags-tests "$flagged" && ran_k="${ran_k:+$ran_k or }$flagged"
+      if [ -z "${gpu_tests_ran:-}" ]; then flag_tests flags-tests "$flagged"; ran_k="${ran_k:+$ran_k or }$flagged"; fi
       continue
     fi
     # under MPS, where auto picks them; a peer lost mid-kernel is left to the tests without MPS

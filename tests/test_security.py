@@ -352,6 +352,20 @@ def test_file_store_left_by_a_killed_job_is_emptied_at_the_next_start(tmp_path: 
     assert not path.exists()
 
 
+def test_file_store_makes_its_levels_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Every directory it makes above the store is 0700: with umask 002 makedirs made the upper
+    levels group-writable, and the check of every level then refused them."""
+    old = os.umask(0o002)
+    try:
+        store = FileStore(tmp_path / "a" / "b" / "job", timeout=5)
+    finally:
+        os.umask(old)
+    try:
+        assert [(tmp_path / d).stat().st_mode & 0o777 for d in ("a", "a/b")] == [0o700, 0o700]
+    finally:
+        store.close()
+
+
 def test_file_store_refuses_a_directory_of_the_users_own_files(tmp_path: Path) -> None:
     """file:// at a directory of the user's: every file in it was deleted, then the directory
     (a store with no holder is emptied as a killed job's). Now refused, untouched; an empty

@@ -531,3 +531,26 @@ def test_a_rank_that_leaves_after_a_loss_names_the_rank_lost(transport: str) -> 
     msg = reports[0]["zero"]["msg"]
     assert reports[0]["zero"]["type"] == "PeerLostError" and "lost rank 1: it left the job" in msg, msg
     assert "it had lost rank 2 (" in msg, msg
+
+
+_ANY_AFTER_A_LOSS = """
+tw.init(rank=rank, world_size=size, init_method=URL)
+tw.barrier()
+if rank == 1:
+    os._exit(3)
+time.sleep(1.0)
+works = []
+for _ in range(3):  # each posts and fails alone: none is left holding the next one's turn
+    works.append(outcome(lambda: tw.irecv_any(np.zeros(4, np.float32), tag=5, timeout=15).wait(20)))
+report(works=works, done=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_receives_from_any_rank_after_every_sender_is_gone_fail_at_once() -> None:
+    """An irecv_any posted after its senders died returns a Work that fails with PeerLostError at
+    once, each of several in a row (the quick path raised from the call and kept its turn, so
+    the next one waited out its timeout)."""
+    works = _final(_job(_ANY_AFTER_A_LOSS, 2, "shm")[0])["works"]
+    for w in works:
+        assert w["type"] == "PeerLostError" and w["t"] < 5, works

@@ -27,6 +27,7 @@ from .rendezvous.tcp_store import StoreLostError
 from .runtime import Runtime
 from .transport import netif, tcp
 from .transport.connect import connect_world, refuse_to_join
+from .transport.engine import Engine
 from .tuning import calibrate, policy
 from .tuning.topology import Topology, local_card
 
@@ -96,14 +97,14 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                 root_store, engine, cards = _rendezvous(info, cfg, store, scope, secret, address, deadline,
                                                         connect_within)
                 break
-            except StoreLostError:
+            except StoreLostError as exc:
                 # rank 0 hosts the store (tcp://) and closed it under this rank's init: it was
                 # ending the job before (destroy()) as this rank began the next; its next init
-                # serves the address again, soon, or it is gone
-                if not hosted_here or info.rank == 0 or connect_within is not None \
-                        or time.monotonic() + _STORE_RETURN_S > deadline:
+                # serves the address again (as for a rank that came before the store, init's
+                # timeout bounds the wait), or it is gone
+                if not (hosted_here and info.rank != 0 and exc.closed and connect_within is None):
                     raise
-                connect_within = _STORE_RETURN_S
+                connect_within = max(0.0, deadline - time.monotonic())
                 _log.info("rank %d: init: the store closed under this rank; joining it afresh", info.rank)
         runtime = Runtime(info.rank, info.world_size, cfg, info, root_store if store is None else None,
                           engine, topology=Topology.from_cards(cards))
@@ -117,13 +118,9 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
     return runtime.world  # type: ignore[return-value]
 
 
-_STORE_RETURN_S = 5.0
-"""How long a rank whose store host closed the store during its init waits for the address to
-serve again (the host's own next init) before it reports the store lost."""
-
-
 def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, scope: str, secret: auth.Secret,
-                address: str, deadline: float, connect_within: float | None) -> tuple[Store | None, Any, Any]:
+                address: str, deadline: float,
+                connect_within: float | None) -> tuple[Store | None, Engine, dict[int, dict]]:
     """The store (`store`, an integration's, else the job's own), its roster checked, and the
     world connected through it: (the store, the engine, every rank's card)."""
     root_store = store

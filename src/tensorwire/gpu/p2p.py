@@ -47,6 +47,7 @@ _lock = threading.Lock()
 _written: dict[tuple[int, int], tuple[Any, bytes]] = {}  # (device, stream) -> (its event, handle)
 _copies: dict[int, tuple[Any, Any, bytes]] = {}  # device -> (copy stream, its interprocess event, handle)
 _holds: dict[int, Any] = {}  # device -> the stream sent buffers are recorded on (Source)
+_home: list[int] = []  # the device this process sends and receives device buffers on (_home_device)
 _opened: dict[tuple[int, bytes, int], Any] = {}  # (peer, handle, device) -> the peer's event opened here
 
 
@@ -55,6 +56,7 @@ def describe(t: Any, stream: Any) -> bytes | None:
     None where it cannot go device to device (its memory is not shareable, too many streams):
     stage it."""
     torch = torch_module()
+    _note_home(t.device.index)
     try:
         record = ipc.describe(t)
     except driver.CudaDriverError:
@@ -97,6 +99,7 @@ class Target:
 
     def __init__(self, tensor: Any, stream: Any) -> None:
         torch = torch_module()
+        _note_home(tensor.device.index)
         self.tensor = tensor
         self.ready = torch.cuda.Event()  # the receiver's earlier work on its buffer
         self.ready.record(stream)
@@ -176,11 +179,15 @@ def _source(body: bytes, peer: int, device: int) -> Any:
 
 
 def _home_device() -> int:
-    """The device a message read into host memory is opened on: the one this process sends
-    and receives device buffers on, where it uses one (a thread of its own, such as the
-    progress thread, has device 0 current whatever the program set)."""
-    used = {*_holds, *_copies}
-    return next(iter(used)) if len(used) == 1 else torch_module().cuda.current_device()
+    """The device a message read into host memory is opened on: the first this process sent or
+    received a device buffer on (a thread of its own, such as the progress thread, has device 0
+    current whatever the program set), else the current one."""
+    return _home[0] if _home else torch_module().cuda.current_device()
+
+
+def _note_home(device: int) -> None:
+    if not _home:
+        _home.append(device)
 
 
 def _hold_stream(device: int) -> Any:

@@ -24,6 +24,7 @@ from ..errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     PeerLostError,
+    TensorwireError,
     TimeoutError,
     in_call,
 )
@@ -101,10 +102,16 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     return _work(group, req, found)
 
 
+_ANY_HERE_BYTES = 64 << 10
+"""A receive from any member of up to this size whose message is there already takes it on the
+caller's thread (it is in whole, or nearly): no helper thread to start."""
+
+
 def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
     """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
-    result() is the sender's group rank. A helper thread finds the sender and receives; such
-    receives take messages one at a time per group, in the order they were posted."""
+    result() is the sender's group rank. A helper thread finds the sender and receives (a small
+    message there already is taken at once); such receives take messages one at a time per
+    group, in the order they were posted."""
     _check_tag(group, tag, "recv from any rank")
     if _on_device(tensor):
         return group.device.irecv_any(tensor, tag, timeout)
@@ -114,8 +121,11 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
     deadline = time.monotonic() + limit
     turns = group.any_source_turns
     turn = turns.take(tag)
-    if turns.first(tag, turn):  # no earlier one of this tag waits: a message there already is taken here
-        src = _arrived(group, tag)
+    if data.nbytes <= _ANY_HERE_BYTES and turns.first(tag, turn):  # no earlier one of this tag waits
+        try:
+            src = _arrived(group, tag)
+        except TensorwireError:  # the helper thread meets it again and hands it to the Work
+            src = None
         if src is not None:
             try:
                 with turns.wait(tag, turn, deadline, lambda: _nothing_came(group, tag, limit)):

@@ -114,16 +114,19 @@ class FileStore(Store):
 
     def _open_dir(self) -> int:
         parent = existing = os.path.dirname(self.path)
+        missing = []
         while not os.path.lexists(existing):
+            missing.append(existing)
             existing = os.path.dirname(existing)
         _check_parent(existing, self.path)  # before anything is made in it
-        try:
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-        except FileExistsError:
-            pass  # not a directory: _check_parent says what it is
-        except OSError as exc:
-            raise RendezvousError(f"cannot create {parent}, above the file store {self.path}: "
-                                  f"{exc.strerror}") from exc
+        for level in reversed(missing):  # each 0700 (makedirs gives all but the last the umask's)
+            try:
+                os.mkdir(level, 0o700)
+            except FileExistsError:
+                pass  # made meanwhile, or not a directory: _check_parent says what it is
+            except OSError as exc:
+                raise RendezvousError(f"cannot create {level}, above the file store {self.path}: "
+                                      f"{exc.strerror}") from exc
         _check_parent(parent, self.path)
         try:
             with contextlib.suppress(FileExistsError):

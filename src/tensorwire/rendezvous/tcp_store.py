@@ -40,7 +40,11 @@ _SOCKET_GRACE_S = 10.0
 
 
 class StoreLostError(RendezvousError):
-    """The connection to the store broke (its server closed it, or went silent)."""
+    """The connection to the store broke: its server closed it (`closed`), or went silent."""
+
+    def __init__(self, message: str, closed: bool = False) -> None:
+        super().__init__(message)
+        self.closed = closed
 
 
 class TCPStore(Store):
@@ -66,6 +70,7 @@ class TCPStore(Store):
         self.port: int = self._server.port if self._server is not None else int(port)
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._closed_by_server = False
         self._closed = False
         try:
             self._sock = self._connect(self.default_timeout if connect_within is None else connect_within)
@@ -154,7 +159,7 @@ class TCPStore(Store):
                 raise RendezvousError(f"{what}: the store client for {self.address} is closed")
             if self._broken is not None:
                 raise StoreLostError(f"{what}: the connection to the TCP store at {self.address} "
-                                     f"was lost earlier ({self._broken})")
+                                     f"was lost earlier ({self._broken})", self._closed_by_server)
             # The server answers blocking requests itself at their deadline; silence beyond
             # that (plus a grace) means the server or the path to it is gone.
             if op in (OP_GET, OP_WAIT, OP_MULTI_GET):
@@ -171,10 +176,11 @@ class TCPStore(Store):
                 reason = (f"no reply within {sock_timeout:.1f} s"
                           if isinstance(exc, socket.timeout) else str(exc) or type(exc).__name__)
                 self._broken = reason
+                self._closed_by_server = isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError))
                 with contextlib.suppress(OSError):
                     self._sock.close()
-                raise StoreLostError(f"{what}: lost the TCP store at {self.address}: {reason}; "
-                                     f"did rank 0 (the store host) exit or crash?") from exc
+                raise StoreLostError(f"{what}: lost the TCP store at {self.address}: {reason}; did rank 0 "
+                                     f"(the store host) exit or crash?", self._closed_by_server) from exc
 
     def _raise_error(self, what: str, status: int, payload: bytes) -> None:
         detail = payload.decode(errors="replace")

@@ -100,8 +100,8 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
                     "same order), or another TENSORWIRE_TRANSPORT (every rank must use the same)"}
 """What a difference in `aux` means, by collective."""
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
-_PHASE_OF = ("the hierarchical call this is a phase of differs (its collective, dtype, op, root, count or "
-             "compress=)")
+_PHASE_OF_WHAT = "its collective, dtype, op, root, count or compress="
+_PHASE_OF = f"the hierarchical call this is a phase of differs ({_PHASE_OF_WHAT})"
 
 
 def phase_digest(fp: Fingerprint) -> int:
@@ -139,7 +139,8 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         if coll == Coll.SETUP:
             out.append(_AUX[coll])
         elif (mine.aux ^ other.aux) & 0xFFFFFFFF == 0:  # the high half alone: phase_digest's, or a factor's
-            out.append(_PHASE_OF + ("; or the PREMUL_SUM factor differs" if factored else ""))
+            out.append(f"the PREMUL_SUM factor differs (or, in a phase of a hierarchical call, that call "
+                       f"differs: {_PHASE_OF_WHAT})" if factored else _PHASE_OF)
         elif coll in _AUX or factored:  # the low half: the counts' or compress='s digest, or a factor
             out.append(_AUX.get(coll, "PREMUL_SUM factor differs"))
         else:
