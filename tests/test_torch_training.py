@@ -175,10 +175,27 @@ def _train_sparse(group, steps: int = 4):
     return losses, _flat_params(model)
 
 
-def _train_fsdp2(mesh, steps: int) -> tuple[list[float], object]:
+def _fit(model, seed: int, steps: int) -> list[float]:
+    """Adam on random regressions (16 inputs to 4 outputs), a generator per rank: the losses."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_fsdp2(mesh, steps: int) -> tuple[list[float], object]:
+    import torch
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp(width=48, depth=4, seed=3)
@@ -186,16 +203,7 @@ def _train_fsdp2(mesh, steps: int) -> tuple[list[float], object]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(200 + dist.get_rank())
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _fit(model, 200, steps)
     full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])  # DTensor gather
     return losses, full
 
@@ -204,23 +212,12 @@ def _train_fsdp1(group, steps: int) -> tuple[list[float], object]:
     """torch's first FSDP, FULL_SHARD: it frees the gathered parameters by resizing their
     storage to 0 after each use (a storage numpy had viewed could not be resized)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     model = FSDP(_mlp(width=48, depth=4, seed=4), process_group=group, device_id=torch.device("cpu"),
                  sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(300 + dist.get_rank())
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _fit(model, 300, steps)
     with FSDP.summon_full_params(model):
         full = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     return losses, full
