@@ -10,10 +10,10 @@ device buffer is staged through the group's device collectives.
 
 from __future__ import annotations
 
-import contextlib
+import collections
+import math
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -24,7 +24,6 @@ from ..errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     PeerLostError,
-    TensorwireError,
     TimeoutError,
     in_call,
 )
@@ -103,51 +102,61 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
 
 
 _ANY_HERE_BYTES = 64 << 10
-"""A receive from any member of up to this size whose message is there already takes it on the
-caller's thread (it is in whole, or nearly): no helper thread to start."""
+"""A receive from any member of up to this size whose message is there already takes it as it
+is posted (it is in whole, or nearly); a larger one waits for its Work's wait or poll."""
 
 
 def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = None) -> Work:
     """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
-    result() is the sender's group rank. A helper thread finds the sender and receives (a small
-    message there already is taken at once); such receives take messages one at a time per
-    group, in the order they were posted."""
+    result() is the sender's group rank. It completes while someone waits on it or polls it
+    (a small message there already at once); such receives of one tag take messages in the
+    order they were posted, and waiting on one completes those posted before it."""
     _check_tag(group, tag, "recv from any rank")
     if _on_device(tensor):
         return group.device.irecv_any(tensor, tag, timeout)
     data = as_array(tensor, writable=True, rank=group.runtime.rank, collective="recv")
-    work = Work(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
     limit = limit_of(group, timeout, "recv from any rank", collective=False)
-    deadline = time.monotonic() + limit
-    turns = group.any_source_turns
-    turn = turns.take(tag)
-    if data.nbytes <= _ANY_HERE_BYTES and turns.first(tag, turn):  # no earlier one of this tag waits
-        try:
-            src = _arrived(group, tag)
-        except TensorwireError:  # the helper thread meets it again and hands it to the Work
-            src = None
-        if src is not None:
-            try:
-                with turns.wait(tag, turn, deadline, lambda: _nothing_came(group, tag, limit)):
-                    group.recv(data, src, tag, timeout)
-            except BaseException as exc:  # handed to whoever waits on the Work, as from the thread
-                work._finish(exc=exc)
-            else:
-                work._finish(src)
-            return work
-
-    def find_and_receive() -> None:
-        try:
-            with turns.wait(tag, turn, deadline, lambda: _nothing_came(group, tag, limit)):
-                src = _probe_any(group, tag, deadline, limit)
-                group.recv(data, src, tag, timeout)
-        except BaseException as exc:  # handed to whoever waits on the Work
-            work._finish(exc=exc)
-        else:
-            work._finish(src)
-
-    threading.Thread(target=find_and_receive, daemon=True, name="tensorwire-recv-any").start()
+    work = AnySourceWork(group, data, tag, timeout, limit)
+    group.any_source_turns.post(work)
+    if data.nbytes <= _ANY_HERE_BYTES:
+        work.is_completed()
     return work
+
+
+class AnySourceWork(Work):
+    """A receive from any member: its Work, driven by whoever waits on it or polls it
+    (AnySourceTurns.drive), as a point-to-point Work is."""
+
+    progresses = False
+
+    def __init__(self, group: Group, data: np.ndarray, tag: int, timeout: float | None, limit: float) -> None:
+        super().__init__(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
+        self.group, self.data, self.tag, self.timeout, self.limit = group, data, tag, timeout, limit
+        self.deadline = time.monotonic() + limit
+
+    def take(self, until: float) -> int | None:
+        """Find the sender of the next message of this tag and receive it; None where none came
+        by `until` (a TimeoutError past this receive's own deadline)."""
+        src = _probe_any(self.group, self.tag, self.deadline, self.limit, until)
+        if src is not None:
+            self.group.recv(self.data, src, self.tag, self.timeout)
+        return src
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done:
+            if timeout is not None:  # a bad one fails this wait, not the Work
+                limit_of(self.group, timeout, self.what, collective=False, poll=True)
+            until = math.inf if timeout is None else time.monotonic() + timeout
+            self.group.any_source_turns.drive(self, until)
+            if not self._done:
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
+        return super().wait(0)
+
+    def is_completed(self) -> bool:
+        """Also one look for its message (as MPI_Test)."""
+        if not self._done:
+            self.group.any_source_turns.drive(self, time.monotonic())
+        return self._done
 
 
 def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
@@ -356,9 +365,10 @@ def iprobe_any(group: Group, tag: int = 0) -> int | None:
     return _arrived(group, tag)
 
 
-def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int:
+def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: float = math.inf) -> int | None:
     """Wait for a message of `tag` from any member: spinning as long as the engine spins for a
-    message, then in sleeps growing to 1 ms."""
+    message, then in sleeps growing to 1 ms; None once `until` passed (a TimeoutError past
+    `deadline`)."""
     spin_until = time.monotonic() + group.engine.spin_s
     pause = 20e-6
     while True:
@@ -368,8 +378,10 @@ def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int:
         now = time.monotonic()
         if now > deadline:
             raise _nothing_came(group, tag, limit)
+        if now >= until:
+            return None
         if now > spin_until:
-            time.sleep(pause)
+            time.sleep(min(pause, until - now))
             pause = min(pause * 2, 1e-3)
 
 
@@ -392,44 +404,44 @@ def _nothing_came(group: Group, tag: int, limit: float) -> TimeoutError:
 
 
 class AnySourceTurns:
-    """Receives from any member of one tag take turns in the order they were posted (MPI
-    matches them so), and a probe looks first at the members after the last one it found, so
-    that one busy sender does not starve the others."""
+    """Receives from any member of one tag take messages in the order they were posted (MPI
+    matches them so): waiting on one first completes those posted before it. A probe looks
+    first at the members after the last one it found, so that one busy sender does not
+    starve the others."""
 
     def __init__(self) -> None:
         self.last = 0  # group rank whose message was found last
-        self._posted = 0
-        self._open: dict[int, list[int]] = {}  # per tag, the turns taken and not yet over, oldest first
-        self._cond = threading.Condition()
+        self._posted: dict[int, collections.deque[AnySourceWork]] = {}
+        self._drivers: dict[int, threading.Lock] = {}  # per tag: one thread completes its receives at a time
+        self._lock = threading.Lock()
 
-    def take(self, tag: int) -> int:
-        with self._cond:
-            self._posted += 1
-            self._open.setdefault(tag, []).append(self._posted)
-            return self._posted
+    def post(self, work: AnySourceWork) -> None:
+        with self._lock:
+            self._posted.setdefault(work.tag, collections.deque()).append(work)
+            self._drivers.setdefault(work.tag, threading.Lock())
 
-    def first(self, tag: int, turn: int) -> bool:
-        """Is `turn` the oldest receive of `tag` not yet over?"""
-        with self._cond:
-            return self._open[tag][0] == turn
-
-    @contextlib.contextmanager
-    def wait(self, tag: int, turn: int, deadline: float, late: Callable[[], BaseException]) -> Iterator[None]:
-        """Wait until every receive of `tag` posted before `turn` is over (or raise `late()` at
-        `deadline`)."""
-        with self._cond:
-            waiting = self._open[tag]
-            ready = self._cond.wait_for(lambda: waiting[0] == turn, max(0.0, deadline - time.monotonic()))
+    def drive(self, work: AnySourceWork, until: float) -> None:
+        """Complete the receives of `work`'s tag in the order they were posted, up to `work`,
+        until `until` (monotonic seconds)."""
+        driver = self._drivers[work.tag]
+        if not driver.acquire(timeout=max(0.0, min(until - time.monotonic(), threading.TIMEOUT_MAX))):
+            return
         try:
-            if not ready:
-                raise late()
-            yield
+            queue = self._posted[work.tag]
+            while not work._done:
+                head = queue[0]
+                try:
+                    src = head.take(until)
+                except Exception as exc:  # handed to whoever waits on that receive's Work
+                    queue.popleft()
+                    head._finish(exc=exc)
+                    continue
+                if src is None:
+                    return
+                queue.popleft()
+                head._finish(src)
         finally:
-            with self._cond:
-                waiting.remove(turn)
-                if not waiting:
-                    del self._open[tag]
-                self._cond.notify_all()
+            driver.release()
 
 
 def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = True) -> None:
