@@ -789,6 +789,19 @@ def test_a_tensor_a_call_viewed_stays_resizable_and_its_kept_view_lets_go() -> N
     assert _view(t)[0] == 2.0 and v.base is not None
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                   "float8_e8m0fnu", "bfloat16"])
+def test_torch_16_and_8_bit_floats_view_as_their_ml_dtypes(dtype: str) -> None:
+    """Each torch float of 8 or 16 bits views as its ml_dtypes type, writes landing in the tensor
+    (float8_e5m2's typestr '<f1' is one numpy cannot read back)."""
+    pytest.importorskip("ml_dtypes")
+    t = torch.full((3,), 2.0, dtype=getattr(torch, dtype))
+    a = _view(t)
+    assert a.dtype.name == dtype and a.shape == (3,) and float(a[0]) == 2.0
+    a[1] = a[0] * 2
+    assert float(t[1]) == 4.0
+
+
 def test_as_array_rejects_read_only_numpy_only_when_writing() -> None:
     a = np.zeros(3)
     a.flags.writeable = False

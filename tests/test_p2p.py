@@ -349,6 +349,41 @@ def test_probe_from_any_rank_without_waiting(cluster: Any) -> None:
     assert got == {"before": None, "after": 1, "src": 1, "got": [0, 1, 2]}, got
 
 
+def _any_rank_late_and_nested() -> dict[str, Any]:
+    """Rank 0 posts a receive from any rank with a 0.2 s timeout and never waits on it; after it
+    expired, rank 1 sends (tag 31): the next receive gets the message, not the expired one.
+    Then a receive's done-callback waits on another receive of the same tag (tag 32)."""
+    r = tw.get_rank()
+    out: dict[str, Any] = {}
+    expired = np.zeros(2, np.int64)
+    if r == 0:
+        tw.irecv_any(expired, tag=31, timeout=0.2)
+        time.sleep(0.6)
+    tw.barrier(timeout=20)
+    if r == 1:
+        tw.send(np.array([7, 7], np.int64), 0, tag=31)
+        for k in (1, 2):
+            tw.send(np.array([k, k], np.int64), 0, tag=32)
+    if r == 0:
+        got = np.zeros(2, np.int64)
+        out["src"] = tw.irecv_any(got, tag=31, timeout=10).result()
+        out["got"], out["expired"] = got.tolist(), expired.tolist()
+        first, second, inner = np.zeros(2, np.int64), np.zeros(2, np.int64), []
+        work = tw.irecv_any(first, tag=32, timeout=10)
+        work.add_done_callback(lambda w: inner.append(tw.irecv_any(second, tag=32, timeout=10).result()))
+        work.wait(10)
+        out["nested"] = [first.tolist(), second.tolist(), inner]
+    tw.barrier(timeout=20)
+    return out
+
+
+def test_a_receive_from_any_rank_past_its_time_takes_nothing_and_callbacks_may_receive(cluster: Any) -> None:
+    if cluster.size < 2:
+        pytest.skip("needs a sender")
+    got = cluster.run(_any_rank_late_and_nested)[0]
+    assert got == {"src": 1, "got": [7, 7], "expired": [0, 0], "nested": [[1, 1], [2, 2], [1]]}, got
+
+
 def _any_rank_in_turn() -> dict[str, Any]:
     """Every other rank sends rank 0 two messages (tag 11) before rank 0 receives any; rank 0
     takes as many from any rank as there are senders. Then the last rank sends four numbered

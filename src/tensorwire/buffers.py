@@ -258,8 +258,11 @@ def _torch_via(tdtype: Any) -> tuple[str, np.dtype | None] | str:
     if np_dtype is None:
         return (f"is {key}, which tensorwire can neither reduce nor carry (torch has no CPU kernels for "
                 "it); to move its bytes, pass t.view(torch.uint8)")
-    if np.dtype(np_dtype.str) == np_dtype:
-        return np_dtype.str, None
+    try:
+        if np.dtype(np_dtype.str) == np_dtype:
+            return np_dtype.str, None
+    except TypeError:  # a typestr numpy does not read back (ml_dtypes' float8_e5m2: '<f1')
+        pass
     return f"|V{np_dtype.itemsize}", np_dtype  # ml_dtypes' types and carriers: bytes, then viewed
 
 

@@ -372,12 +372,12 @@ def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: flo
     spin_until = time.monotonic() + group.engine.spin_s
     pause = 20e-6
     while True:
+        if time.monotonic() > deadline:  # before a look: a receive past its time takes nothing
+            raise _nothing_came(group, tag, limit)
         src = _arrived(group, tag)
         if src is not None:
             return src
         now = time.monotonic()
-        if now > deadline:
-            raise _nothing_came(group, tag, limit)
         if now >= until:
             return None
         if now > spin_until:
@@ -412,13 +412,24 @@ class AnySourceTurns:
     def __init__(self) -> None:
         self.last = 0  # group rank whose message was found last
         self._posted: dict[int, collections.deque[AnySourceWork]] = {}
-        self._drivers: dict[int, threading.Lock] = {}  # per tag: one thread completes its receives at a time
+        # per tag: one thread completes its receives at a time (re-entered by a done-callback
+        # that waits on another)
+        self._drivers: dict[int, threading.RLock] = {}
         self._lock = threading.Lock()
 
     def post(self, work: AnySourceWork) -> None:
         with self._lock:
-            self._posted.setdefault(work.tag, collections.deque()).append(work)
-            self._drivers.setdefault(work.tag, threading.Lock())
+            queue = self._posted.setdefault(work.tag, collections.deque())
+            driver = self._drivers.setdefault(work.tag, threading.RLock())
+        queue.append(work)
+        if driver.acquire(blocking=False):  # receives past their time that nobody waited on end here
+            try:
+                now = time.monotonic()
+                for late in [w for w in list(queue) if w.deadline < now]:  # list(): one step (others append)
+                    queue.remove(late)
+                    late._finish(exc=_nothing_came(late.group, late.tag, late.limit))
+            finally:
+                driver.release()
 
     def drive(self, work: AnySourceWork, until: float) -> None:
         """Complete the receives of `work`'s tag in the order they were posted, up to `work`,

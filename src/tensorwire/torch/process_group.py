@@ -514,7 +514,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                               timeout=self._timeout, source_rank=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        """A receive from whichever rank sends first: a helper thread finds the sender, then receives."""
+        """A receive from whichever rank sends first, found and received as its Work is waited on
+        (or its future's helper thread waits)."""
         st = _Staging(None)
         buf = st.out(_one(tensors, "recv", None))
         part = self._tw.irecv_any(buf, tag, self._timeout)
