@@ -258,11 +258,8 @@ def _torch_via(tdtype: Any) -> tuple[str, np.dtype | None] | str:
     if np_dtype is None:
         return (f"is {key}, which tensorwire can neither reduce nor carry (torch has no CPU kernels for "
                 "it); to move its bytes, pass t.view(torch.uint8)")
-    try:
-        if np.dtype(np_dtype.str) == np_dtype:
-            return np_dtype.str, None
-    except TypeError:  # a typestr numpy does not read back (ml_dtypes' float8_e5m2: '<f1')
-        pass
+    if np_dtype.isbuiltin == 1:  # numpy's own: its typestr reads back
+        return np_dtype.str, None
     return f"|V{np_dtype.itemsize}", np_dtype  # ml_dtypes' types and carriers: bytes, then viewed
 
 

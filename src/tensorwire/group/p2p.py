@@ -94,7 +94,8 @@ def receive(group: Group, tensor: Any, src: int, tag: int, device: DeviceTarget 
     (RecvRequest.device)."""
     data, found = _host(group, tensor, False, src, tag)
     if group.engine.recv_now(found.peer, found.key, found.wire, data, False):
-        _vet_received(group, found.peer, data.nbytes)
+        if data.nbytes >= _VET_BYTES:  # checked here too: no call on the small-message path
+            _vet_received(group, found.peer, data.nbytes)
         return found.done
     req = group.engine.irecv(found.peer, found.header, byte_view(data), None, found.label,
                              seq=position(group), device=device)

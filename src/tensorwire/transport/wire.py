@@ -99,7 +99,7 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
         Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
                     "same order), or another TENSORWIRE_TRANSPORT (every rank must use the same)"}
 """What a difference in `aux` means, by collective."""
-_FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER)  # ... and ALL_REDUCE, REDUCE_SCATTERV (in _AUX)
+_FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER, Coll.ALL_REDUCE, Coll.REDUCE_SCATTERV)  # PREMUL_SUM's
 _PHASE_OF_WHAT = "its collective, dtype, op, root, count or compress="
 _PHASE_OF = f"the hierarchical call this is a phase of differs ({_PHASE_OF_WHAT})"
 
@@ -135,7 +135,7 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         out.append(f"{what} {mine.count} vs {other.count}")
     if mine.aux != other.aux:
         coll = mine.coll & ~ON_DEVICE
-        factored = coll in _FACTORED or coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTERV)
+        factored = coll in _FACTORED
         if coll == Coll.SETUP:
             out.append(_AUX[coll])
         elif (mine.aux ^ other.aux) & 0xFFFFFFFF == 0:  # the high half alone: phase_digest's, or a factor's
