@@ -64,6 +64,7 @@ def test_init_methods_and_reinit() -> None:
 
 def scenario_init_methods(*ports: str) -> None:
     import tempfile
+    import threading
 
     import numpy as np
     import torch
@@ -90,8 +91,22 @@ def scenario_init_methods(*ports: str) -> None:
         x = np.full(3, rank + 1, dtype=np.int64)
         tw.all_reduce(x)
         assert x.tolist() == [3, 3, 3], (tag, x)
+        # a receive posted before its send, through its future: the rank's progress thread and
+        # the future's helper thread run, and destroy must have ended both when it returns (a
+        # daemon thread that frees a torch Work as the interpreter exits aborts the process)
+        got = torch.zeros(4)
+        if rank == 0:
+            fut = dist.irecv(got, 1).get_future()
+            dist.barrier()
+            fut.wait()
+            assert torch.equal(got, torch.arange(4.0)), (tag, got)
+        elif rank == 1:
+            dist.barrier()
+            dist.send(torch.arange(4.0), 0)
         dist.destroy_process_group()
         assert not tw.is_initialized(), f"{tag}: tensorwire still initialized after destroy"
+        left = [t.name for t in threading.enumerate() if t.name.startswith("tensorwire")]
+        assert not left, f"{tag}: threads still running after destroy_process_group(): {left}"
 
     # env:// (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE), the default init method
     dist.init_process_group("tensorwire")

@@ -17,6 +17,8 @@ RuntimeError with tensorwire's message out of `loss.backward()`.
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -27,6 +29,18 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as TwTimeoutError
 from ..work import Work as TwWork
+
+_WAITERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # futures' helper threads
+
+
+def join_waiters(grace: float) -> None:
+    """Wait up to `grace` s for the futures' helper threads to end (shutdown failed their
+    receives): a daemon thread still running at interpreter exit is killed as it next takes the
+    GIL, which aborts the process where that happens inside C++ (torch frees a Work so)."""
+    until = time.monotonic() + grace
+    for thread in list(_WAITERS):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, until - time.monotonic()))
 
 
 def seconds(timeout: Any) -> float | None:
@@ -141,6 +155,7 @@ class TensorwireWork(dist.Work):
         elif needs_driver:
             self._waiter = threading.Thread(target=self._drive, daemon=True,
                                             name="tensorwire-torch-p2p-future")
+            _WAITERS.add(self._waiter)
             self._waiter.start()
         return self._future
 

@@ -42,12 +42,14 @@ from ..transport.engine import Engine
 from ..transport.processes import pid_namespace, process_start
 from ..transport.wiring import Wiring
 from ..tuning.topology import local_card
+from .work import join_waiters
 
 _log = log.get("INIT")
 _lock = threading.RLock()
 _runtime: Runtime | None = None
 _owner = ""  # "api": we called tensorwire.init; "user": they did; "links": lazily connected
 _refs = 0
+_WAITERS_S = 1.0  # how long a closing world waits for its futures' helper threads to end
 
 
 def store_location(store: Any) -> str | None:
@@ -145,6 +147,7 @@ def release() -> None:
         api.destroy()
     elif owner == "links":
         rt.close()
+    join_waiters(_WAITERS_S)
 
 
 def _close_links() -> None:
@@ -154,6 +157,7 @@ def _close_links() -> None:
             return
         rt, _runtime, _owner = _runtime, None, ""
     rt.close()
+    join_waiters(_WAITERS_S)
 
 
 # -- a world whose pairs connect on demand (tensorwire groups on top of another backend) ---------

@@ -61,6 +61,7 @@ _BG_PRUNE = 256  # finished requests the set may hold before a registration drop
 _WATCH_S = 0.1  # while peers are watched (watch_peers), the background thread looks this often
 _GLANCE = 64  # calls that never wait between two rounds of progress (glance)
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
+_BG_JOIN_S = 1.0  # how long close() waits for the background thread to end
 
 
 class Engine(Failures):
@@ -733,11 +734,12 @@ class Engine(Failures):
             return
         with self.lock:
             self._watch_until = until + _BG_PARK_S  # the next calls within a second skip the lock
-            if not self.closed:
-                self._wake_background()
+            self._wake_background()
 
     def _wake_background(self) -> None:
         """Start the background thread, or wake it from its long sleep (the lock held)."""
+        if self.closed:
+            return
         if self._bg is None:
             self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress", daemon=True)
             self._bg.start()
@@ -831,6 +833,7 @@ class Engine(Failures):
             self.wiring.close()  # no channel is installed after this
         with self.lock:
             self.closed = True
+            self._background = set()  # the requests (and the Works they hold) are let go here
             self._bg_wakeup.notify_all()  # a parked thread or one between looks: both see _closed
             note = self.goodbye_note()
             for channel in self.channel_list:
@@ -862,6 +865,11 @@ class Engine(Failures):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self._unbound)
             self._unbound = None
+        bg = self._bg
+        if bg is not None and bg is not threading.current_thread():
+            # a daemon thread still running at interpreter exit is killed as it next takes the
+            # GIL, which aborts the process where that is inside C++ (torch frees a Work so)
+            bg.join(_BG_JOIN_S)
 
 
 class Backoff:
