@@ -758,11 +758,15 @@ def test_a_malformed_setup_message_costs_its_connection_alone(setup: list[object
 
 
 def test_a_connection_that_claims_the_ranks_own_rank_is_refused() -> None:
+    """...and told why, as its setup answer (a dialer then stops trying)."""
     got: list[bytes] = []
     engines = _wire(Config(auth_timeout=2.0), (lambda port: got.append(_stranger_in_setup(port, 0, [
         {"op": "pair", "pair": 1, "where": ["host", "machine0"], "streams": 1}])),))
     try:
-        assert got == [b""] and 0 not in engines[0].channels
+        answer = json.loads(got[0][4:])
+        assert struct.unpack("<I", got[0][:4])[0] == len(got[0]) - 4, got
+        assert not answer["ok"] and "dialed as rank 0, its own rank" in answer["text"], answer
+        assert 0 not in engines[0].channels
         assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
     finally:
         _close_all(engines)
@@ -784,12 +788,53 @@ def test_a_dial_meant_for_another_rank_is_refused_before_any_proof(caplog: pytes
     with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
         engines = _wire(Config(auth_timeout=2.0), (misdirected,))
         try:
-            assert got == [b""]
+            assert got == [handshake.MAGIC[:-1] + b"!" + bytes([29]) + b"a connection meant for rank 1"], got
             assert getattr(engines[0].channels.get(1), "kind", "") == "tcp", engines[1].link_errors
             time.sleep(0.1)
         finally:
             _close_all(engines)
     assert "a connection meant for rank 1" in caplog.text
+
+
+def test_a_rank_of_another_job_is_turned_away_at_once() -> None:
+    """Rank 1 of another job dials rank 0's address (a store that mixes jobs): rank 0 says why it
+    refuses, and rank 1 fails at once with that, not after retrying until its timeout."""
+    start = time.monotonic()
+    engines = _wire(Config(auth_timeout=5.0), job1="another job", within=20)
+    try:
+        error = engines[1].link_errors.get(0)
+        assert isinstance(error, RendezvousError), (error, engines[1].link_errors)
+        assert "127.0.0.1:" in str(error) and "is not rank 0's" in str(error), error
+        assert "turned the connection away (a rank of another job)" in str(error), error
+        assert time.monotonic() - start < 3.0
+        assert 1 not in engines[0].channels
+    finally:
+        _close_all(engines)
+
+
+def test_a_stale_address_is_named_by_the_rank_found_there() -> None:
+    """A dial for rank 1 that reaches rank 0's listener (a stale card) fails with the refusal
+    rank 0 sent, and an Initiator reads a refusal cut into single bytes as a whole one."""
+    engines = _wire(Config(auth_timeout=5.0))
+    try:
+        port = engines[0].wiring.port
+        dial = handshake.Dial(1, (LOOPBACK, port), handshake.HELLO.pack(0, 1, 2, handshake.job_hash("job")),
+                              SECRET, 5.0, 5.0, "rank 0")
+        deadline = time.monotonic() + 5
+        with pytest.raises(RendezvousError, match=rf"for rank 1, 127.0.0.1:{port}, is not rank 1's.*"
+                                                  r"\(a connection meant for rank 1\)"):
+            while time.monotonic() < deadline:
+                dial.step()
+                time.sleep(0.01)
+        dial.sock.close()
+    finally:
+        _close_all(engines)
+    side = auth.Initiator(SECRET.key, handshake.PURPOSE, handshake.MAGIC, b"hello", confirm=False)
+    refusal = handshake.MAGIC[:-1] + b"!" + bytes([9]) + b"not\x07 here"[:9]
+    with pytest.raises(auth.TurnedAway, match=r"^not\? here$"):
+        while True:
+            assert side.feed(refusal[:1]) == b""
+            refusal = refusal[1:]
 
 
 def test_a_ring_a_peer_names_must_be_a_segment_of_this_users(tmp_path: Path) -> None:

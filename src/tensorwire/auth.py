@@ -44,6 +44,7 @@ from .errors import InvalidArgumentError, RendezvousError
 NONCE_BYTES = 32
 MAC_BYTES = 32
 ACCEPTED = b"\x01"
+_REASON_BYTES = 255  # the most of a refusal's reason that is sent (its length is one byte)
 MIN_SECRET_BYTES = 16
 _MAX_SECRET_FILE = 4096
 ENV_SECRET = "TENSORWIRE_SECRET"
@@ -223,6 +224,16 @@ class WrongSecret(HandshakeFailed):
     """The other side speaks the protocol but proved knowledge of a different secret."""
 
 
+class TurnedAway(HandshakeFailed):
+    """The other side refused this connection before any proof, saying why (its `check`): the
+    reason is unauthenticated, shown to the user and never acted on beyond giving up."""
+
+
+def _refusal_magic(magic: bytes) -> bytes:
+    """What a refusal opens with in place of `magic`: it differs in the last byte only."""
+    return magic[:-1] + b"!"
+
+
 def _mac(key: bytes, purpose: bytes, role: bytes, transcript: bytes) -> bytes:
     return hmac.new(key, purpose + b"|" + role + b"|" + transcript, hashlib.sha256).digest()
 
@@ -276,12 +287,15 @@ class Responder(_Handshake):
         self._check = check
         self._confirm = confirm
         self.hello = b""
+        self.refusal = b""  # what to send before hanging up on a hello `check` turned away
 
     def _on_message(self, stage: int, got: bytes) -> bytes:
         if stage == 1:
             self.hello = got[:-NONCE_BYTES]
             reason = self._check(self.hello) if self._check is not None else None
             if reason:
+                text = reason.encode("ascii", "replace")[:_REASON_BYTES]
+                self.refusal = _refusal_magic(self._magic) + bytes([len(text)]) + text
                 raise HandshakeFailed(reason)
             nonce = os.urandom(NONCE_BYTES)
             self._transcript = self._magic + got + nonce
@@ -305,6 +319,28 @@ class Initiator(_Handshake):
                          else [NONCE_BYTES + MAC_BYTES])
         self.first = magic + hello + os.urandom(NONCE_BYTES)
         self._confirm = confirm
+        self._refused: bytearray | None = None  # a refusal's length and reason, once it opened with one
+
+    @property
+    def need(self) -> int:
+        got = self._refused
+        if got is None:
+            return super().need
+        return 1 - len(got) if not got else 1 + got[0] - len(got)
+
+    def feed(self, data: bytes) -> bytes:
+        if self._refused is None:
+            if self._stage or bytes(self._buf) + data != _refusal_magic(self._magic):
+                return super().feed(data)
+            self._buf, self._refused = bytearray(), bytearray()
+            return b""
+        if len(data) > self.need:
+            raise HandshakeFailed("sent more than a refusal holds")
+        self._refused += data
+        if self.need == 0:
+            reason = self._refused[1:].decode("ascii", "replace")
+            raise TurnedAway("".join(c if c.isprintable() else "?" for c in reason))
+        return b""
 
     def _on_message(self, stage: int, got: bytes) -> bytes:
         if stage == 1:

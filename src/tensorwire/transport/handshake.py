@@ -9,8 +9,9 @@ never to an impostor. After it, the two sides exchange small length-prefixed JSO
 What a failed dial means decides what the rank does next, so it is classified here:
 `Refused` (nobody listens at the address: the rank exited) and `Unreachable` (its host did not
 answer within TENSORWIRE_PEER_TIMEOUT) make the peer lost; `Retry` (hung up or silent during the
-handshake: a crowded listener may drop a connection) is tried again; a wrong secret or another
-protocol are errors of their own.
+handshake: a crowded listener may drop a connection) is tried again; a wrong secret, another
+protocol, and a listener that turned the dial away (another job's rank, or another rank than
+the one dialed: a stale address) are errors of their own.
 
 Strangers on the listener are handshakes that never finish: each holds one of
 `cfg.auth_pending` slots (a new one beyond drops the oldest) for at most `cfg.auth_timeout`
@@ -20,6 +21,7 @@ seconds, is read no further than the handshake's next message, and is dropped an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -151,6 +153,11 @@ class Dial:
             raise RendezvousError(f"{self.who}: rank {self.peer}'s address {self.addr[0]}:{self.addr[1]} "
                                   f"does not speak tensorwire's protocol (another program took the port?)") \
                 from exc
+        except auth.TurnedAway as exc:
+            raise RendezvousError(f"{self.who}: the address this rank has for rank {self.peer}, "
+                                  f"{self.addr[0]}:{self.addr[1]}, is not rank {self.peer}'s: the tensorwire "
+                                  f"process there turned the connection away ({exc}); the store holds a "
+                                  f"stale or wrong address") from exc
         except (Refused, Unreachable, Retry):
             raise
         except (OSError, auth.HandshakeFailed) as exc:
@@ -185,7 +192,14 @@ class Incoming:
             return False
         if not data:
             raise ConnectionError("closed the connection during the handshake")
-        _send(self.sock, self.side.feed(data))
+        try:
+            answer = self.side.feed(data)
+        except auth.HandshakeFailed:
+            if self.side.refusal:  # tell the dialer why, so that it stops trying (best effort)
+                with contextlib.suppress(OSError):
+                    self.sock.send(self.side.refusal)
+            raise
+        _send(self.sock, answer)
         if not self.side.done:
             return False
         self.rank, _, self.world_size, _ = HELLO.unpack(self.side.hello)

@@ -507,6 +507,14 @@ class Wiring:
         self._refused(inc.addr, reason)
         self._forget(inc.sock)
 
+    def _turn_away(self, inc: Incoming, why: str, text: str) -> None:
+        """Refuse an authenticated dial, logging `why` and telling the dialer `text` (as a setup
+        answer: its dial then fails with it instead of trying again)."""
+        with contextlib.suppress(OSError, ConnectionError):
+            Messages(inc.sock).send({"ok": False, "why": "refused", "text": text})
+        self._refused(inc.addr, why)
+        self._forget(inc.sock)
+
     def _on_incoming(self, fd: int, inc: Incoming, reject: str) -> None:
         try:
             if not inc.step():
@@ -515,14 +523,16 @@ class Wiring:
             self._drop(fd, str(exc) or type(exc).__name__)
             return
         del self._auth[fd]
-        if inc.world_size != self.engine.world_size or not 0 <= inc.rank < self.engine.world_size:
-            self._refused(inc.addr, f"rank {inc.rank} of a world of {inc.world_size} (this one has "
-                          f"{self.engine.world_size})")
-            self._forget(inc.sock)
+        size = self.engine.world_size
+        if inc.world_size != size or not 0 <= inc.rank < size:
+            self._turn_away(inc, f"rank {inc.rank} of a world of {inc.world_size} (this one has {size})",
+                            f"it is rank {self.rank} of {size} ranks; this rank dialed as rank {inc.rank} "
+                            f"of {inc.world_size}")
             return
         if inc.rank == self.rank:
-            self._refused(inc.addr, f"a connection that claims to be rank {inc.rank}, this rank")
-            self._forget(inc.sock)
+            self._turn_away(inc, f"a connection that claims to be rank {inc.rank}, this rank",
+                            f"this rank dialed as rank {inc.rank}, its own rank (two processes were "
+                            f"given rank {inc.rank}?)")
             return
         link = _In(inc)
         link.reject = reject
