@@ -992,6 +992,10 @@ def _mismatched_call(case: str, g: tw.Group, t: float) -> None:
     elif base == "all_gather_count":
         inp = np.ones(m + r, np.float32)
         g.all_gather_into_tensor(np.empty(n * inp.size, np.float32), inp, timeout=t)
+    elif base == "all_gather_list_uneven":  # the last rank's list gives rank 0 the wrong block size
+        inp = np.ones(m + (r == 0), np.float32)
+        g.all_gather([np.empty(m + (q == 0 and r != n - 1), np.float32) for q in range(n)], inp,
+                     timeout=t)
     elif base == "all_to_all_count":
         inp = np.ones(n * (m + r), np.float32)
         g.all_to_all_single(np.empty_like(inp), inp, timeout=t)
@@ -1065,6 +1069,7 @@ MISMATCH_CASES: dict[str, tuple[str, ...]] = {
     "all_gather_count:stream": ("all_gather_into_tensor", "count"),
     "all_gather_count:single": ("all_gather_into_tensor", "count"),
     "all_to_all_count:single": ("all_to_all_single", "count"),
+    "all_gather_list_uneven": ("collective", "runs as all_gatherv", "same block sizes"),
     "reduce_scatter_op": ("reduce_scatter_tensor", "op", "SUM", "MAX"),
     "gather_dtype": ("gather", "dtype", "int32", "float"),
     "scatterv_total": ("scatterv", "count"),

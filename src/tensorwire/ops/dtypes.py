@@ -197,7 +197,7 @@ def check_dtype(dtype: Any, *, rank: int | None = None, collective: str | None =
     if not dt.isnative and dt.num in _BY_NUM:
         why = "non-native byte order; convert with arr.astype(arr.dtype.newbyteorder('='))"
     elif dt.fields is not None or dt.kind == "V":
-        why = "structured/void dtypes are not reducible; send the raw bytes with arr.view(np.uint8)"
+        why = "structured and void dtypes are not carried; send the raw bytes with arr.view(np.uint8)"
     elif (dt.type.__module__ or "").startswith("ml_dtypes"):
         why = "this ml_dtypes type is not supported"
     else:

@@ -99,6 +99,8 @@ _AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS
         Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
                     "same order), or another TENSORWIRE_TRANSPORT (every rank must use the same)"}
 """What a difference in `aux` means, by collective."""
+_LIST_FORMS = (("all_gather", {Coll.ALL_GATHER, Coll.ALL_GATHERV}),
+               ("reduce_scatter", {Coll.REDUCE_SCATTER, Coll.REDUCE_SCATTERV}))
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER, Coll.ALL_REDUCE, Coll.REDUCE_SCATTERV)  # PREMUL_SUM's
 _PHASE_OF_WHAT = "its collective, dtype, op, root, count or compress="
 _PHASE_OF = f"the hierarchical call this is a phase of differs ({_PHASE_OF_WHAT})"
@@ -118,7 +120,10 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
         if mine.coll ^ other.coll == ON_DEVICE:
             return [f"{coll_label(mine.coll)} vs {coll_label(other.coll)} (every rank must pass buffers "
                     "of the same kind: all CUDA or all host)"]
-        return [f"collective {coll_label(mine.coll)} vs {coll_label(other.coll)}"]
+        pair = {mine.coll & ~ON_DEVICE, other.coll & ~ON_DEVICE}
+        uneven = next((f" (a list-form {v} whose blocks differ in size runs as {v}v: every rank must pass "
+                       f"the same block sizes)" for v, c in _LIST_FORMS if pair == c), "")
+        return [f"collective {coll_label(mine.coll)} vs {coll_label(other.coll)}{uneven}"]
     if mine.coll == Coll.P2P and mine.count >= 0 and other.count >= 0:  # a receive vs its send
         return [f"receive of {mine.count} x {dtype_name(mine.dtype)} vs send of {other.count} x "
                 f"{dtype_name(other.dtype)} "
