@@ -1925,6 +1925,43 @@ def test_destroy_ends_a_call_another_thread_runs() -> None:
     assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
 
 
+_ANY_AT_DESTROY = """
+res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
+if rank == 0:  # threads wait for a message from any rank that none sends; main destroys
+    out = {}
+    calls = {"irecv_any": lambda: tw.irecv_any(np.empty(4), tag=3).wait(),
+             "probe_any": lambda: tw.probe_any(tag=3)}
+    threads = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, attempt(f)))
+               for k, f in calls.items()]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    tw.destroy()
+    for t in threads:
+        t.join(30)
+    took = time.monotonic() - t0
+    report(took=took, errors=out, after=attempt(lambda: tw.irecv_any(np.empty(4), tag=3)))
+else:
+    report(type=res["type"])
+    time.sleep(5)
+"""
+
+
+@pytest.mark.timeout(40)
+def test_destroy_ends_receives_from_any_rank_other_threads_wait_in() -> None:
+    """They waited out their whole timeout (20 s here, 300 by default), the process unable to
+    exit; a receive from any rank posted after destroy() waited too."""
+    res = _first_report(_ANY_AT_DESTROY, 0)
+    assert res["took"] < 5.0, res
+    for what in ("irecv_any", "probe_any"):
+        error = res["errors"][what]
+        assert error["type"] == "AbortedError", res
+        assert "recv from any rank (tag 3) on group world" in error["msg"], res
+        assert "tensorwire shut down (destroy())" in error["msg"], res
+    assert res["after"]["type"] == "NotInitializedError", res
+
+
 _RECV_AT_DESTROY = """
 res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 1:  # a receive nobody sends to, posted when destroy() comes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,11 +76,18 @@ def test_a_callback_that_raises_is_printed_and_the_others_run(capsys: pytest.Cap
     assert "ZeroDivisionError" in err and "IndexError" in err, err
 
 
-def rank_raising_callback() -> list[float]:
+_RAISED = {"error": ZeroDivisionError, "exit": SystemExit, "interrupt": KeyboardInterrupt}
+
+
+def rank_raising_callback(kind: str) -> list[float]:
     """A done-callback raises on the group's worker: the async calls behind it still complete
     (they waited for a waiter to run them: the worker had died)."""
     first = tw.all_reduce(np.ones(8, np.float32), async_op=True)
-    first.add_done_callback(lambda w: 1 / 0)
+
+    def callback(work: Work) -> None:
+        raise _RAISED[kind]
+
+    first.add_done_callback(callback)
     first.wait(timeout=20)
     time.sleep(0.2)  # the worker ran the callback
     later = [np.ones(8, np.float32) for _ in range(3)]
@@ -90,8 +98,18 @@ def rank_raising_callback() -> list[float]:
     return [float(x[0]) for x in later] if all(w.is_completed() for w in works) else []
 
 
-def test_a_raising_callback_leaves_the_groups_worker_running(get_cluster: Callable[..., Any]) -> None:
-    assert get_cluster(2, "shm").run(rank_raising_callback) == [[2.0, 2.0, 2.0]] * 2
+@pytest.mark.parametrize("kind", list(_RAISED))
+def test_a_raising_callback_leaves_the_groups_worker_running(get_cluster: Callable[..., Any],
+                                                              kind: str) -> None:
+    """SystemExit and KeyboardInterrupt too: they ended the worker, and nothing ran the calls."""
+    assert get_cluster(2, "shm").run(rank_raising_callback, kind) == [[2.0, 2.0, 2.0]] * 2
+
+
+def test_an_exit_in_a_callback_on_the_main_thread_goes_on_up() -> None:
+    work = Work("job", 0)
+    work._finish(1)
+    with pytest.raises(SystemExit):
+        work.add_done_callback(lambda w: sys.exit(3))
 
 
 def test_callbacks_run_once_whether_added_before_or_after_finish() -> None:

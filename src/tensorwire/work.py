@@ -44,7 +44,9 @@ class Work:
     def add_done_callback(self, cb: Callable[[Work], None]) -> None:
         """Call `cb(work)` once done (now, on this thread, if it is): on the thread that
         finished it, a group's worker for a collective. What `cb` raises is printed to stderr
-        and goes no further (as concurrent.futures does): the calls queued behind go on."""
+        and goes no further (as concurrent.futures does): the calls queued behind go on (a
+        SystemExit or KeyboardInterrupt raised on the main thread goes on up). A `wait()` on
+        another thread may return before the callbacks have run."""
         with _guard:
             if not self._done:
                 self._callbacks.append(cb)
@@ -54,7 +56,11 @@ class Work:
     def _call(self, cb: Callable[[Work], None]) -> None:
         try:
             cb(self)
-        except Exception:  # noqa: BLE001 - the callback's error, not the operation's
+        except BaseException as exc:  # the callback's error, not the operation's; an exit or a
+            # Ctrl-C acts on the main thread only: elsewhere it would end the group's worker
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and \
+                    threading.current_thread() is threading.main_thread():
+                raise
             print(f"tensorwire: rank {self.rank}: a done-callback of {self.what} raised (ignored):",
                   file=sys.stderr, flush=True)
             traceback.print_exc()

@@ -117,9 +117,10 @@ class CallQueue:
         with self._cv:
             self.pending.append((call, body, args, work))
             self.submitted += 1
-            if self._worker is None or self._worker is threading.current_thread():
+            if self._worker is None or self._worker is threading.current_thread() or \
+                    not self._worker.is_alive():
                 # none yet, or its own completion callbacks queue this (a torch future's
-                # then-callback that waits for it: PowerSGD's hook): a new worker takes over
+                # then-callback that waits for it: PowerSGD's hook), or it died: a new worker takes over
                 if self._worker is None:
                     weakref.finalize(self, _wake, self._cv)
                 self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
@@ -145,8 +146,9 @@ class CallQueue:
                 "by the program while calls made in a Work's done-callback")[1 - origin]
         error = InvalidArgumentError(
             f"rank {rank}: {what} on group {self.group.name} was made {made} are in flight on it: the ranks "
-            f"may order such calls differently (PowerSGD's hook with several DDP buckets: use one bucket, "
-            f"bucket_cap_mb above the gradients' size); the group is aborted")
+            f"may order such calls differently; the group is aborted. Wait until the callbacks' calls are "
+            f"done before the next call, or make them on another group (torch: PowerSGD's hook with several "
+            f"DDP buckets does this: use one bucket, bucket_cap_mb above the gradients' size)")
         self.group.abort(error)
         raise error
 

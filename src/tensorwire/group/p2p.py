@@ -112,6 +112,7 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
     result() is the sender's group rank. It completes while someone waits on it or polls it
     (a small message there already at once); such receives of one tag take messages in the
     order they were posted, and waiting on one completes those posted before it."""
+    check_member(group, "recv from any rank")
     _check_tag(group, tag, "recv from any rank")
     if _on_device(tensor):
         return group.device.irecv_any(tensor, tag, timeout)
@@ -131,7 +132,7 @@ class AnySourceWork(Work):
     progresses = False
 
     def __init__(self, group: Group, data: np.ndarray, tag: int, timeout: float | None, limit: float) -> None:
-        super().__init__(f"recv from any rank (tag {tag}) on group {group.name}", group.runtime.rank)
+        super().__init__(_any_label(group, tag), group.runtime.rank)
         self.group, self.data, self.tag, self.timeout, self.limit = group, data, tag, timeout, limit
         self.deadline = time.monotonic() + limit
 
@@ -375,6 +376,9 @@ def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: flo
     while True:
         if time.monotonic() > deadline:  # before a look: a receive past its time takes nothing
             raise _nothing_came(group, tag, limit)
+        ended = _ended(group, tag)
+        if ended is not None:
+            raise ended
         src = _arrived(group, tag)
         if src is not None:
             return src
@@ -392,16 +396,28 @@ def _arrived(group: Group, tag: int) -> int | None:
     turns = group.any_source_turns
     order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
     peers = {group.ranks[r]: r for r in order if r != group.rank}
-    world = group.engine.arrived_from(group.ctx, tag, peers)
+    world = group.engine.arrived_from(group.ctx, tag, peers, _any_label(group, tag))
     if world is None:
         return None
     turns.last = peers[world]
     return peers[world]
 
 
+def _any_label(group: Group, tag: int) -> str:
+    return f"recv from any rank (tag {tag}) on group {group.name}"
+
+
 def _nothing_came(group: Group, tag: int, limit: float) -> TimeoutError:
-    return TimeoutError(f"rank {group.runtime.rank}: recv from any rank (tag {tag}) on group "
-                        f"{group.name}: no message arrived within {limit:g} s")
+    return TimeoutError(f"rank {group.runtime.rank}: {_any_label(group, tag)}: no message arrived within "
+                        f"{limit:g} s")
+
+
+def _ended(group: Group, tag: int) -> AbortedError | None:
+    """Why a receive from any member waits no longer: destroy() of tensorwire or the group."""
+    if group.runtime.closed or group.destroyed:
+        why = "tensorwire shut down (destroy())" if group.runtime.closed else "its group was destroyed"
+        return AbortedError(f"rank {group.runtime.rank}: {_any_label(group, tag)}: {why} while it was posted")
+    return None
 
 
 class AnySourceTurns:

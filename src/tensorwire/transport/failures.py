@@ -626,10 +626,10 @@ class Failures:
                         msg.source.discard()
 
     # -- telling why a call failed -----------------------------------------------------------
-    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int]) -> int | None:
+    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int], what: str) -> int | None:
         """The first of `peers` whose point-to-point message with `tag` on group `ctx` has
         arrived (after one round of progress), or None; raises if the group was aborted or
-        every one of them is gone (MPI_ANY_SOURCE's probe)."""
+        every one of them is gone (MPI_ANY_SOURCE's probe; `what` names it)."""
         key = (ctx, int(Kind.P2P), 0, int(tag))
         with self.lock:
             self.progress()
@@ -643,8 +643,7 @@ class Failures:
             if entry is not None:
                 raise entry[1]
             if all(peer in self.lost for peer in peers):
-                raise PeerLostError(f"rank {self.rank}: receive from any rank (tag {tag}): every "
-                                    f"sender is gone")
+                raise PeerLostError(f"rank {self.rank}: {what}: every sender is gone")
         return None
 
     def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int],
