@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the single-process run the losses and parameters are checked against")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
 
     dist.init_process_group(args.backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()

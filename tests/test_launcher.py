@@ -369,7 +369,8 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.mark.timeout(60)
 def test_version_all_reports_the_installation_and_hides_the_secret() -> None:
-    env = {**os.environ, "TENSORWIRE_SECRET": "s3cr3t-value", "TENSORWIRE_NSOCKS": "2"}
+    env = {**os.environ, "TENSORWIRE_SECRET": "s3cr3t-value", "TENSORWIRE_NSOCKS": "2",
+           "TENSORWIRE_TIMOUT": "5", "TENSORWIRE_TIMEOUT": "abc"}
     p = subprocess.run([sys.executable, "-m", "tensorwire", "version", "--all"], capture_output=True,
                        text=True, timeout=50, env=env)
     assert p.returncode == 0, p.stderr
@@ -380,6 +381,8 @@ def test_version_all_reports_the_installation_and_hides_the_secret() -> None:
     assert rows["torch"].startswith("not installed") != has_torch and ("CUDA" in rows) == has_torch
     assert "GiB free of" in rows["/dev/shm"] and "soft limit" in rows["open files"]
     assert "TENSORWIRE_NSOCKS=2" in rows["settings"] and "TENSORWIRE_SECRET=(hidden)" in rows["settings"]
+    assert "TENSORWIRE_TIMOUT=5 (not a setting: ignored)" in rows["settings"], rows
+    assert "TENSORWIRE_TIMEOUT='abc'" in rows["settings error"], rows
     assert "s3cr3t" not in p.stdout + p.stderr
 
 

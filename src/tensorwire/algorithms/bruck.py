@@ -138,5 +138,5 @@ def _all_to_all_cost(n: int, m: int, link: Link) -> float:
 
 register(Algorithm("bruck", "all_gather", bruck_all_gather, _all_gather_cost))
 # exchanges: round k+1 forwards what round k received, so each round waits for the partner's
-# previous one (docs/design/algorithms.md#bruck-all-to-all).
+# previous one (docs/design/algorithms.md#bruck-all_to_all).
 register(Algorithm("bruck", "all_to_all", bruck_all_to_all, _all_to_all_cost, exchanges=True))

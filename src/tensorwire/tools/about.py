@@ -77,9 +77,16 @@ def lines() -> list[tuple[str, str]]:
                        "not installed") + " (bench --compare mpi)"),
            ("/dev/shm", shm_line()),
            ("open files", f"soft limit {soft}, hard {limit} (raised to the hard limit where a job needs it)")]
+    from ..config import SETTINGS, Config
+
     env = sorted(k for k in os.environ if k.startswith("TENSORWIRE_"))
-    shown = [f"{k}=(hidden)" if k == "TENSORWIRE_SECRET" else f"{k}={os.environ[k]}" for k in env]
+    shown = [(f"{k}=(hidden)" if k == "TENSORWIRE_SECRET" else f"{k}={os.environ[k]}") +
+             ("" if k in SETTINGS else " (not a setting: ignored)") for k in env]
     out.append(("settings", ", ".join(shown) if env else "all defaults (no TENSORWIRE_* variable set)"))
+    try:
+        Config.from_env()
+    except ValueError as exc:
+        out.append(("settings error", f"{exc} (init() refuses it)"))
     return out
 
 

@@ -9,6 +9,8 @@ untouched) and its own `--help`; heavy modules are imported only when their comm
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -167,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tensorwire` script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in HANDLERS:
-        return HANDLERS[args[0]](args[1:])
+        try:
+            return HANDLERS[args[0]](args[1:])
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `ls | head` does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            return 128 + signal.SIGPIPE
     parser = build_parser()
     try:
         ns = parser.parse_args(args)

@@ -75,9 +75,10 @@ def find_peers(names: list[str], explicit: str | None) -> tuple[dict[str, str], 
                          f"MPI with `{INSTALL['mpiexec']}`, then `{INSTALL['mpi4py']}`.")
             continue
         if not _has_modules(python, ["numpy", module]):
-            hint = INSTALL[module] + (f" (Open MPI first: {INSTALL['mpiexec']})" if name == "mpi" else "")
+            first = f" (Open MPI first: `{INSTALL['mpiexec']}`)" if name == "mpi" else ""
+            hint = f"`{INSTALL[module]}`{first}"
             notes.append(f"tensorwire bench: --compare {name} skipped: no Python with {module} and numpy "
-                         f"(tried {python}). Install it with `{hint}`, or pass "
+                         f"(tried {python}). Install it with {hint}, or pass "
                          "--compare-python PATH.")
             continue
         found[name] = python

@@ -49,8 +49,9 @@ Peers need torch (pip install 'tensorwire[torch]'), mpi4py (pip install mpi4py) 
 Plots need matplotlib and the progress bar uses rich: pip install 'tensorwire[bench]'.
 
 --algo all: per size, one line per algorithm (auto:NAME is the tuner's own choice, the others
-are forced in turn, * marks the fastest forced one): time as above, predicted (us, the cost
-model with this job's calibrated constants), meas/pred, busbw and #wrong; then a comment line
+are forced in turn, * marks the fastest forced one): time (the median call), mean call (by
+which the fastest is found), predicted (us, the cost model with this job's calibrated
+constants), mean/pred, busbw and #wrong; then a comment line
 with auto's time and prediction, the best forced algorithm and auto/best. --algo NAME forces
 that one algorithm (sizes where it cannot run say so).
 """
