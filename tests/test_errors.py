@@ -1962,14 +1962,59 @@ def test_destroy_ends_receives_from_any_rank_other_threads_wait_in() -> None:
     assert res["after"]["type"] == "NotInitializedError", res
 
 
+_FORK_EXIT = """
+res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
+g = tw.new_group([0, 1])
+stop = []
+
+def traffic():  # the group's worker runs calls (and holds its lock) while the main thread forks
+    x = np.ones(256, np.float32)
+    while not stop:
+        try:
+            tw.all_reduce(x, async_op=True, group=g).wait()
+        except Exception:
+            return
+
+thread = threading.Thread(target=traffic, daemon=True)
+thread.start()
+hung = 0
+for _ in range(20):
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # exits as a program does: exit hooks and finalizers run
+    t0 = time.monotonic()
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() - t0 > 3:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+stop.append(True)
+thread.join(10)
+report(hung=hung)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_exits_while_the_groups_worker_runs() -> None:
+    """A child forked while the group's worker held its lock hung at exit: a finalizer waited
+    for that lock, which no thread of the child would ever release."""
+    assert _first_report(_FORK_EXIT, 0)["hung"] == 0
+
+
 _RECV_AT_DESTROY = """
 res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 1:  # a receive nobody sends to, posted when destroy() comes
     work = tw.irecv(np.empty(4, np.float32), src=0, tag=30)
+    called = []
+    work.add_done_callback(lambda w: called.append(type(w.exception()).__name__))
 tw.destroy()
 if rank == 1:
     t0 = time.monotonic()
-    report(done=work.is_completed(), error=attempt(work.wait), took=time.monotonic() - t0)
+    done = work.is_completed()  # as a poll sees it, before any wait
+    seen = dict(done=done, exception=type(work.exception()).__name__, called=list(called))
+    report(**seen, error=attempt(work.wait), took=time.monotonic() - t0)
 else:
     report(type=res["type"])
 """
@@ -1981,6 +2026,8 @@ def test_destroy_fails_a_posted_receive() -> None:
     then blamed the peer as stuck)."""
     res = _first_report(_RECV_AT_DESTROY, 1)
     assert res["done"] and res["took"] < 1.0, res
+    # a poll that sees it done sees its error and has run its callbacks (it said done, error None)
+    assert res["exception"] == "AbortedError" and res["called"] == ["AbortedError"], res
     _assert_error(res["error"], AbortedError, "recv from rank 0 (tag 30) on group world", "destroy()")
 
 

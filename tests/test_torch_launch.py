@@ -55,6 +55,16 @@ def test_pipeline_example_matches_its_single_process_run() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_process_exits_cleanly_with_future_callbacks_pending() -> None:
+    """The futures' helper threads ran their callbacks while the interpreter finalized: torch
+    aborted the process ('terminate called without an active exception')."""
+    results = launch("future_callbacks_at_exit", 2, script=_SELF)
+    for r in results:
+        assert "terminate called" not in r.err, r.tail()
+    assert_all_ok(results, "future_callbacks_at_exit")
+
+
+@pytest.mark.timeout(120)
 def test_init_methods_and_reinit() -> None:
     ports = tuple(map(str, free_ports(5)))
     assert_all_ok(launch("init_methods", 2, script=_SELF, args=ports), "init_methods")
@@ -143,6 +153,21 @@ def scenario_init_methods(*ports: str) -> None:
         dist.barrier()
         assert torch.equal(t, torch.ones(2))
         dist.destroy_process_group()
+
+
+def scenario_future_callbacks_at_exit() -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    rank = dist.get_rank()
+    for tag in range(3):  # receives nobody sends to, whose futures' callbacks are slow
+        dist.irecv(torch.zeros(4), 1 - rank, tag=300 + tag).get_future().then(lambda f: time.sleep(1.0))
+    print("future_callbacks_at_exit OK", flush=True)  # and exit with them pending
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ every member, and the group renews itself at the next call (renewal.py).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 import weakref
@@ -122,7 +123,7 @@ class CallQueue:
                 # none yet, or its own completion callbacks queue this (a torch future's
                 # then-callback that waits for it: PowerSGD's hook), or it died: a new worker takes over
                 if self._worker is None:
-                    weakref.finalize(self, _wake, self._cv)
+                    weakref.finalize(self, _wake, self._cv, os.getpid())
                 self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
                                                 daemon=True, name=f"tensorwire-group-{group.name}")
                 self._worker.start()
@@ -459,7 +460,9 @@ def _finish_in_callbacks(finish: Callable[[], None]) -> None:
         _callbacks.active = outer
 
 
-def _wake(cv: threading.Condition) -> None:
+def _wake(cv: threading.Condition, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child: no worker here, and the lock may be held for good
+        return
     with cv:
         cv.notify_all()
 

@@ -556,10 +556,16 @@ class P2PWork(Work):
         return super().wait(0)
 
     def is_completed(self) -> bool:
-        """Also one round of progress (as MPI_Test): a caller that polls moves its transfer."""
+        """Also one round of progress (as MPI_Test): a caller that polls moves its transfer;
+        once it is done, the Work finishes as a wait would (its error, its callbacks)."""
         req = self._req
         if not req.done:
             engine = self._group.engine
             with engine.lock:
                 engine.progress()
+        if req.done and not self._done:
+            try:
+                self.wait(0)
+            except Exception:  # noqa: BLE001 - kept by the Work: exception(), wait()
+                pass
         return req.done

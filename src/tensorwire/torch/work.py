@@ -33,14 +33,16 @@ from ..work import Work as TwWork
 _WAITERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # futures' helper threads
 
 
-def join_waiters(grace: float) -> None:
+def join_waiters(grace: float) -> list[threading.Thread]:
     """Wait up to `grace` s for the futures' helper threads to end (shutdown failed their
-    receives): a daemon thread still running at interpreter exit is killed as it next takes the
-    GIL, which aborts the process where that happens inside C++ (torch frees a Work so)."""
+    receives; they run the futures' callbacks): a daemon thread still running at interpreter
+    exit is killed as it next takes the GIL, which aborts the process where that happens
+    inside C++ (torch's futures and Works). Returns those still running."""
     until = time.monotonic() + grace
     for thread in list(_WAITERS):
         if thread is not threading.current_thread():
             thread.join(max(0.0, until - time.monotonic()))
+    return [t for t in list(_WAITERS) if t.is_alive() and t is not threading.current_thread()]
 
 
 def seconds(timeout: Any) -> float | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -50,6 +51,7 @@ _runtime: Runtime | None = None
 _owner = ""  # "api": we called tensorwire.init; "user": they did; "links": lazily connected
 _refs = 0
 _WAITERS_S = 1.0  # how long a closing world waits for its futures' helper threads to end
+_EXIT_WAITERS_S = 30.0  # ... and the process's exit for those still running callbacks
 
 
 def store_location(store: Any) -> str | None:
@@ -127,7 +129,6 @@ def sub_group(store: Any, ranks: list[int], group_name: str, timeout: Any) -> Gr
             _runtime, _owner = api.require_runtime("torch backend"), "user"
         if _runtime is None:
             _runtime, _owner = _links_runtime(store, timeout), "links"
-            atexit.register(_close_links)
         if _owner == "links":
             _learn_members(_runtime, ranks, TorchStoreAdapter(store, timeout=timeout_seconds(timeout)))
         _refs += 1
@@ -158,6 +159,25 @@ def _close_links() -> None:
         rt, _runtime, _owner = _runtime, None, ""
     rt.close()
     join_waiters(_WAITERS_S)
+
+
+def _at_exit() -> None:
+    """Before the interpreter finalizes (registered after tensorwire.destroy's own exit hook, so
+    run before it): close what this module opened and let the futures' helper threads run
+    their callbacks to the end (their receives fail at the close)."""
+    _close_links()
+    if not join_waiters(0.0):
+        return
+    if api.is_initialized():
+        api.destroy()
+    left = join_waiters(_EXIT_WAITERS_S)
+    if left:
+        print(f"tensorwire: {len(left)} torch future callback(s) still running at exit after "
+              f"{_EXIT_WAITERS_S:g} s; the process may abort as the interpreter ends", file=sys.stderr,
+              flush=True)
+
+
+atexit.register(_at_exit)
 
 
 # -- a world whose pairs connect on demand (tensorwire groups on top of another backend) ---------
