@@ -1398,7 +1398,7 @@ def attempt(fn, *a, **k):
 
 def _spawn(code: str, rank: int, size: int, port: int, *args: object,
            env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    full_env = {**os.environ, "TENSORWIRE_TIMEOUT": "30", **(env or {})}
+    full_env = {**os.environ, "TENSORWIRE_TIMEOUT": "30", "TENSORWIRE_CALIBRATE": "0", **(env or {})}
     return subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(code), str(rank), str(size),
                              str(port), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
@@ -2009,6 +2009,8 @@ if rank == 1:  # a receive nobody sends to, posted when destroy() comes
     work = tw.irecv(np.empty(4, np.float32), src=0, tag=30)
     called = []
     work.add_done_callback(lambda w: called.append(type(w.exception()).__name__))
+else:  # rank 0 leaves after rank 1 did (else rank 1 may see it gone first: PeerLostError)
+    attempt(tw.recv, np.empty(1), 1, tag=31, timeout=20)
 tw.destroy()
 if rank == 1:
     t0 = time.monotonic()

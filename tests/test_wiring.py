@@ -200,7 +200,7 @@ def test_running_out_of_descriptors_later_names_the_limit() -> None:
     named = [r for r in reports if r["error"] == "ResourceError"]
     assert named and all("out of file descriptors (ulimit -n is 45" in r["msg"] for r in named), named
     assert all(r["error"] in ("ResourceError", "PeerLostError", "AbortedError") for r in reports), reports
-    assert max(r.get("t", 0) for r in reports) < 50, reports
+    assert max(r.get("t", 0) for r in reports) < 60, reports  # none waited out the timeout
 
 
 def rank_other_collectives() -> dict:
