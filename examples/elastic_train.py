@@ -7,7 +7,7 @@ torchrun restarts every rank of a job in which one failed (up to --max-restarts 
 attempt starts from scratch, so training must resume from a checkpoint. Here rank 0 saves the
 model and optimizer every --checkpoint-every steps (written aside, then renamed: a crash never
 leaves half a file), every rank of a restarted attempt loads it at start (the first attempt
-ignores one an earlier run left), and a step's data depends only on the step
+removes one an earlier run left), and a step's data depends only on the step
 and the rank, so a resumed run sees exactly the batches the lost one would have. With
 --kill-rank, that rank exits abruptly at --kill-at in the first attempt; its peer gets a
 PeerLostError within seconds (tensorwire notices the closed connection), and torchrun starts
@@ -83,10 +83,13 @@ def main() -> None:
     model, opt = new_model(args.lr)
     ddp = DDP(model)
     start = 0
-    if attempt == 0 and os.path.exists(args.checkpoint) and rank == 0:  # another job's: start fresh
-        print(f"ignoring {args.checkpoint} of an earlier run: the first attempt starts from step 0",
-              flush=True)
-    if attempt > 0 and os.path.exists(args.checkpoint):
+    if attempt == 0:  # a checkpoint there is an earlier run's: start fresh (later attempts resume)
+        if rank == 0 and os.path.exists(args.checkpoint):
+            os.remove(args.checkpoint)
+            print(f"removed {args.checkpoint} of an earlier run: the first attempt starts from step 0",
+                  flush=True)
+        dist.barrier()
+    if os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location="cpu")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])

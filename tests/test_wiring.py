@@ -193,7 +193,7 @@ def test_running_out_of_descriptors_later_names_the_limit() -> None:
     """48 ranks under `ulimit -n 45`: init needs far fewer (the peers a rank typically talks
     to), but a message to every rank needs 47 connections. The ranks that run out say so,
     naming the limit, whether dialing or accepting (the dialer is told), and every rank ends
-    with an error well within its timeout (60 s): never a hang."""
+    with an error before its timeout (60 s) could end it: never a hang."""
     job = _scale_module().measure(48, ulimit=45, talk="all", timeout=200, env={"TENSORWIRE_TIMEOUT": "60"})
     reports = job["reports"]
     assert all(job["codes"]) and all(r.get("error") for r in reports), reports

@@ -396,7 +396,7 @@ def _arrived(group: Group, tag: int) -> int | None:
     turns = group.any_source_turns
     order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
     peers = {group.ranks[r]: r for r in order if r != group.rank}
-    world = group.engine.arrived_from(group.ctx, tag, peers, _any_label(group, tag))
+    world = group.engine.arrived_from(group.ctx, tag, peers, group.name)
     if world is None:
         return None
     turns.last = peers[world]

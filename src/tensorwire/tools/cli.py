@@ -170,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in HANDLERS:
         try:
-            return HANDLERS[args[0]](args[1:])
+            code = HANDLERS[args[0]](args[1:])
+            sys.stdout.flush()  # here, not at exit: a reader gone is caught below
+            return code
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `ls | head` does
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
             return 128 + signal.SIGPIPE

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -30,7 +29,8 @@ import torch.distributed as dist
 from ..errors import TimeoutError as TwTimeoutError
 from ..work import Work as TwWork
 
-_WAITERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # futures' helper threads
+_WAITERS: set[threading.Thread] = set()  # futures' helper threads still running
+_WAITERS_LOCK = threading.Lock()
 
 
 def join_waiters(grace: float) -> list[threading.Thread]:
@@ -39,10 +39,11 @@ def join_waiters(grace: float) -> list[threading.Thread]:
     exit is killed as it next takes the GIL, which aborts the process where that happens
     inside C++ (torch's futures and Works). Returns those still running."""
     until = time.monotonic() + grace
-    for thread in list(_WAITERS):
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, until - time.monotonic()))
-    return [t for t in list(_WAITERS) if t.is_alive() and t is not threading.current_thread()]
+    with _WAITERS_LOCK:
+        threads = [t for t in _WAITERS if t is not threading.current_thread()]
+    for thread in threads:
+        thread.join(max(0.0, until - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
 
 
 def seconds(timeout: Any) -> float | None:
@@ -157,7 +158,8 @@ class TensorwireWork(dist.Work):
         elif needs_driver:
             self._waiter = threading.Thread(target=self._drive, daemon=True,
                                             name="tensorwire-torch-p2p-future")
-            _WAITERS.add(self._waiter)
+            with _WAITERS_LOCK:
+                _WAITERS.add(self._waiter)
             self._waiter.start()
         return self._future
 
@@ -171,6 +173,9 @@ class TensorwireWork(dist.Work):
             self.wait()
         except BaseException:
             pass  # carried by the future
+        finally:
+            with _WAITERS_LOCK:
+                _WAITERS.discard(threading.current_thread())
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._parts and all(p.is_completed() for p in self._parts):

@@ -52,6 +52,7 @@ _owner = ""  # "api": we called tensorwire.init; "user": they did; "links": lazi
 _refs = 0
 _WAITERS_S = 1.0  # how long a closing world waits for its futures' helper threads to end
 _EXIT_WAITERS_S = 30.0  # ... and the process's exit for those still running callbacks
+_PID = os.getpid()
 
 
 def store_location(store: Any) -> str | None:
@@ -144,9 +145,11 @@ def release() -> None:
             return
         owner, rt = _owner, _runtime
         _runtime, _owner = None, ""
+    if owner == "user":
+        return  # theirs stays open: its receives (and the futures waiting on them) go on
     if owner == "api":
         api.destroy()
-    elif owner == "links":
+    else:
         rt.close()
     join_waiters(_WAITERS_S)
 
@@ -164,7 +167,10 @@ def _close_links() -> None:
 def _at_exit() -> None:
     """Before the interpreter finalizes (registered after tensorwire.destroy's own exit hook, so
     run before it): close what this module opened and let the futures' helper threads run
-    their callbacks to the end (their receives fail at the close)."""
+    their callbacks to the end (their receives fail at the close). Not in a forked child: its
+    threads and locks are the parent's."""
+    if os.getpid() != _PID:
+        return
     _close_links()
     if not join_waiters(0.0):
         return

@@ -308,6 +308,9 @@ class Failures:
         error = self.covering(ctx, seq) if self.aborted else None
         if error is not None:
             raise error
+        if self.closed:  # a send another thread waits on (destroy() fails posted receives itself)
+            raise AbortedError(f"rank {self.rank}: tensorwire shut down (destroy() on another thread) while "
+                               f"this call waited")
         refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
         if refused and self.rank not in refused:  # a member refused the call this rank runs
             error = next(iter(refused.values()))
@@ -626,10 +629,10 @@ class Failures:
                         msg.source.discard()
 
     # -- telling why a call failed -----------------------------------------------------------
-    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int], what: str) -> int | None:
+    def arrived_from(self, ctx: int, tag: int, peers: Iterable[int], group_name: str) -> int | None:
         """The first of `peers` whose point-to-point message with `tag` on group `ctx` has
         arrived (after one round of progress), or None; raises if the group was aborted or
-        every one of them is gone (MPI_ANY_SOURCE's probe; `what` names it)."""
+        every one of them is gone (MPI_ANY_SOURCE's probe)."""
         key = (ctx, int(Kind.P2P), 0, int(tag))
         with self.lock:
             self.progress()
@@ -643,7 +646,8 @@ class Failures:
             if entry is not None:
                 raise entry[1]
             if all(peer in self.lost for peer in peers):
-                raise PeerLostError(f"rank {self.rank}: {what}: every sender is gone")
+                raise PeerLostError(f"rank {self.rank}: recv from any rank (tag {tag}) on group "
+                                    f"{group_name}: every sender is gone")
         return None
 
     def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int],
