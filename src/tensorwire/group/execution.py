@@ -118,10 +118,9 @@ class CallQueue:
         with self._cv:
             self.pending.append((call, body, args, work))
             self.submitted += 1
-            if self._worker is None or self._worker is threading.current_thread() or \
-                    not self._worker.is_alive():
-                # none yet, or its own completion callbacks queue this (a torch future's
-                # then-callback that waits for it: PowerSGD's hook), or it died: a new worker takes over
+            if self._worker is None or self._worker is threading.current_thread():
+                # none yet (or it ended), or its own completion callbacks queue this (a torch
+                # future's then-callback that waits for it: PowerSGD's hook): a new worker takes over
                 if self._worker is None:
                     weakref.finalize(self, _wake, self._cv, os.getpid())
                 self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
@@ -365,13 +364,13 @@ class CallQueue:
         group = self.group
         with self._cv:
             self._stopping = True
+            worker = self._worker  # read before it can end (and clear it)
             dropped = list(self.pending)
             self.pending.clear()
             self._cv.notify_all()
         for call, _body, _args, work in dropped:
             work._finish(exc=AbortedError(f"rank {group.runtime.rank}: {call.what} was still queued "
                                           "when tensorwire shut down"))
-        worker = self._worker
         if worker is threading.current_thread():
             return
         if worker is not None:
@@ -396,6 +395,18 @@ class CallQueue:
 
 
 def _work_loop(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
+    """A group's worker thread (_serve); however it ends, the next queued call starts another."""
+    try:
+        _serve(ref, cv)
+    finally:
+        queue = ref()
+        if queue is not None:
+            with cv:
+                if queue._worker is threading.current_thread():
+                    queue._worker = None
+
+
+def _serve(ref: weakref.ref[CallQueue], cv: threading.Condition) -> None:
     """A group's worker thread. It holds the group only while it runs a call of it, so a
     group nobody refers to any more is collected (and its finalizer wakes this to end).
 
