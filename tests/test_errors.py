@@ -1420,10 +1420,10 @@ def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
         p.communicate()
 
 
-def _first_report(code: str, of_rank: int, size: int = 2) -> dict[str, Any]:
-    """Run `code` on `size` fresh processes; the first report of rank `of_rank`."""
+def _first_report(code: str, of_rank: int, size: int = 2, *args: object) -> dict[str, Any]:
+    """Run `code` on `size` fresh processes (`args`: its ARGS); the first report of rank `of_rank`."""
     port = free_port()
-    procs = [_spawn(code, r, size, port) for r in range(size)]
+    procs = [_spawn(code, r, size, port, *args) for r in range(size)]
     try:
         return _reports(procs[of_rank], 30)[0]
     finally:
@@ -1898,9 +1898,11 @@ _DESTROY_ELSEWHERE = """
 res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
 if rank == 0:  # a thread of the program waits in an all_reduce rank 1 never joins; main destroys
     out = {}
+    big = np.ones(1 << 22, np.float32)  # a send of 16 MiB, which rank 1 never receives, waits for it
+    calls = {"all_reduce": lambda: tw.all_reduce(np.ones(4)), "send": lambda: tw.send(big, 1)}
 
     def call():
-        out["error"] = attempt(tw.all_reduce, np.ones(4))
+        out["error"] = attempt(calls[ARGS[0]])
 
     t = threading.Thread(target=call)
     t.start()
@@ -1916,10 +1918,11 @@ else:
 
 
 @pytest.mark.timeout(40)
-def test_destroy_ends_a_call_another_thread_runs() -> None:
-    """destroy() on one thread while another waits in a collective: that call fails within the
-    worker's grace (it waited out its 20 s timeout, its peer gone and unseen)."""
-    res = _first_report(_DESTROY_ELSEWHERE, 0)
+@pytest.mark.parametrize("call", ["all_reduce", "send"])
+def test_destroy_ends_a_call_another_thread_runs(call: str) -> None:
+    """destroy() on one thread while another waits in a collective or a send: that call fails
+    within the worker's grace (each waited out its whole timeout, its peer gone and unseen)."""
+    res = _first_report(_DESTROY_ELSEWHERE, 0, 2, call)
     assert res["took"] < 5.0, res
     error = res["error"]
     assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
@@ -1964,34 +1967,6 @@ def test_destroy_ends_receives_from_any_rank_other_threads_wait_in() -> None:
         assert "tensorwire shut down (destroy())" in error["msg"], res
     assert res["after"]["type"] == "NotInitializedError", res
     assert "recv from any rank on group world" in res["after"]["msg"], res
-
-
-_SEND_AT_DESTROY = """
-res = attempt(tw.init, rank=rank, world_size=size, init_method=URL)
-if rank == 0:  # a thread sends 16 MiB that rank 1 never receives; main destroys
-    out = {}
-    big = np.ones(1 << 22, np.float32)
-    t = threading.Thread(target=lambda: out.__setitem__("error", attempt(tw.send, big, 1)))
-    t.start()
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    tw.destroy()
-    t.join(40)
-    report(took=time.monotonic() - t0, error=out.get("error"))
-else:
-    report(type=res["type"])
-    time.sleep(8)
-"""
-
-
-@pytest.mark.timeout(60)
-def test_destroy_ends_a_send_another_thread_waits_in() -> None:
-    """It waited out its whole timeout: destroy() fails posted receives, and a waiter now sees
-    the closed engine whatever it waits for."""
-    res = _first_report(_SEND_AT_DESTROY, 0)
-    assert res["took"] < 5.0, res
-    error = res["error"]
-    assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
 
 
 _FORK_EXIT = """
