@@ -56,8 +56,8 @@ class Work:
     def _call(self, cb: Callable[[Work], None]) -> None:
         try:
             cb(self)
-        except BaseException as exc:  # the callback's error, not the operation's; an exit or a
-            # Ctrl-C acts on the main thread only: elsewhere it would end the group's worker
+        except BaseException as exc:  # the callback's error, not the operation's
+            # an exit or a Ctrl-C acts on the main thread only: elsewhere it would end the group's worker
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and \
                     threading.current_thread() is threading.main_thread():
                 raise

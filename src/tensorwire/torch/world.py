@@ -145,13 +145,8 @@ def release() -> None:
             return
         owner, rt = _owner, _runtime
         _runtime, _owner = None, ""
-    if owner == "user":
-        return  # theirs stays open: its receives (and the futures waiting on them) go on
-    if owner == "api":
-        api.destroy()
-    else:
-        rt.close()
-    join_waiters(_WAITERS_S)
+    if owner != "user":  # theirs stays open: its receives (and the futures waiting on them) go on
+        _close(owner, rt)
 
 
 def _close_links() -> None:
@@ -160,7 +155,15 @@ def _close_links() -> None:
         if _owner != "links" or _runtime is None:
             return
         rt, _runtime, _owner = _runtime, None, ""
-    rt.close()
+    _close("links", rt)
+
+
+def _close(owner: str, rt: Runtime) -> None:
+    """Close a runtime this module opened; its futures' helper threads end as their receives fail."""
+    if owner == "api":
+        api.destroy()
+    else:
+        rt.close()
     join_waiters(_WAITERS_S)
 
 
