@@ -233,16 +233,17 @@ def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
 
 
 def _write_reports(opts: Options, lines: list[str]) -> None:
-    """--plot / --markdown of a plain sweep (rank 0, from the rows it wrote as JSON)."""
+    """--plot / --markdown of a plain or --algo sweep (rank 0, from what it wrote as JSON; an
+    --algo sweep writes no plot, parse_options says)."""
     args = opts.args
     assert args is not None and opts.json_path is not None
     with open(opts.json_path) as f:
         doc = json.load(f)
-    meta, cells = doc["meta"], report.cells(doc["rows"])
+    meta = doc["meta"]
     info = report.machine()
     title = f"tensorwire, {meta['nranks']} ranks, transport {meta['transport']}, {info['host']}"
     if args.plot:
-        report.plot(cells, args.plot, title)
+        report.plot(report.cells(doc["rows"]), args.plot, title)
     if args.markdown:
         described = {"tensorwire": f"tensorwire {meta['version']}, transport {meta['transport']}"}
         body = ["```", *lines, "```"]

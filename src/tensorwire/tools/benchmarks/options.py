@@ -257,6 +257,11 @@ def parse_options(argv: Sequence[str], prog: str = "tensorwire bench") -> Option
         raise ValueError("--algo takes fixed -n and -w counts, not auto")
     if args.algo and args.compare:
         raise ValueError("--algo and --compare do not go together")
+    if args.rounds is not None and not (args.algo or args.compare):
+        raise ValueError("--rounds repeats an --algo or --compare sweep; a plain sweep runs once "
+                         "(-n sets its calls)")
+    if args.algo and args.plot:
+        raise ValueError("--plot draws a plain or --compare sweep; with --algo use --markdown or --json")
     if args.rounds is None:
         args.rounds = 3 if args.compare else 1
     for option, path in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown)):
