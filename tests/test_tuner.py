@@ -1520,7 +1520,8 @@ def _seed_cache(directory: str) -> None:
                        ("tcp", Link("tcp", 40e-6, 1 / 2e9, 1 / 10e9))):
         key = cache.cache_key([cache.host_hash()], [tier], 2)
         cache.write_cache(cache.cache_path(directory, key), {tier: link},
-                              {"created": time.time(), "world_size": 2, "tiers": [tier], "hosts": [me]})
+                              {"created": time.time(), "world_size": 2, "tiers": [tier], "hosts": [me],
+                               "trusted": True})
 
 
 def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, capsys) -> None:
@@ -1566,7 +1567,7 @@ def test_plan_prices_the_trees_with_the_link_measured_one_way(tmp_path, monkeypa
     key = cache.cache_key([cache.host_hash()], ["shm", one_way.name], 2)
     cache.write_cache(cache.cache_path(str(tmp_path), key), {"shm": shm, one_way.name: one_way},
                           {"created": time.time(), "world_size": 2, "tiers": ["shm", one_way.name],
-                           "hosts": [format(cache.host_hash(), "016x")]})
+                           "hosts": [format(cache.host_hash(), "016x")], "trusted": True})
     m = 64 << 20
     assert cli.main(["plan", "gather", "64MiB", "--np", "4", "--tier", "shm", "--no-probe"]) == 0
     out = capsys.readouterr().out
@@ -1605,7 +1606,8 @@ def test_plan_takes_the_calibration_nearest_its_rank_count(tmp_path, monkeypatch
     me = format(cache.host_hash(), "016x")
     for age, ranks, alpha in ((30, 2, 4e-6), (20, 8, 80e-6), (10, 4, 40e-6), (40, 4, 99e-6)):
         key = cache.cache_key([cache.host_hash()], ["shm"], ranks) + f"-{age}"
-        meta = {"created": time.time() - age, "world_size": ranks, "tiers": ["shm"], "hosts": [me]}
+        meta = {"created": time.time() - age, "world_size": ranks, "tiers": ["shm"], "hosts": [me],
+                "trusted": True}
         links = {"shm": Link("shm", alpha, 1e-10, 1e-10)}
         cache.write_cache(cache.cache_path(str(tmp_path), key), links, meta)
 
@@ -1644,6 +1646,54 @@ def test_plan_probes_when_nothing_is_cached(tmp_path) -> None:
     assert len(cache.cached_entries(str(tmp_path))) == 2
     print(f"\nplan with a probe of both tiers: {time.monotonic() - t0:.1f} s")
 
+
+
+def test_plan_reads_only_the_entries_a_job_would(tmp_path, monkeypatch) -> None:
+    """An entry measured under load, or older than TENSORWIRE_CACHE_MAX_AGE, is measured again
+    by the next job: plan does not price with it either."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    me = format(cache.host_hash(), "016x")
+    for name, alpha, trusted, age in (("loaded", 800e-6, False, 0), ("old", 700e-6, True, 3 * 86400),
+                                      ("good", 9e-6, True, 3600)):
+        cache.write_cache(cache.cache_path(str(tmp_path), name), {"shm": Link("shm", alpha, 1e-10, 1e-10)},
+                          {"created": time.time() - age, "world_size": 2, "tiers": ["shm"], "hosts": [me],
+                           "trusted": trusted})
+    assert pricing.cached_links(Config.from_env(), 2)["shm"][0].alpha == 9e-6
+    os.remove(cache.cache_path(str(tmp_path), "good"))
+    assert "shm" not in pricing.cached_links(Config.from_env(), 2)
+
+
+def rank_plan_against_the_job() -> list:
+    """Every collective at a few sizes: what `tensorwire plan` names cheapest for this job's
+    rank count on this host's cores, against what the job's tuner chooses; the differences."""
+    g = tw.world()
+    cfg = g.runtime.config
+    cores = len(os.sched_getaffinity(0))
+    tier = plan.resolve(["shm"], cfg, False, None, lambda _: None, g.size, cores)[0]
+    compiled = g.engine.native is not None
+    differ = []
+    for collective in (c for c in COLLECTIVES if c != "barrier"):
+        algs = list(algorithms_for(collective).values())
+        for m in (8, 4096, 1 << 20, 16 << 20):
+            planned = pricing.cheapest(algs, collective, g.size, m, tier, cfg, cfg.direct_slot(g.size), None,
+                                       cores)
+            chosen = tuner.decide(g, collective, m, compiled=compiled).priced[0][1]
+            if planned != chosen:
+                differ.append((collective, m, planned, chosen))
+    return differ
+
+
+@pytest.mark.parametrize("n,cores", [(2, None), (3, [[0]] * 3)], ids=["own-cores", "crowded"])
+def test_plan_names_what_the_job_chooses(n: int, cores: list[list[int]] | None) -> None:
+    """`tensorwire plan` explains the job's choices: on one host, uncalibrated, it names the
+    algorithm the tuner runs for every collective and size, where ranks share cores too
+    (single copy's and the crowded one shots' rules)."""
+    cluster = Cluster(n, cores=cores)
+    try:
+        results = cluster.run(rank_plan_against_the_job)
+    finally:
+        cluster.close()
+    assert results[0] == [], results[0]
 
 
 def test_plan_prices_a_hypothetical_tier_alike_whatever_is_listed_beside(tmp_path, monkeypatch) -> None:

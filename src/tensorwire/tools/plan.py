@@ -64,7 +64,11 @@ from ..tuning.tuning_file import load_tuning_file
 def local_links(cfg: Config, probe: bool, out: Callable[[str], None],
                 n: int = 2) -> dict[str, tuple[Link, str]]:
     """The calibration of each local tier on this host alone by the rank count nearest `n`
-    (pricing.cached_links), probing what is missing."""
+    (pricing.cached_links), probing what is missing; none where TENSORWIRE_CALIBRATE=0 (a
+    job then runs on the defaults)."""
+    if cfg.calibrate == "0":
+        out("# TENSORWIRE_CALIBRATE=0: the local tiers at their defaults, as a job prices them")
+        return {}
     found = pricing.cached_links(cfg, n)
     missing = [t for t in LOCAL if t not in found]
     if "shm" not in missing and "direct" not in found and cfg.direct_slot(2) > 0:
@@ -72,8 +76,9 @@ def local_links(cfg: Config, probe: bool, out: Callable[[str], None],
     if missing and probe:
         out(f"# no calibration of {', '.join(missing)} on this host in {cache_dir(cfg.cache_dir)}; "
             f"probing with 2 local ranks ...")
+        since = time.time()
         probe_locally(missing, cfg.cache_dir)
-        found = pricing.cached_links(cfg, n)
+        found = pricing.cached_links(cfg, n, since)
     return found
 
 
@@ -126,12 +131,12 @@ def parse_tiers(specs: list[str]) -> list[str]:
 
 
 def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
-            out: Callable[[str], None], n: int = 2) -> list[Tier]:
+            out: Callable[[str], None], n: int = 2, cores: int = 0) -> list[Tier]:
     """The tiers `names`, the local ones with the constants calibrated nearest `n` ranks
-    (probed first where missing and `probe`)."""
+    (probed first where missing and `probe`) on `cores` cores."""
     file = load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
     local = local_links(cfg, probe, out, n) if any(name in LOCAL for name in names) else {}
-    return pricing.tiers(names, cfg, file, local, gamma, n)
+    return pricing.tiers(names, cfg, file, local, gamma, n, cores)
 
 
 # -- streams over TCP ------------------------------------------------------------------------------
@@ -209,6 +214,9 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         out(f"  tier {tier.name}: {describe_link(tier.link)}  [{tier.origin}]")
         if tier.one_way is not None:
             out(f"    messages one way (trees, linear rooted): {describe_link(tier.one_way)}")
+        if tier.busy[0] is not None:
+            out(f"    every rank at work at once (a call costs no less than its work at this): "
+                f"{describe_link(tier.busy[0])}")
         if tier.direct is not None:
             out(f"    one-shot shared-memory path: {describe_link(tier.direct)}")
         if tier.memory is not None:
@@ -234,7 +242,7 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    streams: {describe_streams(streams, cfg, cores, n)}; {bound}")
         rows = []
         for alg in algs:
-            reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes)
+            reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes, cores)
             rows.append((tier.cost(alg, n, m, streams) if not reason else math.inf, alg.name, reason))
         rows.sort()
         width = max(len(a.name) for a in algs)
@@ -244,12 +252,12 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             else:
                 mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
-        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams)
+        changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams, cores)
         if changes:
             text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
             out(f"    crossover: {text}")
         else:
-            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes, streams)
+            only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes, streams, cores)
             out(f"    crossover: none between {format_size(SWEEP[0])} and {format_size(SWEEP[1])} "
                 f"({only or 'no algorithm'} is cheapest throughout)")
 
@@ -377,6 +385,7 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
         args.per_host, args.nics, args.cores = (8 if args.per_host is None else args.per_host,
                                                 1 if args.nics is None else args.nics,
                                                 0 if args.cores is None else args.cores)
+        cores = args.cores or len(os.sched_getaffinity(0))
         if args.hosts is not None:
             if args.hosts < 1 or args.per_host < 1 or args.nics < 1 or args.cores < 0:
                 raise InvalidArgumentError("tensorwire plan: --hosts, --per-host and --nics must be >= 1, "
@@ -387,11 +396,10 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
                                            f"between hosts (e.g. --tier shm,ib-ndr), got {', '.join(names)}")
             local, net = resolve(names, cfg, not args.no_probe, gamma, out, args.per_host)
         else:
-            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np)
+            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np, cores)
     except (InvalidArgumentError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    cores = args.cores or len(os.sched_getaffinity(0))
     if args.hosts is not None:
         for i, coll in enumerate(colls):
             if i:

@@ -54,6 +54,7 @@ from .cost_model import (
     CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
+    DIRECT_BOUND,
     DIRECT_COMPILED,
     LINKS,
     MEMORY,
@@ -70,8 +71,6 @@ if TYPE_CHECKING:
 
 _log = log.get("TUNING")
 
-DIRECT_BOUND = 0.9  # the one shot's α is priced at most this share of the cheapest other
-# all_reduce at 8 B, unless it was the slower in every round of the probe (bound_direct)
 CHECK_WARM, CHECK_SERIES, CHECK_CALLS, CHECK_BATCHES = 2, 3, 6, 3  # the check of a cache entry at init:
 # the one shot as probes.typical (these counts), the busy α as probes.measure_busy (this many batches)
 CHECK_TOLERANCE = 3.0  # an entry whose α (or β) is this many times what the check measures is measured again

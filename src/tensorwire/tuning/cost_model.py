@@ -60,6 +60,8 @@ CMA = "cma"
 CMA_HUGE = "cma_huge"
 CMA_FOLD = "cma_fold"
 DIRECT_COMPILED, CMA_COMPILED = "direct_compiled", "cma_compiled"
+DIRECT_BOUND = 0.9  # the one shot's α is priced at most this share of the cheapest other
+# all_reduce at 8 B, unless it was the slower in every round of the probe (calibrate.bound_direct)
 COMPILED_BYTES = PIECE
 """The one shot's bodies run in C for calls of up to this many bytes (and the slot's), and
 DIRECT_COMPILED prices them there (measured at it, probes.measure_compiled); beyond, the Python

@@ -22,12 +22,16 @@ from ..errors import InvalidArgumentError
 from . import crossing
 from .cache import cache_dir, cached_entries, host_hash
 from .cost_model import (
+    BUSY,
+    BUSY_PAIRS,
+    BUSY_RING,
     CMA,
     CMA_COMPILED,
     CMA_FOLD,
     CMA_HUGE,
     COMPILED_BYTES,
     DEFAULT_LINKS,
+    DIRECT_BOUND,
     DIRECT_COMPILED,
     LINKS,
     MEMORY,
@@ -39,11 +43,10 @@ from .cost_model import (
     Streams,
     compiled_prices,
     phase_prices,
-    predict,
     price,
     shared,
 )
-from .policy import REDUCTIONS, allowed, is_deterministic
+from .policy import REDUCTIONS, allowed, is_deterministic, parse_algo
 from .shape import LocalPrice, RailPrice, Shape
 from .tuning_file import REQUIRED
 
@@ -79,6 +82,10 @@ class Tier:
     compiled: dict[str, Link] = field(default_factory=dict)  # calls run whole in C (compiled_prices)
     one_way: Link | None = None  # messages one way, where measured (cost_model.ONE_WAY)
     stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
+    cores: int = 0  # the cores this tier's ranks share on one host (0: a core each)
+    busy: tuple[Link | None, Link | None, Link | None] = (None, None, None)
+    """This host's tier measured with every rank at work (cost_model.BUSY, BUSY_RING, BUSY_PAIRS),
+    where its calibration did: a job's calls on one host cost no less than their work at these."""
 
     def host(self, n: int) -> Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
@@ -86,7 +93,8 @@ class Tier:
             return None
         cma = self.cma or DEFAULT_LINKS[CMA]
         return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
-                    self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None)
+                    self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None,
+                    cores=self.cores)
 
     def own(self, collective: str, n: int, m: int) -> tuple[Link | None, Host | None]:
         """The one shot's link and the host of a call of `collective`, m bytes on n ranks, priced as
@@ -95,9 +103,16 @@ class Tier:
                                collective in REDUCTIONS)
 
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
-        direct, host = self.own(alg.collective, n, m)
-        return predict(alg, n, m, self.link, direct, host=host,  # type: ignore[arg-type]
-                       one_way=self.one_way, streams=streams)
+        return self.price([alg], n, m, streams)[0][0]
+
+    def price(self, algs: list[Algorithm], n: int, m: int,
+              streams: Streams | None = None) -> list[tuple[float, str, Algorithm]]:
+        """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first,
+        with every link a job's tuner prices them with (tuner.Model.price)."""
+        direct, host = self.own(algs[0].collective, n, m) if algs else (None, None)
+        busy, ring, pairs = self.busy
+        return price(algs, n, m, self.link, direct, busy, ring, host, pairs,  # type: ignore[arg-type]
+                     self.one_way, streams=streams)
 
     def streams(self, nsocks: int, threads: int, cores: float = 0.0) -> Streams:
         """This tier's connections over `nsocks` streams a pair and `threads` pump threads a
@@ -107,33 +122,50 @@ class Tier:
 
 # -- link constants ----------------------------------------------------------------------------
 
-def cached_links(cfg: Config, n: int = 2) -> dict[str, tuple[Link, str]]:
+def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, tuple[Link, str]]:
     """This host's calibrated links (on this host alone) from its cache, each from the entry
     whose rank count is nearest `n`, the newest of those: where ranks outnumber cores the
-    constants differ (docs/design/calibration.md#plans-rank-count)."""
+    constants differ (docs/design/calibration.md#plans-rank-count). Only entries a job would
+    read (cache.read_cache): trusted, and no older than TENSORWIRE_CACHE_MAX_AGE; or written
+    from `since` on (what plan's own probe measured, under load or not)."""
     me = format(host_hash(), "016x")
     found: dict[str, tuple[Link, str]] = {}
+    now = time.time()
     entries = cached_entries(cache_dir(cfg.cache_dir))  # newest first
     entries.sort(key=lambda e: abs(int(e.get("world_size") or 2) - n))  # stable: newest among equals
     for entry in entries:
-        if entry.get("hosts") != [me]:
+        created = float(entry.get("created", 0))
+        if entry.get("hosts") != [me] or (created < since and (
+                not entry.get("trusted", False) or not 0 <= now - created <= cfg.cache_max_age)):
             continue
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
+        measured_over = "tcp" if entry.get("tiers") == ["tcp"] else "shm"  # what its busy links measured
         for tier, values in entry["links"].items():
-            if tier in LINKS and tier not in found and all(f in values for f in REQUIRED):
+            name = f"{tier}@{measured_over}" if tier in BUSY_LINKS else tier
+            if tier in LINKS and name not in found and all(f in values for f in REQUIRED):
                 origin = f"cached {when}, {entry.get('world_size', '?')}-rank probe, {entry['path']}"
-                found[tier] = (Link(tier, **values), origin)
+                if not entry.get("trusted", False):
+                    origin += "; measured under load: a job measures again"
+                if tier == "direct" and entry.get("direct_slower"):
+                    origin += DIRECT_SLOWER
+                found[name] = (Link(tier, **values), origin)
     return found
 
 
+BUSY_LINKS = (BUSY, BUSY_RING, BUSY_PAIRS)
+DIRECT_SLOWER = "; slower than the messages in every round of its probe"
+"""The end of a cached one shot's origin whose α is priced as measured (calibrate.bound_direct)."""
+
+
 def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
-          local: dict[str, tuple[Link, str]], gamma: float | None, n: int = 2) -> list[Tier]:
+          local: dict[str, tuple[Link, str]], gamma: float | None, n: int = 2, cores: int = 0) -> list[Tier]:
     """The tiers `names`, the local ones with the constants in `local` (cached_links, and
     what a probe added), the others hypothetical, given as NAME=ALPHA_US:GBPS or from the
     tuning file (`file`, as tuning_file.load_tuning_file reads it, which also overrides the
     others' constants); `gamma` prices their reductions (None: this host's). Every tier but
     shared memory carries what one TCP stream moves (`tcp_stream`, the file's or the default),
-    unless its link was measured here, through the streams."""
+    unless its link was measured here, through the streams. `cores`: those this host's n
+    ranks share, for the local tiers (0: a core each)."""
     if gamma is None:  # the shared-memory link's γ, whichever tiers are listed beside
         shm = local.get("shm") or cached_links(cfg, n).get("shm")
         gamma = (shm[0] if shm else DEFAULT_LINKS["shm"]).gamma
@@ -177,23 +209,37 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 one_way = local.get(one_way_name, (None, ""))[0]
         host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
         compiled: dict[str, Link] = {}
-        if name == "shm":
-            direct = local.get("direct", (None, ""))[0]
-            if "direct" in file and direct is not None:
-                direct = replace(direct, **file["direct"])
+        if name == "shm":  # the one shot's and the compiled calls' constants: measured, else the defaults
+            direct = replace(local.get("direct", (DEFAULT_LINKS["direct"], ""))[0], **file.get("direct", {}))
             for entry in host:
                 measured = local.get(entry, (DEFAULT_LINKS[entry], ""))[0]
                 host[entry] = replace(measured, **file[entry]) if entry in file else measured
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
-            compiled = {e: replace(local[e][0], **file.get(e, {})) for e in (DIRECT_COMPILED, CMA_COMPILED)
-                        if e in local}
+            compiled = {e: replace(local.get(e, (DEFAULT_LINKS[e], ""))[0], **file.get(e, {}))
+                        for e in (DIRECT_COMPILED, CMA_COMPILED)}
         measured = name in local and name not in file
-        out.append(Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
-                        memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
-                        compiled=compiled, one_way=one_way,
-                        stream=None if name == "shm" or measured else stream))
+        busy = tuple(local.get(f"{b}@{name}", (None, ""))[0] for b in BUSY_LINKS) if name in LOCAL else \
+            (None, None, None)
+        tier = Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
+                    memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
+                    compiled=compiled, one_way=one_way, stream=None if name == "shm" or measured else stream,
+                    cores=cores if name in LOCAL else 0, busy=busy)  # type: ignore[arg-type]
+        if direct is not None and "direct" in local and "direct" not in file and \
+                not local["direct"][1].endswith(DIRECT_SLOWER):
+            tier.direct = bound_direct(direct, tier, cfg, n)
+        out.append(tier)
     return out
+
+
+def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
+    """A cached one shot's α as a job prices it (calibrate.bound_direct): at most DIRECT_BOUND
+    of the cheapest other all_reduce of 8 bytes on n ranks (by messages, or single copy)."""
+    others = [a for a in algorithms_for("all_reduce").values()
+              if a.name != "direct" and a.phases is None and a.eligible(n, 8)
+              and (not a.needs_direct or (a.needs_single_copy and cfg.single_copy != "0"))]
+    bound = DIRECT_BOUND * tier.price(others, n, 8)[0][0]
+    return direct if direct.alpha <= bound else replace(direct, alpha=bound)
 
 
 def _custom(name: str) -> Link | None:
@@ -215,15 +261,24 @@ def _custom(name: str) -> Link | None:
 # -- pricing ---------------------------------------------------------------------------------------
 
 def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Config,
-            direct_bytes: int) -> str:
-    """'' if `alg` can run this call on this tier, else the reason it cannot."""
+            direct_bytes: int, cores: int = 0) -> str:
+    """'' if `alg` can run this call on this tier, else the reason it cannot; `cores`: those
+    the n ranks share on this host (0: not known), for the rules of ranks that outnumber them
+    (as tuner.candidates applies them)."""
     if alg.phases is not None:
         return "groups across hosts only (--hosts, --per-host)"
+    crowded = 0 < cores < n
     if alg.needs_direct:
         if not tier.direct_ok:
             return "one-host shared-memory path only"
         if slot_bytes(alg, n, m) > direct_bytes:
             return f"shared-memory path holds <= {format_size(direct_bytes)}"
+        if alg.needs_single_copy and cfg.single_copy == "0":
+            return "TENSORWIRE_SINGLE_COPY=0"
+        if alg.needs_single_copy and crowded and cfg.single_copy == "1" and not alg.single_copy_crowded:
+            return f"not where {n} ranks share {cores} cores (TENSORWIRE_SINGLE_COPY=force allows it)"
+        if m < alg.crowded_below and crowded and alg.name not in parse_algo(cfg.algo, collective)[0]:
+            return f"not below {format_size(alg.crowded_below)} where {n} ranks share {cores} cores"
     if not alg.eligible(n, m):
         return f"not for {n} ranks at this size"
     if cfg.algo and not allowed(replace(cfg, deterministic=False), collective, alg.name):
@@ -234,16 +289,17 @@ def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Co
 
 
 def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
-             direct_bytes: int, streams: Streams | None = None) -> str | None:
-    ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes)]
-    direct, host = tier.own(collective, n, m)
-    return price(ok, n, m, tier.link, direct, host=host, streams=streams)[0][1] if ok else None
+             direct_bytes: int, streams: Streams | None = None, cores: int = 0) -> str | None:
+    """The algorithm of the lowest `Tier.cost` among those that can run the call (why_not)."""
+    ok = [a for a in algs if not why_not(a, collective, n, m, tier, cfg, direct_bytes, cores)]
+    return tier.price(ok, n, m, streams)[0][1] if ok else None
 
 
 def crossovers(algs: list[Algorithm], collective: str, n: int, tier: Tier, cfg: Config,
-               direct_bytes: int, streams: Streams | None = None) -> list[tuple[int, str | None, str | None]]:
+               direct_bytes: int, streams: Streams | None = None,
+               cores: int = 0) -> list[tuple[int, str | None, str | None]]:
     """(size, winner below, winner from there on) for every change of the cheapest algorithm."""
-    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes, streams),
+    return changes_of(lambda m: cheapest(algs, collective, n, m, tier, cfg, direct_bytes, streams, cores),
                       direct_bytes)
 
 
