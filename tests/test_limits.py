@@ -399,6 +399,35 @@ def test_a_segment_left_without_its_owner_record_is_removed_once_old(tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tw-new"]
 
 
+def test_only_this_users_segments_are_removed(tmp_path: Path) -> None:
+    """Files named like segments that tensorwire did not make (a short file, text), or another
+    user's (an empty one, or a segment whose creator is gone) are never removed: a root job
+    must not delete what others keep in /dev/shm."""
+    from tensorwire.transport import shm
+
+    theirs = tmp_path / "tw-theirs"  # a segment whose creator has exited
+    subprocess.run([sys.executable, "-c", "from tensorwire.transport import shm; import os, sys; "
+                    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+                    "os.pwrite(fd, shm._owner(), shm._OWNER_AT); os.ftruncate(fd, 1 << 16)", str(theirs)],
+                   check=True, timeout=60)
+    (tmp_path / "tw-notes.txt").write_text("my notes\n")
+    (tmp_path / "tw-short").write_bytes(bytes(100))
+    (tmp_path / "tw-other-empty").touch()
+    long_ago = time.time() - 2 * shm._UNWRITTEN_S
+    for p in tmp_path.iterdir():
+        os.utime(p, (long_ago, long_ago))
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "tw-other-empty", 65534, 65534)
+        os.chown(theirs, 65534, 65534)
+    else:  # not root: the files are this user's, and only the two that tensorwire left go
+        (tmp_path / "tw-other-empty").rename(tmp_path / "tw-empty")
+    removed, _ = shm.remove_stale(str(tmp_path))
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == (["tw-notes.txt", "tw-other-empty", "tw-short", "tw-theirs"] if os.geteuid() == 0
+                    else ["tw-notes.txt", "tw-short"]), kept
+    assert removed == (0 if os.geteuid() == 0 else 2)
+
+
 def test_plans_fit_half_the_free_space() -> None:
     # 4 ranks, the defaults (4 MiB rings, 1 MiB slots): 56 MiB wanted
     assert shm_budget.plan_ring(1 << 30, 4, 4 * MiB, 4, MiB) == 4 * MiB

@@ -158,8 +158,9 @@ def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
     """Unlink the segments in `directory` whose creating process is gone: a job killed before
     it unlinked them (a live job's are unlinked as soon as mapped). Only where the creator is
     provably gone: in this process's pid namespace, its pid exited or reused (start time); a
-    creator in another namespace (container) is never judged; a segment that never got its
-    owner record, after _UNWRITTEN_S. (segments, bytes) removed."""
+    creator in another namespace (container) is never judged; an empty file (a creator that
+    died before it wrote its owner record), after _UNWRITTEN_S. Only this user's files: others'
+    (root's job among them) are theirs to clean. (segments, bytes) removed."""
     mine = pid_namespace().encode()
     if process_start() < 0 or not mine:  # no /proc to tell the living from the dead
         return 0, 0
@@ -186,9 +187,11 @@ def _held_by_the_gone(path: str, pidns: bytes) -> int:
         return -1
     finally:
         os.close(fd)
+    if st.st_uid != os.geteuid():
+        return -1
     if len(record) < _OWNER.size:
-        unwritten = stat.S_ISREG(st.st_mode) and not record.strip(b"\0")
-        return st.st_blocks * 512 if unwritten and time.time() - st.st_mtime > _UNWRITTEN_S else -1
+        unwritten = stat.S_ISREG(st.st_mode) and st.st_size == 0
+        return 0 if unwritten and time.time() - st.st_mtime > _UNWRITTEN_S else -1
     magic, pid, start, ns = _OWNER.unpack(record)
     if magic != _MAGIC or ns.rstrip(b"\0") != pidns or start < 0 or start_of(pid) == start:
         return -1
