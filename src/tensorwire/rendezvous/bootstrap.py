@@ -485,7 +485,8 @@ def detect(rank: int | None = None, world_size: int | None = None, init_method: 
 
 
 class UnauthenticatedJobWarning(UserWarning):
-    """A job that spans hosts runs without a secret: anyone who reaches its ports can join it."""
+    """A job that spans hosts runs without a secret: anyone who reaches its ports can join it
+    (and run code on its ranks through the object collectives)."""
 
 
 _warned = False
@@ -522,7 +523,8 @@ def job_secret(info: LaunchInfo, env: Mapping[str, str] = os.environ) -> auth.Se
                f"or {auth.ENV_SECRET}")
         warnings.warn(
             f"tensorwire: this job spans hosts ({info.world_size} ranks, {on_host}) and has no secret: "
-            f"anyone who can reach its ports can join it or read and change its store. To authenticate "
+            f"anyone who can reach its ports can join it, read and change its store, and run code on every "
+            f"rank through the object collectives (pickle). To authenticate "
             f"its connections, {how} (see docs/security.md).", UnauthenticatedJobWarning, stacklevel=3)
     return auth.NO_SECRET
 
