@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..buffers import as_array, like_torch
+from ..buffers import as_array, like_torch, seen_torch_view
 from ..errors import AbortedError, InvalidArgumentError
 from ..group.group import Group
 from ..ops import ReduceOp, premul_sum
@@ -94,6 +94,16 @@ def _check_tensor(t: Any, group: Group | None) -> None:
 _OPS = tuple(ReduceOp)  # by value: tensorwire numbers its ops as torch's RedOpType does
 _SUM = dist.ReduceOp.SUM
 _UNSET = dist.AllreduceOptions().timeout  # torch's "no timeout of the call's own"
+_ALLREDUCE_OPTIONS, _BROADCAST_OPTIONS = dist.AllreduceOptions, dist.BroadcastOptions
+
+
+def _seen(tensors: Any, opts: Any, kind: type) -> Any:
+    """The view of a plain synchronous call's one small CPU tensor that a call made before
+    (buffers.seen_torch_view), else None: such a call goes straight to the group's planned
+    path, with the fewest reads through torch's bindings (docs/design/groups.md#torch-backend)."""
+    if type(opts) is kind and type(tensors) is list and len(tensors) == 1 and not opts.asyncOp:
+        return seen_torch_view(tensors[0])
+    return None
 
 
 def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
@@ -221,6 +231,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- reductions --------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        view = _seen(tensors, opts, _ALLREDUCE_OPTIONS)
+        if view is not None and self._compress is None and opts.reduceOp == _SUM:
+            self._tw.all_reduce(view, ReduceOp.SUM, timeout=self._timeout_of(opts))
+            return self._completed(tensors)
         # type() first: isinstance against torch.Tensor and hasattr on torch's options each
         # cost a tenth of a small call (docs/design/groups.md#torch-backend)
         if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # allreduce(t, op), pybind's
@@ -378,6 +392,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- data movement -----------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        view = _seen(tensors, opts, _BROADCAST_OPTIONS)
+        if view is not None:
+            self._tw.broadcast(view, opts.rootRank, timeout=self._timeout_of(opts))
+            return self._completed(tensors)
         if isinstance(tensors, torch.Tensor):  # the pybind convenience form: broadcast(t, root)
             tensors = [tensors]
         if opts is None or not hasattr(opts, "asyncOp"):
