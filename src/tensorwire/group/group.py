@@ -9,6 +9,7 @@ collectives.py, p2p.py, objects.py, and shrink.py.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -207,7 +208,21 @@ class Group:
         reference, so a call still running keeps what it uses."""
         self.queue.stop_worker(grace)
         self.choices.clear()
+        self._report_last_call()
         self._forget(grace)
+
+    def _report_last_call(self) -> None:
+        """On stderr, whatever the log settings: a last call that this rank completed and a
+        peer made as another (DirectPath.last_call_mismatch), since no later call will raise it."""
+        direct = self.direct
+        if direct is None or self.engine.closed or self.ctx in self.engine.aborted:
+            return
+        st = direct.st
+        error = direct.last_call_mismatch(f"{st.prev_name} #{st.prev_seq - self.queue.internal} on group "
+                                          f"{self.name} (found as the group ended)")
+        if error is not None:
+            print(f"tensorwire: {error}; this rank's result of that call is not the collective's",
+                  file=sys.stderr, flush=True)
 
     def _forget(self, grace: float) -> None:
         """Drop the planned calls, the segment, the device state and the hierarchy's groups."""

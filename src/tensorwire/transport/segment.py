@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import time
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,7 @@ class GroupSegment(Segment):
 
 _CACHED = 64  # views and fingerprint words kept per group (cleared when full)
 _PRESPIN = 200  # flag polls before the first health check (~20 us)
+_END_WAIT_S = 0.1  # how long a group's end waits for peers still to publish its last call
 _PRESPIN_S = 20e-6  # the same spell in the compiled bodies (transport/native.py)
 WRITTEN, READ = 1, 2
 """Words of a control line beside the flag: how far this rank is through a streamed call, as
@@ -266,6 +268,29 @@ class DirectPath:
                     f"{prev} (found at {call.what})", _fp_from_words(st.prev_a, st.prev_b), theirs,
                     self.members[r])
         st.settled = 1
+
+    def last_call_mismatch(self, label: str) -> CollectiveMismatchError | None:
+        """As the group ends on this rank: where its last call returned before every peer had
+        published it (a broadcast's or scatter's root waits for no one), the mismatch with a
+        peer that published it as another call, waiting up to _END_WAIT_S for peers still to
+        publish it; else None. Ranks that each thought themselves the root of a group's last
+        broadcast received nothing and checked nothing: this is where they learn of it.
+        `label` names that call."""
+        st = self.st
+        if st.settled or not st.prev_seq:
+            return None
+        words, flags, seq = self.words, self.flags, st.prev_seq
+        base = _STAMP + st.parity * 3
+        end = time.monotonic() + _END_WAIT_S
+        for r in self.others:
+            while words[flags[r]] < seq and time.monotonic() < end:
+                time.sleep(0.001)
+            at = flags[r] + base
+            if words[at] == seq and (words[at + 1], words[at + 2]) != (st.prev_a, st.prev_b):
+                theirs = _fp_from_words(words[at + 1], words[at + 2])
+                return self.engine.mismatch_error(label, _fp_from_words(st.prev_a, st.prev_b), theirs,
+                                                  self.members[r])
+        return None
 
     def stamp(self, call) -> None:
         """Note a call that ran on the message path where every rank can read it, waiting for
