@@ -1120,6 +1120,19 @@ def test_a_first_job_holds_what_a_cached_one_does(tmp_path) -> None:
         assert new["rings"] <= old["rings"] and new["mapped"] <= old["mapped"], (r, new, old)
 
 
+def test_a_huge_ring_setting_does_not_slow_the_probe(tmp_path) -> None:
+    """The probe writes the ring its 1 MiB messages use once around before it times them: a
+    TENSORWIRE_SHM_RING far beyond what /dev/shm grants (99999G) made it write one message per
+    MiB of the setting, and init time out blaming the peer."""
+    env = {**os.environ, "TENSORWIRE_SHM_RING": "99999G", "TENSORWIRE_CALIBRATE": "force",
+           "TENSORWIRE_TIMEOUT": "30", "TENSORWIRE_CACHE_DIR": str(tmp_path)}
+    job = tmp_path / "job.py"
+    job.write_text("import tensorwire as tw\ntw.init()\ntw.barrier()\ntw.destroy()\n")
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(job)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:
     """A probe that shares the cores with other processes measures them as much as the links:
     its job uses what it measured, but the entry it writes is not trusted, so the next job

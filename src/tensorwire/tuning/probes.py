@@ -431,7 +431,9 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
         pair = pairs.get(tier)
         if pair is not None and me in pair:
             peer = pair[1] if me == pair[0] else pair[0]
-            warm = 1 + world.runtime.config.shm_ring_bytes // BETA_BYTES if tier == "shm" else 2
+            # once around the ring the 1 MiB messages write: one grows to hold two (4 MiB,
+            # ShmChannel._grow), never past the ring planned (TENSORWIRE_SHM_RING, /dev/shm)
+            warm = 1 + min(world.ring_bytes, 4 * BETA_BYTES) // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
     _max_politely(world, call, np.zeros(1), _SYNC)  # the busy rounds start together, after the lone pairs
     measured[busy.start: busy.start + 4] = measure_busy(
