@@ -543,17 +543,21 @@ def test_launcher_names_its_descriptor_limit(tmp_path: Path) -> None:
 
 
 MEMORY_JOB = textwrap.dedent("""\
-    import json, resource
+    import json, resource, sys
     import numpy as np
     import tensorwire as tw
     tw.init()
     x = np.ones(16 << 20, dtype=np.float32)  # 64 MiB; recursive doubling needs as much again
+    blob = bytes(64 << 20)  # ... and its pickle
     if tw.get_rank() == 1:
         with open("/proc/self/status") as f:
             vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
         resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
     try:
-        tw.all_reduce(x)
+        if sys.argv[1] == "all_reduce":
+            tw.all_reduce(x)
+        else:
+            tw.all_gather_object([None] * tw.get_world_size(), blob)
         result = {"rank": tw.get_rank(), "error": ""}
     except tw.TensorwireError as exc:
         result = {"rank": tw.get_rank(), "error": type(exc).__name__, "text": str(exc)}
@@ -561,17 +565,20 @@ MEMORY_JOB = textwrap.dedent("""\
 """)
 
 
-def test_out_of_memory_fails_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("call", ["all_reduce", "all_gather_object"])
+def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
+    """A call that cannot allocate, a buffer or an object's pickle, is a ResourceError naming
+    the limit on every rank (the pickle's was an InvalidArgumentError "cannot pickle")."""
     script = tmp_path / "memory_job.py"
     script.write_text(MEMORY_JOB)
     env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "300",
            "TENSORWIRE_ALGO": "allreduce:recursive_doubling"}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script), call],
                           capture_output=True, text=True, timeout=90, env=env)
     results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
                for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
     assert sorted(results) == [0, 1], proc.stderr
     for result in results.values():
         assert result["error"] == "ResourceError", result
-        assert result["text"].startswith("rank 1: all_reduce") and "out of memory" in result["text"]
-        assert "ulimit -v" in result["text"]
+        assert result["text"].startswith(f"rank 1: {call}") and "out of memory" in result["text"]
+        assert "ulimit -v" in result["text"] and "out of memory (;" not in result["text"], result

@@ -123,7 +123,7 @@ def memory_error(exc: BaseException, who: str) -> ResourceError:
     cgroup = _cgroup_memory()
     if cgroup:
         limits.append(cgroup)
-    return ResourceError(f"{who}: out of memory ({exc or type(exc).__name__}; {', '.join(limits)}): "
+    return ResourceError(f"{who}: out of memory ({str(exc) or type(exc).__name__}; {', '.join(limits)}): "
                          f"use smaller messages or raise the limit (docs/limits.md)")
 
 

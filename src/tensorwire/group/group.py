@@ -164,9 +164,10 @@ class Group:
             self.direct.withdraw(seq)
         self.engine.abort_group(self.ctx, seq, self.ranks, error)
 
-    def fail_fast(self, error: InvalidArgumentError) -> NoReturn:
-        """A local argument error in the call about to be made: that call fails on every member
-        (execution.CallQueue.refuse), so peers raise it too instead of waiting for this rank."""
+    def fail_fast(self, error: Exception) -> NoReturn:
+        """A local argument error (or a failed allocation) in the call about to be made: that
+        call fails on every member (execution.CallQueue.refuse), so peers raise it too instead
+        of waiting for this rank."""
         self.queue.refuse(error)
 
     def forget_plans(self) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import limits
 from ..algorithms.base import blocks_of
 from ..errors import TensorwireError, in_call
 from .arguments import check_member, check_root, invalid
@@ -131,7 +132,8 @@ def _pickle(group: Group, obj: Any, what: str) -> np.ndarray:
     """The object's bytes; an object that cannot be pickled fails the call on every rank (the
     others would wait for its sizes), naming this rank and the object's type."""
     try:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+    except MemoryError as exc:  # the limits, as any call that cannot allocate
+        group.fail_fast(limits.memory_error(exc, f"rank {group.runtime.rank}: {what}"))
     except Exception as exc:
         invalid(group, what, f"cannot pickle the {type(obj).__name__} given: {type(exc).__name__}: {exc}")
-    return np.frombuffer(data, dtype=np.uint8).copy()
