@@ -1135,6 +1135,9 @@ def test_hostile_client_against_a_running_job(tmp_path: Path) -> None:
           f"streams cut after {attacker.cut_at} bytes; {len(attacker.idle)} idle; served {attacker.served}")
     assert worst < 300 << 10, f"a process of the job reached {worst >> 10} MiB resident: {peak}, {results}"
     assert "dropped a connection" in err
+    # the store the launcher hosts logs its own (security.md): it logged nothing before
+    assert re.search(rf"rank launcher \[tensorwire WARNING tensorwire\.AUTH\] store \S+:{port}: dropped a "
+                     rf"connection", err), err[-3000:]
 
 
 def test_a_send_to_a_peer_that_just_left_finds_its_goodbye() -> None:

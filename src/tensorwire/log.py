@@ -30,8 +30,8 @@ _rank_filter = _RankFilter()
 logging.getLogger("tensorwire").addHandler(logging.NullHandler())  # silent unless configured
 
 
-def set_rank(rank: int) -> None:
-    """Stamp later log lines with this process's world rank."""
+def set_rank(rank: int | str) -> None:
+    """Stamp later log lines with this process's world rank (or role: `launcher`)."""
     _rank_filter.rank = str(rank)
 
 

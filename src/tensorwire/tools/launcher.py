@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from .. import auth, limits
+from .. import auth, limits, log
 from ..errors import InvalidArgumentError, RendezvousError, ResourceError, TensorwireError
 
 DEFAULT_GRACE_S = 5.0
@@ -636,6 +636,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "tensorwire run") -> int
         parser.print_usage(sys.stderr)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    log.configure()  # the store it hosts logs as the ranks do (TENSORWIRE_DEBUG)
+    log.set_rank("launcher")
     return Launcher(plan).run()
 
 
