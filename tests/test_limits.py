@@ -582,3 +582,16 @@ def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
         assert result["error"] == "ResourceError", result
         assert result["text"].startswith(f"rank 1: {call}") and "out of memory" in result["text"]
         assert "ulimit -v" in result["text"] and "out of memory (;" not in result["text"], result
+
+
+def test_a_segment_refused_for_descriptors_names_them_not_dev_shm() -> None:
+    """A one-shot segment or ring that could not be made for want of file descriptors (EMFILE:
+    a tester held every rank at its ulimit -n with half-open connections) is told as that,
+    not as /dev/shm being short of space with its fix."""
+    from tensorwire.transport.shm_budget import Shortfall
+
+    short = Shortfall(local=2, ring=4 << 20, ring_used=4 << 20, rings=2, refused=0, ring_errno=0,
+                      slot=1 << 20, slot_used=0, slot_errno=errno.EMFILE, size=2)
+    text = short.describe("rank 0: group g")
+    assert "out of file descriptors (ulimit -n is" in text and "no one-shot segment" in text, text
+    assert "/dev/shm" not in text, text

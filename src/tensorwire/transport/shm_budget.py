@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from .. import log
-from ..limits import typical_peers
+from ..limits import translate, typical_peers
 from .segment import GroupSegment
 from .shm import SHM_DIR, Ring, remove_stale
 
@@ -188,6 +188,9 @@ def _setting(nbytes: int) -> str:
     return f"{nbytes >> 10}K"
 
 
+_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
 @dataclass
 class Shortfall:
     """What a group got of what it asked for in /dev/shm (agreed by its members)."""
@@ -232,6 +235,10 @@ class Shortfall:
         elif self.slot_short:
             got.append("no one-shot segment: its collectives take the message path"
                        + (f" ({os.strerror(self.slot_errno)})" if self.slot_errno else ""))
+        descriptors = next((e for e in (self.ring_errno, self.slot_errno) if e in _DESCRIPTORS), 0)
+        if descriptors:  # not /dev/shm's space: the file descriptors a segment needs a moment
+            cause = translate(OSError(descriptors, os.strerror(descriptors)), where)
+            return f"{cause}; so it uses {'; '.join(got)}. Results are unchanged, large messages are slower"
         wanted = self.wanted()
         suggest = 64 << 20
         while suggest < SHARE * wanted:
