@@ -131,24 +131,37 @@ def shape_of(group: Group) -> Shape | None:
 
 
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
-    direct = group.direct
-    cfg = group.runtime.config
     shape = shape_of(group) if direct_ok else None  # a call with uneven blocks runs no hierarchy
-    force = forcing(cfg, collective, shape)
-    out = []
-    for alg in algorithms_for(collective).values():
-        if alg.phases is not None and not runs_on(alg, shape):
-            continue
-        if alg.needs_direct and (not direct_ok or direct is None
-                                 or slot_bytes(alg, group.size, nbytes) > direct.slot_bytes
-                                 or (alg.needs_single_copy and (not direct.single_copy or (
-                                     direct.crowded and not alg.single_copy_crowded)))
-                                 or (nbytes < alg.crowded_below and group.engine.oversubscribed
-                                     and alg.name not in parse_algo(cfg.algo, collective)[0])):
-            continue
-        if alg.eligible(group.size, nbytes) and allowed(cfg, collective, alg.name, force):
-            out.append(alg)
-    return out
+    force = forcing(group.runtime.config, collective, shape)
+    return [alg for alg in algorithms_for(collective).values()
+            if not why_not(group, alg, nbytes, direct_ok, shape, force)]
+
+
+def why_not(group: Group, alg: Algorithm, nbytes: int, direct_ok: bool, shape: Shape | None,
+            force: bool = True) -> str:
+    """'' where `alg` may run this call of nbytes on the group, else why not (the error of a
+    TENSORWIRE_ALGO that leaves nothing says it)."""
+    direct, cfg, n = group.direct, group.runtime.config, group.size
+    if alg.phases is not None and not runs_on(alg, shape):
+        return "runs across hosts holding ranks alike only"
+    if alg.needs_direct:
+        if not direct_ok or direct is None:
+            return "needs the one-host shared-memory path, which this group or call has not"
+        if slot_bytes(alg, n, nbytes) > direct.slot_bytes:
+            return (f"needs {slot_bytes(alg, n, nbytes)} B of a one-shot slot of {direct.slot_bytes} "
+                    f"(TENSORWIRE_SHM_DIRECT)")
+        if alg.needs_single_copy and not direct.single_copy:
+            return "reads peers' memory: TENSORWIRE_SINGLE_COPY or the kernel (ptrace) does not allow it here"
+        if alg.needs_single_copy and direct.crowded and not alg.single_copy_crowded:
+            return "not where ranks outnumber cores (TENSORWIRE_SINGLE_COPY=force allows it)"
+        if nbytes < alg.crowded_below and group.engine.oversubscribed and \
+                alg.name not in parse_algo(cfg.algo, alg.collective)[0]:
+            return f"not below {alg.crowded_below} B where ranks outnumber cores"
+    if not alg.eligible(n, nbytes):
+        return f"not for {n} ranks at {nbytes} B"
+    if not allowed(cfg, alg.collective, alg.name, force):
+        return "not allowed by TENSORWIRE_ALGO or deterministic mode"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -233,11 +246,15 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
     options = candidates(group, collective, nbytes, direct_ok)
     if not options:
         cfg = group.runtime.config
-        known = ", ".join(algorithms_for(collective))
         mode = " in deterministic mode" if cfg.deterministic and collective in REDUCTIONS else ""
+        shape = shape_of(group) if direct_ok else None
+        forced = parse_algo(cfg.algo, collective)[0] if cfg.algo else frozenset()
+        reasons = "; ".join(f"{name}: {why_not(group, alg, nbytes, direct_ok, shape, False) or 'excluded'}"
+                            for name, alg in sorted(algorithms_for(collective).items())
+                            if not forced or name in forced)
         raise InvalidArgumentError(
             f"rank {group.runtime.rank}: TENSORWIRE_ALGO={cfg.algo!r} leaves no {collective} algorithm{mode} "
-            f"for {nbytes} bytes on {group.size} ranks (known: {known})")
+            f"for {nbytes} bytes on {group.size} ranks ({reasons})")
     tier = tier_of(group)
     table = table_for(group.runtime)
     whole = group.direct is not None and nbytes <= min(COMPILED_BYTES, group.direct.slot_bytes)
