@@ -524,6 +524,7 @@ class JobOptions:
     kill_after: float | None = None
     kill_when: str | None = None
     kill_mode: str = "host"
+    restore_after: float | None = None  # link mode: the port comes back up this long after
     env: dict[str, str] = field(default_factory=dict)
     master_by_name: bool = False
 
@@ -536,6 +537,7 @@ class Runner:
         self.opts = opts
         self.out = out
         self.kill_event = threading.Event()
+        self.restore_at: float | None = None  # --restore-after: when the unplugged link comes back
         self.kill_pattern = re.compile(opts.kill_when) if opts.kill_when else None
         self.t0 = time.monotonic()
         self.timed_out = False
@@ -626,6 +628,8 @@ class Runner:
         else:  # link: unplug the cable; nobody is told
             h.injected = f"link down (bridge port p{h.index})"
             _cmd(["ip", "-n", self.bed.bridge_ns, "link", "set", f"p{h.index}", "down"], "unplug a link")
+            if o.restore_after is not None:
+                self.restore_at = time.monotonic() + o.restore_after
         say(f"fault injection at t={time.monotonic() - self.t0:.2f} s (wall {time.time():.3f}): "
             f"{h.hostname}: {h.injected}")
 
@@ -650,6 +654,13 @@ class Runner:
                     say(f"--job-timeout {o.job_timeout:g} s expired: terminating every host")
                     self._signal(running, signal.SIGTERM)
                     deadline_kill = now + TERM_TO_KILL_S
+                if self.restore_at is not None and now >= self.restore_at:
+                    self.restore_at = None
+                    h = self.bed.hosts[o.kill_host]  # type: ignore[index]
+                    _cmd(["ip", "-n", self.bed.bridge_ns, "link", "set", f"p{h.index}", "up"],
+                         "plug a link back")
+                    say(f"fault injection at t={now - self.t0:.2f} s (wall {time.time():.3f}): {h.hostname}: "
+                        f"link up again")
                 if deadline_kill is not None and now >= deadline_kill:
                     say("hosts still running after SIGTERM: sending SIGKILL")
                     self._signal(running, signal.SIGKILL)
@@ -826,6 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-mode", choices=("host", "launcher", "link"), default="host",
                    help="host: SIGKILL the launcher and its ranks (a crash, default); launcher: SIGKILL "
                         "the launcher only; link: take the host's bridge port down (no one is told)")
+    p.add_argument("--restore-after", type=float, default=None, metavar="S",
+                   help="with --kill-mode link: bring the port back up S seconds later (an outage)")
     p.add_argument("--check-support", action="store_true",
                    help="only probe whether namespaces, unshare --uts, tbf and netem work here; exit 0 "
                         "if a testbed can be built, 3 if not")
@@ -871,6 +884,8 @@ def _validate(p: argparse.ArgumentParser,
                 p.error(f"--kill-when {a.kill_when!r} is not a regular expression: {exc}")
     elif a.kill_after is not None or a.kill_when is not None:
         p.error("--kill-after / --kill-when need --kill-host I")
+    if a.restore_after is not None and (a.kill_mode != "link" or a.kill_host is None or a.restore_after <= 0):
+        p.error("--restore-after S (> 0) goes with --kill-host I --kill-mode link")
     env = {}
     for item in a.env:
         key, sep, value = item.partition("=")
@@ -926,8 +941,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     opts = JobOptions(nproc=args.nproc_per_host, job=job, master_port=args.master_port, python=args.python,
                       tcp=args.tcp, timeout=args.timeout, grace=args.grace, job_timeout=args.job_timeout,
                       check_transport=args.check_transport, kill_host=args.kill_host,
-                      kill_after=args.kill_after, kill_when=args.kill_when, kill_mode=args.kill_mode, env=env,
-                      master_by_name=args.master_by_name)
+                      kill_after=args.kill_after, kill_when=args.kill_when, kill_mode=args.kill_mode,
+                      restore_after=args.restore_after, env=env, master_by_name=args.master_by_name)
     bed = Testbed(args.hosts, rate=rate, rate_text=args.rate, delay_text=args.delay,
                   loopback_hostname=args.loopback_hostname, sysctls=sysctls)
     runner: Runner | None = None

@@ -751,8 +751,8 @@ def test_choice_is_cached_per_group_and_size() -> None:
 def test_no_algorithm_left_is_a_clear_error() -> None:
     """The error says why each algorithm TENSORWIRE_ALGO forces cannot run the call."""
     g = _Group(4, "tcp", Config(algo="allreduce:direct"))  # no shared-memory path on TCP
-    with pytest.raises(InvalidArgumentError, match=r"leaves no all_reduce algorithm for 1024 bytes on 4 ranks "
-                                                   r"\(direct: needs the one-host shared-memory path"):
+    with pytest.raises(InvalidArgumentError, match=r"leaves no all_reduce algorithm for 1024 bytes on 4 "
+                                                   r"ranks \(direct: needs the one-host shared-memory path"):
         tuner.select(g, "all_reduce", 1024)
     g = _Group(2, "tcp", Config(algo="reduce:single_copy"))
     with pytest.raises(InvalidArgumentError, match=r"\(single_copy: needs the one-host"):

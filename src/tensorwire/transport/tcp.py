@@ -30,6 +30,7 @@ from .requests import RecvRequest, SendRequest, Sink
 from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
+_TCP_RTO_MAX_MS, _RTO_MAX_MS = 44, 1000  # Linux 6.15's TCP_RTO_MAX_MS (linux/tcp.h), its least value
 SPLIT_BYTES = 256 << 10
 """Messages from this size may be split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
@@ -119,7 +120,10 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
     keepalive probes every fifth of it while idle, as many unanswered as fill it (the kernel's
     timers, nothing per message); an outage shorter than that is lived through. One with data
     waiting for an acknowledgement sends no keepalive: idle waiters look at those
-    (failures.Failures.check_silent)."""
+    (failures.Failures.check_silent); where the kernel lets it (Linux 6.15), it retransmits at
+    least every second, so that such data moves within a second of a link's return, not after
+    the several seconds exponential backoff had reached by then (an outage shorter than the
+    timeout was taken for a lost host)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bound = max(1, math.ceil(cfg.peer_timeout))
@@ -128,6 +132,10 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                            (socket.TCP_KEEPCNT, -(-bound // interval))):
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, _RTO_MAX_MS)
+        except OSError:  # an older kernel: backoff as it goes
+            pass
         if cfg.tcp_congestion:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.tcp_congestion.encode())
