@@ -625,6 +625,10 @@ class Runner:
                 h.proc.kill()
             except ProcessLookupError:
                 pass
+        elif o.kill_mode == "address":  # the NIC's address goes: its own ranks' sockets to it too
+            h.injected = f"address {h.address} deleted"
+            _cmd(["ip", "-n", h.ns, "addr", "del", f"{h.address}/{PREFIX_LEN}", "dev", HOST_IF],
+                 "delete an address")
         else:  # link: unplug the cable; nobody is told
             h.injected = f"link down (bridge port p{h.index})"
             _cmd(["ip", "-n", self.bed.bridge_ns, "link", "set", f"p{h.index}", "down"], "unplug a link")
@@ -834,9 +838,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... S seconds after the start")
     p.add_argument("--kill-when", default=None, metavar="REGEX",
                    help="... as soon as any host prints a line matching REGEX")
-    p.add_argument("--kill-mode", choices=("host", "launcher", "link"), default="host",
+    p.add_argument("--kill-mode", choices=("host", "launcher", "link", "address"), default="host",
                    help="host: SIGKILL the launcher and its ranks (a crash, default); launcher: SIGKILL "
-                        "the launcher only; link: take the host's bridge port down (no one is told)")
+                        "the launcher only; link: take the host's bridge port down (no one is told); "
+                        "address: delete the host's address (a failed NIC, a lost lease)")
     p.add_argument("--restore-after", type=float, default=None, metavar="S",
                    help="with --kill-mode link: bring the port back up S seconds later (an outage)")
     p.add_argument("--check-support", action="store_true",

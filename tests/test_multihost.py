@@ -516,18 +516,22 @@ def test_host_crash_fails_the_others_with_peer_lost(support: dict, job: str) -> 
 
 
 @pytest.mark.timeout(90)
-def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(support: dict, job: str) -> None:
+@pytest.mark.parametrize("mode", ["link", "address"])
+def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(support: dict, job: str,
+                                                                            mode: str) -> None:
     """TENSORWIRE_PEER_TIMEOUT is 2 s here (the calls' timeout 30 s). First a live rank that
     reads 32 MiB sent to it 3 s late is not lost (its sender waits on a closed receive window,
-    whose probes the reader's kernel answers). Then host 1's link goes down mid-job (no reset
-    ever reaches anyone): within the peer timeout every rank raises PeerLostError naming a rank
-    of the other host, shrinks the world to the ranks of its own host, and an all_reduce there
-    is right."""
+    whose probes the reader's kernel answers). Then host 1's link goes down mid-job, or its
+    address goes (a failed NIC; its own ranks' sockets to each other went through it): no reset
+    ever reaches anyone. Within the peer timeout every rank raises PeerLostError naming a rank
+    of the other host, never one of its own (whose process it sees running: each rank of host 1
+    shrank to itself alone before), shrinks the world to the ranks of its own host, and an
+    all_reduce there is right."""
     peer_timeout = 2.0
-    res = run_bed(["--hosts", "2", "-n", "2", "--kill-host", "1", "--kill-mode", "link", "--kill-when",
+    res = run_bed(["--hosts", "2", "-n", "2", "--kill-host", "1", "--kill-mode", mode, "--kill-when",
                    "^READY$", "--env", f"TENSORWIRE_PEER_TIMEOUT={peer_timeout:g}"], [job, "cut", "3"],
                   timeout=80)
-    injected = res.lines(r"fault injection at t=[\d.]+ s \(wall ([\d.]+)\): twhost-1: link down")
+    injected = res.lines(r"fault injection at t=[\d.]+ s \(wall ([\d.]+)\): twhost-1: (link down|address)")
     assert injected, res.out
     t_cut = float(injected[0].group(1))
     failed = {int(m.group(1)): (float(m.group(2)), m.group(3), m.group(4))

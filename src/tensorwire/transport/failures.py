@@ -287,8 +287,9 @@ class Failures:
         with self.lock:
             for channel in self.channel_list:
                 peer = channel.peer
-                if peer in self.lost:
-                    continue
+                if peer in self.lost or (peer in self.host_peers and peer in self.wiring.procs
+                                         and not self.wiring.gone(peer)):
+                    continue  # a rank of this host whose process runs is no silent host
                 waited = max((unanswered_ms(sock) for sock in channel.sockets), default=0)
                 if waited < limit_ms:
                     self._silent.pop(peer, None)
