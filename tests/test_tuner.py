@@ -171,6 +171,7 @@ class _Group:
         self.ring_bytes = self.runtime.config.shm_ring_bytes
         self.choices: dict = {}
         self.huge_seen: dict = {}
+        self.engine = SimpleNamespace(oversubscribed=False)
 
 
 def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
@@ -752,10 +753,10 @@ def test_no_algorithm_left_is_a_clear_error() -> None:
     """The error says why each algorithm TENSORWIRE_ALGO forces cannot run the call."""
     g = _Group(4, "tcp", Config(algo="allreduce:direct"))  # no shared-memory path on TCP
     with pytest.raises(InvalidArgumentError, match=r"leaves no all_reduce algorithm for 1024 bytes on 4 "
-                                                   r"ranks \(direct: needs the one-host shared-memory path"):
+                                                   r"ranks \(direct: one-host shared-memory path only\)"):
         tuner.select(g, "all_reduce", 1024)
     g = _Group(2, "tcp", Config(algo="reduce:single_copy"))
-    with pytest.raises(InvalidArgumentError, match=r"\(single_copy: needs the one-host"):
+    with pytest.raises(InvalidArgumentError, match=r"\(single_copy: one-host shared-memory path only"):
         tuner.select(g, "reduce", 1 << 20)
 
 
@@ -1679,6 +1680,22 @@ def test_plan_reads_only_the_entries_a_job_would(tmp_path, monkeypatch) -> None:
     assert pricing.cached_links(Config.from_env(), 2)["shm"][0].alpha == 9e-6
     os.remove(cache.cache_path(str(tmp_path), "good"))
     assert "shm" not in pricing.cached_links(Config.from_env(), 2)
+
+
+def test_plan_files_busy_links_under_the_tier_they_measured(tmp_path, monkeypatch) -> None:
+    """A job's entry lists every link it used ("tiers"); its busy links were measured over its
+    own tier (the shared memory's where it used that, else TCP): plan prices each tier with its own."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    me = format(cache.host_hash(), "016x")
+    for tier, alpha in (("shm", 3e-6), ("tcp", 50e-6)):
+        links = {name: Link(name, alpha, 1e-10, 1e-10) for name in (tier, ONE_WAY[tier], BUSY, BUSY_RING,
+                                                                     BUSY_PAIRS)}
+        cache.write_cache(cache.cache_path(str(tmp_path), tier), links,
+                          {"created": time.time(), "world_size": 2, "tiers": sorted(links), "hosts": [me],
+                           "trusted": True})
+    cfg = Config.from_env()
+    shm, tcp = pricing.tiers(["shm", "tcp"], cfg, {}, pricing.cached_links(cfg, 2), None)
+    assert [b.alpha for b in shm.busy] == [3e-6] * 3 and [b.alpha for b in tcp.busy] == [50e-6] * 3
 
 
 def rank_plan_against_the_job() -> list:

@@ -16,9 +16,10 @@ order and so produce the same bits whatever was chosen.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from ..algorithms import rank_ordered
-from ..algorithms.registry import COLLECTIVES, Algorithm, algorithms_for
+from ..algorithms.registry import COLLECTIVES, Algorithm, algorithms_for, slot_bytes
 from ..config import Config
 from ..errors import InvalidArgumentError
 from .shape import Shape
@@ -170,6 +171,40 @@ def forcing(cfg: Config, collective: str, shape: Shape | None) -> bool:
     algs = algorithms_for(collective)
     return not all(name in algs and algs[name].phases is not None and not runs_on(algs[name], shape)
                    for name in forced)
+
+
+def why_not(alg: Algorithm, n: int, nbytes: int, cfg: Config, *, slot: int | None = None,
+            single_copy: bool = False, crowded: bool = False, oversubscribed: bool = False,
+            shape: Shape | None = None, force: bool = True) -> str:
+    """'' where `alg` may run a call of nbytes on n ranks, else why not: the rules of the
+    tuner's choice (tuner.candidates) and of `tensorwire plan` alike. `slot`: the call's
+    one-shot slot (None: no shared-memory path); `single_copy`: the ranks may read each other's
+    memory; `crowded`: TENSORWIRE_SINGLE_COPY=1's rule where ranks outnumber cores;
+    `oversubscribed`: ranks outnumber the cores they may use; `shape`: what hierarchical
+    algorithms would run in (None: nothing across hosts); `force`: TENSORWIRE_ALGO's forcing
+    binds (forcing)."""
+    if alg.phases is not None and not runs_on(alg, shape):
+        return "groups across hosts only" if shape is None else "not for hosts of these numbers of ranks"
+    if alg.needs_direct:
+        if slot is None:
+            return "one-host shared-memory path only"
+        need = slot_bytes(alg, n, nbytes)
+        if need > slot:
+            return f"needs {need} B of a one-shot slot of {slot} (TENSORWIRE_SHM_DIRECT)"
+        if alg.needs_single_copy and not single_copy:
+            return "reads peers' memory: TENSORWIRE_SINGLE_COPY or the kernel (ptrace) does not allow it here"
+        if alg.needs_single_copy and crowded and not alg.single_copy_crowded:
+            return "not where ranks outnumber cores (TENSORWIRE_SINGLE_COPY=force allows it)"
+        if nbytes < alg.crowded_below and oversubscribed and \
+                alg.name not in parse_algo(cfg.algo, alg.collective)[0]:
+            return f"not below {alg.crowded_below} B where ranks outnumber cores"
+    if not alg.eligible(n, nbytes):
+        return f"not for {n} ranks at {nbytes} B"
+    if cfg.algo and not allowed(replace(cfg, deterministic=False), alg.collective, alg.name, force):
+        return "excluded by TENSORWIRE_ALGO"
+    if cfg.deterministic and not is_deterministic(alg):
+        return "not rank-ordered (deterministic mode)"
+    return ""
 
 
 def runs_on(alg: Algorithm, shape: Shape | None) -> bool:

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..algorithms.compressed import compressed_cost
-from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..algorithms.registry import Algorithm, Link, algorithms_for
 from ..config import Config
 from ..errors import InvalidArgumentError
-from . import crossing
+from . import crossing, policy
 from .cache import cache_dir, cached_entries, host_hash
 from .cost_model import (
     BUSY,
@@ -46,7 +46,7 @@ from .cost_model import (
     price,
     shared,
 )
-from .policy import REDUCTIONS, allowed, is_deterministic, parse_algo
+from .policy import REDUCTIONS, forcing
 from .shape import LocalPrice, RailPrice, Shape
 from .tuning_file import REQUIRED
 
@@ -125,9 +125,9 @@ class Tier:
 def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, tuple[Link, str]]:
     """This host's calibrated links (on this host alone) from its cache, each from the entry
     whose rank count is nearest `n`, the newest of those: where ranks outnumber cores the
-    constants differ (docs/design/calibration.md#plans-rank-count). Only entries a job would
-    read (cache.read_cache): trusted, and no older than TENSORWIRE_CACHE_MAX_AGE; or written
-    from `since` on (what plan's own probe measured, under load or not)."""
+    constants differ (docs/design/calibration.md#plans-rank-count). Only entries that a job
+    would trust (cache.read_cache): measured without load, and no older than
+    TENSORWIRE_CACHE_MAX_AGE; or written from `since` on (plan's own probe, loaded or not)."""
     me = format(host_hash(), "016x")
     found: dict[str, tuple[Link, str]] = {}
     now = time.time()
@@ -139,7 +139,7 @@ def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, 
                 not entry.get("trusted", False) or not 0 <= now - created <= cfg.cache_max_age)):
             continue
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
-        measured_over = "tcp" if entry.get("tiers") == ["tcp"] else "shm"  # what its busy links measured
+        measured_over = "shm" if "shm" in entry.get("tiers", ()) else "tcp"  # what its busy links measured
         for tier, values in entry["links"].items():
             name = f"{tier}@{measured_over}" if tier in BUSY_LINKS else tier
             if tier in LINKS and name not in found and all(f in values for f in REQUIRED):
@@ -217,7 +217,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
             compiled = {e: replace(local.get(e, (DEFAULT_LINKS[e], ""))[0], **file.get(e, {}))
-                        for e in (DIRECT_COMPILED, CMA_COMPILED)}
+                        for e in (DIRECT_COMPILED, CMA_COMPILED)} if _compiles(cfg) else {}
         measured = name in local and name not in file
         busy = tuple(local.get(f"{b}@{name}", (None, ""))[0] for b in BUSY_LINKS) if name in LOCAL else \
             (None, None, None)
@@ -242,6 +242,18 @@ def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
     return direct if direct.alpha <= bound else replace(direct, alpha=bound)
 
 
+def _compiles(cfg: Config) -> bool:
+    """Whether a job would run its planned calls whole in C (the compiled caller): not with
+    TENSORWIRE_NATIVE=0, nor where the module was not built."""
+    if cfg.native == "0":
+        return False
+    try:
+        from ..transport import _native  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _custom(name: str) -> Link | None:
     """'myfabric=5:12.5' -> α 5 us, 12.5 GB/s."""
     if "=" not in name:
@@ -262,30 +274,12 @@ def _custom(name: str) -> Link | None:
 
 def why_not(alg: Algorithm, collective: str, n: int, m: int, tier: Tier, cfg: Config,
             direct_bytes: int, cores: int = 0) -> str:
-    """'' if `alg` can run this call on this tier, else the reason it cannot; `cores`: those
-    the n ranks share on this host (0: not known), for the rules of ranks that outnumber them
-    (as tuner.candidates applies them)."""
-    if alg.phases is not None:
-        return "groups across hosts only (--hosts, --per-host)"
+    """'' if `alg` can run this call on this tier, else why not: policy.why_not, for n ranks of
+    one host that share `cores` (0: not known) as a job there would see it."""
     crowded = 0 < cores < n
-    if alg.needs_direct:
-        if not tier.direct_ok:
-            return "one-host shared-memory path only"
-        if slot_bytes(alg, n, m) > direct_bytes:
-            return f"shared-memory path holds <= {format_size(direct_bytes)}"
-        if alg.needs_single_copy and cfg.single_copy == "0":
-            return "TENSORWIRE_SINGLE_COPY=0"
-        if alg.needs_single_copy and crowded and cfg.single_copy == "1" and not alg.single_copy_crowded:
-            return f"not where {n} ranks share {cores} cores (TENSORWIRE_SINGLE_COPY=force allows it)"
-        if m < alg.crowded_below and crowded and alg.name not in parse_algo(cfg.algo, collective)[0]:
-            return f"not below {format_size(alg.crowded_below)} where {n} ranks share {cores} cores"
-    if not alg.eligible(n, m):
-        return f"not for {n} ranks at this size"
-    if cfg.algo and not allowed(replace(cfg, deterministic=False), collective, alg.name):
-        return "excluded by TENSORWIRE_ALGO"
-    if cfg.deterministic and collective in REDUCTIONS and not is_deterministic(alg):
-        return "not rank-ordered (deterministic mode)"
-    return ""
+    return policy.why_not(alg, n, m, cfg, slot=direct_bytes if tier.direct_ok else None,
+                          single_copy=cfg.single_copy != "0", crowded=crowded and cfg.single_copy == "1",
+                          oversubscribed=crowded, force=forcing(cfg, collective, None))
 
 
 def cheapest(algs: list[Algorithm], collective: str, n: int, m: int, tier: Tier, cfg: Config,
@@ -348,23 +342,15 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
     sharing each host link; every connection between hosts at no more than its `streams` reach."""
     n = hosts * per_host
     within, across, shape = _cluster_phases(hosts, per_host, nics, local, net, cfg, streams)
+    force = forcing(cfg, collective, shape)
     rows = []
     for alg in algorithms_for(collective).values():
+        reason = "needs several hosts of several ranks" if alg.phases is not None and (
+            per_host < 2 or hosts < 2) else policy.why_not(alg, n, m, cfg, shape=shape, force=force)
         if alg.phases is not None:
-            reason = "" if per_host > 1 and hosts > 1 else "needs several hosts of several ranks"
-            if not reason and not alg.uniform:
-                reason = "for hosts of different numbers of ranks"
-            if not reason and not alg.eligible(n, m):
-                reason = f"not for {n} ranks at this size"
-            if not reason and cfg.algo and not allowed(replace(cfg, deterministic=False), collective,
-                                                       alg.name):
-                reason = "excluded by TENSORWIRE_ALGO"
-            if not reason and cfg.deterministic and collective in REDUCTIONS:
-                reason = "not rank-ordered (deterministic mode)"
             t = alg.phases(shape, m, within, across, net.link) if not reason else math.inf
         else:
             flat = replace(net, direct_ok=False, one_way=None)
-            reason = why_not(alg, collective, n, m, flat, cfg, 0)
             t = math.inf
             if not reason:
                 flowing = shared(net.link, host_link_flows(alg, hosts, per_host, nics))

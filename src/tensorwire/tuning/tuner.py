@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 from .. import log
 from ..algorithms.compressed import compressed_cost
 from ..algorithms.ordered import arrange
-from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..algorithms.registry import Algorithm, Link, algorithms_for
 from ..errors import InvalidArgumentError
 from ..transport.pumps import AUTO_STREAMS
+from . import policy
 from .cost_model import (
     BUSY,
     BUSY_PAIRS,
@@ -61,7 +62,7 @@ from .cost_model import (
     spread_of,
     streams_of,
 )
-from .policy import REDUCTIONS, allowed, forcing, parse_algo, runs_on
+from .policy import REDUCTIONS, forcing, parse_algo
 from .shape import Shape
 from .tuning_file import defaults_with_file
 
@@ -139,29 +140,15 @@ def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = Tru
 
 def why_not(group: Group, alg: Algorithm, nbytes: int, direct_ok: bool, shape: Shape | None,
             force: bool = True) -> str:
-    """'' where `alg` may run this call of nbytes on the group, else why not (the error of a
-    TENSORWIRE_ALGO that leaves nothing says it)."""
-    direct, cfg, n = group.direct, group.runtime.config, group.size
-    if alg.phases is not None and not runs_on(alg, shape):
-        return "runs across hosts holding ranks alike only"
-    if alg.needs_direct:
-        if not direct_ok or direct is None:
-            return "needs the one-host shared-memory path, which this group or call has not"
-        if slot_bytes(alg, n, nbytes) > direct.slot_bytes:
-            return (f"needs {slot_bytes(alg, n, nbytes)} B of a one-shot slot of {direct.slot_bytes} "
-                    f"(TENSORWIRE_SHM_DIRECT)")
-        if alg.needs_single_copy and not direct.single_copy:
-            return "reads peers' memory: TENSORWIRE_SINGLE_COPY or the kernel (ptrace) does not allow it here"
-        if alg.needs_single_copy and direct.crowded and not alg.single_copy_crowded:
-            return "not where ranks outnumber cores (TENSORWIRE_SINGLE_COPY=force allows it)"
-        if nbytes < alg.crowded_below and group.engine.oversubscribed and \
-                alg.name not in parse_algo(cfg.algo, alg.collective)[0]:
-            return f"not below {alg.crowded_below} B where ranks outnumber cores"
-    if not alg.eligible(n, nbytes):
-        return f"not for {n} ranks at {nbytes} B"
-    if not allowed(cfg, alg.collective, alg.name, force):
-        return "not allowed by TENSORWIRE_ALGO or deterministic mode"
-    return ""
+    """'' where `alg` may run this call of nbytes on the group, else why not (policy.why_not
+    with what the group has)."""
+    direct = group.direct if direct_ok else None
+    return policy.why_not(alg, group.size, nbytes, group.runtime.config,
+                          slot=None if direct is None else direct.slot_bytes,
+                          single_copy=direct is not None and direct.single_copy,
+                          crowded=direct is not None and direct.crowded,
+                          oversubscribed=direct is not None and group.engine.oversubscribed, shape=shape,
+                          force=force)
 
 
 @dataclass(frozen=True)
