@@ -554,7 +554,7 @@ def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(suppo
 
 @pytest.mark.timeout(90)
 def test_an_outage_shorter_than_the_peer_timeout_is_lived_through(support: dict, job: str) -> None:
-    """Host 1's link is down 3.3 s of a 4 s TENSORWIRE_PEER_TIMEOUT while all_reduces have
+    """Host 1's link is down 2.5 s of a 4 s TENSORWIRE_PEER_TIMEOUT while all_reduces have
     data in flight: every rank goes on. TCP's backoff had the next retransmission seconds after
     the link's return, past the timeout, and the host was taken for lost (a tester: 9 s of
     10 failed 3 runs of 3); tensorwire's connections retransmit at least every second where the
@@ -567,10 +567,22 @@ def test_an_outage_shorter_than_the_peer_timeout_is_lived_through(support: dict,
     finally:
         probe.close()
     bed = ["--hosts", "2", "-n", "1", "--kill-host", "1", "--kill-mode", "link", "--kill-when", "^READY$",
-           "--restore-after", "3.3", "--env", "TENSORWIRE_PEER_TIMEOUT=4"]
+           "--restore-after", "2.5", "--env", "TENSORWIRE_PEER_TIMEOUT=4"]
     res = run_bed(bed, [job, "loop", "10"], timeout=80)
     assert res.lines(r"twhost-1: link up again"), res.out
     assert len(res.lines(r"SURVIVED rank \d")) == 2 and res.code == 0, res.out
+
+
+def test_the_retransmission_cap_leaves_the_verdict_to_tensorwire() -> None:
+    """The kernel gives up on a connection after tcp_retries2 retransmissions whose timeout
+    doubles up to the cap: the cap must leave that later than TENSORWIRE_PEER_TIMEOUT and the
+    two looks after it, or a longer outage than the cap's floor would end connections first."""
+    from tensorwire.transport import tcp
+
+    if tcp._proc_text("tcp_retries2") == "15":  # the default: 14.4 s of kernel patience at 1 s
+        assert tcp._rto_max_ms(10.0) == 1000
+    caps = [tcp._rto_max_ms(float(t)) for t in (1, 4, 10, 20, 60, 300)]
+    assert caps == sorted(caps) and caps[-1] > 10_000, caps
 
 
 @pytest.mark.timeout(90)

@@ -12,6 +12,7 @@ because a closed socket is the fastest way to learn that a peer died.
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import socket
 import struct
@@ -30,7 +31,7 @@ from .requests import RecvRequest, SendRequest, Sink
 from .wire import HEADER_SIZE, Header, MalformedHeader, check_tcp
 
 _MAX_IO = 1 << 30  # bytes per syscall: stays below the kernel's ~2 GiB per-call limit
-_TCP_RTO_MAX_MS, _RTO_MAX_MS = 44, 1000  # Linux 6.15's TCP_RTO_MAX_MS (linux/tcp.h), its least value
+_TCP_RTO_MAX_MS = 44  # Linux 6.15's TCP_RTO_MAX_MS (linux/tcp.h): at least 1000
 SPLIT_BYTES = 256 << 10
 """Messages from this size may be split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
@@ -108,6 +109,26 @@ def _proc_text(name: str) -> str:
         return "?"
 
 
+@functools.cache
+def _rto_max_ms(peer_timeout: float) -> int:
+    """The least cap on the retransmission timeout (ms, from 1 s) under which the kernel still
+    gives a connection with data unacknowledged longer than tensorwire's own verdict takes
+    (TENSORWIRE_PEER_TIMEOUT, and two fifths of it more, at least 2 s): the kernel gives up
+    after tcp_retries2 retransmissions, their timeout doubling from 200 ms up to the cap, so a
+    low cap would end the connection first. 0: no cap does."""
+    try:
+        retries = int(_proc_text("tcp_retries2"))
+    except ValueError:
+        retries = 15
+    need = peer_timeout + max(2.0, 0.4 * peer_timeout)
+    for ms in range(1000, 120_001, 250):
+        cap = ms / 1000
+        doublings = min(retries, int(math.log2(cap / 0.2)))
+        if (2 ** (doublings + 1) - 1) * 0.2 + (retries - doublings) * cap > need:
+            return ms
+    return 0
+
+
 def tune_socket(sock: socket.socket, cfg: Config) -> None:
     """No Nagle, the send and receive buffers `cfg` asks for (TENSORWIRE_TCP_SNDBUF and
     TENSORWIRE_TCP_RCVBUF; 0: the kernel's autotuning) and its congestion control
@@ -121,9 +142,9 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
     timers, nothing per message); an outage shorter than that is lived through. One with data
     waiting for an acknowledgement sends no keepalive: idle waiters look at those
     (failures.Failures.check_silent); where the kernel lets it (Linux 6.15), it retransmits at
-    least every second, so that such data moves within a second of a link's return, not after
-    the several seconds exponential backoff had reached by then (an outage shorter than the
-    timeout was taken for a lost host)."""
+    least every `_rto_max_ms`, so that such data moves within about that of a link's return,
+    not after the several seconds exponential backoff had reached by then (an outage shorter
+    than the timeout was taken for a lost host)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bound = max(1, math.ceil(cfg.peer_timeout))
@@ -132,10 +153,12 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                            (socket.TCP_KEEPCNT, -(-bound // interval))):
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, _RTO_MAX_MS)
-        except OSError:  # an older kernel: backoff as it goes
-            pass
+        cap = _rto_max_ms(cfg.peer_timeout)
+        if cap:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, cap)
+            except OSError:  # an older kernel: backoff as it goes
+                pass
         if cfg.tcp_congestion:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.tcp_congestion.encode())
