@@ -487,6 +487,11 @@ def test_compare_usage_errors() -> None:
     assert p.returncode == 2 and "auto" in p.stderr
     p = run_bench("all_reduce", "--algo", "ring", "--compare", "gloo")
     assert p.returncode == 2 and "--compare" in p.stderr
+    # options that would be silently ignored, or fail after the sweep
+    with pytest.raises(ValueError, match="--rounds repeats an --algo or --compare sweep"):
+        options.parse_options(["all_reduce", "--rounds", "3"])
+    with pytest.raises(ValueError, match="--plot draws a plain or --compare sweep"):
+        options.parse_options(["all_reduce", "--algo", "all", "-n", "2", "-w", "1", "--plot", "/tmp/x.png"])
 
 
 def test_auto_schedule() -> None:

@@ -30,9 +30,11 @@ def rows(stdout: str) -> list[list[str]]:
 @pytest.mark.timeout(60)
 def test_algo_all_lists_every_algorithm_with_predictions(tmp_path: Path) -> None:
     out = tmp_path / "algo.json"
+    page = tmp_path / "algo.md"
     p = run_bench("all_reduce", "--algo", "all", "-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
-                  "--np", "2", "--json", str(out))
+                  "--np", "2", "--json", str(out), "--markdown", str(page))
     assert p.returncode == 0, p.stdout + p.stderr
+    assert "--algo all" in page.read_text() and "# Wrong values         : 0 OK" in page.read_text()
     assert "# Wrong values         : 0 OK" in p.stdout
     lines = rows(p.stdout)
     sizes = [8, 64, 512, 4096, 32768]

@@ -153,11 +153,11 @@ class CallQueue:
         raise error
 
     def refuse(self, error: Exception) -> NoReturn:
-        """A local argument error in the call about to be made, found before it sent anything:
-        the call takes its number and fails here, and every member is told, so peers raise it
-        too instead of waiting for this rank. The group lives on if every member refused that
-        call too (its next call here waits until they all said so: `_after_refusals`); where a
-        member ran it instead, the group renews itself (renewal.py)."""
+        """A local argument error (or failed allocation) in the call about to be made, found
+        before it sent anything: the call takes its number and fails here, and every member is
+        told, so peers raise it too instead of waiting for this rank. The group lives on if
+        every member refused that call too (its next call here waits until they all said so:
+        `_after_refusals`); where a member ran it instead, the group renews itself (renewal.py)."""
         group = self.group
         try:
             self._settle(None, False)  # earlier calls' refusals, a renewal

@@ -9,6 +9,8 @@ collectives.py, p2p.py, objects.py, and shrink.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -216,14 +218,16 @@ class Group:
         """On stderr, whatever the log settings: a last call that this rank completed and a
         peer made as another (DirectPath.last_call_mismatch), since no later call will raise it."""
         direct = self.direct
-        if direct is None or self.engine.closed or self.ctx in self.engine.aborted:
+        if direct is None or self.engine.closed or self.ctx in self.engine.aborted or \
+                self.runtime.pid != os.getpid():  # a fork's copy: the parent's calls, not its own
             return
         st = direct.st
         error = direct.last_call_mismatch(f"{st.prev_name} #{st.prev_seq - self.queue.internal} on group "
                                           f"{self.name} (found as the group ended)")
         if error is not None:
-            print(f"tensorwire: {error}; this rank's result of that call is not the collective's",
-                  file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, ValueError):  # stderr closed: nothing to tell
+                print(f"tensorwire: {error}; this rank's result of that call is not the collective's",
+                      file=sys.stderr, flush=True)
 
     def _forget(self, grace: float) -> None:
         """Drop the planned calls, the segment, the device state and the hierarchy's groups."""

@@ -287,11 +287,13 @@ class Failures:
         with self.lock:
             for channel in self.channel_list:
                 peer = channel.peer
-                if peer in self.lost or (peer in self.host_peers and peer in self.wiring.procs
-                                         and not self.wiring.gone(peer)):
-                    continue  # a rank of this host whose process runs is no silent host
+                if peer in self.lost:
+                    continue
                 waited = max((unanswered_ms(sock) for sock in channel.sockets), default=0)
-                if waited < limit_ms:
+                if waited < limit_ms or (channel.kind == "shm" and peer in self.wiring.procs
+                                         and not self.wiring.gone(peer)):
+                    # (a rank whose rings this one shares and whose process runs is no silent
+                    # host: its socket went quiet with an address this host lost)
                     self._silent.pop(peer, None)
                 elif now - self._silent.setdefault(peer, now) >= _LIVENESS_S:  # not a probe just sent
                     self.peer_lost(peer, _PEER_SILENT.format(

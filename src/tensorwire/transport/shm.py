@@ -174,8 +174,8 @@ def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
 
 
 def _held_by_the_gone(path: str, pidns: bytes) -> int:
-    """The bytes segment `path` holds if its creator (in namespace `pidns`) is gone; else -1
-    (alive, elsewhere, unknown, or not a segment)."""
+    """The bytes segment `path` holds if it is this user's and its creator (in namespace
+    `pidns`) is gone; else -1 (alive, elsewhere, unknown, another user's, or not a segment)."""
     try:  # never blocks (a FIFO) nor follows a link
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

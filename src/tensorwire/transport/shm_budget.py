@@ -235,7 +235,8 @@ class Shortfall:
         elif self.slot_short:
             got.append("no one-shot segment: its collectives take the message path"
                        + (f" ({os.strerror(self.slot_errno)})" if self.slot_errno else ""))
-        descriptors = next((e for e in (self.ring_errno, self.slot_errno) if e in _DESCRIPTORS), 0)
+        told = (self.ring_errno, self.slot_errno) if rings else (self.slot_errno,)
+        descriptors = next((e for e in told if e in _DESCRIPTORS), 0)
         if descriptors:  # not /dev/shm's space: the file descriptors a segment needs a moment
             cause = translate(OSError(descriptors, os.strerror(descriptors)), where)
             return f"{cause}; so it uses {'; '.join(got)}. Results are unchanged, large messages are slower"
