@@ -1152,34 +1152,41 @@ def test_a_root_that_only_sends_learns_of_an_abort_within_a_few_calls(cluster: A
     assert after <= 200, (after, outcomes[0]["calls"])
 
 
-def _every_rank_its_own_root(collective: str, t: float) -> dict[str, Any]:
+def _every_rank_its_own_root(collective: str, algo: str | None, t: float) -> dict[str, Any]:
     """Each rank calls the group's broadcast or scatter as its root, so that none receives,
-    as the group's last call; then destroys the group, what it prints on stderr kept."""
+    as the group's last call (by `algo`, or the tuner's choice); then destroys the group, what
+    it prints on stderr kept."""
     g = _fresh_group()
     x = np.full(4, g.rank, np.float32)
     blocks = [np.full(4, g.rank, np.float32) for _ in range(g.size)]
     call = (lambda: g.broadcast(x, src=g.rank, timeout=t)) if collective == "broadcast" else \
         (lambda: g.scatter(x, blocks, src=g.rank, timeout=t))
-    outcome = _attempt(call)
+    with tuner.override(g, collective, algo):
+        outcome = _attempt(call)
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
         g.destroy()
     return {**outcome, "printed": printed.getvalue()}
 
 
-@pytest.mark.parametrize("collective", ["broadcast", "scatter"])
+@pytest.mark.parametrize("collective,algo", [("broadcast", None), ("scatter", None),
+                                             ("broadcast", "binomial"), ("scatter", "linear")])
 def test_ranks_that_each_root_the_last_call_hear_of_it_as_the_group_ends(
-        cluster: Any, world_spec: tuple[int, str], collective: str) -> None:
+        cluster: Any, world_spec: tuple[int, str], collective: str, algo: str | None) -> None:
     """Ranks that each think themselves the root of a group's last broadcast or scatter
-    receive nothing and check nothing, and no later call on the group finds the mismatch:
-    through one host's segment, destroy() looks at what the peers published for it and says
-    so on stderr (before, every rank returned with its own data, silently). Over TCP a root
-    only sends, and learns of a mismatch at its next call only (docs/errors.md)."""
+    receive nothing and check nothing, and no later call on the group finds the mismatch. On
+    one host destroy() looks at what the peers published for it (the one-shot path) or noted
+    (the message path) and says so on stderr (before, every rank returned with its own data,
+    silently). A rank may also raise it in the call, where a message did reach it; at 2 ranks
+    none does. Over TCP a root only sends, and learns of a mismatch at its next call only
+    (docs/errors.md)."""
     if world_spec[1] == "tcp":
         pytest.skip("over TCP a rank that only sends learns of a mismatch at its next call")
-    outcomes = cluster.run(_every_rank_its_own_root, collective, TIMEOUT)
+    outcomes = cluster.run(_every_rank_its_own_root, collective, algo, TIMEOUT)
     told = [o["printed"] for o in outcomes if o["printed"]]
-    assert told, outcomes  # every rank, unless a peer published more than _END_WAIT_S after its end
+    assert told, outcomes  # every rank, unless a peer made it more than _END_WAIT_S after its end
+    if len(outcomes) == 2:
+        assert len(told) == 2, outcomes
     for text in told:
         assert f"{collective} #1 on group" in text and "found as the group ended" in text, text
         assert "made a different call at the same point: root" in text, text

@@ -221,9 +221,7 @@ class Group:
         if direct is None or self.engine.closed or self.ctx in self.engine.aborted or \
                 self.runtime.pid != os.getpid():  # a fork's copy: the parent's calls, not its own
             return
-        st = direct.st
-        error = direct.last_call_mismatch(f"{st.prev_name} #{st.prev_seq - self.queue.internal} on group "
-                                          f"{self.name} (found as the group ended)")
+        error = direct.last_call_mismatch(self.name, self.queue.internal)
         if error is not None:
             with contextlib.suppress(OSError, ValueError):  # stderr closed: nothing to tell
                 print(f"tensorwire: {error}; this rank's result of that call is not the collective's",

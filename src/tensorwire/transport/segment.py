@@ -269,26 +269,36 @@ class DirectPath:
                     self.members[r])
         st.settled = 1
 
-    def last_call_mismatch(self, label: str) -> CollectiveMismatchError | None:
-        """As the group ends on this rank: where its last call returned before every peer had
-        published it (a broadcast's or scatter's root waits for no one), the mismatch with a
-        peer that published it as another call, waiting up to _END_WAIT_S for peers still to
-        publish it; else None. Ranks that each thought themselves the root of a group's last
-        broadcast received nothing and checked nothing: this is where they learn of it.
-        `label` names that call."""
+    def last_call_mismatch(self, group: str, internal: int) -> CollectiveMismatchError | None:
+        """As the group ends on this rank: a peer that made its last call as another, where
+        this rank returned from it without checking (a broadcast's or scatter's root waits for
+        no one); else None. Through the segment the peers' publications tell it, on the message
+        path their notes (`stamp`); it waits up to _END_WAIT_S for peers still to make it.
+        Ranks that each thought themselves the root of a group's last broadcast received
+        nothing and checked nothing: this is where they learn of it. `group` and `internal`
+        (the group's own calls) label that call."""
         st = self.st
+        end = time.monotonic() + _END_WAIT_S
+        if st.unvetted and self.message is not None:  # the last call ran on the message path
+            seq, a, b, what = self.message
+            return self._differs(seq, _MESSAGE, (a, b), f"{what} (found as the group ended)", end)
         if st.settled or not st.prev_seq:
             return None
-        words, flags, seq = self.words, self.flags, st.prev_seq
-        base = _STAMP + st.parity * 3
-        end = time.monotonic() + _END_WAIT_S
+        label = f"{st.prev_name} #{st.prev_seq - internal} on group {group} (found as the group ended)"
+        return self._differs(st.prev_seq, _STAMP + st.parity * 3, (st.prev_a, st.prev_b), label, end)
+
+    def _differs(self, seq: int, at: int, mine: tuple[int, int], label: str,
+                 end: float) -> CollectiveMismatchError | None:
+        """The mismatch with a peer whose words at `at` (seq and fingerprint) note call `seq`
+        as another than `mine`, waiting until `end` for peers not there yet."""
+        words, flags = self.words, self.flags
         for r in self.others:
-            while words[flags[r]] < seq and time.monotonic() < end:
+            while words[flags[r] + at] < seq and time.monotonic() < end:
                 time.sleep(0.001)
-            at = flags[r] + base
-            if words[at] == seq and (words[at + 1], words[at + 2]) != (st.prev_a, st.prev_b):
-                theirs = _fp_from_words(words[at + 1], words[at + 2])
-                return self.engine.mismatch_error(label, _fp_from_words(st.prev_a, st.prev_b), theirs,
+            line = flags[r] + at
+            if words[line] == seq and (words[line + 1], words[line + 2]) != mine:
+                return self.engine.mismatch_error(label, _fp_from_words(*mine),
+                                                  _fp_from_words(words[line + 1], words[line + 2]),
                                                   self.members[r])
         return None
 
