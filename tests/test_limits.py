@@ -595,3 +595,14 @@ def test_a_segment_refused_for_descriptors_names_them_not_dev_shm() -> None:
     text = short.describe("rank 0: group g")
     assert "out of file descriptors (ulimit -n is" in text and "no one-shot segment" in text, text
     assert "/dev/shm" not in text, text
+
+
+def test_connections_still_to_authenticate_take_at_most_an_eighth_of_the_descriptors() -> None:
+    """TENSORWIRE_AUTH_PENDING is bounded by the descriptor limit: at ulimit -n 64 a stranger's
+    64 half-open connections held every rank at its limit (a tester); an eighth of it now."""
+    code = ("import resource; from tensorwire import limits; "
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)); "
+            "print(limits.pending_bound(64), limits.pending_bound(4))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["8", "4"]

@@ -55,6 +55,14 @@ def open_descriptors() -> int:
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0] if exc.errno == errno.EMFILE else 0
 
 
+def pending_bound(setting: int) -> int:
+    """TENSORWIRE_AUTH_PENDING within this process's descriptors: at most an eighth of its
+    soft limit, so that connections still to prove themselves never take the descriptors its
+    peers and segments need (a stranger held every rank at ulimit -n 64 with 64 of them)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return setting if _unlimited(soft) else max(1, min(setting, soft // 8))
+
+
 def _unlimited(value: int) -> bool:
     return value == resource.RLIM_INFINITY
 

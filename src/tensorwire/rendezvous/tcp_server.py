@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import auth
 from ..errors import RendezvousError
+from ..limits import pending_bound
 from .tcp_protocol import (
     DEFAULT_LIMITS,
     EXITED_KEY,
@@ -240,10 +241,11 @@ class TCPStoreServer:
                               f"(TENSORWIRE_STORE_MAX_CONNECTIONS)")
                 sock.close()
                 continue
-            if len(self._pending) >= self.limits.auth_pending:
+            bound = pending_bound(self.limits.auth_pending)
+            if len(self._pending) >= bound:
                 oldest = next(iter(self._pending))
-                self._refused(oldest.peer, f"still unauthenticated when {self.limits.auth_pending} others "
-                              f"were waiting (TENSORWIRE_AUTH_PENDING)")
+                self._refused(oldest.peer, f"still unauthenticated when {bound} others were waiting "
+                              f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
                 self._drop(oldest)
             sock.setblocking(False)
             with contextlib.suppress(OSError):

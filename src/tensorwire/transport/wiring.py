@@ -472,9 +472,10 @@ class Wiring:
             self._admit(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
 
     def _admit(self, sock: socket.socket, addr: str, reject: str = "") -> None:
-        if len(self._auth) >= self.cfg.auth_pending:
-            self._drop(next(iter(self._auth)), f"still unauthenticated when {self.cfg.auth_pending} others "
-                       f"were waiting (TENSORWIRE_AUTH_PENDING)")
+        bound = limits.pending_bound(self.cfg.auth_pending)
+        if len(self._auth) >= bound:
+            self._drop(next(iter(self._auth)), f"still unauthenticated when {bound} others were waiting "
+                       f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
         sock.setblocking(False)
         inc = Incoming(sock, addr, self.secret, self.job, self.rank, self.cfg.auth_timeout)
         fd = sock.fileno()
