@@ -58,7 +58,7 @@ def open_descriptors() -> int:
 def pending_bound(setting: int) -> int:
     """TENSORWIRE_AUTH_PENDING within this process's descriptors: at most an eighth of its
     soft limit, so that connections still to prove themselves never take the descriptors its
-    peers and segments need (a stranger held every rank at ulimit -n 64 with 64 of them)."""
+    peers and segments need."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return setting if _unlimited(soft) else max(1, min(setting, soft // 8))
 

@@ -257,16 +257,11 @@ class DirectPath:
         if st.settled or (self.native is not None and self.native.settle() == native.DONE):
             return
         self._wait(call, self.everyone, st.prev_seq)
-        words, flags = self.words, self.flags
-        base = _STAMP + st.parity * 3
-        for r in self.everyone:
-            line = flags[r] + base
-            if words[line] == st.prev_seq and (words[line + 1], words[line + 2]) != (st.prev_a, st.prev_b):
-                theirs = _fp_from_words(words[line + 1], words[line + 2])
-                prev = f"{st.prev_name} #{call.number(st.prev_seq)} on group {call.group.name}"
-                raise self.engine.mismatch_error(
-                    f"{prev} (found at {call.what})", _fp_from_words(st.prev_a, st.prev_b), theirs,
-                    self.members[r])
+        error = self._differs(st.prev_seq, _STAMP + st.parity * 3, (st.prev_a, st.prev_b),
+                              f"{st.prev_name} #{call.number(st.prev_seq)} on group {call.group.name} "
+                              f"(found at {call.what})")
+        if error is not None:
+            raise error
         st.settled = 1
 
     def last_call_mismatch(self, group: str, internal: int) -> CollectiveMismatchError | None:
@@ -288,9 +283,9 @@ class DirectPath:
         return self._differs(st.prev_seq, _STAMP + st.parity * 3, (st.prev_a, st.prev_b), label, end)
 
     def _differs(self, seq: int, at: int, mine: tuple[int, int], label: str,
-                 end: float) -> CollectiveMismatchError | None:
+                 end: float = 0.0) -> CollectiveMismatchError | None:
         """The mismatch with a peer whose words at `at` (seq and fingerprint) note call `seq`
-        as another than `mine`, waiting until `end` for peers not there yet."""
+        as another than `mine`, waiting until `end` (monotonic) for peers not there yet."""
         words, flags = self.words, self.flags
         for r in self.others:
             while words[flags[r] + at] < seq and time.monotonic() < end:
@@ -321,13 +316,9 @@ class DirectPath:
         seq, a, b, what = self.message  # type: ignore[misc]
         self.message = None
         self.st.unvetted = 0
-        words = self.words
-        for r in self.others:
-            line = self.flags[r] + _MESSAGE
-            if words[line] == seq and (words[line + 1], words[line + 2]) != (a, b):
-                raise self.engine.mismatch_error(f"{what} (found at {call.what})", _fp_from_words(a, b),
-                                                 _fp_from_words(words[line + 1], words[line + 2]),
-                                                 self.members[r])
+        error = self._differs(seq, _MESSAGE, (a, b), f"{what} (found at {call.what})")
+        if error is not None:
+            raise error
 
     def stamp_words(self, call) -> tuple[int, int]:
         """The fingerprint words `call` publishes; a repeated call (the same fingerprint

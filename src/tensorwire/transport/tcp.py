@@ -143,8 +143,7 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
     waiting for an acknowledgement sends no keepalive: idle waiters look at those
     (failures.Failures.check_silent); where the kernel lets it (Linux 6.15), it retransmits at
     least every `_rto_max_ms`, so that such data moves within about that of a link's return,
-    not after the several seconds exponential backoff had reached by then (an outage shorter
-    than the timeout was taken for a lost host)."""
+    not after the several seconds exponential backoff has reached by then."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bound = max(1, math.ceil(cfg.peer_timeout))

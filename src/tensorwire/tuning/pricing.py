@@ -19,6 +19,7 @@ from ..algorithms.compressed import compressed_cost
 from ..algorithms.registry import Algorithm, Link, algorithms_for
 from ..config import Config
 from ..errors import InvalidArgumentError
+from ..transport import native
 from . import crossing, policy
 from .cache import cache_dir, cached_entries, host_hash
 from .cost_model import (
@@ -235,9 +236,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
 def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
     """A cached one shot's α as a job prices it (calibrate.bound_direct): at most DIRECT_BOUND
     of the cheapest other all_reduce of 8 bytes on n ranks (by messages, or single copy)."""
-    others = [a for a in algorithms_for("all_reduce").values()
-              if a.name != "direct" and a.phases is None and a.eligible(n, 8)
-              and (not a.needs_direct or (a.needs_single_copy and cfg.single_copy != "0"))]
+    others = policy.rivals("all_reduce", "direct", n, 8, cfg.single_copy != "0")
     bound = DIRECT_BOUND * tier.price(others, n, 8)[0][0]
     return direct if direct.alpha <= bound else replace(direct, alpha=bound)
 
@@ -245,13 +244,10 @@ def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
 def _compiles(cfg: Config) -> bool:
     """Whether a job would run its planned calls whole in C (the compiled caller): not with
     TENSORWIRE_NATIVE=0, nor where the module was not built."""
-    if cfg.native == "0":
-        return False
     try:
-        from ..transport import _native  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
+        return native.module(cfg.native) is not None
+    except ImportError:  # TENSORWIRE_NATIVE=1 without the module: the job would not start
         return False
-    return True
 
 
 def _custom(name: str) -> Link | None:

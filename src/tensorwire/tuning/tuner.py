@@ -310,14 +310,8 @@ class Model:
                      self.busy_pairs, self.one_way, self.spread, self.streams)
 
     def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
-        """The price of the cheapest algorithm of `collective` other than `name` that the
-        group has (by messages, or single copy where it reads its peers), whatever
-        TENSORWIRE_ALGO allows: what the one-shot path is built to beat at small sizes
-        (calibrate.bound_direct)."""
-        algs = [a for a in algorithms_for(collective).values()
-                if a.name != name and a.eligible(self.n, nbytes)
-                and (not a.needs_direct or (a.needs_single_copy and self.single_copy))]
-        return self.price(algs, nbytes)[0][0]
+        """The price of the cheapest of policy.rivals."""
+        return self.price(policy.rivals(collective, name, self.n, nbytes, self.single_copy), nbytes)[0][0]
 
 
 def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
