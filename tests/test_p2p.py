@@ -550,7 +550,40 @@ def test_a_receive_that_timed_out_takes_no_later_message(cluster: Any) -> None:
     next receive, not into the buffer of the one that failed (which its caller believes unfilled)."""
     res = cluster.run(_timed_out_then_sent)[1]
     _check_error(res["first"], TimeoutError, "tag 77")
+    assert "other tags" not in res["first"]["msg"], res  # nothing else came
     assert res["second"] is None and res["new"] == [7.0] * 4 and res["old"] == [0.0] * 4, res
+
+
+def _other_tag_sent() -> dict[str, Any]:
+    g = tw.world()
+    out: dict[str, Any] = {}
+    buf = np.zeros(4, np.float32)
+    if g.rank == 0:
+        g.send(np.ones(4, np.float32), 1, tag=5)
+    g.barrier(timeout=10)
+    if g.rank == 1:
+        out["blocking"] = _raises(g.recv, buf, 0, tag=6, timeout=0.3)
+        posted, anyone = g.irecv(buf, 0, tag=6), g.irecv_any(np.zeros(4, np.float32), tag=6)
+        out["work"], out["any"] = _raises(posted.wait, 0.2), _raises(anyone.wait, 0.2)
+    g.barrier(timeout=10)
+    if g.rank == 0:
+        g.send(np.full(4, 2, np.float32), 1, tag=6)
+        g.send(np.full(4, 3, np.float32), 1, tag=6)
+    elif g.rank == 1:
+        g.recv(buf, 0, tag=5)
+        out["taken"] = (posted.wait(10), anyone.wait(10), anyone.result())
+    g.barrier(timeout=10)
+    return out
+
+
+@pytest.mark.parametrize("world_spec", [(2, "shm"), (2, "tcp")], indirect=True, ids=["shm2", "tcp2"])
+def test_a_receive_that_timed_out_names_messages_of_other_tags(cluster: Any) -> None:
+    """A receive that waits in vain while its peer's message with another tag has come says so
+    (the two sides' tags most often differ then): blocking, a Work's wait, from any rank."""
+    res = cluster.run(_other_tag_sent)[1]
+    for case in ("blocking", "work", "any"):
+        _check_error(res[case], TimeoutError, "tag 6", "other tags came", "tag 5 from rank 0", "send and the")
+    assert res["taken"] == (True, True, 0), res
 
 
 P2P_MISMATCHES = {  # case -> (what the receive wanted, what the send held)

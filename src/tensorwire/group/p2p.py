@@ -26,6 +26,7 @@ from ..errors import (
     PeerLostError,
     TimeoutError,
     in_call,
+    retold,
 )
 from ..gpu import is_device_buffer as _on_device
 from ..transport.requests import P2P_SEQ, RecvRequest, Request
@@ -151,7 +152,8 @@ class AnySourceWork(Work):
             until = math.inf if timeout is None else time.monotonic() + timeout
             self.group.any_source_turns.drive(self, until)
             if not self._done:
-                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s"
+                                   f"{_other_tags(self.group, set(self.group.ranks), self.tag)}")
         return super().wait(0)
 
     def is_completed(self) -> bool:
@@ -409,7 +411,32 @@ def _any_label(group: Group, tag: int) -> str:
 
 def _nothing_came(group: Group, tag: int, limit: float) -> TimeoutError:
     return TimeoutError(f"rank {group.runtime.rank}: {_any_label(group, tag)}: no message arrived within "
-                        f"{limit:g} s")
+                        f"{limit:g} s{_other_tags(group, set(group.ranks), tag)}")
+
+
+def _other_tags(group: Group, peers: set[int], tag: int) -> str:
+    """What a receive of `tag` that waited in vain can say: the messages from `peers` (world
+    ranks) on its group with other tags that arrived and wait for a receive (the two sides'
+    tags most often differ then); '' where there are none."""
+    engine = group.engine
+    with engine.lock:
+        came = sorted({(group.group_rank(peer), key[3]) for (peer, key), queue in engine.unexpected.items()
+                       if queue and peer in peers and key[:2] == (group.ctx, Kind.P2P) and key[3] != tag})
+    if not came:
+        return ""
+    listed = ", ".join(f"tag {t} from rank {r}" for r, t in came[:4]) + (", ..." if len(came) > 4 else "")
+    return f" (messages with other tags came and wait for their receives: {listed}; do the tags of the " \
+        f"send and the receive differ?)"
+
+
+def _with_tags(group: Group, reqs: tuple[Request, ...], exc: BaseException) -> BaseException:
+    """`exc`, which ended a wait for `reqs`, with what `_other_tags` says of its receives."""
+    for req in reqs:
+        if isinstance(req, RecvRequest) and req.header.kind == Kind.P2P:
+            hint = _other_tags(group, {req.peer}, req.header.tag)
+            if hint:
+                return retold(exc, f"{exc}{hint}")
+    return exc
 
 
 def _ended(group: Group, tag: int) -> AbortedError | None:
@@ -485,6 +512,7 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
                     watch=tuple(r.peer for r in reqs), what=reqs[0].what)
     except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
         named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))
+        named = _with_tags(group, reqs, named)
         if named is exc:
             raise
         raise named from exc
@@ -493,13 +521,16 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
             group.abort(exc)  # from the abort
         raise
     except (TimeoutError, KeyboardInterrupt, SystemExit) as exc:  # an interrupted receive takes them back too
+        told = _with_tags(group, reqs, exc) if isinstance(exc, TimeoutError) else exc
         if blocking and not engine.withdraw(reqs) and group.ctx not in engine.aborted:
             # a message partly moved: its peer must fail rather than get it (or the rest of it)
             rank = group.runtime.rank
-            group.abort(exc if isinstance(exc, TimeoutError) else AbortedError(
+            group.abort(told if isinstance(exc, TimeoutError) else AbortedError(
                 f"rank {rank}: {reqs[0].what} was interrupted on rank {rank} ({type(exc).__name__}) with its "
                 f"message partly moved: the group is aborted; shrink() makes a clean one"))
-        raise
+        if told is exc:
+            raise
+        raise told from None
     finally:
         with engine.lock:
             engine.p2p_waits[ctx] -= 1
