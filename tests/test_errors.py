@@ -1570,8 +1570,11 @@ def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: 
     bad = (("TENSORWIRE_TIMEOUT", "nan", "TENSORWIRE_TIMEOUT='nan': cannot read duration"),
            ("TENSORWIRE_TIMEOUT", "0", "TENSORWIRE_TIMEOUT (or init's timeout=): expected"),
            ("TENSORWIRE_HELD_BYTES", "-1", "TENSORWIRE_HELD_BYTES='-1': expected a size"),
-           ("TENSORWIRE_TCP_CHUNK", "0", "TENSORWIRE_TCP_CHUNK=0: expected at least 4K"),
+           ("TENSORWIRE_TCP_CHUNK", "0", "TENSORWIRE_TCP_CHUNK=0: expected 4K to 1G"),
+           ("TENSORWIRE_TCP_CHUNK", "1T", "TENSORWIRE_TCP_CHUNK=1099511627776: expected 4K to 1G"),
            ("TENSORWIRE_SPIN_US", "-5", "TENSORWIRE_SPIN_US='-5': expected a number"),
+           ("TENSORWIRE_SPIN_US", "1e12", "TENSORWIRE_SPIN_US=1e+12: expected 0 to 1000000"),
+           ("TENSORWIRE_AUTH_TIMEOUT", "1e300", "TENSORWIRE_AUTH_TIMEOUT=1e+300: expected positive"),
            ("TENSORWIRE_CACHE_MAX_AGE", "1x", "TENSORWIRE_CACHE_MAX_AGE='1x': cannot read"),
            ("TENSORWIRE_SHM_DIRECT", "16", "TENSORWIRE_SHM_DIRECT=16: expected 0 (off) or a size of at "))
     for name, value, said in bad:

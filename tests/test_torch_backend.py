@@ -935,3 +935,14 @@ def run_scenario(namespace: dict) -> None:
 
 if __name__ == "__main__":
     run_scenario(globals())
+
+
+def test_a_work_wait_beyond_what_a_thread_can_wait_means_no_limit() -> None:
+    """torch passes timedelta: one too large for a thread's wait (a million days) bounds
+    nothing, as 0 does, where it raised OverflowError."""
+    from datetime import timedelta
+
+    from tensorwire.torch.work import seconds
+
+    assert seconds(timedelta(days=10**6)) is None and seconds(timedelta(0)) is None
+    assert seconds(timedelta(seconds=90)) == 90.0 and seconds(2.5) == 2.5

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire.errors import TimeoutError
+from tensorwire.errors import InvalidArgumentError, TimeoutError
 from tensorwire.work import Work, completed_work
 
 pytestmark = pytest.mark.timeout(30)
@@ -52,6 +52,17 @@ def test_wait_times_out_and_can_wait_again() -> None:
         work.wait(0.05)
     work._finish()
     assert work.wait(0.05) is True
+
+
+def test_a_wait_beyond_what_a_thread_can_wait_has_no_limit_and_a_bad_one_is_named() -> None:
+    """A timeout too large for a thread's wait (1e12 s) means none (it raised OverflowError);
+    a negative, NaN or non-number one is the caller's error, naming the operation."""
+    work = Work("long job", 2)
+    threading.Timer(0.05, work._finish, args=("done",)).start()
+    assert work.wait(1e12) is True and work.result() == "done"
+    for bad in (-1, float("nan"), "10", True):
+        with pytest.raises(InvalidArgumentError, match=r"rank 2: job: wait.s timeout must be None or"):
+            Work("job", 2).wait(bad)
 
 
 def test_error_is_raised_on_every_wait() -> None:

@@ -411,8 +411,10 @@ class Config:
             if size and not 4096 <= size <= 1 << 30:
                 raise ValueError(f"TENSORWIRE_TCP_{name}={size}: expected 0 (the kernel's autotuning) or "
                                  f"4K to 1G")
-        if cfg.tcp_chunk_bytes < 4096:
-            raise ValueError(f"TENSORWIRE_TCP_CHUNK={cfg.tcp_chunk_bytes}: expected at least 4K")
+        if not 4096 <= cfg.tcp_chunk_bytes <= 1 << 30:
+            raise ValueError(f"TENSORWIRE_TCP_CHUNK={cfg.tcp_chunk_bytes}: expected 4K to 1G")
+        if cfg.spin_us is not None and cfg.spin_us > 1e6:
+            raise ValueError(f"TENSORWIRE_SPIN_US={cfg.spin_us:g}: expected 0 to 1000000 (a second)")
         if cfg.cuda_device_flags not in ("auto", "0", "1"):
             raise ValueError(f"TENSORWIRE_CUDA_DEVICE_FLAGS={cfg.cuda_device_flags!r}: expected auto (a GPU "
                              f"per rank or MPS), 1 (wherever Triton imports) or 0 (never)")
@@ -421,8 +423,9 @@ class Config:
                              f"(0 turns the slots off)")
         if cfg.cuda_chunk is not None and cfg.cuda_chunk < 64 << 10:
             raise ValueError(f"TENSORWIRE_CUDA_CHUNK={cfg.cuda_chunk}: expected at least 64K")
-        if not 0 < cfg.auth_timeout < float("inf"):
-            raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout}: expected positive seconds")
+        if not 0 < cfg.auth_timeout < 1e6:
+            raise ValueError(f"TENSORWIRE_AUTH_TIMEOUT={cfg.auth_timeout:g}: expected positive seconds (less "
+                             f"than 1e6)")
         if not 1 <= cfg.peer_timeout < 1e6:
             raise ValueError(f"TENSORWIRE_PEER_TIMEOUT={cfg.peer_timeout:g}: expected at least 1 s (and "
                              f"less than 1e6 s)")

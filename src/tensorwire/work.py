@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .errors import TimeoutError
+from .errors import InvalidArgumentError, TimeoutError
 
 _guard = threading.Lock()
 """Guards every Work's lazily made event and its callbacks: both are rare, and a lock plus an
 event per Work cost more than a whole small send (point-to-point makes a Work per message)."""
+
+
+def wait_limit(timeout: Any, rank: int, what: str) -> float | None:
+    """A Work's wait's `timeout`: None, or seconds of 0 or more; beyond what a thread can wait
+    (threading.TIMEOUT_MAX, some 292 years) it means no limit, as None does."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout >= 0:
+        return None if timeout > threading.TIMEOUT_MAX else float(timeout)
+    raise InvalidArgumentError(f"rank {rank}: {what}: wait's timeout must be None or seconds of 0 or more, "
+                               f"got {timeout!r}")
 
 
 class Work:
@@ -68,11 +80,12 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (or `timeout` seconds); raise the operation's error if it failed."""
         if not self._done:
+            limit = wait_limit(timeout, self.rank, self.what)
             with _guard:
                 if not self._done and self._event is None:
                     self._event = threading.Event()
                 event = None if self._done else self._event
-            if event is not None and not event.wait(timeout):
+            if event is not None and not event.wait(limit):
                 raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
         if self._exc is not None:
             raise self._exc

@@ -47,11 +47,12 @@ def join_waiters(grace: float) -> list[threading.Thread]:
 
 
 def seconds(timeout: Any) -> float | None:
-    """torch passes timedelta (0 or negative: none); Python callers may pass seconds."""
+    """torch passes timedelta (0 or negative: none, as beyond what a thread can wait);
+    Python callers may pass seconds."""
     if timeout is None:
         return None
     s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return s if s > 0 else None
+    return s if 0 < s <= threading.TIMEOUT_MAX else None
 
 
 class TensorwireWork(dist.Work):
