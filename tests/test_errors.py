@@ -549,7 +549,9 @@ def test_a_forked_child_cannot_speak_for_its_parent(cluster: Any) -> None:
 
 
 def _interrupt_soon() -> None:
-    """A KeyboardInterrupt in this rank's main thread in 0.5 s (Ctrl-C, as a notebook sends it)."""
+    """A KeyboardInterrupt in this rank's main thread in 0.5 s (Ctrl-C, as a notebook sends it;
+    Python raises none where the process started with SIGINT ignored, as under `nohup ... &`)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
@@ -2137,3 +2139,19 @@ def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
     assert str(again) == "rank 0: all_gather: bad [reported by rank 0; seen on rank 2]"
     quoting = AbortedError(f"rank 1: renewal failed. The refused call: {first}")
     assert str(told(2, 1, quoting)).endswith(f"{first} [reported by rank 1; seen on rank 2]")
+
+
+def test_a_factor_that_differs_in_a_reduction_says_it_may_be_the_hierarchical_call() -> None:
+    """AVG runs as a factor in a hierarchical all_reduce's phases: a reduce_scatter phase whose
+    factor differs (AVG on one rank, SUM on another) said 'PREMUL_SUM factor differs' to a user
+    who never passed one; either half of the words differing names both causes now."""
+    from tensorwire.transport.wire import Coll, Fingerprint, differences
+
+    mine = Fingerprint(Coll.REDUCE_SCATTER, 10, 0, -1, 8, 0)
+    for theirs in (mine._replace(aux=0x3FE0000000000000), mine._replace(aux=0x1234)):
+        (why,) = differences(mine, theirs, str, str)
+        assert why.startswith("the PREMUL_SUM factor differs (or, in a phase of a hierarchical call, "
+                              "that call differs: its collective"), why
+    whole = mine._replace(coll=Coll.ALL_REDUCE)
+    (why,) = differences(whole, whole._replace(aux=5), str, str)
+    assert why == "compress= (or the PREMUL_SUM factor) differs", why

@@ -141,13 +141,11 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
     if mine.aux != other.aux:
         coll = mine.coll & ~ON_DEVICE
         factored = coll in _FACTORED
-        if coll == Coll.SETUP:
-            out.append(_AUX[coll])
-        elif (mine.aux ^ other.aux) & 0xFFFFFFFF == 0:  # the high half alone: phase_digest's, or a factor's
+        if coll == Coll.SETUP or (coll in _AUX and (mine.aux ^ other.aux) & 0xFFFFFFFF):  # the low half:
+            out.append(_AUX[coll])  # the counts' or compress='s digest
+        elif factored:  # a factor (AVG runs as one in a hierarchical call's phases), or phase_digest's
             out.append(f"the PREMUL_SUM factor differs (or, in a phase of a hierarchical call, that call "
-                       f"differs: {_PHASE_OF_WHAT})" if factored else _PHASE_OF)
-        elif coll in _AUX or factored:  # the low half: the counts' or compress='s digest, or a factor
-            out.append(_AUX.get(coll, "PREMUL_SUM factor differs"))
+                       f"differs: {_PHASE_OF_WHAT})")
         else:
             out.append(_PHASE_OF)
     return out
