@@ -926,6 +926,55 @@ def _close(what: str, got, want, tol: float) -> None:
     assert ok, f"{what}: got {got}, want {want}"
 
 
+def test_a_work_wait_beyond_what_a_thread_can_wait_means_no_limit() -> None:
+    """torch passes timedelta: one too large for a thread's wait (a million days) bounds
+    nothing, as 0 does, where it raised OverflowError."""
+    from datetime import timedelta
+
+    from tensorwire.torch.work import seconds
+
+    assert seconds(timedelta(days=10**6)) is None and seconds(timedelta(0)) is None
+    assert seconds(timedelta(seconds=90)) == 90.0 and seconds(2.5) == 2.5
+
+
+@pytest.mark.timeout(120)
+def test_calls_show_in_torch_profiler() -> None:
+    """As gloo's do (`gloo:all_reduce`): sync and async collectives, point-to-point, a DDP
+    step's bucket all-reduces, named after torch.distributed's functions."""
+    assert_all_ok(launch("profiled", 2), "profiled")
+
+
+def scenario_profiled() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    r = dist.get_rank()
+    t = torch.ones(1 << 12)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.broadcast(t, 0)
+        out = torch.empty(2 << 12)
+        dist.all_gather_into_tensor(out, t)
+        dist.send(t, 1) if r == 0 else dist.recv(t, 0)
+        dist.barrier()
+        model(torch.ones(4, 8)).sum().backward()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("tensorwire:"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    want = {"tensorwire:all_reduce": 3, "tensorwire:broadcast": 1, "tensorwire:all_gather_into_tensor": 1,
+            "tensorwire:send" if r == 0 else "tensorwire:recv": 1, "tensorwire:barrier": 1}
+    assert all(counts.get(k, 0) >= v for k, v in want.items()), counts
+    assert t[0].item() == 4 and torch.equal(out, torch.full((2 << 12,), 4.0)), (t[:2], out[:2])
+    dist.destroy_process_group()
+
+
 def run_scenario(namespace: dict) -> None:
     """`python tests/<file>.py SCENARIO ARGS...`: run scenario_SCENARIO(*ARGS) and say so."""
     scenario = sys.argv[1]
@@ -936,13 +985,3 @@ def run_scenario(namespace: dict) -> None:
 if __name__ == "__main__":
     run_scenario(globals())
 
-
-def test_a_work_wait_beyond_what_a_thread_can_wait_means_no_limit() -> None:
-    """torch passes timedelta: one too large for a thread's wait (a million days) bounds
-    nothing, as 0 does, where it raised OverflowError."""
-    from datetime import timedelta
-
-    from tensorwire.torch.work import seconds
-
-    assert seconds(timedelta(days=10**6)) is None and seconds(timedelta(0)) is None
-    assert seconds(timedelta(seconds=90)) == 90.0 and seconds(2.5) == 2.5

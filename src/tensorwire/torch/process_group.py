@@ -29,6 +29,7 @@ from ..errors import AbortedError, InvalidArgumentError
 from ..group.group import Group
 from ..ops import ReduceOp, premul_sum
 from ..ops.finalize import finalize
+from .profiling import shown_to_profiler
 from .work import CompletedWork, TensorwireWork, finished, seconds
 
 BACKEND_NAME = "tensorwire"
@@ -230,6 +231,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return TensorwireWork(parts, outputs, what, finish=finish, timeout=timeout)
 
     # -- reductions --------------------------------------------------------------------------
+    @shown_to_profiler("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         view = _seen(tensors, opts, _ALLREDUCE_OPTIONS)
         if view is not None and self._compress is None and opts.reduceOp == _SUM:
@@ -295,6 +297,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         total = torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce()
         t.copy_(total)
 
+    @shown_to_profiler("all_reduce_coalesced")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """One all-reduce per dtype over the tensors packed end to end."""
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -330,6 +333,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
         return self._run("all_reduce_coalesced", opts, tensors, calls, finish if unpack else None)
 
+    @shown_to_profiler("reduce")
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceOptions()
         op, factor = _reduction(opts)
@@ -346,6 +350,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             call = lambda a, tm: g.reduce(src, root, op, out=out, async_op=a, timeout=tm)  # noqa: E731
         return self._run("reduce", opts, tensors, [call], st.finish())
 
+    @shown_to_profiler("reduce_scatter")
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -359,6 +364,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("reduce_scatter", opts, output_tensors,
                          [lambda a, t: g.reduce_scatter(out, ins, op, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("reduce_scatter_tensor")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -374,6 +380,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @shown_to_profiler("reduce_scatter_tensor_coalesced")
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -391,6 +398,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement -----------------------------------------------------------------------
+    @shown_to_profiler("broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         view = _seen(tensors, opts, _BROADCAST_OPTIONS)
         if view is not None:
@@ -409,6 +417,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("broadcast", opts, tensors,
                          [lambda a, t: g.broadcast(buf, root, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("all_gather")
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -420,6 +429,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("all_gather", opts, mine,  # the future's value: the list, as Gloo's
                          [lambda a, t: g.all_gather(outs, inp, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("all_gather_into_tensor")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
         st = _Staging(self._tw)
@@ -431,6 +441,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    @shown_to_profiler("all_gather_into_tensor_coalesced")
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -444,6 +455,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @shown_to_profiler("all_gather_coalesced")
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -455,6 +467,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             calls.append(lambda a, t, o=outs, i=inp: g.all_gather(o, i, async_op=a, timeout=t))
         return self._run("all_gather_coalesced", opts, output_lists, calls, st.finish())
 
+    @shown_to_profiler("gather")
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.GatherOptions()
@@ -468,6 +481,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("gather", opts, output_tensors,
                          [lambda a, t: g.gather(inp, outs, root, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("scatter")
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -481,6 +495,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("scatter", opts, output_tensors,
                          [lambda a, t: g.scatter(out, ins, root, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("all_to_all")
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
@@ -491,6 +506,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return self._run("all_to_all", opts, output_tensors,
                          [lambda a, t: g.all_to_all(outs, ins, async_op=a, timeout=t)], st.finish())
 
+    @shown_to_profiler("all_to_all_single")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> dist.Work:
@@ -506,12 +522,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @shown_to_profiler("barrier")
     def barrier(self, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.BarrierOptions()
         g = self._tw
         return self._run("barrier", opts, [], [lambda a, t: g.barrier(async_op=a, timeout=t)])
 
     # -- point-to-point ------------------------------------------------------------------------
+    @shown_to_profiler("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         data = _Staging(None).inp(_one(tensors, "send", None))
         part = self._tw.isend(data, dst, tag)
@@ -519,6 +537,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             return CompletedWork(tensors)
         return TensorwireWork([part], tensors, f"send to rank {dst}", timeout=self._timeout)
 
+    @shown_to_profiler("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         st = _Staging(None)
         buf = st.out(_one(tensors, "recv", None))
@@ -531,6 +550,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return TensorwireWork([part], tensors, f"recv from rank {src}", finish=finish,
                               timeout=self._timeout, source_rank=src)
 
+    @shown_to_profiler("recv")
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """A receive from whichever rank sends first, found and received as its Work is waited on
         (or its future's helper thread waits)."""
