@@ -120,6 +120,23 @@ def test_module_mode_and_stdout_stderr_pass_through(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_report_names_the_rank_an_error_came_from(tmp_path: Path) -> None:
+    """The first rank to exit may be one that raised a peer's abort: the report says whose."""
+    script = tmp_path / "abort.py"
+    script.write_text(textwrap.dedent("""\
+        import os, sys, time
+        rank = int(os.environ["RANK"])
+        if rank == 0:
+            time.sleep(1.0)
+            sys.exit("TimeoutError: rank 0: barrier #1 on group world timed out")
+        sys.exit("TimeoutError: rank 0: barrier #1 timed out [reported by rank 0; seen on rank 1]")
+        """))
+    res = _run(["-n", "2", str(script)], tmp_path)
+    assert "rank 1 (local rank 1, pid " in res.stderr and "failed first: exit code 1 (its error came from " \
+        "rank 0: see below)" in res.stderr, res.stderr
+    assert "rank 0 (local rank 0, pid" in res.stderr, res.stderr
+
+
 def test_failing_rank_sets_exit_code_and_report(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent("""\

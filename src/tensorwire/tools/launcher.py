@@ -596,7 +596,8 @@ class Launcher:
             return 0
         lines: list[str] = []
         if first_failure is not None:
-            lines.append(f"tensorwire run: {first_failure.label} failed first: {first_failure.status()}")
+            lines.append(f"tensorwire run: {first_failure.label} failed first: {first_failure.status()}"
+                         f"{_reported_by(first_failure)}")
             if first_failure.tail:
                 lines.append(f"  last {len(first_failure.tail)} stderr line(s) of rank {first_failure.rank}:")
                 lines.extend(f"    {text}" for text in first_failure.tail)
@@ -621,6 +622,18 @@ class Launcher:
         with self._output_lock:
             print("\n".join(lines), file=sys.stderr, flush=True)
         return code
+
+
+_REPORTED = re.compile(r"\[reported by rank (\d+); seen on rank \d+\]")
+
+
+def _reported_by(child: RankProcess) -> str:
+    """Where the error a rank exited with came from another rank (a peer's abort: '[reported by
+    rank 0; seen on rank 1]'), that rank: the first to exit need not be the first to fail."""
+    found = next((m for m in map(_REPORTED.search, reversed(child.tail)) if m), None)
+    if found is None or int(found.group(1)) == child.rank:
+        return ""
+    return f" (its error came from rank {found.group(1)}: see below)"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "tensorwire run") -> int:
