@@ -676,6 +676,41 @@ def test_a_timeout_that_is_no_duration_is_an_argument_error(cluster: Any) -> Non
         assert all(res["type"] is None for res in outcomes[len(bad):]), (rank, outcomes[len(bad):])
 
 
+def _interrupted_work_wait() -> dict[str, Any]:
+    """Rank 0's wait on an irecv's Work is interrupted before anything came; rank 1 then sends:
+    the Work is still pending, as MPI_Wait's request after a signal, and a second wait gets it."""
+    g = _fresh_group()
+    out: dict[str, Any] = {}
+    got = np.zeros(4, np.float32)
+    if g.rank == 0:
+        work = g.irecv(got, 1, tag=8)
+        _interrupt_soon()
+        try:
+            work.wait(10.0)
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+        out["pending"] = (work.is_completed(), work.exception())
+    g.barrier(timeout=10.0)
+    if g.rank == 1:
+        g.send(np.full(4, 3, np.float32), 0, tag=8)
+    elif g.rank == 0:
+        out["again"] = _attempt(work.wait, 10.0)
+        out["got"] = got.tolist()
+    g.barrier(timeout=10.0)
+    return out
+
+
+def test_an_interrupted_wait_leaves_its_work_pending(cluster: Any) -> None:
+    """The Work kept the KeyboardInterrupt as its error and raised it at every later wait, and
+    its receive, still posted, took the next message unseen."""
+    if cluster.size < 2:
+        pytest.skip("needs a peer")
+    res = cluster.run(_interrupted_work_wait)[0]
+    assert res["first"] == "KeyboardInterrupt" and res["pending"] == (False, None), res
+    assert res["again"]["type"] is None and res["got"] == [3.0] * 4, res
+
+
 def _interrupted_recv() -> dict[str, Any]:
     """Rank 0's blocking receive from rank 1 is interrupted before anything came; rank 1 then
     sends one message with that tag, which rank 0's next receive must get."""
@@ -1937,7 +1972,8 @@ def test_destroy_ends_abandoned_async_collectives() -> None:
     assert res["took"] < 5.0, res
     assert res["done"] == [True, True] and res["threads"] == [], res
     running, queued = res["errors"]
-    assert running.startswith("AbortedError") and "rank 0: tensorwire shut down" in running, running
+    assert running.startswith("AbortedError") and "rank 0: all_reduce #" in running, running
+    assert "tensorwire shut down (destroy()) while the group's worker ran it" in running, running
     assert queued.startswith("AbortedError") and "all_reduce #" in queued and "still queued" in queued, queued
 
 
@@ -1973,6 +2009,7 @@ def test_destroy_ends_a_call_another_thread_runs(call: str) -> None:
     assert res["took"] < 5.0, res
     error = res["error"]
     assert error["type"] == "AbortedError" and "destroy() on another thread" in error["msg"], res
+    assert f"rank 0: {call}" in error["msg"], res  # the call it ended, named
 
 
 _ANY_AT_DESTROY = """

@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,8 @@ def test_a_wait_beyond_what_a_thread_can_wait_has_no_limit_and_a_bad_one_is_name
     work = Work("long job", 2)
     threading.Timer(0.05, work._finish, args=("done",)).start()
     assert work.wait(1e12) is True and work.result() == "done"
+    with pytest.raises(TimeoutError, match=r"rank 2: job not complete after 0.05 s"):
+        Work("job", 2).wait(Fraction(1, 20))  # any real number (its format said TypeError)
     for bad in (-1, float("nan"), "10", True):
         with pytest.raises(InvalidArgumentError, match=r"rank 2: job: wait.s timeout must be None or"):
             Work("job", 2).wait(bad)

@@ -86,7 +86,7 @@ class Work:
                     self._event = threading.Event()
                 event = None if self._done else self._event
             if event is not None and not event.wait(limit):
-                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s")
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {limit:g} s")
         if self._exc is not None:
             raise self._exc
         return True

@@ -355,7 +355,7 @@ class CallQueue:
                 if self.pending and self.wake_worker:
                     self._cv.notify_all()
 
-    def stop_worker(self, grace: float) -> None:
+    def stop_worker(self, grace: float, why: str) -> None:
         """End the worker thread before the interpreter finalizes: a daemon thread that is
         still inside a C++ call then (a torch op in an abandoned async collective) aborts the
         whole process. Queued calls fail; the running one gets `grace` seconds to finish, as
@@ -368,25 +368,29 @@ class CallQueue:
             dropped = list(self.pending)
             self.pending.clear()
             self._cv.notify_all()
+        rank = group.runtime.rank
         for call, _body, _args, work in dropped:
-            work._finish(exc=AbortedError(f"rank {group.runtime.rank}: {call.what} was still queued "
-                                          "when tensorwire shut down"))
+            work._finish(exc=AbortedError(f"rank {rank}: {call.what} was still queued when {why}"))
         if worker is threading.current_thread():
             return
         if worker is not None:
             worker.join(grace)
             if worker.is_alive():
                 self.engine.fail_locally(group.ctx, 0, AbortedError(
-                    f"rank {group.runtime.rank}: tensorwire shut down while group {group.name} was "
-                    "running an async collective nobody waited for"))
+                    f"rank {rank}: {self._running()}: {why} while the group's worker ran it (an async call)"))
                 worker.join(grace)
         if self.busy:  # a call the program runs on another thread
             self._await_idle(grace)
             if self.busy:
                 self.engine.fail_locally(group.ctx, 0, AbortedError(
-                    f"rank {group.runtime.rank}: tensorwire shut down (destroy() on another thread) while "
-                    f"group {group.name} was running this call"))
+                    f"rank {rank}: {self._running()}: {why} while it ran (destroy() on another thread)"))
                 self._await_idle(grace)
+
+    def _running(self) -> str:
+        """The call that runs now, as errors name it."""
+        current = self.current
+        return current.what if current is not None else f"a call on group {self.group.name}"
+
 
     def _await_idle(self, seconds: float) -> None:
         until = time.monotonic() + seconds

@@ -201,18 +201,18 @@ class Group:
                                        "tensorwire.destroy()")
         self.destroyed = True
         self.runtime.groups.discard(self)
-        self.release(_WORKER_GRACE_S)
+        self.release(_WORKER_GRACE_S, f"group {self.name} was destroyed")
         self.engine.retire(self.ctx, NotInitializedError(
             f"rank {self.runtime.rank}: group {self.name} was destroyed on this rank"))
 
-    def release(self, grace: float) -> None:
-        """Stop the worker (a running call gets `grace` seconds), forget the planned calls and
-        drop the segment and the hierarchy's groups: their memory goes with the last
-        reference, so a call still running keeps what it uses."""
-        self.queue.stop_worker(grace)
+    def release(self, grace: float, why: str = "tensorwire shut down (destroy())") -> None:
+        """Stop the worker (a running call gets `grace` seconds; queued ones fail saying `why`),
+        forget the planned calls and drop the segment and the hierarchy's groups: their memory
+        goes with the last reference, so a call still running keeps what it uses."""
+        self.queue.stop_worker(grace, why)
         self.choices.clear()
         self._report_last_call()
-        self._forget(grace)
+        self._forget(grace, why)
 
     def _report_last_call(self) -> None:
         """On stderr, whatever the log settings: a last call that this rank completed and a
@@ -227,20 +227,20 @@ class Group:
                 print(f"tensorwire: {error}; this rank's result of that call is not the collective's",
                       file=sys.stderr, flush=True)
 
-    def _forget(self, grace: float) -> None:
+    def _forget(self, grace: float, why: str) -> None:
         """Drop the planned calls, the segment, the device state and the hierarchy's groups."""
         self.forget_plans()
         self.direct = None
         self._device = None
         if self._hierarchy is not None:
-            self._hierarchy.local.release(grace)
-            self._hierarchy.rail.release(grace)
+            self._hierarchy.local.release(grace, why)
+            self._hierarchy.rail.release(grace, why)
             self._hierarchy = None
 
     def renew(self, ctx: int) -> None:
         """Collectively: go on under context `ctx`, what the old one held dropped and the
         segment made afresh (renewal.py; the caller retired the old context)."""
-        self._forget(0.0)
+        self._forget(0.0, f"group {self.name} renewed itself")
         self.ctx = self.plans.ctx = ctx
         self.queue.current = None
         if self.rank >= 0:

@@ -152,7 +152,7 @@ class AnySourceWork(Work):
             until = math.inf if timeout is None else time.monotonic() + timeout
             self.group.any_source_turns.drive(self, until)
             if not self._done:
-                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {timeout:g} s"
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {float(timeout):g} s"
                                    f"{_other_tags(self.group, set(self.group.ranks), self.tag)}")
         return super().wait(0)
 
@@ -578,8 +578,8 @@ class P2PWork(Work):
                 if isinstance(req, RecvRequest):
                     _vet_received(self._group, req.peer, req.nbytes)
             except BaseException as exc:
-                if isinstance(exc, TimeoutError) and not req.done:
-                    raise  # still pending: the caller may wait again
+                if isinstance(exc, (TimeoutError, KeyboardInterrupt)) and not req.done:
+                    raise  # still pending (as MPI_Wait's request after a signal): the caller may wait again
                 self._finish(exc=exc)
                 raise
             self._finish()

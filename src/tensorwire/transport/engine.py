@@ -629,7 +629,12 @@ class Engine(Failures):
         """
         pending = [r for r in reqs if not r.done]
         if pending:
-            self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
+            try:
+                self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
+            except AbortedError:
+                if self.closed:
+                    raise self.closed_error(what) from None
+                raise
         else:  # all finished as posted (small sends)
             self.until_glance -= 1
             if not self.until_glance:

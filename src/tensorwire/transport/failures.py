@@ -299,6 +299,11 @@ class Failures:
                     self.peer_lost(peer, _PEER_SILENT.format(
                         self.wiring.cfg.peer_timeout, f"nothing acknowledged for {waited / 1000:.1f} s"))
 
+    def closed_error(self, what: object = "this call") -> AbortedError:
+        """Why a call another thread waited in ended: this rank shut down (Engine.wait names the call)."""
+        return AbortedError(f"rank {self.rank}: {what}: tensorwire shut down (destroy() on another thread) "
+                            f"while it waited")
+
     def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
         """Raise if the group was aborted, a member refused this call (which then fails the
         group: this rank runs it), or one of its members crashed _CRASH_GRACE_S ago (the requests
@@ -312,8 +317,7 @@ class Failures:
         if error is not None:
             raise error
         if self.closed:  # a send another thread waits on (destroy() fails posted receives itself)
-            raise AbortedError(f"rank {self.rank}: tensorwire shut down (destroy() on another thread) while "
-                               f"this call waited")
+            raise self.closed_error()
         refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
         if refused and self.rank not in refused:  # a member refused the call this rank runs
             error = next(iter(refused.values()))
