@@ -120,6 +120,36 @@ def test_a_raising_callback_leaves_the_groups_worker_running(get_cluster: Callab
     assert get_cluster(2, "shm").run(rank_raising_callback, kind) == [[2.0, 2.0, 2.0]] * 2
 
 
+def rank_callback_waits_for_a_later_call() -> tuple[str, float]:
+    """A's done-callback, on the group's worker, waits with a timeout for B, queued behind A."""
+    a, b = np.ones(1 << 22, np.float64), np.ones(8, np.float64)
+    seen: dict[str, str] = {}
+    ran = threading.Event()
+
+    def callback(work: Work) -> None:
+        try:
+            later.wait(timeout=3.0)
+            seen["b"] = f"ok {b[0]:g}"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["b"] = f"{type(exc).__name__}: {exc}"
+        ran.set()
+
+    first = tw.all_reduce(a, async_op=True)
+    later = tw.all_reduce(b, async_op=True)
+    t0 = time.monotonic()
+    first.add_done_callback(callback)
+    first.wait(20)
+    ran.wait(20)
+    return seen.get("b", "not run"), time.monotonic() - t0
+
+
+def test_a_callback_waits_with_a_timeout_for_a_call_queued_behind_it(get_cluster: Callable[..., Any]) -> None:
+    """The worker ran the callback and so not B: a wait without a timeout ran B itself, one
+    with a timeout waited it out and failed. Another worker takes the queued calls now."""
+    for outcome, took in get_cluster(2, "shm").run(rank_callback_waits_for_a_later_call):
+        assert outcome == "ok 2" and took < 2.5, (outcome, took)
+
+
 def test_an_exit_in_a_callback_on_the_main_thread_goes_on_up() -> None:
     work = Work("job", 0)
     work._finish(1)

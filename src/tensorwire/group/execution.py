@@ -121,17 +121,29 @@ class CallQueue:
             if self._worker is None or self._worker is threading.current_thread():
                 # none yet (or it ended), or its own completion callbacks queue this (a torch
                 # future's then-callback that waits for it: PowerSGD's hook): a new worker takes over
-                if self._worker is None:
-                    weakref.finalize(self, _wake, self._cv, os.getpid())
-                self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
-                                                daemon=True, name=f"tensorwire-group-{group.name}")
-                self._worker.start()
+                self._start_worker()
             elif self.wake_worker:
                 self._cv.notify_all()
         if async_op:
             return work
         work.wait()
         return work._result
+
+    def _start_worker(self) -> None:
+        """A worker thread for the queued calls (the lock held); one that is in its calls'
+        done-callbacks serves again once they return."""
+        if self._worker is None:
+            weakref.finalize(self, _wake, self._cv, os.getpid())
+        self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
+                                        daemon=True, name=f"tensorwire-group-{self.group.name}")
+        self._worker.start()
+
+    def hand_over(self) -> None:
+        """Where the worker itself waits (a done-callback waiting for a call queued behind
+        it), another takes the queued calls meanwhile."""
+        with self._cv:
+            if self._worker is threading.current_thread() and self.pending and not self._stopping:
+                self._start_worker()
 
     def _finished(self, origin: int) -> None:
         with self._cv:
@@ -493,8 +505,11 @@ class QueuedWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         queue = self._queue
-        if queue is not None and not self._done and timeout is None:
-            queue.run_until(self)
+        if queue is not None and not self._done:
+            if timeout is None:
+                queue.run_until(self)
+            else:
+                queue.hand_over()
         return super().wait(timeout)
 
     def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
