@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
+from conftest import PYTHON
 from tensorwire.errors import InvalidArgumentError, TimeoutError
 from tensorwire.work import Work, completed_work
 
@@ -148,6 +149,54 @@ def test_a_callback_waits_with_a_timeout_for_a_call_queued_behind_it(get_cluster
     with a timeout waited it out and failed. Another worker takes the queued calls now."""
     for outcome, took in get_cluster(2, "shm").run(rank_callback_waits_for_a_later_call):
         assert outcome == "ok 2" and took < 2.5, (outcome, took)
+
+
+def rank_callback_call_overlaps_a_planned_one() -> list[str]:
+    """Rank 0's program makes a small all_reduce it made before (a planned call) as a finished
+    call's done-callback makes one on the same group 0.2 s later; rank 1's program comes 0.5 s
+    late: rank 1's callback call pairs with rank 0's program call."""
+    g = tw.new_group()
+    b = np.ones(4)
+    for _ in range(3):
+        g.all_reduce(b)
+    seen: list[str] = []
+    ran = threading.Event()
+
+    def attempt(call: Callable[[], Any]) -> None:
+        try:
+            call()
+            seen.append("ok")
+        except tw.TensorwireError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+
+    def callback(work: Work) -> None:
+        time.sleep(0.2)
+        attempt(lambda: g.all_reduce(np.ones(4)))
+        ran.set()
+
+    first = g.all_reduce(np.ones(4), async_op=True)
+    first.add_done_callback(callback)
+    while not first.is_completed():
+        time.sleep(0.001)
+    if g.rank == 1:
+        time.sleep(0.5)
+    attempt(lambda: g.all_reduce(b))
+    ran.wait(10)
+    attempt(lambda: g.all_reduce(b))
+    g.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["shm", PYTHON])
+def test_a_callbacks_call_overlapping_a_planned_call_fails_the_group(get_cluster: Callable[..., Any],
+                                                                      transport: str) -> None:
+    """docs/torch.md#threads: a call made while one of the other kind is in flight aborts the
+    group. A planned call was never counted in flight: every call returned, two of them with
+    another call's data, and nothing was said on any rank."""
+    for seen in get_cluster(2, transport).run(rank_callback_call_overlaps_a_planned_one):
+        assert any(s.startswith("InvalidArgumentError") and "done-callback while calls the program made" in s
+                   for s in seen), seen
+        assert seen[-1] != "ok", seen  # the group's next call, whatever returned before
 
 
 def test_an_exit_in_a_callback_on_the_main_thread_goes_on_up() -> None:

@@ -48,6 +48,10 @@ _MISSES = 8  # calls the worker was woken for and found run by their callers bef
 _LOOK_S, _LOOK_MAX_S = 0.001, 0.002  # its first and longest pause between looks
 _PARK_S = 1.0  # it sleeps until woken once no call was queued for this long
 _callbacks = threading.local()  # `active`: this thread runs a finished call's done-callbacks
+_RUNNING_CALLBACKS: list[int] = []
+"""The threads running finished calls' done-callbacks now, in any group: while there are any,
+no call takes a planned fast path (Plans.submit, the compiled caller), so that each is counted
+as the program's or a callback's (CallQueue.in_flight) and the two kinds' overlap is seen."""
 
 
 class CallQueue:
@@ -76,6 +80,7 @@ class CallQueue:
         self.doom: BaseException | None = None
         self.in_flight = [0, 0]
         """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
+        self.callbacks = _RUNNING_CALLBACKS  # read where the planned paths are decided
         self.phase_of = 0
         """While a hierarchical call runs its phases on this group (one of its hierarchy's), that
         call's wire.phase_digest, mixed into each call's fingerprint here (Plans.submit and
@@ -90,11 +95,13 @@ class CallQueue:
         self.settle(timeout)
         origin = 1 if getattr(_callbacks, "active", False) else 0
         with self._cv:
-            clash = self.in_flight[1 - origin]
+            # a call running uncounted took a planned path, before any callbacks ran: the program's
+            running = self.busy and not any(self.in_flight) and self.current is not None
+            clash = self.in_flight[1 - origin] or (origin and running)
             if not clash:
                 self.in_flight[origin] += 1
         if clash:
-            self._interleaved(what, origin)
+            self._interleaved(what, origin, self.current.seq if running else None)  # type: ignore[union-attr]
         self.seq += 1
         if self.phase_of:
             fp = fp._replace(aux=fp.aux ^ self.phase_of)
@@ -149,10 +156,12 @@ class CallQueue:
         with self._cv:
             self.in_flight[origin] -= 1
 
-    def _interleaved(self, what: str, origin: int) -> NoReturn:
+    def _interleaved(self, what: str, origin: int, running: int | None) -> NoReturn:
         """A call made in a finished call's done-callbacks (a torch future's then()) while calls
         the program made are in flight, or the reverse: their order depends on timing, so the
-        ranks may pair different calls. The group is aborted on every member instead."""
+        ranks may pair different calls. The group is aborted on every member instead, from the
+        program's call that runs where known (`running`: a peer may have paired it with its own
+        callback's)."""
         rank = self.group.runtime.rank
         made = ("in a Work's done-callback while calls the program made",
                 "by the program while calls made in a Work's done-callback")[1 - origin]
@@ -161,7 +170,7 @@ class CallQueue:
             f"may order such calls differently; the group is aborted. Wait until the callbacks' calls are "
             f"done before the next call, or make them on another group (torch: PowerSGD's hook with several "
             f"DDP buckets does this: use one bucket, bucket_cap_mb above the gradients' size)")
-        self.group.abort(error)
+        self.group.abort(error, running)
         raise error
 
     def refuse(self, error: Exception) -> NoReturn:
@@ -481,9 +490,11 @@ def _finish_in_callbacks(finish: Callable[[], None]) -> None:
     """Finish a call's Work: its done-callbacks run, and the calls they make count as theirs."""
     outer = getattr(_callbacks, "active", False)
     _callbacks.active = True
+    _RUNNING_CALLBACKS.append(threading.get_ident())
     try:
         finish()
     finally:
+        _RUNNING_CALLBACKS.remove(threading.get_ident())
         _callbacks.active = outer
 
 

@@ -194,7 +194,7 @@ class Plans(dict):
                 engine.glance()
         queue = self.queue
         if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
-                or queue.doomed or engine.unexpected or queue.phase_of \
+                or queue.doomed or engine.unexpected or queue.phase_of or queue.callbacks \
                 or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
                 or (engine.aborted and self.ctx in engine.aborted):
             ctx = self.ctx

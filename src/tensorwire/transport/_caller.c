@@ -51,7 +51,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *group, *queue, *engine, *finish;
     /* the queue's and engine's containers, never replaced (read in place), and the engine's lock */
-    PyObject *pending, *unexpected, *deferred, *refusals, *aborted, *current, *channels, *lost, *posted, *lock;
+    PyObject *pending, *callbacks, *unexpected, *deferred, *refusals, *aborted, *current, *channels, *lost, *posted,
+        *lock;
     PyObject *fallback[N_COLLS]; /* the group's Python methods */
     PyObject *sum, *array_type, *view_of, *zero;
     PyTypeObject *call_type;
@@ -125,7 +126,8 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     struct { PyObject *obj; const char *name; PyObject **to; int dict; } parts[] = {
-        {queue, "pending", &self->pending, 0}, {engine, "unexpected", &self->unexpected, 1},
+        {queue, "pending", &self->pending, 0}, {queue, "callbacks", &self->callbacks, 0},
+        {engine, "unexpected", &self->unexpected, 1},
         {engine, "deferred_aborts", &self->deferred, 0}, {engine, "refusals", &self->refusals, 1},
         {engine, "aborted", &self->aborted, 1}, {engine, "current", &self->current, 1},
         {engine, "channels", &self->channels, 1}, {engine, "lost", &self->lost, 1},
@@ -263,6 +265,7 @@ static int glance_if_due(Caller *c) {
  * run inline (glance_if_due has glanced). */
 static int clear_to_run(Caller *c, Entry *e) {
     if (SLOT(c->queue, c->q_busy) != Py_False || PyObject_Length(c->pending) != 0 ||
+        PyObject_Length(c->callbacks) != 0 ||
         small(SLOT(c->queue, c->q_doomed)) != 0 || small(SLOT(c->engine, c->e_glance)) <= 1 ||
         PyDict_GET_SIZE(c->unexpected) || PyObject_Length(c->deferred) != 0)
         return 0;
@@ -846,7 +849,7 @@ static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t na
 
 static int Caller_traverse(Caller *self, visitproc visit, void *arg) {
     PyObject *objs[] = {self->group, self->queue, self->engine, self->finish, self->lock, self->channels,
-                        self->lost, self->posted, self->pending, self->unexpected,
+                        self->lost, self->posted, self->pending, self->callbacks, self->unexpected,
                         self->deferred, self->refusals, self->aborted, self->current, self->sum,
                         self->array_type, self->view_of, (PyObject *)self->call_type};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_VISIT(objs[i]);
@@ -880,6 +883,7 @@ static int Caller_clear(Caller *self) {
     Py_CLEAR(self->pending);
     Py_CLEAR(self->unexpected);
     Py_CLEAR(self->deferred);
+    Py_CLEAR(self->callbacks);
     Py_CLEAR(self->refusals);
     Py_CLEAR(self->aborted);
     Py_CLEAR(self->current);
