@@ -692,6 +692,44 @@ def rank_premul_factor_mismatch() -> dict:
     return log.result()
 
 
+def rank_inf_and_nan_under_any_seterr() -> dict:
+    """Sums and products that overflow to inf, and inf + -inf, under np.seterr's 'raise' and
+    'warn': inf and NaN are results (as in MPI and NCCL), the same on every rank, and nothing is
+    raised or printed from tensorwire's folds."""
+    import warnings
+
+    log = _Log()
+    me, n = tw.get_rank(), tw.get_world_size()
+    folds = {tw.ReduceOp.SUM: np.add}
+    for mode, count in (("raise", 16), ("raise", 30_011), ("warn", 16)):
+        for dtype, op in itertools.product((np.float16, np.float32), folds):
+            # float16: 60000 + 60000 is inf; float32: inf + -inf is NaN
+            inputs = [np.full(count, 60000.0 if dtype == np.float16 else (-1) ** r * np.inf, dtype)
+                      for r in range(n)]
+            with np.errstate(all="ignore"):
+                want = functools.reduce(folds[op], inputs)
+            got, label = inputs[me].copy(), f"{mode} {count} {dtype.__name__} {op.name}"
+            log.case()
+            with np.errstate(all=mode), warnings.catch_warnings(record=True) as said:
+                try:
+                    tw.all_reduce(got, op)
+                except Exception as exc:  # noqa: BLE001 - reported
+                    log.check(False, f"{label}: raised {exc!r}")
+                    continue
+            log.same(label, got, want)
+            log.check(not said, f"{label}: warned {said[:1]}")
+    return log.result()
+
+
+def test_inf_and_nan_are_results_under_any_seterr(world_spec, get_cluster) -> None:
+    """A program with np.seterr(all="raise") got FloatingPointError out of tensorwire's own
+    fold, and the group aborted; under the default, RuntimeWarnings pointed into tensorwire.
+    On three worlds: the folds are one table's kernels on every path."""
+    if world_spec not in ((2, "shm"), (3, "tcp"), (3, PYTHON)):
+        pytest.skip("run on 2 ranks over shared memory, 3 over TCP and 3 with the Python bodies")
+    _expect(get_cluster(*world_spec).run(rank_inf_and_nan_under_any_seterr), 3 * 2)
+
+
 def test_premul_sum_factor_mismatch_is_detected(world_spec, get_cluster) -> None:
     if world_spec[0] == 1:
         pytest.skip("needs two ranks")

@@ -7,6 +7,7 @@ Every reduction a collective performs goes through `reduction_kernel` (or `reduc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,7 @@ _E8M0 = 21  # float8_e8m0fnu: powers of two as wide as float32's, and no zero
 def _fill_table(entry: DType, num: int) -> None:
     if entry.arithmetic:
         for op, ufunc in KIND_UFUNCS[entry.category].items():
-            kernel = _three_argument(ufunc)
+            kernel = _three_argument(ufunc, entry.category in "fc")
             TABLE[op][num] = _torch_capable(kernel, op) if entry.code in _TORCH_CODES else kernel
         if entry.code == _E8M0:
             TABLE[ReduceOp.PRODUCT][num] = _product_in_float64
@@ -81,18 +82,33 @@ def _product_in_float64(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         np.copyto(out, np.multiply(a.astype(np.float64), b.astype(np.float64)), casting="unsafe")
 
 
-def _three_argument(ufunc: np.ufunc) -> Callable[..., None]:
+def _three_argument(ufunc: np.ufunc, floating: bool) -> Callable[..., None]:
     """kernel(a, b, out): the ufunc itself where a positional output is allowed. numpy 2.4
     deprecates a third positional argument to minimum and maximum (they may become n-ary), so
-    those two name their output."""
-    if ufunc not in (np.minimum, np.maximum):
+    those two name their output. A floating kernel's inf and NaN are results, as in MPI and
+    NCCL, whatever the caller's np.seterr: numpy raises its FloatingPointError (or a
+    RuntimeWarning turned error) once the whole output is written, and the kernel lets it go."""
+    if ufunc not in (np.minimum, np.maximum) and not floating:
         return ufunc
+    named = ufunc in (np.minimum, np.maximum)
 
     def kernel(dst: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
-        ufunc(dst, src, out=out)
+        try:
+            if named:
+                ufunc(dst, src, out=out)
+            else:
+                ufunc(dst, src, out)
+        except (FloatingPointError, RuntimeWarning):
+            pass
 
     kernel.__name__ = ufunc.__name__
     return kernel
+
+
+# numpy's warnings of inf and NaN in tensorwire's folds (under the default np.seterr) are not
+# the caller's to act on: the same values in MPI or NCCL say nothing
+warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero|underflow) encountered in",
+                        RuntimeWarning, r"tensorwire\.")
 
 
 _IN_PLACE_ONLY: set[Callable[..., None]] = set()
