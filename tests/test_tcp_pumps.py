@@ -258,3 +258,35 @@ def test_a_rank_killed_mid_stream_fails_the_others_and_leaves_no_thread(tmp_path
         assert "rank 1" in res["error"], res
         assert res["after"] < 10.0, res
         assert res["left"] == [], res
+
+
+_LEFT_BEFORE_READ = """
+import sys, time, numpy as np, tensorwire as tw
+w = tw.init(timeout=15)
+n = 2_000_000
+if w.rank == 0:  # the message fits the kernels' buffers of 8 streams: the send is done at once
+    tw.send(np.arange(n, dtype=np.float64), dst=1, tag=3)
+else:
+    time.sleep(1.0)  # rank 0 has left by now
+    got = np.empty(n, np.float64)
+    tw.recv(got, src=0, tag=3)
+    assert (got == np.arange(n)).all()
+print(f"rank {w.rank}: LEFT OK", flush=True)
+tw.destroy()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_message_sent_before_its_sender_left_arrives_whole(tmp_path: Path) -> None:
+    """Its receiver's pump threads took the parts on the other streams as the goodbye came, and
+    were stopped short: the receive waited out its timeout with 2-8 MB of 16 missing."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "left.py"
+    script.write_text(_LEFT_BEFORE_READ)
+    env = {**os.environ, "TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_NSOCKS": "8",
+           "TENSORWIRE_SOCKET_THREADS": "16"}
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0 and proc.stdout.count("LEFT OK") == 2, proc.stdout + proc.stderr[-3000:]

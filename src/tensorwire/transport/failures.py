@@ -97,6 +97,7 @@ def unanswered_ms(sock: socket.socket) -> int:
 
 LEFT = "it left the job"
 """What a departed peer's PeerLostError says (also as other ranks report it)."""
+_LEFT_DATA_S = 2.0  # how long the last bytes exchanged with a departed peer may take to settle
 _WHY_LEFT_S = 1.0  # how long a call that lost a departed peer looks for the reason it left
 _ASK_S, _MISSING_S = 0.5, 1.0  # a timed-out call's wait for the members' answers, then for another's abort
 _NOT_IN = "Not in this call"
@@ -185,6 +186,9 @@ class Failures:
             note = self.goodbye_notes.get(peer)
             reason = f"{LEFT} (called destroy() or exited) before this exchange finished" + \
                 (f"; {note}" if note else "")
+            until = time.perf_counter() + _LEFT_DATA_S
+            for stream in channel.streams if channel is not None else ():
+                stream.finish_with_departed(until)  # its last message's parts on the other streams
             self._drain(channel)
         else:
             if f"[Errno {errno.ETIMEDOUT}]" in reason and self.wiring is not None:  # keepalive (tune_socket)

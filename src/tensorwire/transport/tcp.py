@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import functools
 import math
+import select
 import socket
 import struct
 import time
@@ -43,6 +44,7 @@ _PEEK_BYTES = HEADER_SIZE + NOW_BYTES
 _PULL_FRAMES = 64
 """Headers one `pull` reads at most: a peer that sends as fast as this rank reads must not keep
 one round of progress (and the engine's lock) going forever, or nothing it read gets matched."""
+_DRAIN_READS, _DRAIN_BYTES = 64, 1 << 16  # what close() reads and drops of the unread, at most
 
 
 def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
@@ -455,6 +457,33 @@ class SocketStream:
         if sink.received >= sink.nbytes:
             sink.finish()
 
+    def finish_with_departed(self, until: float) -> None:
+        """After the peer's goodbye, by `until`: the part a pump thread was writing, done (the
+        peer may have read it all before it left), and what the peer sent before it left: to
+        the end of the socket where it carries headers, else to the end of the parts announced
+        for it (a pump thread's receive ends first). It all comes: the peer closed after its
+        last byte."""
+        while self._tx is not None and not self._tx.done and time.perf_counter() < until:
+            time.sleep(0.0005)
+        try:
+            self.push()  # takes a finished pump's part as sent
+        except PeerClosed:
+            pass
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while time.perf_counter() < until:
+            if self._rx is not None and not self._rx.done:
+                time.sleep(0.0005)
+                continue
+            try:
+                if self.pull():
+                    continue
+            except PeerClosed:
+                return
+            if not (self.headers or self._sink is not None or self.expect):
+                return
+            poller.poll(10)
+
     def stop_pumps(self) -> None:
         """End this stream's pump jobs (its peer is lost, or it closes): each sees it within
         its next wait for the socket."""
@@ -470,7 +499,17 @@ class SocketStream:
             pumps.receiving.discard(self.sock)
 
     def close(self) -> None:
+        """Close the socket once what came and nobody read is read: a socket closed with unread
+        bytes (a waiting peer's question where this rank is: Failures.query_peers) sends a
+        reset, and the reset drops the peer's part of this rank's last message still in flight
+        or not yet read (its receive then failed short of its end)."""
         self.stop_pumps()
+        try:
+            for _ in range(_DRAIN_READS):
+                if not self.sock.recv(_DRAIN_BYTES, socket.MSG_DONTWAIT):
+                    break
+        except OSError:  # BlockingIOError: nothing more; any other: no reset to spare the peer
+            pass
         try:
             self.sock.close()
         except OSError:
