@@ -646,10 +646,10 @@ def _bad_timeouts() -> list[dict[str, Any]]:
     g = _fresh_group()
     x, peer = np.ones(4, np.float32), (g.rank + 1) % g.size
     out = []
-    for bad in (float("nan"), 0, -1.0, float("inf"), "5"):
+    for bad in (float("nan"), 0, -1.0, float("inf"), "5", 10**400):  # (an int no float holds)
         out.append(_attempt(g.all_reduce, x, timeout=bad))
     if g.rank == 0:  # point-to-point and waits: this rank alone, and the group's collectives go on
-        for bad in (float("nan"), 0, -1.0, "5"):
+        for bad in (float("nan"), 0, -1.0, "5", 10**400):
             out.append(_attempt(g.recv, x, peer, tag=9, timeout=bad))
         work = g.irecv(x, peer, tag=9)
         out.append(_attempt(work.wait, float("nan")))
@@ -664,15 +664,16 @@ def _bad_timeouts() -> list[dict[str, Any]]:
 
 
 def test_a_timeout_that_is_no_duration_is_an_argument_error(cluster: Any) -> None:
-    """timeout=nan waited forever, 0 and -1 failed at once as timeouts, inf never ended: each is
-    an InvalidArgumentError naming it, on every rank for a collective, on its caller only for a
-    point-to-point call or a wait (whose Work stays pending; 0 polls it); the group goes on."""
+    """timeout=nan waited forever, 0 and -1 failed at once as timeouts, inf never ended, 10**400
+    raised OverflowError: each is an InvalidArgumentError naming it, on every rank for a
+    collective, on its caller only for a point-to-point call or a wait (whose Work stays
+    pending; 0 polls it); the group goes on."""
     if cluster.size < 2:
         pytest.skip("needs a peer")
     for rank, outcomes in enumerate(cluster.run(_bad_timeouts)):
-        bad = outcomes[:5] + (outcomes[5:10] if rank == 0 else [])
+        bad = outcomes[:6] + (outcomes[6:12] if rank == 0 else [])
         for res in bad:
-            _assert_error(res, InvalidArgumentError, "timeout must be a positive number", within=5.0)
+            _assert_error(res, InvalidArgumentError, "timeout must be a positive, finite number", within=5.0)
         assert all(res["type"] is None for res in outcomes[len(bad):]), (rank, outcomes[len(bad):])
 
 
@@ -1624,6 +1625,8 @@ def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: 
     # init's own arguments: a TypeError from deep inside, and an AttributeError, before
     with pytest.raises(InvalidArgumentError, match="init: timeout must be seconds .*got '10'"):
         tw.init(rank=0, world_size=1, timeout="10")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"init: timeout must be seconds \(a finite number\)"):
+        tw.init(rank=0, world_size=1, timeout=10**400)
     with pytest.raises(InvalidArgumentError, match="init: store must be a tensorwire store .*got object"):
         tw.init(rank=0, world_size=1, store=object())
     assert not tw.is_initialized()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import reprlib
 import sys
 import threading
 import time
@@ -56,8 +57,10 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         if _runtime is not None:
             raise RuntimeError(f"tensorwire is already initialized (rank {_runtime.rank}); call "
                                f"destroy() first")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            raise InvalidArgumentError(f"init: timeout must be seconds (a number), got {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not -sys.float_info.max <= timeout <= sys.float_info.max):
+            raise InvalidArgumentError(f"init: timeout must be seconds (a finite number), got "
+                                       f"{reprlib.repr(timeout)}")
         if deterministic is not None and not isinstance(deterministic, bool):
             raise InvalidArgumentError(f"init: deterministic must be True, False or None, got "
                                        f"{deterministic!r}")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import reprlib
 import struct
+import sys
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -71,9 +73,10 @@ def limit_of(group: Group, timeout: float | None, what: str, *, collective: bool
     if type(timeout) is float and 0.0 < timeout < math.inf:  # the common case, cheaply
         return timeout
     if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) \
-            and (timeout >= 0.0 if poll else timeout > 0.0) and timeout < math.inf:
+            and (timeout >= 0.0 if poll else timeout > 0.0) and timeout < math.inf \
+            and timeout <= sys.float_info.max:  # an int past it: float() would raise OverflowError
         return float(timeout)
-    message = f"timeout must be a positive number of seconds, got {timeout!r}"
+    message = f"timeout must be a positive, finite number of seconds, got {reprlib.repr(timeout)}"
     if collective:
         invalid(group, what, message)
     raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}")
