@@ -154,6 +154,29 @@ def test_a_bad_spec_fails_init_before_connecting() -> None:
     assert time.monotonic() - t0 < 20, "the error came from a timeout, not from the check"
 
 
+def _vector_forms_under_forced_direct() -> list[float]:
+    n, me = tw.get_world_size(), tw.get_rank()
+    got = np.empty(1000 * n)
+    tw.all_gatherv(got, np.full(1000, float(me)), [1000] * n)
+    part = np.empty(1000)
+    tw.reduce_scatterv(part, np.ones(1000 * n), [1000] * n)
+    x = np.ones(4)
+    tw.all_reduce(x)
+    return [float(got.sum()), float(part[0]), float(x[0])]
+
+
+def test_forcing_the_one_shot_path_does_not_bind_the_vector_forms() -> None:
+    """They run no one-shot path (their blocks may differ): a forced direct left them no
+    algorithm, the error aborted the group inside the call, and every later call raised it."""
+    cluster = Cluster(2, {"TENSORWIRE_ALGO": "allgather:direct,reducescatter:direct"})
+    try:
+        assert cluster.run(_vector_forms_under_forced_direct) == [[1000.0, 2.0, 2.0]] * 2
+    finally:
+        cluster.close()
+    cfg = Config(algo="allgather:direct")
+    assert policy.forcing(cfg, "all_gather", None) and not policy.forcing(cfg, "all_gather", None, even=False)
+
+
 # ============================================================================ the cost model's choice
 
 class _Runtime:  # weak-referenceable stand-in for a Runtime

@@ -160,17 +160,19 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
                     f"TENSORWIRE_DETERMINISTIC, or allow {rank_ordered.NAME})")
 
 
-def forcing(cfg: Config, collective: str, shape: Shape | None) -> bool:
-    """Does TENSORWIRE_ALGO's forcing bind a group? Not where it forces only hierarchical
-    algorithms and the group cannot run them (`shape` None: a group on one host, or the host
-    groups and rails its phases run on, which choose their own algorithms, or a call whose
-    blocks may differ; or the rails' variants on hosts holding different numbers of ranks)."""
+def forcing(cfg: Config, collective: str, shape: Shape | None, even: bool = True) -> bool:
+    """Does TENSORWIRE_ALGO's forcing bind a call? Not where it forces only algorithms the call
+    cannot run by its kind: hierarchical ones where the group cannot run them (`shape` None: a
+    group on one host, or the host groups and rails its phases run on, which choose their own
+    algorithms, or a call whose blocks may differ; or the rails' variants on hosts holding
+    different numbers of ranks), the one-shot path's where the call's blocks differ (not
+    `even`: the vector forms)."""
     forced = parse_algo(cfg.algo, collective)[0] if cfg.algo else frozenset()
     if not forced:
         return True
     algs = algorithms_for(collective)
-    return not all(name in algs and algs[name].phases is not None and not runs_on(algs[name], shape)
-                   for name in forced)
+    return not all(name in algs and ((algs[name].phases is not None and not runs_on(algs[name], shape))
+                                     or (algs[name].needs_direct and not even)) for name in forced)
 
 
 def why_not(alg: Algorithm, n: int, nbytes: int, cfg: Config, *, slot: int | None = None,

@@ -133,7 +133,7 @@ def shape_of(group: Group) -> Shape | None:
 
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
     shape = shape_of(group) if direct_ok else None  # a call with uneven blocks runs no hierarchy
-    force = forcing(group.runtime.config, collective, shape)
+    force = forcing(group.runtime.config, collective, shape, direct_ok)
     return [alg for alg in algorithms_for(collective).values()
             if not why_not(group, alg, nbytes, direct_ok, shape, force)]
 
