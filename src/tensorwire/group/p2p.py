@@ -339,7 +339,10 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
 
 def _peer(group: Group, peer: int, what: str) -> int:
     check_member(group, what)
-    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < group.size:
+    if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool):
+        raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: the peer must be an int (a rank of "
+                                   f"group {group.name}), got {peer!r}")
+    if not 0 <= peer < group.size:
         raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: peer {peer} out of range "
                                    f"for group {group.name} of size {group.size}")
     return group.ranks[peer]
@@ -393,11 +396,12 @@ def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: flo
 
 
 def _arrived(group: Group, tag: int) -> int | None:
-    """The group rank of a member whose message of `tag` has arrived, looking first at the
-    members after the last one found (one busy sender does not starve the others); else None."""
+    """The group rank of a member whose message of `tag` has arrived, this rank's own to itself
+    too (as MPI_ANY_SOURCE), looking first at the members after the last one found (one busy
+    sender does not starve the others); else None."""
     turns = group.any_source_turns
     order = ((turns.last + k) % group.size for k in range(1, group.size + 1))
-    peers = {group.ranks[r]: r for r in order if r != group.rank}
+    peers = {group.ranks[r]: r for r in order}
     world = group.engine.arrived_from(group.ctx, tag, peers, group.name)
     if world is None:
         return None

@@ -643,7 +643,7 @@ class Failures:
     def arrived_from(self, ctx: int, tag: int, peers: Iterable[int], group_name: str) -> int | None:
         """The first of `peers` whose point-to-point message with `tag` on group `ctx` has
         arrived (after one round of progress), or None; raises if the group was aborted or
-        every one of them is gone (MPI_ANY_SOURCE's probe)."""
+        every one of them but this rank is gone (MPI_ANY_SOURCE's probe)."""
         key = (ctx, int(Kind.P2P), 0, int(tag))
         with self.lock:
             self.progress()
@@ -656,7 +656,8 @@ class Failures:
             entry = self.aborted.get(ctx)
             if entry is not None:
                 raise entry[1]
-            if all(peer in self.lost for peer in peers):
+            others = [peer for peer in peers if peer != self.rank]
+            if others and all(peer in self.lost for peer in others):
                 raise PeerLostError(f"rank {self.rank}: recv from any rank (tag {tag}) on group "
                                     f"{group_name}: every sender is gone")
         return None
