@@ -142,7 +142,18 @@ _VERDICT_LEN = _SLOWER + 1
 
 def at_init(world: Group) -> LinkTable:
     """Agree on the settings, then install link constants (cached and checked, probed, from
-    the file or defaults) that are the same on every rank. Collective over the world group."""
+    the file or defaults) that are the same on every rank. Collective over the world group.
+    TENSORWIRE_HELD_BYTES bounds the application's messages: the probes' own, which come early
+    as the peer goes on, do not count against it."""
+    engine = world.engine
+    limit, engine.held_limit = engine.held_limit, 0
+    try:
+        return _at_init(world)
+    finally:
+        engine.held_limit = limit
+
+
+def _at_init(world: Group) -> LinkTable:
     t0 = time.perf_counter()
     cfg = world.runtime.config
     n, me = world.size, world.rank
