@@ -1672,6 +1672,9 @@ def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypat
     assert "not rank-ordered (deterministic mode)" in out
     assert cli.main(["plan", "all_reduce", "1M", "--tier", "warp-drive"]) == 2
     assert "unknown tier 'warp-drive'" in capsys.readouterr().err
+    for bad in ("roce=nan:5", "roce=1:nan", "roce=inf:5", "roce=-1:5", "roce=4:0"):  # nan priced all as nan
+        assert cli.main(["plan", "all_reduce", "1M", "--tier", f"shm,{bad}", "--no-probe"]) == 2, bad
+        assert f"cannot read tier '{bad}'" in capsys.readouterr().err, bad
     assert cli.main(["plan", "allreduse"]) == 2
 
 

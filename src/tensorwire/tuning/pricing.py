@@ -258,7 +258,7 @@ def _custom(name: str) -> Link | None:
     try:
         alpha_us, _, gbps = rest.partition(":")
         alpha, rate = float(alpha_us) * 1e-6, float(gbps) * 1e9
-        if not label or alpha < 0 or rate <= 0 or math.isinf(rate):
+        if not label or not 0 <= alpha < math.inf or not 0 < rate < math.inf:  # NaN fails both
             raise ValueError
         return Link(label, alpha, 1 / rate, 0.0)
     except ValueError:
