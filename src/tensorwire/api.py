@@ -216,9 +216,10 @@ def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Gr
     return require_runtime("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
 
 
-def split(color: int | None, key: int = 0, group: Group | None = None) -> Group | None:
+def split(color: int | None, key: int = 0, group: Group | None = None,
+          timeout: float | None = None) -> Group | None:
     """MPI_Comm_split over `group` (default: the world)."""
-    return _group(group, "split").split(color, key)
+    return _group(group, "split").split(color, key, timeout)
 
 
 def shrink(group: Group | None = None, timeout: float | None = None, *, majority: bool = False) -> Group:
