@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 
 import torch
 
-_profiling = torch._C._autograd._profiler_enabled
+profiling = torch._C._autograd._profiler_enabled
+"""Whether a profiler runs: what the backend's small-call fast paths look at before they go
+their way unrecorded (a wrapper's frame would cost them a tenth)."""
 _Record = getattr(torch._C._profiler, "_RecordFunctionFast", None)  # torch >= 2.2
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -27,7 +29,7 @@ def shown_to_profiler(what: str) -> Callable[[Method], Method]:
 
         @functools.wraps(method)
         def shown(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not _profiling():
+            if not profiling():
                 return method(self, *args, **kwargs)
             record = _Record(name)
             record.__enter__()
