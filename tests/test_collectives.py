@@ -718,6 +718,17 @@ def rank_inf_and_nan_under_any_seterr() -> dict:
                     continue
             log.same(label, got, want)
             log.check(not said, f"{label}: warned {said[:1]}")
+    # the scaling after the fold: PREMUL_SUM's factor overflows, AVG's divide underflows
+    for label, x, op, want in (("premul", np.full(4, 1e38, np.float32), tw.premul_sum(10.0), np.inf),
+                               ("avg", np.full(4, 5e-324), tw.ReduceOp.AVG, 5e-324)):
+        log.case()
+        with np.errstate(all="raise"):
+            try:
+                tw.all_reduce(x, op)
+            except Exception as exc:  # noqa: BLE001 - reported
+                log.check(False, f"{label}: raised {exc!r}")
+                continue
+        log.check(bool((x == want).all()), f"{label}: {x} (want {want})")
     return log.result()
 
 
@@ -727,7 +738,7 @@ def test_inf_and_nan_are_results_under_any_seterr(world_spec, get_cluster) -> No
     On three worlds: the folds are one table's kernels on every path."""
     if world_spec not in ((2, "shm"), (3, "tcp"), (3, PYTHON)):
         pytest.skip("run on 2 ranks over shared memory, 3 over TCP and 3 with the Python bodies")
-    _expect(get_cluster(*world_spec).run(rank_inf_and_nan_under_any_seterr), 3 * 2)
+    _expect(get_cluster(*world_spec).run(rank_inf_and_nan_under_any_seterr), 3 * 2 + 2)
 
 
 def test_premul_sum_factor_mismatch_is_detected(world_spec, get_cluster) -> None:

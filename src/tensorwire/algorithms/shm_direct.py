@@ -20,7 +20,7 @@ from ..config import Config
 from ..errors import InvalidArgumentError
 from ..ops import ReduceOp, Reduction
 from ..ops.finalize import finalize
-from ..ops.kernels import apply_to, reduction_kernel, writes_where_told
+from ..ops.kernels import apply_to, reduction_kernel, ufunc_of, writes_where_told
 from ..transport import native
 from ..transport.engine import Backoff
 from ..transport.segment import CHUNK_BITS, WRITTEN, DirectPath
@@ -59,13 +59,16 @@ def grid_folds(kernel: Any, dtype: np.dtype, n: int, count: int) -> bool:
     along the contiguous axis sums pairwise, which rows of one element would make it). Faster
     only where the calls' overhead outweighs reduce's slower passes: more than 4 short rows
     (docs/design/segment.md#folding-down-the-grid)."""
-    return (n > 4 and count > 1 and count * dtype.itemsize <= 2048 * n and type(kernel) is np.ufunc
+    return (n > 4 and count > 1 and count * dtype.itemsize <= 2048 * n and ufunc_of(kernel) is not None
             and dtype.num <= 23 and dtype.kind in "biufc")
 
 
 def _fold_grid(grid: np.ndarray, out: np.ndarray, kernel: Any) -> None:
-    """_fold, where grid_folds said so."""
-    kernel.reduce(grid, axis=0, dtype=out.dtype, out=out)
+    """_fold, where grid_folds said so (inf and NaN are results, as the kernel's)."""
+    try:
+        ufunc_of(kernel).reduce(grid, axis=0, dtype=out.dtype, out=out)  # type: ignore[union-attr]
+    except (FloatingPointError, RuntimeWarning):  # raised once the output is whole
+        pass
 
 
 def _native_fold(dp: DirectPath, op: ReduceOp, dtype: np.dtype) -> int:

@@ -31,37 +31,40 @@ def finalize(buf: np.ndarray, red: Reduction, group_size: int) -> None:
     entry = lookup(buf.dtype)
     if entry is None or entry.category == "b" or not entry.arithmetic:
         raise InvalidArgumentError(f"finalize: {op.name} is not defined for {buf.dtype}")
-    cat = entry.category
-    if op is ReduceOp.AVG:
-        if group_size == 1:
+    try:  # inf and NaN are results whatever np.seterr says (as the kernels': kernels.py)
+        cat = entry.category
+        if op is ReduceOp.AVG:
+            if group_size == 1:
+                return
+            if entry.carried is not None:
+                entry.carried.scale(buf, group_size, None)
+                return
+            if cat in "iu":
+                info = np.iinfo(buf.dtype)
+                divisor = buf.dtype.type(group_size) if group_size <= info.max else (
+                    np.int64(group_size) if cat == "i" else np.uint64(group_size))
+                np.floor_divide(buf, divisor, out=buf, casting="unsafe")
+            elif entry.low_precision:
+                if not torch_scale(buf, group_size, None):
+                    np.true_divide(buf, np.float32(group_size), out=buf, casting="unsafe")
+            else:
+                np.true_divide(buf, group_size, out=buf)
             return
+        factor = red.factor
+        assert factor is not None
         if entry.carried is not None:
-            entry.carried.scale(buf, group_size, None)
-            return
-        if cat in "iu":
+            entry.carried.scale(buf, None, factor)
+        elif cat in "iu":
             info = np.iinfo(buf.dtype)
-            divisor = buf.dtype.type(group_size) if group_size <= info.max else (
-                np.int64(group_size) if cat == "i" else np.uint64(group_size))
-            np.floor_divide(buf, divisor, out=buf, casting="unsafe")
+            if math.isfinite(factor) and factor.is_integer() and info.min <= factor <= info.max:
+                np.multiply(buf, buf.dtype.type(int(factor)), out=buf)
+            else:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    np.multiply(buf, factor, out=buf, casting="unsafe")
         elif entry.low_precision:
-            if not torch_scale(buf, group_size, None):
-                np.true_divide(buf, np.float32(group_size), out=buf, casting="unsafe")
+            if not torch_scale(buf, None, factor):
+                np.multiply(buf, np.float32(factor), out=buf, casting="unsafe")
         else:
-            np.true_divide(buf, group_size, out=buf)
-        return
-    factor = red.factor
-    assert factor is not None
-    if entry.carried is not None:
-        entry.carried.scale(buf, None, factor)
-    elif cat in "iu":
-        info = np.iinfo(buf.dtype)
-        if math.isfinite(factor) and factor.is_integer() and info.min <= factor <= info.max:
-            np.multiply(buf, buf.dtype.type(int(factor)), out=buf)
-        else:
-            with np.errstate(invalid="ignore", over="ignore"):
-                np.multiply(buf, factor, out=buf, casting="unsafe")
-    elif entry.low_precision:
-        if not torch_scale(buf, None, factor):
-            np.multiply(buf, np.float32(factor), out=buf, casting="unsafe")
-    else:
-        np.multiply(buf, factor, out=buf)
+            np.multiply(buf, factor, out=buf)
+    except (FloatingPointError, RuntimeWarning):  # numpy raises them once the output is whole
+        pass

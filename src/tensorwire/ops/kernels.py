@@ -102,7 +102,13 @@ def _three_argument(ufunc: np.ufunc, floating: bool) -> Callable[..., None]:
             pass
 
     kernel.__name__ = ufunc.__name__
+    kernel.ufunc = ufunc  # type: ignore[attr-defined]  # its reduce folds a grid (shm_direct.grid_folds)
     return kernel
+
+
+def ufunc_of(kernel: Callable[..., None]) -> np.ufunc | None:
+    """The numpy ufunc a table kernel runs, where it is one."""
+    return kernel if type(kernel) is np.ufunc else getattr(kernel, "ufunc", None)
 
 
 # numpy's warnings of inf and NaN in tensorwire's folds (under the default np.seterr) are not
