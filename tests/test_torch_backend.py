@@ -945,6 +945,8 @@ def test_calls_show_in_torch_profiler() -> None:
 
 
 def scenario_profiled() -> None:
+    import time
+
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -964,11 +966,20 @@ def scenario_profiled() -> None:
         dist.send(t, 1) if r == 0 else dist.recv(t, 0)
         dist.barrier()
         model(torch.ones(4, 8)).sum().backward()
+        dist.barrier()
+        if r == 1:
+            time.sleep(0.3)
+        late = dist.all_reduce(torch.ones(4), async_op=True)  # completes 0.3 s on, on rank 0
+        time.sleep(0.8)
+        late.wait()
     counts: dict[str, int] = {}
     for event in prof.events():
         if event.name.startswith("tensorwire:"):
             counts[event.name] = counts.get(event.name, 0) + 1
-    want = {"tensorwire:all_reduce": 3, "tensorwire:broadcast": 1, "tensorwire:all_gather_into_tensor": 1,
+    last = [e for e in prof.events() if e.name == "tensorwire:all_reduce"][-1]
+    took = (last.time_range.end - last.time_range.start) / 1e6
+    assert r == 1 or 0.2 < took < 0.7, took  # it ended as the Work completed, not as the profiler stopped
+    want = {"tensorwire:all_reduce": 4, "tensorwire:broadcast": 1, "tensorwire:all_gather_into_tensor": 1,
             "tensorwire:send" if r == 0 else "tensorwire:recv": 1, "tensorwire:barrier": 1}
     assert all(counts.get(k, 0) >= v for k, v in want.items()), counts
     assert t[0].item() == 4 and torch.equal(out, torch.full((2 << 12,), 4.0)), (t[:2], out[:2])

@@ -10,39 +10,30 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.autograd.profiler import record_function
 
 profiling = torch._C._autograd._profiler_enabled
 """Whether a profiler runs: what the backend's small-call fast paths look at before they go
 their way unrecorded (a wrapper's frame would cost them a tenth)."""
-_Record = getattr(torch._C._profiler, "_RecordFunctionFast", None)  # torch >= 2.2
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
 def shown_to_profiler(what: str) -> Callable[[Method], Method]:
-    """A ProcessGroup method that records `tensorwire:<what>` while a profiler runs: until
-    it returns, or until its Work completes where that Work says when (`end_record_when_done`)."""
+    """A ProcessGroup method that records `tensorwire:<what>` while a profiler runs: until it
+    returns, or until its Work completes where that is later (torch ends the record then,
+    with the caller's profiler state, on whatever thread completes it)."""
     def decorate(method: Method) -> Method:
-        if _Record is None:
-            return method
         name = f"tensorwire:{what}"
 
         @functools.wraps(method)
         def shown(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not profiling():
                 return method(self, *args, **kwargs)
-            record = _Record(name)
-            record.__enter__()
-            try:
+            with record_function(name) as record:
                 work = method(self, *args, **kwargs)
-            except BaseException:
-                record.__exit__(None, None, None)
-                raise
-            until_done = getattr(work, "end_record_when_done", None)
-            if until_done is None:
-                record.__exit__(None, None, None)
-            else:
-                until_done(record)
+                if not work.is_completed():
+                    record._call_end_callbacks_on_future(work.get_future())
             return work
 
         return shown  # type: ignore[return-value]

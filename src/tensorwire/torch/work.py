@@ -76,7 +76,6 @@ class TensorwireWork(dist.Work):
         self._future: torch.futures.Future | None = None
         self._waiter: threading.Thread | None = None
         self._cuda_done: tuple[torch.cuda.Event, torch.device] | None = None
-        self._record: Any = None  # a profiler event that ends as this Work completes
         if not self._parts:
             self._complete()
         for part in self._parts:
@@ -113,19 +112,9 @@ class TensorwireWork(dist.Work):
                 self._cuda_done[0].record(stream)
             with self._lock:
                 self._done.set()
-                fut, record, self._record = self._raw_future, self._record, None
-            if record is not None:
-                record.__exit__(None, None, None)
+                fut = self._raw_future
             if fut is not None:
                 fut.set_result(self._outputs)
-
-    def end_record_when_done(self, record: Any) -> None:
-        """End the profiler's `record` (torch/profiling.py) as this Work completes, or now."""
-        with self._lock:
-            if not self._done.is_set():
-                self._record = record
-                return
-        record.__exit__(None, None, None)
 
     # -- torch's Work interface ---------------------------------------------------------------
     def wait(self, timeout: Any = None) -> bool:
