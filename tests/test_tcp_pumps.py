@@ -261,18 +261,23 @@ def test_a_rank_killed_mid_stream_fails_the_others_and_leaves_no_thread(tmp_path
 
 
 _LEFT_BEFORE_READ = """
-import sys, time, numpy as np, tensorwire as tw
+import os, sys, time, numpy as np, tensorwire as tw
 w = tw.init(timeout=15)
-n = 2_000_000
+n, left = 2_000_000, sys.argv[1]
 if w.rank == 0:  # the message fits the kernels' buffers of 8 streams: the send is done at once
     tw.send(np.arange(n, dtype=np.float64), dst=1, tag=3)
+    tw.destroy()
+    open(left, "w").close()
 else:
-    time.sleep(1.0)  # rank 0 has left by now
+    until = time.monotonic() + 10
+    while not os.path.exists(left) and time.monotonic() < until:
+        time.sleep(0.01)
+    assert os.path.exists(left), "rank 0 did not leave"
     got = np.empty(n, np.float64)
     tw.recv(got, src=0, tag=3)
     assert (got == np.arange(n)).all()
+    tw.destroy()
 print(f"rank {w.rank}: LEFT OK", flush=True)
-tw.destroy()
 """
 
 
@@ -287,6 +292,6 @@ def test_a_message_sent_before_its_sender_left_arrives_whole(tmp_path: Path) -> 
     script.write_text(_LEFT_BEFORE_READ)
     env = {**os.environ, "TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_NSOCKS": "8",
            "TENSORWIRE_SOCKET_THREADS": "16"}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)], env=env,
-                          capture_output=True, text=True, timeout=50)
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script),
+                           str(tmp_path / "left")], env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0 and proc.stdout.count("LEFT OK") == 2, proc.stdout + proc.stderr[-3000:]

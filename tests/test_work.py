@@ -153,8 +153,9 @@ def test_a_callback_waits_with_a_timeout_for_a_call_queued_behind_it(get_cluster
 
 def rank_callback_call_overlaps_a_planned_one() -> list[str]:
     """Rank 0's program makes a small all_reduce it made before (a planned call) as a finished
-    call's done-callback makes one on the same group 0.2 s later; rank 1's program comes 0.5 s
-    late: rank 1's callback call pairs with rank 0's program call."""
+    call's done-callback makes one on the same group 0.2 s later; rank 1's callback makes its
+    call 0.4 s on and its program 0.6 s on: rank 1's callback call pairs with rank 0's program
+    call, which rank 0's callback call overlaps."""
     g = tw.new_group()
     b = np.ones(4)
     for _ in range(3):
@@ -170,7 +171,7 @@ def rank_callback_call_overlaps_a_planned_one() -> list[str]:
             seen.append(f"{type(exc).__name__}: {exc}")
 
     def callback(work: Work) -> None:
-        time.sleep(0.2)
+        time.sleep(0.2 if g.rank == 0 else 0.4)  # rank 0's program call still waits then
         attempt(lambda: g.all_reduce(np.ones(4)))
         ran.set()
 
@@ -179,7 +180,7 @@ def rank_callback_call_overlaps_a_planned_one() -> list[str]:
     while not first.is_completed():
         time.sleep(0.001)
     if g.rank == 1:
-        time.sleep(0.5)
+        time.sleep(0.6)
     attempt(lambda: g.all_reduce(b))
     ran.wait(10)
     attempt(lambda: g.all_reduce(b))

@@ -52,6 +52,7 @@ _RUNNING_CALLBACKS: list[int] = []
 """The threads running finished calls' done-callbacks now, in any group: while there are any,
 no call takes a planned fast path (Plans.submit, the compiled caller), so that each is counted
 as the program's or a callback's (CallQueue.in_flight) and the two kinds' overlap is seen."""
+os.register_at_fork(after_in_child=_RUNNING_CALLBACKS.clear)  # a fork has none of those threads
 
 
 class CallQueue:
@@ -138,7 +139,7 @@ class CallQueue:
 
     def _start_worker(self) -> None:
         """A worker thread for the queued calls (the lock held); one that is in its calls'
-        done-callbacks serves again once they return."""
+        done-callbacks ends once they return (_serve)."""
         if self._worker is None:
             weakref.finalize(self, _wake, self._cv, os.getpid())
         self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
@@ -490,11 +491,13 @@ def _finish_in_callbacks(finish: Callable[[], None]) -> None:
     """Finish a call's Work: its done-callbacks run, and the calls they make count as theirs."""
     outer = getattr(_callbacks, "active", False)
     _callbacks.active = True
-    _RUNNING_CALLBACKS.append(threading.get_ident())
+    me = threading.get_ident()
     try:
+        _RUNNING_CALLBACKS.append(me)
         finish()
     finally:
-        _RUNNING_CALLBACKS.remove(threading.get_ident())
+        if me in _RUNNING_CALLBACKS:  # (an interrupt may have come before the append)
+            _RUNNING_CALLBACKS.remove(me)
         _callbacks.active = outer
 
 

@@ -202,15 +202,15 @@ class Plans(dict):
             if self.ctx != ctx:  # renewed: the plan was bound to the old segment
                 return REPLAN
             return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
-        queue.seq = call.seq = queue.seq + 1
-        call.timeout = self.group.timeout if timeout is None else timeout
-        call.deadline = 0.0
-        if not direct:
-            call.start()
-        engine.current[self.ctx] = call.ref
+        queue.busy = True  # at once: from here a call another thread makes takes the checked way
         queue.current = call
-        queue.busy = True
         try:
+            queue.seq = call.seq = queue.seq + 1
+            call.timeout = self.group.timeout if timeout is None else timeout
+            call.deadline = 0.0
+            if not direct:
+                call.start()
+            engine.current[self.ctx] = call.ref
             # CPython calls body(call, *args) its slow way, so the usual arities are spelt
             # out: two arrays (most planned bodies), none (a barrier)
             if len(args) == 2:
