@@ -1629,6 +1629,8 @@ def test_a_misspelt_setting_warns_and_a_bad_size_names_its_setting(monkeypatch: 
         tw.init(rank=0, world_size=1, timeout="10")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match=r"init: timeout must be seconds \(a finite number\)"):
         tw.init(rank=0, world_size=1, timeout=10**400)
+    with pytest.raises(InvalidArgumentError, match=r"TENSORWIRE_TRANSPORT \(or init's transport=\) 'udp"):
+        tw.init(rank=0, world_size=1, transport="udp")  # it blamed the environment, which had no say
     with pytest.raises(InvalidArgumentError, match="init: store must be a tensorwire store .*got object"):
         tw.init(rank=0, world_size=1, store=object())
     assert not tw.is_initialized()

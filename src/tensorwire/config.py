@@ -384,7 +384,8 @@ class Config:
         check_debug_settings()
         warn_unknown_settings()
         if cfg.transport not in ("auto", "tcp", "shm"):
-            raise ValueError(f"TENSORWIRE_TRANSPORT={cfg.transport!r}: expected auto, tcp or shm")
+            raise ValueError(f"TENSORWIRE_TRANSPORT (or init's transport=) {cfg.transport!r}: expected "
+                             f"auto, tcp or shm")
         if cfg.calibrate not in ("0", "1", "force"):
             raise ValueError(f"TENSORWIRE_CALIBRATE={cfg.calibrate!r}: expected 0 (skip), 1 (probe unless "
                              f"cached) or force (probe and rewrite the cache)")
