@@ -44,7 +44,6 @@ _PEEK_BYTES = HEADER_SIZE + NOW_BYTES
 _PULL_FRAMES = 64
 """Headers one `pull` reads at most: a peer that sends as fast as this rank reads must not keep
 one round of progress (and the engine's lock) going forever, or nothing it read gets matched."""
-_DRAIN_READS, _DRAIN_BYTES = 64, 1 << 16  # what close() reads and drops of the unread, at most
 
 
 def parts_of(nbytes: int, streams: int, pumped: bool) -> int:
@@ -459,10 +458,9 @@ class SocketStream:
 
     def finish_with_departed(self, until: float) -> None:
         """After the peer's goodbye, by `until`: the part a pump thread was writing, done (the
-        peer may have read it all before it left), and what the peer sent before it left: to
-        the end of the socket where it carries headers, else to the end of the parts announced
-        for it (a pump thread's receive ends first). It all comes: the peer closed after its
-        last byte."""
+        peer may have read it all before it left), and the rest of a part of what the peer sent
+        before it left that this stream is in or was told of (a pump thread's receive ends
+        first). It all comes: the peer closed after its last byte."""
         while self._tx is not None and not self._tx.done and time.perf_counter() < until:
             time.sleep(0.0005)
         try:
@@ -480,7 +478,7 @@ class SocketStream:
                     continue
             except PeerClosed:
                 return
-            if not (self.headers or self._sink is not None or self.expect):
+            if self._sink is None and not self.expect:
                 return
             poller.poll(10)
 
@@ -499,17 +497,7 @@ class SocketStream:
             pumps.receiving.discard(self.sock)
 
     def close(self) -> None:
-        """Close the socket once what came and nobody read is read: a socket closed with unread
-        bytes (a waiting peer's question where this rank is: Failures.query_peers) sends a
-        reset, and the reset drops the peer's part of this rank's last message still in flight
-        or not yet read (its receive then failed short of its end)."""
         self.stop_pumps()
-        try:
-            for _ in range(_DRAIN_READS):
-                if not self.sock.recv(_DRAIN_BYTES, socket.MSG_DONTWAIT):
-                    break
-        except OSError:  # BlockingIOError: nothing more; any other: no reset to spare the peer
-            pass
         try:
             self.sock.close()
         except OSError:
