@@ -995,4 +995,3 @@ def run_scenario(namespace: dict) -> None:
 
 if __name__ == "__main__":
     run_scenario(globals())
-

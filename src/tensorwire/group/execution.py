@@ -413,7 +413,6 @@ class CallQueue:
         current = self.current
         return current.what if current is not None else f"a call on group {self.group.name}"
 
-
     def _await_idle(self, seconds: float) -> None:
         until = time.monotonic() + seconds
         while self.busy and time.monotonic() < until:

@@ -303,9 +303,10 @@ class Failures:
                     self.peer_lost(peer, _PEER_SILENT.format(
                         self.wiring.cfg.peer_timeout, f"nothing acknowledged for {waited / 1000:.1f} s"))
 
-    def closed_error(self, what: object = "this call") -> AbortedError:
+    def closed_error(self, what: object = None) -> AbortedError:
         """Why a call another thread waited in ended: this rank shut down (Engine.wait names the call)."""
-        return AbortedError(f"rank {self.rank}: {what}: tensorwire shut down (destroy() on another thread) "
+        call = f"{what}: " if what is not None else ""
+        return AbortedError(f"rank {self.rank}: {call}tensorwire shut down (destroy() on another thread) "
                             f"while it waited")
 
     def check_group(self, ctx: int, seq: int, watch: Iterable[int]) -> None:
