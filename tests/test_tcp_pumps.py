@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from cluster import Cluster, RankFailure
+from tensorwire.errors import AbortedError
 from tensorwire.transport.channel import PeerClosed
 from tensorwire.transport.engine import Engine
 from tensorwire.transport.pumps import PUMP_BYTES
+from tensorwire.transport.requests import SendRequest
 from tensorwire.transport.tcp import SPLIT_BYTES, SocketStream, TcpChannel, parts_of, split
 from tensorwire.transport.wire import P2P_FINGERPRINT, Header, Kind
 
@@ -146,9 +148,11 @@ def test_the_receiver_splits_as_the_count_after_the_header_says() -> None:
         channel = TcpChannel([SocketStream(a, 1, engine, 4096, 1 << 30) for a, _ in pairs])
         engine.add_channel(1, channel)
         (s0, e0), (s1, e1) = split(nbytes, 2)
+        whole = struct.pack("<I", 0)  # each part's trailer word
         senders = [threading.Thread(target=_send_quietly, args=(pairs[0][1], header + struct.pack("<I", count)
-                                                                + payload[s0:e0].tobytes())),
-                   threading.Thread(target=_send_quietly, args=(pairs[1][1], payload[s1:e1].tobytes()))]
+                                                                + payload[s0:e0].tobytes() + whole)),
+                   threading.Thread(target=_send_quietly,
+                                    args=(pairs[1][1], payload[s1:e1].tobytes() + whole))]
         for t in senders:
             t.start()
         error, arrived, deadline = "", None, time.monotonic() + 20
@@ -171,6 +175,47 @@ def test_the_receiver_splits_as_the_count_after_the_header_says() -> None:
             assert arrived is not None and np.array_equal(arrived, payload), error
         else:
             assert arrived is None and f"in {count} parts over 3 streams" in error, (count, error)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_message_whose_group_aborted_on_its_way_arrives_void(streams: int, aborted: bool) -> None:
+    """A 4 MiB send the kernel took only part of fails as its group aborts (what a send that
+    timed out partway does), and its caller writes over the buffer: the rest still goes, to
+    keep the streams framed, and the receiver is told the message is void (its trailers say
+    so), over one stream and split over three; a send that was not failed arrives whole."""
+    nbytes = 4 * _MIB
+    pairs = [socket.socketpair() for _ in range(streams)]
+    for a, b in pairs:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sender, receiver = Engine(0, 2, 0), Engine(1, 2, 0)
+    out = TcpChannel([SocketStream(a, 1, sender, 4096, 1 << 30) for a, _ in pairs])
+    inn = TcpChannel([SocketStream(b, 0, receiver, 4096, 1 << 30) for _, b in pairs])
+    sender.add_channel(1, out)
+    receiver.add_channel(0, inn)
+    payload = np.full(nbytes, 7, np.uint8)
+    header = Header(Kind.P2P, 0, 1, 3, nbytes, P2P_FINGERPRINT)
+    req = SendRequest(1, header, payload, "send to rank 1 (tag 3)")
+    try:
+        out.post(req)
+        out.progress()
+        assert not req.done
+        if aborted:
+            req.fail(AbortedError("the group was aborted"))
+            payload[:] = 0xFF
+        deadline = time.monotonic() + 20
+        arrived = []
+        while not arrived and time.monotonic() < deadline:
+            out.progress()
+            inn.progress()
+            arrived = [m for q in receiver.unexpected.values() for m in q if m.complete and not m.trailers]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+    assert arrived and arrived[0].void == aborted, arrived
+    assert aborted or (arrived[0].buf == 7).all()
 
 
 def _thresholds() -> dict[str, Any]:

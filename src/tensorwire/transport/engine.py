@@ -641,10 +641,25 @@ class Engine(Failures):
                 self.glance()
         for r in reqs:
             if r.error is not None:
-                raise r.error
+                raise self._void_error(r, deadline) if r.void else r.error
         error = self.covering(ctx, seq) if self.aborted else None
         if error is not None:  # found while driving, after this wait's messages came
             raise error
+
+    def _void_error(self, req: Request, deadline: float) -> BaseException:
+        """The abort that made `req`'s message void, which its sender sent right behind it:
+        waited for up to _NOTICES_S (the sender may be gone: then the message says it)."""
+        until = min(deadline, time.perf_counter() + _NOTICES_S)
+        while True:
+            with self.lock:
+                self.progress()
+                self.poll_sockets()
+                error = self.abort_error(req)
+            if error is not None:
+                return error
+            if time.perf_counter() > until:
+                return AbortedError(f"rank {self.rank}: {req.error}")
+            self.sleep_on_sockets(0.002)
 
     def glance(self) -> None:
         """One round of progress and of the sockets, which callers make every _GLANCE calls

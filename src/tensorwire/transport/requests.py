@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import AbortedError
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into, reduce_to
 from .wire import Header
@@ -28,6 +29,7 @@ class Request:
     a point-to-point message stands among its group's calls (P2P_SEQ); a collective's call is
     its header's."""
 
+    void = False  # a receive's message: see Sink.void
 
     def __init__(self, peer: int, header: Header, label: object, seq: int = P2P_SEQ) -> None:
         self.peer = peer
@@ -115,6 +117,9 @@ set by tensorwire.gpu as it loads (gpu/p2p.read_to_host)."""
 class Sink:
     """Destination of one arriving message."""
 
+    void = False
+    """Its sender's group was aborted while it was on its way: its bytes are not what was sent (tcp.py)."""
+    trailers = 0  # TCP streams whose trailer word for it has yet to come (tcp.py)
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -197,6 +202,10 @@ class RecvRequest(Request, Sink):
                 reduce_to(self.dst[i:j], self.base[i:j], data.view(self.dst.dtype), self.reduce_op)
 
     def finish(self) -> None:
+        if self.void:  # Engine.wait raises the sender's abort in its place once it has come
+            self.fail(AbortedError(
+                f"{self.what}: rank {self.peer}'s group was aborted while this message was on its "
+                f"way: what arrived is not what it sent; the group is aborted"))
         self.done = True
 
     def fetch(self, source: RemotePayload) -> None:
@@ -252,6 +261,7 @@ def deliver(msg: Unexpected, req: RecvRequest) -> None:
         source.read_into(req)
         return
     req.write(msg.buf)
+    req.void = msg.void
     req.finish()
 
 

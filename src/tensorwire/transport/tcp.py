@@ -7,6 +7,11 @@ header of a message that may be split (from SPLIT_BYTES) is followed by the coun
 so the receiver learns what each stream carries next from the first stream alone, whatever pump
 threads the sender has. The shared-memory channel keeps one stream too, for control messages and
 because a closed socket is the fastest way to learn that a peer died.
+
+Each stream's share of a message from SPLIT_BYTES ends in a trailer word: whole, or void where
+the sender's group was aborted before its last byte left (a send that timed out or was
+interrupted partway: the rest of its bytes still go, to keep the stream framed, but are not
+what the sender's caller sent). A receive of a void message fails with the abort.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ _TCP_RTO_MAX_MS = 44  # Linux 6.15's TCP_RTO_MAX_MS (linux/tcp.h): at least 1000
 SPLIT_BYTES = 256 << 10
 """Messages from this size may be split over a pair's streams where it has several (TENSORWIRE_NSOCKS)."""
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
+_TRAILER = struct.Struct("<I")  # after each stream's part of a message from SPLIT_BYTES
+_WHOLE, _VOID = 0, 0x44494F56
 NOW_BYTES = 64 << 10
 """Point-to-point payloads up to this size go to the socket at once, with no request
 (TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small. Receives
@@ -69,6 +76,8 @@ class _Part:
     with the header), the message done when all its parts are."""
 
     __slots__ = ("req", "payload", "wire_header", "sent", "left")
+    header = property(lambda self: self.req.header)
+    error = property(lambda self: self.req.error)
 
     def __init__(self, req: SendRequest, start: int, end: int, header: bytes | None, left: list[int]) -> None:
         self.req = req
@@ -87,6 +96,11 @@ class _Part:
         if not self.left[0]:
             self.req.sent = self.req.payload.nbytes
             self.req.done = True
+
+
+def _trailed(header: Header) -> bool:
+    """Whether a message's parts end in a trailer word (the data kinds from SPLIT_BYTES)."""
+    return header.kind <= 1 and header.nbytes >= SPLIT_BYTES
 
 
 def congestion_of(sock: socket.socket) -> str:
@@ -194,6 +208,10 @@ class SocketStream:
         self.engine = engine
         self.sendq: deque[SendRequest] = deque()
         self._hdr_sent = 0
+        self._trail_out = memoryview(bytearray(_TRAILER.size))  # the head of sendq's trailer
+        self._trail_sent = 0
+        self._trail_in = memoryview(bytearray(_TRAILER.size))
+        self._trail_left = 0  # bytes of the current sink's trailer still to read
         self._hdr = bytearray(HEADER_SIZE + _PARTS.size)
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
@@ -233,6 +251,7 @@ class SocketStream:
             req = self.sendq[0]
             head = req.wire_header  # None: a part whose message's header another stream carries
             size = 0 if head is None else len(head)
+            trail = _TRAILER.size if head is None or _trailed(req.header) else 0
             job = self._tx
             if job is not None:  # a pump thread writes this part's payload
                 if not job.done:
@@ -242,33 +261,45 @@ class SocketStream:
                     raise PeerClosed(f"send failed: {job.error}")
                 req.sent = req.payload.nbytes
                 n = 1
+            elif self._hdr_sent == size and self._pump_send(req):
+                return True
             else:
                 try:
-                    if self._hdr_sent < size:
-                        bufs = [memoryview(head)[self._hdr_sent:]]  # type: ignore[arg-type]
-                        if req.payload.nbytes:
-                            bufs.append(memoryview(req.payload[:_MAX_IO]))
-                        n = self.sock.sendmsg(bufs)
-                        took = min(n, size - self._hdr_sent)
-                        self._hdr_sent += took
-                        req.sent += n - took
-                    elif self._pump_send(req):
-                        return True
-                    else:
-                        n = self.sock.send(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
-                        req.sent += n
+                    n = self._write(req, head, size, trail)
                 except (BlockingIOError, InterruptedError):
                     return moved
                 except OSError as exc:
                     raise PeerClosed(f"send failed: {exc}") from exc
             moved = moved or n > 0
-            if self._hdr_sent == size and req.sent == req.payload.nbytes:
+            if self._hdr_sent == size and req.sent == req.payload.nbytes and self._trail_sent == trail:
                 self.sendq.popleft()
-                self._hdr_sent = 0
+                self._hdr_sent = self._trail_sent = 0
                 req.done = True
             elif n == 0:
                 return moved
         return moved
+
+    def _write(self, req: SendRequest, head: bytes | None, size: int, trail: int) -> int:
+        """One system call's worth of the head of the queue: what is left of its header and
+        payload, or, once they are in the kernel, its trailer (whole, or void where its group
+        was aborted by then; a call of its own: docs/design/tcp.md#trailers)."""
+        bufs = []
+        if self._hdr_sent < size:
+            bufs.append(memoryview(head)[self._hdr_sent:])  # type: ignore[index]
+        rest = req.payload.nbytes - req.sent
+        if rest:
+            bufs.append(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
+        elif trail:
+            if not self._trail_sent:
+                _TRAILER.pack_into(self._trail_out, 0, _WHOLE if req.error is None else _VOID)
+            bufs.append(self._trail_out[self._trail_sent:])
+        n = self.sock.sendmsg(bufs) if len(bufs) > 1 else self.sock.send(bufs[0])
+        took = min(n, size - self._hdr_sent)
+        self._hdr_sent += took
+        payload = min(n - took, rest)
+        req.sent += payload
+        self._trail_sent += n - took - payload
+        return n
 
     def _pump_send(self, req: SendRequest) -> bool:
         """Hand the rest of `req`'s payload to a pump thread, if it is large and one is idle."""
@@ -327,6 +358,7 @@ class SocketStream:
                 if self._sink is None:
                     if self.expect:  # a further stream: the next part the headers announced
                         self._sink, self._at, self._end = self.expect.popleft()
+                        self._trail_left = _TRAILER.size
                         continue
                     if not self.headers:
                         return moved
@@ -372,6 +404,9 @@ class SocketStream:
         self._hdr_got, self._hdr_want = 0, HEADER_SIZE
         sink = self._sink = self.engine.match(self.peer, header)
         self._at, self._end = 0, sink.nbytes
+        if _trailed(header):
+            self._trail_left = _TRAILER.size
+            sink.trailers = parts
         if parts > 1:
             cuts = split(sink.nbytes, parts)
             self._end = cuts[0][1]
@@ -387,6 +422,8 @@ class SocketStream:
     def _read_payload(self) -> bool:
         sink = self._sink
         assert sink is not None
+        if self._at == self._end:
+            return self._read_trailer(sink)
         if self.engine.pumps is not None and self._staged == 0 and self._end - self._at >= PUMP_BYTES \
                 and self._pump_recv(sink):
             return True
@@ -449,11 +486,29 @@ class SocketStream:
         self._complete()
         return True
 
+    def _read_trailer(self, sink: Sink) -> bool:
+        at = _TRAILER.size - self._trail_left
+        n = self.sock.recv_into(self._trail_in[at:], self._trail_left)
+        if n == 0:
+            raise PeerClosed("connection closed by peer")
+        self._trail_left -= n
+        if not self._trail_left:
+            (word,) = _TRAILER.unpack(self._trail_in)
+            if word not in (_WHOLE, _VOID):
+                self._malformed(f"a message trailer {word:#x}")
+            sink.void = sink.void or word == _VOID
+            sink.trailers -= 1
+            self._complete()
+        return True
+
     def _complete(self) -> None:
-        """This stream's bytes of the sink are in; the message is, once every stream's are."""
+        """This stream's bytes of the sink are in (and its trailer, where it has one); the
+        message is, once every stream's are."""
+        if self._trail_left:
+            return
         sink, self._sink = self._sink, None
         assert sink is not None
-        if sink.received >= sink.nbytes:
+        if sink.received >= sink.nbytes and not sink.trailers:
             sink.finish()
 
     def finish_with_departed(self, until: float) -> None:
