@@ -34,8 +34,8 @@ from .. import auth, limits
 from ..errors import AuthenticationError, RendezvousError
 
 HELLO = struct.Struct("<IIIQ")  # rank, the rank it dials, world size, job hash
-MAGIC = b"TWpeer4\n"
-PURPOSE = b"tensorwire peer v4"
+MAGIC = b"TWpeer5\n"
+PURPOSE = b"tensorwire peer v5"
 _MAX_MESSAGE = 1 << 16
 _LEN = struct.Struct("<I")
 _LOST_ERRNOS = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN)
