@@ -102,7 +102,7 @@ class AllReducePlan(_Stamped):
     finalization. A small all_reduce is mostly such lookups; a planned one skips them (see
     group/collectives.py all_reduce)."""
 
-    __slots__ = ("dp", "slots", "kernel", "red", "general", "big", "grids", "code")
+    __slots__ = ("dp", "slots", "kernel", "first", "red", "general", "big", "grids", "code")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp,
                  red: Reduction | None = None) -> None:
@@ -110,6 +110,8 @@ class AllReducePlan(_Stamped):
         super().__init__()
         self.dp = dp
         self.kernel = reduction_kernel(op, dtype)
+        raw = ufunc_of(self.kernel)  # the first fold calls a numpy ufunc itself where it can
+        self.first = self.kernel if raw is None or raw in (np.minimum, np.maximum) else raw
         self.red = _finalized(red)
         # the slots' way, unless the message streams or the kernel only reduces in place
         self.general = count * dtype.itemsize > dp.slot_bytes or not writes_where_told(self.kernel)
@@ -147,7 +149,10 @@ class AllReducePlan(_Stamped):
             if self.grids:
                 _fold_grid(self.grids[p], flat, kernel)
             else:
-                kernel(first, second, flat)
+                try:
+                    self.first(first, second, flat)
+                except (FloatingPointError, RuntimeWarning):  # the raw ufunc's, once flat is whole
+                    pass
                 for v in rest:
                     kernel(flat, v, flat)
         if self.red is not None:
