@@ -24,11 +24,16 @@ def rounding(codec: Codec, dtype: np.dtype) -> float:
     return codec.unit + (2.0 ** -24 if codec.name == "bf16" and dtype == np.float64 else 0.0)
 
 
-def floor(codec: Codec, peak: float) -> float:
+def floor(codec: Codec, peak: float, dtype: np.dtype) -> float:
     """The absolute error a value near zero may take: half the spacing of the codec's
     subnormals, at the piece's scale (float16: the largest value lies in [2**14, 2**15);
-    bfloat16 is scaled only where the largest is beyond 2**127)."""
-    return 2.0 ** -39 * peak if codec.name == "fp16" else 2.0 ** -134 + 2.0 ** -260 * peak
+    bfloat16: float32 unscaled, float64 scaled up to [2**126, 2**127) where the largest is
+    below 2**-121 and down where it is beyond 2**127)."""
+    if codec.name == "fp16":
+        return 2.0 ** -39 * peak
+    if dtype == np.float32 or peak >= 2.0 ** -121:
+        return 2.0 ** -134 + 2.0 ** -260 * peak
+    return 2.0 ** -260 * peak
 
 
 def bound(codec: Codec, dtype: np.dtype, partials: np.ndarray, magnitude: np.ndarray,
@@ -42,7 +47,7 @@ def bound(codec: Codec, dtype: np.dtype, partials: np.ndarray, magnitude: np.nda
     u = rounding(codec, dtype)
     peak = max(float(spread.max()), float(sums.max())) if partials.size else 0.0
     return (u * (1 + u) * (sums + spread) + ranks * float(np.finfo(dtype).eps) * magnitude
-            + 3 * floor(codec, peak))
+            + 3 * floor(codec, peak, dtype))
 
 
 def _check(group: tw.Group, count: int, dtypes: tuple[type, ...], ops: tuple[tw.ReduceOp, ...],

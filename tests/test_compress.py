@@ -37,6 +37,7 @@ def _arrays(dtype: type) -> st.SearchStrategy[np.ndarray]:
 @example("fp16", np.array([2.22507386e-309]))  # a float64 subnormal: its scale is beyond 2.0 ** 1024
 @example("bf16", np.array([3.4028e38], np.float32))  # rounded up to 2**128 (inf) before it saturated
 @example("fp16", np.array([3.4028e38], np.float32))  # ... to 2**15 at scale 2**113, the same
+@example("bf16", np.array([3e-300, 6e-300]))  # below float32's range: flushed to 0 before it was scaled up
 @given(st.sampled_from(sorted(CODECS)), st.sampled_from([np.float32, np.float64]).flatmap(_arrays))
 def test_codec_round_trip_within_its_unit(name: str, x: np.ndarray) -> None:
     """encode then decode loses at most the codec's unit roundoff of each value (plus the floor
@@ -47,7 +48,7 @@ def test_codec_round_trip_within_its_unit(name: str, x: np.ndarray) -> None:
     back = np.zeros_like(x)
     codec.decode(words, back)
     peak = float(np.abs(x).max()) if x.size else 0.0
-    limit = rounding(codec, x.dtype) * np.abs(x) + floor(codec, peak)
+    limit = rounding(codec, x.dtype) * np.abs(x) + floor(codec, peak, x.dtype)
     assert np.all(np.abs(back - x) <= limit), (name, x, back)
     again = np.ones_like(x)
     codec.decode(words, again, add=True)

@@ -4,10 +4,10 @@ input's precision.
 A piece crosses as 16-bit words: its values, each rounded to nearest even in bfloat16 or
 float16, then one word holding the piece's power-of-two scale (an int16 exponent). The scale
 keeps a piece inside float16's narrow range (its largest value lands just under 2**15) and
-float64's beyond bfloat16's; float32 into bfloat16 needs none (same exponent range) and sends
-exponent 0. The receiver decodes into the input's dtype and adds there, so only the rounding
-of what crosses is lost, never precision in the sums (docs/multihost.md#compressed-all_reduce
-derives the bound).
+float64's inside bfloat16's (scaled down past 2**127, up below float32's normal range); float32
+into bfloat16 needs none (same exponent range) and sends exponent 0. The receiver decodes into
+the input's dtype and adds there, so only the rounding of what crosses is lost, never precision
+in the sums (docs/multihost.md#compressed-all_reduce derives the bound).
 """
 
 from __future__ import annotations
@@ -35,15 +35,16 @@ OPS = (ReduceOp.SUM, ReduceOp.AVG)
 class Codec:
     """One 16-bit format: `unit` its unit roundoff (round to nearest: |fl(x) - x| <= unit |x|),
     `top` the exponent a scaled piece's largest value stays below (2**top), `scales_float32`
-    whether float32 pieces need scaling too (float64 ones always may), `scales_up` whether a
-    piece of small values is scaled up to its top too (float16, whose subnormals start at
-    2**-14) or only down where it must (bfloat16)."""
+    whether float32 pieces need scaling too (float64 ones always may), `bottom` the exponent
+    below which a piece's largest value is scaled up to the top (float16, whose subnormals
+    start at 2**-14: every piece; bfloat16: below 2**-121, where its subnormals' step would
+    exceed the unit roundoff of that value); in between a piece crosses unscaled."""
 
     name: str
     unit: float
     top: int
     scales_float32: bool
-    scales_up: bool
+    bottom: int
     below_top: int  # the bits of its largest value below 2**top
 
     def scaled(self, dtype: np.dtype) -> bool:
@@ -54,8 +55,8 @@ class Codec:
         |value| (0 where it holds no finite non-zero value)."""
         if peak == 0.0:
             return 0
-        e = math.frexp(peak)[1] - self.top
-        return max(-LIMIT, min(LIMIT, e if self.scales_up else max(e, 0)))
+        e = math.frexp(peak)[1]
+        return max(-LIMIT, min(LIMIT, e - self.top)) if e > self.top or e < self.bottom else 0
 
     def encode(self, values: np.ndarray, words: np.ndarray) -> None:
         """`values` (float32/64) into `words` (uint16, one longer: the scale's exponent last).
@@ -147,8 +148,8 @@ def _bf16_bits(values: np.ndarray, words: np.ndarray) -> None:
 
 
 CODECS = {
-    "bf16": Codec("bf16", 2.0 ** -8, 127, scales_float32=False, scales_up=False, below_top=0x7EFF),
-    "fp16": Codec("fp16", 2.0 ** -11, 15, scales_float32=True, scales_up=True, below_top=0x77FF),
+    "bf16": Codec("bf16", 2.0 ** -8, 127, scales_float32=False, bottom=-120, below_top=0x7EFF),
+    "fp16": Codec("fp16", 2.0 ** -11, 15, scales_float32=True, bottom=15, below_top=0x77FF),
 }
 """bfloat16: 8 significant bits, float32's range; float16: 11 bits, largest finite 65504."""
 
