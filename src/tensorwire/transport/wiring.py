@@ -140,6 +140,7 @@ class Wiring:
         self._auth: dict[int, Incoming] = {}  # unauthenticated, oldest first, by descriptor
         self._later: dict[int, float] = {}  # peer -> when to dial it (again)
         self._tries: dict[int, int] = {}
+        self._dialing_since: dict[int, float] = {}  # peer -> when this rank first dialed it (not yet joined)
         self._pairs = itertools.count(1)
         self._listening_again = 0.0
         self._refused = auth.Refusals(f"rank {self.rank} (listening on port {self.port})")
@@ -185,8 +186,9 @@ class Wiring:
         self.rings.start(share, local, self.cfg.shm_ring_bytes)
         self._register(self.listener.fileno(), self._on_listener)
         self._register(self._wake, self._on_wake)
-        self._thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
+        limits.start_thread(thread, f"rank {self.rank}: its wiring thread")
+        self._thread = thread
 
     def want(self, peer: int) -> None:
         """Connect to `peer` (the engine holds a PendingChannel for it meanwhile)."""
@@ -304,6 +306,7 @@ class Wiring:
             self.engine.peer_unreachable(peer, "", RendezvousError(
                 f"rank {self.rank}: rank {peer} is not among the ranks this rank knows the address of"))
             return
+        self._dialing_since.setdefault(peer, time.monotonic())
         self._start_out(peer, (card["addr"], int(card["port"])), 0, next(self._pairs))
 
     def _start_out(self, peer: int, addr: tuple[str, int], index: int, pair: int,
@@ -418,6 +421,7 @@ class Wiring:
             return
         del self._out[out.peer]
         self._tries.pop(out.peer, None)
+        self._dialing_since.pop(out.peer, None)
         socks = [out.sock, *(s.sock for s in out.streams)]
         if out.theirs is not None:
             assert out.ring is not None
@@ -433,9 +437,10 @@ class Wiring:
         if isinstance(exc, Refused):
             self.engine.peer_unreachable(peer, f"nobody listens at its address any more: it exited or left "
                                                f"the job ({exc})")
-        elif isinstance(exc, Unreachable):
+        elif isinstance(exc, Unreachable) and \
+                time.monotonic() - self._dialing_since.get(peer, 0.0) >= self.cfg.peer_timeout:
             self.engine.peer_unreachable(peer, f"its host does not answer ({exc})")
-        else:
+        else:  # (unreachable for less than TENSORWIRE_PEER_TIMEOUT: an outage that may end)
             tries = self._tries[peer] = self._tries.get(peer, 0) + 1
             _log.info("rank %d: connecting to rank %d: %s; trying again", self.rank, peer, exc)
             self._later[peer] = time.monotonic() + min(_RETRY_S * 2 ** (tries - 1), _RETRY_MAX_S)
@@ -590,6 +595,7 @@ class Wiring:
             self._drop_out(mine)
         pair, streams = _count(msg, "pair", 0), _count(msg, "streams", 1)  # before anything is made for it
         self._later.pop(peer, None)
+        self._dialing_since.pop(peer, None)
         old = self._in.pop(peer, None)
         if old is not None:
             self._abandon_in(old, "")
