@@ -75,7 +75,7 @@ class _Part:
     """One stream's part of a split message: sent like a message of its own (the first part
     with the header), the message done when all its parts are."""
 
-    __slots__ = ("req", "payload", "wire_header", "sent", "left")
+    __slots__ = ("req", "payload", "wire_header", "_sent", "left")
     header = property(lambda self: self.req.header)
     error = property(lambda self: self.req.error)
 
@@ -83,8 +83,17 @@ class _Part:
         self.req = req
         self.payload = req.payload[start:end]
         self.wire_header = header
-        self.sent = 0
+        self._sent = 0
         self.left = left  # parts of the message not sent yet (shared)
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @sent.setter
+    def sent(self, value: int) -> None:  # the message's count too: what a timeout says went
+        self.req.sent += value - self._sent
+        self._sent = value
 
     @property
     def done(self) -> bool:
