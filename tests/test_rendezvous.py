@@ -162,6 +162,17 @@ def test_default_timeout_applies_when_none_given() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("forever", [1e10, 1e308])
+def test_a_timeout_past_what_a_socket_can_time_waits_without_one(forever: float) -> None:
+    """TENSORWIRE_TIMEOUT=1e10 ('wait forever') raised OverflowError from socket.settimeout in
+    every rank's init (a tester)."""
+    with TCPStore(LOOPBACK, 0, timeout=forever, server=True) as store:
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert store.get("k", timeout=forever) == b"v"
+
+
+@pytest.mark.timeout(30)
 def test_multi_get_of_more_keys_than_a_request_carries() -> None:
     """A world's cards past ~40k ranks: one request held at most 65535 keys in 1 MiB (70,000
     ranks failed with struct.error from the encoder); the keys go in batches."""

@@ -166,7 +166,7 @@ class TCPStore(Store):
                 sock_timeout: float | None = timeout + _SOCKET_GRACE_S
             else:
                 sock_timeout = self.default_timeout
-            if sock_timeout == float("inf"):
+            if sock_timeout >= threading.TIMEOUT_MAX:  # forever, or past what a socket can time
                 sock_timeout = None
             try:
                 self._sock.settimeout(sock_timeout)
