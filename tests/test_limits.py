@@ -584,6 +584,59 @@ def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
         assert "ulimit -v" in result["text"] and "out of memory (;" not in result["text"], result
 
 
+THREAD_JOB = textwrap.dedent("""\
+    import json, resource, warnings
+    import numpy as np
+    import tensorwire as tw
+    tw.init()
+    x = np.ones(4 << 20)
+    g = tw.new_group([0, 1])
+    tw.barrier()
+    out = {"rank": tw.get_rank()}
+    if tw.get_rank() == 1:  # 1 MiB above what it maps: no room for a thread's stack
+        with open("/proc/self/status") as f:
+            vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 20), resource.RLIM_INFINITY))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            tw.isend(x, 0).wait()  # its background thread cannot start: it moves as this waits
+        out["warned"] = [str(w.message) for w in said]
+    else:
+        tw.recv(x, 1)
+        out["received"] = bool((x == 1).all())
+    try:
+        g.all_reduce(np.ones(4), async_op=True).wait()  # the group's worker cannot start on rank 1
+        out["error"] = ""
+    except tw.TensorwireError as exc:
+        out["error"], out["text"] = type(exc).__name__, str(exc)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    tw.destroy()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_no_memory_for_a_thread_is_a_resource_error_naming_the_limit(tmp_path: Path) -> None:
+    """Where a thread cannot start for the memory limits, Python says only RuntimeError "can't
+    start new thread" (a tester's isend raised it, and destroy() then failed joining the thread
+    never started): the progress thread is done without (a warning naming the limit, the send
+    moving as its wait drives it), an async collective's worker is a ResourceError naming the
+    limit on every rank, and destroy() works."""
+    script = tmp_path / "thread_job.py"
+    script.write_text(THREAD_JOB)
+    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "30"}
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=90, env=env)
+    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1] and proc.returncode == 0, proc.stderr
+    assert results[0]["received"], results
+    warned = results[1]["warned"]
+    assert any("progress thread: out of memory" in w and "ulimit -v" in w for w in warned), results
+    for result in results.values():
+        assert result["error"] == "ResourceError" and "ulimit -v" in result["text"], result
+        assert "group " in result["text"] and "worker: out of memory" in result["text"], result
+
+
 def test_a_segment_refused_for_descriptors_names_them_not_dev_shm() -> None:
     """A one-shot segment or ring that could not be made for want of file descriptors (EMFILE:
     a tester held every rank at its ulimit -n with half-open connections) is told as that,

@@ -14,6 +14,7 @@ import errno
 import math
 import os
 import resource
+import threading
 
 from . import log
 from .errors import ResourceError
@@ -124,7 +125,8 @@ def translate(exc: OSError, who: str) -> ResourceError | None:
     return None
 
 
-def memory_error(exc: BaseException, who: str) -> ResourceError:
+def memory_error(exc: BaseException, who: str,
+                 advice: str = "use smaller messages or raise the limit") -> ResourceError:
     """Out of memory, with the limits that apply: the address-space rlimit and the cgroup's."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     limits = [f"ulimit -v {'unlimited' if _unlimited(soft) else f'{soft >> 20} MiB'}"]
@@ -132,7 +134,16 @@ def memory_error(exc: BaseException, who: str) -> ResourceError:
     if cgroup:
         limits.append(cgroup)
     return ResourceError(f"{who}: out of memory ({str(exc) or type(exc).__name__}; {', '.join(limits)}): "
-                         f"use smaller messages or raise the limit (docs/limits.md)")
+                         f"{advice} (docs/limits.md)")
+
+
+def start_thread(thread: threading.Thread, who: str) -> None:
+    """`thread.start()`, or a ResourceError naming the memory limits where no thread can start
+    (Python says only "can't start new thread")."""
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        raise memory_error(exc, who, "raise the limit") from exc
 
 
 def _cgroup_memory() -> str:

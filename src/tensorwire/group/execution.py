@@ -123,15 +123,24 @@ class CallQueue:
                 self._finished(origin)
                 self._release()
         work = QueuedWork(self, call.what, origin)
+        refused: ResourceError | None = None
         with self._cv:
             self.pending.append((call, body, args, work))
             self.submitted += 1
             if self._worker is None or self._worker is threading.current_thread():
                 # none yet (or it ended), or its own completion callbacks queue this (a torch
                 # future's then-callback that waits for it: PowerSGD's hook): a new worker takes over
-                self._start_worker()
+                try:
+                    self._start_worker()
+                except ResourceError as exc:  # no memory for a thread: the call fails on every member
+                    self.pending.pop()
+                    refused = exc
             elif self.wake_worker:
                 self._cv.notify_all()
+        if refused is not None:
+            self._finished(origin)
+            self.group.abort(refused, call.seq)
+            raise refused
         if async_op:
             return work
         work.wait()
@@ -142,9 +151,10 @@ class CallQueue:
         done-callbacks ends once they return (_serve)."""
         if self._worker is None:
             weakref.finalize(self, _wake, self._cv, os.getpid())
-        self._worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
-                                        daemon=True, name=f"tensorwire-group-{self.group.name}")
-        self._worker.start()
+        worker = threading.Thread(target=_work_loop, args=(weakref.ref(self), self._cv),
+                                  daemon=True, name=f"tensorwire-group-{self.group.name}")
+        limits.start_thread(worker, f"rank {self.group.runtime.rank}: group {self.group.name}'s worker")
+        self._worker = worker
 
     def hand_over(self) -> None:
         """Where the worker itself waits (a done-callback waiting for a call queued behind

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import auth
 from ..errors import RendezvousError
-from ..limits import pending_bound
+from ..limits import pending_bound, start_thread
 from .tcp_protocol import (
     DEFAULT_LIMITS,
     EXITED_KEY,
@@ -120,8 +120,9 @@ class TCPStoreServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._thread = threading.Thread(target=self._serve, name=f"tensorwire-store:{self.port}", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._serve, name=f"tensorwire-store:{self.port}", daemon=True)
+        start_thread(thread, f"the TCP store on port {self.port}")
+        self._thread = thread
 
     @staticmethod
     def _bind(host: str, port: int, backlog: int) -> socket.socket:

@@ -410,13 +410,16 @@ class Launcher:
             child = RankProcess(rank=int(env["RANK"]), local_rank=local_rank, proc=proc)
             self.ranks.append(child)
             assert proc.stdout is not None and proc.stderr is not None
-            threading.Thread(target=self._relay, args=(child, proc.stdout, sys.stdout, False),
-                             name=f"tw-stdout-{child.rank}", daemon=True).start()
-            child.reader = threading.Thread(target=self._relay, args=(child, proc.stderr, sys.stderr, True),
-                                            name=f"tw-stderr-{child.rank}", daemon=True)
-            child.reader.start()
-            threading.Thread(target=self._await_exit, args=(child,),
-                             name=f"tw-wait-{child.rank}", daemon=True).start()
+            who = f"relaying rank {child.rank}'s output"
+            relay = threading.Thread(target=self._relay, args=(child, proc.stdout, sys.stdout, False),
+                                     name=f"tw-stdout-{child.rank}", daemon=True)
+            limits.start_thread(relay, who)
+            reader = threading.Thread(target=self._relay, args=(child, proc.stderr, sys.stderr, True),
+                                      name=f"tw-stderr-{child.rank}", daemon=True)
+            limits.start_thread(reader, who)
+            child.reader = reader
+            limits.start_thread(threading.Thread(target=self._await_exit, args=(child,),
+                                                 name=f"tw-wait-{child.rank}", daemon=True), who)
 
     # -- signals ------------------------------------------------------------------------------
 
@@ -547,9 +550,8 @@ class Launcher:
         try:
             try:
                 self._start(port, secret_env)
-            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread to relay a rank's output
-                why = limits.memory_error(exc, "its threads") if isinstance(exc, RuntimeError) else exc
-                print(f"tensorwire run: cannot start {plan.command[0]}: {why}", file=sys.stderr)
+            except (OSError, ResourceError) as exc:  # ResourceError: no thread to relay a rank's output
+                print(f"tensorwire run: cannot start {plan.command[0]}: {exc}", file=sys.stderr)
                 self._signal_all(signal.SIGTERM, set(self.ranks))
                 self._signal_received = self._signal_received or signal.SIGTERM
                 self._supervise()

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import log
-from ..errors import AbortedError, ResourceError, TimeoutError
+from .. import limits, log
+from ..errors import AbortedError, ResourceError, TensorwireWarning, TimeoutError
 from ..ops import ReduceOp
 from . import native
 from .channel import Channel, PeerClosed, PendingChannel
@@ -96,6 +96,7 @@ class Engine(Failures):
         self.channel_list: list[Channel] = []
         self._tick = 0
         self._bg: threading.Thread | None = None
+        self._bg_refused = False  # the background thread could not start (said once)
         self._bg_wakeup = threading.Condition(self.lock)
         self._background: set[Request] = set()
         self._bg_parked = False  # the background thread sleeps until a request wakes it
@@ -761,8 +762,15 @@ class Engine(Failures):
         if self.closed:
             return
         if self._bg is None:
-            self._bg = threading.Thread(target=self._background_loop, name="tensorwire-progress", daemon=True)
-            self._bg.start()
+            thread = threading.Thread(target=self._background_loop, name="tensorwire-progress", daemon=True)
+            try:
+                limits.start_thread(thread, f"rank {self.rank}: its progress thread")
+            except ResourceError as exc:  # requests then move while a call of this rank waits
+                if not self._bg_refused:
+                    self._bg_refused = True
+                    log.warn(f"{exc}; async point-to-point moves only while a call waits", TensorwireWarning)
+                return
+            self._bg = thread
         elif self._bg_parked:
             self._bg_wakeup.notify()
 

@@ -136,9 +136,13 @@ class Pumps:
                 return True
             inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
             worker = threading.Thread(target=self._work, args=(inbox,), name="tensorwire-pump", daemon=True)
+            try:
+                worker.start()
+            except RuntimeError:  # no memory for a thread (limits.start_thread): the rank's thread moves it
+                self.busy -= 1
+                return False
             self._workers.append((worker, inbox))
         inbox.put(job)
-        worker.start()
         return True
 
     def _work(self, inbox: queue.SimpleQueue[Job | None]) -> None:
