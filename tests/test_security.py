@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster import free_port
+from cluster import Cluster, free_port
 from tensorwire import auth
 from tensorwire.config import Config
 from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
@@ -886,6 +886,54 @@ def test_fuzz_peer_handshake(data: bytes) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Message headers
+
+
+def _beyond_max_message() -> dict[str, str]:
+    import numpy as np
+
+    import tensorwire as tw
+
+    rank, out = tw.get_rank(), {}
+    big = np.ones(2 << 20, np.uint8)
+    try:
+        if rank == 0:
+            tw.send(big, 1)
+        else:
+            tw.recv(big, 0, timeout=1.0)
+    except tw.TensorwireError as exc:
+        out["p2p"] = f"{type(exc).__name__}: {exc}"
+    try:
+        tw.all_reduce(np.ones(4 << 20, np.float32))
+    except tw.TensorwireError as exc:
+        out["all_reduce"] = f"{type(exc).__name__}: {exc}"
+    g = tw.new_group([0, 1])  # the pair's connection is still up
+    x = np.ones(4)
+    g.all_reduce(x)
+    out["after"] = str(x.tolist())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_message_past_max_message_fails_its_call_and_keeps_the_connection() -> None:
+    """TENSORWIRE_MAX_MESSAGE=1M (security.md's hardening): a 2 MiB send over TCP is a
+    ResourceError naming the setting on its sender (its receiver times out), a 16 MiB
+    all_reduce one on every rank, and the pair goes on. Before, the receiver took the header for
+    a hostile one and closed the connection: 'lost rank 0' on a live pair (a tester)."""
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_MAX_MESSAGE": "1M",
+                          "TENSORWIRE_CALIBRATE": "0"})
+    try:
+        results = cluster.run(_beyond_max_message, timeout=40)
+    finally:
+        cluster.close()
+    assert results[0]["p2p"].startswith("ResourceError: rank 0: send to rank 1") and \
+        "TENSORWIRE_MAX_MESSAGE (1048576)" in results[0]["p2p"], results
+    # its receive times out, or first sees the group aborted by rank 0's all_reduce
+    received = results[1]["p2p"]
+    assert received.startswith("TimeoutError") or "TENSORWIRE_MAX_MESSAGE" in received, results
+    for res in results:
+        said = res["all_reduce"]
+        assert said.startswith("ResourceError") and "TENSORWIRE_MAX_MESSAGE" in said, res
+        assert res["after"] == "[2.0, 2.0, 2.0, 2.0]", res
 
 
 def test_header_check_passes_what_tensorwire_sends_and_nothing_else() -> None:

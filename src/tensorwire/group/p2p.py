@@ -24,6 +24,7 @@ from ..errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     PeerLostError,
+    ResourceError,
     TimeoutError,
     in_call,
     retold,
@@ -524,12 +525,13 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         if group.ctx not in group.engine.aborted:  # whose send may have returned, learns it
             group.abort(exc)  # from the abort
         raise
-    except (TimeoutError, KeyboardInterrupt, SystemExit) as exc:  # an interrupted receive takes them back too
+    except (TimeoutError, ResourceError, KeyboardInterrupt, SystemExit) as exc:  # an interrupted receive
+        # takes them back too, as does one whose send could not go (a limit)
         told = _with_tags(group, reqs, exc) if isinstance(exc, TimeoutError) else exc
         if blocking and not engine.withdraw(reqs) and group.ctx not in engine.aborted:
             # a message partly moved: its peer must fail rather than get it (or the rest of it)
             rank = group.runtime.rank
-            group.abort(told if isinstance(exc, TimeoutError) else AbortedError(
+            group.abort(told if isinstance(exc, (TimeoutError, ResourceError)) else AbortedError(
                 f"rank {rank}: {reqs[0].what} was interrupted on rank {rank} ({type(exc).__name__}) with its "
                 f"message partly moved: the group is aborted; shrink() makes a clean one"))
         if told is exc:

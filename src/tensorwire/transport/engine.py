@@ -629,7 +629,8 @@ class Engine(Failures):
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        if pending:
+        if pending and (len(pending) == len(reqs) or all(r.error is None for r in reqs)):
+            # (one that failed as it was posted fails the wait at once: its peer may wait for it)
             try:
                 self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
             except AbortedError:

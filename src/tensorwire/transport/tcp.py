@@ -30,7 +30,7 @@ import numpy as np
 
 from ..buffers import byte_view
 from ..config import Config
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ResourceError
 from .channel import Channel, ChannelOwner, PeerClosed
 from .pumps import PUMP_BYTES, Job, fold_job, recv_job, send_job
 from .requests import RecvRequest, SendRequest, Sink
@@ -588,6 +588,12 @@ class TcpChannel(Channel):
 
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
+        if n > self.stream.max_message:  # its receiver would take the stream for a hostile one
+            req.fail(ResourceError(
+                f"rank {self.stream.engine.rank}: {req.what}: a message of {n} bytes, more than "
+                f"TENSORWIRE_MAX_MESSAGE ({self.stream.max_message}) lets one carry over TCP: raise it "
+                f"on every rank (docs/security.md)"))
+            return
         if not self.others or n < SPLIT_BYTES or req.header.kind > 1:
             self.stream.post(req)
             return
