@@ -29,10 +29,10 @@ from ..errors import AbortedError, ResourceError, TensorwireWarning, TimeoutErro
 from ..ops import ReduceOp
 from . import native
 from .channel import Channel, PeerClosed, PendingChannel
-from .failures import Failures
+from .failures import Failures, unanswered_ms
 from .pumps import Pumps, pump_threads, streams_per_pair
 from .requests import P2P_SEQ, Discard, RecvRequest, Request, SendRequest, Sink, Unexpected, deliver
-from .tcp import SPLIT_BYTES
+from .tcp import SPLIT_BYTES, drain, unsent_bytes
 from .wire import Fingerprint, Header, Kind, ctx_of
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ _WATCH_S = 0.1  # while peers are watched (watch_peers), the background thread l
 _GLANCE = 64  # calls that never wait between two rounds of progress (glance)
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 _BG_JOIN_S = 1.0  # how long close() waits for the background thread to end
+_NOT_READING_S, _ANSWERED_MS = 0.5, 100  # close(): a peer that acknowledged within 100 ms does not read
 
 
 class Engine(Failures):
@@ -850,6 +851,33 @@ class Engine(Failures):
             except OSError:
                 pass
 
+    def _settle(self) -> None:
+        """Before the sockets close (the lock held): wait until each peer's kernel has what this
+        rank sent it, reading and dropping what comes meanwhile. A socket closed with bytes unread,
+        or one that bytes reach after it closed, resets the connection, and the reset throws away
+        what it had not delivered yet: across a short outage a peer lost this rank's last message
+        and took it for lost (docs/design/failures.md#closing-engine_settle). Bounded: TENSORWIRE_PEER_TIMEOUT
+        while a peer answers nothing (an outage), _NOT_READING_S while it answers but does not
+        read (its receive window closed)."""
+        cfg = self.wiring.cfg if self.wiring is not None else None
+        start = time.perf_counter()
+        until = start + (cfg.peer_timeout if cfg is not None else 0.0)
+        while True:
+            waiting = []
+            for channel in self.channel_list:
+                if channel.peer in self.lost or channel.kind == "pending":
+                    continue
+                with contextlib.suppress(PeerClosed):
+                    channel.flush()
+                for sock in channel.sockets:
+                    if drain(sock) and unsent_bytes(sock) and (time.perf_counter() - start < _NOT_READING_S
+                                                               or unanswered_ms(sock) >= _ANSWERED_MS):
+                        waiting.append(sock)
+            if not waiting or time.perf_counter() >= until:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                select.select(waiting, [], [], 0.02)
+
     def close(self) -> None:
         """Say goodbye to every peer (best effort, never blocking), then close the channels;
         first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raises and
@@ -877,6 +905,7 @@ class Engine(Failures):
                         channel.poll_socket()
                     except PeerClosed:
                         pass
+            self._settle()
             for channel in self.channel_list:
                 channel.close()
             for queue in self.posted.values():  # receives nobody will complete now

@@ -17,11 +17,13 @@ what the sender's caller sent). A receive of a void message fails with the abort
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import math
 import select
 import socket
 import struct
+import termios
 import time
 from collections import deque
 from typing import NoReturn
@@ -43,6 +45,7 @@ SPLIT_BYTES = 256 << 10
 _PARTS = struct.Struct("<I")  # after the header of a message from SPLIT_BYTES: the count of its parts
 _TRAILER = struct.Struct("<I")  # after each stream's part of a message from SPLIT_BYTES
 _WHOLE, _VOID = 0, 0x44494F56
+_INT = struct.Struct("i")
 NOW_BYTES = 64 << 10
 """Point-to-point payloads up to this size go to the socket at once, with no request
 (TcpChannel.put_now): a rest the kernel does not take is copied, so it stays small. Receives
@@ -110,6 +113,26 @@ class _Part:
 def _trailed(header: Header) -> bool:
     """Whether a message's parts end in a trailer word (the data kinds from SPLIT_BYTES)."""
     return header.kind <= 1 and header.nbytes >= SPLIT_BYTES
+
+
+def drain(sock: socket.socket) -> bool:
+    """Read and drop what `sock` holds now (it closes): False where its peer closed it, or it failed."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def unsent_bytes(sock: socket.socket) -> int:
+    """Bytes written to `sock` that its peer's kernel has yet to acknowledge (SIOCOUTQ)."""
+    try:
+        return _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size)))[0]
+    except OSError:
+        return 0
 
 
 def congestion_of(sock: socket.socket) -> str:
