@@ -1896,6 +1896,45 @@ def test_barrier_then_destroy_does_not_fail_the_slower_rank(transport: str) -> N
         assert res["type"] is None, f"rank {rank}: {res['type']}: {res['msg']}"
 
 
+_SEND_THEN_LEAVE = """
+import numpy as np
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+sizes = (16384, 100_000, 1_000_000)  # floats: past the first ring, which grows (a move) for them
+if rank == 0:
+    for n in sizes:
+        tw.send(np.arange(n, dtype=np.float32), 1)
+    tw.destroy()  # each send returned: its message must still arrive
+    time.sleep(3)
+    report(sent=True)
+else:
+    time.sleep(1.5)
+    got = []
+    for n in sizes:
+        y = np.zeros(n, dtype=np.float32)
+        res = attempt(tw.recv, y, 0, timeout=10)
+        got.append(res if res["type"] else bool(np.array_equal(y, np.arange(n, dtype=np.float32))))
+    report(got=got)
+    tw.destroy()
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_what_a_rank_sent_before_it_left_is_received(transport: str) -> None:
+    """Blocking sends that returned, then destroy(): the peer, receiving 1.5 s later, gets every
+    message. Over shared memory the sender's ring had grown for them (a move), and it unlinked
+    the new ring as it left, before its reader had followed: 'lost rank 0: it left the job'
+    (a tester, 64 KiB to 4 MB; Gloo and MPI deliver)."""
+    port = free_port()
+    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    procs = [_spawn(_SEND_THEN_LEAVE, r, 2, port, env=env) for r in (0, 1)]
+    try:
+        results = [_reports(p, 30)[0] for p in procs]
+    finally:
+        _kill_all(procs)
+    assert results[0]["sent"] and results[1]["got"] == [True, True, True], results
+
+
 def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed() -> None:
     """A peer that left in the middle of a call mostly left because the call failed elsewhere:
     the abort that says why (here a mismatch, arriving 50 ms after the departure) is what the

@@ -474,10 +474,12 @@ class Engine(Failures):
         """May a large message from `peer` wait in its ring for its receive (shm.PARK_BYTES)?
         Not if its receive is posted, nor a collective's message for an earlier call (vetted
         now: that call differed), nor while a receive from that peer for another message would
-        wait behind it. A waiter idle for _RELEASE_PARKED_S releases it anyway
-        (`release_parked`): a rank waiting on a third one, or two ranks that both send before
-        they receive, cannot wait on a parked message forever."""
-        if self.posted.get((peer, header.key)) or (self.retired and header.ctx in self.retired):
+        wait behind it, nor once the peer left (its ring is read to its end now). A waiter idle
+        for _RELEASE_PARKED_S releases it anyway (`release_parked`): a rank waiting on a third
+        one, or two ranks that both send before they receive, cannot wait on a parked message
+        forever."""
+        if self.posted.get((peer, header.key)) or (self.retired and header.ctx in self.retired) \
+                or peer in self.departed:
             return False
         if header.kind == Kind.COLL:
             call = self.current_call(header.ctx)

@@ -863,7 +863,9 @@ class ShmChannel(Channel):
             _UNACKNOWLEDGED.extend(req.payload if req.holds is None else req.holds
                                    for req in self.awaiting.values())
         self.stream.close()
-        self.out.unlink()
+        words = self.out.words
+        if words[_HEAD] == words[_TAIL]:  # else its reader may yet follow a move into it and read
+            self.out.unlink()  # what this rank sent before it left (it unlinks it; else remove_stale)
         for req in self.sendq:  # a move not written yet: the peer never learnt its ring's name
             if req.header.mode == Mode.MOVE:
                 req.ring.unlink()  # type: ignore[attr-defined]
