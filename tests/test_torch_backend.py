@@ -298,6 +298,17 @@ def _check_reductions(c: _Checker) -> None:
 
     c.same_as_gloo("all_reduce non-contiguous", strided)
 
+    # a non-contiguous Parameter (a channels_last conv weight, a transposed one): its copy back
+    # went through autograd ("a leaf Variable that requires grad is being used in an in-place
+    # operation") on every rank the result reached, a broadcast's non-roots alone
+    def parameter(group):
+        weight = torch.nn.Parameter(_data(r, 24, torch.float32).reshape(4, 6).t())
+        dist.broadcast(weight, src=0, group=group)
+        dist.all_reduce(weight, group=group, async_op=True).wait()
+        return weight.detach().clone()
+
+    c.same_as_gloo("broadcast and async all_reduce of a non-contiguous Parameter", parameter)
+
     # reduce to every root, every op; non-roots keep their input
     for root in range(n):
         for op in ops:

@@ -55,7 +55,7 @@ class _Staging:
         if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
             _invalid(self.group, "tensorwire backend: a tensor to write into has elements that share memory "
                                  "(a zero stride, as expand() makes); pass a tensor of its own (t.clone())")
-        buf = t.contiguous()
+        buf = t.detach().contiguous()
         self.back.append((t, buf))
         return buf
 
@@ -69,8 +69,9 @@ class _Staging:
         pairs = self.back
 
         def copy_back() -> None:
-            for dst, src in pairs:
-                dst.copy_(src)
+            with torch.no_grad():  # as the contiguous tensors are written: a Parameter's too
+                for dst, src in pairs:
+                    dst.copy_(src)
 
         return copy_back
 
