@@ -185,10 +185,14 @@ def scenario_errors() -> None:
     dist.barrier()  # rank 1 only now calls, long after rank 0 gave up: it learns why at once
     if rank == 1:
         _expect(TwTimeoutError, lambda: dist.all_reduce(torch.ones(4), group=g), within=5)
-    # a timeout passed per call (barrier(timeout=...))
+    # a timeout passed per call (barrier(timeout=...)); zero or less is an error on every rank
+    # (it fell back to the group's timeout, silently)
     g = dist.new_group()
     if rank == 0:
         _expect(TwTimeoutError, lambda: dist.barrier(group=g, timeout=timedelta(seconds=1)), within=10)
+    dist.barrier()
+    for bad in (timedelta(0), timedelta(seconds=-1)):
+        _expect(InvalidArgumentError, lambda bad=bad: dist.barrier(timeout=bad), contains="must be positive")
     dist.barrier()
 
     # inside DDP's backward: rank 1 issues an extra all-reduce first (the size of DDP's one bucket,

@@ -30,7 +30,7 @@ from ..group.group import Group
 from ..ops import ReduceOp, premul_sum
 from ..ops.finalize import finalize
 from .profiling import profiling, shown_to_profiler
-from .work import CompletedWork, TensorwireWork, finished, seconds
+from .work import CompletedWork, TensorwireWork, finished
 
 BACKEND_NAME = "tensorwire"
 
@@ -204,10 +204,12 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     # -- running -----------------------------------------------------------------------------
     def _timeout_of(self, opts: Any) -> float | None:
         own = opts.timeout if opts is not None else _UNSET
-        if own == _UNSET:  # the common case, without seconds()' conversions
+        if own == _UNSET:  # the common case
             return self._timeout
-        limit = seconds(own)
-        return self._timeout if limit is None else limit
+        limit = own.total_seconds()  # (torch's options hold a timedelta)
+        if limit <= 0:
+            _invalid(self._tw, f"tensorwire backend: a call's timeout must be positive, got {own!r}")
+        return limit
 
     def _completed(self, outputs: Any) -> CompletedWork:
         """The Work of a synchronous collective: one per process group, aimed at each call's
