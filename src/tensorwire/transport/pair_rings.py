@@ -13,7 +13,7 @@ import errno
 import functools
 import os
 
-from .. import log
+from .. import limits, log
 from ..errors import TensorwireWarning
 from . import cma, shm_budget
 from .shm import Ring
@@ -70,11 +70,15 @@ class PairRings:
             if refused:
                 self._warned = True
                 total, free = shm_budget.usage()
-                log.warn(f"rank {self.rank}: /dev/shm holds {shm_budget.size_text(total)} "
-                         f"({shm_budget.size_text(free)} free now): it refused a ring that fit what "
-                         f"tensorwire planned at init (another program took its space since?), so {text}. "
-                         f"Results are unchanged, large messages are slower (docs/limits.md)",
-                         TensorwireWarning)
+                cause = (limits.memory_error(OSError(why, os.strerror(why)),  # address space, not /dev/shm
+                                             f"mapping a ring toward rank {peer}", "raise the limit")
+                         if why == errno.ENOMEM else None)
+                said = (f"{cause}, so {text}" if cause is not None else
+                        f"/dev/shm holds {shm_budget.size_text(total)} ({shm_budget.size_text(free)} free "
+                        f"now): it refused a ring that fit what tensorwire planned at init (another program "
+                        f"took its space since?), so {text}")
+                log.warn(f"rank {self.rank}: {said}. Results are unchanged, large messages are slower "
+                         f"(docs/limits.md)", TensorwireWarning)
             else:
                 _log.info("rank %d: %s (this rank's rings hold %s of their share of %s)", self.rank, text,
                           shm_budget.size_text(self.budget.used), shm_budget.size_text(self.budget.limit))
