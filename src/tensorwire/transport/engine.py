@@ -988,8 +988,6 @@ class Backoff:
             self.queried = True
             self.engine.query_peers(self.ctx, self.watch)
         self.engine.check_unconnected(self.watch)
-        with self.engine.lock:  # (a wait on a segment's flags reads the rings too: a host-mate's
-            self.engine.progress()  # abort comes through one alone where its socket went with an address)
         self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
         self.engine.check_group(self.ctx, self.seq, self.watch)
         self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

@@ -582,17 +582,7 @@ class ShmChannel(Channel):
         return True
 
     def post_control(self, req: SendRequest) -> None:
-        """Over the socket; an abort also through the ring, as a twin: the socket goes through
-        the host's address, and where that is gone (a failed NIC) the peer, still running beside
-        this rank, would wait for it until the kernel gives the connection up. A second notice
-        of a group already aborted changes nothing (Failures._on_abort); a refusal's is not
-        doubled, as its group renews itself and must not see it twice."""
         self.stream.post(req)
-        header = req.header
-        if header.kind == Kind.ABORT and not header.tag:
-            twin = SendRequest(req.peer, header, req.payload, req.label, req.wire_header)  # type: ignore[arg-type]
-            self.post(twin)
-            self.engine.watch_in_background(twin)
 
     def progress(self) -> bool:
         moved = self._push() if self.sendq else False
