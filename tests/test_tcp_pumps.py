@@ -219,6 +219,34 @@ def test_a_message_whose_group_aborted_on_its_way_arrives_void(streams: int, abo
     assert aborted or (arrived[0].buf == 7).all()
 
 
+def test_a_receive_posted_before_the_trailer_came_waits_for_it() -> None:
+    """A message whose payload is in but whose trailer word is not yet: a receive posted then
+    waits for the trailer, and a void one fails it (it took the message at once as whole)."""
+    n = SPLIT_BYTES
+    a, b = socket.socketpair()
+    engine = Engine(1, 2, 0)
+    channel = TcpChannel(SocketStream(a, 0, engine, 4096, 1 << 30))
+    engine.add_channel(0, channel)
+    header = Header(Kind.P2P, 0, 1, 3, n, P2P_FINGERPRINT)
+    sender = threading.Thread(target=b.sendall, args=(header.pack() + b"\xff" * n,))
+    sender.start()  # (more than a socket pair's buffers hold)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(m.received == n for q in engine.unexpected.values()
+                                                      for m in q):
+            channel.progress()
+        sender.join(10)
+        req = engine.irecv(0, header, np.zeros(n, np.uint8), None, "recv from rank 0 (tag 3)")
+        assert not req.done
+        b.sendall(struct.pack("<I", 0x44494F56))  # the void word
+        while time.monotonic() < deadline and not req.done:
+            channel.progress()
+    finally:
+        a.close()
+        b.close()
+    assert req.done and req.void and isinstance(req.error, AbortedError), (req.done, req.void, req.error)
+
+
 def _thresholds() -> dict[str, Any]:
     """Messages of sizes about the split's and the pumps' thresholds, each way between two ranks
     into a posted receive, and folded by a reduce: first as the job's settings have it, then with

@@ -144,7 +144,8 @@ class Sink:
 
     @property
     def complete(self) -> bool:
-        return self.received >= self.nbytes
+        """Every byte in, and every trailer word (tcp.py): only then is it known not void."""
+        return self.received >= self.nbytes and not self.trailers
 
     def finish(self) -> None:
         """Called once when the last byte arrived."""
