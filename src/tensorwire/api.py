@@ -160,7 +160,9 @@ def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, sc
 
 
 def destroy() -> None:
-    """Close every connection and forget the world; `init()` may be called again."""
+    """Close every connection and forget the world; `init()` may be called again. It first
+    waits for the peers' hosts to acknowledge what this rank sent (at once on a healthy link; up
+    to TENSORWIRE_PEER_TIMEOUT for one that answers nothing, as in a network outage)."""
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None

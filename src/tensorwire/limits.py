@@ -143,6 +143,8 @@ def start_thread(thread: threading.Thread, who: str) -> None:
     try:
         thread.start()
     except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):  # (e.g. at interpreter shutdown)
+            raise
         raise memory_error(exc, who, "raise the limit") from exc
 
 

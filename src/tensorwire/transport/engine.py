@@ -877,11 +877,14 @@ class Engine(Failures):
                         waiting.append(sock)
             if not waiting or time.perf_counter() >= until:
                 return
-            with contextlib.suppress(OSError, ValueError):
-                select.select(waiting, [], [], 0.02)
+            poller = select.poll()  # (select() cannot take descriptors from 1024)
+            for sock in waiting:
+                poller.register(sock, select.POLLIN)
+            poller.poll(20)
 
     def close(self) -> None:
-        """Say goodbye to every peer (best effort, never blocking), then close the channels;
+        """Say goodbye to every peer, wait until their kernels have what this rank sent
+        (`_settle`: at once on a healthy link), then close the channels;
         first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raises and
         exits at once would leave most of them unsent (to peers it was not connected to yet, or
         queued behind the failed call's bytes), and the others learn only that it left."""
