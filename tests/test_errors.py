@@ -1880,16 +1880,21 @@ tw.destroy()  # rank 0 leaves as soon as its barrier returned
 """
 
 
+def _pair_reports(script: str, transport: str) -> list[dict[str, Any]]:
+    """Each rank's first report from `script` run on 2 ranks over `transport` (shm or tcp)."""
+    port = free_port()
+    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    procs = [_spawn(script, r, 2, port, env=env) for r in (0, 1)]
+    try:
+        return [_reports(p, 30)[0] for p in procs]
+    finally:
+        _kill_all(procs)
+
+
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_barrier_then_destroy_does_not_fail_the_slower_rank(transport: str) -> None:
-    port = free_port()
-    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
-    procs = [_spawn(_LEAVE, r, 2, port, env=env) for r in (0, 1)]
-    try:
-        results = [_reports(p, 30)[0] for p in procs]
-    finally:
-        _kill_all(procs)
+    results = _pair_reports(_LEAVE, transport)
     # (Regression guard: the slower rank used to raise PeerLostError 'it left the job' here in most
     # runs, the goodbye being checked before the completed barrier; fixed in 5f30276.)
     for rank, res in enumerate(results):
@@ -1925,13 +1930,7 @@ def test_what_a_rank_sent_before_it_left_is_received(transport: str) -> None:
     message. Over shared memory the sender's ring had grown for them (a move), and it unlinked
     the new ring as it left, before its reader had followed: 'lost rank 0: it left the job'
     (a tester, 64 KiB to 4 MB; Gloo and MPI deliver)."""
-    port = free_port()
-    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
-    procs = [_spawn(_SEND_THEN_LEAVE, r, 2, port, env=env) for r in (0, 1)]
-    try:
-        results = [_reports(p, 30)[0] for p in procs]
-    finally:
-        _kill_all(procs)
+    results = _pair_reports(_SEND_THEN_LEAVE, transport)
     assert results[0]["sent"] and results[1]["got"] == [True, True, True], results
 
 
