@@ -632,8 +632,9 @@ class Engine(Failures):
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        if pending and (len(pending) == len(reqs) or all(r.error is None for r in reqs)):
-            # (one that failed as it was posted fails the wait at once: its peer may wait for it)
+        if pending and (len(pending) == len(reqs) or not any(type(r.error) is ResourceError for r in reqs)):
+            # (one refused as it was posted, for a limit, fails the wait at once: its peer's part
+            # may have been refused alike: TcpChannel.post)
             try:
                 self._drive(pending, deadline, ctx, seq, watch, what, cross_check)
             except AbortedError:
