@@ -36,6 +36,8 @@ class ChannelOwner(Protocol):
     """The threads that move large TCP parts (None: the rank's own thread moves every byte)."""
     native: ModuleType | None
     """The compiled inner loops (transport/native.py), or None."""
+    refused_as_posted: int
+    """Sends a channel failed as they were posted, for a limit (TcpChannel.post)."""
 
     def match(self, peer: int, header: Header, remote: bool = False) -> Sink:
         """The sink for an arriving message (`remote`: its payload stays in the sender's memory)."""

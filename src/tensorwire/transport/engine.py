@@ -98,6 +98,7 @@ class Engine(Failures):
         self._tick = 0
         self._bg: threading.Thread | None = None
         self._bg_refused = False  # the background thread could not start (said once)
+        self.refused_as_posted = 0
         self._bg_wakeup = threading.Condition(self.lock)
         self._background: set[Request] = set()
         self._bg_parked = False  # the background thread sleeps until a request wakes it
@@ -632,7 +633,7 @@ class Engine(Failures):
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
-        if pending and (len(pending) == len(reqs) or not any(type(r.error) is ResourceError for r in reqs)):
+        if pending and not (self.refused_as_posted and any(type(r.error) is ResourceError for r in reqs)):
             # (one refused as it was posted, for a limit, fails the wait at once: its peer's part
             # may have been refused alike: TcpChannel.post)
             try:
@@ -858,10 +859,9 @@ class Engine(Failures):
         """Before the sockets close (the lock held): wait until each peer's kernel has what this
         rank sent it, reading and dropping what comes meanwhile. A socket closed with bytes unread,
         or one that bytes reach after it closed, resets the connection, and the reset throws away
-        what it had not delivered yet: across a short outage a peer lost this rank's last message
-        and took it for lost (docs/design/failures.md#closing-engine_settle). Bounded: TENSORWIRE_PEER_TIMEOUT
-        while a peer answers nothing (an outage), _NOT_READING_S while it answers but does not
-        read (its receive window closed)."""
+        what it had not delivered yet (docs/design/failures.md#closing-engine_settle). Bounded:
+        TENSORWIRE_PEER_TIMEOUT while a peer answers nothing (an outage), _NOT_READING_S while it
+        answers but does not read (its receive window closed)."""
         cfg = self.wiring.cfg if self.wiring is not None else None
         start = time.perf_counter()
         until = start + (cfg.peer_timeout if cfg is not None else 0.0)

@@ -612,6 +612,7 @@ class TcpChannel(Channel):
     def post(self, req: SendRequest) -> None:
         n = req.payload.nbytes
         if n > self.stream.max_message:  # its receiver would take the stream for a hostile one
+            self.stream.engine.refused_as_posted += 1
             req.fail(ResourceError(
                 f"rank {self.stream.engine.rank}: {req.what}: a message of {n} bytes, more than "
                 f"TENSORWIRE_MAX_MESSAGE ({self.stream.max_message}) lets one carry over TCP: raise it "
