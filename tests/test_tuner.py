@@ -122,6 +122,7 @@ def test_forcing_hierarchical_binds_only_groups_that_can_run_it() -> None:
     ("alreduce:ring", ["unknown collective 'alreduce'", *COLLECTIVES]),
     ("allreduce:", ["no algorithm named"]),
     ("allreduce:^", ["'^' without a name"]),
+    (";;;", ["no clause"]),
     ("broadcast:ring", ["broadcast has no algorithm 'ring'", "binomial"]),
 ])
 def test_unknown_names_are_errors_naming_the_known(spec: str, words: list[str]) -> None:

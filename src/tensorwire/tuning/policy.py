@@ -71,6 +71,8 @@ def parse_spec(spec: str) -> tuple[tuple[str | None, tuple[str, ...], tuple[str,
         if not forced and not excluded:
             raise InvalidArgumentError(f"TENSORWIRE_ALGO={spec!r}: no algorithm named in {part!r}")
         clauses.append((coll, tuple(forced), tuple(excluded)))
+    if spec.strip() and not clauses:
+        raise InvalidArgumentError(f"TENSORWIRE_ALGO={spec!r}: no clause (expected e.g. allreduce:ring)")
     return tuple(clauses)
 
 
