@@ -44,6 +44,7 @@ from tensorwire.errors import (
     TensorwireError,
     TimeoutError,
 )
+from tensorwire.transport import shm
 from tensorwire.transport.engine import Engine
 from tensorwire.tuning import tuner
 
@@ -1932,6 +1933,34 @@ def test_what_a_rank_sent_before_it_left_is_received(transport: str) -> None:
     (a tester, 64 KiB to 4 MB; Gloo and MPI deliver)."""
     results = _pair_reports(_SEND_THEN_LEAVE, transport)
     assert results[0]["sent"] and results[1]["got"] == [True, True, True], results
+
+
+_SEND_UNRECEIVED = """
+import numpy as np
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+tw.barrier()
+if rank == 0:  # the first parks in the ring the reader moved to; the move for the second is behind it
+    works = [tw.isend(np.arange(n, dtype=np.float32), 1) for n in (100_000, 1_000_000)]
+time.sleep(1)  # rank 1 never receives them
+tw.destroy()
+report(pid=os.getpid())
+"""
+
+
+@pytest.mark.timeout(40)
+def test_a_ring_grown_for_messages_never_received_is_not_left_in_dev_shm() -> None:
+    """The writer keeps a ring it moved to linked while it holds unread records (its reader
+    may yet follow); a reader that left without reading the move unlinks it as it closes."""
+    pids = {r["pid"] for r in _pair_reports(_SEND_UNRECEIVED, "shm")}
+    left = []
+    for name in os.listdir("/dev/shm"):
+        with contextlib.suppress(OSError), open(os.path.join("/dev/shm", name), "rb") as f:
+            f.seek(shm._OWNER_AT)
+            record = f.read(shm._OWNER.size)
+            owner = shm._OWNER.unpack(record)[1] if len(record) == shm._OWNER.size else 0
+            if name.startswith(shm.PREFIX) and owner in pids:
+                left.append(name)
+    assert not left, f"left in /dev/shm by the job's ranks: {left}"
 
 
 def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed() -> None:

@@ -38,6 +38,8 @@ class ChannelOwner(Protocol):
     """The compiled inner loops (transport/native.py), or None."""
     refused_as_posted: int
     """Sends a channel failed as they were posted, for a limit (TcpChannel.post)."""
+    departed: set[int]
+    """Peers that said goodbye: they read nothing more."""
 
     def match(self, peer: int, header: Header, remote: bool = False) -> Sink:
         """The sink for an arriving message (`remote`: its payload stays in the sender's memory)."""

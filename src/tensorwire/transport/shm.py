@@ -303,6 +303,17 @@ def _record(n: int) -> int:
     return HEADER_SIZE + _pad(n)
 
 
+_RECORDS_AFTER = {Mode.REMOTE: 1, Mode.ACK: 0, Mode.MOVE: 1, Mode.DEVICE: DEVICE_UNITS, Mode.COPIED: 1}
+"""Records that follow the header of each mode but INLINE (its descriptor, a ring's name, an event)."""
+
+
+def _span(header: Header) -> int:
+    """Ring bytes the record that starts with `header` takes."""
+    if header.mode == Mode.INLINE:
+        return _record(header.nbytes)
+    return HEADER_SIZE * (1 + _RECORDS_AFTER.get(header.mode, 1))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
@@ -804,24 +815,24 @@ class ShmChannel(Channel):
 
     def _take_remote(self, header: Header, tail: int) -> int:
         """Act on a REMOTE or DEVICE message (hand it to its receive) or an ACK; the tail past it."""
+        after = tail + _span(header)
         tail += HEADER_SIZE
         mode = header.mode
         if mode == Mode.ACK:
             self._acked(header.seq)
-            return tail
-        if mode == Mode.COPIED:
+        elif mode == Mode.COPIED:
             self._acked(header.seq, self._records(tail, 1))
-            return tail + HEADER_SIZE
-        if mode == Mode.DEVICE:
+        elif mode == Mode.DEVICE:
             descriptor = self._records(tail, DEVICE_UNITS)
             rid = DEVICE_ID.unpack_from(descriptor)[0]
             self.engine.match(self.peer, header, remote=True).fetch(
                 DevicePayload(self, descriptor[DEVICE_ID.size:], rid, header.nbytes))
-            return tail + DEVICE_UNITS * HEADER_SIZE
-        ring = self.inn
-        where, rid = CMA_DESCRIPTOR.unpack_from(ring.raw, tail % ring.capacity)
-        self.engine.match(self.peer, header, remote=True).fetch(CmaPayload(self, where, rid, header.nbytes))
-        return tail + HEADER_SIZE
+        else:
+            ring = self.inn
+            where, rid = CMA_DESCRIPTOR.unpack_from(ring.raw, tail % ring.capacity)
+            payload = CmaPayload(self, where, rid, header.nbytes)
+            self.engine.match(self.peer, header, remote=True).fetch(payload)
+        return after
 
     def _records(self, at: int, units: int) -> bytes:
         """`units` records of the in ring from position `at` on (a descriptor may wrap)."""
@@ -854,10 +865,42 @@ class ShmChannel(Channel):
                                    for req in self.awaiting.values())
         self.stream.close()
         words = self.out.words
-        if words[_HEAD] == words[_TAIL]:  # else its reader may yet follow a move into it and read
-            self.out.unlink()  # what this rank sent before it left (it unlinks it; else remove_stale)
+        if words[_HEAD] == words[_TAIL] or self.peer in self.engine.departed:
+            self.out.unlink()  # else its reader may yet follow a move into it (and unlinks it)
         for req in self.sendq:  # a move not written yet: the peer never learnt its ring's name
             if req.header.mode == Mode.MOVE:
                 req.ring.unlink()  # type: ignore[attr-defined]
+        self._unlink_unfollowed()
         self.inn.close()
         self.out.close()
+
+    def _unlink_unfollowed(self) -> None:
+        """Unlink the rings the writer moved to whose MOVE records this reader never read: the
+        writer leaves such a ring linked for its reader (close), which would otherwise stay
+        in /dev/shm until the next job's start (remove_stale). Bounded: a broken ring stops it."""
+        ring, at, owned = self.inn, self.inn.words[_TAIL] + (self._padded_left if self._sink else 0), False
+        for _ in range(64):
+            words, cap = ring.words, ring.capacity
+            target = None
+            try:
+                while target is None and at + HEADER_SIZE <= words[_HEAD] <= at + cap:
+                    header = Header.unpack(ring.raw, at % cap)
+                    if header.mode == Mode.MOVE:
+                        pos = (at + HEADER_SIZE) % cap
+                        target = (bytes(ring.raw[pos:pos + HEADER_SIZE]).rstrip(b"\0").decode(), header)
+                    at += _span(header)
+            except (ValueError, struct.error, UnicodeDecodeError):
+                target = None
+            if owned:
+                ring.close()
+            if target is None:
+                return
+            try:
+                ring, owned = Ring(target[0], target[1].tag, create=False), True
+            except (OSError, ValueError):
+                return
+            if ring.nonce != target[1].seq:
+                ring.close()
+                return
+            ring.unlink()
+            at = ring.words[_TAIL]
