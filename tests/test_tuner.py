@@ -1320,7 +1320,7 @@ def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: s
     else:
         text = {"list": "[1, 2, 3]", "null": "null", "nested": "[" * 200_000 + "]" * 200_000,
                 "links_list": json.dumps({"version": cache.PROBE_VERSION, "links": [1]}),
-                "large": json.dumps({"pad": "x" * (cache.MAX_ENTRY_BYTES + 1), "links": {}})}[bad]
+                "large": json.dumps({"pad": "x" * (tuning_file.MAX_FILE_BYTES + 1), "links": {}})}[bad]
         Path(path).write_text(text)
     with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
         assert cache.read_cache(path, ["shm"]) is None
@@ -1329,6 +1329,21 @@ def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: s
     shm = Link("shm", 1e-5, 1e-9, 1e-10)
     cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
     assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
+
+
+@pytest.mark.parametrize("field, value", [("created", 10 ** 400), ("created", "yesterday"),
+                                          ("alpha", 10 ** 400), ("alpha", "1")])
+def test_a_cache_entry_with_values_out_of_range_is_measured_over(tmp_path, field: str, value: object) -> None:
+    """An integer of hundreds of digits where a float belongs (OverflowError in float()), or a
+    string: the entry is not used, and no error escapes (every later job on the host failed)."""
+    path = cache.cache_path(str(tmp_path), "k")
+    shm = Link("shm", 1e-5, 1e-9, 1e-10)
+    cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    doc = json.loads(Path(path).read_text())
+    (doc if field == "created" else doc["links"]["shm"])[field] = value
+    Path(path).write_text(json.dumps(doc))
+    assert cache.read_cache(path, ["shm"]) is None
+    assert cache.cached_entries(str(tmp_path)) == []
 
 
 def test_the_cache_key_holds_what_changes_the_measurement(monkeypatch) -> None:
@@ -1528,6 +1543,27 @@ def test_bad_tuning_files_are_clear_errors(tmp_path, content: str, words: list[s
     for w in words:
         assert w in str(info.value)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad, words", [
+    ("fifo", ["not a regular file"]), ("huge", ["finite non-negative number", "..."]),
+    ("nested", ["not valid JSON"]), ("large", ["more than the"]), ("missing", ["cannot read it"]),
+])
+def test_unreadable_tuning_files_are_clear_errors(tmp_path, bad: str, words: list[str]) -> None:
+    """A FIFO (init waited on it forever), a number too large for a float, nesting that breaks
+    the parser, a file far larger than a tuning file: InvalidArgumentError naming the file,
+    never a wait nor a Python error from inside."""
+    path = tmp_path / "t.json"
+    if bad == "fifo":
+        os.mkfifo(path)
+    elif bad != "missing":
+        path.write_text({"huge": '{"tcp": {"alpha": 1' + "0" * 400 + "}}", "nested": "[" * 200_000,
+                         "large": " " * (tuning_file.MAX_FILE_BYTES + 1) + "{}"}[bad])
+    with pytest.raises(InvalidArgumentError) as info:
+        tuning_file.load_tuning_file(str(path))
+    for w in (*words, str(path)):
+        assert w in str(info.value), info.value
 
 
 def test_tuning_file_units_and_partial_overrides(tmp_path) -> None:

@@ -14,7 +14,6 @@ import math
 import os
 import platform
 import socket
-import stat
 import sys
 import tempfile
 import time
@@ -26,15 +25,12 @@ import numpy as np
 from .. import log
 from ..algorithms.registry import Link
 from ..errors import InvalidArgumentError
-from .tuning_file import FIELDS, parse_tuning
+from .tuning_file import FIELDS, BadFile, parse_tuning, read_json
 
 _log = log.get("TUNING")
 
 PROBE_VERSION = 30
 """Bump when the probe changes what it measures: older cache entries are then ignored."""
-MAX_ENTRY_BYTES = 1 << 20
-"""An entry is a few KiB; a larger file is not read (a cache directory others can write to
-must not make rank 0 load whatever lies there)."""
 
 
 def cache_dir(configured: str = "") -> str:
@@ -79,36 +75,15 @@ def cache_path(directory: str, key: str) -> str:
     return os.path.join(directory, f"links-{key}.json")
 
 
-class BadEntry(ValueError):
-    """A cache file that is not an entry this library wrote: not a regular file of this user's
-    (or root's), too large, not JSON, or not an object with a links object."""
-
-
 def load_entry(path: str) -> dict[str, Any] | None:
-    """The JSON object of one cache file, None where there is none; BadEntry for anything else
-    in its place. Opened without following a link or waiting on a FIFO, its type and size
-    checked before a byte is read."""
+    """The JSON object of one cache file, None where there is none; BadFile for anything else
+    in its place (tuning_file.read_json: no link followed, this user's or root's)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        doc = read_json(path, follow=False, own=True)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise BadEntry(f"cannot open it: {exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BadEntry("not a regular file")
-        if st.st_uid not in (os.geteuid(), 0):  # a shared cache directory: another user's entry
-            raise BadEntry(f"a file of uid {st.st_uid}, not this user's")
-        if st.st_size > MAX_ENTRY_BYTES:
-            raise BadEntry(f"{st.st_size} bytes, more than an entry's {MAX_ENTRY_BYTES}")
-        raw = f.read(MAX_ENTRY_BYTES + 1)
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadEntry("not JSON") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("links"), dict):
-        raise BadEntry("not a JSON object with a links object")
+        raise BadFile("not a JSON object with a links object")
     return doc
 
 
@@ -119,7 +94,7 @@ def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[
     named in one warning and measured over (write_cache replaces it)."""
     try:
         doc = load_entry(path)
-    except BadEntry as exc:
+    except BadFile as exc:
         _log.warning("ignoring the calibration cache file %s: %s; measuring again", path, exc)
         return None
     if doc is None or doc.get("version") != PROBE_VERSION:
@@ -128,7 +103,7 @@ def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[
         links = parse_tuning(doc["links"], path)
         out = {t: Link(t, **links[t]) for t in tiers}
         age = time.time() - float(doc["created"])
-    except (ValueError, KeyError, TypeError, InvalidArgumentError):
+    except (ValueError, KeyError, TypeError, OverflowError, InvalidArgumentError):
         return None
     if not doc.get("trusted", False):
         _log.info("re-measuring: %s was measured under load (other processes took %s cores beyond those "
@@ -170,8 +145,8 @@ def cached_entries(directory: str) -> list[dict[str, Any]]:
             doc = load_entry(path)
             if doc is not None and doc.get("version") == PROBE_VERSION:
                 doc["links"] = parse_tuning(doc["links"], path)
-                doc["path"] = path
+                doc["path"], doc["created"] = path, float(doc.get("created", 0))
                 out.append(doc)
-        except (ValueError, KeyError, TypeError, InvalidArgumentError):  # BadEntry among them
+        except (ValueError, KeyError, TypeError, OverflowError, InvalidArgumentError):  # BadFile among them
             continue
-    return sorted(out, key=lambda d: d.get("created", 0), reverse=True)
+    return sorted(out, key=lambda d: d["created"], reverse=True)

@@ -7,9 +7,11 @@ entry works as a tuning file.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,52 @@ _UNITS = {  # accepted key -> (field, factor to SI, is a rate)
     "gamma": ("gamma", 1.0, False), "reduce_gbps": ("gamma", 1e9, True),
     "cache": ("cache", 1.0, False), "cache_mib": ("cache", float(1 << 20), False),
 }
+
+
+MAX_FILE_BYTES = 1 << 20
+"""Largest tuning file or calibration cache entry read: a few hundred bytes is what one holds."""
+
+
+class BadFile(ValueError):
+    """A file that is not a small regular file of JSON (of this user's or root's, where asked)."""
+
+
+def read_json(path: str, follow: bool = True, own: bool = False) -> Any:
+    """The JSON document in `path`; FileNotFoundError where there is none; BadFile for anything
+    else in its place: opened without waiting on a FIFO (nor following a last link unless
+    `follow`), its type, owner (`own`: this user or root) and size checked before a byte is read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        link = exc.errno == errno.ELOOP and not follow
+        raise BadFile(f"cannot open it: {'a symbolic link, not followed' if link else exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("not a regular file")
+        if own and st.st_uid not in (os.geteuid(), 0):  # a shared directory: another user's file
+            raise BadFile(f"a file of uid {st.st_uid}, not this user's")
+        if st.st_size > MAX_FILE_BYTES:
+            raise BadFile(f"{st.st_size} bytes, more than the {MAX_FILE_BYTES} read")
+        raw = f.read(MAX_FILE_BYTES + 1)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadFile(f"not valid JSON ({exc})") from exc
+
+
+def _finite(raw: Any) -> float | None:
+    """`raw` as a float if it is a finite JSON number (not a bool), else None."""
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool):
+        return None
+    try:
+        value = float(raw)  # an integer of hundreds of digits overflows
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
@@ -47,13 +95,14 @@ def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
                                            f"alpha_us, beta, bandwidth_GBps, gamma, reduce_GBps, "
                                            f"cache, cache_MiB)")
             name, factor, is_rate = unit
-            number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
-            if not number or not math.isfinite(raw) or raw < 0 or (is_rate and raw == 0):
-                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a "
-                                           f"{'positive' if is_rate else 'non-negative'} number, got {raw!r}")
+            value = _finite(raw)
+            if value is None or value < 0 or (is_rate and value == 0):
+                shown = repr(raw) if len(repr(raw)) < 40 else f"{repr(raw)[:37]}..."
+                raise InvalidArgumentError(f"{where}: tier {tier!r}: {key} must be a finite "
+                                           f"{'positive' if is_rate else 'non-negative'} number, got {shown}")
             if name in values:
                 raise InvalidArgumentError(f"{where}: tier {tier!r}: {name} given twice")
-            values[name] = 1.0 / (raw * factor) if is_rate else raw * factor
+            values[name] = 1.0 / (value * factor) if is_rate else value * factor
         out[str(tier)] = values
     return out
 
@@ -61,12 +110,11 @@ def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
 def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
     where = f"TENSORWIRE_TUNING_FILE={path!r}"
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise InvalidArgumentError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"{where}: not valid JSON ({exc})") from None
+        doc = read_json(os.path.expanduser(path))
+    except FileNotFoundError as exc:
+        raise InvalidArgumentError(f"{where}: cannot read it ({exc.strerror})") from None
+    except BadFile as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from None
     return parse_tuning(doc, where)
 
 
