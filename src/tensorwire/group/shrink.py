@@ -78,7 +78,7 @@ def shrink_group(group: Group, timeout: float | None = None, *, majority: bool =
                 f"rank {engine.rank}: shrink of group {group.name} (majority=True): the survivors, world "
                 f"ranks {survivors}, are not a majority of its {len(members)} members (or half with its "
                 f"first, rank {members[0]}); the others may have gone on without them (a network partition)")
-        new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), f"{name}.shrink{count}"
+        new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), _shrunk_name(name, count)
         _log.info("rank %d: group %s shrunk to %s (ranks %s; failed: %s)", engine.rank, name, new_name,
                   survivors, sorted(failed) or "none")
         try:
@@ -92,6 +92,15 @@ def shrink_group(group: Group, timeout: float | None = None, *, majority: bool =
             _log.warning("rank %d: new group %s failed at once (%s); shrinking it", engine.rank,
                          new_name, exc)
             ranks, ctx, name, next_seq, count = survivors, new_ctx, new_name, 1, 1
+
+
+def _shrunk_name(name: str, count: int) -> str:
+    """`world` -> `world.shrink1` -> `world.shrink2`: one suffix however often a group shrinks
+    (a suffix per shrink grew every error message without bound)."""
+    base, dot, last = name.rpartition(".shrink")
+    if dot and last.isdigit():
+        return f"{base}.shrink{int(last) + count}"
+    return f"{name}.shrink{count}"
 
 
 def _retire(engine: Engine, ctx: int, seq: int, ranks: Sequence[int], name: str,
