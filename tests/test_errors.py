@@ -43,6 +43,7 @@ from tensorwire.errors import (
     ResourceError,
     TensorwireError,
     TimeoutError,
+    in_call,
 )
 from tensorwire.transport import shm
 from tensorwire.transport.engine import Engine
@@ -2250,6 +2251,11 @@ def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
     assert str(again) == "rank 0: all_gather: bad [reported by rank 0; seen on rank 2]"
     quoting = AbortedError(f"rank 1: renewal failed. The refused call: {first}")
     assert str(told(2, 1, quoting)).endswith(f"{first} [reported by rank 1; seen on rank 2]")
+    # a receive on rank 2 that fails with rank 1's report of its barrier quotes the report whole
+    lost = told(2, 1, PeerLostError("rank 1: barrier #2 on group world: lost rank 0: gone", peer=0))
+    assert str(in_call(lost, "recv from rank 0 (tag 0) on group world")) == (
+        "rank 2: recv from rank 0 (tag 0) on group world: rank 1: barrier #2 on group world: lost rank 0: "
+        "gone [reported by rank 1; seen on rank 2]")
 
 
 def test_a_factor_that_differs_in_a_reduction_says_it_may_be_the_hierarchical_call() -> None:

@@ -45,10 +45,15 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     """`exc` with the call it ended named after its rank ('rank 3: all_reduce #12 on group
     world: lost rank 2: ...'): an error raised below the call (a lost peer, a sub-group's
     phase) knows the connection or phase, not the call the caller made. The same object where
-    it names `where` already (it came with a peer's abort, or was named below)."""
+    it names `where` already (it came with a peer's abort, or was named below). A peer's
+    report of another call (its `relayed`: origin, message, text, the rank that received it)
+    is quoted whole after this rank's call: it starts with the reporter's rank and call."""
     text = str(exc)
     if where in text:
         return exc
+    relayed = getattr(exc, "relayed", None)
+    if relayed is not None:
+        return retold(exc, f"rank {relayed[3]}: {where}: {text}")  # type: ignore[return-value]
     rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
     return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]
 

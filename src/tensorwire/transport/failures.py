@@ -535,7 +535,7 @@ class Failures:
         cls = _ERROR_CLASSES.get(name, AbortedError)
         first = int(origin) if origin.isdigit() else peer
         error = cls(f"{message} {_REPORTED} {first}; seen on rank {self.rank}]")
-        error.relayed = (first, message, str(error))  # type: ignore[attr-defined]
+        error.relayed = (first, message, str(error), self.rank)  # type: ignore[attr-defined]
         return error
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
