@@ -659,8 +659,9 @@ class Failures:
                 raise entry[1]
             others = [peer for peer in peers if peer != self.rank]
             if others and all(peer in self.lost for peer in others):
+                gone = "; ".join(f"lost rank {peer}: {self.lost[peer]}" for peer in others)
                 raise PeerLostError(f"rank {self.rank}: recv from any rank (tag {tag}) on group "
-                                    f"{group_name}: every sender is gone")
+                                    f"{group_name}: every sender is gone ({gone})", peer=others[0])
         return None
 
     def missing(self, error: BaseException, ctx: int, seq: int, members: Iterable[int],
