@@ -1964,6 +1964,35 @@ def test_a_ring_grown_for_messages_never_received_is_not_left_in_dev_shm() -> No
     assert not left, f"left in /dev/shm by the job's ranks: {left}"
 
 
+_NEW_GROUP_WITHOUT_ONE = """
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=3)
+tw.barrier()
+if rank == 2:
+    time.sleep(6)  # never calls new_group
+    report(res=None)
+else:
+    report(res=attempt(tw.new_group, [0, 1, 2]))
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_new_group_a_member_never_makes_names_it_on_every_rank(transport: str) -> None:
+    """Ranks 0 and 1 make new_group([0, 1, 2]), rank 2 does not: each raises TimeoutError
+    saying rank 2 is not in the call. Rank 0, which waited for rank 1 (itself waiting), was
+    told to suspect rank 1: the setup's exchanges were not calls peers could be asked about."""
+    port = free_port()
+    env = {"TENSORWIRE_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    procs = [_spawn(_NEW_GROUP_WITHOUT_ONE, r, 3, port, env=env) for r in range(3)]
+    try:
+        reports = [_reports(p, 30)[0]["res"] for p in procs]
+    finally:
+        _kill_all(procs)
+    for rank in (0, 1):
+        _assert_error(reports[rank], TimeoutError, "group setup", "Not in this call: rank 2", rank=rank,
+                      within=10)
+
+
 def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed() -> None:
     """A peer that left in the middle of a call mostly left because the call failed elsewhere:
     the abort that says why (here a mismatch, arriving 50 ms after the departure) is what the

@@ -9,6 +9,10 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
+CLEAN_GROUP = ("shrink() makes a clean one (under torch.distributed: destroy_process_group(), then "
+               "init_process_group())")
+"""How a program goes on after its group was aborted, as the messages that say so end."""
+
 
 class TensorwireError(RuntimeError):
     """Base of every error tensorwire raises on purpose."""

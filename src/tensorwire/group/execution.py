@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import limits, log
 from ..errors import (
+    CLEAN_GROUP,
     AbortedError,
     InvalidArgumentError,
     PeerLostError,
@@ -268,6 +269,12 @@ class CallQueue:
         call.start()
         return call
 
+    def run_internal(self, what: str, body: Callable[[CollectiveCall], Any], aux: int = 0) -> Any:
+        """Run `body` as one of the group's own calls (internal_call), entered and failing as
+        any call does (_run): peers asking which call it runs are told, every member aborted
+        where it fails, a timeout naming the members not in it (one that never called new_group)."""
+        return self._run(self.internal_call(what, aux), body, ())
+
     @contextmanager
     def wrapping(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
         """Calls submitted meanwhile run as wrap(body): a staged device call's host collective
@@ -323,8 +330,8 @@ class CallQueue:
         rank = self.group.runtime.rank
         try:
             self.group.abort(AbortedError(f"rank {rank}: {call.what} was interrupted on rank {rank} "
-                                          f"({type(exc).__name__}): the group is aborted; shrink() makes "
-                                          f"a clean one"), call.seq)
+                                          f"({type(exc).__name__}): the group is aborted; {CLEAN_GROUP}"),
+                             call.seq)
         except Exception as exc2:  # noqa: BLE001 - best effort: `exc` is what the caller must see
             _log.warning("rank %d: group %s not aborted after %s: %s", rank, self.group.name,
                          type(exc).__name__, exc2)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..buffers import as_array, byte_view
 from ..errors import (
+    CLEAN_GROUP,
     AbortedError,
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -533,7 +534,7 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
             rank = group.runtime.rank
             group.abort(told if isinstance(exc, (TimeoutError, ResourceError)) else AbortedError(
                 f"rank {rank}: {reqs[0].what} was interrupted on rank {rank} ({type(exc).__name__}) with its "
-                f"message partly moved: the group is aborted; shrink() makes a clean one"))
+                f"message partly moved: the group is aborted; {CLEAN_GROUP}"))
         if told is exc:
             raise
         raise told from None

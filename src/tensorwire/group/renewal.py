@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import log
-from ..errors import AbortedError, TimeoutError
+from ..errors import CLEAN_GROUP, AbortedError, TimeoutError
 from ..transport.agreement import Agreement
 from .context import mix_context
 
@@ -50,7 +50,7 @@ def renew(group: Group, timeout: float | None) -> None:
     try:
         failed = agreement.decide(time.perf_counter() + limit, limit)
     except TimeoutError as exc:  # the others are told, so that they need not time out in turn
-        stays = TimeoutError(f"{exc} The group stays aborted (shrink() makes a clean one). The refused "
+        stays = TimeoutError(f"{exc} The group stays aborted ({CLEAN_GROUP}). The refused "
                              f"call: {error}")
         agreement.abandon(AbortedError(str(stays)))
         engine.stays_aborted(ctx, stays)

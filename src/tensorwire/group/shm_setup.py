@@ -17,7 +17,7 @@ from .. import log
 from ..algorithms.ordered import by_world_rank
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.tree import binomial_broadcast
-from ..errors import CollectiveMismatchError, TensorwireWarning
+from ..errors import TensorwireWarning
 from ..ops import ReduceOp
 from ..transport import cma, shm, shm_budget
 from ..transport.segment import DirectPath, GroupSegment
@@ -45,15 +45,11 @@ def setup_direct(group: Group, check_order: bool = False) -> None:
     table = np.zeros((group.size, 6), dtype=np.uint64)  # each rank's row, gathered by a MAX
     if not tcp:
         table[group.rank] = _shm_facts(group)
-    call = group.queue.internal_call("group setup" if tcp else "shm setup", aux=mix_context(*group.ranks))
-    try:
-        # by world rank: a member that listed the group in another order meets the others, and
-        # its order's digest (the call's aux) fails their check instead of a wait nobody ends
-        rows = table[:1 if tcp else None].reshape(-1)
-        recursive_doubling_all_reduce(by_world_rank(call, group.ranks), rows, ReduceOp.MAX)
-    except CollectiveMismatchError as exc:  # the members who wait for this one learn it too
-        group.abort(exc, call.seq)
-        raise
+    # by world rank: a member that listed the group in another order meets the others, and
+    # its order's digest (the call's aux) fails their check instead of a wait nobody ends
+    rows = table[:1 if tcp else None].reshape(-1)
+    group.queue.run_internal("group setup", lambda call: recursive_doubling_all_reduce(
+        by_world_rank(call, group.ranks), rows, ReduceOp.MAX), mix_context(*group.ranks))
     if tcp:
         return
     group.all_local = bool(table[:, 0].all())
@@ -122,7 +118,7 @@ def _map_segment(group: Group, slot: int, prefix: str) -> tuple[int, int]:
             else (0, 0, 0, why)
     verdict = np.zeros(1, dtype=np.uint8)
     try:
-        binomial_broadcast(group.queue.internal_call("shm setup"), offer, 0)
+        group.queue.run_internal("group setup", lambda call: binomial_broadcast(call, offer, 0))
         if seg is None and offer[0]:
             try:
                 seg = GroupSegment(f"{prefix}-{int(offer[0]):08x}", group.size, int(offer[2]), False)
@@ -138,7 +134,8 @@ def _map_segment(group: Group, slot: int, prefix: str) -> tuple[int, int]:
             direct = DirectPath(seg, group.rank, group.engine, group.ctx, group.ranks)
             direct.offer_single_copy(_single_copy_refused(group.runtime.config.single_copy))
             direct.crowded = group.runtime.config.single_copy == "1" and group.engine.oversubscribed
-        recursive_doubling_all_reduce(group.queue.internal_call("shm setup"), verdict, ReduceOp.MIN)
+        group.queue.run_internal("group setup",
+                                 lambda call: recursive_doubling_all_reduce(call, verdict, ReduceOp.MIN))
     finally:
         if seg is not None and group.rank == 0:
             seg.unlink()  # everyone mapped it, gave up or failed: nothing is left in /dev/shm
@@ -155,7 +152,8 @@ def _setup_single_copy(group: Group, direct: DirectPath) -> None:
     """Collectively: single copy where every rank can read every peer's memory."""
     why = direct.offered or direct.probe_single_copy()
     verdict = np.array([not why], dtype=np.uint8)
-    recursive_doubling_all_reduce(group.queue.internal_call("shm setup"), verdict, ReduceOp.MIN)
+    group.queue.run_internal("group setup",
+                             lambda call: recursive_doubling_all_reduce(call, verdict, ReduceOp.MIN))
     if verdict[0]:
         direct.enable_single_copy()
     elif why:
