@@ -757,8 +757,11 @@ def _movement_cases(n: int, combos: int, sweep: bool) -> int:
     return combos * per_combo + 1  # + barrier
 
 
+# float8s are only moved (numpy has no arithmetic of theirs); e5m2's type string numpy cannot
+# read back ('<f1'), which broke the one-shot path's strided views
+MOVE_DTYPES = DTYPES + [np.dtype(ml_dtypes.float8_e5m2), np.dtype(ml_dtypes.float8_e4m3fn)]
 # every dtype with two of the shapes (rotating, so every shape meets several dtypes) ...
-MOVE_COMBOS = [(di, (di + 2 * j) % len(MOVE_SHAPES)) for di in range(len(DTYPES)) for j in range(2)]
+MOVE_COMBOS = [(di, (di + 2 * j) % len(MOVE_SHAPES)) for di in range(len(MOVE_DTYPES)) for j in range(2)]
 # ... and a sweep of every root and variant for a few
 SWEEP_COMBOS = [(2, 3), (11, 2), (14, 4), (0, 0)]  # uint8 (2,3,4), float64 (7,), bf16 medium, bool empty
 
@@ -770,11 +773,11 @@ def rank_movement(seed: int, combos: list[tuple[int, int]], sweep: bool) -> dict
     n, me = g.size, g.rank
     log = _Log()
     for k, (di, si) in enumerate(combos):
-        dt, shape = DTYPES[di], MOVE_SHAPES[si]
+        dt, shape = MOVE_DTYPES[di], MOVE_SHAPES[si]
         m = math.prod(shape)
 
         def data(rank: int, *tag: int, shp: tuple = shape, _di=di, _si=si) -> np.ndarray:
-            return _bits(DTYPES[_di], shp, (seed, _di, _si, *tag), rank)
+            return _bits(MOVE_DTYPES[_di], shp, (seed, _di, _si, *tag), rank)
 
         def roots(offset: int, _k=k) -> range | list[int]:
             return range(n) if sweep else [(_k + offset) % n]

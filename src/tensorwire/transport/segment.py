@@ -220,9 +220,11 @@ class DirectPath:
             if len(self._views) >= _CACHED:
                 self._views.clear()
             stride = self.seg.rank_stride
+            # strided as bytes, then viewed: as_strided loses a dtype whose type string numpy
+            # cannot read back (ml_dtypes' float8_e5m2, '<f1')
+            shape = (self.size, count * dtype.itemsize)
             grids = self._views[key] = tuple(  # type: ignore[assignment]
-                np.lib.stride_tricks.as_strided(self.seg.slots[0][p][offset:].view(dtype),
-                                                (self.size, count), (stride, dtype.itemsize))
+                np.lib.stride_tricks.as_strided(self.seg.slots[0][p][offset:], shape, (stride, 1)).view(dtype)
                 for p in (0, 1))
         return grids  # type: ignore[return-value]
 
