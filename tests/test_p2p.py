@@ -321,6 +321,40 @@ def test_recv_from_any_rank(cluster: Any) -> None:
     assert sorted(got[0]) == list(range(1, cluster.size))
 
 
+def _any_past_the_group_timeout() -> dict[str, Any]:
+    """Rank 1 sends 1.5 s late to rank 0, whose group timeout is 1 s: an irecv_any without a
+    timeout of its own takes the message, waited on for longer, or polled."""
+    g = tw.world()
+    if g.rank == 1:
+        time.sleep(1.5)
+        tw.send(np.arange(4), 0, tag=40)
+        tw.send(np.arange(4) + 1, 0, tag=41)
+    if g.rank != 0:
+        return {}
+    saved, g.timeout = g.timeout, 1.0
+    try:
+        waited, polled = np.zeros(4, np.int64), np.zeros(4, np.int64)
+        first, second = tw.irecv_any(waited, tag=40), tw.irecv_any(polled, tag=41)
+        first.wait(10)
+        until = time.monotonic() + 10
+        while not second.is_completed() and time.monotonic() < until:
+            time.sleep(0.01)
+        src = [first.result(), second.result()]
+        return {"waited": waited.tolist(), "polled": polled.tolist(), "src": src}
+    finally:
+        g.timeout = saved
+
+
+def test_a_receive_from_any_rank_without_a_timeout_outlives_the_group_timeout(cluster: Any) -> None:
+    """It failed at the group's timeout after it was posted, however long a wait() or polling
+    went on (an MPI server testing an ANY_SOURCE request died after 5 idle minutes), where an
+    irecv waits; `timeout=` gives it a deadline of its own (the test above)."""
+    if cluster.size < 2:
+        pytest.skip("needs two ranks")
+    out = cluster.run(_any_past_the_group_timeout)[0]
+    assert out == {"waited": [0, 1, 2, 3], "polled": [1, 2, 3, 4], "src": [1, 1]}, out
+
+
 def _probe_without_waiting() -> dict[str, Any]:
     """Rank 0 looks for a message of tag 21 from any rank before rank 1 sent it and after:
     None, then rank 1 (MPI_Iprobe), and the message is still there to receive."""

@@ -114,7 +114,9 @@ def irecv_any(group: Group, tensor: Any, tag: int = 0, timeout: float | None = N
     """Non-blocking receive from whichever member sends first (MPI_ANY_SOURCE); the Work's
     result() is the sender's group rank. It completes while someone waits on it or polls it
     (a small message there already at once); such receives of one tag take messages in the
-    order they were posted, and waiting on one completes those posted before it."""
+    order they were posted, and waiting on one completes those posted before it. `timeout`:
+    it fails with TimeoutError that long after it was posted; without one it waits as an
+    irecv's Work does, bounded by each wait()."""
     check_member(group, "recv from any rank")
     _check_tag(group, tag, "recv from any rank")
     if _on_device(tensor):
@@ -137,7 +139,7 @@ class AnySourceWork(Work):
     def __init__(self, group: Group, data: np.ndarray, tag: int, timeout: float | None, limit: float) -> None:
         super().__init__(_any_label(group, tag), group.runtime.rank)
         self.group, self.data, self.tag, self.timeout, self.limit = group, data, tag, timeout, limit
-        self.deadline = time.monotonic() + limit
+        self.deadline = math.inf if timeout is None else time.monotonic() + limit  # its own, if given
 
     def take(self, until: float) -> int | None:
         """Find the sender of the next message of this tag and receive it; None where none came
@@ -151,10 +153,10 @@ class AnySourceWork(Work):
         if not self._done:
             if timeout is not None:  # a bad one fails this wait, not the Work
                 limit_of(self.group, timeout, self.what, collective=False, poll=True)
-            until = math.inf if timeout is None else time.monotonic() + timeout
-            self.group.any_source_turns.drive(self, until)
+            waited = self.limit if timeout is None else timeout  # (the group's timeout, or its own)
+            self.group.any_source_turns.drive(self, time.monotonic() + waited)
             if not self._done:
-                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {float(timeout):g} s"
+                raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {float(waited):g} s"
                                    f"{_other_tags(self.group, set(self.group.ranks), self.tag)}")
         return super().wait(0)
 
