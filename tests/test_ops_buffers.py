@@ -718,9 +718,10 @@ def test_as_array_dlpack_zero_copy() -> None:
         (b"abc", "read-only"),
         (memoryview(bytearray(4)).toreadonly(), "read-only"),
         (array.array("u", "ab"), "unsupported dtype|cannot read"),
+        (np.zeros(2, ml_dtypes.int4), "unsupported dtype int4 \\(this ml_dtypes type is not supported"),
     ],
     ids=["strided", "object", "str", "structured", "datetime", "big-endian", "list", "float", "bytes",
-         "ro-memoryview", "array-u"],
+         "ro-memoryview", "array-u", "int4"],
 )
 def test_as_array_rejections(obj: object, pattern: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"^rank 2: all_reduce: (.|\n)*(" + pattern + ")"):

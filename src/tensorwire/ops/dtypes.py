@@ -196,10 +196,10 @@ def check_dtype(dtype: Any, *, rank: int | None = None, collective: str | None =
         return dt
     if not dt.isnative and dt.num in _BY_NUM:
         why = "non-native byte order; convert with arr.astype(arr.dtype.newbyteorder('='))"
+    elif (dt.type.__module__ or "").startswith("ml_dtypes"):  # (numpy calls them void too)
+        why = "this ml_dtypes type is not supported; move its bytes with arr.view(np.uint8)"
     elif dt.fields is not None or dt.kind == "V":
         why = "structured and void dtypes are not carried; send the raw bytes with arr.view(np.uint8)"
-    elif (dt.type.__module__ or "").startswith("ml_dtypes"):
-        why = "this ml_dtypes type is not supported"
     else:
         why = _SUPPORTED_TEXT
     raise InvalidArgumentError(f"{call_prefix(rank, collective)}{name} has unsupported dtype {dt} ({why})")
