@@ -1993,6 +1993,46 @@ def test_a_new_group_a_member_never_makes_names_it_on_every_rank(transport: str)
                       within=10)
 
 
+_LEFT_BEHIND_A_MISMATCH = """
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+tw.barrier()
+if rank == 0:
+    report(res=attempt(tw.broadcast, np.ones(4), 0))  # a root returns at once
+elif rank == 1:
+    report(res=attempt(tw.all_reduce, np.ones(4)))
+else:
+    time.sleep(0.5)
+    tw.destroy()  # leaves without the call
+    report(res=None)
+"""
+
+
+@pytest.mark.timeout(40)
+def test_a_call_that_waits_for_a_peer_that_left_names_a_mismatch_it_can_see() -> None:
+    """Rank 0 published a broadcast where rank 1 waits in an all_reduce for rank 2, which
+    leaves: the one-shot path raised 'lost rank 2: it left', the mismatch with rank 0 unsaid
+    (a tester: rank 2 had seen it and left, 1 run in 4)."""
+    port = free_port()
+    procs = [_spawn(_LEFT_BEHIND_A_MISMATCH, r, 3, port) for r in range(3)]
+    try:
+        reports = [_reports(p, 30)[0]["res"] for p in procs]
+    finally:
+        _kill_all(procs)
+    _assert_error(reports[1], CollectiveMismatchError, "all_reduce vs broadcast", rank=1, within=10)
+
+
+def test_an_abort_of_an_earlier_call_than_the_one_known_covers_it() -> None:
+    """A member that ran ahead aborted call 6 before another's abort of call 5 arrived: this
+    rank, still in call 5, was covered by neither (the earlier was dropped as the group had
+    failed) and waited for a reason; now the earlier replaces the later."""
+    engine = Engine(0, 3, 0)
+    later, earlier = AbortedError("rank 1: call 6 failed"), AbortedError("rank 2: call 5 failed")
+    assert engine.fail_locally(7, 6, later) and engine.covering(7, 5) is None
+    assert engine.fail_locally(7, 5, earlier)
+    assert engine.covering(7, 5) is earlier and engine.covering(7, 6) is earlier
+    assert not engine.fail_locally(7, 5, later) and not engine.fail_locally(7, 9, later)
+
+
 def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed() -> None:
     """A peer that left in the middle of a call mostly left because the call failed elsewhere:
     the abort that says why (here a mismatch, arriving 50 ms after the departure) is what the

@@ -582,15 +582,21 @@ class Failures:
         """Fail call `seq` of a group and every later one on this rank only, and every call of
         its children (the sub-groups a hierarchical algorithm runs its phases on: a rank may
         wait in one of them while the abort comes for the group); False if the group had
-        already failed. `renew`: it renews itself at its next call (abort_group)."""
+        already failed at this call or an earlier one. An abort of an earlier call than the one
+        known replaces it (a member that ran ahead aborted a later call first: this rank's
+        call in between would wait for a reason that never covers it). `renew`: it renews
+        itself at its next call (abort_group)."""
         with self.lock:
-            if ctx in self.aborted:
+            known = self.aborted.get(ctx)
+            if known is not None and seq >= known[0]:
                 return False
             self.aborted[ctx] = (seq, error)
             if renew:
                 self.renewable.add(ctx)
-            elif ctx in self.alarms:
-                self.alarms[ctx](None)
+            else:
+                self.renewable.discard(ctx)
+                if known is None and ctx in self.alarms:
+                    self.alarms[ctx](None)
             self._fail_ctx(ctx)
             for child in self.children.get(ctx, ()):
                 self.fail_locally(child, 0, error)

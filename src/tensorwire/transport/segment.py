@@ -427,7 +427,7 @@ class DirectPath:
                 for r in pending:
                     # gone, and (re-read after the loss was noticed) never entered this call
                     if self.members[r] in lost and words[flags[r]] < seq:
-                        raise self.engine.lost_error(self.members[r])
+                        raise self._lost(call, self.members[r])
 
     def check_stamp(self, call, r: int, parity: int, ab: tuple[int, int]) -> None:
         """Raise if rank r stamped `call`'s number on its slot of `parity` with another call."""
@@ -459,8 +459,21 @@ class DirectPath:
                 self.check_stamp(call, r, parity, ab)
             backoff.idle(functools.partial(self._timeout, call, [r]))
             if peer in lost and words[at] < target:
-                raise self.engine.lost_error(peer)
+                raise self._lost(call, peer)
         return backoff
+
+    def _lost(self, call, peer: int) -> BaseException:
+        """What a call that waited for lost `peer` raises: a peer that left mostly left because
+        the call failed there: a member that published this call as another is that reason
+        (the one that left saw it too), else the abort that says why may come just behind
+        (why_left)."""
+        words, mine = self.words, self.stamp_words(call)
+        for r in self.others:
+            for parity in (0, 1):
+                at = self.flags[r] + _STAMP + parity * 3
+                if words[at] == call.seq and (words[at + 1], words[at + 2]) != mine:
+                    return self._mismatch_with(call, r)
+        return self.engine.why_left(self.engine.lost_error(peer), self.ctx, call.seq)
 
     def mark_read(self, call, steps: int) -> None:
         """This rank has read `steps` steps of every source in `call` (its READ progress word)."""
