@@ -239,7 +239,7 @@ def test_rooted_one_shots_run_where_ranks_outnumber_cores() -> None:
     """The rooted one shots stay candidates where ranks outnumber cores: run by the compiled
     caller they took 3-16 us at 8 B-32 KiB where the trees and the linear path took 30-120
     (docs/design/segment.md#ranks-that-share-cores); only the single copy reduce stays out
-    there (Algorithm.crowded_below), unless TENSORWIRE_ALGO names it."""
+    there (Algorithm.named_where_crowded), unless TENSORWIRE_ALGO names it."""
     g = _Group(4, "shm")
     g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=True)
 
@@ -1809,3 +1809,24 @@ def test_plan_prices_a_hypothetical_tier_alike_whatever_is_listed_beside(tmp_pat
     alone = pricing.tiers(["ib-ndr"], cfg, {}, {}, None)[0].link
     beside = pricing.tiers(["shm", "ib-ndr"], cfg, {}, local, None)[1].link
     assert alone == beside and alone.gamma == links["shm"].gamma
+
+
+def test_plan_says_why_the_single_copy_reduce_stays_out_where_ranks_share_cores(tmp_path, monkeypatch,
+                                                                              capsys) -> None:
+    """Where ranks outnumber cores only TENSORWIRE_ALGO naming it runs the single copy reduce, at
+    any size: plan says so in words, as for the other single copy collectives, not as a size."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    for name in ("TENSORWIRE_TUNING_FILE", "TENSORWIRE_ALGO", "TENSORWIRE_SINGLE_COPY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def row(n: int) -> str:
+        assert cli.main(["plan", "reduce", "1M", "--np", str(n), "--tier", "shm", "--no-probe"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return next(line for line in lines if line.startswith("    single_copy "))
+
+    for n in (3, 4):
+        why = "-  (not where ranks outnumber cores (TENSORWIRE_ALGO naming it allows it))"
+        assert row(n).endswith(why), row(n)
+    monkeypatch.setenv("TENSORWIRE_ALGO", "reduce:single_copy|linear")
+    assert "  (" not in row(4), row(4)

@@ -68,10 +68,9 @@ class Algorithm:
     """needs_single_copy only: still worth it where ranks outnumber cores. There, a flag round
     costs a turn of the scheduler, which the slots' one shot and streams pay less often; the
     reductions, which read 2(n-1)/n of m per rank instead of the slots' n m, still win."""
-    crowded_below: int = 0
-    """needs_direct only: where ranks outnumber cores, calls smaller than this many bytes leave
-    it out (0: none do): the single copy reduce, whose root waits for folds that wait for
-    cores. TENSORWIRE_ALGO naming it still runs it."""
+    named_where_crowded: bool = False
+    """needs_direct only: where ranks outnumber cores, only TENSORWIRE_ALGO naming it runs it:
+    the single copy reduce, whose root waits for folds that wait for cores."""
     out_of_place: bool = False
     """all_reduce, broadcast and all_gather: reads the input where it is (`src`) instead of in
     the output it was first copied into: a pass over the data saved, and (single copy) peers

@@ -393,7 +393,7 @@ _RUNS = {  # collective: (run, cost, table words per rank)
 # message a linear reduce folds, and where the others' folds wait for cores the root waits
 # too; a message's price at those sizes is well above what it measures, so the tuner would
 # take it (docs/design/segment.md#single-copy).
-_ONLY = {"reduce": {"eligible": lambda n, m: n >= 3, "crowded_below": 1 << 62}}
+_ONLY = {"reduce": {"eligible": lambda n, m: n >= 3, "named_where_crowded": True}}
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
                        copies=1,

@@ -199,9 +199,9 @@ def why_not(alg: Algorithm, n: int, nbytes: int, cfg: Config, *, slot: int | Non
             return "reads peers' memory: TENSORWIRE_SINGLE_COPY or the kernel (ptrace) does not allow it here"
         if alg.needs_single_copy and crowded and not alg.single_copy_crowded:
             return "not where ranks outnumber cores (TENSORWIRE_SINGLE_COPY=force allows it)"
-        if nbytes < alg.crowded_below and oversubscribed and \
+        if alg.named_where_crowded and oversubscribed and \
                 alg.name not in parse_algo(cfg.algo, alg.collective)[0]:
-            return f"not below {alg.crowded_below} B where ranks outnumber cores"
+            return "not where ranks outnumber cores (TENSORWIRE_ALGO naming it allows it)"
     if not alg.eligible(n, nbytes):
         return f"not for {n} ranks at {nbytes} B"
     if cfg.algo and not allowed(replace(cfg, deterministic=False), alg.collective, alg.name, force):
