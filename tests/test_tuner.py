@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import multiprocessing as mp
 import os
 import subprocess
@@ -1761,32 +1762,84 @@ def test_plan_files_busy_links_under_the_tier_they_measured(tmp_path, monkeypatc
     assert [b.alpha for b in shm.busy] == [3e-6] * 3 and [b.alpha for b in tcp.busy] == [50e-6] * 3
 
 
+def test_plan_takes_the_tuning_file_s_busy_links_and_names_each_source(tmp_path, monkeypatch, capsys) -> None:
+    """The tuning file's busy links price plan's local tiers as they price a job's (over a cached
+    one where the file sets part of it, tuning_file.apply_overrides; none where nothing gives all
+    three constants), and plan names where each came from."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TENSORWIRE_CALIBRATE", raising=False)
+    me = format(cache.host_hash(), "016x")
+    links = {name: Link(name, 3e-6, 1e-10, 1e-10) for name in ("shm", BUSY, BUSY_RING, BUSY_PAIRS)}
+    cache.write_cache(cache.cache_path(str(tmp_path), "shm"), links,
+                      {"created": time.time(), "world_size": 2, "tiers": sorted(links), "hosts": [me],
+                       "trusted": True})
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"busy": {"alpha_us": 10, "bandwidth_GBps": 0.5, "reduce_GBps": 15},
+                                "busy_ring": {"alpha_us": 20}}))
+    monkeypatch.setenv("TENSORWIRE_TUNING_FILE", str(path))
+    cfg = Config.from_env()
+    file = tuning_file.load_tuning_file(str(path))
+    shm = pricing.tiers(["shm"], cfg, file, pricing.cached_links(cfg, 2), None)[0]
+    job = tuning_file.apply_overrides(LinkTable(links, dict.fromkeys(links, "cached")), file)
+    assert list(shm.busy) == [job.links[b] for b in (BUSY, BUSY_RING, BUSY_PAIRS)], shm.busy
+    assert [job.sources[b] for b in (BUSY, BUSY_RING, BUSY_PAIRS)] == ["file", "file+cached", "cached"]
+    cached = shm.origin
+    assert shm.busy_origin == (str(path), f"{path} over {cached}", cached), shm.busy_origin
+    assert cli.main(["plan", "all_reduce", "1M", "--np", "2", "--tier", "shm", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert f"every rank at work at once (a call costs no less than its work at this): α 10 us, β 0.5 GB/s, " \
+           f"γ 15 GB/s  [{path}]" in out, out
+    assert f"... with fixed partners (the rings, the chain): α 20 us, β 10 GB/s, γ 10 GB/s  [{path} over " \
+           f"{cached}]" in out, out
+    # without a calibration, a busy link the file sets in part is none, as in a job
+    bare = pricing.tiers(["shm"], cfg, file, {}, None)[0]
+    assert bare.busy[0] == job.links[BUSY] and bare.busy[1:] == (None, None), bare.busy
+    assert BUSY_RING not in tuning_file.defaults_with_file(str(path)).links
+
+
 def rank_plan_against_the_job() -> list:
-    """Every collective at a few sizes: what `tensorwire plan` names cheapest for this job's
-    rank count on this host's cores, against what the job's tuner chooses; the differences."""
+    """Every collective at a few sizes: what `tensorwire plan` names cheapest, at what price, for
+    this job's rank count on this host's cores over the job's tier (and its streams), against
+    what the job's tuner chooses; the differences."""
     g = tw.world()
     cfg = g.runtime.config
     cores = len(os.sched_getaffinity(0))
-    tier = plan.resolve(["shm"], cfg, False, None, lambda _: None, g.size, cores)[0]
+    tier = plan.resolve([tuner.tier_of(g)], cfg, False, None, lambda _: None, g.size, cores)[0]
+    tcp = tier.name == "tcp"
+    streams = plan.streams_at(tier, g.size, cores, cfg.nsocks, cfg.socket_threads) if tcp else None
     compiled = g.engine.native is not None
     differ = []
     for collective in (c for c in COLLECTIVES if c != "barrier"):
         algs = list(algorithms_for(collective).values())
         for m in (8, 4096, 1 << 20, 16 << 20):
-            planned = pricing.cheapest(algs, collective, g.size, m, tier, cfg, cfg.direct_slot(g.size), None,
-                                       cores)
-            chosen = tuner.decide(g, collective, m, compiled=compiled).priced[0][1]
-            if planned != chosen:
+            ok = [a for a in algs if not pricing.why_not(a, collective, g.size, m, tier, cfg,
+                                                         cfg.direct_slot(g.size), cores)]
+            planned = tier.price(ok, g.size, m, streams)[0][:2]
+            chosen = tuner.decide(g, collective, m, compiled=compiled).priced[0][:2]
+            if planned[1] != chosen[1] or not math.isclose(planned[0], chosen[0], rel_tol=1e-9):
                 differ.append((collective, m, planned, chosen))
     return differ
 
 
-@pytest.mark.parametrize("n,cores", [(2, None), (3, [[0]] * 3)], ids=["own-cores", "crowded"])
-def test_plan_names_what_the_job_chooses(n: int, cores: list[list[int]] | None) -> None:
+BUSY_FILE = {"busy": {"alpha_us": 10, "bandwidth_GBps": 0.5, "reduce_GBps": 14.9},
+             "busy_ring": {"alpha_us": 10, "bandwidth_GBps": 0.6, "reduce_GBps": 14.9},
+             "busy_pairs": {"alpha_us": 110, "bandwidth_GBps": 0.5, "reduce_GBps": 14.9}}
+"""A tuning file's busy links (measured 4 ranks on 2 cores, rounded): they bind most message algorithms."""
+
+
+@pytest.mark.parametrize("n,cores,env,file", [
+    (2, None, {}, None), (3, [[0]] * 3, {}, None), (3, None, {}, BUSY_FILE),
+    (2, None, {"TENSORWIRE_TRANSPORT": "tcp"}, BUSY_FILE)], ids=["own-cores", "crowded", "busy-file", "tcp"])
+def test_plan_names_what_the_job_chooses(tmp_path, n: int, cores: list[list[int]] | None, env: dict,
+                                         file: dict | None) -> None:
     """`tensorwire plan` explains the job's choices: on one host, uncalibrated, it names the
-    algorithm the tuner runs for every collective and size, where ranks share cores too
-    (single copy's and the crowded one shots' rules)."""
-    cluster = Cluster(n, cores=cores)
+    algorithm the tuner runs for every collective and size at the same price, where ranks share
+    cores too (single copy's and the crowded one shots' rules), under a tuning file's busy links,
+    and over TCP (the tier's memory, its streams)."""
+    if file is not None:
+        (tmp_path / "tuning.json").write_text(json.dumps(file))
+        env = {**env, "TENSORWIRE_TUNING_FILE": str(tmp_path / "tuning.json")}
+    cluster = Cluster(n, env, cores=cores)
     try:
         results = cluster.run(rank_plan_against_the_job)
     finally:

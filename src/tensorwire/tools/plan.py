@@ -202,6 +202,11 @@ def report_streams(collective: str, m: int, hosts: int, per_host: int, nics: int
 
 # -- the report ------------------------------------------------------------------------------------
 
+BUSY_SHOWN = ("every rank at work at once (a call costs no less than its work at this)",
+              "... with fixed partners (the rings, the chain)",
+              "... in pairs (recursive doubling and halving, Rabenseifner, Bruck: their α)")
+"""What each of Tier.busy prices (cost_model.predict)."""
+
 def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, direct_bytes: int,
            out: Callable[[str], None], cores: int = 1) -> None:
     algs = list(algorithms_for(collective).values())
@@ -214,9 +219,9 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         out(f"  tier {tier.name}: {describe_link(tier.link)}  [{tier.origin}]")
         if tier.one_way is not None:
             out(f"    messages one way (trees, linear rooted): {describe_link(tier.one_way)}")
-        if tier.busy[0] is not None:
-            out(f"    every rank at work at once (a call costs no less than its work at this): "
-                f"{describe_link(tier.busy[0])}")
+        for what, link, origin in zip(BUSY_SHOWN, tier.busy, tier.busy_origin):
+            if link is not None:  # and where it came from, unless that is where the tier's link did
+                out(f"    {what}: {describe_link(link)}" + (f"  [{origin}]" if origin != tier.origin else ""))
         if tier.direct is not None:
             out(f"    one-shot shared-memory path: {describe_link(tier.direct)}")
         if tier.memory is not None:
@@ -240,11 +245,10 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             bound = (f"one stream at most {describe_rate(tier.stream)}" if tier.stream is not None
                      else "measured through them")
             out(f"    streams: {describe_streams(streams, cfg, cores, n)}; {bound}")
-        rows = []
-        for alg in algs:
-            reason = why_not(alg, collective, n, m, tier, cfg, direct_bytes, cores)
-            rows.append((tier.cost(alg, n, m, streams) if not reason else math.inf, alg.name, reason))
-        rows.sort()
+        reasons = {alg.name: why_not(alg, collective, n, m, tier, cfg, direct_bytes, cores) for alg in algs}
+        rows = [(t, name, "") for t, name, _ in tier.price([a for a in algs if not reasons[a.name]], n, m,
+                                                            streams)]  # in the tuner's order, ties broken
+        rows += sorted((math.inf, name, reason) for name, reason in reasons.items() if reason)
         width = max(len(a.name) for a in algs)
         for i, (t, name, reason) in enumerate(rows):
             if reason:

@@ -49,7 +49,7 @@ from .cost_model import (
 )
 from .policy import REDUCTIONS, forcing
 from .shape import LocalPrice, RailPrice, Shape
-from .tuning_file import REQUIRED
+from .tuning_file import REQUIRED, overridden
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,11 @@ class Tier:
     stream: Link | None = None  # what one TCP stream moves, where that bounds this tier (not measured)
     cores: int = 0  # the cores this tier's ranks share on one host (0: a core each)
     busy: tuple[Link | None, Link | None, Link | None] = (None, None, None)
-    """This host's tier measured with every rank at work (cost_model.BUSY, BUSY_RING, BUSY_PAIRS),
-    where its calibration did: a job's calls on one host cost no less than their work at these."""
+    """This host's tier with every rank at work (cost_model.BUSY, BUSY_RING, BUSY_PAIRS), as
+    calibrated or set by the tuning file: a job's calls on one host cost no less than their work
+    at these."""
+    busy_origin: tuple[str, str, str] = ("", "", "")
+    """Where each of `busy` came from."""
 
     def host(self, n: int) -> Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
@@ -190,16 +193,12 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             known = ", ".join([*LOCAL, *HYPOTHETICAL, *(t for t in file if t not in LOCAL)])
             raise InvalidArgumentError(f"tensorwire plan: unknown tier {name!r} (known: {known}, local, all, "
                                        f"or NAME=ALPHA_US:GBPS)")
-        if name in file:
-            values = file[name]
-            base = {f: getattr(link, f) if link else values.get(f, gamma if f == "gamma" else math.nan)
-                    for f in REQUIRED}
-            base.update(values)
-            if any(math.isnan(v) for v in base.values()):
+        if name in file:  # over the tier's constants; a tier of the file's own with this host's γ
+            done = overridden(name, link or Link(name, math.nan, math.nan, gamma), file[name], origin)
+            if done is None:
                 raise InvalidArgumentError(f"tensorwire plan: tier {name!r} of {cfg.tuning_file} needs alpha "
                                            f"and beta (or alpha_us and bandwidth_GBps)")
-            link = Link(name, **base)
-            origin = f"{cfg.tuning_file}" + (f" over {origin}" if origin else "")
+            link, origin = done[0], from_file(done[1], cfg.tuning_file)
         direct = one_way = None
         if name in LOCAL:  # as the tuner prices it (tuning_file.apply_overrides)
             one_way_name = ONE_WAY[name]
@@ -210,27 +209,49 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                 one_way = local.get(one_way_name, (None, ""))[0]
         host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
         compiled: dict[str, Link] = {}
-        if name == "shm":  # the one shot's and the compiled calls' constants: measured, else the defaults
+        # this host's memory, which its ranks share over either tier (tuner.host_of); on shared memory
+        # the one shot's, single copy's and the compiled calls' constants: measured, else the defaults
+        for entry in host if name == "shm" else (MEMORY,) if name in LOCAL else ():
+            measured = local.get(entry, (DEFAULT_LINKS[entry], ""))[0]
+            host[entry] = replace(measured, **file[entry]) if entry in file else measured
+        if name == "shm":
             direct = replace(local.get("direct", (DEFAULT_LINKS["direct"], ""))[0], **file.get("direct", {}))
-            for entry in host:
-                measured = local.get(entry, (DEFAULT_LINKS[entry], ""))[0]
-                host[entry] = replace(measured, **file[entry]) if entry in file else measured
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
             compiled = {e: replace(local.get(e, (DEFAULT_LINKS[e], ""))[0], **file.get(e, {}))
                         for e in (DIRECT_COMPILED, CMA_COMPILED)} if _compiles(cfg) else {}
         measured = name in local and name not in file
-        busy = tuple(local.get(f"{b}@{name}", (None, ""))[0] for b in BUSY_LINKS) if name in LOCAL else \
-            (None, None, None)
+        busy = [busy_link(b, name, local, file, cfg.tuning_file) for b in BUSY_LINKS] if name in LOCAL else \
+            [(None, "")] * len(BUSY_LINKS)
         tier = Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
                     memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
                     compiled=compiled, one_way=one_way, stream=None if name == "shm" or measured else stream,
-                    cores=cores if name in LOCAL else 0, busy=busy)  # type: ignore[arg-type]
+                    cores=cores if name in LOCAL else 0, busy=tuple(b for b, _ in busy),  # type: ignore[arg-type]
+                    busy_origin=tuple(o for _, o in busy))  # type: ignore[arg-type]
         if direct is not None and "direct" in local and "direct" not in file and \
                 not local["direct"][1].endswith(DIRECT_SLOWER):
             tier.direct = bound_direct(direct, tier, cfg, n)
         out.append(tier)
     return out
+
+
+def busy_link(name: str, tier: str, local: dict[str, tuple[Link, str]], file: dict[str, dict[str, float]],
+              path: str) -> tuple[Link | None, str]:
+    """A local tier's busy link `name` (BUSY_LINKS) and its origin, as a job over that tier prices
+    it: as calibrated over the tier (cached_links), under the tuning file's constants; None where
+    neither gives all three (a job then has none)."""
+    link, origin = local.get(f"{name}@{tier}", (None, ""))
+    if name not in file:
+        return link, origin
+    done = overridden(name, link, file[name], origin)
+    return (None, "") if done is None else (done[0], from_file(done[1], path))
+
+
+def from_file(source: str, path: str) -> str:
+    """A link's origin, tuning_file.overridden's source, as plan names it: the file, over what
+    the file left in place."""
+    rest = source.removeprefix("file").removeprefix("+")
+    return f"{path} over {rest}" if rest else path
 
 
 def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
@@ -346,7 +367,7 @@ def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int
         if alg.phases is not None:
             t = alg.phases(shape, m, within, across, net.link) if not reason else math.inf
         else:
-            flat = replace(net, direct_ok=False, one_way=None)
+            flat = replace(net, direct_ok=False, one_way=None, memory=None)  # hosts apart: no memory shared
             t = math.inf
             if not reason:
                 flowing = shared(net.link, host_link_flows(alg, hosts, per_host, nics))

@@ -121,6 +121,18 @@ def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
 _TIER_OF_ONE_WAY = {one_way: tier for tier, one_way in ONE_WAY.items()}
 
 
+def overridden(name: str, base: Link | None, values: Mapping[str, float],
+               origin: str) -> tuple[Link, str] | None:
+    """Link `name` with the file's `values` over `base` (None: no constant to keep), and its
+    source: 'file' where the file sets α, β and γ, else 'file+<origin>' (`base`'s source); None
+    where a constant is left unset (a link of the file's own needs all three)."""
+    kept = base or Link(name, **{f: math.nan for f in REQUIRED})
+    merged = {f: values.get(f, getattr(kept, f)) for f in FIELDS}
+    if any(math.isnan(v) for v in merged.values()):
+        return None
+    return Link(name, **merged), "file" if all(f in values for f in REQUIRED) else f"file+{origin}"
+
+
 def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float]]) -> LinkTable:
     """The table with the file's constants in place; tiers the file adds are kept too. A tier
     set by the file prices its one-way messages too, unless the file sets those as well (on top
@@ -128,14 +140,10 @@ def apply_overrides(table: LinkTable, overrides: Mapping[str, Mapping[str, float
     links, sources = dict(table.links), dict(table.sources)
     for tier, values in overrides.items():
         of = _TIER_OF_ONE_WAY.get(tier, "")  # a one-way link the probe did not measure: its tier's
-        base = (links.get(tier) or DEFAULT_LINKS.get(tier) or links.get(of) or DEFAULT_LINKS.get(of)
-                or Link(tier, **{f: math.nan for f in REQUIRED}))
-        merged = {f: values.get(f, getattr(base, f)) for f in FIELDS}
-        if any(math.isnan(v) for v in merged.values()):
-            continue  # a new tier needs all three constants; plan reports it as incomplete
-        links[tier] = Link(tier, **merged)
-        origin = sources.get(tier, "default")
-        sources[tier] = "file" if all(f in values for f in REQUIRED) else f"file+{origin}"
+        base = links.get(tier) or DEFAULT_LINKS.get(tier) or links.get(of) or DEFAULT_LINKS.get(of)
+        done = overridden(tier, base, values, sources.get(tier, "default"))
+        if done is not None:  # else a new tier without all three constants: plan reports it as incomplete
+            links[tier], sources[tier] = done
     for tier in TIERS:  # a tier the file sets and whose messages one way it does not: its link prices all
         if tier in overrides and ONE_WAY[tier] not in overrides:
             links.pop(ONE_WAY[tier], None)
