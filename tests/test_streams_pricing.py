@@ -112,6 +112,23 @@ def test_the_tuner_prices_inter_host_algorithms_at_the_streams_rate() -> None:
     assert len(same) == 1, same
 
 
+def test_the_tuner_prices_the_streams_and_threads_its_ranks_use() -> None:
+    """Calibration agrees on what every rank offers (its streams a pair, pump threads, cores):
+    a group's TCP calls are priced with the fewest of its ranks' (a pair opens the fewer of its
+    two ranks' streams), the same on every rank whatever this host has, and the TUNING log says so."""
+    stated = tuning_file.apply_overrides(cost_model.default_table(), {"tcp": {"alpha": LINK.alpha,
+                                                                             "beta": LINK.beta}})
+    agreed = replace(stated, extra={"streams": [(4, 7, 8.0), (1, 0, 1.0), (4, 7, 8.0), (2, 3, 4.0)]})
+    g = _Group(4, "tcp", Config())  # TENSORWIRE_NSOCKS=auto: the settings say nothing of what ranks use
+    tuner.install(g.runtime, agreed)
+    for ranks, expected in (([0, 2], (4, 7, 8.0)), ([0, 1, 2, 3], (1, 0, 1.0)), ([0, 3], (2, 3, 4.0))):
+        g.ranks, g.size = ranks, len(ranks)
+        streams = tuner.streams_for(g, agreed)
+        assert streams is not None and (streams.nsocks, streams.threads, streams.cores) == expected, ranks
+        line = tuner.explain(g, tuner.decide(g, "all_reduce", BIG))
+        assert f"{expected[0]} stream(s) a pair with {expected[1]} thread(s) a rank" in line, line
+
+
 def test_plan_shows_what_more_streams_give(monkeypatch: pytest.MonkeyPatch) -> None:
     """`tensorwire plan --hosts` names TENSORWIRE_NSOCKS and TENSORWIRE_SOCKET_THREADS with what
     they are here, and prices 1, 2, 4 and 8 streams beside them: with threads 0 more streams

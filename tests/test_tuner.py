@@ -1805,8 +1805,8 @@ def rank_plan_against_the_job() -> list:
     cfg = g.runtime.config
     cores = len(os.sched_getaffinity(0))
     tier = plan.resolve([tuner.tier_of(g)], cfg, False, None, lambda _: None, g.size, cores)[0]
-    tcp = tier.name == "tcp"
-    streams = plan.streams_at(tier, g.size, cores, cfg.nsocks, cfg.socket_threads) if tcp else None
+    streams = plan.streams_at(tier, g.size, cores, cfg.nsocks, cfg.socket_threads, g.size - 1) \
+        if tier.name == "tcp" else None
     compiled = g.engine.native is not None
     differ = []
     for collective in (c for c in COLLECTIVES if c != "barrier"):
@@ -1845,6 +1845,48 @@ def test_plan_names_what_the_job_chooses(tmp_path, n: int, cores: list[list[int]
     finally:
         cluster.close()
     assert results[0] == [], results[0]
+
+
+def rank_streams_priced_and_used() -> dict:
+    """After a large all_reduce over TCP: the streams a pair opened and the pump threads this
+    rank has, against what the tuner and `tensorwire plan` price (and the TUNING log says)."""
+    g = tw.world()
+    cfg, engine = g.runtime.config, g.runtime.engine
+    tw.all_reduce(np.ones(8 << 20, np.float32))
+    cores = len(os.sched_getaffinity(0))
+    tier = plan.resolve(["tcp"], cfg, False, None, lambda _: None, g.size, cores)[0]
+    planned = plan.streams_at(tier, g.size, cores, cfg.nsocks, cfg.socket_threads, g.size - 1)
+    priced = tuner.streams_for(g, tuner.table_for(g.runtime))
+    decision = tuner.decide(g, "all_reduce", 32 << 20)
+    algs = list(algorithms_for("all_reduce").values())
+    ok = [a for a in algs if not pricing.why_not(a, "all_reduce", g.size, 32 << 20, tier, cfg, 0, cores)]
+    return {"opened": sorted({len(c.sockets) for c in engine.channels.values()}),
+            "threads": 0 if engine.pumps is None else engine.pumps.threads,
+            "priced": (priced.nsocks, priced.threads, priced.cores), "log": tuner.explain(g, decision),
+            "planned": (planned.nsocks, planned.threads, planned.cores),
+            "job": decision.priced[0][:2], "plan": tier.price(ok, g.size, 32 << 20, planned)[0][:2]}
+
+
+@pytest.mark.parametrize("env", [{}, {"TENSORWIRE_NSOCKS": "2"}], ids=["auto", "nsocks=2"])
+def test_the_tuner_prices_the_streams_a_pair_opens(tmp_path, env: dict) -> None:
+    """Over TCP the tuner prices (and the TUNING log names) the streams a pair really opens and
+    the pump threads a rank really has, as `tensorwire plan` does: 2 ranks on one core get one
+    stream (or the 2 set) and no pump thread, whatever this machine's cores."""
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"tcp": {"alpha_us": 15, "bandwidth_GBps": 10, "reduce_GBps": 15}}))
+    cluster = Cluster(2, {"TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_TUNING_FILE": str(path), **env},
+                      cores=[[0], [0]])
+    try:
+        results = cluster.run(rank_streams_priced_and_used)
+    finally:
+        cluster.close()
+    for res in results:
+        streams = res["opened"][0]
+        assert res["opened"] == [int(env.get("TENSORWIRE_NSOCKS", 1))] and res["threads"] == 0, res
+        assert res["priced"][:2] == (streams, res["threads"]) and res["planned"] == res["priced"], res
+        assert f"{streams} stream(s) a pair with 0 thread(s) a rank" in res["log"], res["log"]
+        assert res["plan"][1] == res["job"][1], res
+        assert math.isclose(res["plan"][0], res["job"][0], rel_tol=1e-9), res
 
 
 def test_plan_prices_a_hypothetical_tier_alike_whatever_is_listed_beside(tmp_path, monkeypatch) -> None:

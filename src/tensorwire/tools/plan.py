@@ -141,11 +141,12 @@ def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
 
 # -- streams over TCP ------------------------------------------------------------------------------
 
-def streams_at(tier: Tier, ranks: int, cores: int, nsocks: int | None, threads: int | None) -> Streams:
-    """`tier`'s streams where `ranks` ranks share a host of `cores` cores: the streams a pair
-    `nsocks` gives (TENSORWIRE_NSOCKS) and the pump threads `threads` gives
+def streams_at(tier: Tier, ranks: int, cores: int, nsocks: int | None, threads: int | None,
+               peers: int) -> Streams:
+    """`tier`'s streams where `ranks` ranks share a host of `cores` cores, each with `peers` peers:
+    the streams a pair `nsocks` gives (TENSORWIRE_NSOCKS) and the pump threads `threads` gives
     (TENSORWIRE_SOCKET_THREADS; None: `auto`, resolved as the transport does, transport/pumps.py)."""
-    k = streams_per_pair(nsocks, cores, ranks)
+    k = streams_per_pair(nsocks, cores, ranks, peers)
     return tier.streams(k, pump_threads(threads, cores, ranks, k), cores / max(1, ranks))
 
 
@@ -168,7 +169,7 @@ def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, 
             settings.append((k, None))
     rows = {}
     for k, threads in settings:
-        streams = streams_at(net, per_host, cores, k, threads)
+        streams = streams_at(net, per_host, cores, k, threads, hosts * per_host - 1)
         key = (streams.nsocks, streams.threads)
         if key in rows:
             continue
@@ -181,7 +182,7 @@ def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, 
 def report_streams(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
                    cfg: Config, cores: int, out: Callable[[str], None]) -> None:
     """The streams between hosts at the configured settings and at 1, 2, 4 and 8 (streams_rows)."""
-    configured = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads)
+    configured = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads, hosts * per_host - 1)
     out(f"  streams between hosts: {describe_streams(configured, cfg, cores, per_host)}")
     if net.stream is None:
         out(f"  (the {net.name} link was measured through them: more are not priced; give the link's "
@@ -240,7 +241,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    calls run whole in C (a job's repeated calls, as priced here): one shot α "
                 f"{one.alpha * 1e6:.3g} us (a reduction's up to {format_size(COMPILED_BYTES)}: β "
                 f"{describe_rate(one)}){moves}")
-        streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads) if tier.name == "tcp" else None
+        tcp = tier.name == "tcp"
+        streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads, n - 1) if tcp else None
         if streams is not None:
             bound = (f"one stream at most {describe_rate(tier.stream)}" if tier.stream is not None
                      else "measured through them")
@@ -269,7 +271,7 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
 def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,
                    cfg: Config, out: Callable[[str], None], cores: int = 1) -> None:
     n = hosts * per_host
-    streams = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads)
+    streams = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads, hosts * per_host - 1)
     out(f"{collective} of {format_size(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} "
         f"within a host, {net.name} between hosts ({per_host / max(1, min(nics, per_host)):g} rank(s) per "
         f"host link)")

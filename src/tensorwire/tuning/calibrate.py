@@ -119,6 +119,15 @@ def _crowding(info: np.ndarray) -> float:
                for m in set(machines))
 
 
+def _streams(info: np.ndarray) -> list[tuple[int, int, float]]:
+    """Per rank (the agreement's rows): the TCP streams it offers a pair, its pump threads, and
+    the cores (as its engine counts them) a rank of its machine has: what tuner.streams_for
+    prices a group's TCP calls with."""
+    machines = [int(m) for m in info[:, 7]]
+    return [(int(info[r, 9]), int(info[r, 10]), int(info[r, 5]) / machines.count(machines[r]))
+            for r in range(len(info))]
+
+
 def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
     """tier -> (a, b): the lowest rank joined to a peer by that tier, and its lowest such peer."""
     pairs = {}
@@ -162,11 +171,13 @@ def _at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 9), dtype=np.uint64)
+    info = np.zeros((n, 11), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
+    engine = world.engine
     info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
-                world.engine.cores, environment_digest(cfg, world.engine.cores), host_hash(machine_id()),
-                int(world.plans.caller is not None))
+                engine.cores, environment_digest(cfg, engine.cores), host_hash(machine_id()),
+                int(world.plans.caller is not None), engine.nsocks,
+                0 if engine.pumps is None else engine.pumps.threads)
     recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
     differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
     if differ:
@@ -260,6 +271,7 @@ def _at_init(world: Group) -> LinkTable:
                       path if used_cache else "",
                       {"tiers": links_used, "key": key, "busy_tier": tuner.tier_of(world),
                        "huge_pages": bool(info[:, 4].all()), "cores": cores, "hosts": hosts,
+                       "streams": _streams(info),
                        "checked": checked, "check_s": check_s, "foreign_cores": foreign})
     table = per_flow(table, world.layout)
     table = bound_direct(world, table, slower, "alpha" in overrides.get("direct", {}))

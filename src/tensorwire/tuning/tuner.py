@@ -113,14 +113,21 @@ def link_of(group: Group) -> Link:
 
 
 def streams_for(group: Group, table: LinkTable) -> Streams | None:
-    """The Streams a group's TCP calls are priced with: TENSORWIRE_NSOCKS, and the threads
-    TENSORWIRE_SOCKET_THREADS gives, `auto` as a rank with cores to spare gets them (AUTO_STREAMS
-    streams, one thread per direction of each). From the settings, not from this host's cores: every rank
-    must price alike, and hosts may differ."""
-    cfg = group.runtime.config
-    nsocks = cfg.nsocks if cfg.nsocks is not None else AUTO_STREAMS
-    threads = cfg.socket_threads if cfg.socket_threads is not None else 2 * nsocks
-    return streams_of(table, tier_of(group), nsocks, threads)
+    """The Streams a group's TCP calls are priced with: what its ranks really use, as calibration
+    agreed it (table.extra's "streams", the same on every rank, so every rank prices alike while
+    hosts differ): the fewest streams any of its ranks offers (a pair opens the fewer of its two
+    ranks'), and the fewest pump threads and cores a rank of any of them has. A runtime that
+    never calibrated (tensorwire groups on another backend's world) knows only the settings:
+    `auto` as a rank with cores to spare resolves it (AUTO_STREAMS streams, a thread per direction
+    of each)."""
+    agreed = table.extra.get("streams")
+    if agreed is None:
+        cfg = group.runtime.config
+        nsocks = cfg.nsocks if cfg.nsocks is not None else AUTO_STREAMS
+        threads = cfg.socket_threads if cfg.socket_threads is not None else 2 * nsocks
+        return streams_of(table, tier_of(group), nsocks, threads)
+    nsocks, threads, cores = (min(agreed[r][i] for r in group.ranks) for i in range(3))
+    return streams_of(table, tier_of(group), int(nsocks), int(threads), cores)
 
 
 # -- the choice ------------------------------------------------------------------------------------
