@@ -197,6 +197,7 @@ class _Group:
         self.choices: dict = {}
         self.huge_seen: dict = {}
         self.engine = SimpleNamespace(oversubscribed=False)
+        self.plans = SimpleNamespace(caller=None)  # no compiled caller: one choice governs every call
 
 
 def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
@@ -636,6 +637,40 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
     assert Plans.compiled(plans, "broadcast", False) and not Plans.compiled(plans, "broadcast", True)
     assert not Plans.compiled(plans, "all_gather", False)  # the list form runs in Python
     assert not Plans.compiled(SimpleNamespace(caller=None), "broadcast", False)  # TENSORWIRE_NATIVE=0
+
+
+def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
+    """With the compiled caller a collective and size gets two choices, each logged: a
+    signature's repeated calls run its plan, priced as the compiled caller runs them, while its
+    first call and calls with no such plan run the choice priced from Python; each line says
+    which it governs. One choice (the barrier's, uneven blocks', a group without the caller)
+    says nothing of it. `tensorwire plan` prices both as the tuner does, the barrier from Python."""
+    g = _Group(2, "shm")
+    g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False)
+    g.plans = SimpleNamespace(caller=object())
+    fast = {DIRECT_COMPILED: Link(DIRECT_COMPILED, 0.2e-6, 1 / 30e9, 1e-11),
+            CMA_COMPILED: Link(CMA_COMPILED, 0.3e-6, 1.0, 1.0)}
+    table = LinkTable({**DEFAULT_LINKS, **fast}, {})
+    tuner.install(g.runtime, table)
+    repeated = tuner.explain(g, tuner.decide(g, "broadcast", 65536, compiled=True))
+    first = tuner.explain(g, tuner.decide(g, "broadcast", 65536))
+    head = "broadcast 65536 B on 2 ranks of group fake"
+    assert repeated.startswith(f"{head}{tuner.REPEATED} over shm"), repeated
+    assert "run whole in C (one shot α 0.2 us, single copy α 0.3 us)" in repeated, repeated
+    assert first.startswith(f"{head}{tuner.FIRST} over shm"), first
+    assert "run whole in C" not in first, first
+    for said in (tuner.explain(g, tuner.decide(g, "barrier", 0)),
+                 tuner.explain(g, tuner.decide(g, "all_gather", 65536, direct_ok=False))):
+        assert "signature" not in said, said
+    g.plans.caller = None
+    assert "signature" not in tuner.explain(g, tuner.decide(g, "broadcast", 65536)), "no compiled caller"
+    d = DEFAULT_LINKS
+    tier = pricing.Tier("shm", d["shm"], "test", direct_ok=True, direct=d["direct"], memory=d[MEMORY],
+                        cma=d[CMA], cma_huge=d[CMA_HUGE], cma_fold=d[CMA_FOLD], compiled=fast)
+    for collective, m, whole in ("broadcast", 65536, True), ("broadcast", 65536, False), ("barrier", 0, True):
+        algs = list(algorithms_for(collective).values())
+        decision = tuner.decide(g, collective, m, compiled=whole and collective != "barrier")
+        assert tier.price(algs, 2, m, whole=whole)[0][:2] == decision.priced[0][:2], (collective, whole)
 
 
 def test_single_copy_turns_on_its_sources_pages() -> None:
@@ -1800,24 +1835,31 @@ def test_plan_takes_the_tuning_file_s_busy_links_and_names_each_source(tmp_path,
 def rank_plan_against_the_job() -> list:
     """Every collective at a few sizes: what `tensorwire plan` names cheapest, at what price, for
     this job's rank count on this host's cores over the job's tier (and its streams), against
-    what the job's tuner chooses; the differences."""
+    what the job's tuner chooses, for a signature's repeated calls and for its first (where
+    those differ: the compiled caller); the differences, and the TUNING log's words for each."""
     g = tw.world()
     cfg = g.runtime.config
     cores = len(os.sched_getaffinity(0))
     tier = plan.resolve([tuner.tier_of(g)], cfg, False, None, lambda _: None, g.size, cores)[0]
     streams = plan.streams_at(tier, g.size, cores, cfg.nsocks, cfg.socket_threads, g.size - 1) \
         if tier.name == "tcp" else None
-    compiled = g.engine.native is not None
     differ = []
-    for collective in (c for c in COLLECTIVES if c != "barrier"):
+    for collective in COLLECTIVES:
         algs = list(algorithms_for(collective).values())
-        for m in (8, 4096, 1 << 20, 16 << 20):
+        twice = g.plans.caller is not None and collective != "barrier"  # repeated calls priced apart
+        for m in (0,) if collective == "barrier" else (8, 4096, 1 << 20, 16 << 20):
             ok = [a for a in algs if not pricing.why_not(a, collective, g.size, m, tier, cfg,
                                                          cfg.direct_slot(g.size), cores)]
-            planned = tier.price(ok, g.size, m, streams)[0][:2]
-            chosen = tuner.decide(g, collective, m, compiled=compiled).priced[0][:2]
-            if planned[1] != chosen[1] or not math.isclose(planned[0], chosen[0], rel_tol=1e-9):
-                differ.append((collective, m, planned, chosen))
+            for whole in {twice, False}:
+                planned = tier.price(ok, g.size, m, streams, whole=whole)[0][:2]
+                decision = tuner.decide(g, collective, m, compiled=whole)
+                chosen = decision.priced[0][:2]
+                if planned[1] != chosen[1] or not math.isclose(planned[0], chosen[0], rel_tol=1e-9):
+                    differ.append((collective, m, whole, planned, chosen))
+                said = tuner.explain(g, decision)
+                words = tuner.REPEATED if whole else tuner.FIRST if twice else ""
+                if (words and words not in said) or (not words and "signature" in said):
+                    differ.append((collective, m, whole, said))
     return differ
 
 

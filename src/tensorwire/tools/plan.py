@@ -57,6 +57,7 @@ from ..tuning.pricing import (
     host_link_flows,
     why_not,
 )
+from ..tuning.tuner import FIRST, REPEATED
 from ..tuning.tuning_file import load_tuning_file
 
 # -- link constants ----------------------------------------------------------------------------
@@ -235,10 +236,11 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.cma is not None and tier.cma_fold is not None:
             out(f"    ... a reduction's flag round (its body folds in Python): "
                 f"α {tier.cma_fold.alpha * 1e6:.3g} us")
-        if DIRECT_COMPILED in tier.compiled:  # the prices below are a job's repeated calls'
+        whole = tier.compiles(collective)
+        if whole:  # the rows below price a job's repeated calls, the line after them its first
             one, reads = tier.compiled[DIRECT_COMPILED], tier.compiled.get(CMA_COMPILED)
             moves = "" if reads is None else f", single copy α {reads.alpha * 1e6:.3g} us"
-            out(f"    calls run whole in C (a job's repeated calls, as priced here): one shot α "
+            out(f"    {REPEATED.strip(' ,')}, the rows below: run whole in C, one shot α "
                 f"{one.alpha * 1e6:.3g} us (a reduction's up to {format_size(COMPILED_BYTES)}: β "
                 f"{describe_rate(one)}){moves}")
         tcp = tier.name == "tcp"
@@ -248,8 +250,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
                      else "measured through them")
             out(f"    streams: {describe_streams(streams, cfg, cores, n)}; {bound}")
         reasons = {alg.name: why_not(alg, collective, n, m, tier, cfg, direct_bytes, cores) for alg in algs}
-        rows = [(t, name, "") for t, name, _ in tier.price([a for a in algs if not reasons[a.name]], n, m,
-                                                            streams)]  # in the tuner's order, ties broken
+        ok = [a for a in algs if not reasons[a.name]]
+        rows = [(t, name, "") for t, name, _ in tier.price(ok, n, m, streams)]  # the tuner breaks ties so
         rows += sorted((math.inf, name, reason) for name, reason in reasons.items() if reason)
         width = max(len(a.name) for a in algs)
         for i, (t, name, reason) in enumerate(rows):
@@ -258,6 +260,10 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             else:
                 mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
+        first = tier.price(ok, n, m, streams, whole=False) if whole else []
+        if first:  # the job's other choice, as its TUNING log gives it
+            text = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in first)
+            out(f"    {FIRST.strip(' ,')} (from Python): {text} -> {first[0][1]}")
         changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams, cores)
         if changes:
             text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)

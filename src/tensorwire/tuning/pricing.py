@@ -100,20 +100,29 @@ class Tier:
                     self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None,
                     cores=self.cores)
 
-    def own(self, collective: str, n: int, m: int) -> tuple[Link | None, Host | None]:
+    def compiles(self, collective: str) -> bool:
+        """Whether a job prices a signature's repeated calls of `collective` as run whole in C
+        (tuner.select's `compiled`), apart from its first call and calls with no such plan: where
+        the compiled links were measured, for every collective but the barrier (chosen once,
+        from Python: collectives.barrier)."""
+        return bool(self.compiled) and collective != "barrier"
+
+    def own(self, collective: str, n: int, m: int, whole: bool = True) -> tuple[Link | None, Host | None]:
         """The one shot's link and the host of a call of `collective`, m bytes on n ranks, priced as
-        a job's repeated calls are: run whole in C where the compiled links were measured."""
-        return compiled_prices(self.compiled, self.direct, self.host(n), m <= COMPILED_BYTES,
+        a job prices its calls: `whole`, its repeated ones, run whole in C where `compiles`."""
+        links = self.compiled if whole and self.compiles(collective) else {}
+        return compiled_prices(links, self.direct, self.host(n), m <= COMPILED_BYTES,
                                collective in REDUCTIONS)
 
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
         return self.price([alg], n, m, streams)[0][0]
 
-    def price(self, algs: list[Algorithm], n: int, m: int,
-              streams: Streams | None = None) -> list[tuple[float, str, Algorithm]]:
+    def price(self, algs: list[Algorithm], n: int, m: int, streams: Streams | None = None,
+              whole: bool = True) -> list[tuple[float, str, Algorithm]]:
         """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first,
-        with every link a job's tuner prices them with (tuner.Model.price)."""
-        direct, host = self.own(algs[0].collective, n, m) if algs else (None, None)
+        with every link a job's tuner prices them with (tuner.Model.price); `whole`: as a job's
+        repeated calls (Tier.own), else as its first and those with no plan for the compiled caller."""
+        direct, host = self.own(algs[0].collective, n, m, whole) if algs else (None, None)
         busy, ring, pairs = self.busy
         return price(algs, n, m, self.link, direct, busy, ring, host, pairs,  # type: ignore[arg-type]
                      self.one_way, streams=streams)

@@ -178,6 +178,8 @@ class Decision:
     what the TUNING log marks busy-bound."""
     compiled: bool = False
     """Priced as a call the compiled caller runs whole (cost_model.compiled_prices)."""
+    direct_ok: bool = True
+    """A call that may take the one-shot path (not one of uneven blocks)."""
 
     def predicted(self, name: str) -> float:
         return next(t for t, n, _ in self.priced if n == name)
@@ -273,7 +275,7 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
         choice = priced[0][2]
-    return Decision(collective, nbytes, group.size, tier, priced, choice, bound, compiled)
+    return Decision(collective, nbytes, group.size, tier, priced, choice, bound, compiled, direct_ok)
 
 
 @dataclass(frozen=True)
@@ -484,7 +486,7 @@ def explain(group: Group, decision: Decision) -> str:
     if group.direct is not None and any(a.needs_direct for _, _, a in decision.priced):
         shown += f", direct path ({table.describe('direct')})"
         if decision.compiled:
-            shown += ", a call run whole in C (" + ", ".join(
+            shown += ", run whole in C (" + ", ".join(
                 f"{what} α {table.links[name].alpha * 1e6:.3g} us"
                 for what, name in (("one shot", DIRECT_COMPILED), ("single copy", CMA_COMPILED))
                 if name in table.links) + ")"
@@ -492,8 +494,27 @@ def explain(group: Group, decision: Decision) -> str:
     mode = " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else ""
     chosen = (choice.name if not isinstance(choice, PageDependent) else
               f"{choice.huge.name} while its sources are in huge pages, else {choice.small.name}")
-    return (f"{collective} {decision.nbytes} B on {group.size} ranks of group {group.name} over "
-            f"{shown}{mode}: {costs} -> {chosen}")
+    return (f"{collective} {decision.nbytes} B on {group.size} ranks of group {group.name}"
+            f"{calls_governed(group, decision)} over {shown}{mode}: {costs} -> {chosen}")
+
+
+REPEATED = ", for a signature's repeated calls (planned for the compiled caller),"
+FIRST = ", for a signature's first call and calls with no plan for the compiled caller,"
+"""Which calls a choice governs, where a group chooses twice for a collective and size: a
+signature's repeated calls run its plan (group/planned.py), whose choice is priced as the
+compiled caller runs them; its first call, which made the plan, and the calls that take no
+such plan (of a signature first called async, of an API the compiled caller does not take,
+arguments no plan fits: a large or device tensor) run the choice priced from Python."""
+
+
+def calls_governed(group: Group, decision: Decision) -> str:
+    """REPEATED or FIRST where the group has the compiled caller and both choices are made for
+    the collective (all but the barrier, which is chosen once) on calls that may take the one
+    shot; '' where one choice governs every call."""
+    if decision.compiled:
+        return REPEATED
+    both = group.plans.caller is not None and decision.direct_ok and decision.collective != "barrier"
+    return FIRST if both else ""
 
 
 def run(group: Group, call: Any, collective: str, nbytes: int, *args: Any, direct_ok: bool = True) -> None:
