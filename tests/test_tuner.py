@@ -1830,6 +1830,11 @@ def test_plan_takes_the_tuning_file_s_busy_links_and_names_each_source(tmp_path,
     bare = pricing.tiers(["shm"], cfg, file, {}, None)[0]
     assert bare.busy[0] == job.links[BUSY] and bare.busy[1:] == (None, None), bare.busy
     assert BUSY_RING not in tuning_file.defaults_with_file(str(path)).links
+    # a ring's busy link bounds nothing without `busy` (cost_model.predict): plan shows neither then
+    path.write_text(json.dumps({"busy_ring": {"alpha_us": 20, "bandwidth_GBps": 0.5, "reduce_GBps": 15}}))
+    monkeypatch.setenv("TENSORWIRE_CALIBRATE", "0")
+    assert cli.main(["plan", "all_reduce", "1M", "--np", "2", "--tier", "shm", "--no-probe"]) == 0
+    assert "with fixed partners" not in capsys.readouterr().out
 
 
 def rank_plan_against_the_job() -> list:

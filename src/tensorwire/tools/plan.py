@@ -222,7 +222,8 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
         if tier.one_way is not None:
             out(f"    messages one way (trees, linear rooted): {describe_link(tier.one_way)}")
         for what, link, origin in zip(BUSY_SHOWN, tier.busy, tier.busy_origin):
-            if link is not None:  # and where it came from, unless that is where the tier's link did
+            if link is not None and tier.busy[0] is not None:  # (the others bound nothing without it)
+                # and where it came from, unless that is where the tier's link did
                 out(f"    {what}: {describe_link(link)}" + (f"  [{origin}]" if origin != tier.origin else ""))
         if tier.direct is not None:
             out(f"    one-shot shared-memory path: {describe_link(tier.direct)}")
