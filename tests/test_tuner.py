@@ -673,6 +673,28 @@ def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
         assert tier.price(algs, 2, m, whole=whole)[0][:2] == decision.priced[0][:2], (collective, whole)
 
 
+def test_plan_prices_a_call_run_whole_in_c_by_the_job_s_slot_and_rings() -> None:
+    """The one shot's body runs in C for a call that fits both COMPILED_BYTES and the group's
+    slot (tuner.decide), and a message algorithm's rings are the job's: plan prices them by the
+    settings it prices the job with (16 ranks: 256 KiB slots, below COMPILED_BYTES)."""
+    cfg = replace(Config(), shm_ring_bytes=64 << 10)
+    n, m = 16, 300 << 10
+    assert cfg.direct_slot(n) < m <= cost_model.COMPILED_BYTES
+    g = _Group(n, "shm", cfg)
+    g.direct = SimpleNamespace(slot_bytes=cfg.direct_slot(n), single_copy=False, crowded=False)
+    fast = {DIRECT_COMPILED: Link(DIRECT_COMPILED, 0.1e-6, 1 / 30e9, 1e-11),
+            CMA_COMPILED: Link(CMA_COMPILED, 0.1e-6, 1.0, 1.0)}
+    tuner.install(g.runtime, LinkTable({**DEFAULT_LINKS, **fast}, {}))
+    d = DEFAULT_LINKS
+    tier = pricing.Tier("shm", d["shm"], "test", direct_ok=True, direct=d["direct"], memory=d[MEMORY],
+                        cma=d[CMA], cma_huge=d[CMA_HUGE], cma_fold=d[CMA_FOLD], compiled=fast, config=cfg)
+    for collective, size in ("all_gather", m), ("all_reduce", m), ("all_reduce", 4 << 20):
+        decision = tuner.decide(g, collective, size, compiled=True)
+        algs = [alg for _, _, alg in decision.priced]
+        planned = [p[:2] for p in tier.price(algs, n, size)]
+        assert planned == [p[:2] for p in decision.priced], (collective, size)
+
+
 def test_single_copy_turns_on_its_sources_pages() -> None:
     """Where single copy wins only out of huge pages, the tuner hands out a PageDependent: single
     copy while its sources are presumed or seen in huge pages, the other choice once a call saw

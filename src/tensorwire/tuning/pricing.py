@@ -90,13 +90,15 @@ class Tier:
     at these."""
     busy_origin: tuple[str, str, str] = ("", "", "")
     """Where each of `busy` came from."""
+    config: Config = field(default_factory=Config)
+    """The settings of a job priced here: its rings, its one-shot slot."""
 
     def host(self, n: int) -> Host | None:
         """The one host that n ranks on this tier share (its default rings), or None."""
         if self.memory is None:
             return None
         cma = self.cma or DEFAULT_LINKS[CMA]
-        return Host(self.memory, n, Config().shm_ring_bytes, cma, self.cma_huge or cma,
+        return Host(self.memory, n, self.config.shm_ring_bytes, cma, self.cma_huge or cma,
                     self.cma_fold or DEFAULT_LINKS[CMA_FOLD], huge=self.cma_huge is not None,
                     cores=self.cores)
 
@@ -109,10 +111,11 @@ class Tier:
 
     def own(self, collective: str, n: int, m: int, whole: bool = True) -> tuple[Link | None, Host | None]:
         """The one shot's link and the host of a call of `collective`, m bytes on n ranks, priced as
-        a job prices its calls: `whole`, its repeated ones, run whole in C where `compiles`."""
+        a job prices its calls: `whole`, its repeated ones, run whole in C where `compiles` (the one
+        shot's body where the call fits its slot too, tuner.decide)."""
         links = self.compiled if whole and self.compiles(collective) else {}
-        return compiled_prices(links, self.direct, self.host(n), m <= COMPILED_BYTES,
-                               collective in REDUCTIONS)
+        body = m <= min(COMPILED_BYTES, self.config.direct_slot(n))
+        return compiled_prices(links, self.direct, self.host(n), body, collective in REDUCTIONS)
 
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
         return self.price([alg], n, m, streams)[0][0]
@@ -236,7 +239,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                     memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
                     compiled=compiled, one_way=one_way, stream=None if name == "shm" or measured else stream,
                     cores=cores if name in LOCAL else 0, busy=tuple(b for b, _ in busy),  # type: ignore[arg-type]
-                    busy_origin=tuple(o for _, o in busy))  # type: ignore[arg-type]
+                    busy_origin=tuple(o for _, o in busy), config=cfg)  # type: ignore[arg-type]
         if direct is not None and "direct" in local and "direct" not in file and \
                 not local["direct"][1].endswith(DIRECT_SLOWER):
             tier.direct = bound_direct(direct, tier, cfg, n)
