@@ -522,6 +522,46 @@ def test_store_drops_idle_and_surplus_unauthenticated_connections(server: TCPSto
             s.close()
 
 
+def flood_mid_handshake(port: int, refused: auth.Refusals, bound: int, purpose: bytes, magic: bytes,
+                        hello: bytes, confirm: bool) -> socket.socket:
+    """A process of the job that sent its first message and got the challenge, then 3 * `bound`
+    strangers that connect and send nothing or part of the magic; the process's proof goes out
+    once the listener has dropped as many connections as it had to. Returns its socket."""
+    client = socket.create_connection((LOOPBACK, port), timeout=5)
+    side = auth.Initiator(KEY, purpose, magic, hello, confirm=confirm)
+    client.sendall(side.first)
+    proof = b""
+    while not proof:
+        proof = side.feed(recv_exact(client, side.need))
+    strangers = []
+    try:
+        for i in range(3 * bound):
+            strangers.append(socket.create_connection((LOOPBACK, port), timeout=5))
+            if i % 3 == 0:
+                strangers[-1].sendall(magic[:3])
+        deadline = time.monotonic() + 10
+        while refused.count < 2 * bound + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refused.count >= 2 * bound + 1, refused.count
+        client.sendall(proof)
+    finally:
+        for s in strangers:
+            s.close()
+    return client
+
+
+def test_a_flood_of_strangers_does_not_push_out_a_store_client_mid_handshake() -> None:
+    """The store dropped the oldest unauthenticated connection for each new one: a real client
+    waiting for its proof to arrive, while strangers that sent nothing stayed (a job under a
+    flood of connections could not start within its timeout)."""
+    limits = StoreLimits(max_value=1024, max_connections=256, auth_timeout=5, auth_pending=8)
+    with TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits) as srv:
+        client = flood_mid_handshake(srv.port, srv._refused, 8, b"tensorwire store v2", STORE_MAGIC, b"",
+                                     True)
+        with client:
+            assert recv_exact(client, 1) == auth.ACCEPTED
+
+
 def test_store_connection_cap(server: TCPStoreServer) -> None:
     limits = StoreLimits(max_value=1024, max_connections=2, auth_timeout=2, auth_pending=4)
     with TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits) as srv:
@@ -704,6 +744,22 @@ def test_ranks_connect_past_strangers(caplog: pytest.LogCaptureFixture) -> None:
             for s in held:
                 s.close()
     assert "dropped a connection" in caplog.text
+
+
+def test_a_flood_of_strangers_does_not_push_out_a_peer_mid_handshake() -> None:
+    """As for the store (the same code chooses whom a rank's listener drops)."""
+    engines = _wire(Config(auth_timeout=5.0, auth_pending=8))
+    try:
+        wiring = engines[0].wiring
+        hello = handshake.HELLO.pack(1, 0, 2, handshake.job_hash("job"))
+        with flood_mid_handshake(wiring.port, wiring._refused, 8, handshake.PURPOSE, handshake.MAGIC, hello,
+                                 False) as client:
+            raw = json.dumps({"op": "stream", "pair": 99, "index": 1}).encode()
+            client.sendall(struct.pack("<I", len(raw)) + raw)  # answered only once authenticated
+            (n,) = struct.unpack("<I", recv_exact(client, 4))
+            assert json.loads(recv_exact(client, n)) == {"ok": False, "why": "no such pair being set up"}
+    finally:
+        _close_all(engines)
 
 
 def test_rank_with_another_secret_is_refused() -> None:
@@ -1022,6 +1078,74 @@ with open(os.path.join(out, f"r{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": steps, "ok": ok, "hwm_kib": hwm}, f)
 tw.destroy()
 """
+
+
+FLOOD = """\
+import errno, random, socket, sys, time
+port, held, end = int(sys.argv[1]), [], time.monotonic() + 120
+print("flooding", flush=True)
+while time.monotonic() < end:  # bursts of connections: some send a little; half are held a while
+    burst = []
+    for _ in range(100):
+        s = socket.socket()
+        s.setblocking(False)
+        if s.connect_ex(("127.0.0.1", port)) in (0, errno.EINPROGRESS):
+            burst.append(s)
+        else:
+            s.close()
+    if not burst:
+        time.sleep(0.001)
+    for s in burst:
+        r = random.random()
+        if r < 0.3:
+            try:
+                s.send(b"TWST")
+            except OSError:
+                pass
+        if r < 0.5:
+            held.append(s)
+        else:
+            s.close()
+    while len(held) > 300:
+        held.pop(0).close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_job_starts_under_a_flood_of_connections_to_its_store(tmp_path: Path) -> None:
+    """Two processes churning connections to the store: it dropped the real clients mid-handshake
+    for them, and no rank could start within its timeout (here 60 s); now start-up takes seconds."""
+    (tmp_path / "flood.py").write_text(FLOOD)
+    (tmp_path / "job.py").write_text("import numpy as np, tensorwire as tw\n"
+                                     "tw.init()\nx = np.ones(4)\ntw.all_reduce(x)\n"
+                                     "assert x[0] == tw.get_world_size()\ntw.destroy()\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")}
+    env.update(TENSORWIRE_CALIBRATE="0", TENSORWIRE_TIMEOUT="60", TENSORWIRE_DEBUG="WARN",
+               TENSORWIRE_DEBUG_SUBSYS="AUTH")
+    cmd = [sys.executable, "-m", "tensorwire", "run", "-n", "3", "--master-port", str(port), "job.py"]
+    floods = [subprocess.Popen([sys.executable, str(tmp_path / "flood.py"), str(port)],
+                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for proc in floods:
+            assert proc.stdout is not None and proc.stdout.readline() == "flooding\n"
+        time.sleep(0.5)  # the flood under way
+        t0 = time.monotonic()
+        job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+        try:
+            _, err = job.communicate(timeout=20)  # it runs in 1-2 s, unloaded or under this flood
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, 9)
+            _, err = job.communicate()
+            err = f"still not done after 20 s under the flood\n{err}"
+    finally:
+        for proc in floods:
+            proc.kill()
+            proc.wait()
+    assert job.returncode == 0, err[-3000:]
+    assert re.search(rf"store \S+:{port}: dropped a connection", err), err[-3000:]  # the flood reached it
+    print(f"the job ran in {time.monotonic() - t0:.1f} s under the flood")
 
 
 def _listening_ports(pids: list[int]) -> set[int]:

@@ -35,8 +35,9 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from . import log
 from .errors import InvalidArgumentError, RendezvousError
@@ -289,6 +290,12 @@ class Responder(_Handshake):
         self.hello = b""
         self.refusal = b""  # what to send before hanging up on a hello `check` turned away
 
+    @property
+    def progress(self) -> int:
+        """How far the initiator got: 0 nothing received, 1 part of its first message, 2 all
+        of it (the challenge is answered: its proof is due)."""
+        return 2 if self._stage >= 2 else int(bool(self._stage or self._buf))
+
     def _on_message(self, stage: int, got: bytes) -> bytes:
         if stage == 1:
             self.hello = got[:-NONCE_BYTES]
@@ -390,3 +397,65 @@ class Refusals:
         more = f" (and {self._untold} more since the last report)" if self._untold else ""
         _log.warning("%s: dropped a connection from %s: %s%s", self.where, peer, reason, more)
         self._last, self._untold = now, 0
+
+
+ACCEPT_BATCH = 16
+"""Connections a listener accepts before it reads those already accepted: under a flood of
+connections, a real client's handshake is read while its connection is held."""
+
+T = TypeVar("T", bound=Hashable)
+_NOT_YET = ("had sent nothing", "had sent part of its first message", "had not proved itself")
+
+
+class Pending(Generic[T]):
+    """The connections a listener holds until they authenticate (oldest first), at most a bound.
+
+    Where one more would exceed it, the one dropped is the one that got least far in its
+    handshake (sent nothing, then part of its first message, then no proof yet), the oldest of
+    those, never the one just accepted: a flood of connections that send little or nothing
+    cannot push out a real client, which sends its whole first message at once and its proof
+    one round trip later. Progress is looked up when a connection must go (it only grows)."""
+
+    def __init__(self) -> None:
+        self._sides: dict[T, Responder] = {}  # arrival order
+        self._by_progress: tuple[dict[T, None], ...] = ({}, {}, {})
+
+    def __len__(self) -> int:
+        return len(self._sides)
+
+    def __iter__(self) -> Iterator[T]:
+        """Oldest first, over a copy (they may be dropped meanwhile)."""
+        return iter(list(self._sides))
+
+    def oldest(self) -> T | None:
+        return next(iter(self._sides), None)
+
+    def add(self, item: T, side: Responder) -> None:
+        self._sides[item] = side
+        self._by_progress[0][item] = None
+
+    def discard(self, item: T) -> None:
+        if self._sides.pop(item, None) is not None:
+            for group in self._by_progress:
+                group.pop(item, None)
+
+    def surplus(self, bound: int, newest: T) -> tuple[T, str] | None:
+        """The connection to drop where more than `bound` are held, `newest` aside, and why."""
+        if len(self._sides) <= bound:
+            return None
+        for stage, group in enumerate(self._by_progress):
+            found, further = None, []
+            for item in group:
+                now = self._sides[item].progress
+                if now != stage:  # it got further since: filed where it is now, below
+                    further.append((item, now))
+                elif item is not newest:
+                    found = item
+                    break
+            for item, now in further:
+                del group[item]
+                self._by_progress[now][item] = None
+            if found is not None:
+                return found, (f"{_NOT_YET[stage]} when {bound} connections were waiting to authenticate "
+                               f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
+        return None

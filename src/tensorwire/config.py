@@ -315,7 +315,7 @@ class Config:
     transport/tcp.py tune_socket, transport/failures.py check_silent)."""
     auth_pending: int = 64
     """Connections a store or a listening rank holds while they authenticate; a new one beyond
-    drops the oldest (TENSORWIRE_AUTH_PENDING)."""
+    drops the one that got least far in its handshake (TENSORWIRE_AUTH_PENDING, auth.Pending)."""
     store_max_value: int = STORE_MAX_VALUE
     """Largest value a store accepts; a larger frame closes its connection (TENSORWIRE_STORE_MAX_VALUE)."""
     store_max_connections: int = 4096

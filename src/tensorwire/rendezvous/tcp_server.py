@@ -2,8 +2,9 @@
 
 What a stranger can make the server hold is bounded (`StoreLimits`): until it has
 authenticated, a connection is read no further than the handshake's next message, dropped
-after `auth_timeout`, and at most `auth_pending` such connections are kept (a new one drops
-the oldest); a frame longer than the largest value allows closes its connection unread.
+after `auth_timeout`, and at most `auth_pending` such connections are kept (`auth.Pending`
+chooses the one a new one drops); a frame longer than the largest value allows closes its
+connection unread.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class TCPStoreServer:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._conns: dict[socket.socket, _Conn] = {}
-        self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
+        self._pending: auth.Pending[_Conn] = auth.Pending()
         self._served: list[ClientStats] = []  # every authenticated client's, closed ones too
         self._listener = self._bind(host, port, backlog)
         self.port: int = self._listener.getsockname()[1]
@@ -187,8 +188,9 @@ class TCPStoreServer:
 
     def _next_timeout(self) -> float | None:
         times = [self._deadlines[0][0]] if self._deadlines else []
-        if self._pending:
-            times.append(next(iter(self._pending)).deadline)
+        oldest = self._pending.oldest()
+        if oldest is not None:
+            times.append(oldest.deadline)
         if self._accept_resume is not None:
             times.append(self._accept_resume)
         if not times:
@@ -223,7 +225,8 @@ class TCPStoreServer:
                     s.close()
 
     def _accept(self) -> None:
-        while True:
+        bound = pending_bound(self.limits.auth_pending)
+        for _ in range(auth.ACCEPT_BATCH):  # then the ready sockets, before the next batch
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -242,33 +245,27 @@ class TCPStoreServer:
                               f"(TENSORWIRE_STORE_MAX_CONNECTIONS)")
                 sock.close()
                 continue
-            bound = pending_bound(self.limits.auth_pending)
-            if len(self._pending) >= bound:
-                oldest = next(iter(self._pending))
-                self._refused(oldest.peer, f"still unauthenticated when {bound} others were waiting "
-                              f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
-                self._drop(oldest)
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             handshake = auth.Responder(self.secret.key, PURPOSE, MAGIC, 0)
             conn = _Conn(sock, peer, handshake, time.monotonic() + self.limits.auth_timeout)
             self._conns[sock] = conn
-            self._pending[conn] = None
-            self._sel.register(sock, selectors.EVENT_READ, None)
+            self._pending.add(conn, handshake)
+            self._sel.register(sock, selectors.EVENT_READ)
+            self._on_readable(conn)  # a client's first message is often there already
+            if conn.closed:  # (a flood's connection is often closed already)
+                continue
+            surplus = self._pending.surplus(bound, conn)
+            if surplus is not None:
+                self._refused(surplus[0].peer, surplus[1])
+                self._drop(surplus[0])
 
     def _on_readable(self, conn: _Conn) -> None:
-        want = conn.handshake.need if conn.handshake is not None else 1 << 20
-        try:
-            chunk = conn.sock.recv(want)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop(conn)
-            return
-        if conn.handshake is not None:
+        while conn.handshake is not None:  # one message at a time, as far as has arrived
+            chunk = self._recv(conn, conn.handshake.need)
+            if not chunk:
+                return
             try:
                 answer = conn.handshake.feed(chunk)
             except auth.HandshakeFailed as exc:
@@ -277,9 +274,13 @@ class TCPStoreServer:
                 return
             if conn.handshake.done:
                 conn.handshake = None
-                self._pending.pop(conn, None)
+                self._pending.discard(conn)
                 self._served.append(conn.stats)
             self._send(conn, answer)
+            if conn.handshake is None:
+                return
+        chunk = self._recv(conn, 1 << 20)
+        if not chunk:
             return
         conn.inbuf += chunk
         while not conn.closed:
@@ -297,6 +298,18 @@ class TCPStoreServer:
             del conn.inbuf[:LEN.size + n]
             conn.stats.bytes_in += LEN.size + n
             self._handle(conn, body)
+
+    def _recv(self, conn: _Conn, n: int) -> bytes:
+        """Up to `n` bytes of `conn`; b"" where none are there yet, or it is closed (then dropped)."""
+        try:
+            chunk = conn.sock.recv(n)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+        return chunk
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.closed or not data:
@@ -327,7 +340,7 @@ class TCPStoreServer:
             return
         conn.closed = True
         self._conns.pop(conn.sock, None)
-        self._pending.pop(conn, None)
+        self._pending.discard(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         with contextlib.suppress(OSError):
@@ -430,8 +443,7 @@ class TCPStoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._pending and next(iter(self._pending)).deadline <= now:
-            conn = next(iter(self._pending))
+        while (conn := self._pending.oldest()) is not None and conn.deadline <= now:
             self._refused(conn.peer, f"did not authenticate within {self.limits.auth_timeout:g} s "
                           f"(TENSORWIRE_AUTH_TIMEOUT)")
             self._drop(conn)

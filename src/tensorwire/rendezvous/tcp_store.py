@@ -37,6 +37,10 @@ from .tcp_server import TCPStoreServer
 # How much longer than the server-side deadline a client waits on its socket before it
 # decides the server (or the network to it) is gone.
 _SOCKET_GRACE_S = 10.0
+_CONNECT_FIRST_S = 0.25
+"""How long a first connection attempt waits for the server's answer before it dials again
+(each next one 1.5 times as long, up to 5 s): a store whose accept queue a flood keeps full drops
+some attempts unanswered, and the kernel would retry one only after 1, 3, 7... s."""
 
 
 class StoreLostError(RendezvousError):
@@ -91,7 +95,7 @@ class TCPStore(Store):
     def _connect(self, timeout: float) -> socket.socket:
         start = time.monotonic()
         deadline = start + timeout
-        delay = 0.01
+        delay, connect_s = 0.01, _CONNECT_FIRST_S
         last: BaseException | None = None
         while True:
             remaining = deadline - time.monotonic()
@@ -99,7 +103,7 @@ class TCPStore(Store):
                 break
             sock: socket.socket | None = None
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=min(remaining, 5.0))
+                sock = socket.create_connection((self.host, self.port), timeout=min(remaining, connect_s))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(min(max(deadline - time.monotonic(), 0.1), self.limits.auth_timeout))
                 auth.initiate(sock, self.secret.key, PURPOSE, MAGIC, b"")
@@ -121,6 +125,9 @@ class TCPStore(Store):
                 raise
             except (OSError, ConnectionError, EOFError, auth.HandshakeFailed) as exc:
                 last = exc  # hung up mid-handshake (busy, or our proof refused): try again
+                if sock is None and isinstance(exc, socket.timeout):  # unanswered: dial again now
+                    connect_s = min(1.5 * connect_s, 5.0)
+                    continue
                 if sock is not None:
                     sock.close()
             if isinstance(last, socket.gaierror):

@@ -14,9 +14,9 @@ protocol, and a listener that turned the dial away (another job's rank, or anoth
 the one dialed: a stale address) are errors of their own.
 
 Strangers on the listener are handshakes that never finish: each holds one of
-`cfg.auth_pending` slots (a new one beyond drops the oldest) for at most `cfg.auth_timeout`
-seconds, is read no further than the handshake's next message, and is dropped and logged
-(subsystem AUTH).
+`cfg.auth_pending` slots (`auth.Pending` chooses the one a new one beyond drops) for at most
+`cfg.auth_timeout` seconds, is read no further than the handshake's next message, and is
+dropped and logged (subsystem AUTH).
 """
 
 from __future__ import annotations
@@ -186,22 +186,22 @@ class Incoming:
         return None if to == self.me else f"a connection meant for rank {to}"
 
     def step(self) -> bool:
-        try:
-            data = self.sock.recv(self.side.need)
-        except (BlockingIOError, InterruptedError):
-            return False
-        if not data:
-            raise ConnectionError("closed the connection during the handshake")
-        try:
-            answer = self.side.feed(data)
-        except auth.HandshakeFailed:
-            if self.side.refusal:  # tell the dialer why, so that it stops trying (best effort)
-                with contextlib.suppress(OSError):
-                    self.sock.send(self.side.refusal)
-            raise
-        _send(self.sock, answer)
-        if not self.side.done:
-            return False
+        """Read the handshake as far as it has arrived, one message at a time."""
+        while not self.side.done:
+            try:
+                data = self.sock.recv(self.side.need)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not data:
+                raise ConnectionError("closed the connection during the handshake")
+            try:
+                answer = self.side.feed(data)
+            except auth.HandshakeFailed:
+                if self.side.refusal:  # tell the dialer why, so that it stops trying (best effort)
+                    with contextlib.suppress(OSError):
+                        self.sock.send(self.side.refusal)
+                raise
+            _send(self.sock, answer)
         self.rank, _, self.world_size, _ = HELLO.unpack(self.side.hello)
         return True
 

@@ -137,7 +137,7 @@ class Wiring:
         self._streams: dict[int, _Out] = {}  # further streams being dialed, by descriptor
         self._in: dict[int, _In] = {}  # incoming pairs being set up, by peer
         self._joining: dict[int, _In] = {}  # incoming streams before they named their pair, by descriptor
-        self._auth: dict[int, Incoming] = {}  # unauthenticated, oldest first, by descriptor
+        self._auth: auth.Pending[Incoming] = auth.Pending()  # unauthenticated
         self._later: dict[int, float] = {}  # peer -> when to dial it (again)
         self._tries: dict[int, int] = {}
         self._dialing_since: dict[int, float] = {}  # peer -> when this rank first dialed it (not yet joined)
@@ -264,7 +264,9 @@ class Wiring:
     def _next_wake(self, now: float) -> float | None:
         times = [*self._later.values()]
         times += [o.expires for o in self._out.values()] + [o.expires for o in self._streams.values()]
-        times += [i.expires for i in self._auth.values()] + [i.expires for i in self._in.values()]
+        oldest = self._auth.oldest()
+        times += [oldest.expires] if oldest is not None else []
+        times += [i.expires for i in self._in.values()]
         times += [i.expires for i in self._joining.values()]
         if self._listening_again:
             times.append(self._listening_again)
@@ -287,9 +289,9 @@ class Wiring:
             self._attempt(out, functools.partial(out.dial.expired, now))
         for out in [o for o in self._streams.values() if o.expires <= now]:
             self._attempt(out, functools.partial(out.dial.expired, now))
-        for fd in [fd for fd, i in self._auth.items() if i.expires <= now]:
-            self._drop(fd, f"did not authenticate within {self.cfg.auth_timeout:g} s "
-                           f"(TENSORWIRE_AUTH_TIMEOUT)")
+        while (inc := self._auth.oldest()) is not None and inc.expires <= now:
+            self._drop(inc, f"did not authenticate within {self.cfg.auth_timeout:g} s "
+                            f"(TENSORWIRE_AUTH_TIMEOUT)")
         for link in [i for i in (*self._in.values(), *self._joining.values()) if i.expires <= now]:
             self._abandon_in(link, f"rank {link.peer} set up no pair within {self.cfg.auth_timeout:g} s")
         if self._listening_again and self._listening_again <= now:
@@ -464,7 +466,7 @@ class Wiring:
 
     # -- accepting ----------------------------------------------------------------------------
     def _on_listener(self) -> None:
-        while True:
+        for _ in range(auth.ACCEPT_BATCH):  # then the ready sockets, before the next batch
             try:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -477,15 +479,15 @@ class Wiring:
             self._admit(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
 
     def _admit(self, sock: socket.socket, addr: str, reject: str = "") -> None:
-        bound = limits.pending_bound(self.cfg.auth_pending)
-        if len(self._auth) >= bound:
-            self._drop(next(iter(self._auth)), f"still unauthenticated when {bound} others were waiting "
-                       f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
         sock.setblocking(False)
         inc = Incoming(sock, addr, self.secret, self.job, self.rank, self.cfg.auth_timeout)
         fd = sock.fileno()
-        self._auth[fd] = inc
+        self._auth.add(inc, inc.side)
         self._register(fd, lambda: self._on_incoming(fd, inc, reject))
+        self._on_incoming(fd, inc, reject)  # a dialer's first message is often there already
+        surplus = self._auth.surplus(limits.pending_bound(self.cfg.auth_pending), inc)
+        if surplus is not None:
+            self._drop(*surplus)
 
     def _shed(self, exc: OSError) -> None:
         """No descriptor left to accept with: raise the soft limit where the hard one allows,
@@ -508,8 +510,8 @@ class Wiring:
             return
         self._admit(sock, str(addr), reject=str(error))
 
-    def _drop(self, fd: int, reason: str) -> None:
-        inc = self._auth.pop(fd)
+    def _drop(self, inc: Incoming, reason: str) -> None:
+        self._auth.discard(inc)
         self._refused(inc.addr, reason)
         self._forget(inc.sock)
 
@@ -526,9 +528,9 @@ class Wiring:
             if not inc.step():
                 return
         except (OSError, auth.HandshakeFailed) as exc:
-            self._drop(fd, str(exc) or type(exc).__name__)
+            self._drop(inc, str(exc) or type(exc).__name__)
             return
-        del self._auth[fd]
+        self._auth.discard(inc)
         size = self.engine.world_size
         if inc.world_size != size or not 0 <= inc.rank < size:
             self._turn_away(inc, f"rank {inc.rank} of a world of {inc.world_size} (this one has {size})",
@@ -710,10 +712,10 @@ class Wiring:
             self._drop_out(out)
         for link in [*self._in.values(), *self._joining.values()]:
             self._abandon_in(link, "")
-        for inc in self._auth.values():
+        for inc in self._auth:
+            self._auth.discard(inc)
             with contextlib.suppress(OSError):
                 inc.sock.close()
-        self._auth.clear()
         with contextlib.suppress(OSError):
             self.listener.close()
         for fd in (self._wake, self._spare):
