@@ -567,8 +567,10 @@ def test_store_connection_cap(server: TCPStoreServer) -> None:
     with TCPStoreServer(LOOPBACK, 0, secret=SECRET, limits=limits) as srv:
         clients = [TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits) for _ in range(2)]
         try:
-            with pytest.raises(RendezvousError, match="could not connect"):
-                TCPStore(LOOPBACK, srv.port, timeout=1, secret=SECRET, limits=limits)
+            # the error says that the store was reached (not "is rank 0 running?"), and by whom
+            with pytest.raises(RendezvousError, match=r"^rank 2: the TCP store at \S+ was reachable, but "
+                                                      r"closed the connection"):
+                TCPStore(LOOPBACK, srv.port, timeout=1, secret=SECRET, limits=limits, who="rank 2")
             clients.pop().close()
             time.sleep(0.1)
             TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits).close()

@@ -61,12 +61,14 @@ class TCPStore(Store):
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_STORE_TIMEOUT_S,
                  server: bool = False, secret: auth.Secret | None = None,
-                 limits: StoreLimits = DEFAULT_LIMITS, connect_within: float | None = None) -> None:
+                 limits: StoreLimits = DEFAULT_LIMITS, connect_within: float | None = None,
+                 who: str = "") -> None:
         """`secret`: the job's (default: `auth.for_host(host)`); `limits` bound what the
         server hosted here holds and the replies this client accepts; `connect_within`: how
-        long to try reaching the server (default `timeout`)."""
+        long to try reaching the server (default `timeout`); `who` ("rank 3") opens errors."""
         super().__init__(timeout)
         self.host = host
+        self.who = f"{who}: " if who else ""
         self.secret = secret if secret is not None else auth.for_host(host)
         self.limits = limits
         self._server: TCPStoreServer | None = (
@@ -97,6 +99,7 @@ class TCPStore(Store):
         deadline = start + timeout
         delay, connect_s = 0.01, _CONNECT_FIRST_S
         last: BaseException | None = None
+        cut = 0  # connections the server accepted, then closed before the handshake ended
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -112,13 +115,14 @@ class TCPStore(Store):
             except auth.NotTensorwire as exc:
                 sock.close()
                 raise RendezvousError(
-                    f"{self.address} answered, but not as a tensorwire store (wrong protocol)") from exc
+                    f"{self.who}{self.address} answered, but not as a tensorwire store (wrong protocol)") \
+                    from exc
             except auth.WrongSecret as exc:
                 sock.close()
                 raise AuthenticationError(
-                    f"the TCP store at {self.address} could not prove that it knows this job's secret "
-                    f"(this process's: {self.secret.source}): the store's host and every rank need the "
-                    f"same {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}; see docs/security.md") from exc
+                    f"{self.who}the TCP store at {self.address} could not prove that it knows this job's "
+                    f"secret (this process's: {self.secret.source}): the store's host and every rank need "
+                    f"the same {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}; see docs/security.md") from exc
             except RendezvousError:
                 if sock is not None:
                     sock.close()
@@ -129,14 +133,22 @@ class TCPStore(Store):
                     connect_s = min(1.5 * connect_s, 5.0)
                     continue
                 if sock is not None:
+                    cut += 1
                     sock.close()
             if isinstance(last, socket.gaierror):
                 break  # a name that does not resolve will not start resolving by itself
             time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
             delay = min(delay * 2, 0.5)
         waited = time.monotonic() - start
+        if cut:
+            raise RendezvousError(
+                f"{self.who}the TCP store at {self.address} was reachable, but closed the connection or "
+                f"went silent during the handshake {cut} times in {waited:.1f} s (last error: {last}): it is "
+                f"overloaded (a flood of connections to its port?) or turned this process away (as many "
+                f"clients as TENSORWIRE_STORE_MAX_CONNECTIONS?); its host logs what it dropped with "
+                f"TENSORWIRE_DEBUG=WARN TENSORWIRE_DEBUG_SUBSYS=AUTH")
         raise RendezvousError(
-            f"could not connect to the TCP store at {self.address} after trying for {waited:.1f} s "
+            f"{self.who}could not connect to the TCP store at {self.address} after trying for {waited:.1f} s "
             f"(last error: {last}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
 
     @staticmethod

@@ -86,7 +86,7 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
     key = f"tw/torch-store/{_env_inits}"
     seconds = timeout.total_seconds()
     tw_store = TwTCPStore(addr, port, timeout=seconds, server=False,
-                          secret=bootstrap.job_secret(bootstrap.detect()))
+                          secret=bootstrap.job_secret(bootstrap.detect()), who=f"rank {rank}")
     try:
         if rank == 0:
             store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
