@@ -42,6 +42,15 @@ def test_example_under_tensorwire_run() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_the_torch_store_of_a_one_node_tensorwire_run_listens_on_loopback_alone() -> None:
+    """torch's store authenticates nobody: it listened on every interface (*:PORT), where other
+    machines could write its keys, though `tensorwire run --help` says 127.0.0.1."""
+    argv = [str(BIN / "tensorwire"), "run", "-n", "2", str(_SELF), "torch_store_address"]
+    result = run_command(argv, env=clean_env(), timeout=100)
+    assert result.rc == 0 and "torch_store_address OK" in result.out, (result.out + result.err)[-4000:]
+
+
+@pytest.mark.timeout(120)
 def test_pipeline_example_matches_its_single_process_run() -> None:
     """Three stages on a 1F1B schedule: every stage's parameters and the losses after 5 steps
     are those of the whole model trained in one process (the example exits 1 where not)."""
@@ -153,6 +162,32 @@ def scenario_init_methods(*ports: str) -> None:
         dist.barrier()
         assert torch.equal(t, torch.ones(2))
         dist.destroy_process_group()
+
+
+def scenario_torch_store_address() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if dist.get_rank() == 0:  # the store's host: where its listening socket is bound
+        bound = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    address, port = local.rsplit(":", 1)
+                    if state == "0A" and int(port, 16) == store.port:
+                        bound.append(address)
+        assert bound == ["0100007F"], f"torch's store on port {store.port} listens on {bound}"
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the store served both ranks
+    assert torch.equal(t, torch.full((2,), 2.0))
+    dist.destroy_process_group()
 
 
 def scenario_future_callbacks_at_exit() -> None:

@@ -13,6 +13,7 @@ compress only between hosts (hooks.py). See docs/torch.md.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -57,6 +58,7 @@ if BACKEND_NAME.upper() not in dist.Backend._plugins:
 # `tensorwire run` hosts a *tensorwire* store on MASTER_PORT. torch's env:// would try to host
 # or reach a torch TCPStore there, so under that launcher env:// instead starts a torch store
 # on a free port and publishes the port through the tensorwire store. Elsewhere env:// is torch's.
+# torch's store authenticates nobody: on one node it listens on MASTER_ADDR (loopback) alone.
 _RDZV = sys.modules["torch.distributed.rendezvous"]
 _TORCH_ENV_HANDLER = _RDZV._rendezvous_handlers.get("env")
 
@@ -89,7 +91,9 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
                           secret=bootstrap.job_secret(bootstrap.detect()), who=f"rank {rank}")
     try:
         if rank == 0:
-            store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+            listen_fd, torch_port = _loopback_listener(addr)
+            store = dist.TCPStore(addr, torch_port, size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=listen_fd)
             tw_store.set(key, str(store.port).encode())
         else:
             torch_port = int(tw_store.get(key, seconds))
@@ -98,6 +102,20 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
         tw_store.close()
     yield (store, rank, size)
     raise RuntimeError("env:// under tensorwire run cannot re-rendezvous")
+
+
+def _loopback_listener(addr: str) -> tuple[int | None, int]:
+    """(descriptor, port) of a socket listening on `addr` alone, handed over to torch's store,
+    where `addr` is a loopback address; else (None, 0): torch's store listens on every interface,
+    as the ranks of other hosts must reach it."""
+    from .. import auth
+
+    if not auth.is_loopback(addr):
+        return None, 0
+    family, _, _, _, address = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.create_server(address[:2], family=family)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 if _TORCH_ENV_HANDLER is not None and getattr(_TORCH_ENV_HANDLER, "__module__", "") != __name__:
