@@ -434,8 +434,8 @@ def test_recorded_handshake_cannot_be_replayed() -> None:
     replayed = auth.Responder(KEY, b"p", b"M", 0)
     replayed.feed(b"M")
     replayed.feed(nonce)
-    with pytest.raises(auth.WrongSecret):
-        replayed.feed(proof)
+    with pytest.raises(auth.WrongSecret, match=r"not this job's secret, or a replayed handshake"):
+        replayed.feed(proof)  # (the listener's log says so)
 
 
 @FUZZ

@@ -308,7 +308,7 @@ class Responder(_Handshake):
             self._transcript = self._magic + got + nonce
             return self._magic + nonce + self._proof(b"responder")
         if not hmac.compare_digest(got, self._proof(b"initiator")):
-            raise WrongSecret("wrong proof (not this job's secret)")
+            raise WrongSecret("wrong proof (not this job's secret, or a replayed handshake)")
         self.done = True
         return ACCEPTED if self._confirm else b""
 
