@@ -606,6 +606,17 @@ def test_store_limits_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> No
         Config.from_env()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["TENSORWIRE_AUTH_PENDING", "TENSORWIRE_STORE_MAX_CONNECTIONS"])
+@pytest.mark.parametrize("value", ["1.9", "2.5", "1e3", "²", "many"])
+def test_a_count_setting_takes_only_whole_numbers(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                  value: str) -> None:
+    """A count given as a fraction is refused, naming it, rather than cut to a whole number."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: expected a whole number")):
+        Config.from_env()
+
+
 def _mutated(valid: bytes) -> st.SearchStrategy[bytes]:
     """`valid` with bytes flipped, cut or spliced in: mostly-right input reaches deepest."""
     edits = st.lists(st.tuples(st.integers(0, max(len(valid) - 1, 0)), st.integers(0, 255)), max_size=6)

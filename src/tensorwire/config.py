@@ -76,7 +76,13 @@ def _env_float(name: str, default: float | None) -> float | None:
 
 
 def _env_int(name: str, default: int) -> int:
-    return int(_env_float(name, default))
+    """A count: digits only, so that 2.5 connections are refused rather than cut to 2."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdecimal():
+        raise ValueError(f"{name}={raw!r}: expected a whole number")
+    return int(raw)
 
 
 def _env_count(name: str, least: int, what: str) -> int | None:
@@ -84,7 +90,7 @@ def _env_count(name: str, least: int, what: str) -> int | None:
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "auto"):
         return None
-    if not raw.isdigit() or not least <= int(raw) <= 64:
+    if not raw.isdecimal() or not least <= int(raw) <= 64:
         raise ValueError(f"{name}={raw!r}: expected auto or a number of {what} from {least} to 64")
     return int(raw)
 
