@@ -219,6 +219,17 @@ def test_connect_to_nothing_fails_within_timeout() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_timeout_too_short_for_any_attempt_is_named_as_the_cause() -> None:
+    """TENSORWIRE_TIMEOUT=1e-9 said 'after trying for 0.0 s (last error: None)' and blamed
+    MASTER_ADDR: the timeout ran out, and the message says so."""
+    with pytest.raises(RendezvousError, match=r"its timeout of 1e-09 s \(TENSORWIRE_TIMEOUT or timeout=\) "
+                                              r"ran out before a first attempt$"):
+        TCPStore(LOOPBACK, free_port(), timeout=1e-9)
+    with pytest.raises(RendezvousError, match=r"after trying for 0\.\d s, its whole timeout \(TENSORWIRE_"):
+        TCPStore(LOOPBACK, free_port(), timeout=0.3)
+
+
+@pytest.mark.timeout(30)
 def test_connect_retries_until_server_appears() -> None:
     port = free_port()
     holder: list[TCPStoreServer] = []
@@ -799,3 +810,13 @@ def test_select_address() -> None:
     assert select_address("", None, None) == "127.0.0.1"
     with pytest.raises(RendezvousError, match=r"no network interface matches .*'nosuchif'.*lo=127\.0\.0\.1"):
         select_address("nosuchif", None, None)
+
+
+@pytest.mark.timeout(30)
+def test_init_names_the_rank_whose_interface_filter_matches_nothing() -> None:
+    import tensorwire as tw
+
+    with pytest.raises(RendezvousError, match=r"^rank 0: init: no network interface matches "
+                                              r"TENSORWIRE_SOCKET_IFNAME='nosuchif'"):
+        tw.init(rank=0, world_size=1, socket_ifname="nosuchif")
+    assert not tw.is_initialized()

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from . import auth, log, memory
 from .config import Config
-from .errors import InvalidArgumentError, NotInitializedError, TensorwireError, retold
+from .errors import InvalidArgumentError, NotInitializedError, named
 from .group.group import Group
 from .rendezvous import bootstrap
 from .rendezvous.prefix_store import PrefixStore
@@ -89,16 +89,18 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
         scope = f"tw/{info.job_id}/g{_generation}"
         multi_host = 0 < info.local_world_size < info.world_size
-        address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
-                                       multi_host=multi_host)
+        with named(info.rank, "init"):
+            address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
+                                           multi_host=multi_host)
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s, TCP congestion control %s",
                   info.rank, info.world_size, info.source, info.init_method, address, cfg.transport,
                   tcp.congestion_in_use(cfg))
         connect_within = None
         while True:
             try:
-                root_store, engine, cards = _rendezvous(info, cfg, store, scope, secret, address, deadline,
-                                                        connect_within)
+                with named(info.rank, "init"):
+                    root_store, engine, cards = _rendezvous(info, cfg, store, scope, secret, address,
+                                                            deadline, connect_within)
                 break
             except StoreLostError as exc:
                 # rank 0 hosts the store (tcp://) and closed it under this rank's init: it was
@@ -145,7 +147,7 @@ def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, sc
         serving = info.world_size if getattr(root_store, "server", None) is not None else 0
         engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
                                       local_card(address), deadline, secret, serving)
-    except BaseException as exc:
+    except BaseException:
         if root_store is not None and store is None:
             if getattr(root_store, "server", None) is not None:
                 # This process hosts the store: serve a little longer, so the other ranks
@@ -153,8 +155,6 @@ def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, sc
                 # than report a lost store.
                 time.sleep(min(3.0, cfg.timeout))
             root_store.close()
-        if isinstance(exc, TensorwireError) and not str(exc).startswith("rank "):  # the store's own
-            raise retold(exc, f"rank {info.rank}: init: {exc}") from exc
         raise
     return root_store, engine, cards
 

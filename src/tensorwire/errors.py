@@ -7,7 +7,8 @@ sequence number and what was wrong, so a log line from any rank is enough to fin
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 CLEAN_GROUP = ("shrink() makes a clean one (under torch.distributed: destroy_process_group(), then "
                "init_process_group())")
@@ -43,6 +44,18 @@ def retold(exc: BaseException, message: str) -> BaseException:
     told = type(exc)(message)
     told.__dict__.update(exc.__dict__)
     return told
+
+
+@contextlib.contextmanager
+def named(rank: int, call: str) -> Iterator[None]:
+    """A TensorwireError raised below (the store, an interface filter), which knows neither the
+    rank nor the call, retold as 'rank 3: init: ...'; one that names a rank already passes."""
+    try:
+        yield
+    except TensorwireError as exc:
+        if str(exc).startswith("rank "):
+            raise
+        raise retold(exc, f"rank {rank}: {call}: {exc}") from exc
 
 
 def in_call(exc: TensorwireError, where: str) -> TensorwireError:

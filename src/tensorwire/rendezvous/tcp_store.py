@@ -147,9 +147,16 @@ class TCPStore(Store):
                 f"overloaded (a flood of connections to its port?) or turned this process away (as many "
                 f"clients as TENSORWIRE_STORE_MAX_CONNECTIONS?); its host logs what it dropped with "
                 f"TENSORWIRE_DEBUG=WARN TENSORWIRE_DEBUG_SUBSYS=AUTH")
+        if last is None:
+            raise RendezvousError(f"{self.who}could not connect to the TCP store at {self.address}: its "
+                                  f"timeout of {timeout:.3g} s (TENSORWIRE_TIMEOUT or timeout=) ran out "
+                                  f"before a first attempt")
+        until = "" if isinstance(last, socket.gaierror) else \
+            ", its whole timeout (TENSORWIRE_TIMEOUT or timeout=)"
         raise RendezvousError(
-            f"{self.who}could not connect to the TCP store at {self.address} after trying for {waited:.1f} s "
-            f"(last error: {last}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
+            f"{self.who}could not connect to the TCP store at {self.address} after trying for "
+            f"{waited:.1f} s{until} (last error: {last}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
+            f"right?")
 
     @staticmethod
     def _recv_exact(sock: socket.socket, n: int) -> bytes:

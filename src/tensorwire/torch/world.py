@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import api, log
 from ..config import Config
-from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError, named
 from ..group.group import Group
 from ..rendezvous import bootstrap
 from ..rendezvous.store import Store
@@ -200,7 +200,8 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
     engine = Engine(rank, size, cfg.spin_us, cfg.native)
-    card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
+    with named(rank, "tensorwire groups"):
+        card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
     free = shm_budget.free_at_start()
     wiring = Wiring(engine, cfg, info.job_id, bootstrap.job_secret(info), card["addr"],
                     (card["host"], card["machine"]), size)
