@@ -719,3 +719,34 @@ def test_tcp_ceiling_beside_sendrecv() -> None:
     assert [int(line.split()[1]) for line in lines[at + 2:at + 6]] == [1, 2, 4, 8]
     assert all(float(line.split()[-1]) > 0 for line in lines[at + 2:at + 6])
     assert any(line.startswith("# sendrecv    1048576 B:") and "of one raw socket" in line for line in lines)
+
+
+@pytest.mark.timeout(60)
+def test_the_recorded_commit_counts_changes_anywhere_in_the_package(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`(git <sha>)` lacked `+changes` while the library was modified: only src/tensorwire/tools
+    was looked at. The whole package is, a new file in it included."""
+    import tensorwire
+
+    asked: list[str] = []
+    monkeypatch.setattr(report, "_git_commit", lambda folder: asked.append(folder) or "abc1234")
+    assert report.machine()["tensorwire"].endswith("(git abc1234)")
+    assert asked == [str(Path(tensorwire.__file__).resolve().parent)]
+    monkeypatch.undo()
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    package = tmp_path / "src" / "pkg"
+    (package / "tools").mkdir(parents=True)
+    (package / "core.py").write_text("x = 1\n")
+    (package / "tools" / "bench.py").write_text("y = 1\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    clean = report._git_commit(str(package))
+    assert clean is not None and not clean.endswith("+changes")
+    (package / "core.py").write_text("x = 2\n")
+    assert report._git_commit(str(package)) == f"{clean}+changes"
+    subprocess.run([*git, "checkout", "-q", "src/pkg/core.py"], check=True)
+    (package / "new.py").write_text("z = 1\n")
+    assert report._git_commit(str(package)) == f"{clean}+changes"

@@ -20,6 +20,7 @@ import subprocess
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .sweep import busbw_factor
@@ -282,18 +283,19 @@ def machine() -> dict[str, Any]:
             info["memory_GiB"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     except OSError:
         pass
-    commit = _git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    commit = _git_commit(str(Path(__file__).resolve().parents[2]))  # the whole package: src/tensorwire
     if commit:
         info["tensorwire"] += f" (git {commit})"
     return info
 
 
 def _git_commit(folder: str) -> str | None:
-    """The checkout's commit, with `+changes` when it differs from it (None outside git)."""
+    """The checkout's commit, with `+changes` when `folder` differs from it, a new file in it
+    included (None outside git)."""
     try:
         head = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "--untracked-files=no", "."],
+        dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "."],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
