@@ -77,6 +77,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             memory.keep_freed_memory()
         info = bootstrap.detect(rank, world_size, init_method)
         log.set_rank(info.rank)
+        cfg.log_changed()
         policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
         hosted_here = store is None and not info.store_hosted and info.init_method.startswith("tcp://")
         if hosted_here and info.world_size > cfg.store_max_connections:  # rank 0 serves every rank

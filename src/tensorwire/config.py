@@ -6,15 +6,18 @@ Keyword arguments of `init()` win over the environment; the environment wins ove
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from . import log
 from .errors import TensorwireWarning
 
 DEFAULT_TIMEOUT_S = 300.0
+_env_log = log.get("ENV")
 
 SETTINGS = frozenset({
     "TENSORWIRE_ALGO", "TENSORWIRE_AUTH_PENDING", "TENSORWIRE_AUTH_TIMEOUT",
@@ -157,12 +160,11 @@ def check_debug_settings() -> None:
     level = os.environ.get("TENSORWIRE_DEBUG", "").strip().upper()
     if level and level not in log.LEVELS:
         raise ValueError(f"TENSORWIRE_DEBUG={level!r}: expected one of {', '.join(log.LEVELS)}")
-    subsys = os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "").strip().upper()
-    unknown = [s for s in subsys.split(",") if s.strip().lstrip("^") not in (*log.SUBSYSTEMS, "ALL")] \
-        if subsys else []
-    if unknown:
-        raise ValueError(f"TENSORWIRE_DEBUG_SUBSYS={subsys!r}: unknown {', '.join(unknown)} (known: ALL, "
-                         f"{', '.join(log.SUBSYSTEMS)}; ^X excludes X)")
+    subsys = os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "")
+    try:
+        log.subsystems(subsys)
+    except ValueError as exc:
+        raise ValueError(f"TENSORWIRE_DEBUG_SUBSYS={subsys.strip().upper()!r}: {exc}") from None
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -446,10 +448,23 @@ class Config:
             raise ValueError("TENSORWIRE_SHM_RING must be a multiple of 4096 and at least 64K")
         return cfg
 
+    def changed(self, names: Sequence[str] | None = None) -> dict[str, object]:
+        """The settings (of `names`, default all) that differ from their fields' defaults."""
+        defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+                    for f in fields(self)}
+        return {name: getattr(self, name) for name in (defaults if names is None else names)
+                if getattr(self, name) != defaults[name]}
+
     def tcp_changed(self) -> dict[str, object]:
         """The TCP settings (TCP_SETTINGS) that differ from their fields' defaults."""
-        defaults = {f.name: f.default for f in fields(self)}
-        return {name: getattr(self, name) for name in TCP_SETTINGS if getattr(self, name) != defaults[name]}
+        return self.changed(TCP_SETTINGS)
+
+    def log_changed(self) -> None:
+        """The ENV log's line at init: the settings in effect that are not their defaults."""
+        if _env_log.isEnabledFor(logging.INFO):
+            changed = self.changed()
+            _env_log.info("settings not at their defaults: %s", ", ".join(
+                f"{name}={value!r}" for name, value in changed.items()) if changed else "none")
 
     def direct_slot(self, group_size: int) -> int:
         """Bytes of one rank's slot on the one-shot shared-memory path in a group of this size:

@@ -12,10 +12,29 @@ import socket
 import sys
 import warnings
 
-SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "LAUNCH", "BENCH", "AUTH")
+SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "AUTH")
 LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
           "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG}
+PER_CALL = logging.DEBUG
+"""The level of the COLL and P2P logs' line per call (TRACE): at INFO, whose default subsystems
+are all of them, one line per call would bury the decisions taken once."""
 _configured = False
+
+
+def subsystems(spec: str) -> set[str]:
+    """The subsystems TENSORWIRE_DEBUG_SUBSYS `spec` names: 'INIT,COLL', 'ALL,^COLL', '^GRAPH'
+    (all but GRAPH); a ValueError for an unknown name or one that leaves none ('^ALL')."""
+    names = [s.strip().upper() for s in spec.split(",") if s.strip()] or ["ALL"]
+    unknown = [s for s in names if s.lstrip("^") not in (*SUBSYSTEMS, "ALL")]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)} (known: ALL, {', '.join(SUBSYSTEMS)}; ^X excludes X)")
+    included = {s for s in names if not s.startswith("^")}
+    excluded = {s[1:] for s in names if s.startswith("^")}
+    wanted = set(SUBSYSTEMS) if "ALL" in included or not included else included
+    wanted = set() if "ALL" in excluded else wanted - excluded
+    if not wanted:
+        raise ValueError("it leaves no subsystem to log (unset TENSORWIRE_DEBUG to log nothing)")
+    return wanted
 
 
 class _RankFilter(logging.Filter):
@@ -36,7 +55,9 @@ def set_rank(rank: int | str) -> None:
 
 
 def configure() -> None:
-    """Attach a stderr handler according to TENSORWIRE_DEBUG; idempotent."""
+    """Attach a stderr handler according to TENSORWIRE_DEBUG; idempotent. The subsystems left
+    out get a level above every message, so that `isEnabledFor` tells exactly what is logged
+    (what the per-call lines' switch reads: PER_CALL)."""
     global _configured
     if _configured:
         return
@@ -51,12 +72,13 @@ def configure() -> None:
     handler.setFormatter(logging.Formatter(
         f"{host}:%(process)d:rank %(twrank)s [tensorwire %(levelname)s %(name)s] %(message)s"))
     handler.addFilter(_rank_filter)
-    subsys = {s.strip().upper() for s in os.environ.get("TENSORWIRE_DEBUG_SUBSYS", "ALL").split(",")}
-    if "ALL" not in subsys:
-        excluded = {s[1:] for s in subsys if s.startswith("^")}
-        included = {s for s in subsys if not s.startswith("^")} or set(SUBSYSTEMS)
-        wanted = included - excluded
-        handler.addFilter(lambda r: r.name.rsplit(".", 1)[-1] in wanted)
+    try:
+        wanted = subsystems(os.environ.get("TENSORWIRE_DEBUG_SUBSYS", ""))
+    except ValueError:  # Config.from_env fails init naming it
+        wanted = set(SUBSYSTEMS)
+    for name in SUBSYSTEMS:
+        if name not in wanted:
+            get(name).setLevel(logging.CRITICAL + 1)
     root.addHandler(handler)
 
 

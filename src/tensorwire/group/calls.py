@@ -33,7 +33,8 @@ _SCRATCH_BYTES = 16 << 10  # the largest reducing receive exchange_now takes thr
 class CollectiveCall:
     """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
 
-    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline", "ref", "__weakref__")
+    __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline", "ref", "algo",
+                 "__weakref__")
 
     def __init__(self, group: Group, seq: int, fp: Fingerprint, name: str, timeout: float) -> None:
         self.group = group
@@ -45,6 +46,7 @@ class CollectiveCall:
         self.timeout = timeout
         self.deadline = 0.0
         self.ref = weakref.ref(self)  # how the engine notes it (Engine.current): never keeping a group alive
+        self.algo = ""  # the algorithm that ran it, where the COLL log's line per call asks (tuner.noting)
 
     @property
     def what(self) -> str:

@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..transport.wire import Coll, Fingerprint
 from ..work import Work
+from . import call_log
 from .arguments import limit_of
 from .calls import CollectiveCall
 from .renewal import renew
@@ -59,8 +60,9 @@ os.register_at_fork(after_in_child=_RUNNING_CALLBACKS.clear)  # a fork has none 
 class CallQueue:
     """One group's calls, numbered in call order and run one at a time in that order."""
 
-    # slots: the compiled caller reads and writes these where they lie (group/planned.py)
-    __slots__ = ("seq", "busy", "doomed", "current", "__dict__", "__weakref__")
+    # slots: the compiled caller reads and writes these where they lie (group/planned.py);
+    # `logged` is read on the planned path (Plans.submit)
+    __slots__ = ("seq", "busy", "doomed", "current", "logged", "__dict__", "__weakref__")
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -83,6 +85,9 @@ class CallQueue:
         self.in_flight = [0, 0]
         """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
         self.callbacks = _RUNNING_CALLBACKS  # read where the planned paths are decided
+        self.logged = _log.isEnabledFor(log.PER_CALL)
+        """The COLL log has a line per call (call_log.py): every call comes through `_run`, as
+        the planned path (Plans.submit) and the compiled caller (its clear_to_run) see here."""
         self.phase_of = 0
         """While a hierarchical call runs its phases on this group (one of its hierarchy's), that
         call's wire.phase_digest, mixed into each call's fingerprint here (Plans.submit and
@@ -311,6 +316,8 @@ class CallQueue:
             direct = group.direct
             if direct is not None and direct.st.prev_seq != call.seq:
                 direct.stamp(call)  # it ran on the message path
+            if self.logged:
+                call_log.ran(call)
             return result
         except MemoryError as exc:
             raise self.out_of_memory(call, exc) from exc

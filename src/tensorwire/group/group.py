@@ -22,7 +22,7 @@ from ..algorithms.hierarchical import Hierarchy
 from ..errors import InvalidArgumentError, NotInitializedError, rank_spans
 from ..ops import ReduceOp
 from ..transport.wire import Coll
-from . import bodies, collectives, objects, p2p, shm_setup
+from . import bodies, call_log, collectives, objects, p2p, shm_setup
 from .arguments import check_member, fingerprint
 from .calls import CollectiveCall
 from .context import NEW_GROUP, SPLIT, mix_context
@@ -82,13 +82,15 @@ class Group:
         if self.rank >= 0:
             if self.engine.native is not None:
                 self._compile_api()
+            call_log.log_p2p(self)
             shm_setup.setup_direct(self, check_order)
 
     def _compile_api(self) -> None:
         """Take the compiled caller's methods as this group's methods of those names: a call
         that the group planned on the one-shot path (planned.Plans._compile), or a sendrecv of
         a pair of routes used before (p2p.sendrecv), runs in one C call, and any other goes to
-        the class's Python function, as without it."""
+        the class's Python function, as without it (so does every call while the COLL log has a
+        line per call: call_log.py)."""
         names = self.engine.native.COMPILED_CALLS
         caller = self.engine.native.Caller(self, self.queue, self.engine, self.plans.finish,
                                            tuple(getattr(Group, name) for name in names), ReduceOp.SUM,

@@ -84,16 +84,16 @@ class Plans(dict):
         call = plan[0]
         a, b = dp.words_of(call.fp)
         if key == "barrier":
-            if plan[1] is direct_barrier:
+            if tuner.unnoted(plan[1]) is direct_barrier:
                 self.caller.add("barrier", None, 0, 0, -1, None, True, dp.native, call, self.ctx, a, b,
                                 barrier_after)
             return
         what = key[0]
-        run = plan[1] if what == "all_reduce" else plan[2]
+        run = tuner.unnoted(plan[1] if what == "all_reduce" else plan[2])
         owner = getattr(run, "__self__", None)
         dependent = owner if isinstance(owner, tuner.PageDependent) else None
         if dependent is not None:  # compiled as what it runs now; it learns its sources' pages in C
-            run = dependent.current().run
+            run = tuner.unnoted(dependent.current().run)
             owner = getattr(run, "__self__", None)
         spec = owner.compiled_call() if isinstance(owner, COMPILED_PLANS) else None
         moves = what in single_copy.MOVES and dp.single_copy \
@@ -151,7 +151,8 @@ class Plans(dict):
         compiled = self.compiled(key[0], async_op)
         if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes,
                                                         compiled=compiled).name == "direct":
-            self[key] = call, AllReducePlan(group.direct, src.dtype, src.size, red.op, red).run, red
+            plan = AllReducePlan(group.direct, src.dtype, src.size, red.op, red)
+            self[key] = call, self._named(plan.run), red
         else:
             self[key] = call, None, red
 
@@ -174,9 +175,14 @@ class Plans(dict):
         run = None if alg is None else alg.run
         if whole is not None and alg is not None and alg.name == "direct" \
                 and whole[0] <= group.direct.slot_bytes:  # type: ignore[union-attr]
-            run = whole[1]()
+            run = self._named(whole[1]())
             extra = (*extra[:-1], None)
         self[key] = (self.call(fp, what), alg is not None and alg.needs_direct, run, *extra)
+
+    def _named(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """A one-shot plan's run, which notes that `direct` ran its call where the COLL log has
+        a line per call (as the tuner's algorithms do: tuner.noting)."""
+        return tuner.noting(run, "direct") if self.queue.logged else run
 
     def submit(self, call: CollectiveCall, body: Callable[..., Any], direct: bool, async_op: bool,
                timeout: float | None, *args: Any) -> Any:
@@ -194,7 +200,7 @@ class Plans(dict):
                 engine.glance()
         queue = self.queue
         if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
-                or queue.doomed or engine.unexpected or queue.phase_of or queue.callbacks \
+                or queue.doomed or engine.unexpected or queue.phase_of or queue.callbacks or queue.logged \
                 or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
                 or (engine.aborted and self.ctx in engine.aborted):
             ctx = self.ctx

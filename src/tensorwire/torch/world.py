@@ -197,6 +197,7 @@ def _links_runtime(store: Any, timeout: Any) -> Runtime:
     cfg = Config.from_env(timeout=timeout_seconds(timeout))
     info = bootstrap.detect(rank, size, _where(store, size))
     log.set_rank(rank)
+    cfg.log_changed()
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
     engine = Engine(rank, size, cfg.spin_us, cfg.native)

@@ -58,7 +58,7 @@ typedef struct {
     PyTypeObject *call_type;
     int rank, size;
     /* the offsets of the state's scalars: the queue's, the engine's, a CollectiveCall's */
-    Py_ssize_t q_seq, q_busy, q_doomed, q_current, e_glance, c_seq, c_timeout, c_deadline;
+    Py_ssize_t q_seq, q_busy, q_doomed, q_current, q_logged, e_glance, c_seq, c_timeout, c_deadline;
     Entry *entries; /* the planned signatures */
     Py_ssize_t n, cap, hint;
     Pair *pairs; /* sendrecv's pairs of routes */
@@ -145,6 +145,7 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     PyTypeObject *qt = Py_TYPE(queue), *et = Py_TYPE(engine), *ct = (PyTypeObject *)call_type;
     if (!slot_offset(qt, "seq", &self->q_seq) || !slot_offset(qt, "busy", &self->q_busy) ||
         !slot_offset(qt, "doomed", &self->q_doomed) || !slot_offset(qt, "current", &self->q_current) ||
+        !slot_offset(qt, "logged", &self->q_logged) ||
         !slot_offset(et, "until_glance", &self->e_glance) || !slot_offset(ct, "seq", &self->c_seq) ||
         !slot_offset(ct, "timeout", &self->c_timeout) || !slot_offset(ct, "deadline", &self->c_deadline))
         return -1;
@@ -262,9 +263,10 @@ static int glance_if_due(Caller *c) {
 }
 
 /* Nothing stands between the call and its body: Plans.submit's conditions for a one-shot body
- * run inline (glance_if_due has glanced). */
+ * run inline (glance_if_due has glanced), the COLL log's line per call off among them. */
 static int clear_to_run(Caller *c, Entry *e) {
-    if (SLOT(c->queue, c->q_busy) != Py_False || PyObject_Length(c->pending) != 0 ||
+    if (SLOT(c->queue, c->q_busy) != Py_False || SLOT(c->queue, c->q_logged) != Py_False ||
+        PyObject_Length(c->pending) != 0 ||
         PyObject_Length(c->callbacks) != 0 ||
         small(SLOT(c->queue, c->q_doomed)) != 0 || small(SLOT(c->engine, c->e_glance)) <= 1 ||
         PyDict_GET_SIZE(c->unexpected) || PyObject_Length(c->deferred) != 0)

@@ -51,14 +51,14 @@ _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLos
                                                 TensorwireError)}
 
 
-def _dtype_label(code: int) -> str:
+def dtype_label(code: int) -> str:
     try:
         return str(dtype_from_code(code))
     except Exception:  # an unknown code is itself the finding
         return f"dtype#{code}"
 
 
-def _op_label(code: int) -> str:
+def op_label(code: int) -> str:
     try:
         return ReduceOp(code).name
     except ValueError:
@@ -372,7 +372,7 @@ class Failures:
     def check_arrival(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
         want = req.header
-        if want.fp != got.fp and differences(want.fp, got.fp, _dtype_label, _op_label):
+        if want.fp != got.fp and differences(want.fp, got.fp, dtype_label, op_label):
             req.fail(self.mismatch_error(req.what, want.fp, got.fp, req.peer))
             return False
         if got.nbytes != want.nbytes:
@@ -391,7 +391,7 @@ class Failures:
         over TCP with send buffers smaller than the message), and an abort of the later calls
         only would leave it to time out."""
         if header.seq == call.seq:
-            if header.fp == call.fp or not differences(call.fp, header.fp, _dtype_label, _op_label):
+            if header.fp == call.fp or not differences(call.fp, header.fp, dtype_label, op_label):
                 return
             error = self.mismatch_error(call.what, call.fp, header.fp, peer)
         else:
@@ -404,7 +404,7 @@ class Failures:
 
     def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
                        peer: int) -> CollectiveMismatchError:
-        diffs = differences(mine, theirs, _dtype_label, _op_label)
+        diffs = differences(mine, theirs, dtype_label, op_label)
         return CollectiveMismatchError(
             f"rank {self.rank}: {what}: rank {peer} made a different call at the same point: "
             f"{'; '.join(diffs)} (this rank vs rank {peer})")

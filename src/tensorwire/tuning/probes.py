@@ -179,13 +179,16 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float
 @contextlib.contextmanager
 def _own_calls(world: Group) -> Iterator[None]:
     """The API calls made inside count as the group's own (CallQueue.internal): the user's first
-    call is still #1 in every message that names it."""
+    call is still #1 in every message that names it; nor are they logged, and they take the
+    paths they take where nothing is logged (CallQueue.logged)."""
     queue = world.queue
     users = queue.seq - queue.internal
+    logged, queue.logged = queue.logged, False
     try:
         yield
     finally:
         queue.internal = queue.seq - users
+        queue.logged = logged
 
 
 def measure_compiled(world: Group, cma: bool, long: dict[str, int],

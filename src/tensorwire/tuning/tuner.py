@@ -17,7 +17,9 @@ hierarchical algorithms too, each priced by its phases (cost_model.phase_prices)
 flat ones.
 
 With TENSORWIRE_DEBUG=INFO TENSORWIRE_DEBUG_SUBSYS=TUNING each new choice is logged with its
-cost table and the link constants behind it (and where they came from): `explain`.
+cost table and the link constants behind it (and where they came from): `explain`. Where the
+COLL log has a line per call (TRACE), what the tuner hands out notes its name on each call it
+runs (`noting`), for that line.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 _log = log.get("TUNING")
+_coll_log = log.get("COLL")
 
 HUGE_SEEN = 4
 """Single copy's sources count as in huge pages where at least this many eighths of each one's
@@ -224,6 +227,32 @@ class PageDependent:
         self.group.plans.recompile()
 
 
+def noting(run: Any, name: str) -> Any:
+    """`run`, which first notes on its call that `name` runs it (group/call_log.py)."""
+    def noted(call: Any, *args: Any) -> Any:
+        call.algo = name
+        return run(call, *args)
+    noted.unnoted = run  # type: ignore[attr-defined]
+    return noted
+
+
+def unnoted(run: Any) -> Any:
+    """What `run` runs, where it is `noting`'s: what the compiled caller can take whole
+    (group/planned.py), which defers to it while the line per call is on."""
+    return getattr(run, "unnoted", run)
+
+
+def _logged(choice: Algorithm | PageDependent) -> Algorithm | PageDependent:
+    """`choice` with runs that note their names (`noting`) where the COLL log has a line per
+    call; as it is elsewhere (decided once per choice, never per call)."""
+    if not _coll_log.isEnabledFor(log.PER_CALL):
+        return choice
+    if isinstance(choice, PageDependent):
+        choice.huge, choice.small = _logged(choice.huge), _logged(choice.small)  # type: ignore[assignment]
+        return choice
+    return replace(choice, run=noting(choice.run, choice.name))
+
+
 def phased(group: Group, table: LinkTable, algs: list[Algorithm],
            nbytes: int) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm) of the hierarchical ones among `algs`, by their phases."""
@@ -371,7 +400,8 @@ class Override:
                 raise InvalidArgumentError(
                     f"rank {g.runtime.rank}: {self.collective} of {nbytes} bytes on {g.size} ranks cannot "
                     f"run {self.name!r} (eligible: {', '.join(names)})")
-            alg = decision.priced[names.index(self.name)][2] if self.name is not None else decision.choice
+            alg = _logged(decision.priced[names.index(self.name)][2] if self.name is not None else
+                          decision.choice)
             self._picked[key] = alg
         return alg
 
@@ -406,7 +436,7 @@ def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
     if choice is not None:
         return choice
     decision = decide(group, collective, nbytes, direct_ok, compiled)
-    choice = decision.choice
+    choice = _logged(decision.choice)
     if _log.isEnabledFor(20):
         _log.info("%s", explain(group, decision))
     if len(group.choices) < 4096:
