@@ -35,6 +35,10 @@ def test_algo_all_lists_every_algorithm_with_predictions(tmp_path: Path) -> None
                   "--np", "2", "--json", str(out), "--markdown", str(page))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "--algo all" in page.read_text() and "# Wrong values         : 0 OK" in page.read_text()
+    # the headers describe the columns printed: no p50/p99 nor the plain sweep's time (a tester)
+    for text in (p.stdout, page.read_text()):
+        assert "p50" not in text and "p99" not in text and "algbw" not in text, text
+        assert "the median over calls" in text and "busbw = size / mean call" in text, text
     assert "# Wrong values         : 0 OK" in p.stdout
     lines = rows(p.stdout)
     sizes = [8, 64, 512, 4096, 32768]

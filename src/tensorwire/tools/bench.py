@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import ResourceError
 from .benchmarks import progress, report, sweep, tcp_ceiling
+from .benchmarks.algos import ALGO_METHOD
 from .benchmarks.loadmeter import job_meter
 from .benchmarks.options import Options, parse_options, planned_cells
 from .benchmarks.sweep import NO_INPLACE as _NO_INPLACE
@@ -188,15 +189,19 @@ def _rank_banner(tw: Any, opts: Options) -> list[str]:
         f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} warmup iters: "
         f"{_count(opts.warmup)} iters: {_count(opts.iters)} validation: {int(opts.check)}",
         "#",
-        f"# time = the mean of the {_count(opts.iters)} timed iterations on the slowest rank (nccl-tests' "
-        "time); p50, p99 = median and",
-        "# 99th percentile over the iterations of the slowest rank's time for each (every iteration timed",
-        "# on every rank, after warm-up and a barrier"
-        + ("; blocking: a barrier before each);" if opts.blocking else ");"),
-        "# algbw = size / time, busbw = algbw x nccl-tests factor; 1 GB/s = 1e9 B/s",
-        "#",
-        "# Using ranks",
     ]
+    if not args.algo:  # an --algo sweep's columns differ: its own header says what they are (algos.py)
+        lines += [
+            f"# time = the mean of the {_count(opts.iters)} timed iterations on the slowest rank "
+            "(nccl-tests' time); p50, p99 = median and",
+            "# 99th percentile over the iterations of the slowest rank's time for each (every iteration "
+            "timed",
+            "# on every rank, after warm-up and a barrier"
+            + ("; blocking: a barrier before each);" if opts.blocking else ");"),
+            "# algbw = size / time, busbw = algbw x nccl-tests factor; 1 GB/s = 1e9 B/s",
+            "#",
+        ]
+    lines.append("# Using ranks")
     for rank, pid, host, transport in everyone:
         lines.append(f"#  Rank {rank:2d} Pid {pid:7d} on {host:>12} transport {transport}")
     lines.append("#")
@@ -247,8 +252,9 @@ def _write_reports(opts: Options, lines: list[str]) -> None:
     if args.markdown:
         described = {"tensorwire": f"tensorwire {meta['version']}, transport {meta['transport']}"}
         body = ["```", *lines, "```"]
+        method = ALGO_METHOD if args.algo else report.PLAIN_METHOD
         report.write_markdown(args.markdown, f"tensorwire bench: {meta['nranks']} ranks",
-                              "tensorwire bench " + " ".join(opts.argv), report.PLAIN_METHOD, info, described,
+                              "tensorwire bench " + " ".join(opts.argv), method, info, described,
                               [], args.plot, body)
 
 

@@ -31,6 +31,12 @@ from .options import Options
 from .sweep import NO_INPLACE, ROOTED, Buffers, Case, busbw_factor, measure, summarize
 from .tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
 
+ALGO_METHOD = ("Per size and algorithm: time, the median over calls of each call's time on its slowest "
+               "rank; mean call, the slowest rank's time over its calls (nccl-tests' time), by which the "
+               "model is judged and the fastest forced algorithm (*) found; predicted, the tuner's α-β-γ "
+               "model with the job's link constants; busbw = size / mean call x nccl-tests' factor (GB/s = "
+               "1e9 B/s).")
+"""How an --algo sweep's tables read (its --markdown page; the plain sweep's: report.PLAIN_METHOD)."""
 REGISTRY_NAME = {"alltoall": "all_to_all"}
 """bench's collective names (nccl-tests') where the registry's differ."""
 AUTO = "auto"
@@ -189,6 +195,7 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
         + f"; {rounds} interleaved round(s) of {opts.warmup} warm-up + {opts.iters} timed calls each")
     say("# time = per call the slowest rank, the median over calls; mean call = the slowest rank's time over "
         "its calls, by which the model is judged and the fastest forced (*) is found")
+    say("# busbw = size / mean call x nccl-tests factor; 1 GB/s = 1e9 B/s")
     say("# predicted = the tuner's α-β-γ model with this job's link constants:")
     for tier in table.links:
         say(f"#   {tier}: {table.describe(tier)}")
