@@ -74,3 +74,9 @@ def test_algo_name_forces_one_and_says_where_it_cannot_run() -> None:
     p = run_bench("broadcast", "--algo", "ring", "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--np", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "broadcast has no algorithm 'ring'" in p.stdout and not rows(p.stdout)
+    # why not, as `tensorwire plan` says it (policy.why_not), not only what could run instead
+    p = run_bench("all_reduce", "--algo", "single_copy", "-b", "1K", "-e", "1K", "-n", "2", "-w", "0",
+                  "--np", "2", "--tcp")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "single_copy cannot run this call: one-host shared-memory path only (eligible: " in p.stdout, \
+        p.stdout

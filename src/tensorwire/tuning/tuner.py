@@ -142,10 +142,15 @@ def shape_of(group: Group) -> Shape | None:
 
 
 def candidates(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> list[Algorithm]:
+    return [alg for alg in algorithms_for(collective).values() if not refusal(group, alg, nbytes, direct_ok)]
+
+
+def refusal(group: Group, alg: Algorithm, nbytes: int, direct_ok: bool = True) -> str:
+    """'' where `alg` is a candidate for this call of nbytes on the group, else why not (what
+    `tensorwire bench --algo` says of an algorithm it cannot force)."""
     shape = shape_of(group) if direct_ok else None  # a call with uneven blocks runs no hierarchy
-    force = forcing(group.runtime.config, collective, shape, direct_ok)
-    return [alg for alg in algorithms_for(collective).values()
-            if not why_not(group, alg, nbytes, direct_ok, shape, force)]
+    return why_not(group, alg, nbytes, direct_ok, shape, forcing(group.runtime.config, alg.collective, shape,
+                                                                   direct_ok))
 
 
 def why_not(group: Group, alg: Algorithm, nbytes: int, direct_ok: bool, shape: Shape | None,

@@ -72,6 +72,8 @@ def measure_size(tw: Any, case: Case, coll: str, wanted: str, opts: Options,
         names = sorted(n for _, n, _ in decision.priced)
     else:
         names = [n for _, n, _ in decision.priced if n == wanted]
+    refused = tuner.refusal(tw.world(), algorithms_for(coll)[wanted], decision.nbytes) \
+        if decision is not None and wanted != "all" and not names else ""
     runs = [AUTO, *names] if wanted == "all" or not names else names
     pooled: dict[str, list[list[float]]] = {}
     wrong: dict[str, int] = {}
@@ -108,7 +110,7 @@ def measure_size(tw: Any, case: Case, coll: str, wanted: str, opts: Options,
         "placement": "in-place" if case.inplace else "out-of-place", "iters": opts.iters * rounds,
         "tier": decision.tier if decision is not None else None, "auto": chosen,
         "eligible": sorted(n_ for _, n_, _ in decision.priced) if decision is not None else [],
-        "cells": cells,
+        "refused": refused, "cells": cells,
     }
     return judge(result)
 
@@ -226,7 +228,8 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
                 if res is None:
                     continue
                 if not res["cells"] or (name != "all" and name not in res["cells"]):
-                    say(f"#{case.size:>11}  {name} cannot run this call (eligible: "
+                    why = f": {res['refused']}" if res["refused"] else ""
+                    say(f"#{case.size:>11}  {name} cannot run this call{why} (eligible: "
                         f"{', '.join(res['eligible']) or 'none: nothing to move'})")
                 for line in format_size(res):
                     say(line)
