@@ -12,9 +12,11 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -750,3 +752,34 @@ def test_the_recorded_commit_counts_changes_anywhere_in_the_package(tmp_path: Pa
     subprocess.run([*git, "checkout", "-q", "src/pkg/core.py"], check=True)
     (package / "new.py").write_text("z = 1\n")
     assert report._git_commit(str(package)) == f"{clean}+changes"
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_rank_without_a_traceback_and_keeps_what_was_measured(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the driver) during a sweep: exit 130, and every rank printed a
+    KeyboardInterrupt traceback while --json was not written (a tester). Now no traceback,
+    and --json and --markdown hold the sizes measured before it, marked partial."""
+    out, doc, page = tmp_path / "out.txt", tmp_path / "p.json", tmp_path / "p.md"
+    with open(out, "w") as stdout:
+        argv = ["all_reduce", "-b", "8", "-e", "64M", "-n", "200", "-w", "1", "--np", "2", "--json", str(doc),
+                "--markdown", str(page)]
+        proc = subprocess.Popen([sys.executable, "-m", "tensorwire", "bench", *argv],
+                                env={**_env(), "TENSORWIRE_CALIBRATE": "0"}, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not data_rows(out.read_text()) and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.2)
+            assert data_rows(out.read_text()), "no size measured within 60 s"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=40)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"what was measured before is in {doc}, {page} (marked partial)" in err, err
+    written = json.loads(doc.read_text())
+    assert written["meta"]["partial"].startswith("interrupted") and written["rows"], written["meta"]
+    assert {r["size"] for r in written["rows"]} >= {8}
+    assert "(partial: interrupted)" in page.read_text()

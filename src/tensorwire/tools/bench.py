@@ -49,7 +49,6 @@ import numpy as np
 
 from ..errors import ResourceError
 from .benchmarks import progress, report, sweep, tcp_ceiling
-from .benchmarks.algos import ALGO_METHOD
 from .benchmarks.loadmeter import job_meter
 from .benchmarks.options import Options, parse_options, planned_cells
 from .benchmarks.sweep import NO_INPLACE as _NO_INPLACE
@@ -227,9 +226,14 @@ def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
         if reports and not opts.json_path:
             opts.json_path = os.path.join(tmp, "rows.json")
         tw.init()
+        root = tw.get_rank() == 0
+        doc: dict[str, Any] = {}  # the --json document, filled as the sweep goes
         try:
-            code = _run(tw, opts, say if reports else out)
-            root = tw.get_rank() == 0
+            code = _run(tw, opts, say if reports else out, doc)
+        except KeyboardInterrupt:
+            if root and "meta" in doc:
+                _write_partial(opts, doc, lines, reports, args is not None and args.json is not None)
+            raise
         finally:
             tw.destroy()
         if reports and root:
@@ -237,28 +241,47 @@ def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
     return code
 
 
-def _write_reports(opts: Options, lines: list[str]) -> None:
+def _write_partial(opts: Options, doc: dict[str, Any], lines: list[str], reports: bool, asked: bool) -> None:
+    """What an interrupted sweep measured, to --json (its meta marked `partial`) and --markdown
+    or --plot (titled so), and where it went, on stderr."""
+    assert opts.json_path is not None
+    doc["meta"]["partial"] = "interrupted: only the sizes measured before it"
+    report.write_json(opts.json_path, doc)
+    written = [opts.json_path] if asked else []
+    if reports:
+        _write_reports(opts, [*lines, "# (interrupted: partial)"], partial=True)
+        assert opts.args is not None
+        written += [p for p in (opts.args.markdown, opts.args.plot if doc.get("rows") else None) if p]
+    print(f"tensorwire bench: interrupted; what was measured before is in {', '.join(written)} (marked "
+          f"partial)" if written else "tensorwire bench: interrupted", file=sys.stderr, flush=True)
+
+
+def _write_reports(opts: Options, lines: list[str], partial: bool = False) -> None:
     """--plot / --markdown of a plain or --algo sweep (rank 0, from what it wrote as JSON; an
-    --algo sweep writes no plot, parse_options says)."""
+    --algo sweep writes no plot, parse_options says); `partial`: an interrupted one's."""
     args = opts.args
     assert args is not None and opts.json_path is not None
     with open(opts.json_path) as f:
         doc = json.load(f)
     meta = doc["meta"]
     info = report.machine()
-    title = f"tensorwire, {meta['nranks']} ranks, transport {meta['transport']}, {info['host']}"
-    if args.plot:
-        report.plot(report.cells(doc["rows"]), args.plot, title)
+    cut = " (partial: interrupted)" if partial else ""
+    title = f"tensorwire, {meta['nranks']} ranks, transport {meta['transport']}, {info['host']}{cut}"
+    plotted = args.plot if doc.get("rows") else None  # none where nothing was measured
+    if plotted:
+        report.plot(report.cells(doc["rows"]), plotted, title)
     if args.markdown:
         described = {"tensorwire": f"tensorwire {meta['version']}, transport {meta['transport']}"}
         body = ["```", *lines, "```"]
-        method = ALGO_METHOD if args.algo else report.PLAIN_METHOD
-        report.write_markdown(args.markdown, f"tensorwire bench: {meta['nranks']} ranks",
+        method = report.ALGO_METHOD if args.algo else report.PLAIN_METHOD
+        report.write_markdown(args.markdown, f"tensorwire bench: {meta['nranks']} ranks{cut}",
                               "tensorwire bench " + " ".join(opts.argv), method, info, described,
-                              [], args.plot, body)
+                              [], plotted, body)
 
 
-def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
+def _run(tw: Any, opts: Options, out: Callable[[str], None], doc: dict[str, Any]) -> int:
+    """The sweep; `doc`, the --json document, is filled as it goes (run_benchmark writes what an
+    interrupted one holds)."""
     from ..ops.dtypes import dtype_name
 
     rank, n = tw.get_rank(), tw.get_world_size()
@@ -290,11 +313,13 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
         "timing": "time: the slowest rank's mean iteration; p50/p99: over iterations, each at its "
                   "slowest rank",
     }
+    rows: list[dict[str, Any]] = []
+    doc.update(meta=meta)
     if args is not None and args.algo:
         from .benchmarks.algos import run_algos
 
-        return exit_code(tw, run_algos(tw, opts, bufs, say, meta))
-    rows: list[dict[str, Any]] = []
+        return exit_code(tw, run_algos(tw, opts, bufs, say, doc))
+    doc.update(rows=rows)
     total_wrong = 0
     bw_sum, bw_count = 0.0, 0
     for coll in opts.colls:
@@ -350,12 +375,9 @@ def _run(tw: Any, opts: Options, out: Callable[[str], None]) -> int:
     avg = bw_sum / bw_count if bw_count else 0.0
     say(f"# Avg bus bandwidth    : {avg:.6g}")
     say("#")
+    doc.update(avg_busbw_GBps=avg, wrong_total=total_wrong)
     if rank == 0 and opts.json_path:
-        path = os.path.abspath(opts.json_path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "avg_busbw_GBps": avg, "wrong_total": total_wrong}, f,
-                      indent=1)
+        report.write_json(opts.json_path, doc)
     return exit_code(tw, total_wrong)
 
 
@@ -407,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
     try:
         return run_benchmark(opts)
+    except KeyboardInterrupt:  # Ctrl-C: every rank stops; rank 0 said what it wrote (_write_partial)
+        return 130
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)

@@ -19,24 +19,17 @@ in #wrong. `--algo NAME` forces one algorithm (sizes where it is not eligible sa
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 from ...algorithms.registry import COLLECTIVES, Link, algorithms_for
 from ...ops.dtypes import dtype_name
 from ...tuning import policy, tuner
+from . import report
 from .options import Options
 from .sweep import NO_INPLACE, ROOTED, Buffers, Case, busbw_factor, measure, summarize
 from .tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
 
-ALGO_METHOD = ("Per size and algorithm: time, the median over calls of each call's time on its slowest "
-               "rank; mean call, the slowest rank's time over its calls (nccl-tests' time), by which the "
-               "model is judged and the fastest forced algorithm (*) found; predicted, the tuner's α-β-γ "
-               "model with the job's link constants; busbw = size / mean call x nccl-tests' factor (GB/s = "
-               "1e9 B/s).")
-"""How an --algo sweep's tables read (its --markdown page; the plain sweep's: report.PLAIN_METHOD)."""
 REGISTRY_NAME = {"alltoall": "all_to_all"}
 """bench's collective names (nccl-tests') where the registry's differ."""
 AUTO = "auto"
@@ -184,14 +177,19 @@ def format_size(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
-              meta: dict[str, Any]) -> int:
-    """The --algo sweep over opts' collectives, dtypes, ops and sizes; returns #wrong in total."""
+def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None], doc: dict[str, Any]) -> int:
+    """The --algo sweep over opts' collectives, dtypes, ops and sizes; returns #wrong in total.
+    `doc`: the --json document, its meta given, its results filled as they come (so that an
+    interrupted sweep can write what it measured: bench.run_benchmark)."""
 
     assert opts.args is not None
     wanted, rounds = opts.args.algo, opts.args.rounds
     rank = tw.get_rank()
     table = tuner.table_for(tw.world().runtime)
+    links = {t: {**_rates(lk), "source": table.sources.get(t, "default")} for t, lk in table.links.items()}
+    results: list[dict[str, Any]] = []
+    doc["meta"].update(algo=wanted, rounds=rounds, links=links)
+    doc["results"] = results
     say(f"# --algo {wanted}: " + ("the tuner's choice (auto), then every eligible algorithm forced in turn"
                                   if wanted == "all" else f"{wanted} forced")
         + f"; {rounds} interleaved round(s) of {opts.warmup} warm-up + {opts.iters} timed calls each")
@@ -202,7 +200,6 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
     for tier in table.links:
         say(f"#   {tier}: {table.describe(tier)}")
     say("#")
-    results: list[dict[str, Any]] = []
     total_wrong = 0
     ran = False
     for coll in opts.colls:
@@ -237,15 +234,9 @@ def run_algos(tw: Any, opts: Options, bufs: Buffers, say: Callable[[str], None],
                 results.append(res)
         say("#")
     say(wrong_line(total_wrong, opts.check))
+    doc["wrong_total"] = total_wrong
     if rank == 0 and opts.json_path:
-        path = os.path.abspath(opts.json_path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        links = {t: {**_rates(lk), "source": table.sources.get(t, "default")}
-                 for t, lk in table.links.items()}
-        doc = {"meta": {**meta, "algo": wanted, "rounds": rounds, "links": links}, "results": results,
-               "wrong_total": total_wrong}
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1, default=float)
+        report.write_json(opts.json_path, doc)
     if not ran and wanted != "all" and all(policy.resolve(c, wanted) is None for c in COLLECTIVES):
         raise SystemExit(f"tensorwire bench: error: --algo {wanted!r} names no algorithm")  # a typo
     return total_wrong

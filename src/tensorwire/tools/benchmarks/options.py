@@ -164,7 +164,7 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                         "tables, with sendrecv's bandwidth as a fraction of it")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every row, with mean, p10/p50/p90/p99, min and max, as JSON to PATH "
-                        "(rank 0)")
+                        "(rank 0); after Ctrl-C, the rows measured before it, meta.partial set")
     p.add_argument("--algo", default=None, metavar="NAME|all",
                    help="force one algorithm (e.g. ring), or `all`: per size, the tuner's choice and every "
                         "eligible algorithm, each with the cost model's prediction (one placement: "
@@ -183,7 +183,8 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
                    help="also plot time and busbw against size, one line per library and placement "
                         "(needs matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH",
-                   help="also write the tables as markdown, with the command and the machine")
+                   help="also write the tables as markdown, with the command and the machine (after "
+                        "Ctrl-C, what was measured before it, titled partial)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal and the table is "
                         "not; rich if installed)")

@@ -12,6 +12,7 @@ per-round ratio, between placements both libraries have (out-of-place first).
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -304,6 +305,14 @@ def _git_commit(folder: str) -> str | None:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """A sweep's --json document (rank 0)."""
+    full = os.path.abspath(path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, "w") as f:
+        json.dump(doc, f, indent=1, default=float)
+
+
 def machine_lines(info: dict[str, Any], libraries: dict[str, str]) -> list[str]:
     lines = [f"- host `{info['host']}`: {info['cpus']} CPUs ({info.get('cpu', '?')}), "
              f"{info.get('memory_GiB', '?')} GiB, Linux {info['kernel']}",
@@ -317,6 +326,13 @@ PLAIN_METHOD = ("Time: the mean call, the slowest rank's, as nccl-tests reports 
                 "over the calls of each call's time on its slowest rank; algbw = size / time, busbw = algbw "
                 "x nccl-tests' factor (GB/s = 1e9 B/s).")
 
+
+ALGO_METHOD = ("Per size and algorithm: time, the median over calls of each call's time on its slowest "
+               "rank; mean call, the slowest rank's time over its calls (nccl-tests' time), by which the "
+               "model is judged and the fastest forced algorithm (*) found; predicted, the tuner's α-β-γ "
+               "model with the job's link constants; busbw = size / mean call x nccl-tests' factor (GB/s = "
+               "1e9 B/s).")
+"""How an --algo sweep's tables read (its --markdown page; the plain sweep's: PLAIN_METHOD)."""
 
 def write_markdown(path: str, title: str, command: str, method: str, info: dict[str, Any],
                    described: dict[str, str], notes: Sequence[str], plot_path: str | None,
