@@ -39,9 +39,11 @@ _POSTS = frozenset({"isend", "irecv", "irecv_any"})
 def ran(call: CollectiveCall) -> None:
     """The line of a collective that ran: 'all_reduce #3 on group world (2 ranks): count 262144
     float32 (1048576 B), op SUM, algo ring over shm, 1.2 ms' (its time from its start in
-    CallQueue._run)."""
-    elapsed = time.perf_counter() - (call.deadline - call.timeout)
+    CallQueue._run); none for the group's own setup exchanges (CallQueue.run_internal)."""
     fp, group = call.fp, call.group
+    if fp.coll == Coll.SETUP:
+        return
+    elapsed = time.perf_counter() - (call.deadline - call.timeout)
     said = []
     if fp.count >= 0 and fp.dtype:
         try:
