@@ -29,6 +29,7 @@ else none (`NO_SECRET`: the handshake still runs, with a key everybody knows).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -109,6 +110,9 @@ def read_secret_file(path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RendezvousError(f"secret file {path} is a symbolic link, which is not followed for a "
+                                  f"secret: give the file itself ({os.path.realpath(path)}?)") from exc
         raise RendezvousError(f"cannot read the secret file {path}: {exc.strerror}") from exc
     try:
         _private_file(fd, path)
