@@ -1404,6 +1404,25 @@ def test_a_cache_entry_with_values_out_of_range_is_measured_over(tmp_path, field
     assert cache.cached_entries(str(tmp_path)) == []
 
 
+def test_a_cache_directory_others_may_write_to_is_not_used(tmp_path, caplog) -> None:
+    """A cache directory others could write to (here mode 777, no sticky bit), or another user's,
+    was used silently: an entry measured there may be replaced or removed by them. Now it is
+    neither read nor written, with one warning naming it."""
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    path = cache.cache_path(str(directory), "k")
+    shm = Link("shm", 1e-5, 1e-9, 1e-10)
+    cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
+    directory.chmod(0o777)
+    with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
+        assert cache.read_cache(path, ["shm"]) is None and cache.cached_entries(str(directory)) == []
+        os.unlink(path)
+        cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    assert not os.path.exists(path)
+    assert [r for r in caplog.records if "writable by its group or others" in r.getMessage()], caplog.text
+
+
 def test_the_cache_key_holds_what_changes_the_measurement(monkeypatch) -> None:
     """An entry measured with other usable cores, another kernel, Python or numpy, or other
     settings of waiting, binding, rings or slots is another entry."""

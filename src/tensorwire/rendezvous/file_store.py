@@ -14,6 +14,7 @@ import urllib.parse
 from typing import NoReturn
 
 from ..errors import InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
+from ..trusted_paths import kind, untrusted, user_name
 from .store import DEFAULT_STORE_TIMEOUT_S, Store, check_key, check_value
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -21,49 +22,16 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 blocking, to be refused as what it is."""
 
 
-def _user(uid: int) -> str:
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return name
-    return "a regular file"
-
-
 def _check_parent(parent: str, store: str) -> None:
     """The directories above the store must keep others from renaming it away or planting
-    another in its place: each this user's or root's, and sticky (like /tmp) if others may
-    write to it; a symbolic link on the way is followed only if this user or root made it."""
-    me = os.geteuid()
+    another in its place (trusted_paths.untrusted)."""
     try:
-        path = os.sep
-        for part in parent.split(os.sep)[1:]:
-            path = os.path.join(path, part)
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
-                _refuse(path, store, f"is a symbolic link of {_user(st.st_uid)}")
-        path = os.sep
-        for part in os.path.realpath(parent).split(os.sep)[1:]:
-            path = os.path.join(path, part)
-            st = os.stat(path)
-            if not stat.S_ISDIR(st.st_mode):
-                _refuse(path, store, f"is {_kind(st.st_mode)} of {_user(st.st_uid)}, not a directory")
-            if st.st_uid not in (me, 0):
-                _refuse(path, store, f"belongs to {_user(st.st_uid)}, not to this user ({_user(me)}) or root")
-            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-                _refuse(path, store, f"is writable by its group or others (mode {st.st_mode & 0o7777:o}) "
-                                     f"without the sticky bit, so they could replace what is in it")
+        found = untrusted(parent)
     except OSError as exc:
-        raise RendezvousError(f"cannot check {path}, above the file store {store}: {exc.strerror}") from exc
+        raise RendezvousError(f"cannot check {exc.filename}, above the file store {store}: {exc.strerror}") \
+            from exc
+    if found is not None:
+        _refuse(found[0], store, found[1])
 
 
 def _refuse(path: str, store: str, problem: str) -> NoReturn:
@@ -141,7 +109,7 @@ class FileStore(Store):
         st = os.fstat(fd)
         problem = None
         if st.st_uid != os.geteuid():
-            problem = f"belongs to {_user(st.st_uid)}, not to this user ({_user(os.geteuid())})"
+            problem = f"belongs to {user_name(st.st_uid)}, not to this user ({user_name(os.geteuid())})"
         elif st.st_mode & 0o022:
             problem = f"is writable by its group or others (mode {st.st_mode & 0o7777:o})"
         if problem is not None:
@@ -156,7 +124,7 @@ class FileStore(Store):
             st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
         except OSError as exc:
             return f"unusable ({exc.strerror})"
-        return f"{_kind(st.st_mode)} of {_user(st.st_uid)}"
+        return f"{kind(st.st_mode)} of {user_name(st.st_uid)}"
 
     def _same(self, fd: int, name: str | None) -> bool:
         """Whether `fd` is still what `name` in the directory (None: the directory itself at its

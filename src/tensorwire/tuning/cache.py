@@ -25,6 +25,7 @@ import numpy as np
 from .. import log
 from ..algorithms.registry import Link
 from ..errors import InvalidArgumentError
+from ..trusted_paths import untrusted
 from .tuning_file import FIELDS, BadFile, parse_tuning, read_json
 
 _log = log.get("TUNING")
@@ -75,6 +76,30 @@ def cache_path(directory: str, key: str) -> str:
     return os.path.join(directory, f"links-{key}.json")
 
 
+_WARNED: set[str] = set()  # cache directories named in a warning (once a process)
+
+
+def trusted(directory: str) -> bool:
+    """Whether the cache in `directory` may be used: it (or, not made yet, where it will be) and
+    every directory above are this user's to trust (trusted_paths.untrusted), else another user
+    could replace or remove its entries. Where not, a warning says why, and the job measures
+    without the cache."""
+    existing = os.path.abspath(directory)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        found = untrusted(existing)
+    except OSError as exc:
+        found = (str(exc.filename), f"cannot be looked at ({exc.strerror})")
+    if found is None:
+        return True
+    if directory not in _WARNED:
+        _WARNED.add(directory)
+        _log.warning("not using the calibration cache in %s: %s %s; measuring without it "
+                     "(TENSORWIRE_CACHE_DIR chooses another directory)", directory, *found)
+    return False
+
+
 def load_entry(path: str) -> dict[str, Any] | None:
     """The JSON object of one cache file, None where there is none; BadFile for anything else
     in its place (tuning_file.read_json: no link followed, this user's or root's)."""
@@ -92,6 +117,8 @@ def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[
     of another probe version, partial, older than `max_age` seconds, or measured under load
     (not trusted, see at_init); then it is measured again. A file that is no entry at all is
     named in one warning and measured over (write_cache replaces it)."""
+    if not trusted(os.path.dirname(path)):
+        return None
     try:
         doc = load_entry(path)
     except BadFile as exc:
@@ -120,6 +147,8 @@ def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None
     doc = {"version": PROBE_VERSION, **meta,
            "links": {t: {f: getattr(link, f) for f in FIELDS if f != "cache" or link.cache}
                      for t, link in links.items()}}
+    if not trusted(os.path.dirname(path)):
+        return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".links-", dir=os.path.dirname(path))
@@ -133,6 +162,8 @@ def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None
 def cached_entries(directory: str) -> list[dict[str, Any]]:
     """Every readable cache entry of `directory`, newest first (for `tensorwire plan`)."""
     out = []
+    if not trusted(directory):
+        return []
     try:
         names = os.listdir(directory)
     except OSError:
