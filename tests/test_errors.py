@@ -2031,6 +2031,15 @@ def test_an_abort_of_an_earlier_call_than_the_one_known_covers_it() -> None:
     assert engine.fail_locally(7, 5, earlier)
     assert engine.covering(7, 5) is earlier and engine.covering(7, 6) is earlier
     assert not engine.fail_locally(7, 5, later) and not engine.fail_locally(7, 9, later)
+    # as a peer's notice: the earlier arrives second
+    told = Engine(0, 3, 0)
+    told.fail_locally(7, 6, later)
+    told._on_abort(2, 7, 5, b"AbortedError\nrank 2: call 5 failed", 0)
+    assert "rank 2: call 5 failed" in str(told.covering(7, 5))
+    # a refusal of an earlier call does not make a failed group renew itself
+    refused = Engine(0, 3, 0)
+    refused.fail_locally(7, 6, later)
+    assert not refused.fail_locally(7, 5, earlier, renew=True) and 7 not in refused.renewable
 
 
 def test_a_peer_that_left_mid_call_is_reported_with_the_reason_the_group_failed() -> None:
@@ -2325,6 +2334,8 @@ def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
     assert str(in_call(lost, "recv from rank 0 (tag 0) on group world")) == (
         "rank 2: recv from rank 0 (tag 0) on group world: rank 1: barrier #2 on group world: lost rank 0: "
         "gone [reported by rank 1; seen on rank 2]")
+    named = in_call(in_call(lost, "recv from rank 0 (tag 0) on group world"), "gather_object on group world")
+    assert str(named).startswith("rank 2: gather_object on group world: recv from rank 0"), named
 
 
 def test_a_factor_that_differs_in_a_reduction_says_it_may_be_the_hierarchical_call() -> None:

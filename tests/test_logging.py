@@ -145,3 +145,19 @@ def test_without_the_lines_per_call_the_fast_paths_are_untouched() -> None:
             assert type(world.all_reduce).__name__ == compiled
     finally:
         tw.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_program_s_own_debug_logging_leaves_the_lines_per_call_off() -> None:
+    """tensorwire's loggers inherit the root logger's level: a program's logging.basicConfig at
+    DEBUG turned the lines per call on, and every call went off its fast paths (8 B all_reduce
+    ~60 us where it takes ~1). Only TENSORWIRE_DEBUG=TRACE turns them on."""
+    code = ("import logging; logging.basicConfig(level=logging.DEBUG)\n"
+            "import tensorwire as tw\n"
+            "w = tw.init(rank=0, world_size=1)\n"
+            "print('LOGGED', w.queue.logged, 'send' in vars(w) and type(w.send).__name__ == 'function')\n"
+            "tw.destroy()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_DEBUG")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                         env={**env, "TENSORWIRE_CALIBRATE": "0"})
+    assert "LOGGED False False" in out.stdout, out.stdout + out.stderr[-2000:]

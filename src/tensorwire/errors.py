@@ -69,7 +69,7 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     if where in text:
         return exc
     relayed = getattr(exc, "relayed", None)
-    if relayed is not None:
+    if relayed is not None and relayed[2] == text:  # (not once retold: named already)
         return retold(exc, f"rank {relayed[3]}: {where}: {text}")  # type: ignore[return-value]
     rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
     return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]

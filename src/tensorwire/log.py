@@ -19,6 +19,14 @@ PER_CALL = logging.DEBUG
 """The level of the COLL and P2P logs' line per call (TRACE): at INFO, whose default subsystems
 are all of them, one line per call would bury the decisions taken once."""
 _configured = False
+_per_call = False  # TENSORWIRE_DEBUG asks for TRACE (or DEBUG)
+
+
+def per_call(logger: logging.Logger) -> bool:
+    """Whether `logger` (COLL, P2P) has its line per call: TENSORWIRE_DEBUG=TRACE and the
+    subsystem on. Not a program's own logging at DEBUG, which tensorwire's loggers inherit: that
+    would take every call off its fast paths."""
+    return _per_call and logger.isEnabledFor(PER_CALL)
 
 
 def subsystems(spec: str) -> set[str]:
@@ -58,7 +66,7 @@ def configure() -> None:
     """Attach a stderr handler according to TENSORWIRE_DEBUG; idempotent. The subsystems left
     out get a level above every message, so that `isEnabledFor` tells exactly what is logged
     (what the per-call lines' switch reads: PER_CALL)."""
-    global _configured
+    global _configured, _per_call
     if _configured:
         return
     _configured = True
@@ -67,6 +75,7 @@ def configure() -> None:
     if not level_name:
         return
     root.setLevel(LEVELS.get(level_name, logging.INFO))
+    _per_call = root.level <= PER_CALL
     handler = logging.StreamHandler()
     host = socket.gethostname()
     handler.setFormatter(logging.Formatter(

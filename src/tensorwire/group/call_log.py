@@ -61,7 +61,7 @@ def ran(call: CollectiveCall) -> None:
 
 def log_p2p(group: Group) -> None:
     """Where the P2P log has a line per call, the group's point-to-point methods log theirs."""
-    if _p2p.isEnabledFor(log.PER_CALL):
+    if log.per_call(_p2p):
         for name in P2P_CALLS:
             setattr(group, name, _logging(group, name, getattr(type(group), name)))
 

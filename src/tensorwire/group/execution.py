@@ -85,7 +85,7 @@ class CallQueue:
         self.in_flight = [0, 0]
         """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
         self.callbacks = _RUNNING_CALLBACKS  # read where the planned paths are decided
-        self.logged = _log.isEnabledFor(log.PER_CALL)
+        self.logged = log.per_call(_log)
         """The COLL log has a line per call (call_log.py): every call comes through `_run`, as
         the planned path (Plans.submit) and the compiled caller (its clear_to_run) see here."""
         self.phase_of = 0

@@ -231,7 +231,7 @@ def run_benchmark(opts: Options, out: Callable[[str], None] = print) -> int:
         try:
             code = _run(tw, opts, say if reports else out, doc)
         except KeyboardInterrupt:
-            if root and "meta" in doc:
+            if root and "meta" in doc and opts.json_path:  # (nothing to write without --json or a report)
                 _write_partial(opts, doc, lines, reports, args is not None and args.json is not None)
             raise
         finally:

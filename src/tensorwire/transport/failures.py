@@ -540,7 +540,8 @@ class Failures:
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         self._note_state(ctx, peer, seq)  # it ran call seq
-        if ctx not in self.aborted:
+        known = self.aborted.get(ctx)
+        if known is None or seq < known[0]:  # (an earlier call's abort replaces: fail_locally)
             self.fail_locally(ctx, seq, self._reported(peer, raw), tag == RENEWED)
 
     # -- refusals: a call that fails on every member, the group living on ---------------------
@@ -588,17 +589,20 @@ class Failures:
         itself at its next call (abort_group)."""
         with self.lock:
             known = self.aborted.get(ctx)
-            if known is not None and seq >= known[0]:
-                return False
+            fatal = known is not None and ctx not in self.renewable
+            if known is not None and (seq >= known[0] or renew and fatal):
+                return False  # (a refusal does not make a failed group renew itself)
             self.aborted[ctx] = (seq, error)
             if renew:
                 self.renewable.add(ctx)
             else:
                 self.renewable.discard(ctx)
-                if known is None and ctx in self.alarms:
+                if not fatal and ctx in self.alarms:
                     self.alarms[ctx](None)
             self._fail_ctx(ctx)
             for child in self.children.get(ctx, ()):
+                if known is not None:  # replaced: its phases fail with this reason too
+                    self.aborted.pop(child, None)
                 self.fail_locally(child, 0, error)
             return True
 

@@ -250,7 +250,7 @@ def unnoted(run: Any) -> Any:
 def _logged(choice: Algorithm | PageDependent) -> Algorithm | PageDependent:
     """`choice` with runs that note their names (`noting`) where the COLL log has a line per
     call; as it is elsewhere (decided once per choice, never per call)."""
-    if not _coll_log.isEnabledFor(log.PER_CALL):
+    if not log.per_call(_coll_log):
         return choice
     if isinstance(choice, PageDependent):
         choice.huge, choice.small = _logged(choice.huge), _logged(choice.small)  # type: ignore[assignment]
