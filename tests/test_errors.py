@@ -1965,10 +1965,10 @@ def test_a_ring_grown_for_messages_never_received_is_not_left_in_dev_shm() -> No
 
 
 _NEW_GROUP_WITHOUT_ONE = """
-tw.init(rank=rank, world_size=size, init_method=URL, timeout=3)
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=2)
 tw.barrier()
 if rank == 2:
-    time.sleep(6)  # never calls new_group
+    time.sleep(4)  # never calls new_group
     report(res=None)
 else:
     report(res=attempt(tw.new_group, [0, 1, 2]))
