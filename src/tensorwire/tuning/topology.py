@@ -230,7 +230,7 @@ class Topology:
                     f"  gpu {i.gpu.get('index')} {i.gpu.get('name', '')} {i.gpu.get('pci', '')}".rstrip()
                 lines.append(f"  rank {r:<4} pid {i.pid:<8} cores {format_cpulist(i.cores):<10} "
                              f"numa {numa:<4} {i.interface or '?'} {i.address}{gpu}")
-        if len(self.hosts) > 1:
+        if self.size > 1:
             counts = {}
             for a in range(self.size):
                 for b in range(a + 1, self.size):
