@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from cluster import Cluster, free_port
 from tensorwire import auth
 from tensorwire.config import Config
-from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
+from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError, named
 from tensorwire.rendezvous import bootstrap
 from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
 from tensorwire.rendezvous.file_store import FileStore
@@ -568,9 +568,9 @@ def test_store_connection_cap(server: TCPStoreServer) -> None:
         clients = [TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits) for _ in range(2)]
         try:
             # the error says that the store was reached (not "is rank 0 running?"), and by whom
-            with pytest.raises(RendezvousError, match=r"^rank 2: the TCP store at \S+ was reachable, but "
-                                                      r"closed the connection"):
-                TCPStore(LOOPBACK, srv.port, timeout=1, secret=SECRET, limits=limits, who="rank 2")
+            with pytest.raises(RendezvousError, match=r"^rank 2: init: the TCP store at \S+ was reachable, "
+                                                      r"but closed the connection"), named(2, "init"):
+                TCPStore(LOOPBACK, srv.port, timeout=1, secret=SECRET, limits=limits)
             clients.pop().close()
             time.sleep(0.1)
             TCPStore(LOOPBACK, srv.port, timeout=5, secret=SECRET, limits=limits).close()

@@ -96,7 +96,7 @@ def shrink_group(group: Group, timeout: float | None = None, *, majority: bool =
 
 def _shrunk_name(name: str, count: int) -> str:
     """`world` -> `world.shrink1` -> `world.shrink2`: one suffix however often a group shrinks
-    (a suffix per shrink grew every error message without bound)."""
+    (a name, and every message naming it, stays bounded)."""
     base, dot, last = name.rpartition(".shrink")
     if dot and last.isdigit():
         return f"{base}.shrink{int(last) + count}"

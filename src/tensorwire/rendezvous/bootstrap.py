@@ -569,7 +569,7 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
             raise InvalidArgumentError(f"init_method {info.init_method!r}: port 0 only works for one process")
         store: Store = TCPStore(host, port, timeout=timeout, server=info.rank == 0 and not info.store_hosted,
                                 secret=secret if secret is not None else job_secret(info), limits=limits,
-                                connect_within=connect_within, who=f"rank {info.rank}")
+                                connect_within=connect_within)
     elif scheme == "file":
         assert path is not None
         store = FileStore(path, timeout=timeout, cleanup=True)

@@ -39,8 +39,8 @@ from .tcp_server import TCPStoreServer
 _SOCKET_GRACE_S = 10.0
 _CONNECT_FIRST_S = 0.25
 """How long a first connection attempt waits for the server's answer before it dials again
-(each next one 1.5 times as long, up to 5 s): a store whose accept queue a flood keeps full drops
-some attempts unanswered, and the kernel would retry one only after 1, 3, 7... s."""
+(each next one 1.5 times as long, up to 5 s): a store whose accept queue a flood keeps full leaves
+some attempts unanswered, which the kernel retries only after seconds."""
 
 
 class StoreLostError(RendezvousError):
@@ -61,14 +61,12 @@ class TCPStore(Store):
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_STORE_TIMEOUT_S,
                  server: bool = False, secret: auth.Secret | None = None,
-                 limits: StoreLimits = DEFAULT_LIMITS, connect_within: float | None = None,
-                 who: str = "") -> None:
+                 limits: StoreLimits = DEFAULT_LIMITS, connect_within: float | None = None) -> None:
         """`secret`: the job's (default: `auth.for_host(host)`); `limits` bound what the
         server hosted here holds and the replies this client accepts; `connect_within`: how
-        long to try reaching the server (default `timeout`); `who` ("rank 3") opens errors."""
+        long to try reaching the server (default `timeout`)."""
         super().__init__(timeout)
         self.host = host
-        self.who = f"{who}: " if who else ""
         self.secret = secret if secret is not None else auth.for_host(host)
         self.limits = limits
         self._server: TCPStoreServer | None = (
@@ -115,12 +113,12 @@ class TCPStore(Store):
             except auth.NotTensorwire as exc:
                 sock.close()
                 raise RendezvousError(
-                    f"{self.who}{self.address} answered, but not as a tensorwire store (wrong protocol)") \
+                    f"{self.address} answered, but not as a tensorwire store (wrong protocol)") \
                     from exc
             except auth.WrongSecret as exc:
                 sock.close()
                 raise AuthenticationError(
-                    f"{self.who}the TCP store at {self.address} could not prove that it knows this job's "
+                    f"the TCP store at {self.address} could not prove that it knows this job's "
                     f"secret (this process's: {self.secret.source}): the store's host and every rank need "
                     f"the same {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}; see docs/security.md") from exc
             except RendezvousError:
@@ -142,19 +140,19 @@ class TCPStore(Store):
         waited = time.monotonic() - start
         if cut:
             raise RendezvousError(
-                f"{self.who}the TCP store at {self.address} was reachable, but closed the connection or "
+                f"the TCP store at {self.address} was reachable, but closed the connection or "
                 f"went silent during the handshake {cut} times in {waited:.1f} s (last error: {last}): it is "
                 f"overloaded (a flood of connections to its port?) or turned this process away (as many "
                 f"clients as TENSORWIRE_STORE_MAX_CONNECTIONS?); its host logs what it dropped with "
                 f"TENSORWIRE_DEBUG=WARN TENSORWIRE_DEBUG_SUBSYS=AUTH")
         if last is None:
-            raise RendezvousError(f"{self.who}could not connect to the TCP store at {self.address}: its "
+            raise RendezvousError(f"could not connect to the TCP store at {self.address}: its "
                                   f"timeout of {timeout:.3g} s (TENSORWIRE_TIMEOUT or timeout=) ran out "
                                   f"before a first attempt")
         until = "" if isinstance(last, socket.gaierror) else \
             ", its whole timeout (TENSORWIRE_TIMEOUT or timeout=)"
         raise RendezvousError(
-            f"{self.who}could not connect to the TCP store at {self.address} after trying for "
+            f"could not connect to the TCP store at {self.address} after trying for "
             f"{waited:.1f} s{until} (last error: {last}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
             f"right?")
 

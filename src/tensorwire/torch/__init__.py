@@ -77,6 +77,7 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
         yield from _TORCH_ENV_HANDLER(url, timeout=timeout, **kwargs)
         return
     global _env_inits
+    from ..errors import named
     from ..rendezvous import bootstrap
     from ..rendezvous.tcp_store import TCPStore as TwTCPStore
 
@@ -87,8 +88,9 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
     _env_inits += 1
     key = f"tw/torch-store/{_env_inits}"
     seconds = timeout.total_seconds()
-    tw_store = TwTCPStore(addr, port, timeout=seconds, server=False,
-                          secret=bootstrap.job_secret(bootstrap.detect()), who=f"rank {rank}")
+    with named(rank, "init_process_group"):
+        tw_store = TwTCPStore(addr, port, timeout=seconds, server=False,
+                              secret=bootstrap.job_secret(bootstrap.detect()))
     try:
         if rank == 0:
             listen_fd, torch_port = _loopback_listener(addr)

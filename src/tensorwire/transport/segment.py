@@ -467,12 +467,10 @@ class DirectPath:
         the call failed there: a member that published this call as another is that reason
         (the one that left saw it too), else the abort that says why may come just behind
         (why_left)."""
-        words, mine = self.words, self.stamp_words(call)
+        mine = self.stamp_words(call)
         for r in self.others:
             for parity in (0, 1):
-                at = self.flags[r] + _STAMP + parity * 3
-                if words[at] == call.seq and (words[at + 1], words[at + 2]) != mine:
-                    return self._mismatch_with(call, r)
+                self.check_stamp(call, r, parity, mine)  # raises that mismatch
         return self.engine.why_left(self.engine.lost_error(peer), self.ctx, call.seq)
 
     def mark_read(self, call, steps: int) -> None:
