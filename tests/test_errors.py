@@ -1194,44 +1194,65 @@ def test_a_root_that_only_sends_learns_of_an_abort_within_a_few_calls(cluster: A
     assert after <= 200, (after, outcomes[0]["calls"])
 
 
-def _every_rank_its_own_root(collective: str, algo: str | None, t: float) -> dict[str, Any]:
+def _every_rank_its_own_root(collective: str, algo: str | None, late: bool, t: float) -> dict[str, Any]:
     """Each rank calls the group's broadcast or scatter as its root, so that none receives,
-    as the group's last call (by `algo`, or the tuner's choice); then destroys the group, what
-    it prints on stderr kept."""
+    as the group's last call (by `algo`, or the tuner's choice; `late`: the last rank makes it
+    once the others' blocks reached it, and they wait for its word after); then destroys the
+    group, what it prints on stderr kept."""
     g = _fresh_group()
+    last, token = g.size - 1, np.zeros(1, np.int32)
+    if late and g.rank == last:
+        for peer in range(last):  # reads what came before, the others' blocks
+            tw.recv(token, src=peer, timeout=t)
     x = np.full(4, g.rank, np.float32)
     blocks = [np.full(4, g.rank, np.float32) for _ in range(g.size)]
     call = (lambda: g.broadcast(x, src=g.rank, timeout=t)) if collective == "broadcast" else \
         (lambda: g.scatter(x, blocks, src=g.rank, timeout=t))
     with tuner.override(g, collective, algo):
         outcome = _attempt(call)
+    if late and g.rank != last:
+        tw.send(token, dst=last, timeout=t)
+        tw.recv(token, src=last, timeout=t)  # sent after the last rank's abort of the call
+    elif late:
+        for peer in range(last):
+            tw.send(token, dst=peer, timeout=t)
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
         g.destroy()
     return {**outcome, "printed": printed.getvalue()}
 
 
-@pytest.mark.parametrize("collective,algo", [("broadcast", None), ("scatter", None),
-                                             ("broadcast", "binomial"), ("scatter", "linear")])
+@pytest.mark.parametrize("collective,algo,late", [("broadcast", None, False), ("scatter", None, False),
+                                                  ("broadcast", "binomial", False),
+                                                  ("scatter", "linear", False), ("scatter", "linear", True)])
 def test_ranks_that_each_root_the_last_call_hear_of_it_as_the_group_ends(
-        cluster: Any, world_spec: tuple[int, str], collective: str, algo: str | None) -> None:
+        cluster: Any, world_spec: tuple[int, str], collective: str, algo: str | None, late: bool) -> None:
     """Ranks that each think themselves the root of a group's last broadcast or scatter
     receive nothing and check nothing, and no later call on the group finds the mismatch. On
     one host destroy() looks at what the peers published for it (the one-shot path) or noted
     (the message path) and says so on stderr (before, every rank returned with its own data,
-    silently). A rank may also raise it in the call, where a message did reach it; at 2 ranks
-    none does. Over TCP a root only sends, and learns of a mismatch at its next call only
+    silently). A rank that a peer's message reached first raises it in the call (`late`: the
+    last rank enters its call after the others' blocks came), and aborts the group: the ranks
+    that had returned are told of the abort as the group ends (before, they said nothing).
+    Over TCP a root only sends, and learns of a mismatch at its next call only
     (docs/errors.md)."""
     if world_spec[1] == "tcp":
         pytest.skip("over TCP a rank that only sends learns of a mismatch at its next call")
-    outcomes = cluster.run(_every_rank_its_own_root, collective, algo, TIMEOUT)
-    told = [o["printed"] for o in outcomes if o["printed"]]
-    assert told, outcomes  # every rank, unless a peer made it more than _END_WAIT_S after its end
-    if len(outcomes) == 2:
-        assert len(told) == 2, outcomes
-    for text in told:
-        assert f"{collective} #1 on group" in text and "found as the group ended" in text, text
+    outcomes = cluster.run(_every_rank_its_own_root, collective, algo, late, TIMEOUT)
+    told = [o["printed"] or o["msg"] for o in outcomes]
+    if len(outcomes) == 2 or late:
+        assert all(told), outcomes
+    else:
+        assert any(told), outcomes  # every rank, unless a peer made it more than _END_WAIT_S after its end
+    if late:
+        assert outcomes[-1]["type"] == "CollectiveMismatchError" and not outcomes[-1]["printed"], outcomes
+        assert all("aborted that call after this rank had returned" in o["printed"]
+                   for o in outcomes[:-1]), outcomes
+    for text in filter(None, told):
+        assert f"{collective} #1 on group" in text, text
         assert "made a different call at the same point: root" in text, text
+        if not late:
+            assert "found as the group ended" in text, text
 
 
 def _mismatch_after(good_calls: int, t: float) -> dict[str, Any]:

@@ -69,6 +69,9 @@ class CallQueue:
         self.engine = group.engine
         self.seq = 0  # the last call's sequence number
         self.internal = 0  # how many of them were the group's own (internal_call)
+        self.raised = 0
+        """The last call whose failure this rank raised (or caused): an abort of a call after it
+        that this rank returned from is told as the group ends (Group._report_last_call)."""
         self.current: CollectiveCall | None = None  # the last call run: the engine notes it weakly
         self.busy = False  # a call is running (inline, on the worker, or on a waiter)
         self.pending: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
@@ -116,6 +119,7 @@ class CallQueue:
         aborted = self.engine.aborted.get(group.ctx)
         if aborted is not None and call.seq >= aborted[0]:
             self._finished(origin)
+            self.raised = call.seq
             raise aborted[1]
         if self.wrap is not None:
             body = self.wrap(body)
@@ -201,6 +205,7 @@ class CallQueue:
             self._settle(None, False)  # earlier calls' refusals, a renewal
         except Exception:  # noqa: BLE001 - the group stays failed; this call's own error says more
             pass
+        self.raised = self.seq + 1
         if self.doomed:
             self.doomed -= 1
             raise error

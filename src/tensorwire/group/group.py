@@ -164,6 +164,7 @@ class Group:
         on every member, with `error` as the reason."""
         _log.warning("aborting group %s: %s", self.name, error)
         seq = self.queue.seq + 1 if seq is None else seq
+        self.queue.raised = max(self.queue.raised, seq)
         if self.direct is not None:
             self.direct.withdraw(seq)
         self.engine.abort_group(self.ctx, seq, self.ranks, error)
@@ -217,17 +218,25 @@ class Group:
         self._forget(grace, why)
 
     def _report_last_call(self) -> None:
-        """On stderr, whatever the log settings: a last call that this rank completed and a
-        peer made as another (DirectPath.last_call_mismatch), since no later call will raise it."""
-        direct = self.direct
-        if direct is None or self.engine.closed or self.ctx in self.engine.aborted or \
-                self.runtime.pid != os.getpid():  # a fork's copy: the parent's calls, not its own
+        """On stderr, whatever the log settings, what no later call will raise: a last call that
+        this rank completed and a peer made as another (DirectPath.last_call_mismatch), or a
+        peer's abort of a call this rank had returned from."""
+        if self.engine.closed or self.runtime.pid != os.getpid():  # a fork's copy: the parent's calls
             return
-        error = direct.last_call_mismatch(self.name, self.queue.internal)
+        self.engine.poll_peers()  # an abort that came in after this rank's last call
+        aborted = self.engine.aborted.get(self.ctx)
+        if aborted is not None:
+            error = aborted[1] if self.queue.raised < aborted[0] <= self.queue.seq else None
+            why = ("a member aborted that call after this rank had returned from it (found as the group "
+                   "ended): this rank's result of it may not be the collective's")
+        elif self.direct is not None:
+            error = self.direct.last_call_mismatch(self.name, self.queue.internal)
+            why = "this rank's result of that call is not the collective's"
+        else:
+            return
         if error is not None:
             with contextlib.suppress(OSError, ValueError):  # stderr closed: nothing to tell
-                print(f"tensorwire: {error}; this rank's result of that call is not the collective's",
-                      file=sys.stderr, flush=True)
+                print(f"tensorwire: {error}; {why}", file=sys.stderr, flush=True)
 
     def _forget(self, grace: float, why: str) -> None:
         """Drop the planned calls, the segment, the device state and the hierarchy's groups."""
