@@ -175,6 +175,27 @@ def scenario_errors() -> None:
     t = torch.full((1,), 5.0).expand(3) if rank == 0 else torch.zeros(3)
     dist.broadcast(t, 0, group=g)
     assert torch.equal(t, torch.full((3,), 5.0)), t
+    # the backend's argument errors name the rank and the call, as tensorwire's own (they said
+    # "rank 0: tensorwire backend: ..."); an integer PREMUL_SUM whose factor is not whole is refused
+    # on every rank (each rank's share was cut to an integer before the sum: 0.5 * [3, 4] from each
+    # of two ranks gave [2, 4]); a whole factor is exact
+    g = dist.new_group()
+    exc = _expect(InvalidArgumentError, lambda: dist.all_reduce(torch.ones(1).expand(4), group=g),
+                  contains=f"rank {rank}: all_reduce #1 on group ", within=5)
+    assert "share memory" in str(exc), exc
+    g = dist.new_group()
+    for call, number in ((lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=g), 1),
+                         (lambda t: dist.reduce_scatter_tensor(t[:1], t, op=dist._make_nccl_premul_sum(1.5),
+                                                               group=g), 2)):
+        exc = _expect(InvalidArgumentError, lambda call=call: call(torch.tensor([3, 4], dtype=torch.int32)),
+                      contains="needs a whole-number factor", within=5)
+        assert f"rank {rank}: " in str(exc) and f" #{number} on group " in str(exc), exc
+    t = torch.tensor([3, 4], dtype=torch.int32)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(3.0))
+    assert t.tolist() == [18, 24], t
+    exc = _expect(InvalidArgumentError, lambda: dist.barrier(timeout=timedelta(0)),
+                  contains="must be positive")
+    assert f"rank {rank}: barrier #" in str(exc), exc
 
     # a rank that never arrives: the other raises TimeoutError after the group's timeout
     g = dist.new_group(timeout=timedelta(seconds=2))

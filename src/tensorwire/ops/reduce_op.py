@@ -74,7 +74,10 @@ def _as_factor(factor: Any) -> float:
 
 
 def premul_sum(factor: float) -> Reduction:
-    """PREMUL_SUM with `factor` (torch's `_make_nccl_premul_sum`; e.g. 1/world_size for DDP)."""
+    """PREMUL_SUM with `factor` (torch's `_make_nccl_premul_sum`; e.g. 1/world_size for DDP):
+    `factor * sum(x_r)`, so every rank passes the same factor (a CollectiveMismatchError
+    otherwise). Through the torch backend each rank's input is scaled first, NCCL's
+    `sum(factor_r * x_r)`, and the factors may differ."""
     return Reduction(ReduceOp.PREMUL_SUM, factor)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,30 +38,81 @@ Call = Callable[[bool, "float | None"], Any]  # (async_op, timeout) -> tensorwir
 
 
 class _Staging:
-    """Contiguous stand-ins for non-contiguous tensors, and the copies back on completion.
+    """One call's tensors: checked (a bad one is an error naming the rank and the call),
+    contiguous stand-ins for non-contiguous ones, and the copies back on completion.
 
-    `group` None: a bad tensor raises on this rank only (point-to-point: nobody else waits on
-    a collective), else it fails the group on every member."""
+    `collective` False: a bad tensor raises on this rank only (point-to-point: nobody else
+    waits on it), else it fails the call on every member."""
 
-    def __init__(self, group: Group | None) -> None:
+    def __init__(self, group: Group, what: str, collective: bool = True) -> None:
         self.group = group
+        self.what = what
+        self.collective = collective
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def invalid(self, message: str) -> NoReturn:
+        """A local argument error: fail the call everywhere (peers raise it too, nobody waits)."""
+        error = InvalidArgumentError(f"rank {self.group.runtime.rank}: {self.what}: {message}")
+        if self.collective:
+            self.group.fail_fast(error)
+        raise error
+
+    def check(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            self.invalid(f"the tensorwire backend expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type not in ("cpu", "cuda"):
+            self.invalid(f"the tensorwire backend moves CPU and CUDA tensors, got one on {t.device}")
+        if t.is_sparse:
+            self.invalid("the tensorwire backend takes sparse tensors in all_reduce (SUM) only; "
+                         "pass t.to_dense() here")
+
+    def one(self, tensors: Sequence[Any]) -> Any:
+        """The one tensor (or list) c10d passes in `tensors` for this process."""
+        if len(tensors) != 1:
+            self.invalid(f"the tensorwire backend takes exactly one tensor per process (got {len(tensors)}); "
+                         "one tensor per rank is all c10d passes")
+        return tensors[0]
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer a collective may write (and read: broadcast roots, in-place reductions)."""
-        _check_tensor(t, self.group)
+        self.check(t)
         if t.is_contiguous():
             return t
         if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-            _invalid(self.group, "tensorwire backend: a tensor to write into has elements that share memory "
-                                 "(a zero stride, as expand() makes); pass a tensor of its own (t.clone())")
+            self.invalid("a tensor to write into has elements that share memory (a zero stride, as "
+                         "expand() makes); pass a tensor of its own (t.clone())")
         buf = t.detach().contiguous()
         self.back.append((t, buf))
         return buf
 
     def inp(self, t: torch.Tensor) -> torch.Tensor:
-        _check_tensor(t, self.group)
+        self.check(t)
         return t if t.is_contiguous() else t.contiguous()
+
+    def scaled(self, t: torch.Tensor, factor: Any, *, in_place: bool = False) -> torch.Tensor:
+        """factor * t, in place or as a new tensor (inputs the caller keeps must not change), by
+        tensorwire's rule for every dtype (ops.finalize's PREMUL_SUM: 16-bit floats and float8
+        in float32, integers exactly by a whole-number factor): torch itself cannot scale a
+        float8 tensor, nor an integer one by a float in place. Device tensors: torch's arithmetic."""
+        if not t.is_cpu:
+            f = factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor
+            return t.mul_(f) if in_place else t * f
+        try:
+            red = premul_sum(factor)
+            arr = as_array(t, writable=in_place, rank=self.group.runtime.rank, collective=self.what)
+        except InvalidArgumentError as exc:
+            self.group.fail_fast(exc)
+        if not (t.is_floating_point() or t.is_complex()) and not float(red.factor).is_integer():  # type: ignore[arg-type]
+            self.invalid(f"PREMUL_SUM of a {t.dtype} tensor needs a whole-number factor, got {red.factor!r}: "
+                         f"each rank's input is scaled before the sum, and its share would be cut to an "
+                         f"integer; scale the result instead, or reduce a floating-point copy")
+        if not in_place:
+            arr = arr.copy()
+        try:
+            finalize(arr, red, 1)
+        except InvalidArgumentError as exc:  # ('finalize: PREMUL_SUM is not defined for bool')
+            self.invalid(str(exc))
+        return t if in_place else like_torch(t, arr)
 
     def finish(self) -> Callable[[], None] | None:
         if not self.back:
@@ -74,23 +125,6 @@ class _Staging:
                     dst.copy_(src)
 
         return copy_back
-
-
-def _invalid(group: Group | None, message: str) -> None:
-    """A local argument error: fail the group everywhere (peers raise it too, nobody waits)."""
-    if group is None:
-        raise InvalidArgumentError(message)
-    group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {message}"))
-
-
-def _check_tensor(t: Any, group: Group | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        _invalid(group, f"tensorwire backend: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
-        _invalid(group, f"the tensorwire backend moves CPU and CUDA tensors, got one on {t.device}")
-    if t.is_sparse:
-        _invalid(group, "the tensorwire backend takes sparse tensors in all_reduce (SUM) only; "
-                        "pass t.to_dense() here")
 
 
 _OPS = tuple(ReduceOp)  # by value: tensorwire numbers its ops as torch's RedOpType does
@@ -124,31 +158,6 @@ def _reduction(opts: Any) -> tuple[ReduceOp, Any]:
             raise InvalidArgumentError("PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
         return ReduceOp.SUM, factor
     return op, None
-
-
-def _scaled(t: torch.Tensor, factor: Any, group: Group, *, in_place: bool = False) -> torch.Tensor:
-    """factor * t, in place or as a new tensor (inputs the caller keeps must not change), by
-    tensorwire's rule for every dtype (ops.finalize's PREMUL_SUM: 16-bit floats and float8 in
-    float32, integers exactly where the factor is integral): torch itself cannot scale a
-    float8 tensor, nor an integer one by a float in place. Device tensors: torch's arithmetic."""
-    if not t.is_cpu:
-        f = factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor
-        return t.mul_(f) if in_place else t * f
-    try:
-        arr = as_array(t, writable=in_place, rank=group.runtime.rank, collective="PREMUL_SUM")
-        if not in_place:
-            arr = arr.copy()
-        finalize(arr, premul_sum(factor), 1)
-    except InvalidArgumentError as exc:
-        group.fail_fast(exc)
-    return t if in_place else like_torch(t, arr)
-
-
-def _one(tensors: Sequence[torch.Tensor], what: str, group: Group | None) -> torch.Tensor:
-    if len(tensors) != 1:
-        _invalid(group, f"tensorwire backend: {what} takes exactly one tensor per process (got "
-                        f"{len(tensors)}); one CPU tensor per rank is all c10d passes")
-    return tensors[0]
 
 
 class ProcessGroupTensorwire(dist.ProcessGroup):
@@ -202,13 +211,13 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 f"name={self._group_name!r}, ranks={self._tw.ranks})")
 
     # -- running -----------------------------------------------------------------------------
-    def _timeout_of(self, opts: Any) -> float | None:
+    def _timeout_of(self, opts: Any, what: str) -> float | None:
         own = opts.timeout if opts is not None else _UNSET
         if own == _UNSET:  # the common case
             return self._timeout
         limit = own.total_seconds()  # (torch's options hold a timedelta)
         if limit <= 0:
-            _invalid(self._tw, f"tensorwire backend: a call's timeout must be positive, got {own!r}")
+            _Staging(self._tw, what).invalid(f"a call's timeout must be positive, got {own!r}")
         return limit
 
     def _completed(self, outputs: Any) -> CompletedWork:
@@ -223,7 +232,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     def _run(self, what: str, opts: Any, outputs: Any, calls: Sequence[Call],
              finish: Callable[[], None] | None = None) -> dist.Work:
-        timeout = self._timeout_of(opts)
+        timeout = self._timeout_of(opts, what)
         if opts is not None and not opts.asyncOp:
             for call in calls:
                 call(False, timeout)
@@ -237,7 +246,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         view = _seen(tensors, opts, _ALLREDUCE_OPTIONS)
         if view is not None and self._compress is None and opts.reduceOp == _SUM and not profiling():
-            self._tw.all_reduce(view, ReduceOp.SUM, timeout=self._timeout_of(opts))
+            self._tw.all_reduce(view, ReduceOp.SUM, timeout=self._timeout_of(opts, "all_reduce"))
             return self._completed(tensors)
         return self._allreduce(tensors, opts)
 
@@ -256,16 +265,16 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         if factor is None and len(tensors) == 1 and not opts.asyncOp:
             t = tensors[0]
             if t.is_contiguous() and (t.is_cpu or t.is_cuda):  # a plain dist.all_reduce(t): most direct
-                self._tw.all_reduce(t, op, timeout=self._timeout_of(opts),
+                self._tw.all_reduce(t, op, timeout=self._timeout_of(opts, "all_reduce"),
                                     compress=None if self._compress is None else self._compressing(t, op))
                 return self._completed(tensors)
         if len(tensors) == 1 and tensors[0].is_sparse:
-            self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts))
+            self._sparse_all_reduce(tensors[0], op, factor, self._timeout_of(opts, "all_reduce"))
             return CompletedWork(tensors) if opts.asyncOp else self._completed(tensors)
-        st = _Staging(self._tw)
-        buf = st.out(_one(tensors, "allreduce", self._tw))
+        st = _Staging(self._tw, "all_reduce")
+        buf = st.out(st.one(tensors))
         if factor is not None:
-            _scaled(buf, factor, self._tw, in_place=True)
+            st.scaled(buf, factor, in_place=True)
         g = self._tw
         compress = None if self._compress is None else self._compressing(buf, op)
         return self._run("all_reduce", opts, tensors,
@@ -310,8 +319,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         op, factor = _reduction(opts)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        checked = _Staging(self._tw, "all_reduce_coalesced")
         for t in tensors:
-            _check_tensor(t, self._tw)
+            checked.check(t)
             by_dtype.setdefault(t.dtype, []).append(t)
         calls: list[Call] = []
         unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -319,7 +329,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else None
             if flat is None:
-                st = _Staging(self._tw)
+                st = _Staging(self._tw, "all_reduce_coalesced")
                 buf = st.out(group[0])
                 if st.back:
                     unpack.append((buf, group))
@@ -327,7 +337,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 buf = flat
                 unpack.append((flat, group))
             if factor is not None:
-                _scaled(buf, factor, self._tw, in_place=True)
+                checked.scaled(buf, factor, in_place=True)
             calls.append(lambda a, t, b=buf: g.all_reduce(b, op, async_op=a, timeout=t))
 
         def finish() -> None:
@@ -345,14 +355,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         op, factor = _reduction(opts)
         root = opts.rootRank
-        st = _Staging(self._tw)
-        t = _one(tensors, "reduce", self._tw)
+        st = _Staging(self._tw, "reduce")
+        t = st.one(tensors)
         buf = st.out(t) if self._tw.rank == root else st.inp(t)
         g = self._tw
         if factor is None:
             call: Call = lambda a, tm: g.reduce(buf, root, op, async_op=a, timeout=tm)  # noqa: E731
         else:
-            src = _scaled(buf, factor, g)
+            src = st.scaled(buf, factor)
             out = buf if g.rank == root else None
             call = lambda a, tm: g.reduce(src, root, op, out=out, async_op=a, timeout=tm)  # noqa: E731
         return self._run("reduce", opts, tensors, [call], st.finish())
@@ -362,11 +372,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                        opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging(self._tw)
-        out = st.out(_one(output_tensors, "reduce_scatter", self._tw))
-        ins = [st.inp(t) for t in _one(input_tensors, "reduce_scatter", self._tw)]
+        st = _Staging(self._tw, "reduce_scatter")
+        out = st.out(st.one(output_tensors))
+        ins = [st.inp(t) for t in st.one(input_tensors)]
         if factor is not None:
-            ins = [_scaled(t, factor, self._tw) for t in ins]
+            ins = [st.scaled(t, factor) for t in ins]
         g = self._tw
         return self._run("reduce_scatter", opts, output_tensors,
                          [lambda a, t: g.reduce_scatter(out, ins, op, async_op=a, timeout=t)], st.finish())
@@ -376,10 +386,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                               opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "reduce_scatter_tensor")
         out, inp = st.out(output), st.inp(input)
         if factor is not None:
-            inp = _scaled(inp, factor, self._tw)
+            inp = st.scaled(inp, factor)
         g = self._tw
         return self._run("reduce_scatter_tensor", opts, [output],
                          [lambda a, t: g.reduce_scatter_tensor(out, inp, op, async_op=a, timeout=t)],
@@ -392,13 +402,13 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                                         opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op, factor = _reduction(opts)
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "reduce_scatter_tensor_coalesced")
         calls: list[Call] = []
         g = self._tw
         for output, input in zip(outputs, inputs, strict=True):
             out, inp = st.out(output), st.inp(input)
             if factor is not None:
-                inp = _scaled(inp, factor, self._tw)
+                inp = st.scaled(inp, factor)
             calls.append(lambda a, t, o=out, i=inp: g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=t))
         return self._run("reduce_scatter_tensor_coalesced", opts, outputs, calls, st.finish())
 
@@ -408,7 +418,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         view = _seen(tensors, opts, _BROADCAST_OPTIONS)
         if view is not None and not profiling():
-            self._tw.broadcast(view, opts.rootRank, timeout=self._timeout_of(opts))
+            self._tw.broadcast(view, opts.rootRank, timeout=self._timeout_of(opts, "broadcast"))
             return self._completed(tensors)
         return self._broadcast(tensors, opts)
 
@@ -421,9 +431,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             root, opts = opts, dist.BroadcastOptions()
             opts.rootRank = int(root or 0)
         root = opts.rootRank
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "broadcast")
         g = self._tw
-        tensor = _one(tensors, "broadcast", g)
+        tensor = st.one(tensors)
         buf = st.inp(tensor) if g.rank == root else st.out(tensor)  # the root's is only read
         return self._run("broadcast", opts, tensors,
                          [lambda a, t: g.broadcast(buf, root, async_op=a, timeout=t)], st.finish())
@@ -432,10 +442,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging(self._tw)
-        mine = _one(output_tensors, "allgather", self._tw)
+        st = _Staging(self._tw, "all_gather")
+        mine = st.one(output_tensors)
         outs = [st.out(t) for t in mine]
-        inp = st.inp(_one(input_tensors, "allgather", self._tw))
+        inp = st.inp(st.one(input_tensors))
         g = self._tw
         return self._run("all_gather", opts, mine,  # the future's value: the list, as Gloo's
                          [lambda a, t: g.all_gather(outs, inp, async_op=a, timeout=t)], st.finish())
@@ -443,7 +453,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     @shown_to_profiler("all_gather_into_tensor")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "all_gather_into_tensor")
         out, inp = st.out(output), st.inp(input)
         g = self._tw
         return self._run("all_gather_into_tensor", opts, [output],
@@ -456,7 +466,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "all_gather_into_tensor_coalesced")
         g = self._tw
         calls: list[Call] = []
         for output, input in zip(outputs, inputs, strict=True):
@@ -470,7 +480,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "all_gather_coalesced")
         g = self._tw
         calls: list[Call] = []
         for i, input in enumerate(inputs):  # output_lists[rank][i] receives rank's inputs[i]
@@ -483,11 +493,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.GatherOptions()
         root = opts.rootRank
-        st = _Staging(self._tw)
-        inp = st.inp(_one(input_tensors, "gather", self._tw))
+        st = _Staging(self._tw, "gather")
+        inp = st.inp(st.one(input_tensors))
         outs = None
         if self._tw.rank == root:
-            outs = [st.out(t) for t in _one(output_tensors, "gather", self._tw)]
+            outs = [st.out(t) for t in st.one(output_tensors)]
         g = self._tw
         return self._run("gather", opts, output_tensors,
                          [lambda a, t: g.gather(inp, outs, root, async_op=a, timeout=t)], st.finish())
@@ -497,11 +507,11 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ScatterOptions()
         root = opts.rootRank
-        st = _Staging(self._tw)
-        out = st.out(_one(output_tensors, "scatter", self._tw))
+        st = _Staging(self._tw, "scatter")
+        out = st.out(st.one(output_tensors))
         ins = None
         if self._tw.rank == root:
-            ins = [st.inp(t) for t in _one(input_tensors, "scatter", self._tw)]
+            ins = [st.inp(t) for t in st.one(input_tensors)]
         g = self._tw
         return self._run("scatter", opts, output_tensors,
                          [lambda a, t: g.scatter(out, ins, root, async_op=a, timeout=t)], st.finish())
@@ -510,7 +520,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "all_to_all")
         outs = [st.out(t) for t in output_tensors]
         ins = [st.inp(t) for t in input_tensors]
         g = self._tw
@@ -522,7 +532,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        st = _Staging(self._tw)
+        st = _Staging(self._tw, "all_to_all_single")
         out, inp = st.out(output), st.inp(input)
         osplit = list(output_split_sizes) or None
         isplit = list(input_split_sizes) or None
@@ -542,7 +552,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     # -- point-to-point ------------------------------------------------------------------------
     @shown_to_profiler("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        data = _Staging(None).inp(_one(tensors, "send", None))
+        st = _Staging(self._tw, "send", collective=False)
+        data = st.inp(st.one(tensors))
         part = self._tw.isend(data, dst, tag)
         if finished(part):  # a small send, in the peer's ring already
             return CompletedWork(tensors)
@@ -550,8 +561,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     @shown_to_profiler("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        st = _Staging(None)
-        buf = st.out(_one(tensors, "recv", None))
+        st = _Staging(self._tw, "recv", collective=False)
+        buf = st.out(st.one(tensors))
         part = self._tw.irecv(buf, src, tag)
         finish = st.finish()
         if finished(part):  # its message had arrived
@@ -565,8 +576,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """A receive from whichever rank sends first, found and received as its Work is waited on
         (or its future's helper thread waits)."""
-        st = _Staging(None)
-        buf = st.out(_one(tensors, "recv", None))
+        st = _Staging(self._tw, "recv", collective=False)
+        buf = st.out(st.one(tensors))
         part = self._tw.irecv_any(buf, tag, self._timeout)
         return TensorwireWork([part], tensors, "recv from any rank", finish=st.finish(),
                               timeout=self._timeout, source_rank=part.result)
