@@ -137,6 +137,21 @@ def test_the_report_names_the_rank_an_error_came_from(tmp_path: Path) -> None:
     assert "rank 0 (local rank 0, pid" in res.stderr, res.stderr
 
 
+def test_a_rank_that_finds_master_port_in_use_is_told_why(tmp_path: Path) -> None:
+    """A torch program that did not import tensorwire.torch (a Gloo job) has env:// host its
+    store on MASTER_PORT, where tensorwire's is: the report says so (before: only torch's
+    EADDRINUSE on rank 0, a connection reset on the others)."""
+    script = tmp_path / "bind.py"
+    script.write_text(textwrap.dedent("""\
+        import os, socket
+        socket.create_server((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        """))
+    res = _run(["-n", "1", str(script)], tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert "MASTER_PORT is tensorwire's store" in res.stderr and "imports tensorwire.torch" in res.stderr, \
+        res.stderr
+
+
 def test_failing_rank_sets_exit_code_and_report(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent("""\

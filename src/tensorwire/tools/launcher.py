@@ -46,8 +46,10 @@ EXIT_NOTICE_TIMEOUT_S = 10.0
 DESCRIPTION = """\
 Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
 rendezvous store on node rank 0, gives every rank its RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT, passes each rank's stdout through untouched and relays its
-stderr line by line; its own stdin goes to rank 0 (as mpirun's), the others read none. If
+MASTER_ADDR and MASTER_PORT (the store's: a torch program imports tensorwire.torch before
+init_process_group, whatever its backend, for env:// to work), passes each rank's stdout
+through untouched and relays its stderr line by line; its own stdin goes to rank 0 (as
+mpirun's), the others read none. If
 a rank fails, the others get --grace seconds to report the lost peer, are then terminated,
 and the launcher prints which rank failed first with its last stderr lines and exits with
 that rank's exit code (128+N if it died of signal N). With
@@ -621,12 +623,18 @@ class Launcher:
             elif child.proc.returncode not in (0, None) and child.tail:
                 text += f"; last stderr line: {child.tail[-1]}"
             lines.append(text)
+        if any(_IN_USE.search(text) for child in self.ranks for text in child.tail):
+            lines.append("tensorwire run: a rank found an address in use; MASTER_PORT is tensorwire's "
+                         "store: a torch program, whatever its backend, imports tensorwire.torch before "
+                         "init_process_group(init_method='env://') to get a torch store of its own "
+                         "(docs/torch.md)")
         with self._output_lock:
             print("\n".join(lines), file=sys.stderr, flush=True)
         return code
 
 
 _REPORTED = re.compile(r"\[reported by rank (\d+); seen on rank \d+\]")
+_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
 
 def _reported_by(child: RankProcess) -> str:
