@@ -214,6 +214,8 @@ def scenario_errors() -> None:
     dist.barrier()
     for bad in (timedelta(0), timedelta(seconds=-1)):
         _expect(InvalidArgumentError, lambda bad=bad: dist.barrier(timeout=bad), contains="must be positive")
+    _expect(InvalidArgumentError, lambda: dist.new_group(timeout=timedelta(0)),
+            contains=f"rank {rank}: new_group: tensorwire backend: timeout must be positive")
     dist.barrier()
 
     # inside DDP's backward: rank 1 issues an extra all-reduce first (the size of DDP's one bucket,

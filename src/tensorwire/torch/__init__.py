@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
 
+from ..errors import named
 from . import world
 from .hooks import bf16_allreduce_hook, fp16_allreduce_hook
 from .process_group import BACKEND_NAME, ProcessGroupTensorwire
@@ -35,7 +36,9 @@ def create_backend(opts: Any, pg_options: Any = None) -> ProcessGroupTensorwire:
     """c10d's constructor hook (extended API): one call per torch group, on its members only."""
     ranks = list(opts.global_ranks_in_group)
     name = str(opts.group_id)
-    timeout = world.timeout_seconds(opts.timeout)
+    rank = ranks[opts.group_rank] if ranks else opts.group_rank
+    with named(rank, "new_group" if ranks else "init_process_group"):
+        timeout = world.timeout_seconds(opts.timeout)
     if not ranks:  # the default group: the tensorwire world
         group = world.world_group(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     else:
@@ -77,7 +80,6 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
         yield from _TORCH_ENV_HANDLER(url, timeout=timeout, **kwargs)
         return
     global _env_inits
-    from ..errors import named
     from ..rendezvous import bootstrap
     from ..rendezvous.tcp_store import TCPStore as TwTCPStore
 
