@@ -492,6 +492,20 @@ def test_a_cache_from_faster_links_is_measured_again(support: dict, job: str, tm
 
 
 @pytest.mark.timeout(90)
+def test_the_probe_over_a_slow_link_fits_the_timeout(support: dict, job: str, tmp_path) -> None:
+    """Init's probe sized its busy rounds for fast links (2 MiB a round from every rank): 2 hosts
+    x 2 ranks over 20 Mbit/s links took 57 s to start, past a 30 s TENSORWIRE_TIMEOUT (every
+    rank: 'calibration probe ... timed out'). The rounds are cut to the links the pairs measured."""
+    if not support.get("tbf"):
+        pytest.skip(f"no tbf qdisc here: {support.get('tbf_reason')}")
+    cache = ["--env", f"TENSORWIRE_CACHE_DIR={tmp_path}"]
+    res = run_bed(["--hosts", "2", "-n", "2", "--rate", "20mbit", *cache], [job, "links"], timeout=80)
+    assert res.code == 0, res.out
+    found = res.lines(r"LINKS rank \d+ busy_ring calibrated tcp ([\d.]+) GB/s")
+    assert len(found) == 4 and all(float(m.group(1)) < 0.005 for m in found), res.out  # 20 Mbit/s: 0.0025
+
+
+@pytest.mark.timeout(90)
 def test_sysctls_set_in_every_host_and_nowhere_else(support: dict, job: str) -> None:
     """--sysctl sets a net.* setting in each host's own network stack; this machine's stays."""
     key = "net.ipv4.tcp_slow_start_after_idle"

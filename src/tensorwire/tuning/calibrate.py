@@ -27,11 +27,12 @@ docs/tuning.md and, for the reasoning, docs/design/calibration.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ from .. import log, memory
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.registry import Link, algorithms_for
 from ..algorithms.tree import binomial_broadcast
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TimeoutError, retold
 from ..ops import ReduceOp
 from . import probes, tuner
 from .cache import cache_dir, cache_key, cache_path, environment_digest, host_hash, read_cache, write_cache
@@ -229,7 +230,8 @@ def _at_init(world: Group) -> LinkTable:
     checked, check_s = "", 0.0
     if not probe and "cached" in sources.values():
         t1 = time.perf_counter()
-        checked = check_cached(world, base, sources, overrides, pairs)
+        with _slow_link_hint():
+            checked = check_cached(world, base, sources, overrides, pairs)
         check_s = time.perf_counter() - t1
         probe = bool(checked)
         if checked and me == 0:
@@ -239,7 +241,7 @@ def _at_init(world: Group) -> LinkTable:
     if probe:
         t1 = time.perf_counter()
         before = probes.cpu_seconds()
-        with probes.spread(world, hosts) as own_core:
+        with probes.spread(world, hosts) as own_core, _slow_link_hint():
             measured = probes.probe(world, pairs, direct, cma, len(set(hosts)) > 1, _crowding(info),
                                     own_core)
         probe_s = time.perf_counter() - t1
@@ -396,6 +398,17 @@ def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) 
               "it was not slower than the messages in every round of its probe", link.alpha * 1e6,
               bound * 1e6)
     return replace(table, links={**table.links, "direct": replace(link, alpha=bound)})
+
+
+@contextlib.contextmanager
+def _slow_link_hint() -> Iterator[None]:
+    """A probe that timed out says how to start without one (a link too slow for the timeout)."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise retold(exc, f"{str(exc).rstrip('.')}; init's calibration measures every link the job "
+                          f"uses: where one is too slow for the timeout, TENSORWIRE_CALIBRATE=0 starts on "
+                          f"the defaults (docs/tuning.md)") from exc
 
 
 def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, str],

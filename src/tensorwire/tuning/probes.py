@@ -55,6 +55,8 @@ CROWDED_LONG_WARM, CROWDED_LONG_CALLS = 1, 3  # ... and the long calls' series t
 # single copy): each call is a mean over every rank's turn, and the check does not measure them
 CROWDED_BUSY_BYTES = 256 << 10  # ... and the busy rounds' size there, one warm-up round a distance:
 # rounds that do not grow every partner's ring (docs/design/calibration.md#the-crowded-probes-time)
+BUSY_ROUND_S, SLOW_BUSY_BYTES = 0.02, 64 << 10  # ... and cut to a round of this time on a slow link,
+# down to this size (busy_bytes; docs/design/calibration.md#slow-links)
 DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if smaller (β)
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
 # steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
@@ -229,8 +231,19 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
     call.wait(call.isend(peer, out, step), call.irecv(peer, into, step))
 
 
+def busy_bytes(beta: float, crowded: bool) -> int:
+    """The busy rounds' size: BUSY_BYTES (CROWDED_BUSY_BYTES where `crowded`), cut where the
+    slowest link the lone pairs measured (`beta`, seconds a byte) would make a round outlast
+    BUSY_ROUND_S, down to SLOW_BUSY_BYTES: at full size a slow link between hosts took the
+    probe past the job's timeout."""
+    full = CROWDED_BUSY_BYTES if crowded else BUSY_BYTES
+    fit = int(BUSY_ROUND_S / beta) >> 12 << 12 if beta > 0 else full
+    return max(SLOW_BUSY_BYTES, min(full, fit))
+
+
 def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
-                 batches: int = ALPHA_BATCHES, crowded: bool = False) -> tuple[float, float, float, float]:
+                 batches: int = ALPHA_BATCHES, crowded: bool = False,
+                 nbytes: int = BUSY_BYTES) -> tuple[float, float, float, float]:
     """(α, β, β in a ring, α in pairs) of a step when every rank works: all ranks at once,
     round k sending to rank r + d and receiving from r - d, d = 1, 2, 4, ... (a dissemination
     pattern: every rank takes part whatever n is, and the partners change from round to round
@@ -239,8 +252,8 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     exchanging with rank r XOR d (where there is one), as the steps of recursive doubling,
     recursive halving, Rabenseifner and Bruck do (Algorithm.exchanges).
 
-    The median of `batches` 8-byte batches gives α; β is the mean of a few BUSY_BYTES rounds
-    (`crowded`: CROWDED_BUSY_BYTES), slow ones
+    The median of `batches` 8-byte batches gives α; β is the mean of a few rounds of `nbytes`
+    (busy_bytes), slow ones
     included: contention is the point, and a long call meets the preempted rounds that a median
     would drop. Each pattern is run untimed BUSY_WARM_ROUNDS per distance first, more across
     hosts, where fresh TCP connections ramp up (BUSY_WARM_ROUNDS_ACROSS_HOSTS); there the
@@ -248,7 +261,6 @@ def measure_busy(call: CollectiveCall, step0: int, across_hosts: bool = False,
     collectives that follow run in the steady state (docs/design/calibration.md#the-busy-links)."""
     rounds = Rounds(call, step0)
     dists = rounds.dists
-    nbytes = CROWDED_BUSY_BYTES if crowded else BUSY_BYTES
     big_out, big_in = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # pages touched
 
     def mean_round(distances: list[int], count: int) -> float:
@@ -438,10 +450,11 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
             # ShmChannel._grow), never past the ring planned (TENSORWIRE_SHM_RING, /dev/shm)
             warm = 1 + min(world.ring_bytes, 4 * BETA_BYTES) // BETA_BYTES if tier == "shm" else 2
             measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
-    _max_politely(world, call, np.zeros(1), _SYNC)  # the busy rounds start together, after the lone pairs
+    slowest = np.array([max(measured[1: 3 * len(TIERS): 3])])  # the pairs' largest β, agreed:
+    _max_politely(world, call, slowest, _SYNC)  # the busy rounds start together, after the lone pairs
     measured[busy.start: busy.start + 4] = measure_busy(
         call, len(TIERS) * 1000, across_hosts, crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding),
-        crowding > 2)
+        crowding > 2, busy_bytes(float(slowest[0]), crowding > 2))
     if own_core:
         measured[busy.stop - 1] = measure_gamma()
     if direct:
