@@ -592,6 +592,10 @@ def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(suppo
         assert kind == "PeerLostError", f"rank {r}: {kind}: {message}"
         named = {int(w) for w in re.findall(r"lost rank (\d+)", message)}
         assert named and named <= other, f"rank {r}: {message}"
+        if "stopped answering" in message:  # the host's other rank named with it (it was not)
+            mates = re.search(r"its host \([\d.]+, with rank\(s\) ([\d, ]+)\)", message)
+            with_it = {int(w) for w in mates.group(1).split(", ")} if mates else set()
+            assert named | with_it == other, f"rank {r}: {message}"
         # a loaded machine may add a few seconds; the calls' own timeout (30 s) would be far later
         assert when - t_cut < peer_timeout + 7, f"rank {r} noticed the cut only after {when - t_cut:.1f} s"
     for r, (when, ranks) in shrunk.items():

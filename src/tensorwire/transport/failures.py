@@ -74,7 +74,7 @@ _CRASH_GRACE_S = 1.0
 """How long a call goes on after a member crashed that it does not wait for: that member may
 have finished its part (it exited right after), and a member that waits for it fails at once
 and aborts the group; past this the call fails here too (that member may not know yet)."""
-_PEER_SILENT = "its host stopped answering for TENSORWIRE_PEER_TIMEOUT={:g} s (down or cut off: {})"
+_PEER_SILENT = "its host{} stopped answering for TENSORWIRE_PEER_TIMEOUT={:g} s (down or cut off: {})"
 
 
 def unanswered_ms(sock: socket.socket) -> int:
@@ -192,7 +192,7 @@ class Failures:
             self._drain(channel)
         else:
             if f"[Errno {errno.ETIMEDOUT}]" in reason and self.wiring is not None:  # keepalive (tune_socket)
-                reason = _PEER_SILENT.format(self.wiring.cfg.peer_timeout, reason)
+                reason = self._host_silent(peer, reason)
             self.crashed[peer] = time.perf_counter()
             _log.warning("lost rank %d: %s", peer, reason)
         self.lost[peer] = reason
@@ -300,8 +300,15 @@ class Failures:
                     # host: its socket went quiet with an address this host lost)
                     self._silent.pop(peer, None)
                 elif now - self._silent.setdefault(peer, now) >= _LIVENESS_S:  # not a probe just sent
-                    self.peer_lost(peer, _PEER_SILENT.format(
-                        self.wiring.cfg.peer_timeout, f"nothing acknowledged for {waited / 1000:.1f} s"))
+                    why = f"nothing acknowledged for {waited / 1000:.1f} s"
+                    self.peer_lost(peer, self._host_silent(peer, why))
+
+    def _host_silent(self, peer: int, why: str) -> str:
+        """Why `peer` is lost, its host silent: the ranks that listen at its address go with it."""
+        assert self.wiring is not None
+        others = ", ".join(map(str, self.wiring.sharing_address(peer)))
+        there = f" ({self.wiring.cards[peer]['addr']}, with rank(s) {others})" if others else ""
+        return _PEER_SILENT.format(there, self.wiring.cfg.peer_timeout, why)
 
     def closed_error(self, what: object = None) -> AbortedError:
         """Why a call another thread waited in ended: this rank shut down (Engine.wait names the call)."""

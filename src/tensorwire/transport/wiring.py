@@ -173,6 +173,12 @@ class Wiring:
         card = self.cards.get(peer)
         return "shm" if card is not None and self.local(card) and self.rings.ring_max > 0 else "tcp"
 
+    def sharing_address(self, peer: int) -> list[int]:
+        """The other ranks that listen at `peer`'s address (its host's), this one not among them."""
+        addr = self.cards.get(peer, {}).get("addr")
+        return [r for r, card in sorted(self.cards.items())
+                if r not in (peer, self.rank) and addr is not None and card.get("addr") == addr]
+
     def gone(self, peer: int) -> str:
         """Why `peer`'s process is known to have exited ('' if it is not, or cannot be watched)."""
         proc = self.procs.get(peer)
