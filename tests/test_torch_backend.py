@@ -536,6 +536,8 @@ def _check_async(c: _Checker) -> None:
 
 
 def _check_p2p(c: _Checker) -> None:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -613,6 +615,20 @@ def _check_p2p(c: _Checker) -> None:
     dist.isend(_data(r, 2, torch.float32), dst=right, tag=9).get_future().wait()
     req.get_future().wait()
     c.equal("p2p future", t, _data(left, 2, torch.float32))
+    # a wait's own timeout on a receive whose sender is late bounds that wait only, and says so
+    # (it read as the receive's failure: 'timed out waiting for rank(s) ...; the peer is stuck')
+    req = dist.irecv(t, src=left, tag=10)
+    try:
+        req.wait(timeout=timedelta(seconds=0.2))
+    except TimeoutError as exc:
+        assert f"rank {r}: recv from rank {left}" in str(exc) and "not complete after 0.2 s" in str(exc) \
+            and "stays pending" in str(exc), exc
+    else:
+        raise AssertionError("a wait for a message not sent yet returned")
+    dist.barrier()
+    dist.send(_data(r, 2, torch.float32), dst=right, tag=10)
+    req.wait()
+    c.equal("p2p wait again", t, _data(left, 2, torch.float32))
     dist.barrier()
 
 

@@ -264,6 +264,10 @@ def scenario_train() -> None:
     dist.all_reduce(torch.ones(10))
     dist.all_reduce(torch.ones(10, dtype=torch.int64))
     assert choices.get(("all_reduce", 40, "bf16")) is False and ("all_reduce", 80, "bf16") not in choices
+    with dist._coalescing_manager():  # coalesced all_reduces are asked to compress too (they were not)
+        dist.all_reduce(torch.ones(10))
+        dist.all_reduce(torch.ones(14))
+    assert choices.get(("all_reduce", 96, "bf16")) is False, choices
     _check_overlap(gloo)
     # sparse gradients (an embedding bag): DDP all-reduces sparse COO tensors
     _compare_with_gloo("DDP sparse embedding", _train_sparse(None), _train_sparse(gloo))

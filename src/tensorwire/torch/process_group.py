@@ -338,7 +338,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 unpack.append((flat, group))
             if factor is not None:
                 checked.scaled(buf, factor, in_place=True)
-            calls.append(lambda a, t, b=buf: g.all_reduce(b, op, async_op=a, timeout=t))
+            compress = None if self._compress is None else self._compressing(buf, op)
+            calls.append(lambda a, t, b=buf, c=compress:
+                         g.all_reduce(b, op, async_op=a, timeout=t, compress=c))
 
         def finish() -> None:
             for flat, group in unpack:

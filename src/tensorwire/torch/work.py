@@ -132,15 +132,22 @@ class TensorwireWork(dist.Work):
                     part.wait(limit if limit is not None else own)
                 except TwTimeoutError:
                     if not part.is_completed():
+                        if limit is not None:  # this wait's bound, not the operation's: it goes on
+                            raise self._pending_after(limit, part) from None
                         raise
                 except BaseException:
                     pass  # recorded by _part_done; raised below once everything settled
             if not self._done.wait(limit):
-                raise TwTimeoutError(f"{self._what} not complete after {limit:g} s")
+                raise self._pending_after(limit)
         if self._exc is not None:
             raise self._exc
         self.synchronize()
         return True
+
+    def _pending_after(self, limit: float | None, part: TwWork | None = None) -> TwTimeoutError:
+        """A wait's own bound ran out: the operation goes on (a later wait may see it done)."""
+        what = self._what if part is None else f"rank {part.rank}: {part.what}"
+        return TwTimeoutError(f"{what} not complete after {limit:g} s (it stays pending: wait again)")
 
     def get_future(self) -> torch.futures.Future:
         """A future whose value is the list of output tensors (what DDP's comm hooks expect)."""
