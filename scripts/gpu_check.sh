@@ -29,6 +29,7 @@
 # directly); one built elsewhere for the same Python can be carried in src/tensorwire/transport/.
 # Logs go to $OUT/logs (or ./gpu-check-out/logs), packed into $OUT/gpu-check-logs.tgz at exit
 # beside summary.txt (the device tool brings back few files); a short table is printed last.
+# Exits 1 where any step did not succeed (its rc in the summary), else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -43,7 +44,8 @@ CPU_S=${CPU_S:-120}  # each CPU sweep: ~30-50 s on 16 cores
 PER_TEST_S=${PER_TEST_S:-120}
 BUDGET_S=${BUDGET_S:-540}  # under the device tool's 600 s a command
 summary=()
-note() { summary+=("$*"); echo "== $*"; }
+failed=0  # the exit status: 1 where any step's rc was not 0
+note() { summary+=("$*"); echo "== $*"; if [[ "$*" =~ rc=[1-9] ]]; then failed=1; fi; }
 left() { echo $(( BUDGET_S > 0 ? BUDGET_S - SECONDS : 1000000 )); }
 cap() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }  # a timeout within the budget
 pack() {
@@ -229,3 +231,4 @@ for step in $steps; do
   esac
 done
 echo; echo "== summary"; printf '%s\n' "${summary[@]}"
+exit "$failed"

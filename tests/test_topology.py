@@ -319,14 +319,15 @@ def test_topo_command() -> None:
     assert "orders: one host: the ring and trees follow rank order" in lines, done.stdout
     # what rank 0 knows of its host's wiring: the transport, cores against ranks, /dev/shm
     assert any(line.startswith("transport: shm within a host, tcp across; over TCP ") for line in lines)
-    assert any(re.match(r"rank 0's host: \d+ usable core\(s\), .*; /dev/shm .* free of ", line)
-               for line in lines), done.stdout
+    assert any(re.match(r"rank 0's machine: \d+ usable core\(s\) for its 2 rank\(s\), waiting ranks .*; "
+                        r"/dev/shm .* free of ", line) for line in lines), done.stdout
     done = subprocess.run([sys.executable, "-m", "tensorwire", "topo", "--json"], capture_output=True,
                           text=True, timeout=100, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["world_size"] == 1 and doc["ranks"][0]["pid"] > 0 and doc["hosts"][0]["ranks"] == [0]
     assert doc["rank0_host"]["cores"] >= 1 and doc["rank0_host"]["dev_shm_bytes"] > 0, doc
+    assert doc["rank0_host"]["machine_ranks"] == 1, doc
 
 
 def test_plan_prices_a_cluster_flat_against_hierarchical(capsys) -> None:

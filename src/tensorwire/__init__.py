@@ -5,6 +5,8 @@
     tw.all_reduce(x)               # numpy arrays, torch CPU tensors, any buffer, in place
 """
 
+from types import ModuleType as _ModuleType
+
 from .api import (
     all_gather,
     all_gather_into_tensor,
@@ -64,4 +66,5 @@ from .ops import ReduceOp, Reduction, premul_sum
 from .work import Work
 
 __version__ = "0.1.0"
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = sorted(name for name, value in globals().items()  # the names above, not the submodules
+                 if not name.startswith("_") and not isinstance(value, _ModuleType))

@@ -23,9 +23,9 @@ def main(argv: list[str]) -> int:
         description="Print the job's topology: hosts and their ranks, each rank's cores, NUMA node, GPU and "
                     "network interface, the tier of its pairs, the ring, tree and hierarchy orders the "
                     "library runs the world group's collectives in, and rank 0's host: the transport, TCP "
-                    "streams and pump threads, usable cores against its ranks, /dev/shm. Inside a job "
-                    "(tensorwire run, torchrun, mpirun, Slurm, the multi-host test bed) every rank joins "
-                    "and rank 0 prints; --np N starts N ranks on this host.",
+                    "streams and pump threads, its machine's usable cores against its ranks, /dev/shm. "
+                    "Inside a job (tensorwire run, torchrun, mpirun, Slurm, the multi-host test bed) every "
+                    "rank joins and rank 0 prints; --np N starts N ranks on this host.",
         epilog="examples:\n  tensorwire topo --np 4\n  tensorwire run -n 4 -m tensorwire topo --json\n"
                "  python scripts/netns_cluster.py --hosts 2 -n 4 -- -m tensorwire topo",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,23 +55,24 @@ def main(argv: list[str]) -> int:
 
 
 def _this_host(world: Any) -> dict[str, Any]:
-    """What rank 0 knows of its own host's wiring: the transport, whether its ranks outnumber
-    the cores they may use (waiters then yield at once), TCP streams and pump threads a pair
+    """What rank 0 knows of its own host's wiring: the transport, its machine's ranks against the
+    cores they may use (where they outnumber them, waiters yield at once), TCP streams and pump threads a pair
     gets, and /dev/shm."""
     engine, cfg = world.engine, world.runtime.config
     size, free = shm_budget.usage()
     return {"transport": "tcp" if cfg.transport == "tcp" else "shm within a host, tcp across",
-            "cores": engine.cores, "oversubscribed": engine.oversubscribed, "tcp_streams": engine.nsocks,
+            "cores": engine.cores, "machine_ranks": engine.machine_ranks,
+            "oversubscribed": engine.oversubscribed, "tcp_streams": engine.nsocks,
             "pump_threads": 0 if engine.pumps is None else engine.pumps.threads,
             "dev_shm_bytes": size, "dev_shm_free": free}
 
 
 def _described(here: dict[str, Any]) -> list[str]:
-    waiting = "fewer than its ranks: waiting ranks yield at once" if here["oversubscribed"] else \
-        "enough for its ranks: waiting ranks spin first"
+    waiting = "waiting ranks yield at once" if here["oversubscribed"] else "waiting ranks spin first"
     forced = " (TENSORWIRE_TRANSPORT=tcp)" if here["transport"] == "tcp" else ""
     size = shm_budget.size_text
     shm = f"{size(here['dev_shm_free'])} free of {size(here['dev_shm_bytes'])}"
     return [f"transport: {here['transport']}{forced}; over TCP {here['tcp_streams']} stream(s) a pair, "
             f"{here['pump_threads']} pump thread(s) a rank",
-            f"rank 0's host: {here['cores']} usable core(s), {waiting}; /dev/shm {shm}"]
+            f"rank 0's machine: {here['cores']} usable core(s) for its {here['machine_ranks']} rank(s), "
+            f"{waiting}; /dev/shm {shm}"]

@@ -92,6 +92,7 @@ class Engine(Failures):
         self.host_peers: set[int] = set()  # peers on this host (sharing /dev/shm), rings or not
         self.shm_refused: dict[int, int] = {}  # host peers without rings: the errno why (0: the peer's)
         self.cores = len(os.sched_getaffinity(0))  # the cores this machine's ranks spread over
+        self.machine_ranks = 1  # the ranks that share them, this one included (adapt_to_machine)
         self._unbound: set[int] | None = None  # the cores to give back at close, where bound
         self._sockets: list = []
         self.channel_list: list[Channel] = []
@@ -529,6 +530,7 @@ class Engine(Failures):
         threads = pump_threads(socket_threads, cores, machine_ranks, self.nsocks)
         if threads and self.pumps is None:
             self.pumps = Pumps(threads)
+        self.machine_ranks = machine_ranks
         self.oversubscribed = machine_ranks > cores
         if self.oversubscribed and not self._spin_fixed:
             self.spin_s = 0.0
