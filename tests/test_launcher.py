@@ -341,12 +341,13 @@ def test_one_node_gets_a_fresh_secret_per_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_nodes_without_a_secret_warn_once_and_with_different_ones_fail(tmp_path: Path) -> None:
+def test_nodes_without_a_secret_warn_once_and_with_different_ones_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "sum.py"
     script.write_text(SUM_SCRIPT)
 
-    def two_nodes(extra0: list[str], extra1: list[str]) -> list[subprocess.Popen[str]]:
-        common = ["-n", "1", "--nnodes", "2", "--master-port", str(free_port()), "--timeout", "20"]
+    def two_nodes(extra0: list[str], extra1: list[str], timeout: str = "20") -> list[subprocess.Popen[str]]:
+        common = ["-n", "1", "--nnodes", "2", "--master-port", str(free_port()), "--timeout", timeout]
         return [_launch([*common, "--node-rank", str(i), *extra, str(script)], tmp_path)
                 for i, extra in ((0, extra0), (1, extra1))]
 
@@ -356,17 +357,31 @@ def test_nodes_without_a_secret_warn_once_and_with_different_ones_fail(tmp_path:
     stderr = "".join(err for _, err in done)
     assert stderr.count("UnauthenticatedJobWarning") == 1, stderr
     assert "--secret-file" in done[0][1]
-    # Different secrets: node 1's rank cannot even reach the store, and says why.
+    # Different secrets: node 1's rank cannot even reach the store, and says why; node 0's store
+    # logs the refusal, and its rank, timing out, says that the store refused node 1 (it said only
+    # that rank 1 never arrived). It cannot fail sooner: whoever reaches the port can connect with
+    # a wrong secret, and must not end the job.
     for name in "ab":
         auth.create_secret_file(str(tmp_path / name))
-    node0, node1 = two_nodes(["--secret-file", str(tmp_path / "a")], ["--secret-file", str(tmp_path / "b")])
+    monkeypatch.setenv("TENSORWIRE_DEBUG", "WARN")
+    monkeypatch.setenv("TENSORWIRE_DEBUG_SUBSYS", "AUTH")
+    node0, node1 = two_nodes(["--secret-file", str(tmp_path / "a")], ["--secret-file", str(tmp_path / "b")],
+                             timeout="8")
     try:
         _, err = node1.communicate(timeout=60)
         assert node1.returncode != 0
         assert "could not prove that it knows this job's secret" in err
+        _, err = node0.communicate(timeout=60)
+        assert node0.returncode != 0
+        assert re.search(r"rank launcher .*store \S+: dropped a connection from 127\.0\.0\.1:\d+: hung up "
+                         r"after the store's challenge without proving the job's secret", err), err
+        assert re.search(r"TimeoutError: rank 0: init: rank 1 never arrived \(no address published within "
+                         r"8 s\); the store refused [12] connection\(s\) from 127\.0\.0\.1 that could not "
+                         r"prove the job's secret", err), err
     finally:
-        node0.terminate()
-        node0.communicate(timeout=30)
+        for proc in (node0, node1):
+            proc.kill()
+            proc.communicate(timeout=30)
 
 
 @pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,7 @@ from tensorwire.errors import AuthenticationError, InvalidArgumentError, Rendezv
 from tensorwire.rendezvous import bootstrap
 from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
 from tensorwire.rendezvous.file_store import FileStore
+from tensorwire.rendezvous.prefix_store import PrefixStore
 from tensorwire.rendezvous.tcp_protocol import LEN, StoreLimits, encode_request
 from tensorwire.rendezvous.tcp_server import TCPStoreServer
 from tensorwire.rendezvous.tcp_store import TCPStore
@@ -118,6 +119,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("closed early")
         got += chunk
     return bytes(got)
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for what the store's thread does after the client's call has returned."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.01)
 
 
 def stranger_hello() -> bytes:
@@ -483,8 +492,6 @@ def test_store_serves_only_clients_that_know_the_secret(server: TCPStoreServer,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     with _client(server) as good:
         good.set("addr/0", b"10.0.0.1:1234")
-        with pytest.raises(AuthenticationError, match="could not prove that it knows this job's secret"):
-            _client(server, OTHER)
         with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
             # A stranger that speaks the protocol: it gets the challenge, nothing else.
             with socket.create_connection((LOOPBACK, server.port)) as s:
@@ -497,10 +504,40 @@ def test_store_serves_only_clients_that_know_the_secret(server: TCPStoreServer,
             with socket.create_connection((LOOPBACK, server.port)) as s:
                 s.sendall(b"TWSTORE1" + encode_request(2, ["addr/0"]))
                 assert read_all(s) == b""
+        with pytest.raises(AuthenticationError, match="could not prove that it knows this job's secret"):
+            _client(server, OTHER)
         assert good.get("addr/0") == b"10.0.0.1:1234"
     assert "dropped a connection from 127.0.0.1" in caplog.text
-    assert "wrong proof" in caplog.text  # the next one within a second is counted, not logged
-    assert server._refused.count == 2
+    assert "wrong proof" in caplog.text  # the next ones within a second are counted, not logged
+    _until(lambda: server._refused.count == 3)
+
+
+def test_a_client_with_another_secret_is_logged_and_named_to_the_ranks_that_wait(
+        server: TCPStoreServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A process with another secret hangs up once it has the store's challenge (it cannot check
+    the store's proof): the store dropped it unlogged, and ranks waiting for it timed out saying
+    only that it never arrived. The store logs it and counts it where the ranks read it."""
+    with _client(server) as good:
+        assert good.refusals() == ""
+        with caplog.at_level(logging.WARNING, logger="tensorwire.AUTH"):
+            for _ in range(2):
+                with pytest.raises(AuthenticationError):
+                    _client(server, OTHER)
+            _until(lambda: server._refused.count == 2)
+        assert re.search(r"dropped a connection from 127\.0\.0\.1:\d+: hung up after the store's challenge "
+                         r"without proving the job's secret", caplog.text), caplog.text
+        said = good.refusals()
+        assert said.startswith("the store refused 2 connection(s) from 127.0.0.1 that could not prove the "
+                               "job's secret"), said
+        assert PrefixStore("tw/job", good).refusals() == said  # as the ranks' scoped store reads it
+        # strangers that send nothing or not this protocol are logged, but not counted as secrets
+        with socket.create_connection((LOOPBACK, server.port)):
+            pass
+        with socket.create_connection((LOOPBACK, server.port)) as s:
+            s.sendall(b"HTTP/1.1")
+            assert read_all(s) == b""
+        _until(lambda: server._refused.count == 4)
+        assert good.refusals() == said
 
 
 def test_store_drops_idle_and_surplus_unauthenticated_connections(server: TCPStoreServer) -> None:

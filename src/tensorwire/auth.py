@@ -408,7 +408,8 @@ ACCEPT_BATCH = 16
 connections, a real client's handshake is read while its connection is held."""
 
 T = TypeVar("T", bound=Hashable)
-_NOT_YET = ("had sent nothing", "had sent part of its first message", "had not proved itself")
+NOT_YET = ("had sent nothing", "had sent part of its first message", "had not proved itself")
+"""What an initiator had done at each `Responder.progress`, for the lines that say why it was dropped."""
 
 
 class Pending(Generic[T]):
@@ -460,6 +461,6 @@ class Pending(Generic[T]):
                 del group[item]
                 self._by_progress[now][item] = None
             if found is not None:
-                return found, (f"{_NOT_YET[stage]} when {bound} connections were waiting to authenticate "
+                return found, (f"{NOT_YET[stage]} when {bound} connections were waiting to authenticate "
                                f"(TENSORWIRE_AUTH_PENDING, at most an eighth of ulimit -n)")
         return None

@@ -604,9 +604,11 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
     try:
         theirs = store.get(size_key, timeout)
     except TimeoutError as exc:
+        refused = store.refusals()
         raise TimeoutError(
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
-            f"('{size_key}') in the store {info.init_method}; did rank 0 start?") from exc
+            f"('{size_key}') in the store {info.init_method}{'; ' + refused if refused else ''}; did rank 0 "
+            f"start?") from exc
     if int(theirs) != info.world_size:
         error = RendezvousError(
             f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "

@@ -45,6 +45,9 @@ class PrefixStore(Store):
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(self._k(key))
 
+    def refusals(self) -> str:
+        return self.inner.refusals()
+
     def close(self) -> None:
         if self.owns:
             self.inner.close()

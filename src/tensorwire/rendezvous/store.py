@@ -81,6 +81,12 @@ class Store(abc.ABC):
     def delete_key(self, key: str) -> bool:
         """Remove `key`; returns whether it existed."""
 
+    def refusals(self) -> str:
+        """For the error of a rank that timed out waiting for others: the connections the store
+        turned away because they could not prove the job's secret, as a sentence ('' where there
+        were none, or the store cannot tell). Never raises."""
+        return ""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections and files; the store is unusable afterwards."""

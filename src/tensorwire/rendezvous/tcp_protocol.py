@@ -52,6 +52,14 @@ then on the server answers such a read at once with ST_EXITED and this key's val
 letting it wait out the timeout."""
 
 
+REFUSED_KEY = "tw/refused"
+"""Kept by the server: how many connections it dropped because they could not prove the job's
+secret, and from where (JSON: count, addresses), so that a rank that times out waiting for others
+can say that some came with another secret. Only a hint: anyone can connect with a wrong secret."""
+REFUSED_ADDRESSES = 8
+"""The most addresses REFUSED_KEY names (a flood's are counted, not listed)."""
+
+
 @dataclass(frozen=True)
 class StoreLimits:
     """What one store connection may make a process hold (TENSORWIRE_* settings in config.py)."""

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import heapq
 import itertools
+import json
 import selectors
 import socket
 import struct
@@ -38,6 +39,8 @@ from .tcp_protocol import (
     OP_WAIT,
     OPS,
     PURPOSE,
+    REFUSED_ADDRESSES,
+    REFUSED_KEY,
     ST_ERROR,
     ST_EXITED,
     ST_OK,
@@ -113,6 +116,8 @@ class TCPStoreServer:
         self._listener = self._bind(host, port, backlog)
         self.port: int = self._listener.getsockname()[1]
         self._refused = auth.Refusals(f"store {host}:{self.port}")
+        self._unproven = 0  # connections dropped for want of the secret (REFUSED_KEY) ...
+        self._unproven_from: list[str] = []  # ... and the first addresses they came from
         self._accept_resume: float | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -269,6 +274,8 @@ class TCPStoreServer:
             try:
                 answer = conn.handshake.feed(chunk)
             except auth.HandshakeFailed as exc:
+                if isinstance(exc, auth.WrongSecret):
+                    self._count_unproven(conn)
                 self._refused(conn.peer, str(exc))
                 self._drop(conn)
                 return
@@ -308,8 +315,29 @@ class TCPStoreServer:
         except OSError:
             chunk = b""
         if not chunk:
+            if conn.handshake is not None:
+                self._hung_up(conn, conn.handshake.progress)
             self._drop(conn)
         return chunk
+
+    def _hung_up(self, conn: _Conn, progress: int) -> None:
+        """Log an unauthenticated client that closed its connection, and how far it got. One
+        that hangs up once it has the challenge is what a process with another secret does (it
+        cannot check the store's proof)."""
+        if progress < 2:
+            self._refused(conn.peer, f"hung up during the handshake: it {auth.NOT_YET[progress]}")
+            return
+        self._count_unproven(conn)
+        self._refused(conn.peer, "hung up after the store's challenge without proving the job's secret "
+                      "(as a process with another secret does)")
+
+    def _count_unproven(self, conn: _Conn) -> None:
+        """Note in REFUSED_KEY a connection that could not prove the job's secret."""
+        self._unproven += 1
+        address = conn.peer.rpartition(":")[0] or conn.peer
+        if address not in self._unproven_from and len(self._unproven_from) < REFUSED_ADDRESSES:
+            self._unproven_from.append(address)
+        self._set(REFUSED_KEY, json.dumps({"count": self._unproven, "from": self._unproven_from}).encode())
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.closed or not data:

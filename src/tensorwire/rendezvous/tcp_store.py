@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import struct
 import threading
 import time
 
 from .. import auth
-from ..errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError
+from ..errors import AuthenticationError, InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
 from .store import DEFAULT_STORE_TIMEOUT_S, Store, check_key, check_value
 from .tcp_protocol import (
     DEFAULT_LIMITS,
@@ -24,6 +25,7 @@ from .tcp_protocol import (
     OP_SET,
     OP_WAIT,
     PURPOSE,
+    REFUSED_KEY,
     ST_EXITED,
     ST_OK,
     ST_TIMEOUT,
@@ -286,6 +288,18 @@ class TCPStore(Store):
         if status != ST_OK:
             self._raise_error(f"delete_key({key!r})", status, payload)
         return payload == b"\x01"
+
+    def refusals(self) -> str:
+        try:
+            if not self.check([REFUSED_KEY]):
+                return ""
+            seen = json.loads(self.get(REFUSED_KEY, 0.0))
+            count, sources = int(seen["count"]), [str(a) for a in seen["from"]]
+        except (TensorwireError, ValueError, KeyError, TypeError):
+            return ""
+        return (f"the store refused {count} connection(s) from {', '.join(sources)} that could not prove "
+                f"the job's secret (another {auth.ENV_SECRET}, {auth.ENV_SECRET_FILE} or --secret-file "
+                f"there?)")
 
     def close(self) -> None:
         with self._lock:

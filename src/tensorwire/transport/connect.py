@@ -72,7 +72,8 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
                 values = store.multi_get([_card_key(r) for r in others], timeout=left)
                 blob: Any = [card, *(json.loads(v) for v in values)]
             except TimeoutError:
-                blob = {"missing": [r for r in others if not store.check([_card_key(r)])]}
+                blob = {"missing": [r for r in others if not store.check([_card_key(r)])],
+                        "refused": store.refusals()}
             raw = json.dumps(blob).encode()
             packed = zlib.compress(raw, 6)
             store.set(_BLOB, packed)
@@ -97,9 +98,10 @@ def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any
     if isinstance(blob, dict):
         missing = blob["missing"] or ["?"]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {rank_spans(missing, most=12)}"
+        refused = f"; {blob['refused']}" if blob.get("refused") else ""
         raise TimeoutError(
-            f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s); is it "
-            f"running with the same WORLD_SIZE={world_size} and store?")
+            f"rank {rank}: init: {who} never arrived (no address published within {timeout:g} s){refused}; "
+            f"is it running with the same WORLD_SIZE={world_size} and store?")
     for r, theirs in enumerate(blob):
         cause = _cannot_join(rank, r, theirs) if r != rank else None
         if cause is not None:
