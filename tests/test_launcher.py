@@ -384,6 +384,41 @@ def test_nodes_without_a_secret_warn_once_and_with_different_ones_fail(
             proc.communicate(timeout=30)
 
 
+INIT_SCRIPT = """\
+import tensorwire as tw
+try:
+    tw.init()
+except Exception as exc:
+    print(f"init failed: {type(exc).__name__}: {exc}", flush=True)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_nodes_given_different_n_fail_at_once_naming_it(tmp_path: Path) -> None:
+    """-n 2 on node 0, -n 1 on node 1: node 1's rank said that it joined twice, node 0's ranks
+    waited their timeout for ranks 2-3. Now all three fail at once naming both nodes' -n."""
+    script = tmp_path / "init.py"
+    script.write_text(INIT_SCRIPT)
+    common = ["--nnodes", "2", "--master-port", str(free_port()), "--secret-file", str(tmp_path / "s"),
+              "--timeout", "60", str(script)]
+    t0 = time.monotonic()
+    nodes = [_launch(["-n", str(2 - i), "--node-rank", str(i), *common], tmp_path) for i in (0, 1)]
+    try:
+        outs = [proc.communicate(timeout=100)[0] for proc in nodes]
+    finally:
+        for proc in nodes:
+            proc.kill()
+            proc.communicate()
+    assert time.monotonic() - t0 < 40, outs  # not the 60 s of the timeout
+    said = [line for out in outs for line in out.splitlines() if line.startswith("init failed")]
+    assert len(said) == 3, outs
+    for line in said:
+        assert "RendezvousError" in line, line
+        assert "mismatch: rank 1 was started with world_size=2 but rank 0 with world_size=4" in line, line
+        assert "node 1 runs -n 1 --nnodes 2, node 0 -n 2 --nnodes 2; every node needs the same" in line, line
+
+
 @pytest.mark.timeout(60)
 def test_help_texts() -> None:
     top = subprocess.run([sys.executable, "-m", "tensorwire", "--help"], capture_output=True, text=True,

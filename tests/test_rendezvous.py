@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cluster import free_port
+from tensorwire import auth
 from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
 from tensorwire.rendezvous.bootstrap import (
     LaunchInfo,
@@ -701,7 +702,7 @@ def test_create_store_single_process() -> None:
     info = detect(env={})
     store = create_store(info, timeout=5)
     try:
-        assert store.get("tw/world_size/1") == b"1"
+        assert json.loads(store.get("tw/world_size/1"))["world_size"] == 1
         assert store.get("tw/join/1/0") == b"1"
     finally:
         store.close()
@@ -731,6 +732,42 @@ def test_create_store_world_size_mismatch() -> None:
         assert "rank 1 was started with world_size=3 but rank 0 with world_size=2" in result["msg"]
     finally:
         root.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("nproc0", "nproc1", "stray"), [(2, 1, 1), (1, 2, 3)])
+def test_nodes_given_different_n_are_told_so_and_stop_rank_0_waiting(nproc0: int, nproc1: int,
+                                                                      stray: int) -> None:
+    """`tensorwire run -n 2` on node 0, `-n 1` on node 1: node 1's rank 1 (of 2) met node 0's rank 1 (of
+    4) and said that two processes were given the same rank, and rank 0 waited its timeout for
+    ranks 2-3; the other way round, rank 0 (of 2) waited for a rank 1 nobody started. Now the
+    rank names both world sizes and both nodes' -n, and answers for every other rank of rank 0's
+    world (api.init publishes the error as their cards: rank 0 raises it at once)."""
+    port = free_port()
+    secret = auth.Secret(b"s" * 32, "test")
+
+    def launched(rank: int, nproc: int, node: int) -> LaunchInfo:
+        return detect(env={"TENSORWIRE_JOB_ID": "j", "RANK": str(rank), "WORLD_SIZE": str(2 * nproc),
+                           "LOCAL_RANK": str(rank % nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                           "NODE_RANK": str(node), "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)})
+
+    stores = [create_store(launched(0, nproc0, 0), timeout=10, secret=secret)]
+    try:
+        if nproc0 == 2:  # node 0's rank 1 joins first
+            stores.append(create_store(launched(1, 2, 0), timeout=10, secret=secret))
+        told: list[list[int]] = []
+        with pytest.raises(RendezvousError) as caught:
+            create_store(launched(stray, nproc1, 1), timeout=10, secret=secret,
+                         refused=lambda _, error, absent: told.append(list(absent)))
+        assert str(caught.value).startswith(
+            f"rank {stray}: init: world size mismatch: rank {stray} was started with world_size={2 * nproc1} "
+            f"but rank 0 with world_size={2 * nproc0} (store tcp://127.0.0.1:{port}); tensorwire run makes "
+            f"WORLD_SIZE --nnodes times -n: node 1 runs -n {nproc1} --nnodes 2, node 0 -n {nproc0} --nnodes "
+            f"2; every node needs the same -n and --nnodes"), caught.value
+        assert told == [[r for r in range(1, 2 * nproc0) if r != stray]]
+    finally:
+        for store in stores:
+            store.close()
 
 
 @pytest.mark.timeout(30)
@@ -766,7 +803,7 @@ def test_create_store_through_torchrun_agent_store() -> None:
     try:
         assert isinstance(store, PrefixStore) and isinstance(store.inner, TorchStoreAdapter)
         # our keys went into the agent's store, under the attempt's job id
-        assert agent.get(f"{info.job_id}/tw/world_size/1") == b"1"
+        assert json.loads(agent.get(f"{info.job_id}/tw/world_size/1"))["world_size"] == 1
         with pytest.raises(RendezvousError, match="rank 0 joined twice"):
             create_store(detect(env=env), timeout=5)
         # the next attempt of an elastic job (--max-restarts) finds the store as the last left

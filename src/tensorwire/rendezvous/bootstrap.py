@@ -9,11 +9,12 @@ the ranks agree on who is who before anything else trusts them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,11 +33,14 @@ SCHEMES = ("tcp", "file", "env", "torch-agent")
 UNKNOWN = -1
 """Value of local_rank / local_world_size / node_rank when the launcher does not say."""
 
-JOIN_KEY = "tw/join/{generation}/{rank}"
+JOIN_KEY = "tw/join/{generation}/{seat}"
 WORLD_SIZE_KEY = "tw/world_size/{generation}"
 """Roster keys carry the generation (the how-many-th init() of the process through a store): a
 store the launcher keeps for the whole job sees each rank join once per generation, so init()
-after destroy() is no second process with the same rank."""
+after destroy() is no second process with the same rank. A rank's seat is its rank in a world of
+its size ('4/1'), rank 0's is '0' (it sets the size): two processes given the same rank of one
+world join twice, while ranks started with another world size than rank 0 (nodes of `tensorwire
+run` given different -n) meet the size check, which names both sizes."""
 
 
 @dataclass
@@ -550,7 +554,7 @@ def _torch_agent_store(host: str, port: int, timeout: float) -> Store:
 
 def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None = None,
                  limits: StoreLimits = DEFAULT_LIMITS, generation: int = 1,
-                 refused: Callable[[Store, RendezvousError, range], None] | None = None,
+                 refused: Callable[[Store, RendezvousError, Sequence[int]], None] | None = None,
                  connect_within: float | None = None) -> Store:
     """Connect to (rank 0: host, unless the launcher does) the job's store and check the roster.
 
@@ -590,8 +594,9 @@ def create_store(info: LaunchInfo, timeout: float, *, secret: auth.Secret | None
 
 
 def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int,
-                 refused: Callable[[Store, RendezvousError, range], None] | None) -> None:
-    joined = store.add(JOIN_KEY.format(generation=generation, rank=info.rank), 1)
+                 refused: Callable[[Store, RendezvousError, Sequence[int]], None] | None) -> None:
+    seat = "0" if info.rank == 0 else f"{info.world_size}/{info.rank}"
+    joined = store.add(JOIN_KEY.format(generation=generation, seat=seat), 1)
     size_key = WORLD_SIZE_KEY.format(generation=generation)
     if joined > 1:
         raise RendezvousError(
@@ -599,7 +604,8 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
             f"(store {info.init_method}, world_size={info.world_size}, source {info.source}); if the "
             f"store is left over from an earlier run, remove it or use a fresh address")
     if info.rank == 0:
-        store.set(size_key, str(info.world_size).encode())
+        store.set(size_key, json.dumps({"world_size": info.world_size,
+                                        "local_world_size": info.local_world_size}).encode())
         return
     try:
         theirs = store.get(size_key, timeout)
@@ -609,11 +615,23 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
             f"('{size_key}') in the store {info.init_method}{'; ' + refused if refused else ''}; did rank 0 "
             f"start?") from exc
-    if int(theirs) != info.world_size:
+    rank0 = json.loads(theirs)
+    size = rank0["world_size"]
+    if size != info.world_size:
         error = RendezvousError(
             f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "
-            f"world_size={info.world_size} but rank 0 with world_size={int(theirs)} "
-            f"(store {info.init_method})")
-        if refused is not None:  # and for the ranks rank 0 waits for that this world has not
-            refused(store, error, range(info.world_size, int(theirs)))
+            f"world_size={info.world_size} but rank 0 with world_size={size} (store {info.init_method})"
+            f"{_nodes_differ(info, size, rank0['local_world_size'])}")
+        if refused is not None:  # and for the others rank 0 waits for: no world can form
+            refused(store, error, [r for r in range(1, size) if r != info.rank])
         raise error
+
+
+def _nodes_differ(info: LaunchInfo, size: int, local_size: int) -> str:
+    """What `tensorwire run` was told on this rank's node and on rank 0's, where the world sizes
+    differ: each makes WORLD_SIZE --nnodes times -n."""
+    if info.source != "tensorwire" or min(info.local_world_size, local_size) < 1:
+        return ""
+    return (f"; tensorwire run makes WORLD_SIZE --nnodes times -n: node {info.node_rank} runs -n "
+            f"{info.local_world_size} --nnodes {info.world_size // info.local_world_size}, node 0 -n "
+            f"{local_size} --nnodes {size // local_size}; every node needs the same -n and --nnodes")

@@ -50,8 +50,8 @@ def _card_key(rank: int) -> str:
 def refuse_to_join(store: Store, rank: int, error: BaseException, absent: Sequence[int] = ()) -> None:
     """Publish `error` as rank `rank`'s card (`store` scoped to the job, as connect_world's):
     the ranks gathering the cards raise it at once, naming this rank, instead of timing out.
-    `absent`: ranks rank 0 waits for that this rank's world has not (rank 0 was started with a
-    larger world size), whose cards it publishes too, so that rank 0 stops waiting at once."""
+    `absent`: other ranks whose cards it publishes too, so that rank 0 stops waiting at once
+    where no world can form (rank 0 was started with another world size)."""
     refusal = json.dumps({"error": str(error), "class": type(error).__name__, "rank": rank}).encode()
     for r in (rank, *absent):
         store.set(_card_key(r), refusal)
@@ -115,9 +115,10 @@ def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError |
         return None
     cls = {"ResourceError": ResourceError, "InvalidArgumentError": InvalidArgumentError}.get(
         theirs.get("class", ""), RendezvousError)
-    r = theirs.get("rank", r)  # the refusing rank (it also answers for ranks its world has not)
+    r = theirs.get("rank", r)  # the refusing rank (it may also answer for others)
     why = str(theirs["error"]).removeprefix(f"rank {r}: init: ")
-    return cls(f"rank {rank}: init: rank {r} cannot join: {why}")
+    who = f"rank {r}" if r != rank else f"another process started as rank {r}"
+    return cls(f"rank {rank}: init: {who} cannot join: {why}")
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
