@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import socket
 import time
@@ -42,7 +43,7 @@ from .. import log, memory
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.registry import Link, algorithms_for
 from ..algorithms.tree import binomial_broadcast
-from ..errors import InvalidArgumentError, TimeoutError, retold
+from ..errors import InvalidArgumentError, TimeoutError, rank_spans, retold
 from ..ops import ReduceOp
 from . import probes, tuner
 from .cache import cache_dir, cache_key, cache_path, environment_digest, host_hash, read_cache, write_cache
@@ -85,16 +86,40 @@ _SOURCE_NAMES = {v: k for k, v in _SOURCE_CODES.items()}
 
 # -- the collective setup at init ---------------------------------------------------------------
 
-def agreed_settings(cfg: Any) -> str:
-    """The settings every rank must share, as the tuner prices calls with them: it picks the same
-    algorithm on every rank only where all price alike."""
-    nsocks, threads = ("auto" if v is None else v for v in (cfg.nsocks, cfg.socket_threads))
-    return (f"algo={cfg.algo.strip()!r}, compress={cfg.compress or None}, "
-            f"deterministic={bool(cfg.deterministic)}, nsocks={nsocks}, socket_threads={threads}")
+def agreed_settings(cfg: Any) -> dict[str, str]:
+    """The settings every rank must share, by name, as text: the tuner prices calls with them,
+    and picks the same algorithm on every rank only where all price alike."""
+    return {"TENSORWIRE_ALGO": repr(cfg.algo.strip()) if cfg.algo.strip() else "unset",
+            "TENSORWIRE_COMPRESS": cfg.compress or "unset",
+            "TENSORWIRE_DETERMINISTIC (or init's deterministic=)": str(bool(cfg.deterministic)),
+            "TENSORWIRE_NSOCKS": "auto" if cfg.nsocks is None else str(cfg.nsocks),
+            "TENSORWIRE_SOCKET_THREADS": "auto" if cfg.socket_threads is None else str(cfg.socket_threads)}
 
 
-def settings_digest(cfg: Any) -> int:
-    return int.from_bytes(hashlib.sha256(agreed_settings(cfg).encode()).digest()[:8], "little") >> 1
+def _disagreement(rank: int, settings: list[dict[str, str]]) -> str:
+    """The error where ranks' agreed settings differ: each setting that differs, its values and
+    the ranks that have each."""
+    parts = []
+    for name in settings[0]:
+        holders: dict[str, list[int]] = {}
+        for r, theirs in enumerate(settings):
+            holders.setdefault(theirs[name], []).append(r)
+        if len(holders) > 1:
+            parts.append(f"{name} is " + ", ".join(
+                f"{value} on rank{'s' if len(ranks) > 1 else ''} {rank_spans(ranks, most=12)}"
+                for value, ranks in holders.items()))
+    return (f"rank {rank}: init: ranks run with different settings that every rank must share (else "
+            f"they choose different algorithms or formats, and hang): {'; '.join(parts)}; give every rank "
+            f"the same")
+
+
+def _all_settings(world: Group, info: np.ndarray, mine: bytes) -> list[dict[str, str]]:
+    """Every rank's agreed settings (the agreement's rows hold the lengths): a second exchange,
+    made only where the digests differ, and by every rank alike."""
+    rows = np.zeros((world.size, int(info[:, 11].max())), dtype=np.uint8)
+    rows[world.rank, :len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+    recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), rows.reshape(-1), ReduceOp.MAX)
+    return [json.loads(rows[r, :int(info[r, 11])].tobytes()) for r in range(world.size)]
 
 
 def _lowest_peers(group: Group) -> tuple[int, int]:
@@ -172,21 +197,18 @@ def _at_init(world: Group) -> LinkTable:
         tuner.install(world.runtime, table)
         return table
     # 1. agreement and topology
-    info = np.zeros((n, 11), dtype=np.uint64)
+    info = np.zeros((n, 12), dtype=np.uint64)
     shm_peer, tcp_peer = _lowest_peers(world)
     engine = world.engine
-    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, settings_digest(cfg), int(cfg.huge_pages),
+    settings = json.dumps(agreed_settings(cfg)).encode()
+    digest = int.from_bytes(hashlib.sha256(settings).digest()[:8], "little") >> 1
+    info[me] = (host_hash(), shm_peer + 1, tcp_peer + 1, digest, int(cfg.huge_pages),
                 engine.cores, environment_digest(cfg, engine.cores), host_hash(machine_id()),
                 int(world.plans.caller is not None), engine.nsocks,
-                0 if engine.pumps is None else engine.pumps.threads)
+                0 if engine.pumps is None else engine.pumps.threads, len(settings))
     recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
-    differ = [r for r in range(n) if info[r, 3] != info[0, 3]]
-    if differ:
-        raise InvalidArgumentError(
-            f"rank {world.runtime.rank}: init: rank(s) {', '.join(map(str, differ))} run with other "
-            f"TENSORWIRE_ALGO, TENSORWIRE_COMPRESS, TENSORWIRE_DETERMINISTIC, TENSORWIRE_NSOCKS or "
-            f"TENSORWIRE_SOCKET_THREADS settings than rank 0 (this rank has {agreed_settings(cfg)}); "
-            f"every rank must use the same")
+    if any(info[r, 3] != info[0, 3] for r in range(n)):  # every rank sees it, and says what differs
+        raise InvalidArgumentError(_disagreement(world.runtime.rank, _all_settings(world, info, settings)))
     pairs = _probe_pairs(info)
     direct = world.direct is not None  # the same on every rank: its setup was collective
     cma = direct and world.direct.single_copy  # type: ignore[union-attr]  # ... and so was this
