@@ -419,6 +419,28 @@ def test_nodes_given_different_n_fail_at_once_naming_it(tmp_path: Path) -> None:
         assert "node 1 runs -n 1 --nnodes 2, node 0 -n 2 --nnodes 2; every node needs the same" in line, line
 
 
+@pytest.mark.timeout(120)
+def test_a_node_whose_rank_fails_before_init_ends_the_other_nodes_wait(tmp_path: Path) -> None:
+    """Node 1's only rank exits at once: its launcher's notice to the store (which ends every
+    read blocked on the store) ran in a daemon thread that died with the launcher, unsent, and
+    node 0's rank waited its whole timeout. The launcher now waits for it."""
+    script = tmp_path / "quit.py"
+    script.write_text("import os, sys\nif os.environ['NODE_RANK'] == '1':\n    sys.exit(3)\n" + INIT_SCRIPT)
+    common = ["-n", "1", "--nnodes", "2", "--master-port", str(free_port()), "--secret-file",
+              str(tmp_path / "s"), "--timeout", "60", str(script)]
+    t0 = time.monotonic()
+    nodes = [_launch(["--node-rank", str(i), *common], tmp_path) for i in (0, 1)]
+    try:
+        out = nodes[0].communicate(timeout=100)[0]
+    finally:
+        for proc in nodes:
+            proc.kill()
+            proc.communicate()
+    assert time.monotonic() - t0 < 40, out  # not the 60 s of the timeout
+    assert re.search(r"init failed: RendezvousError: rank 0: init: .* cannot complete: rank 1 \(local rank "
+                     r"0, pid \d+\) on node 1 ended with exit code 3 \(seen by tensorwire run\)", out), out
+
+
 @pytest.mark.timeout(60)
 def test_help_texts() -> None:
     top = subprocess.run([sys.executable, "-m", "tensorwire", "--help"], capture_output=True, text=True,

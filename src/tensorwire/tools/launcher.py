@@ -42,6 +42,10 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 and SIGCONT too: Launcher._on_stop)."""
 EXIT_NOTICE_TIMEOUT_S = 10.0
 """How long telling the store that a rank exited may try (in the background)."""
+EXIT_NOTICE_WAIT_S = 3.0
+"""How long a launcher one of whose ranks failed waits, once its ranks have all ended, for that
+notice to reach the store (milliseconds where the store is up): the other nodes' ranks, waiting
+in init(), learn of the failure from it."""
 
 DESCRIPTION = """\
 Start N ranks of a Python program on this node (like torchrun): the launcher hosts the
@@ -348,6 +352,7 @@ class Launcher:
         self._signal_count = 0
         self._store_at: tuple[int, auth.Secret] | None = None  # the job store's port and secret
         self._exit_told = False
+        self._notice: threading.Thread | None = None  # telling the store
 
     # -- children -----------------------------------------------------------------------------
 
@@ -395,7 +400,8 @@ class Launcher:
                 finally:
                     store.close()
 
-        threading.Thread(target=post, name="tw-exit-notice", daemon=True).start()
+        self._notice = threading.Thread(target=post, name="tw-exit-notice", daemon=True)
+        self._notice.start()
 
     def _start(self, port: int, secret_env: dict[str, str]) -> None:
         base = {k: v for k, v in {**os.environ, **secret_env}.items() if v}
@@ -559,6 +565,8 @@ class Launcher:
                 self._supervise()
                 return 1
             first_failure = self._supervise()
+            if first_failure is not None and self._notice is not None:
+                self._notice.join(EXIT_NOTICE_WAIT_S)  # else it dies with this process, unsent
         finally:
             self._restore_handlers(previous)
             self._end_left_behind()
