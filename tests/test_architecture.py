@@ -115,12 +115,10 @@ def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
     for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
         if tok.type == tokenize.COMMENT:
             lines.append((tok.start[0], tok.string))
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=False)
-            if doc:
-                start = node.body[0].lineno
-                lines.extend((start + i, line) for i, line in enumerate(doc.splitlines()))
+    for node in ast.walk(ast.parse(path.read_text())):  # docstrings, of attributes too
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            lines.extend((node.lineno + i, line) for i, line in enumerate(node.value.value.splitlines()))
     return lines
 
 
@@ -130,6 +128,21 @@ def test_code_carries_no_lab_notes():
     found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {text.strip()}"
              for path in sorted(PACKAGE.rglob("*.py")) for n, text in _comments_and_docstrings(path)
              if LAB_NOTE.search(text)]
+    assert found == []
+
+
+MEASUREMENT = re.compile(r"\b\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?x\b(?! ?[0-9a-f])"     # a ratio: 1.5x, 2-3x
+                         r"|\b\d+(?:\.\d+)?[-–]\d+(?:\.\d+)?\s?%"                          # a range: 5-20%
+                         r"|\ba (?:tenth|third|quarter) of (?:a|this|the) [\w' ]*(?:time|call|send)\b"
+                         r"|\bused to\b|\b[Ff]itted to the\b[^.]*\bsweeps?\b")           # a story
+
+
+def test_code_tells_no_measurement_stories():
+    """What was measured, and what the code used to do, belong to docs/design/ (or the commit
+    message); a comment or docstring says in a line or two what the code does and why."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {text.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py")) for n, text in _comments_and_docstrings(path)
+             if MEASUREMENT.search(text)]
     assert found == []
 
 

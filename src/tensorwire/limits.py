@@ -1,11 +1,9 @@
 """The system limits a job can run out of, named in its errors: descriptors, ports, memory.
 
-An exhausted limit used to surface as a bare `OSError: [Errno 24] Too many open files` on the
-rank that hit it while the others waited for it until their timeout (48 ranks under
-`ulimit -n 128` hung). Each rank now checks its descriptors before wiring (raising its soft
-limit toward the hard one where that suffices, as Open MPI does) and tells the others through
-the store, and the errors it meets anyway are translated here into a `ResourceError` that says
-which limit, its value and how to raise it (docs/limits.md).
+Each rank checks its descriptors before wiring (raising its soft limit toward the hard one
+where that suffices, as Open MPI does) and tells the others through the store, so no rank waits
+for one that cannot wire; the errors met anyway become a `ResourceError` that names the limit,
+its value and how to raise it (docs/limits.md; why: docs/design/shm-degradation.md).
 """
 
 from __future__ import annotations

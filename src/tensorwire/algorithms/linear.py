@@ -52,11 +52,9 @@ def linear_reduce(p2p: P2P, data: np.ndarray, acc: np.ndarray, op: ReduceOp, roo
 
 
 ROOT_OVERHEAD = 0.25
-"""A message beyond the first at a linear root costs this fraction of α. Its peers send at
+"""A message beyond the first at a linear root costs this fraction of α: its peers send at
 once, so the wire latencies overlap and the root pays one α plus its own handling of each
-further message. Fitted to the n = 4 sweeps (docs/benchmarks/algorithms.md), where the linear
-gather took 1.3-2 α at small sizes against the binomial tree's 2 α and more; it puts the
-crossover to the tree at about 16 ranks."""
+further message (docs/design/cost-model.md#rooted-collectives)."""
 
 
 def _root_latency(n: int, link: Link) -> float:

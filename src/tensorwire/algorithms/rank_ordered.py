@@ -114,11 +114,8 @@ def rank_ordered_reduce_scatter(p2p: P2P, blocks: list[np.ndarray], out: np.ndar
 # Costs, with m the collective's size as the tuner counts it. The exchange moves the same bytes
 # as a ring reduce-scatter; on top come the copy of the folded block and, at worst, one more
 # pass over the contributions that arrive before their turn and wait in a buffer (all but
-# rank 0's and one's own). Those are passes over local memory, priced at γ like a reduction,
-# not at the link's β: priced as link bytes they made this schedule 1.5-3x dearer than
-# measured in every setting of the n=4 sweeps, and kept the tuner from the rank-ordered
-# reduce on the shaped links, where it was the fastest from 4 MiB in three sweeps (1.38-1.60x
-# the binomial tree: its root receives 2(n-1)/n m, the tree's log2(n) m). The gather is one
+# rank 0's and one's own): passes over local memory, so priced at γ like a reduction, not at
+# the link's β (docs/design/cost-model.md#the-rank-ordered-folds-passes). The gather is one
 # more exchange of the reduced blocks.
 def _fold_cost(n: int, m: int, link: Link) -> float:
     return ((n - 1) * link.alpha + (n - 1) / n * m * (link.beta + link.gamma)

@@ -177,7 +177,7 @@ def _broadcast_args(dp: DirectPath, data: np.ndarray, root: int, src: np.ndarray
 
 def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
     """The root publishes its input (`src` where apart: lines it has not just written, which
-    peers read 2.3-2.5x faster than its freshly filled output) and fills its output meanwhile."""
+    peers read faster than its freshly filled output) and fills its output meanwhile."""
     dp = call.group.direct
     _move(dp, call, *_broadcast_args(dp, data, root, src))
 
@@ -269,10 +269,10 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
         return
     kernel, dtype, me = reduction_kernel(op, out.dtype), out.dtype, dp.rank
     step = _PIECE // dtype.itemsize
-    # In place, out takes rank 0's piece before this rank's turn. Rank 1 folds rank 0's piece
-    # into its own instead (x0 op x1, still in rank order), with a kernel that writes where it
-    # is told; a later rank keeps its piece aside, in a buffer of the group's (not one per call):
-    # at n=2 in place that copy had made rank 1's fold 1.4-2x rank 0's.
+    # In place, out takes rank 0's piece before this rank's turn. A later rank keeps its piece
+    # aside until then, in a buffer of the group's (not one per call); rank 1, with a kernel
+    # that writes where it is told, folds rank 0's piece into its own instead (x0 op x1, still
+    # in rank order) and copies nothing (docs/design/internals.md, "Memory").
     onto_own = me == 1 and address(own) == address(out) and writes_where_told(kernel)
     in_place = me > 0 and not onto_own and np.may_share_memory(own, out)
     if in_place and dp.kept is None:
@@ -329,8 +329,8 @@ def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray
 
 
 def _scratch(dp: DirectPath, nbytes: int) -> np.ndarray:
-    """The group's buffer for a non-root's folded block (kept: a fresh one per call was faulted
-    in, zeroed and read out of 4 KiB pages, 1.5x the time at 16 MiB on 2 ranks)."""
+    """The group's buffer for a non-root's folded block, kept: a fresh one per call would be
+    faulted in, zeroed and read out of 4 KiB pages."""
     if dp.folded is None or dp.folded.nbytes < nbytes:
         dp.folded = huge_zeros(nbytes)
     return dp.folded[:nbytes]

@@ -221,8 +221,8 @@ class TensorwireWork(dist.Work):
 
 
 def finished(part: TwWork) -> bool:
-    """A host part that completed, successfully, as it was posted: a CompletedWork serves it
-    (a TensorwireWork's lock, event and callback were a third of a small send through torch).
+    """A host part that completed, successfully, as it was posted: a CompletedWork serves it,
+    without a TensorwireWork's lock, event and callback.
     A point-to-point part counts as done only once waited on, which takes its error."""
     return part._done and part._exc is None and getattr(part, "stream", None) is None
 

@@ -265,8 +265,7 @@ class Engine(Failures):
                 elif header.kind == Kind.P2P and peer != self.rank:
                     # A message already in the ring or socket is read now, straight into `dst`:
                     # the receive is then done as posted, with no wait to drive nor a request
-                    # for the background thread to watch (a quarter of a small sendrecv's time
-                    # at n=2).
+                    # for the background thread to watch.
                     try:
                         self.channels[peer].progress()
                     except PeerClosed as exc:

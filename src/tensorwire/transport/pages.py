@@ -1,7 +1,7 @@
 """How much of a buffer lies in transparent huge pages, as the kernel's page tables say.
 
 A read out of another process (transport/cma.py) pins the source's pages one by one, and runs
-about 3x faster out of huge pages than out of 4 KiB ones (docs/design/memory.md): what single
+faster out of huge pages than out of 4 KiB ones (docs/design/memory.md): what single
 copy costs depends on where its sources' buffers lie, which only each source can see. A source
 looks with PAGEMAP_SCAN (Linux 6.7+), an ioctl on /proc/self/pagemap that lists the huge-page
 runs of a range; a look costs microseconds, so the answer is kept a moment per buffer.
@@ -21,8 +21,8 @@ UNKNOWN = 15
 buffers is there yet."""
 KEEP_S = 0.05
 """Seconds an answer for a buffer is reused: pages change rarely (khugepaged collapses them,
-reclaim splits them) and a stale answer only misprices, but a scan per call is 5-20% of a
-MiB-sized single copy's time."""
+reclaim splits them) and a stale answer only misprices, but a scan per call is a visible share
+of a MiB-sized single copy's time (docs/design/memory.md)."""
 _PAGE_IS_PRESENT, _PAGE_IS_PFNZERO, _PAGE_IS_HUGE = 1 << 3, 1 << 5, 1 << 6
 _RUNS = 16
 

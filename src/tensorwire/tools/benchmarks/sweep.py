@@ -110,8 +110,9 @@ class Buffers:
     """Allocated once for the largest size; every case uses views (as nccl-tests does).
 
     In huge pages throughout (buffers.huge_zeros), for every library alike: where a peer reads
-    them across processes (tensorwire's single copy, Open MPI's CMA), the speed depends 3x on
-    it, and numpy's own arrays would leave it to malloc's alignment (the edges in 4 KiB pages)."""
+    them across processes (tensorwire's single copy, Open MPI's CMA), the speed depends on it
+    (docs/design/memory.md), and numpy's own arrays would leave it to malloc's alignment (the
+    edges in 4 KiB pages)."""
 
     send: np.ndarray
     recv: np.ndarray
