@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import io
 import re
 import tokenize
@@ -144,6 +145,20 @@ def test_code_tells_no_measurement_stories():
              for path in sorted(PACKAGE.rglob("*.py")) for n, text in _comments_and_docstrings(path)
              if MEASUREMENT.search(text)]
     assert found == []
+
+
+def test_every_function_is_used_beyond_the_tests():
+    """A module-level function or class that only tests call is dead code kept alive by its
+    test: each is named somewhere else in the package (its C too), bench/, examples/ or scripts/."""
+    root = PACKAGE.parents[1]
+    texts = [p.read_text() for folder in (PACKAGE, root / "bench", root / "examples", root / "scripts")
+             for p in folder.rglob("*") if p.suffix in (".py", ".c", ".h")]
+    names = collections.Counter(w for text in texts for w in re.findall(r"[A-Za-z_]\w*", text))
+    unused = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.name}"
+              for path in sorted(PACKAGE.rglob("*.py")) for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+              and names[node.name] <= 1]
+    assert unused == []
 
 
 def _classes() -> dict[str, list[tuple[str, ast.ClassDef]]]:

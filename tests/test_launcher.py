@@ -506,7 +506,8 @@ def test_port_in_use_is_reported(tmp_path: Path) -> None:
 CONGESTION_SCRIPT = """
 import socket
 import tensorwire as tw
-from tensorwire.transport.tcp import congestion_of
+def congestion_of(sock):
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\\0")[0].decode()
 tw.init()
 socks = [ch.stream.sock for ch in tw.api.require_runtime().engine.channels.values()]
 print("rank", tw.get_rank(), sorted({congestion_of(s) for s in socks}),

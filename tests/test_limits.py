@@ -429,17 +429,30 @@ def test_only_this_users_segments_are_removed(tmp_path: Path) -> None:
 
 
 def test_plans_fit_half_the_free_space() -> None:
-    # 4 ranks, the defaults (4 MiB rings, 1 MiB slots): 56 MiB wanted
-    assert shm_budget.plan_ring(1 << 30, 4, 4 * MiB, 4, MiB) == 4 * MiB
-    for free in (16 * MiB, 64 * MiB, 100 * MiB):
-        ring = shm_budget.plan_ring(free, 4, 4 * MiB, 4, MiB)
-        slot = shm_budget.plan_slot(free - shm_budget.rings_bytes(4, ring), 4, MiB)
-        assert shm_budget.rings_bytes(4, ring) + GroupSegment.nbytes(4, slot) <= free // 2
-        assert ring >= shm_budget.RING_FLOOR and ring % 4096 == 0
-    assert shm_budget.plan_ring(64 * MiB, 4, 4 * MiB, 4, MiB) == MiB
-    assert shm_budget.plan_ring(16 * MiB, 4, 4 * MiB, 4, MiB) == 256 << 10
-    assert shm_budget.plan_ring(16 * MiB, 8, 4 * MiB, 8, MiB) == 0  # TCP, the segment gets the space
-    assert shm_budget.plan_ring(16 * MiB, 4, 64 << 10) == 64 << 10  # as small as asked, if it fits
+    """The plan connect.connect_world makes: a rank's share of half the free space after the
+    world's segment (ring_share), and how far its rings may grow within it (plan_rings)."""
+    def plan(free: int, local: int, ring: int = 4 * MiB) -> tuple[int, int, int]:
+        share = shm_budget.ring_share(free, local, local, MiB)  # the job alone on this host
+        return share, shm_budget.plan_rings(share, local, ring), shm_budget.plan_slot(free, local, MiB)
+
+    # 4 ranks, the defaults (4 MiB rings, 1 MiB slots); docs/design/shm-degradation.md's figures
+    assert plan(1 << 30, 4)[1:] == (4 * MiB, MiB)
+    assert plan(64 * MiB, 4)[1:] == (MiB, MiB)
+    assert plan(16 * MiB, 4)[1:] == (256 << 10, 512 << 10)
+    assert plan(2 * MiB, 4)[1:] == (0, 64 << 10)  # TCP, the segment gets the space
+    assert plan(16 * MiB, 8)[1] == shm_budget.INITIAL_RING  # first rings only: not even the floor fits
+    for free in (2 * MiB, 16 * MiB, 64 * MiB, 100 * MiB, 1 << 30):
+        for local in (2, 4, 8, 32):
+            share, ring, slot = plan(free, local)
+            busy = min(limits.typical_peers(local), local - 1)
+            first = shm_budget.INITIAL_RING
+            rings = busy * Ring.nbytes(ring) + (local - 1 - busy) * Ring.nbytes(first) if ring else 0
+            assert rings <= share, (free, local)
+            if share:  # else even the segment's floor takes more than half: it gets the space
+                assert local * share + GroupSegment.nbytes(local, slot) <= free // 2, (free, local)
+            assert ring in (0, first) or (ring >= shm_budget.RING_FLOOR and ring % 4096 == 0)
+    assert shm_budget.plan_rings(shm_budget.ring_share(16 * MiB, 4), 4, 64 << 10) == 64 << 10  # as asked
+    assert shm_budget.plan_rings(MiB, 1, 4 * MiB) == 4 * MiB  # no local peer: nothing to plan
     assert shm_budget.plan_slot(0, 4, 16 << 10) == 16 << 10  # never grown to the floor
 
 

@@ -21,11 +21,11 @@ from tensorwire.ops import ReduceOp, Reduction, premul_sum, torch_kernels
 from tensorwire.ops.carriers import carrier
 from tensorwire.ops.dtypes import (
     check_dtype,
-    dtype_category,
     dtype_code,
     dtype_from_code,
     dtype_from_name,
     dtype_name,
+    lookup,
 )
 from tensorwire.ops.finalize import finalize
 from tensorwire.ops.kernels import reduce_into, reduction_kernel
@@ -400,7 +400,7 @@ def test_carriers_registry() -> None:
         assert dt is carrier(name) and dt.itemsize == ml.itemsize
         assert dtype_code(dt) == dtype_code(ml) and dtype_name(dt) == dtype_name(ml)
     c32 = carrier("complex32")
-    assert dtype_code(c32) == 25 and dtype_from_code(25) == c32 and dtype_category(c32) == "c"
+    assert dtype_code(c32) == 25 and dtype_from_code(25) == c32 and lookup(c32).category == "c"
     with pytest.raises(InvalidArgumentError, match=r"BAND is not defined for torch\.bfloat16"):
         check_op_dtype(Reduction(ReduceOp.BAND), carrier("bfloat16"), rank=0, collective="all_reduce")
     with pytest.raises(InvalidArgumentError, match=r"MAX is not defined for torch\.complex32"):

@@ -15,7 +15,7 @@ import pytest
 import tensorwire as tw
 from conftest import PYTHON
 from tensorwire.errors import InvalidArgumentError, TimeoutError
-from tensorwire.work import Work, completed_work
+from tensorwire.work import Work
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -214,4 +214,3 @@ def test_callbacks_run_once_whether_added_before_or_after_finish() -> None:
     work._finish(7)
     work.add_done_callback(lambda w: calls.append(f"after {w.result()}"))
     assert calls == ["before 7", "after 7"]
-    assert completed_work("done", 0, 5).result() == 5

@@ -108,9 +108,3 @@ class Work:
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"
         return f"<Work {self.what} {state}>"
-
-
-def completed_work(what: str, rank: int, result: Any = None) -> Work:
-    work = Work(what, rank)
-    work._finish(result)
-    return work

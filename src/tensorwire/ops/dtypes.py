@@ -205,11 +205,6 @@ def check_dtype(dtype: Any, *, rank: int | None = None, collective: str | None =
     raise InvalidArgumentError(f"{call_prefix(rank, collective)}{name} has unsupported dtype {dt} ({why})")
 
 
-def dtype_category(dtype: Any) -> str:
-    """'b', 'i', 'u', 'f' or 'c' (ml_dtypes floats are 'f' although numpy calls them 'V')."""
-    return _entry_or_raise(dtype).category
-
-
 def _entry_or_raise(dtype: Any) -> DType:
     dt = check_dtype(dtype)
     entry = lookup(dt)

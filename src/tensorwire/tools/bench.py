@@ -54,8 +54,6 @@ from .benchmarks.options import Options, parse_options, planned_cells
 from .benchmarks.sweep import NO_INPLACE as _NO_INPLACE
 from .benchmarks.sweep import ROOTED as _ROOTED
 from .benchmarks.sweep import Buffers, measure
-from .benchmarks.sweep import busbw_factor as busbw_factor  # re-exported: `tensorwire.tools.bench` API
-from .benchmarks.sweep import summarize as summarize  # re-exported: `tensorwire.tools.bench` API
 from .benchmarks.tw_calls import collect, make_case, sweep_pairs, time_str, wrong_line
 from .launcher import launched_job_size
 

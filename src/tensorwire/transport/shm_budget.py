@@ -132,26 +132,6 @@ def rings_bytes(local: int, capacity: int) -> int:
     return local * (local - 1) * Ring.nbytes(capacity)
 
 
-def plan_ring(free: int, local: int, capacity: int, world: int = 0, slot: int = 0) -> int:
-    """The ring capacity for `local` ranks on a host with `free` bytes: the configured one
-    where the rings (and, for a job on this host alone, its `world` group's segment of `slot`
-    per rank) take at most 1/SHARE of `free`; else smaller, ring or slot halved in turn (the
-    larger first) down to their floors; 0 (no rings: TCP) where even the floors do not fit.
-    Every rank of the host reads `free` before any ring of the job exists, so they plan alike."""
-    budget = free // SHARE
-    while True:
-        on_rings = rings_bytes(local, capacity)
-        on_segment = GroupSegment.nbytes(world, slot) if world and slot else 0
-        if on_rings + on_segment <= budget:
-            return capacity
-        if capacity > RING_FLOOR and (on_rings >= on_segment or slot <= SLOT_FLOOR):
-            capacity = halve(capacity, RING_FLOOR)
-        elif slot > SLOT_FLOOR:
-            slot = halve(slot, SLOT_FLOOR)
-        else:
-            return 0  # the rest of /dev/shm is the one-shot segment's and the application's
-
-
 def plan_slot(free: int, size: int, slot: int) -> int:
     """The one-shot slot of a group of `size` whose segment takes at most 1/SHARE of `free`."""
     while slot > SLOT_FLOOR and GroupSegment.nbytes(size, slot) > free // SHARE:

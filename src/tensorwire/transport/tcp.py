@@ -135,13 +135,6 @@ def unsent_bytes(sock: socket.socket) -> int:
         return 0
 
 
-def congestion_of(sock: socket.socket) -> str:
-    """The congestion control a TCP socket runs ('' for other sockets)."""
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return ""
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
-
-
 def congestion_in_use(cfg: Config) -> str:
     """The congestion control tensorwire's connections run: TENSORWIRE_TCP_CONGESTION, else the
     system's default."""

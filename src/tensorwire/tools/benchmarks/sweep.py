@@ -95,12 +95,6 @@ def coll_counts(coll: str, count: int, n: int) -> tuple[int, int, int]:
     raise ValueError(f"unknown collective {coll!r}")
 
 
-def effective_bytes(coll: str, nominal: int, itemsize: int, n: int) -> tuple[int, int]:
-    """(size in bytes as printed, per-rank count) after nccl-tests' rounding."""
-    send, recv, param = coll_counts(coll, nominal // itemsize, n)
-    return max(send, recv) * itemsize, param
-
-
 # ------------------------------------------------------------------------------------------
 # Cases
 
