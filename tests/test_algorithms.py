@@ -214,6 +214,8 @@ class _Log:
 class _Bare:
     """Nothing but the P2P protocol (no fingerprint): how any other caller would run an algorithm."""
 
+    fp = None
+
     def __init__(self, call) -> None:
         self._call = call
         self.rank, self.size, self.link = call.rank, call.size, call.link
@@ -445,6 +447,23 @@ def test_every_algorithm_in_another_rank_order(get_cluster, transport: str) -> N
     """As a group over hosts runs them where its ranks are not numbered host by host."""
     results = get_cluster(3, transport).run(rank_every_algorithm, 7, True, timeout=140)
     _expect(results, 3)
+
+
+def test_a_call_in_another_rank_order_keeps_its_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group over hosts runs an algorithm on its call seen in the hosts' order; the view
+    passes the call's fingerprint on, so Bruck's vector all_to_all still runs the pairwise
+    exchange, as every rank must (each priced the call with its own total: another rank may
+    have chosen pairwise for it)."""
+    from tensorwire.algorithms import bruck
+
+    ran: list[int] = []
+    monkeypatch.setattr(bruck, "pairwise_all_to_all", lambda p2p, sends, recvs: ran.append(p2p.rank))
+    orders = type("Orders", (), {"ring": (0, 2, 1, 3)})()
+    call = type("Call", (), {"rank": 2, "size": 4, "link": Link("x", 1e-6, 1e-9, 1e-9),
+                             "fp": Fingerprint(Coll.ALL_TO_ALLV)})()
+    blocks = [np.zeros(1) for _ in range(4)]
+    arrange(algorithms_for("all_to_all")["bruck"], orders).run(call, blocks, blocks)
+    assert ran == [1]  # group rank 2 is the hosts' order's second
 
 
 def test_runs_that_reduce_in_place_take_the_input_apart() -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..buffers import address
 from ..ops import ReduceOp
 from .registry import Link
+
+if TYPE_CHECKING:
+    from ..transport.wire import Fingerprint
 
 
 class Request(Protocol):
@@ -27,6 +30,12 @@ class P2P(Protocol):
     link: Link
     """The group's link constants, which the tuner priced the call with: an algorithm that
     sizes its steps by them (chain.segment_count) gets the same on every rank."""
+
+    @property
+    def fp(self) -> Fingerprint | None:
+        """The call's fingerprint, the same on every member: what an algorithm may decide its
+        schedule by where the ranks' own arguments differ (bruck's vector all_to_all); None for
+        a caller with no collective call behind it."""
 
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request: ...
 

@@ -54,9 +54,8 @@ def bruck_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:
 
 
 def _call_is(p2p: P2P, coll: Coll) -> bool:
-    """Is this call the given collective? (A bare P2P has no fingerprint: never.)"""
-    fp = getattr(p2p, "fp", None)
-    return fp is not None and fp.coll == coll
+    """Is this call the given collective? (One without a fingerprint: never.)"""
+    return p2p.fp is not None and p2p.fp.coll == coll
 
 
 def bruck_all_to_all(p2p: P2P, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..ops import ReduceOp
 from .base import P2P, Request
 from .registry import Algorithm, Link
+
+if TYPE_CHECKING:
+    from ..transport.wire import Fingerprint
 
 
 class Orders(Protocol):
@@ -48,6 +51,10 @@ class Reordered:
     @property
     def link(self) -> Link:
         return self.call.link
+
+    @property
+    def fp(self) -> Fingerprint | None:
+        return self.call.fp
 
     def isend(self, peer: int, data: np.ndarray, step: int) -> Request:
         return self.call.isend(self.order[peer], data, step)
