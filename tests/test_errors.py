@@ -2338,6 +2338,7 @@ def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
     an error that quotes a relayed one is a new report."""
     from types import SimpleNamespace
 
+    from tensorwire.errors import Relayed
     from tensorwire.transport.failures import Failures, notice_text
 
     def told(rank: int, peer: int, error: BaseException | bytes) -> BaseException:
@@ -2345,6 +2346,8 @@ def test_an_error_relayed_twice_names_who_reported_it_first() -> None:
         return Failures._reported(SimpleNamespace(rank=rank), peer, raw)
 
     first = told(1, 0, b"InvalidArgumentError\nrank 0: all_gather: bad")
+    assert first.relayed == Relayed(0, "rank 0: all_gather: bad", str(first), 1)  # declared on every error
+    assert InvalidArgumentError("rank 1: all_gather: bad").relayed is None
     again = told(2, 1, first)
     assert isinstance(again, InvalidArgumentError)
     assert str(again) == "rank 0: all_gather: bad [reported by rank 0; seen on rank 2]"

@@ -9,14 +9,28 @@ from __future__ import annotations
 import builtins
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 CLEAN_GROUP = ("shrink() makes a clean one (under torch.distributed: destroy_process_group(), then "
                "init_process_group())")
 """How a program goes on after its group was aborted, as the messages that say so end."""
 
 
+class Relayed(NamedTuple):
+    """How an error came from a peer's abort notice (transport/failures.py)."""
+
+    origin: int  # the rank that reported it first
+    message: str  # its message there
+    text: str  # the error's text as this rank made it (retold later: named already)
+    receiver: int  # this rank, which received it
+
+
 class TensorwireError(RuntimeError):
     """Base of every error tensorwire raises on purpose."""
+
+    relayed: Relayed | None = None
+    """Set where the error is a peer's report, passed on as it was reported (its first
+    reporter named once)."""
 
 
 class NotInitializedError(TensorwireError):
@@ -68,9 +82,9 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
     text = str(exc)
     if where in text:
         return exc
-    relayed = getattr(exc, "relayed", None)
-    if relayed is not None and relayed[2] == text:  # (not once retold: named already)
-        return retold(exc, f"rank {relayed[3]}: {where}: {text}")  # type: ignore[return-value]
+    relayed = exc.relayed
+    if relayed is not None and relayed.text == text:  # (not once retold: named already)
+        return retold(exc, f"rank {relayed.receiver}: {where}: {text}")  # type: ignore[return-value]
     rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
     return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]
 

@@ -29,6 +29,7 @@ from ..errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     PeerLostError,
+    Relayed,
     ResourceError,
     TensorwireError,
     TimeoutError,
@@ -115,9 +116,9 @@ def notice_text(error: BaseException) -> bytes:
     """What an abort notice carries of `error` (Failures._reported reads it): 'Name\nmessage',
     or 'Name@origin\nmessage' for an error passed on as rank `origin` reported it, so that it
     names its first reporter once."""
-    relayed = getattr(error, "relayed", None)
-    if relayed is not None and relayed[2] == str(error):
-        return f"{type(error).__name__}@{relayed[0]}\n{relayed[1]}".encode()
+    relayed = error.relayed if isinstance(error, TensorwireError) else None
+    if relayed is not None and relayed.text == str(error):
+        return f"{type(error).__name__}@{relayed.origin}\n{relayed.message}".encode()
     return f"{type(error).__name__}\n{error}".encode()
 
 
@@ -534,7 +535,7 @@ class Failures:
         for notice in notices:
             self.watch_in_background(notice)
 
-    def _reported(self, peer: int, raw: bytes) -> BaseException:
+    def _reported(self, peer: int, raw: bytes) -> TensorwireError:
         """The error a peer's notice carries ('Name\nmessage', or 'Name@origin\nmessage' where
         that peer passes on what rank `origin` reported to it), named as reported."""
         head, _, message = raw.decode(errors="replace").partition("\n")
@@ -542,7 +543,7 @@ class Failures:
         cls = _ERROR_CLASSES.get(name, AbortedError)
         first = int(origin) if origin.isdigit() else peer
         error = cls(f"{message} {_REPORTED} {first}; seen on rank {self.rank}]")
-        error.relayed = (first, message, str(error), self.rank)  # type: ignore[attr-defined]
+        error.relayed = Relayed(first, message, str(error), self.rank)
         return error
 
     def _on_abort(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
