@@ -164,6 +164,19 @@ def _scale_module() -> Any:
 
 
 @pytest.mark.timeout(300)
+def test_the_engine_says_which_pairs_are_being_wired() -> None:
+    """What the probe waits on before its rounds (probes.wire_partners): a pair asked for and
+    neither connected nor lost."""
+    from tensorwire.transport.channel import PendingChannel
+    from tensorwire.transport.engine import Engine
+
+    engine = Engine(0, 3, 0)
+    engine.add_channel(1, PendingChannel(1))
+    assert engine.connecting(1) and not engine.connecting(2)  # rank 2: never asked for
+    engine.lost[1] = "gone"
+    assert not engine.connecting(1)
+
+
 def test_what_a_rank_holds_grows_with_its_peers_not_the_job() -> None:
     """24 ranks on one host (on 2 cores), init, a barrier, a checked 1 MiB all_reduce and an
     exchange with the ring neighbours: every rank holds connections to the peers it talked to

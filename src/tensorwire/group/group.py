@@ -120,7 +120,7 @@ class Group:
         run in, its hierarchy); None for a group on one host, or where the runtime knows no
         topology (the torch backend's runtime over another backend's world)."""
         if self._layout is False:
-            topo = getattr(self.runtime, "topology", None)
+            topo = self.runtime.topology
             self._layout = None if topo is None or self.all_local else topo.layout(self.ranks, self.name)
         return self._layout  # type: ignore[return-value]
 

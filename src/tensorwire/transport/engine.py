@@ -155,6 +155,11 @@ class Engine(Failures):
                 if peer != self.rank and peer not in self.channels and peer not in self.lost:
                     self._connect(peer)
 
+    def connecting(self, peer: int) -> bool:
+        """Whether the pair with `peer` is being wired (asked for, neither connected nor lost)."""
+        channel = self.channels.get(peer)
+        return channel is not None and channel.kind == "pending" and peer not in self.lost
+
     def install(self, peer: int, channel: Channel) -> bool:
         """The wiring connected `peer`: `channel` takes the place of its PendingChannel (and what
         was posted to that goes out first, in order). False if the peer is no longer wanted."""
@@ -847,7 +852,7 @@ class Engine(Failures):
         """In a process forked from this rank's: close its copies of the rank's sockets, which
         would keep the rank's connections open after the rank itself died (its peers would not
         learn of it while the fork lives). Only the descriptors: the parent's connections stay."""
-        socks = [s for channel in self.channels.values() for s in getattr(channel, "sockets", ())]
+        socks = [s for channel in self.channels.values() for s in channel.sockets]
         if self.wiring is not None:
             socks.append(self.wiring.listener)
         for sock in socks:

@@ -511,11 +511,7 @@ def wire_partners(world: Group) -> None:
     engine.reach(peers)
     deadline = time.perf_counter() + world.timeout  # past it, the rounds' waits name the missing
 
-    def pending() -> bool:
-        return any(getattr(engine.channels.get(p), "kind", None) == "pending" and p not in engine.lost
-                   for p in peers)
-
-    while pending() and time.perf_counter() < deadline:
+    while any(engine.connecting(p) for p in peers) and time.perf_counter() < deadline:
         engine.sleep_on_sockets(_WIRING_NAP_S)
 
 
