@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from cluster import Cluster
 from conftest import PYTHON
+from tensorwire.algorithms.shm_direct import COMPILED_PLANS
 from tensorwire.ops import ReduceOp
 from tensorwire.ops.kernels import reduction_kernel
 from tensorwire.transport import native
@@ -306,7 +307,7 @@ def rank_frames(t: float, calls: int) -> dict:
     routes used before) entered, out of `calls` (none where the compiled caller ran it whole: a
     call whose peer was late takes a few), in the forms users write them, keywords included;
     the same for an async call (the caller hands those to Python); whether each result was
-    right."""
+    right; what each collective's plan says it runs (Plans.chosen)."""
     import tensorwire as tw
     from tensorwire.tuning import tuner
 
@@ -363,7 +364,9 @@ def rank_frames(t: float, calls: int) -> dict:
                 ok = ok and bool(right())
                 if i >= 2:  # the first checked, the second planned, then every call as the plan ran it
                     fewest.append(frames[0])
-        out[coll] = {"fewest": min(fewest), "right": ok}
+            chosen = sorted({type(c).__name__ if type(c).__name__ != "Algorithm" else c.name
+                             for c in g.plans.chosen.values()})
+        out[coll] = {"fewest": min(fewest), "right": ok, "chosen": chosen}
     work = g.all_reduce(x, out=y, async_op=True)
     work.wait()
     frames[0] = 0
@@ -399,6 +402,9 @@ def test_the_compiled_caller_runs_planned_calls_whole(get_cluster) -> None:
             assert result["async"] > 0
             for coll, seen in result["colls"].items():
                 assert seen["right"], (transport, rank, coll)
+                if coll != "sendrecv":  # the one shot's plan, or (barrier) its algorithm
+                    assert len(seen["chosen"]) == 1 and (
+                        seen["chosen"][0] in {c.__name__ for c in COMPILED_PLANS} | {"direct"}), seen
                 if transport == "shm":
                     assert seen["fewest"] == 0, (rank, coll, seen)
                 else:

@@ -19,7 +19,7 @@ from ..errors import InvalidArgumentError
 from ..gpu import is_device_buffer as _on_device
 from ..ops import ReduceOp, Reduction
 from ..ops.compress import codec_for
-from ..transport.wire import Coll, Fingerprint
+from ..transport.wire import Coll
 from ..tuning import tuner
 from . import bodies
 from .arguments import (
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from ..gpu.collectives import DeviceCollectives
     from .calls import CollectiveCall
     from .group import Group
-
-_BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
-
 
 def _device(group: Group, timeout: float | None) -> DeviceCollectives:
     """The group's collectives on CUDA buffers, looked up once what a refused call left is
@@ -638,10 +635,7 @@ def barrier(group: Group, *, async_op: bool = False, timeout: float | None = Non
     plan = group.plans.get("barrier")
     if plan is None:
         check_member(group, "barrier")
-        alg = tuner.select(group, "barrier", 0) if group.size > 1 else None
-        plan = group.plans["barrier"] = (group.plans.call(_BARRIER, "barrier"),
-                                         bodies.no_op if alg is None else alg.run,
-                                         alg is not None and alg.needs_direct)
+        plan = group.plans.remember_barrier()
     call, body, direct = plan
     done = group.plans.submit(call, body, direct, async_op, timeout)
     return barrier(group, async_op=async_op, timeout=timeout) if done is REPLAN else done

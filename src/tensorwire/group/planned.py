@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..algorithms import single_copy
-from ..algorithms.registry import algorithms_for
-from ..algorithms.shm_direct import COMPILED_PLANS, AllReducePlan, barrier_after, direct_barrier
+from ..algorithms.registry import Algorithm
+from ..algorithms.shm_direct import COMPILED_PLANS, AllReducePlan, barrier_after
 from ..ops import Reduction
 from ..transport import pages
-from ..transport.wire import Fingerprint
+from ..transport.wire import Coll, Fingerprint
 from ..tuning import tuner
 from .arguments import limit_of
+from .bodies import no_op
 from .calls import CollectiveCall
 
 if TYPE_CHECKING:
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
 _PLANS = 256  # checked call signatures kept per group
 REPLAN = object()
 """What Plans.submit returns for a plan the group's renewal made stale: take the checked path."""
+_BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
+Chosen = Any
+"""What a plan's run runs: the tuner's choice (an Algorithm or a PageDependent), a one-shot
+plan (shm_direct.COMPILED_PLANS), or None (a call for the general body, or nothing to move)."""
 
 
 class Plans(dict):
@@ -43,7 +49,7 @@ class Plans(dict):
     for all_reduce (call, the direct path's run or None, reduction); "barrier" -> (call,
     run, on the direct path?). A dict, so that taking a plan costs one lookup."""
 
-    __slots__ = ("group", "queue", "engine", "ctx", "caller")
+    __slots__ = ("group", "queue", "engine", "ctx", "caller", "chosen")
 
     def __init__(self, group: Group, queue: CallQueue) -> None:
         super().__init__()
@@ -54,16 +60,20 @@ class Plans(dict):
         self.caller: Any = None
         """The compiled caller (transport/_caller.c), where Group made one: it runs the
         planned one-shot calls it was given (`_compile`) from the group's API in one C call."""
+        self.chosen: dict[Any, Chosen] = {}
+        """What each plan's run runs: what the compiled caller may take from it."""
 
     def clear(self) -> None:
         super().clear()
+        self.chosen.clear()
         if self.caller is not None:
             self.caller.clear()
 
-    def __setitem__(self, key: Any, plan: tuple) -> None:
-        super().__setitem__(key, plan)
+    def _keep(self, key: Any, plan: tuple, chosen: Chosen) -> None:
+        self[key] = plan
+        self.chosen[key] = chosen
         if self.caller is not None:
-            self._compile(key, plan)
+            self._compile(key, plan, chosen)
 
     def recompile(self) -> None:
         """Give the compiled caller every plan afresh (a PageDependent plan now runs its other
@@ -71,9 +81,9 @@ class Plans(dict):
         if self.caller is not None:
             self.caller.clear()
             for key, plan in self.items():
-                self._compile(key, plan)
+                self._compile(key, plan, self.chosen[key])
 
-    def _compile(self, key: Any, plan: tuple) -> None:
+    def _compile(self, key: Any, plan: tuple, chosen: Chosen) -> None:
         """Give the compiled caller a plan whose calls it can run whole: a barrier on the
         direct path, a plan of COMPILED_PLANS of a collective the caller takes, or single
         copy's own run of a broadcast, all_gather_into_tensor, all_to_all_single, gather or
@@ -83,21 +93,18 @@ class Plans(dict):
             return
         call = plan[0]
         a, b = dp.words_of(call.fp)
+        dependent = chosen if isinstance(chosen, tuner.PageDependent) else None
+        if dependent is not None:  # compiled as what it runs now; it learns its sources' pages in C
+            chosen = dependent.current()
+        algorithm = chosen.name if isinstance(chosen, Algorithm) else None
         if key == "barrier":
-            if tuner.unnoted(plan[1]) is direct_barrier:
+            if algorithm == "direct":
                 self.caller.add("barrier", None, 0, 0, -1, None, True, dp.native, call, self.ctx, a, b,
                                 barrier_after)
             return
         what = key[0]
-        run = tuner.unnoted(plan[1] if what == "all_reduce" else plan[2])
-        owner = getattr(run, "__self__", None)
-        dependent = owner if isinstance(owner, tuner.PageDependent) else None
-        if dependent is not None:  # compiled as what it runs now; it learns its sources' pages in C
-            run = tuner.unnoted(dependent.current().run)
-            owner = getattr(run, "__self__", None)
-        spec = owner.compiled_call() if isinstance(owner, COMPILED_PLANS) else None
-        moves = what in single_copy.MOVES and dp.single_copy \
-            and run is algorithms_for(single_copy.MOVED[what])["single_copy"].run
+        spec = chosen.compiled_call() if isinstance(chosen, COMPILED_PLANS) else None
+        moves = what in single_copy.MOVES and dp.single_copy and algorithm == "single_copy"
         if (spec is None and not moves) or what not in self.engine.native.COMPILED_CALLS:
             return
         rooted = what in ("broadcast", "gather", "scatter")
@@ -123,9 +130,10 @@ class Plans(dict):
                                   else self.engine.native.PAGES_SCAN, None if dependent is None
                                   else dependent.learned)
             return
-        owner.stamp(dp, call.fp)
+        assert isinstance(chosen, COMPILED_PLANS)  # (spec is not None)
+        chosen.stamp(dp, call.fp)
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
-                        owner.after, *extra)
+                        chosen.after, *extra)
 
     def compiled(self, what: str, async_op: bool) -> bool:
         """Whether the compiled caller takes `what` (an API name) from its API, and the call
@@ -152,17 +160,17 @@ class Plans(dict):
         if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes,
                                                         compiled=compiled).name == "direct":
             plan = AllReducePlan(group.direct, src.dtype, src.size, red.op, red)
-            self[key] = call, self._named(plan.run), red
+            self._keep(key, (call, self._named(plan.run), red), plan)
         else:
-            self[key] = call, None, red
+            self._keep(key, (call, None, red), None)
 
     def remember(self, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
                  *extra: Any, one_rank: bool = False, async_op: bool = False,
-                 whole: tuple[int, Callable[[], Callable[..., Any]]] | None = None) -> None:
+                 whole: tuple[int, Callable[[], MethodType]] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its
         collective: (call, on the direct path?, the chosen algorithm's run or None where
         nothing moves, *extra). `one_rank`: the algorithm has work even on a single rank.
-        `whole`: (bytes a rank puts in its slot, the factory of a plan's run) of a call the
+        `whole`: (bytes a rank puts in its slot, the factory of a plan's bound run) of a call the
         direct path's one shot can run from a plan that takes the arrays themselves
         (TensorPlan, ReducePlan, BroadcastPlan): where the tuner picks that path and the bytes
         fit the slot, the run is the plan's, and the last of `extra` (what only the general
@@ -172,12 +180,20 @@ class Plans(dict):
         group = self.group
         alg = tuner.select(group, collective, nbytes, compiled=self.compiled(what, async_op)) \
             if group.size > 1 or one_rank else None
-        run = None if alg is None else alg.run
+        run, chosen = (None, None) if alg is None else (alg.run, alg)
         if whole is not None and alg is not None and alg.name == "direct" \
                 and whole[0] <= group.direct.slot_bytes:  # type: ignore[union-attr]
-            run = self._named(whole[1]())
+            bound = whole[1]()
+            run, chosen = self._named(bound), bound.__self__
             extra = (*extra[:-1], None)
-        self[key] = (self.call(fp, what), alg is not None and alg.needs_direct, run, *extra)
+        self._keep(key, (self.call(fp, what), alg is not None and alg.needs_direct, run, *extra), chosen)
+
+    def remember_barrier(self) -> tuple:
+        """Plan the group's barrier: (call, run, on the direct path?)."""
+        alg = tuner.select(self.group, "barrier", 0) if self.group.size > 1 else None
+        self._keep("barrier", (self.call(_BARRIER, "barrier"), no_op if alg is None else alg.run,
+                               alg is not None and alg.needs_direct), alg)
+        return self["barrier"]
 
     def _named(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """A one-shot plan's run, which notes that `direct` ran its call where the COLL log has

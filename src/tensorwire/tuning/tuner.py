@@ -237,14 +237,7 @@ def noting(run: Any, name: str) -> Any:
     def noted(call: Any, *args: Any) -> Any:
         call.algo = name
         return run(call, *args)
-    noted.unnoted = run  # type: ignore[attr-defined]
     return noted
-
-
-def unnoted(run: Any) -> Any:
-    """What `run` runs, where it is `noting`'s: what the compiled caller can take whole
-    (group/planned.py), which defers to it while the line per call is on."""
-    return getattr(run, "unnoted", run)
 
 
 def _logged(choice: Algorithm | PageDependent) -> Algorithm | PageDependent:
