@@ -33,7 +33,7 @@ def test_waiters_on_other_threads_wake_when_it_finishes() -> None:
         t.start()
     time.sleep(0.05)  # most of them block before the finish
     assert not work.is_completed() and not seen
-    work._finish("answer")
+    work.finish("answer")
     for t in threads:
         t.join(10)
     assert seen == ["answer"] * 8 and work.is_completed() and work.is_success()
@@ -42,7 +42,7 @@ def test_waiters_on_other_threads_wake_when_it_finishes() -> None:
 def test_finish_racing_with_waiters_never_loses_a_wakeup() -> None:
     for _ in range(300):
         work = Work("race", 0)
-        t = threading.Thread(target=work._finish, args=(1,))
+        t = threading.Thread(target=work.finish, args=(1,))
         t.start()
         assert work.wait(5) is True
         t.join()
@@ -52,7 +52,7 @@ def test_wait_times_out_and_can_wait_again() -> None:
     work = Work("slow job", 3)
     with pytest.raises(TimeoutError, match=r"rank 3: slow job not complete after 0.05 s"):
         work.wait(0.05)
-    work._finish()
+    work.finish()
     assert work.wait(0.05) is True
 
 
@@ -60,7 +60,7 @@ def test_a_wait_beyond_what_a_thread_can_wait_has_no_limit_and_a_bad_one_is_name
     """A timeout too large for a thread's wait (1e12 s) means none (it raised OverflowError);
     a negative, NaN or non-number one is the caller's error, naming the operation."""
     work = Work("long job", 2)
-    threading.Timer(0.05, work._finish, args=("done",)).start()
+    threading.Timer(0.05, work.finish, args=("done",)).start()
     assert work.wait(1e12) is True and work.result() == "done"
     with pytest.raises(TimeoutError, match=r"rank 2: job not complete after 0.05 s"):
         Work("job", 2).wait(Fraction(1, 20))  # any real number (its format said TypeError)
@@ -71,7 +71,7 @@ def test_a_wait_beyond_what_a_thread_can_wait_has_no_limit_and_a_bad_one_is_name
 
 def test_error_is_raised_on_every_wait() -> None:
     work = Work("doomed", 0)
-    work._finish(exc=ValueError("bad"))
+    work.finish(exc=ValueError("bad"))
     for _ in range(2):
         with pytest.raises(ValueError, match="bad"):
             work.wait()
@@ -83,7 +83,7 @@ def test_a_callback_that_raises_is_printed_and_the_others_run(capsys: pytest.Cap
     calls: list[str] = []
     work.add_done_callback(lambda w: 1 / 0)
     work.add_done_callback(lambda w: calls.append("second"))
-    work._finish(7)
+    work.finish(7)
     work.add_done_callback(lambda w: [][1])
     assert calls == ["second"] and work.result() == 7
     err = capsys.readouterr().err
@@ -202,7 +202,7 @@ def test_a_callbacks_call_overlapping_a_planned_call_fails_the_group(get_cluster
 
 def test_an_exit_in_a_callback_on_the_main_thread_goes_on_up() -> None:
     work = Work("job", 0)
-    work._finish(1)
+    work.finish(1)
     with pytest.raises(SystemExit):
         work.add_done_callback(lambda w: sys.exit(3))
 
@@ -211,6 +211,16 @@ def test_callbacks_run_once_whether_added_before_or_after_finish() -> None:
     work = Work("job", 0)
     calls: list[str] = []
     work.add_done_callback(lambda w: calls.append(f"before {w.result()}"))
-    work._finish(7)
+    work.finish(7)
     work.add_done_callback(lambda w: calls.append(f"after {w.result()}"))
     assert calls == ["before 7", "after 7"]
+
+
+def test_the_library_finishes_a_work_and_reads_done_publicly() -> None:
+    """The group's queue, point-to-point and the device paths end a Work with finish() (as
+    torch's Work::finish) and look at `done`, not at its private state."""
+    work = Work("all_reduce #1 on group world", 0)
+    assert not work.done and not work.is_completed()
+    work.finish(exc=ValueError("bad"))
+    assert work.done and work.is_completed() and not work.is_success()
+    assert isinstance(work.exception(), ValueError)

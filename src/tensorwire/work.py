@@ -37,16 +37,19 @@ class Work:
     def __init__(self, what: str, rank: int) -> None:
         self.what = what
         self.rank = rank
-        self._done = False
+        self.done = False
+        """Finished, successfully or not (is_completed, as an attribute for the library's loops)."""
         self._exc: BaseException | None = None
         self._result: Any = None
         self._event: threading.Event | None = None  # made by the first waiter that must block
         self._callbacks: list[Callable[[Work], None]] = []
 
-    def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+    def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+        """The library's, as torch's Work::finish: the operation ended with `result`, or
+        failed with `exc`; waiters wake and the done-callbacks run, on this thread."""
         self._result, self._exc = result, exc
         with _guard:
-            self._done = True
+            self.done = True
             event, callbacks, self._callbacks = self._event, self._callbacks, []
         if event is not None:
             event.set()
@@ -60,7 +63,7 @@ class Work:
         SystemExit or KeyboardInterrupt raised on the main thread goes on up). A `wait()` on
         another thread may return before the callbacks have run."""
         with _guard:
-            if not self._done:
+            if not self.done:
                 self._callbacks.append(cb)
                 return
         self._call(cb)
@@ -79,12 +82,12 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (or `timeout` seconds); raise the operation's error if it failed."""
-        if not self._done:
+        if not self.done:
             limit = wait_limit(timeout, self.rank, self.what)
             with _guard:
-                if not self._done and self._event is None:
+                if not self.done and self._event is None:
                     self._event = threading.Event()
-                event = None if self._done else self._event
+                event = None if self.done else self._event
             if event is not None and not event.wait(limit):
                 raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {limit:g} s")
         if self._exc is not None:
@@ -92,10 +95,10 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        return self.done
 
     def is_success(self) -> bool:
-        return self._done and self._exc is None
+        return self.done and self._exc is None
 
     def exception(self) -> BaseException | None:
         return self._exc

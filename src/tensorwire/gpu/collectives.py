@@ -258,7 +258,7 @@ class DeviceCollectives:
         if not async_op:
             return result
         queued = Work(what, self.group.runtime.rank)
-        queued._finish()
+        queued.finish()
         return DeviceWork(queued, st.end, st.stream, dg.device, result)
 
     def _refuse_capture(self, what: str) -> None:

@@ -59,7 +59,7 @@ class DeviceWork(Work):
         self.end = end
         self.stream = stream  # where the GPU work went (the torch backend's futures record on it)
         self.device = device
-        inner.add_done_callback(lambda w: self._finish(result, w.exception()))
+        inner.add_done_callback(lambda w: self.finish(result, w.exception()))
 
     def wait(self, timeout: float | None = None) -> bool:
         super().wait(timeout)
@@ -68,7 +68,7 @@ class DeviceWork(Work):
 
     def is_completed(self) -> bool:
         """True once the GPU work itself has run (NCCL's meaning)."""
-        return super().is_completed() and (self._exc is not None or self.end.query())
+        return super().is_completed() and (self.exception() is not None or self.end.query())
 
 
 class DeviceGroup:

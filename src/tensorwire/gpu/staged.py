@@ -177,12 +177,12 @@ class Landing(Work):
         self.device = device
 
     def _land(self) -> None:
-        if self._done:
+        if self.done:
             return
         if self.device is not None and self.device.copied is not None:
             self.stream.wait_event(self.device.copied)
             staging.give_back(self.buf)
-            self._finish(self.inner._result)
+            self.finish(self.inner.result())
             return
         torch = torch_module()
         with torch.cuda.device(self.target.device), torch.cuda.stream(self.stream):
@@ -190,29 +190,25 @@ class Landing(Work):
             done = torch.cuda.Event()
             done.record()
         staging.give_back(self.buf, done)
-        self._finish(self.inner._result)
+        self.finish(self.inner.result())
 
     def wait(self, timeout: float | None = None) -> bool:
         try:
             self.inner.wait(timeout)
         except BaseException as exc:
-            if self.inner.is_completed() and not self._done:
-                self._finish(exc=exc)
+            if self.inner.is_completed() and not self.done:
+                self.finish(exc=exc)
             raise
         self._land()
         return True
 
     def is_completed(self) -> bool:
-        if not self._done and self.inner.is_completed():
+        if not self.done and self.inner.is_completed():
             if self.inner.exception() is None:
                 self._land()
             else:
-                self._finish(exc=self.inner.exception())
-        return self._done
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
+                self.finish(exc=self.inner.exception())
+        return self.done
 
 
 def _around(ready: Any, after: Callable[[], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -153,8 +153,7 @@ class CallQueue:
             raise refused
         if async_op:
             return work
-        work.wait()
-        return work._result
+        return work.result()
 
     def _start_worker(self) -> None:
         """A worker thread for the queued calls (the lock held); one that is in its calls'
@@ -380,7 +379,7 @@ class CallQueue:
         """Run the queued calls up to `work` on this (the waiting) thread while the worker has
         not taken them: a small async call waited for at once then costs no thread wake-ups
         (see docs/design/groups.md#stealing)."""
-        while not work._done:
+        while not work.done:
             with self._cv:
                 if self.busy or not self.pending or self._stopping:
                     return  # the worker has it, or it is done: wait the usual way
@@ -396,9 +395,9 @@ class CallQueue:
         try:
             result = self._run(call, body, args)
         except BaseException as exc:  # handed to whoever waits on the Work
-            return functools.partial(work._finish, exc=exc)
+            return functools.partial(work.finish, exc=exc)
         else:
-            return functools.partial(work._finish, result)
+            return functools.partial(work.finish, result)
         finally:
             with self._cv:
                 self.in_flight[work.origin] -= 1
@@ -421,7 +420,7 @@ class CallQueue:
             self._cv.notify_all()
         rank = group.runtime.rank
         for call, _body, _args, work in dropped:
-            work._finish(exc=AbortedError(f"rank {rank}: {call.what} was still queued when {why}"))
+            work.finish(exc=AbortedError(f"rank {rank}: {call.what} was still queued when {why}"))
         if worker is threading.current_thread():
             return
         if worker is not None:
@@ -547,13 +546,13 @@ class QueuedWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         queue = self._queue
-        if queue is not None and not self._done:
+        if queue is not None and not self.done:
             if timeout is None:
                 queue.run_until(self)
             else:
                 queue.hand_over()
         return super().wait(timeout)
 
-    def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+    def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         self._queue = None  # nothing left to run: a finished Work keeps no group alive
-        super()._finish(result, exc)
+        super().finish(result, exc)

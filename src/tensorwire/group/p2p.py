@@ -150,21 +150,21 @@ class AnySourceWork(Work):
         return src
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self._done:
+        if not self.done:
             if timeout is not None:  # a bad one fails this wait, not the Work
                 limit_of(self.group, timeout, self.what, collective=False, poll=True)
             waited = self.limit if timeout is None else timeout  # (the group's timeout, or its own)
             self.group.any_source_turns.drive(self, time.monotonic() + waited)
-            if not self._done:
+            if not self.done:
                 raise TimeoutError(f"rank {self.rank}: {self.what} not complete after {float(waited):g} s"
                                    f"{_other_tags(self.group, set(self.group.ranks), self.tag)}")
         return super().wait(0)
 
     def is_completed(self) -> bool:
         """Also one look for its message (as MPI_Test)."""
-        if not self._done:
+        if not self.done:
             self.group.any_source_turns.drive(self, time.monotonic())
-        return self._done
+        return self.done
 
 
 def send(group: Group, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
@@ -479,7 +479,7 @@ class AnySourceTurns:
                 now = time.monotonic()
                 for late in [w for w in list(queue) if w.deadline < now]:  # list(): one step (others append)
                     queue.remove(late)
-                    late._finish(exc=_nothing_came(late.group, late.tag, late.limit))
+                    late.finish(exc=_nothing_came(late.group, late.tag, late.limit))
             finally:
                 driver.release()
 
@@ -491,18 +491,18 @@ class AnySourceTurns:
             return
         try:
             queue = self._posted[work.tag]
-            while not work._done:
+            while not work.done:
                 head = queue[0]
                 try:
                     src = head.take(until)
                 except Exception as exc:  # handed to whoever waits on that receive's Work
                     queue.popleft()
-                    head._finish(exc=exc)
+                    head.finish(exc=exc)
                     continue
                 if src is None:
                     return
                 queue.popleft()
-                head._finish(src)
+                head.finish(src)
         finally:
             driver.release()
 
@@ -562,7 +562,7 @@ class _Done(Work):
 
     def __init__(self, what: str, rank: int) -> None:
         super().__init__(what, rank)
-        self._done = True
+        self.done = True
 
 
 class P2PWork(Work):
@@ -576,7 +576,7 @@ class P2PWork(Work):
         self._req = req
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self._done:
+        if not self.done:
             req = self._req
             busy = not req.done or req.error is not None  # else nothing to drive nor raise
             if busy and timeout is not None:  # a bad one fails this wait, not the Work
@@ -589,9 +589,9 @@ class P2PWork(Work):
             except BaseException as exc:
                 if isinstance(exc, (TimeoutError, KeyboardInterrupt)) and not req.done:
                     raise  # still pending (as MPI_Wait's request after a signal): the caller may wait again
-                self._finish(exc=exc)
+                self.finish(exc=exc)
                 raise
-            self._finish()
+            self.finish()
             return True
         return super().wait(0)
 
@@ -603,7 +603,7 @@ class P2PWork(Work):
             engine = self._group.engine
             with engine.lock:
                 engine.progress()
-        if req.done and not self._done:
+        if req.done and not self.done:
             try:
                 self.wait(0)
             except Exception:  # noqa: BLE001 - kept by the Work: exception(), wait()

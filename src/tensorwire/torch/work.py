@@ -224,7 +224,7 @@ def finished(part: TwWork) -> bool:
     """A host part that completed, successfully, as it was posted: a CompletedWork serves it,
     without a TensorwireWork's lock, event and callback.
     A point-to-point part counts as done only once waited on, which takes its error."""
-    return part._done and part._exc is None and getattr(part, "stream", None) is None
+    return part.done and part.exception() is None and getattr(part, "stream", None) is None
 
 
 def _needs_waiter(part: TwWork) -> bool:
