@@ -13,7 +13,7 @@ from cluster import Cluster
 from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
 from tensorwire.config import Config
 from tensorwire.tuning import cost_model, crossing, pricing, topology, tuner
-from tensorwire.tuning.cost_model import BUSY, BUSY_RING, LinkTable
+from tensorwire.tuning.cost_model import BUSY, BUSY_RING, Links, LinkTable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,11 +100,11 @@ def test_the_tuner_prices_flat_algorithms_with_their_share() -> None:
     tcp = Link("tcp", 60e-6, 1 / 0.119e9, 1 / 7.5e9)
     algs = list(flat("all_gather").values())
     m = 16 << 20
-    alone = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, tcp))
-    shared = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, tcp, spread=spread))
+    alone = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, Links(tcp)))
+    shared = dict((name, t) for t, name, _ in cost_model.price(algs, 8, m, Links(tcp, spread=spread)))
     assert shared["ring"] == alone["ring"]
     assert shared["recursive_doubling"] > 2 * alone["recursive_doubling"]
-    assert cost_model.price(algs, 8, m, tcp, spread=spread)[0][1] == "ring"
+    assert cost_model.price(algs, 8, m, Links(tcp, spread=spread))[0][1] == "ring"
     busy = Link(BUSY, 400e-6, 1 / 0.051e9, 1 / 4e9)
     ring = Link(BUSY_RING, 400e-6, 1 / 0.11e9, 1 / 4e9)
     table = LinkTable({"tcp": tcp, BUSY: busy, BUSY_RING: ring},

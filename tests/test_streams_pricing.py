@@ -15,7 +15,7 @@ from tensorwire.config import Config
 from tensorwire.tools import plan
 from tensorwire.transport.pumps import AUTO_STREAMS, PUMP_BYTES, streams_per_pair
 from tensorwire.tuning import cost_model, pricing, topology, tuner, tuning_file
-from tensorwire.tuning.cost_model import STREAM, LinkTable, Streams, predict, streams_of
+from tensorwire.tuning.cost_model import STREAM, Links, LinkTable, Streams, predict, streams_of
 
 LINK = Link("tcp", 30e-6, 1 / 12.5e9, 1 / 7.5e9)  # a 100 GbE link
 ONE = Link(STREAM, 0.0, 1 / 3e9, 1 / 7.5e9)  # what one stream moves
@@ -62,8 +62,9 @@ def test_predict_prices_a_call_at_its_streams_rate() -> None:
     for k, threads in ((1, 0), (2, 4), (4, 0), (4, 8), (8, 16)):
         streams = Streams(k, threads, ONE)
         at_rate = replace(LINK, beta=1 / rate(streams, BIG // 2))
-        assert predict(ring, 2, BIG, LINK, streams=streams) == pytest.approx(ring.cost(2, BIG, at_rate))
-    assert predict(ring, 8, 1 << 20, LINK, streams=Streams(8, 16, ONE)) == pytest.approx(
+        assert predict(ring, 2, BIG, Links(LINK, streams=streams)) == pytest.approx(
+            ring.cost(2, BIG, at_rate))
+    assert predict(ring, 8, 1 << 20, Links(LINK, streams=Streams(8, 16, ONE))) == pytest.approx(
         ring.cost(8, 1 << 20, replace(LINK, beta=ONE.beta)))
 
 

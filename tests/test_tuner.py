@@ -54,6 +54,7 @@ from tensorwire.tuning.cost_model import (
     DIRECT_COMPILED,
     MEMORY,
     ONE_WAY,
+    Links,
     LinkTable,
 )
 from tensorwire.tuning.shape import Shape
@@ -266,8 +267,8 @@ def test_bruck_all_to_all_loses_to_pairwise_where_ranks_share_cores() -> None:
     busy = Link("busy", alpha=187e-6, beta=1 / 1.82e9, gamma=1 / 8.7e9)
     algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
     for m in (16, 1 << 10, 64 << 10, 1 << 20):
-        assert cost_model.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
-    assert cost_model.price(algs, 4, 16, tcp)[0][1] == "bruck"
+        assert cost_model.price(algs, 4, m, Links(tcp, busy=busy))[0][1] == "pairwise", m
+    assert cost_model.price(algs, 4, 16, Links(tcp))[0][1] == "bruck"
 
 
 def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
@@ -281,15 +282,15 @@ def test_steps_in_pairs_are_priced_at_the_alpha_measured_in_pairs() -> None:
     algs = [a for a in algorithms_for("all_to_all").values() if not a.needs_direct]
     for m in (16, 1 << 10, 16 << 10):
         alike = replace(busy, name="busy_pairs")
-        assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_pairs=alike)[0][1] == "bruck", m
+        assert cost_model.price(algs, 4, m, Links(tcp, busy=busy, busy_pairs=alike))[0][1] == "bruck", m
         dear = replace(busy, name="busy_pairs", alpha=2 * busy.alpha)
-        assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_pairs=dear)[0][1] == "pairwise", m
-        assert cost_model.price(algs, 4, m, tcp, busy=busy)[0][1] == "pairwise", m
+        assert cost_model.price(algs, 4, m, Links(tcp, busy=busy, busy_pairs=dear))[0][1] == "pairwise", m
+        assert cost_model.price(algs, 4, m, Links(tcp, busy=busy))[0][1] == "pairwise", m
         # cheaper in pairs than in shifts (the probe's pairs run in step): priced as the shifts
         cheap = replace(busy, name="busy_pairs", alpha=busy.alpha / 2)
         bruck = algorithms_for("all_to_all")["bruck"]
-        assert cost_model.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=cheap) == \
-            cost_model.predict(bruck, 4, m, tcp, busy=busy, busy_pairs=alike), m
+        assert cost_model.predict(bruck, 4, m, Links(tcp, busy=busy, busy_pairs=cheap)) == \
+            cost_model.predict(bruck, 4, m, Links(tcp, busy=busy, busy_pairs=alike)), m
 
 
 def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:
@@ -305,18 +306,20 @@ def test_steps_one_way_are_priced_with_the_link_measured_one_way() -> None:
     m = 64 << 20
     gather, ring = algorithms_for("gather")["binomial"], algorithms_for("all_gather")["ring"]
     assert gather.one_way and not ring.one_way
-    assert cost_model.predict(gather, 2, m, shm, one_way=one_way) == pytest.approx(11e-6 + m / 2 / 10e9)
-    assert cost_model.predict(gather, 2, m, shm) == pytest.approx(11e-6 + m / 2 / 4.8e9)
-    assert cost_model.predict(ring, 2, m, shm, one_way=one_way) == cost_model.predict(ring, 2, m, shm)
+    assert cost_model.predict(gather, 2, m, Links(shm, one_way=one_way)) == pytest.approx(
+        11e-6 + m / 2 / 10e9)
+    assert cost_model.predict(gather, 2, m, Links(shm)) == pytest.approx(11e-6 + m / 2 / 4.8e9)
+    assert cost_model.predict(ring, 2, m, Links(shm, one_way=one_way)) == cost_model.predict(
+        ring, 2, m, Links(shm))
     # ... and it is still the tier's link: the linear reduce folds out of shared memory's rings
     linear = algorithms_for("reduce")["linear"]
-    assert cost_model.predict(linear, 4, m, shm, one_way=one_way) == pytest.approx(
-        cost_model.predict(linear, 4, m, replace(one_way, name="shm")))
-    assert cost_model.predict(linear, 4, m, shm, one_way=one_way) < cost_model.predict(
-        linear, 4, m, replace(one_way, name="tcp"))
+    assert cost_model.predict(linear, 4, m, Links(shm, one_way=one_way)) == pytest.approx(
+        cost_model.predict(linear, 4, m, Links(replace(one_way, name="shm"))))
+    assert cost_model.predict(linear, 4, m, Links(shm, one_way=one_way)) < cost_model.predict(
+        linear, 4, m, Links(replace(one_way, name="tcp")))
     # the work of every rank at once is what it was: each byte still costs both sides a copy
-    assert cost_model.predict(gather, 2, m, shm, busy=busy, one_way=one_way) == cost_model.predict(
-        gather, 2, m, shm, busy=busy, one_way=replace(one_way, beta=0.0))
+    assert cost_model.predict(gather, 2, m, Links(shm, busy=busy, one_way=one_way)) == cost_model.predict(
+        gather, 2, m, Links(shm, busy=busy, one_way=replace(one_way, beta=0.0)))
     # the tuner takes it from the installed table
     g = _Group(2, "shm")
     tuner.install(g.runtime, LinkTable({"shm": shm, one_way.name: one_way}, {}))
@@ -376,10 +379,10 @@ def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_s
     ring = replace(busy, name="busy_ring", beta=1 / 0.10e9)
     algs = [a for a in algorithms_for("reduce_scatter").values() if not a.needs_direct]
     for m in (4 << 20, 64 << 20):
-        priced = cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)
+        priced = cost_model.price(algs, 4, m, Links(tcp, busy=busy, busy_ring=ring))
         assert priced[0][1] == "ring", priced
         assert priced[0][0] == pytest.approx(algorithms_for("reduce_scatter")["ring"].cost(4, m, ring))
-        alike = cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=busy)
+        alike = cost_model.price(algs, 4, m, Links(tcp, busy=busy, busy_ring=busy))
         cheapest = min(t for t, _, _ in alike)
         tied = {name for t, name, _ in alike if t <= cheapest * (1 + cost_model.TIE)}
         assert tied >= {"ring", "pairwise"}, alike
@@ -391,12 +394,12 @@ def test_ring_work_is_priced_at_the_busy_ring_link_where_changing_partners_are_s
     for slower in (busy.beta * 1.01, busy.beta * 3):
         ring = replace(busy, name="busy_ring", beta=slower)
         for m in (16, 64 << 10, 4 << 20):
-            assert cost_model.predict(ring_alg, 4, m, tcp, busy=busy, busy_ring=ring) == cost_model.predict(
-                ring_alg, 4, m, tcp, busy=busy, busy_ring=busy)
+            assert cost_model.predict(ring_alg, 4, m, Links(tcp, busy=busy, busy_ring=ring)) == \
+                cost_model.predict(ring_alg, 4, m, Links(tcp, busy=busy, busy_ring=busy))
         # ... which ties with pairwise exchange where latency rules; the tie goes to the shorter
         # critical path, the ring's (pairwise also copies its own block)
         for m in (16, 64 << 10):
-            assert cost_model.price(algs, 4, m, tcp, busy=busy, busy_ring=ring)[0][1] == "ring"
+            assert cost_model.price(algs, 4, m, Links(tcp, busy=busy, busy_ring=ring))[0][1] == "ring"
 
 
 def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
@@ -413,7 +416,7 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
     shares = [cost_model.spill(algs[0], 2, m, host) for m in (1 << 20, 4 << 20, 16 << 20, 1 << 30)]
     assert shares[0] == shares[1] == 0 and 0 < shares[2] < shares[3] < 1, shares
     def priced(m: int, on: cost_model.Host) -> dict[str, float]:
-        return {name: t for t, name, _ in cost_model.price(algs, 2, m, shm, direct, host=on)}
+        return {name: t for t, name, _ in cost_model.price(algs, 2, m, Links(shm, direct=direct, host=on))}
 
     for m in (64 << 10, 4 << 20):  # fits: nothing changes
         assert priced(m, host) == priced(m, free)
@@ -428,8 +431,8 @@ def test_bytes_beyond_the_cache_cost_memory_on_one_host() -> None:
     ar = algorithms_for("all_reduce")["direct"]
     assert ar.copies == 0 and cost_model.spill(ar, 2, 64 << 20, host) > 0
     big = 64 << 20
-    charged = cost_model.predict(ar, 2, big, shm, direct, host=host)
-    assert charged == cost_model.predict(ar, 2, big, shm, direct, host=free)
+    charged = cost_model.predict(ar, 2, big, Links(shm, direct=direct, host=host))
+    assert charged == cost_model.predict(ar, 2, big, Links(shm, direct=direct, host=free))
     # four ranks' buffers fill the cache sooner than two's
     assert (cost_model.spill(algs[0], 4, 8 << 20, replace(host, ranks=4))
             > cost_model.spill(algs[0], 2, 8 << 20, host))
@@ -458,8 +461,8 @@ def test_memory_is_crowded_where_ranks_outnumber_cores() -> None:
     one_shot, ring = algorithms_for("all_gather")["direct"], algorithms_for("all_gather")["ring"]
 
     def extra(alg, host: cost_model.Host, **links: Link) -> float:
-        return (cost_model.predict(alg, 4, m, shm, direct, host=host, **links)
-                - cost_model.predict(alg, 4, m, shm, direct, host=free, **links))
+        return (cost_model.predict(alg, 4, m, Links(shm, direct, host=host, **links))
+                - cost_model.predict(alg, 4, m, Links(shm, direct, host=free, **links)))
 
     assert extra(one_shot, alone) > 0
     assert extra(one_shot, crowded) == pytest.approx(2 * extra(one_shot, alone))
@@ -495,8 +498,8 @@ def test_ranks_of_one_host_over_tcp_share_its_memory() -> None:
     assert tuner.host_of(g) is not None
     ring = algorithms_for("all_gather")["ring"]
     big = 64 << 20
-    assert (cost_model.predict(ring, 2, big, tcp, host=tuner.host_of(g))
-            > cost_model.predict(ring, 2, big, tcp))
+    assert (cost_model.predict(ring, 2, big, Links(tcp, host=tuner.host_of(g)))
+            > cost_model.predict(ring, 2, big, Links(tcp)))
 
 
 def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
@@ -518,13 +521,13 @@ def test_single_copy_is_priced_with_the_reads_across_processes() -> None:
     for m, read in ((huge // 2, "cma"), (huge - 4096, "cma"), (huge, "cma_huge")):
         slow_host, fast_host = replace(host, **{read: slow}), replace(host, **{read: fast})
         # two flag rounds, and each rank reads (n-1)/n of m out of its peers
-        assert (cost_model.predict(sc, 2, m, shm, direct, host=slow_host)
+        assert (cost_model.predict(sc, 2, m, Links(shm, direct=direct, host=slow_host))
                 == pytest.approx(2 * 4e-6 + m / 2 / 15e9))
-        assert cost_model.price(algs, 2, m, shm, direct, host=slow_host)[0][1] != "single_copy"
-        assert cost_model.price(algs, 2, m, shm, direct, host=fast_host)[0][1] == "single_copy"
+        assert cost_model.price(algs, 2, m, Links(shm, direct=direct, host=slow_host))[0][1] != "single_copy"
+        assert cost_model.price(algs, 2, m, Links(shm, direct=direct, host=fast_host))[0][1] == "single_copy"
         # the one-shot path keeps its own constants whatever the reads cost
-        assert cost_model.predict(one_shot, 2, m, shm, direct, host=slow_host) == cost_model.predict(
-            one_shot, 2, m, shm, direct, host=fast_host)
+        assert cost_model.predict(one_shot, 2, m, Links(shm, direct=direct, host=slow_host)) == \
+            cost_model.predict(one_shot, 2, m, Links(shm, direct=direct, host=fast_host))
     # a reduction's reads are priced out of huge pages only from HUGE_FOLD_FROM
     fold = cost_model.HUGE_FOLD_FROM
     assert huge < fold
@@ -587,8 +590,8 @@ def test_single_copy_reductions_pay_their_own_rounds() -> None:
         host = cost_model.Host(DEFAULT_LINKS[MEMORY], 2, 4 << 20, small, small,
                                Link(CMA_FOLD, fold_alpha, 1.0, 1.0), huge=False)
         assert host.reads(m) == small and host.reads(m, folds=True) == replace(small, alpha=fold_alpha)
-        prices[fold_alpha] = {c: cost_model.predict(a, 2, m, DEFAULT_LINKS["shm"], DEFAULT_LINKS["direct"],
-                                                    host=host) for c, a in algs.items()}
+        links = Links(DEFAULT_LINKS["shm"], direct=DEFAULT_LINKS["direct"], host=host)
+        prices[fold_alpha] = {c: cost_model.predict(a, 2, m, links) for c, a in algs.items()}
     grown = {c: prices[9e-6][c] - prices[2e-6][c] for c in algs}
     assert grown["all_gather"] == 0.0
     assert grown["all_reduce"] == pytest.approx(3 * 7e-6)
@@ -625,8 +628,8 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
 
     def crossover(d: Link, h: cost_model.Host) -> int:
         m = 1024
-        while cost_model.predict(sc, 2, m, DEFAULT_LINKS["shm"], d, host=h) >= \
-                cost_model.predict(one, 2, m, DEFAULT_LINKS["shm"], d, host=h):
+        while cost_model.predict(sc, 2, m, Links(DEFAULT_LINKS["shm"], direct=d, host=h)) >= \
+                cost_model.predict(one, 2, m, Links(DEFAULT_LINKS["shm"], direct=d, host=h)):
             m *= 2
         return m
 
@@ -1500,28 +1503,30 @@ def _one_host_pair() -> tuple[_Group, LinkTable]:
 
 
 def test_the_one_shot_is_priced_below_the_rest_unless_measured_slower() -> None:
-    """calibrate.bound_direct: the one-shot path's α, however it was measured, is priced below
+    """calibrate.with_direct_bound: the one-shot path's α, however it was measured, is priced below
     every other all_reduce at 8 B (so tiny calls take it), unless the probe found it slower
     than recursive doubling in every round, or the tuning file sets it."""
     g, table = _one_host_pair()
     tuner.install(g.runtime, table)
     assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "recursive_doubling"  # the poisoned choice
-    bounded = calibrate.bound_direct(g, table, slower=False, from_file=False)
-    messages = tuner.Model.of(g, table).cheapest_besides("all_reduce", 8, "direct")
-    assert bounded.links["direct"].alpha == pytest.approx(calibrate.DIRECT_BOUND * messages)
+    bounded = calibrate.with_direct_bound(g, table, slower=False, from_file=False)
+    model = tuner.Model.of(g, table)
+    rivals = policy.rivals("all_reduce", "direct", g.size, 8, model.single_copy)
+    messages = cost_model.price(rivals, g.size, 8, model.links)[0][0]
+    assert bounded.links["direct"].alpha == pytest.approx(cost_model.DIRECT_BOUND * messages)
     assert bounded.links["direct"].beta == table.links["direct"].beta
     tuner.install(g.runtime, bounded)
     for collective, size in (("all_reduce", 8), ("broadcast", 8), ("barrier", 0), ("all_gather", 16)):
         assert tuner.decide(g, collective, size).priced[0][1] == "direct", collective
     # evidence that holds, or the user's word, keeps the measured α
-    assert calibrate.bound_direct(g, table, slower=True, from_file=False) is table
-    assert calibrate.bound_direct(g, table, slower=False, from_file=True) is table
+    assert calibrate.with_direct_bound(g, table, slower=True, from_file=False) is table
+    assert calibrate.with_direct_bound(g, table, slower=False, from_file=True) is table
     # an α already below the messages is left alone
     fine = replace(table, links={**table.links, "direct": replace(table.links["direct"], alpha=4e-6)})
-    assert calibrate.bound_direct(g, fine, slower=False, from_file=False) is fine
+    assert calibrate.with_direct_bound(g, fine, slower=False, from_file=False) is fine
     # ... and so is a default one (no measurement to distrust: a tuning file's cheap messages win)
     default = replace(table, sources={**table.sources, "direct": "default"})
-    assert calibrate.bound_direct(g, default, slower=False, from_file=False) is default
+    assert calibrate.with_direct_bound(g, default, slower=False, from_file=False) is default
     # with single copy, and the messages priced out by a busy α taken in a stall (12.6 ms, as a
     # probe on the loaded development VM measured it), single copy's price bounds the one shot
     g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False, huge_eighths=8)
@@ -1532,8 +1537,23 @@ def test_the_one_shot_is_priced_below_the_rest_unless_measured_slower() -> None:
                                     CMA_HUGE: Link(CMA_HUGE, 5.7e-6, 1 / 18e9, gamma)})
     tuner.install(g.runtime, stalled)
     assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "single_copy"
-    tuner.install(g.runtime, calibrate.bound_direct(g, stalled, slower=False, from_file=False))
+    tuner.install(g.runtime, calibrate.with_direct_bound(g, stalled, slower=False, from_file=False))
     assert tuner.decide(g, "all_reduce", 8).priced[0][1] == "direct"
+
+
+def test_a_job_and_plan_bound_the_one_shot_alike() -> None:
+    """One rule bounds the one shot's α (cost_model.bound_direct), at the links a job's tuner
+    builds (tuner.Model: calibrate.with_direct_bound) or plan's tier does (pricing.Tier.links)."""
+    g, table = _one_host_pair()
+    tuner.install(g.runtime, table)
+    bounded = calibrate.with_direct_bound(g, table, slower=False, from_file=False).links["direct"]
+    tier = pricing.Tier("shm", table.links["shm"], "test", direct_ok=True, direct=table.links["direct"],
+                        busy=(table.links[BUSY], table.links[BUSY_RING], table.links[BUSY_PAIRS]))
+    links = tier.links("all_reduce", 2, 8, whole=False)
+    job = tuner.Model.of(g, table).links
+    assert (links.link, links.busy, links.busy_ring) == (job.link, job.busy, job.busy_ring)
+    assert cost_model.bound_direct(table.links["direct"], links, 2, False) == bounded
+    assert cost_model.bound_direct(replace(bounded, alpha=1e-9), links, 2, False).alpha == 1e-9  # below: kept
 
 
 def _mismatch_rank(rank: int, port: int, env: dict, q) -> None:
@@ -1714,7 +1734,7 @@ def test_plan_prints_every_algorithm_and_the_crossovers(tmp_path, monkeypatch, c
     group = _Group(16, "shm")
     group.direct = SimpleNamespace(slot_bytes=Config().direct_slot(16), single_copy=True, crowded=False)
     candidates = tuner.candidates(group, "all_reduce", 64 << 20)
-    best = cost_model.price(candidates, 16, 64 << 20, link, host=host)[0][1]
+    best = cost_model.price(candidates, 16, 64 << 20, Links(link, host=host))[0][1]
     first_row = next(line for line in blocks[0].splitlines() if "<- cheapest" in line)
     assert f"    {best} " in first_row
 
@@ -1736,8 +1756,8 @@ def test_plan_prices_the_trees_with_the_link_measured_one_way(tmp_path, monkeypa
     assert "messages one way (trees, linear rooted): α 5 us, β 9 GB/s" in out, out
     host = cost_model.Host(DEFAULT_LINKS[MEMORY], 4, Config().shm_ring_bytes)
     binomial = algorithms_for("gather")["binomial"]
-    priced = cost_model.predict(binomial, 4, m, shm, host=host, one_way=one_way)
-    assert priced < cost_model.predict(binomial, 4, m, shm, host=host)
+    priced = cost_model.predict(binomial, 4, m, Links(shm, one_way=one_way, host=host))
+    assert priced < cost_model.predict(binomial, 4, m, Links(shm, host=host))
     row = next(line for line in out.splitlines() if line.startswith("    binomial "))
     assert cost_model.format_seconds(priced) in row, (row, cost_model.format_seconds(priced))
 

@@ -19,7 +19,7 @@ point and under the same timeout):
    probe had the cores to itself, else one the next job ignores (probes.foreign_cores).
 
 Whatever its source, the one-shot path is then priced below the messages at 8 bytes unless
-the probe found it slower in every round (bound_direct), and every rank installs the same
+the probe found it slower in every round (with_direct_bound), and every rank installs the same
 table (tuner.install). TENSORWIRE_CALIBRATE=0 skips cache and probe (defaults), 1 probes on a
 miss, force probes and rewrites. TENSORWIRE_TUNING_FILE overrides any constant; see
 docs/tuning.md and, for the reasoning, docs/design/calibration.md.
@@ -56,13 +56,13 @@ from .cost_model import (
     CMA_FOLD,
     CMA_HUGE,
     DEFAULT_LINKS,
-    DIRECT_BOUND,
     DIRECT_COMPILED,
     LINKS,
     MEMORY,
     ONE_WAY,
     TIERS,
     LinkTable,
+    bound_direct,
     per_flow,
 )
 from .topology import machine_id
@@ -167,7 +167,7 @@ def _probe_pairs(info: np.ndarray) -> dict[str, tuple[int, int]]:
 
 # The verdict rank 0 broadcasts: status, then per link of LINKS its constants, the source of
 # each, the tuning file's overrides (NaN: not set), and whether the cache entry found the one
-# shot consistently slower than the messages at 8 bytes (1, else 0; see bound_direct).
+# shot consistently slower than the messages at 8 bytes (1, else 0; see with_direct_bound).
 _K = len(FIELDS)
 _BASE, _SRC = 1, 1 + _K * len(LINKS)
 _FILE = _SRC + len(LINKS)
@@ -298,7 +298,7 @@ def _at_init(world: Group) -> LinkTable:
                        "streams": _streams(info),
                        "checked": checked, "check_s": check_s, "foreign_cores": foreign})
     table = per_flow(table, world.layout)
-    table = bound_direct(world, table, slower, "alpha" in overrides.get("direct", {}))
+    table = with_direct_bound(world, table, slower, "alpha" in overrides.get("direct", {}))
     tuner.install(world.runtime, table)
     _log.info("link constants (setup %.1f ms%s%s): %s", table.setup_s * 1e3,
               f", check of the cache {check_s * 1e3:.2f} ms" if check_s else "",
@@ -323,7 +323,7 @@ def give_back(world: Group) -> None:
 def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: dict[str, Any],
                       pairs: dict[str, tuple[int, int]], direct: bool, cma: bool) -> bool:
     """Put what the probe measured into `base` and `sources`; whether the one shot was slower
-    than recursive doubling at 8 bytes in every round (bound_direct)."""
+    than recursive doubling at 8 bytes in every round (with_direct_bound)."""
     gamma = float(measured["gamma"])
     for tier in TIERS:
         if tier in pairs:
@@ -398,7 +398,7 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
 
 # -- what a measurement may change ------------------------------------------------------------------
 
-def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) -> LinkTable:
+def with_direct_bound(world: Group, table: LinkTable, slower: bool, from_file: bool) -> LinkTable:
     """The table with the one-shot path's measured (or cached) α priced below every other
     all_reduce at 8 bytes (DIRECT_BOUND of the cheapest: by messages, or single copy), unless
     the probe found the one shot slower than recursive doubling in every one of its
@@ -413,13 +413,14 @@ def bound_direct(world: Group, table: LinkTable, slower: bool, from_file: bool) 
     measured = table.sources.get("direct", "").removeprefix("file+") in ("calibrated", "cached")
     if world.direct is None or link is None or slower or from_file or not measured:
         return table
-    bound = DIRECT_BOUND * tuner.Model.of(world, table).cheapest_besides("all_reduce", 8, "direct")
-    if link.alpha <= bound:
+    model = tuner.Model.of(world, table)
+    bounded = bound_direct(link, model.links, model.n, model.single_copy)
+    if bounded is link:
         return table
     _log.info("the one-shot path's α %.3g us priced at %.3g us: below every other all_reduce at 8 B, as "
               "it was not slower than the messages in every round of its probe", link.alpha * 1e6,
-              bound * 1e6)
-    return replace(table, links={**table.links, "direct": replace(link, alpha=bound)})
+              bounded.alpha * 1e6)
+    return replace(table, links={**table.links, "direct": bounded})
 
 
 @contextlib.contextmanager

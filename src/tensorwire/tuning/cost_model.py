@@ -20,7 +20,7 @@ from ..buffers import PIECE
 from ..config import Config
 from ..transport.tcp import parts_of
 from . import crossing
-from .policy import REDUCTIONS, allowed, forcing
+from .policy import REDUCTIONS, allowed, forcing, rivals
 from .shape import COPY, LocalPrice, RailPrice
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ CMA_HUGE = "cma_huge"
 CMA_FOLD = "cma_fold"
 DIRECT_COMPILED, CMA_COMPILED = "direct_compiled", "cma_compiled"
 DIRECT_BOUND = 0.9  # the one shot's α is priced at most this share of the cheapest other
-# all_reduce at 8 B, unless it was the slower in every round of the probe (calibrate.bound_direct)
+# all_reduce at 8 B, unless it was the slower in every round of the probe (calibrate.with_direct_bound)
 COMPILED_BYTES = PIECE
 """The one shot's bodies run in C for calls of up to this many bytes (and the slot's), and
 DIRECT_COMPILED prices them there (measured at it, probes.measure_compiled); beyond, the Python
@@ -287,10 +287,40 @@ def beyond_cache(link: Link, share: float, memory: Link, copies: float) -> Link:
 
 # -- the price of a call ----------------------------------------------------------------------------
 
-def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None = None,
-            busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-            busy_pairs: Link | None = None, one_way: Link | None = None, flows: float = 1.0,
-            streams: Streams | None = None) -> float:
+Spread = Callable[[Algorithm], float]
+"""The flows an algorithm puts on a host's link at once (crossing.algorithm_share) in a group."""
+
+
+def one_flow(alg: Algorithm) -> float:
+    """The Spread of a group on one host: no link shared."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Links:
+    """What prices a call besides its algorithm (see predict): the tier's `link` and, where
+    they exist, the one-shot path's own (`direct`), the tier with every rank at work (`busy`;
+    `busy_ring`, `busy_pairs`), messages one way (`one_way`), the one host (`host`), the
+    flows each algorithm puts on a host's link (`spread`) and what TCP's streams reach
+    (`streams`). A job's tuner builds it for a group (tuner.Model), `tensorwire plan` for a
+    tier (pricing.Tier), so both price alike."""
+
+    link: Link
+    direct: Link | None = None
+    busy: Link | None = None
+    busy_ring: Link | None = None
+    busy_pairs: Link | None = None
+    one_way: Link | None = None
+    host: Host | None = None
+    spread: Spread = one_flow
+    streams: Streams | None = None
+
+    def path(self) -> Links:
+        """The links of an algorithm's path alone: no bound by the work of a busy host."""
+        return replace(self, busy=None, busy_ring=None, busy_pairs=None)
+
+
+def predict(alg: Algorithm, n: int, nbytes: int, links: Links, flows: float = 1.0) -> float:
     """Predicted seconds of one call. The one-shot shared-memory path is priced with its own
     constants (`direct`) where they were measured, and single copy with the host's (Host.reads); a
     message algorithm's time is bounded below
@@ -308,6 +338,9 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     many times (each link is priced per flow), and then no more than `streams` reach (a rank's
     streams are its own, not shared), at a message of the call's share a rank. The evidence:
     docs/design/cost-model.md."""
+    link, direct, busy, busy_ring, busy_pairs = links.link, links.direct, links.busy, links.busy_ring, \
+        links.busy_pairs
+    one_way, host, streams = links.one_way, links.host, links.streams
     if flows != 1.0:
         link, busy, busy_ring, one_way = (shared(x, flows) for x in (link, busy, busy_ring, one_way))  # type: ignore[assignment]
     if streams is not None:
@@ -351,36 +384,32 @@ def predict(alg: Algorithm, n: int, nbytes: int, link: Link, direct: Link | None
     return max(t, (alg.work or alg.cost)(n, nbytes, busy))
 
 
-Spread = Callable[[Algorithm], float]
-"""The flows an algorithm puts on a host's link at once (crossing.algorithm_share) in a group."""
-
-
-def one_flow(alg: Algorithm) -> float:
-    """The Spread of a group on one host: no link shared."""
-    return 1.0
-
-
-def price(algs: list[Algorithm], n: int, nbytes: int, link: Link, direct: Link | None = None,
-          busy: Link | None = None, busy_ring: Link | None = None, host: Host | None = None,
-          busy_pairs: Link | None = None, one_way: Link | None = None,
-          spread: Spread = one_flow, streams: Streams | None = None) -> list[tuple[float, str, Algorithm]]:
+def price(algs: list[Algorithm], n: int, nbytes: int, links: Links) -> list[tuple[float, str, Algorithm]]:
     """(predicted seconds, name, algorithm), cheapest first. Ties (typically several algorithms
     bounded by the same work of a busy host), within TIE of the cheapest, go to the shorter
     critical path, then by name: critical paths that differ only in their last bits count as
     one (the same formula written two ways, as the binomial and linear reduce at n=2)."""
-    priced = sorted((predict(alg, n, nbytes, link, direct, busy, busy_ring, host, busy_pairs, one_way,
-                             spread(alg), streams), alg.name, alg)
+    spread = links.spread
+    priced = sorted((predict(alg, n, nbytes, links, spread(alg)), alg.name, alg)
                     for alg in algs if alg.phases is None)  # phases: see tuner.decide
     if not priced:
         return priced
     tied = [p for p in priced if p[0] <= priced[0][0] * (1 + TIE)]
     if len(tied) > 1:
-        paths = {p[1]: predict(p[2], n, nbytes, link, direct, host=host, one_way=one_way, flows=spread(p[2]),
-                               streams=streams)
-                 for p in tied}
+        path = links.path()
+        paths = {p[1]: predict(p[2], n, nbytes, path, spread(p[2])) for p in tied}
         shortest = min(paths.values()) * (1 + ROUNDING)
         tied.sort(key=lambda p: (0.0 if paths[p[1]] <= shortest else paths[p[1]], p[1]))
     return tied + priced[len(tied):]
+
+
+def bound_direct(direct: Link, links: Links, n: int, single_copy: bool) -> Link:
+    """The one-shot path's `direct` with its α at most DIRECT_BOUND of the cheapest other
+    all_reduce of 8 bytes on n ranks (by messages, or single copy where the group has it),
+    priced at `links`: the one shot exists to beat the rest at small sizes
+    (calibrate.with_direct_bound says when a measured α is held to it)."""
+    bound = DIRECT_BOUND * price(rivals("all_reduce", "direct", n, 8, single_copy), n, 8, links)[0][0]
+    return direct if direct.alpha <= bound else replace(direct, alpha=bound)
 
 
 # -- groups across hosts ----------------------------------------------------------------------------
@@ -422,13 +451,14 @@ def phase_prices(table: LinkTable, cfg: Config, local_tier: str = "shm", rail_ti
         if collective == COPY:  # a pass through memory, at the one-shot path's copies
             return nbytes * (direct.beta + (memory.beta if nbytes > memory.cache else 0.0))
         one_shot = local_tier == "shm"
-        t = cheapest(collective, n, nbytes,
-                     lambda a: predict(a, n, nbytes, local_link, direct if one_shot else None), one_shot)
+        within = Links(local_link, direct if one_shot else None)
+        t = cheapest(collective, n, nbytes, lambda a: predict(a, n, nbytes, within), one_shot)
         return t + woken if n >= 2 else t
 
+    between = Links(rail_link, None, busy[0], busy[1], busy[2], one_way, streams=streams)
+
     def rail(collective: str, n: int, nbytes: int, share: float) -> float:
-        return cheapest(collective, n, nbytes, lambda a: predict(
-            a, n, nbytes, rail_link, None, busy[0], busy[1], None, busy[2], one_way, share, streams), False)
+        return cheapest(collective, n, nbytes, lambda a: predict(a, n, nbytes, between, share), False)
 
     return local, rail
 

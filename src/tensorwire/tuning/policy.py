@@ -214,7 +214,7 @@ def why_not(alg: Algorithm, n: int, nbytes: int, cfg: Config, *, slot: int | Non
 def rivals(collective: str, name: str, n: int, nbytes: int, single_copy: bool) -> list[Algorithm]:
     """The algorithms of `collective` besides `name` that a group of n ranks on one host has
     for nbytes (by messages, or single copy where it reads its peers), whatever TENSORWIRE_ALGO
-    allows: what the one-shot path is built to beat at small sizes (calibrate.bound_direct)."""
+    allows: what the one-shot path is built to beat at small sizes (calibrate.with_direct_bound)."""
     return [a for a in algorithms_for(collective).values()
             if a.name != name and a.phases is None and a.eligible(n, nbytes)
             and (not a.needs_direct or (a.needs_single_copy and single_copy))]

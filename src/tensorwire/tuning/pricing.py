@@ -32,7 +32,6 @@ from .cost_model import (
     CMA_HUGE,
     COMPILED_BYTES,
     DEFAULT_LINKS,
-    DIRECT_BOUND,
     DIRECT_COMPILED,
     LINKS,
     MEMORY,
@@ -40,8 +39,10 @@ from .cost_model import (
     STREAM,
     TIERS,
     Host,
+    Links,
     LinkTable,
     Streams,
+    bound_direct,
     compiled_prices,
     phase_prices,
     price,
@@ -120,15 +121,19 @@ class Tier:
     def cost(self, alg: Algorithm, n: int, m: int, streams: Streams | None = None) -> float:
         return self.price([alg], n, m, streams)[0][0]
 
+    def links(self, collective: str, n: int, m: int, whole: bool = True,
+              streams: Streams | None = None) -> Links:
+        """What a job's tuner prices a call of `collective` with, m bytes on n ranks on this
+        tier (tuner.Model); `whole`: as a job's repeated calls (Tier.own), else as its first and
+        those with no plan for the compiled caller."""
+        direct, host = self.own(collective, n, m, whole)
+        return Links(self.link, direct, *self.busy, self.one_way, host, streams=streams)  # type: ignore[arg-type]
+
     def price(self, algs: list[Algorithm], n: int, m: int, streams: Streams | None = None,
               whole: bool = True) -> list[tuple[float, str, Algorithm]]:
-        """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first,
-        with every link a job's tuner prices them with (tuner.Model.price); `whole`: as a job's
-        repeated calls (Tier.own), else as its first and those with no plan for the compiled caller."""
-        direct, host = self.own(algs[0].collective, n, m, whole) if algs else (None, None)
-        busy, ring, pairs = self.busy
-        return price(algs, n, m, self.link, direct, busy, ring, host, pairs,  # type: ignore[arg-type]
-                     self.one_way, streams=streams)
+        """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first
+        (see `links`)."""
+        return price(algs, n, m, self.links(algs[0].collective, n, m, whole, streams)) if algs else []
 
     def streams(self, nsocks: int, threads: int, cores: float = 0.0) -> Streams:
         """This tier's connections over `nsocks` streams a pair and `threads` pump threads a
@@ -170,7 +175,7 @@ def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, 
 
 BUSY_LINKS = (BUSY, BUSY_RING, BUSY_PAIRS)
 DIRECT_SLOWER = "; slower than the messages in every round of its probe"
-"""The end of a cached one shot's origin whose α is priced as measured (calibrate.bound_direct)."""
+"""The end of a cached one shot's origin whose α is priced as measured (calibrate.with_direct_bound)."""
 
 
 def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
@@ -242,7 +247,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                     busy_origin=tuple(o for _, o in busy), config=cfg)  # type: ignore[arg-type]
         if direct is not None and "direct" in local and "direct" not in file and \
                 not local["direct"][1].endswith(DIRECT_SLOWER):
-            tier.direct = bound_direct(direct, tier, cfg, n)
+            tier.direct = bound_direct(direct, tier.links("all_reduce", n, 8), n, cfg.single_copy != "0")
         out.append(tier)
     return out
 
@@ -264,14 +269,6 @@ def from_file(source: str, path: str) -> str:
     the file left in place."""
     rest = source.removeprefix("file").removeprefix("+")
     return f"{path} over {rest}" if rest else path
-
-
-def bound_direct(direct: Link, tier: Tier, cfg: Config, n: int) -> Link:
-    """A cached one shot's α as a job prices it (calibrate.bound_direct): at most DIRECT_BOUND
-    of the cheapest other all_reduce of 8 bytes on n ranks (by messages, or single copy)."""
-    others = policy.rivals("all_reduce", "direct", n, 8, cfg.single_copy != "0")
-    bound = DIRECT_BOUND * tier.price(others, n, 8)[0][0]
-    return direct if direct.alpha <= bound else replace(direct, alpha=bound)
 
 
 def _compiles(cfg: Config) -> bool:

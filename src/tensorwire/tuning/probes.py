@@ -61,7 +61,7 @@ DIRECT_BYTES = 1 << 20  # ... at 8 bytes (α) and at this size, or the slot's if
 DIRECT_WARM = 8  # ... after this many untimed: the first calls after init are slower than the
 # steady state, enough to flip small all_reduces to the tree (docs/design/calibration.md#warm-calls)
 DIRECT_ROUNDS = 3  # rounds of the one shot's 8 B calls against recursive doubling's, spread over
-# the probe: the median round gives the one shot's α (see probe, calibrate.bound_direct)
+# the probe: the median round gives the one shot's α (see probe, calibrate.with_direct_bound)
 CMA_BYTES = 1 << 20  # ... single copy's block a rank, for its β (see measure_cma)
 LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle that make its
 # constants untrusted: used by the job that measured them, not cached for the next (foreign_cores)
@@ -410,7 +410,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     same everywhere. The one shot's α is the median of DIRECT_ROUNDS rounds of
     small_all_reduces spread over the probe (at its start, after single copy, after the busy
     link), each against recursive doubling: a rank preempted for a whole round (every series
-    of it) moves neither the median nor the evidence of calibrate.bound_direct. `crowding`:
+    of it) moves neither the median nor the evidence of calibrate.with_direct_bound. `crowding`:
     the most ranks per core of any machine of the job, the same on every rank; beyond two the
     series, the rounds, the busy batches and the busy rounds' size shrink (crowded,
     CROWDED_BUSY_BYTES), the long calls' series most (CROWDED_LONG_CALLS). `own_core`: this

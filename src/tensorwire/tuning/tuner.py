@@ -51,13 +51,12 @@ from .cost_model import (
     ONE_WAY,
     STREAM,
     Host,
+    Links,
     LinkTable,
-    Spread,
     Streams,
     compiled_prices,
     describe_rate,
     format_seconds,
-    one_flow,
     phase_prices,
     predict,
     price,
@@ -283,21 +282,21 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
     whole = group.direct is not None and nbytes <= min(COMPILED_BYTES, group.direct.slot_bytes)
     model = Model.of(group, table, compiled, whole, collective in REDUCTIONS)
     key = (collective, nbytes)
-    if model.host is not None and model.host.huge and not group.huge_seen.get(key, True):
-        model = replace(model, host=replace(model.host, huge=False))
+    host = model.links.host
+    if host is not None and host.huge and not group.huge_seen.get(key, True):
+        model = model.out_of_huge_pages()
     priced = model.price(options, nbytes)
     if any(a.phases is not None for a in options):
         priced = sorted(priced + phased(group, table, options, nbytes), key=lambda p: p[0])
     choice: Algorithm | PageDependent = priced[0][2]
-    if model.host is not None and model.host.huge and choice.needs_single_copy:
-        small = replace(model, host=replace(model.host, huge=False)).price(options, nbytes)[0][2]
+    if model.links.host is not None and model.links.host.huge and choice.needs_single_copy:
+        small = model.out_of_huge_pages().price(options, nbytes)[0][2]
         if small is not choice:
             choice = PageDependent(group, key, choice, small)
-    bound = frozenset() if model.busy is None else frozenset(
+    path, spread = model.links.path(), model.links.spread
+    bound = frozenset() if model.links.busy is None else frozenset(
         name for t, name, alg in priced
-        if alg.phases is None and t > predict(alg, group.size, nbytes, model.link, model.direct,
-                                              host=model.host, one_way=model.one_way,
-                                              flows=model.spread(alg), streams=model.streams) * (1 + 1e-9))
+        if alg.phases is None and t > predict(alg, group.size, nbytes, path, spread(alg)) * (1 + 1e-9))
     layout = group.layout
     if layout is not None:  # spread over hosts: every algorithm runs in the topology's order
         priced = [(t, name, arrange(alg, layout)) for t, name, alg in priced]
@@ -307,23 +306,12 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
 
 @dataclass(frozen=True)
 class Model:
-    """What prices a group's calls under one table of constants: its tier's link and the links
-    beside it (see predict)."""
+    """What prices a group's calls under one table of constants (see cost_model.Links)."""
 
     n: int
-    link: Link
-    direct: Link | None
-    busy: Link | None
-    busy_ring: Link | None
-    busy_pairs: Link | None
-    one_way: Link | None
-    host: Host | None
+    links: Links
     single_copy: bool = False
     """The group can read its peers' memory (single copy's algorithms are priced)."""
-    spread: Spread = one_flow
-    """Across hosts: the flows each flat algorithm puts on a host's link (crossing.py)."""
-    streams: Streams | None = None
-    """Over TCP: what the pair's streams and threads reach (cost_model.Streams)."""
 
     @classmethod
     def of(cls, group: Group, table: LinkTable, compiled: bool = False, whole: bool = False,
@@ -337,17 +325,19 @@ class Model:
         host = host_of(group, table)
         if compiled:
             direct, host = compiled_prices(table.links, direct, host, whole, folds)
-        return cls(group.size, table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]),
-                   host, bool(group.direct is not None and group.direct.single_copy),
-                   spread_of(group.layout), streams_for(group, table))
+        links = Links(table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]), host,
+                      spread_of(group.layout), streams_for(group, table))
+        return cls(group.size, links, bool(group.direct is not None and group.direct.single_copy))
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
-        return price(algs, self.n, nbytes, self.link, self.direct, self.busy, self.busy_ring, self.host,
-                     self.busy_pairs, self.one_way, self.spread, self.streams)
+        return price(algs, self.n, nbytes, self.links)
 
-    def cheapest_besides(self, collective: str, nbytes: int, name: str) -> float:
-        """The price of the cheapest of policy.rivals."""
-        return self.price(policy.rivals(collective, name, self.n, nbytes, self.single_copy), nbytes)[0][0]
+    def out_of_huge_pages(self) -> Model:
+        """The model with single copy's sources in 4 KiB pages (Host.huge)."""
+        host = self.links.host
+        if host is None:
+            return self
+        return replace(self, links=replace(self.links, host=replace(host, huge=False)))
 
 
 def host_of(group: Group, table: LinkTable | None = None) -> Host | None:
