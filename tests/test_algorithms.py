@@ -30,7 +30,8 @@ import tensorwire as tw
 from tensorwire.algorithms import chain, registry
 from tensorwire.algorithms.base import blocks_of, contiguous_span
 from tensorwire.algorithms.ordered import arrange
-from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for, slot_bytes
+from tensorwire.algorithms.prices import Link
+from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for, slot_bytes
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.ops.dtypes import dtype_code
 from tensorwire.ops.kernels import reduction_kernel

@@ -101,6 +101,16 @@ def test_no_import_circles():
     assert circles(import_graph()) == []
 
 
+def test_algorithms_and_tuning_share_a_leaf_vocabulary():
+    """Algorithms write their costs in algorithms/prices.py's terms and tuning fills them in:
+    the vocabulary imports nothing of the package, and no algorithm imports tuning."""
+    graph = import_graph()
+    assert graph["tensorwire.algorithms.prices"] == set()
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("tensorwire.algorithms")
+                    for d in deps if d.startswith("tensorwire.tuning"))
+    assert upward == []
+
+
 def test_small_package_root():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root

@@ -33,7 +33,8 @@ import tensorwire as tw
 from cluster import Cluster
 from conftest import PYTHON
 from tensorwire.algorithms import shm_direct
-from tensorwire.algorithms.registry import Link, algorithms_for
+from tensorwire.algorithms.prices import Link
+from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, CollectiveMismatchError, InvalidArgumentError, TensorwireError
 from tensorwire.group import arguments
 from tensorwire.ops import ReduceOp, Reduction, torch_kernels

@@ -10,7 +10,8 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
+from tensorwire.algorithms.prices import Link
+from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
 from tensorwire.config import Config
 from tensorwire.tuning import cost_model, crossing, pricing, topology, tuner
 from tensorwire.tuning.cost_model import BUSY, BUSY_RING, Links, LinkTable

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 from test_tuner import _Group
 
-from tensorwire.algorithms.registry import Link, algorithms_for
+from tensorwire.algorithms.prices import Link
+from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.config import Config
 from tensorwire.tools import plan
 from tensorwire.transport.pumps import AUTO_STREAMS, PUMP_BYTES, streams_per_pair

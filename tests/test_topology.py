@@ -22,11 +22,11 @@ import pytest
 import tensorwire as tw
 from cluster import Cluster
 from tensorwire.algorithms.ordered import ROOTED, arrange
-from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
+from tensorwire.algorithms.prices import Link, Shape
+from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
 from tensorwire.config import Config
 from tensorwire.transport.processes import core_sharers
 from tensorwire.tuning import cost_model, topology, tuner
-from tensorwire.tuning.shape import Shape
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent

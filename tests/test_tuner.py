@@ -25,7 +25,8 @@ import pytest
 
 import tensorwire as tw
 from cluster import Cluster, RankFailure, free_port, free_ports
-from tensorwire.algorithms.registry import COLLECTIVES, Link, algorithms_for
+from tensorwire.algorithms.prices import Link, Shape
+from tensorwire.algorithms.registry import COLLECTIVES, algorithms_for
 from tensorwire.config import TCP_RCVBUF, TCP_SNDBUF, Config
 from tensorwire.errors import InvalidArgumentError
 from tensorwire.group.planned import Plans
@@ -57,7 +58,6 @@ from tensorwire.tuning.cost_model import (
     Links,
     LinkTable,
 )
-from tensorwire.tuning.shape import Shape
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..buffers import address
 from ..ops import ReduceOp
-from .registry import Link
+from .prices import Link
 
 if TYPE_CHECKING:
     from ..transport.wire import Fingerprint

@@ -32,7 +32,8 @@ from ..buffers import copy
 from ..transport.wire import Coll
 from .base import P2P, exchange, offsets_of, receive
 from .pairwise import pairwise_all_to_all
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 
 def bruck_all_gather(p2p: P2P, blocks: list[np.ndarray]) -> None:

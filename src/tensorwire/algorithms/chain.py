@@ -17,7 +17,8 @@ import math
 import numpy as np
 
 from .base import P2P
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 MIN_SEGMENT_BYTES = 8 << 10
 """Below this a segment's α outweighs what it saves on every link tensorwire runs over."""

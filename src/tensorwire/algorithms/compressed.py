@@ -17,10 +17,9 @@ import numpy as np
 
 from ..ops import ReduceOp
 from ..ops.compress import WORD, Codec, words_for
-from ..tuning.shape import COPY, LocalPrice, RailPrice, Shape
 from .base import P2P, offsets_of, split_counts
 from .hierarchical import Crossing, all_reduce_cost, hierarchical_all_reduce, naming, time_left
-from .registry import Link
+from .prices import COPY, Link, LocalPrice, RailPrice, Shape
 
 
 class CompressedCrossing(Crossing):

@@ -7,7 +7,8 @@ import math
 import numpy as np
 
 from .base import P2P, exchange
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 
 def dissemination_barrier(p2p: P2P) -> None:

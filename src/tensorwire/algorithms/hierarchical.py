@@ -44,9 +44,9 @@ import numpy as np
 from ..errors import TensorwireError, in_call
 from ..ops import ReduceOp
 from ..transport.wire import phase_digest
-from ..tuning.shape import COPY, LocalPrice, RailPrice, Shape
 from .base import P2P, contiguous_span, offsets_of, split_counts
-from .registry import Algorithm, Link, register
+from .prices import COPY, Link, LocalPrice, RailPrice, Shape
+from .registry import Algorithm, register
 
 NAME = "hierarchical"
 LEADERS = "hierarchical_leaders"

@@ -7,8 +7,9 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, receive
+from .prices import Link
 from .rank_ordered import fold_in_rank_order
-from .registry import Algorithm, Link, register
+from .registry import Algorithm, register
 from .tree import gather_work, reduce_work
 
 

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..ops import ReduceOp
 from .base import P2P, Request
-from .registry import Algorithm, Link
+from .prices import Link
+from .registry import Algorithm
 
 if TYPE_CHECKING:
     from ..transport.wire import Fingerprint

@@ -12,7 +12,8 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, exchange
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 
 def pairwise_all_to_all(p2p: P2P, send_blocks: list[np.ndarray], recv_blocks: list[np.ndarray]) -> None:

@@ -20,8 +20,9 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, offsets_of, receive, split_counts
+from .prices import Link
 from .recursive_doubling import acting_rank, doubling_all_gather, fold_shape, halving_reduce_scatter
-from .registry import Algorithm, Link, register
+from .registry import Algorithm, register
 
 _RESULT_STEP = 1 << 20
 

@@ -27,7 +27,8 @@ from ..buffers import copy
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into
 from .base import P2P, blocks_of, receive, split_counts
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 from .tree import gather_work
 
 NAME = "rank_ordered"

@@ -28,7 +28,8 @@ from ..buffers import copy
 from ..ops import ReduceOp
 from ..ops.kernels import reduce_into
 from .base import P2P, contiguous_span, exchange, offsets_of, packed, receive
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 _RESULT_STEP = 1 << 20
 

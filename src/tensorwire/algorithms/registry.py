@@ -28,25 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..buffers import copy
+from .prices import CostFn
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
                "gather", "scatter", "barrier")
-
-
-@dataclass(frozen=True)
-class Link:
-    """Cost constants of one tier of links (shared memory, TCP, a hypothetical fabric)."""
-
-    name: str
-    alpha: float  # seconds per message (latency)
-    beta: float  # seconds per byte moved
-    gamma: float  # seconds per byte reduced
-    cache: float = 0.0
-    """The `memory` entry only: bytes of last-level cache that a host's ranks share; its β and
-    γ are then what a byte copied or reduced costs on top of a link's own beyond that cache."""
-
-
-CostFn = Callable[[int, int, Link], float]  # (ranks, bytes, link) -> predicted seconds
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, blocks_of, exchange, split_counts
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 
 def ring_reduce_scatter_blocks(p2p: P2P, blocks: list[np.ndarray], op: ReduceOp, shift: int,

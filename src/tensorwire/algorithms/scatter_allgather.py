@@ -14,7 +14,8 @@ import math
 import numpy as np
 
 from .base import P2P, blocks_of, offsets_of, receive, split_counts
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 from .ring import ring_all_gather_blocks
 
 

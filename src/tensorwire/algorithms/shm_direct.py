@@ -24,7 +24,8 @@ from ..ops.kernels import apply_to, reduction_kernel, ufunc_of, writes_where_tol
 from ..transport import native
 from ..transport.engine import Backoff
 from ..transport.segment import CHUNK_BITS, WRITTEN, DirectPath
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 STREAM_CHUNK = 512 << 10
 """A broadcast, all_gather block or all_to_all send that does not fit a rank's slot streams

@@ -20,7 +20,8 @@ import numpy as np
 from ..buffers import copy
 from ..ops import ReduceOp
 from .base import P2P, receive
-from .registry import Algorithm, Link, register
+from .prices import Link
+from .registry import Algorithm, register
 
 
 def binomial_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..algorithms.hierarchical import Hierarchy
-from ..algorithms.registry import Link
+from ..algorithms.prices import Link
 from ..buffers import byte_view
 from ..errors import PeerLostError
 from ..ops import ReduceOp

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..algorithms.registry import COLLECTIVES, Link, algorithms_for
+from ..algorithms.prices import Link
+from ..algorithms.registry import COLLECTIVES, algorithms_for
 from ..config import Config, parse_size
 from ..errors import InvalidArgumentError
 from ..transport.pumps import pump_threads, streams_per_pair

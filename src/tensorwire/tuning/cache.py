@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import log
-from ..algorithms.registry import Link
+from ..algorithms.prices import Link
 from ..errors import InvalidArgumentError
 from ..trusted_paths import untrusted
 from .tuning_file import FIELDS, BadFile, parse_tuning, read_json

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import log, memory
+from ..algorithms.prices import Link
 from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
-from ..algorithms.registry import Link, algorithms_for
+from ..algorithms.registry import algorithms_for
 from ..algorithms.tree import binomial_broadcast
 from ..errors import InvalidArgumentError, TimeoutError, rank_spans, retold
 from ..ops import ReduceOp

@@ -15,13 +15,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..algorithms.registry import Algorithm, Link, algorithms_for, slot_bytes
+from ..algorithms.prices import COPY, Link, LocalPrice, RailPrice
+from ..algorithms.registry import Algorithm, algorithms_for, slot_bytes
 from ..buffers import PIECE
 from ..config import Config
 from ..transport.tcp import parts_of
 from . import crossing
 from .policy import REDUCTIONS, allowed, forcing, rivals
-from .shape import COPY, LocalPrice, RailPrice
 
 if TYPE_CHECKING:
     from .topology import Layout

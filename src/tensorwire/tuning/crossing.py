@@ -29,7 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..algorithms.registry import Algorithm, Link, algorithms_for
+from ..algorithms.prices import Link
+from ..algorithms.registry import Algorithm, algorithms_for
 from ..ops import ReduceOp
 from ..ops.dtypes import dtype_code
 from ..transport.wire import Coll, Fingerprint

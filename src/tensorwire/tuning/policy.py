@@ -19,10 +19,10 @@ import functools
 from dataclasses import replace
 
 from ..algorithms import rank_ordered
+from ..algorithms.prices import Shape
 from ..algorithms.registry import COLLECTIVES, Algorithm, algorithms_for, slot_bytes
 from ..config import Config
 from ..errors import InvalidArgumentError
-from .shape import Shape
 
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 """Collectives whose result depends on the order of the reduction (floating point)."""

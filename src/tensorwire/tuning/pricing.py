@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..algorithms.compressed import compressed_cost
-from ..algorithms.registry import Algorithm, Link, algorithms_for
+from ..algorithms.prices import Link, LocalPrice, RailPrice, Shape
+from ..algorithms.registry import Algorithm, algorithms_for
 from ..config import Config
 from ..errors import InvalidArgumentError
 from ..transport import native
@@ -49,7 +50,6 @@ from .cost_model import (
     shared,
 )
 from .policy import REDUCTIONS, forcing
-from .shape import LocalPrice, RailPrice, Shape
 from .tuning_file import REQUIRED, overridden
 
 

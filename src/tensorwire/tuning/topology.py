@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import log
+from ..algorithms.prices import Shape
 from ..transport import netif
 from ..transport.processes import parse_cpulist
-from .shape import Shape
 
 _log = log.get("GRAPH")
 

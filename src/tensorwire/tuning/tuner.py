@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from .. import log
 from ..algorithms.compressed import compressed_cost
 from ..algorithms.ordered import arrange
-from ..algorithms.registry import Algorithm, Link, algorithms_for
+from ..algorithms.prices import Link, Shape
+from ..algorithms.registry import Algorithm, algorithms_for
 from ..errors import InvalidArgumentError
 from ..transport.pumps import AUTO_STREAMS
 from . import policy
@@ -64,7 +65,6 @@ from .cost_model import (
     streams_of,
 )
 from .policy import REDUCTIONS, forcing, parse_algo
-from .shape import Shape
 from .tuning_file import defaults_with_file
 
 if TYPE_CHECKING:

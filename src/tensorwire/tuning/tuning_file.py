@@ -15,7 +15,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from ..algorithms.registry import Link
+from ..algorithms.prices import Link
 from ..errors import InvalidArgumentError
 from .cost_model import DEFAULT_LINKS, ONE_WAY, TIERS, LinkTable, default_table
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...algorithms.registry import COLLECTIVES, Link, algorithms_for
+from ...algorithms.prices import Link
+from ...algorithms.registry import COLLECTIVES, algorithms_for
 from ...ops.dtypes import dtype_name
 from ...tuning import policy, tuner
 from . import report

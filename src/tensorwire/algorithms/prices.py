@@ -1,13 +1,31 @@
-"""The shape of a group over hosts and the price types of a hierarchical algorithm's phases.
+"""The price vocabulary: what an algorithm's cost formula takes and the tuner prices it with.
 
-Shared by the topology (which computes a group's shape), the tuner (which prices the phases)
-and the hierarchical algorithms (whose cost formulas take them): a vocabulary, no behaviour.
+A link's constants, the shape of a group over hosts and the prices of a hierarchical
+algorithm's phases. The algorithms state their costs in these terms and the tuning package
+(topology, cost model, tuner, `tensorwire plan`) fills them in; a leaf that imports nothing of
+tensorwire, so neither side needs the other to name them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """Cost constants of one tier of links (shared memory, TCP, a hypothetical fabric)."""
+
+    name: str
+    alpha: float  # seconds per message (latency)
+    beta: float  # seconds per byte moved
+    gamma: float  # seconds per byte reduced
+    cache: float = 0.0
+    """The `memory` entry only: bytes of last-level cache that a host's ranks share; its β and
+    γ are then what a byte copied or reduced costs on top of a link's own beyond that cache."""
+
+
+CostFn = Callable[[int, int, Link], float]  # (ranks, bytes, link) -> predicted seconds
 
 
 @dataclass(frozen=True)
