@@ -170,3 +170,15 @@ def test_reference_builds_without_warnings(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=280)
     assert build.returncode == 0, f"sphinx-build failed:\n{build.stdout}{build.stderr}"
     assert (tmp_path / "html" / "index.html").exists()
+
+
+def test_work_reference_covers_what_users_read_of_it() -> None:
+    """Every public member of Work is in docs/reference/work.md, but what the library itself
+    sets as it runs and ends the operation (what, rank, done, finish)."""
+    import tensorwire
+
+    work = tensorwire.Work("all_reduce", 0)
+    public = {n for n in set(dir(tensorwire.Work)) | set(vars(work)) if not n.startswith("_")}
+    page = (REFERENCE / "work.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"auto(?:method|attribute)::\s+(\w+)", page))
+    assert sorted(public - {"what", "rank", "done", "finish"} - documented) == []

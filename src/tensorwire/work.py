@@ -31,8 +31,9 @@ class Work:
     """Completes once; `wait()` re-raises the operation's exception on the waiting thread."""
 
     progresses = True
-    """A collective's Work completes by its group's worker; a point-to-point one only while
-    somebody waits on it or polls it (False)."""
+    """Whether it completes on its own: a collective's, on its group's worker; a point-to-point
+    one (False) only while somebody waits on it or polls it with `is_completed()`, as an MPI
+    request does."""
 
     def __init__(self, what: str, rank: int) -> None:
         self.what = what
