@@ -111,6 +111,15 @@ def test_algorithms_and_tuning_share_a_leaf_vocabulary():
     assert upward == []
 
 
+def test_torch_backend_reaches_the_library_through_its_api() -> None:
+    """The torch integration sits beside the API: it gets its runtimes and groups from it
+    (api.init, api.join_on_demand, Group), never an engine, a wiring or a tuner of its own."""
+    below = ("tensorwire.transport", "tensorwire.tuning", "tensorwire.algorithms")
+    reached = sorted(f"{module} imports {dep}" for module, deps in import_graph().items()
+                     if module.startswith("tensorwire.torch") for dep in deps if dep.startswith(below))
+    assert reached == []
+
+
 def test_small_package_root():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root

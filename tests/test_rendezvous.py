@@ -857,3 +857,31 @@ def test_init_names_the_rank_whose_interface_filter_matches_nothing() -> None:
                                               r"TENSORWIRE_SOCKET_IFNAME='nosuchif'"):
         tw.init(rank=0, world_size=1, socket_ifname="nosuchif")
     assert not tw.is_initialized()
+
+
+@pytest.mark.timeout(30)
+def test_a_world_that_meets_group_by_group_is_set_up_as_init_sets_one_up() -> None:
+    """api.join_on_demand (the torch backend's groups on top of another backend's world): its
+    settings are checked as init's are (an unknown algorithm fails before anything listens),
+    and the rank listens knowing only its own card: no store is asked, pairs connect on demand."""
+    proc = spawn("""
+    import os
+    from tensorwire import api
+    from tensorwire.errors import InvalidArgumentError
+    os.environ["TENSORWIRE_ALGO"] = "all_reduce:rnig"
+    try:
+        api.join_on_demand(1, 2, "tcp://127.0.0.1:1", timeout=5)
+        refused = ""
+    except InvalidArgumentError as exc:
+        refused = str(exc)
+    del os.environ["TENSORWIRE_ALGO"]
+    rt = api.join_on_demand(1, 2, "tcp://127.0.0.1:1", timeout=5)
+    wiring = rt.engine.wiring
+    report(refused=refused, cards=sorted(wiring.cards), port=wiring.port, topology=rt.topology,
+           world=api.is_initialized())
+    rt.close()
+    """)
+    got = finish(proc)
+    assert got["refused"].startswith("rank 1: ") and "rnig" in got["refused"], got
+    assert got["cards"] == [1] and got["port"] > 0, got
+    assert got["topology"] is None and got["world"] is False, got

@@ -27,7 +27,7 @@ from .rendezvous.tcp_protocol import StoreLimits
 from .rendezvous.tcp_store import StoreLostError
 from .runtime import Runtime
 from .transport import netif, tcp
-from .transport.connect import connect_world, refuse_to_join
+from .transport.connect import connect_world, refuse_to_join, wire_engine
 from .transport.engine import Engine
 from .tuning import calibrate, policy
 from .tuning.topology import Topology, local_card
@@ -52,7 +52,6 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
     bitwise reproducible: every element is folded in rank order, whatever algorithm runs.
     """
     global _runtime, _generation
-    log.configure()
     with _lock:
         if _runtime is not None:
             raise RuntimeError(f"tensorwire is already initialized (rank {_runtime.rank}); call "
@@ -67,18 +66,10 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         if store is not None and not isinstance(store, Store):
             raise InvalidArgumentError(f"init: store must be a tensorwire store (rendezvous.Store), got "
                                        f"{type(store).__name__}: pass init_method instead")
-        try:
-            cfg = Config.from_env(timeout=timeout, transport=transport, socket_ifname=socket_ifname,
-                                  deterministic=deterministic)
-        except ValueError as exc:  # a setting: the error names it
-            raise InvalidArgumentError(f"init: {exc}") from None
+        cfg, info, address = _prepare("init", rank, world_size, init_method, timeout=timeout,
+                                      transport=transport, socket_ifname=socket_ifname,
+                                      deterministic=deterministic)
         deadline = time.monotonic() + cfg.timeout
-        if cfg.keep_memory:
-            memory.keep_freed_memory()
-        info = bootstrap.detect(rank, world_size, init_method)
-        log.set_rank(info.rank)
-        cfg.log_changed()
-        policy.check_algo(cfg.algo, cfg.deterministic, info.rank)  # a typo fails before connecting
         hosted_here = store is None and not info.store_hosted and info.init_method.startswith("tcp://")
         if hosted_here and info.world_size > cfg.store_max_connections:  # rank 0 serves every rank
             raise InvalidArgumentError(f"rank {info.rank}: init: TENSORWIRE_STORE_MAX_CONNECTIONS="
@@ -89,10 +80,6 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
         # One process opens no connection: nothing to prove (and no per-user secret to create).
         secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
         scope = f"tw/{info.job_id}/g{_generation}"
-        multi_host = 0 < info.local_world_size < info.world_size
-        with named(info.rank, "init"):
-            address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
-                                           multi_host=multi_host)
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s, TCP congestion control %s",
                   info.rank, info.world_size, info.source, info.init_method, address, cfg.transport,
                   tcp.congestion_in_use(cfg))
@@ -122,6 +109,42 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             raise
         _runtime = runtime
     return runtime.world  # type: ignore[return-value]
+
+
+def join_on_demand(rank: int, world_size: int, init_method: str | None, *,
+                   timeout: float | None = None) -> Runtime:
+    """A runtime for this process's rank whose pairs connect on demand and whose ranks meet
+    group by group (each group's members publish their cards: wiring.learn), with no
+    world-wide exchange: the torch backend's groups on top of another backend's world, whose
+    members alone make each group (torch/world.py). It is not the API's world."""
+    cfg, info, address = _prepare("new_group", rank, world_size, init_method, timeout=timeout)
+    secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
+    engine, _ = wire_engine(info.rank, info.world_size, cfg, info.job_id, secret, local_card(address),
+                            lambda mine: {info.rank: mine}, machine=(info.local_world_size, info.local_rank))
+    return Runtime(info.rank, info.world_size, cfg, info, None, engine)
+
+
+def _prepare(what: str, rank: int | None, world_size: int | None, init_method: str | None,
+             **settings: Any) -> tuple[Config, bootstrap.LaunchInfo, str]:
+    """What joining a job starts from: the settings (`settings` over TENSORWIRE_*, checked:
+    an unknown algorithm fails before connecting), the launcher's environment and the address
+    this rank advertises. `what`: the call, as errors name it."""
+    log.configure()
+    try:
+        cfg = Config.from_env(**settings)
+    except ValueError as exc:  # a setting: the error names it
+        raise InvalidArgumentError(f"{what}: {exc}") from None
+    if cfg.keep_memory:
+        memory.keep_freed_memory()
+    info = bootstrap.detect(rank, world_size, init_method)
+    log.set_rank(info.rank)
+    cfg.log_changed()
+    policy.check_algo(cfg.algo, cfg.deterministic, info.rank)
+    multi_host = 0 < info.local_world_size < info.world_size
+    with named(info.rank, what):
+        address = netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port,
+                                       multi_host=multi_host)
+    return cfg, info, address
 
 
 def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, scope: str, secret: auth.Secret,

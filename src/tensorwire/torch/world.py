@@ -31,18 +31,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import api, log
-from ..config import Config
-from ..errors import InvalidArgumentError, RendezvousError, TimeoutError, named
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
 from ..group.group import Group
-from ..rendezvous import bootstrap
 from ..rendezvous.store import Store
 from ..rendezvous.torch_store import TorchStoreAdapter
 from ..runtime import Runtime
-from ..transport import netif, shm_budget
-from ..transport.engine import Engine
-from ..transport.processes import pid_namespace, process_start
-from ..transport.wiring import Wiring
-from ..tuning.topology import local_card
 from .work import join_waiters
 
 _log = log.get("INIT")
@@ -193,27 +186,10 @@ atexit.register(_at_exit)
 
 def _links_runtime(store: Any, timeout: Any) -> Runtime:
     rank, size = dist.get_rank(), dist.get_world_size()
-    log.configure()
-    cfg = Config.from_env(timeout=timeout_seconds(timeout))
-    info = bootstrap.detect(rank, size, _where(store, size))
-    log.set_rank(rank)
-    cfg.log_changed()
+    runtime = api.join_on_demand(rank, size, _where(store, size), timeout=timeout_seconds(timeout))
     _log.info("rank %d/%d: tensorwire groups on top of torch's %s world; pairs connect on demand",
               rank, size, dist.get_backend())
-    engine = Engine(rank, size, cfg.spin_us, cfg.native)
-    with named(rank, "tensorwire groups"):
-        card = local_card(netif.select_address(cfg.socket_ifname, info.master_addr, info.master_port))
-    free = shm_budget.free_at_start()
-    wiring = Wiring(engine, cfg, info.job_id, bootstrap.job_secret(info), card["addr"],
-                    (card["host"], card["machine"]), size)
-    engine.wiring = wiring
-    wiring.learn({rank: {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()}})
-    local = max(info.local_world_size, 1)
-    if info.local_world_size > 0:  # before the wiring offers streams
-        engine.adapt_to_machine(info.local_world_size, info.local_rank, cfg.bind, cfg.socket_threads,
-                                cfg.nsocks)
-    wiring.start(shm_budget.ring_share(free, local) if cfg.transport != "tcp" else 0, local)
-    return Runtime(rank, size, cfg, info, None, engine)
+    return runtime
 
 
 def _learn_members(rt: Runtime, members: list[int], store: Store) -> None:
@@ -221,7 +197,8 @@ def _learn_members(rt: Runtime, members: list[int], store: Store) -> None:
     store prefix and reads those it does not know yet, in one request (they all do the same);
     pairs connect on first use."""
     wiring, me = rt.engine.wiring, rt.rank
-    assert wiring is not None
+    if wiring is None:  # a world of one: no peer to learn of
+        return
     store.set(f"tw/link/{me}", json.dumps(wiring.cards[me]).encode())
     unknown = [m for m in members if m not in wiring.cards]
     if not unknown:

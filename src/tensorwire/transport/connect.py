@@ -8,6 +8,8 @@ other rank reads in one request. So a rank's bootstrap costs 2 store requests (r
 whatever the size of the job, where reading every peer's key cost n - 1; what it reads grows
 with the job (the cards: the topology needs them), tens of bytes per rank compressed
 (docs/topology.md, Wiring). No connection is made here: the first message to a peer makes it.
+A world whose ranks meet group by group (the torch backend's groups on top of another
+backend's world) is wired alike (wire_engine), publishing its cards as each group forms.
 
 A rank short of descriptors publishes its error as its card, and every rank raises it (limits.py).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import auth, limits, log
@@ -52,9 +54,14 @@ def refuse_to_join(store: Store, rank: int, error: BaseException, absent: Sequen
     the ranks gathering the cards raise it at once, naming this rank, instead of timing out.
     `absent`: other ranks whose cards it publishes too, so that rank 0 stops waiting at once
     where no world can form (rank 0 was started with another world size)."""
-    refusal = json.dumps({"error": str(error), "class": type(error).__name__, "rank": rank}).encode()
+    refusal = json.dumps(_refusal(rank, error)).encode()
     for r in (rank, *absent):
         store.set(_card_key(r), refusal)
+
+
+def _refusal(rank: int, error: BaseException) -> dict[str, Any]:
+    """The card of a rank that cannot join: why, as the others raise it (_cannot_join)."""
+    return {"error": str(error), "class": type(error).__name__, "rank": rank}
 
 
 def exchange_cards(rank: int, world_size: int, store: Store, card: dict[str, Any], deadline: float,
@@ -122,57 +129,87 @@ def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError |
 
 
 def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
-                  card: dict, deadline: float, secret: auth.Secret,
-                  serving: int = 0) -> tuple[Engine, dict[int, dict]]:
-    """The world's engine, wired to connect to any peer on first use (each connection proving
-    `secret`), and every rank's card. `card` is this rank's (topology.local_card: its address
-    `addr`, host name `host`, machine `machine`, ...): it is published with the port this rank
-    listens on, which makes the job's topology cost no exchange of its own. `serving`: store
-    clients this process also serves (it hosts the store), whose descriptors it needs too."""
+                  card: dict[str, Any], deadline: float, secret: auth.Secret,
+                  serving: int = 0) -> tuple[Engine, dict[int, dict[str, Any]]]:
+    """The world's engine (wire_engine) and every rank's card, exchanged through `store`: the
+    job's topology costs no exchange of its own. `serving`: store clients this process also
+    serves (it hosts the store), whose descriptors it needs too."""
+    def publish(mine: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        if rank and "error" in mine:  # rank 0 tells the others, as it gathers; this rank raises now
+            store.set(_card_key(rank), json.dumps(mine).encode())
+            return {rank: mine}
+        return exchange_cards(rank, world_size, store, mine, deadline, cfg.timeout)
+
+    return wire_engine(rank, world_size, cfg, job_id, secret, card, publish, serving=serving)
+
+
+def wire_engine(rank: int, world_size: int, cfg: Config, job_id: str, secret: auth.Secret,
+                card: dict[str, Any], publish: Callable[[dict[str, Any]], dict[int, dict[str, Any]]], *,
+                serving: int = 0, machine: tuple[int, int] | None = None) -> tuple[Engine, dict[int, dict]]:
+    """Rank `rank`'s engine, wired to connect to any peer on first use (each connection proving
+    `secret`), and the cards `publish` returns for this rank's own: `card` (topology.local_card:
+    its address `addr`, host name `host`, machine `machine`, ...) with the port this rank
+    listens on and what identifies its process, or why this rank cannot join (which this then
+    raises). Every rank's card tells which ranks share this host and its cores; where
+    `publish` returns only this rank's (a world whose ranks meet group by group), `machine`
+    says it instead: the launcher's count of this host's ranks and this rank's index among
+    them (bootstrap.UNKNOWN where it does not say). `serving`: store clients this process
+    also serves, whose descriptors it needs too."""
     engine = Engine(rank, world_size, cfg.spin_us, cfg.native)
     if world_size == 1:
         return engine, {rank: card}
-    error = None
+    error, wiring = None, None
     try:
         why = f"wiring {world_size} ranks" + (" and serving the store to them" if serving else "")
         limits.ensure_descriptors(limits.wiring_need(world_size) + serving, f"rank {rank}: init", why)
         wiring = Wiring(engine, cfg, job_id, secret, card["addr"], (card["host"], card["machine"]),
                         world_size)
     except TensorwireError as exc:  # no descriptors, a setting the kernel refuses: every rank raises it
-        if rank:
-            refuse_to_join(store, rank, exc)
-            raise
-        error, wiring = exc, None  # rank 0 still gathers the cards: the others learn of it from them
+        error = exc  # published: the others learn of it from this rank's card
     try:
         shm_free = shm_budget.free_at_start()  # before it publishes: before any segment of the job exists
-        mine = {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()} \
-            if wiring is not None else {"error": str(error), "class": type(error).__name__}
-        cards = exchange_cards(rank, world_size, store, mine, deadline, cfg.timeout)
+        mine = _refusal(rank, error) if wiring is None else \
+            {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()}
+        cards = publish(mine)
         if error is not None:
             raise error
         assert wiring is not None
         engine.wiring = wiring
         wiring.learn(cards)
-        where = (card["host"], card["machine"])
-        local = [r for r, c in cards.items() if (c["host"], c["machine"]) == where]
-        mates = sorted(r for r, c in cards.items() if c["machine"] == card["machine"])
-        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind, cfg.socket_threads, cfg.nsocks,
-                                core_sharers(cards, rank))
-        share = 0
-        if cfg.transport != "tcp" and len(local) > 1:
-            alone = len(local) == world_size  # the world group will want a one-shot segment too
-            share = shm_budget.ring_share(shm_free, len(local), world_size if alone else 0,
-                                          cfg.direct_slot(world_size))
-        wiring.start(share, len(local))
+        local, share = _settle(engine, rank, world_size, cfg, card, cards, machine, shm_free)
+        wiring.start(share, max(local, 1))
     except BaseException:
         if wiring is not None:
             wiring.close()
         raise
-    _log.info("rank %d listening on %s:%d (host %s); %d peer(s) on this host, rings grow up to %s within %s "
+    _log.info("rank %d listening on %s:%d (host %s); %s peer(s) on this host, rings grow up to %s within %s "
               "of /dev/shm; pairs connect on first use", rank, card["addr"], wiring.port, card["host"],
-              len(local) - 1, shm_budget.size_text(wiring.rings.ring_max), shm_budget.size_text(share))
-    if _log.isEnabledFor(20):
+              local - 1 if local > 0 else "unknown", shm_budget.size_text(wiring.rings.ring_max),
+              shm_budget.size_text(share))
+    if len(cards) > 1 and _log.isEnabledFor(20):
         kinds = {r: engine.planned_kind(r) for r in cards if r != rank}
         _log.info("rank %d wired: shm peers %s, tcp peers %s", rank,
                   [r for r, k in kinds.items() if k == "shm"], [r for r, k in kinds.items() if k == "tcp"])
     return engine, cards
+
+
+def _settle(engine: Engine, rank: int, world_size: int, cfg: Config, card: dict[str, Any],
+            cards: dict[int, dict[str, Any]], machine: tuple[int, int] | None, free: int) -> tuple[int, int]:
+    """Fit `engine` to the ranks that share this machine's cores (before the wiring offers
+    streams); (ranks on this host, or UNKNOWN; this rank's share of `free` /dev/shm for its
+    rings). The arguments are wire_engine's."""
+    if machine is None:
+        where = (card["host"], card["machine"])
+        local = sum(1 for c in cards.values() if (c["host"], c["machine"]) == where)
+        mates = sorted(r for r, c in cards.items() if c["machine"] == card["machine"])
+        engine.adapt_to_machine(len(mates), mates.index(rank), cfg.bind, cfg.socket_threads, cfg.nsocks,
+                                core_sharers(cards, rank))
+        if cfg.transport == "tcp" or local == 1:
+            return local, 0
+        world = world_size if local == world_size else 0  # the world group will want a one-shot segment too
+        return local, shm_budget.ring_share(free, local, world, cfg.direct_slot(world_size))
+    local, index = machine
+    if local > 0:
+        engine.adapt_to_machine(local, index, cfg.bind, cfg.socket_threads, cfg.nsocks)
+    # the peers on this host are learnt group by group: rings for them, whoever they turn out to be
+    return local, 0 if cfg.transport == "tcp" else shm_budget.ring_share(free, max(local, 1))
