@@ -120,6 +120,17 @@ def test_torch_backend_reaches_the_library_through_its_api() -> None:
     assert reached == []
 
 
+def test_segments_live_apart_from_the_channel_that_rings_through_them() -> None:
+    """Making, mapping and removing /dev/shm segments (shm_segments) is apart from the channel
+    whose rings are such segments (shm): the launcher's cleanup after a killed job, the /dev/shm
+    budget and the one-shot segments need only the former."""
+    graph = import_graph()
+    assert not graph["tensorwire.transport.shm_segments"] & {"tensorwire.transport.shm",
+                                                             "tensorwire.transport.channel"}
+    users = ("tensorwire.tools.launcher", "tensorwire.transport.shm_budget", "tensorwire.transport.segment")
+    assert [u for u in users if "tensorwire.transport.shm" in graph[u]] == []
+
+
 def test_small_package_root():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root

@@ -45,7 +45,7 @@ from tensorwire.errors import (
     TimeoutError,
     in_call,
 )
-from tensorwire.transport import shm
+from tensorwire.transport import shm_segments
 from tensorwire.transport.engine import Engine
 from tensorwire.tuning import tuner
 
@@ -1977,10 +1977,10 @@ def test_a_ring_grown_for_messages_never_received_is_not_left_in_dev_shm() -> No
     left = []
     for name in os.listdir("/dev/shm"):
         with contextlib.suppress(OSError), open(os.path.join("/dev/shm", name), "rb") as f:
-            f.seek(shm._OWNER_AT)
-            record = f.read(shm._OWNER.size)
-            owner = shm._OWNER.unpack(record)[1] if len(record) == shm._OWNER.size else 0
-            if name.startswith(shm.PREFIX) and owner in pids:
+            f.seek(shm_segments._OWNER_AT)
+            record = f.read(shm_segments._OWNER.size)
+            owner = shm_segments._OWNER.unpack(record)[1] if len(record) == shm_segments._OWNER.size else 0
+            if name.startswith(shm_segments.PREFIX) and owner in pids:
                 left.append(name)
     assert not left, f"left in /dev/shm by the job's ranks: {left}"
 

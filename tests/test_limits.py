@@ -23,7 +23,7 @@ from tensorwire import limits
 from tensorwire.errors import ResourceError
 from tensorwire.transport import shm_budget
 from tensorwire.transport.segment import GroupSegment
-from tensorwire.transport.shm import Ring
+from tensorwire.transport.shm_segments import Ring
 
 MiB = 1 << 20
 
@@ -80,7 +80,7 @@ if os.environ.get("FILL_AFTER_INIT"):
     if rank == 0:  # another program takes what is left of /dev/shm
         st = os.statvfs("/dev/shm")
         subprocess.run(["fallocate", "-l", str(st.f_bavail * st.f_frsize), "/dev/shm/eater"], check=True)
-        from tensorwire.transport.shm import Ring
+        from tensorwire.transport.shm_segments import Ring
         try:
             Ring.create("tw-test-full", 1 << 20)
             report["reserve"] = "made a ring in a full /dev/shm"
@@ -363,7 +363,8 @@ world = tw.init()
 print("REPORT " + json.dumps({"rank": world.rank, "shm": sorted(os.listdir("/dev/shm"))}), flush=True)
 tw.destroy()
 """
-_MAKE = "from tensorwire.transport.shm import Ring; import os, sys; Ring.create(sys.argv[1], 1 << 16); "
+_MAKE = ("from tensorwire.transport.shm_segments import Ring; import os, sys; "
+         "Ring.create(sys.argv[1], 1 << 16); ")
 
 
 @needs_namespace
@@ -388,14 +389,14 @@ def test_a_segment_left_without_its_owner_record_is_removed_once_old(tmp_path: P
     """A creator killed between making a segment and writing its owner record leaves an empty
     file that says nothing of who made it: removed once older than a live creator could
     take, kept before (it may be a live job's segment a microsecond old)."""
-    from tensorwire.transport import shm
+    from tensorwire.transport import shm_segments
 
     old, new = tmp_path / "tw-old", tmp_path / "tw-new"
     old.touch()
     new.touch()
-    long_ago = time.time() - 2 * shm._UNWRITTEN_S
+    long_ago = time.time() - 2 * shm_segments._UNWRITTEN_S
     os.utime(old, (long_ago, long_ago))
-    assert shm.remove_stale(str(tmp_path)) == (1, 0)
+    assert shm_segments.remove_stale(str(tmp_path)) == (1, 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tw-new"]
 
 
@@ -403,17 +404,18 @@ def test_only_this_users_segments_are_removed(tmp_path: Path) -> None:
     """Files named like segments that tensorwire did not make (a short file, text), or another
     user's (an empty one, or a segment whose creator is gone) are never removed: a root job
     must not delete what others keep in /dev/shm."""
-    from tensorwire.transport import shm
+    from tensorwire.transport import shm_segments
 
     theirs = tmp_path / "tw-theirs"  # a segment whose creator has exited
-    subprocess.run([sys.executable, "-c", "from tensorwire.transport import shm; import os, sys; "
+    subprocess.run([sys.executable, "-c", "from tensorwire.transport import shm_segments; import os, sys; "
                     "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
-                    "os.pwrite(fd, shm._owner(), shm._OWNER_AT); os.ftruncate(fd, 1 << 16)", str(theirs)],
+                    "os.pwrite(fd, shm_segments._owner(), shm_segments._OWNER_AT); "
+                    "os.ftruncate(fd, 1 << 16)", str(theirs)],
                    check=True, timeout=60)
     (tmp_path / "tw-notes.txt").write_text("my notes\n")
     (tmp_path / "tw-short").write_bytes(bytes(100))
     (tmp_path / "tw-other-empty").touch()
-    long_ago = time.time() - 2 * shm._UNWRITTEN_S
+    long_ago = time.time() - 2 * shm_segments._UNWRITTEN_S
     for p in tmp_path.iterdir():
         os.utime(p, (long_ago, long_ago))
     if os.geteuid() == 0:
@@ -421,7 +423,7 @@ def test_only_this_users_segments_are_removed(tmp_path: Path) -> None:
         os.chown(theirs, 65534, 65534)
     else:  # not root: the files are this user's, and only the two that tensorwire left go
         (tmp_path / "tw-other-empty").rename(tmp_path / "tw-empty")
-    removed, _ = shm.remove_stale(str(tmp_path))
+    removed, _ = shm_segments.remove_stale(str(tmp_path))
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == (["tw-notes.txt", "tw-other-empty", "tw-short", "tw-theirs"] if os.geteuid() == 0
                     else ["tw-notes.txt", "tw-short"]), kept

@@ -506,7 +506,7 @@ def test_the_ring_loops_write_and_read_records_as_the_python_ones() -> None:
     (header, padded payload, the head moved past them), reads back once, in order; a header
     that differs is False, an empty ring None; a record that would overrun the reader is left
     to the general path (False); bad layouts are refused."""
-    from tensorwire.transport.shm import CTRL_BYTES, Ring
+    from tensorwire.transport.shm_segments import CTRL_BYTES, Ring
 
     cap = 1024
     ring = Ring.create("tw-test-native-ring", cap)
@@ -547,7 +547,8 @@ def test_a_record_whose_payload_passes_the_rings_end_wraps_to_its_start() -> Non
     """A record whose header is the ring's last 64 bytes but a few goes whole through the
     compiled put and take: the payload's first part up to the ring's end, the rest from its
     start, the head past the padded whole; Python's take reads the same bytes back."""
-    from tensorwire.transport.shm import CTRL_BYTES, Ring, ShmChannel
+    from tensorwire.transport.shm import ShmChannel
+    from tensorwire.transport.shm_segments import CTRL_BYTES, Ring
 
     cap = 1024
     ring = Ring.create("tw-test-native-wrap", cap)
@@ -580,7 +581,7 @@ def test_ring_take_spins_for_its_record_and_takes_any_array() -> None:
     """A take that may spin waits (without the interpreter lock: a thread of this process
     writes meanwhile) for the record and takes it; on a ring left empty it gives up after its
     spin. Payloads and destinations are any C-contiguous arrays, read as their bytes."""
-    from tensorwire.transport.shm import CTRL_BYTES, Ring
+    from tensorwire.transport.shm_segments import CTRL_BYTES, Ring
 
     cap = 1024
     ring = Ring.create("tw-test-native-spin", cap)
@@ -627,7 +628,7 @@ def test_ring_sendrecv_puts_then_takes_as_the_two_loops_do() -> None:
     other's tail taken as ring_take takes it; 1 where nothing is there to take, 0 where the
     put does not fit (nothing taken then), -1 with nothing done for buffers the general path
     names (a non-contiguous payload, a read-only dst)."""
-    from tensorwire.transport.shm import CTRL_BYTES, Ring
+    from tensorwire.transport.shm_segments import CTRL_BYTES, Ring
 
     cap = 1024
     a, b = Ring.create("tw-test-native-sr-a", cap), Ring.create("tw-test-native-sr-b", cap)

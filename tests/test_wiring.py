@@ -23,7 +23,7 @@ from test_collectives import _expect, _Log, _pattern, rank_large
 import tensorwire as tw
 from cluster import Cluster
 from tensorwire import limits
-from tensorwire.transport.shm import Ring
+from tensorwire.transport.shm_segments import Ring
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,8 @@ from ..errors import (
 )
 from ..gpu import is_device_buffer as _on_device
 from ..transport.requests import P2P_SEQ, RecvRequest, Request
-from ..transport.shm import CTRL_BYTES, REMOTE_BYTES
+from ..transport.shm import REMOTE_BYTES
+from ..transport.shm_segments import CTRL_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
 from .arguments import check_member, fingerprint, limit_of

@@ -19,7 +19,7 @@ from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.tree import binomial_broadcast
 from ..errors import TensorwireWarning
 from ..ops import ReduceOp
-from ..transport import cma, shm, shm_budget
+from ..transport import cma, shm_budget, shm_segments
 from ..transport.segment import DirectPath, GroupSegment
 from .context import mix_context
 
@@ -96,14 +96,14 @@ def _setup_segment(group: Group, slot: int) -> tuple[int, int]:
     """Rank 0 makes the segment, as large as fits up to `slot` a rank, the others map it;
     the group uses it only if every rank did. Its name is unlinked once every rank mapped it
     or gave up, and by the others where rank 0 was lost before it could: nothing of it is left
-    in /dev/shm (a job killed whole leaves it to the next start, shm.remove_stale).
+    in /dev/shm (a job killed whole leaves it to the next start, shm_segments.remove_stale).
     (the slot it got, errno why it is smaller)"""
     prefix = f"tw-{group.runtime.info.job_id[:24]}-g{group.ctx}"
     try:
         return _map_segment(group, slot, prefix)
     except BaseException:
         if group.rank and group.ranks[0] in group.engine.lost:
-            shm.unlink_prefixed(prefix)
+            shm_segments.unlink_prefixed(prefix)
         raise
 
 

@@ -576,7 +576,7 @@ class Launcher:
                     child.reader.join(timeout=1.0)
             if server is not None:
                 server.close()
-            from ..transport.shm import remove_stale
+            from ..transport.shm_segments import remove_stale
 
             remove_stale()  # segments of ranks killed before they unlinked them (in group setup)
         return self._report(first_failure)

@@ -16,7 +16,7 @@ import os
 from .. import limits, log
 from ..errors import TensorwireWarning
 from . import cma, shm_budget
-from .shm import Ring
+from .shm_segments import Ring
 
 _log = log.get("TRANSPORT")
 

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, TimeoutError
 from . import cma, native, pages
 from .engine import PREYIELD, Backoff, Engine
-from .shm import CTRL_BYTES, Segment
+from .shm_segments import CTRL_BYTES, Segment
 from .wire import Fingerprint
 
 _LINE = 128  # a rank's control line: two cache lines, as x86 prefetches pairs

@@ -2,7 +2,7 @@
 
 tmpfs hands pages out on first touch: a segment larger than the space left maps fine and its
 first write past that space is a SIGBUS (a 4-rank job on a 16 MiB /dev/shm lost two ranks so).
-Every segment is reserved whole when it is made (`shm.reserve`), and sized to fit first: of the
+Every segment is reserved whole when it is made (`shm_segments.reserve`), and sized to fit first: of the
 free space it finds, tensorwire takes at most half (the rest is the application's: PyTorch's
 DataLoader passes its batches through /dev/shm too), halving rings and one-shot slots down to
 their floors before anything fails. What still does not fit falls back: a pair without rings
@@ -22,7 +22,7 @@ from typing import TypeVar
 from .. import log
 from ..limits import translate, typical_peers
 from .segment import GroupSegment
-from .shm import SHM_DIR, Ring, remove_stale
+from .shm_segments import SHM_DIR, Ring, remove_stale
 
 RING_FLOOR = 256 << 10
 """The smallest ring worth having: a large message through a smaller one waits for its reader
@@ -49,7 +49,7 @@ def usage(path: str = SHM_DIR) -> tuple[int, int]:
 
 def free_at_start(path: str = SHM_DIR) -> int:
     """The free bytes of `path` a job plans its rings with, read once the segments of jobs
-    that died before unlinking theirs are removed (shm.remove_stale)."""
+    that died before unlinking theirs are removed (shm_segments.remove_stale)."""
     removed, freed = remove_stale(path)
     if removed:
         log.get("INIT").info("removed %d segment(s) of exited processes from %s (%s)", removed, path,

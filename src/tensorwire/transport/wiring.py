@@ -45,7 +45,8 @@ from .channel import Channel
 from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreachable, job_hash
 from .pair_rings import PairRings
 from .processes import start_of
-from .shm import Ring, ShmChannel
+from .shm import ShmChannel
+from .shm_segments import Ring
 from .tcp import SocketStream, TcpChannel, size_buffers, tune_socket
 
 if TYPE_CHECKING:
