@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import collections
+import importlib
 import io
+import pkgutil
 import re
 import tokenize
 from pathlib import Path
@@ -129,6 +131,27 @@ def test_segments_live_apart_from_the_channel_that_rings_through_them() -> None:
                                                              "tensorwire.transport.channel"}
     users = ("tensorwire.tools.launcher", "tensorwire.transport.shm_budget", "tensorwire.transport.segment")
     assert [u for u in users if "tensorwire.transport.shm" in graph[u]] == []
+
+
+def test_every_error_and_warning_is_in_errors_and_public() -> None:
+    """One hierarchy in one module, every class of it importable from `tensorwire`: a program
+    catches StoreLostError or CudaDriverError, or silences the unauthenticated job's warning
+    through TensorwireWarning, without reaching into a submodule."""
+    import tensorwire
+
+    for found in pkgutil.walk_packages(tensorwire.__path__, "tensorwire."):
+        if not found.name.startswith(("tensorwire.torch", "tensorwire.__main__")):
+            importlib.import_module(found.name)
+
+    def family(cls: type) -> list[type]:
+        return [cls, *(c for sub in cls.__subclasses__() for c in family(sub))]
+
+    ours = {c for base in (tensorwire.TensorwireError, Warning) for c in family(base)
+            if c.__module__.startswith("tensorwire")}
+    wrong = sorted(f"{c.__module__}.{c.__qualname__}" for c in ours
+                   if c.__module__ != "tensorwire.errors" or getattr(tensorwire, c.__name__, None) is not c
+                   or (issubclass(c, Warning) and not issubclass(c, tensorwire.TensorwireWarning)))
+    assert wrong == []
 
 
 def test_small_package_root():

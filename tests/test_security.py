@@ -34,9 +34,16 @@ from hypothesis import strategies as st
 from cluster import Cluster, free_port
 from tensorwire import auth
 from tensorwire.config import Config
-from tensorwire.errors import AuthenticationError, InvalidArgumentError, RendezvousError, TimeoutError, named
+from tensorwire.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    RendezvousError,
+    TimeoutError,
+    UnauthenticatedJobWarning,
+    named,
+)
 from tensorwire.rendezvous import bootstrap
-from tensorwire.rendezvous.bootstrap import LaunchInfo, UnauthenticatedJobWarning, job_secret, spans_hosts
+from tensorwire.rendezvous.bootstrap import LaunchInfo, job_secret, spans_hosts
 from tensorwire.rendezvous.file_store import FileStore
 from tensorwire.rendezvous.prefix_store import PrefixStore
 from tensorwire.rendezvous.tcp_protocol import LEN, StoreLimits, encode_request

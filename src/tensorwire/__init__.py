@@ -52,14 +52,17 @@ from .errors import (
     AbortedError,
     AuthenticationError,
     CollectiveMismatchError,
+    CudaDriverError,
     InvalidArgumentError,
     NotInitializedError,
     PeerLostError,
     RendezvousError,
     ResourceError,
+    StoreLostError,
     TensorwireError,
     TensorwireWarning,
     TimeoutError,
+    UnauthenticatedJobWarning,
 )
 from .group import Group
 from .ops import ReduceOp, Reduction, premul_sum

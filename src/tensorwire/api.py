@@ -18,13 +18,12 @@ from typing import Any, TypeVar
 
 from . import auth, log, memory
 from .config import Config
-from .errors import InvalidArgumentError, NotInitializedError, named
+from .errors import InvalidArgumentError, NotInitializedError, StoreLostError, named
 from .group.group import Group
 from .rendezvous import bootstrap
 from .rendezvous.prefix_store import PrefixStore
 from .rendezvous.store import Store
 from .rendezvous.tcp_protocol import StoreLimits
-from .rendezvous.tcp_store import StoreLostError
 from .runtime import Runtime
 from .transport import netif, tcp
 from .transport.connect import connect_world, refuse_to_join, wire_engine

@@ -118,6 +118,14 @@ class RendezvousError(TensorwireError):
     """Bootstrapping failed: store unreachable, port in use, wrong world size, duplicate rank."""
 
 
+class StoreLostError(RendezvousError):
+    """The connection to the store broke: its server closed it (`closed`), or went silent."""
+
+    def __init__(self, message: str, closed: bool = False) -> None:
+        super().__init__(message)
+        self.closed = closed
+
+
 class AuthenticationError(RendezvousError):
     """Another process could not prove that it knows the job's secret (a different secret, or
     not one of this job's processes): see docs/security.md."""
@@ -132,9 +140,19 @@ class ResourceError(TensorwireError):
     limit, what it is set to and how to raise it."""
 
 
+class CudaDriverError(TensorwireError):
+    """A CUDA driver call failed (the message carries the driver's own name for the error)."""
+
+
 class TensorwireWarning(UserWarning):
-    """Something works, but worse than it could: tensorwire fell back (a /dev/shm too small for
-    its rings). Shown once; silence with `warnings.filterwarnings("ignore", category=...)`."""
+    """Something works, but worse than it could or than the program may assume: tensorwire fell
+    back (a /dev/shm too small for its rings), ignores a setting it does not know, or runs a job
+    unauthenticated. Shown once; silence with `warnings.filterwarnings("ignore", category=...)`."""
+
+
+class UnauthenticatedJobWarning(TensorwireWarning):
+    """A job that spans hosts runs without a secret: anyone who reaches its ports can join it
+    (and run code on its ranks through the object collectives)."""
 
 
 def rank_spans(ranks: Sequence[int], most: int = 6) -> str:

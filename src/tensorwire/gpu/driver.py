@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from ..errors import TensorwireError
+from ..errors import CudaDriverError
 
 _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_*
 _IPC_CAPABLE = 10
@@ -31,10 +31,6 @@ _RANGE_START = 11
 _RANGE_SIZE = 12
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 HANDLE_BYTES = 64
-
-
-class CudaDriverError(TensorwireError):
-    """A CUDA driver call failed (the message carries the driver's own name for the error)."""
 
 
 class _Handle(ctypes.Structure):

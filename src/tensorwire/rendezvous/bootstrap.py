@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import auth
-from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
+from ..errors import InvalidArgumentError, RendezvousError, TimeoutError, UnauthenticatedJobWarning
 from .file_store import FileStore
 from .prefix_store import PrefixStore
 from .store import Store
@@ -486,11 +486,6 @@ def detect(rank: int | None = None, world_size: int | None = None, init_method: 
 
 # --------------------------------------------------------------------------------------------
 # The job's secret
-
-
-class UnauthenticatedJobWarning(UserWarning):
-    """A job that spans hosts runs without a secret: anyone who reaches its ports can join it
-    (and run code on its ranks through the object collectives)."""
 
 
 _warned = False

@@ -10,7 +10,14 @@ import threading
 import time
 
 from .. import auth
-from ..errors import AuthenticationError, InvalidArgumentError, RendezvousError, TensorwireError, TimeoutError
+from ..errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    RendezvousError,
+    StoreLostError,
+    TensorwireError,
+    TimeoutError,
+)
 from .store import DEFAULT_STORE_TIMEOUT_S, Store, check_key, check_value
 from .tcp_protocol import (
     DEFAULT_LIMITS,
@@ -43,14 +50,6 @@ _CONNECT_FIRST_S = 0.25
 """How long a first connection attempt waits for the server's answer before it dials again
 (each next one 1.5 times as long, up to 5 s): a store whose accept queue a flood keeps full leaves
 some attempts unanswered, which the kernel retries only after seconds."""
-
-
-class StoreLostError(RendezvousError):
-    """The connection to the store broke: its server closed it (`closed`), or went silent."""
-
-    def __init__(self, message: str, closed: bool = False) -> None:
-        super().__init__(message)
-        self.closed = closed
 
 
 class TCPStore(Store):
