@@ -154,6 +154,29 @@ def test_every_error_and_warning_is_in_errors_and_public() -> None:
     assert wrong == []
 
 
+def _imports_in_functions(path: Path) -> list[str]:
+    """'line: module' of each import of the package inside a function of `path`."""
+    found, ours = set(), PACKAGE.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and (sub.level or (sub.module or "").startswith(ours)):
+                    found.add(f"{sub.lineno}: {'.' * sub.level}{sub.module or ''}")
+                elif isinstance(sub, ast.Import) and any(a.name.startswith(ours) for a in sub.names):
+                    found.add(f"{sub.lineno}: {', '.join(a.name for a in sub.names)}")
+    return sorted(found)
+
+
+def test_the_launcher_and_the_torch_backend_import_the_package_at_the_top() -> None:
+    """Importing either loads the whole package already (through tensorwire/__init__): an import
+    inside one of their functions dodges neither a circle nor any start-up time, and hides what
+    the module needs. The torch backend learns whether tensorwire run started it from
+    bootstrap.detect, as everything else does, not from variables it reads itself."""
+    for module in ("tools/launcher.py", "torch/__init__.py"):
+        assert _imports_in_functions(PACKAGE / module) == [], module
+    assert "os.environ" not in (PACKAGE / "torch" / "__init__.py").read_text()
+
+
 def test_small_package_root():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root

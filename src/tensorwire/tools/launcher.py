@@ -26,7 +26,13 @@ from types import FrameType
 from typing import IO, TextIO
 
 from .. import auth, limits, log
+from ..config import Config
 from ..errors import InvalidArgumentError, RendezvousError, ResourceError, TensorwireError
+from ..rendezvous import bootstrap
+from ..rendezvous.tcp_protocol import EXITED_KEY, StoreLimits
+from ..rendezvous.tcp_server import TCPStoreServer
+from ..rendezvous.tcp_store import TCPStore
+from ..transport.shm_segments import remove_stale
 
 DEFAULT_GRACE_S = 5.0
 TERM_TO_KILL_S = 3.0
@@ -91,8 +97,6 @@ environment of each rank:
 def launched_job_size(env: dict[str, str] | None = None) -> int | None:
     """The world size of the job this process is a rank of (tensorwire run, torchrun, mpirun,
     srun): None outside one, 0 for a launcher's environment too broken to read (init() explains)."""
-    from ..rendezvous import bootstrap
-
     try:
         found = bootstrap.detect(env=dict(os.environ if env is None else env))
     except Exception:
@@ -390,9 +394,6 @@ class Launcher:
                 f"tensorwire run), so the job's ranks can no longer all meet")
 
         def post() -> None:
-            from ..rendezvous.tcp_protocol import EXITED_KEY
-            from ..rendezvous.tcp_store import TCPStore
-
             with contextlib.suppress(TensorwireError, OSError):
                 store = TCPStore(self.plan.bind_addr, port, timeout=EXIT_NOTICE_TIMEOUT_S, secret=secret)
                 try:
@@ -529,10 +530,6 @@ class Launcher:
             print(f"tensorwire run: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, InvalidArgumentError) else 1
         if plan.node_rank == 0:
-            from ..config import Config
-            from ..rendezvous.tcp_protocol import StoreLimits
-            from ..rendezvous.tcp_server import TCPStoreServer
-
             try:
                 store_limits = StoreLimits.from_config(Config.from_env())
             except ValueError as exc:
@@ -576,8 +573,6 @@ class Launcher:
                     child.reader.join(timeout=1.0)
             if server is not None:
                 server.close()
-            from ..transport.shm_segments import remove_stale
-
             remove_stale()  # segments of ranks killed before they unlinked them (in group setup)
         return self._report(first_failure)
 

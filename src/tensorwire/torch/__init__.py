@@ -12,7 +12,6 @@ compress only between hosts (hooks.py). See docs/torch.md.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -22,7 +21,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
 
-from ..errors import named
+from .. import auth
+from ..errors import TensorwireError, named
+from ..rendezvous import bootstrap
+from ..rendezvous.tcp_store import TCPStore as TwTCPStore
 from . import world
 from .hooks import bf16_allreduce_hook, fp16_allreduce_hook
 from .process_group import BACKEND_NAME, ProcessGroupTensorwire
@@ -66,8 +68,16 @@ _RDZV = sys.modules["torch.distributed.rendezvous"]
 _TORCH_ENV_HANDLER = _RDZV._rendezvous_handlers.get("env")
 
 
-def _under_tensorwire_run() -> bool:
-    return bool(os.environ.get("TENSORWIRE_JOB_ID")) and os.environ.get("TENSORWIRE_STORE_HOSTED") == "1"
+def _tensorwire_run() -> bootstrap.LaunchInfo | None:
+    """This process's launch where `tensorwire run` started it and hosts the job's store; else
+    None: torch's env:// serves (an environment tensorwire cannot read is no tensorwire run's,
+    which always sets a readable one: torch's env:// judges it)."""
+    try:
+        info = bootstrap.detect()
+    except TensorwireError:
+        return None
+    hosted = info.source == "tensorwire" and info.store_hosted  # torchrun's agent hosts a store too
+    return info if hosted else None
 
 
 _env_inits = 0
@@ -75,24 +85,22 @@ _env_inits = 0
 
 def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
                  **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    if not _under_tensorwire_run() or _TORCH_ENV_HANDLER is None:
+    info = _tensorwire_run()
+    if info is None or _TORCH_ENV_HANDLER is None:
         assert _TORCH_ENV_HANDLER is not None
         yield from _TORCH_ENV_HANDLER(url, timeout=timeout, **kwargs)
         return
     global _env_inits
-    from ..rendezvous import bootstrap
-    from ..rendezvous.tcp_store import TCPStore as TwTCPStore
-
     query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
-    rank = int(query.get("rank", os.environ["RANK"]))
-    size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank = int(query.get("rank", info.rank))
+    size = int(query.get("world_size", info.world_size))
+    addr, port = info.master_addr, info.master_port
+    assert addr is not None and port is not None  # tensorwire run always sets them
     _env_inits += 1
     key = f"tw/torch-store/{_env_inits}"
     seconds = timeout.total_seconds()
     with named(rank, "init_process_group"):
-        tw_store = TwTCPStore(addr, port, timeout=seconds, server=False,
-                              secret=bootstrap.job_secret(bootstrap.detect()))
+        tw_store = TwTCPStore(addr, port, timeout=seconds, server=False, secret=bootstrap.job_secret(info))
     try:
         if rank == 0:
             listen_fd, torch_port = _loopback_listener(addr)
@@ -112,8 +120,6 @@ def _loopback_listener(addr: str) -> tuple[int | None, int]:
     """(descriptor, port) of a socket listening on `addr` alone, handed over to torch's store,
     where `addr` is a loopback address; else (None, 0): torch's store listens on every interface,
     as the ranks of other hosts must reach it."""
-    from .. import auth
-
     if not auth.is_loopback(addr):
         return None, 0
     family, _, _, _, address = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
