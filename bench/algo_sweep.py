@@ -63,10 +63,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tensorwire.config import parse_size, size_text
 from tensorwire.tools.benchmarks import algos as bench_algo
 from tensorwire.tools.benchmarks.loadmeter import busy_seconds, wait_quiet
-from tensorwire.tools.benchmarks.options import parse_size
-from tensorwire.tools.benchmarks.report import human
 from tensorwire.tools.benchmarks.sweep import size_list
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,7 +197,7 @@ def collective_table(results: list[dict[str, Any]]) -> list[str]:
         others = ", ".join(f"{k} {fmt_us(c[key])} ({c['measured_over_predicted']:.2f})"
                            for k, c in sorted(res["cells"].items(), key=lambda kv: kv[1][key])
                            if k != "auto")
-        cells = [human(res["size"]), res.get("auto") or "-", fmt_us(auto.get(key)),
+        cells = [size_text(res["size"], exact=True), res.get("auto") or "-", fmt_us(auto.get(key)),
                  res.get("best", "-"), fmt_us(res.get("best_time_us")),
                  "-" if over is None else f"{over:.2f}" + ("" if auto_ok else " ✗" + forced_run(res)),
                  fmt_us(auto.get("predicted_us")),
@@ -217,7 +216,7 @@ def exceptions(by_coll: dict[str, list[dict[str, Any]]]) -> list[str]:
     for coll, results in by_coll.items():
         for res in results:
             auto_ok, pred_ok = verdicts(res)
-            key, cells, where = judged(res), res["cells"], f"{coll} {human(res['size'])}"
+            key, cells, where = judged(res), res["cells"], f"{coll} {size_text(res['size'], exact=True)}"
             chosen, best = res.get("auto"), res.get("best")
             if auto_ok is False:
                 over = f"auto {res['auto_over_best']:.2f}x the best"
@@ -375,8 +374,8 @@ def _calls(params: dict[str, Any]) -> str:
     if len(found) == 1:
         return f"{found[0][3]} warm-up + {found[0][2]} timed calls"
     (_, small_hi, small_n, small_w), (large_lo, _, large_n, large_w) = found
-    return (f"{small_w} warm-up + {small_n} timed calls up to {human(small_hi)}, "
-            f"{large_w} + {large_n} from {human(large_lo)}")
+    return (f"{small_w} warm-up + {small_n} timed calls up to {size_text(small_hi, exact=True)}, "
+            f"{large_w} + {large_n} from {size_text(large_lo, exact=True)}")
 
 
 def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
@@ -397,7 +396,8 @@ def run_setting(setting: str, a: argparse.Namespace, work: Path) -> dict:
             rc, wall, foreign = run_launch(cmd, env, a.launch_timeout + 30, json_path.with_suffix(".log"))
             doc = json.loads(json_path.read_text()) if json_path.exists() else None
             print(f"[{setting}] {coll}: exit {rc}, {wall:.0f} s, foreign CPU {foreign:.2f} cores", flush=True)
-            launch = {"coll": coll, "sizes": f"{human(band[0])}–{human(band[1])}", "cmd": shown,
+            sizes = f"{size_text(band[0], exact=True)}–{size_text(band[1], exact=True)}"
+            launch = {"coll": coll, "sizes": sizes, "cmd": shown,
                       "env": env_extra, "rc": rc, "wall_s": wall, "foreign_cores": foreign, "doc": doc}
             if kept is None or (doc is not None and (kept["doc"] is None or foreign < kept["foreign_cores"])):
                 kept = launch

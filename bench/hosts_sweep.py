@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorwire.config import parse_size
-from tensorwire.tools.benchmarks.report import fmt_us, human, machine, machine_lines
+from tensorwire.config import parse_size, size_text
+from tensorwire.tools.benchmarks.report import fmt_us, machine, machine_lines
 from tensorwire.tools.benchmarks.sweep import size_list
 
 HERE = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def table(coll: str, results: list[dict[str, Any]], gloo_rows: list[dict[str, An
         auto = cells.get("auto")
         flat, hier = best(cells, False), best(cells, True)
         g = gloo.get(res["size"])
-        cols = [human(res["size"]),
+        cols = [size_text(res["size"], exact=True),
                 f"{fmt_us(auto['mean_us'])} ({res['auto']})" if auto else "-",
                 f"{fmt_us(flat[1])} ({flat[0]})" if flat else "-",
                 f"{fmt_us(hier[1])} ({hier[0]})" if hier else "not eligible",

@@ -7,6 +7,7 @@ to report something else.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tensorwire.config import Config, parse_size, size_text
 from tensorwire.ops import ReduceOp, Reduction
 from tensorwire.tools.benchmarks import algos as bench_algo
 from tensorwire.tools.benchmarks import check, options, report, sweep
@@ -226,12 +228,32 @@ def test_other_tools_usage_errors() -> None:
 
 
 def test_parse_size() -> None:
-    assert options.parse_size("8") == 8
-    assert options.parse_size("64K") == 64 << 10
-    assert options.parse_size("1M") == 1 << 20
-    assert options.parse_size("2G") == 2 << 30
-    assert options.parse_size("256MB") == 256 << 20
-    assert options.parse_size("4KiB") == 4 << 10
+    assert parse_size("8") == 8
+    assert parse_size("64K") == 64 << 10
+    assert parse_size("1M") == 1 << 20
+    assert parse_size("2G") == 2 << 30
+    assert parse_size("256MB") == 256 << 20
+    assert parse_size("4KiB") == 4 << 10
+
+
+def test_one_size_reader_and_writer_for_settings_options_and_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A negative size is refused wherever it is read, naming where it came from (the setting's
+    reader once took "-8" for -8 bytes, the bench's options refused it); one formatter writes
+    sizes, exactly where a table names them."""
+    with pytest.raises(ValueError, match=r"^TENSORWIRE_SHM_RING='-8': expected a size of 0 or more$"):
+        parse_size("-8", "TENSORWIRE_SHM_RING")
+    with pytest.raises(ValueError, match=r"^'-8': expected a size of 0 or more$"):
+        parse_size("-8")
+    with pytest.raises(argparse.ArgumentTypeError, match="'-8': expected a size of 0 or more"):
+        options.size_argument("-8")
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "-8")
+    with pytest.raises(ValueError, match="TENSORWIRE_SHM_DIRECT='-8': expected a size of 0 or more"):
+        Config.from_env()
+    assert [size_text(n) for n in (0, 1536, 64 << 20, 13_893_632, 1_040_000, 3 << 40)] == \
+        ["0 B", "1.5 KiB", "64 MiB", "13.2 MiB", "1016 KiB", "3 TiB"]
+    assert [size_text(n, exact=True) for n in (1536, 1 << 20, (1 << 20) + 8)] == \
+        ["1536 B", "1 MiB", "1048584 B"]
+    assert sweep.busbw_factor("pingpong", 4) == 2.0  # a round trip timed: the rate one way
 
 
 def test_size_list() -> None:

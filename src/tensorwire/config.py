@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import sys
 import warnings
@@ -51,13 +52,7 @@ def warn_unknown_settings() -> None:
 
 def _env_size(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
-    try:
-        size = parse_size(raw) if raw else None
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    if size is not None and size < 0:
-        raise ValueError(f"{name}={raw!r}: expected a size of 0 or more")
-    return size
+    return parse_size(raw, name) if raw else None
 
 
 def _env_size_or(name: str, default: int) -> int:
@@ -181,16 +176,39 @@ def _env_bool(name: str, default: bool) -> bool:
 _CALIBRATE_ALIASES = {"": "1", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0"}
 
 
-def parse_size(text: str) -> int:
-    """'8', '64K', '64KiB', '1M', '2G' -> bytes (binary multiples, as nccl-tests reads them)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
+def parse_size(text: str, setting: str = "") -> int:
+    """'8', '64K', '64KiB', '1M', '2G' -> bytes (binary multiples, as nccl-tests reads them).
+    ValueError naming `setting` (the variable or option it came from, where the caller's own
+    error does not) for anything else, a negative size included."""
+    t = str(text).strip().upper()
+    t = t.removesuffix("IB") if t.endswith("IB") else t.removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
     if mult != 1:
         t = t[:-1]
     try:
-        return int(float(t) * mult)
-    except (ValueError, OverflowError) as exc:  # OverflowError: inf
-        raise ValueError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from exc
+        value = float(t)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        named = f"{setting}: " if setting else ""
+        raise ValueError(f"{named}cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)")
+    if value < 0:
+        named = f"{setting}={text!r}" if setting else repr(text)
+        raise ValueError(f"{named}: expected a size of 0 or more")
+    return int(value * mult)
+
+
+def size_text(nbytes: int, exact: bool = False) -> str:
+    """'64 MiB', '1.5 GiB', '13.2 MiB', '512 B': in the largest binary unit it fills, to 3
+    significant digits; `exact`: only in a unit that divides it ('1048584 B': a size a
+    benchmark's table names)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        value = nbytes / (1 << shift)
+        if value >= 1 and not (exact and nbytes % (1 << shift)):
+            if value == int(value):
+                return f"{int(value)} {unit}"
+            return f"{round(value, 2 if value < 10 else 1 if value < 100 else 0):g} {unit}"
+    return f"{nbytes} B"
 
 
 TCP_SNDBUF = 256 << 10

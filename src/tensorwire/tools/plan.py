@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from ..algorithms.prices import Link
 from ..algorithms.registry import COLLECTIVES, algorithms_for
-from ..config import Config, parse_size
+from ..config import Config, parse_size, size_text
 from ..errors import InvalidArgumentError
 from ..transport.pumps import pump_threads, streams_per_pair
 from ..tuning import policy, pricing
@@ -54,7 +54,6 @@ from ..tuning.pricing import (
     cheapest,
     cluster_prices,
     crossovers,
-    format_size,
     host_link_flows,
     why_not,
 )
@@ -214,7 +213,7 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
            out: Callable[[str], None], cores: int = 1) -> None:
     algs = list(algorithms_for(collective).values())
     mode = ", deterministic mode" if cfg.deterministic else ""
-    out(f"{collective} of {format_size(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
+    out(f"{collective} of {size_text(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
     for tier in tiers:
         if tier.link is None:
             continue
@@ -243,7 +242,7 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             one, reads = tier.compiled[DIRECT_COMPILED], tier.compiled.get(CMA_COMPILED)
             moves = "" if reads is None else f", single copy α {reads.alpha * 1e6:.3g} us"
             out(f"    {REPEATED.strip(' ,')}, the rows below: run whole in C, one shot α "
-                f"{one.alpha * 1e6:.3g} us (a reduction's up to {format_size(COMPILED_BYTES)}: β "
+                f"{one.alpha * 1e6:.3g} us (a reduction's up to {size_text(COMPILED_BYTES)}: β "
                 f"{describe_rate(one)}){moves}")
         tcp = tier.name == "tcp"
         streams = streams_at(tier, n, cores, cfg.nsocks, cfg.socket_threads, n - 1) if tcp else None
@@ -268,11 +267,11 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    {FIRST.strip(' ,')} (from Python): {text} -> {first[0][1]}")
         changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams, cores)
         if changes:
-            text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
+            text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {size_text(s)}" for s, a, b in changes)
             out(f"    crossover: {text}")
         else:
             only = cheapest(algs, collective, n, 1, tier, cfg, direct_bytes, streams, cores)
-            out(f"    crossover: none between {format_size(SWEEP[0])} and {format_size(SWEEP[1])} "
+            out(f"    crossover: none between {size_text(SWEEP[0])} and {size_text(SWEEP[1])} "
                 f"({only or 'no algorithm'} is cheapest throughout)")
 
 
@@ -280,7 +279,7 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
                    cfg: Config, out: Callable[[str], None], cores: int = 1) -> None:
     n = hosts * per_host
     streams = streams_at(net, per_host, cores, cfg.nsocks, cfg.socket_threads, hosts * per_host - 1)
-    out(f"{collective} of {format_size(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} "
+    out(f"{collective} of {size_text(m)} on {n} ranks: {hosts} hosts x {per_host} ranks, {local.name} "
         f"within a host, {net.name} between hosts ({per_host / max(1, min(nics, per_host)):g} rank(s) per "
         f"host link)")
     out(f"  within a host: {describe_link(local.link)}  [{local.origin}]")
@@ -315,7 +314,7 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
 
     changes = changes_of(winner)
     if changes:
-        text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {format_size(s)}" for s, a, b in changes)
+        text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {size_text(s)}" for s, a, b in changes)
         out(f"    crossover: {text}")
     else:
         out(f"    crossover: none ({winner(1) or 'no algorithm'} is cheapest throughout)")
@@ -384,9 +383,9 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
                 raise InvalidArgumentError(f"tensorwire plan: unknown collective {args.collective!r} "
                                            f"(known: {', '.join(COLLECTIVES)}, all)")
             colls = [coll]
-        m = parse_size(args.size)
-        if args.np < 1 or m < 0:
-            raise InvalidArgumentError("tensorwire plan: --np must be >= 1 and SIZE >= 0")
+        m = parse_size(args.size, "tensorwire plan: SIZE")
+        if args.np < 1:
+            raise InvalidArgumentError("tensorwire plan: --np must be >= 1")
         if args.gamma is not None and not 0 < args.gamma < float("inf"):
             raise InvalidArgumentError(f"tensorwire plan: --gamma must be a positive rate in GB/s, got "
                                        f"{args.gamma}")

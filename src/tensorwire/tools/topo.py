@@ -9,6 +9,7 @@ from typing import Any
 
 import tensorwire as tw
 
+from ..config import size_text
 from ..transport import shm_budget
 from . import launcher
 
@@ -70,8 +71,7 @@ def _this_host(world: Any) -> dict[str, Any]:
 def _described(here: dict[str, Any]) -> list[str]:
     waiting = "waiting ranks yield at once" if here["oversubscribed"] else "waiting ranks spin first"
     forced = " (TENSORWIRE_TRANSPORT=tcp)" if here["transport"] == "tcp" else ""
-    size = shm_budget.size_text
-    shm = f"{size(here['dev_shm_free'])} free of {size(here['dev_shm_bytes'])}"
+    shm = f"{size_text(here['dev_shm_free'])} free of {size_text(here['dev_shm_bytes'])}"
     return [f"transport: {here['transport']}{forced}; over TCP {here['tcp_streams']} stream(s) a pair, "
             f"{here['pump_threads']} pump thread(s) a rank",
             f"rank 0's machine: {here['cores']} usable core(s) for its {here['machine_ranks']} rank(s), "

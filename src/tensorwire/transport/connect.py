@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import auth, limits, log
-from ..config import Config
+from ..config import Config, size_text
 from ..errors import (
     InvalidArgumentError,
     RendezvousError,
@@ -184,8 +184,8 @@ def wire_engine(rank: int, world_size: int, cfg: Config, job_id: str, secret: au
         raise
     _log.info("rank %d listening on %s:%d (host %s); %s peer(s) on this host, rings grow up to %s within %s "
               "of /dev/shm; pairs connect on first use", rank, card["addr"], wiring.port, card["host"],
-              local - 1 if local > 0 else "unknown", shm_budget.size_text(wiring.rings.ring_max),
-              shm_budget.size_text(share))
+              local - 1 if local > 0 else "unknown", size_text(wiring.rings.ring_max),
+              size_text(share))
     if len(cards) > 1 and _log.isEnabledFor(20):
         kinds = {r: engine.planned_kind(r) for r in cards if r != rank}
         _log.info("rank %d wired: shm peers %s, tcp peers %s", rank,

@@ -14,6 +14,7 @@ import functools
 import os
 
 from .. import limits, log
+from ..config import size_text
 from ..errors import TensorwireWarning
 from . import cma, shm_budget
 from .shm_segments import Ring
@@ -63,8 +64,8 @@ class PairRings:
             size = shm_budget.halve(size, floor) if size > floor else floor - 1
         if made is None or made.capacity < capacity:
             refused = by_tmpfs and not self._warned
-            text = (f"a ring toward rank {peer} of {shm_budget.size_text(made.capacity)} instead of "
-                    f"{shm_budget.size_text(capacity)}" if made is not None else
+            text = (f"a ring toward rank {peer} of {size_text(made.capacity)} instead of "
+                    f"{size_text(capacity)}" if made is not None else
                     f"no ring toward rank {peer} ({os.strerror(why) if why else 'refused'}): that pair talks "
                     f"over TCP")
             if refused:
@@ -74,14 +75,14 @@ class PairRings:
                                              f"mapping a ring toward rank {peer}", "raise the limit")
                          if why == errno.ENOMEM else None)
                 said = (f"{cause}, so {text}" if cause is not None else
-                        f"/dev/shm holds {shm_budget.size_text(total)} ({shm_budget.size_text(free)} free "
+                        f"/dev/shm holds {size_text(total)} ({size_text(free)} free "
                         f"now): it refused a ring that fit what tensorwire planned at init (another program "
                         f"took its space since?), so {text}")
                 log.warn(f"rank {self.rank}: {said}. Results are unchanged, large messages are slower "
                          f"(docs/limits.md)", TensorwireWarning)
             else:
                 _log.info("rank %d: %s (this rank's rings hold %s of their share of %s)", self.rank, text,
-                          shm_budget.size_text(self.budget.used), shm_budget.size_text(self.budget.limit))
+                          size_text(self.budget.used), size_text(self.budget.limit))
         return made, why
 
     def source(self, peer: int) -> RingGrower:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from .. import log
+from ..config import size_text
 from ..limits import translate, typical_peers
 from .segment import GroupSegment
 from .shm_segments import SHM_DIR, Ring, remove_stale
@@ -152,13 +153,6 @@ def shrinking(make: Callable[[int], T], nbytes: int, floor: int) -> tuple[T | No
             if why not in SPACE_ERRORS or nbytes <= floor:
                 return None, why
             nbytes = halve(nbytes, floor)
-
-
-def size_text(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.4g} {unit}"
-    return f"{nbytes} B"
 
 
 def _setting(nbytes: int) -> str:

@@ -347,14 +347,6 @@ def changes_of(best: Callable[[int], str | None],
     return out
 
 
-def format_size(m: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if m >= 1 << shift:
-            v = m / (1 << shift)
-            return f"{v:.3g} {unit}" if v != int(v) else f"{int(v)} {unit}"
-    return f"{m} B"
-
-
 # -- a cluster: hosts of several ranks -------------------------------------------------------------
 
 def cluster_prices(collective: str, m: int, hosts: int, per_host: int, nics: int, local: Tier, net: Tier,

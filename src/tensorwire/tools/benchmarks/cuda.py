@@ -27,14 +27,14 @@ import sys
 import time
 from typing import Any
 
+from .options import size_argument
+from .sweep import busbw_factor
+
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "alltoall", "pingpong")
 """pingpong: rank 0 sends to rank 1, which sends it back (send/recv; other ranks idle): the
 time is the round trip, busbw the bandwidth one way."""
 _GRAPH_CALLS = 100  # calls captured in one graph (--graph): a replay runs them all
 _CAPTURABLE = ("all_reduce", "broadcast", "all_gather")
-_BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0,
-          "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-          "alltoall": lambda n: (n - 1) / n, "pingpong": lambda n: 2.0}
 
 
 def _sizes(lo: int, hi: int, factor: int) -> list[int]:
@@ -163,7 +163,7 @@ def _measure(torch: Any, dist: Any, lib: _Lib, coll: str, nbytes: int, n: int, r
     moved = recv.numel() * 4 if coll != "reduce_scatter" else send.numel() * 4
     return {"lib": lib.name + (" graph" if graph else ""), "coll": coll, "bytes": moved, "mean_s": mean,
             "p50_s": p50, "p99_s": p99, "host_s": host, "wrong": int(wrong),
-            "busbw_GBps": moved * _BUSBW[coll](n) / mean / 1e9}
+            "busbw_GBps": moved * busbw_factor(coll, n) / mean / 1e9}
 
 
 def _rank(rank: int, n: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -257,14 +257,12 @@ def _no_device() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...config import parse_size
-
     p = argparse.ArgumentParser(prog="tensorwire bench --device cuda", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks (GPUs round robin)")
     p.add_argument("colls", nargs="*", default=["all"], help=f"collectives: {', '.join(COLLECTIVES)} or all")
-    p.add_argument("-b", "--minbytes", default="8")
-    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-b", "--minbytes", type=size_argument, default=8)
+    p.add_argument("-e", "--maxbytes", type=size_argument, default=64 << 20)
     p.add_argument("-f", "--stepfactor", type=int, default=8)
     p.add_argument("-n", "--iters", type=int, default=0, help="timed calls per size (0: by size)")
     p.add_argument("--compare", default="gloo", help="gloo, nccl or both, comma-separated ('' for none)")
@@ -272,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
                    f"from a CUDA graph of {_GRAPH_CALLS} calls")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
-    args.minbytes, args.maxbytes = parse_size(args.minbytes), parse_size(args.maxbytes)
     args.colls = list(COLLECTIVES) if "all" in args.colls else args.colls
     args.compare = {c.strip() for c in args.compare.split(",") if c.strip()}
     bad = set(args.colls) - set(COLLECTIVES)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...config import parse_size
 from .sweep import COLLECTIVES, NO_INPLACE, REDUCING, size_list
 
 DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double",
@@ -60,20 +60,12 @@ that one algorithm (sizes where it cannot run say so).
 LIBRARIES = ("gloo", "mpi")  # what --compare runs beside tensorwire
 
 
-def parse_size(text: str) -> int:
-    """nccl-tests sizes: 8, 64K, 1M, 2G (binary multiples; a trailing B / iB is allowed)."""
-    t = str(text).strip().upper()
-    t = t.removesuffix("IB") if t.endswith("IB") else t.removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    if mult != 1:
-        t = t[:-1]
+def size_argument(text: str) -> int:
+    """An option's size (config.parse_size), its error as argparse shows it: after the option."""
     try:
-        value = float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r} (use e.g. 8, 64K, 1M, 2G)") from None
-    if value < 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a non-negative number of bytes")
-    return int(value * mult)
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_at_least(least: int) -> Callable[[str], int]:
@@ -124,13 +116,13 @@ def build_parser(prog: str = "tensorwire bench") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: CUDA tensors, ranks round robin over the GPUs, with Gloo and NCCL beside "
                         "(its options: tensorwire bench --device cuda --help); default cpu")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=8, metavar="SIZE",
+    p.add_argument("-b", "--minbytes", type=size_argument, default=8, metavar="SIZE",
                    help="smallest size (default 8); sizes read as nccl-tests: 8, 64K, 1M, 2G")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20, metavar="SIZE",
+    p.add_argument("-e", "--maxbytes", type=size_argument, default=32 << 20, metavar="SIZE",
                    help="largest size (default 32M)")
     p.add_argument("-f", "--stepfactor", type=_positive_int, default=2, metavar="F",
                    help="multiply the size by F each step (default 2); 1 means add --stepbytes")
-    p.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20, metavar="SIZE",
+    p.add_argument("-i", "--stepbytes", type=size_argument, default=1 << 20, metavar="SIZE",
                    help="increment between sizes when --stepfactor is 1 (default 1M)")
     p.add_argument("-n", "--iters", type=_count_or_auto(_positive_int), default=20, metavar="N",
                    help="timed iterations per size (default 20); auto: by size, 1000 up to 4 KiB "

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ...config import size_text
 from .sweep import busbw_factor
 
 TENSORWIRE = "tensorwire"
@@ -159,13 +160,6 @@ def fmt_us(us: float) -> str:
     return f"{us:.2f}"
 
 
-def human(nbytes: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= div and nbytes % div == 0:
-            return f"{nbytes // div} {unit}"
-    return f"{nbytes} B"
-
-
 def _time_cell(c: Cell | None) -> str:
     if c is None:
         return "-"
@@ -260,7 +254,7 @@ def markdown_tables(ts: Sequence[Table]) -> list[str]:
             lines += [_pair_text(t) + ".", ""]
         lines += ["| " + " | ".join(heads) + " |", "|" + "---:|" * len(heads)]
         for size, times, rats in t.rows:
-            lines.append("| " + " | ".join([human(size), *times, *rats]) + " |")
+            lines.append("| " + " | ".join([size_text(size, exact=True), *times, *rats]) + " |")
         if t.geomean:
             means = ", ".join(f"tw/{o} **{fmt_ratio(g)}**" for o, g in t.geomean.items())
             lines += ["", f"Geometric mean: {means}."]
@@ -379,7 +373,7 @@ def plot(cs: Sequence[Cell], path: str, title: str) -> None:
         raise RuntimeError("--plot: nothing to plot (barrier alone has no sizes)")
     fig, axes = plt.subplots(len(colls), 2, figsize=(11, 3.2 * len(colls) + 0.4), squeeze=False,
                              layout="constrained")
-    sizes = matplotlib.ticker.FuncFormatter(lambda x, _pos: human(int(x)).replace(" ", ""))
+    sizes = matplotlib.ticker.FuncFormatter(lambda x, _pos: size_text(int(x), exact=True).replace(" ", ""))
     for row, coll in enumerate(colls):
         series: dict[tuple[str, str, str, str], list[Cell]] = defaultdict(list)
         for c in cs:

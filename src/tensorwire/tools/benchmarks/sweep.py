@@ -68,12 +68,16 @@ def schedule(nbytes: int) -> tuple[int, int]:
 
 
 def busbw_factor(coll: str, n: int) -> float:
+    """nccl-tests' bus bandwidth over algorithm bandwidth; pingpong's time is a round trip
+    (tools/benchmarks/cuda.py), its bus bandwidth the rate one way."""
     if coll == "all_reduce":
         return 2.0 * (n - 1) / n
     if coll in ("all_gather", "reduce_scatter", "alltoall", "gather", "scatter"):
         return (n - 1) / n
     if coll in ("broadcast", "reduce", "sendrecv"):
         return 1.0
+    if coll == "pingpong":
+        return 2.0
     if coll == "barrier":
         return 0.0
     raise ValueError(f"unknown collective {coll!r}")
