@@ -12,6 +12,8 @@ import resource
 import shutil
 from importlib import metadata
 
+from ..config import size_text
+
 
 def _version_of(dist: str) -> str | None:
     try:
@@ -61,8 +63,7 @@ def shm_line() -> str:
         st = os.statvfs("/dev/shm")
     except OSError as exc:
         return f"unusable ({exc}): ranks of one host talk over TCP"
-    gib = 1 << 30
-    return f"{st.f_bavail * st.f_frsize / gib:.1f} GiB free of {st.f_blocks * st.f_frsize / gib:.1f} GiB"
+    return f"{size_text(st.f_bavail * st.f_frsize)} free of {size_text(st.f_blocks * st.f_frsize)}"
 
 
 def lines() -> list[tuple[str, str]]:
