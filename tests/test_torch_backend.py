@@ -953,6 +953,18 @@ def _close(what: str, got, want, tol: float) -> None:
     assert ok, f"{what}: got {got}, want {want}"
 
 
+def test_torch_groups_derive_their_context_ids_as_tensorwire_groups_do() -> None:
+    """One 32-bit FNV-1a (group/context.py) derives every context id: a torch group's from its
+    name and ranks, new_group's and split's from their parts; the values stay what they were."""
+    from tensorwire.group.context import context_of, mix_context
+    from tensorwire.torch.world import context_id
+
+    assert (context_of(b""), context_of(b"a")) == (0x811C9DC5, 0xE40C292C)  # FNV-1a's own test vectors
+    assert context_id("0", [0, 1]) == context_of(b"torch/0/0,1") == 2963739802
+    parts = b"".join(p.to_bytes(8, "little") for p in (1, 2, 3))
+    assert mix_context(1, 2, 3) == context_of(parts) == 1095553189
+
+
 def test_a_work_wait_beyond_what_a_thread_can_wait_means_no_limit() -> None:
     """torch passes timedelta: one too large for a thread's wait (a million days) bounds
     nothing, as 0 does, where it raised OverflowError."""

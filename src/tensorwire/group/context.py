@@ -6,10 +6,15 @@ NEW_GROUP = 0x4E455747  # "NEWG", mixed into the contexts new_group derives
 SPLIT = 0x53504C54  # "SPLT", into those split derives
 
 
-def mix_context(*parts: int) -> int:
-    """A context id every rank derives identically (FNV-1a over the parts), never 0 (the world)."""
+def context_of(data: bytes) -> int:
+    """A context id every rank derives identically from `data` (32-bit FNV-1a), never 0 (the
+    world's)."""
     h = 2166136261
-    for part in parts:
-        for b in int(part).to_bytes(8, "little", signed=True):
-            h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    for b in data:
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
     return h or 1
+
+
+def mix_context(*parts: int) -> int:
+    """context_of the parts, 8 bytes each."""
+    return context_of(b"".join(int(part).to_bytes(8, "little", signed=True) for part in parts))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .. import api, log
 from ..errors import InvalidArgumentError, RendezvousError, TimeoutError
+from ..group.context import context_of
 from ..group.group import Group
 from ..rendezvous.store import Store
 from ..rendezvous.torch_store import TorchStoreAdapter
@@ -75,11 +76,8 @@ def timeout_seconds(timeout: Any) -> float | None:
 
 
 def context_id(group_name: str, ranks: list[int]) -> int:
-    """32-bit FNV-1a of the torch group's name and ranks; never 0 (the tensorwire world)."""
-    h = 2166136261
-    for b in f"torch/{group_name}/{','.join(map(str, ranks))}".encode():
-        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
-    return h or 1
+    """The torch group's context id, of its name and ranks."""
+    return context_of(f"torch/{group_name}/{','.join(map(str, ranks))}".encode())
 
 
 def _where(store: Any, size: int) -> str | None:
