@@ -704,11 +704,13 @@ def _bad_arguments() -> dict[str, Any]:
 def test_bad_arguments_raise_locally(cluster: Any) -> None:
     n = cluster.size
     for rank, res in enumerate(cluster.run(_bad_arguments)):
-        _check_error(res["dst"], InvalidArgumentError, f"rank {rank}:", "send", f"peer {n} out of range",
-                     f"size {n}")
-        _check_error(res["negative"], InvalidArgumentError, "send", "peer -1 out of range")
-        _check_error(res["src"], InvalidArgumentError, "recv", f"peer {n + 2} out of range")
-        _check_error(res["peer_type"], InvalidArgumentError, "send", "the peer must be an int", "got 0.5")
+        # worded as a collective's root is
+        _check_error(res["dst"], InvalidArgumentError,
+                     f"rank {rank}: send: peer={n} is out of range for group world of size {n}")
+        _check_error(res["negative"], InvalidArgumentError, "send", "peer=-1 is out of range")
+        _check_error(res["src"], InvalidArgumentError, "recv", f"peer={n + 2} is out of range")
+        _check_error(res["peer_type"], InvalidArgumentError,
+                     "send: peer must be an int (a rank of group world)", "got 0.5")
         _check_error(res["tag_type"], InvalidArgumentError, f"rank {rank}: send on group world: tag 1.5")
         _check_error(res["tag_range"], InvalidArgumentError, "recv", f"tag {1 << 64} is not an integer of 64")
         _check_error(res["tag_any"], InvalidArgumentError, "recv from any rank", "tag 'x'")

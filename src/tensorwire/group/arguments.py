@@ -59,8 +59,13 @@ def array(group: Group, obj: Any, what: str, *, writable: bool, name: str = "ten
         raise  # unreachable: fail_fast raises
 
 
-def invalid(group: Group, what: str, message: str) -> NoReturn:
-    group.fail_fast(InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}"))
+def invalid(group: Group, what: str, message: str, *, collective: bool = True) -> NoReturn:
+    """Refuse call `what` for a bad argument: a collective on every member (group.fail_fast),
+    a point-to-point call or a wait on its caller only."""
+    error = InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}")
+    if collective:
+        group.fail_fast(error)
+    raise error
 
 
 def limit_of(group: Group, timeout: float | None, what: str, *, collective: bool = True,
@@ -76,18 +81,20 @@ def limit_of(group: Group, timeout: float | None, what: str, *, collective: bool
             and (timeout >= 0.0 if poll else timeout > 0.0) and timeout < math.inf \
             and timeout <= sys.float_info.max:  # an int past it: float() would raise OverflowError
         return float(timeout)
-    message = f"timeout must be a positive, finite number of seconds, got {reprlib.repr(timeout)}"
-    if collective:
-        invalid(group, what, message)
-    raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: {message}")
+    invalid(group, what, f"timeout must be a positive, finite number of seconds, got {reprlib.repr(timeout)}",
+            collective=collective)
 
 
-def check_root(group: Group, root: int, what: str, name: str) -> int:
+def check_root(group: Group, root: int, what: str, name: str, *, collective: bool = True) -> int:
+    """`root`, the argument `name` of call `what` (a collective's root, a point-to-point call's
+    peer), as a rank of `group`; a bad one refused as `invalid` refuses it."""
     check_member(group, what)
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool):
-        invalid(group, what, f"{name} must be an int (a rank of group {group.name}), got {root!r}")
+        invalid(group, what, f"{name} must be an int (a rank of group {group.name}), got {root!r}",
+                collective=collective)
     if not 0 <= root < group.size:
-        invalid(group, what, f"{name}={root} is out of range for group {group.name} of size {group.size}")
+        invalid(group, what, f"{name}={root} is out of range for group {group.name} of size {group.size}",
+                collective=collective)
     return int(root)
 
 

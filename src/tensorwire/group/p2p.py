@@ -36,7 +36,7 @@ from ..transport.shm import REMOTE_BYTES
 from ..transport.shm_segments import CTRL_BYTES
 from ..transport.wire import Coll, Header, Kind
 from ..work import Work
-from .arguments import check_member, fingerprint, limit_of
+from .arguments import check_member, check_root, fingerprint, limit_of
 
 if TYPE_CHECKING:
     from ..transport.requests import DeviceTarget
@@ -329,7 +329,7 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
     """Where a point-to-point message goes and how it is labelled, kept per (direction,
     peer, tag, size) with its dtype: the checks, the header and its wire form, and the label
     are most of a small message's time otherwise."""
-    world = _peer(group, peer, "send" if sending else "recv")
+    world = group.ranks[check_root(group, peer, "send" if sending else "recv", "peer", collective=False)]
     _check_tag(group, tag, "send" if sending else "recv")
     if len(group.p2p_routes) >= P2P_ROUTES:
         group.p2p_routes.clear()
@@ -340,17 +340,6 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
     made = group.p2p_routes[(sending, peer, tag, nbytes)] = P2PRoute(
         world, header, header.pack(), (world, header.key), label, _Done(label, group.runtime.rank), dtype)
     return made
-
-
-def _peer(group: Group, peer: int, what: str) -> int:
-    check_member(group, what)
-    if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool):
-        raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: the peer must be an int (a rank of "
-                                   f"group {group.name}), got {peer!r}")
-    if not 0 <= peer < group.size:
-        raise InvalidArgumentError(f"rank {group.runtime.rank}: {what}: peer {peer} out of range "
-                                   f"for group {group.name} of size {group.size}")
-    return group.ranks[peer]
 
 
 def _check_tag(group: Group, tag: Any, what: str) -> None:
