@@ -885,3 +885,17 @@ def test_a_world_that_meets_group_by_group_is_set_up_as_init_sets_one_up() -> No
     assert got["refused"].startswith("rank 1: ") and "rnig" in got["refused"], got
     assert got["cards"] == [1] and got["port"] > 0, got
     assert got["topology"] is None and got["world"] is False, got
+
+
+@pytest.mark.timeout(30)
+def test_a_store_says_whether_this_process_serves_it(tmp_path: Path) -> None:
+    """Store.hosting, declared for every store (init probed stores for a `server` attribute):
+    the TCP store whose server runs in this process, and a prefix view of it, say so; a client
+    of it and a file store do not."""
+    with TCPStore(LOOPBACK, 0, timeout=10, server=True) as host, \
+            TCPStore(LOOPBACK, host.port, timeout=10) as client:
+        assert host.hosting and PrefixStore("tw", host).hosting
+        assert not client.hosting and not PrefixStore("tw", client).hosting
+    store = FileStore(tmp_path / "s", timeout=5)
+    assert not store.hosting
+    store.close()

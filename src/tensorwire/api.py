@@ -167,12 +167,12 @@ def _rendezvous(info: bootstrap.LaunchInfo, cfg: Config, store: Store | None, sc
     # rank read its peer's address of the attempt before (connection refused until timeout).
     scoped = None if root_store is None else PrefixStore(scope, root_store)
     try:
-        serving = info.world_size if getattr(root_store, "server", None) is not None else 0
+        serving = info.world_size if root_store is not None and root_store.hosting else 0
         engine, cards = connect_world(info.rank, info.world_size, scoped, cfg, info.job_id,
                                       local_card(address), deadline, secret, serving)
     except BaseException:
         if root_store is not None and store is None:
-            if getattr(root_store, "server", None) is not None:
+            if root_store.hosting:
                 # This process hosts the store: serve a little longer, so the other ranks
                 # hit their own timeout and name the rank that is really missing, rather
                 # than report a lost store.

@@ -21,6 +21,10 @@ class PrefixStore(Store):
         self.inner = inner
         self.owns = owns
 
+    @property
+    def hosting(self) -> bool:
+        return self.inner.hosting
+
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{check_key(key)}"
 

@@ -91,6 +91,12 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Release connections and files; the store is unusable afterwards."""
 
+    @property
+    def hosting(self) -> bool:
+        """Whether this process serves the store to the others (TCPStore's server): its
+        clients hold this process's descriptors, and closing it ends the store for them."""
+        return False
+
     def __enter__(self) -> Store:
         return self
 

@@ -89,9 +89,8 @@ class TCPStore(Store):
         return f"{self.host}:{self.port}"
 
     @property
-    def server(self) -> TCPStoreServer | None:
-        """The server hosted by this client, if it hosts one."""
-        return self._server
+    def hosting(self) -> bool:
+        return self._server is not None
 
     def _connect(self, timeout: float) -> socket.socket:
         start = time.monotonic()
