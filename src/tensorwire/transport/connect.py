@@ -145,7 +145,8 @@ def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id:
 
 def wire_engine(rank: int, world_size: int, cfg: Config, job_id: str, secret: auth.Secret,
                 card: dict[str, Any], publish: Callable[[dict[str, Any]], dict[int, dict[str, Any]]], *,
-                serving: int = 0, machine: tuple[int, int] | None = None) -> tuple[Engine, dict[int, dict]]:
+                serving: int = 0,
+                machine: tuple[int, int] | None = None) -> tuple[Engine, dict[int, dict[str, Any]]]:
     """Rank `rank`'s engine, wired to connect to any peer on first use (each connection proving
     `secret`), and the cards `publish` returns for this rank's own: `card` (topology.local_card:
     its address `addr`, host name `host`, machine `machine`, ...) with the port this rank
