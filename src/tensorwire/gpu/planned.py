@@ -79,7 +79,7 @@ class SmallAllReduce:
         if not getattr(self.threads, "ready", False):  # a thread with no CUDA runtime call yet has
             driver.use_device(self.device)  # no current context
             self.threads.ready = True
-        return self.group.plans.submit(self.call, self._body, self.direct, False, timeout, t, parity)
+        return self.group.plans.submit(self.call, self._body, self.direct, False, timeout, t, t, parity)
 
     def _body(self, call: CollectiveCall, t: Any, p: int) -> Any:
         cuda, s = self.cuda, self.stream_of(self.device)

@@ -83,14 +83,12 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
                 call, run, red = plan
                 result = tensor if out is None else out
                 if run is None:
-                    done = group.plans.submit(call, bodies.all_reduce, False, async_op, timeout,
+                    done = group.plans.submit(call, bodies.all_reduce, False, async_op, timeout, result,
                                               src, dst, red, result)
-                    if done is not REPLAN:
-                        return done
                 else:
-                    done = group.plans.submit(call, run, True, async_op, timeout, src, dst)
-                    if done is not REPLAN:
-                        return done if async_op else result
+                    done = group.plans.submit(call, run, True, async_op, timeout, result, src, dst)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         if compress is not None:
             invalid(group, what, f"compress={compress!r} compresses tensors in host memory only, "
@@ -137,14 +135,12 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
                 call, direct, run, red = plan
                 result = out if mine and out is not None else tensor
                 if red is not None:
-                    done = group.plans.submit(call, bodies.reduce, direct, async_op, timeout, data, acc, red,
-                                              dst, result, run)
-                    if done is not REPLAN:
-                        return done
-                else:
-                    done = group.plans.submit(call, run, True, async_op, timeout, data, acc)  # ReducePlan
-                    if done is not REPLAN:
-                        return done if async_op else result
+                    done = group.plans.submit(call, bodies.reduce, direct, async_op, timeout, result, data,
+                                              acc, red, dst, result, run)
+                else:  # its ReducePlan
+                    done = group.plans.submit(call, run, True, async_op, timeout, result, data, acc)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return _device(group, timeout).reduce(tensor, dst, op, out, async_op, timeout)
     root = check_root(group, dst, what, "dst")
@@ -181,14 +177,12 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
         if blocks is not None and usable(data, True):
             call, direct, run, red, general = plan
             if general is None:  # its TensorPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, blocks, data)
-                if done is not REPLAN:
-                    return done if async_op else output
+                done = group.plans.submit(call, run, True, async_op, timeout, output, blocks, data)
             else:
-                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout,
+                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout, output,
                                           flats(blocks), data, red, True, output, run)
-                if done is not REPLAN:
-                    return done
+            if done is not REPLAN:
+                return done
     if _on_device(output):
         return _device(group, timeout).reduce_scatter(output, input_list, op, async_op, timeout)
     check_member(group, what)
@@ -223,15 +217,13 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
         if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
             call, direct, run, red, counts = plan
             if counts is not None:
-                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout,
+                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout, output,
                                           blocks_of(inp.reshape(-1), counts), out, red, True, output,
                                           run)
-                if done is not REPLAN:
-                    return done
             else:
-                done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-                if done is not REPLAN:
-                    return done if async_op else output
+                done = group.plans.submit(call, run, True, async_op, timeout, output, inp, out)
+            if done is not REPLAN:
+                return done
     if _on_device(output):
         return _device(group, timeout).reduce_scatter_tensor(output, input, op, async_op, timeout)
     check_member(group, what)
@@ -296,14 +288,12 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
                 call, direct, run, root = plan
                 result = tensor if out is None else out
                 if root is not None:
-                    done = group.plans.submit(call, bodies.broadcast, direct, async_op, timeout, data, dst,
-                                              root, result, run)
-                    if done is not REPLAN:
-                        return done
-                else:
-                    done = group.plans.submit(call, run, True, async_op, timeout, data, dst)  # its Plan
-                    if done is not REPLAN:
-                        return done if async_op else result
+                    done = group.plans.submit(call, bodies.broadcast, direct, async_op, timeout, result, data,
+                                              dst, root, result, run)
+                else:  # its BroadcastPlan
+                    done = group.plans.submit(call, run, True, async_op, timeout, result, data, dst)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return _device(group, timeout).broadcast(tensor, src, out, async_op, timeout)
     root = check_root(group, src, what, "src")
@@ -335,14 +325,12 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
         if blocks is not None and usable(data, False):
             call, direct, run, general = plan
             if general is None:  # its TensorPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, data, blocks)
-                if done is not REPLAN:
-                    return done if async_op else tensor_list
+                done = group.plans.submit(call, run, True, async_op, timeout, tensor_list, data, blocks)
             else:
-                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, data, blocks,
-                                          True, tensor_list, run)
-                if done is not REPLAN:
-                    return done
+                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, tensor_list,
+                                          data, blocks, True, tensor_list, run)
+            if done is not REPLAN:
+                return done
     if _on_device(tensor):
         return _device(group, timeout).all_gather(tensor_list, tensor, async_op, timeout)
     check_member(group, what)
@@ -372,14 +360,12 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
         if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
             call, direct, run, counts = plan
             if counts is not None:
-                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, inp,
+                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, output, inp,
                                           blocks_of(out.reshape(-1), counts), True, output, run)
-                if done is not REPLAN:
-                    return done
             else:
-                done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-                if done is not REPLAN:
-                    return done if async_op else output
+                done = group.plans.submit(call, run, True, async_op, timeout, output, inp, out)
+            if done is not REPLAN:
+                return done
     if _on_device(output):
         return _device(group, timeout).all_gather_into_tensor(output, input, async_op, timeout)
     check_member(group, what)
@@ -432,14 +418,13 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
         if plan is not None and usable(data, False) and (group.rank != dst or blocks is not None):
             call, direct, run, root = plan
             if root is None:  # its GatherPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, data, blocks)
-                if done is not REPLAN:
-                    return done if async_op else gather_list
+                done = group.plans.submit(call, run, True, async_op, timeout, gather_list, data, blocks)
             else:
-                done = group.plans.submit(call, bodies.gather, direct, async_op, timeout, buffers.flat(data),
-                                          None if blocks is None else flats(blocks), dst, gather_list, run)
-                if done is not REPLAN:
-                    return done
+                done = group.plans.submit(call, bodies.gather, direct, async_op, timeout, gather_list,
+                                          buffers.flat(data), None if blocks is None else flats(blocks), dst,
+                                          gather_list, run)
+            if done is not REPLAN:
+                return done
     if _on_device(tensor):
         return _device(group, timeout).gather(tensor, gather_list, dst, async_op, timeout)
     root = check_root(group, dst, what, "dst")
@@ -470,15 +455,13 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
         if plan is not None and usable(data, True) and (group.rank != src or blocks is not None):
             call, direct, run, root = plan
             if root is None:  # its ScatterPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, blocks, data)
-                if done is not REPLAN:
-                    return done if async_op else tensor
+                done = group.plans.submit(call, run, True, async_op, timeout, tensor, blocks, data)
             else:
-                done = group.plans.submit(call, bodies.scatter, direct, async_op, timeout,
+                done = group.plans.submit(call, bodies.scatter, direct, async_op, timeout, tensor,
                                           None if blocks is None else flats(blocks), buffers.flat(data),
                                           src, tensor, run)
-                if done is not REPLAN:
-                    return done
+            if done is not REPLAN:
+                return done
     if _on_device(tensor):
         return _device(group, timeout).scatter(tensor, scatter_list, src, async_op, timeout)
     root = check_root(group, src, what, "src")
@@ -585,15 +568,15 @@ def all_to_all_single(group: Group, output: Any, input: Any,
         if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
             call, direct, run, counts = plan
             if counts is None:  # the one shot through the slots: in place is fine there
-                done = group.plans.submit(call, run, True, async_op, timeout, inp, out)
-                if done is not REPLAN:
-                    return done if async_op else output
-            elif not np.may_share_memory(inp, out):
-                done = group.plans.submit(call, bodies.all_to_all, direct, async_op, timeout,
+                done = group.plans.submit(call, run, True, async_op, timeout, output, inp, out)
+            elif np.may_share_memory(inp, out):  # not for the algorithms: the checked path copies
+                done = REPLAN
+            else:
+                done = group.plans.submit(call, bodies.all_to_all, direct, async_op, timeout, output,
                                           blocks_of(inp.reshape(-1), counts),
                                           blocks_of(out.reshape(-1), counts), True, output, run)
-                if done is not REPLAN:
-                    return done
+            if done is not REPLAN:
+                return done
     if _on_device(output):
         return _device(group, timeout).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                               async_op, timeout)
@@ -637,5 +620,5 @@ def barrier(group: Group, *, async_op: bool = False, timeout: float | None = Non
         check_member(group, "barrier")
         plan = group.plans.remember_barrier()
     call, body, direct = plan
-    done = group.plans.submit(call, body, direct, async_op, timeout)
+    done = group.plans.submit(call, body, direct, async_op, timeout, None)
     return barrier(group, async_op=async_op, timeout=timeout) if done is REPLAN else done

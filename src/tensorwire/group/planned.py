@@ -201,12 +201,13 @@ class Plans(dict):
         return tuner.noting(run, "direct") if self.queue.logged else run
 
     def submit(self, call: CollectiveCall, body: Callable[..., Any], direct: bool, async_op: bool,
-               timeout: float | None, *args: Any) -> Any:
-        """CallQueue.submit for a planned call, given the plan's own call object. A body that
-        can run inline, with nothing arrived that must be vetted first, reuses that object: the
-        setup saved is a fifth of a small call's time. A body of the direct path starts its
-        deadline only if it has to wait; one of the message path runs so only in a group
-        without a segment (else the segment must be stamped with the call, CallQueue._run)."""
+               timeout: float | None, result: Any, *args: Any) -> Any:
+        """CallQueue.submit for a planned call, given the plan's own call object: its Work where
+        `async_op`, else `result` (the caller's output object), or REPLAN. A body that can run
+        inline, with nothing arrived that must be vetted first, reuses that object: the setup
+        saved is a fifth of a small call's time. A body of the direct path starts its deadline
+        only if it has to wait; one of the message path runs so only in a group without a
+        segment (else the segment must be stamped with the call, CallQueue._run)."""
         engine = self.engine
         if timeout is not None:
             limit_of(self.group, timeout, call.name)
@@ -223,7 +224,8 @@ class Plans(dict):
             queue.settle(timeout)
             if self.ctx != ctx:  # renewed: the plan was bound to the old segment
                 return REPLAN
-            return queue.submit(call.fp, call.name, body, async_op, timeout, *args)
+            done = queue.submit(call.fp, call.name, body, async_op, timeout, *args)
+            return done if async_op else result
         queue.busy = True  # at once: from here a call another thread makes takes the checked way
         queue.current = call
         try:
@@ -237,8 +239,12 @@ class Plans(dict):
             # out: two arrays (most planned bodies), none (a barrier)
             if len(args) == 2:
                 a, b = args
-                return body(call, a, b)
-            return body(call, *args) if args else body(call)
+                body(call, a, b)
+            elif args:
+                body(call, *args)
+            else:
+                body(call)
+            return result
         except Exception as exc:
             error = _failure(queue, call, exc)
             if error is exc:
