@@ -78,17 +78,22 @@ def _native_fold(dp: DirectPath, op: ReduceOp, dtype: np.dtype) -> int:
 
 
 class _Stamped:
-    """A plan's fingerprint words, looked up once for the fingerprint its calls carry."""
+    """A plan on the segment `dp`, with its fingerprint words looked up once for the
+    fingerprint its calls carry."""
 
-    __slots__ = ("fp", "ab")
+    __slots__ = ("dp", "fp", "ab")
 
-    def __init__(self) -> None:
+    def __init__(self, dp: DirectPath) -> None:
+        self.dp = dp
         self.fp = None
         self.ab = (0, 0)
 
-    def stamp(self, dp: DirectPath, fp) -> tuple[int, int]:
-        """`fp`'s words (`self.ab if call.fp is self.fp else self.stamp(dp, call.fp)`)."""
-        self.fp, self.ab = fp, dp.words_of(fp)
+    def words(self, call) -> tuple[int, int]:
+        """The words `call`'s fingerprint stamps on the segment (a plan's calls share one
+        fingerprint: looked up again only where it changed)."""
+        fp = call.fp
+        if fp is not self.fp:
+            self.fp, self.ab = fp, self.dp.words_of(fp)
         return self.ab
 
 
@@ -103,13 +108,12 @@ class AllReducePlan(_Stamped):
     finalization. A small all_reduce is mostly such lookups; a planned one skips them (see
     group/collectives.py all_reduce)."""
 
-    __slots__ = ("dp", "slots", "kernel", "first", "red", "general", "big", "grids", "code")
+    __slots__ = ("slots", "kernel", "first", "red", "general", "big", "grids", "code")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp,
                  red: Reduction | None = None) -> None:
         """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
-        super().__init__()
-        self.dp = dp
+        super().__init__(dp)
         self.kernel = reduction_kernel(op, dtype)
         raw = ufunc_of(self.kernel)  # the first fold calls a numpy ufunc itself where it can
         self.first = self.kernel if raw is None or raw in (np.minimum, np.maximum) else raw
@@ -130,7 +134,7 @@ class AllReducePlan(_Stamped):
         returned. One frame for the whole slot path: it is most of a small call."""
         if self.code:  # one C call (see transport/native.py), unless it hands something back
             dp = self.dp
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = dp.st.all_reduce(call.seq, a, b, call.name, src, dst, self.code)
             return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
         flat = dst if dst.ndim == 1 else dst.reshape(-1)
@@ -164,7 +168,7 @@ class AllReducePlan(_Stamped):
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         if dp.resume(call, status, dp.everyone, st.all_reduce, call.seq, a, b, call.name, src, dst,
                      self.code):
             st.fold(st.parity, dst, self.code)
@@ -201,14 +205,13 @@ class TensorPlan(_Stamped):
     order. The same protocol and bytes as the list forms below, with a few numpy calls instead
     of one per block."""
 
-    __slots__ = ("collective", "dp", "mine", "grids", "rows", "shape", "kernel", "red", "one_call", "cells",
+    __slots__ = ("collective", "mine", "grids", "rows", "shape", "kernel", "red", "one_call", "cells",
                  "compiled", "offset", "block", "code")
 
     def __init__(self, dp: DirectPath, collective: str, dtype: np.dtype, count: int,
                  red: Reduction | None = None) -> None:
-        super().__init__()
+        super().__init__(dp)
         self.collective = collective
-        self.dp = dp
         block = count if collective == "all_gather" else count // dp.size
         self.mine = tuple(v[dp.rank] for v in dp.views(dtype, count))
         offset = 0 if collective == "all_gather" else dp.rank * block * dtype.itemsize  # this rank's block
@@ -231,7 +234,7 @@ class TensorPlan(_Stamped):
         dp = self.dp
         if self.compiled:
             st = dp.st
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = st.exchange(call.seq, a, b, call.name, src, dst, self.offset, self.block, self.code)
             return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
         p = dp.enter(call)
@@ -243,7 +246,7 @@ class TensorPlan(_Stamped):
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         if dp.resume(call, status, dp.everyone, st.exchange, call.seq, a, b, call.name, src, dst, self.offset,
                      self.block, self.code):
             return self._out(st.parity, dst)
@@ -332,13 +335,12 @@ class ReducePlan(_Stamped):
     into its slot and publishes it; the root waits for everyone and folds the slots in rank
     order into its output."""
 
-    __slots__ = ("dp", "root", "slots", "kernel", "red", "grids", "code")
+    __slots__ = ("root", "slots", "kernel", "red", "grids", "code")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, op: ReduceOp, root: int,
                  red: Reduction | None = None) -> None:
         """`red`: the reduction whose AVG or PREMUL_SUM `run` finalizes (None: the caller does)."""
-        super().__init__()
-        self.dp = dp
+        super().__init__(dp)
         self.root = root
         self.slots = tuple((v[dp.rank], v) for v in dp.views(dtype, count))  # (mine, all) per parity
         self.kernel = reduction_kernel(op, dtype)
@@ -351,7 +353,7 @@ class ReducePlan(_Stamped):
         `acc` returned."""
         dp = self.dp
         if self.code:
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = dp.st.reduce(call.seq, a, b, call.name, src, acc, self.code, self.root)
             return acc if status == native.DONE and self.red is None else self.after(call, status, src, acc)
         p = dp.enter(call)
@@ -374,7 +376,7 @@ class ReducePlan(_Stamped):
         """The rest of run's compiled body, given its `status`; `acc` returned."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         mine = dp.rank == self.root
         if dp.resume(call, status, dp.everyone if mine else (), st.reduce, call.seq, a, b, call.name, src,
                      acc, self.code, self.root):
@@ -395,11 +397,10 @@ class BroadcastPlan(_Stamped):
     an output overlapping the input is no matter; the others wait for the root's flag and copy
     the slot out."""
 
-    __slots__ = ("dp", "root", "slots", "native", "whom")
+    __slots__ = ("root", "slots", "native", "whom")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
-        super().__init__()
-        self.dp = dp
+        super().__init__(dp)
         self.root = root
         self.slots = tuple(v[root] for v in dp.views(dtype, count))  # the root's slot per parity
         self.native = dp.native is not None and count * dtype.itemsize <= PIECE
@@ -410,7 +411,7 @@ class BroadcastPlan(_Stamped):
         `dst` returned."""
         dp = self.dp
         if self.native:
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = dp.st.broadcast(call.seq, a, b, call.name, src, dst, self.root)
             return dst if status == native.DONE else self.after(call, status, src, dst)
         p = dp.enter(call)
@@ -429,7 +430,7 @@ class BroadcastPlan(_Stamped):
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         if dp.resume(call, status, self.whom, st.broadcast, call.seq, a, b, call.name, src, dst, self.root):
             _into(dst.reshape(-1), self.slots[st.parity])
         return dst
@@ -445,11 +446,10 @@ class GatherPlan(_Stamped):
     into its slot and publishes it; the root waits for everyone and copies each slot out. The
     list form's per-block lookups are most of a small gather otherwise."""
 
-    __slots__ = ("dp", "root", "mine", "theirs", "native")
+    __slots__ = ("root", "mine", "theirs", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
-        super().__init__()
-        self.dp = dp
+        super().__init__(dp)
         self.root = root
         views = dp.views(dtype, count)
         self.mine = tuple(v[dp.rank] for v in views)
@@ -461,7 +461,7 @@ class GatherPlan(_Stamped):
         fills its own block first: `send` may lie in another block."""
         dp = self.dp
         if self.native:
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = dp.st.gather(call.seq, a, b, call.name, send, blocks, self.root)
             if status != native.DONE:
                 self.after(call, status, send, blocks)
@@ -482,7 +482,7 @@ class GatherPlan(_Stamped):
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         whom = () if blocks is None else dp.everyone
         if dp.resume(call, status, whom, st.gather, call.seq, a, b, call.name, send, blocks, self.root):
             self._copy_out(st.parity, blocks)  # type: ignore[arg-type]
@@ -504,11 +504,10 @@ class ScatterPlan(_Stamped):
     unplanned peer reads): the root copies every other rank's block into its slot; each rank
     copies its own out."""
 
-    __slots__ = ("dp", "root", "table", "cells", "mine", "native")
+    __slots__ = ("root", "table", "cells", "mine", "native")
 
     def __init__(self, dp: DirectPath, dtype: np.dtype, count: int, root: int) -> None:
-        super().__init__()
-        self.dp = dp
+        super().__init__(dp)
         self.root = root
         nbytes = count * dtype.itemsize
         readers = tuple(r for r in dp.everyone if r != root)  # direct_scatter's order
@@ -525,7 +524,7 @@ class ScatterPlan(_Stamped):
         """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
         dp = self.dp
         if self.native:
-            a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+            a, b = self.words(call)
             status = dp.st.scatter(call.seq, a, b, call.name, blocks, recv, self.root, self.table[0][1])
             if status != native.DONE:
                 self.after(call, status, blocks, recv)
@@ -550,7 +549,7 @@ class ScatterPlan(_Stamped):
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
         st = dp.st
-        a, b = self.ab if call.fp is self.fp else self.stamp(dp, call.fp)
+        a, b = self.words(call)
         starts = self.table[0][1]  # the same offsets on either parity
         if dp.resume(call, status, () if blocks is not None else (self.root,), st.scatter, call.seq, a, b,
                      call.name, blocks, recv, self.root, starts):

@@ -131,7 +131,7 @@ class Plans(dict):
                                   else dependent.learned)
             return
         assert isinstance(chosen, COMPILED_PLANS)  # (spec is not None)
-        chosen.stamp(dp, call.fp)
+        chosen.words(call)
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
                         chosen.after, *extra)
 
