@@ -615,10 +615,10 @@ GRID_DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.int64, np.float16, np.
 def test_one_call_fold_is_the_rank_ordered_fold(dtype) -> None:
     """ufunc.reduce down the slots' grid gives the bits of folding them one by one in rank
     order (what every rank must compute alike) for numpy ufuncs on rows of more than one
-    element, at every op, row length and rank count; shm_direct.grid_folds never takes it
+    element, at every op, row length and rank count; direct_plans.grid_folds never takes it
     elsewhere (rows of one element: numpy's pairwise sum, which does differ for floats)."""
-    from tensorwire.algorithms.shm_direct import _fold, _fold_grid, grid_folds
-    from tensorwire.ops.kernels import ufunc_of
+    from tensorwire.algorithms.direct_plans import _fold_grid, grid_folds
+    from tensorwire.ops.kernels import fold, ufunc_of
 
     dt = np.dtype(dtype)
     rng = np.random.default_rng(7)
@@ -646,7 +646,7 @@ def test_one_call_fold_is_the_rank_ordered_fold(dtype) -> None:
                     continue  # (where it is only slower, the bits are checked all the same)
                 want, got = np.empty(count, dt), np.empty(count, dt)
                 with np.errstate(all="ignore"):
-                    _fold(rows, want, kernel)
+                    fold(rows, want, kernel)
                     _fold_grid(grid, got, kernel)
                 assert np.array_equal(want.view(np.uint8), got.view(np.uint8)), (dt, n, count, op)
                 checked += 1

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import tensorwire as tw
 from cluster import Cluster
 from conftest import PYTHON
-from tensorwire.algorithms import shm_direct
+from tensorwire.algorithms import direct_plans
 from tensorwire.algorithms.prices import Link
 from tensorwire.algorithms.registry import algorithms_for
 from tensorwire.errors import AbortedError, CollectiveMismatchError, InvalidArgumentError, TensorwireError
@@ -1654,7 +1654,7 @@ def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
     used: list[str] = []
     table = algorithms_for(collective)
     saved = dict(table)
-    plan_run = shm_direct.TensorPlan.run
+    plan_run = direct_plans.TensorPlan.run
 
     def wrap(alg):
         def w(*args):
@@ -1673,14 +1673,14 @@ def _count_algorithms(fn, collective: str = "all_reduce") -> list[str]:
     compiled = {name: world.pop(name) for name in list(world) if callable(world[name])}
     try:
         table.update({k: wrap(a) for k, a in saved.items()})
-        shm_direct.TensorPlan.run = planned  # type: ignore[method-assign]
+        direct_plans.TensorPlan.run = planned  # type: ignore[method-assign]
         tw.world().choices.clear()
         tw.world().plans.clear()
         fn()
     finally:
         world.update(compiled)
         table.update(saved)
-        shm_direct.TensorPlan.run = plan_run  # type: ignore[method-assign]
+        direct_plans.TensorPlan.run = plan_run  # type: ignore[method-assign]
         tw.world().choices.clear()
         tw.world().plans.clear()
     return used
@@ -1742,7 +1742,7 @@ def test_forced_algorithm_env(algo: str, size: int) -> None:
 
 
 def rank_streamed_all_reduce(seed: int) -> dict:
-    """All_reduces past the shared-memory slot stream through it (shm_direct._Stream): every
+    """All_reduces past the shared-memory slot stream through it (direct_streams._Stream): every
     pair of ALGO_PAIRS, in place and into `out`, each twice (the second call takes the planned
     path), at counts that end on and off a piece's boundary."""
     g = tw.world()
@@ -1881,7 +1881,7 @@ def _misaligned(count: int, dt, shift: int) -> np.ndarray:
 def rank_large_direct(algorithm: str = "direct") -> dict:
     """Broadcasts, all_gather blocks and all_to_all sends past the shared-memory slot (and one
     byte short of it), forced onto `algorithm`. direct: each source refills its slot step by
-    step as the slowest reader empties it (shm_direct._Stream). single_copy: readers copy out
+    step as the slowest reader empties it (direct_streams._Stream). single_copy: readers copy out
     of the sources' buffers (a broadcast's root's input, in place or not), from every offset
     modulo 4096 that matters to them (transport/cma.py's bounce window included)."""
     g = tw.world()
@@ -2201,7 +2201,7 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def rank_one_shot_folds() -> dict:
     """all_reduce, reduce and reduce_scatter_tensor on the one shot, each signature twice (the
-    second call planned), at row lengths on both sides of shm_direct.grid_folds' limits: the
+    second call planned), at row lengths on both sides of direct_plans.grid_folds' limits: the
     result must be the one-by-one fold in rank order, bit for bit, on every rank."""
     g = tw.world()
     n, me = g.size, g.rank

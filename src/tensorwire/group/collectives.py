@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import buffers
 from ..algorithms.base import blocks_of
-from ..algorithms.shm_direct import BroadcastPlan, GatherPlan, ReducePlan, ScatterPlan, TensorPlan
+from ..algorithms.direct_plans import BroadcastPlan, GatherPlan, ReducePlan, ScatterPlan, TensorPlan
 from ..errors import InvalidArgumentError
 from ..gpu import is_device_buffer as _on_device
 from ..ops import ReduceOp, Reduction

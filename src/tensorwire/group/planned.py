@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..algorithms import single_copy
+from ..algorithms.direct_plans import COMPILED_PLANS, AllReducePlan
 from ..algorithms.registry import Algorithm
-from ..algorithms.shm_direct import COMPILED_PLANS, AllReducePlan, barrier_after
+from ..algorithms.shm_direct import barrier_after
 from ..ops import Reduction
 from ..transport import pages
 from ..transport.wire import Coll, Fingerprint

@@ -102,7 +102,7 @@ def _three_argument(ufunc: np.ufunc, floating: bool) -> Callable[..., None]:
             pass
 
     kernel.__name__ = ufunc.__name__
-    kernel.ufunc = ufunc  # type: ignore[attr-defined]  # its reduce folds a grid (shm_direct.grid_folds)
+    kernel.ufunc = ufunc  # type: ignore[attr-defined]  # its reduce folds a grid (direct_plans.grid_folds)
     return kernel
 
 
@@ -174,6 +174,15 @@ def apply_to(kernel: Any, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None
         np.copyto(out, a)
         a = out
     kernel(a, b, out)
+
+
+def fold(views: tuple[np.ndarray, ...] | list[np.ndarray], out: np.ndarray, kernel: Any) -> None:
+    """out = views[0] op views[1] op ... in order (over a segment's slots: rank order, so the
+    same bits on every rank); `kernel` is the op's reduction_kernel."""
+    apply_to(kernel, out, views[0], views[1])  # the first two in one call, no copy first
+    if len(views) > 2:
+        for v in views[2:]:
+            kernel(out, v, out)
 
 
 def reduction_kernel(op: ReduceOp, dtype: np.dtype) -> Any:

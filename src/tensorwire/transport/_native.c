@@ -1,5 +1,5 @@
 /* The direct path's one-shot bodies in C: the same protocol, layout and fold order as
- * transport/segment.py and algorithms/shm_direct.py, which stay the reference (and the whole
+ * transport/segment.py and algorithms/direct_plans.py, which stay the reference (and the whole
  * implementation with TENSORWIRE_NATIVE=0). A Path holds the protocol's state (DirectPath.st),
  * so a planned call is one C call: it enters (takes the next parity once every rank is past
  * the call that last used it), publishes, waits and finishes. Only the common case runs

@@ -8,7 +8,7 @@ holds the protocol's state: DirectPath.st), and the single copy bodies that only
 (algorithms/single_copy.py); its Caller runs such a planned call from the group's API down,
 numbering included, in one C call (group/planned.py); and a small point-to-point message's
 ring record (ShmChannel.put_now, take_now): the same protocol, layout and fold order as
-DirectPath and the plans in algorithms/shm_direct.py and single_copy.py, which stay the
+DirectPath and the plans in algorithms/direct_plans.py and single_copy.py, which stay the
 reference and run everything the C code hands back: a peer that does not arrive
 within the spin budget, a mismatch to explain, a dtype or op it does not fold.
 TENSORWIRE_NATIVE=0 runs the Python reference only; 1 makes a missing module an error; auto

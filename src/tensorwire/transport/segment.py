@@ -4,8 +4,9 @@ Every rank of the group has a control line and two data slots in one segment
 (`GroupSegment`). A call takes the next slot parity once every rank is past the call that last
 used it (`DirectPath.enter`), fills its slot, stamps the call's number and fingerprint beside
 its flag and stores the flag (`publish`); readers that see the flag see the data (x86-64 store
-order). The schedules built on it live in algorithms/shm_direct.py and
-algorithms/single_copy.py; docs/design/segment.md tells the numbers behind the constants.
+order). The schedules built on it live in algorithms/shm_direct.py (its plans in direct_plans.py,
+its streams in direct_streams.py) and algorithms/single_copy.py; docs/design/segment.md tells
+the numbers behind the constants.
 """
 
 from __future__ import annotations
