@@ -2370,9 +2370,9 @@ def test_a_factor_that_differs_in_a_reduction_says_it_may_be_the_hierarchical_ca
 
     mine = Fingerprint(Coll.REDUCE_SCATTER, 10, 0, -1, 8, 0)
     for theirs in (mine._replace(aux=0x3FE0000000000000), mine._replace(aux=0x1234)):
-        (why,) = differences(mine, theirs, str, str)
+        (why,) = differences(mine, theirs)
         assert why.startswith("the PREMUL_SUM factor differs (or, in a phase of a hierarchical call, "
                               "that call differs: its collective"), why
     whole = mine._replace(coll=Coll.ALL_REDUCE)
-    (why,) = differences(whole, whole._replace(aux=5), str, str)
+    (why,) = differences(whole, whole._replace(aux=5))
     assert why == "compress= (or the PREMUL_SUM factor) differs", why

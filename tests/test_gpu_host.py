@@ -97,10 +97,10 @@ def test_device_buffers_are_recognised_without_importing_anything() -> None:
 def test_a_device_call_never_matches_a_host_call() -> None:
     host = Fingerprint(Coll.ALL_REDUCE, 10, 0, -1, 8)
     device = host._replace(coll=Coll.ALL_REDUCE | ON_DEVICE)
-    (why,) = differences(device, host, str, str)
+    (why,) = differences(device, host)
     assert why.startswith("all_reduce of CUDA buffers vs all_reduce (every rank must pass buffers of the "
                           "same kind")
-    (why,) = differences(device, host._replace(coll=Coll.BROADCAST | ON_DEVICE), str, str)
+    (why,) = differences(device, host._replace(coll=Coll.BROADCAST | ON_DEVICE))
     assert why == "collective all_reduce of CUDA buffers vs broadcast of CUDA buffers"
 
 

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import log
 from ..ops.dtypes import dtype_from_code
-from ..transport.failures import dtype_label, op_label
-from ..transport.wire import ON_DEVICE, Coll
+from ..transport.wire import ON_DEVICE, Coll, dtype_label, op_label
 from ..tuning import tuner
 from ..tuning.cost_model import format_seconds
 

@@ -35,8 +35,6 @@ from ..errors import (
     TimeoutError,
     retold,
 )
-from ..ops import ReduceOp
-from ..ops.dtypes import dtype_from_code
 from .channel import Channel, PeerClosed
 from .requests import P2P_SEQ, ControlSink, RecvRequest, Request, SendRequest, Sink, Unexpected
 from .wire import BYE_NOTE_BYTES, Fingerprint, Header, Kind, coll_label, differences
@@ -50,20 +48,6 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, TimeoutError,
                                                 AbortedError, InvalidArgumentError, ResourceError,
                                                 TensorwireError)}
-
-
-def dtype_label(code: int) -> str:
-    try:
-        return str(dtype_from_code(code))
-    except Exception:  # an unknown code is itself the finding
-        return f"dtype#{code}"
-
-
-def op_label(code: int) -> str:
-    try:
-        return ReduceOp(code).name
-    except ValueError:
-        return f"op#{code}"
 
 
 _LIVENESS_S = 0.2
@@ -380,7 +364,7 @@ class Failures:
     def check_arrival(self, req: RecvRequest, got: Header) -> bool:
         """Fingerprint and size of an arriving message against the posted receive."""
         want = req.header
-        if want.fp != got.fp and differences(want.fp, got.fp, dtype_label, op_label):
+        if want.fp != got.fp and differences(want.fp, got.fp):
             req.fail(self.mismatch_error(req.what, want.fp, got.fp, req.peer))
             return False
         if got.nbytes != want.nbytes:
@@ -399,7 +383,7 @@ class Failures:
         over TCP with send buffers smaller than the message), and an abort of the later calls
         only would leave it to time out."""
         if header.seq == call.seq:
-            if header.fp == call.fp or not differences(call.fp, header.fp, dtype_label, op_label):
+            if header.fp == call.fp or not differences(call.fp, header.fp):
                 return
             error = self.mismatch_error(call.what, call.fp, header.fp, peer)
         else:
@@ -412,7 +396,7 @@ class Failures:
 
     def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
                        peer: int) -> CollectiveMismatchError:
-        diffs = differences(mine, theirs, dtype_label, op_label)
+        diffs = differences(mine, theirs)
         return CollectiveMismatchError(
             f"rank {self.rank}: {what}: rank {peer} made a different call at the same point: "
             f"{'; '.join(diffs)} (this rank vs rank {peer})")

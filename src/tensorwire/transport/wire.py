@@ -12,6 +12,9 @@ import zlib
 from enum import IntEnum
 from typing import NamedTuple
 
+from ..ops import ReduceOp
+from ..ops.dtypes import dtype_from_code
+
 HEADER = struct.Struct("<BBBBIQqQQiQB11x")
 HEADER_SIZE = HEADER.size  # 64: keeps shared-memory ring positions 64-byte aligned
 assert HEADER_SIZE == 64
@@ -113,7 +116,23 @@ def phase_digest(fp: Fingerprint) -> int:
     return zlib.crc32(struct.pack("<5qQ", *fp[:5], fp.aux & 0xFFFFFFFFFFFFFFFF)) << 32
 
 
-def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> list[str]:
+def dtype_label(code: int) -> str:
+    """A fingerprint's dtype code as its name."""
+    try:
+        return str(dtype_from_code(code))
+    except Exception:  # an unknown code is itself the finding
+        return f"dtype#{code}"
+
+
+def op_label(code: int) -> str:
+    """A fingerprint's op code as its name."""
+    try:
+        return ReduceOp(code).name
+    except ValueError:
+        return f"op#{code}"
+
+
+def differences(mine: Fingerprint, other: Fingerprint) -> list[str]:
     """Human-readable fields that differ between our fingerprint and a peer's (both
     fingerprints of a point-to-point message: its element count and dtype)."""
     if mine.coll != other.coll:
@@ -125,14 +144,14 @@ def differences(mine: Fingerprint, other: Fingerprint, dtype_name, op_name) -> l
                        f"the same block sizes)" for v, c in _LIST_FORMS if pair == c), "")
         return [f"collective {coll_label(mine.coll)} vs {coll_label(other.coll)}{uneven}"]
     if mine.coll == Coll.P2P and mine.count >= 0 and other.count >= 0:  # a receive vs its send
-        return [f"receive of {mine.count} x {dtype_name(mine.dtype)} vs send of {other.count} x "
-                f"{dtype_name(other.dtype)} "
+        return [f"receive of {mine.count} x {dtype_label(mine.dtype)} vs send of {other.count} x "
+                f"{dtype_label(other.dtype)} "
                 "(a receive must match its send's dtype and element count)"]
     out = []
     if mine.dtype != other.dtype:
-        out.append(f"dtype {dtype_name(mine.dtype)} vs {dtype_name(other.dtype)}")
+        out.append(f"dtype {dtype_label(mine.dtype)} vs {dtype_label(other.dtype)}")
     if mine.op != other.op:
-        out.append(f"op {op_name(mine.op)} vs {op_name(other.op)}")
+        out.append(f"op {op_label(mine.op)} vs {op_label(other.op)}")
     if mine.root != other.root:
         out.append(f"root {mine.root} vs {other.root}")
     if mine.count != other.count and mine.count >= 0 and other.count >= 0:
