@@ -560,7 +560,8 @@ class Engine(Failures):
 
     # -- failures ---------------------------------------------------------------------------
     def poll_peers(self) -> None:
-        """One round of progress and a look at every socket: a peer that died is known now."""
+        """One round of progress and a look at every socket (shared memory's control messages
+        come through its sockets too): a peer that died, or an abort it sent, is known now."""
         with self.lock:
             self.progress()
             self.poll_sockets()
@@ -665,8 +666,7 @@ class Engine(Failures):
         until = min(deadline, time.perf_counter() + _NOTICES_S)
         while True:
             with self.lock:
-                self.progress()
-                self.poll_sockets()
+                self.poll_peers()
                 error = self.abort_error(req)
             if error is not None:
                 return error
@@ -680,9 +680,7 @@ class Engine(Failures):
         broadcast's root) still reads what comes for it, an abort above all, within that many
         calls instead of when its link is full."""
         self.until_glance = _GLANCE
-        with self.lock:
-            self.progress()
-            self.poll_sockets()  # shared memory's control messages come through its sockets
+        self.poll_peers()
 
     def _drive(self, pending: list[Request], deadline: float, ctx: int, seq: int, watch: Iterable[int],
                what: object, cross_check: Callable[[], None] | None) -> None:

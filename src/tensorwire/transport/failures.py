@@ -109,7 +109,7 @@ def notice_text(error: BaseException) -> bytes:
 class Failures:
     """What the engine knows and does about failures; the engine (engine.Engine) derives from it
     and provides the channels, the matching queues, and progress (`progress`, `poll_sockets`,
-    `watch_sockets`, `channel`, `watch_in_background`)."""
+    `poll_peers`, `watch_sockets`, `channel`, `watch_in_background`)."""
 
     rank: int
     lock: threading.RLock
@@ -559,8 +559,7 @@ class Failures:
     def refused_by(self, ctx: int, seq: int) -> dict[int, BaseException]:
         """The members known to have refused call `seq` of group `ctx`, after a round of progress."""
         with self.lock:
-            self.progress()
-            self.poll_sockets()
+            self.poll_peers()
             return self.refusals.get(ctx, {}).get(seq, {})
 
     def settle_refusal(self, ctx: int, seq: int) -> None:
@@ -711,9 +710,7 @@ class Failures:
     def look(self) -> None:
         """One round of progress with the sockets read (control messages: answers, aborts,
         goodbyes), then a short sleep: the error paths' waits for what other ranks say."""
-        with self.lock:
-            self.progress()
-            self.poll_sockets()
+        self.poll_peers()
         time.sleep(_LOOK_S)
 
     def why_left(self, error: PeerLostError, ctx: int, seq: int) -> BaseException:
