@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from ..ops import ReduceOp
 from .prices import Link
 
 if TYPE_CHECKING:
+    from ..transport.segment import DirectPath
     from ..transport.wire import Fingerprint
 
 
@@ -51,6 +52,43 @@ class P2P(Protocol):
         """A small exchange (or, with `send` None, a receive) done at once where the transport
         can, with no request: (sent, received); what is not done is left to isend/irecv.
         (False, False) is always correct."""
+
+
+class DirectGroup(Protocol):
+    """What the one-shot and single-copy paths use of a call's group."""
+
+    name: str
+    direct_plans: dict[tuple, Any]
+    """The plans of unplanned all_reduces' signatures (shm_direct.direct_all_reduce)."""
+
+    @property
+    def direct(self) -> DirectPath:
+        """The group's shared segment: these paths' algorithms are registered `needs_direct`,
+        so it is there wherever they run."""
+
+
+class DirectCall(Protocol):
+    """What the one-shot path (shm_direct.py, direct_plans.py, direct_streams.py) and single
+    copy (single_copy.py) use of a call in place of P2P's messages (implemented by
+    group.CollectiveCall): the group's segment, the call's number and fingerprint (stamped
+    beside its flag), its name and label for errors, and its deadline, which such a call
+    starts only once it waits."""
+
+    seq: int
+    fp: Fingerprint
+    name: str
+
+    @property
+    def group(self) -> DirectGroup: ...
+
+    @property
+    def what(self) -> str: ...
+
+    def number(self, seq: int) -> int:
+        """The user's number of the group's call `seq` (errors name it)."""
+
+    def started(self) -> DirectCall:
+        """The call with its deadline running."""
 
 
 def exchange(p2p: P2P, dst: int, send: np.ndarray, src: int, recv: np.ndarray, step: int,

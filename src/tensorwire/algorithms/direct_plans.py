@@ -16,6 +16,7 @@ from ..ops.finalize import finalize
 from ..ops.kernels import fold, reduction_kernel, ufunc_of, writes_where_told
 from ..transport import native
 from ..transport.segment import DirectPath
+from .base import DirectCall
 from .direct_streams import stream_all_reduce
 
 
@@ -63,7 +64,7 @@ class _Stamped:
         self.fp = None
         self.ab = (0, 0)
 
-    def words(self, call) -> tuple[int, int]:
+    def words(self, call: DirectCall) -> tuple[int, int]:
         """The words `call`'s fingerprint stamps on the segment (a plan's calls share one
         fingerprint: looked up again only where it changed)."""
         fp = call.fp
@@ -102,7 +103,7 @@ class AllReducePlan(_Stamped):
             if not self.general and grid_folds(self.kernel, dtype, dp.size, count) else ()
         self.code = _native_fold(dp, op, dtype) if not self.general and not self.big else 0
 
-    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def run(self, call: DirectCall, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The all_reduce body for arrays of the signature, any shapes, in any overlap (the
         slots' way copies src in first; the stream folds in place where they overlap at all):
         dst = the fold of every rank's src in rank order, the same bits on every rank; dst
@@ -139,7 +140,7 @@ class AllReducePlan(_Stamped):
             finalize(flat, self.red, self.dp.size)
         return dst
 
-    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
@@ -156,7 +157,7 @@ class AllReducePlan(_Stamped):
         plan's calls whole (transport/_caller.c), else None."""
         return (-1, (self.code,)) if self.code and self.red is None else None
 
-    def _fold_apart(self, call, src: np.ndarray, dst: np.ndarray) -> None:
+    def _fold_apart(self, call: DirectCall, src: np.ndarray, dst: np.ndarray) -> None:
         """run's way for a message larger than the slot, or a kernel that takes no third array."""
         dp = self.dp
         if dst.nbytes > dp.slot_bytes:
@@ -204,7 +205,7 @@ class TensorPlan(_Stamped):
         self.compiled = dp.native is not None and count * dtype.itemsize <= PIECE \
             and (red is None or self.code > 0)
 
-    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def run(self, call: DirectCall, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Collectives' body for contiguous arrays of the planned signature; `dst` returned."""
         dp = self.dp
         if self.compiled:
@@ -217,7 +218,7 @@ class TensorPlan(_Stamped):
         dp.publish(call, p, dp.everyone)
         return self._out(p, dst)
 
-    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
@@ -241,7 +242,7 @@ class TensorPlan(_Stamped):
             return dst
         return self._reduced(p, dst)
 
-    def run_blocks(self, call, blocks: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
+    def run_blocks(self, call: DirectCall, blocks: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
         """reduce_scatter's list form: block r into place r of this rank's slot (where run
         copies the single tensor in one piece), then as run; `dst` returned."""
         dp = self.dp
@@ -261,7 +262,7 @@ class TensorPlan(_Stamped):
         finalize(flat, self.red, self.dp.size)  # type: ignore[arg-type]
         return dst
 
-    def run_list(self, call, src: np.ndarray, outs: list[np.ndarray]) -> None:
+    def run_list(self, call: DirectCall, src: np.ndarray, outs: list[np.ndarray]) -> None:
         """all_gather's list form: row r of the grid into outs[r] (contiguous, any shapes), one
         copy each; `src` is in this rank's slot before any output is written."""
         dp = self.dp
@@ -291,7 +292,7 @@ class ReducePlan(_Stamped):
         self.grids = dp.grid(dtype, count, 0) if grid_folds(self.kernel, dtype, dp.size, count) else ()
         self.code = _native_fold(dp, op, dtype) if count * dtype.itemsize <= PIECE else 0
 
-    def run(self, call, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    def run(self, call: DirectCall, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """The reduce body for arrays of the signature (`acc`: the root's output, else `src`);
         `acc` returned."""
         dp = self.dp
@@ -315,7 +316,7 @@ class ReducePlan(_Stamped):
             finalize(flat, self.red, dp.size)
         return acc
 
-    def after(self, call, status: int, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    def after(self, call: DirectCall, status: int, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `acc` returned."""
         dp = self.dp
         st = dp.st
@@ -349,7 +350,7 @@ class BroadcastPlan(_Stamped):
         self.native = dp.native is not None and count * dtype.itemsize <= PIECE
         self.whom = () if dp.rank == root else (root,)  # whom this rank waits for
 
-    def run(self, call, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def run(self, call: DirectCall, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The broadcast body for arrays of the signature (`src` is read on the root only);
         `dst` returned."""
         dp = self.dp
@@ -369,7 +370,7 @@ class BroadcastPlan(_Stamped):
         copy_into(dst if dst.ndim == 1 else dst.reshape(-1), slot)
         return dst
 
-    def after(self, call, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
         st = dp.st
@@ -399,7 +400,7 @@ class GatherPlan(_Stamped):
         self.theirs = tuple(tuple((r, v[r]) for r in dp.others) for v in views)  # the root's reads
         self.native = dp.native is not None and count * dtype.itemsize <= PIECE
 
-    def run(self, call, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
+    def run(self, call: DirectCall, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
         """The gather body (`blocks`: the root's outputs, any shapes, None elsewhere). The root
         fills its own block first: `send` may lie in another block."""
         dp = self.dp
@@ -421,7 +422,7 @@ class GatherPlan(_Stamped):
         dp.publish(call, p, dp.everyone)
         self._copy_out(p, blocks)
 
-    def after(self, call, status: int, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
+    def after(self, call: DirectCall, status: int, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
         st = dp.st
@@ -463,7 +464,7 @@ class ScatterPlan(_Stamped):
         self.mine = tuple(c.get(dp.rank) for c in cells)  # None on the root
         self.native = dp.native is not None and nbytes <= PIECE
 
-    def run(self, call, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
+    def run(self, call: DirectCall, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The scatter body (`blocks`: the root's inputs, any shapes, None elsewhere)."""
         dp = self.dp
         if self.native:
@@ -488,7 +489,7 @@ class ScatterPlan(_Stamped):
         if own is not recv:
             copy_into(flat, own if own.ndim == 1 else own.reshape(-1))
 
-    def after(self, call, status: int, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
+    def after(self, call: DirectCall, status: int, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
         st = dp.st

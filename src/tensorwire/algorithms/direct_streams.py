@@ -12,6 +12,7 @@ from ..errors import InvalidArgumentError
 from ..ops.kernels import fold
 from ..transport.engine import Backoff
 from ..transport.segment import CHUNK_BITS, WRITTEN, DirectPath
+from .base import DirectCall
 
 STREAM_CHUNK = 512 << 10
 """A broadcast, all_gather block or all_to_all send that does not fit a rank's slot streams
@@ -27,7 +28,7 @@ class _Stream:
     steps it wrote and the steps it read (of every source) in its progress words. Every rank
     publishes its flag on entry, so a waiting rank can check what a peer called."""
 
-    def __init__(self, dp: DirectPath, call, nbytes: int, width: int = 1) -> None:
+    def __init__(self, dp: DirectPath, call: DirectCall, nbytes: int, width: int = 1) -> None:
         share = dp.slot_bytes // width
         chunk = min(STREAM_CHUNK, share // 4096 * 4096 or share // 64 * 64)  # pages: see segment.SLOT_SHIFT
         if -(-nbytes // chunk) >> CHUNK_BITS:
@@ -76,7 +77,7 @@ class _Stream:
         self.dp.mark_read(self.call, c + 1)
 
 
-def stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:
+def stream_broadcast(dp: DirectPath, call: DirectCall, raw: np.ndarray, root: int) -> None:
     stream = _Stream(dp, call, raw.size)
     chunk = stream.chunk
     for c, lo in enumerate(stream.pieces):
@@ -87,7 +88,7 @@ def stream_broadcast(dp: DirectPath, call, raw: np.ndarray, root: int) -> None:
             stream.done_reading(c)
 
 
-def stream_all_gather(dp: DirectPath, call, raws: list[np.ndarray]) -> None:
+def stream_all_gather(dp: DirectPath, call: DirectCall, raws: list[np.ndarray]) -> None:
     """Every rank a source of its block: write piece c of it, then read piece c of the others'."""
     stream = _Stream(dp, call, raws[0].size)
     chunk, me = stream.chunk, dp.rank
@@ -98,7 +99,8 @@ def stream_all_gather(dp: DirectPath, call, raws: list[np.ndarray]) -> None:
         stream.done_reading(c)
 
 
-def stream_all_reduce(dp: DirectPath, call, src: np.ndarray, dst: np.ndarray, kernel: Any) -> None:
+def stream_all_reduce(dp: DirectPath, call: DirectCall, src: np.ndarray, dst: np.ndarray,
+                      kernel: Any) -> None:
     """Every rank a source of its whole input: write piece c of it, then fold piece c of every
     slot, in rank order, into the same piece of the result (dst may be src: piece c of src is
     in the slot before it is overwritten)."""
@@ -113,7 +115,8 @@ def stream_all_reduce(dp: DirectPath, call, src: np.ndarray, dst: np.ndarray, ke
         stream.done_reading(c)
 
 
-def stream_all_to_all(dp: DirectPath, call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
+def stream_all_to_all(dp: DirectPath, call: DirectCall, sends: list[np.ndarray],
+                      recvs: list[np.ndarray]) -> None:
     """Every rank a source of n-1 streams, one per reader: rank s's stream k is for rank
     s + 1 + k (mod n), so reader r finds its own at k = r - s - 1 (mod n)."""
     n, me = dp.size, dp.rank

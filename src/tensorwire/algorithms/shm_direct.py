@@ -22,6 +22,7 @@ from ..ops import ReduceOp
 from ..ops.kernels import fold, reduction_kernel
 from ..transport import native
 from ..transport.segment import DirectPath
+from .base import DirectCall
 from .direct_plans import AllReducePlan, BroadcastPlan, ReducePlan, copy_into, scatter_table
 from .direct_streams import STREAM_CHUNK, stream_all_gather, stream_all_to_all, stream_broadcast
 from .prices import Link
@@ -30,7 +31,8 @@ from .registry import Algorithm, register
 _UNPLANNED = 64  # signatures whose plan a group's unplanned all_reduces keep (cleared when full)
 
 
-def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray, ...]]:
+def _publish_all(dp: DirectPath, call: DirectCall, arrays: list[np.ndarray]) -> tuple[int, tuple[np.ndarray,
+                 ...]]:
     """Enter, copy `arrays` (one dtype) back to back into this rank's slot, publish, wait for
     everyone; the slots of this call as one typed view each."""
     p = dp.enter(call)
@@ -47,7 +49,8 @@ def _publish_all(dp: DirectPath, call, arrays: list[np.ndarray]) -> tuple[int, t
     return p, views
 
 
-def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+def direct_all_reduce(call: DirectCall, data: np.ndarray, op: ReduceOp,
+                      src: np.ndarray | None = None) -> None:
     """The unplanned entry (group/bodies.py's all_reduce finalizes), with the group's plan of
     the signature (Group.direct_plans, up to _UNPLANNED of them: the path itself holding them
     would make a cycle, and a destroyed group's segment would wait for the garbage collector)."""
@@ -62,12 +65,12 @@ def direct_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | No
     plan.run(call, data if src is None else src, data)
 
 
-def direct_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+def direct_reduce(call: DirectCall, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
     """The unplanned entry (group/bodies.py's reduce finalizes)."""
     ReducePlan(call.group.direct, data.dtype, data.size, op, root).run(call, data, acc)
 
 
-def direct_broadcast(call, data: np.ndarray, root: int) -> None:
+def direct_broadcast(call: DirectCall, data: np.ndarray, root: int) -> None:
     dp = call.group.direct
     if data.nbytes > dp.slot_bytes:
         stream_broadcast(dp, call, data.view(np.uint8), root)
@@ -75,7 +78,7 @@ def direct_broadcast(call, data: np.ndarray, root: int) -> None:
     BroadcastPlan(dp, data.dtype, data.size, root).run(call, data, data)
 
 
-def direct_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
+def direct_gather(call: DirectCall, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
     """Every other rank copies its block into its slot; the root copies each out of the slots
     (the one-shot reduce without the fold). Blocks may differ in size (gatherv): the root
     knows them all."""
@@ -93,7 +96,7 @@ def direct_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root:
         copy(blocks[root], send)
 
 
-def direct_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
+def direct_scatter(call: DirectCall, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
     """The root copies every other rank's block into its slot after a table of where each
     starts (blocks may differ in size: scatterv, whose counts only the root's list shows
     here); each rank copies its own out (the one-shot broadcast, a block each)."""
@@ -117,7 +120,7 @@ def direct_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root
     recv.view(np.uint8)[...] = slot[at:at + recv.nbytes]
 
 
-def direct_barrier(call) -> None:
+def direct_barrier(call: DirectCall) -> None:
     dp = call.group.direct
     st = dp.native
     if st is None:
@@ -129,7 +132,7 @@ def direct_barrier(call) -> None:
         barrier_after(call, status)
 
 
-def barrier_after(call, status: int) -> None:
+def barrier_after(call: DirectCall, status: int) -> None:
     """The rest of direct_barrier's compiled body, given its `status` (also the compiled
     caller's, transport/_caller.c)."""
     dp = call.group.direct
@@ -137,7 +140,7 @@ def barrier_after(call, status: int) -> None:
     dp.resume(call, status, dp.everyone, dp.native.barrier, call.seq, a, b, call.name)
 
 
-def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
+def direct_all_gather(call: DirectCall, blocks: list[np.ndarray]) -> None:
     dp = call.group.direct
     if blocks[0].nbytes > dp.slot_bytes:
         stream_all_gather(dp, call, [b.view(np.uint8) for b in blocks])
@@ -148,7 +151,7 @@ def direct_all_gather(call, blocks: list[np.ndarray]) -> None:
             out[...] = views[r]
 
 
-def direct_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+def direct_reduce_scatter(call: DirectCall, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     """Every rank publishes all its blocks; rank r folds block r of every slot, in rank order."""
     dp = call.group.direct
     p, _ = _publish_all(dp, call, blocks)
@@ -156,7 +159,7 @@ def direct_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: R
     fold(dp.views(out.dtype, out.size, offset)[p], out, reduction_kernel(op, out.dtype))
 
 
-def direct_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
+def direct_all_to_all(call: DirectCall, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     """Equal blocks only: block `rank` of peer r's slot is ours (one shot), or our stream of
     theirs (streamed, when the sends do not fit the slot)."""
     dp = call.group.direct

@@ -25,7 +25,7 @@ from ..ops.kernels import reduction_kernel, writes_where_told
 from ..transport import cma, native, pages
 from ..transport.cma import BOUNCE, ProcessGone
 from ..transport.segment import CHUNK_BITS, READ, DirectPath
-from .base import blocks_of, split_counts
+from .base import DirectCall, blocks_of, split_counts
 from .registry import Algorithm, register
 from .shm_direct import volume_cost
 
@@ -34,7 +34,7 @@ _PIECE = BOUNCE
 """Bytes of a block folded at a time: each peer's piece is read into the bounce buffer."""
 
 
-def _offer(dp: DirectPath, call, spans: list[tuple[int, int]], read: bool = True) -> int:
+def _offer(dp: DirectPath, call: DirectCall, spans: list[tuple[int, int]], read: bool = True) -> int:
     """Enter, publish the addresses of the buffers at `spans` ((address, bytes) each: one per
     reader, or one for all) and, where peers `read` them, how much of them lies in huge pages,
     and wait for every rank to publish theirs; the call's slot parity."""
@@ -73,7 +73,7 @@ def _fetch(dp: DirectPath, p: int, source: int, index: int, dst: np.ndarray) -> 
     dp.reader.read_into(dst, dp.pids[source], remote)
 
 
-def _finish(dp: DirectPath, call, p: int, readers: tuple[int, ...]) -> None:
+def _finish(dp: DirectPath, call: DirectCall, p: int, readers: tuple[int, ...]) -> None:
     """Mark this rank's reads done; wait until `readers` are done with this rank's buffers."""
     dp.mark_read(call, 1)
     dp.await_readers(call, readers, 1, p, dp.prev_fp, None)
@@ -86,7 +86,8 @@ Moves = tuple[list[tuple[int, int]], Reads, tuple[int, ...], tuple[np.ndarray, n
 """_move's arguments after the call: spans, reads, readers, local, read."""
 
 
-def _move(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
+def _move(dp: DirectPath, call: DirectCall, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int,
+          ...],
           local: tuple[np.ndarray, np.ndarray] | None = None, read: bool = True,
           status: int = native.NOT_ENTERED) -> None:
     """The bodies that only move bytes: offer `spans` (_offer), copy in `reads`, fill `local`
@@ -111,7 +112,8 @@ def _move(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, read
     _finish(dp, call, p, readers)
 
 
-def _moved(dp: DirectPath, call, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int, ...],
+def _moved(dp: DirectPath, call: DirectCall, spans: list[tuple[int, int]], reads: Reads, readers: tuple[int,
+           ...],
            local: tuple[np.ndarray, np.ndarray] | None, read: bool, status: int) -> int:
     """_move's compiled body (unless the compiled caller ran it: its `status`), its entry and
     publish round finished here where it hands them back; its status (DONE, SETTLED or
@@ -150,7 +152,7 @@ def _all_gather_args(dp: DirectPath, blocks: list[np.ndarray], src: np.ndarray |
     return [(address(src), src.nbytes)], reads, dp.others, (blocks[me], src), True
 
 
-def single_copy_all_gather(call, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
+def single_copy_all_gather(call: DirectCall, blocks: list[np.ndarray], src: np.ndarray | None) -> None:
     """Peers read this rank's input where it is apart (see single_copy_broadcast)."""
     dp = call.group.direct
     _move(dp, call, *_all_gather_args(dp, blocks, src))
@@ -162,7 +164,7 @@ def _all_to_all_args(dp: DirectPath, sends: list[np.ndarray], recvs: list[np.nda
             (recvs[me], sends[me]), True)
 
 
-def single_copy_all_to_all(call, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
+def single_copy_all_to_all(call: DirectCall, sends: list[np.ndarray], recvs: list[np.ndarray]) -> None:
     dp = call.group.direct
     _move(dp, call, *_all_to_all_args(dp, sends, recvs))
 
@@ -175,7 +177,7 @@ def _broadcast_args(dp: DirectPath, data: np.ndarray, root: int, src: np.ndarray
     return [(address(src), src.nbytes)], (), dp.others, (data, src), True
 
 
-def single_copy_broadcast(call, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
+def single_copy_broadcast(call: DirectCall, data: np.ndarray, root: int, src: np.ndarray | None) -> None:
     """The root publishes its input (`src` where apart: lines it has not just written, which
     peers read faster than its freshly filled output) and fills its output meanwhile."""
     dp = call.group.direct
@@ -191,7 +193,8 @@ def _gather_args(dp: DirectPath, send: np.ndarray, blocks: list[np.ndarray] | No
             None if blocks[root] is send else (blocks[root], send), False)
 
 
-def single_copy_gather(call, send: np.ndarray, blocks: list[np.ndarray] | None, root: int) -> None:
+def single_copy_gather(call: DirectCall, send: np.ndarray, blocks: list[np.ndarray] | None,
+                       root: int) -> None:
     """The root reads every other rank's input; each of them returns once it has (blocks may
     differ in size: gatherv, whose sizes only the root's list shows)."""
     dp = call.group.direct
@@ -205,7 +208,8 @@ def _scatter_args(dp: DirectPath, blocks: list[np.ndarray] | None, recv: np.ndar
     return [(0, 0)] * dp.size, (root, dp.rank, recv), (), None, False  # the table's shape: the root's is read
 
 
-def single_copy_scatter(call, blocks: list[np.ndarray] | None, recv: np.ndarray, root: int) -> None:
+def single_copy_scatter(call: DirectCall, blocks: list[np.ndarray] | None, recv: np.ndarray,
+                        root: int) -> None:
     """Every other rank reads its block out of the root's list; the root returns once they
     have (scatterv as gatherv above)."""
     dp = call.group.direct
@@ -238,7 +242,7 @@ def _planned_args(what: str, dp: DirectPath, root: int, x: Any, y: Any) -> Moves
 
 def planned_tail(what: str, root: int) -> Callable[..., None]:
     """The tail of a compiled caller's single copy call of `what` (Plans.finish)."""
-    def tail(call, status: int, x: Any, y: Any = None) -> None:
+    def tail(call: DirectCall, status: int, x: Any, y: Any = None) -> None:
         dp = call.group.direct
         spans, reads, readers, local, read = _planned_args(what, dp, root, x, y)
         _move(dp, call, spans, reads, readers, local, read, status)
@@ -249,7 +253,7 @@ def _lost_if_gone(run):
     """`run`, raising PeerLostError naming the rank whose process vanished under a read (the
     socket that would tell may not have closed yet)."""
     @functools.wraps(run)
-    def guarded(call, *args):
+    def guarded(call: DirectCall, *args):
         try:
             return run(call, *args)
         except ProcessGone as exc:
@@ -298,14 +302,16 @@ def _fold_block(dp: DirectPath, p: int, index: int, own: np.ndarray, out: np.nda
             kernel(acc, theirs, acc)
 
 
-def single_copy_reduce_scatter(call, blocks: list[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
+def single_copy_reduce_scatter(call: DirectCall, blocks: list[np.ndarray], out: np.ndarray,
+                               op: ReduceOp) -> None:
     dp = call.group.direct
     p = _offer(dp, call, _spans(blocks))
     _fold_block(dp, p, dp.rank, blocks[dp.rank], out, op)
     _finish(dp, call, p, dp.others)
 
 
-def single_copy_all_reduce(call, data: np.ndarray, op: ReduceOp, src: np.ndarray | None = None) -> None:
+def single_copy_all_reduce(call: DirectCall, data: np.ndarray, op: ReduceOp,
+                           src: np.ndarray | None = None) -> None:
     """A reduce-scatter (each rank folds its block out of every rank's input), then an
     all_gather (each rank reads the others' folded blocks): 2(n-1)/n of m read per rank and
     (n-1)/n of it folded, against the one shot's m copied and n m read and folded."""
@@ -336,7 +342,7 @@ def _scratch(dp: DirectPath, nbytes: int) -> np.ndarray:
     return dp.folded[:nbytes]
 
 
-def single_copy_reduce(call, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
+def single_copy_reduce(call: DirectCall, data: np.ndarray, acc: np.ndarray, op: ReduceOp, root: int) -> None:
     """single_copy_all_reduce's reduce-scatter (each rank folds its block out of every rank's
     `data`, kept), then the root alone reads the folded blocks into `acc`: the root reads what an
     all_reduce's ranks read, the others half. A reduce by messages sends the root every byte

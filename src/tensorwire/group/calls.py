@@ -31,7 +31,8 @@ _SCRATCH_BYTES = 16 << 10  # the largest reducing receive exchange_now takes thr
 
 
 class CollectiveCall:
-    """One collective's point-to-point view of its group (implements algorithms.base.P2P)."""
+    """One collective's point-to-point view of its group (implements algorithms.base.P2P, and
+    DirectCall for the paths through the group's segment)."""
 
     __slots__ = ("group", "rank", "size", "seq", "fp", "name", "timeout", "deadline", "ref", "algo",
                  "__weakref__")
