@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cluster import Cluster
 from conftest import PYTHON
-from tensorwire.algorithms.shm_direct import COMPILED_PLANS
+from tensorwire.algorithms.direct_plans import COMPILED_PLANS
 from tensorwire.ops import ReduceOp
 from tensorwire.ops.kernels import reduction_kernel
 from tensorwire.transport import native

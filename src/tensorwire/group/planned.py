@@ -42,7 +42,7 @@ REPLAN = object()
 _BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
 Chosen = Any
 """What a plan's run runs: the tuner's choice (an Algorithm or a PageDependent), a one-shot
-plan (shm_direct.COMPILED_PLANS), or None (a call for the general body, or nothing to move)."""
+plan (direct_plans.COMPILED_PLANS), or None (a call for the general body, or nothing to move)."""
 
 
 class Plans(dict):
