@@ -10,7 +10,7 @@ import numpy as np
 from ..buffers import copy
 from ..errors import InvalidArgumentError
 from ..ops.kernels import fold
-from ..transport.engine import Backoff
+from ..transport.backoff import Backoff
 from ..transport.segment import CHUNK_BITS, WRITTEN, DirectPath
 from .base import DirectCall
 

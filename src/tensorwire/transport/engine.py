@@ -28,6 +28,7 @@ from .. import limits, log
 from ..errors import AbortedError, ResourceError, TensorwireWarning, TimeoutError
 from ..ops import ReduceOp
 from . import native
+from .backoff import PREYIELD, RELEASE_PARKED_S, Backoff
 from .channel import Channel, PeerClosed, PendingChannel
 from .failures import Failures, unanswered_ms
 from .pumps import Pumps, pump_threads, streams_per_pair
@@ -44,16 +45,6 @@ _init_log = log.get("INIT")  # decisions taken once, at init
 _EMPTY = np.empty(0, dtype=np.uint8)
 _LAST_DATA_KIND = int(max(Kind.P2P, Kind.COLL))  # kinds above it are control messages
 DEFAULT_SPIN_US = 50.0
-_YIELD_S = 0.02  # after spinning, yield the CPU for this long before sleeping
-PREYIELD = 16
-"""Where ranks share cores: yields in a bare loop before a wait for a flag or a ring's next
-record sets up its Backoff, whose setup and rounds are Python that the rank being waited for
-does not get to run (docs/design/waiting.md)."""
-_SLEEP_MAX_S = 0.001  # longest single sleep: bounds the wake-up delay for shared-memory data
-_RELEASE_PARKED_S = 0.1
-"""A waiter idle this long stages the messages parked in its rings (shm.PARK_BYTES) and those
-left in their senders' memory (shm.REMOTE_BYTES), whatever they wait for: a parked sender may
-be the one this wait depends on, through a third rank, or two ranks may both send first."""
 _BG_GRACE_S = 0.005  # the background thread leaves pending requests this long to a waiter
 _BG_LOOK_MAX_S = 0.04  # its longest pause between looks while waits keep coming
 _BG_PARK_S = 1.0  # it sleeps until woken once this long has passed without a pending request
@@ -481,7 +472,7 @@ class Engine(Failures):
         Not if its receive is posted, nor a collective's message for an earlier call (vetted
         now: that call differed), nor while a receive from that peer for another message would
         wait behind it, nor once the peer left (its ring is read to its end now). A waiter idle
-        for _RELEASE_PARKED_S releases it anyway (`release_parked`): a rank waiting on a third
+        for RELEASE_PARKED_S releases it anyway (`release_parked`): a rank waiting on a third
         one, or two ranks that both send before they receive, cannot wait on a parked message
         forever."""
         if self.posted.get((peer, header.key)) or (self.retired and header.ctx in self.retired) \
@@ -495,7 +486,7 @@ class Engine(Failures):
 
     def release_parked(self) -> None:
         """Stage every parked message (and vet it), and every unexpected one still in its
-        sender's memory, whose sender waits for it: called by waiters idle for _RELEASE_PARKED_S."""
+        sender's memory, whose sender waits for it: called by waiters idle for RELEASE_PARKED_S."""
         with self.lock:
             self.releases += 1
             for channel in self.channel_list:
@@ -839,7 +830,7 @@ class Engine(Failures):
                     stalled_since = None
                 elif stalled_since is None:
                     stalled_since = now
-                elif now - stalled_since >= _RELEASE_PARKED_S:  # as an idle waiter does: sends
+                elif now - stalled_since >= RELEASE_PARKED_S:  # as an idle waiter does: sends
                     stalled_since = None  # that wait for each other, with nobody waiting here
                     self.release_parked()
             if not moved:
@@ -939,63 +930,3 @@ class Engine(Failures):
             # GIL, which aborts the process where that is inside C++ (torch frees a Work so)
             bg.join(_BG_JOIN_S)
 
-
-class Backoff:
-    """How every waiter in tensorwire waits: spin, then yield the CPU, then sleep on the sockets.
-
-    Spinning keeps the fast path fast when the peer is running on another core; yielding lets
-    an oversubscribed peer (more ranks than cores) run; sleeping on the peers' sockets stops
-    burning CPU yet wakes at once for TCP data, control messages and dead peers. The group's
-    health (lost members, abort) and the deadline are checked whenever the waiter is idle.
-    """
-
-    def __init__(self, engine: Engine, deadline: float, ctx: int, seq: int, watch: tuple[int, ...],
-                 cross_check: Callable[[], None] | None = None) -> None:
-        self.engine = engine
-        self.deadline = deadline
-        self.ctx = ctx
-        self.seq = seq
-        self.watch = watch
-        self.cross_check = cross_check
-        self.spin_s = engine.spin_s
-        self.reset()
-
-    def reset(self) -> None:
-        self.since = time.perf_counter()
-        self.sleep = 50e-6
-        self.checks = 0
-        self.queried = False
-        self.released = False
-
-    def idle(self, timeout_error: Callable[[], BaseException]) -> None:
-        now = time.perf_counter()
-        idle = now - self.since
-        self.checks += 1
-        pumps = self.engine.pumps  # while pump threads run, a spinning waiter would hold the
-        # interpreter lock they need between their system calls: it sleeps at once instead
-        if idle < self.spin_s + _YIELD_S and not (pumps is not None and pumps.busy):
-            # spinning or yielding: the group's health and the deadline every so many rounds,
-            # which cost more than a round (with ranks outnumbering cores, what a waiter
-            # spends in a round is taken from the rank it waits for)
-            if self.checks & (63 if idle < self.spin_s else 15) == 0:
-                self.engine.check_group(self.ctx, self.seq, self.watch)
-                if now > self.deadline:
-                    raise timeout_error()
-            if idle >= self.spin_s:
-                os.sched_yield()
-            return
-        self.engine.check_group(self.ctx, self.seq, self.watch)
-        if now > self.deadline:
-            raise timeout_error()
-        if not self.released and idle >= _RELEASE_PARKED_S:
-            self.released = True
-            self.engine.release_parked()
-        if self.cross_check is not None:
-            self.cross_check()
-        if not self.queried:
-            self.queried = True
-            self.engine.query_peers(self.ctx, self.watch)
-        self.engine.check_unconnected(self.watch)
-        self.engine.sleep_on_sockets(min(self.sleep, max(0.0, self.deadline - now)))
-        self.engine.check_group(self.ctx, self.seq, self.watch)
-        self.sleep = min(self.sleep * 2, _SLEEP_MAX_S)

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, TimeoutError
 from . import cma, native, pages
-from .engine import PREYIELD, Backoff, Engine
+from .backoff import PREYIELD, Backoff
+from .engine import Engine
 from .shm_segments import CTRL_BYTES, Segment
 from .wire import Fingerprint
 
