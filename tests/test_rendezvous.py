@@ -25,6 +25,7 @@ from tensorwire import auth
 from tensorwire.errors import InvalidArgumentError, RendezvousError, TimeoutError
 from tensorwire.rendezvous.bootstrap import (
     LaunchInfo,
+    check_roster,
     create_store,
     detect,
     expand_hostlist,
@@ -706,6 +707,17 @@ def test_create_store_single_process() -> None:
         assert store.get("tw/join/1/0") == b"1"
     finally:
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_world_size_published_by_another_version_is_a_clear_error(tmp_path: Path) -> None:
+    """Rank 0 publishes its world size as JSON now; a plain number (an older tensorwire) or
+    anything else there is a RendezvousError naming it, not a TypeError from inside."""
+    store = FileStore(tmp_path / "s", timeout=5)
+    store.set("tw/world_size/1", b"4")
+    info = detect(1, 4, f"file://{tmp_path / 's'}", env={})
+    with pytest.raises(RendezvousError, match="rank 1: init: rank 0 published its world size as b'4'"):
+        check_roster(store, info, 5, 1, None)
 
 
 @pytest.mark.timeout(30)

@@ -204,11 +204,11 @@ class CallQueue:
             self._settle(None, False)  # earlier calls' refusals, a renewal
         except Exception:  # noqa: BLE001 - the group stays failed; this call's own error says more
             pass
-        self.raised = self.seq + 1
         if self.doomed:
             self.doomed -= 1
             raise error
         self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
+        self.raised = self.seq
         error = naming_call(error, group.runtime.rank, self.seq - self.internal, group.name)  # type: ignore[assignment]
         if group.ctx not in self.engine.aborted:
             self.engine.refuse(group.ctx, self.seq, group.ranks, error)

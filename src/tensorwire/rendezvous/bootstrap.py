@@ -610,13 +610,18 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
             f"('{size_key}') in the store {info.init_method}{'; ' + refused if refused else ''}; did rank 0 "
             f"start?") from exc
-    rank0 = json.loads(theirs)
-    size = rank0["world_size"]
+    try:
+        rank0 = json.loads(theirs)
+        size, local_size = int(rank0["world_size"]), int(rank0["local_world_size"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RendezvousError(f"rank {info.rank}: init: rank 0 published its world size as {theirs[:64]!r} "
+                              f"in the store {info.init_method}: it runs another tensorwire version, or "
+                              f"another program wrote '{size_key}'") from exc
     if size != info.world_size:
         error = RendezvousError(
             f"rank {info.rank}: init: world size mismatch: rank {info.rank} was started with "
             f"world_size={info.world_size} but rank 0 with world_size={size} (store {info.init_method})"
-            f"{_nodes_differ(info, size, rank0['local_world_size'])}")
+            f"{_nodes_differ(info, size, local_size)}")
         if refused is not None:  # and for the others rank 0 waits for: no world can form
             refused(store, error, [r for r in range(1, size) if r != info.rank])
         raise error

@@ -129,6 +129,12 @@ class Tier:
         direct, host = self.own(collective, n, m, whole)
         return Links(self.link, direct, *self.busy, self.one_way, host, streams=streams)  # type: ignore[arg-type]
 
+    def bounded_direct(self, n: int, single_copy: bool) -> Link:
+        """The one shot's link bounded as a job bounds it at init (calibrate.with_direct_bound:
+        at the links of a first call, not run whole in C)."""
+        assert self.direct is not None
+        return bound_direct(self.direct, self.links("all_reduce", n, 8, whole=False), n, single_copy)
+
     def price(self, algs: list[Algorithm], n: int, m: int, streams: Streams | None = None,
               whole: bool = True) -> list[tuple[float, str, Algorithm]]:
         """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first
@@ -247,7 +253,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
                     busy_origin=tuple(o for _, o in busy), config=cfg)  # type: ignore[arg-type]
         if direct is not None and "direct" in local and "direct" not in file and \
                 not local["direct"][1].endswith(DIRECT_SLOWER):
-            tier.direct = bound_direct(direct, tier.links("all_reduce", n, 8), n, cfg.single_copy != "0")
+            tier.direct = tier.bounded_direct(n, cfg.single_copy != "0")
         out.append(tier)
     return out
 
