@@ -657,3 +657,31 @@ def test_one_call_fold_is_the_rank_ordered_fold(dtype) -> None:
         for v in col[1:]:
             seq = dt.type(seq + v)
         assert np.add.reduce(col) != seq
+
+
+def test_a_phase_that_differs_says_its_hierarchical_call_does() -> None:
+    """A hierarchical call whose phases are other collectives on some rank (compress= on one rank
+    alone: its phases reduce_scatter where the others' reduce) fails in a phase: the error names
+    the caller's call and says that call differs (it read 'collective reduce_scatter vs reduce',
+    which no rank had called)."""
+    from types import SimpleNamespace
+
+    from tensorwire.algorithms.hierarchical import naming
+    from tensorwire.errors import CollectiveMismatchError
+    from tensorwire.transport.wire import PHASE_OF
+
+    queue = SimpleNamespace(phase_of=0)
+    side = SimpleNamespace(queue=queue)
+    p2p = SimpleNamespace(hierarchy=SimpleNamespace(local=side, rail=side), fp=Fingerprint(Coll.ALL_REDUCE),
+                          what="all_reduce #1 on group world")
+
+    def phase(p2p: object) -> None:
+        raise CollectiveMismatchError("rank 0: reduce_scatter_tensor #1 on group world/host0: rank 1 made a "
+                                      "different call at the same point: collective reduce_scatter vs reduce")
+
+    with pytest.raises(CollectiveMismatchError) as caught:
+        naming(phase)(p2p)
+    text = str(caught.value)
+    assert text.startswith("rank 0: all_reduce #1 on group world (hierarchical): reduce_scatter"), text
+    assert text.endswith(f"collective reduce_scatter vs reduce; {PHASE_OF}"), text
+    assert queue.phase_of == 0

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TensorwireError, in_call
+from ..errors import CollectiveMismatchError, TensorwireError, in_call, retold
 from ..ops import ReduceOp
-from ..transport.wire import phase_digest
+from ..transport.wire import PHASE_OF, phase_digest
 from .base import P2P, contiguous_span, offsets_of, split_counts
 from .prices import COPY, Link, LocalPrice, RailPrice, Shape
 from .registry import Algorithm, register
@@ -446,6 +446,8 @@ def naming(run: Callable[..., None]) -> Callable[..., None]:
             named = exc if f"{what}:" in str(exc) else in_call(exc, f"{what} (hierarchical)")
             if named is exc:  # named on the rank that raised it, and came with the group's abort
                 raise
+            if isinstance(named, CollectiveMismatchError) and PHASE_OF not in str(named):
+                named = retold(named, f"{named}; {PHASE_OF}")  # (phases of other calls: compress=)
             raise named from exc
         finally:
             if h is not None:

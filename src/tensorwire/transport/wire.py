@@ -106,7 +106,7 @@ _LIST_FORMS = (("all_gather", {Coll.ALL_GATHER, Coll.ALL_GATHERV}),
                ("reduce_scatter", {Coll.REDUCE_SCATTER, Coll.REDUCE_SCATTERV}))
 _FACTORED = (Coll.REDUCE, Coll.REDUCE_SCATTER, Coll.ALL_REDUCE, Coll.REDUCE_SCATTERV)  # PREMUL_SUM's
 _PHASE_OF_WHAT = "its collective, dtype, op, root, count or compress="
-_PHASE_OF = f"the hierarchical call this is a phase of differs ({_PHASE_OF_WHAT})"
+PHASE_OF = f"the hierarchical call this is a phase of differs ({_PHASE_OF_WHAT})"
 
 
 def phase_digest(fp: Fingerprint) -> int:
@@ -166,7 +166,7 @@ def differences(mine: Fingerprint, other: Fingerprint) -> list[str]:
             out.append(f"the PREMUL_SUM factor differs (or, in a phase of a hierarchical call, that call "
                        f"differs: {_PHASE_OF_WHAT})")
         else:
-            out.append(_PHASE_OF)
+            out.append(PHASE_OF)
     return out
 
 
