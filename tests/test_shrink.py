@@ -283,7 +283,8 @@ same = tw.shrink()  # nobody failed: an equivalent world
 y = np.full(3, rank + 1.0)
 world.all_reduce(y)  # the old world still works
 report(ranks=same.ranks, rank=same.rank, new_ctx=same.ctx != world.ctx, old=y.tolist(),
-       calls=check_every_collective(same, seed=3), names=[same.name, same.shrink().shrink().name])
+       calls=check_every_collective(same, seed=3),
+       names=[same.name, same.shrink().shrink().name, world.shrink().name])
 if rank in (0, 2):
     sub = pair.shrink()
     report(sub=sub.ranks, sub_rank=sub.rank, sub_calls=check_every_collective(sub, seed=4))
@@ -301,7 +302,8 @@ def test_shrink_when_nothing_failed_returns_an_equivalent_group() -> None:
     for rank, res in enumerate(finals):
         assert res["ranks"] == [0, 1, 2] and res["rank"] == rank and res["new_ctx"], res
         assert res["old"] == [6.0] * 3 and res["calls"] >= 60, res
-        assert res["names"] == ["world.shrink1", "world.shrink3"], res  # one suffix, however many shrinks
+        # one suffix, however many shrinks; world's second shrink is not named as its first's shrink
+        assert res["names"] == ["world.shrink1", "world.shrink3", "world.shrink4"], res
         if rank != 1:
             assert res["sub"] == [0, 2] and res["sub_rank"] == rank // 2 and res["sub_calls"] >= 60, res
 

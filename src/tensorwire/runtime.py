@@ -29,6 +29,7 @@ class Runtime:
     world: object = None  # the world Group, set right after construction
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
+    shrunk: dict = field(default_factory=dict)  # shrinks of each group name's line so far (shrink.py)
     closed: bool = False  # destroy() ran, or a fork's copy: its groups' calls raise NotInitializedError
     pid: int = field(default_factory=os.getpid)  # the process that made it (a fork's copy has another)
     topology: Topology | None = None  # who is near whom (None: the torch backend's runtime over another

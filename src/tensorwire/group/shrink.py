@@ -78,7 +78,8 @@ def shrink_group(group: Group, timeout: float | None = None, *, majority: bool =
                 f"rank {engine.rank}: shrink of group {group.name} (majority=True): the survivors, world "
                 f"ranks {survivors}, are not a majority of its {len(members)} members (or half with its "
                 f"first, rank {members[0]}); the others may have gone on without them (a network partition)")
-        new_ctx, new_name = mix_context(ctx, SHRINK, count, *survivors), _shrunk_name(name, count)
+        new_ctx = mix_context(ctx, SHRINK, count, *survivors)
+        new_name = _shrunk_name(group.runtime.shrunk, name)
         _log.info("rank %d: group %s shrunk to %s (ranks %s; failed: %s)", engine.rank, name, new_name,
                   survivors, sorted(failed) or "none")
         try:
@@ -94,13 +95,14 @@ def shrink_group(group: Group, timeout: float | None = None, *, majority: bool =
             ranks, ctx, name, next_seq, count = survivors, new_ctx, new_name, 1, 1
 
 
-def _shrunk_name(name: str, count: int) -> str:
-    """`world` -> `world.shrink1` -> `world.shrink2`: one suffix however often a group shrinks
-    (a name, and every message naming it, stays bounded)."""
+def _shrunk_name(shrunk: dict[str, int], name: str) -> str:
+    """`world` -> `world.shrink1` -> `world.shrink2`, numbered along the line of groups shrunk
+    from `world` in this process (`shrunk`: the runtime's counts): one suffix however often
+    a group shrinks, and a second shrink of `world` is not named as the first's shrink."""
     base, dot, last = name.rpartition(".shrink")
-    if dot and last.isdigit():
-        return f"{base}.shrink{int(last) + count}"
-    return f"{name}.shrink{count}"
+    line = base if dot and last.isdigit() else name
+    shrunk[line] = shrunk.get(line, 0) + 1
+    return f"{line}.shrink{shrunk[line]}"
 
 
 def _retire(engine: Engine, ctx: int, seq: int, ranks: Sequence[int], name: str,
