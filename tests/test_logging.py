@@ -39,6 +39,7 @@ tw.broadcast(x, 0)
 tw.all_gather_into_tensor(np.empty(8, np.float32), np.ones(4, np.float32))
 tw.barrier()
 tw.barrier()
+tw.all_to_all_single(np.empty(8, np.float32), np.ones(8, np.float32))
 if sys.argv[1] == "torch":
     import torch
     import torch.distributed as dist
@@ -82,12 +83,14 @@ def test_trace_logs_a_line_per_collective_and_point_to_point_call(tmp_path: Path
         coll = _lines(err, rank, "COLL")
         names = [line.split(" on group")[0] for line in coll]
         assert names == [*(f"all_reduce #{i}" for i in (1, 2, 3)), "reduce #4", "broadcast #5",
-                         "all_gather_into_tensor #6", "barrier #7", "barrier #8"], coll
+                         "all_gather_into_tensor #6", "barrier #7", "barrier #8",
+                         "all_to_all_single #9"], coll
         pattern = (r"all_reduce #2 on group world \(2 ranks\): count 1000 float32 \(4000 B\), op SUM, "
                    r"algo \w+ over shm, [\d.]+ (us|ms|s)$")
         assert re.match(pattern, coll[1]), coll[1]
         assert "root 1, algo" in coll[3] and "root 0, algo" in coll[4], coll
         assert all(" algo - " not in line for line in coll), coll
+        assert ": count 8 float32 (32 B), 4 a peer, algo " in coll[8], coll[8]  # (it read as 8 a peer)
         p2p = _lines(err, rank, "P2P")
         way, peer = ("send", "dst 1") if rank == 0 else ("recv", "src 0")
         assert p2p[0].startswith(f"{way} on group world: tensor 4000 B float32, {peer}, tag 3, took "), p2p

@@ -49,7 +49,8 @@ def ran(call: CollectiveCall) -> None:
             size = f" ({fp.count * dtype_from_code(fp.dtype).itemsize} B)"
         except Exception:  # noqa: BLE001 - a code no dtype has: the line says so through its label
             size = ""
-        said.append(f"count {fp.count} {dtype_label(fp.dtype)}{size}")
+        per_peer = f", {fp.count // group.size} a peer" if fp.coll & ~ON_DEVICE == Coll.ALL_TO_ALL else ""
+        said.append(f"count {fp.count} {dtype_label(fp.dtype)}{size}{per_peer}")
     if fp.coll & ~ON_DEVICE in _REDUCING:
         said.append(f"op {op_label(fp.op)}")
     if fp.root >= 0:
