@@ -557,24 +557,17 @@ def test_host_crash_fails_the_others_with_peer_lost(support: dict, job: str) -> 
     assert res.elapsed < 60, res.out
 
 
-_ADDRESS_KNOWN = pytest.mark.xfail(strict=False, reason=(
-    "known, intermittent: the cut host's ranks learn of each other's abort only over their "
-    "socket, which went with the address; one may wait for the kernel to give it up and name its "
-    "host-mate lost"))
-
-
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["link", pytest.param("address", marks=_ADDRESS_KNOWN)])
+@pytest.mark.parametrize("mode", ["link", "address"])
 def test_host_cut_off_silently_is_lost_in_the_peer_timeout_and_shrunk_away(support: dict, job: str,
                                                                             mode: str) -> None:
     """TENSORWIRE_PEER_TIMEOUT is 2 s here (the calls' timeout 30 s). First a live rank that
     reads 32 MiB sent to it 3 s late is not lost (its sender waits on a closed receive window,
     whose probes the reader's kernel answers). Then host 1's link goes down mid-job, or its
-    address goes (a failed NIC; its own ranks' sockets to each other went through it): no reset
-    ever reaches anyone. Within the peer timeout every rank raises PeerLostError naming a rank
-    of the other host, never one of its own (whose process it sees running: each rank of host 1
-    shrank to itself alone before), shrinks the world to the ranks of its own host, and an
-    all_reduce there is right."""
+    address goes (a failed NIC): no reset ever reaches anyone. Within the peer timeout every
+    rank raises PeerLostError naming a rank of the other host, never one of its own (host 1's
+    ranks dialed each other over loopback, not the address that went), shrinks the world to
+    the ranks of its own host, and an all_reduce there is right."""
     peer_timeout = 2.0
     res = run_bed(["--hosts", "2", "-n", "2", "--kill-host", "1", "--kill-mode", mode, "--kill-when",
                    "^READY$", "--env", f"TENSORWIRE_PEER_TIMEOUT={peer_timeout:g}"], [job, "cut", "3"],

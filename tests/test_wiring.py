@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,11 @@ from test_collectives import _expect, _Log, _pattern, rank_large
 
 import tensorwire as tw
 from cluster import Cluster
-from tensorwire import limits
+from tensorwire import auth, limits
+from tensorwire.config import Config
+from tensorwire.transport.engine import Engine
 from tensorwire.transport.shm_segments import Ring
+from tensorwire.transport.wiring import Wiring
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -283,3 +287,41 @@ def test_keepalive_lives_through_outages_shorter_than_the_peer_timeout(peer_time
         assert count * interval >= peer_timeout, (idle, interval, count)
         assert idle + count * interval <= math.ceil(peer_timeout) + 2 * interval, (idle, interval, count)
         assert interval == max(1, math.ceil(peer_timeout) // 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_on_one_host_connects_over_loopback_not_its_address() -> None:
+    """Two ranks of one host that advertised a non-loopback address (127.0.0.2 stands in for
+    a NIC's): their shared-memory pair's socket, which carries the aborts and goodbyes, goes
+    through the loopback listener, so it outlives the host's address (a failed NIC would take
+    a socket at the address with it: the peer was named lost instead of its abort heard). A
+    peer in another network namespace, or on another host, is dialed at its address."""
+    address, secret = "127.0.0.2", auth.Secret(b"s" * 32, "test")
+    engines = [Engine(r, 2, 0) for r in (0, 1)]
+    for engine in engines:
+        engine.wiring = Wiring(engine, Config(), "job", secret, address, ("host", "machine"), 2)
+    cards = {r: {"addr": address, "port": e.wiring.port, "loopback": e.wiring.loopback_port,
+                 "netns": e.wiring.netns, "host": "host", "machine": "machine"}
+             for r, e in enumerate(engines)}
+    try:
+        for engine in engines:
+            engine.wiring.learn(cards)
+            engine.wiring.start(8 << 20, 2)
+        with engines[1].lock:
+            engines[1].channel(0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(
+                getattr(e.channels.get(1 - r), "kind", "pending") != "pending"
+                for r, e in enumerate(engines)):
+            time.sleep(0.005)
+        dialed = engines[1].channels[0]
+        assert dialed.kind == "shm", dialed.kind
+        assert dialed.sockets[0].getpeername() == ("127.0.0.1", engines[0].wiring.loopback_port)
+        wiring = engines[1].wiring
+        wiring.cards[0] = {**cards[0], "netns": "another"}
+        assert wiring.address(0) == (address, engines[0].wiring.port)
+        wiring.cards[0] = {**cards[0], "host": "another host"}
+        assert wiring.address(0) == (address, engines[0].wiring.port)
+    finally:
+        for engine in engines:
+            engine.close()

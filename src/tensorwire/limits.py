@@ -32,12 +32,12 @@ def typical_peers(size: int) -> int:
 
 
 def wiring_need(world_size: int) -> int:
-    """Descriptors a rank's wiring needs at init, beyond HEADROOM: its listener, the wiring
-    thread's wakeup and spare, and a connection to each peer it typically talks to. Pairs
-    connect on first use (transport/wiring.py), so this, not the world size, is what a rank
-    holds; a rank that talks to more peers later raises its soft limit then, or fails naming
-    the limit."""
-    return 3 + typical_peers(world_size)
+    """Descriptors a rank's wiring needs at init, beyond HEADROOM: its listeners (at its address
+    and on loopback), the wiring thread's wakeup and spare, and a connection to each peer it
+    typically talks to. Pairs connect on first use (transport/wiring.py), so this, not the
+    world size, is what a rank holds; a rank that talks to more peers later raises its soft
+    limit then, or fails naming the limit."""
+    return 4 + typical_peers(world_size)
 
 
 def descriptors_allow(per_peer: int, peers: int) -> bool:

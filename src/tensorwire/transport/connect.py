@@ -35,7 +35,7 @@ from ..errors import (
 from ..rendezvous.store import Store
 from . import shm_budget
 from .engine import Engine
-from .processes import core_sharers, pid_namespace, process_start
+from .processes import core_sharers, namespace, process_start
 from .wiring import Wiring
 
 _log = log.get("INIT")
@@ -170,7 +170,8 @@ def wire_engine(rank: int, world_size: int, cfg: Config, job_id: str, secret: au
     try:
         shm_free = shm_budget.free_at_start()  # before it publishes: before any segment of the job exists
         mine = _refusal(rank, error) if wiring is None else \
-            {**card, "port": wiring.port, "start": process_start(), "pidns": pid_namespace()}
+            {**card, "port": wiring.port, "loopback": wiring.loopback_port, "netns": wiring.netns,
+             "start": process_start(), "pidns": namespace("pid")}
         cards = publish(mine)
         if error is not None:
             raise error

@@ -843,7 +843,7 @@ class Engine(Failures):
         learn of it while the fork lives). Only the descriptors: the parent's connections stay."""
         socks = [s for channel in self.channels.values() for s in channel.sockets]
         if self.wiring is not None:
-            socks.append(self.wiring.listener)
+            socks += self.wiring.listeners
         for sock in socks:
             try:
                 sock.close()

@@ -28,11 +28,12 @@ def start_of(pid: int) -> int:
     return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
-def pid_namespace() -> str:
-    """Which pid namespace this process sees pids in ('' where unknown): pids of ranks in other
-    namespaces (containers) cannot be checked from here."""
+def namespace(kind: str) -> str:
+    """Which `kind` namespace ('pid', 'net') this process is in ('' where unknown): pids of
+    ranks in another pid namespace cannot be checked from here, nor their loopback reached
+    from another network namespace (a container each)."""
     try:
-        st = os.stat("/proc/self/ns/pid")
+        st = os.stat(f"/proc/self/ns/{kind}")
     except OSError:
         return ""
     return f"{st.st_dev}:{st.st_ino}"

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..buffers import address
 from . import cma
-from .processes import pid_namespace, process_start, start_of
+from .processes import namespace, process_start, start_of
 
 CTRL_BYTES = 4096  # a segment's control page, before its data
 _NONCE = 16  # the word of the creator's nonce
@@ -107,7 +107,7 @@ def _check_mappable(fd: int, path: str, nbytes: int) -> None:
 
 def _owner() -> bytes:
     """This process's owner record (read afresh: a forked child is another process)."""
-    return _OWNER.pack(_MAGIC, os.getpid(), process_start(), pid_namespace().encode())
+    return _OWNER.pack(_MAGIC, os.getpid(), process_start(), namespace("pid").encode())
 
 
 def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
@@ -117,7 +117,7 @@ def remove_stale(directory: str = SHM_DIR) -> tuple[int, int]:
     creator in another namespace (container) is never judged; an empty file (a creator that
     died before it wrote its owner record), after _UNWRITTEN_S. Only this user's files: others'
     (root's job among them) are theirs to clean. (segments, bytes) removed."""
-    mine = pid_namespace().encode()
+    mine = namespace("pid").encode()
     if process_start() < 0 or not mine:  # no /proc to tell the living from the dead
         return 0, 0
     removed = freed = 0

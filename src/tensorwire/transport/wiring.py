@@ -17,6 +17,8 @@ accepts it and drops its own, the lower answers the higher's with "crossed" and 
 waits for the other. Pairs on one host (same host name and machine, TENSORWIRE_TRANSPORT not
 `tcp`) make their rings in the exchange (pair_rings.py) and use shared memory only if both
 sides mapped the other's ring and read its nonce. TCP pairs open TENSORWIRE_NSOCKS streams.
+A pair on one host (and network namespace) dials a second listener on loopback, so its socket,
+which carries the ring pair's control messages (aborts, goodbyes), outlives the host's address.
 
 A dial that nobody answers at the address (refused: the process is gone) or whose host never
 answers (within TENSORWIRE_PEER_TIMEOUT) makes the peer lost: whatever waits for it fails with a
@@ -44,7 +46,7 @@ from ..errors import RendezvousError, ResourceError, TensorwireError
 from .channel import Channel
 from .handshake import HELLO, Dial, Incoming, Messages, Refused, Retry, Unreachable, job_hash
 from .pair_rings import PairRings
-from .processes import start_of
+from .processes import namespace, start_of
 from .shm import ShmChannel
 from .shm_segments import Ring
 from .tcp import SocketStream, TcpChannel, size_buffers, tune_socket
@@ -60,6 +62,7 @@ _CROSSED_WAIT_S = 1.0
 other may have given its own up, short of descriptors; a dial still under way crosses again)."""
 _SHED_S = 0.1  # how long the listener rests when no descriptor is left to accept with
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
+_LOOPBACK = "127.0.0.1"
 
 
 class _Out:
@@ -126,9 +129,15 @@ class Wiring:
         self.procs: dict[int, tuple[int, int]] = {}  # peers whose process this rank can watch: (pid, start)
         self.rings = PairRings(job_id, self.rank,
                                "TENSORWIRE_SINGLE_COPY=0" if cfg.single_copy == "0" else "")  # see start()
+        self.netns = namespace("net")
         self.listener = self._listen(address, world_size)
-        tune_socket(self.listener, cfg)  # a congestion control the kernel refuses fails init (accepted
-        self.port = self.listener.getsockname()[1]  # sockets inherit the listener's settings)
+        loopback = cfg.transport != "tcp" and address != _LOOPBACK  # what this host's pairs dial (address())
+        self.loopback = self._listen_loopback(world_size) if loopback else None
+        self.listeners = [self.listener, *([self.loopback] if self.loopback is not None else [])]
+        for listener in self.listeners:  # a congestion control the kernel refuses fails init
+            tune_socket(listener, cfg)  # (accepted sockets inherit the listener's settings)
+        self.port = self.listener.getsockname()[1]
+        self.loopback_port = self.loopback.getsockname()[1] if self.loopback is not None else 0
         self._want: deque[int] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._spare: int | None = _spare_descriptor()
@@ -144,6 +153,7 @@ class Wiring:
         self._dialing_since: dict[int, float] = {}  # peer -> when this rank first dialed it (not yet joined)
         self._pairs = itertools.count(1)
         self._listening_again = 0.0
+        self._resting: list[socket.socket] = []  # listeners that wait for it to accept again
         self._refused = auth.Refusals(f"rank {self.rank} (listening on port {self.port})")
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -174,6 +184,14 @@ class Wiring:
         card = self.cards.get(peer)
         return "shm" if card is not None and self.local(card) and self.rings.ring_max > 0 else "tcp"
 
+    def address(self, peer: int) -> tuple[str, int]:
+        """Where to dial `peer`: its loopback listener where it shares this host and network
+        namespace (a connection the host's address cannot take with it), else its address."""
+        card = self.cards[peer]
+        if self.local(card) and card.get("loopback") and self.netns and card.get("netns") == self.netns:
+            return _LOOPBACK, int(card["loopback"])
+        return card["addr"], int(card["port"])
+
     def sharing_address(self, peer: int) -> list[int]:
         """The other ranks that listen at `peer`'s address (its host's), this one not among them."""
         addr = self.cards.get(peer, {}).get("addr")
@@ -191,7 +209,8 @@ class Wiring:
         """Serve and connect from now on, this rank's rings taking at most `share` bytes of
         /dev/shm among its `local` ranks of this host (shm_budget.ring_share)."""
         self.rings.start(share, local, self.cfg.shm_ring_bytes)
-        self._register(self.listener.fileno(), self._on_listener)
+        for listener in self.listeners:
+            self._serve(listener)
         self._register(self._wake, self._on_wake)
         thread = threading.Thread(target=self._run, name="tensorwire-wiring", daemon=True)
         limits.start_thread(thread, f"rank {self.rank}: its wiring thread")
@@ -303,7 +322,8 @@ class Wiring:
             self._abandon_in(link, f"rank {link.peer} set up no pair within {self.cfg.auth_timeout:g} s")
         if self._listening_again and self._listening_again <= now:
             self._listening_again = 0.0
-            self._register(self.listener.fileno(), self._on_listener)
+            while self._resting:
+                self._serve(self._resting.pop())
 
     # -- dialing ------------------------------------------------------------------------------
     def _dial(self, peer: int) -> None:
@@ -316,7 +336,7 @@ class Wiring:
                 f"rank {self.rank}: rank {peer} is not among the ranks this rank knows the address of"))
             return
         self._dialing_since.setdefault(peer, time.monotonic())
-        self._start_out(peer, (card["addr"], int(card["port"])), 0, next(self._pairs))
+        self._start_out(peer, self.address(peer), 0, next(self._pairs))
 
     def _start_out(self, peer: int, addr: tuple[str, int], index: int, pair: int,
                    primary: _Out | None = None) -> None:
@@ -417,9 +437,8 @@ class Wiring:
             self.engine.shm_refused.setdefault(peer, 0)  # the peer made no ring (shm_refused there)
         shm = out.theirs is not None
         streams = 1 if shm else max(1, min(_count(msg, "streams", 1), self.nsocks))
-        card = self.cards[peer]
         for index in range(1, streams):
-            self._start_out(peer, (card["addr"], int(card["port"])), index, out.pair, out)
+            self._start_out(peer, self.address(peer), index, out.pair, out)
         self._maybe_install_out(out)
 
     def _maybe_install_out(self, out: _Out) -> None:
@@ -472,16 +491,19 @@ class Wiring:
         out.ring = out.theirs = None
 
     # -- accepting ----------------------------------------------------------------------------
-    def _on_listener(self) -> None:
+    def _serve(self, listener: socket.socket) -> None:
+        self._register(listener.fileno(), functools.partial(self._on_listener, listener))
+
+    def _on_listener(self, listener: socket.socket) -> None:
         for _ in range(auth.ACCEPT_BATCH):  # then the ready sockets, before the next batch
             try:
-                sock, addr = self.listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
-                self._shed(exc)
+                self._shed(exc, listener)
                 return
             self._admit(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
 
@@ -496,22 +518,23 @@ class Wiring:
         if surplus is not None:
             self._drop(*surplus)
 
-    def _shed(self, exc: OSError) -> None:
+    def _shed(self, exc: OSError, listener: socket.socket) -> None:
         """No descriptor left to accept with: raise the soft limit where the hard one allows,
         else take the one held spare to tell the dialer, which then raises the error."""
         error = limits.translate(exc, f"rank {self.rank}: accepting a connection") or ResourceError(str(exc))
         if exc.errno == errno.EMFILE and limits.raise_soft_limit():
             return
         _log.warning("%s", error)
-        self._handlers.pop(self.listener.fileno(), None)
-        self._poll.unregister(self.listener.fileno())
+        self._handlers.pop(listener.fileno(), None)
+        self._poll.unregister(listener.fileno())
+        self._resting.append(listener)
         self._listening_again = time.monotonic() + _SHED_S
         if self._spare is None:
             return
         os.close(self._spare)
         self._spare = None
         try:
-            sock, addr = self.listener.accept()
+            sock, addr = listener.accept()
         except OSError:
             self._spare = _spare_descriptor()
             return
@@ -723,8 +746,9 @@ class Wiring:
             self._auth.discard(inc)
             with contextlib.suppress(OSError):
                 inc.sock.close()
-        with contextlib.suppress(OSError):
-            self.listener.close()
+        for listener in self.listeners:
+            with contextlib.suppress(OSError):
+                listener.close()
         for fd in (self._wake, self._spare):
             if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
@@ -740,6 +764,15 @@ class Wiring:
                 RendezvousError(f"cannot listen on {address}: {exc}") from exc
         sock.setblocking(False)
         return sock
+
+    def _listen_loopback(self, world_size: int) -> socket.socket | None:
+        """The listener for this host's pairs (None where loopback cannot be listened on: they
+        dial the address then)."""
+        try:
+            return self._listen(_LOOPBACK, world_size)
+        except TensorwireError as exc:
+            _log.info("rank %d: pairs on this host dial its address: %s", self.rank, exc)
+            return None
 
 
 def _spare_descriptor() -> int | None:
