@@ -92,24 +92,29 @@ class _Staging:
     def scaled(self, t: torch.Tensor, factor: Any, *, in_place: bool = False) -> torch.Tensor:
         """factor * t, in place or as a new tensor (inputs the caller keeps must not change), by
         tensorwire's rule for every dtype (ops.finalize's PREMUL_SUM: 16-bit floats and float8
-        in float32, integers exactly by a whole-number factor): torch itself cannot scale a
-        float8 tensor, nor an integer one by a float in place. Device tensors: torch's arithmetic."""
+        in float32, integers exactly by a whole-number factor, another refused on any device):
+        torch itself cannot scale a float8 tensor, nor an integer one by a float in place.
+        Device tensors: torch's arithmetic."""
+        integer = not (t.is_floating_point() or t.is_complex())
+        try:  # a device tensor's factor is read only where it matters (a tensor factor syncs)
+            red = premul_sum(factor) if t.is_cpu or integer else None
+        except InvalidArgumentError as exc:
+            self.group.fail_fast(exc)
+        if integer and not float(red.factor).is_integer():  # type: ignore[union-attr,arg-type]
+            self.invalid(f"PREMUL_SUM of a {t.dtype} tensor needs a whole-number factor, got {red.factor!r}: "  # type: ignore[union-attr]
+                         f"each rank's input is scaled before the sum, and its share would be cut to an "
+                         f"integer; scale the result instead, or reduce a floating-point copy")
         if not t.is_cpu:
             f = factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor
             return t.mul_(f) if in_place else t * f
         try:
-            red = premul_sum(factor)
             arr = as_array(t, writable=in_place, rank=self.group.runtime.rank, collective=self.what)
         except InvalidArgumentError as exc:
             self.group.fail_fast(exc)
-        if not (t.is_floating_point() or t.is_complex()) and not float(red.factor).is_integer():  # type: ignore[arg-type]
-            self.invalid(f"PREMUL_SUM of a {t.dtype} tensor needs a whole-number factor, got {red.factor!r}: "
-                         f"each rank's input is scaled before the sum, and its share would be cut to an "
-                         f"integer; scale the result instead, or reduce a floating-point copy")
         if not in_place:
             arr = arr.copy()
         try:
-            finalize(arr, red, 1)
+            finalize(arr, red, 1)  # type: ignore[arg-type]
         except InvalidArgumentError as exc:  # ('finalize: PREMUL_SUM is not defined for bool')
             self.invalid(str(exc))
         return t if in_place else like_torch(t, arr)

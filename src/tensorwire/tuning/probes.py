@@ -234,8 +234,8 @@ def _exchange(call: CollectiveCall, peer: int, out: np.ndarray, into: np.ndarray
 def busy_bytes(beta: float, crowded: bool) -> int:
     """The busy rounds' size: BUSY_BYTES (CROWDED_BUSY_BYTES where `crowded`), cut where the
     slowest link the lone pairs measured (`beta`, seconds a byte) would make a round outlast
-    BUSY_ROUND_S, down to SLOW_BUSY_BYTES: at full size a slow link between hosts took the
-    probe past the job's timeout."""
+    BUSY_ROUND_S, down to SLOW_BUSY_BYTES: the probe's time then follows the links' speed
+    (docs/design/calibration.md#slow-links)."""
     full = CROWDED_BUSY_BYTES if crowded else BUSY_BYTES
     fit = int(BUSY_ROUND_S / beta) >> 12 << 12 if beta > 0 else full
     return max(SLOW_BUSY_BYTES, min(full, fit))
