@@ -169,6 +169,10 @@ def test_configured_secret_from_env_and_file(tmp_path: Path) -> None:
     link.symlink_to(path)
     with pytest.raises(RendezvousError, match="is a symbolic link, which is not followed"):  # ('Too many
         auth.read_secret_file(str(link))  # levels of symbolic links' said nothing of why)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # opening it waited for a writer forever
+    with pytest.raises(RendezvousError, match="is not a regular file"):
+        auth.read_secret_file(str(fifo))
 
 
 def test_create_secret_file_is_private_and_race_free(tmp_path: Path) -> None:

@@ -1361,13 +1361,13 @@ def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "large", "symlink",
-                                 "theirs"])
+@pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "directory", "large",
+                                 "symlink", "theirs"])
 def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: str) -> None:
     """Whatever lies where an entry should (valid JSON that is no object, nesting deep enough to
     break the parser, a FIFO, a file far larger than an entry, a link, another user's entry in
     a shared directory) is neither trusted nor a crash nor a wait: read_cache names it in one
-    warning, `tensorwire plan` skips it, and the next write replaces it."""
+    warning, `tensorwire plan` skips it, and the next write replaces it (a directory stays)."""
     path = cache.cache_path(str(tmp_path), "k")
     good = tmp_path / "elsewhere.json"
     if bad in ("symlink", "theirs"):
@@ -1375,6 +1375,8 @@ def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: s
                           {"created": time.time(), "trusted": True})
     if bad == "fifo":
         os.mkfifo(path)
+    elif bad == "directory":
+        os.mkdir(path)
     elif bad == "symlink":
         os.symlink(good, path)
     elif bad == "theirs":
@@ -1393,6 +1395,9 @@ def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: s
     assert cache.cached_entries(str(tmp_path)) == []
     shm = Link("shm", 1e-5, 1e-9, 1e-10)
     cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
+    if bad == "directory":  # not replaced (it may hold anything): a warning, no temporary file left
+        assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+        return
     assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
 
 
@@ -1650,7 +1655,8 @@ def test_bad_tuning_files_are_clear_errors(tmp_path, content: str, words: list[s
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("bad, words", [
-    ("fifo", ["not a regular file"]), ("huge", ["finite non-negative number", "..."]),
+    ("fifo", ["not a regular file"]), ("directory", ["not a regular file"]),
+    ("huge", ["finite non-negative number", "..."]),
     ("nested", ["not valid JSON"]), ("large", ["more than the"]), ("missing", ["cannot read it"]),
 ])
 def test_unreadable_tuning_files_are_clear_errors(tmp_path, bad: str, words: list[str]) -> None:
@@ -1660,6 +1666,8 @@ def test_unreadable_tuning_files_are_clear_errors(tmp_path, bad: str, words: lis
     path = tmp_path / "t.json"
     if bad == "fifo":
         os.mkfifo(path)
+    elif bad == "directory":
+        path.mkdir()
     elif bad != "missing":
         path.write_text({"huge": '{"tcp": {"alpha": 1' + "0" * 400 + "}}", "nested": "[" * 200_000,
                          "large": " " * (tuning_file.MAX_FILE_BYTES + 1) + "{}"}[bad])

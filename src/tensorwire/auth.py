@@ -108,7 +108,7 @@ def _private_file(fd: int, path: str) -> None:
 def read_secret_file(path: str) -> bytes:
     """The secret in `path`, which must be this user's and private (mode 0600 or stricter)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RendezvousError(f"secret file {path} is a symbolic link, which is not followed for a "

@@ -8,6 +8,7 @@ TENSORWIRE_CACHE_MAX_AGE; otherwise the job measures again (calibrate.at_init).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -149,6 +150,7 @@ def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None
                      for t, link in links.items()}}
     if not trusted(os.path.dirname(path)):
         return
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".links-", dir=os.path.dirname(path))
@@ -157,6 +159,9 @@ def write_cache(path: str, links: dict[str, Link], meta: dict[str, Any]) -> None
         os.replace(tmp, path)
     except OSError as exc:
         _log.warning("cannot write the calibration cache %s (TENSORWIRE_CACHE_DIR): %s", path, exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def cached_entries(directory: str) -> list[dict[str, Any]]:

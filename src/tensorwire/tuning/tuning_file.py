@@ -50,15 +50,17 @@ def read_json(path: str, follow: bool = True, own: bool = False) -> Any:
     except OSError as exc:
         link = exc.errno == errno.ELOOP and not follow
         raise BadFile(f"cannot open it: {'a symbolic link, not followed' if link else exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)  # before fdopen, which refuses a directory with its own error
         if not stat.S_ISREG(st.st_mode):
             raise BadFile("not a regular file")
         if own and st.st_uid not in (os.geteuid(), 0):  # a shared directory: another user's file
             raise BadFile(f"a file of uid {st.st_uid}, not this user's")
         if st.st_size > MAX_FILE_BYTES:
             raise BadFile(f"{st.st_size} bytes, more than the {MAX_FILE_BYTES} read")
-        raw = f.read(MAX_FILE_BYTES + 1)
+        raw = os.read(fd, MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
