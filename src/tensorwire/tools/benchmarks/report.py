@@ -6,7 +6,8 @@ each round's mean call (`sweep.summarize`). Each table row (collective and size)
 none of its cells saw foreign CPU load, so its times and ratios come from the same rounds;
 where every round saw some, it uses them all and marks the cells that saw it with a dagger.
 A ratio is tensorwire's time over the other library's, the median over those rounds of the
-per-round ratio, between placements both libraries have (out-of-place first).
+per-round ratio (geometric between the middle two of an even count), between placements both
+libraries have (out-of-place first).
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def ratios(rows: Sequence[Row], others: Sequence[str]) -> list[Ratio]:
                 chosen = {k: ab for k, ab in both.items() if k in rounds} or both
                 per = {k: a["time_us"] / b["time_us"] for k, (a, b) in chosen.items()}
                 dirty = any(a.get("contaminated") or b.get("contaminated") for a, b in chosen.values())
-                out.append(Ratio(other, coll, nominal, pair[0], pair[1], statistics.median(per.values()), per,
-                                 dirty))
+                # the median of the logs: with an even count, the geometric (not arithmetic) mean of
+                # the middle two, so that 0.04 and 500 do not give 250
+                ratio = math.exp(statistics.median(math.log(r) for r in per.values()))
+                out.append(Ratio(other, coll, nominal, pair[0], pair[1], ratio, per, dirty))
     return out
 
 
