@@ -119,6 +119,14 @@ def _pair(tw: set[str], other: set[str]) -> tuple[str, str] | None:
     return None
 
 
+def _median_ratio(values: Iterable[float]) -> float:
+    """The median of ratios; of an even count, the geometric (not arithmetic) mean of the middle
+    two, so that 0.04 and 500 give 4.5, not 250."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else math.sqrt(v[mid - 1] * v[mid])
+
+
 def ratios(rows: Sequence[Row], others: Sequence[str]) -> list[Ratio]:
     """tensorwire / other per collective and size, on the pairing `_pair` picks per collective."""
     by: dict[tuple[str, str, int, str], dict[int, Row]] = defaultdict(dict)
@@ -144,10 +152,8 @@ def ratios(rows: Sequence[Row], others: Sequence[str]) -> list[Ratio]:
                 chosen = {k: ab for k, ab in both.items() if k in rounds} or both
                 per = {k: a["time_us"] / b["time_us"] for k, (a, b) in chosen.items()}
                 dirty = any(a.get("contaminated") or b.get("contaminated") for a, b in chosen.values())
-                # the median of the logs: with an even count, the geometric (not arithmetic) mean of
-                # the middle two, so that 0.04 and 500 do not give 250
-                ratio = math.exp(statistics.median(math.log(r) for r in per.values()))
-                out.append(Ratio(other, coll, nominal, pair[0], pair[1], ratio, per, dirty))
+                out.append(Ratio(other, coll, nominal, pair[0], pair[1], _median_ratio(per.values()), per,
+                                 dirty))
     return out
 
 
