@@ -1807,6 +1807,41 @@ def test_plan_takes_the_calibration_nearest_its_rank_count(tmp_path, monkeypatch
     assert [alpha(n) for n in (1, 2, 3, 4, 5, 7, 16)] == [4e-6, 4e-6, 40e-6, 40e-6, 40e-6, 80e-6, 80e-6]
 
 
+def test_plan_takes_the_entry_a_job_here_would_use(tmp_path, monkeypatch, capsys) -> None:
+    """The usable cores are in the cache key: after a job pinned to one core (`taskset -c 0`),
+    plan from a shell of two priced "this host" with the pinned job's entry, the newest, which
+    no job of that shell uses (a tester). It now takes the entry of its own key (computed as a
+    job's init does), and where it can only fall back to another says what that was probed on."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    cfg = Config.from_env()
+    me = format(cache.host_hash(), "016x")
+
+    def seed(cores: int, age: float, alpha: float) -> str:
+        key = cache.cache_key([cache.host_hash()], ["shm"], 2, cfg.tcp_changed(),
+                              [cache.environment_digest(cfg, cores)])
+        path = cache.cache_path(str(tmp_path), key)
+        cache.write_cache(path, {"shm": Link("shm", alpha, 1e-10, 1e-10)},
+                          {"created": time.time() - age, "world_size": 2, "tiers": ["shm"], "hosts": [me],
+                           "trusted": True})
+        return path
+
+    def tier_line() -> str:
+        assert cli.main(["plan", "all_reduce", "8", "--np", "2", "--tier", "shm", "--no-probe"]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if "tier shm:" in line)
+
+    own = seed(2, 60, 5e-6)
+    pinned = seed(1, 10, 237e-6)  # newer
+    assert "α 5 us" in tier_line() and own in tier_line()
+    os.unlink(own)
+    line = tier_line()
+    assert "α 237 us" in line and f"{pinned}; probed on 1 usable core(s), not the 2 of a job here: no job " \
+        "here uses it]" in line, line
+    monkeypatch.setenv("TENSORWIRE_SPIN_US", "7")  # in the environment's digest too
+    assert f"{pinned}; {pricing.NOT_HERE}: no job here uses it]" in tier_line()
+
+
 def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
     _seed_cache(str(tmp_path))

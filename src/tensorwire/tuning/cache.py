@@ -77,6 +77,22 @@ def cache_path(directory: str, key: str) -> str:
     return os.path.join(directory, f"links-{key}.json")
 
 
+def probed_cores(entry: Mapping[str, Any], cfg: Any, cores: int) -> int | None:
+    """The usable cores a job on this host alone, with `cfg`'s settings, had to have for
+    `entry` (cached_entries) to be its own: `cores` where a job here would use it (its key is
+    the one such a job computes, cache_key over environment_digest), another count where only
+    the cores differ (a job pinned to fewer), None where other settings, a kernel, Python or
+    numpy did, or no job wrote it (for `tensorwire plan`, which says so)."""
+    name, tiers, n = os.path.basename(str(entry.get("path"))), entry.get("tiers"), entry.get("world_size")
+    if not isinstance(tiers, list) or not isinstance(n, int):
+        return None
+    for count in dict.fromkeys([cores, *range(1, max(cores, os.cpu_count() or 1) + 1)]):
+        if cache_path("", cache_key([host_hash()], tiers, n, cfg.tcp_changed(),
+                                    [environment_digest(cfg, count)])) == name:
+            return count
+    return None
+
+
 _WARNED: set[str] = set()  # cache directories named in a warning (once a process)
 
 

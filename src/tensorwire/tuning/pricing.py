@@ -11,6 +11,7 @@ tiers, the report).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ from ..config import Config
 from ..errors import InvalidArgumentError
 from ..transport import native
 from . import crossing, policy
-from .cache import cache_dir, cached_entries, host_hash
+from .cache import cache_dir, cached_entries, host_hash, probed_cores
 from .cost_model import (
     BUSY,
     BUSY_PAIRS,
@@ -154,23 +155,32 @@ def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, 
     whose rank count is nearest `n`, the newest of those: where ranks outnumber cores the
     constants differ (docs/design/calibration.md#plans-rank-count). Only entries that a job
     would trust (cache.read_cache): measured without load, and no older than
-    TENSORWIRE_CACHE_MAX_AGE; or written from `since` on (plan's own probe, loaded or not)."""
+    TENSORWIRE_CACHE_MAX_AGE; or written from `since` on (plan's own probe, loaded or not).
+    Entries a job started here would write (cache.probed_cores: these settings and cores) come
+    first; another one is named as such."""
     me = format(host_hash(), "016x")
     found: dict[str, tuple[Link, str]] = {}
     now = time.time()
-    entries = cached_entries(cache_dir(cfg.cache_dir))  # newest first
-    entries.sort(key=lambda e: abs(int(e.get("world_size") or 2) - n))  # stable: newest among equals
-    for entry in entries:
+    cores = len(os.sched_getaffinity(0))
+    entries = []
+    for entry in cached_entries(cache_dir(cfg.cache_dir)):  # newest first
         created = float(entry.get("created", 0))
         if entry.get("hosts") != [me] or (created < since and (
                 not entry.get("trusted", False) or not 0 <= now - created <= cfg.cache_max_age)):
             continue
+        entries.append((probed_cores(entry, cfg, cores), entry))
+    # stable: newest among equals
+    entries.sort(key=lambda e: (e[0] != cores, abs(int(e[1].get("world_size") or 2) - n)))
+    for probed, entry in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("created", 0)))
         measured_over = "shm" if "shm" in entry.get("tiers", ()) else "tcp"  # what its busy links measured
         for tier, values in entry["links"].items():
             name = f"{tier}@{measured_over}" if tier in BUSY_LINKS else tier
             if tier in LINKS and name not in found and all(f in values for f in REQUIRED):
                 origin = f"cached {when}, {entry.get('world_size', '?')}-rank probe, {entry['path']}"
+                if probed != cores:
+                    origin += "; " + (f"probed on {probed} usable core(s), not the {cores} of a job here"
+                                      if probed is not None else NOT_HERE) + ": no job here uses it"
                 if not entry.get("trusted", False):
                     origin += "; measured under load: a job measures again"
                 if tier == "direct" and entry.get("direct_slower"):
@@ -180,6 +190,9 @@ def cached_links(cfg: Config, n: int = 2, since: float = math.inf) -> dict[str, 
 
 
 BUSY_LINKS = (BUSY, BUSY_RING, BUSY_PAIRS)
+NOT_HERE = ("probed with other settings (TCP's, TENSORWIRE_SPIN_US, TENSORWIRE_BIND, TENSORWIRE_SHM_RING or "
+            "TENSORWIRE_SHM_DIRECT), kernel, Python or numpy")
+"""What differs for a cached entry whose key no core count here gives (cache.environment_digest)."""
 DIRECT_SLOWER = "; slower than the messages in every round of its probe"
 """The end of a cached one shot's origin whose α is priced as measured (calibrate.with_direct_bound)."""
 
