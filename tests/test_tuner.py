@@ -845,6 +845,23 @@ def test_no_algorithm_left_is_a_clear_error() -> None:
         tuner.select(g, "reduce", 1 << 20)
 
 
+def test_the_tuning_line_names_what_tensorwire_algo_kept_out() -> None:
+    """With TENSORWIRE_ALGO=allreduce:ring the TUNING line read `ring 20.3 us (busy-bound) ->
+    ring`, as though the one shot (0.6 us) had lost (a tester): it now names the algorithms the
+    call could have run but the setting excludes, as plan lists them."""
+    def line(algo: str) -> str:
+        g = _Group(2, "shm", Config(algo=algo))
+        g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False)
+        tuner.install(g.runtime, LinkTable(dict(DEFAULT_LINKS), {}))
+        return tuner.explain(g, tuner.decide(g, "all_reduce", 8))
+
+    forced = line("allreduce:ring")
+    said = forced.split(" [TENSORWIRE_ALGO excludes ")[1].split("]")[0].split(", ")
+    assert "direct" in said and "ring" not in said and forced.endswith("-> ring"), forced
+    assert line("allreduce:^direct").split(" [TENSORWIRE_ALGO excludes ")[1].startswith("direct]:")
+    assert "TENSORWIRE_ALGO" not in line("broadcast:ring"), "nothing of all_reduce kept out"
+
+
 def rank_choice_at(sizes: list[int]) -> dict:
     """Which all_reduce algorithm actually runs at each size (the registry wrapped to record)."""
     import dataclasses

@@ -33,6 +33,8 @@ DETERMINISTIC = {
 }
 """Per reduction, the algorithms that fold every element in rank order, ((x0 op x1) op x2) ...:
 the same bits whichever of them runs."""
+EXCLUDED = "excluded by TENSORWIRE_ALGO"
+"""why_not's reason for an algorithm that could run a call but TENSORWIRE_ALGO keeps out."""
 ALIASES = {"tree": "binomial"}
 """Family names accepted in TENSORWIRE_ALGO where no algorithm has that exact name."""
 
@@ -205,7 +207,7 @@ def why_not(alg: Algorithm, n: int, nbytes: int, cfg: Config, *, slot: int | Non
     if not alg.eligible(n, nbytes):
         return f"not for {n} ranks at {nbytes} B"
     if cfg.algo and not allowed(replace(cfg, deterministic=False), alg.collective, alg.name, force):
-        return "excluded by TENSORWIRE_ALGO"
+        return EXCLUDED
     if cfg.deterministic and not is_deterministic(alg):
         return "not rank-ordered (deterministic mode)"
     return ""

@@ -510,6 +510,10 @@ def explain(group: Group, decision: Decision) -> str:
                 if name in table.links) + ")"
     collective, choice = decision.collective, decision.choice
     mode = " [deterministic]" if cfg.deterministic and collective in REDUCTIONS else ""
+    excluded = [name for name, alg in algorithms_for(collective).items()
+                if refusal(group, alg, decision.nbytes, decision.direct_ok) == policy.EXCLUDED]
+    if excluded:  # the algorithms this call could have run but for it
+        mode += f" [TENSORWIRE_ALGO excludes {', '.join(excluded)}]"
     chosen = (choice.name if not isinstance(choice, PageDependent) else
               f"{choice.huge.name} while its sources are in huge pages, else {choice.small.name}")
     return (f"{collective} {decision.nbytes} B on {group.size} ranks of group {group.name}"
