@@ -164,3 +164,16 @@ def test_a_program_s_own_debug_logging_leaves_the_lines_per_call_off() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
                          env={**env, "TENSORWIRE_CALIBRATE": "0"})
     assert "LOGGED False False" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_every_line_of_init_carries_the_rank() -> None:
+    """The allocator's line at init was stamped `rank ?` on every rank (a tester): it came
+    before the rank was known. Each line now carries it."""
+    code = "import tensorwire as tw; tw.init(rank=0, world_size=1); tw.destroy()"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")}
+    env.update(TENSORWIRE_DEBUG="INFO", TENSORWIRE_DEBUG_SUBSYS="INIT", TENSORWIRE_KEEP_MEMORY="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    lines = [line for line in out.stderr.splitlines() if "[tensorwire " in line]
+    assert out.returncode == 0 and any("allocator:" in line for line in lines), out.stderr
+    assert all(":rank 0 [tensorwire " in line for line in lines), out.stderr

@@ -133,10 +133,10 @@ def _prepare(what: str, rank: int | None, world_size: int | None, init_method: s
         cfg = Config.from_env(**settings)
     except ValueError as exc:  # a setting: the error names it
         raise InvalidArgumentError(f"{what}: {exc}") from None
+    info = bootstrap.detect(rank, world_size, init_method)
+    log.set_rank(info.rank)  # before the first line this rank logs
     if cfg.keep_memory:
         memory.keep_freed_memory()
-    info = bootstrap.detect(rank, world_size, init_method)
-    log.set_rank(info.rank)
     cfg.log_changed()
     policy.check_algo(cfg.algo, cfg.deterministic, info.rank)
     multi_host = 0 < info.local_world_size < info.world_size
