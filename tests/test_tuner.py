@@ -1859,6 +1859,23 @@ def test_plan_takes_the_entry_a_job_here_would_use(tmp_path, monkeypatch, capsys
     assert f"{pinned}; {pricing.NOT_HERE}: no job here uses it]" in tier_line()
 
 
+def test_plan_errors_name_the_command_and_the_flag(tmp_path, monkeypatch, capsys) -> None:
+    """`plan --tuning-file /nonexist` said `TENSORWIRE_TUNING_FILE='/nonexist': cannot read it`,
+    naming a setting nobody set, without the command (a tester); every error of plan now starts
+    with `tensorwire plan:`, and a file's names what gave it."""
+    monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
+    missing = str(tmp_path / "nonexist")
+    assert cli.main(["plan", "all_reduce", "8", "--tuning-file", missing, "--no-probe"]) == 2
+    assert capsys.readouterr().err.startswith(f"tensorwire plan: --tuning-file={missing!r}: cannot read it")
+    monkeypatch.setenv("TENSORWIRE_TUNING_FILE", missing)
+    assert cli.main(["plan", "all_reduce", "8", "--no-probe"]) == 2
+    assert capsys.readouterr().err.startswith(f"tensorwire plan: TENSORWIRE_TUNING_FILE={missing!r}: ")
+    monkeypatch.delenv("TENSORWIRE_TUNING_FILE")
+    monkeypatch.setenv("TENSORWIRE_ALGO", "allreduce:bogus")
+    assert cli.main(["plan", "all_reduce", "8", "--no-probe"]) == 2
+    assert capsys.readouterr().err.startswith("tensorwire plan: TENSORWIRE_ALGO='allreduce:bogus': ")
+
+
 def test_plan_all_collectives_deterministic_and_custom_tiers(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TENSORWIRE_CACHE_DIR", str(tmp_path))
     _seed_cache(str(tmp_path))

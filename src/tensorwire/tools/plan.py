@@ -132,10 +132,12 @@ def parse_tiers(specs: list[str]) -> list[str]:
 
 
 def resolve(names: list[str], cfg: Config, probe: bool, gamma: float | None,
-            out: Callable[[str], None], n: int = 2, cores: int = 0) -> list[Tier]:
+            out: Callable[[str], None], n: int = 2, cores: int = 0,
+            setting: str = "TENSORWIRE_TUNING_FILE") -> list[Tier]:
     """The tiers `names`, the local ones with the constants calibrated nearest `n` ranks
-    (probed first where missing and `probe`) on `cores` cores."""
-    file = load_tuning_file(cfg.tuning_file) if cfg.tuning_file else {}
+    (probed first where missing and `probe`) on `cores` cores; `setting`: what named the
+    tuning file, as its errors say."""
+    file = load_tuning_file(cfg.tuning_file, setting) if cfg.tuning_file else {}
     local = local_links(cfg, probe, out, n) if any(name in LOCAL for name in names) else {}
     return pricing.tiers(names, cfg, file, local, gamma, n, cores)
 
@@ -324,9 +326,13 @@ def report_cluster(collective: str, m: int, hosts: int, per_host: int, nics: int
 
 # -- the command -------------------------------------------------------------------------------
 
+PROG = "tensorwire plan"
+"""How the command names itself, as its errors start."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tensorwire plan",
+        prog=PROG,
         description="Predict the time of every algorithm of a collective with the α-β-γ cost model, "
                     "and the sizes where the cheapest one changes, on this host's measured links "
                     "(shm, tcp) or on hypothetical ones (nvlink, pcie, ib-ndr, eth25g).",
@@ -371,8 +377,9 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
         cfg = Config.from_env()
         if args.deterministic:
             cfg = replace(cfg, deterministic=True)
+        setting = "TENSORWIRE_TUNING_FILE"
         if args.tuning_file is not None:
-            cfg = replace(cfg, tuning_file=args.tuning_file)
+            cfg, setting = replace(cfg, tuning_file=args.tuning_file), "--tuning-file"
         policy.check_algo(cfg.algo, cfg.deterministic)
         name = args.collective.strip().lower()
         if name == "all":
@@ -407,11 +414,12 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
             if len(names) != 2:
                 raise InvalidArgumentError(f"tensorwire plan: --hosts takes two tiers, within a host and "
                                            f"between hosts (e.g. --tier shm,ib-ndr), got {', '.join(names)}")
-            local, net = resolve(names, cfg, not args.no_probe, gamma, out, args.per_host)
+            local, net = resolve(names, cfg, not args.no_probe, gamma, out, args.per_host, setting=setting)
         else:
-            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np, cores)
+            tiers = resolve(parse_tiers(args.tier), cfg, not args.no_probe, gamma, out, args.np, cores,
+                            setting)
     except (InvalidArgumentError, ValueError) as exc:
-        print(exc, file=sys.stderr)
+        print(f"{PROG}: {str(exc).removeprefix(f'{PROG}: ')}", file=sys.stderr)
         return 2
     if args.hosts is not None:
         for i, coll in enumerate(colls):

@@ -109,8 +109,9 @@ def parse_tuning(doc: Any, where: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def load_tuning_file(path: str) -> dict[str, dict[str, float]]:
-    where = f"TENSORWIRE_TUNING_FILE={path!r}"
+def load_tuning_file(path: str, setting: str = "TENSORWIRE_TUNING_FILE") -> dict[str, dict[str, float]]:
+    """The file's constants per tier; errors name it as `setting` gave it."""
+    where = f"{setting}={path!r}"
     try:
         doc = read_json(os.path.expanduser(path))
     except FileNotFoundError as exc:
