@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from dataclasses import replace
@@ -1243,6 +1244,34 @@ def test_a_huge_ring_setting_does_not_slow_the_probe(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(job)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_no_algorithm_left_names_the_call_and_the_group_lives_on(tmp_path) -> None:
+    """A forced algorithm that cannot run the call failed with 'rank 0: TENSORWIRE_ALGO=...
+    leaves no broadcast algorithm ...', without the call every error names (a tester): the call
+    is now refused, named, on every rank, and the group goes on."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")},
+           "TENSORWIRE_TRANSPORT": "tcp", "TENSORWIRE_ALGO": "allreduce:direct", "TENSORWIRE_CALIBRATE": "0",
+           "TENSORWIRE_TIMEOUT": "60"}
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent("""
+        import numpy as np
+        import tensorwire as tw
+        w = tw.init()
+        try:
+            tw.all_reduce(np.ones(256, np.float32))
+        except tw.InvalidArgumentError as exc:
+            print("said:", exc, flush=True)
+        tw.barrier()
+        tw.destroy()
+        """))
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(job)],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"said: rank {r}: all_reduce #1 on group world: TENSORWIRE_ALGO='allreduce:direct' leaves " \
+            f"no all_reduce algorithm for 1024 bytes on 2 ranks (direct: " in proc.stdout, proc.stdout
 
 
 def test_a_probe_under_load_is_not_trusted_by_the_next_job(tmp_path) -> None:

@@ -24,6 +24,7 @@ from ..algorithms import single_copy
 from ..algorithms.direct_plans import COMPILED_PLANS, AllReducePlan
 from ..algorithms.registry import Algorithm
 from ..algorithms.shm_direct import barrier_after
+from ..errors import InvalidArgumentError, retold
 from ..ops import Reduction
 from ..transport import pages
 from ..transport.wire import Coll, Fingerprint
@@ -158,8 +159,8 @@ class Plans(dict):
         group = self.group
         call = self.call(fp, "all_reduce")
         compiled = self.compiled(key[0], async_op)
-        if group.size > 1 and src.size and tuner.select(group, "all_reduce", src.nbytes,
-                                                        compiled=compiled).name == "direct":
+        if group.size > 1 and src.size and self._select("all_reduce", "all_reduce", src.nbytes,
+                                                        compiled).name == "direct":
             plan = AllReducePlan(group.direct, src.dtype, src.size, red.op, red)
             self._keep(key, (call, self._named(plan.run), red), plan)
         else:
@@ -179,7 +180,7 @@ class Plans(dict):
         if len(self) >= _PLANS or key in self:
             return
         group = self.group
-        alg = tuner.select(group, collective, nbytes, compiled=self.compiled(what, async_op)) \
+        alg = self._select(what, collective, nbytes, self.compiled(what, async_op)) \
             if group.size > 1 or one_rank else None
         run, chosen = (None, None) if alg is None else (alg.run, alg)
         if whole is not None and alg is not None and alg.name == "direct" \
@@ -191,10 +192,21 @@ class Plans(dict):
 
     def remember_barrier(self) -> tuple:
         """Plan the group's barrier: (call, run, on the direct path?)."""
-        alg = tuner.select(self.group, "barrier", 0) if self.group.size > 1 else None
+        alg = self._select("barrier", "barrier", 0) if self.group.size > 1 else None
         self._keep("barrier", (self.call(_BARRIER, "barrier"), no_op if alg is None else alg.run,
                                alg is not None and alg.needs_direct), alg)
         return self["barrier"]
+
+    def _select(self, what: str, collective: str, nbytes: int,
+                compiled: bool = False) -> Algorithm | tuner.PageDependent:
+        """tuner.select for the call `what` about to be made; where no algorithm may run it
+        (TENSORWIRE_ALGO forcing one that cannot), that call is refused on every member, named
+        as errors name calls ('rank 0: broadcast #1 on group world: ...')."""
+        try:
+            return tuner.select(self.group, collective, nbytes, compiled=compiled)
+        except InvalidArgumentError as exc:
+            head = f"rank {self.group.runtime.rank}: "
+            self.group.fail_fast(retold(exc, f"{head}{what}: {str(exc).removeprefix(head)}"))
 
     def _named(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """A one-shot plan's run, which notes that `direct` ran its call where the COLL log has
