@@ -1781,6 +1781,35 @@ def test_peer_dies(transport: str, mode: str) -> None:
         _kill_all(procs)
 
 
+_DIES_IN_CALIBRATION = """
+from tensorwire.tuning import probes
+if rank == 1:  # dies as it reaches this step of init's probe, where the others wait for it
+    setattr(probes, ARGS[0], lambda *a, **k: os._exit(3))
+report(res=attempt(tw.init, rank=rank, world_size=size, init_method=URL, timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step", ["measure_busy", "small_all_reduces"])
+def test_a_rank_lost_in_inits_calibration_is_named_with_the_call(step: str, tmp_path: Any) -> None:
+    """Rank 1 dies in init's probe (the busy rounds; the one shot's timed calls): ranks 0 and 3
+    raise PeerLostError naming the probe's call and rank 1. The calibration's exchanges were
+    made outside the group's call machinery: 'rank 3: lost rank 1: connection closed by peer'
+    named no operation, and a rank that left for its own such error was blamed ('lost rank 2:
+    it left the job')."""
+    port = free_port()
+    env = {"TENSORWIRE_CALIBRATE": "force", "TENSORWIRE_CACHE_DIR": str(tmp_path)}
+    procs = [_spawn(_DIES_IN_CALIBRATION, r, 4, port, step, env=env) for r in range(4)]
+    try:
+        for rank in (0, 2, 3):
+            res = _reports(procs[rank], 40)[0]["res"]
+            _assert_error(res, PeerLostError, "calibration probe (the group's internal call",
+                          "on group world: lost rank 1: ", within=15)
+        assert procs[1].wait(10) == 3
+    finally:
+        _kill_all(procs)
+
+
 _WAITS_ON_THE_DEAD = """
 mode = ARGS[0]
 tw.init(rank=rank, world_size=size, init_method=URL, timeout=30)

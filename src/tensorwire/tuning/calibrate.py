@@ -41,7 +41,6 @@ import numpy as np
 
 from .. import log, memory
 from ..algorithms.prices import Link
-from ..algorithms.recursive_doubling import recursive_doubling_all_reduce
 from ..algorithms.registry import algorithms_for
 from ..algorithms.tree import binomial_broadcast
 from ..errors import InvalidArgumentError, TimeoutError, rank_spans, retold
@@ -70,6 +69,7 @@ from .topology import machine_id
 from .tuning_file import FIELDS, REQUIRED, apply_overrides, defaults_with_file, load_tuning_file
 
 if TYPE_CHECKING:
+    from ..group.calls import CollectiveCall
     from ..group.group import Group
 
 _log = log.get("TUNING")
@@ -119,7 +119,7 @@ def _all_settings(world: Group, info: np.ndarray, mine: bytes) -> list[dict[str,
     made only where the digests differ, and by every rank alike."""
     rows = np.zeros((world.size, int(info[:, 11].max())), dtype=np.uint8)
     rows[world.rank, :len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-    recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), rows.reshape(-1), ReduceOp.MAX)
+    probes.over_ranks(world, rows, "tuning setup")
     return [json.loads(rows[r, :int(info[r, 11])].tobytes()) for r in range(world.size)]
 
 
@@ -207,7 +207,7 @@ def _at_init(world: Group) -> LinkTable:
                 engine.cores, environment_digest(cfg, engine.cores), host_hash(machine_id()),
                 int(world.plans.caller is not None), engine.nsocks,
                 0 if engine.pumps is None else engine.pumps.threads, len(settings))
-    recursive_doubling_all_reduce(world.queue.internal_call("tuning setup"), info.reshape(-1), ReduceOp.MAX)
+    probes.over_ranks(world, info, "tuning setup")
     if any(info[r, 3] != info[0, 3] for r in range(n)):  # every rank sees it, and says what differs
         raise InvalidArgumentError(_disagreement(world.runtime.rank, _all_settings(world, info, settings)))
     pairs = _probe_pairs(info)
@@ -230,7 +230,7 @@ def _at_init(world: Group) -> LinkTable:
             _verdict(verdict, cfg, path, links_used)
         except InvalidArgumentError as exc:
             verdict[0], error = _STATUS_ERROR, exc
-    binomial_broadcast(world.queue.internal_call("tuning setup"), verdict, 0)
+    world.queue.run_internal("tuning setup", lambda call: binomial_broadcast(call, verdict, 0))
     if verdict[0] == _STATUS_ERROR:
         raise error if error is not None else InvalidArgumentError(
             f"rank {world.runtime.rank}: init: rank 0 could not read its tuning file "
@@ -316,7 +316,7 @@ def give_back(world: Group) -> None:
     passed a barrier and read its peers' moves) and the heap's free pages. Collective."""
     if world.engine.wiring is not None:
         world.engine.wiring.shrink_rings()
-    recursive_doubling_all_reduce(world.queue.internal_call("calibration"), np.zeros(1), ReduceOp.MAX)
+    probes.over_ranks(world, np.zeros(1), "calibration")
     world.engine.poll_peers()  # every peer's move is in its ring by now: follow it
     memory.give_back()
 
@@ -455,29 +455,10 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
         data = np.ones(2, dtype=np.float32)
         quick[0] = probes.typical(world, lambda: run(world.queue.internal_call("calibration check"), data,
                                                      ReduceOp.MAX),
-                                  warm=CHECK_WARM, series=CHECK_SERIES, calls=CHECK_CALLS)
-    rounds = probes.Rounds(world.queue.internal_call("calibration check"), 0)
-    for d in rounds.dists[:2]:  # everyone is here
-        rounds.small_shift(d)
-    quick[1] = rounds.alpha(rounds.small_shift, CHECK_BATCHES)
-    if world.size > 1 and not world.engine.oversubscribed:
-        # the ring's β: the fastest of a few rounds, once the rings' pages are touched. Not where
-        # ranks outnumber cores: the probe's busy β is then a mean over preempted rounds, which
-        # the fastest of a few rounds would beat in every job, measuring each one again
-        big_out, big_in = np.ones(CHECK_BETA_BYTES, np.uint8), np.ones(CHECK_BETA_BYTES, np.uint8)
-        times = []
-        for _ in range(CHECK_BETA_WARM + CHECK_BETA_ROUNDS):
-            t0 = time.perf_counter()
-            rounds.shift(big_out, big_in, 1)
-            times.append(time.perf_counter() - t0)
-        best = min(times[CHECK_BETA_WARM:])
-        quick[2] = max((best - quick[1]) / CHECK_BETA_BYTES, best / CHECK_BETA_BYTES / 2)
-    for i, tier in enumerate(TIERS):  # one pair at a time: the others go on to the reduction below
-        pair = pairs.get(tier)
-        if pair is not None and world.rank in pair:
-            peer = pair[1] if world.rank == pair[0] else pair[0]
-            quick[3 + i] = probes.pair_alpha(rounds.call, peer, rounds.step + 1000 * (i + 1), CHECK_BATCHES)
-    recursive_doubling_all_reduce(world.queue.internal_call("calibration check"), quick, ReduceOp.MAX)
+                                  warm=CHECK_WARM, series=CHECK_SERIES, calls=CHECK_CALLS,
+                                  what="calibration check")
+    world.queue.run_internal("calibration check", lambda call: _check_rounds(call, quick, pairs))
+    probes.over_ranks(world, quick, "calibration check")
     across = world.layout is not None
     seen, reasons = [], []
     checks = (("direct", "alpha"), (BUSY, "alpha"), (BUSY_RING, "beta"),
@@ -495,3 +476,30 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
     if world.rank == 0:
         _log.info("check of the cache: %s", "; ".join(seen))
     return "; ".join(reasons)
+
+
+def _check_rounds(call: CollectiveCall, quick: np.ndarray, pairs: Mapping[str, tuple[int, int]]) -> None:
+    """check_cached's rounds, in `call`: the busy α into quick[1], the busy ring's β into
+    quick[2] (not where ranks outnumber cores) and each tier's α on its pair into quick[3:]."""
+    group = call.group
+    rounds = probes.Rounds(call, 0)
+    for d in rounds.dists[:2]:  # everyone is here
+        rounds.small_shift(d)
+    quick[1] = rounds.alpha(rounds.small_shift, CHECK_BATCHES)
+    if group.size > 1 and not group.engine.oversubscribed:
+        # the ring's β: the fastest of a few rounds, once the rings' pages are touched. Not where
+        # ranks outnumber cores: the probe's busy β is then a mean over preempted rounds, which
+        # the fastest of a few rounds would beat in every job, measuring each one again
+        big_out, big_in = np.ones(CHECK_BETA_BYTES, np.uint8), np.ones(CHECK_BETA_BYTES, np.uint8)
+        times = []
+        for _ in range(CHECK_BETA_WARM + CHECK_BETA_ROUNDS):
+            t0 = time.perf_counter()
+            rounds.shift(big_out, big_in, 1)
+            times.append(time.perf_counter() - t0)
+        best = min(times[CHECK_BETA_WARM:])
+        quick[2] = max((best - quick[1]) / CHECK_BETA_BYTES, best / CHECK_BETA_BYTES / 2)
+    for i, tier in enumerate(TIERS):  # one pair at a time: the others go on to the reduction after
+        pair = pairs.get(tier)
+        if pair is not None and group.rank in pair:
+            peer = pair[1] if group.rank == pair[0] else pair[0]
+            quick[3 + i] = probes.pair_alpha(call, peer, rounds.step + 1000 * (i + 1), CHECK_BATCHES)

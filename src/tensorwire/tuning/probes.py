@@ -70,23 +70,39 @@ LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle
 # -- the one-shot path and single copy: every rank of one host -------------------------------------
 
 def typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, series: int = DIRECT_SERIES,
-            calls: int = DIRECT_CALLS) -> float:
+            calls: int = DIRECT_CALLS, what: str | None = "calibration probe") -> float:
     """Seconds of one call of `run` (collective over `world`) as the model is judged
     (`tensorwire bench --algo`, benchmarks.algos.JUDGED): after DIRECT_WARM untimed calls,
     DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
     DIRECT_SERIES series. The message algorithms' busy links are such means too (measure_busy),
     so the one shot and the messages are priced in one statistic. Several series, since one
-    alone meets a rank that lost its core for a while (docs/design/calibration.md#typical-calls)."""
-    for _ in range(warm):
-        run()
-    means = np.zeros(series)
-    for s in range(series):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    alone meets a rank that lost its core for a while (docs/design/calibration.md#typical-calls).
+
+    The series run inside one of the group's own calls named `what` (CallQueue.run_internal):
+    a rank lost meanwhile fails the call on every rank, at no cost per timed call; None where
+    `run` makes API calls, each entered as a call of its own."""
+
+    def timed(_call: object = None) -> np.ndarray:
+        for _ in range(warm):
             run()
-        means[s] = (time.perf_counter() - t0) / calls
-    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), means, ReduceOp.MAX)
+        means = np.zeros(series)
+        for s in range(series):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                run()
+            means[s] = (time.perf_counter() - t0) / calls
+        return means
+
+    means = timed() if what is None else world.queue.run_internal(what, timed)
+    over_ranks(world, means)
     return float(means.min())
+
+
+def over_ranks(world: Group, values: np.ndarray, what: str = "calibration probe",
+               op: ReduceOp = ReduceOp.MAX) -> None:
+    """`values` (contiguous) becomes its reduction by `op` over the ranks of `world`, in one of
+    the group's own calls named `what` (CallQueue.run_internal)."""
+    world.queue.run_internal(what, lambda call: recursive_doubling_all_reduce(call, values.reshape(-1), op))
 
 
 def crowded(count: int, least: int, crowding: float) -> int:
@@ -209,7 +225,7 @@ def measure_compiled(world: Group, cma: bool, long: dict[str, int],
         if name not in {a.name for a in tuner.candidates(world, collective, nbytes)}:
             return 0.0  # TENSORWIRE_ALGO leaves it out (alike on every rank): never priced
         with tuner.override(world, collective, name), _own_calls(world):
-            return max(typical(world, run, **how), 1e-8)
+            return max(typical(world, run, **how, what=None), 1e-8)
 
     small, block, blocks = np.ones(2, np.float32), np.ones(8, np.uint8), np.zeros(8 * n, np.uint8)
     big = np.ones(min(COMPILED_BYTES, world.direct.slot_bytes) // 4, np.float32)  # type: ignore[union-attr]
@@ -219,7 +235,7 @@ def measure_compiled(world: Group, cma: bool, long: dict[str, int],
     # as it reads, beating that floor (a lone copy a unit), but still copies the message in once
     fitted = max((one - alpha) / (units * big.nbytes), measure_copy() / units) if one and alpha else 0.0
     beta = np.array([fitted])  # the copy floor is this rank's own measurement: every rank takes the largest
-    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), beta, ReduceOp.MAX)
+    over_ranks(world, beta)
     reads = forced("all_gather", "single_copy", blocks.nbytes,
                    lambda: world.all_gather_into_tensor(blocks, block), **counts) / 2 if cma else 0.0
     return alpha, float(beta[0]), reads
@@ -439,22 +455,25 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
         measured[reads] = measure_cma(world, **long)
     if direct and n_rounds > 1:
         rounds[:, 1] = small_all_reduces(world, **counts)
-    call = world.queue.internal_call("calibration probe")
-    _max_politely(world, call, np.zeros(1), _SETTLE)  # the lone pairs start once every rank is done with
-    # the calls above, not while the last ranks still share the cores with them
-    for i, tier in enumerate(TIERS):
-        pair = pairs.get(tier)
-        if pair is not None and me in pair:
-            peer = pair[1] if me == pair[0] else pair[0]
-            # once around the ring the 1 MiB messages write: one grows to hold two (4 MiB,
-            # ShmChannel._grow), never past the ring planned (TENSORWIRE_SHM_RING, /dev/shm)
-            warm = 1 + min(world.ring_bytes, 4 * BETA_BYTES) // BETA_BYTES if tier == "shm" else 2
-            measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
-    slowest = np.array([max(measured[1: 3 * len(TIERS): 3])])  # the pairs' largest β, agreed:
-    _max_politely(world, call, slowest, _SYNC)  # the busy rounds start together, after the lone pairs
-    measured[busy.start: busy.start + 4] = measure_busy(
-        call, len(TIERS) * 1000, across_hosts, crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding),
-        crowding > 2, busy_bytes(float(slowest[0]), crowding > 2))
+
+    def messages(call: CollectiveCall) -> None:
+        _max_politely(world, call, np.zeros(1), _SETTLE)  # the lone pairs start once every rank is done
+        # with the calls above, not while the last ranks still share the cores with them
+        for i, tier in enumerate(TIERS):
+            pair = pairs.get(tier)
+            if pair is not None and me in pair:
+                peer = pair[1] if me == pair[0] else pair[0]
+                # once around the ring the 1 MiB messages write: one grows to hold two (4 MiB,
+                # ShmChannel._grow), never past the ring planned (TENSORWIRE_SHM_RING, /dev/shm)
+                warm = 1 + min(world.ring_bytes, 4 * BETA_BYTES) // BETA_BYTES if tier == "shm" else 2
+                measured[3 * i: 3 * i + 3] = measure_pair(call, peer, i * 1000, warm)
+        slowest = np.array([max(measured[1: 3 * len(TIERS): 3])])  # the pairs' largest β, agreed:
+        _max_politely(world, call, slowest, _SYNC)  # the busy rounds start together, after the lone pairs
+        measured[busy.start: busy.start + 4] = measure_busy(
+            call, len(TIERS) * 1000, across_hosts, crowded(ALPHA_BATCHES, CROWDED_BATCHES, crowding),
+            crowding > 2, busy_bytes(float(slowest[0]), crowding > 2))
+
+    world.queue.run_internal("calibration probe", messages)
     if own_core:
         measured[busy.stop - 1] = measure_gamma()
     if direct:
@@ -464,7 +483,7 @@ def probe(world: Group, pairs: dict[str, tuple[int, int]], direct: bool, cma: bo
     if me == 0:
         measured[gamma] = measure_gamma()
         measured[memory] = measure_memory()
-    _max_politely(world, call, measured, _RESULTS)
+    world.queue.run_internal("calibration probe", lambda call: _max_politely(world, call, measured, _RESULTS))
     out: dict[str, Any] = {t: tuple(float(v) for v in measured[3 * i: 3 * i + 3])
                            for i, t in enumerate(TIERS)}
     out["direct"] = tuple(float(v) for v in measured[own])
@@ -577,8 +596,7 @@ def foreign_cores(world: Group, machines: list[int], before: tuple[float, float]
     machine, own = cpu_seconds()
     rows = np.zeros((world.size, 4))
     rows[world.rank] = (machine - before[0], own - before[1], time.perf_counter() - t0, os.cpu_count() or 1)
-    recursive_doubling_all_reduce(world.queue.internal_call("calibration probe"), rows.reshape(-1),
-                                  ReduceOp.SUM)
+    over_ranks(world, rows, op=ReduceOp.SUM)
     hz = os.sysconf("SC_CLK_TCK")
     worst = 0.0
     for m in set(machines):
