@@ -1409,11 +1409,12 @@ def test_only_a_fresh_trusted_entry_is_read(tmp_path) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("bad", ["list", "null", "nested", "links_list", "fifo", "directory", "large",
                                  "symlink", "theirs"])
-def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: str) -> None:
+def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, bad: str) -> None:
     """Whatever lies where an entry should (valid JSON that is no object, nesting deep enough to
     break the parser, a FIFO, a file far larger than an entry, a link, another user's entry in
     a shared directory) is neither trusted nor a crash nor a wait: read_cache names it in one
-    warning, `tensorwire plan` skips it, and the next write replaces it (a directory stays)."""
+    warning users see (a TensorwireWarning: it was logged at WARN only, hidden by default),
+    `tensorwire plan` skips it, and the next write replaces it (a directory stays)."""
     path = cache.cache_path(str(tmp_path), "k")
     good = tmp_path / "elsewhere.json"
     if bad in ("symlink", "theirs"):
@@ -1435,9 +1436,9 @@ def test_a_cache_file_that_is_no_entry_is_measured_over(tmp_path, caplog, bad: s
                 "links_list": json.dumps({"version": cache.PROBE_VERSION, "links": [1]}),
                 "large": json.dumps({"pad": "x" * (tuning_file.MAX_FILE_BYTES + 1), "links": {}})}[bad]
         Path(path).write_text(text)
-    with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
+    with pytest.warns(tw.TensorwireWarning) as said:
         assert cache.read_cache(path, ["shm"]) is None
-    assert [r for r in caplog.records if path in r.getMessage()], caplog.text
+    assert len(said) == 1 and path in str(said[0].message), said.list
     assert cache.cached_entries(str(tmp_path)) == []
     shm = Link("shm", 1e-5, 1e-9, 1e-10)
     cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
@@ -1462,10 +1463,11 @@ def test_a_cache_entry_with_values_out_of_range_is_measured_over(tmp_path, field
     assert cache.cached_entries(str(tmp_path)) == []
 
 
-def test_a_cache_directory_others_may_write_to_is_not_used(tmp_path, caplog) -> None:
+def test_a_cache_directory_others_may_write_to_is_not_used(tmp_path) -> None:
     """A cache directory others could write to (here mode 777, no sticky bit), or another user's,
     was used silently: an entry measured there may be replaced or removed by them. Now it is
-    neither read nor written, with one warning naming it."""
+    neither read nor written, with one warning naming it, which users see (a TensorwireWarning:
+    it was logged at WARN only)."""
     directory = tmp_path / "cache"
     directory.mkdir(mode=0o700)
     path = cache.cache_path(str(directory), "k")
@@ -1473,12 +1475,12 @@ def test_a_cache_directory_others_may_write_to_is_not_used(tmp_path, caplog) -> 
     cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
     assert cache.read_cache(path, ["shm"])[0] == {"shm": shm}
     directory.chmod(0o777)
-    with caplog.at_level("WARNING", logger="tensorwire.TUNING"):
+    with pytest.warns(tw.TensorwireWarning) as said:
         assert cache.read_cache(path, ["shm"]) is None and cache.cached_entries(str(directory)) == []
         os.unlink(path)
         cache.write_cache(path, {"shm": shm}, {"created": time.time(), "trusted": True})
     assert not os.path.exists(path)
-    assert [r for r in caplog.records if "writable by its group or others" in r.getMessage()], caplog.text
+    assert len(said) == 1 and "writable by its group or others" in str(said[0].message), said.list
 
 
 def test_the_cache_key_holds_what_changes_the_measurement(monkeypatch) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import log
 from ..algorithms.prices import Link
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TensorwireWarning
 from ..trusted_paths import untrusted
 from .tuning_file import FIELDS, BadFile, parse_tuning, read_json
 
@@ -99,8 +99,8 @@ _WARNED: set[str] = set()  # cache directories named in a warning (once a proces
 def trusted(directory: str) -> bool:
     """Whether the cache in `directory` may be used: it (or, not made yet, where it will be) and
     every directory above are this user's to trust (trusted_paths.untrusted), else another user
-    could replace or remove its entries. Where not, a warning says why, and the job measures
-    without the cache."""
+    could replace or remove its entries. Where not, a warning (TensorwireWarning: every job then
+    measures, which an operator should know) says why, and the job measures without the cache."""
     existing = os.path.abspath(directory)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -112,8 +112,8 @@ def trusted(directory: str) -> bool:
         return True
     if directory not in _WARNED:
         _WARNED.add(directory)
-        _log.warning("not using the calibration cache in %s: %s %s; measuring without it "
-                     "(TENSORWIRE_CACHE_DIR chooses another directory)", directory, *found)
+        log.warn(f"not using the calibration cache in {directory}: {found[0]} {found[1]}; measuring "
+                 f"without it (TENSORWIRE_CACHE_DIR chooses another directory)", TensorwireWarning)
     return False
 
 
@@ -133,13 +133,14 @@ def read_cache(path: str, tiers: list[str], max_age: float = math.inf) -> tuple[
     """The cached links of every tier in `tiers` and the entry they come from, or None: missing,
     of another probe version, partial, older than `max_age` seconds, or measured under load
     (not trusted, see at_init); then it is measured again. A file that is no entry at all is
-    named in one warning and measured over (write_cache replaces it)."""
+    named in a TensorwireWarning (the job measures, at init's cost, until it is replaced) and
+    measured over (write_cache replaces it)."""
     if not trusted(os.path.dirname(path)):
         return None
     try:
         doc = load_entry(path)
     except BadFile as exc:
-        _log.warning("ignoring the calibration cache file %s: %s; measuring again", path, exc)
+        log.warn(f"ignoring the calibration cache file {path}: {exc}; measuring again", TensorwireWarning)
         return None
     if doc is None or doc.get("version") != PROBE_VERSION:
         return None
