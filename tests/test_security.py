@@ -209,6 +209,36 @@ def test_per_user_secret_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             auth.per_user()
 
 
+_INIT_WITH_A_BAD_SECRET = """
+import sys, tempfile
+import tensorwire as tw
+tempfile.tempdir = sys.argv[1]
+try:
+    tw.init(rank=1, world_size=2, init_method="tcp://127.0.0.1:9", timeout=5)
+except tw.TensorwireError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["user_dir", "secret_file"])
+def test_a_secret_init_cannot_use_names_the_rank(tmp_path: Path, bad: str) -> None:
+    """errors.md: every message starts with the rank. A per-user secret directory that is not
+    this user's (here a symbolic link), or a missing TENSORWIRE_SECRET_FILE, failed init with
+    the bare path ('/tmp/tensorwire-0 is not a directory of this user ...')."""
+    env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_SECRET, auth.ENV_SECRET_FILE)}
+    if bad == "user_dir":
+        (tmp_path / "real").mkdir(mode=0o700)
+        (tmp_path / f"tensorwire-{os.geteuid()}").symlink_to(tmp_path / "real")
+        said = "is not a directory of this user"
+    else:
+        env[auth.ENV_SECRET_FILE] = str(tmp_path / "missing")
+        said = str(tmp_path / "missing")
+    out = subprocess.run([sys.executable, "-c", _INIT_WITH_A_BAD_SECRET, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=25).stdout
+    assert out.startswith("RendezvousError: rank 1: init: ") and said in out, out
+
+
 def _info(rank: int = 0, world: int = 4, local: int = 4, init: str = "tcp://127.0.0.1:29500",
           source: str = "explicit", hosted: bool = False) -> LaunchInfo:
     return LaunchInfo(rank, world, 0, local, 0, None, None, init, source, "job", hosted)

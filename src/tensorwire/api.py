@@ -76,8 +76,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
                                        f"ranks, each of which connects to the store")
         if info.world_size > 1:  # inits through a store: a world of one (a rank alone) counts none
             _generation += 1
-        # One process opens no connection: nothing to prove (and no per-user secret to create).
-        secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
+        secret = _job_secret(info, "init")
         scope = f"tw/{info.job_id}/g{_generation}"
         _log.info("rank %d/%d from %s, store %s, advertising %s, transport %s, TCP congestion control %s",
                   info.rank, info.world_size, info.source, info.init_method, address, cfg.transport,
@@ -117,10 +116,20 @@ def join_on_demand(rank: int, world_size: int, init_method: str | None, *,
     world-wide exchange: the torch backend's groups on top of another backend's world, whose
     members alone make each group (torch/world.py). It is not the API's world."""
     cfg, info, address = _prepare("new_group", rank, world_size, init_method, timeout=timeout)
-    secret = bootstrap.job_secret(info) if info.world_size > 1 else auth.NO_SECRET
+    secret = _job_secret(info, "new_group")
     engine, _ = wire_engine(info.rank, info.world_size, cfg, info.job_id, secret, local_card(address),
                             lambda mine: {info.rank: mine}, machine=(info.local_world_size, info.local_rank))
     return Runtime(info.rank, info.world_size, cfg, info, None, engine)
+
+
+def _job_secret(info: bootstrap.LaunchInfo, what: str) -> auth.Secret:
+    """The secret the job's connections prove (bootstrap.job_secret), an error in getting it (a
+    secret file, the per-user directory) named with the rank and the call `what`. One process
+    opens no connection: nothing to prove (and no per-user secret to create)."""
+    if info.world_size <= 1:
+        return auth.NO_SECRET
+    with named(info.rank, what):
+        return bootstrap.job_secret(info)
 
 
 def _prepare(what: str, rank: int | None, world_size: int | None, init_method: str | None,
