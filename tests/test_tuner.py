@@ -805,7 +805,8 @@ def test_a_preempted_series_of_one_shot_calls_is_not_the_typical_call(monkeypatc
             pass
 
     assert probes.DIRECT_SERIES > 1
-    assert probes.typical(SimpleNamespace(queue=SimpleNamespace(internal_call=lambda what: None)), run) < 1e-3
+    world = SimpleNamespace(queue=SimpleNamespace(run_internal=lambda what, body: body(None)))
+    assert probes.typical(world, run) < 1e-3
 
 
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
