@@ -1,9 +1,10 @@
 """Link calibration at init: every rank agrees on the settings and installs the same link
 constants, cached and checked, probed, from the tuning file or the defaults.
 
-`at_init(world)` runs collectively on the world group right after it exists, through internal
-calls (they take sequence numbers like any collective, so every rank runs them at the same
-point and under the same timeout):
+`at_init(world)` runs collectively on the world group right after it exists, through the group's
+own calls (CallQueue.run_internal: they take sequence numbers like any collective, so every
+rank runs them at the same point and under the same timeout, and fail on every rank as any
+call does):
 
 1. agreement: every rank contributes its host, its lowest shared-memory and TCP peers, a
    digest of the settings that steer algorithm choice (ranks that disagree on TENSORWIRE_ALGO
