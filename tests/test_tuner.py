@@ -902,7 +902,8 @@ def _table_summary() -> dict:
             "cache": t.link(MEMORY).cache, "sources": t.sources,
             "single_copy": bool(g.direct and g.direct.single_copy),
             "probe_s": t.probe_s, "setup_s": t.setup_s, "cache_path": t.cache_path,
-            "checked": t.extra.get("checked", ""), "user_calls": g.queue.seq - g.queue.internal}
+            "checked": t.extra.get("checked", ""), "check_s": t.extra.get("check_s", 0.0),
+            "user_calls": g.queue.seq - g.queue.internal}
 
 
 def rank_table() -> dict:
@@ -1118,6 +1119,21 @@ def _plant(path: str, **changes) -> None:
     doc.update({"trusted": True, "created": time.time(), **changes})
     with open(path, "w") as f:
         json.dump(doc, f)
+
+
+def test_a_tuning_file_that_sets_every_constant_skips_the_check_of_the_cache(tmp_path) -> None:
+    """A cache entry given as the tuning file sets every constant the check measures: the check
+    measured them all the same (2-27 ms) and logged an empty 'check of the cache:' line."""
+    cluster = Cluster(2, {"TENSORWIRE_CACHE_DIR": str(tmp_path)})
+    try:
+        first = cluster.run(rank_reinit_and_choose, free_port(), {"TENSORWIRE_CALIBRATE": "1"})
+        path = first[0]["cache_path"]
+        _as_if_trusted(path)
+        tuned = cluster.run(rank_reinit_and_choose, free_port(), {"TENSORWIRE_TUNING_FILE": path})
+    finally:
+        cluster.close()
+    assert [(r["check_s"], r["probe_s"]) for r in tuned] == [(0, 0), (0, 0)], tuned
+    assert tuned[0]["links"]["shm"] == first[0]["links"]["shm"], (tuned[0], first[0])
 
 
 def test_a_tier_alpha_cached_too_slow_is_measured_again(tmp_path) -> None:

@@ -252,10 +252,11 @@ def _at_init(world: Group) -> LinkTable:
     probe = verdict[0] == _STATUS_PROBE
     # 3. a cache hit is checked against a short probe of its constants
     checked, check_s = "", 0.0
-    if not probe and "cached" in sources.values():
+    due = _checks_due(base, sources, overrides)
+    if not probe and any(due):
         t1 = time.perf_counter()
         with _slow_link_hint():
-            checked = check_cached(world, base, sources, overrides, pairs)
+            checked = check_cached(world, base, due, pairs)
         check_s = time.perf_counter() - t1
         probe = bool(checked)
         if checked and me == 0:
@@ -436,11 +437,23 @@ def _slow_link_hint() -> Iterator[None]:
                           f"the defaults (docs/tuning.md)") from exc
 
 
-def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, str],
-                 overrides: Mapping[str, Mapping[str, float]], pairs: Mapping[str, tuple[int, int]]) -> str:
+_CHECKS = (("direct", "alpha"), (BUSY, "alpha"), (BUSY_RING, "beta"), *((tier, "alpha") for tier in TIERS))
+"""What the check of the cache measures, in the order of its measurements."""
+
+
+def _checks_due(links: Mapping[str, Link], sources: Mapping[str, str],
+                overrides: Mapping[str, Mapping[str, float]]) -> list[bool]:
+    """Per _CHECKS, whether the constant came from the cache (not from a tuning file)."""
+    return [sources.get(name) == "cached" and name in links and field not in overrides.get(name, {})
+            for name, field in _CHECKS]
+
+
+def check_cached(world: Group, links: Mapping[str, Link], due: list[bool],
+                 pairs: Mapping[str, tuple[int, int]]) -> str:
     """Why the cached constants do not hold now ('' where they do): a short probe of the
     one-shot path's α (where the world has it), the busy α and each tier's α on its probe pair
-    (`pairs`), the constants that settle the small calls, CHECK_* of the probe's calls and rounds
+    (`pairs`; `due`: which of _CHECKS came from the cache), the constants that settle the small
+    calls, CHECK_* of the probe's calls and rounds
     (a few hundred µs at 2 ranks), and of the busy ring's β where each rank has a core, which
     settles the large calls. The entry is measured again where any of them now comes out more
     than CHECK_TOLERANCE times faster than cached: a measurement can only be slowed down by
@@ -462,13 +475,9 @@ def check_cached(world: Group, links: Mapping[str, Link], sources: Mapping[str, 
     probes.over_ranks(world, quick, "calibration check")
     across = world.layout is not None
     seen, reasons = [], []
-    checks = (("direct", "alpha"), (BUSY, "alpha"), (BUSY_RING, "beta"),
-              *((tier, "alpha") for tier in TIERS))
-    for now, (name, field) in zip(quick, checks):
-        cached = links.get(name)
-        if now > 0 and cached is not None and sources.get(name) == "cached" and field not in overrides.get(
-                name, {}):
-            then = getattr(cached, field)
+    for now, (name, field), checked in zip(quick, _CHECKS, due):
+        if now > 0 and checked:
+            then = getattr(links[name], field)
             shown = (f"α {now * 1e6:.3g} us now against {then * 1e6:.3g} us" if field == "alpha" else
                      f"β {1e-9 / now:.3g} GB/s now against {1e-9 / then:.3g} GB/s")
             seen.append(f"{name} {shown} cached")
