@@ -453,9 +453,8 @@ def check_cached(world: Group, links: Mapping[str, Link], due: list[bool],
     """Why the cached constants do not hold now ('' where they do): a short probe of the
     one-shot path's α (where the world has it), the busy α and each tier's α on its probe pair
     (`pairs`; `due`: which of _CHECKS came from the cache), the constants that settle the small
-    calls, CHECK_* of the probe's calls and rounds
-    (a few hundred µs at 2 ranks), and of the busy ring's β where each rank has a core, which
-    settles the large calls. The entry is measured again where any of them now comes out more
+    calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks), and of the
+    busy ring's β where each rank has a core, which settles the large calls. The entry is measured again where any of them now comes out more
     than CHECK_TOLERANCE times faster than cached: a measurement can only be slowed down by
     what else runs, so a cached value that much above a fresh one was taken at a bad moment.
     Slower now is no such evidence on one host (it may be busy this instant) and keeps the
