@@ -2329,6 +2329,35 @@ def test_destroy_fails_a_posted_receive() -> None:
     _assert_error(res["error"], AbortedError, "recv from rank 0 (tag 30) on group world", "destroy()")
 
 
+_PEER_DESTROYED_GROUP = """
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+g = tw.new_group([0, 1], name="G")
+x = np.ones(4, np.float32)
+g.all_reduce(x)
+g.all_reduce(x)
+if rank == 0:
+    g.destroy()
+    res = None
+else:
+    time.sleep(0.5)  # the notice has come: it is read as this call waits
+    res = attempt(g.all_reduce, x, timeout=15)
+tw.barrier()
+report(res=res)
+tw.destroy()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_call_on_a_group_a_peer_destroyed_fails_at_once(transport: str) -> None:
+    """Rank 0 destroys a group after its second call, rank 1 makes a third: it raises at once
+    that rank 0 destroyed the group (it waited out its timeout, then said rank 0 had made no
+    call of the group)."""
+    res = _pair_reports(_PEER_DESTROYED_GROUP, transport)[1]["res"]
+    _assert_error(res, PeerLostError, "rank 1: all_reduce #3 on group G: rank 0 destroyed group G after "
+                  "its call #2", within=5.0)
+
+
 _AFTER_DESTROY = """
 tw.init(rank=rank, world_size=size, init_method=URL)
 g = tw.new_group()

@@ -195,7 +195,8 @@ class Group:
         (the space returns once every member has destroyed the group or exited), its worker
         thread, its planned calls, its hierarchy's groups. Every member calls it after its last
         call on the group, as with torch's destroy_process_group(group); it waits for no one.
-        Later calls on it raise NotInitializedError; groups made from it are not affected. A
+        Later calls on it raise NotInitializedError, and a member's call after this rank's last
+        one raises PeerLostError there at once; groups made from it are not affected. A
         group nothing refers to any more gives its segment back when it is garbage collected."""
         if self.destroyed:
             return
@@ -205,8 +206,21 @@ class Group:
         self.destroyed = True
         self.runtime.groups.discard(self)
         self.release(_WORKER_GRACE_S, f"group {self.name} was destroyed")
+        self._tell_destroyed()
         self.engine.retire(self.ctx, NotInitializedError(
             f"rank {self.runtime.rank}: group {self.name} was destroyed on this rank"))
+
+    def _tell_destroyed(self) -> None:
+        """Tell the members that this rank makes no call on the group after the last one it
+        started: a member's call after that fails at once instead of at its timeout."""
+        if self.rank < 0 or self.engine.closed or self.runtime.pid != os.getpid():
+            return
+        last = self.queue.current
+        seq = last.seq if last is not None else 0
+        after = f"after its call #{last.number(seq)}" if last is not None and last.number(seq) > 0 \
+            else "before its first call"
+        self.engine.tell_destroyed(self.ctx, seq + 1, self.ranks,
+                                   f"rank {self.runtime.rank} destroyed group {self.name} {after}")
 
     def release(self, grace: float, why: str = "tensorwire shut down (destroy())") -> None:
         """Stop the worker (a running call gets `grace` seconds; queued ones fail saying `why`),

@@ -90,10 +90,10 @@ _IN_P2P = 1  # a STATE answer's tag: the replier waits in a point-to-point call
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
 _DATA = (Kind.P2P, Kind.COLL)  # the messages an abort fails
-REFUSAL, RENEWED = 1, 2
-"""An ABORT header's tags: a refusal (one call failed on every member, the group lives on), and
-an abort because a member refused a call this rank ran (the group renews itself at its next
-call: group/renewal.py)."""
+REFUSAL, RENEWED, DESTROYED = 1, 2, 3
+"""An ABORT header's tags: a refusal (one call failed on every member, the group lives on), an
+abort because a member refused a call this rank ran (the group renews itself at its next
+call: group/renewal.py), and a member's destroy() of the group (`tell_destroyed`)."""
 
 
 def notice_text(error: BaseException) -> bytes:
@@ -145,6 +145,9 @@ class Failures:
         """ctx -> told when the group fails (None) or any rank is lost (its rank): GPU kernels that
         wait for peers with no host in the loop stop waiting (gpu/device_flags.py)."""
         self.retired: set[int] = set()  # contexts never used again (shrunk groups): arrivals dropped
+        self.destroyed: dict[int, tuple[int, BaseException]] = {}
+        """ctx -> (the first call a member that destroyed the group never makes, what that call
+        raises here): told by that member (`tell_destroyed`), dropped as this rank retires it."""
         self.refusals: dict[int, dict[int, dict[int, BaseException]]] = {}
         """ctx -> call -> {world rank: why}: the members that refused that call of the group (a local
         argument error, before they sent anything), this rank among them or not (`refuse`)."""
@@ -313,6 +316,9 @@ class Failures:
         error = self.covering(ctx, seq) if self.aborted else None
         if error is not None:
             raise error
+        gone = self.destroyed.get(ctx) if self.destroyed else None
+        if gone is not None and gone[0] <= seq < P2P_SEQ:  # (its point-to-point messages may be on their way)
+            raise gone[1]
         if self.closed:  # a send another thread waits on (destroy() fails posted receives itself)
             raise self.closed_error()
         refused = self.refusals.get(ctx, {}).get(seq) if self.refusals else None
@@ -403,7 +409,7 @@ class Failures:
 
     def control_sink(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
-            on = self._on_refusal if header.tag == REFUSAL else self._on_abort
+            on = {REFUSAL: self._on_refusal, DESTROYED: self._on_destroyed}.get(header.tag, self._on_abort)
             return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw, header.tag))
         if header.kind == Kind.BYE:
             return ControlSink(header.nbytes, lambda raw: self._on_goodbye(peer, raw))
@@ -501,11 +507,27 @@ class Failures:
         (docs/design/failures.md)."""
         with self.lock:
             if self.fail_locally(ctx, seq, error, renew):
-                self._tell(ctx, seq, members, error, RENEWED if renew else 0)
+                self._tell(ctx, seq, members, notice_text(error), RENEWED if renew else 0)
 
-    def _tell(self, ctx: int, seq: int, members: Iterable[int], error: BaseException, tag: int) -> None:
-        """An ABORT notice (`tag`: 0, or REFUSAL) of call `seq` of group `ctx` to every member."""
-        payload = np.frombuffer(notice_text(error), dtype=np.uint8)
+    def tell_destroyed(self, ctx: int, seq: int, members: Iterable[int], text: str) -> None:
+        """This rank destroyed group `ctx` before its call `seq`: the members this rank is
+        connected to are told (`text`: 'rank 0 destroyed group G after its call #2'), so that a
+        call of theirs that waits for it fails at once (check_group) instead of at its timeout.
+        No connection is made for it: a destroy after a group's last call costs no round trip."""
+        with self.lock:
+            connected = [p for p in members if p in self.channels and self.channels[p].kind != "pending"]
+            self._tell(ctx, seq, connected, text.encode(), DESTROYED)
+
+    def _on_destroyed(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
+        known = self.destroyed.get(ctx)
+        if ctx not in self.retired and (known is None or seq < known[0]):
+            text = bytes(raw).decode(errors="replace")
+            self.destroyed[ctx] = (seq, PeerLostError(f"rank {self.rank}: {text}", peer=peer))
+
+    def _tell(self, ctx: int, seq: int, members: Iterable[int], text: bytes, tag: int) -> None:
+        """An ABORT notice (`tag`: 0, REFUSAL or DESTROYED) of call `seq` of group `ctx` to every
+        member, `text` its payload."""
+        payload = np.frombuffer(text, dtype=np.uint8)
         notices = []
         for peer in members:  # connecting where needed: a member may wait for no one it is connected to
             unreachable = self.wiring is None and peer not in self.channels
@@ -544,7 +566,7 @@ class Failures:
         itself (`_on_refusal`, group/renewal.py)."""
         with self.lock:
             self.refusals.setdefault(ctx, {}).setdefault(seq, {})[self.rank] = error
-            self._tell(ctx, seq, members, error, REFUSAL)
+            self._tell(ctx, seq, members, notice_text(error), REFUSAL)
 
     def _on_refusal(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
         if ctx in self.aborted:
@@ -625,6 +647,7 @@ class Failures:
         with self.lock:
             self.retired.add(ctx)
             self.renewable.discard(ctx)
+            self.destroyed.pop(ctx, None)
             alarm = self.alarms.pop(ctx, None)
             if alarm is not None:
                 alarm(None)

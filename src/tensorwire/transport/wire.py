@@ -26,7 +26,7 @@ _MODE_AT = struct.calcsize("<BBBBIQqQQiQ")  # a packed header's mode
 class Kind(IntEnum):
     P2P = 0
     COLL = 1
-    ABORT = 2  # payload: utf-8 "ErrorClass\nmessage"; tells every peer why a group failed
+    ABORT = 2  # payload: utf-8 "ErrorClass\nmessage"; tells every peer why a group failed (or that it ended)
     BYE = 3  # the sender called destroy(): its closing socket is a goodbye, not a crash
     QUERY = 4  # "which call of this group are you in?" (sent by a waiter that has been idle a while)
     STATE = 5  # the answer: the sequence number and fingerprint of the replier's current call
