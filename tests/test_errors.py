@@ -1986,6 +1986,44 @@ def test_what_a_rank_sent_before_it_left_is_received(transport: str) -> None:
     assert results[0]["sent"] and results[1]["got"] == [True, True, True], results
 
 
+_ISEND_AT_DESTROY = """
+import numpy as np
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+x = np.ones(1 << 21)  # 16 MiB: more than a ring holds; a descriptor the receiver reads, where huge pages
+tw.barrier()
+if rank == 0:  # an isend nobody waits for, then destroy()
+    work = tw.isend(x, 1, tag=1)
+    t0 = time.monotonic()
+    tw.destroy()
+    took = time.monotonic() - t0
+    report(took=took, done=work.is_completed(), error=attempt(work.wait, timeout=3))
+else:
+    if ARGS[0] == "reads":  # within the sender's grace
+        time.sleep(0.3)
+        tw.recv(x, 0, tag=1)
+    time.sleep(3)
+    report(got=True)
+"""
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("receiver", ["reads", "never"])
+def test_destroy_drives_an_unwaited_isend_to_its_end_or_fails_it(receiver: str) -> None:
+    """A large isend nobody waited for, then destroy(), over shared memory: destroy() gives it up
+    to 1 s to be received (the Work then completes); past that the Work fails saying so. Its
+    Work stayed pending, and its wait() blamed a destroy() 'on another thread' of a program
+    that had one thread (the receiver had the data)."""
+    res = _first_report(_ISEND_AT_DESTROY, 0, 2, receiver)
+    assert res["done"], res
+    if receiver == "reads":
+        assert res["error"]["type"] is None, res
+    else:
+        assert 0.9 < res["took"] < 3.0, res
+        _assert_error(res["error"], AbortedError, "rank 0: send to rank 1 (tag 1) on group world: "
+                      "tensorwire.destroy() was called with it unfinished: rank 1 had not taken it 1 s later")
+        assert "another thread" not in res["error"]["msg"], res
+
+
 _SEND_UNRECEIVED = """
 import numpy as np
 tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)

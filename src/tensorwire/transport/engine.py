@@ -54,6 +54,9 @@ _GLANCE = 64  # calls that never wait between two rounds of progress (glance)
 _NOTICES_S = 1.0  # how long close() tries to deliver the aborts this rank sent
 _BG_JOIN_S = 1.0  # how long close() waits for the background thread to end
 _NOT_READING_S, _ANSWERED_MS = 0.5, 100  # close(): a peer that acknowledged within 100 ms does not read
+_SEND_GRACE_S = 1.0
+"""How long close() drives the sends nobody waited for (an isend not waited on) to their end: over
+shared memory a large one ends only once its receiver has read it out of this process's memory."""
 
 
 class Engine(Failures):
@@ -631,6 +634,7 @@ class Engine(Failures):
         `cross_check` runs when idle, to spot peers that entered this call another way.
         """
         pending = [r for r in reqs if not r.done]
+        was_closed = self.closed
         if pending and not (self.refused_as_posted and any(type(r.error) is ResourceError for r in reqs)):
             # (one refused as it was posted, for a limit, fails the wait at once: its peer's part
             # may have been refused alike: TcpChannel.post)
@@ -646,6 +650,8 @@ class Engine(Failures):
                 self.glance()
         for r in reqs:
             if r.error is not None:
+                if self.closed and not was_closed and isinstance(r, SendRequest):  # close() failed it
+                    raise self.closed_error(what) from None
                 raise self._void_error(r, deadline) if r.void else r.error
         error = self.covering(ctx, seq) if self.aborted else None
         if error is not None:  # found while driving, after this wait's messages came
@@ -878,14 +884,24 @@ class Engine(Failures):
                 poller.register(sock, select.POLLIN)
             poller.poll(20)
 
+    def _unfinished_sends(self) -> list[SendRequest]:
+        """The point-to-point messages this rank posted that have not left its hands."""
+        with self.lock:
+            return [req for channel in self.channel_list if channel.peer not in self.lost
+                    for req in channel.pending() if not req.done and req.header.kind == Kind.P2P]
+
     def close(self) -> None:
         """Say goodbye to every peer, wait until their kernels have what this rank sent
-        (`_settle`: at once on a healthy link), then close the channels;
+        (`_settle`: at once on a healthy link), then close the channels; a point-to-point send
+        nobody waited for gets _SEND_GRACE_S to finish first, and fails after;
         first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raises and
         exits at once would leave most of them unsent (to peers it was not connected to yet, or
         queued behind the failed call's bytes), and the others learn only that it left."""
         until = time.perf_counter() + _NOTICES_S
         while any(not n.done for n in self.notices) and time.perf_counter() < until:
+            self.look()
+        until = time.perf_counter() + _SEND_GRACE_S
+        while self._unfinished_sends() and time.perf_counter() < until:
             self.look()
         if self.wiring is not None:
             self.wiring.close()  # no channel is installed after this
@@ -907,8 +923,15 @@ class Engine(Failures):
                     except PeerClosed:
                         pass
             self._settle()
+            unfinished = self._unfinished_sends()
             for channel in self.channel_list:
                 channel.close()
+            for req in unfinished:  # no one would finish them now
+                read = " (a receive it posts may still read the buffer while this process runs)" \
+                    if req.descriptor is not None else ""
+                req.fail(AbortedError(
+                    f"rank {self.rank}: {req.what}: tensorwire.destroy() was called with it unfinished: "
+                    f"rank {req.peer} had not taken it {_SEND_GRACE_S:g} s later{read}"))
             for queue in self.posted.values():  # receives nobody will complete now
                 for req in queue:
                     req.fail(AbortedError(f"rank {self.rank}: {req.what}: tensorwire shut down (destroy()) "
