@@ -1350,6 +1350,58 @@ def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
             _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
 
 
+def _two_threads_on_one_group(warm: bool, t: float) -> dict[str, Any]:
+    """First what stays allowed: Works waited for on another thread while this one calls the
+    group. Then rank 0's thread 'first' waits in an all_reduce the others join only later, and
+    its thread 'second' calls the group meanwhile. `warm`: of a signature planned before (the
+    compiled caller, the planned path), else of one checked first."""
+    g = _fresh_group()
+    x = np.ones(4)
+    works = [g.all_reduce(np.ones(4), async_op=True, timeout=t) for _ in range(3)]
+    waiter = threading.Thread(target=lambda: [w.wait() for w in works])
+    waiter.start()
+    for _ in range(5):
+        g.all_reduce(x, timeout=t)
+    waiter.join(t)
+    out: dict[str, Any] = {"allowed": [float(w.result()[0]) for w in works] + [float(x[0])]}
+    shape, dtype = (4, np.float64) if warm else (8, np.float32)
+    if g.rank == 0:
+        def call() -> None:
+            out[threading.current_thread().name] = _attempt(g.all_reduce, np.ones(shape, dtype), timeout=t)
+
+        first = threading.Thread(target=call, name="first")
+        first.start()
+        while not g.queue.busy and first.is_alive():  # its call runs
+            time.sleep(0.001)
+        second = threading.Thread(target=call, name="second")
+        second.start()
+        second.join(2 * t)
+        tw.barrier(timeout=t)
+        first.join(2 * t)
+    else:
+        tw.barrier(timeout=t)
+        out["call"] = _attempt(g.all_reduce, np.ones(shape, dtype), timeout=t)
+    return out
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["planned", "checked"])
+def test_a_call_while_another_threads_call_is_in_progress_aborts_the_group(cluster: Any, warm: bool) -> None:
+    """Two threads' calls of one group are numbered in the order they came, which the other
+    ranks need not share: they returned each other's data. The second is refused, naming both
+    threads, and the group aborted, so that no rank completes the first either."""
+    results = cluster.run(_two_threads_on_one_group, warm, TIMEOUT)
+    n = len(results)
+    overlap = ("called on thread 'second' (", "while a call of thread 'first' (", "the group is aborted")
+    for rank, res in enumerate(results):
+        assert res["allowed"] == [n, n, n, n ** 5], res
+        if rank == 0:
+            _assert_error(res["second"], InvalidArgumentError, "rank 0: all_reduce on group", *overlap,
+                          within=1.0)
+            _assert_error(res["first"], InvalidArgumentError, *overlap, within=TIMEOUT)
+        else:
+            _assert_error(res["call"], InvalidArgumentError, *overlap, within=TIMEOUT)
+
+
 # --------------------------------------------------------------------------------------------
 # A collective some rank never calls; Work.wait(timeout)
 

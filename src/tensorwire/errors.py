@@ -100,14 +100,26 @@ def call_prefix(rank: int | None, collective: str | None) -> str:
     return ": ".join(parts) + ": " if parts else ""
 
 
+def _argument_error(exc: BaseException, rank: int) -> tuple[str, str] | None:
+    """(the call, the rest) of an argument error of a collective ('rank 3: all_reduce: ...');
+    None where it is not one."""
+    what, sep, rest = str(exc).removeprefix(f"rank {rank}: ").partition(": ")
+    return (what, rest) if str(exc).startswith(f"rank {rank}: ") and sep and what.isidentifier() else None
+
+
+def called(exc: BaseException, rank: int) -> str:
+    """The call an argument error of a collective names ('all_reduce'), else 'a call'."""
+    parts = _argument_error(exc, rank)
+    return "a call" if parts is None else parts[0]
+
+
 def naming_call(exc: BaseException, rank: int, number: int, group: str) -> BaseException:
     """An argument error of a collective ('rank 3: all_reduce: ...') with the call it refused
     named as every error names it ('rank 3: all_reduce #12 on group world: ...')."""
-    head = f"rank {rank}: "
-    what, sep, rest = str(exc).removeprefix(head).partition(": ")
-    if not str(exc).startswith(head) or not sep or not what.isidentifier():
+    parts = _argument_error(exc, rank)
+    if parts is None:
         return exc
-    return retold(exc, f"{head}{what} #{number} on group {group}: {rest}")
+    return retold(exc, f"rank {rank}: {parts[0]} #{number} on group {group}: {parts[1]}")
 
 
 class CollectiveMismatchError(TensorwireError):

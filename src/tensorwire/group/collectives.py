@@ -48,10 +48,10 @@ if TYPE_CHECKING:
     from .calls import CollectiveCall
     from .group import Group
 
-def _device(group: Group, timeout: float | None) -> DeviceCollectives:
+def _device(group: Group, timeout: float | None, what: str) -> DeviceCollectives:
     """The group's collectives on CUDA buffers, looked up once what a refused call left is
     settled: a renewal (renewal.py) replaces them with the group's segment."""
-    group.queue.settle(timeout)
+    group.queue.settle(timeout, what)
     return group.device
 
 
@@ -93,7 +93,7 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
         if compress is not None:
             invalid(group, what, f"compress={compress!r} compresses tensors in host memory only, "
                     f"not CUDA ones")
-        return _device(group, timeout).all_reduce(tensor, op, out, async_op, timeout)
+        return _device(group, timeout, what).all_reduce(tensor, op, out, async_op, timeout)
     check_member(group, what)
     src = array(group, tensor, what, writable=out is None)
     dst = src if out is None else array(group, out, what, writable=True, name="out")
@@ -142,7 +142,7 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
                 if done is not REPLAN:
                     return done
     if _on_device(tensor):
-        return _device(group, timeout).reduce(tensor, dst, op, out, async_op, timeout)
+        return _device(group, timeout, what).reduce(tensor, dst, op, out, async_op, timeout)
     root = check_root(group, dst, what, "dst")
     src = array(group, tensor, what, writable=out is None and group.rank == root)
     target = src
@@ -184,7 +184,7 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
             if done is not REPLAN:
                 return done
     if _on_device(output):
-        return _device(group, timeout).reduce_scatter(output, input_list, op, async_op, timeout)
+        return _device(group, timeout, what).reduce_scatter(output, input_list, op, async_op, timeout)
     check_member(group, what)
     out = array(group, output, what, writable=True, name="output")
     blocks = array_list(group, input_list, what, "input_list", writable=False, like=out, uneven=True)
@@ -225,7 +225,7 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
             if done is not REPLAN:
                 return done
     if _on_device(output):
-        return _device(group, timeout).reduce_scatter_tensor(output, input, op, async_op, timeout)
+        return _device(group, timeout, what).reduce_scatter_tensor(output, input, op, async_op, timeout)
     check_member(group, what)
     out = array(group, output, what, writable=True, name="output")
     inp = array(group, input, what, writable=False, name="input")
@@ -253,7 +253,7 @@ def reduce_scatterv(group: Group, output: Any, input: Any, counts: Sequence[int]
     """Vector form: rank r gets `counts[r]` reduced elements; `input` holds sum(counts)."""
     what = "reduce_scatterv"
     if _on_device(output):
-        return _device(group, timeout).reduce_scatterv(output, input, counts, op, async_op, timeout)
+        return _device(group, timeout, what).reduce_scatterv(output, input, counts, op, async_op, timeout)
     check_member(group, what)
     counts = check_counts(group, counts, what)
     out = array(group, output, what, writable=True, name="output")
@@ -295,7 +295,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
                 if done is not REPLAN:
                     return done
     if _on_device(tensor):
-        return _device(group, timeout).broadcast(tensor, src, out, async_op, timeout)
+        return _device(group, timeout, what).broadcast(tensor, src, out, async_op, timeout)
     root = check_root(group, src, what, "src")
     data = array(group, tensor, what, writable=out is None and group.rank != root)
     target = data if out is None else array(group, out, what, writable=True, name="out")
@@ -332,7 +332,7 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
             if done is not REPLAN:
                 return done
     if _on_device(tensor):
-        return _device(group, timeout).all_gather(tensor_list, tensor, async_op, timeout)
+        return _device(group, timeout, what).all_gather(tensor_list, tensor, async_op, timeout)
     check_member(group, what)
     inp = array(group, tensor, what, writable=False)
     outs = array_list(group, tensor_list, what, "tensor_list", writable=True, like=inp, uneven=True)
@@ -367,7 +367,7 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
             if done is not REPLAN:
                 return done
     if _on_device(output):
-        return _device(group, timeout).all_gather_into_tensor(output, input, async_op, timeout)
+        return _device(group, timeout, what).all_gather_into_tensor(output, input, async_op, timeout)
     check_member(group, what)
     inp = array(group, input, what, writable=False, name="input")
     out = array(group, output, what, writable=True, name="output")
@@ -391,7 +391,7 @@ def all_gatherv(group: Group, output: Any, input: Any, counts: Sequence[int], *,
     """Vector form: rank r contributes counts[r] elements; output holds sum(counts)."""
     what = "all_gatherv"
     if _on_device(output):
-        return _device(group, timeout).all_gatherv(output, input, counts, async_op, timeout)
+        return _device(group, timeout, what).all_gatherv(output, input, counts, async_op, timeout)
     check_member(group, what)
     counts = check_counts(group, counts, what)
     inp = array(group, input, what, writable=False, name="input")
@@ -426,7 +426,7 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
             if done is not REPLAN:
                 return done
     if _on_device(tensor):
-        return _device(group, timeout).gather(tensor, gather_list, dst, async_op, timeout)
+        return _device(group, timeout, what).gather(tensor, gather_list, dst, async_op, timeout)
     root = check_root(group, dst, what, "dst")
     inp = array(group, tensor, what, writable=False)
     outs = None
@@ -463,7 +463,7 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
             if done is not REPLAN:
                 return done
     if _on_device(tensor):
-        return _device(group, timeout).scatter(tensor, scatter_list, src, async_op, timeout)
+        return _device(group, timeout, what).scatter(tensor, scatter_list, src, async_op, timeout)
     root = check_root(group, src, what, "src")
     out = array(group, tensor, what, writable=True)
     ins = None
@@ -486,7 +486,7 @@ def gatherv(group: Group, output: Any, input: Any, counts: Sequence[int], dst: i
     """Vector gather: rank r sends counts[r] elements; `output` (rank dst) holds sum(counts)."""
     what = "gatherv"
     if _on_device(input):
-        return _device(group, timeout).gatherv(output, input, counts, dst, async_op, timeout)
+        return _device(group, timeout, what).gatherv(output, input, counts, dst, async_op, timeout)
     root = check_root(group, dst, what, "dst")
     counts = check_counts(group, counts, what)
     inp = array(group, input, what, writable=False, name="input")
@@ -515,7 +515,7 @@ def scatterv(group: Group, output: Any, input: Any, counts: Sequence[int], src: 
     """Vector scatter: rank r receives counts[r] elements of rank src's `input`."""
     what = "scatterv"
     if _on_device(output):
-        return _device(group, timeout).scatterv(output, input, counts, src, async_op, timeout)
+        return _device(group, timeout, what).scatterv(output, input, counts, src, async_op, timeout)
     root = check_root(group, src, what, "src")
     counts = check_counts(group, counts, what)
     out = array(group, output, what, writable=True, name="output")
@@ -546,7 +546,7 @@ def all_to_all(group: Group, output_list: Sequence[Any], input_list: Sequence[An
     """output_list[r] receives rank r's input_list[this rank]; sizes may differ per pair."""
     what = "all_to_all"
     if _on_device(output_list[0] if output_list else None):
-        return _device(group, timeout).all_to_all(output_list, input_list, async_op, timeout)
+        return _device(group, timeout, what).all_to_all(output_list, input_list, async_op, timeout)
     check_member(group, what)
     ins = array_list(group, input_list, what, "input_list", writable=False)
     outs = array_list(group, output_list, what, "output_list", writable=True)
@@ -578,8 +578,8 @@ def all_to_all_single(group: Group, output: Any, input: Any,
             if done is not REPLAN:
                 return done
     if _on_device(output):
-        return _device(group, timeout).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                              async_op, timeout)
+        return _device(group, timeout, what).all_to_all_single(output, input, output_split_sizes,
+                                                               input_split_sizes, async_op, timeout)
     check_member(group, what)
     inp = array(group, input, what, writable=False, name="input")
     out = array(group, output, what, writable=True, name="output")

@@ -31,6 +31,7 @@ from ..errors import (
     PeerLostError,
     ResourceError,
     TimeoutError,
+    called,
     in_call,
     naming_call,
 )
@@ -62,7 +63,8 @@ class CallQueue:
 
     # slots: the compiled caller reads and writes these where they lie (group/planned.py);
     # `logged` is read on the planned path (Plans.submit)
-    __slots__ = ("seq", "busy", "doomed", "current", "logged", "__dict__", "__weakref__")
+    __slots__ = ("seq", "busy", "doomed", "current", "logged", "compiled", "overlap", "__dict__",
+                 "__weakref__")
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -88,6 +90,16 @@ class CallQueue:
         self.in_flight = [0, 0]
         """Calls submitted and not finished: made by the program, made in done-callbacks (_interleaved)."""
         self.callbacks = _RUNNING_CALLBACKS  # read where the planned paths are decided
+        self.entry: dict[int, int] = {}
+        """{0: the ident of the thread whose call is entering the group (numbered, queued) or
+        runs inline on it}, taken in one atomic step (`enter`), so that a call another thread
+        makes meanwhile is seen (`_overlapped`)."""
+        self.compiled: int | None = None
+        """The ident of the thread whose call the compiled caller runs: it takes the group so,
+        with `busy`, where it found `entry` empty (the GIL held from its check on)."""
+        self.overlap: InvalidArgumentError | None = None
+        """What `_overlapped` raised: the call that had the group then fails with it too as it
+        returns (`check_alone`), even where its peers completed it."""
         self.logged = log.per_call(_log)
         """The COLL log has a line per call (call_log.py): every call comes through `_run`, as
         the planned path (Plans.submit) and the compiled caller (its clear_to_run) see here."""
@@ -102,58 +114,114 @@ class CallQueue:
         as body(call, *args)."""
         group = self.group
         limit = limit_of(group, timeout, what)
-        self.settle(timeout)
-        origin = 1 if getattr(_callbacks, "active", False) else 0
-        with self._cv:
-            # a call running uncounted took a planned path, before any callbacks ran: the program's
-            running = self.busy and not any(self.in_flight) and self.current is not None
-            clash = self.in_flight[1 - origin] or (origin and running)
-            if not clash:
-                self.in_flight[origin] += 1
-        if clash:
-            self._interleaved(what, origin, self.current.seq if running else None)  # type: ignore[union-attr]
-        self.seq += 1
-        if self.phase_of:
-            fp = fp._replace(aux=fp.aux ^ self.phase_of)
-        call = CollectiveCall(group, self.seq, fp, what, limit)
-        aborted = self.engine.aborted.get(group.ctx)
-        if aborted is not None and call.seq >= aborted[0]:
-            self._finished(origin)
-            self.raised = call.seq
-            raise aborted[1]
-        if self.wrap is not None:
-            body = self.wrap(body)
-        # Only the calling thread enqueues, and the worker marks itself busy before it pops,
-        # so an empty queue and an idle worker seen here mean nothing else can run now.
-        if not async_op and not self.pending and not self.busy:
-            self.busy = True
-            try:
-                return self._run(call, body, args)
-            finally:
+        claimed = self.enter(what)
+        try:
+            self.settle(timeout, what)
+            origin = 1 if getattr(_callbacks, "active", False) else 0
+            with self._cv:
+                # a call running uncounted took a planned path, before any callbacks ran: the program's
+                running = self.busy and not any(self.in_flight) and self.current is not None
+                clash = self.in_flight[1 - origin] or (origin and running)
+                if not clash:
+                    self.in_flight[origin] += 1
+            if clash:
+                self._interleaved(what, origin, self.current.seq if running else None)  # type: ignore[union-attr]
+            self.seq += 1
+            if self.phase_of:
+                fp = fp._replace(aux=fp.aux ^ self.phase_of)
+            call = CollectiveCall(group, self.seq, fp, what, limit)
+            aborted = self.engine.aborted.get(group.ctx)
+            if aborted is not None and call.seq >= aborted[0]:
                 self._finished(origin)
-                self._release()
-        work = QueuedWork(self, call.what, origin)
-        refused: ResourceError | None = None
-        with self._cv:
-            self.pending.append((call, body, args, work))
-            self.submitted += 1
-            if self._worker is None or self._worker is threading.current_thread():
-                # none yet (or it ended), or its own completion callbacks queue this (a torch
-                # future's then-callback that waits for it: PowerSGD's hook): a new worker takes over
+                self.raised = call.seq
+                raise aborted[1]
+            if self.wrap is not None:
+                body = self.wrap(body)
+            # Only the thread that entered enqueues, and the worker marks itself busy before it
+            # pops, so an empty queue and an idle worker seen here mean nothing else can run now.
+            if not async_op and not self.pending and not self.busy:
+                self.busy = True
                 try:
-                    self._start_worker()
-                except ResourceError as exc:  # no memory for a thread: the call fails on every member
-                    self.pending.pop()
-                    refused = exc
-            elif self.wake_worker:
-                self._cv.notify_all()
-        if refused is not None:
-            self._finished(origin)
-            self.group.abort(refused, call.seq)
-            raise refused
+                    result = self._run(call, body, args)
+                    if self.overlap is not None:
+                        self.check_alone()
+                    return result
+                finally:
+                    self._finished(origin)
+                    self._release()
+            work = QueuedWork(self, call.what, origin)
+            refused: ResourceError | None = None
+            with self._cv:
+                self.pending.append((call, body, args, work))
+                self.submitted += 1
+                if self._worker is None or self._worker is threading.current_thread():
+                    # none yet (or it ended), or its own completion callbacks queue this (a torch
+                    # future's then-callback that waits for it: PowerSGD's hook): a new worker takes over
+                    try:
+                        self._start_worker()
+                    except ResourceError as exc:  # no memory for a thread: the call fails on every member
+                        self.pending.pop()
+                        refused = exc
+                elif self.wake_worker:
+                    self._cv.notify_all()
+            if refused is not None:
+                self._finished(origin)
+                self.group.abort(refused, call.seq)
+                raise refused
+        finally:
+            if claimed:  # queued: the group is another thread's to enter while this one waits
+                del self.entry[0]
         if async_op:
             return work
         return work.result()
+
+    def enter(self, what: str) -> bool:
+        """Take the group for this thread's call `what` until it runs inline or is queued: True
+        where this took it (the caller gives it back: `del entry[0]`), False where this
+        thread's own call has it (a call made within that one). Another thread's call in it
+        meanwhile is an error (`_overlapped`)."""
+        me = threading.get_ident()
+        owner = self.entry.get(0)
+        if owner == me:
+            return False
+        if owner is None:  # nobody else puts this thread's ident there: equal, it is this call's
+            owner = self.entry.setdefault(0, me)
+            if owner == me:
+                owner = self.compiled  # read once this call holds `entry`: no compiled call starts since
+                if owner is None or owner == me:
+                    return True
+                del self.entry[0]
+        self._overlapped(what, owner)
+
+    def _overlapped(self, what: str, owner: int) -> NoReturn:
+        """Call `what` entered the group on this thread while thread `owner`'s call was entering
+        it or running inline: the two threads' calls are numbered in the order they happened
+        to come here, which other ranks need not share, so ranks may pair one thread's call
+        with the other's and return its data. The group is aborted on every member from the
+        last call numbered here (the other thread's, if numbered: its peers then fail it rather
+        than complete it on this rank's share), as for a done-callback's call (`_interleaved`)
+        where one of the two is that."""
+        seq = self.seq or None
+        in_callbacks = getattr(_callbacks, "active", False)
+        if in_callbacks or owner in _RUNNING_CALLBACKS:
+            self._interleaved(what, 1 if in_callbacks else 0, seq)
+        here, there = _thread_named(threading.get_ident()), _thread_named(owner)
+        error = InvalidArgumentError(
+            f"rank {self.group.runtime.rank}: {what} on group {self.group.name} was called on thread {here} "
+            f"while a call of thread {there} was in progress on it: the ranks may pair the two threads' "
+            f"calls differently; the group is aborted. Call a group's collectives from one thread at a time "
+            f"(a lock around them), or give each thread a group of its own (new_group of the same ranks)")
+        self._abort_both(error, seq)
+
+    def check_alone(self) -> None:
+        """The call that had the group as another thread's came (`overlap`) returns: it fails
+        with that one's error, as the ranks may have paired it with the other's, and a peer's
+        share may have completed it before the abort reached this rank's wait."""
+        error, self.overlap = self.overlap, None
+        if self.pending:  # (the compiled caller leaves the wake to this)
+            self.wake()
+        if error is not None:
+            raise error
 
     def _start_worker(self) -> None:
         """A worker thread for the queued calls (the lock held); one that is in its calls'
@@ -190,7 +258,13 @@ class CallQueue:
             f"may order such calls differently; the group is aborted. Wait until the callbacks' calls are "
             f"done before the next call, or make them on another group (torch: PowerSGD's hook with several "
             f"DDP buckets does this: use one bucket, bucket_cap_mb above the gradients' size)")
-        self.group.abort(error, running)
+        self._abort_both(error, running)
+
+    def _abort_both(self, error: InvalidArgumentError, seq: int | None) -> NoReturn:
+        """Of two calls the ranks may pair differently: abort the group from call `seq`, and
+        fail the one that has the group as it returns (`check_alone`) as well as this one."""
+        self.overlap = error
+        self.group.abort(error, seq)
         raise error
 
     def refuse(self, error: Exception) -> NoReturn:
@@ -200,25 +274,36 @@ class CallQueue:
         every member refused that call too (its next call here waits until they all said so:
         `_after_refusals`); where a member ran it instead, the group renews itself (renewal.py)."""
         group = self.group
+        claimed = self.enter(called(error, group.runtime.rank))
         try:
-            self._settle(None, False)  # earlier calls' refusals, a renewal
-        except Exception:  # noqa: BLE001 - the group stays failed; this call's own error says more
-            pass
-        if self.doomed:
-            self.doomed -= 1
+            try:
+                self._settle(None, False)  # earlier calls' refusals, a renewal
+            except Exception:  # noqa: BLE001 - the group stays failed; this call's own error says more
+                pass
+            if self.doomed:
+                self.doomed -= 1
+                raise error
+            self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
+            self.raised = self.seq
+            error = naming_call(error, group.runtime.rank, self.seq - self.internal, group.name)  # type: ignore[assignment]
+            if group.ctx not in self.engine.aborted:
+                self.engine.refuse(group.ctx, self.seq, group.ranks, error)
             raise error
-        self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
-        self.raised = self.seq
-        error = naming_call(error, group.runtime.rank, self.seq - self.internal, group.name)  # type: ignore[assignment]
-        if group.ctx not in self.engine.aborted:
-            self.engine.refuse(group.ctx, self.seq, group.ranks, error)
-        raise error
+        finally:
+            if claimed:
+                del self.entry[0]
 
-    def settle(self, timeout: float | None) -> None:
-        """Before a call is numbered: what a refusal left to do (`_settle`), if anything."""
+    def settle(self, timeout: float | None, what: str) -> None:
+        """Before call `what` is numbered: what a refusal left to do (`_settle`), if anything,
+        as part of the call (`enter`: a renewal numbers calls)."""
         engine = self.engine
         if (engine.refusals and self.group.ctx in engine.refusals) or engine.renewable or self.doomed:
-            self._settle(timeout, True)
+            claimed = self.enter(what)
+            try:
+                self._settle(timeout, True)
+            finally:
+                if claimed:
+                    del self.entry[0]
 
     def _settle(self, timeout: float | None, numbering: bool) -> None:
         """Before a call: settle the refusals of this group's calls up to it (`numbering`: the
@@ -526,6 +611,12 @@ def _finish_in_callbacks(finish: Callable[[], None]) -> None:
         if me in _RUNNING_CALLBACKS:  # (an interrupt may have come before the append)
             _RUNNING_CALLBACKS.remove(me)
         _callbacks.active = outer
+
+
+def _thread_named(ident: int) -> str:
+    """A thread as errors name it: its name and ident."""
+    named = next((t.name for t in threading.enumerate() if t.ident == ident), None)
+    return f"{ident}" if named is None else f"{named!r} ({ident})"
 
 
 def _wake(cv: threading.Condition, pid: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from threading import get_ident
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -229,17 +230,26 @@ class Plans(dict):
             if not engine.until_glance:
                 engine.glance()
         queue = self.queue
-        if async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending \
-                or queue.doomed or engine.unexpected or queue.phase_of or queue.callbacks or queue.logged \
-                or engine.deferred_aborts or (engine.refusals and self.ctx in engine.refusals) \
-                or (engine.aborted and self.ctx in engine.aborted):
+        entry = queue.entry
+        # where nothing stands in the way, the call takes the group (CallQueue.enter); a call of
+        # another thread that took it meanwhile (a compiled one: `busy`) leaves it to that one
+        taken = not (async_op or not (direct or self.group.direct is None) or queue.busy or queue.pending
+                     or entry or queue.doomed or engine.unexpected or queue.phase_of or queue.callbacks
+                     or queue.logged or engine.deferred_aborts
+                     or (engine.refusals and self.ctx in engine.refusals)
+                     or (engine.aborted and self.ctx in engine.aborted)) \
+            and entry.setdefault(0, me := get_ident()) == me
+        if taken and queue.busy:
+            del entry[0]
+            taken = False
+        if not taken:
             ctx = self.ctx
-            queue.settle(timeout)
+            queue.settle(timeout, call.name)
             if self.ctx != ctx:  # renewed: the plan was bound to the old segment
                 return REPLAN
             done = queue.submit(call.fp, call.name, body, async_op, timeout, *args)
             return done if async_op else result
-        queue.busy = True  # at once: from here a call another thread makes takes the checked way
+        queue.busy = True  # from here a call of another thread finds the group taken (CallQueue.enter)
         queue.current = call
         try:
             queue.seq = call.seq = queue.seq + 1
@@ -257,6 +267,8 @@ class Plans(dict):
                 body(call, *args)
             else:
                 body(call)
+            if queue.overlap is not None:
+                queue.check_alone()
             return result
         except Exception as exc:
             error = _failure(queue, call, exc)
@@ -268,6 +280,7 @@ class Plans(dict):
             raise
         finally:
             queue.busy = False  # CallQueue._release, inline: no call on the hottest path
+            del entry[0]
             if queue.pending:
                 queue.wake()
 
@@ -280,7 +293,10 @@ class Plans(dict):
         try:
             if isinstance(status, BaseException):
                 raise status
-            return tail(call, status, *arrays)
+            done = tail(call, status, *arrays)
+            if queue.overlap is not None:
+                queue.check_alone()
+            return done
         except Exception as exc:
             error = _failure(queue, call, exc)
             if error is exc:
@@ -291,6 +307,7 @@ class Plans(dict):
             raise
         finally:
             queue.busy = False
+            queue.compiled = None  # the compiled caller took the group for the call
             if queue.pending:
                 queue.wake()
 

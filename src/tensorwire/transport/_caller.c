@@ -51,14 +51,17 @@ typedef struct {
     PyObject_HEAD
     PyObject *group, *queue, *engine, *finish;
     /* the queue's and engine's containers, never replaced (read in place), and the engine's lock */
-    PyObject *pending, *callbacks, *unexpected, *deferred, *refusals, *aborted, *current, *channels, *lost, *posted,
-        *lock;
+    PyObject *pending, *callbacks, *entry, *unexpected, *deferred, *refusals, *aborted, *current, *channels, *lost,
+        *posted, *lock;
     PyObject *fallback[N_COLLS]; /* the group's Python methods */
     PyObject *sum, *array_type, *view_of, *zero;
+    PyObject *ident; /* the ident of the thread that called last, as CallQueue.compiled holds it */
+    unsigned long ident_value;
     PyTypeObject *call_type;
     int rank, size;
     /* the offsets of the state's scalars: the queue's, the engine's, a CollectiveCall's */
-    Py_ssize_t q_seq, q_busy, q_doomed, q_current, q_logged, e_glance, c_seq, c_timeout, c_deadline;
+    Py_ssize_t q_seq, q_busy, q_doomed, q_current, q_logged, q_compiled, q_overlap, e_glance, c_seq, c_timeout,
+        c_deadline;
     Entry *entries; /* the planned signatures */
     Py_ssize_t n, cap, hint;
     Pair *pairs; /* sendrecv's pairs of routes */
@@ -67,7 +70,7 @@ typedef struct {
 
 static PyObject *S_out, *S_async_op, *S_timeout, *S_compress, *S_dtype, *S_wake, *S_acquire, *S_release_,
     *S_direct, *S_native, *S_sendq, *S_sink, *S_out_ring, *S_in_ring, *S_bytes, *S_capacity, *S_stream, *S_parked,
-    *S_release, *S_spin_s, *S_glance;
+    *S_release, *S_spin_s, *S_glance, *S_check_alone;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -127,6 +130,7 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     }
     struct { PyObject *obj; const char *name; PyObject **to; int dict; } parts[] = {
         {queue, "pending", &self->pending, 0}, {queue, "callbacks", &self->callbacks, 0},
+        {queue, "entry", &self->entry, 1},
         {engine, "unexpected", &self->unexpected, 1},
         {engine, "deferred_aborts", &self->deferred, 0}, {engine, "refusals", &self->refusals, 1},
         {engine, "aborted", &self->aborted, 1}, {engine, "current", &self->current, 1},
@@ -145,7 +149,8 @@ static int Caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     PyTypeObject *qt = Py_TYPE(queue), *et = Py_TYPE(engine), *ct = (PyTypeObject *)call_type;
     if (!slot_offset(qt, "seq", &self->q_seq) || !slot_offset(qt, "busy", &self->q_busy) ||
         !slot_offset(qt, "doomed", &self->q_doomed) || !slot_offset(qt, "current", &self->q_current) ||
-        !slot_offset(qt, "logged", &self->q_logged) ||
+        !slot_offset(qt, "logged", &self->q_logged) || !slot_offset(qt, "compiled", &self->q_compiled) ||
+        !slot_offset(qt, "overlap", &self->q_overlap) ||
         !slot_offset(et, "until_glance", &self->e_glance) || !slot_offset(ct, "seq", &self->c_seq) ||
         !slot_offset(ct, "timeout", &self->c_timeout) || !slot_offset(ct, "deadline", &self->c_deadline))
         return -1;
@@ -263,10 +268,12 @@ static int glance_if_due(Caller *c) {
 }
 
 /* Nothing stands between the call and its body: Plans.submit's conditions for a one-shot body
- * run inline (glance_if_due has glanced), the COLL log's line per call off among them. */
+ * run inline (glance_if_due has glanced), the COLL log's line per call off among them; no other
+ * thread's call has entered the group (CallQueue.entry: `run` takes the group, through
+ * CallQueue.compiled and busy, with no Python code run between). */
 static int clear_to_run(Caller *c, Entry *e) {
     if (SLOT(c->queue, c->q_busy) != Py_False || SLOT(c->queue, c->q_logged) != Py_False ||
-        PyObject_Length(c->pending) != 0 ||
+        PyObject_Length(c->pending) != 0 || PyDict_GET_SIZE(c->entry) != 0 ||
         PyObject_Length(c->callbacks) != 0 ||
         small(SLOT(c->queue, c->q_doomed)) != 0 || small(SLOT(c->engine, c->e_glance)) <= 1 ||
         PyDict_GET_SIZE(c->unexpected) || PyObject_Length(c->deferred) != 0)
@@ -274,6 +281,16 @@ static int clear_to_run(Caller *c, Entry *e) {
     if (PyDict_GET_SIZE(c->refusals) && PyDict_Contains(c->refusals, e->ctx) != 0) return 0;
     if (PyDict_GET_SIZE(c->aborted) && PyDict_Contains(c->aborted, e->ctx) != 0) return 0;
     return !PyErr_Occurred();
+}
+
+/* This thread's ident (CallQueue.compiled's value), kept while one thread calls; NULL on an error. */
+static PyObject *thread_ident(Caller *c) {
+    unsigned long id = PyThread_get_thread_ident();
+    if (c->ident == NULL || c->ident_value != id) {
+        Py_XSETREF(c->ident, PyLong_FromUnsignedLong(id));
+        c->ident_value = id;
+    }
+    return c->ident;
 }
 
 static PyObject *take_exception(void) {
@@ -323,7 +340,9 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
     PyObject *seq = last == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(last + 1);
     PyObject *glance = PyLong_FromLong(small(SLOT(c->engine, c->e_glance)) - 1);
     timeout = timeout != NULL ? Py_NewRef(timeout) : PyObject_GetAttr(c->group, S_timeout);
-    int ok = seq != NULL && glance != NULL && timeout != NULL && PyDict_SetItem(c->current, ctx, ref) == 0;
+    PyObject *ident = thread_ident(c);
+    int ok = seq != NULL && glance != NULL && timeout != NULL && ident != NULL &&
+             PyDict_SetItem(c->current, ctx, ref) == 0;
     Py_DECREF(ctx);
     Py_DECREF(ref);
     if (!ok) {
@@ -344,6 +363,7 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
     set_slot(call, c->c_deadline, Py_NewRef(c->zero));
     set_slot(c->queue, c->q_current, Py_NewRef(call));
     set_slot(c->queue, c->q_busy, Py_NewRef(Py_True));
+    set_slot(c->queue, c->q_compiled, Py_NewRef(ident));
     args[0] = seq;
     if (nargs > 4) {
         args[4] = Py_NewRef(x);
@@ -362,7 +382,10 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
     if (status != NULL && s == DONE) {
         Py_DECREF(status);
         set_slot(c->queue, c->q_busy, Py_NewRef(Py_False));
-        done = PyObject_Length(c->pending) > 0 ? PyObject_CallMethodNoArgs(c->queue, S_wake) : Py_NewRef(Py_None);
+        set_slot(c->queue, c->q_compiled, Py_NewRef(Py_None));
+        done = SLOT(c->queue, c->q_overlap) != Py_None ? PyObject_CallMethodNoArgs(c->queue, S_check_alone)
+               : PyObject_Length(c->pending) > 0 ? PyObject_CallMethodNoArgs(c->queue, S_wake)
+                                                 : Py_NewRef(Py_None);
     } else {
         if (status == NULL) status = take_exception();
         PyObject *finish_args[5] = {call, tail, status, x, y};
@@ -851,7 +874,7 @@ static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t na
 
 static int Caller_traverse(Caller *self, visitproc visit, void *arg) {
     PyObject *objs[] = {self->group, self->queue, self->engine, self->finish, self->lock, self->channels,
-                        self->lost, self->posted, self->pending, self->callbacks, self->unexpected,
+                        self->lost, self->posted, self->pending, self->callbacks, self->entry, self->unexpected,
                         self->deferred, self->refusals, self->aborted, self->current, self->sum,
                         self->array_type, self->view_of, (PyObject *)self->call_type};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) Py_VISIT(objs[i]);
@@ -886,6 +909,7 @@ static int Caller_clear(Caller *self) {
     Py_CLEAR(self->unexpected);
     Py_CLEAR(self->deferred);
     Py_CLEAR(self->callbacks);
+    Py_CLEAR(self->entry);
     Py_CLEAR(self->refusals);
     Py_CLEAR(self->aborted);
     Py_CLEAR(self->current);
@@ -895,6 +919,7 @@ static int Caller_clear(Caller *self) {
     Py_CLEAR(self->view_of);
     Py_CLEAR(self->call_type);
     Py_CLEAR(self->zero);
+    Py_CLEAR(self->ident);
     return 0;
 }
 
@@ -952,7 +977,7 @@ int caller_ready(PyObject *m) {
         {&S_acquire, "acquire"}, {&S_release_, "release"}, {&S_direct, "direct"}, {&S_native, "native"},
         {&S_sendq, "sendq"}, {&S_sink, "_sink"}, {&S_out_ring, "out"}, {&S_in_ring, "inn"}, {&S_bytes, "bytes"},
         {&S_capacity, "capacity"}, {&S_stream, "stream"}, {&S_parked, "parked"}, {&S_release, "release"},
-        {&S_spin_s, "spin_s"}, {&S_glance, "glance"}};
+        {&S_spin_s, "spin_s"}, {&S_glance, "glance"}, {&S_check_alone, "check_alone"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].to == NULL && (*names[i].to = PyUnicode_InternFromString(names[i].s)) == NULL) return -1;
     PyObject *calls = PyTuple_New(N_COLLS);
