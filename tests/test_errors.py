@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -1348,6 +1349,25 @@ def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
                 _assert_error(_first_error(outcomes), TensorwireError, coll, needle, within=5.0)
         else:
             _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
+
+
+def _refused_traceback() -> str:
+    """A refused argument's traceback as printed."""
+    g = _fresh_group()
+    try:
+        g.all_reduce(np.arange(8.0)[::2])
+    except InvalidArgumentError as exc:
+        return "".join(traceback.format_exception(exc))
+    return "nothing raised"
+
+
+def test_a_refused_argument_prints_one_error(cluster: Any) -> None:
+    """The refusal, numbered, was raised while handling as_array's own error: two tracebacks,
+    "During handling of the above exception, another exception occurred"."""
+    for rank, text in enumerate(cluster.run(_refused_traceback)):
+        assert text.count("Traceback") == 1 and "During handling" not in text, text
+        assert f"rank {rank}: all_reduce #1 on group world[" in text, text
+        assert "tensor is not C-contiguous" in text, text
 
 
 def _two_threads_on_one_group(warm: bool, t: float) -> dict[str, Any]:

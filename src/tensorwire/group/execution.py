@@ -282,13 +282,13 @@ class CallQueue:
                 pass
             if self.doomed:
                 self.doomed -= 1
-                raise error
+                raise error from None  # one error: not also the one it was made from (as_array's)
             self.seq += 1  # numbered, aborted group or not: a renewal counts the calls made
             self.raised = self.seq
             error = naming_call(error, group.runtime.rank, self.seq - self.internal, group.name)  # type: ignore[assignment]
             if group.ctx not in self.engine.aborted:
                 self.engine.refuse(group.ctx, self.seq, group.ranks, error)
-            raise error
+            raise error from None
         finally:
             if claimed:
                 del self.entry[0]
