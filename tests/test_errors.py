@@ -1351,6 +1351,39 @@ def test_known_signature_is_still_checked(cluster: Any, case: str) -> None:
             _assert_error(outcomes[0], InvalidArgumentError, *LOCAL_CASES[case], rank=rank, within=1.0)
 
 
+def _ranks_of_other_types(t: float) -> dict[str, Any]:
+    """Roots, peers and tags of another type than int after calls that planned the int's (a
+    plan and a route are looked up by the value, and 1.0 == True == 1 as keys)."""
+    g = _fresh_group()
+    x, y = np.ones(4), np.empty(4)
+    me = g.rank
+    for _ in range(2):
+        g.broadcast(x, 1, timeout=t)
+        g.reduce(x, 1, timeout=t)
+        g.send(x, me, tag=1)
+        g.recv(y, me, tag=1)
+        g.sendrecv(x, me, y, me, tag=2)
+    out = {f"{name} {v!r}": _attempt(call, v) for v in (1.0, True, np.float64(1.0)) for name, call in (
+        ("broadcast", lambda v: g.broadcast(x, v, timeout=t)),
+        ("reduce", lambda v: g.reduce(x, v, timeout=t)))}
+    out |= {f"{name} {v!r}": _attempt(call, v) for v in (float(me), me == 1) for name, call in (
+        ("send", lambda v: g.send(x, v, tag=1)), ("sendrecv", lambda v: g.sendrecv(x, v, y, me, tag=2)))}
+    out["send tag 1.0"] = _attempt(g.send, x, me, tag=1.0)
+    out["numpy"] = _attempt(g.broadcast, x, np.int64(1), timeout=t)
+    return out
+
+
+def test_a_rank_of_another_type_than_int_is_refused_after_an_ints_call(cluster: Any) -> None:
+    """broadcast(x, 1.0) and broadcast(x, True) ran as rank 1's broadcast where broadcast(x, 1)
+    had planned it (np.float64(1.0) alike); a send or sendrecv to peer 1.0 took peer 1's route."""
+    for rank, res in enumerate(cluster.run(_ranks_of_other_types, TIMEOUT)):
+        assert res.pop("numpy")["type"] is None, res
+        _assert_error(res.pop("send tag 1.0"), InvalidArgumentError, "tag 1.0 is not an integer", rank=rank)
+        for case, outcome in res.items():
+            name = "peer" if case.startswith("send") else "src" if case.startswith("broadcast") else "dst"
+            _assert_error(outcome, InvalidArgumentError, f"{name} must be an int", rank=rank, within=1.0)
+
+
 def _refused_traceback() -> str:
     """A refused argument's traceback as printed."""
     g = _fresh_group()

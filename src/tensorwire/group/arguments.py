@@ -85,11 +85,17 @@ def limit_of(group: Group, timeout: float | None, what: str, *, collective: bool
             collective=collective)
 
 
+def is_rank(value: Any) -> bool:
+    """An int or a numpy integer, not a bool: what a rank argument may be (a plan or a route
+    is looked up by an int only where this holds: 1.0 and True hash as 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_root(group: Group, root: int, what: str, name: str, *, collective: bool = True) -> int:
     """`root`, the argument `name` of call `what` (a collective's root, a point-to-point call's
     peer), as a rank of `group`; a bad one refused as `invalid` refuses it."""
     check_member(group, what)
-    if not isinstance(root, (int, np.integer)) or isinstance(root, bool):
+    if not is_rank(root):
         invalid(group, what, f"{name} must be an int (a rank of group {group.name}), got {root!r}",
                 collective=collective)
     if not 0 <= root < group.size:

@@ -33,6 +33,7 @@ from .arguments import (
     fits_out,
     flats,
     invalid,
+    is_rank,
     planned,
     planned_list,
     reduction,
@@ -123,7 +124,8 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
     what = "reduce"
     mine = group.rank == dst
     data = planned(tensor, async_op)
-    if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
+    if data is not None and (type(op) is ReduceOp or type(op) is Reduction) \
+            and (type(dst) is int or is_rank(dst)):  # see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, dst, op, out is None))
         if plan is not None:
             if not mine or out is None:
@@ -276,7 +278,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
     """Rank `src`'s tensor to everyone: in place, or into `out` (then `tensor` is only read)."""
     what = "broadcast"
     data = planned(tensor, async_op)
-    if data is not None:  # a checked signature: see all_reduce
+    if data is not None and (type(src) is int or is_rank(src)):  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, src, out is None))
         if plan is not None:
             if out is None:
@@ -411,7 +413,7 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
     """gather_list (on rank dst only) receives every rank's tensor."""
     what = "gather"
     data = planned(tensor, async_op)
-    if data is not None:  # a checked signature: see all_reduce
+    if data is not None and (type(dst) is int or is_rank(dst)):  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, dst))
         blocks = None if group.rank != dst else \
             planned_list(gather_list, data, group.size, True, async_op, group.engine.native)
@@ -448,7 +450,7 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
     """Rank r's tensor receives scatter_list[r] of rank src."""
     what = "scatter"
     data = planned(tensor, async_op)
-    if data is not None:  # a checked signature: see all_reduce
+    if data is not None and (type(src) is int or is_rank(src)):  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, src))
         blocks = None if group.rank != src else \
             planned_list(scatter_list, data, group.size, False, async_op, group.engine.native)

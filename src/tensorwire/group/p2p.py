@@ -67,7 +67,8 @@ def _host(group: Group, tensor: Any, sending: bool, peer: int,
 def route_of(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype: np.dtype) -> P2PRoute:
     """The route of a message of `nbytes` bytes of `dtype` (a host buffer's, or a device
     buffer's: gpu/p2p.py): kept per size, its dtype checked apart."""
-    found = group.p2p_routes.get((sending, peer, tag, nbytes))
+    found = group.p2p_routes.get((sending, peer, tag, nbytes)) if type(peer) is int and type(tag) is int \
+        else None  # (another type checked by _route: 1.0 and True would find peer 1's)
     if found is None or found.dtype is not dtype:
         found = _route(group, sending, peer, tag, nbytes, dtype)
     return found
@@ -220,7 +221,8 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     ordering between the two can deadlock, as a blocking send before a blocking receive
     can on every rank of a ring. `send` and `recv` may be one buffer or overlap (the send then
     leaves from a copy, as MPI_Sendrecv_replace's). Returns `src`."""
-    if type(send) is np.ndarray and type(recv) is np.ndarray:
+    if type(send) is np.ndarray and type(recv) is np.ndarray and type(dst) is int and type(src) is int \
+            and type(tag) is int:  # (other types: checked by _route)
         viewed = send.base is not None or recv.base is not None  # else each owns its memory
         if send is recv or viewed and np.may_share_memory(send, recv):
             send = send.copy()  # the receive may land before the send has left
