@@ -450,17 +450,17 @@ def _checks_due(links: Mapping[str, Link], sources: Mapping[str, str],
 
 def check_cached(world: Group, links: Mapping[str, Link], due: list[bool],
                  pairs: Mapping[str, tuple[int, int]]) -> str:
-    """Why the cached constants do not hold now ('' where they do): a short probe of the
-    one-shot path's α (where the world has it), the busy α and each tier's α on its probe pair
-    (`pairs`; `due`: which of _CHECKS came from the cache), the constants that settle the small
-    calls, CHECK_* of the probe's calls and rounds (a few hundred µs at 2 ranks), and of the
-    busy ring's β where each rank has a core, which settles the large calls. The entry is measured again where any of them now comes out more
-    than CHECK_TOLERANCE times faster than cached: a measurement can only be slowed down by
-    what else runs, so a cached value that much above a fresh one was taken at a bad moment.
-    Slower now is no such evidence on one host (it may be busy this instant) and keeps the
-    entry; across hosts a busy ring that much slower than cached is measured again too: the
-    path between the hosts is not what it was. Every rank judges the same numbers (the maximum
-    over ranks). The entries that made each check necessary: docs/design/calibration.md#the-check.
+    """Why the cached constants do not hold now ('' where they do): a short probe of the one-shot
+    path's α (where the world has it), the busy α and each tier's α on its probe pair (`pairs`;
+    `due`: which of _CHECKS came from the cache), the constants that settle the small calls, CHECK_*
+    of the probe's calls and rounds (a few hundred µs at 2 ranks), and of the busy ring's β where
+    each rank has a core, which settles the large calls. The entry is measured again where any of
+    them now comes out more than CHECK_TOLERANCE times faster than cached: a measurement can only be
+    slowed down by what else runs, so a cached value that much above a fresh one was taken at a bad
+    moment. Slower now is no such evidence on one host (it may be busy this instant) and keeps the
+    entry; across hosts a busy ring that much slower than cached is measured again too: the path
+    between the hosts is not what it was. Every rank judges the same numbers (the maximum over
+    ranks). The entries that made each check necessary: docs/design/calibration.md#the-check.
     """
     quick = np.zeros(3 + len(TIERS))
     if world.direct is not None:
