@@ -687,6 +687,8 @@ def _bad_arguments() -> dict[str, Any]:
         "tag_any": _raises(tw.irecv_any, x, tag="x"),
         "readonly": _raises(tw.irecv, readonly, right),
         "noncontiguous": _raises(tw.irecv, np.ones((4, 2), np.float32)[:, 0], right),
+        "noncontiguous_send": _raises(tw.send, np.ones((4, 2), np.float32)[:, 0], right, tag=3),
+        "sendrecv_readonly": _raises(tw.sendrecv, x, right, readonly, (r - 1) % g.size, tag=4),
         "not_member": None,
     }
     solo = tw.new_group([0])
@@ -716,6 +718,13 @@ def test_bad_arguments_raise_locally(cluster: Any) -> None:
         _check_error(res["tag_any"], InvalidArgumentError, "recv from any rank", "tag 'x'")
         _check_error(res["readonly"], InvalidArgumentError, f"rank {rank}", "recv", "read-only")
         _check_error(res["noncontiguous"], InvalidArgumentError, f"rank {rank}", "recv", "not C-contiguous")
+        # named as the call was made, with its peer and tag (they said 'send:' and 'recv:' alone)
+        right, left = (rank + 1) % n, (rank - 1) % n
+        _check_error(res["noncontiguous_send"], InvalidArgumentError,
+                     f"rank {rank}: send to rank {right} (tag 3) on group world: tensor is not C-contiguous")
+        _check_error(res["sendrecv_readonly"], InvalidArgumentError,
+                     f"rank {rank}: sendrecv: recv from rank {left} (tag 4) on group world: ",
+                     "tensor is read-only but sendrecv writes its result into it")
         if rank:
             _check_error(res["not_member"], InvalidArgumentError, "send", "not a member")
         assert res["after"] == [1.0] * 4

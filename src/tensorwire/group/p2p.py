@@ -55,12 +55,19 @@ class P2PRoute(NamedTuple):
     dtype: np.dtype
 
 
-def _host(group: Group, tensor: Any, sending: bool, peer: int,
-          tag: int) -> tuple[np.ndarray, P2PRoute]:
+def _host(group: Group, tensor: Any, sending: bool, peer: int, tag: int,
+          call: str | None = None) -> tuple[np.ndarray, P2PRoute]:
     """A host buffer as a C-contiguous array (what a ring takes whole: Engine.send_now,
-    recv_now; byte_view for the rest) and its message's route."""
-    arr = as_array(tensor, writable=not sending, rank=group.runtime.rank,
-                   collective="send" if sending else "recv")
+    recv_now; byte_view for the rest) and its message's route; a buffer refused is named with
+    the call as made (`call`: sendrecv, else send or recv), its peer and tag."""
+    what = call or ("send" if sending else "recv")
+    try:
+        arr = as_array(tensor, writable=not sending, rank=group.runtime.rank, collective=what)
+    except InvalidArgumentError as exc:
+        head = f"rank {group.runtime.rank}: {what}: "
+        message = (f"{call}: " if call else "") + ("send to" if sending else "recv from") + \
+            f" rank {peer} (tag {tag}) on group {group.name}"
+        raise retold(exc, f"rank {group.runtime.rank}: {message}: {str(exc).removeprefix(head)}") from None
     return arr, route_of(group, sending, peer, tag, arr.nbytes, arr.dtype)
 
 
@@ -256,8 +263,8 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
-    data, out = _host(group, send, True, dst, tag)
-    into, inn = _host(group, recv, False, src, tag)
+    data, out = _host(group, send, True, dst, tag, "sendrecv")
+    into, inn = _host(group, recv, False, src, tag, "sendrecv")
     if np.may_share_memory(data, into):
         data = data.copy()
     if len(group.p2p_pairs) >= P2P_ROUTES:
