@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 CLEAN_GROUP = ("shrink() makes a clean one (under torch.distributed: destroy_process_group(), then "
                "init_process_group())")
@@ -53,7 +53,10 @@ class PeerLostError(TensorwireError, ConnectionError):
         self.peer = peer
 
 
-def retold(exc: BaseException, message: str) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def retold(exc: _E, message: str) -> _E:
     """An error of `exc`'s class and attributes (PeerLostError's peer) with another message."""
     told = type(exc)(message)
     told.__dict__.update(exc.__dict__)

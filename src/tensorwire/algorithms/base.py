@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -19,7 +19,11 @@ class Request(Protocol):
     done: bool
 
 
-class P2P(Protocol):
+R = TypeVar("R", bound=Request)
+"""A P2P's own request type: it waits only on the requests it made."""
+
+
+class P2P(Protocol[R]):
     """One collective call's view of its group (implemented by group.CollectiveCall).
 
     `step` tags a message within the call; the call supplies the group, sequence number and
@@ -28,9 +32,11 @@ class P2P(Protocol):
 
     rank: int
     size: int
-    link: Link
-    """The group's link constants, which the tuner priced the call with: an algorithm that
-    sizes its steps by them (chain.segment_count) gets the same on every rank."""
+
+    @property
+    def link(self) -> Link:
+        """The group's link constants, which the tuner priced the call with: an algorithm that
+        sizes its steps by them (chain.segment_count) gets the same on every rank."""
 
     @property
     def fp(self) -> Fingerprint | None:
@@ -38,14 +44,14 @@ class P2P(Protocol):
         schedule by where the ranks' own arguments differ (bruck's vector all_to_all); None for
         a caller with no collective call behind it."""
 
-    def isend(self, peer: int, data: np.ndarray, step: int) -> Request: ...
+    def isend(self, peer: int, data: np.ndarray, step: int) -> R: ...
 
     def irecv(self, peer: int, data: np.ndarray, step: int, reduce: ReduceOp | None = None,
-              base: np.ndarray | None = None) -> Request:
+              base: np.ndarray | None = None) -> R:
         """With `reduce`, the payload is reduced into `data` (or, with `base`, data = base op
         payload) as it arrives."""
 
-    def wait(self, *reqs: Request) -> None: ...
+    def wait(self, *reqs: R) -> None: ...
 
     def exchange_now(self, dst: int | None, send: np.ndarray | None, src: int, recv: np.ndarray, step: int,
                      reduce: ReduceOp | None = None, base: np.ndarray | None = None) -> tuple[bool, bool]:

@@ -54,7 +54,7 @@ def chain_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:
         return
     vr = (r - root) % n
     segs = segments(data, segment_count(n, data.nbytes, p2p.link))
-    nxt = (r + 1) % n if vr < n - 1 else None
+    nxt, last = (r + 1) % n, vr == n - 1
     if vr == 0:
         p2p.wait(*[p2p.isend(nxt, s, i) for i, s in enumerate(segs)])
         return
@@ -63,7 +63,7 @@ def chain_broadcast(p2p: P2P, data: np.ndarray, root: int) -> None:
     sends = []
     for i, s in enumerate(segs):
         p2p.wait(recvs[i])
-        if nxt is not None:
+        if not last:
             sends.append(p2p.isend(nxt, s, i))
     p2p.wait(*sends)
 

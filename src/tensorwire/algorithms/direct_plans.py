@@ -16,6 +16,7 @@ from ..ops.finalize import finalize
 from ..ops.kernels import fold, reduction_kernel, ufunc_of, writes_where_told
 from ..transport import native
 from ..transport.segment import DirectPath
+from ..transport.wire import Fingerprint
 from .base import DirectCall
 from .direct_streams import stream_all_reduce
 
@@ -61,7 +62,7 @@ class _Stamped:
 
     def __init__(self, dp: DirectPath) -> None:
         self.dp = dp
-        self.fp = None
+        self.fp: Fingerprint | None = None
         self.ab = (0, 0)
 
     def words(self, call: DirectCall) -> tuple[int, int]:
@@ -111,7 +112,7 @@ class AllReducePlan(_Stamped):
         if self.code:  # one C call (see transport/native.py), unless it hands something back
             dp = self.dp
             a, b = self.words(call)
-            status = dp.st.all_reduce(call.seq, a, b, call.name, src, dst, self.code)
+            status = dp.native.all_reduce(call.seq, a, b, call.name, src, dst, self.code)
             return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
         flat = dst if dst.ndim == 1 else dst.reshape(-1)
         if src.ndim != 1:
@@ -143,7 +144,7 @@ class AllReducePlan(_Stamped):
     def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         if dp.resume(call, status, dp.everyone, st.all_reduce, call.seq, a, b, call.name, src, dst,
                      self.code):
@@ -209,7 +210,7 @@ class TensorPlan(_Stamped):
         """Collectives' body for contiguous arrays of the planned signature; `dst` returned."""
         dp = self.dp
         if self.compiled:
-            st = dp.st
+            st = dp.native
             a, b = self.words(call)
             status = st.exchange(call.seq, a, b, call.name, src, dst, self.offset, self.block, self.code)
             return dst if status == native.DONE and self.red is None else self.after(call, status, src, dst)
@@ -221,7 +222,7 @@ class TensorPlan(_Stamped):
     def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         if dp.resume(call, status, dp.everyone, st.exchange, call.seq, a, b, call.name, src, dst, self.offset,
                      self.block, self.code):
@@ -298,7 +299,7 @@ class ReducePlan(_Stamped):
         dp = self.dp
         if self.code:
             a, b = self.words(call)
-            status = dp.st.reduce(call.seq, a, b, call.name, src, acc, self.code, self.root)
+            status = dp.native.reduce(call.seq, a, b, call.name, src, acc, self.code, self.root)
             return acc if status == native.DONE and self.red is None else self.after(call, status, src, acc)
         p = dp.enter(call)
         mine, views = self.slots[p]
@@ -319,7 +320,7 @@ class ReducePlan(_Stamped):
     def after(self, call: DirectCall, status: int, src: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `acc` returned."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         mine = dp.rank == self.root
         if dp.resume(call, status, dp.everyone if mine else (), st.reduce, call.seq, a, b, call.name, src,
@@ -356,7 +357,7 @@ class BroadcastPlan(_Stamped):
         dp = self.dp
         if self.native:
             a, b = self.words(call)
-            status = dp.st.broadcast(call.seq, a, b, call.name, src, dst, self.root)
+            status = dp.native.broadcast(call.seq, a, b, call.name, src, dst, self.root)
             return dst if status == native.DONE else self.after(call, status, src, dst)
         p = dp.enter(call)
         slot = self.slots[p]
@@ -373,7 +374,7 @@ class BroadcastPlan(_Stamped):
     def after(self, call: DirectCall, status: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The rest of run's compiled body, given its `status`; `dst` returned."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         if dp.resume(call, status, self.whom, st.broadcast, call.seq, a, b, call.name, src, dst, self.root):
             copy_into(dst.reshape(-1), self.slots[st.parity])
@@ -406,7 +407,7 @@ class GatherPlan(_Stamped):
         dp = self.dp
         if self.native:
             a, b = self.words(call)
-            status = dp.st.gather(call.seq, a, b, call.name, send, blocks, self.root)
+            status = dp.native.gather(call.seq, a, b, call.name, send, blocks, self.root)
             if status != native.DONE:
                 self.after(call, status, send, blocks)
             return
@@ -425,7 +426,7 @@ class GatherPlan(_Stamped):
     def after(self, call: DirectCall, status: int, send: np.ndarray, blocks: list[np.ndarray] | None) -> None:
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         whom = () if blocks is None else dp.everyone
         if dp.resume(call, status, whom, st.gather, call.seq, a, b, call.name, send, blocks, self.root):
@@ -469,7 +470,7 @@ class ScatterPlan(_Stamped):
         dp = self.dp
         if self.native:
             a, b = self.words(call)
-            status = dp.st.scatter(call.seq, a, b, call.name, blocks, recv, self.root, self.table[0][1])
+            status = dp.native.scatter(call.seq, a, b, call.name, blocks, recv, self.root, self.table[0][1])
             if status != native.DONE:
                 self.after(call, status, blocks, recv)
             return
@@ -492,7 +493,7 @@ class ScatterPlan(_Stamped):
     def after(self, call: DirectCall, status: int, blocks: list[np.ndarray] | None, recv: np.ndarray) -> None:
         """The rest of run's compiled body, given its `status`."""
         dp = self.dp
-        st = dp.st
+        st = dp.native
         a, b = self.words(call)
         starts = self.table[0][1]  # the same offsets on either parity
         if dp.resume(call, status, () if blocks is not None else (self.root,), st.scatter, call.seq, a, b,

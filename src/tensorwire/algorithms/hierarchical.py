@@ -37,13 +37,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError, TensorwireError, in_call, retold
 from ..ops import ReduceOp
-from ..transport.wire import PHASE_OF, phase_digest
+from ..transport.wire import PHASE_OF, Fingerprint, phase_digest
 from .base import P2P, contiguous_span, offsets_of, split_counts
 from .prices import COPY, Link, LocalPrice, RailPrice, Shape
 from .registry import Algorithm, register
@@ -431,18 +431,31 @@ def _barrier_cost(s: Shape, m: int, local: LocalPrice, rail: RailPrice,
     return 2 * local("barrier", s.per_host, 0) + rail("barrier", s.hosts, 0, 1.0)
 
 
+class _Called(P2P, Protocol):
+    """What a hierarchical run has of its call beyond P2P (group.CollectiveCall)."""
+
+    @property
+    def fp(self) -> Fingerprint: ...
+
+    @property
+    def what(self) -> str: ...
+
+    @property
+    def hierarchy(self) -> Hierarchy: ...
+
+
 def naming(run: Callable[..., None]) -> Callable[..., None]:
     """`run`, its phases' errors naming the caller's call too: a phase fails as a call of a
     sub-group ('reduce_scatterv #5 on group world/host0'), which the caller never made."""
     @functools.wraps(run)
-    def named(p2p: P2P, *args: Any) -> None:
+    def named(p2p: _Called, *args: Any) -> None:
         h: Hierarchy | None = None
         try:
-            h = p2p.hierarchy  # type: ignore[attr-defined]  # made on first use: its errors named too
-            h.local.queue.phase_of = h.rail.queue.phase_of = phase_digest(p2p.fp)  # type: ignore[attr-defined]
+            h = p2p.hierarchy  # made on first use: its errors named too
+            h.local.queue.phase_of = h.rail.queue.phase_of = phase_digest(p2p.fp)
             run(p2p, *args)
         except TensorwireError as exc:
-            what = p2p.what  # type: ignore[attr-defined]
+            what = p2p.what
             named = exc if f"{what}:" in str(exc) else in_call(exc, f"{what} (hierarchical)")
             if named is exc:  # named on the rank that raised it, and came with the group's abort
                 raise

@@ -14,7 +14,7 @@ orders that are the identity keep the algorithm as it is: nothing is added to th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -111,6 +111,7 @@ def arrange(alg: Algorithm, orders: Orders | None) -> Algorithm:
         def slots(blocks: list | None, v: P2P) -> list | None:
             return blocks if blocks is None or not isinstance(v, Reordered) else [blocks[g] for g in v.order]
 
+        rooted_run: Callable[..., None]  # the collective's own signature (algorithms.base.Algorithm.run)
         if coll == "broadcast":
             def rooted_run(p2p: P2P, data: np.ndarray, root: int, src: Any = None) -> None:
                 v, r = view(p2p, root)
@@ -132,6 +133,7 @@ def arrange(alg: Algorithm, orders: Orders | None) -> Algorithm:
     if list(order) == sorted(order):
         return alg  # hosts already numbered together (a block placement)
     inverse = _inverse(order)
+    ordered_run: Callable[..., None]
     if coll == "all_gather":
         def ordered_run(p2p: P2P, blocks: list, src: Any = None) -> None:
             run(Reordered(p2p, order, inverse), [blocks[g] for g in order], src)

@@ -14,6 +14,9 @@ plans of repeated signatures are in direct_plans.py, the streams in direct_strea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from ..buffers import copy
@@ -188,10 +191,11 @@ _VOLUMES = {  # collective: (copied in, read, reduced) as functions of n
     "gather": (lambda n: 1 / n, lambda n: (n - 1) / n, lambda n: 0),
     "scatter": (lambda n: (n - 1) / n, lambda n: 1 / n, lambda n: 0),
 }
-_RUN = {"all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": direct_broadcast,
-        "barrier": direct_barrier, "all_gather": direct_all_gather,
-        "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all,
-        "gather": direct_gather, "scatter": direct_scatter}
+_RUN: dict[str, Callable[..., Any]] = {
+    "all_reduce": direct_all_reduce, "reduce": direct_reduce, "broadcast": direct_broadcast,
+    "barrier": direct_barrier, "all_gather": direct_all_gather,
+    "reduce_scatter": direct_reduce_scatter, "all_to_all": direct_all_to_all,
+    "gather": direct_gather, "scatter": direct_scatter}
 
 
 # What does not fit a slot streams through it, given room for a 64-byte piece per stream

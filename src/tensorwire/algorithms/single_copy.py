@@ -367,6 +367,11 @@ def single_copy_reduce(call: DirectCall, data: np.ndarray, acc: np.ndarray, op: 
     dp.mark_read(call, 2)
 
 
+def _slot_need(words: int) -> Callable[[int, int], int]:
+    """The slot bytes of a collective whose table holds `words` words per rank."""
+    return lambda n, m: 8 * (words * n + 1)
+
+
 # Cost, with the host's `cma` link (probes.measure_cma): two flag rounds (α) and the bytes
 # a rank reads out of its peers (β, a read across processes); an all_to_all also copies its
 # own block, a local pass priced at γ as pairwise exchange prices it. The all_gather's copy of
@@ -399,11 +404,11 @@ _RUNS = {  # collective: (run, cost, table words per rank)
 # message a linear reduce folds, and where the others' folds wait for cores the root waits
 # too; a message's price at those sizes is well above what it measures, so the tuner would
 # take it (docs/design/segment.md#single-copy).
-_ONLY = {"reduce": {"eligible": lambda n, m: n >= 3, "named_where_crowded": True}}
+_ONLY: dict[str, dict[str, Any]] = {"reduce": {"eligible": lambda n, m: n >= 3, "named_where_crowded": True}}
 for _collective, (_run, _cost, _words) in _RUNS.items():
     register(Algorithm("single_copy", _collective, _lost_if_gone(_run), _cost, needs_direct=True,
                        copies=1,
                        needs_single_copy=True,
                        single_copy_crowded=_collective in ("all_reduce", "reduce", "reduce_scatter"),
                        out_of_place=_collective in ("all_reduce", "broadcast", "all_gather"),
-                       slot_need=lambda n, m, w=_words: 8 * (w * n + 1), **_ONLY.get(_collective, {})))
+                       slot_need=_slot_need(_words), **_ONLY.get(_collective, {})))

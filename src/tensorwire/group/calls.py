@@ -62,7 +62,8 @@ class CollectiveCall:
         group's own (shared-memory setup, calibration), which take sequence numbers too."""
         return seq - self.group.queue.internal
 
-    __str__ = what.fget  # type: ignore[assignment]
+    def __str__(self) -> str:
+        return self.what
 
     def start(self) -> None:
         self.deadline = time.perf_counter() + self.timeout

@@ -177,7 +177,7 @@ class Engine(Failures):
         self._sockets = [s for c in self.channel_list if c.peer not in self.lost for s in c.sockets]
 
     # -- posting ----------------------------------------------------------------------------
-    def isend(self, peer: int, header: Header, payload: np.ndarray, what: str,
+    def isend(self, peer: int, header: Header, payload: np.ndarray, what: object,
               wire_header: bytes | None = None, waking: bool = False, seq: int = P2P_SEQ) -> SendRequest:
         """`waking`: over the pair's socket even where a ring joins them, so that a peer asleep
         on its sockets wakes for it at once (a ring's data is seen at its next poll); for a
@@ -207,7 +207,7 @@ class Engine(Failures):
                 self.peer_lost(peer, str(exc))
         return req
 
-    def isend_device(self, peer: int, header: Header, body: bytes, source: DeviceSource, what: str,
+    def isend_device(self, peer: int, header: Header, body: bytes, source: DeviceSource, what: object,
                      seq: int = P2P_SEQ) -> SendRequest | None:
         """A CUDA buffer's send as its descriptor `body` (gpu/p2p.py) where shared memory joins
         this rank to `peer`: the receiver copies it device to device, then acknowledges
@@ -228,7 +228,7 @@ class Engine(Failures):
         return req
 
     def irecv(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-              what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ,
+              what: object, base: np.ndarray | None = None, seq: int = P2P_SEQ,
               device: DeviceTarget | None = None) -> RecvRequest:
         """`device`: a receive into device memory (a device message lands there, any other in
         `dst`: RecvRequest.device)."""

@@ -66,7 +66,7 @@ class SendRequest(Request):
     holds: DeviceSource | None = None  # what the receiver reads in place of `payload`: kept alive
     copied: bytes | None = None  # the receiver's event after its copy of a CUDA buffer (Mode.COPIED)
 
-    def __init__(self, peer: int, header: Header, payload: np.ndarray, what: str,
+    def __init__(self, peer: int, header: Header, payload: np.ndarray, what: object,
                  wire_header: bytes | None = None, seq: int = P2P_SEQ) -> None:
         super().__init__(peer, header, what, seq)
         self.wire_header = header.pack() if wire_header is None else wire_header  # given: cached
@@ -167,7 +167,7 @@ class RecvRequest(Request, Sink):
 
 
     def __init__(self, peer: int, header: Header, dst: np.ndarray, reduce_op: ReduceOp | None,
-                 what: str, base: np.ndarray | None = None, seq: int = P2P_SEQ) -> None:
+                 what: object, base: np.ndarray | None = None, seq: int = P2P_SEQ) -> None:
         Request.__init__(self, peer, header, what, seq)
         Sink.__init__(self, header.nbytes)
         dst = dst if dst.ndim == 1 else dst.reshape(-1)  # callers mostly pass flat views already
