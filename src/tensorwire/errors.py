@@ -87,9 +87,9 @@ def in_call(exc: TensorwireError, where: str) -> TensorwireError:
         return exc
     relayed = exc.relayed
     if relayed is not None and relayed.text == text:  # (not once retold: named already)
-        return retold(exc, f"rank {relayed.receiver}: {where}: {text}")  # type: ignore[return-value]
+        return retold(exc, f"rank {relayed.receiver}: {where}: {text}")
     rank, _, rest = text.partition(": ") if text.startswith("rank ") else ("", "", text)
-    return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")  # type: ignore[return-value]
+    return retold(exc, f"{rank}: {where}: {rest}" if rank else f"{where}: {rest}")
 
 
 def call_prefix(rank: int | None, collective: str | None) -> str:

@@ -21,13 +21,13 @@ adopts from a member at or above it that, by induction, decided alike. See docs/
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import AbortedError, PeerLostError, TimeoutError
 from .engine import Engine
-from .requests import P2P_SEQ, Request
+from .requests import P2P_SEQ, RecvRequest, Request
 from .wire import P2P_FINGERPRINT, Header, Kind
 
 _REPORT, _DECIDE = 1, 2  # tags of the two rounds
@@ -117,7 +117,7 @@ def _report(lost: Iterable[int], members: Sequence[int], note: int) -> np.ndarra
 
 
 def _members(mask: np.ndarray, members: Sequence[int]) -> frozenset[int]:
-    return frozenset(members[i] for i in np.flatnonzero(mask))
+    return frozenset(members[i] for i in np.flatnonzero(mask).tolist())
 
 
 def _send(engine: Engine, peers: Sequence[int], ctx: int, tag: int, payload: np.ndarray, what: str) -> None:
@@ -128,12 +128,12 @@ def _send(engine: Engine, peers: Sequence[int], ctx: int, tag: int, payload: np.
         engine.watch_in_background(engine.isend(peer, header, payload, what))
 
 
-def _recv(engine: Engine, peer: int, ctx: int, tag: int, n: int, what: str) -> Request:
+def _recv(engine: Engine, peer: int, ctx: int, tag: int, n: int, what: str) -> RecvRequest:
     header = Header(Kind.P2P, ctx, 0, tag, n, P2P_FINGERPRINT)
     return engine.irecv(peer, header, np.zeros(n, dtype=np.uint8), None, what)
 
 
-def _wait(engine: Engine, reqs: dict[int, Request], ctx: int, deadline: float, what: str, limit: float,
+def _wait(engine: Engine, reqs: Mapping[int, Request], ctx: int, deadline: float, what: str, limit: float,
           awaited: str, hint: str) -> None:
     """Until every receive has its message or has failed with its sender's loss."""
     try:

@@ -169,13 +169,12 @@ def wire_engine(rank: int, world_size: int, cfg: Config, job_id: str, secret: au
         error = exc  # published: the others learn of it from this rank's card
     try:
         shm_free = shm_budget.free_at_start()  # before it publishes: before any segment of the job exists
-        mine = _refusal(rank, error) if wiring is None else \
-            {**card, "port": wiring.port, "loopback": wiring.loopback_port, "netns": wiring.netns,
-             "start": process_start(), "pidns": namespace("pid")}
-        cards = publish(mine)
         if error is not None:
+            publish(_refusal(rank, error))
             raise error
         assert wiring is not None
+        cards = publish({**card, "port": wiring.port, "loopback": wiring.loopback_port, "netns": wiring.netns,
+                         "start": process_start(), "pidns": namespace("pid")})
         engine.wiring = wiring
         wiring.learn(cards)
         local, share = _settle(engine, rank, world_size, cfg, card, cards, machine, shm_free)

@@ -313,7 +313,7 @@ class Engine(Failures):
                     return True
                 may_spin = spin and self.spin_s and not any(c.queued() for c in self.channel_list)
                 if what and 0 < channel.read_bytes <= dst.nbytes:  # maybe left in its sender's memory
-                    taken = channel.take_read(wire_header, dst, what, self.spin_s if may_spin else 0.0)
+                    taken = channel.take_read(wire_header, dst, what, self.spin_s if may_spin else 0.0)  # type: ignore[attr-defined]  # a ShmChannel
                     if taken is None:  # nothing came within the spin: the general way
                         return False
                     if taken is False:  # another record first: an inline message maybe
@@ -359,7 +359,7 @@ class Engine(Failures):
                     or (self.lost and (to in self.lost or frm in self.lost)):
                 return False, False
             if out.direct and inn.direct and not (self.posted.get(key) or self.unexpected.get(key)):
-                done = out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)
+                done = out.exchange_now(out_header, payload, inn, in_header, dst, self.spin_s)  # type: ignore[attr-defined]  # a ShmChannel
                 if done is not None:
                     return done
         # one by one (sockets, no compiled loops, or an earlier receive for that peer and tag first)
@@ -385,7 +385,7 @@ class Engine(Failures):
                 return None
             req = SendRequest(to, header, payload, what, seq=seq)
             spin = 0.0 if any(c.queued() for c in self.channel_list) else self.spin_s  # as recv_now's
-            sent, taken = out.exchange_read(req, inn, in_header, in_what, dst, spin)
+            sent, taken = out.exchange_read(req, inn, in_header, in_what, dst, spin)  # type: ignore[attr-defined]  # a ShmChannel
         if not sent:
             return None
         return (None if req.done else req), taken
@@ -401,7 +401,7 @@ class Engine(Failures):
             channel = self.channels.get(req.peer)
             if channel is not None and channel.direct and not req.done:
                 try:
-                    channel.take_ack(req, self.spin_s)
+                    channel.take_ack(req, self.spin_s)  # type: ignore[attr-defined]  # a ShmChannel
                 except PeerClosed as exc:
                     self.peer_lost(req.peer, str(exc))
 

@@ -106,6 +106,9 @@ def notice_text(error: BaseException) -> bytes:
     return f"{type(error).__name__}\n{error}".encode()
 
 
+_NO_HEAP: list[tuple[int, int, tuple]] = []  # a group with nothing to vet (never pushed to: see enter_call)
+
+
 class Failures:
     """What the engine knows and does about failures; the engine (engine.Engine) derives from it
     and provides the channels, the matching queues, and progress (`progress`, `poll_sockets`,
@@ -119,6 +122,14 @@ class Failures:
     unexpected: dict[tuple, deque[Unexpected]]
     wiring: Wiring | None
     closed: bool
+
+    if TYPE_CHECKING:  # provided by engine.Engine
+        def channel(self, peer: int) -> Channel: ...
+        def watch_sockets(self) -> None: ...
+        def poll_sockets(self) -> None: ...
+        def poll_peers(self) -> None: ...
+        def progress(self) -> bool: ...
+        def watch_in_background(self, req: Request) -> None: ...
 
     def __init__(self) -> None:
         self.lost: dict[int, str] = {}  # peers we can no longer talk to, and why
@@ -194,8 +205,8 @@ class Failures:
             for req in channel.pending():
                 req.fail(err)
         for key in [k for k in self.posted if k[0] == peer]:  # nothing more can match them
-            for req in self.posted.pop(key):
-                req.fail(err)
+            for recv in self.posted.pop(key):
+                recv.fail(err)
 
     def goodbye_note(self) -> np.ndarray:
         """What this rank's goodbye tells its peers: the ranks it had lost without a goodbye,
@@ -250,8 +261,8 @@ class Failures:
             for req in channel.pending() if channel is not None else ():
                 req.fail(error)
             for key in [k for k in self.posted if k[0] == peer]:
-                for req in self.posted.pop(key):
-                    req.fail(error)
+                for recv in self.posted.pop(key):
+                    recv.fail(error)
 
     def check_unconnected(self, watch: Iterable[int]) -> None:
         """Every _LIVENESS_S at most: the members of `watch` this rank has no connection to and
@@ -337,7 +348,7 @@ class Failures:
         """Note the call a group is running, and vet what already arrived for it or before it;
         False if there was nothing to vet (so nothing can have aborted the group here)."""
         self.current[ctx] = call.ref
-        heap = self.unvetted.get(ctx)
+        heap = self.unvetted.get(ctx, _NO_HEAP)
         if not (heap and heap[0][0] <= call.seq) and not self.deferred_aborts:
             return False  # the common case, without the lock: what arrives next is vetted on arrival
         with self.lock:
@@ -627,10 +638,10 @@ class Failures:
             return self.abort_error(req) if header.ctx == ctx and header.kind in _DATA else None
 
         for queue in list(self.posted.values()):
-            for req in queue:
-                error = covering(req)
+            for recv in queue:
+                error = covering(recv)
                 if error is not None:
-                    req.fail(error)
+                    recv.fail(error)
         for channel in self.channel_list:
             for req in channel.pending():
                 error = covering(req)
@@ -736,7 +747,7 @@ class Failures:
         self.poll_peers()
         time.sleep(_LOOK_S)
 
-    def why_left(self, error: PeerLostError, ctx: int, seq: int) -> BaseException:
+    def why_left(self, error: BaseException, ctx: int, seq: int) -> BaseException:
         """Why a peer that left in the middle of call `seq` of group `ctx` left, where this rank
         can learn it within _WHY_LEFT_S: such a peer mostly left because the call failed there,
         and the abort that says why (a mismatch, a bad argument, a crash elsewhere) is on its way

@@ -12,6 +12,7 @@ import fcntl
 import socket
 import struct
 from collections.abc import Iterable
+from typing import cast
 
 from ..errors import InvalidArgumentError, RendezvousError
 
@@ -70,7 +71,7 @@ def route_source_address(toward_host: str, port: int) -> str:
     except socket.gaierror as exc:
         raise RendezvousError(
             f"cannot resolve {toward_host!r} to an IPv4 address to route toward: {exc}") from exc
-    target = infos[0][4]
+    target = cast(tuple[str, int], infos[0][4])  # AF_INET's (address, port)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             sock.connect(target)

@@ -100,7 +100,7 @@ def fold_job(sock: socket.socket, nbytes: int, fold: Callable[[int, np.ndarray],
     to `fold(offset, bytes)`; the kernel goes on receiving into the socket while it folds."""
     def run(job: Job) -> None:
         poller = _poller(sock, select.POLLIN)
-        room = memoryview(staging)
+        room = staging.data
         at = 0
         while at < nbytes:
             want = min(nbytes - at, len(staging))

@@ -79,6 +79,7 @@ class CmaPayload(_HeldPayload):
     point receives only, REMOTE_BYTES: a plain copy, never a fold)."""
 
     __slots__ = ()
+    where: int  # the payload's address in the peer's memory
 
     def _to_host(self, out: np.ndarray) -> None:
         channel = self.channel
@@ -102,17 +103,18 @@ class DevicePayload(_HeldPayload):
     the copy), into host memory copied before it is acknowledged."""
 
     __slots__ = ()
+    where: bytes  # the CUDA buffer's descriptor (gpu/p2p.BODY)
     unreadable = Exception  # whatever CUDA or torch raised: the receive fails naming it, the sender goes on
 
     def _copy(self, req: RecvRequest) -> bytes | None:
         if req.device is not None:
-            return req.device.read(self.where, self.channel.peer)  # type: ignore[arg-type]
+            return req.device.read(self.where, self.channel.peer)
         return super()._copy(req)
 
     def _to_host(self, out: np.ndarray) -> None:
         if requests.device_to_host is None:
             raise TensorwireError("tensorwire's GPU support is not loaded in this process")
-        requests.device_to_host(self.where, self.channel.peer, out)  # type: ignore[arg-type]
+        requests.device_to_host(self.where, self.channel.peer, out)
 
     def _error(self, req: RecvRequest, exc: Exception) -> Exception:
         channel = self.channel

@@ -48,6 +48,10 @@ class Request:
             self.error = exc
             self.done = True
 
+    def progress_text(self) -> str:
+        """How far it got, for a timeout's message (a send's or a receive's: only those wait)."""
+        raise NotImplementedError
+
 
 def _sent() -> Request:
     req = Request(-1, None, "a message sent as it was posted")  # type: ignore[arg-type]
@@ -180,7 +184,7 @@ class RecvRequest(Request, Sink):
     def direct_at(self, offset: int, nbytes: int) -> memoryview | None:
         if self.reduce_op is not None:
             return None
-        return memoryview(self.dst_u8[offset:offset + nbytes])
+        return self.dst_u8[offset:offset + nbytes].data
 
     def write(self, data: np.ndarray) -> None:
         self.write_at(self.received, data)
@@ -225,17 +229,20 @@ class Unexpected(Sink):
         super().__init__(header.nbytes)
         self.header = header
         self.buf = None if remote else np.empty(header.nbytes, dtype=np.uint8)
+        """The payload; None while it stays in the sender's memory (`remote`, until `stage`).
+        Only an in-band message is written here, and only one staged or in-band is delivered
+        from it (`deliver`): a remote one is read through `source`."""
         self.source: RemotePayload | None = None
         self.waiter: RecvRequest | None = None
 
     def direct_at(self, offset: int, nbytes: int) -> memoryview | None:
-        return memoryview(self.buf[offset:offset + nbytes])
+        return self.buf[offset:offset + nbytes].data  # type: ignore[index]  # see buf
 
     def write(self, data: np.ndarray) -> None:
         self.write_at(self.received, data)
 
     def write_at(self, offset: int, data: np.ndarray) -> None:
-        self.buf[offset:offset + len(data)] = data
+        self.buf[offset:offset + len(data)] = data  # type: ignore[index]  # see buf
         self.received += len(data)
 
     def finish(self) -> None:
@@ -258,10 +265,10 @@ class Unexpected(Sink):
 def deliver(msg: Unexpected, req: RecvRequest) -> None:
     """Hand an unexpected message that has fully arrived to the receive that matched it."""
     if msg.source is not None:
-        msg.source, source = None, msg.source
+        source, msg.source = msg.source, None
         source.read_into(req)
         return
-    req.write(msg.buf)
+    req.write(msg.buf)  # type: ignore[arg-type]  # see Unexpected.buf
     req.void = msg.void
     req.finish()
 

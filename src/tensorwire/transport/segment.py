@@ -225,10 +225,10 @@ class DirectPath:
             # strided as bytes, then viewed: as_strided loses a dtype whose type string numpy
             # cannot read back (ml_dtypes' float8_e5m2, '<f1')
             shape = (self.size, count * dtype.itemsize)
-            grids = self._views[key] = tuple(  # type: ignore[assignment]
+            grids = self._views[key] = tuple(
                 np.lib.stride_tricks.as_strided(self.seg.slots[0][p][offset:], shape, (stride, 1)).view(dtype)
                 for p in (0, 1))
-        return grids  # type: ignore[return-value]
+        return grids
 
     def words_of(self, fp: Fingerprint) -> tuple[int, int]:
         """`fp` as stamped (cached)."""

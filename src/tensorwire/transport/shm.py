@@ -85,7 +85,8 @@ def _record(n: int) -> int:
     return HEADER_SIZE + _pad(n)
 
 
-_RECORDS_AFTER = {Mode.REMOTE: 1, Mode.ACK: 0, Mode.MOVE: 1, Mode.DEVICE: DEVICE_UNITS, Mode.COPIED: 1}
+_RECORDS_AFTER: dict[int, int] = {Mode.REMOTE: 1, Mode.ACK: 0, Mode.MOVE: 1, Mode.DEVICE: DEVICE_UNITS,
+                                  Mode.COPIED: 1}
 """Records that follow the header of each mode but INLINE (its descriptor, a ring's name, an event)."""
 
 

@@ -68,7 +68,7 @@ class Segment:
             raise
         finally:
             os.close(fd)
-        self.words = memoryview(self.bytes).cast("Q")
+        self.words = self.bytes.data.cast("Q")
         if create:
             self.words[_NONCE] = nonce
 
@@ -213,7 +213,7 @@ def map_shared(fd: int, nbytes: int) -> np.ndarray:
         raise OSError(err, f"mmap of {nbytes} bytes: {os.strerror(err)}")
     owner = (ctypes.c_uint8 * nbytes).from_address(where)
     weakref.finalize(owner, unmapper, where, nbytes).atexit = False  # exit unmaps; threads may still poll
-    return np.frombuffer(owner, dtype=np.uint8)
+    return np.frombuffer(memoryview(owner), dtype=np.uint8)
 
 
 class Ring(Segment):
@@ -223,7 +223,7 @@ class Ring(Segment):
         super().__init__(name, self.nbytes(capacity), create, nonce)
         self.capacity = capacity
         self.data = self.bytes[CTRL_BYTES:]
-        self.raw = memoryview(self.data)  # headers: a memoryview slice costs a fifth of numpy's
+        self.raw = self.data.data  # headers: a memoryview slice costs a fifth of numpy's
 
     @staticmethod
     def nbytes(capacity: int) -> int:

@@ -310,10 +310,10 @@ class SocketStream:
         was aborted by then; a call of its own: docs/design/tcp.md#trailers)."""
         bufs = []
         if self._hdr_sent < size:
-            bufs.append(memoryview(head)[self._hdr_sent:])  # type: ignore[index]
+            bufs.append(memoryview(head)[self._hdr_sent:])  # type: ignore[arg-type]  # size 0 where head is None
         rest = req.payload.nbytes - req.sent
         if rest:
-            bufs.append(memoryview(req.payload[req.sent:req.sent + _MAX_IO]))
+            bufs.append(req.payload[req.sent:req.sent + _MAX_IO].data)
         elif trail:
             if not self._trail_sent:
                 _TRAILER.pack_into(self._trail_out, 0, _WHOLE if req.error is None else _VOID)
@@ -331,7 +331,7 @@ class SocketStream:
         pumps = self.engine.pumps
         if pumps is None or req.payload.nbytes - req.sent < PUMP_BYTES:
             return False
-        job = send_job(self.sock, memoryview(req.payload[req.sent:]))
+        job = send_job(self.sock, req.payload[req.sent:].data)
         if not pumps.start(job):
             return False
         self._tx = job
@@ -368,7 +368,7 @@ class SocketStream:
                 return None
         sock.recv_into(peek, HEADER_SIZE)  # both are in the socket already: no wait, no short read
         if dst.nbytes:
-            sock.recv_into(byte_view(dst), dst.nbytes)
+            sock.recv_into(byte_view(dst), dst.nbytes)  # type: ignore[arg-type]  # numpy's stubs: ndarray a buffer from Python 3.12 only
         return True
 
     def pull(self) -> bool:
@@ -462,7 +462,7 @@ class SocketStream:
             self._at += n
         else:
             room = min(want, len(self._staging) - self._staged)
-            n = self.sock.recv_into(memoryview(self._staging)[self._staged:self._staged + room], room)
+            n = self.sock.recv_into(self._staging.data[self._staged:self._staged + room], room)
             if n == 0:
                 raise PeerClosed("connection closed by peer")
             self._staged += n
@@ -631,7 +631,7 @@ class TcpChannel(Channel):
         if stream.sendq or payload.nbytes > NOW_BYTES:
             return False
         try:
-            n = stream.sock.sendmsg([wire_header, payload])
+            n = stream.sock.sendmsg([wire_header, payload])  # type: ignore[list-item]  # as above
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:

@@ -91,12 +91,12 @@ class Fingerprint(NamedTuple):
     dtype: int = 0
     op: int = 0
     root: int = -1
-    count: int = -1
+    count: int = -1  # type: ignore[assignment]  # shadows tuple.count, which nothing calls on it
     aux: int = 0  # the PREMUL_SUM factor as a float64's bits, xor a vector collective's counts digest
 
 
 _COUNTS = "per-rank counts differ (every rank must pass the same counts)"
-_AUX = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS,
+_AUX: dict[int, str] = {Coll.GATHERV: _COUNTS, Coll.SCATTERV: _COUNTS, Coll.ALL_GATHERV: _COUNTS,
         Coll.REDUCE_SCATTERV: "per-rank counts (or the PREMUL_SUM factor) differ",
         Coll.ALL_REDUCE: "compress= (or the PREMUL_SUM factor) differs",
         Coll.SETUP: "the group's members in another order (each must pass new_group the same ranks in the "
