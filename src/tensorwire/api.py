@@ -106,7 +106,7 @@ def init(rank: int | None = None, world_size: int | None = None, init_method: st
             runtime.close()
             raise
         _runtime = runtime
-    return runtime.world  # type: ignore[return-value]
+    return runtime.world
 
 
 def join_on_demand(rank: int, world_size: int, init_method: str | None, *,
@@ -218,7 +218,7 @@ def require_runtime(what: str = "this call") -> Runtime:
 
 
 def world() -> Group:
-    return require_runtime("world()").world  # type: ignore[return-value]
+    return require_runtime("world()").world
 
 
 def get_rank(group: Group | None = None) -> int:
@@ -247,7 +247,7 @@ def topology() -> Topology:
 def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Group:
     """A group of world ranks (Group.new_group): its members call it; another rank that does
     gets a group of which it is not a member (rank -1)."""
-    return require_runtime("new_group").world.new_group(ranks, name)  # type: ignore[union-attr]
+    return require_runtime("new_group").world.new_group(ranks, name)
 
 
 def split(color: int | None, key: int = 0, group: Group | None = None,
@@ -271,7 +271,7 @@ def shrink(group: Group | None = None, timeout: float | None = None, *, majority
 
 def _group(group: Group | None, what: str) -> Group:
     if group is None:
-        return require_runtime(what).world  # type: ignore[return-value]
+        return require_runtime(what).world
     require_runtime(what)
     return group
 

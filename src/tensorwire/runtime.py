@@ -6,6 +6,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import log
 from .config import Config
@@ -13,6 +14,9 @@ from .rendezvous.bootstrap import LaunchInfo
 from .rendezvous.store import Store
 from .transport.engine import Engine
 from .tuning.topology import Topology
+
+if TYPE_CHECKING:
+    from .group.group import Group
 
 _WORKER_GRACE_S = 1.0  # how long an unfinished async collective may still run at shutdown
 
@@ -26,7 +30,8 @@ class Runtime:
     store: Store | None
     engine: Engine
     started: float = field(default_factory=time.monotonic)
-    world: object = None  # the world Group, set right after construction
+    world: Group = None  # type: ignore[assignment]  # set right after construction (api.init); None
+    # only in join_on_demand's runtime, whose world nothing reads
     groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # every Group built on it
     shm_told: set = field(default_factory=set)  # shortfalls of /dev/shm the job was warned of (group.py)
     shrunk: dict = field(default_factory=dict)  # shrinks of each group name's line so far (shrink.py)

@@ -160,9 +160,10 @@ def fingerprint(coll: Coll, dtype: np.dtype | None = None, op: Reduction | None 
         return fp
     code = 0
     if dtype is not None:
-        code = _CODES.get(dtype)
-        if code is None:
-            code = _CODES[dtype] = dtype_code(dtype)
+        known = _CODES.get(dtype)
+        if known is None:
+            known = _CODES[dtype] = dtype_code(dtype)
+        code = known
     if op is None:
         fp = Fingerprint(coll, code, 0, root, count, digest)
     else:

@@ -75,6 +75,7 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
         plan = group.plans.get((what, src.dtype, src.size, op, out is None))
         if plan is not None:
             flags = src.flags
+            dst: np.ndarray | None
             if out is None:
                 ok, dst = flags.c_contiguous and flags.writeable, src
             else:
@@ -128,6 +129,7 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
             and (type(dst) is int or is_rank(dst)):  # see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, dst, op, out is None))
         if plan is not None:
+            acc: np.ndarray | None
             if not mine or out is None:
                 ok, acc = usable(data, mine), data
             else:
@@ -160,7 +162,7 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
             and red.factor is None and type(op) in (ReduceOp, Reduction):
         group.plans.remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes,
                              red, async_op=async_op,
-                             whole=(src.nbytes, lambda: ReducePlan(group.direct, src.dtype, src.size, red.op,
+                             whole=(src.nbytes, lambda dp: ReducePlan(dp, src.dtype, src.size, red.op,
                                                                    root, red).run))
     return group.queue.submit(fp, what, bodies.reduce, async_op, timeout, src, target, red, root, result,
                               SELECT)
@@ -174,17 +176,17 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
     data = planned(output, async_op)
     if data is not None and (type(op) is ReduceOp or type(op) is Reduction):  # see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, op))
-        blocks = None if plan is None else planned_list(input_list, data, group.size, False, async_op,
-                                                        group.engine.native)
-        if blocks is not None and usable(data, True):
-            call, direct, run, red, general = plan
-            if general is None:  # its TensorPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, output, blocks, data)
-            else:
-                done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout, output,
-                                          flats(blocks), data, red, True, output, run)
-            if done is not REPLAN:
-                return done
+        if plan is not None:
+            blocks = planned_list(input_list, data, group.size, False, async_op, group.engine.native)
+            if blocks is not None and usable(data, True):
+                call, direct, run, red, general = plan
+                if general is None:  # its TensorPlan
+                    done = group.plans.submit(call, run, True, async_op, timeout, output, blocks, data)
+                else:
+                    done = group.plans.submit(call, bodies.reduce_scatter, direct, async_op, timeout, output,
+                                              flats(blocks), data, red, True, output, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(output):
         return _device(group, timeout, what).reduce_scatter(output, input_list, op, async_op, timeout)
     check_member(group, what)
@@ -201,8 +203,8 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
             and all(a is planned(b, False) for a, b in zip(blocks, input_list)):
         total = out.nbytes * group.size
         group.plans.remember((what, out.dtype, out.size, op), fp, what, "reduce_scatter", total, red, True,
-                             one_rank=True, async_op=async_op, whole=(total, lambda: TensorPlan(
-                           group.direct, what, out.dtype, out.size * group.size, red).run_blocks))
+                             one_rank=True, async_op=async_op, whole=(total, lambda dp: TensorPlan(
+                           dp, what, out.dtype, out.size * group.size, red).run_blocks))
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, flats(blocks), out, red,
                               True,
                               output, SELECT)
@@ -243,7 +245,7 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
         group.plans.remember((what, inp.dtype, inp.size, out.size, op), fp, what, "reduce_scatter",
                              inp.nbytes,
                              red, counts, one_rank=True,
-                             whole=(inp.nbytes, lambda: TensorPlan(group.direct, "reduce_scatter", inp.dtype,
+                             whole=(inp.nbytes, lambda dp: TensorPlan(dp, "reduce_scatter", inp.dtype,
                                                                    inp.size, red).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1),
                                                                                             counts),
@@ -281,6 +283,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
     if data is not None and (type(src) is int or is_rank(src)):  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size, src, out is None))
         if plan is not None:
+            dst: np.ndarray | None
             if out is None:
                 ok, dst = usable(data, group.rank != src), data
             else:
@@ -307,7 +310,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
     result = tensor if out is None else out
     if data is planned(tensor, False) and target is (data if out is None else planned(out, False)):
         group.plans.remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes,
-                             root, whole=(data.nbytes, lambda: BroadcastPlan(group.direct, data.dtype,
+                             root, whole=(data.nbytes, lambda dp: BroadcastPlan(dp, data.dtype,
                                                                              data.size,
                                                                              root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.broadcast, async_op, timeout, data, target, root, result,
@@ -322,17 +325,17 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
     data = planned(tensor, async_op)
     if data is not None:  # a checked signature: see all_reduce
         plan = group.plans.get((what, data.dtype, data.size))
-        blocks = None if plan is None else planned_list(tensor_list, data, group.size, True, async_op,
-                                                        group.engine.native)
-        if blocks is not None and usable(data, False):
-            call, direct, run, general = plan
-            if general is None:  # its TensorPlan
-                done = group.plans.submit(call, run, True, async_op, timeout, tensor_list, data, blocks)
-            else:
-                done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, tensor_list,
-                                          data, blocks, True, tensor_list, run)
-            if done is not REPLAN:
-                return done
+        if plan is not None:
+            blocks = planned_list(tensor_list, data, group.size, True, async_op, group.engine.native)
+            if blocks is not None and usable(data, False):
+                call, direct, run, general = plan
+                if general is None:  # its TensorPlan
+                    done = group.plans.submit(call, run, True, async_op, timeout, tensor_list, data, blocks)
+                else:
+                    done = group.plans.submit(call, bodies.all_gather, direct, async_op, timeout, tensor_list,
+                                              data, blocks, True, tensor_list, run)
+                if done is not REPLAN:
+                    return done
     if _on_device(tensor):
         return _device(group, timeout, what).all_gather(tensor_list, tensor, async_op, timeout)
     check_member(group, what)
@@ -346,7 +349,7 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
     if inp is planned(tensor, False) and all(a is planned(o, False) for a, o in zip(outs, tensor_list)):
         group.plans.remember((what, inp.dtype, inp.size), fp, what, "all_gather", inp.nbytes * group.size,
                              True,
-                             whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_gather", inp.dtype,
+                             whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_gather", inp.dtype,
                                                                    inp.size).run_list), async_op=async_op)
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, tensor_list,
                               SELECT)
@@ -383,7 +386,7 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
     if inp is planned(input, False) and out is planned(output, False):
         group.plans.remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes,
                              counts,
-                             whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_gather", inp.dtype,
+                             whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_gather", inp.dtype,
                                                                    inp.size).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, output, SELECT)
 
@@ -439,8 +442,8 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
             outs is None or all(a is planned(o, False) for a, o in zip(outs,
                                                                        gather_list))):  # type: ignore[arg-type]
         group.plans.remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * group.size,
-                             root, one_rank=True, whole=(inp.nbytes, lambda: GatherPlan(
-                           group.direct, inp.dtype, inp.size, root).run), async_op=async_op)
+                             root, one_rank=True, whole=(inp.nbytes, lambda dp: GatherPlan(
+                           dp, inp.dtype, inp.size, root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.gather, async_op, timeout, buffers.flat(inp),
                               None if outs is None else flats(outs), root, gather_list, SELECT)
 
@@ -476,8 +479,8 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
             ins is None or all(a is planned(i, False) for a, i in zip(ins,
                                                                       scatter_list))):  # type: ignore[arg-type]
         group.plans.remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * group.size,
-                             root, one_rank=True, whole=(out.nbytes * group.size, lambda: ScatterPlan(
-                           group.direct, out.dtype, out.size, root).run), async_op=async_op)
+                             root, one_rank=True, whole=(out.nbytes * group.size, lambda dp: ScatterPlan(
+                           dp, out.dtype, out.size, root).run), async_op=async_op)
     return group.queue.submit(fp, what, bodies.scatter, async_op, timeout,
                               None if ins is None else flats(ins),
                               buffers.flat(out), root, tensor, SELECT)
@@ -563,20 +566,20 @@ def all_to_all_single(group: Group, output: Any, input: Any,
                       timeout: float | None = None) -> Any:
     """Split sizes count rows of dim 0 (as torch does); without them, equal blocks."""
     what = "all_to_all_single"
-    inp, out = planned(input, async_op), planned(output, async_op)
-    if inp is not None and out is not None and input_split_sizes is None \
+    src, dst = planned(input, async_op), planned(output, async_op)
+    if src is not None and dst is not None and input_split_sizes is None \
             and output_split_sizes is None:  # a checked signature: see all_reduce
-        plan = group.plans.get((what, inp.dtype, inp.shape, out.shape))
-        if plan is not None and out.dtype == inp.dtype and usable(inp, False) and usable(out, True):
+        plan = group.plans.get((what, src.dtype, src.shape, dst.shape))
+        if plan is not None and dst.dtype == src.dtype and usable(src, False) and usable(dst, True):
             call, direct, run, counts = plan
             if counts is None:  # the one shot through the slots: in place is fine there
-                done = group.plans.submit(call, run, True, async_op, timeout, output, inp, out)
-            elif np.may_share_memory(inp, out):  # not for the algorithms: the checked path copies
+                done = group.plans.submit(call, run, True, async_op, timeout, output, src, dst)
+            elif np.may_share_memory(src, dst):  # not for the algorithms: the checked path copies
                 done = REPLAN
             else:
                 done = group.plans.submit(call, bodies.all_to_all, direct, async_op, timeout, output,
-                                          blocks_of(inp.reshape(-1), counts),
-                                          blocks_of(out.reshape(-1), counts), True, output, run)
+                                          blocks_of(src.reshape(-1), counts),
+                                          blocks_of(dst.reshape(-1), counts), True, output, run)
             if done is not REPLAN:
                 return done
     if _on_device(output):
@@ -598,7 +601,7 @@ def all_to_all_single(group: Group, output: Any, input: Any,
                              what,
                              "all_to_all", inp.nbytes, [b.size for b in ins],
                              one_rank=True,  # on one rank the algorithm copies the block
-                             whole=(inp.nbytes, lambda: TensorPlan(group.direct, "all_to_all", inp.dtype,
+                             whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_to_all", inp.dtype,
                                                                    inp.size).run), async_op=async_op)
     return _all_to_all(group, what, output, ins, outs, dtype, async_op, timeout, coll, count)
 

@@ -76,7 +76,7 @@ class CallQueue:
         that this rank returned from is told as the group ends (Group._report_last_call)."""
         self.current: CollectiveCall | None = None  # the last call run: the engine notes it weakly
         self.busy = False  # a call is running (inline, on the worker, or on a waiter)
-        self.pending: deque[tuple[CollectiveCall, Callable[..., Any], tuple, Work]] = deque()
+        self.pending: deque[tuple[CollectiveCall, Callable[..., Any], tuple, QueuedWork]] = deque()
         self.wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # see wrapping
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -432,12 +432,12 @@ class CallQueue:
             _log.warning("rank %d: group %s not aborted after %s: %s", rank, self.group.name,
                          type(exc).__name__, exc2)
 
-    def failed(self, call: CollectiveCall, exc: Exception) -> Exception:
+    def failed(self, call: CollectiveCall, exc: Exception) -> BaseException:
         """Whatever broke, the peers must not wait for this rank: the group is aborted with the
         error, a lost peer's named with the call (the engine's knows the peer, not the call), a
         timeout's with the members not in the call (Engine.missing)."""
         group = self.group
-        error = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
+        error: BaseException = in_call(exc, call.what) if isinstance(exc, PeerLostError) else exc
         phase = any(group.ctx in kids for kids in self.engine.children.values())  # named by its parent's call
         if isinstance(exc, TimeoutError):
             if phase:  # its caller's call asks the whole group who is missing, then aborts it and this
@@ -473,7 +473,7 @@ class CallQueue:
             _finish_in_callbacks(self._run_queued(*queued))
 
     def _run_queued(self, call: CollectiveCall, body: Callable[..., Any], args: tuple,
-                    work: Work) -> Callable[[], None]:
+                    work: QueuedWork) -> Callable[[], None]:
         """Run a queued call; returns what finishes its Work, for the runner to call once it let
         go of the call: a waiter may drop the group as it wakes, and be right to expect it
         collected."""

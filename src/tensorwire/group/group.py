@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -81,18 +82,18 @@ class Group:
         self.destroyed = False  # destroy() ran: its calls raise NotInitializedError
         if self.rank >= 0:
             if self.engine.native is not None:
-                self._compile_api()
+                self._compile_api(self.engine.native)
             call_log.log_p2p(self)
             shm_setup.setup_direct(self, check_order)
 
-    def _compile_api(self) -> None:
+    def _compile_api(self, native: ModuleType) -> None:
         """Take the compiled caller's methods as this group's methods of those names: a call
         that the group planned on the one-shot path (planned.Plans._compile), or a sendrecv of
         a pair of routes used before (p2p.sendrecv), runs in one C call, and any other goes to
         the class's Python function, as without it (so does every call while the COLL log has a
         line per call: call_log.py)."""
-        names = self.engine.native.COMPILED_CALLS
-        caller = self.engine.native.Caller(self, self.queue, self.engine, self.plans.finish,
+        names = native.COMPILED_CALLS
+        caller = native.Caller(self, self.queue, self.engine, self.plans.finish,
                                            tuple(getattr(Group, name) for name in names), ReduceOp.SUM,
                                            np.ndarray, buffers.seen_torch_view, CollectiveCall, self.rank)
         self.plans.caller = caller

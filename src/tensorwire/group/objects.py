@@ -63,7 +63,7 @@ def all_gather_object(group: Group, object_list: list[Any], obj: Any, *,
         sizes = _object_sizes(group, payload, timeout)
         buf = np.empty(sum(sizes), dtype=np.uint8)
         group.all_gatherv(buf, payload, sizes, timeout=timeout)
-    object_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]
+    object_list[:] = [pickle.loads(b.data) for b in blocks_of(buf, sizes)]
     return object_list
 
 
@@ -81,7 +81,7 @@ def gather_object(group: Group, obj: Any, object_gather_list: list[Any] | None =
         buf = np.empty(sum(sizes) if group.rank == dst else 0, dtype=np.uint8)
         group.gatherv(buf, payload, sizes, dst, timeout=timeout)
     if group.rank == dst:
-        object_gather_list[:] = [pickle.loads(b) for b in blocks_of(buf, sizes)]  # type: ignore[index]
+        object_gather_list[:] = [pickle.loads(b.data) for b in blocks_of(buf, sizes)]  # type: ignore[index]
     return object_gather_list
 
 
@@ -99,7 +99,7 @@ def broadcast_object_list(group: Group, object_list: list[Any], src: int = 0, *,
             payload = np.empty(int(size[0]), dtype=np.uint8)
         group.broadcast(payload, src, timeout=timeout)
     if group.rank != src:
-        object_list[:] = pickle.loads(payload)
+        object_list[:] = pickle.loads(payload.data)
     return object_list
 
 
@@ -115,7 +115,7 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
         if not isinstance(inputs, (list, tuple)) or len(inputs) != group.size:
             got = type(inputs).__name__ if not isinstance(inputs, (list, tuple)) else f"{len(inputs)} of them"
             invalid(group, what, f"needs a list of {group.size} input objects on rank {src}, got {got}")
-        payloads = [_pickle(group, o, what) for o in inputs]  # type: ignore[union-attr]
+        payloads = [_pickle(group, o, what) for o in inputs]
         sizes = np.array([p.size for p in payloads], dtype=np.int64)
         buf = np.concatenate(payloads)
     else:
@@ -124,7 +124,7 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
         group.broadcast(sizes, src, timeout=timeout)
         mine = np.empty(int(sizes[group.rank]), dtype=np.uint8)
         group.scatterv(mine, buf, [int(s) for s in sizes], src, timeout=timeout)
-    scatter_object_output_list[:1] = [pickle.loads(mine)]
+    scatter_object_output_list[:1] = [pickle.loads(mine.data)]
     return scatter_object_output_list
 
 

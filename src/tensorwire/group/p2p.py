@@ -14,7 +14,7 @@ import collections
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 import numpy as np
 
@@ -375,6 +375,10 @@ def iprobe_any(group: Group, tag: int = 0) -> int | None:
     return _arrived(group, tag)
 
 
+@overload
+def _probe_any(group: Group, tag: int, deadline: float, limit: float) -> int: ...
+@overload
+def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: float) -> int | None: ...
 def _probe_any(group: Group, tag: int, deadline: float, limit: float, until: float = math.inf) -> int | None:
     """Wait for a message of `tag` from any member: spinning as long as the engine spins for a
     message, then in sleeps growing to 1 ms; None once `until` passed (a TimeoutError past
@@ -518,8 +522,8 @@ def _wait(group: Group, *reqs: Request, timeout: float | None, blocking: bool = 
         engine.wait(reqs, deadline=time.perf_counter() + t, ctx=group.ctx, seq=reqs[0].seq,
                     watch=tuple(r.peer for r in reqs), what=reqs[0].what)
     except PeerLostError as exc:  # named with the message it ended ('recv from rank 2 (tag 0) ...')
-        named = in_call(exc, next((r.what for r in reqs if r.error is exc), reqs[0].what))
-        named = _with_tags(group, reqs, named)
+        named = _with_tags(group, reqs, in_call(exc, next((r.what for r in reqs if r.error is exc),
+                                                          reqs[0].what)))
         if named is exc:
             raise
         raise named from exc

@@ -35,6 +35,7 @@ from .bodies import no_op
 from .calls import CollectiveCall
 
 if TYPE_CHECKING:
+    from ..transport.segment import DirectPath
     from .execution import CallQueue
     from .group import Group
 
@@ -91,8 +92,8 @@ class Plans(dict):
         direct path, a plan of COMPILED_PLANS of a collective the caller takes, or single
         copy's own run of a broadcast, all_gather_into_tensor, all_to_all_single, gather or
         scatter (single_copy.MOVES), matched by the key collectives.py made it under."""
-        dp = self.group.direct
-        if dp is None or dp.native is None or self.queue.phase_of:  # see CallQueue.phase_of
+        dp, native = self.group.direct, self.engine.native
+        if dp is None or dp.native is None or native is None or self.queue.phase_of:  # see CallQueue.phase_of
             return
         call = plan[0]
         a, b = dp.words_of(call.fp)
@@ -108,7 +109,7 @@ class Plans(dict):
         what = key[0]
         spec = chosen.compiled_call() if isinstance(chosen, COMPILED_PLANS) else None
         moves = what in single_copy.MOVES and dp.single_copy and algorithm == "single_copy"
-        if (spec is None and not moves) or what not in self.engine.native.COMPILED_CALLS:
+        if (spec is None and not moves) or what not in native.COMPILED_CALLS:
             return
         rooted = what in ("broadcast", "gather", "scatter")
         root, extra = spec if spec is not None else (key[3] if rooted else -1, ())
@@ -130,7 +131,7 @@ class Plans(dict):
             self.caller.add_moves(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call,
                                   self.ctx, a, b, tail, single_copy.MOVES[what], root, dp.pids,
                                   single_copy.alias_window(dp), pages.UNKNOWN if dependent is None
-                                  else self.engine.native.PAGES_SCAN, None if dependent is None
+                                  else native.PAGES_SCAN, None if dependent is None
                                   else dependent.learned)
             return
         assert isinstance(chosen, COMPILED_PLANS)  # (spec is not None)
@@ -142,7 +143,10 @@ class Plans(dict):
         """Whether the compiled caller takes `what` (an API name) from its API, and the call
         planning it (the signature's first) is one it runs (not `async_op`): the plan is then
         priced as such a call (tuner.select's `compiled`), for every call of the signature."""
-        return self.caller is not None and not async_op and what in self.engine.native.COMPILED_CALLS
+        if self.caller is None or async_op:
+            return False
+        native = self.engine.native  # there is one where there is a caller
+        return native is not None and what in native.COMPILED_CALLS
 
     def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan (`submit` numbers it per call)."""
@@ -161,7 +165,8 @@ class Plans(dict):
         call = self.call(fp, "all_reduce")
         compiled = self.compiled(key[0], async_op)
         if group.size > 1 and src.size and self._select("all_reduce", "all_reduce", src.nbytes,
-                                                        compiled).name == "direct":
+                                                        compiled).name == "direct" \
+                and group.direct is not None:  # (the direct path: there is one)
             plan = AllReducePlan(group.direct, src.dtype, src.size, red.op, red)
             self._keep(key, (call, self._named(plan.run), red), plan)
         else:
@@ -169,13 +174,13 @@ class Plans(dict):
 
     def remember(self, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
                  *extra: Any, one_rank: bool = False, async_op: bool = False,
-                 whole: tuple[int, Callable[[], MethodType]] | None = None) -> None:
+                 whole: tuple[int, Callable[[DirectPath], Callable[..., Any]]] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its
         collective: (call, on the direct path?, the chosen algorithm's run or None where
         nothing moves, *extra). `one_rank`: the algorithm has work even on a single rank.
-        `whole`: (bytes a rank puts in its slot, the factory of a plan's bound run) of a call the
-        direct path's one shot can run from a plan that takes the arrays themselves
-        (TensorPlan, ReducePlan, BroadcastPlan): where the tuner picks that path and the bytes
+        `whole`: (bytes a rank puts in its slot, the factory of a plan's bound run on a direct
+        path) of a call the direct path's one shot can run from a plan that takes the arrays
+        themselves (TensorPlan, ReducePlan, BroadcastPlan): where the tuner picks that path and the bytes
         fit the slot, the run is the plan's, and the last of `extra` (what only the general
         body needs) is None. A signature planned already is kept (see remember_all_reduce)."""
         if len(self) >= _PLANS or key in self:
@@ -184,10 +189,11 @@ class Plans(dict):
         alg = self._select(what, collective, nbytes, self.compiled(what, async_op)) \
             if group.size > 1 or one_rank else None
         run, chosen = (None, None) if alg is None else (alg.run, alg)
-        if whole is not None and alg is not None and alg.name == "direct" \
-                and whole[0] <= group.direct.slot_bytes:  # type: ignore[union-attr]
-            bound = whole[1]()
-            run, chosen = self._named(bound), bound.__self__
+        direct = group.direct
+        if whole is not None and alg is not None and alg.name == "direct" and direct is not None \
+                and whole[0] <= direct.slot_bytes:
+            bound = whole[1](direct)
+            run, chosen = self._named(bound), bound.__self__  # type: ignore[attr-defined]  # a bound method
             extra = (*extra[:-1], None)
         self._keep(key, (self.call(fp, what), alg is not None and alg.needs_direct, run, *extra), chosen)
 

@@ -110,7 +110,7 @@ def world_group(store: Any, rank: int, size: int, timeout: Any) -> Group:
                      timeout=t, store=adapter if size > 1 else None)
             _runtime, _owner = api.require_runtime("torch backend"), "api"
         _refs += 1
-        return _runtime.world  # type: ignore[return-value]
+        return _runtime.world
 
 
 def sub_group(store: Any, ranks: list[int], group_name: str, timeout: Any) -> Group:

@@ -128,13 +128,15 @@ def _cannot_join(rank: int, r: int, theirs: dict[str, Any]) -> TensorwireError |
     return cls(f"rank {rank}: init: {who} cannot join: {why}")
 
 
-def connect_world(rank: int, world_size: int, store: Store, cfg: Config, job_id: str,
+def connect_world(rank: int, world_size: int, store: Store | None, cfg: Config, job_id: str,
                   card: dict[str, Any], deadline: float, secret: auth.Secret,
                   serving: int = 0) -> tuple[Engine, dict[int, dict[str, Any]]]:
     """The world's engine (wire_engine) and every rank's card, exchanged through `store`: the
     job's topology costs no exchange of its own. `serving`: store clients this process also
-    serves (it hosts the store), whose descriptors it needs too."""
+    serves (it hosts the store), whose descriptors it needs too. `store` is None only in a
+    world of one, which publishes nothing."""
     def publish(mine: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        assert store is not None
         if rank and "error" in mine:  # rank 0 tells the others, as it gathers; this rank raises now
             store.set(_card_key(rank), json.dumps(mine).encode())
             return {rank: mine}
