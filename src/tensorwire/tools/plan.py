@@ -165,14 +165,14 @@ def streams_rows(collective: str, m: int, hosts: int, per_host: int, nics: int, 
     seconds of the cheapest algorithm, its name) at the configured settings and at 1, 2, 4 and 8
     streams, the threads as configured (and as `auto` gives them where they are set)."""
     crossing = shared(net.link, per_host / max(1, min(nics, per_host)))
-    settings = [(cfg.nsocks, cfg.socket_threads)]
+    settings: list[tuple[int | None, int | None]] = [(cfg.nsocks, cfg.socket_threads)]
     for k in (1, 2, 4, 8):
         settings.append((k, cfg.socket_threads))
         if cfg.socket_threads is not None:
             settings.append((k, None))
     rows = {}
-    for k, threads in settings:
-        streams = streams_at(net, per_host, cores, k, threads, hosts * per_host - 1)
+    for nsocks, threads in settings:
+        streams = streams_at(net, per_host, cores, nsocks, threads, hosts * per_host - 1)
         key = (streams.nsocks, streams.threads)
         if key in rows:
             continue
@@ -217,8 +217,6 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
     mode = ", deterministic mode" if cfg.deterministic else ""
     out(f"{collective} of {size_text(m)} on {n} ranks{mode}: predicted time per algorithm (α-β-γ model)")
     for tier in tiers:
-        if tier.link is None:
-            continue
         out("")
         out(f"  tier {tier.name}: {describe_link(tier.link)}  [{tier.origin}]")
         if tier.one_way is not None:

@@ -338,7 +338,8 @@ def _install_measured(base: dict[str, Link], sources: dict[str, str], measured: 
             base[tier] = Link(tier, DEFAULT_LINKS[tier].alpha, DEFAULT_LINKS[tier].beta, gamma)
     for name, used in (("direct", direct), (CMA, cma), (CMA_HUGE, cma), (CMA_FOLD, cma)):
         if used:
-            base[name] = Link(name, *measured[name], gamma)
+            alpha, beta = measured[name]
+            base[name] = Link(name, alpha, beta, gamma)
             sources[name] = "calibrated"
         else:
             base[name] = replace(DEFAULT_LINKS[name], gamma=gamma)
@@ -382,16 +383,16 @@ def _verdict(verdict: np.ndarray, cfg: Any, path: str, links_used: list[str]) ->
     verdict[_SLOWER] = 1.0 if entry and entry[1].get("direct_slower") is True else 0.0
     # this host's γ, as a probe would give it (the busy link's is measured under contention;
     # the memory entry's is what a reduced byte costs beyond the cache)
-    hosts_own = [t for t in (cached or {})
-                 if t not in (BUSY, BUSY_RING, BUSY_PAIRS, MEMORY)]
-    gamma = cached[hosts_own[0]].gamma if cached and hosts_own else None
+    known = cached or {}
+    hosts_own = [t for t in known if t not in (BUSY, BUSY_RING, BUSY_PAIRS, MEMORY)]
+    gamma = known[hosts_own[0]].gamma if hosts_own else None
     for i, name in enumerate(LINKS):
-        link = (cached or {}).get(name) or DEFAULT_LINKS.get(name)
-        if link is not None and gamma is not None and name not in cached and name != MEMORY:
+        link = known.get(name) or DEFAULT_LINKS.get(name)
+        if link is not None and gamma is not None and name not in known and name != MEMORY:
             link = Link(name, link.alpha, link.beta, gamma)
         if link is not None:
             verdict[_BASE + _K * i: _BASE + _K * (i + 1)] = [getattr(link, f) for f in FIELDS]
-            verdict[_SRC + i] = _SOURCE_CODES["cached" if cached and name in cached else "default"]
+            verdict[_SRC + i] = _SOURCE_CODES["cached" if name in known else "default"]
         for j, f in enumerate(FIELDS):
             if f in overrides.get(name, {}):
                 verdict[_FILE + _K * i + j] = overrides[name][f]

@@ -8,6 +8,7 @@ docs/design/calibration.md#the-hosts-memory.
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import mmap
@@ -76,7 +77,7 @@ def cache_in_reach(limit: int) -> int:
             src, dst = both[:arrays], both[arrays:]
             src.fill(1)
             dst.fill(0)  # first touch, untimed
-            per_byte = _best(lambda d=dst, s=src: copy_as_library(d, s), GAMMA_ROUNDS) / arrays
+            per_byte = _best(functools.partial(copy_as_library, dst, src), GAMMA_ROUNDS) / arrays
             del both, src, dst
         finally:
             region.close()
@@ -106,12 +107,14 @@ def measure_memory() -> tuple[float, float, float]:
         return float(cache), default.beta, default.gamma
     maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
     try:
-        copy, add = _copy_and_add(*(np.frombuffer(m, dtype=np.float32) for m in maps))
+        copy, add = _copy_and_add(np.frombuffer(maps[0], dtype=np.float32),
+                                  np.frombuffer(maps[1], dtype=np.float32))
     finally:
         for m in maps:
             m.close()
     cached = min(reach // 4, CACHED_ARRAY_MAX) // 4  # float32 elements: half of a core's reach
-    cached_copy, cached_add = _copy_and_add(*(np.empty(cached, dtype=np.float32) for _ in range(2)), batch=8)
+    cached_copy, cached_add = _copy_and_add(np.empty(cached, dtype=np.float32),
+                                            np.empty(cached, dtype=np.float32), batch=8)
     return float(cache), max(copy - cached_copy, 0.0) / share, max(add - cached_add, 0.0) / share
 
 

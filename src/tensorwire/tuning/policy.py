@@ -139,8 +139,8 @@ def check_algo(spec: str, deterministic: bool = False, rank: int | None = None) 
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{where}{exc}") from None
     every = sorted({n for c in COLLECTIVES for n in algorithms_for(c)})
-    for coll, forced, excluded in clauses:
-        for name in forced + excluded:
+    for coll, forced_names, excluded_names in clauses:
+        for name in forced_names + excluded_names:
             if coll is not None:
                 if name not in _registered(coll):
                     raise InvalidArgumentError(

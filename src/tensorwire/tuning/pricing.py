@@ -74,7 +74,7 @@ SWEEP = (1, 1 << 40)  # sizes searched for crossovers
 @dataclass
 class Tier:
     name: str
-    link: Link | None
+    link: Link
     origin: str
     direct_ok: bool = False  # the one-shot shared-memory path exists on this tier
     direct: Link | None = None  # ... and its own constants, where they were measured
@@ -128,7 +128,7 @@ class Tier:
         tier (tuner.Model); `whole`: as a job's repeated calls (Tier.own), else as its first and
         those with no plan for the compiled caller."""
         direct, host = self.own(collective, n, m, whole)
-        return Links(self.link, direct, *self.busy, self.one_way, host, streams=streams)  # type: ignore[arg-type]
+        return Links(self.link, direct, *self.busy, self.one_way, host, streams=streams)
 
     def bounded_direct(self, n: int, single_copy: bool) -> Link:
         """The one shot's link bounded as a job bounds it at init (calibrate.with_direct_bound:
@@ -210,7 +210,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
         shm = local.get("shm") or cached_links(cfg, n).get("shm")
         gamma = (shm[0] if shm else DEFAULT_LINKS["shm"]).gamma
     out = []
-    stream = replace(DEFAULT_LINKS[STREAM], **file.get(STREAM, {}))
+    stream = _with(DEFAULT_LINKS[STREAM], file.get(STREAM, {}))
     for name in names:
         custom = _custom(name)
         if custom is not None:
@@ -223,14 +223,14 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             h = HYPOTHETICAL[name]
             link = Link(name, h.alpha, 1 / h.bandwidth, gamma)
             origin = f"hypothetical: {h.label}; γ of this host"
-        elif name in file:
-            link, origin = None, ""
+        elif name in file:  # a tier of the file's own, with this host's γ
+            link, origin = Link(name, math.nan, math.nan, gamma), ""
         else:
             known = ", ".join([*LOCAL, *HYPOTHETICAL, *(t for t in file if t not in LOCAL)])
             raise InvalidArgumentError(f"tensorwire plan: unknown tier {name!r} (known: {known}, local, all, "
                                        f"or NAME=ALPHA_US:GBPS)")
-        if name in file:  # over the tier's constants; a tier of the file's own with this host's γ
-            done = overridden(name, link or Link(name, math.nan, math.nan, gamma), file[name], origin)
+        if name in file:  # over the tier's constants
+            done = overridden(name, link, file[name], origin)
             if done is None:
                 raise InvalidArgumentError(f"tensorwire plan: tier {name!r} of {cfg.tuning_file} needs alpha "
                                            f"and beta (or alpha_us and bandwidth_GBps)")
@@ -240,7 +240,7 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             one_way_name = ONE_WAY[name]
             if one_way_name in file:
                 base_link = local.get(one_way_name, (link, ""))[0]
-                one_way = replace(base_link, name=one_way_name, **file[one_way_name])
+                one_way = _with(replace(base_link, name=one_way_name), file[one_way_name])
             elif name not in file:
                 one_way = local.get(one_way_name, (None, ""))[0]
         host: dict[str, Link | None] = {MEMORY: None, CMA: None, CMA_HUGE: None, CMA_FOLD: None}
@@ -249,19 +249,19 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
         # the one shot's, single copy's and the compiled calls' constants: measured, else the defaults
         for entry in host if name == "shm" else (MEMORY,) if name in LOCAL else ():
             measured = local.get(entry, (DEFAULT_LINKS[entry], ""))[0]
-            host[entry] = replace(measured, **file[entry]) if entry in file else measured
+            host[entry] = _with(measured, file[entry]) if entry in file else measured
         if name == "shm":
-            direct = replace(local.get("direct", (DEFAULT_LINKS["direct"], ""))[0], **file.get("direct", {}))
+            direct = _with(local.get("direct", (DEFAULT_LINKS["direct"], ""))[0], file.get("direct", {}))
             if not cfg.huge_pages:  # as the tuner prices it (TENSORWIRE_HUGE_PAGES)
                 host[CMA_HUGE] = None
-            compiled = {e: replace(local.get(e, (DEFAULT_LINKS[e], ""))[0], **file.get(e, {}))
+            compiled = {e: _with(local.get(e, (DEFAULT_LINKS[e], ""))[0], file.get(e, {}))
                         for e in (DIRECT_COMPILED, CMA_COMPILED)} if _compiles(cfg) else {}
-        measured = name in local and name not in file
+        probed = name in local and name not in file
         busy = [busy_link(b, name, local, file, cfg.tuning_file) for b in BUSY_LINKS] if name in LOCAL else \
             [(None, "")] * len(BUSY_LINKS)
         tier = Tier(name, link, origin, direct_ok=name == "shm", direct=direct,
                     memory=host[MEMORY], cma=host[CMA], cma_huge=host[CMA_HUGE], cma_fold=host[CMA_FOLD],
-                    compiled=compiled, one_way=one_way, stream=None if name == "shm" or measured else stream,
+                    compiled=compiled, one_way=one_way, stream=None if name == "shm" or probed else stream,
                     cores=cores if name in LOCAL else 0, busy=tuple(b for b, _ in busy),  # type: ignore[arg-type]
                     busy_origin=tuple(o for _, o in busy), config=cfg)  # type: ignore[arg-type]
         if direct is not None and "direct" in local and "direct" not in file and \
@@ -269,6 +269,11 @@ def tiers(names: list[str], cfg: Config, file: dict[str, dict[str, float]],
             tier.direct = tier.bounded_direct(n, cfg.single_copy != "0")
         out.append(tier)
     return out
+
+
+def _with(link: Link, values: dict[str, float]) -> Link:
+    """`link` under the tuning file's `values` for it (tuning_file.load_tuning_file)."""
+    return replace(link, **values)  # type: ignore[arg-type]  # the file's keys name Link's float fields
 
 
 def busy_link(name: str, tier: str, local: dict[str, tuple[Link, str]], file: dict[str, dict[str, float]],

@@ -62,7 +62,8 @@ def machine_id() -> str:
 
 def format_cpulist(cpus: Iterable[int]) -> str:
     """[0, 1, 2, 3, 8] -> '0-3,8'."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for c in sorted(set(cpus)):
         if run and c == run[-1] + 1:
             run.append(c)
@@ -231,7 +232,7 @@ class Topology:
                 lines.append(f"  rank {r:<4} pid {i.pid:<8} cores {format_cpulist(i.cores):<10} "
                              f"numa {numa:<4} {i.interface or '?'} {i.address}{gpu}")
         if self.size > 1:
-            counts = {}
+            counts: dict[str, int] = {}
             for a in range(self.size):
                 for b in range(a + 1, self.size):
                     t = self.tier(a, b)

@@ -288,11 +288,12 @@ def decide(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
     priced = model.price(options, nbytes)
     if any(a.phases is not None for a in options):
         priced = sorted(priced + phased(group, table, options, nbytes), key=lambda p: p[0])
-    choice: Algorithm | PageDependent = priced[0][2]
-    if model.links.host is not None and model.links.host.huge and choice.needs_single_copy:
+    best: Algorithm = priced[0][2]
+    choice: Algorithm | PageDependent = best
+    if model.links.host is not None and model.links.host.huge and best.needs_single_copy:
         small = model.out_of_huge_pages().price(options, nbytes)[0][2]
-        if small is not choice:
-            choice = PageDependent(group, key, choice, small)
+        if small is not best:
+            choice = PageDependent(group, key, best, small)
     path, spread = model.links.path(), model.links.spread
     bound = frozenset() if model.links.busy is None else frozenset(
         name for t, name, alg in priced
@@ -319,14 +320,15 @@ class Model:
         """`compiled`: the model of a call the compiled caller runs whole; `whole`: at a size where
         the one shot's body runs in C, `folds`: a reduction (cost_model.compiled_prices)."""
         tier = tier_of(group)
-        busy = (tuple(table.links.get(b) for b in (BUSY, BUSY_RING, BUSY_PAIRS))
-                if tier == table.extra.get("busy_tier") else (None, None, None))
+        busy, busy_ring, busy_pairs = (table.links.get(BUSY), table.links.get(BUSY_RING),
+                                       table.links.get(BUSY_PAIRS)) \
+            if tier == table.extra.get("busy_tier") else (None, None, None)
         direct = table.links.get("direct") if group.direct is not None else None
         host = host_of(group, table)
         if compiled:
             direct, host = compiled_prices(table.links, direct, host, whole, folds)
-        links = Links(table.link(tier), direct, *busy, table.links.get(ONE_WAY[tier]), host,
-                      spread_of(group.layout), streams_for(group, table))
+        links = Links(table.link(tier), direct, busy, busy_ring, busy_pairs, table.links.get(ONE_WAY[tier]),
+                      host, spread_of(group.layout), streams_for(group, table))
         return cls(group.size, links, bool(group.direct is not None and group.direct.single_copy))
 
     def price(self, algs: list[Algorithm], nbytes: int) -> list[tuple[float, str, Algorithm]]:
@@ -439,7 +441,7 @@ def compresses(group: Group, nbytes: int, codec: Codec, itemsize: int) -> bool:
     key = ("all_reduce", nbytes, codec.name)
     known = group.choices.get(key)
     if known is not None:
-        return known  # type: ignore[no-any-return]
+        return known
     layout = group.layout
     if _log.isEnabledFor(20):
         where = f"all_reduce {nbytes} B compress={codec.name} on {group.size} ranks of group {group.name}"

@@ -86,6 +86,7 @@ def measure_size(tw: Any, case: Case, coll: str, wanted: str, opts: Options,
     if tw.get_rank() != 0:
         return None
     n = tw.get_world_size()
+    assert opts.iters is not None  # --algo takes a fixed -n (options.parse_options)
     chosen = decision.priced[0][1] if decision is not None else None
     cells = {}
     for name, per_rank in pooled.items():

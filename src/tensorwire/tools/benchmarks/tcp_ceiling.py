@@ -60,7 +60,7 @@ def _each(socks: list[socket.socket], buf: memoryview, nbytes: int, receive: boo
 
 def _receiver(port: int, streams: tuple[int, ...], nbytes: int, rounds: int) -> None:
     cfg = Config.from_env()
-    buf = memoryview(np.empty(nbytes, np.uint8))
+    buf = np.empty(nbytes, np.uint8).data
     for k in streams:
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(k)]
         for s in socks:
@@ -83,7 +83,7 @@ def measure(streams: tuple[int, ...] = STREAMS, nbytes: int = NBYTES, rounds: in
     child = mp.get_context("spawn").Process(target=_receiver, args=(port, streams, nbytes, rounds + 1),
                                             daemon=True)
     child.start()
-    data = memoryview(np.ones(nbytes, np.uint8))
+    data = np.ones(nbytes, np.uint8).data
     out = []
     try:
         for k in streams:
