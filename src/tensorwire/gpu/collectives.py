@@ -80,7 +80,7 @@ class DeviceCollectives:
         self.group = group
         self.state: DeviceGroup | None = None
         self.plans: dict[tuple, SmallAllReduce] = {}  # small blocking all_reduces seen: (dtype, shape, op)
-        self.tensor_type: type | None = None  # torch.Tensor, once a plan or the device-flag path exists
+        self.tensor_type: type[Any] | None = None  # torch.Tensor, once a plan or the device-flag path exists
         self.flags: DeviceFlags | None = None  # the device-flag path, where the group has it
         self.current_device: Any = None  # torch's current-device lookup, with the path
         self.raw_stream: Any = None  # torch's current-raw-stream lookup, with the path
@@ -101,7 +101,7 @@ class DeviceCollectives:
         if objs is None or len(objs) != g.size:
             got = "None" if objs is None else str(len(objs))
             invalid(g, what, f"{name} must hold one tensor per rank ({g.size}), got {got}")
-        out = [self._tensor(o, what, f"{name}[{i}]") for i, o in enumerate(objs)]  # type: ignore[union-attr]
+        out = [self._tensor(o, what, f"{name}[{i}]") for i, o in enumerate(objs)]
         for i, t in enumerate(out):
             if t.dtype != like.dtype or (t.numel() != like.numel() and (not uneven or i == g.rank)):
                 invalid(g, what, f"{name}[{i}] is {t.numel()} x {t.dtype}, expected {like.numel()} x "

@@ -229,8 +229,8 @@ class Launcher:
         of its constexprs, in its order."""
         grid = (blocks, 1, 1)  # three dimensions, as a compiled kernel takes them
         key = None
-        if self.keep:
-            int_type = self.int_type
+        int_type = self.int_type
+        if self.keep and int_type is not None:  # (keep: an int_type)
             key = (consts, *(a.dtype if hasattr(a, "dtype") else int_type(a) for a in args),
                    *(a.data_ptr() % 16 for a in args if hasattr(a, "data_ptr")))
             compiled = self.compiled.get(key)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -169,9 +169,9 @@ class StreamCalls(NamedTuple):
     """The driver's stream calls with their argument types set, each returning a CUresult:
     wait(stream, event, 0), record(event, stream), copy(dst, src, nbytes, stream)."""
 
-    wait: ctypes._CFuncPtr
-    record: ctypes._CFuncPtr
-    copy: ctypes._CFuncPtr
+    wait: Callable[..., int]
+    record: Callable[..., int]
+    copy: Callable[..., int]
 
 
 def stream_calls() -> StreamCalls:

@@ -7,6 +7,7 @@ copied back, pipelined so that a piece's host call starts once its own copy has 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -97,7 +98,7 @@ def _stage(dg: DeviceGroup, obj: Any, pieces: list[Piece], bufs: list[Any], asyn
                 ready.synchronize()
                 piece.invoke(False)
             else:
-                with dg.group.queue.wrapping(_around(ready, lambda p=piece, last=last: back(p, last))):
+                with dg.group.queue.wrapping(_around(ready, functools.partial(back, piece, last))):
                     work = piece.invoke(True)
         except BaseException:  # the host call failed before its copy back: the buffers go back now
             if k == 0 or not async_op:  # (not under the host calls already queued: left to them)
@@ -147,7 +148,7 @@ def chunked(dg: DeviceGroup, obj: Any, src: Any, dst: Any, read: bool,
     for lo in range(0, max(src.numel(), 1), step):
         hi = min(lo + step, src.numel())
         pieces.append(Piece([(src[lo:hi], hs[lo:hi])] if read else [], [(dst[lo:hi], hd[lo:hi])],
-                            lambda a, s=hs[lo:hi], d=hd[lo:hi]: invoke(s, d, a)))
+                            functools.partial(invoke, hs[lo:hi], hd[lo:hi])))
     return _stage(dg, obj, pieces, bufs, async_op, result)
 
 

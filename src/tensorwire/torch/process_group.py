@@ -138,7 +138,7 @@ _UNSET = dist.AllreduceOptions().timeout  # torch's "no timeout of the call's ow
 _ALLREDUCE_OPTIONS, _BROADCAST_OPTIONS = dist.AllreduceOptions, dist.BroadcastOptions
 
 
-def _seen(tensors: Any, opts: Any, kind: type) -> Any:
+def _seen(tensors: Any, opts: Any, kind: type[Any]) -> Any:
     """The view of a plain synchronous call's one small CPU tensor that a call made before
     (buffers.seen_torch_view), else None: such a call goes straight to the group's planned
     path, with the fewest reads through torch's bindings (docs/design/groups.md#torch-backend)."""
@@ -344,8 +344,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             if factor is not None:
                 checked.scaled(buf, factor, in_place=True)
             compress = None if self._compress is None else self._compressing(buf, op)
-            calls.append(lambda a, t, b=buf, c=compress:
-                         g.all_reduce(b, op, async_op=a, timeout=t, compress=c))
+
+            def call(a: bool, t: float | None, b: torch.Tensor = buf, c: str | None = compress) -> Any:
+                return g.all_reduce(b, op, async_op=a, timeout=t, compress=c)
+            calls.append(call)
 
         def finish() -> None:
             for flat, group in unpack:
@@ -416,7 +418,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             out, inp = st.out(output), st.inp(input)
             if factor is not None:
                 inp = st.scaled(inp, factor)
-            calls.append(lambda a, t, o=out, i=inp: g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=t))
+
+            def call(a: bool, t: float | None, o: torch.Tensor = out, i: torch.Tensor = inp) -> Any:
+                return g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=t)
+            calls.append(call)
         return self._run("reduce_scatter_tensor_coalesced", opts, outputs, calls, st.finish())
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -478,7 +483,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         calls: list[Call] = []
         for output, input in zip(outputs, inputs, strict=True):
             out, inp = st.out(output), st.inp(input)
-            calls.append(lambda a, t, o=out, i=inp: g.all_gather_into_tensor(o, i, async_op=a, timeout=t))
+
+            def call(a: bool, t: float | None, o: torch.Tensor = out, i: torch.Tensor = inp) -> Any:
+                return g.all_gather_into_tensor(o, i, async_op=a, timeout=t)
+            calls.append(call)
         return self._run("all_gather_into_tensor_coalesced", opts, outputs, calls, st.finish())
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -492,7 +500,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         calls: list[Call] = []
         for i, input in enumerate(inputs):  # output_lists[rank][i] receives rank's inputs[i]
             outs, inp = [st.out(per_rank[i]) for per_rank in output_lists], st.inp(input)
-            calls.append(lambda a, t, o=outs, i=inp: g.all_gather(o, i, async_op=a, timeout=t))
+
+            def call(a: bool, t: float | None, o: list[torch.Tensor] = outs, i: torch.Tensor = inp) -> Any:
+                return g.all_gather(o, i, async_op=a, timeout=t)
+            calls.append(call)
         return self._run("all_gather_coalesced", opts, output_lists, calls, st.finish())
 
     @shown_to_profiler("gather")

@@ -100,7 +100,7 @@ class TensorwireWork(dist.Work):
     def _complete(self) -> None:
         # CUDA parts: the copies back and the future's events go on the stream their GPU work
         # went on, after it, and a caller's wait() waits for all of that (_cuda_done)
-        stream = next((p.stream for p in self._parts if getattr(p, "stream", None) is not None), None)
+        stream = next((s for p in self._parts if (s := getattr(p, "stream", None)) is not None), None)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             if self._exc is None and self._finish_fn is not None:
                 try:
