@@ -201,7 +201,7 @@ def is_loopback(host: str) -> bool:
         return False
     import ipaddress
 
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def for_host(host: str, env: Mapping[str, str] = os.environ) -> Secret:

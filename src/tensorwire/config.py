@@ -13,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
 
 from . import log
 from .errors import TensorwireWarning
@@ -405,7 +406,7 @@ class Config:
             max_message=_env_size_or("TENSORWIRE_MAX_MESSAGE", physical_memory()),
             held_bytes=_env_size("TENSORWIRE_HELD_BYTES"),
         )
-        clean = {k: v for k, v in overrides.items() if v is not None}
+        clean: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
         cfg = replace(cfg, **clean) if clean else cfg
         check_debug_settings()
         warn_unknown_settings()

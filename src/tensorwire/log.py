@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import warnings
+from types import FrameType
 
 SUBSYSTEMS = ("INIT", "COLL", "P2P", "TRANSPORT", "TUNING", "GRAPH", "ENV", "AUTH")
 LEVELS = {"VERSION": logging.WARNING, "WARN": logging.WARNING, "INFO": logging.INFO,
@@ -98,7 +99,8 @@ def get(subsys: str) -> logging.Logger:
 def warn(message: str, category: type[Warning]) -> None:
     """A warning users see without configuring anything (Python's warnings, pointed at their own
     code's frame), also in tensorwire's INFO log (not WARN: it would be shown twice)."""
-    frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: the caller of this function
     while frame is not None and frame.f_globals.get("__name__", "").startswith("tensorwire"):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

@@ -7,7 +7,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .errors import InvalidArgumentError, TimeoutError
 
@@ -21,8 +21,10 @@ def wait_limit(timeout: Any, rank: int, what: str) -> float | None:
     (threading.TIMEOUT_MAX, some 292 years) it means no limit, as None does."""
     if timeout is None:
         return None
-    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout >= 0:
-        return None if timeout > threading.TIMEOUT_MAX else float(timeout)
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = cast(float, timeout)  # a Real compares as a float does (typeshed's Real lacks >=)
+        if seconds >= 0:
+            return None if seconds > threading.TIMEOUT_MAX else float(seconds)
     raise InvalidArgumentError(f"rank {rank}: {what}: wait's timeout must be None or seconds of 0 or more, "
                                f"got {timeout!r}")
 

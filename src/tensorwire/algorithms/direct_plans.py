@@ -498,7 +498,7 @@ class ScatterPlan(_Stamped):
         starts = self.table[0][1]  # the same offsets on either parity
         if dp.resume(call, status, () if blocks is not None else (self.root,), st.scatter, call.seq, a, b,
                      call.name, blocks, recv, self.root, starts):
-            copy_into(recv if recv.ndim == 1 else recv.reshape(-1), self.mine[st.parity])  # type: ignore[arg-type]
+            copy_into(recv if recv.ndim == 1 else recv.reshape(-1), self.mine[st.parity])
 
     def compiled_call(self) -> tuple[int, tuple] | None:
         """See AllReducePlan.compiled_call."""

@@ -85,7 +85,7 @@ class Carried:
             t.copy_(wide)
 
 
-_SAME_SIZE_INT = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
+_SAME_SIZE_INT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
 
 
 def carrier(torch_name: str) -> np.dtype | None:

@@ -33,7 +33,8 @@ def _torch_table(torch: Any) -> dict[int, tuple[np.dtype, Any]] | None:
     if _torch_kinds is not None or _torch_state["failed"]:
         return _torch_kinds
     try:
-        table = {np.dtype(np.float16).num: (np.dtype(np.float16), torch.float16)}
+        table: dict[int, tuple[np.dtype, Any]] = {np.dtype(np.float16).num: (np.dtype(np.float16),
+                                                                              torch.float16)}
         bf16 = entry_for_code(16)
         if bf16 is not None:
             table[bf16.dtype.num] = (np.dtype(np.int16), torch.bfloat16)

@@ -8,6 +8,7 @@ the ranks agree on who is who before anything else trusts them.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -92,7 +93,9 @@ def expand_hostlist(text: str) -> list[str]:
 
 
 def _split_top_level(text: str) -> list[str]:
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -213,7 +216,7 @@ class _Env:
                 return v
         return None
 
-    def int(self, *names: str, default: int | None = None) -> int:
+    def int(self, *names: builtins.str, default: builtins.int | None = None) -> builtins.int:
         for n in names:
             v = self.env.get(n, "").strip()
             if v != "":
@@ -226,7 +229,7 @@ class _Env:
             raise InvalidArgumentError(f"the {self.who} environment lacks {' / '.join(names)}")
         return default
 
-    def master(self) -> tuple[str | None, int | None]:
+    def master(self) -> tuple[builtins.str | None, builtins.int | None]:
         addr = self.str("MASTER_ADDR")
         port = self.int("MASTER_PORT", default=UNKNOWN)
         if not (0 <= port <= 65535 or port == UNKNOWN):
@@ -605,11 +608,11 @@ def check_roster(store: Store, info: LaunchInfo, timeout: float, generation: int
     try:
         theirs = store.get(size_key, timeout)
     except TimeoutError as exc:
-        refused = store.refusals()
+        refusals = store.refusals()
         raise TimeoutError(
             f"rank {info.rank} waited {timeout:g} s for rank 0 to publish its world size "
-            f"('{size_key}') in the store {info.init_method}{'; ' + refused if refused else ''}; did rank 0 "
-            f"start?") from exc
+            f"('{size_key}') in the store {info.init_method}{'; ' + refusals if refusals else ''}; "
+            f"did rank 0 start?") from exc
     try:
         rank0 = json.loads(theirs)
         size, local_size = int(rank0["world_size"]), int(rank0["local_world_size"])

@@ -213,7 +213,7 @@ class TCPStoreServer:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
                     else:
-                        conn = self._conns.get(sock)  # type: ignore[arg-type]
+                        conn = self._conns.get(sock)  # type: ignore[call-overload]  # sockets only
                         if conn is None:
                             continue
                         if mask & selectors.EVENT_READ:

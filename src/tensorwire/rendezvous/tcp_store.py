@@ -111,12 +111,14 @@ class TCPStore(Store):
                 sock.settimeout(None)
                 return sock
             except auth.NotTensorwire as exc:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 raise RendezvousError(
                     f"{self.address} answered, but not as a tensorwire store (wrong protocol)") \
                     from exc
             except auth.WrongSecret as exc:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 raise AuthenticationError(
                     f"the TCP store at {self.address} could not prove that it knows this job's "
                     f"secret (this process's: {self.secret.source}): the store's host and every rank need "
@@ -186,18 +188,14 @@ class TCPStore(Store):
                                      f"was lost earlier ({self._broken})", self._closed_by_server)
             # The server answers blocking requests itself at their deadline; silence beyond
             # that (plus a grace) means the server or the path to it is gone.
-            if op in (OP_GET, OP_WAIT, OP_MULTI_GET):
-                sock_timeout: float | None = timeout + _SOCKET_GRACE_S
-            else:
-                sock_timeout = self.default_timeout
-            if sock_timeout >= threading.TIMEOUT_MAX:  # forever, or past what a socket can time
-                sock_timeout = None
-            try:
-                self._sock.settimeout(sock_timeout)
+            limit = timeout + _SOCKET_GRACE_S if op in (OP_GET, OP_WAIT, OP_MULTI_GET) \
+                else self.default_timeout
+            try:  # None: forever, or past what a socket can time
+                self._sock.settimeout(None if limit >= threading.TIMEOUT_MAX else limit)
                 self._sock.sendall(frame)
                 return self._read_reply(self._sock)
             except (OSError, EOFError) as exc:
-                reason = (f"no reply within {sock_timeout:.1f} s"
+                reason = (f"no reply within {limit:.1f} s"
                           if isinstance(exc, socket.timeout) else str(exc) or type(exc).__name__)
                 self._broken = reason
                 self._closed_by_server = isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError))

@@ -108,9 +108,9 @@ class DeviceSource(Protocol):
 class DeviceTarget(Protocol):
     """Device memory a receive lands in (gpu/p2p.Target)."""
 
-    def read(self, body: bytes, peer: int) -> bytes:
+    def read(self, body: bytes, peer: int) -> bytes | None:
         """Queue the copy of `peer`'s CUDA buffer that `body` describes; the handle of the event
-        recorded after it."""
+        recorded after it, or None where the copy has run already."""
 
 
 device_to_host: Callable[[bytes, int, np.ndarray], None] | None = None
