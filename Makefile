@@ -23,6 +23,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # Random collectives, ops, dtypes, sizes (0-4 MiB), subgroups and async calls on 4 ranks, every
@@ -32,6 +33,7 @@ soak: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/mypy
 
 # tensorwire vs Gloo vs Open MPI, the same sweep interleaved over 3 rounds, at 2 and 4 ranks:
 # tables (markdown, with the command and the machine), plots and JSON in docs/benchmarks/.
