@@ -296,7 +296,7 @@ def address(arr: np.ndarray) -> int:
     and contiguous: several times cheaper than `arr.ctypes.data`, which a large single-copy
     call reads several times (docs/design/buffers.md#address)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(arr))  # type: ignore[arg-type]  # numpy's stubs: ndarray a buffer from Python 3.12 only
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr))  # type: ignore[arg-type, unused-ignore]  # numpy's stubs: ndarray a buffer from Python 3.12 only
     except (TypeError, ValueError, BufferError):  # read-only, empty or strided
         return arr.ctypes.data
 

@@ -368,7 +368,7 @@ class SocketStream:
                 return None
         sock.recv_into(peek, HEADER_SIZE)  # both are in the socket already: no wait, no short read
         if dst.nbytes:
-            sock.recv_into(byte_view(dst), dst.nbytes)  # type: ignore[arg-type]  # numpy's stubs: ndarray a buffer from Python 3.12 only
+            sock.recv_into(byte_view(dst), dst.nbytes)  # type: ignore[arg-type, unused-ignore]  # numpy's stubs: ndarray a buffer from Python 3.12 only
         return True
 
     def pull(self) -> bool:
@@ -631,7 +631,7 @@ class TcpChannel(Channel):
         if stream.sendq or payload.nbytes > NOW_BYTES:
             return False
         try:
-            n = stream.sock.sendmsg([wire_header, payload])  # type: ignore[list-item]  # as above
+            n = stream.sock.sendmsg([wire_header, payload])  # type: ignore[list-item, unused-ignore]  # as above
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
