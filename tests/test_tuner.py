@@ -806,7 +806,7 @@ def test_a_preempted_series_of_one_shot_calls_is_not_the_typical_call(monkeypatc
 
     assert probes.DIRECT_SERIES > 1
     world = SimpleNamespace(queue=SimpleNamespace(run_internal=lambda what, body: body(None)))
-    assert probes.typical(world, run) < 1e-3
+    assert probes.typical(world, run, "calibration probe") < 1e-3
 
 
 def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:

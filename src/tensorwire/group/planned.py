@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from threading import get_ident
-from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np

@@ -933,9 +933,9 @@ class Engine(Failures):
                     f"rank {self.rank}: {req.what}: tensorwire.destroy() was called with it unfinished: "
                     f"rank {req.peer} had not taken it {_SEND_GRACE_S:g} s later{read}"))
             for queue in self.posted.values():  # receives nobody will complete now
-                for req in queue:
-                    req.fail(AbortedError(f"rank {self.rank}: {req.what}: tensorwire shut down (destroy()) "
-                                          f"while it was posted"))
+                for posted in queue:
+                    posted.fail(AbortedError(f"rank {self.rank}: {posted.what}: tensorwire shut down "
+                                             f"(destroy()) while it was posted"))
             self.posted.clear()
             if self.pumps is not None:
                 self.pumps.close()

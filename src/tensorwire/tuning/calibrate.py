@@ -469,8 +469,7 @@ def check_cached(world: Group, links: Mapping[str, Link], due: list[bool],
         data = np.ones(2, dtype=np.float32)
         quick[0] = probes.typical(world, lambda: run(world.queue.internal_call("calibration check"), data,
                                                      ReduceOp.MAX),
-                                  warm=CHECK_WARM, series=CHECK_SERIES, calls=CHECK_CALLS,
-                                  what="calibration check")
+                                  "calibration check", CHECK_WARM, CHECK_SERIES, CHECK_CALLS)
     world.queue.run_internal("calibration check", lambda call: _check_rounds(call, quick, pairs))
     probes.over_ranks(world, quick, "calibration check")
     across = world.layout is not None

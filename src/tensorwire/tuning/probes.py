@@ -69,8 +69,8 @@ LOAD_SLACK = 0.5  # cores of other processes' CPU beyond those a probe left idle
 
 # -- the one-shot path and single copy: every rank of one host -------------------------------------
 
-def typical(world: Group, run: Callable[[], object], warm: int = DIRECT_WARM, series: int = DIRECT_SERIES,
-            calls: int = DIRECT_CALLS, what: str | None = "calibration probe") -> float:
+def typical(world: Group, run: Callable[[], object], what: str | None, warm: int = DIRECT_WARM,
+            series: int = DIRECT_SERIES, calls: int = DIRECT_CALLS) -> float:
     """Seconds of one call of `run` (collective over `world`) as the model is judged
     (`tensorwire bench --algo`, benchmarks.algos.JUDGED): after DIRECT_WARM untimed calls,
     DIRECT_CALLS back to back on every rank, the slowest rank's mean call; the least of
@@ -137,7 +137,7 @@ def small_all_reduces(world: Group, **counts: int) -> tuple[float, float]:
         run = algs[name].run
         return max(typical(world, lambda: run(world.queue.internal_call("calibration probe"), data,
                                               ReduceOp.MAX),
-                           **counts), 1e-8)
+                           "calibration probe", **counts), 1e-8)
 
     return timed("direct"), timed("recursive_doubling")
 
@@ -157,7 +157,7 @@ def measure_direct(world: Group, long: dict[str, int], **counts: int) -> tuple[f
     big = np.ones(min(DIRECT_BYTES, world.direct.slot_bytes) // 4, dtype=np.float32)  # type: ignore[union-attr]
     alpha, messages = small_all_reduces(world, **counts)
     one = typical(world, lambda: run(world.queue.internal_call("calibration probe"), big, ReduceOp.MAX),
-                  **long)
+                  "calibration probe", **long)
     slope = (one - alpha) / ((1 + n + n - 1) * big.nbytes)  # copy in, n reads, n-1 folds
     return alpha, messages, max(slope, measure_copy())  # never faster than a copy alone (noise can say so)
 
@@ -176,7 +176,7 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float
 
     def timed(blocks: list[np.ndarray]) -> float:
         return typical(world, lambda: run(world.queue.internal_call("calibration probe"), blocks, None),
-                       **counts)
+                       "calibration probe", **counts)
 
     small = timed([np.ones(8, dtype=np.uint8) for _ in range(n)])
     block = max(CMA_BYTES // (n - 1) // 4096 * 4096, 4096)
@@ -189,7 +189,7 @@ def measure_cma(world: Group, **counts: int) -> tuple[float, float, float, float
     fold = algorithms_for("all_reduce")["single_copy"].run
     two = np.ones(2, dtype=np.float32)
     folds = typical(world, lambda: fold(world.queue.internal_call("calibration probe"), two, ReduceOp.MAX),
-                    **counts)
+                    "calibration probe", **counts)
     return (max(small / 2, 1e-8), slope([np.ones(block, dtype=np.uint8) for _ in range(n)]),
             slope([whole[r * block:(r + 1) * block] for r in range(n)]), max(folds / 3, 1e-8))
 
@@ -225,7 +225,7 @@ def measure_compiled(world: Group, cma: bool, long: dict[str, int],
         if name not in {a.name for a in tuner.candidates(world, collective, nbytes)}:
             return 0.0  # TENSORWIRE_ALGO leaves it out (alike on every rank): never priced
         with tuner.override(world, collective, name), _own_calls(world):
-            return max(typical(world, run, **how, what=None), 1e-8)
+            return max(typical(world, run, None, **how), 1e-8)
 
     small, block, blocks = np.ones(2, np.float32), np.ones(8, np.uint8), np.zeros(8 * n, np.uint8)
     big = np.ones(min(COMPILED_BYTES, world.direct.slot_bytes) // 4, np.float32)  # type: ignore[union-attr]
