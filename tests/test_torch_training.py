@@ -39,6 +39,15 @@ def test_powersgd_with_several_buckets_trains_or_says_why() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_torch_compile_of_ddp_and_of_calls() -> None:
+    """torch.compile(DDP(model)) failed at its second step, and a compiled function calling
+    dist.broadcast or dist.barrier at once: Dynamo traced the backend's Python methods (called
+    by the C++ reducer from the compiled forward, or inlined) and met the process group as an
+    opaque object. They now run eagerly, as Gloo's C++ ones do."""
+    assert_all_ok(launch("compiled", 2, script=_SELF), "compiled")
+
+
+@pytest.mark.timeout(120)
 def test_ddp_four_ranks() -> None:
     assert_all_ok(launch("ddp4", 4, script=_SELF), "ddp4")
 
@@ -331,6 +340,44 @@ def scenario_ddp4() -> None:
     tw = _train_ddp(mine, mine_gloo, steps=steps, find_unused_parameters=True)
     gl = _train_ddp(mine_gloo, mine_gloo, steps=steps, find_unused_parameters=True)
     _compare_with_gloo("DDP on sub-groups", tw, gl)
+    dist.destroy_process_group()
+
+
+def scenario_compiled() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    losses = {}
+    for name, group in (("tensorwire", None), ("gloo", gloo)):
+        model = _mlp(width=8, depth=2)
+        ddp = torch.compile(DDP(model, process_group=group), backend="eager")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        torch.manual_seed(rank)
+        losses[name] = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = ddp(torch.randn(4, 16)).square().mean()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+        if name == "tensorwire":
+            assert _identical_everywhere(_flat_params(model), gloo)
+    assert losses["tensorwire"] == pytest.approx(losses["gloo"], rel=1e-6), losses
+
+    @torch.compile(backend="eager")
+    def calls(x):
+        dist.broadcast(x, src=1)
+        dist.barrier()
+        dist.all_reduce(x)
+        return x * 2
+
+    assert calls(torch.full((3,), float(rank))).tolist() == [4.0] * 3  # rank 1's 1.0, summed, doubled
     dist.destroy_process_group()
 
 
