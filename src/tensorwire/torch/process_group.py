@@ -624,12 +624,13 @@ def _outside_compiled_code(cls: type) -> None:
     try:
         from torch._C._dynamo import eval_frame
         skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+        set_strategy = eval_frame.set_code_exec_strategy
     except (ImportError, AttributeError):  # a torch without Dynamo's frame strategies
         return
     for name, value in list(vars(cls).items()):
         if not name.startswith("_") and callable(value) and hasattr(value, "__code__"):
             value._torchdynamo_disable = True  # Dynamo's tracer calls it, not traces it
-            eval_frame.set_code_exec_strategy(value.__code__, skip)  # nor compiles its frames
+            set_strategy(value.__code__, skip)  # nor compiles its frames
 
 
 _outside_compiled_code(ProcessGroupTensorwire)
