@@ -164,6 +164,42 @@ def scenario_init_methods(*ports: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_comes_after_rank_0_left_is_told_why() -> None:
+    """Under `tensorwire run --keep-going`, rank 1 came after rank 0 had waited its 5 s and
+    exited: it then tried rank 0's torch store for 13 s more and ended in torch's bare 'client
+    socket has timed out' (DistNetworkError). It now fails at once, naming rank 0's exit."""
+    argv = [str(BIN / "tensorwire"), "run", "--keep-going", "-n", "2", str(_SELF), "late_rank"]
+    result = run_command(argv, env=clean_env(), timeout=100)
+    text = result.out + result.err
+    assert "rank 1: init_process_group: torch's store, which rank 0 hosts under tensorwire run, cannot be " \
+           "reached: rank 0" in text, text[-4000:]
+    assert "late_rank OK" in result.out and "after 0." in result.out, text[-4000:]
+
+
+def scenario_late_rank() -> None:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+    from tensorwire.errors import RendezvousError
+
+    if os.environ["RANK"] == "0":
+        try:
+            dist.init_process_group("tensorwire", timeout=timedelta(seconds=3))
+        except TimeoutError:
+            return  # (it never printed OK: the launcher sees rank 0 end, and tells the store)
+    time.sleep(6)
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("tensorwire", timeout=timedelta(seconds=3))
+    except RendezvousError as exc:
+        print(exc, flush=True)
+        print(f"after {time.monotonic() - t0:.2f} s", flush=True)
+
+
 def scenario_torch_store_address() -> None:
     import torch
     import torch.distributed as dist

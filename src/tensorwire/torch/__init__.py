@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401 - the module, not its same-named function
 
 from .. import auth
-from ..errors import TensorwireError, named
+from ..errors import RendezvousError, TensorwireError, named
 from ..rendezvous import bootstrap
+from ..rendezvous.tcp_protocol import EXITED_KEY
 from ..rendezvous.tcp_store import TCPStore as TwTCPStore
 from . import world
 from .hooks import bf16_allreduce_hook, fp16_allreduce_hook
@@ -109,11 +110,26 @@ def _env_handler(url: str, timeout: timedelta = timedelta(minutes=30),
             tw_store.set(key, str(store.port).encode())
         else:
             torch_port = int(tw_store.get(key, seconds))
-            store = dist.TCPStore(addr, torch_port, size, is_master=False, timeout=timeout)
+            _host_left(tw_store, rank, None)
+            try:
+                store = dist.TCPStore(addr, torch_port, size, is_master=False, timeout=timeout)
+            except RuntimeError as exc:  # torch's DistNetworkError, DistStoreError
+                _host_left(tw_store, rank, exc)
+                raise
     finally:
         tw_store.close()
     yield (store, rank, size)
     raise RuntimeError("env:// under tensorwire run cannot re-rendezvous")
+
+
+def _host_left(tw_store: TwTCPStore, rank: int, exc: BaseException | None) -> None:
+    """Where a rank has exited (tensorwire run told its store), torch's store, which rank 0
+    hosts, may be gone with it: say so at once, not after torch's own retries end in a bare
+    connection timeout."""
+    if tw_store.check([EXITED_KEY]):
+        why = tw_store.get(EXITED_KEY).decode(errors="replace")
+        raise RendezvousError(f"rank {rank}: init_process_group: torch's store, which rank 0 hosts under "
+                              f"tensorwire run, cannot be reached: {why}") from exc
 
 
 def _loopback_listener(addr: str) -> tuple[int | None, int]:
