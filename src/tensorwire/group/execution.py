@@ -261,8 +261,16 @@ class CallQueue:
         self._abort_both(error, running)
 
     def _abort_both(self, error: InvalidArgumentError, seq: int | None) -> NoReturn:
-        """Of two calls the ranks may pair differently: abort the group from call `seq`, and
-        fail the one that has the group as it returns (`check_alone`) as well as this one."""
+        """Of two calls the ranks may pair differently: abort the group from call `seq`, or from
+        the first call still in flight here (running or queued) where that is earlier, as a peer
+        may have paired it differently too and would otherwise wait for it until this rank left;
+        and fail the one that has the group as it returns (`check_alone`) as well as this one."""
+        with self._cv:
+            flying = [c.seq for c, *_ in self.pending]
+        if self.busy and self.current is not None:
+            flying.append(self.current.seq)
+        if flying and (seq is None or min(flying) < seq):
+            seq = min(flying)
         self.overlap = error
         self.group.abort(error, seq)
         raise error
