@@ -620,7 +620,7 @@ def _outside_compiled_code(cls: type) -> None:
     otherwise trace them as the caller's code (dist.broadcast in a compiled function) or as
     frames of their own (DDP's C++ reducer calling back from a compiled forward), and fail on
     the process group, which it sees as an opaque object; Gloo's methods, in C++, it never
-    enters. Marked, not wrapped: torch.compiler.disable's wrapper costs every call ~0.7 µs."""
+    enters. Marked, not wrapped: torch.compiler.disable's wrapper would cost every call."""
     try:
         from torch._C._dynamo import eval_frame
         skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
