@@ -2123,7 +2123,7 @@ def test_destroy_drives_an_unwaited_isend_to_its_end_or_fails_it(receiver: str) 
     if receiver == "reads":
         assert res["error"]["type"] is None, res
     else:
-        assert 0.9 < res["took"] < 3.0, res
+        assert 0.9 < res["took"] < 10, res  # the grace was given, and destroy() ended
         _assert_error(res["error"], AbortedError, "rank 0: send to rank 1 (tag 1) on group world: "
                       "tensorwire.destroy() was called with it unfinished: rank 1 had not taken it 1 s later")
         assert "another thread" not in res["error"]["msg"], res

@@ -65,8 +65,7 @@ def _host(group: Group, tensor: Any, sending: bool, peer: int, tag: int,
         arr = as_array(tensor, writable=not sending, rank=group.runtime.rank, collective=what)
     except InvalidArgumentError as exc:
         head = f"rank {group.runtime.rank}: {what}: "
-        message = (f"{call}: " if call else "") + ("send to" if sending else "recv from") + \
-            f" rank {peer} (tag {tag}) on group {group.name}"
+        message = (f"{call}: " if call else "") + _label(group, sending, peer, tag)
         raise retold(exc, f"rank {group.runtime.rank}: {message}: {str(exc).removeprefix(head)}") from None
     return arr, route_of(group, sending, peer, tag, arr.nbytes, arr.dtype)
 
@@ -344,11 +343,15 @@ def _route(group: Group, sending: bool, peer: int, tag: int, nbytes: int, dtype:
         group.p2p_routes.clear()
     fp = fingerprint(Coll.P2P, dtype, count=nbytes // dtype.itemsize)
     header = Header(Kind.P2P, group.ctx, 0, tag, nbytes, fp)
-    label = (f"send to rank {peer}" if sending else f"recv from rank {peer}") + \
-        f" (tag {tag}) on group {group.name}"
+    label = _label(group, sending, peer, tag)
     made = group.p2p_routes[(sending, peer, tag, nbytes)] = P2PRoute(
         world, header, header.pack(), (world, header.key), label, _Done(label, group.runtime.rank), dtype)
     return made
+
+
+def _label(group: Group, sending: bool, peer: int, tag: int) -> str:
+    """How errors and logs name a message: 'send to rank 1 (tag 3) on group world'."""
+    return f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag}) on group {group.name}"
 
 
 def _check_tag(group: Group, tag: Any, what: str) -> None:

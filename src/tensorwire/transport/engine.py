@@ -884,6 +884,12 @@ class Engine(Failures):
                 poller.register(sock, select.POLLIN)
             poller.poll(20)
 
+    def _drive_while(self, pending: Callable[[], object], seconds: float) -> None:
+        """Make progress while `pending()` is true, for up to `seconds`."""
+        until = time.perf_counter() + seconds
+        while pending() and time.perf_counter() < until:
+            self.look()
+
     def _unfinished_sends(self) -> list[SendRequest]:
         """The point-to-point messages this rank posted that have not left its hands."""
         with self.lock:
@@ -897,12 +903,8 @@ class Engine(Failures):
         first, for up to _NOTICES_S, deliver the aborts this rank sent: a rank that raises and
         exits at once would leave most of them unsent (to peers it was not connected to yet, or
         queued behind the failed call's bytes), and the others learn only that it left."""
-        until = time.perf_counter() + _NOTICES_S
-        while any(not n.done for n in self.notices) and time.perf_counter() < until:
-            self.look()
-        until = time.perf_counter() + _SEND_GRACE_S
-        while self._unfinished_sends() and time.perf_counter() < until:
-            self.look()
+        self._drive_while(lambda: any(not n.done for n in self.notices), _NOTICES_S)
+        self._drive_while(self._unfinished_sends, _SEND_GRACE_S)
         if self.wiring is not None:
             self.wiring.close()  # no channel is installed after this
         with self.lock:

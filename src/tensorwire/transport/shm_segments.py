@@ -223,7 +223,7 @@ class Ring(Segment):
         super().__init__(name, self.nbytes(capacity), create, nonce)
         self.capacity = capacity
         self.data = self.bytes[CTRL_BYTES:]
-        self.raw = self.data.data  # headers: a memoryview slice costs a fifth of numpy's
+        self.raw = self.data.data  # headers: a memoryview slice is cheaper than numpy's
 
     @staticmethod
     def nbytes(capacity: int) -> int:
