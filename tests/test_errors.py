@@ -2501,6 +2501,47 @@ def test_a_call_on_a_group_a_peer_destroyed_fails_at_once(transport: str) -> Non
                   "its call #2", within=5.0)
 
 
+_PEER_DESTROYED_P2P = """
+tw.init(rank=rank, world_size=size, init_method=URL, timeout=20)
+g = tw.new_group([0, 1], name="G")
+big = np.arange(2 << 20, dtype=np.float32)  # 8 MiB: more than a ring holds
+if rank == 0:
+    for tag in (1, 2, 3):
+        g.send(np.full(8, tag, np.float32), 1, tag=tag)
+    tw.barrier()  # rank 1 has posted the large receive: destroy() drives the isend out
+    work = g.isend(big, 1, tag=7)
+    g.destroy()
+    res = dict(sent=work.is_completed())
+else:
+    y = np.zeros_like(big)
+    work = g.irecv(y, 0, tag=7)
+    tw.barrier()
+    work.wait(timeout=15)
+    got = []
+    for tag in (3, 2, 1):  # sent before the destroy: still received, in any order
+        x = np.zeros(8, np.float32)
+        g.recv(x, 0, tag=tag)
+        got.append(bool((x == tag).all()))
+    res = dict(big=bool((y == big).all()), got=got, late=attempt(g.recv, np.zeros(4, np.float32), 0, tag=5,
+                                                                  timeout=15))
+tw.barrier()
+report(**res)
+tw.destroy()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_receive_from_a_peer_that_destroyed_the_group_fails_at_once(transport: str) -> None:
+    """Rank 0 sends on a group and destroys it: rank 1 still receives every message sent
+    before, and a receive of one never sent raises at once that rank 0 destroyed the group (it
+    waited out its timeout)."""
+    sender, receiver = (r for r in _pair_reports(_PEER_DESTROYED_P2P, transport))
+    assert sender["sent"] and receiver["big"] and receiver["got"] == [True] * 3, (sender, receiver)
+    _assert_error(receiver["late"], PeerLostError, "rank 1: recv from rank 0 (tag 5) on group G: rank 0 "
+                  "destroyed group G before its first call; no message of it is left for rank 1", within=5.0)
+
+
 _AFTER_DESTROY = """
 tw.init(rank=rank, world_size=size, init_method=URL)
 g = tw.new_group()

@@ -195,10 +195,12 @@ class Group:
         """End this group on this rank and give back what it holds: its shared-memory segment
         (the space returns once every member has destroyed the group or exited), its worker
         thread, its planned calls, its hierarchy's groups. Every member calls it after its last
-        call on the group, as with torch's destroy_process_group(group); it waits for no one.
-        Later calls on it raise NotInitializedError, and a member's call after this rank's last
-        one raises PeerLostError there at once; groups made from it are not affected. A
-        group nothing refers to any more gives its segment back when it is garbage collected."""
+        call on the group, as with torch's destroy_process_group(group); it waits for no one,
+        except up to a second for its sends nobody waited for to go out. Later calls on it raise
+        NotInitializedError, and a member's call after this rank's last one, or receive from
+        this rank of a message it never sent, raises PeerLostError there at once; groups made
+        from it are not affected. A group nothing refers to any more gives its segment back
+        when it is garbage collected."""
         if self.destroyed:
             return
         if self is self.runtime.world:
@@ -221,7 +223,8 @@ class Group:
         after = f"after its call #{last.number(seq)}" if last is not None and last.number(seq) > 0 \
             else "before its first call"
         self.engine.tell_destroyed(self.ctx, seq + 1, self.ranks,
-                                   f"rank {self.runtime.rank} destroyed group {self.name} {after}")
+                                   f"rank {self.runtime.rank} destroyed group {self.name} {after}",
+                                   sending=self.engine.finish_sends(self.ctx))
 
     def release(self, grace: float, why: str = "tensorwire shut down (destroy())") -> None:
         """Stop the worker (a running call gets `grace` seconds; queued ones fail saying `why`),

@@ -244,6 +244,9 @@ class Engine(Failures):
             elif not queue and peer in self.lost:
                 # A message that already arrived is delivered even if its sender has left since.
                 req.fail(self.lost_error(peer))
+            elif not queue and self.p2p_ended and (header.ctx, peer) in self.p2p_ended \
+                    and header.kind == Kind.P2P:
+                req.fail(self.p2p_ended_error(req, self.p2p_ended[(header.ctx, peer)]))
             elif queue:
                 msg = queue.popleft()
                 if not queue:
@@ -890,11 +893,19 @@ class Engine(Failures):
         while pending() and time.perf_counter() < until:
             self.look()
 
-    def _unfinished_sends(self) -> list[SendRequest]:
-        """The point-to-point messages this rank posted that have not left its hands."""
+    def _unfinished_sends(self, ctx: int | None = None) -> list[SendRequest]:
+        """The point-to-point messages this rank posted (on group `ctx`, or any) that have not
+        left its hands."""
         with self.lock:
             return [req for channel in self.channel_list if channel.peer not in self.lost
-                    for req in channel.pending() if not req.done and req.header.kind == Kind.P2P]
+                    for req in channel.pending() if not req.done and req.header.kind == Kind.P2P
+                    and ctx in (None, req.header.ctx)]
+
+    def finish_sends(self, ctx: int) -> set[int]:
+        """Drive the point-to-point sends of group `ctx` nobody waited for, for up to
+        _SEND_GRACE_S (a destroyed group's): the peers some of them are still on their way to."""
+        self._drive_while(lambda: self._unfinished_sends(ctx), _SEND_GRACE_S)
+        return {req.peer for req in self._unfinished_sends(ctx)}
 
     def close(self) -> None:
         """Say goodbye to every peer, wait until their kernels have what this rank sent

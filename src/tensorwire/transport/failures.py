@@ -90,10 +90,11 @@ _IN_P2P = 1  # a STATE answer's tag: the replier waits in a point-to-point call
 _STATES_MAX = 4096
 _REPORTED = "[reported by rank"
 _DATA = (Kind.P2P, Kind.COLL)  # the messages an abort fails
-REFUSAL, RENEWED, DESTROYED = 1, 2, 3
+REFUSAL, RENEWED, DESTROYED, DESTROYED_ALL_SENT = 1, 2, 3, 4
 """An ABORT header's tags: a refusal (one call failed on every member, the group lives on), an
 abort because a member refused a call this rank ran (the group renews itself at its next
-call: group/renewal.py), and a member's destroy() of the group (`tell_destroyed`)."""
+call: group/renewal.py), and a member's destroy() of the group (`tell_destroyed`), with
+(DESTROYED) or without (DESTROYED_ALL_SENT) point-to-point messages of it still on their way."""
 
 
 def notice_text(error: BaseException) -> bytes:
@@ -159,6 +160,10 @@ class Failures:
         self.destroyed: dict[int, tuple[int, BaseException]] = {}
         """ctx -> (the first call a member that destroyed the group never makes, what that call
         raises here): told by that member (`tell_destroyed`), dropped as this rank retires it."""
+        self.p2p_ended: dict[tuple[int, int], BaseException] = {}
+        """(ctx, member) -> what a point-to-point receive from that member on the group raises: it
+        destroyed the group with nothing of it left to send here (`_end_p2p`)."""
+        self._ending_p2p: list[tuple[int, int, BaseException]] = []  # told while reading: _end_p2p
         self.refusals: dict[int, dict[int, dict[int, BaseException]]] = {}
         """ctx -> call -> {world rank: why}: the members that refused that call of the group (a local
         argument error, before they sent anything), this rank among them or not (`refuse`)."""
@@ -324,6 +329,8 @@ class Failures:
         the call; if it had not, the request waiting on it fails instead."""
         if self.deferred_aborts:  # found while reading a channel (a refusal of the call this rank runs)
             self.run_deferred_aborts()
+        if self._ending_p2p:
+            self._end_p2p()
         error = self.covering(ctx, seq) if self.aborted else None
         if error is not None:
             raise error
@@ -420,7 +427,8 @@ class Failures:
 
     def control_sink(self, peer: int, header: Header) -> Sink:
         if header.kind == Kind.ABORT:
-            on = {REFUSAL: self._on_refusal, DESTROYED: self._on_destroyed}.get(header.tag, self._on_abort)
+            on = {REFUSAL: self._on_refusal, DESTROYED: self._on_destroyed,
+                  DESTROYED_ALL_SENT: self._on_destroyed}.get(header.tag, self._on_abort)
             return ControlSink(header.nbytes, lambda raw: on(peer, header.ctx, header.seq, raw, header.tag))
         if header.kind == Kind.BYE:
             return ControlSink(header.nbytes, lambda raw: self._on_goodbye(peer, raw))
@@ -520,20 +528,52 @@ class Failures:
             if self.fail_locally(ctx, seq, error, renew):
                 self._tell(ctx, seq, members, notice_text(error), RENEWED if renew else 0)
 
-    def tell_destroyed(self, ctx: int, seq: int, members: Iterable[int], text: str) -> None:
+    def tell_destroyed(self, ctx: int, seq: int, members: Iterable[int], text: str,
+                       sending: Iterable[int] = ()) -> None:
         """This rank destroyed group `ctx` before its call `seq`: the members this rank is
         connected to are told (`text`: 'rank 0 destroyed group G after its call #2'), so that a
-        call of theirs that waits for it fails at once (check_group) instead of at its timeout.
-        No connection is made for it: a destroy after a group's last call costs no round trip."""
+        call of theirs that waits for it fails at once (check_group) instead of at its timeout,
+        and so does a point-to-point receive from this rank, except at the members in `sending`
+        (this rank's sends to them on the group are not all out yet). No connection is made for
+        it: a destroy after a group's last call costs no round trip."""
+        sending = set(sending)
         with self.lock:
             connected = [p for p in members if p in self.channels and self.channels[p].kind != "pending"]
-            self._tell(ctx, seq, connected, text.encode(), DESTROYED)
+            for tag, told in ((DESTROYED, [p for p in connected if p in sending]),
+                              (DESTROYED_ALL_SENT, [p for p in connected if p not in sending])):
+                if told:
+                    self._tell(ctx, seq, told, text.encode(), tag)
 
     def _on_destroyed(self, peer: int, ctx: int, seq: int, raw: bytes, tag: int) -> None:
+        if ctx in self.retired:
+            return
+        text = bytes(raw).decode(errors="replace")
+        error = PeerLostError(f"rank {self.rank}: {text}", peer=peer)
         known = self.destroyed.get(ctx)
-        if ctx not in self.retired and (known is None or seq < known[0]):
-            text = bytes(raw).decode(errors="replace")
-            self.destroyed[ctx] = (seq, PeerLostError(f"rank {self.rank}: {text}", peer=peer))
+        if known is None or seq < known[0]:
+            self.destroyed[ctx] = (seq, error)
+        if tag == DESTROYED_ALL_SENT:  # after what is still in its ring is read (_end_p2p)
+            self._ending_p2p.append((ctx, peer, error))
+
+    def _end_p2p(self) -> None:
+        """Fail the point-to-point receives of a group from a member that destroyed it, once its
+        channel delivered what it had sent (over TCP that came before the notice; over shared
+        memory it may still wait in the ring, which is read here, outside the socket's read)."""
+        with self.lock:
+            while self._ending_p2p:
+                ctx, peer, error = self._ending_p2p.pop(0)
+                if ctx in self.retired:
+                    continue
+                self._drain(self.channels.get(peer))
+                self.p2p_ended[(ctx, peer)] = error
+                for key in [k for k in self.posted if k[0] == peer and k[1][:2] == (ctx, Kind.P2P)]:
+                    for req in self.posted.pop(key):
+                        req.fail(self.p2p_ended_error(req, error))
+
+    def p2p_ended_error(self, req: RecvRequest, error: BaseException) -> PeerLostError:
+        """What a receive from a member that destroyed its group raises (`error`: the notice's)."""
+        return PeerLostError(f"{error}; no message of it is left for rank {self.rank}",
+                             peer=req.peer)
 
     def _tell(self, ctx: int, seq: int, members: Iterable[int], text: bytes, tag: int) -> None:
         """An ABORT notice (`tag`: 0, REFUSAL or DESTROYED) of call `seq` of group `ctx` to every
@@ -659,6 +699,8 @@ class Failures:
             self.retired.add(ctx)
             self.renewable.discard(ctx)
             self.destroyed.pop(ctx, None)
+            for key in [k for k in self.p2p_ended if k[0] == ctx]:
+                del self.p2p_ended[key]
             alarm = self.alarms.pop(ctx, None)
             if alarm is not None:
                 alarm(None)
