@@ -505,6 +505,50 @@ def test_a_renewal_that_times_out_fails_every_member_at_once(cluster: Any) -> No
         assert res["summed"]["type"] is None and res["total"] == n * (n + 1) / 2, res
 
 
+def _late_to_a_refused_call() -> dict[str, Any]:
+    """Rank 0 refuses an all_reduce that rank 1 runs; the last rank comes to it late, having
+    read rank 1's abort before rank 0's refusal (over TCP the refusal queues behind a large
+    message rank 0 sent it first), and ranks 0 and 1 make no call on the group meanwhile (they
+    caught the error and wait in the world's barrier). Then a barrier and an all_reduce."""
+    g = _fresh_group()
+    late = g.size - 1
+    readonly = np.ones(4, np.float32)
+    readonly.flags.writeable = False
+    big = np.ones(4 << 20, np.float32)
+    sent = tw.isend(big, late) if g.rank == 0 else None
+    if g.rank == late:
+        time.sleep(0.5)
+        tw.barrier(timeout=30)  # reads rank 1's abort, then rank 0's message and refusal
+        first = _attempt(g.all_reduce, np.ones(4, np.float32), timeout=3.0)
+        tw.recv(big, 0, timeout=30)
+    else:
+        first = _attempt(g.all_reduce, readonly if g.rank == 0 else np.ones(4, np.float32), timeout=10.0)
+        tw.barrier(timeout=30)
+    tw.barrier(timeout=30)
+    if sent is not None:
+        sent.wait(30)
+    after = _attempt(g.barrier, timeout=10.0)
+    x = np.full(4, g.rank + 1.0, np.float32)
+    summed = _attempt(g.all_reduce, x, timeout=10.0)
+    return {"first": first, "after": after, "summed": summed, "total": float(x[0])}
+
+
+def test_a_member_late_to_a_refused_call_fails_it_at_once_and_renews_at_its_next(cluster: Any) -> None:
+    """A member that learns of the abort before it makes the refused call fails that call with
+    the refusal at once, as the others did, and renews the group at its next call, as they do:
+    it used to renew as the refused call began, waiting for the others' next call, and raised a
+    renewal timeout blaming live ranks where they made none meanwhile."""
+    n = cluster.size
+    if n < 3:
+        pytest.skip("needs a late member besides the refusing and the running one")
+    results = cluster.run(_late_to_a_refused_call)
+    for res in results:
+        _assert_error(res["first"], InvalidArgumentError, "rank 0: all_reduce", "read-only", within=2.0)
+    for res in results:
+        assert res["after"]["type"] is res["summed"]["type"] is None, res
+        assert res["total"] == n * (n + 1) / 2, res
+
+
 def _forked_child() -> dict[str, Any]:
     """Rank 0 forks after init(); the child tries the group's calls, then destroy() (as its exit
     would), and reports. Then every rank (the parent too) makes an all_reduce."""

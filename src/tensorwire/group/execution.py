@@ -321,8 +321,10 @@ class CallQueue:
         group, engine = self.group, self.engine
         if engine.refusals and group.ctx in engine.refusals:
             self._after_refusals(timeout, self.seq + numbering)
-        if group.ctx in engine.renewable and engine.aborted[group.ctx][0] <= self.seq + 1 \
-                and not (self.busy or self.pending):  # calls before the failed one run as they were
+        # only once this rank made the failed call, which fails with the abort as it is numbered,
+        # as on the others (their next call may never come); calls before it run as they were
+        if group.ctx in engine.renewable and engine.aborted[group.ctx][0] <= self.seq \
+                and not (self.busy or self.pending):
             renew(group, timeout)
         if self.doomed and numbering:
             self.doomed -= 1
