@@ -8,6 +8,7 @@ paths elsewhere (the `shm-python` worlds of test_collectives and test_errors, te
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -655,3 +656,74 @@ def test_ring_sendrecv_puts_then_takes_as_the_two_loops_do() -> None:
     finally:
         a.close()
         b.close()
+
+
+def rank_out_on_some_ranks(counts: tuple[int, ...]) -> list[str]:
+    """reduce, broadcast and all_reduce of float32, each three times where only one rank
+    passes out= (the root; for all_reduce rank 1), in both orders: out= first then in place,
+    and in place first then out=; and gather (its list only on the root). Sizes: `counts`, and
+    those where the tuner's choice for a call run whole in C differs from one run from Python
+    (the calls were refused as a mismatch there: a rank's first call of a signature ran the one,
+    its repeats the other). What failed, or nothing."""
+    import tensorwire as tw
+    from tensorwire.tuning import tuner
+
+    g = tw.world()
+    me, n = g.rank, g.size
+    failed: list[str] = []
+    for coll in ("reduce", "broadcast", "all_reduce", "gather"):
+        differ = [m // 4 for m in (1 << k for k in range(10, 23))
+                  if tuner.decide(g, coll, m, compiled=True).choice.name
+                  != tuner.decide(g, coll, m, compiled=False).choice.name]
+        for count in (*counts, *differ[:2]):
+            for first in (True, False):
+                for i in range(3):
+                    x = np.full(count, me + 1, np.float32)
+                    out = np.zeros(count, np.float32) if me == 1 and (i == 0) == first else None
+                    try:
+                        if coll == "reduce":
+                            g.reduce(x, dst=1, out=out)
+                            got = x if out is None else out
+                        elif coll == "broadcast":
+                            g.broadcast(x, src=0, out=out)
+                            got = x if out is None else out
+                        elif coll == "all_reduce":
+                            g.all_reduce(x, out=out)
+                            got = x if out is None else out
+                        else:
+                            blocks = [np.zeros(count, np.float32) for _ in range(n)] if me == 1 else None
+                            g.gather(x, blocks, dst=1)
+                            got = blocks[0] if blocks is not None else x
+                        summed = coll in ("reduce", "all_reduce")
+                        want = n * (n + 1) / 2 if summed else 1.0
+                        if me == 0 and coll == "reduce":
+                            want = 1.0  # its input, kept
+                        if not (got == want).all():
+                            failed.append(f"{coll} {count}, out= first {first}, call {i}: {got[:1]}")
+                    except Exception as exc:  # noqa: BLE001 - the finding
+                        failed.append(f"{coll} {count}, out= first {first}, call {i}: {exc}")
+    return failed
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", PYTHON])
+def test_out_on_some_ranks_only_runs_alike_everywhere(tmp_path, transport) -> None:
+    """A call the same on every rank but for out= (given on one rank only: the root) is never
+    refused: each rank's first call of a signature and its repeats ran algorithms the tuner
+    priced apart (from Python, and whole in C), so where those differed a rank whose signature
+    was new (out= or not) ran the one and a rank repeating its own the other, and the call
+    failed as a mismatch naming nothing ('reduce #2 ... made a different call at the same
+    point: '). Now one choice serves every call (tuner.select)."""
+    links = {"shm": (8.79, 5.96), "shm_one_way": (8.79, 9.42), "direct": (2.77, 23.1), "cma": (2.93, 20.1),
+             "direct_compiled": (0.601, 29.8), "cma_compiled": (1.31, 20.1), "busy": (10.1, 6.39),
+             "busy_ring": (10.1, 6.37), "busy_pairs": (9.96, 6.39)}  # a 2-vCPU VM's, as calibrated
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({k: {"alpha_us": a, "bandwidth_GBps": b, "reduce_GBps": 14.9}
+                                for k, (a, b) in links.items()}))
+    env = {"TENSORWIRE_TUNING_FILE": str(path)} | ({"TENSORWIRE_NATIVE": "0"} if transport == PYTHON else {})
+    cluster = Cluster(2, env)
+    try:
+        failed = cluster.run(rank_out_on_some_ranks, (100_000, 131_072), timeout=240)
+    finally:
+        cluster.close()
+    assert failed == [[], []], failed

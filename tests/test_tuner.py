@@ -199,7 +199,7 @@ class _Group:
         self.choices: dict = {}
         self.huge_seen: dict = {}
         self.engine = SimpleNamespace(oversubscribed=False)
-        self.plans = SimpleNamespace(caller=None)  # no compiled caller: one choice governs every call
+        self.plans = SimpleNamespace(caller=None, priced_in_c=frozenset())  # no compiled caller
 
 
 def _first_crossover(collective: str, n: int, link: Link) -> tuple[int, str, str]:
@@ -635,12 +635,10 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
         return m
 
     assert crossover(*cost_model.compiled_prices(fast, direct, host)) < crossover(direct, host)
-    # which plans are priced so: an API name the caller takes, planned by a call it runs (not async)
-    plans = SimpleNamespace(caller=object(), engine=SimpleNamespace(native=SimpleNamespace(
-        COMPILED_CALLS=("broadcast", "all_gather_into_tensor"))))
-    assert Plans.compiled(plans, "broadcast", False) and not Plans.compiled(plans, "broadcast", True)
-    assert not Plans.compiled(plans, "all_gather", False)  # the list form runs in Python
-    assert not Plans.compiled(SimpleNamespace(caller=None), "broadcast", False)  # TENSORWIRE_NATIVE=0
+    # which collectives are priced so: those the caller takes in some API form, but the barrier
+    plans = SimpleNamespace()
+    Plans.take(plans, object(), ("broadcast", "all_gather_into_tensor", "barrier"))  # type: ignore[arg-type]
+    assert plans.priced_in_c == {"broadcast", "all_gather"}
 
 
 def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
@@ -659,9 +657,9 @@ def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
     repeated = tuner.explain(g, tuner.decide(g, "broadcast", 65536, compiled=True))
     first = tuner.explain(g, tuner.decide(g, "broadcast", 65536))
     head = "broadcast 65536 B on 2 ranks of group fake"
-    assert repeated.startswith(f"{head}{tuner.REPEATED} over shm"), repeated
+    assert repeated.startswith(f"{head}{tuner.IN_C} over shm"), repeated
     assert "run whole in C (one shot α 0.2 us, single copy α 0.3 us)" in repeated, repeated
-    assert first.startswith(f"{head}{tuner.FIRST} over shm"), first
+    assert first.startswith(f"{head} over shm"), first
     assert "run whole in C" not in first, first
     for said in (tuner.explain(g, tuner.decide(g, "barrier", 0)),
                  tuner.explain(g, tuner.decide(g, "all_gather", 65536, direct_ok=False))):
@@ -712,7 +710,7 @@ def test_single_copy_turns_on_its_sources_pages() -> None:
     g.direct = SimpleNamespace(slot_bytes=64 << 20, single_copy=True, crowded=False, huge_eighths=8)
     g.engine = SimpleNamespace(oversubscribed=False)
     recompiled: list[bool] = []  # the compiled caller gets the plans afresh once the size moves
-    g.plans = SimpleNamespace(recompile=lambda: recompiled.append(True))
+    g.plans = SimpleNamespace(recompile=lambda: recompiled.append(True), priced_in_c=frozenset())
     tuner.install(g.runtime, LinkTable(links, {}))
     choice = tuner.select(g, "all_to_all", m)
     assert isinstance(choice, tuner.PageDependent) and choice.huge.name == "single_copy"
@@ -830,10 +828,8 @@ def test_linear_reduce_folds_out_of_rings_on_shared_memory() -> None:
 def test_choice_is_cached_per_group_and_size() -> None:
     g = _Group(4, "tcp")
     first = tuner.select(g, "all_reduce", 1 << 20)
-    assert g.choices[("all_reduce", 1 << 20, True, False)] is first
+    assert g.choices[("all_reduce", 1 << 20, True)] is first  # one choice, planned calls or not
     assert tuner.select(g, "all_reduce", 1 << 20) is first
-    tuner.select(g, "all_reduce", 1 << 20, compiled=True)  # a call run whole in C: priced apart
-    assert ("all_reduce", 1 << 20, True, True) in g.choices
 
 
 def test_no_algorithm_left_is_a_clear_error() -> None:
@@ -2054,8 +2050,7 @@ def rank_plan_against_the_job() -> list:
                 if planned[1] != chosen[1] or not math.isclose(planned[0], chosen[0], rel_tol=1e-9):
                     differ.append((collective, m, whole, planned, chosen))
                 said = tuner.explain(g, decision)
-                words = tuner.REPEATED if whole else tuner.FIRST if twice else ""
-                if (words and words not in said) or (not words and "signature" in said):
+                if (tuner.IN_C in said) != whole:
                     differ.append((collective, m, whole, said))
     return differ
 

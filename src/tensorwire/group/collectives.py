@@ -113,8 +113,7 @@ def all_reduce(group: Group, tensor: Any, op: Any = ReduceOp.SUM, *, out: Any = 
     fp = fingerprint(Coll.ALL_REDUCE, src.dtype, red, count=src.size)
     if src is planned(tensor, False) and (out is None or dst is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
-        group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red,
-                                        async_op=async_op)
+        group.plans.remember_all_reduce((what, src.dtype, src.size, op, out is None), src, fp, red)
     return group.queue.submit(fp, what, bodies.all_reduce, async_op, timeout, src, dst, red,
                               out if out is not None else tensor)
 
@@ -161,8 +160,7 @@ def reduce(group: Group, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, o
     if src is planned(tensor, False) and (target is src or target is planned(out, False)) \
             and red.factor is None and type(op) in (ReduceOp, Reduction):
         group.plans.remember((what, src.dtype, src.size, dst, op, out is None), fp, what, what, src.nbytes,
-                             red, async_op=async_op,
-                             whole=(src.nbytes, lambda dp: ReducePlan(dp, src.dtype, src.size, red.op,
+                             red, whole=(src.nbytes, lambda dp: ReducePlan(dp, src.dtype, src.size, red.op,
                                                                    root, red).run))
     return group.queue.submit(fp, what, bodies.reduce, async_op, timeout, src, target, red, root, result,
                               SELECT)
@@ -203,7 +201,7 @@ def reduce_scatter(group: Group, output: Any, input_list: Sequence[Any], op: Any
             and all(a is planned(b, False) for a, b in zip(blocks, input_list)):
         total = out.nbytes * group.size
         group.plans.remember((what, out.dtype, out.size, op), fp, what, "reduce_scatter", total, red, True,
-                             one_rank=True, async_op=async_op, whole=(total, lambda dp: TensorPlan(
+                             one_rank=True, whole=(total, lambda dp: TensorPlan(
                            dp, what, out.dtype, out.size * group.size, red).run_blocks))
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, flats(blocks), out, red,
                               True,
@@ -246,7 +244,7 @@ def reduce_scatter_tensor(group: Group, output: Any, input: Any, op: Any = Reduc
                              inp.nbytes,
                              red, counts, one_rank=True,
                              whole=(inp.nbytes, lambda dp: TensorPlan(dp, "reduce_scatter", inp.dtype,
-                                                                   inp.size, red).run), async_op=async_op)
+                                                                   inp.size, red).run))
     return group.queue.submit(fp, what, bodies.reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1),
                                                                                             counts),
                               out, red, True, output, SELECT)
@@ -312,7 +310,7 @@ def broadcast(group: Group, tensor: Any, src: int = 0, *, out: Any = None, async
         group.plans.remember((what, data.dtype, data.size, src, out is None), fp, what, what, target.nbytes,
                              root, whole=(data.nbytes, lambda dp: BroadcastPlan(dp, data.dtype,
                                                                              data.size,
-                                                                             root).run), async_op=async_op)
+                                                                             root).run))
     return group.queue.submit(fp, what, bodies.broadcast, async_op, timeout, data, target, root, result,
                               SELECT)
 
@@ -350,7 +348,7 @@ def all_gather(group: Group, tensor_list: Sequence[Any], tensor: Any, *, async_o
         group.plans.remember((what, inp.dtype, inp.size), fp, what, "all_gather", inp.nbytes * group.size,
                              True,
                              whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_gather", inp.dtype,
-                                                                   inp.size).run_list), async_op=async_op)
+                                                                   inp.size).run_list))
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, tensor_list,
                               SELECT)
 
@@ -387,7 +385,7 @@ def all_gather_into_tensor(group: Group, output: Any, input: Any, *, async_op: b
         group.plans.remember((what, inp.dtype, inp.size, out.size), fp, what, "all_gather", out.nbytes,
                              counts,
                              whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_gather", inp.dtype,
-                                                                   inp.size).run), async_op=async_op)
+                                                                   inp.size).run))
     return group.queue.submit(fp, what, bodies.all_gather, async_op, timeout, inp, outs, True, output, SELECT)
 
 
@@ -443,7 +441,7 @@ def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, 
                                                                        gather_list))):  # type: ignore[arg-type]
         group.plans.remember((what, inp.dtype, inp.size, root), fp, what, "gather", inp.nbytes * group.size,
                              root, one_rank=True, whole=(inp.nbytes, lambda dp: GatherPlan(
-                           dp, inp.dtype, inp.size, root).run), async_op=async_op)
+                           dp, inp.dtype, inp.size, root).run))
     return group.queue.submit(fp, what, bodies.gather, async_op, timeout, buffers.flat(inp),
                               None if outs is None else flats(outs), root, gather_list, SELECT)
 
@@ -480,7 +478,7 @@ def scatter(group: Group, tensor: Any, scatter_list: Sequence[Any] | None = None
                                                                       scatter_list))):  # type: ignore[arg-type]
         group.plans.remember((what, out.dtype, out.size, root), fp, what, "scatter", out.nbytes * group.size,
                              root, one_rank=True, whole=(out.nbytes * group.size, lambda dp: ScatterPlan(
-                           dp, out.dtype, out.size, root).run), async_op=async_op)
+                           dp, out.dtype, out.size, root).run))
     return group.queue.submit(fp, what, bodies.scatter, async_op, timeout,
                               None if ins is None else flats(ins),
                               buffers.flat(out), root, tensor, SELECT)
@@ -602,7 +600,7 @@ def all_to_all_single(group: Group, output: Any, input: Any,
                              "all_to_all", inp.nbytes, [b.size for b in ins],
                              one_rank=True,  # on one rank the algorithm copies the block
                              whole=(inp.nbytes, lambda dp: TensorPlan(dp, "all_to_all", inp.dtype,
-                                                                   inp.size).run), async_op=async_op)
+                                                                   inp.size).run))
     return _all_to_all(group, what, output, ins, outs, dtype, async_op, timeout, coll, count)
 
 

@@ -96,7 +96,7 @@ class Group:
         caller = native.Caller(self, self.queue, self.engine, self.plans.finish,
                                            tuple(getattr(Group, name) for name in names), ReduceOp.SUM,
                                            np.ndarray, buffers.seen_torch_view, CollectiveCall, self.rank)
-        self.plans.caller = caller
+        self.plans.take(caller, names)
         for name in names:
             setattr(self, name, getattr(caller, name))
 

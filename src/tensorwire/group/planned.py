@@ -42,6 +42,9 @@ _PLANS = 256  # checked call signatures kept per group
 REPLAN = object()
 """What Plans.submit returns for a plan the group's renewal made stale: take the checked path."""
 _BARRIER = Fingerprint(Coll.BARRIER, 0, 0, -1, -1)
+_COLLECTIVE_OF = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                  "all_to_all_single": "all_to_all"}
+"""The tuner's collective of an API name the compiled caller takes, where the names differ."""
 Chosen = Any
 """What a plan's run runs: the tuner's choice (an Algorithm or a PageDependent), a one-shot
 plan (direct_plans.COMPILED_PLANS), or None (a call for the general body, or nothing to move)."""
@@ -52,7 +55,7 @@ class Plans(dict):
     for all_reduce (call, the direct path's run or None, reduction); "barrier" -> (call,
     run, on the direct path?). A dict, so that taking a plan costs one lookup."""
 
-    __slots__ = ("group", "queue", "engine", "ctx", "caller", "chosen")
+    __slots__ = ("group", "queue", "engine", "ctx", "caller", "chosen", "priced_in_c")
 
     def __init__(self, group: Group, queue: CallQueue) -> None:
         super().__init__()
@@ -65,6 +68,14 @@ class Plans(dict):
         planned one-shot calls it was given (`_compile`) from the group's API in one C call."""
         self.chosen: dict[Any, Chosen] = {}
         """What each plan's run runs: what the compiled caller may take from it."""
+        self.priced_in_c: frozenset[str] = frozenset()
+        """The collectives (tuner's names) the compiled caller takes in some API form, but the
+        barrier, chosen once: the tuner prices every call of them as the caller runs them."""
+
+    def take(self, caller: Any, names: tuple[str, ...]) -> None:
+        """Plan for `caller`, the compiled caller of the API names `names`."""
+        self.caller = caller
+        self.priced_in_c = frozenset(_COLLECTIVE_OF.get(n, n) for n in names) - {"barrier"}
 
     def clear(self) -> None:
         super().clear()
@@ -138,21 +149,11 @@ class Plans(dict):
         self.caller.add(what, dtype, nbytes, out_bytes, root, op, inplace, dp.native, call, self.ctx, a, b,
                         chosen.after, *extra)
 
-    def compiled(self, what: str, async_op: bool) -> bool:
-        """Whether the compiled caller takes `what` (an API name) from its API, and the call
-        planning it (the signature's first) is one it runs (not `async_op`): the plan is then
-        priced as such a call (tuner.select's `compiled`), for every call of the signature."""
-        if self.caller is None or async_op:
-            return False
-        native = self.engine.native  # there is one where there is a caller
-        return native is not None and what in native.COMPILED_CALLS
-
     def call(self, fp: Fingerprint, what: str) -> CollectiveCall:
         """A reusable call object for a plan (`submit` numbers it per call)."""
         return CollectiveCall(self.group, 0, fp, what, self.group.timeout)
 
-    def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction,
-                            async_op: bool = False) -> None:
+    def remember_all_reduce(self, key: tuple, src: np.ndarray, fp: Fingerprint, red: Reduction) -> None:
         """Plan a checked all_reduce: (call, the direct path's run or None, reduction). Where
         the tuner picks the direct path, its AllReducePlan's run, with nothing left to look
         up per call; else None, for the general body. A signature planned already is kept:
@@ -162,9 +163,8 @@ class Plans(dict):
             return
         group = self.group
         call = self.call(fp, "all_reduce")
-        compiled = self.compiled(key[0], async_op)
-        if group.size > 1 and src.size and self._select("all_reduce", "all_reduce", src.nbytes,
-                                                        compiled).name == "direct" \
+        if group.size > 1 and src.size and self._select("all_reduce", "all_reduce",
+                                                        src.nbytes).name == "direct" \
                 and group.direct is not None:  # (the direct path: there is one)
             plan = AllReducePlan(group.direct, src.dtype, src.size, red.op, red)
             self._keep(key, (call, self._named(plan.run), red), plan)
@@ -172,7 +172,7 @@ class Plans(dict):
             self._keep(key, (call, None, red), None)
 
     def remember(self, key: tuple, fp: Fingerprint, what: str, collective: str, nbytes: int,
-                 *extra: Any, one_rank: bool = False, async_op: bool = False,
+                 *extra: Any, one_rank: bool = False,
                  whole: tuple[int, Callable[[DirectPath], Callable[..., Any]]] | None = None) -> None:
         """Plan a signature whose checks passed, for the planned path at the top of its
         collective: (call, on the direct path?, the chosen algorithm's run or None where
@@ -185,8 +185,7 @@ class Plans(dict):
         if len(self) >= _PLANS or key in self:
             return
         group = self.group
-        alg = self._select(what, collective, nbytes, self.compiled(what, async_op)) \
-            if group.size > 1 or one_rank else None
+        alg = self._select(what, collective, nbytes) if group.size > 1 or one_rank else None
         run, chosen = (None, None) if alg is None else (alg.run, alg)
         direct = group.direct
         if whole is not None and alg is not None and alg.name == "direct" and direct is not None \
@@ -203,13 +202,12 @@ class Plans(dict):
                                alg is not None and alg.needs_direct), alg)
         return self["barrier"]
 
-    def _select(self, what: str, collective: str, nbytes: int,
-                compiled: bool = False) -> Algorithm | tuner.PageDependent:
+    def _select(self, what: str, collective: str, nbytes: int) -> Algorithm | tuner.PageDependent:
         """tuner.select for the call `what` about to be made; where no algorithm may run it
         (TENSORWIRE_ALGO forcing one that cannot), that call is refused on every member, named
         as errors name calls ('rank 0: broadcast #1 on group world: ...')."""
         try:
-            return tuner.select(self.group, collective, nbytes, compiled=compiled)
+            return tuner.select(self.group, collective, nbytes)
         except InvalidArgumentError as exc:
             head = f"rank {self.group.runtime.rank}: "
             self.group.fail_fast(retold(exc, f"{head}{what}: {str(exc).removeprefix(head)}"))

@@ -57,7 +57,7 @@ from ..tuning.pricing import (
     host_link_flows,
     why_not,
 )
-from ..tuning.tuner import FIRST, REPEATED
+from ..tuning.tuner import IN_C
 from ..tuning.tuning_file import load_tuning_file
 
 # -- link constants ----------------------------------------------------------------------------
@@ -238,10 +238,10 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             out(f"    ... a reduction's flag round (its body folds in Python): "
                 f"α {tier.cma_fold.alpha * 1e6:.3g} us")
         whole = tier.compiles(collective)
-        if whole:  # the rows below price a job's repeated calls, the line after them its first
+        if whole:  # the rows below price a job's calls as its compiled caller runs them
             one, reads = tier.compiled[DIRECT_COMPILED], tier.compiled.get(CMA_COMPILED)
             moves = "" if reads is None else f", single copy α {reads.alpha * 1e6:.3g} us"
-            out(f"    {REPEATED.strip(' ,')}, the rows below: run whole in C, one shot α "
+            out(f"    {IN_C.strip(' ,')}, the rows below: run whole in C, one shot α "
                 f"{one.alpha * 1e6:.3g} us (a reduction's up to {size_text(COMPILED_BYTES)}: β "
                 f"{describe_rate(one)}){moves}")
         tcp = tier.name == "tcp"
@@ -261,10 +261,6 @@ def report(collective: str, m: int, n: int, tiers: list[Tier], cfg: Config, dire
             else:
                 mark = "  <- cheapest" if i == 0 else f"  x{t / rows[0][0]:.2f}" if rows[0][0] > 0 else ""
                 out(f"    {name:<{width}}  {format_seconds(t):>10}{mark}")
-        first = tier.price(ok, n, m, streams, whole=False) if whole else []
-        if first:  # the job's other choice, as its TUNING log gives it
-            text = ", ".join(f"{name} {format_seconds(t)}" for t, name, _ in first)
-            out(f"    {FIRST.strip(' ,')} (from Python): {text} -> {first[0][1]}")
         changes = crossovers(algs, collective, n, tier, cfg, direct_bytes, streams, cores)
         if changes:
             text = ", ".join(f"{a or 'none'} -> {b or 'none'} at {size_text(s)}" for s, a, b in changes)

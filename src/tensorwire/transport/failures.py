@@ -421,6 +421,11 @@ class Failures:
     def mismatch_error(self, what: object, mine: Fingerprint, theirs: Fingerprint,
                        peer: int) -> CollectiveMismatchError:
         diffs = differences(mine, theirs)
+        if not diffs:  # the same arguments, run another way: the ranks chose differently
+            return CollectiveMismatchError(
+                f"rank {self.rank}: {what}: rank {peer} made the same call but ran it another way "
+                f"(the ranks chose different algorithms or paths for it: a tensorwire bug, please "
+                f"report it)")
         return CollectiveMismatchError(
             f"rank {self.rank}: {what}: rank {peer} made a different call at the same point: "
             f"{'; '.join(diffs)} (this rank vs rank {peer})")

@@ -105,16 +105,15 @@ class Tier:
                     cores=self.cores)
 
     def compiles(self, collective: str) -> bool:
-        """Whether a job prices a signature's repeated calls of `collective` as run whole in C
-        (tuner.select's `compiled`), apart from its first call and calls with no such plan: where
-        the compiled links were measured, for every collective but the barrier (chosen once,
-        from Python: collectives.barrier)."""
+        """Whether a job prices its calls of `collective` as run whole in C (tuner.select's
+        `compiled`): where the compiled links were measured, for every collective but the
+        barrier (chosen once, from Python: collectives.barrier)."""
         return bool(self.compiled) and collective != "barrier"
 
     def own(self, collective: str, n: int, m: int, whole: bool = True) -> tuple[Link | None, Host | None]:
         """The one shot's link and the host of a call of `collective`, m bytes on n ranks, priced as
-        a job prices its calls: `whole`, its repeated ones, run whole in C where `compiles` (the one
-        shot's body where the call fits its slot too, tuner.decide)."""
+        a job prices its calls: `whole`, run whole in C where `compiles` (the one shot's body
+        where the call fits its slot too, tuner.decide), else from Python."""
         links = self.compiled if whole and self.compiles(collective) else {}
         body = m <= min(COMPILED_BYTES, self.config.direct_slot(n))
         return compiled_prices(links, self.direct, self.host(n), body, collective in REDUCTIONS)
@@ -125,8 +124,8 @@ class Tier:
     def links(self, collective: str, n: int, m: int, whole: bool = True,
               streams: Streams | None = None) -> Links:
         """What a job's tuner prices a call of `collective` with, m bytes on n ranks on this
-        tier (tuner.Model); `whole`: as a job's repeated calls (Tier.own), else as its first and
-        those with no plan for the compiled caller."""
+        tier (tuner.Model); `whole`: run whole in C where it `compiles` (Tier.own), else from
+        Python."""
         direct, host = self.own(collective, n, m, whole)
         return Links(self.link, direct, *self.busy, self.one_way, host, streams=streams)
 

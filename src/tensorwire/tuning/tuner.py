@@ -366,20 +366,16 @@ class Override:
 
     def __init__(self, group: Group, collective: str, name: str | None) -> None:
         self.group, self.collective, self.name = group, collective, name
-        self.decisions: dict[tuple[int, bool, bool], Decision] = {}
-        self._picked: dict[tuple[int, bool, bool], Algorithm | PageDependent] = {}
+        self.decisions: dict[tuple[int, bool], Decision] = {}
+        self._picked: dict[tuple[int, bool], Algorithm | PageDependent] = {}
 
     @property
     def decision(self) -> Decision | None:
-        """The decision of the most recent call size (None before the first call); where the
-        call was planned for the compiled caller, that plan's, which its repeats run."""
-        last = next(reversed(self.decisions), None)
-        if last is None:
-            return None
-        return self.decisions.get((*last[:2], True), self.decisions[last])
+        """The decision of the most recent call size (None before the first call)."""
+        return self.decisions[next(reversed(self.decisions))] if self.decisions else None
 
-    def pick(self, nbytes: int, direct_ok: bool, compiled: bool = False) -> Algorithm | PageDependent:
-        key = (nbytes, direct_ok, compiled)
+    def pick(self, nbytes: int, direct_ok: bool, compiled: bool) -> Algorithm | PageDependent:
+        key = (nbytes, direct_ok)
         alg = self._picked.get(key)
         if alg is None:
             decision = decide(self.group, self.collective, nbytes, direct_ok, compiled)
@@ -415,13 +411,16 @@ def override(group: Group, collective: str, name: str | None = None) -> Iterator
         group.plans.clear()
 
 
-def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True,
-           compiled: bool = False) -> Algorithm | PageDependent:
-    """The cheapest eligible algorithm (cached per group, collective and size); `compiled`: for
-    a call the compiled caller runs whole (cost_model.compiled_prices)."""
+def select(group: Group, collective: str, nbytes: int, direct_ok: bool = True) -> Algorithm | PageDependent:
+    """The cheapest eligible algorithm (cached per group, collective and size). One choice
+    serves every call of them, priced as the compiled caller runs a planned one where the group
+    has it and it takes the collective (cost_model.compiled_prices): which calls a rank runs
+    planned depends on that rank alone (its arguments: out= only on a root, a first call, async,
+    a list form), and ranks must agree on the algorithm, or the call fails as a mismatch."""
+    compiled = collective in group.plans.priced_in_c
     if _override is not None and _override.group is group and _override.collective == collective:
         return _override.pick(nbytes, direct_ok, compiled)
-    key = (collective, nbytes, direct_ok, compiled)
+    key = (collective, nbytes, direct_ok)
     choice = group.choices.get(key)
     if choice is not None:
         return choice
@@ -519,26 +518,12 @@ def explain(group: Group, decision: Decision) -> str:
     chosen = (choice.name if not isinstance(choice, PageDependent) else
               f"{choice.huge.name} while its sources are in huge pages, else {choice.small.name}")
     return (f"{collective} {decision.nbytes} B on {group.size} ranks of group {group.name}"
-            f"{calls_governed(group, decision)} over {shown}{mode}: {costs} -> {chosen}")
+            f"{IN_C if decision.compiled else ''} over {shown}{mode}: {costs} -> {chosen}")
 
 
-REPEATED = ", for a signature's repeated calls (planned for the compiled caller),"
-FIRST = ", for a signature's first call and calls with no plan for the compiled caller,"
-"""Which calls a choice governs, where a group chooses twice for a collective and size: a
-signature's repeated calls run its plan (group/planned.py), whose choice is priced as the
-compiled caller runs them; its first call, which made the plan, and the calls that take no
-such plan (of a signature first called async, of an API the compiled caller does not take,
-arguments no plan fits: a large or device tensor) run the choice priced from Python."""
-
-
-def calls_governed(group: Group, decision: Decision) -> str:
-    """REPEATED or FIRST where the group has the compiled caller and both choices are made for
-    the collective (all but the barrier, which is chosen once) on calls that may take the one
-    shot; '' where one choice governs every call."""
-    if decision.compiled:
-        return REPEATED
-    both = group.plans.caller is not None and decision.direct_ok and decision.collective != "barrier"
-    return FIRST if both else ""
+IN_C = ", for every call, priced as the compiled caller runs a planned one,"
+"""What a choice's TUNING line says where the group's compiled caller takes the collective:
+every call runs it, planned or not, priced as the caller runs its planned calls (select)."""
 
 
 def run(group: Group, call: Any, collective: str, nbytes: int, *args: Any, direct_ok: bool = True) -> None:
