@@ -118,6 +118,14 @@ def test_every_op_four_ranks_and_sub_groups() -> None:
     assert_all_ok(launch("four", 4, timeout=110), "four")
 
 
+@pytest.mark.timeout(120)
+def test_work_futures_and_results_have_gloos_form() -> None:
+    """Each async collective's `get_future()` value and `result()` have the form Gloo's have
+    (a gather root's: its gather_list, not a list holding that list), compared with the same
+    calls on a Gloo group over the same processes."""
+    assert_all_ok(launch("work_results", 2), "work_results")
+
+
 def without_ml_dtypes(tmp_path: Path) -> str:
     """A PYTHONPATH on which `import ml_dtypes` fails, as on a plain `pip install tensorwire[torch]`
     (a sitecustomize.py that maps the module to None)."""
@@ -704,6 +712,63 @@ def scenario_ops() -> None:
                   _check_functional_and_mesh):
         check(c)
     print(f"rank {c.rank}: {c.count} checks passed")
+    dist.destroy_process_group()
+
+
+def _form(value):
+    """A Work's value as nested lists of tensor shapes: what both backends must agree on."""
+    import torch
+
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else [_form(v) for v in value]
+
+
+def scenario_work_results() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire.torch  # noqa: F401
+
+    dist.init_process_group("tensorwire")
+    gloo = dist.new_group(backend="gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+
+    def x():
+        return torch.full((3,), float(r + 1))
+
+    def zeros():
+        return [torch.zeros(3) for _ in range(n)]
+
+    calls = {
+        "all_reduce": lambda g: dist.all_reduce(x(), group=g, async_op=True),
+        "broadcast": lambda g: dist.broadcast(x(), 0, group=g, async_op=True),
+        "reduce": lambda g: dist.reduce(x(), 0, group=g, async_op=True),
+        "all_gather": lambda g: dist.all_gather(zeros(), x(), group=g, async_op=True),
+        "all_gather_coalesced": lambda g: dist.all_gather_coalesced([zeros(), zeros()], [x(), x()],
+                                                                    group=g, async_op=True),
+        "all_to_all": lambda g: dist.all_to_all(zeros(), [x() for _ in range(n)], group=g, async_op=True),
+        "all_to_all_single": lambda g: dist.all_to_all_single(torch.zeros(3 * n), torch.ones(3 * n),
+                                                              group=g, async_op=True),
+        "scatter": lambda g: dist.scatter(torch.zeros(3), zeros() if r == 0 else None, 0, group=g,
+                                          async_op=True),
+        "barrier": lambda g: dist.barrier(group=g, async_op=True),
+    }
+    for root in range(n):
+        calls[f"gather to {root}"] = lambda g, q=root: dist.gather(x(), zeros() if r == q else None, q,
+                                                                   group=g, async_op=True)
+    for what, call in calls.items():
+        forms = []
+        for group in (None, gloo):
+            work = call(group)
+            if isinstance(work, torch._C.Future):  # what torch's all_gather_coalesced returns
+                forms.append(_form(work.wait()))
+                continue
+            value = work.get_future().wait()
+            work.wait()  # Gloo's result() asks for it
+            forms.append((_form(value), _form(work.result())))
+        assert forms[0] == forms[1], f"rank {r}: {what}: future value, result() {forms[0]}; Gloo's {forms[1]}"
+    outs = zeros() if r == 0 else None
+    got = dist.gather(x(), outs, 0, async_op=True).get_future().wait()
+    assert r != 0 or all(a is b for a, b in zip(got, outs, strict=True)), got  # the root's own tensors
     dist.destroy_process_group()
 
 

@@ -513,11 +513,12 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         root = opts.rootRank
         st = _Staging(self._tw, "gather")
         inp = st.inp(st.one(input_tensors))
-        outs = None
+        mine, outs = [], None  # the future's value: the root's gather_list, as Gloo's and NCCL's
         if self._tw.rank == root:
-            outs = [st.out(t) for t in st.one(output_tensors)]
+            mine = st.one(output_tensors)
+            outs = [st.out(t) for t in mine]
         g = self._tw
-        return self._run("gather", opts, output_tensors,
+        return self._run("gather", opts, mine,
                          [lambda a, t: g.gather(inp, outs, root, async_op=a, timeout=t)], st.finish())
 
     @shown_to_profiler("scatter")
