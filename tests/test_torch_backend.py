@@ -122,7 +122,8 @@ def test_every_op_four_ranks_and_sub_groups() -> None:
 def test_work_futures_and_results_have_gloos_form() -> None:
     """Each async collective's `get_future()` value and `result()` have the form Gloo's have
     (a gather root's: its gather_list, not a list holding that list), compared with the same
-    calls on a Gloo group over the same processes."""
+    calls on a Gloo group over the same processes; a synchronous call's Work, from the process
+    group's method, keeps its own outputs when another call follows."""
     assert_all_ok(launch("work_results", 2), "work_results")
 
 
@@ -769,6 +770,17 @@ def scenario_work_results() -> None:
     outs = zeros() if r == 0 else None
     got = dist.gather(x(), outs, 0, async_op=True).get_future().wait()
     assert r != 0 or all(a is b for a, b in zip(got, outs, strict=True)), got  # the root's own tensors
+    # a synchronous call's Work, from the ProcessGroup's method, stays that call's (as Gloo's)
+    for group in (dist.distributed_c10d._get_default_group(), gloo):
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        a, b = torch.ones(2), torch.ones(3)
+        first = group.allreduce([a], opts)
+        second = group.allreduce([b], opts)
+        first.wait()
+        second.wait()
+        assert first.result()[0] is a and first.get_future().wait()[0] is a, (group, first.result())
+        assert second.result()[0] is b, (group, second.result())
     dist.destroy_process_group()
 
 

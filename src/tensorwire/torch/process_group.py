@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from sys import getrefcount
 from typing import Any, NoReturn
 
 import torch
@@ -178,7 +179,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._release = release
         self._closed = False
         self._compress = group.runtime.config.compress or None  # TENSORWIRE_COMPRESS
-        self._done = CompletedWork(None)  # see _completed
+        done = self._done = CompletedWork(None)  # see _completed
+        self._unheld = getrefcount(done)  # as _completed counts it while the group alone holds it
         for device in ("cpu", "cuda"):  # the devices torch's helpers ask of a group (_device_types:
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, None)  # a
             # state dict's broadcast from rank 0, async checkpoints); _get_backend answers for them
@@ -226,13 +228,18 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return limit
 
     def _completed(self, outputs: Any) -> CompletedWork:
-        """The Work of a synchronous collective: one per process group, aimed at each call's
-        outputs in turn. Making a Work goes through torch's bindings, and torch only waits on
-        this one (dist.all_reduce returns None). Point-to-point calls, which torch's API makes
-        with no word of whether the caller waits at once (dist.irecv returns the Work), get
-        their own."""
+        """The Work of a synchronous collective. Making a Work goes through torch's bindings, and
+        torch's functions only wait on it and drop it (dist.all_reduce returns None): the group
+        aims its Work at each call's outputs in turn while nobody else holds it, and makes a new
+        one where somebody does (a caller of the method itself, or C++ through torch's holder),
+        so a kept Work's result() stays its own call's. Point-to-point calls, which torch's API
+        makes with no word of whether the caller waits at once (dist.irecv returns the Work),
+        get their own."""
         done = self._done
-        done.outputs = outputs
+        if getrefcount(done) == self._unheld:
+            done.outputs = outputs
+            return done
+        done = self._done = CompletedWork(outputs)
         return done
 
     def _run(self, what: str, opts: Any, outputs: Any, calls: Sequence[Call],

@@ -249,7 +249,8 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
 
 class CompletedWork(dist.Work):
     """What a call that finished as it was made returns: nothing to track but its outputs (a
-    process group reuses one for its synchronous collectives: ProcessGroupTensorwire._completed)."""
+    process group reuses one for its synchronous collectives while nobody keeps it:
+    ProcessGroupTensorwire._completed)."""
 
     def __init__(self, outputs: Any, source: int = -1) -> None:
         super().__init__()
