@@ -193,6 +193,15 @@ def scenario_errors() -> None:
     t = torch.tensor([3, 4], dtype=torch.int32)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(3.0))
     assert t.tolist() == [18, 24], t
+    # a bool PREMUL_SUM is refused for any factor, in one message on every rank (it said
+    # "finalize: PREMUL_SUM is not defined for bool" for 2.0, asked for a whole factor for 0.5)
+    g = dist.new_group()
+    for number, factor in enumerate((2.0, 0.5, torch.tensor([3.0])), 1):
+        exc = _expect(InvalidArgumentError,
+                      lambda f=factor: dist.all_reduce(torch.ones(2, dtype=torch.bool),
+                                                       op=dist._make_nccl_premul_sum(f), group=g),
+                      contains=f"rank {rank}: all_reduce #{number} on group ", within=5)
+        assert "PREMUL_SUM is not defined for torch.bool" in str(exc) and "finalize" not in str(exc), exc
     exc = _expect(InvalidArgumentError, lambda: dist.barrier(timeout=timedelta(0)),
                   contains="must be positive")
     assert f"rank {rank}: barrier #" in str(exc), exc

@@ -30,6 +30,7 @@ from ..errors import AbortedError, InvalidArgumentError
 from ..group.group import Group
 from ..ops import ReduceOp, premul_sum
 from ..ops.finalize import finalize
+from ..ops.validation import op_undefined
 from .profiling import profiling, shown_to_profiler
 from .work import CompletedWork, TensorwireWork, finished
 
@@ -95,7 +96,10 @@ class _Staging:
         tensorwire's rule for every dtype (ops.finalize's PREMUL_SUM: 16-bit floats and float8
         in float32, integers exactly by a whole-number factor, another refused on any device):
         torch itself cannot scale a float8 tensor, nor an integer one by a float in place.
-        Device tensors: torch's arithmetic."""
+        Device tensors: torch's arithmetic. No factor scales a bool, on any device."""
+        if t.dtype == torch.bool:
+            why = op_undefined(ReduceOp.PREMUL_SUM, "b")
+            self.invalid(f"PREMUL_SUM is not defined for torch.bool ({why})")
         integer = not (t.is_floating_point() or t.is_complex())
         try:  # a device tensor's factor is read only where it matters (a tensor factor syncs)
             red = premul_sum(factor) if t.is_cpu or integer else None
@@ -116,7 +120,7 @@ class _Staging:
             arr = arr.copy()
         try:
             finalize(arr, red, 1)  # type: ignore[arg-type]
-        except InvalidArgumentError as exc:  # ('finalize: PREMUL_SUM is not defined for bool')
+        except InvalidArgumentError as exc:  # a dtype without arithmetic (an old ml_dtypes)
             self.invalid(str(exc))
         return t if in_place else like_torch(t, arr)
 
