@@ -599,6 +599,59 @@ def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
         assert "ulimit -v" in result["text"] and "out of memory (;" not in result["text"], result
 
 
+UNEXPECTED_JOB = textwrap.dedent("""\
+    import json, resource
+    import numpy as np
+    import tensorwire as tw
+    tw.init()
+    out = {"rank": tw.get_rank(), "errors": []}
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            out["errors"].append([type(exc).__name__, str(exc)])
+
+    big, small = np.full(64 << 20, 7, np.uint8), np.ones(4, np.uint8)
+    if tw.get_rank() == 0:
+        attempt(lambda: (tw.send(big, 1, tag=1, timeout=20), tw.send(small, 1, tag=2, timeout=20)))
+    else:  # 16 MiB above what it maps: the 64 MiB message that comes first cannot be held
+        with open("/proc/self/status") as f:
+            vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+        attempt(tw.recv, small, 0, tag=2, timeout=20)
+        attempt(tw.recv, big, 0, tag=1, timeout=5)  # the program goes on: its stream is intact
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    attempt(tw.barrier, timeout=20)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_message_that_cannot_be_held_fails_its_group_naming_the_limit(tmp_path: Path,
+                                                                       transport: str) -> None:
+    """A message that came before its receive and finds no memory to wait in: a raw MemoryError
+    on the receiver (a collective's receiver named the limit), and over TCP the stream fell out
+    of step, the next receive reading the payload as a header ('rank 0 sent a malformed message
+    header'). Now it is dropped, read past, and its group fails on both ranks with a
+    ResourceError naming the limit and the message."""
+    script = tmp_path / "unexpected_job.py"
+    script.write_text(UNEXPECTED_JOB)
+    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "30",
+           "TENSORWIRE_TRANSPORT": transport}
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=90, env=env)
+    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1], proc.stderr
+    said = ("rank 1: out of memory", "ulimit -v", "from rank 0 (point-to-point, tag 1) on group world")
+    assert len(results[1]["errors"]) == 3, results  # both receives and the barrier
+    for result in results.values():
+        assert result["errors"], result
+        for kind, text in result["errors"]:
+            assert kind == "ResourceError" and all(s in text for s in said), result
+
+
 THREAD_JOB = textwrap.dedent("""\
     import json, resource, warnings
     import numpy as np

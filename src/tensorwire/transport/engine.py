@@ -440,8 +440,14 @@ class Engine(Failures):
             self.held += header.nbytes
             if self.held_limit and self.held > self.held_limit and self._holds_too_much(peer, header):
                 return Discard(header.nbytes)
+        try:
+            msg = Unexpected(header, remote)
+        except MemoryError as exc:
+            self.held -= header.nbytes
+            self._drop(peer, header, self._cannot_hold(exc, peer, header))
+            return Discard(header.nbytes)  # read past it: the stream stays framed
+        if not remote:
             self.staged_bytes += header.nbytes
-        msg = Unexpected(header, remote)
         self.unexpected.setdefault(key, deque()).append(msg)
         if header.kind == Kind.COLL:
             heapq.heappush(self.unvetted.setdefault(header.ctx, []), (header.seq, peer, header.key))
@@ -460,18 +466,33 @@ class Engine(Failures):
         if self.held <= self.held_limit:
             return False
         self.held = held
-        call = self.current_call(header.ctx)
-        what = f"call #{header.seq}" if header.kind == Kind.COLL else f"point-to-point, tag {header.tag}"
-        error = ResourceError(
+        self._drop(peer, header, ResourceError(
             f"rank {self.rank}: holds {held} bytes of messages that came before their receives or calls "
-            f"were made here; the next, {header.nbytes} bytes from rank {peer} ({what}), would pass "
-            f"TENSORWIRE_HELD_BYTES={self.held_limit}: it is dropped and the group aborted. A rank that "
-            f"sends far more than its peer takes (sends without receives, calls far ahead) would "
-            f"otherwise fill this host's memory; post the receives sooner, or raise the limit")
+            f"were made here; the next, {header.nbytes} bytes from rank {peer} ({_label(header)}), would "
+            f"pass TENSORWIRE_HELD_BYTES={self.held_limit}: it is dropped and the group aborted. A rank "
+            f"that sends far more than its peer takes (sends without receives, calls far ahead) would "
+            f"otherwise fill this host's memory; post the receives sooner, or raise the limit"))
+        return True
+
+    def _cannot_hold(self, exc: MemoryError, peer: int, header: Header) -> ResourceError:
+        """The error of a message that came before its receive or call and finds no memory to
+        wait in."""
+        call = self.current_call(header.ctx)
+        group = "" if call is None else f" on group {call.group.name}"
+        return limits.memory_error(
+            exc, f"rank {self.rank}", f"the {header.nbytes} bytes from rank {peer} ({_label(header)}){group} "
+                                      f"came before their receive or call was made here and cannot be held: "
+                                      f"they are dropped and the group aborted; post the receive sooner, or "
+                                      f"raise the limit")
+
+    def _drop(self, peer: int, header: Header, error: ResourceError) -> None:
+        """Fail the group of a message from `peer` that this rank cannot hold, here and on its
+        members (once the channel's read is over); no later message of the group may match a
+        receive (it would take the dropped one's place)."""
+        call = self.current_call(header.ctx)
         members = tuple(call.group.ranks) if call is not None else (peer,)
         self.deferred_aborts.append((header.ctx, 0, members, error, False))
         self.dropped.add(header.ctx)
-        return True
 
     def may_park(self, peer: int, header: Header) -> bool:
         """May a large message from `peer` wait in its ring for its receive (shm.PARK_BYTES)?
@@ -498,11 +519,19 @@ class Engine(Failures):
             for channel in self.channel_list:
                 if channel.parked is not None:
                     channel.release = True
-            for queue in self.unexpected.values():
-                for msg in queue:
-                    staged = msg.stage()
+            for key, queue in list(self.unexpected.items()):
+                for msg in list(queue):
+                    try:
+                        staged = msg.stage()
+                    except MemoryError as exc:  # dropped, its sender released, as in match
+                        queue.remove(msg)
+                        msg.source.discard()  # type: ignore[union-attr]  # only a remote one stages
+                        self._drop(key[0], msg.header, self._cannot_hold(exc, key[0], msg.header))
+                        continue
                     self.staged_bytes += staged
                     self.held += staged
+                if not queue:
+                    del self.unexpected[key]
             self.progress()
 
     def adapt_to_machine(self, machine_ranks: int, index: int, bind: bool,
@@ -966,3 +995,7 @@ class Engine(Failures):
             # GIL, which aborts the process where that is inside C++ (torch frees a Work so)
             bg.join(_BG_JOIN_S)
 
+
+def _label(header: Header) -> str:
+    """A message named by what it is for: 'call #3' or 'point-to-point, tag 6'."""
+    return f"call #{header.seq}" if header.kind == Kind.COLL else f"point-to-point, tag {header.tag}"
