@@ -599,6 +599,53 @@ def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
         assert "ulimit -v" in result["text"] and "out of memory (;" not in result["text"], result
 
 
+OBJECTS_JOB = textwrap.dedent("""\
+    import json, resource
+    import tensorwire as tw
+    tw.init()
+    rank, big = tw.get_rank(), bytes(64 << 20)  # what rank 1 receives: more than it may map
+    calls = {
+        "all_gather_object": lambda: tw.all_gather_object([None, None], big if rank == 0 else 1),
+        "gather_object": lambda: tw.gather_object(big if rank == 0 else 1, [None, None] if rank else None,
+                                                  dst=1),
+        "broadcast_object_list": lambda: tw.broadcast_object_list([big] if rank == 0 else [None], src=0),
+        "scatter_object_list": lambda: tw.scatter_object_list([None], [1, big] if rank == 0 else None, src=0),
+    }
+    if rank == 1:  # 16 MiB above what it maps: its own objects pickle, what it receives does not fit
+        with open("/proc/self/status") as f:
+            vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+    out = {"rank": rank}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ["", ""]
+        except Exception as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_an_object_collectives_receive_buffer_out_of_memory_fails_every_rank(tmp_path: Path) -> None:
+    """Where the buffer for the objects a rank receives cannot be allocated, that rank raised a
+    raw MemoryError and its peers waited for it (until it exited, or their timeout): now the
+    call fails on every rank with a ResourceError naming the limit, as a failed pickle does."""
+    script = tmp_path / "objects_job.py"
+    script.write_text(OBJECTS_JOB)
+    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "20"}
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1], proc.stderr
+    for result in results.values():
+        for call in ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"):
+            kind, text = result[call]
+            assert kind == "ResourceError", (call, result)
+            assert text.startswith(f"rank 1: {call} #") and "out of memory" in text, result
+            assert "ulimit -v" in text, result
+
+
 UNEXPECTED_JOB = textwrap.dedent("""\
     import json, resource
     import numpy as np

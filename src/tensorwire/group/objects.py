@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -61,7 +61,7 @@ def all_gather_object(group: Group, object_list: list[Any], obj: Any, *,
     payload = _pickle(group, obj, what)
     with _steps(group, what):
         sizes = _object_sizes(group, payload, timeout)
-        buf = np.empty(sum(sizes), dtype=np.uint8)
+        buf = _buffer(group, sum(sizes), what)
         group.all_gatherv(buf, payload, sizes, timeout=timeout)
     object_list[:] = [pickle.loads(b.data) for b in blocks_of(buf, sizes)]
     return object_list
@@ -78,7 +78,7 @@ def gather_object(group: Group, obj: Any, object_gather_list: list[Any] | None =
     payload = _pickle(group, obj, what)
     with _steps(group, what):
         sizes = _object_sizes(group, payload, timeout)
-        buf = np.empty(sum(sizes) if group.rank == dst else 0, dtype=np.uint8)
+        buf = _buffer(group, sum(sizes) if group.rank == dst else 0, what)
         group.gatherv(buf, payload, sizes, dst, timeout=timeout)
     if group.rank == dst:
         object_gather_list[:] = [pickle.loads(b.data) for b in blocks_of(buf, sizes)]  # type: ignore[index]
@@ -96,7 +96,7 @@ def broadcast_object_list(group: Group, object_list: list[Any], src: int = 0, *,
     with _steps(group, what):
         group.broadcast(size, src, timeout=timeout)
         if group.rank != src:
-            payload = np.empty(int(size[0]), dtype=np.uint8)
+            payload = _buffer(group, int(size[0]), what)
         group.broadcast(payload, src, timeout=timeout)
     if group.rank != src:
         object_list[:] = pickle.loads(payload.data)
@@ -122,7 +122,7 @@ def scatter_object_list(group: Group, scatter_object_output_list: list[Any],
         sizes, buf = np.zeros(group.size, dtype=np.int64), np.empty(0, dtype=np.uint8)
     with _steps(group, what):
         group.broadcast(sizes, src, timeout=timeout)
-        mine = np.empty(int(sizes[group.rank]), dtype=np.uint8)
+        mine = _buffer(group, int(sizes[group.rank]), what)
         group.scatterv(mine, buf, [int(s) for s in sizes], src, timeout=timeout)
     scatter_object_output_list[:1] = [pickle.loads(mine.data)]
     return scatter_object_output_list
@@ -133,7 +133,22 @@ def _pickle(group: Group, obj: Any, what: str) -> np.ndarray:
     others would wait for its sizes), naming this rank and the object's type."""
     try:
         return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
-    except MemoryError as exc:  # the limits, as any call that cannot allocate
-        group.fail_fast(limits.memory_error(exc, f"rank {group.runtime.rank}: {what}"))
+    except MemoryError as exc:
+        _out_of_memory(group, exc, what)
     except Exception as exc:
         invalid(group, what, f"cannot pickle the {type(obj).__name__} given: {type(exc).__name__}: {exc}")
+
+
+def _buffer(group: Group, nbytes: int, what: str) -> np.ndarray:
+    """A buffer for the bytes this rank receives; where it cannot be allocated, the step that
+    would fill it fails on every member (the others would wait for this rank in it)."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        _out_of_memory(group, exc, what)
+
+
+def _out_of_memory(group: Group, exc: MemoryError, what: str) -> NoReturn:
+    """Refuse the call about to be made on every member, naming the limits, as any call that
+    cannot allocate."""
+    group.fail_fast(limits.memory_error(exc, f"rank {group.runtime.rank}: {what}"))
