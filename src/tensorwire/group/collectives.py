@@ -265,11 +265,12 @@ def reduce_scatterv(group: Group, output: Any, input: Any, counts: Sequence[int]
         invalid(group, what, f"input has {inp.size} elements (want sum(counts)={sum(counts)}), output "
                 f"{out.size} (want counts[{group.rank}]={counts[group.rank]})")
     red = reduction(group, op, out.dtype, what)
+    even = len(set(counts)) == 1  # equal counts run as reduce_scatter_tensor (its one-shot paths too)
     return group.queue.submit(fingerprint(Coll.REDUCE_SCATTERV, out.dtype, red, count=-1, counts=counts),
                               what,
                               bodies.reduce_scatter, async_op, timeout, blocks_of(inp.reshape(-1),
                                                                                   counts), out, red,
-                              False, output, SELECT)
+                              even, output, SELECT)
 
 
 # -- data movement ------------------------------------------------------------------------------
