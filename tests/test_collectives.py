@@ -1692,28 +1692,41 @@ def test_all_reduce_algorithms_directly(cl) -> None:
     _same_everywhere(results, "digests")
 
 
-def _reduce_scatterv_of_equal_counts() -> dict:
-    """The reduce_scatter algorithms a reduce_scatterv of equal counts ran, and those a
-    reduce_scatter_tensor of the same blocks (8 MiB each) ran, and whether both summed. Each
-    starts where the other did: what an earlier call learned of huge pages forgotten."""
+def _vector_form_of_equal_counts() -> dict:
+    """The algorithms a reduce_scatterv and an all_gatherv of equal counts ran, and those their
+    tensor forms ran on the same blocks (8 MiB each), and whether all were right. Each starts
+    where the other did: what an earlier call learned of huge pages forgotten."""
     n, block = tw.get_world_size(), 1 << 21
     x, out = np.ones(n * block, np.float32), np.zeros(block, np.float32)
-    tw.world().huge_seen.clear()
-    vector = _count_algorithms(lambda: tw.reduce_scatterv(out, x, [block] * n), "reduce_scatter")
-    summed = bool((out == n).all())
+    ran, right = {}, True
+
+    def count(form: str, collective: str, call) -> None:
+        tw.world().huge_seen.clear()
+        ran[form] = _count_algorithms(call, collective)
+
+    count("reduce_scatterv", "reduce_scatter", lambda: tw.reduce_scatterv(out, x, [block] * n))
+    right &= bool((out == n).all())
     out[:] = 0
-    tw.world().huge_seen.clear()
-    tensor = _count_algorithms(lambda: tw.reduce_scatter_tensor(out, x), "reduce_scatter")
-    return {"vector": vector, "tensor": tensor, "summed": summed and bool((out == n).all())}
+    count("reduce_scatter_tensor", "reduce_scatter", lambda: tw.reduce_scatter_tensor(out, x))
+    right &= bool((out == n).all())
+    out[:] = tw.get_rank()
+    count("all_gatherv", "all_gather", lambda: tw.all_gatherv(x, out, [block] * n))
+    right &= bool((x.reshape(n, block) == np.arange(n)[:, None]).all())
+    x[:] = 0
+    count("all_gather_into_tensor", "all_gather", lambda: tw.all_gather_into_tensor(x, out))
+    right &= bool((x.reshape(n, block) == np.arange(n)[:, None]).all())
+    return {"ran": ran, "right": right}
 
 
 @pytest.mark.parametrize("world_spec", [(2, "shm"), (3, "shm")], indirect=True, ids=["2-shm", "3-shm"])
-def test_reduce_scatterv_of_equal_counts_runs_as_reduce_scatter_tensor(cl) -> None:
-    """Its equal blocks were priced as uneven ones, which leaves out the one-shot paths: it ran
-    recursive halving through a scratch copy of the whole input, 3-10x slower than
-    reduce_scatter_tensor of the same blocks (single copy, no scratch)."""
-    for result in cl.run(_reduce_scatterv_of_equal_counts, timeout=60):
-        assert result["summed"] and result["vector"] == result["tensor"], result
+def test_a_vector_form_of_equal_counts_runs_as_its_tensor_form(cl) -> None:
+    """Their equal blocks were priced as uneven ones, which leaves out the one-shot paths: a
+    reduce_scatterv ran recursive halving through a scratch copy of the whole input, 3-10x
+    slower than reduce_scatter_tensor of the same blocks (single copy, no scratch)."""
+    for result in cl.run(_vector_form_of_equal_counts, timeout=60):
+        ran = result["ran"]
+        assert result["right"] and ran["reduce_scatterv"] == ran["reduce_scatter_tensor"] \
+            and ran["all_gatherv"] == ran["all_gather_into_tensor"], result
 
 
 def _forced_sizes(n: int, dt: np.dtype, cfg) -> list[int]:

@@ -405,9 +405,10 @@ def all_gatherv(group: Group, output: Any, input: Any, counts: Sequence[int], *,
         invalid(group, what, f"input has {inp.size} elements (want counts[{group.rank}]="
                 f"{counts[group.rank]}), output {out.size} (want sum(counts)={sum(counts)})")
     outs = blocks_of(out.reshape(-1), counts)
+    even = len(set(counts)) == 1  # equal counts run as all_gather_into_tensor (its one-shot paths too)
     return group.queue.submit(fingerprint(Coll.ALL_GATHERV, inp.dtype, counts=counts), what,
                               bodies.all_gather, async_op,
-                              timeout, inp, outs, False, output, SELECT)
+                              timeout, inp, outs, even, output, SELECT)
 
 
 def gather(group: Group, tensor: Any, gather_list: Sequence[Any] | None = None, dst: int = 0, *,
