@@ -1499,6 +1499,60 @@ def test_a_call_while_another_threads_call_is_in_progress_aborts_the_group(clust
             _assert_error(res["call"], InvalidArgumentError, *overlap, within=TIMEOUT)
 
 
+def _reentered_from_a_signal_handler(how: str, t: float) -> dict[str, Any]:
+    """Rank 0's SIGALRM handler calls the group while rank 0 waits in an all_reduce the others
+    join 2 s late: `how` the call beneath runs: a signature planned before (the compiled
+    caller, the planned path), one checked first, or an async call waited for, which the
+    waiter runs (CallQueue.run_until: the worker, started before, is left asleep)."""
+    g = _fresh_group()
+    shape, dtype = (8, np.float32) if how == "checked" else (4, np.float64)
+    x = np.ones(shape, dtype)
+    for _ in range(2):
+        g.all_reduce(np.ones(4), timeout=t)
+    g.all_reduce(np.ones(4), async_op=True, timeout=t).wait()
+    time.sleep(0.1)  # the worker asleep
+    out: dict[str, Any] = {}
+    if g.rank == 0:
+        def handler(signum: int, frame: Any) -> None:
+            out["handler"] = _attempt(g.all_reduce, np.ones(4), timeout=t)
+
+        old = signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            if how == "waited":
+                g.queue.wake_worker = False
+                out["beneath"] = _attempt(lambda: g.all_reduce(x, async_op=True, timeout=t).wait())
+            else:
+                out["beneath"] = _attempt(g.all_reduce, x, timeout=t)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            g.queue.wake_worker = True
+    else:
+        time.sleep(2.0)
+        out["beneath"] = _attempt(g.all_reduce, x, timeout=t)
+        out["handler"] = _attempt(g.all_reduce, np.ones(4), timeout=t)
+    return out
+
+
+@pytest.mark.parametrize("how", ["planned", "checked", "waited"])
+def test_a_call_reentered_from_a_signal_handler_is_refused_at_once(cluster: Any, how: str) -> None:
+    """A call made in a signal handler while the same thread waits in a call of the group was
+    queued behind that call and waited for it without end (the peers timed out, told that
+    rank 0 was in no call). It is refused at once, naming the call beneath, and the group is
+    aborted as for another thread's call: the call beneath fails with it on rank 0, and on
+    each peer that call (unless rank 0's share of it had all arrived: tcp) or the next."""
+    results = cluster.run(_reentered_from_a_signal_handler, how, TIMEOUT)
+    reentered = ("rank 0: all_reduce on group", "was already inside all_reduce #4 on group",
+                 "re-entered, e.g. from a signal handler", "the group is aborted")
+    _assert_error(results[0]["handler"], InvalidArgumentError, *reentered, within=1.0)
+    _assert_error(results[0]["beneath"], InvalidArgumentError, *reentered, within=TIMEOUT)
+    for peer in results[1:]:
+        if peer["beneath"]["type"] is not None:
+            _assert_error(peer["beneath"], InvalidArgumentError, *reentered, within=1.0)
+        _assert_error(peer["handler"], InvalidArgumentError, *reentered, within=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # A collective some rank never calls; Work.wait(timeout)
 

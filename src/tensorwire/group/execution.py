@@ -97,6 +97,9 @@ class CallQueue:
         self.compiled: int | None = None
         """The ident of the thread whose call the compiled caller runs: it takes the group so,
         with `busy`, where it found `entry` empty (the GIL held from its check on)."""
+        self.runner: int | None = None
+        """The ident of the thread that runs a queued call now (the worker, or a waiter:
+        `run_until`): a call it makes meanwhile is made inside that one (`enter`)."""
         self.overlap: InvalidArgumentError | None = None
         """What `_overlapped` raised: the call that had the group then fails with it too as it
         returns (`check_alone`), even where its peers completed it."""
@@ -114,9 +117,10 @@ class CallQueue:
         as body(call, *args)."""
         group = self.group
         limit = limit_of(group, timeout, what)
-        claimed = self.enter(what)
+        self.enter(what)
         try:
-            self.settle(timeout, what)
+            if self._unsettled():
+                self._settle(timeout, True)
             origin = 1 if getattr(_callbacks, "active", False) else 0
             with self._cv:
                 # a call running uncounted took a planned path, before any callbacks ran: the program's
@@ -168,30 +172,45 @@ class CallQueue:
                 self._finished(origin)
                 self.group.abort(refused, call.seq)
                 raise refused
-        finally:
-            if claimed:  # queued: the group is another thread's to enter while this one waits
-                del self.entry[0]
+        finally:  # ran, or queued: the group is another thread's to enter while this one waits
+            del self.entry[0]
         if async_op:
             return work
         return work.result()
 
-    def enter(self, what: str) -> bool:
-        """Take the group for this thread's call `what` until it runs inline or is queued: True
-        where this took it (the caller gives it back: `del entry[0]`), False where this
-        thread's own call has it (a call made within that one). Another thread's call in it
-        meanwhile is an error (`_overlapped`)."""
+    def enter(self, what: str) -> None:
+        """Take the group for this thread's call `what` until it runs inline or is queued (the
+        caller gives it back: `del entry[0]`). Another thread's call in it meanwhile is an
+        error (`_overlapped`), and so is this thread's own (`_reentered`)."""
         me = threading.get_ident()
         owner = self.entry.get(0)
-        if owner == me:
-            return False
         if owner is None:  # nobody else puts this thread's ident there: equal, it is this call's
             owner = self.entry.setdefault(0, me)
             if owner == me:
-                owner = self.compiled  # read once this call holds `entry`: no compiled call starts since
-                if owner is None or owner == me:
-                    return True
+                # read once this call holds `entry`: no compiled call starts since
+                owner = self.compiled if self.runner != me else me
+                if owner is None:
+                    return
                 del self.entry[0]
+        if owner == me:
+            self._reentered(what)
         self._overlapped(what, owner)
+
+    def _reentered(self, what: str) -> NoReturn:
+        """Call `what` entered the group on the thread whose call of it was entering or running
+        there (a signal handler's call, or a finalizer's, made inside that call): it could run
+        only once that call returned, which waits beneath it. The group is aborted on every
+        member, as for another thread's call (`_overlapped`): the call beneath is half done
+        here while its peers go on, and fails with this error as it returns."""
+        current, name = self.current, self.group.name
+        inside = current.what if self.busy and current is not None else f"a call on group {name}"
+        error = InvalidArgumentError(
+            f"rank {self.group.runtime.rank}: {what} on group {name} was called on thread "
+            f"{_thread_named(threading.get_ident())} while that thread was already inside {inside} "
+            f"(re-entered, e.g. from a signal handler): it could run only once that call returned, "
+            f"which waits beneath it; the group is aborted. Make no call on a group from a signal "
+            f"handler or finalizer while the program may be inside one (set a flag there, and call after)")
+        self._abort_both(error, None)
 
     def _overlapped(self, what: str, owner: int) -> NoReturn:
         """Call `what` entered the group on this thread while thread `owner`'s call was entering
@@ -282,7 +301,7 @@ class CallQueue:
         every member refused that call too (its next call here waits until they all said so:
         `_after_refusals`); where a member ran it instead, the group renews itself (renewal.py)."""
         group = self.group
-        claimed = self.enter(called(error, group.runtime.rank))
+        self.enter(called(error, group.runtime.rank))
         try:
             try:
                 self._settle(None, False)  # earlier calls' refusals, a renewal
@@ -298,20 +317,23 @@ class CallQueue:
                 self.engine.refuse(group.ctx, self.seq, group.ranks, error)
             raise error from None
         finally:
-            if claimed:
-                del self.entry[0]
+            del self.entry[0]
 
     def settle(self, timeout: float | None, what: str) -> None:
         """Before call `what` is numbered: what a refusal left to do (`_settle`), if anything,
         as part of the call (`enter`: a renewal numbers calls)."""
-        engine = self.engine
-        if (engine.refusals and self.group.ctx in engine.refusals) or engine.renewable or self.doomed:
-            claimed = self.enter(what)
+        if self._unsettled():
+            self.enter(what)
             try:
                 self._settle(timeout, True)
             finally:
-                if claimed:
-                    del self.entry[0]
+                del self.entry[0]
+
+    def _unsettled(self) -> bool:
+        """Whether a refusal left something to do before the next call (`_settle`)."""
+        engine = self.engine
+        return bool((engine.refusals and self.group.ctx in engine.refusals) or engine.renewable
+                    or self.doomed)
 
     def _settle(self, timeout: float | None, numbering: bool) -> None:
         """Before a call: settle the refusals of this group's calls up to it (`numbering`: the
@@ -487,13 +509,17 @@ class CallQueue:
         """Run a queued call; returns what finishes its Work, for the runner to call once it let
         go of the call: a waiter may drop the group as it wakes, and be right to expect it
         collected."""
+        self.runner = threading.get_ident()
         try:
             result = self._run(call, body, args)
+            if self.overlap is not None:
+                self.check_alone()
         except BaseException as exc:  # handed to whoever waits on the Work
             return functools.partial(work.finish, exc=exc)
         else:
             return functools.partial(work.finish, result)
         finally:
+            self.runner = None
             with self._cv:
                 self.in_flight[work.origin] -= 1
                 self.busy = False
