@@ -185,6 +185,38 @@ def test_sendrecv_of_one_signature_repeated(cluster: Any, n: int) -> None:
         assert "not C-contiguous" in errors[0] and "read-only" in errors[1], errors
 
 
+def _refused_once_its_pair_is_known(bad: list[dict[str, Any]]) -> list[Any]:
+    """sendrecv of a pair of routes used before (the compiled caller holds it: tag -1), then
+    with each of `bad`'s keyword arguments: what it raised and what its receive got (nothing:
+    -7); last, what a good call of new values got."""
+    r, right, left = _neighbours()
+    send, got = np.full(4, float(r)), np.zeros(4)
+    for _ in range(3):
+        tw.sendrecv(send, right, got, left, tag=-1)
+    out: list[Any] = []
+    for kwargs in bad:
+        send[:], got[:] = 100 + r, -7
+        out.append((_raises(tw.sendrecv, send, right, got, left, **{"tag": -1, **kwargs}), float(got[0])))
+    send[:] = 200 + r
+    tw.sendrecv(send, right, got, left, tag=-1, timeout=10.0)
+    return [*out, float(got[0])]
+
+
+_PAIR_WORLDS = [(2, "shm"), (3, "shm"), (3, PYTHON), (2, "tcp")]
+
+
+@pytest.mark.parametrize("world_spec", _PAIR_WORLDS, indirect=True, ids=[f"{t}{n}" for n, t in _PAIR_WORLDS])
+def test_a_tag_no_64_bit_int_holds_is_refused_once_its_pair_is_known(cluster: Any) -> None:
+    """The compiled caller read a tag of 2**63 or more as -1 and sent and received it as a
+    message of tag -1; it is refused as the Python function refuses it, nothing sent."""
+    tags = [1 << 63, (1 << 64) - 1, 1 << 70]
+    for rank, res in enumerate(cluster.run(_refused_once_its_pair_is_known, [{"tag": t} for t in tags])):
+        for tag, (err, got) in zip(tags, res):
+            _check_error(err, InvalidArgumentError, f"rank {rank}: ", f"tag {tag} is not an integer of 64")
+            assert got == -7, (rank, tag, res)
+        assert res[-1] == 200 + (rank - 1) % cluster.size, res
+
+
 def _sends_into_a_full_socket(count: int, size: int) -> bool:
     """Rank 0 sends `count` messages from one array it refills at once after each send; rank 1
     reads nothing for a while (the socket's buffers fill: the kernel takes some message only in

@@ -92,11 +92,18 @@ static int slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *off) {
     return ok;
 }
 
+/* `v` in *x where it is an int that a long holds; 0 where not (an int past it is never taken
+ * as -1: the call goes to the Python function, which names it). */
+static int exact_long(PyObject *v, long *x) {
+    int overflow;
+    if (v == NULL || !PyLong_CheckExact(v)) return 0;
+    *x = PyLong_AsLongAndOverflow(v, &overflow);
+    return !overflow;
+}
+
 static long small(PyObject *v) { /* an int slot's value; -1 where it is not a small int */
-    if (v == NULL || !PyLong_CheckExact(v)) return -1;
-    long x = PyLong_AsLong(v);
-    if (x == -1 && PyErr_Occurred()) PyErr_Clear();
-    return x;
+    long x;
+    return exact_long(v, &x) ? x : -1;
 }
 
 static void entry_clear(Entry *e) {
@@ -378,6 +385,7 @@ static PyObject *run(Caller *c, Entry *e, PyObject *timeout, PyObject *x, PyObje
     }
     for (int i = 0; i < nargs; i++) Py_DECREF(args[i]); /* seq's with them */
     long s = status == NULL ? 0 : PyLong_AsLong(status);
+    if (s == -1 && PyErr_Occurred()) Py_CLEAR(status); /* no status: its error is the body's */
     PyObject *done;
     if (status != NULL && s == DONE) {
         Py_DECREF(status);
@@ -722,6 +730,7 @@ static int exchange(Caller *c, Pair *p, PyObject *out, PyObject *inn, PyObject *
     if ((ring = PyObject_GetAttr(out, S_out_ring)) == NULL || (call[2] = PyObject_GetAttr(ring, S_capacity)) == NULL)
         goto done;
     Py_ssize_t cap = PyLong_AsSsize_t(call[2]);
+    if (cap == -1 && PyErr_Occurred()) goto done;
     PyObject *sink = PyObject_GetAttr(inn, S_sink);
     Py_XDECREF(sink);
     if (sink != Py_None || p->send_bytes > (cap >> 1) - 127) goto done;
@@ -752,6 +761,7 @@ static int exchange(Caller *c, Pair *p, PyObject *out, PyObject *inn, PyObject *
     }
     s = (int)PyLong_AsLong(done_obj);
     Py_DECREF(done_obj);
+    if (s == -1 && PyErr_Occurred()) s = -3;
     if (s == 2 && (PyObject_SetAttr(inn, S_parked, Py_None) < 0 || PyObject_SetAttr(inn, S_release, Py_False) < 0))
         s = -3;
 done:
@@ -836,12 +846,11 @@ static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t na
     Pair *p = NULL, held; /* held: the pair found, its objects held (the lock's wait lets another
                            * thread add a pair, and the table move, or clear them) */
     Py_ssize_t send_bytes, recv_bytes;
-    if (c->npairs && parse(args, nargs, kwnames, SENDRECV, 0, &a) && pos[0] != NULL && pos[1] != NULL &&
-        pos[2] != NULL && pos[3] != NULL) {
+    long dst, src, tag = 0;
+    if (c->npairs && parse(args, nargs, kwnames, SENDRECV, 0, &a) && pos[0] != NULL && pos[2] != NULL &&
+        exact_long(pos[1], &dst) && exact_long(pos[3], &src) && (pos[4] == NULL || exact_long(pos[4], &tag))) {
         a.timeout = pos[5] == Py_None ? NULL : pos[5];
-        long dst = small(pos[1]), src = small(pos[3]), tag = pos[4] == NULL ? 0 : small(pos[4]);
-        int ints = pos[4] == NULL || PyLong_CheckExact(pos[4]); /* small() says -1 for a tag of another type */
-        PyObject *send_dtype = ints ? array_of(c, pos[0], 0, &send_bytes) : NULL, *recv_dtype = NULL;
+        PyObject *send_dtype = array_of(c, pos[0], 0, &send_bytes), *recv_dtype = NULL;
         if (send_dtype != NULL) recv_dtype = array_of(c, pos[2], 1, &recv_bytes);
         for (Py_ssize_t i = 0; recv_dtype != NULL && i < c->npairs; i++) {
             Pair *q = &c->pairs[i];
