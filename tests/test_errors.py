@@ -724,6 +724,43 @@ def test_a_timeout_that_is_no_duration_is_an_argument_error(cluster: Any) -> Non
         assert all(res["type"] is None for res in outcomes[len(bad):]), (rank, outcomes[len(bad):])
 
 
+def _bad_timeouts_of_planned_calls(late: bool) -> list[dict[str, Any]]:
+    """As _bad_timeouts, of signatures planned before (the compiled caller takes them where
+    built); `late`: rank 0's timeout alone is bad, its all_reduce's peers 0.3 s late (rank 0's
+    call would have waited in Python). Last, a good call."""
+    g = _fresh_group()
+    x = np.ones(4)
+    calls = [lambda t: g.all_reduce(x, timeout=t), lambda t: g.barrier(timeout=t),
+             lambda t: g.broadcast(x, 0, timeout=t)]
+    for _ in range(3):
+        for call in calls:
+            call(10.0)
+    out = []
+    for bad in (float("nan"), 0, -5, float("inf"), "abc", [1], 10**400):
+        for call in calls[:1] if late else calls:
+            if late and g.rank:
+                time.sleep(0.3)
+            out.append(_attempt(call, 10.0 if late and g.rank else bad))
+    out.append(_attempt(g.all_reduce, x, timeout=10.0))
+    return out
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "late"])
+def test_a_planned_calls_timeout_that_is_no_duration_is_refused(cluster: Any, late: bool) -> None:
+    """The compiled caller ran planned calls with any timeout=: -5 and 0 timed out at once
+    where the call waited (the peers completed it), 'abc' leaked a TypeError (the peers got an
+    AbortedError naming no rank), nan, inf and [1] went through. Each is refused as on the
+    call's first signature, on every rank (the peers of a rank that alone passed it, told by
+    it), and the group goes on."""
+    if cluster.size < 2:
+        pytest.skip("needs a peer")
+    for rank, outcomes in enumerate(cluster.run(_bad_timeouts_of_planned_calls, late)):
+        who = "rank 0: " if late else f"rank {rank}: "
+        for res in outcomes[:-1]:
+            _assert_error(res, InvalidArgumentError, who, "timeout must be a positive, finite", within=5.0)
+        assert outcomes[-1]["type"] is None, (rank, outcomes[-1])
+
+
 def _interrupted_work_wait() -> dict[str, Any]:
     """Rank 0's wait on an irecv's Work is interrupted before anything came; rank 1 then sends:
     the Work is still pending, as MPI_Wait's request after a signal, and a second wait gets it."""

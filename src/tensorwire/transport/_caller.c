@@ -8,6 +8,7 @@
  * numbered and run here; any other call goes to the Python function untouched. A body that hands
  * back a status or raises is finished by Plans.finish, as Plans.submit's body would be. */
 #include "_native.h"
+#include <float.h>
 
 enum { ALL_REDUCE, REDUCE, BROADCAST, BARRIER, GATHER, SCATTER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SENDRECV,
        N_COLLS };
@@ -99,6 +100,14 @@ static int exact_long(PyObject *v, long *x) {
     if (v == NULL || !PyLong_CheckExact(v)) return 0;
     *x = PyLong_AsLongAndOverflow(v, &overflow);
     return !overflow;
+}
+
+/* A timeout= the caller runs with as it is: a float, or an int a long holds, above 0 and finite;
+ * the Python function checks any other (limit_of), and refuses it or reads it. */
+static int seconds(PyObject *t) {
+    long n;
+    if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) > 0.0 && PyFloat_AS_DOUBLE(t) <= DBL_MAX;
+    return exact_long(t, &n) && n > 0;
 }
 
 static long small(PyObject *v) { /* an int slot's value; -1 where it is not a small int */
@@ -448,8 +457,9 @@ static const char *const PARAMS[N_COLLS][6] = {
 enum { KW_OUT = 1, KW_COMPRESS = 2 }; /* the keyword-only ones besides async_op and timeout */
 
 /* Fill `a` from a call of method `coll` (`has`: its keyword-only parameters); 0 where an
- * argument is not one of its parameters or is given twice, or where async_op or compress is not
- * its default (the Python function takes those calls, and names what is wrong). */
+ * argument is not one of its parameters or is given twice, where async_op or compress is not
+ * its default, or the timeout not `seconds` (the Python function takes those calls, and names
+ * what is wrong). */
 static int parse(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int coll, int has, Args *a) {
     Py_ssize_t max = 0;
     while (max < 6 && PARAMS[coll][max] != NULL) max++;
@@ -459,9 +469,10 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
-        if (is_name(name, S_timeout) && coll != SENDRECV) /* sendrecv's is among its PARAMS */
+        if (is_name(name, S_timeout) && coll != SENDRECV) { /* sendrecv's is among its PARAMS */
+            if (value != Py_None && !seconds(value)) return 0;
             a->timeout = value == Py_None ? NULL : value;
-        else if (is_name(name, S_async_op)) {
+        } else if (is_name(name, S_async_op)) {
             if (value != Py_False) return 0;
         } else if ((has & KW_OUT) && is_name(name, S_out)) {
             a->out = value == Py_None ? NULL : value;
@@ -848,7 +859,8 @@ static PyObject *Caller_sendrecv(Caller *c, PyObject *const *args, Py_ssize_t na
     Py_ssize_t send_bytes, recv_bytes;
     long dst, src, tag = 0;
     if (c->npairs && parse(args, nargs, kwnames, SENDRECV, 0, &a) && pos[0] != NULL && pos[2] != NULL &&
-        exact_long(pos[1], &dst) && exact_long(pos[3], &src) && (pos[4] == NULL || exact_long(pos[4], &tag))) {
+        exact_long(pos[1], &dst) && exact_long(pos[3], &src) && (pos[4] == NULL || exact_long(pos[4], &tag)) &&
+        (pos[5] == NULL || pos[5] == Py_None || seconds(pos[5]))) {
         a.timeout = pos[5] == Py_None ? NULL : pos[5];
         PyObject *send_dtype = array_of(c, pos[0], 0, &send_bytes), *recv_dtype = NULL;
         if (send_dtype != NULL) recv_dtype = array_of(c, pos[2], 1, &recv_bytes);
