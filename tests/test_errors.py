@@ -1461,7 +1461,7 @@ def test_a_rank_of_another_type_than_int_is_refused_after_an_ints_call(cluster: 
         assert res.pop("numpy")["type"] is None, res
         _assert_error(res.pop("send tag 1.0"), InvalidArgumentError, "tag 1.0 is not an integer", rank=rank)
         for case, outcome in res.items():
-            name = "peer" if case.startswith("send") else "src" if case.startswith("broadcast") else "dst"
+            name = {"send": "peer", "sendrecv": "dst", "broadcast": "src", "reduce": "dst"}[case.split()[0]]
             _assert_error(outcome, InvalidArgumentError, f"{name} must be an int", rank=rank, within=1.0)
 
 

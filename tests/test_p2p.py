@@ -196,7 +196,8 @@ def _refused_once_its_pair_is_known(bad: list[dict[str, Any]]) -> list[Any]:
     out: list[Any] = []
     for kwargs in bad:
         send[:], got[:] = 100 + r, -7
-        out.append((_raises(tw.sendrecv, send, right, got, left, **{"tag": -1, **kwargs}), float(got[0])))
+        call = {"send": send, "dst": right, "recv": got, "src": left, "tag": -1, **kwargs}
+        out.append((_raises(tw.sendrecv, **call), float(got[0])))
     send[:] = 200 + r
     tw.sendrecv(send, right, got, left, tag=-1, timeout=10.0)
     return [*out, float(got[0])]
@@ -215,6 +216,24 @@ def test_a_tag_no_64_bit_int_holds_is_refused_once_its_pair_is_known(cluster: An
             _check_error(err, InvalidArgumentError, f"rank {rank}: ", f"tag {tag} is not an integer of 64")
             assert got == -7, (rank, tag, res)
         assert res[-1] == 200 + (rank - 1) % cluster.size, res
+
+
+@pytest.mark.parametrize("world_spec", _PAIR_WORLDS, indirect=True, ids=[f"{t}{n}" for n, t in _PAIR_WORLDS])
+def test_sendrecv_checks_its_arguments_before_anything_moves(cluster: Any) -> None:
+    """sendrecv checked its timeout only where its receive had to wait: its send had gone and
+    its receive had taken the peer's message when it refused, naming 'recv from rank 1'. Each
+    bad argument is refused before either message moves, naming sendrecv."""
+    n = cluster.size
+    bad: dict[str, dict[str, Any]] = {
+        f"sendrecv: timeout must be a positive, finite number of seconds, got {t!r}": {"timeout": t}
+        for t in (-1, 0, "abc", float("nan"), float("inf"))}
+    bad |= {f"sendrecv: dst={n} is out of range": {"dst": n}, "sendrecv: src=-1 is out of range": {"src": -1},
+            "sendrecv on group world: tag 1.5": {"tag": 1.5}}
+    for rank, res in enumerate(cluster.run(_refused_once_its_pair_is_known, list(bad.values()))):
+        for said, (err, got) in zip(bad, res):
+            _check_error(err, InvalidArgumentError, f"rank {rank}: {said}")
+            assert got == -7, (rank, said, res)
+        assert res[-1] == 200 + (rank - 1) % n, res
 
 
 def _sends_into_a_full_socket(count: int, size: int) -> bool:

@@ -226,9 +226,12 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
     """Send `send` to `dst` and receive into `recv` from `src` at once (MPI_Sendrecv): no
     ordering between the two can deadlock, as a blocking send before a blocking receive
     can on every rank of a ring. `send` and `recv` may be one buffer or overlap (the send then
-    leaves from a copy, as MPI_Sendrecv_replace's). Returns `src`."""
+    leaves from a copy, as MPI_Sendrecv_replace's). Returns `src`. Its arguments are checked
+    before either message moves."""
+    if timeout is not None:  # (the other arguments of a pair used before: checked as it was made)
+        timeout = limit_of(group, timeout, "sendrecv", collective=False)
     if type(send) is np.ndarray and type(recv) is np.ndarray and type(dst) is int and type(src) is int \
-            and type(tag) is int:  # (other types: checked by _route)
+            and type(tag) is int:  # (other types: checked by _check_peers)
         viewed = send.base is not None or recv.base is not None  # else each owns its memory
         if send is recv or viewed and np.may_share_memory(send, recv):
             send = send.copy()  # the receive may land before the send has left
@@ -250,6 +253,7 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                 _vet_received(group, inn.peer, recv.nbytes)
                 return src
     elif _on_device(send) or _on_device(recv):
+        _check_peers(group, dst, src, tag)
         views = {}  # the CUDA buffers as torch tensors (CuPy's too)
         for buf, what in ((send, "send"), (recv, "recv")):  # both good before anything is sent
             if _on_device(buf):
@@ -258,10 +262,11 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
                 as_array(buf, writable=what == "recv", rank=group.runtime.rank, collective="sendrecv")
         if len(views) == 2 and _overlap(views["send"], views["recv"]):
             send = views["send"].clone()
-        deadline = time.perf_counter() + limit_of(group, timeout, "sendrecv", collective=False)
+        deadline = time.perf_counter() + (group.timeout if timeout is None else timeout)
         for work in [group.irecv(recv, src, tag), group.isend(send, dst, tag)]:  # the receive first (_finish)
             work.wait(max(0.0, deadline - time.perf_counter()))
         return src
+    _check_peers(group, dst, src, tag)
     data, out = _host(group, send, True, dst, tag, "sendrecv")
     into, inn = _host(group, recv, False, src, tag, "sendrecv")
     if np.may_share_memory(data, into):
@@ -280,6 +285,13 @@ def sendrecv(group: Group, send: Any, dst: int, recv: Any, src: int, tag: int = 
             _finish(group, data, out, into, inn, sent, timeout)
     _vet_received(group, inn.peer, into.nbytes)
     return src
+
+
+def _check_peers(group: Group, dst: Any, src: Any, tag: Any) -> None:
+    """sendrecv's peers and tag, named as its own (its routes would name a send and a recv)."""
+    check_root(group, dst, "sendrecv", "dst", collective=False)
+    check_root(group, src, "sendrecv", "src", collective=False)
+    _check_tag(group, tag, "sendrecv")
 
 
 def _overlap(a: Any, b: Any) -> bool:
