@@ -443,7 +443,8 @@ class Engine(Failures):
         try:
             msg = Unexpected(header, remote)
         except MemoryError as exc:
-            self.held -= header.nbytes
+            if not remote:
+                self.held -= header.nbytes
             self._drop(peer, header, self._cannot_hold(exc, peer, header))
             return Discard(header.nbytes)  # read past it: the stream stays framed
         if not remote:
