@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -509,25 +510,32 @@ except tw.TensorwireError as exc:
 """
 
 
-def _fd_job(tmp_path: Path, np_: int, limit: str, ranks: str, launcher_limit: int = 0):
-    script = tmp_path / "fd_job.py"
-    script.write_text(FD_JOB)
-    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "300", "FD_LIMIT": limit,
-           "FD_RANKS": ranks}
-
-    def cap() -> None:
-        if launcher_limit:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (launcher_limit, launcher_limit))
-
-    # well under the init timeout (300 s): an error that came from a timeout would fail here
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", str(np_), str(script)],
-                          capture_output=True, text=True, timeout=90, env=env, preexec_fn=cap)
+def _job(tmp_path: Path, source: str, env: dict[str, str], *args: str, ranks: int = 2,
+         preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """`source` run by `tensorwire run -n ranks` with `args`, `env` over this process's and
+    no calibration (well under 90 s, or the test fails): the launcher's process, and each
+    rank's 'RESULT {json}' line read."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", str(ranks), str(script), *args],
+                          capture_output=True, text=True, timeout=90, preexec_fn=preexec_fn,
+                          env={**os.environ, "TENSORWIRE_CALIBRATE": "0", **env})
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
             results[result["rank"]] = result
     return proc, results
+
+
+def _fd_job(tmp_path: Path, np_: int, limit: str, ranks: str, launcher_limit: int = 0):
+    def cap() -> None:
+        if launcher_limit:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (launcher_limit, launcher_limit))
+
+    # well under the init timeout (300 s): an error that came from a timeout would fail here
+    return _job(tmp_path, FD_JOB, {"TENSORWIRE_TIMEOUT": "300", "FD_LIMIT": limit, "FD_RANKS": ranks},
+                ranks=np_, preexec_fn=cap)
 
 
 def test_descriptor_limit_fails_every_rank(tmp_path: Path) -> None:
@@ -584,14 +592,8 @@ MEMORY_JOB = textwrap.dedent("""\
 def test_out_of_memory_fails_every_rank(tmp_path: Path, call: str) -> None:
     """A call that cannot allocate, a buffer or an object's pickle, is a ResourceError naming
     the limit on every rank (the pickle's was an InvalidArgumentError "cannot pickle")."""
-    script = tmp_path / "memory_job.py"
-    script.write_text(MEMORY_JOB)
-    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "300",
-           "TENSORWIRE_ALGO": "allreduce:recursive_doubling"}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script), call],
-                          capture_output=True, text=True, timeout=90, env=env)
-    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    proc, results = _job(tmp_path, MEMORY_JOB, {"TENSORWIRE_TIMEOUT": "300",
+                                                "TENSORWIRE_ALGO": "allreduce:recursive_doubling"}, call)
     assert sorted(results) == [0, 1], proc.stderr
     for result in results.values():
         assert result["error"] == "ResourceError", result
@@ -630,13 +632,7 @@ def test_an_object_collectives_receive_buffer_out_of_memory_fails_every_rank(tmp
     """Where the buffer for the objects a rank receives cannot be allocated, that rank raised a
     raw MemoryError and its peers waited for it (until it exited, or their timeout): now the
     call fails on every rank with a ResourceError naming the limit, as a failed pickle does."""
-    script = tmp_path / "objects_job.py"
-    script.write_text(OBJECTS_JOB)
-    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "20"}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    proc, results = _job(tmp_path, OBJECTS_JOB, {"TENSORWIRE_TIMEOUT": "20"})
     assert sorted(results) == [0, 1], proc.stderr
     for result in results.values():
         for call in ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"):
@@ -682,14 +678,8 @@ def test_a_message_that_cannot_be_held_fails_its_group_naming_the_limit(tmp_path
     of step, the next receive reading the payload as a header ('rank 0 sent a malformed message
     header'). Now it is dropped, read past, and its group fails on both ranks with a
     ResourceError naming the limit and the message."""
-    script = tmp_path / "unexpected_job.py"
-    script.write_text(UNEXPECTED_JOB)
-    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "30",
-           "TENSORWIRE_TRANSPORT": transport}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
-                          capture_output=True, text=True, timeout=90, env=env)
-    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    proc, results = _job(tmp_path, UNEXPECTED_JOB, {"TENSORWIRE_TIMEOUT": "30",
+                                                   "TENSORWIRE_TRANSPORT": transport})
     assert sorted(results) == [0, 1], proc.stderr
     said = ("rank 1: out of memory", "ulimit -v", "from rank 0 (point-to-point, tag 1) on group world")
     assert len(results[1]["errors"]) == 3, results  # both receives and the barrier
@@ -736,13 +726,7 @@ def test_no_memory_for_a_thread_is_a_resource_error_naming_the_limit(tmp_path: P
     never started): the progress thread is done without (a warning naming the limit, the send
     moving as its wait drives it), an async collective's worker is a ResourceError naming the
     limit on every rank, and destroy() works."""
-    script = tmp_path / "thread_job.py"
-    script.write_text(THREAD_JOB)
-    env = {**os.environ, "TENSORWIRE_CALIBRATE": "0", "TENSORWIRE_TIMEOUT": "30"}
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "run", "-n", "2", str(script)],
-                          capture_output=True, text=True, timeout=90, env=env)
-    results = {json.loads(line[7:])["rank"]: json.loads(line[7:])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    proc, results = _job(tmp_path, THREAD_JOB, {"TENSORWIRE_TIMEOUT": "30"})
     assert sorted(results) == [0, 1] and proc.returncode == 0, proc.stderr
     assert results[0]["received"], results
     warned = results[1]["warned"]
