@@ -7,6 +7,7 @@ neither read nor disturb ~/.cache/tensorwire. Functions named `rank_*` run insid
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -642,11 +643,10 @@ def test_calls_run_whole_in_c_are_priced_at_their_own_alpha() -> None:
 
 
 def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
-    """With the compiled caller a collective and size gets two choices, each logged: a
-    signature's repeated calls run its plan, priced as the compiled caller runs them, while its
-    first call and calls with no such plan run the choice priced from Python; each line says
-    which it governs. One choice (the barrier's, uneven blocks', a group without the caller)
-    says nothing of it. `tensorwire plan` prices both as the tuner does, the barrier from Python."""
+    """With the compiled caller a collective's one choice is priced as the caller runs its
+    calls, and its TUNING line says so; a choice priced from Python (the barrier's, uneven
+    blocks', a group without the caller) says nothing of it. `tensorwire plan` prices each as
+    the tuner does: a job without the caller as a tier without compiled links."""
     g = _Group(2, "shm")
     g.direct = SimpleNamespace(slot_bytes=1 << 20, single_copy=True, crowded=False)
     g.plans = SimpleNamespace(caller=object())
@@ -663,16 +663,17 @@ def test_each_tuning_line_says_which_calls_its_choice_governs() -> None:
     assert "run whole in C" not in first, first
     for said in (tuner.explain(g, tuner.decide(g, "barrier", 0)),
                  tuner.explain(g, tuner.decide(g, "all_gather", 65536, direct_ok=False))):
-        assert "signature" not in said, said
+        assert tuner.IN_C not in said, said
     g.plans.caller = None
-    assert "signature" not in tuner.explain(g, tuner.decide(g, "broadcast", 65536)), "no compiled caller"
+    assert tuner.IN_C not in tuner.explain(g, tuner.decide(g, "broadcast", 65536)), "no compiled caller"
     d = DEFAULT_LINKS
     tier = pricing.Tier("shm", d["shm"], "test", direct_ok=True, direct=d["direct"], memory=d[MEMORY],
                         cma=d[CMA], cma_huge=d[CMA_HUGE], cma_fold=d[CMA_FOLD], compiled=fast)
     for collective, m, whole in ("broadcast", 65536, True), ("broadcast", 65536, False), ("barrier", 0, True):
         algs = list(algorithms_for(collective).values())
         decision = tuner.decide(g, collective, m, compiled=whole and collective != "barrier")
-        assert tier.price(algs, 2, m, whole=whole)[0][:2] == decision.priced[0][:2], (collective, whole)
+        priced = (tier if whole else dataclasses.replace(tier, compiled={})).price(algs, 2, m)
+        assert priced[0][:2] == decision.priced[0][:2], (collective, whole)
 
 
 def test_plan_prices_a_call_run_whole_in_c_by_the_job_s_slot_and_rings() -> None:
@@ -2028,8 +2029,9 @@ def test_plan_takes_the_tuning_file_s_busy_links_and_names_each_source(tmp_path,
 def rank_plan_against_the_job() -> list:
     """Every collective at a few sizes: what `tensorwire plan` names cheapest, at what price, for
     this job's rank count on this host's cores over the job's tier (and its streams), against
-    what the job's tuner chooses, for a signature's repeated calls and for its first (where
-    those differ: the compiled caller); the differences, and the TUNING log's words for each."""
+    what the job's tuner chooses, priced as its compiled caller runs the call where it has one,
+    and from Python (a job without it: a tier without compiled links); the differences, and the
+    TUNING log's words for each."""
     g = tw.world()
     cfg = g.runtime.config
     cores = len(os.sched_getaffinity(0))
@@ -2039,12 +2041,13 @@ def rank_plan_against_the_job() -> list:
     differ = []
     for collective in COLLECTIVES:
         algs = list(algorithms_for(collective).values())
-        twice = g.plans.caller is not None and collective != "barrier"  # repeated calls priced apart
+        in_c = g.plans.caller is not None and collective != "barrier"  # priced as the caller runs it
         for m in (0,) if collective == "barrier" else (8, 4096, 1 << 20, 16 << 20):
             ok = [a for a in algs if not pricing.why_not(a, collective, g.size, m, tier, cfg,
                                                          cfg.direct_slot(g.size), cores)]
-            for whole in {twice, False}:
-                planned = tier.price(ok, g.size, m, streams, whole=whole)[0][:2]
+            for whole in {in_c, False}:
+                planned = (tier if whole else dataclasses.replace(tier, compiled={})).price(
+                    ok, g.size, m, streams)[0][:2]
                 decision = tuner.decide(g, collective, m, compiled=whole)
                 chosen = decision.priced[0][:2]
                 if planned[1] != chosen[1] or not math.isclose(planned[0], chosen[0], rel_tol=1e-9):

@@ -135,11 +135,11 @@ class Tier:
         assert self.direct is not None
         return bound_direct(self.direct, self.links("all_reduce", n, 8, whole=False), n, single_copy)
 
-    def price(self, algs: list[Algorithm], n: int, m: int, streams: Streams | None = None,
-              whole: bool = True) -> list[tuple[float, str, Algorithm]]:
+    def price(self, algs: list[Algorithm], n: int, m: int,
+              streams: Streams | None = None) -> list[tuple[float, str, Algorithm]]:
         """(predicted seconds, name, algorithm) of `algs` for m bytes on n ranks, cheapest first
-        (see `links`)."""
-        return price(algs, n, m, self.links(algs[0].collective, n, m, whole, streams)) if algs else []
+        (see `links`), as a job prices its calls."""
+        return price(algs, n, m, self.links(algs[0].collective, n, m, streams=streams)) if algs else []
 
     def streams(self, nsocks: int, threads: int, cores: float = 0.0) -> Streams:
         """This tier's connections over `nsocks` streams a pair and `threads` pump threads a
